@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# One node, every role in one torchrun launch: the raw equivalent of `megarl train CONFIG ...`.
+#   launch/torchrun_single_node.sh configs/demo.yaml [key=value ...]
+# The number of processes is read from the config (learner.tp*pp*dp + sampler.num_engines).
+set -euo pipefail
+config=${1:?usage: $0 CONFIG [key=value ...]}
+shift
+nproc=$(python -c 'import sys; from megarl.config.load import load_config, world_size_for; print(world_size_for(load_config(sys.argv[1], sys.argv[2:])))' "$config" "$@")
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec torchrun --standalone --nproc-per-node "$nproc" -m megarl.roles.worker "$config" "$@"

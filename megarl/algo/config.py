@@ -1,0 +1,124 @@
+"""Configuration of the RL objective: which ratio, clipping, advantages and aggregation the learner uses.
+
+Both dataclasses are OmegaConf structured configs (they sit under `algo.loss` / `algo.advantage` of
+the run config), so every field has a plain type and a default.  Defaults reproduce the spine
+behaviour: PPO clip with clip-higher (eps 0.2 / 0.28) against the per-token behaviour log-prob,
+token-level mean, GRPO advantages with std normalisation, nothing filtered.
+
+`validate_loss_config` / `validate_advantage_config` reject impossible values at start with a message
+naming the field; docs/algorithms.md explains every objective and which paper uses it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+RATIO_LEVELS = ("token", "sequence")
+AGGREGATIONS = ("token_mean", "seq_mean", "constant")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "rloo")
+
+
+@dataclass
+class LossConfig:
+    # PPO-style clip of the per-token ratio pi_theta / mu_behaviour, with separate low/high
+    # epsilons (clip-higher, DAPO): the ratio is clipped to [1 - eps_low, 1 + eps_high].
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    # How per-token losses are reduced to one number: "token_mean" (every completion token in the
+    # batch weighs the same), "seq_mean" (mean over each sequence's tokens, then over sequences),
+    # "constant" (sum divided by `norm_constant` * number of sequences, Dr.GRPO style).
+    aggregation: str = "token_mean"
+    norm_constant: float = 1.0
+    # "token": one ratio per token.  "sequence": GSPO, the geometric mean of a sequence's token
+    # ratios, shared by all its tokens (clip with much smaller eps, e.g. 3e-4 / 4e-4).
+    ratio_level: str = "token"
+    # Dual clip (Ye et al. 2020): for negative advantages the per-token loss is capped at
+    # -dual_clip_c * A, so a huge ratio cannot blow the step up.  Must be > 1.  None = off.
+    dual_clip_c: Optional[float] = None
+    # Truncated importance sampling: a detached weight min(rho, tis_cap) on each token.  With
+    # `decoupled` it truncates the behaviour weight pi_prox / mu; without, it replaces the PPO clip
+    # (truncated-IS policy gradient).  math.inf = untruncated.  None = off.
+    tis_cap: Optional[float] = None
+    # IcePop / masked importance sampling: tokens whose behaviour ratio leaves
+    # [mask_ratio_low, mask_ratio_high] get no gradient (and are counted).  None = that side off.
+    mask_ratio_low: Optional[float] = None
+    mask_ratio_high: Optional[float] = None
+    # Lag-aware weighting, lag = learner_version - token version: drop tokens older than
+    # `max_token_lag` and/or weight each token by lag_decay ** lag.  None = off.
+    max_token_lag: Optional[int] = None
+    lag_decay: Optional[float] = None
+    # Decoupled PPO (AReaL): clip against the proximal policy (learner log-probs at step start,
+    # LossInputs.proximal_logprobs) and weight by the detached behaviour ratio pi_prox / mu.
+    decoupled: bool = False
+    # KL penalty to a reference policy (LossInputs.ref_logprobs), per-token estimator k1|k2|k3.
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    # Entropy bonus (LossInputs.entropy): loss -= entropy_coef * mean entropy.
+    entropy_coef: float = 0.0
+    # Metrics are broken down by token lag 0..max_lag_bucket-1, plus one bucket "lag{max}+".
+    max_lag_bucket: int = 8
+
+
+@dataclass
+class AdvantageConfig:
+    # "grpo": reward minus the group mean, divided by the group std when `std_normalize`.
+    # "drgrpo": reward minus the group mean (Dr.GRPO: no std, `std_normalize` ignored).
+    # "rloo": reward minus the mean of the *other* samples of its group (`std_normalize` ignored).
+    estimator: str = "grpo"
+    std_normalize: bool = True
+    eps: float = 1e-6
+    # DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no signal).
+    filter_zero_variance: bool = False
+    # DAPO overlong filtering: samples cut off by the length limit get zero weight.
+    drop_truncated: bool = False
+
+
+def _fail(field: str, value, why: str) -> None:
+    raise ValueError(f"{field}={value!r}: {why}")
+
+
+def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        _fail(field, value, f"must be one of {', '.join(choices)}")
+
+
+def validate_loss_config(cfg: LossConfig) -> None:
+    """Raise ValueError naming the field if `cfg` cannot describe a sound objective."""
+    _check_choice("loss.ratio_level", cfg.ratio_level, RATIO_LEVELS)
+    _check_choice("loss.aggregation", cfg.aggregation, AGGREGATIONS)
+    _check_choice("loss.kl_estimator", cfg.kl_estimator, KL_ESTIMATORS)
+    # The lower clip bound 1 - eps_low must stay positive or the clip admits ratio <= 0.
+    if not 0.0 <= cfg.eps_low < 1.0:
+        _fail("loss.eps_low", cfg.eps_low, "must be in [0, 1)")
+    if not 0.0 <= cfg.eps_high < math.inf:
+        _fail("loss.eps_high", cfg.eps_high, "must be finite and >= 0")
+    if not 0.0 < cfg.norm_constant < math.inf:
+        _fail("loss.norm_constant", cfg.norm_constant, "must be finite and > 0")
+    # A dual clip at or below 1 would cap losses the ordinary clip already allows.
+    if cfg.dual_clip_c is not None and not cfg.dual_clip_c > 1.0:
+        _fail("loss.dual_clip_c", cfg.dual_clip_c, "must be > 1 (or None to disable)")
+    if cfg.tis_cap is not None and not cfg.tis_cap > 0.0:
+        _fail("loss.tis_cap", cfg.tis_cap, "must be > 0 (math.inf = untruncated, None = off)")
+    if cfg.mask_ratio_low is not None and not 0.0 <= cfg.mask_ratio_low <= 1.0:
+        _fail("loss.mask_ratio_low", cfg.mask_ratio_low, "must be in [0, 1]")
+    if cfg.mask_ratio_high is not None and not cfg.mask_ratio_high >= 1.0:
+        _fail("loss.mask_ratio_high", cfg.mask_ratio_high, "must be >= 1")
+    if cfg.max_token_lag is not None and cfg.max_token_lag < 0:
+        _fail("loss.max_token_lag", cfg.max_token_lag, "must be >= 0")
+    if cfg.lag_decay is not None and not 0.0 < cfg.lag_decay <= 1.0:
+        _fail("loss.lag_decay", cfg.lag_decay, "must be in (0, 1]")
+    if not 0.0 <= cfg.kl_coef < math.inf:
+        _fail("loss.kl_coef", cfg.kl_coef, "must be finite and >= 0")
+    if not 0.0 <= cfg.entropy_coef < math.inf:
+        _fail("loss.entropy_coef", cfg.entropy_coef, "must be finite and >= 0")
+    if cfg.max_lag_bucket < 1:
+        _fail("loss.max_lag_bucket", cfg.max_lag_bucket, "must be >= 1")
+
+
+def validate_advantage_config(cfg: AdvantageConfig) -> None:
+    """Raise ValueError naming the field if `cfg` cannot describe an advantage estimator."""
+    _check_choice("advantage.estimator", cfg.estimator, ADVANTAGE_ESTIMATORS)
+    if not 0.0 <= cfg.eps < math.inf:
+        _fail("advantage.eps", cfg.eps, "must be finite and >= 0")

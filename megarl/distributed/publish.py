@@ -1,0 +1,223 @@
+"""Weight publish: the learner broadcasts each new policy version to every sampler, in buckets.
+
+Protocol for version v (publish group rank 0 = learner source, ranks 1.. = samplers):
+  1. once per run the source writes the *spec* (HF name, shape, dtype of every tensor, in
+     broadcast order) to the store; receivers check it against their engine's weights.
+  2. per version the source writes a header {version, crc32 per bucket, extra} under `publish/v{v}`,
+     then broadcasts each bucket (a flat buffer of whole tensors of one dtype, at most
+     `bucket_mb`) over the group.
+  3. a receiver thread waits for the header, receives the buckets into a staging buffer set,
+     verifies the checksums and hands the tensors (views into the staging buffers) to a callback;
+     the engine swaps them in at its next step boundary, so decoding overlaps the transfer.
+Receivers double-buffer: version v lands in buffer set v % 2, reused only once the engine has
+moved past the version that set last held.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Iterable
+
+import torch
+
+SPEC_KEY = "publish/spec"
+
+
+def header_key(version: int) -> str:
+    return f"publish/v{version}"
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # elements from the start of the bucket
+    numel: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dtype: torch.dtype
+    numel: int
+    slots: tuple[TensorSlot, ...]
+
+
+def plan_buckets(spec: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> list[Bucket]:
+    """Greedy packing in spec order; a tensor larger than a bucket gets a bucket of its own."""
+    buckets: list[Bucket] = []
+    slots: list[TensorSlot] = []
+    used, dtype = 0, None
+
+    def close():
+        if slots:
+            buckets.append(Bucket(dtype, used, tuple(slots)))
+
+    for name, shape, dt in spec:
+        numel = 1
+        for d in shape:
+            numel *= d
+        if slots and (dt != dtype or (used + numel) * dt.itemsize > bucket_bytes):
+            close()
+            slots, used = [], 0
+        dtype = dt
+        slots.append(TensorSlot(name, tuple(shape), used, numel))
+        used += numel
+    close()
+    return buckets
+
+
+def _crc(buffer: torch.Tensor) -> int:
+    return zlib.crc32(buffer.view(torch.uint8).cpu().numpy())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _broadcast(group, buffer: torch.Tensor, timeout: timedelta, what: str) -> None:
+    try:
+        group.broadcast(buffer, 0, timeout).wait()
+    except RuntimeError as exc:
+        raise TimeoutError(f"weight publish: {what} failed or timed out after {timeout.total_seconds():.0f}s "
+                           f"(a sampler or the learner may have died): {exc}") from exc
+
+
+class WeightPublisher:
+    """Learner side: `publish(version, named_tensors)` after every optimizer step."""
+
+    def __init__(self, group, store, bucket_mb: float, timeout_s: float, checksum: bool):
+        self.group, self.store = group, store
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.checksum = checksum
+        self.buckets: list[Bucket] | None = None
+        self.buffers: list[torch.Tensor] = []
+
+    def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], extra: dict | None = None) -> dict:
+        """Broadcast one version; returns {bytes, seconds}. `extra` travels in the header (small JSON)."""
+        start = time.perf_counter()
+        named = dict(tensors)
+        if self.buckets is None:
+            spec = [(n, tuple(t.shape), t.dtype) for n, t in named.items()]
+            self.store.set(SPEC_KEY, json.dumps({"bucket_bytes": self.bucket_bytes,
+                                                 "tensors": [[n, list(s), _dtype_name(d)] for n, s, d in spec]}))
+            self.buckets = plan_buckets(spec, self.bucket_bytes)
+            device = next(iter(named.values())).device
+            self.buffers = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in self.buckets]
+        for bucket, buffer in zip(self.buckets, self.buffers):
+            for slot in bucket.slots:
+                buffer[slot.offset:slot.offset + slot.numel].copy_(named[slot.name].reshape(-1))
+        crcs = [_crc(b) for b in self.buffers] if self.checksum else None
+        self.store.set(header_key(version), json.dumps({"version": version, "crc32": crcs, "extra": extra or {}}))
+        nbytes = 0
+        for i, buffer in enumerate(self.buffers):
+            _broadcast(self.group, buffer, self.timeout, f"version {version} bucket {i + 1}/{len(self.buffers)}")
+            nbytes += buffer.numel() * buffer.element_size()
+        return {"bytes": nbytes, "seconds": time.perf_counter() - start}
+
+
+class WeightReceiver:
+    """Sampler side: a thread that receives every published version and hands it to `on_version`.
+
+    `on_version(version, tensors, extra)` is called on the receiver thread; `current_version()` tells
+    which version the engine runs, so a staging buffer set is reused only when it is free.
+    """
+
+    def __init__(self, group, store, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
+                 first_version: int,
+                 on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
+                 current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float):
+        self.group, self.store = group, store
+        self.on_version, self.current_version, self.should_stop = on_version, current_version, should_stop
+        self.timeout = timedelta(seconds=timeout_s)
+        self.next_version = first_version + 1
+        self.error: BaseException | None = None
+        self.seconds_receiving = 0.0
+        self._expected, self._device = expected, device
+        self.buckets: list[Bucket] | None = None
+        self.buffer_sets: list[list[torch.Tensor]] = []
+        self.thread = threading.Thread(target=self._run, name="megarl-weight-receiver", daemon=True)
+
+    def start(self) -> "WeightReceiver":
+        self.thread.start()
+        return self
+
+    def _load_spec(self) -> None:
+        self._wait_key(SPEC_KEY)
+        raw = json.loads(self.store.get(SPEC_KEY))
+        spec = [(n, tuple(s), getattr(torch, d)) for n, s, d in raw["tensors"]]
+        check_spec(spec, self._expected)
+        self.buckets = plan_buckets(spec, raw["bucket_bytes"])
+        self.buffer_sets = [[torch.empty(b.numel, dtype=b.dtype, device=self._device) for b in self.buckets]
+                            for _ in range(2)]
+
+    def _wait_key(self, key: str) -> None:
+        """Wait in short slices so a stop request is noticed; no overall limit (the learner may be slow)."""
+        while True:
+            if self.should_stop():
+                raise _Stopped()
+            try:
+                self.store.wait([key], timedelta(seconds=1))
+                return
+            except Exception:  # DistStoreError on timeout: poll again
+                continue
+
+    def _run(self) -> None:
+        try:
+            self._load_spec()
+            while True:
+                version = self.next_version
+                self._wait_key(header_key(version))
+                self._receive(version, json.loads(self.store.get(header_key(version))))
+                self.next_version += 1
+        except _Stopped:
+            pass
+        except BaseException as exc:  # surfaced to the sampler loop through `error`
+            self.error = exc
+
+    def _receive(self, version: int, header: dict) -> None:
+        buffers = self.buffer_sets[version % 2]
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        # The set last held version-2; it is free once the engine runs version-1 or newer.
+        while self.current_version() < version - 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight receive: the engine did not apply version {version - 1} within "
+                                   f"{self.timeout.total_seconds():.0f}s")
+            time.sleep(0.001)
+        start = time.perf_counter()
+        for i, buffer in enumerate(buffers):
+            _broadcast(self.group, buffer, self.timeout, f"receive version {version} bucket {i + 1}/{len(buffers)}")
+        if header["crc32"] is not None:
+            got = [_crc(b) for b in buffers]
+            if got != header["crc32"]:
+                bad = [i for i, (a, b) in enumerate(zip(got, header["crc32"])) if a != b]
+                raise RuntimeError(f"weight publish: checksum mismatch for version {version} in buckets {bad}")
+        tensors = {}
+        for bucket, buffer in zip(self.buckets, buffers):
+            for slot in bucket.slots:
+                tensors[slot.name] = buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        self.seconds_receiving += time.perf_counter() - start
+        self.on_version(version, tensors, header.get("extra", {}))
+
+
+class _Stopped(Exception):
+    pass
+
+
+def check_spec(spec: list[tuple[str, tuple[int, ...], torch.dtype]],
+               expected: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+    """The learner's tensors must be exactly the engine's: same names, shapes and dtypes."""
+    names = {n for n, _, _ in spec}
+    missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"weight publish: learner and sampler disagree on tensor names; "
+                         f"missing on the learner: {missing[:5]}, unknown to the sampler: {unexpected[:5]}")
+    for name, shape, dtype in spec:
+        ref_shape, ref_dtype = expected[name]
+        if tuple(ref_shape) != shape or ref_dtype != dtype:
+            raise ValueError(f"weight publish: {name} is {list(shape)} {dtype} on the learner but "
+                             f"{list(ref_shape)} {ref_dtype} on the sampler")

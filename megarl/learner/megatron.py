@@ -1,0 +1,346 @@
+"""The megatron-core learner: a GPTModel (local layer spec) trained with one optimizer step per batch.
+
+Owns: building the TP/PP/DP model-parallel state over the learner ranks, loading an HF-format model
+directory into a megatron ``GPTModel`` (through megarl.models.convert), megatron DDP + optimizer,
+per-token log-probs through vocab-parallel cross-entropy, the policy-gradient step (loss from
+megarl.algo.losses) and the HF-named tensors the weight publisher broadcasts.
+
+Process contract: construct it after ``torch.distributed`` is initialised with a default process
+group that contains ONLY the learner ranks (world size = tp * pp * dp).  Every learner rank receives
+the same, whole ``TrainBatch``; each DP rank trains on its contiguous share of the rows.  On CPU the
+model is fp32 with gloo and the shims of megarl.learner.cpu_shims; on GPU bf16 with fp32 main weights.
+docs/learner.md explains the loss scaling and the publish layout.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from megarl.algo.config import LossConfig
+from megarl.algo.losses import LossInputs, merge_stats, policy_loss
+from megarl.config.schema import LearnerConfig
+from megarl.models import convert
+from megarl.protocols import TrainBatch
+
+
+class MegatronLearner:
+    def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig,
+                 temperature: float = 1.0):
+        # megatron is imported here, not at module top: importing it costs ~9 s and the package's
+        # other roles never need it.
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer import TransformerConfig
+        from megatron.core.transformer.module import Float16Module
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        if not dist.is_initialized():
+            raise RuntimeError("MegatronLearner needs torch.distributed initialised over the learner ranks")
+        if cfg.tp * cfg.pp * cfg.dp != dist.get_world_size():
+            raise ValueError(f"learner tp*pp*dp = {cfg.tp}*{cfg.pp}*{cfg.dp} != learner world size "
+                             f"{dist.get_world_size()}")
+        if loss_cfg.kl_coef > 0:
+            raise ValueError("loss.kl_coef > 0 needs reference log-probs, which this learner does not compute")
+        self.cfg, self.loss_cfg, self.temperature = cfg, loss_cfg, temperature
+        self._version = 0
+        self.on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        if not self.on_gpu:
+            from megarl.learner.cpu_shims import apply_cpu_shims
+
+            torch.set_num_threads(cfg.threads)
+            apply_cpu_shims()
+
+        self.ps, self.tensor_parallel = parallel_state, tensor_parallel
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(cfg.tp, cfg.pp)
+        elif (parallel_state.get_tensor_model_parallel_world_size(),
+              parallel_state.get_pipeline_model_parallel_world_size()) != (cfg.tp, cfg.pp):
+            raise RuntimeError("megatron parallel_state is already initialised with another tp/pp")
+        torch.manual_seed(cfg.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+
+        with open(os.path.join(model_dir, "config.json")) as f:
+            self.hf_config = convert.check_supported(json.load(f))
+        dtype = torch.bfloat16 if self.on_gpu else torch.float32
+        self.config = TransformerConfig(
+            **convert.transformer_config_kwargs(self.hf_config),
+            tensor_model_parallel_size=cfg.tp,
+            pipeline_model_parallel_size=cfg.pp,
+            params_dtype=dtype, pipeline_dtype=dtype, bf16=self.on_gpu,
+            use_cpu_initialization=True,
+            perform_initialization=False,  # every weight is loaded from the HF checkpoint below
+        )
+        self.pre_process = parallel_state.is_pipeline_first_stage()
+        self.post_process = parallel_state.is_pipeline_last_stage()
+        self.layer_offset = get_transformer_layer_offset(self.config)
+        gpt = GPTModel(
+            config=self.config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            pre_process=self.pre_process, post_process=self.post_process,
+            **convert.gpt_model_kwargs(self.hf_config),
+        )
+        self._load_hf_weights(gpt, model_dir)
+        self.gpt = gpt.to(self.device)
+        module = Float16Module(self.config, self.gpt) if self.on_gpu else self.gpt
+        self.model = DistributedDataParallel(
+            config=self.config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                use_distributed_optimizer=cfg.use_distributed_optimizer,
+            ),
+            module=module,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
+                adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.grad_clip,
+                bf16=self.on_gpu, params_dtype=dtype,
+                use_distributed_optimizer=cfg.use_distributed_optimizer,
+            ),
+            [self.model],
+        )
+        # The schedules run micro-batches under DDP's no_sync and reduce grads once at the end.
+        self.config.no_sync_func = self.model.no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+
+    # ------------------------------------------------------------------ weights in and out
+
+    def _load_hf_weights(self, gpt, model_dir: str) -> None:
+        """Load this rank's shard (its PP stage's layers, its TP slice) of the HF weights."""
+        full = convert.hf_to_mcore(load_file(os.path.join(model_dir, "model.safetensors")), self.hf_config)
+        params = dict(gpt.named_parameters())
+        self._tp_dim: dict[str, int | None] = {}  # parameter name -> TP-split dim (None: replicated)
+        shard = {}
+        for name, param in params.items():
+            source = self._global_name(name)
+            if source == "output_layer.weight" and source not in full:
+                source = "embedding.word_embeddings.weight"  # tied embeddings on the last PP stage
+            shard[name] = self._tp_slice(name, param, full[source])
+        missing, unexpected = gpt.load_state_dict(shard, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"weight loading mismatch: missing={missing} unexpected={unexpected}")
+
+    def _global_name(self, local_name: str) -> str:
+        """Megatron name with the PP stage's local layer index replaced by the global one."""
+        if not local_name.startswith("decoder.layers."):
+            return local_name
+        index, rest = local_name[len("decoder.layers."):].split(".", 1)
+        return f"decoder.layers.{int(index) + self.layer_offset}.{rest}"
+
+    def _tp_slice(self, name: str, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        # The TP-split dim is the one where the local shape differs from the full one (megatron's
+        # partition_dim attribute is only set when megatron initialises the weights itself).
+        split = [d for d, (a, b) in enumerate(zip(param.shape, full.shape)) if a != b]
+        self._tp_dim[name] = split[0] if split else None
+        if not split:
+            return full
+        rank, dim = self.ps.get_tensor_model_parallel_rank(), split[0]
+        # ... and the grad norm needs it to count each TP shard once (not as a TP duplicate).
+        if not hasattr(param, "tensor_model_parallel"):
+            self.tensor_parallel.set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
+        if name.endswith("mlp.linear_fc1.weight"):
+            # Fused SwiGLU: each TP rank holds cat[its gate rows, its up rows], not a contiguous slice.
+            gate, up = full.chunk(2, dim=0)
+            return torch.cat([gate.chunk(self.cfg.tp, 0)[rank], up.chunk(self.cfg.tp, 0)[rank]])
+        # qkv rows are grouped per query group, so a contiguous slice is whole groups.
+        return full.chunk(self.cfg.tp, dim=dim)[rank]
+
+    def _tp_gather(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """Full fp32 tensor of a (possibly TP-sharded) parameter; collective over the TP group."""
+        local = param.detach().float()
+        if self._tp_dim[name] is None:
+            return local.cpu().clone()
+        parts = [torch.empty_like(local) for _ in range(self.cfg.tp)]
+        dist.all_gather(parts, local.contiguous(), group=self.ps.get_tensor_model_parallel_group())
+        parts = [p.cpu() for p in parts]
+        if name.endswith("mlp.linear_fc1.weight"):
+            gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
+            return torch.cat(list(gates) + list(ups))
+        return torch.cat(parts, dim=self._tp_dim[name])
+
+    def publish_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full fp32 tensors of this PP stage's weights (all of them at PP=1).
+
+        Collective over the TP group (every TP rank must iterate it; all yield the same tensors).
+        At PP>1 each stage yields only its own tensors, with global HF layer indices: the first
+        stage the embedding, the last the final norm (and lm_head when untied); no rank ever holds
+        the whole model.
+        """
+        params = dict(self.gpt.named_parameters())
+        if self.pre_process:
+            yield "model.embed_tokens.weight", self._tp_gather(
+                "embedding.word_embeddings.weight", params["embedding.word_embeddings.weight"])
+        for i in range(len(self.gpt.decoder.layers)):
+            prefix = f"decoder.layers.{i}."
+            layer = {n[len(prefix):]: self._tp_gather(n, p) for n, p in params.items() if n.startswith(prefix)}
+            yield from convert.mcore_layer_to_hf(layer, i + self.layer_offset, self.hf_config).items()
+        if self.post_process:
+            yield "model.norm.weight", self._tp_gather(
+                "decoder.final_layernorm.weight", params["decoder.final_layernorm.weight"])
+            if not self.hf_config.get("tie_word_embeddings", False):
+                yield "lm_head.weight", self._tp_gather("output_layer.weight", params["output_layer.weight"])
+
+    # ------------------------------------------------------------------ forward / loss
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _model_inputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        input_ids = input_ids.to(self.device)
+        b, s = input_ids.shape
+        position_ids = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
+        # An explicit causal mask (True = masked): megatron's default one is built with device="cuda".
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)
+        return input_ids, position_ids, causal.view(1, 1, s, s)
+
+    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] log-probs of input_ids[:, t] from logits[:, t-1] / T; column 0 is 0.
+
+        logits are this TP rank's vocab shard [B, S, V/tp]; vocab-parallel cross-entropy does the
+        softmax across the shards (it works in place on its input, a fresh tensor here).
+        """
+        shifted = (logits[:, :-1].float() / self.temperature).transpose(0, 1).contiguous()
+        target = input_ids[:, 1:].transpose(0, 1).contiguous()
+        nll = self.tensor_parallel.vocab_parallel_cross_entropy(shifted, target)  # [S-1, B]
+        return torch.nn.functional.pad(-nll.transpose(0, 1), (1, 0))
+
+    def _token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, S] entropy of the predictive distribution for input_ids[:, t] (column 0 is 0)."""
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        z = logits[:, :-1].float() / self.temperature
+        zmax = z.detach().max(dim=-1, keepdim=True).values
+        if self.cfg.tp > 1:
+            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=self.ps.get_tensor_model_parallel_group())
+        e = (z - zmax).exp()
+        sum_e = reduce_from_tensor_model_parallel_region(e.sum(-1))
+        sum_ez = reduce_from_tensor_model_parallel_region((e * z).sum(-1))
+        entropy = zmax.squeeze(-1) + sum_e.log() - sum_ez / sum_e
+        return torch.nn.functional.pad(entropy, (1, 0))
+
+    def _run(self, micro_batches: list[dict], forward_only: bool, loss_fn) -> list:
+        """Run megatron's schedule over the micro-batches; loss_fn(logits, mb) -> (loss, record)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            input_ids, position_ids, mask = self._model_inputs(mb["input_ids"])
+            output = model(input_ids, position_ids, mask)
+            return output, lambda logits: loss_fn(logits, mb)
+
+        if self.cfg.pp > 1 and len({tuple(mb["input_ids"].shape) for mb in micro_batches}) > 1:
+            raise ValueError("PP>1 needs equal micro-batch shapes: make the batch size a multiple of "
+                             "micro_batch_size * dp")
+        b, s = micro_batches[0]["input_ids"].shape
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+            num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
+            forward_only=forward_only,
+        )
+
+    def _broadcast_from_last_stage(self, tensor: torch.Tensor | None, shape) -> torch.Tensor:
+        if self.cfg.pp == 1:
+            return tensor
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=torch.float32, device=self.device)
+        src = dist.get_global_rank(self.ps.get_pipeline_model_parallel_group(),
+                                   self.ps.get_pipeline_model_parallel_world_size() - 1)
+        dist.broadcast(tensor, src=src, group=self.ps.get_pipeline_model_parallel_group())
+        return tensor
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs [B, S] (fp32, CPU) of the whole batch under the current weights."""
+        self.model.eval()
+        mbs = [{"input_ids": chunk} for chunk in input_ids.split(self.cfg.micro_batch_size)]
+        out = self._run(mbs, forward_only=True, loss_fn=lambda logits, mb: (
+            torch.zeros((), device=self.device), self._token_logprobs(logits, mb["input_ids"].to(self.device))))
+        result = torch.cat(out) if self.post_process else None
+        return self._broadcast_from_last_stage(result, tuple(input_ids.shape)).cpu()
+
+    # ------------------------------------------------------------------ the step
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Exactly one optimizer step over the whole batch; skipped if loss or grad norm is not finite."""
+        start = time.perf_counter()
+        mask = batch.loss_mask.float()
+        total_tokens = float(mask.sum())
+        total_seqs = float((mask.sum(dim=1) > 0).sum())
+        # The decoupled objective's proximal policy is the weights at the start of this step.
+        proximal = self.logprobs(batch.input_ids) if self.loss_cfg.decoupled else None
+
+        rows = torch.arange(batch.input_ids.shape[0]).tensor_split(self.cfg.dp)[self.ps.get_data_parallel_rank()]
+        if len(rows) == 0:
+            raise ValueError(f"batch of {batch.input_ids.shape[0]} rows is smaller than dp={self.cfg.dp}")
+        fields = {"input_ids": batch.input_ids, "mask": mask, "behaviour_logprobs": batch.behaviour_logprobs,
+                  "advantages": batch.advantages, "versions": batch.versions}
+        if proximal is not None:
+            fields["proximal_logprobs"] = proximal
+        micro_batches = [{k: v[idx] for k, v in fields.items()}
+                         for idx in rows.split(self.cfg.micro_batch_size)]
+        # policy_loss returns each micro-batch's share of the batch loss (global normalisers), so
+        # the batch gradient is the plain SUM over micro-batches and DP ranks.  Megatron instead
+        # divides each micro-batch loss by num_microbatches (schedules.forward_step_calc_loss,
+        # 2-tuple loss_func path) and averages grads over DP (DDP gradient_scaling_factor =
+        # 1/dp); multiplying by both cancels that exactly for power-of-two counts.
+        megatron_scale = len(micro_batches) * self.ps.get_data_parallel_world_size()
+        stats_list, losses = [], []
+
+        def loss_fn(logits, mb):
+            mb = {k: v.to(self.device) for k, v in mb.items()}
+            logprobs = self._token_logprobs(logits, mb["input_ids"])
+            entropy = self._token_entropy(logits) if self.loss_cfg.entropy_coef > 0 else None
+            inputs = LossInputs(
+                behaviour_logprobs=mb["behaviour_logprobs"], advantages=mb["advantages"], mask=mb["mask"],
+                versions=mb["versions"], learner_version=batch.learner_version,
+                total_tokens=total_tokens, total_seqs=total_seqs,
+                proximal_logprobs=mb.get("proximal_logprobs"), entropy=entropy,
+            )
+            loss, stats = policy_loss(logprobs, inputs, self.loss_cfg)
+            stats_list.append(stats)
+            losses.append(loss.detach())
+            return loss * megatron_scale, {}
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run(micro_batches, forward_only=False, loss_fn=loss_fn)
+
+        # The batch loss = sum of micro-batch losses over the last PP stage of every DP rank.
+        loss = torch.stack(losses).sum().double().cpu() if losses else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(loss)  # non-last PP stages contribute 0; TP ranks hold copies
+        loss = float(loss) / self.cfg.tp
+        # Look at the grad norm BEFORE stepping (the fp32 optimizer has no inf check of its own);
+        # step() repeats both calls, an extra pass over the grads we pay to never apply a NaN.
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if not skipped:
+            self.optimizer.step()
+            self._version += 1
+        metrics = {
+            "loss": loss, "grad_norm": grad_norm, "lr": self.cfg.lr, "num_tokens": total_tokens,
+            "step_time_s": time.perf_counter() - start, "skipped_nonfinite": float(skipped),
+        }
+        if self.post_process:  # only the last PP stage computes losses
+            if self.cfg.dp > 1:  # every DP rank saw its own rows: merge all of their partial sums
+                gathered = [None] * self.cfg.dp
+                dist.all_gather_object(gathered, [{k: v.cpu() for k, v in st.items()} for st in stats_list],
+                                       group=self.ps.get_data_parallel_group())
+                stats_list = [st for rank_stats in gathered for st in rank_stats]
+            metrics.update(merge_stats(stats_list))
+        return metrics

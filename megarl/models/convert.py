@@ -1,0 +1,192 @@
+"""HF <-> megatron-core weight conversion for Qwen2/Llama-family causal LMs (pure functions).
+
+Owns the mapping between the HF state dict exactly as ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``
+``save_pretrained`` writes it (the weights' interchange format, docs/CONTRACTS.md) and the state
+dict of a megatron-core ``GPTModel`` built with the local layer spec
+(``get_gpt_layer_local_spec(normalization="RMSNorm")``), plus the ``TransformerConfig`` arguments
+that make that GPTModel compute the same function.
+
+All tensors are full (unsharded, TP=1 names); sharding for TP>1 is the learner's business.
+``hf_config`` may be a transformers config object or the dict from ``config.json``.
+
+Layout facts the conversion encodes:
+  * megatron's ``linear_qkv`` rows are grouped per query group g (GQA): [the q heads of group g,
+    the k head of g, the v head of g], each head ``head_dim`` rows; the bias follows the weight.
+  * megatron's ``linear_fc1`` is the fused SwiGLU input projection: rows = cat[gate, up].
+  * tied embeddings: megatron has no ``output_layer.weight`` and HF has no ``lm_head.weight``.
+"""
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+def _config_dict(hf_config) -> dict:
+    return hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+
+
+def _rope_theta(cfg: dict) -> float:
+    """RoPE base; refuses scaled RoPE variants, which the megatron config below does not map."""
+    # transformers >= 5 keeps rope settings in `rope_parameters`; older configs use
+    # `rope_theta` + `rope_scaling`.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise ValueError(f"unsupported rope scaling type {rope_type!r} (only unscaled RoPE is mapped)")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def check_supported(hf_config) -> dict:
+    """The config as a dict, or ValueError naming the architecture/feature that is not supported."""
+    cfg = _config_dict(hf_config)
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    for arch in cfg.get("architectures") or ():
+        if arch not in ("Qwen2ForCausalLM", "LlamaForCausalLM"):
+            raise ValueError(f"unsupported architecture {arch!r}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu/SwiGLU)")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("unsupported feature use_sliding_window=True")
+    if cfg.get("attention_bias"):  # Llama: bias on q/k/v AND o_proj; megatron maps only qkv bias
+        raise ValueError("unsupported feature attention_bias=True (o_proj bias)")
+    if cfg.get("mlp_bias"):
+        raise ValueError("unsupported feature mlp_bias=True")
+    _rope_theta(cfg)
+    return cfg
+
+
+def _dims(cfg: dict) -> tuple[int, int, int, int]:
+    """(layers, query heads, kv groups, head_dim)."""
+    heads = cfg["num_attention_heads"]
+    groups = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return cfg["num_hidden_layers"], heads, groups, head_dim
+
+
+def _has_qkv_bias(cfg: dict) -> bool:
+    return cfg["model_type"] == "qwen2"  # Qwen2 always has q/k/v bias; Llama (attention_bias=False) none
+
+
+def _tied(cfg: dict) -> bool:
+    return bool(cfg.get("tie_word_embeddings", False))
+
+
+def transformer_config_kwargs(hf_config) -> dict:
+    """Keyword arguments for megatron's ``TransformerConfig`` matching the HF model's function.
+
+    Parallelism, dtype and initialisation arguments are the caller's; GPTModel arguments
+    (vocab size, max length, rope base, tying) come from ``gpt_model_kwargs``.
+    """
+    cfg = check_supported(hf_config)
+    layers, heads, groups, head_dim = _dims(cfg)
+    return dict(
+        num_layers=layers,
+        hidden_size=cfg["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        ffn_hidden_size=cfg["intermediate_size"],
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg["rms_norm_eps"],
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=_has_qkv_bias(cfg),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # HF computes softmax in fp32 and RoPE in fp32; keep megatron on the same footing.
+        attention_softmax_in_fp32=True,
+    )
+
+
+def gpt_model_kwargs(hf_config) -> dict:
+    """Keyword arguments for megatron's ``GPTModel`` (besides config / layer spec / pre/post_process)."""
+    cfg = check_supported(hf_config)
+    return dict(
+        vocab_size=cfg["vocab_size"],
+        max_sequence_length=cfg.get("max_position_embeddings", 4096),
+        position_embedding_type="rope",
+        rotary_base=_rope_theta(cfg),
+        share_embeddings_and_output_weights=_tied(cfg),
+    )
+
+
+def hf_to_mcore(hf_state: dict, hf_config) -> dict:
+    """HF state dict (save_pretrained names) -> full megatron GPTModel state dict (TP=1 names)."""
+    cfg = check_supported(hf_config)
+    layers, heads, groups, head_dim = _dims(cfg)
+    q_per_group = heads // groups
+    out = {"embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf_state["model.norm.weight"]}
+    if not _tied(cfg):
+        out["output_layer.weight"] = hf_state["lm_head.weight"]
+
+    def pack_qkv(q, k, v):
+        # [heads*d, ...], [groups*d, ...] -> [groups, (q_per_group + 2) * d, ...] -> flat rows
+        rest = q.shape[1:]
+        q = q.reshape(groups, q_per_group * head_dim, *rest)
+        k = k.reshape(groups, head_dim, *rest)
+        v = v.reshape(groups, head_dim, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+    for i in range(layers):
+        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[mc + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
+        out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
+        out[mc + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
+        for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
+            out[mc + f"self_attention.linear_qkv.{kind}"] = pack_qkv(
+                *(hf_state[hf + f"self_attn.{p}_proj.{kind}"] for p in "qkv"))
+        out[mc + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]], dim=0)
+        out[mc + "mlp.linear_fc2.weight"] = hf_state[hf + "mlp.down_proj.weight"]
+    return out
+
+
+def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config) -> dict:
+    """One decoder layer: megatron names relative to the layer (``self_attention.linear_qkv.weight``)
+    -> HF names with the given global layer index.  Used by PP stages that hold only some layers."""
+    cfg = check_supported(hf_config)
+    _, heads, groups, head_dim = _dims(cfg)
+    q_per_group = heads // groups
+    hf = f"model.layers.{hf_layer_index}."
+    out = {
+        hf + "input_layernorm.weight": mcore_layer["input_layernorm.weight"],
+        hf + "post_attention_layernorm.weight": mcore_layer["pre_mlp_layernorm.weight"],
+    }
+    for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
+        qkv = mcore_layer[f"self_attention.linear_qkv.{kind}"]
+        rest = qkv.shape[1:]
+        qkv = qkv.reshape(groups, (q_per_group + 2) * head_dim, *rest)
+        q, k, v = qkv.split([q_per_group * head_dim, head_dim, head_dim], dim=1)
+        out[hf + f"self_attn.q_proj.{kind}"] = q.reshape(-1, *rest).contiguous()
+        out[hf + f"self_attn.k_proj.{kind}"] = k.reshape(-1, *rest).contiguous()
+        out[hf + f"self_attn.v_proj.{kind}"] = v.reshape(-1, *rest).contiguous()
+    out[hf + "self_attn.o_proj.weight"] = mcore_layer["self_attention.linear_proj.weight"]
+    gate, up = mcore_layer["mlp.linear_fc1.weight"].chunk(2, dim=0)
+    out[hf + "mlp.gate_proj.weight"] = gate.contiguous()
+    out[hf + "mlp.up_proj.weight"] = up.contiguous()
+    out[hf + "mlp.down_proj.weight"] = mcore_layer["mlp.linear_fc2.weight"]
+    return out
+
+
+def mcore_to_hf(mcore_state: dict, hf_config) -> dict:
+    """Full megatron GPTModel state dict (TP=1 names) -> HF state dict (save_pretrained names).
+
+    Keys the HF side does not have (``_extra_state``, rotary buffers) are ignored.
+    """
+    cfg = check_supported(hf_config)
+    layers = _dims(cfg)[0]
+    out = {"model.embed_tokens.weight": mcore_state["embedding.word_embeddings.weight"]}
+    for i in range(layers):
+        prefix = f"decoder.layers.{i}."
+        layer = {k[len(prefix):]: v for k, v in mcore_state.items() if k.startswith(prefix)}
+        out.update(mcore_layer_to_hf(layer, i, cfg))
+    out["model.norm.weight"] = mcore_state["decoder.final_layernorm.weight"]
+    if not _tied(cfg):
+        out["lm_head.weight"] = mcore_state["output_layer.weight"]
+    return out

@@ -1,0 +1,359 @@
+"""The embedded default model: a tiny Qwen2 and its tokenizer, created locally and warm-started.
+
+Nothing can be downloaded on the machines megarl must run on, so the default model is built here,
+once per machine, into an ordinary HF-format directory (config.json, model.safetensors,
+generation_config.json, tokenizer files) that every other component loads like any hub model.
+
+* Tokenizer: byte-level BPE with no merges (one token per byte, id == byte value for 0..255) plus
+  special tokens, exactly the pipeline transformers' Qwen2Tokenizer applies. transformers 5 loads the
+  tokenizer of any `model_type: qwen2` directory as Qwen2Tokenizer and rebuilds its pre-tokenizer as
+  byte-level, so any other design would encode differently depending on who loads it; this one is
+  identical under every loader (and never drops a character). 264 ids = a multiple of 8, so
+  tensor-parallel sizes 2/4/8 divide the vocabulary.
+* Model: Qwen2 (GQA, RMSNorm, RoPE, SwiGLU, tied embeddings), 64 hidden, 2 layers, ~116k params.
+* Warm start: a short supervised run on the built-in arithmetic task so the *base* model knows the
+  output format (digits then EOS) and roughly where the answer is, but is right only ~20% of the
+  time when sampled at T=1: RL then has real headroom (see docs/embedded_model.md).
+
+`ensure_embedded_model` builds atomically under a file lock; `resolve_model_path` turns a config's
+model path ("embedded:<name>" or a directory) into a checked directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megarl.protocols import Prompt
+from megarl.rollout.tasks import ArithmeticTask
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+# Spare specials reserved for later use (e.g. chat markers) that also round the vocab up to 264.
+_SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN] + [f"<|reserved_{i}|>" for i in range(6)]
+VOCAB_SIZE = 256 + len(_SPECIAL_TOKENS)
+EOS_ID, PAD_ID = 256, 257
+
+BUILD_RECORD = "megarl_embedded.json"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the alphabet byte-level BPE vocabularies are written in."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def build_tokenizer():
+    """A `PreTrainedTokenizerFast`: one token per byte, no special tokens added on encode."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    vocab.update({tok: 256 + i for i, tok in enumerate(_SPECIAL_TOKENS)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    # Same normalizer / pre-tokenizer / decoder as transformers' Qwen2Tokenizer (see module docstring).
+    tok.normalizer = normalizers.NFC()
+    qwen2_split = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                   r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(qwen2_split), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, model_max_length=128,
+        additional_special_tokens=_SPECIAL_TOKENS[2:],
+    )
+
+
+def build_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, max_window_layers=2,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Supervised warm start
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WarmStartRecipe:
+    """Two phases. 1) `clean_steps` on correct answers: learn the task (fast, low-variance signal).
+    2) `noisy_steps` on a label mixture: each prompt is trained on its correct answer with weight
+    `p_correct` and on a near miss (answer +-1..3) with weight 1 - p_correct, so the base policy
+    ends up putting a minority of its mass on the exact answer and the rest on plausible misses.
+    Both completions of a prompt are in the same batch (stratified), which is far less noisy than
+    drawing one label per prompt."""
+
+    seed: int = 0
+    clean_steps: int = 550
+    noisy_steps: int = 250
+    batch_prompts: int = 64
+    lr: float = 3e-3
+    noisy_lr_scale: float = 0.3  # phase 2 starts at lr * this and decays linearly to 0
+    warmup_steps: int = 30
+    p_correct: float = 0.3
+    max_offset: int = 3
+
+
+def _near_miss(answer: int, lo: int, hi: int, max_offset: int, rng: random.Random) -> int:
+    offset = rng.choice([d for d in range(-max_offset, max_offset + 1) if d != 0])
+    # Reflect into the task's answer range so a miss is always a plausible result (never "-1" for 0+0).
+    return answer + offset if lo <= answer + offset <= hi else answer - offset
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _batch(tokenizer, prompts: list[Prompt], answers: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded prompt+answer+EOS ids and a mask over the completion tokens (answer and EOS).
+
+    Right padding needs no attention mask: causal attention never lets a real token see the pads."""
+    seqs, starts = [], []
+    for prompt, answer in zip(prompts, answers):
+        ids = _encode(tokenizer, prompt.text)
+        starts.append(len(ids))
+        seqs.append(ids + _encode(tokenizer, answer) + [EOS_ID])
+    width = max(map(len, seqs))
+    input_ids = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width)
+    for i, (seq, start) in enumerate(zip(seqs, starts)):
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, start: len(seq)] = 1.0
+    return input_ids, mask
+
+
+def _sequence_nll(model, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence negative log-likelihood of the masked tokens, [B]."""
+    logits = model(input_ids=input_ids).logits[:, :-1].float()
+    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1), reduction="none")
+    return (nll.view(input_ids.size(0), -1) * mask[:, 1:]).sum(1)
+
+
+def warm_start(model, tokenizer, task: ArithmeticTask, recipe: WarmStartRecipe) -> None:
+    """Train `model` in place (fp32, CPU) with the recipe; deterministic given recipe.seed."""
+    rng = random.Random(recipe.seed)
+    prompts = task.all_prompts()
+    lo, hi = task.answer_range()
+    total = recipe.clean_steps + recipe.noisy_steps
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.0)
+
+    def lr_factor(step: int) -> float:
+        if step < recipe.clean_steps:
+            return min(1.0, (step + 1) / recipe.warmup_steps)
+        return recipe.noisy_lr_scale * (1.0 - (step - recipe.clean_steps) / recipe.noisy_steps)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    model.train()
+    for step in range(total):
+        batch = [rng.choice(prompts) for _ in range(recipe.batch_prompts)]
+        if step < recipe.clean_steps:
+            answers, weights = [p.answer for p in batch], torch.ones(len(batch))
+        else:
+            misses = [str(_near_miss(int(p.answer), lo, hi, recipe.max_offset, rng)) for p in batch]
+            answers, batch = [p.answer for p in batch] + misses, batch + batch
+            n = len(misses)
+            weights = torch.cat([torch.full((n,), recipe.p_correct), torch.full((n,), 1.0 - recipe.p_correct)])
+        input_ids, mask = _batch(tokenizer, batch, answers)
+        loss = (_sequence_nll(model, input_ids, mask) * weights).sum() / weights.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation (used for the build record and by tests; the RL sampler is megarl/sampler)
+# ---------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def expected_accuracy(model, tokenizer, prompts: list[Prompt]) -> float:
+    """Mean probability of sampling exactly answer+EOS at T=1: the sampled accuracy without sampling noise."""
+    input_ids, mask = _batch(tokenizer, prompts, [p.answer for p in prompts])
+    return torch.exp(-_sequence_nll(model, input_ids, mask)).mean().item()
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[Prompt], temperature: float, seed: int = 0,
+             max_new_tokens: int = 4) -> list[str]:
+    """Completion texts (EOS not included), greedy when temperature == 0. Small and exact, not fast."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[str] = [""] * len(prompts)
+    by_len: dict[int, list[int]] = {}
+    encoded = [_encode(tokenizer, p.text) for p in prompts]
+    for i, ids in enumerate(encoded):
+        by_len.setdefault(len(ids), []).append(i)
+    # Equal-length prompts batch without padding; re-running the whole (tiny) prefix avoids a KV cache.
+    for idx in by_len.values():
+        ids = torch.tensor([encoded[i] for i in idx])
+        done = torch.zeros(len(idx), dtype=torch.bool)
+        new = []
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=ids).logits[:, -1].float()
+            if temperature == 0:
+                nxt = logits.argmax(-1)
+            else:
+                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
+            nxt = torch.where(done, torch.full_like(nxt, EOS_ID), nxt)
+            new.append(nxt)
+            done |= nxt == EOS_ID
+            ids = torch.cat([ids, nxt[:, None]], 1)
+            if done.all():
+                break
+        tokens = torch.stack(new, 1).tolist()
+        for row, i in enumerate(idx):
+            kept = tokens[row][: tokens[row].index(EOS_ID)] if EOS_ID in tokens[row] else tokens[row]
+            out[i] = tokenizer.decode(kept)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry and the on-disk cache
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EmbeddedSpec:
+    task: ArithmeticTask
+    recipe: WarmStartRecipe
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
+    "tiny-qwen2-arith": EmbeddedSpec(task=ArithmeticTask(), recipe=WarmStartRecipe()),
+}
+
+
+def _spec_hash(spec: EmbeddedSpec) -> str:
+    # The directory name carries a hash of everything that shapes the model (and the transformers
+    # major version, which owns the file format), so changing the recipe builds a new directory
+    # instead of silently reusing a stale one.
+    import transformers
+
+    blob = json.dumps({"task": asdict(spec.task), "recipe": asdict(spec.recipe), "config": build_config().to_dict(),
+                       "transformers_major": transformers.__version__.split(".")[0]}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def build_embedded_model(name: str, out_dir: str | Path) -> dict:
+    """Create, warm-start, evaluate and save the named model into out_dir; returns the build record."""
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    spec = EMBEDDED_MODELS[name]
+    out_dir = Path(out_dir)
+    t0 = time.perf_counter()
+    tokenizer = build_tokenizer()
+    # fork_rng: building must not disturb the caller's global torch RNG stream. One thread: a model
+    # this small gains nothing from more, and a fixed thread count makes the build bit-reproducible
+    # on machines with different core counts (reduction order depends on it).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.recipe.seed)
+            model = Qwen2ForCausalLM(build_config())
+            warm_start(model, tokenizer, spec.task, spec.recipe)
+    finally:
+        torch.set_num_threads(threads)
+    train_s = time.perf_counter() - t0
+    prompts = spec.task.all_prompts()
+    greedy = generate(model, tokenizer, prompts, temperature=0.0)
+    record = {
+        "name": name,
+        "task": asdict(spec.task),
+        "recipe": asdict(spec.recipe),
+        "warm_start_seconds": round(train_s, 1),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        # Over every distinct prompt of the task: exact P(answer+EOS) at T=1, and greedy exact match.
+        "expected_sampled_accuracy": round(expected_accuracy(model, tokenizer, prompts), 4),
+        "greedy_accuracy": round(sum(spec.task.reward(p, c) for p, c in zip(prompts, greedy)) / len(prompts), 4),
+    }
+    model.generation_config = GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path):
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def ensure_embedded_model(name: str = "tiny-qwen2-arith", cache_dir: str | Path = "~/.cache/megarl/models") -> Path:
+    """The directory of the named embedded model, building it on first use.
+
+    Safe under concurrency (every rank of a launch may call it): the build runs under an exclusive
+    fcntl lock, in a temporary directory next to the final one, and is published with one atomic
+    os.rename; so the final directory, when it exists, is always complete."""
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
+    cache_dir = Path(cache_dir).expanduser()
+    final = cache_dir / f"{name}-{_spec_hash(EMBEDDED_MODELS[name])}"
+    if final.is_dir():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(cache_dir / f".{final.name}.lock"):
+        if final.is_dir():  # another process built it while we waited for the lock
+            return final
+        # Leftovers of a crashed build: nobody else can be building, we hold the lock.
+        for stale in cache_dir.glob(f".{final.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
+        try:
+            print(f"megarl: building embedded model {name} (once per machine, about a minute on one CPU core)...",
+                  file=sys.stderr, flush=True)
+            record = build_embedded_model(name, tmp)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    print(f"megarl: built {name} -> {final} in {record['warm_start_seconds']}s "
+          f"({record['num_parameters']} params; base accuracy: sampled T=1 {record['expected_sampled_accuracy']:.2f}, greedy {record['greedy_accuracy']:.2f})",
+          file=sys.stderr, flush=True)
+    return final
+
+
+def resolve_model_path(path: str, cache_dir: str | Path = "~/.cache/megarl/models") -> Path:
+    """"embedded:<name>" -> the built embedded model; anything else must be an HF-format model directory."""
+    if path.startswith("embedded:"):
+        return ensure_embedded_model(path.split(":", 1)[1], cache_dir)
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise FileNotFoundError(f"model path {str(directory)!r} is not a directory (expected an HF-format model "
+                                f"directory with config.json, or 'embedded:<name>' with name in {sorted(EMBEDDED_MODELS)})")
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {str(directory)!r} has no config.json; it is not an HF-format "
+                                f"model directory")
+    return directory

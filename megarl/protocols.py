@@ -1,0 +1,138 @@
+"""The seams between roles: the records that flow along the data path and the protocols a backend implements.
+
+Data path: prompts/tasks -> sampler Engine -> reward -> queue -> TrainBatch -> Learner step
+-> weight publish -> sampler Engine.  A new engine or learner backend is one new file implementing
+`Engine` or `Learner`; nothing else changes.
+
+Per-token conventions (used everywhere):
+  * A completion token carries the log-probability it had under the weights that produced it
+    (`logprobs`, the *behaviour* log-prob, computed from logits / temperature over the full
+    vocabulary) and that weights' policy `version`.
+  * Batched per-token tensors are [B, S] and aligned with `input_ids`: entry [b, t] refers to the
+    token input_ids[b, t] (predicted from input_ids[b, :t]). Prompt and padding positions have
+    loss_mask 0, behaviour log-prob 0 and version -1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 16
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Completion:
+    """A finished generation: every completion token with its behaviour log-prob and version."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" (a stop token was produced, and is included) or "length"
+
+
+@dataclass
+class Sample:
+    """One scored rollout as it travels through the queue (plain data, picklable)."""
+
+    group_id: str
+    prompt: str
+    completion: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    reward: float
+    finish_reason: str
+    sampler_rank: int = 0
+    reward_error: str | None = None
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions) if self.versions else -1
+
+
+@dataclass
+class TrainBatch:
+    """A learner batch; per-token tensors are [B, S], aligned with input_ids (see module docstring)."""
+
+    input_ids: torch.Tensor  # long [B, S], prompt + completion, right-padded
+    loss_mask: torch.Tensor  # float [B, S]: 1.0 on completion tokens that are trained on
+    behaviour_logprobs: torch.Tensor  # float [B, S]
+    versions: torch.Tensor  # long [B, S], -1 off the mask
+    advantages: torch.Tensor  # float [B, S], the sample's advantage broadcast over its tokens
+    learner_version: int  # the version of the weights the step starts from
+    samples: list[Sample] = field(default_factory=list)  # provenance, for logging
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A generation engine on one sampler rank."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def num_unfinished(self) -> int: ...
+
+    def add_request(self, request: GenerationRequest) -> None: ...
+
+    def step(self) -> list[Completion]:
+        """Admit waiting requests, run one decode step for every running request, return finished ones."""
+
+    def stage_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Hand over new weights; they take effect at the next step boundary (in flight)."""
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """A training backend on the learner ranks."""
+
+    @property
+    def version(self) -> int: ...
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on the batch; increments version; returns scalar metrics."""
+
+    def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs [B, S] under the current weights (entry [:, 0] is 0)."""
+
+    def publish_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full tensors of the current weights, in a fixed order (publish source ranks only)."""
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A prompt source with a verifiable reward."""
+
+    def sample_prompts(self, rng, n: int) -> Sequence["Prompt"]: ...
+
+    def reward(self, prompt: "Prompt", completion: str) -> float: ...
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    answer: str
+    meta: dict = field(default_factory=dict)

@@ -1,0 +1,125 @@
+"""The sampler loop: never stops generating while the run lasts.
+
+Each iteration admits new prompt groups while the staleness budget allows, runs one engine step
+(which applies a newly received version in flight first), scores finished groups and pushes them
+to the learner. Weights arrive on a receiver thread, overlapping the transfer with decoding.
+
+Staleness budget: a sampler may have at most ceil((max_lag + 1) * prompts_per_step / samplers)
+groups outstanding (started, not yet trained or dropped by the learner, which reports what it
+retired in every publish header), so the age of what is queued cannot grow without bound when the
+learner slows down.
+"""
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from megarl.config.schema import Config
+from megarl.distributed.publish import WeightReceiver
+from megarl.distributed.queue import QueueSender
+from megarl.distributed.topology import Topology, publish_group
+from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
+from megarl.roles.learner_main import STOP_KEY
+from megarl.rollout.rewards import score
+from megarl.rollout.tasks import build_task
+
+STOP_POLL_S = 0.2
+
+
+class SamplerLoop:
+    def __init__(self, cfg: Config, topo: Topology, store, model_dir: Path):
+        from transformers import AutoTokenizer
+
+        from megarl.sampler.engine import BuiltinEngine
+
+        self.cfg, self.topo, self.store = cfg, topo, store
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.engine = BuiltinEngine.from_pretrained(
+            model_dir, max_running=cfg.sampler.max_running, max_seq_len=cfg.sampler.max_seq_len,
+            kv_on_update=cfg.sampler.kv_on_update, seed=cfg.run.seed * 1000 + topo.rank)
+        self.task = build_task(cfg.task.name, max_operand=cfg.task.max_operand)
+        self.rng = random.Random(cfg.run.seed * 1000 + topo.rank)
+        self.sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k,
+                                       cfg.sampling.max_new_tokens)
+        self.budget = math.ceil((cfg.algo.max_lag + 1) * cfg.algo.prompts_per_step / topo.num_samplers)
+        self.started = 0
+        self.retired = 0
+        self.skipped_overlong = 0
+        self.pending: dict[str, dict] = {}
+        self.new_version = threading.Event()
+        self.stopped = False
+
+    def _on_version(self, version: int, tensors: dict, extra: dict) -> None:
+        self.engine.stage_weights(tensors, version)
+        self.retired = extra.get("retired", {}).get(str(self.topo.rank), self.retired)
+        self.new_version.set()
+
+    def run(self) -> None:
+        group = publish_group(self.topo, self.store, self.cfg.dist.backend, self.cfg.publish.timeout_s)
+        receiver = WeightReceiver(group, self.store, self.engine.weight_spec(), self.engine.device,
+                                  first_version=self.engine.version,
+                                  on_version=self._on_version, current_version=lambda: self.engine.version,
+                                  should_stop=lambda: self.stopped, timeout_s=self.cfg.publish.timeout_s).start()
+        sender = QueueSender(self.store, self.cfg.queue.timeout_s)
+        next_stop_check = 0.0
+        try:
+            while True:
+                if time.monotonic() >= next_stop_check:
+                    if self.store.check([STOP_KEY]):
+                        return
+                    next_stop_check = time.monotonic() + STOP_POLL_S
+                if receiver.error is not None:
+                    raise RuntimeError(f"sampler {self.topo.role_rank}: weight receiver failed") from receiver.error
+                self._admit()
+                if self.engine.num_unfinished == 0:
+                    # Budget spent and nothing running: wait for the learner's next version.
+                    self.new_version.wait(STOP_POLL_S)
+                self.new_version.clear()
+                for completion in self.engine.step():
+                    self._finish(completion, sender)
+        finally:
+            self.stopped = True
+            sender.close()
+
+    def _admit(self) -> None:
+        while self.started - self.retired < self.budget:
+            prompt = self.task.sample_prompts(self.rng, 1)[0]
+            ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)
+            if len(ids) + 1 > self.cfg.sampler.max_seq_len:
+                if not self.cfg.task.skip_overlong_prompts:
+                    raise ValueError(f"prompt of {len(ids)} tokens does not fit sampler.max_seq_len="
+                                     f"{self.cfg.sampler.max_seq_len}: {prompt.text[:80]!r}")
+                self.skipped_overlong += 1
+                continue
+            group_id = f"s{self.topo.role_rank}-g{self.started}"
+            self.pending[group_id] = {"prompt": prompt, "done": []}
+            for j in range(self.cfg.algo.group_size):
+                self.engine.add_request(GenerationRequest(f"{group_id}/{j}", ids, self.sampling,
+                                                          stop_token_ids=(self.tokenizer.eos_token_id,)))
+            self.started += 1
+
+    def _finish(self, completion: Completion, sender: QueueSender) -> None:
+        group_id = completion.request_id.rsplit("/", 1)[0]
+        entry = self.pending[group_id]
+        entry["done"].append(completion)
+        if len(entry["done"]) < self.cfg.algo.group_size:
+            return
+        del self.pending[group_id]
+        prompt, samples = entry["prompt"], []
+        for c in sorted(entry["done"], key=lambda c: c.request_id):
+            text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            reward, error = score(self.task, prompt, text)
+            samples.append(Sample(group_id=group_id, prompt=prompt.text, completion=text, prompt_ids=c.prompt_ids,
+                                  token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions, reward=reward,
+                                  finish_reason=c.finish_reason, sampler_rank=self.topo.rank, reward_error=error))
+        sender.send_group(samples)
+
+
+def run_sampler(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
+    torch.set_num_threads(cfg.sampler.threads)
+    SamplerLoop(cfg, topo, store, model_dir).run()

@@ -1,0 +1,38 @@
+"""The torchrun entry point of every megarl process: read the config, find this rank's role, run it.
+
+    torchrun --standalone --nproc-per-node N -m megarl.roles.worker CONFIG [key=value ...]
+
+`megarl train` runs exactly this command for you after checking the config.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from megarl.config.load import load_config, save_config
+from megarl.distributed.topology import connect_store, topology_from_env
+from megarl.models.tiny import resolve_model_path
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        sys.exit("usage: torchrun ... -m megarl.roles.worker CONFIG [key=value ...]")
+    cfg = load_config(argv[0], argv[1:])
+    topo = topology_from_env(cfg)
+    store = connect_store(topo, cfg.dist.timeout_s)
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    if topo.rank == 0:
+        save_config(cfg, Path(cfg.run.dir) / "config.yaml")
+    if topo.role == "learner":
+        from megarl.roles.learner_main import run_learner
+
+        run_learner(cfg, topo, store, model_dir)
+    else:
+        from megarl.roles.sampler_main import run_sampler
+
+        run_sampler(cfg, topo, store, model_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Batch assembly: scored groups from the queue -> staleness filter -> group advantages -> TrainBatch.
+
+Pure functions: no I/O, no process groups; the learner loop calls them.
+"""
+from __future__ import annotations
+
+import torch
+
+from megarl.algo.advantages import compute_advantages, filter_groups
+from megarl.algo.config import AdvantageConfig
+from megarl.protocols import Sample, TrainBatch
+
+
+def group_lag(group: list[Sample], learner_version: int) -> int:
+    """Versions between the learner and the oldest token of the group."""
+    return learner_version - min(s.oldest_version for s in group)
+
+
+def is_stale(group: list[Sample], learner_version: int, max_lag: int) -> bool:
+    """A group is trained on whole or dropped whole (its advantages are relative to each other)."""
+    return group_lag(group, learner_version) > max_lag
+
+
+def is_zero_variance(group: list[Sample]) -> bool:
+    """All rewards equal: every advantage is 0 and the group teaches nothing (DAPO dynamic sampling)."""
+    return len({s.reward for s in group}) == 1
+
+
+def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id: int,
+                   learner_version: int) -> tuple[TrainBatch, dict[str, float]]:
+    """The TrainBatch of these groups, and counts of what the advantage filters left out.
+
+    Samples a filter drops (e.g. truncated ones with advantage.drop_truncated) stay in the batch
+    with loss_mask 0: their rewards still count in their group's baseline.
+    """
+    samples = [s for g in groups for s in g]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
+    advantages = compute_advantages(rewards, group_index, adv_cfg).to(torch.float32)
+    keep, counts = filter_groups(rewards, group_index, [s.finish_reason for s in samples], adv_cfg)
+    width = max(len(s.prompt_ids) + len(s.token_ids) for s in samples)
+    n = len(samples)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(n, width)
+    behaviour = torch.zeros(n, width)
+    versions = torch.full((n, width), -1, dtype=torch.long)
+    adv = torch.zeros(n, width)
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.token_ids)
+        input_ids[i, :p + c] = torch.tensor(s.prompt_ids + s.token_ids)
+        loss_mask[i, p:p + c] = float(keep[i])
+        behaviour[i, p:p + c] = torch.tensor(s.logprobs)
+        versions[i, p:p + c] = torch.tensor(s.versions)
+        adv[i, p:p + c] = advantages[i]
+    batch = TrainBatch(input_ids=input_ids, loss_mask=loss_mask, behaviour_logprobs=behaviour,
+                       versions=versions, advantages=adv, learner_version=learner_version, samples=samples)
+    return batch, counts

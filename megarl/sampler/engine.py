@@ -1,0 +1,387 @@
+"""The built-in torch sampler engine: continuous batching, per-token behaviour log-probs, in-flight swaps.
+
+This module owns scheduling and sampling; the model math and KV-cache layout live in
+`megarl.sampler.model`.  `BuiltinEngine` implements the `Engine` protocol (megarl/protocols.py).
+
+How a step runs (`step()`):
+  1. staged weights, if any, become the current weights (a dict-reference swap at the step boundary;
+     with kv_on_update="recompute" the running sequences are re-prefilled under the new weights);
+  2. waiting requests are admitted into free slots and prefilled; the prefill's last logits sample
+     each one's first completion token;
+  3. one batched decode step for every running request (each has its own length and position);
+  4. finished requests are returned, and the survivors are packed back to the front slots.
+
+Per-slot state lives in preallocated device tensors (tokens, behaviour log-probs, versions, lengths,
+sampling parameters), so the decode step has no Python loop over sequences; Python only touches a
+sequence when it is admitted or finishes.  Running sequences always occupy slots [0, n): the model's
+forward then works on a view of the cache instead of gathering it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from megarl.protocols import Completion, GenerationRequest
+from megarl.sampler.model import (
+    KVCache,
+    ModelSpec,
+    RuntimeWeights,
+    forward,
+    load_pretrained,
+    prepare_weights,
+    rope_tables,
+)
+
+KV_POLICIES = ("keep", "recompute")
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    any_random: bool = True,
+    any_truncation: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens [B], behaviour log-probs [B]).
+
+    logits: float [B, V]; temperature/top_p: float [B]; top_k: long [B] (0 = off).  Temperature 0 is
+    greedy.  The log-prob is log_softmax(logits / temperature) over the full vocabulary (temperature 1
+    for greedy rows) — top-k/top-p truncation only shapes the sampling distribution (docs/CONTRACTS.md).
+    any_random / any_truncation let the caller skip work no row needs (pure fast paths).
+    """
+    greedy = temperature <= 0
+    logp = torch.log_softmax(logits / temperature.masked_fill(greedy, 1.0)[:, None], dim=-1)
+    if not any_random:
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = (_truncate(logp, top_p, top_k) if any_truncation else logp).exp()
+        # argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i / sum(p) (the exponential
+        # race); cheaper than torch.multinomial for one draw per row, and seeded by the same generator.
+        race = torch.empty_like(probs).exponential_(generator=generator)
+        tokens = torch.where(greedy, logits.argmax(dim=-1), (probs / race).argmax(dim=-1))
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _truncate(logp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Set log-probs outside each row's top-k, then outside its top-p nucleus, to -inf.
+
+    As HF's logits processors: top-p is measured on the distribution renormalised after top-k, and the
+    most likely token is always kept.
+    """
+    vocab = logp.shape[-1]
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logp.device)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    sorted_logp = sorted_logp.masked_fill(rank[None, :] >= k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logp, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logp = sorted_logp.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(logp, float("-inf")).scatter(1, order, sorted_logp)
+
+
+@dataclass
+class _Running:
+    """The Python-side record of a running request (its token data lives in the slot tensors)."""
+
+    request: GenerationRequest
+    prompt_len: int
+
+
+class BuiltinEngine:
+    """Continuous-batching torch engine over HF-named Qwen2/Llama weights (see module docstring)."""
+
+    def __init__(
+        self,
+        hf_config: dict,
+        weights: dict[str, torch.Tensor],
+        *,
+        max_running: int = 32,
+        max_seq_len: int = 128,
+        kv_on_update: str = "keep",
+        seed: int = 0,
+        version: int = 0,
+        device="cpu",
+    ):
+        if kv_on_update not in KV_POLICIES:
+            raise ValueError(f"kv_on_update={kv_on_update!r} must be one of {KV_POLICIES}")
+        if max_running < 1 or max_seq_len < 2:
+            raise ValueError(f"max_running={max_running} must be >= 1 and max_seq_len={max_seq_len} >= 2")
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.device = torch.device(device)
+        weights = {name: t.to(self.device) for name, t in weights.items()}
+        self.max_running = max_running
+        self.max_seq_len = max_seq_len
+        self.kv_on_update = kv_on_update
+
+        self._weights = prepare_weights(self.spec, weights)  # checks names and shapes
+        # What stage_weights validates against: every HF name with its shape and dtype.
+        self._hf_meta = {name: (t.shape, t.dtype) for name, t in weights.items()}
+        self._version = version
+        self._cache = KVCache(self.spec, max_running, max_seq_len, self._weights.dtype, self.device)
+        self._rope = rope_tables(self.spec, max_seq_len, self.device)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed)
+
+        self._waiting: deque[GenerationRequest] = deque()
+        self._running: list[_Running] = []  # index = slot
+        self._max_len = 0  # max sequence length over running slots = attention span of a decode step
+        self._any_random = False  # does any running request sample (temperature > 0)?
+        self._any_truncation = False  # ... with top-k or top-p?
+
+        slots, long = max_running, torch.long
+        # Per-slot state; every tensor's first dim is the slot, so packing slots moves all of them.
+        self._slot = {
+            "tokens": torch.zeros(slots, max_seq_len, dtype=long, device=self.device),  # prompt + completion
+            "logprobs": torch.zeros(slots, max_seq_len, dtype=torch.float32, device=self.device),
+            "versions": torch.zeros(slots, max_seq_len, dtype=long, device=self.device),
+            "seq_len": torch.zeros(slots, dtype=long, device=self.device),
+            "end_len": torch.zeros(slots, dtype=long, device=self.device),  # seq_len that means "length"
+            "temperature": torch.zeros(slots, dtype=torch.float32, device=self.device),
+            "top_p": torch.ones(slots, dtype=torch.float32, device=self.device),
+            "top_k": torch.zeros(slots, dtype=long, device=self.device),
+            "stop_ids": torch.full((slots, 1), -1, dtype=long, device=self.device),  # padded with -1
+        }
+
+        self._lock = threading.Lock()  # guards _staged, the only state another thread touches
+        self._staged: tuple[RuntimeWeights, int] | None = None
+        self._stats = {"tokens_decoded": 0, "decode_steps": 0, "prefill_tokens": 0, "requests_finished": 0,
+                       "swaps": 0, "swap_time_s": 0.0, "decode_time_s": 0.0}
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, **kw) -> "BuiltinEngine":
+        """Load config.json + model.safetensors from an HF model directory."""
+        cfg, weights = load_pretrained(model_dir)
+        return cls(cfg, weights, **kw)
+
+    # ------------------------------------------------------------------ Engine protocol
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def weight_spec(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """HF name -> (shape, dtype) of every tensor `stage_weights` accepts."""
+        return dict(self._hf_meta)
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request; ValueError if it can never run (the caller counts and skips it)."""
+        prompt_len, sp = len(request.prompt_ids), request.sampling
+        if prompt_len == 0:
+            raise ValueError(f"request {request.request_id}: empty prompt")
+        if prompt_len + 1 > self.max_seq_len:
+            raise ValueError(f"request {request.request_id}: prompt_len={prompt_len} + 1 new token "
+                             f"exceeds max_seq_len={self.max_seq_len}")
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= self.spec.vocab_size:
+            raise ValueError(f"request {request.request_id}: prompt token ids outside [0, {self.spec.vocab_size})")
+        if sp.max_new_tokens < 1 or sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0:
+            raise ValueError(f"request {request.request_id}: invalid sampling params {sp}")
+        self._waiting.append(request)
+
+    def step(self) -> list[Completion]:
+        with torch.inference_mode():
+            self._apply_staged()
+            finished: list[Completion] = []
+            if self._waiting and len(self._running) < self.max_running:
+                self._admit()
+                finished += self._collect_finished()
+            if self._running:
+                self._decode()
+                finished += self._collect_finished()
+        return finished
+
+    def stage_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Validate and stage a full HF-named weight set; it becomes current at the next step boundary.
+
+        Safe to call from another thread.  Validation, device transfer and `prepare_weights` (which
+        stacks q/k/v and gate/up) happen here, on the caller's thread, so the decode thread's swap is a
+        reference assignment.  The engine takes ownership of the tensors: the caller must not modify
+        them afterwards.  A second call before the boundary replaces the first (only the newest
+        version matters).
+        """
+        for name, t in named_tensors.items():
+            if name not in self._hf_meta:
+                raise ValueError(f"stage_weights: unexpected tensor {name!r}")
+            shape, dtype = self._hf_meta[name]
+            if t.shape != shape or t.dtype != dtype:
+                raise ValueError(f"stage_weights: {name!r} is {tuple(t.shape)} {t.dtype}, "
+                                 f"expected {tuple(shape)} {dtype}")
+        for name in self._hf_meta:
+            if name not in named_tensors:
+                raise ValueError(f"stage_weights: missing tensor {name!r}")
+        with torch.inference_mode():
+            staged = prepare_weights(self.spec, {name: t.to(self.device) for name, t in named_tensors.items()})
+        with self._lock:
+            newest = self._version if self._staged is None else max(self._version, self._staged[1])
+            if version < newest:
+                raise ValueError(f"stage_weights: version {version} is older than {newest}")
+            self._staged = (staged, version)
+
+    # ------------------------------------------------------------------ conveniences
+    def stats(self) -> dict:
+        return dict(self._stats, version=self._version, running=len(self._running), waiting=len(self._waiting))
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        """Run an idle engine until the given requests finish; completions in request order."""
+        if self.num_unfinished:
+            raise RuntimeError("generate() needs an idle engine")
+        for request in requests:
+            self.add_request(request)
+        done: dict[str, Completion] = {}
+        while self.num_unfinished:
+            for completion in self.step():
+                done[completion.request_id] = completion
+        return [done[r.request_id] for r in requests]
+
+    # ------------------------------------------------------------------ internals
+    def _apply_staged(self) -> None:
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        start = time.perf_counter()
+        self._weights, self._version = staged
+        if self.kv_on_update == "recompute" and self._running:
+            self._recompute_kv()
+        self._stats["swaps"] += 1
+        self._stats["swap_time_s"] += time.perf_counter() - start
+
+    def _recompute_kv(self) -> None:
+        """Re-prefill every running sequence's cached prefix (all but its last token) with the new weights."""
+        n, span = len(self._running), self._max_len - 1  # the last token is fed by the next decode step
+        ids = self._slot["tokens"][:n, :span]
+        positions = torch.arange(span, device=self.device).expand(n, span)
+        # Only the K/V writes matter; one logit row per sequence is the cheapest thing to ask for.
+        # (seq_len >= prompt_len + 1 >= 2 for a running sequence, so the index is valid.)
+        last_cached = self._slot["seq_len"][:n] - 2
+        forward(self.spec, self._weights, self._rope, self._cache, ids, positions,
+                attn_len=span, logit_index=last_cached)
+
+    def _admit(self) -> None:
+        start = len(self._running)
+        count = min(len(self._waiting), self.max_running - start)
+        requests = [self._waiting.popleft() for _ in range(count)]
+        lens = [len(r.prompt_ids) for r in requests]
+        width = max(lens)
+        rows = slice(start, start + count)
+        s = self._slot
+
+        ids = torch.tensor([r.prompt_ids + [0] * (width - len(r.prompt_ids)) for r in requests],
+                           dtype=torch.long, device=self.device)
+        s["tokens"][rows, :width] = ids
+        prompt_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
+        s["seq_len"][rows] = prompt_lens
+        s["end_len"][rows] = torch.tensor(
+            [min(n + r.sampling.max_new_tokens, self.max_seq_len) for n, r in zip(lens, requests)],
+            dtype=torch.long, device=self.device)
+        s["temperature"][rows] = torch.tensor([r.sampling.temperature for r in requests], device=self.device)
+        s["top_p"][rows] = torch.tensor([r.sampling.top_p for r in requests], device=self.device)
+        s["top_k"][rows] = torch.tensor([r.sampling.top_k for r in requests], device=self.device)
+        self._set_stop_ids(rows, requests)
+
+        self._running += [_Running(r, n) for r, n in zip(requests, lens)]
+        self._refresh_sampling_flags()
+        positions = torch.arange(width, device=self.device).expand(count, width)
+        logits = forward(self.spec, self._weights, self._rope, self._cache, ids, positions,
+                         slot_start=start, attn_len=width, logit_index=prompt_lens - 1)
+        self._sample_and_append(rows, logits)
+        self._max_len = max(self._max_len, width + 1)
+        self._stats["prefill_tokens"] += sum(lens)
+
+    def _set_stop_ids(self, rows: slice, requests: list[GenerationRequest]) -> None:
+        stops = self._slot["stop_ids"]
+        width = max(len(r.stop_token_ids) for r in requests)
+        if width > stops.shape[1]:  # widen once; -1 never matches a token
+            pad = torch.full((stops.shape[0], width - stops.shape[1]), -1, dtype=torch.long, device=self.device)
+            stops = self._slot["stop_ids"] = torch.cat([stops, pad], dim=1)
+        padded = [list(r.stop_token_ids) + [-1] * (stops.shape[1] - len(r.stop_token_ids)) for r in requests]
+        stops[rows] = torch.tensor(padded, dtype=torch.long, device=self.device)
+
+    def _refresh_sampling_flags(self) -> None:
+        params = [r.request.sampling for r in self._running]
+        self._any_random = any(p.temperature > 0 for p in params)
+        self._any_truncation = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params)
+
+    def _decode(self) -> None:
+        start = time.perf_counter()
+        n, s = len(self._running), self._slot
+        last = s["seq_len"][:n] - 1
+        ids = s["tokens"][:n].gather(1, last[:, None])
+        logits = forward(self.spec, self._weights, self._rope, self._cache, ids, last[:, None],
+                         attn_len=self._max_len)
+        self._sample_and_append(slice(0, n), logits[:, 0])
+        self._max_len += 1
+        self._stats["decode_steps"] += 1
+        self._stats["decode_time_s"] += time.perf_counter() - start
+
+    def _sample_and_append(self, rows: slice, logits: torch.Tensor) -> None:
+        s = self._slot
+        tokens, logprobs = sample_tokens(
+            logits.float(), s["temperature"][rows], s["top_p"][rows], s["top_k"][rows], self._generator,
+            any_random=self._any_random, any_truncation=self._any_truncation)
+        at = s["seq_len"][rows][:, None]
+        s["tokens"][rows].scatter_(1, at, tokens[:, None])
+        s["logprobs"][rows].scatter_(1, at, logprobs[:, None].float())
+        s["versions"][rows].scatter_(1, at, torch.full_like(at, self._version))
+        s["seq_len"][rows] += 1
+        self._stats["tokens_decoded"] += tokens.shape[0]
+
+    def _collect_finished(self) -> list[Completion]:
+        """Return finished requests as Completions and pack the survivors into slots [0, n')."""
+        n, s = len(self._running), self._slot
+        seq_len = s["seq_len"][:n]
+        last_token = s["tokens"][:n].gather(1, (seq_len - 1)[:, None])
+        stopped = (last_token == s["stop_ids"][:n]).any(dim=1)
+        done = torch.nonzero(stopped | (seq_len >= s["end_len"][:n])).flatten()
+        if done.numel() == 0:  # the one host sync of an ordinary step
+            return []
+
+        done_slots = done.tolist()
+        lens, was_stopped = seq_len[done].tolist(), stopped[done].tolist()
+        tokens, logprobs, versions = (s[k][done].tolist() for k in ("tokens", "logprobs", "versions"))
+        completions = []
+        for i, slot in enumerate(done_slots):
+            record = self._running[slot]
+            begin, end = record.prompt_len, lens[i]
+            completions.append(Completion(
+                request_id=record.request.request_id,
+                prompt_ids=list(record.request.prompt_ids),
+                token_ids=tokens[i][begin:end],
+                logprobs=logprobs[i][begin:end],
+                versions=versions[i][begin:end],
+                finish_reason="stop" if was_stopped[i] else "length",
+            ))
+        self._pack_slots(set(done_slots))
+        self._stats["requests_finished"] += len(completions)
+        return completions
+
+    def _pack_slots(self, done: set[int]) -> None:
+        """Move the survivors that sit past the new end into the freed slots below it."""
+        n = len(self._running)
+        keep = n - len(done)
+        holes = [slot for slot in sorted(done) if slot < keep]
+        movers = [slot for slot in range(keep, n) if slot not in done]
+        if holes:
+            dst = torch.tensor(holes, device=self.device)
+            src = torch.tensor(movers, device=self.device)
+            self._cache.move_slots(src, dst, self._max_len)
+            for t in self._slot.values():
+                t[dst] = t[src]
+            for h, m in zip(holes, movers):
+                self._running[h] = self._running[m]
+        del self._running[keep:]
+        self._max_len = int(self._slot["seq_len"][:keep].max()) if keep else 0
+        self._refresh_sampling_flags()

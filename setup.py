@@ -1,0 +1,36 @@
+"""megarl: asynchronous Pipeline RL post-training for LLMs.
+
+Install paths:
+  CPU (the embedded demo, CI):   pip install -e ".[cpu,test]"   -> pins torch==2.13.0 (CPU build)
+  GPU (keep your own torch):     pip install -e ".[gpu]"         -> any torch >= 2.4 already installed
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megarl",
+    version="0.1.0",
+    description="Asynchronous Pipeline RL post-training of LLMs with megatron-core learners",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    install_requires=[
+        # A range, not a pin: GPU users keep the torch they built for their CUDA. The `cpu` extra
+        # pins the CPU build so a fresh CPU machine never pulls a multi-GB CUDA wheel.
+        "torch>=2.4",
+        "megatron-core>=0.16.1,<0.17; python_version < '3.12'",
+        "megatron-core>=0.16.1; python_version >= '3.12'",
+        "transformers>=4.45",
+        "tokenizers>=0.20",
+        "safetensors>=0.4",
+        "omegaconf>=2.3",
+        "pyzmq>=25",
+        "tensorboard>=2.14",
+        "matplotlib>=3.7",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        "cpu": ["torch==2.13.0"],
+        "gpu": [],
+        "test": ["pytest>=8", "pytest-timeout>=2.2"],
+    },
+    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+)

@@ -1,0 +1,70 @@
+"""Config loading: every mistake is caught before a process starts, with the key in the message."""
+import pytest
+
+from megarl.config.load import ConfigError, load_config, save_config, world_size_for
+from tests.helpers import REPO, run_python
+
+DEMO = REPO / "configs" / "demo.yaml"
+
+
+def test_demo_config_loads_with_overrides():
+    cfg = load_config(DEMO, ["run.steps=7", "algo.loss.eps_high=0.3", "sampler.num_engines=3"])
+    assert cfg.run.steps == 7 and cfg.algo.loss.eps_high == 0.3
+    assert world_size_for(cfg) == 4
+
+
+@pytest.mark.parametrize("override, message", [
+    ("run.stepz=3", "unknown config key 'run.stepz'"),
+    ("algo.loss.epsilon=0.1", "unknown config key 'algo.loss.epsilon'"),
+    ("nonsense=1", "unknown config key 'nonsense'"),
+    ("run.steps=many", "bad value for config key 'run.steps'"),
+    ("learner.lr=fast", "bad value for config key 'learner.lr'"),
+    ("run.steps=0", "run.steps: must be > 0"),
+    ("sampler.num_engines=0", "sampler.num_engines: must be > 0"),
+    ("learner.tp=2", "learner.tp: only 1 is supported"),
+    ("algo.mode=async", "algo.mode: must be 'pipeline' or 'sync'"),
+    ("sampler.kv_on_update=drop", "sampler.kv_on_update"),
+    ("sampling.max_new_tokens=64", "sampling.max_new_tokens"),
+    ("algo.group_size=1", "algo.group_size"),
+    ("algo.loss.eps_low=-0.1", "algo.loss"),
+    ("steps", "is not of the form key=value"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(DEMO, [override])
+
+
+def test_unknown_key_in_yaml_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run:\n  steps: 3\nsampler:\n  engines: 2\n")
+    with pytest.raises(ConfigError, match="unknown config key 'sampler.engines'"):
+        load_config(bad)
+
+
+def test_missing_file_and_broken_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = load_config(DEMO, ["run.steps=11"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_cli_refuses_bad_config_before_starting_any_process():
+    proc = run_python("-m", "megarl.cli", "train", str(DEMO), "learner.pp=2", timeout=60)
+    assert proc.returncode == 2
+    assert "learner.pp" in proc.stderr and "launching" not in proc.stdout
+
+
+def test_worker_refuses_a_launch_whose_world_does_not_match_the_topology():
+    from tests.helpers import run_torchrun
+
+    proc = run_torchrun("megarl.roles.worker", 1, str(DEMO), module=True, timeout=60)
+    assert proc.returncode != 0
+    assert "needs 2 processes" in proc.stderr and "WORLD_SIZE=1" in proc.stderr

@@ -1,0 +1,70 @@
+"""torchrun worker for tests/distributed/test_publish.py: rank 0 publishes, the others receive.
+
+Usage: publish_worker.py OUT_DIR MODE   (MODE: ok | corrupt)
+Each receiver writes, per version, the received tensors' checksums to OUT_DIR/rank{r}.json; the
+publisher writes what it sent to OUT_DIR/sent.json. `corrupt` flips one byte after the CRC is taken.
+"""
+import json
+import os
+import sys
+import threading
+import zlib
+from pathlib import Path
+
+import torch
+
+from megarl.config.schema import Config
+from megarl.distributed import publish as pub
+from megarl.distributed.topology import Topology, connect_store, publish_group
+
+out, mode = Path(sys.argv[1]), sys.argv[2]
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+topo = Topology(rank=rank, world_size=world, num_learners=1, num_samplers=world - 1)
+store = connect_store(topo, 30)
+group = publish_group(topo, store, "gloo", 30)
+VERSIONS = 4
+
+
+def weights(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    # Mixed sizes, one bigger than a bucket, so packing and the own-bucket path are both exercised.
+    return {"a.weight": torch.randn(300, 200, generator=g), "b.bias": torch.randn(7, generator=g),
+            "c.weight": torch.randn(64, 64, generator=g), "d.weight": torch.randn(3, 5, generator=g)}
+
+
+def crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
+
+
+if rank == 0:
+    publisher = pub.WeightPublisher(group, store, bucket_mb=0.01, timeout_s=30, checksum=True)
+    if mode == "corrupt":
+        real_crc = pub._crc
+        pub._crc = lambda b: real_crc(b) ^ 1  # the header lies: every receiver must refuse the version
+    sent = {}
+    for v in range(1, VERSIONS + 1):
+        w = weights(v)
+        publisher.publish(v, w.items(), extra={"v": v})
+        sent[v] = {n: crc(t) for n, t in w.items()}
+        if mode == "corrupt":
+            break
+    (out / "sent.json").write_text(json.dumps({"sent": sent, "buckets": len(publisher.buckets)}))
+    store.set("test/done", "1")
+else:
+    engine_version = [0]
+    received, done = {}, threading.Event()
+
+    def on_version(version, tensors, extra):
+        assert extra == {"v": version}
+        received[version] = {n: crc(t.clone()) for n, t in tensors.items()}
+        engine_version[0] = version
+        if version == VERSIONS:
+            done.set()
+
+    spec = {n: (t.shape, t.dtype) for n, t in weights(0).items()}
+    recv = pub.WeightReceiver(group, store, spec, torch.device("cpu"), first_version=0, on_version=on_version,
+                              current_version=lambda: engine_version[0], should_stop=done.is_set,
+                              timeout_s=30).start()
+    recv.thread.join(60)
+    result = {"received": received, "error": repr(recv.error) if recv.error else None}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))

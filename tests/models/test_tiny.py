@@ -1,0 +1,122 @@
+import json
+import multiprocessing
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from megarl.models import tiny
+from megarl.rollout.tasks import ArithmeticTask
+
+# A cheap registry entry (a few optimizer steps) for the tests of the cache mechanics.
+SMOKE = "tiny-qwen2-arith-smoke"
+SMOKE_SPEC = tiny.EmbeddedSpec(ArithmeticTask(max_operand=4), tiny.WarmStartRecipe(clean_steps=3, noisy_steps=3))
+
+
+def test_tokenizer_is_one_token_per_character_with_nothing_added(tmp_path):
+    tok = tiny.build_tokenizer()
+    assert tok("12+7=")["input_ids"] == [ord(c) for c in "12+7="]
+    assert tok("12+7=", add_special_tokens=True)["input_ids"] == [ord(c) for c in "12+7="]
+    assert tok.eos_token_id == tiny.EOS_ID and tok.pad_token_id == tiny.PAD_ID and tok.bos_token_id is None
+    assert len(tok) == tiny.VOCAB_SIZE == 264 and tiny.VOCAB_SIZE % 8 == 0
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    for text in ["12+7=19<|endoftext|>", " 3 * 4 = 12\n", "Hello, wörld! <|pad|>"]:
+        ids = tok(text)["input_ids"]
+        assert loaded(text)["input_ids"] == ids
+        assert loaded.decode(ids) == text
+    assert tok("7<|endoftext|>")["input_ids"] == [ord("7"), tiny.EOS_ID]
+    assert tok.decode([ord("7"), tiny.EOS_ID], skip_special_tokens=True) == "7"
+
+
+def test_model_dir_is_a_loadable_hf_qwen2(embedded_model_dir):
+    names = {p.name for p in embedded_model_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", tiny.BUILD_RECORD} <= names
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_dir)
+    cfg = model.config
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers) == ("qwen2", 64, 2)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (4, 2, tiny.VOCAB_SIZE)
+    assert cfg.tie_word_embeddings and cfg.eos_token_id == tiny.EOS_ID and cfg.pad_token_id == tiny.PAD_ID
+    with safe_open(embedded_model_dir / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys  # tied: not on disk
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir)
+    assert tok("12+7=")["input_ids"] == [ord(c) for c in "12+7="] and tok.eos_token_id == tiny.EOS_ID
+    assert model.generation_config.eos_token_id == tiny.EOS_ID
+
+
+def test_base_model_knows_the_format_but_leaves_headroom(embedded_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir)
+    task = ArithmeticTask()
+    prompts = task.all_prompts()
+    sampled = tiny.generate(model, tok, prompts, temperature=1.0, seed=1)
+    greedy = tiny.generate(model, tok, prompts, temperature=0.0)
+    sampled_acc = sum(task.reward(p, c) for p, c in zip(prompts, sampled)) / len(prompts)
+    greedy_acc = sum(task.reward(p, c) for p, c in zip(prompts, greedy)) / len(prompts)
+    assert 0.05 < sampled_acc < 0.6, sampled_acc  # partly right: RL has headroom
+    assert greedy_acc > sampled_acc + 0.1, (greedy_acc, sampled_acc)  # ...and the answer is learnable
+    assert all(re.fullmatch(r"\d{1,2}", c) for c in greedy), [c for c in greedy if not re.fullmatch(r"\d{1,2}", c)]
+    well_formed = sum(bool(re.fullmatch(r"\d+", c)) for c in sampled) / len(sampled)
+    assert well_formed > 0.95, well_formed
+    record = json.loads((embedded_model_dir / tiny.BUILD_RECORD).read_text())
+    assert abs(record["expected_sampled_accuracy"] - sampled_acc) < 0.1 and record["greedy_accuracy"] == greedy_acc
+
+
+def test_ensure_reuses_the_built_dir(embedded_model_dir):
+    mtimes = {p.name: p.stat().st_mtime_ns for p in embedded_model_dir.iterdir()}
+    t0 = time.perf_counter()
+    again = tiny.ensure_embedded_model("tiny-qwen2-arith", cache_dir=embedded_model_dir.parent)
+    assert again == embedded_model_dir and time.perf_counter() - t0 < 2.0
+    assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == mtimes
+    assert tiny.resolve_model_path("embedded:tiny-qwen2-arith", embedded_model_dir.parent) == embedded_model_dir
+    assert tiny.resolve_model_path(str(embedded_model_dir)) == embedded_model_dir
+
+
+def _ensure_smoke_in_child(cache_dir: str, barrier, results) -> None:
+    torch.set_num_threads(1)
+    tiny.EMBEDDED_MODELS[SMOKE] = SMOKE_SPEC  # a spawned child starts from the module's own registry
+    barrier.wait()  # start both builds at the same moment
+    results.put(str(tiny.ensure_embedded_model(SMOKE, cache_dir)))
+
+
+def test_concurrent_processes_get_one_consistent_dir(tmp_path, monkeypatch):
+    monkeypatch.setitem(tiny.EMBEDDED_MODELS, SMOKE, SMOKE_SPEC)
+    # A crashed build's leftover must neither be used nor survive.
+    stale = tmp_path / f".{SMOKE}-{tiny._spec_hash(SMOKE_SPEC)}.tmp-crashed"
+    stale.mkdir()
+    (stale / "config.json").write_text("{half written")
+    ctx = multiprocessing.get_context("spawn")  # fork after torch has started threads can deadlock
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_ensure_smoke_in_child, args=(str(tmp_path), barrier, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    paths = {results.get(timeout=120) for _ in procs}
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert len(paths) == 1
+    built = Path(paths.pop())
+    assert [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == [built]
+    AutoModelForCausalLM.from_pretrained(built)
+    assert tiny.ensure_embedded_model(SMOKE, tmp_path) == built
+
+
+def test_bad_names_and_paths_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="unknown embedded model 'gpt5'.*tiny-qwen2-arith"):
+        tiny.ensure_embedded_model("gpt5", tmp_path)
+    with pytest.raises(ValueError, match="unknown embedded model 'nope'"):
+        tiny.resolve_model_path("embedded:nope", tmp_path)
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing)) + ".*not a directory"):
+        tiny.resolve_model_path(str(missing), tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=re.escape(str(empty)) + ".*no config.json"):
+        tiny.resolve_model_path(str(empty), tmp_path)
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # errors built nothing

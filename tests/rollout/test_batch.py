@@ -1,0 +1,50 @@
+"""Batch assembly and the staleness (max_lag) filter."""
+import torch
+
+from megarl.algo.config import AdvantageConfig
+from megarl.protocols import Sample
+from megarl.rollout.batch import assemble_batch, group_lag, is_stale, is_zero_variance
+
+
+def sample(prompt_ids, token_ids, versions, reward):
+    return Sample(group_id="g", prompt="p", completion="c", prompt_ids=prompt_ids, token_ids=token_ids,
+                  logprobs=[-0.1 * (i + 1) for i in range(len(token_ids))], versions=versions, reward=reward,
+                  finish_reason="stop")
+
+
+def test_lag_is_measured_from_the_oldest_token_of_the_group():
+    group = [sample([1], [2, 3], [5, 6], 1.0), sample([1], [2], [7], 0.0)]
+    assert group_lag(group, learner_version=8) == 3
+    assert not is_stale(group, learner_version=8, max_lag=3)
+    assert is_stale(group, learner_version=9, max_lag=3)
+
+
+def test_assembled_tensors_align_with_input_ids():
+    groups = [[sample([1, 2], [3, 4, 5], [0, 0, 1], 1.0), sample([1, 2], [6], [1], 0.0)]]
+    b, counts = assemble_batch(groups, AdvantageConfig(), pad_id=0, learner_version=2)
+    assert counts["samples/kept"] == 2
+    assert b.input_ids.tolist() == [[1, 2, 3, 4, 5], [1, 2, 6, 0, 0]]
+    assert b.loss_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
+    assert b.versions.tolist() == [[-1, -1, 0, 0, 1], [-1, -1, 1, -1, -1]]
+    assert torch.allclose(b.behaviour_logprobs[0, 2:], torch.tensor([-0.1, -0.2, -0.3]))
+    # GRPO with std normalisation: +1 / -1 for a two-sample group with rewards 1 and 0.
+    assert b.advantages[0, 2:].tolist() == [b.advantages[0, 2].item()] * 3
+    assert b.advantages[0, 2] > 0 > b.advantages[1, 2]
+    assert b.advantages[1, 3:].abs().sum() == 0 and b.advantages[:, :2].abs().sum() == 0
+    assert b.num_tokens == 4 and b.learner_version == 2
+
+
+def test_truncated_samples_are_zero_weighted_but_keep_their_place_in_the_baseline():
+    cut = sample([1], [2, 3], [0, 0], 0.0)
+    cut.finish_reason = "length"
+    groups = [[sample([1], [2], [0], 1.0), cut, sample([1], [4], [0], 0.0)]]
+    b, counts = assemble_batch(groups, AdvantageConfig(drop_truncated=True), pad_id=0, learner_version=0)
+    assert b.loss_mask[1].sum() == 0 and b.loss_mask[0].sum() == 1 and b.loss_mask[2].sum() == 1
+    assert counts["samples/truncated_dropped"] == 1
+    # the baseline still includes the cut sample's reward: mean 1/3
+    assert b.advantages[2, 1] < 0 and b.advantages[0, 1] > 0
+
+
+def test_zero_variance_groups_are_recognised():
+    assert is_zero_variance([sample([1], [2], [0], 1.0)] * 3)
+    assert not is_zero_variance([sample([1], [2], [0], 1.0), sample([1], [2], [0], 0.0)])

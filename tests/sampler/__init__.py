@@ -1,0 +1,51 @@
+"""Tests of the built-in sampler engine; shared helpers build tiny HF models locally (no hub)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=32,
+            intermediate_size=128, max_position_embeddings=256)
+
+
+def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides) -> Path:
+    """Save a tiny randomly initialised HF model to `path` and return it.
+
+    "qwen2": GQA, q/k/v biases, tied embeddings.  "llama": GQA, no biases, untied lm_head.
+    initializer_range is raised from HF's 0.02 so next-token distributions are far from uniform
+    (greedy decoding has clear winners), but kept at 0.1: at 0.25 the activations grow large enough
+    that fp32 rounding alone (HF's own cached decode vs its prefill) reaches 1e-5 in log-prob.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(TINY, initializer_range=0.1, **overrides)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **kw))
+    elif kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **kw))
+    else:
+        raise ValueError(kind)
+    model.save_pretrained(path)
+    return path
+
+
+def dominant_token_weights(weights: dict[str, torch.Tensor], token: int, tied: bool,
+                           strength: float = 200.0) -> dict[str, torch.Tensor]:
+    """A copy of `weights` under which `token` is overwhelmingly likely after any prefix.
+
+    Residual-stream dim 0 is made a positive constant: every embedding row gets 1 there, `token`'s
+    row more, and no layer writes to it (row 0 of every o_proj / down_proj is zeroed).  The output
+    row of `token` then reads that dim with a huge weight.  Works for tied embeddings too: there the
+    embedding row *is* the output row, and the input contribution of dim 0 is positive either way.
+    """
+    w = {name: t.clone() for name, t in weights.items()}
+    w["model.embed_tokens.weight"][:, 0] = 1.0
+    for name in w:
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            w[name][0] = 0.0
+    head = w["model.embed_tokens.weight"] if tied else w["lm_head.weight"]
+    head[:, 0] = 1.0 if tied else 0.0
+    head[token, 0] = strength
+    return w

@@ -1,0 +1,299 @@
+"""BuiltinEngine: finish reasons, continuous batching, behaviour log-probs, in-flight weight swaps."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megarl.protocols import Engine, GenerationRequest, SamplingParams
+from megarl.sampler.engine import BuiltinEngine, sample_tokens
+from megarl.sampler.model import KVCache, ModelSpec, forward, load_pretrained, prepare_weights, rope_tables
+from tests.sampler import dominant_token_weights, make_tiny_model
+
+TOL = 1e-5
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request, tmp_path_factory):
+    """(kind, path, HF config dict, HF-named weights) of a tiny Qwen2 (tied, bias) and Llama (untied)."""
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    cfg, weights = load_pretrained(str(path))
+    return request.param, path, cfg, weights
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("qwen"), "qwen2")
+    return path, *load_pretrained(str(path))
+
+
+def req(rid, prompt, sampling=GREEDY, stop=()):
+    return GenerationRequest(str(rid), list(prompt), sampling, tuple(stop))
+
+
+def prompts(n, lo=2, hi=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=gen).tolist()
+    return [torch.randint(0, 32, (k,), generator=gen).tolist() for k in lens]
+
+
+def full_logprobs(cfg, weights, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) [len(ids), V] from one fresh prefill with the model functions."""
+    spec = ModelSpec.from_hf_config(cfg)
+    cache = KVCache(spec, 1, len(ids), torch.float32)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        logits = forward(spec, prepare_weights(spec, weights), rope_tables(spec, len(ids)), cache, x,
+                         torch.arange(len(ids))[None])
+    return torch.log_softmax(logits[0] / temperature, -1)
+
+
+def test_implements_engine_protocol(qwen):
+    path, _, _ = qwen
+    engine = BuiltinEngine.from_pretrained(str(path), version=3)
+    assert isinstance(engine, Engine)
+    assert engine.version == 3 and engine.num_unfinished == 0 and engine.num_running == 0
+
+
+def test_finish_reasons_and_lengths(qwen):
+    _, cfg, weights = qwen
+    engine = BuiltinEngine(cfg, weights, max_seq_len=16)
+    prompt = [1, 2, 3]
+    first = int(full_logprobs(cfg, weights, prompt)[-1].argmax())
+    stop, by_tokens, by_seq_len = engine.generate([
+        req("stop", prompt, stop=(first, 31)),  # the greedy first token is a stop token
+        req("len", prompt, SamplingParams(temperature=0.0, max_new_tokens=5)),
+        req("cap", list(range(10)), SamplingParams(temperature=0.0, max_new_tokens=100)),
+    ])
+    assert (stop.finish_reason, stop.token_ids) == ("stop", [first])  # the stop token is included
+    assert by_tokens.finish_reason == "length" and len(by_tokens.token_ids) == 5
+    assert by_seq_len.finish_reason == "length" and len(by_seq_len.token_ids) == 16 - 10
+    for c in (stop, by_tokens, by_seq_len):
+        assert len(c.logprobs) == len(c.versions) == len(c.token_ids)
+    assert engine.num_unfinished == 0 and engine.stats()["requests_finished"] == 3
+
+
+def test_continuous_batching_matches_requests_run_alone(model):
+    """More requests than slots, different prompt and output lengths: same greedy tokens as solo runs."""
+    _, _, cfg, weights = model
+    requests = [req(i, p, SamplingParams(temperature=0.0, max_new_tokens=3 + 2 * (i % 4)))
+                for i, p in enumerate(prompts(9))]
+    batched = BuiltinEngine(cfg, weights, max_running=3, max_seq_len=32).generate(requests)
+    solo_engine = BuiltinEngine(cfg, weights, max_running=1, max_seq_len=32)
+    for r, c in zip(requests, batched):
+        (alone,) = solo_engine.generate([r])
+        assert c.request_id == r.request_id
+        assert c.token_ids == alone.token_ids
+        assert max(abs(a - b) for a, b in zip(c.logprobs, alone.logprobs)) <= TOL
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=0.0, max_new_tokens=10),
+    SamplingParams(temperature=0.7, top_k=5, max_new_tokens=10),
+    SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=10),
+])
+def test_behaviour_logprobs_equal_hf(model, sampling):
+    """Recorded log-prob = HF log_softmax(logits / T) over the full vocab (T = 1 for greedy)."""
+    from transformers import AutoModelForCausalLM
+
+    _, path, cfg, weights = model
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    completions = BuiltinEngine(cfg, weights, max_running=4, version=7).generate(
+        [req(i, p, sampling) for i, p in enumerate(prompts(6))])
+    temperature = sampling.temperature or 1.0
+    for c in completions:
+        ids = torch.tensor([c.prompt_ids + c.token_ids])
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(ids).logits[0].float() / temperature, -1)
+        n = len(c.prompt_ids)
+        expected = [ref[n - 1 + i, tok].item() for i, tok in enumerate(c.token_ids)]
+        assert max(abs(a - b) for a, b in zip(c.logprobs, expected)) <= TOL
+        assert c.versions == [7] * len(c.token_ids)
+
+
+def test_seeded_sampling_is_reproducible(qwen):
+    _, cfg, weights = qwen
+    requests = [req(i, p, SamplingParams(temperature=1.0, max_new_tokens=12)) for i, p in enumerate(prompts(5))]
+    runs = [BuiltinEngine(cfg, weights, seed=s).generate(requests) for s in (1, 1, 2)]
+    tokens = [[c.token_ids for c in run] for run in runs]
+    assert tokens[0] == tokens[1] and tokens[0] != tokens[2]
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2000))
+    gen = torch.Generator().manual_seed(0)
+    ones, zeros = torch.ones(2000), torch.zeros(2000, dtype=torch.long)
+    top2, logp = sample_tokens(logits, ones, ones, zeros + 2, gen)
+    assert set(top2.tolist()) == {0, 1}
+    assert torch.allclose(logp, logits.gather(1, top2[:, None])[:, 0])  # truncation not folded in
+    nucleus, _ = sample_tokens(logits, ones, torch.full((2000,), 0.7), zeros, gen)
+    assert set(nucleus.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.7; 0.15 lies outside
+    free, _ = sample_tokens(logits, ones, ones, zeros, gen)
+    assert set(free.tolist()) == {0, 1, 2, 3}
+
+
+def test_invalid_requests_are_refused(qwen):
+    _, cfg, weights = qwen
+    engine = BuiltinEngine(cfg, weights, max_seq_len=16)
+    with pytest.raises(ValueError, match="prompt_len=16.*max_seq_len=16"):
+        engine.add_request(req("long", range(16)))
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request(req("empty", []))
+    with pytest.raises(ValueError, match="outside"):
+        engine.add_request(req("oov", [32]))
+    engine.add_request(req("ok", range(15)))  # 15 + 1 fits exactly
+    assert engine.num_unfinished == 1
+
+
+def test_stage_weights_validation(model):
+    _, _, cfg, weights = model
+    engine = BuiltinEngine(cfg, weights, version=1)
+    wrong_shape = dict(weights, **{"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        engine.stage_weights(wrong_shape, 2)
+    wrong_dtype = dict(weights, **{"model.norm.weight": weights["model.norm.weight"].double()})
+    with pytest.raises(ValueError, match="model.norm.weight.*float64"):
+        engine.stage_weights(wrong_dtype, 2)
+    with pytest.raises(ValueError, match="missing.*model.embed_tokens.weight"):
+        engine.stage_weights({k: v for k, v in weights.items() if k != "model.embed_tokens.weight"}, 2)
+    with pytest.raises(ValueError, match="unexpected.*bogus"):
+        engine.stage_weights(dict(weights, bogus=torch.zeros(1)), 2)
+    with pytest.raises(ValueError, match="older"):
+        engine.stage_weights(weights, 0)
+    engine.stage_weights(weights, 2)
+    engine.step()
+    assert engine.version == 2 and engine.stats()["swaps"] == 1
+
+
+def _start(engine, requests, steps):
+    for r in requests:
+        engine.add_request(r)
+    for _ in range(steps):
+        assert engine.step() == []
+
+
+def _finish(engine):
+    done = {}
+    while engine.num_unfinished:
+        done.update((c.request_id, c) for c in engine.step())
+    return done
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_swap_to_drastic_weights_takes_effect_at_the_next_step(model, policy):
+    """After staging v2 the very next token of every running request is v2's favourite, tagged 2."""
+    kind, _, cfg, weights = model
+    favourite = 17
+    v2 = dominant_token_weights(weights, favourite, tied=kind == "qwen2")
+    engine = BuiltinEngine(cfg, weights, max_running=4, version=1, kv_on_update=policy)
+    requests = [req(i, p, SamplingParams(temperature=1.0, max_new_tokens=10)) for i, p in enumerate(prompts(4))]
+    _start(engine, requests, steps=3)  # admitted in step 1 (prefill token + decode token): 4 tokens each
+    engine.stage_weights(v2, 2)
+    assert engine.version == 1  # staged, not yet applied
+    done = _finish(engine)
+    for r in requests:
+        c = done[r.request_id]
+        assert c.versions == [1] * 4 + [2] * 6  # tokens of v1 then v2, never decreasing
+        assert c.token_ids[4:] == [favourite] * 6
+        # Already-recorded v1 log-probs are untouched: they are v1's log-probs of those tokens.
+        ref_v1 = full_logprobs(cfg, weights, c.prompt_ids + c.token_ids)
+        n = len(c.prompt_ids)
+        assert max(abs(c.logprobs[i] - ref_v1[n - 1 + i, c.token_ids[i]].item()) for i in range(4)) <= TOL
+        assert all(lp > -1e-3 for lp in c.logprobs[4:])  # v2's log-prob of its overwhelming token
+        prefix = c.prompt_ids + c.token_ids[:4]
+        expected = _keep_reference(cfg, weights, v2, prefix) if policy == "keep" else full_logprobs(cfg, v2, prefix)[-1]
+        assert abs(c.logprobs[4] - expected[favourite].item()) <= TOL
+
+
+def _keep_reference(cfg, v1, v2, prefix: list[int]) -> torch.Tensor:
+    """Next-token log-probs when the cache of prefix[:-1] was computed by v1 and v2 feeds prefix[-1]."""
+    spec = ModelSpec.from_hf_config(cfg)
+    n = len(prefix)
+    cache, rope = KVCache(spec, 1, n, torch.float32), rope_tables(spec, n)
+    with torch.inference_mode():
+        forward(spec, prepare_weights(spec, v1), rope, cache, torch.tensor([prefix[:-1]]), torch.arange(n - 1)[None])
+        logits = forward(spec, prepare_weights(spec, v2), rope, cache, torch.tensor([prefix[-1:]]),
+                         torch.tensor([[n - 1]]))
+    return torch.log_softmax(logits[0, 0], -1)
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_kv_policy_on_swap(model, policy):
+    """"keep": the token after the swap comes from v2 over v1's cache; "recompute": from a v2 prefill."""
+    _, _, cfg, weights = model
+    gen = torch.Generator().manual_seed(5)
+    v2 = {k: t + 0.05 * torch.randn(t.shape, generator=gen) for k, t in weights.items()}
+    engine = BuiltinEngine(cfg, weights, max_running=4, kv_on_update=policy)
+    requests = [req(i, p, SamplingParams(temperature=0.0, max_new_tokens=8)) for i, p in enumerate(prompts(4))]
+    _start(engine, requests, steps=2)  # 3 tokens each under v1
+    engine.stage_weights(v2, 1)
+    done = _finish(engine)
+    for r in requests:
+        c = done[r.request_id]
+        assert c.versions == [0] * 3 + [1] * 5
+        prefix = c.prompt_ids + c.token_ids[:3]
+        keep = _keep_reference(cfg, weights, v2, prefix)
+        fresh = full_logprobs(cfg, v2, prefix)[-1]
+        assert (keep - fresh).abs().max() > 1e-3  # the two policies are distinguishable here
+        expected = keep if policy == "keep" else fresh
+        assert c.token_ids[3] == int(expected.argmax())
+        assert abs(c.logprobs[3] - expected[c.token_ids[3]].item()) <= TOL
+        # Later tokens: the cache holds v2 K/V from the swap on (plus v1 K/V under "keep").
+        if policy == "recompute":
+            ref = full_logprobs(cfg, v2, c.prompt_ids + c.token_ids)
+            n = len(c.prompt_ids)
+            later = [ref[n - 1 + i, c.token_ids[i]].item() for i in range(3, 8)]
+            assert max(abs(a - b) for a, b in zip(c.logprobs[3:], later)) <= TOL
+
+
+def test_swap_while_admitting_and_packing(qwen):
+    """Requests finish, are replaced and packed into freed slots across several swaps."""
+    _, cfg, weights = qwen
+    engine = BuiltinEngine(cfg, weights, max_running=3, max_seq_len=32, kv_on_update="recompute")
+    for i, p in enumerate(prompts(8)):
+        engine.add_request(req(i, p, SamplingParams(temperature=1.0, max_new_tokens=2 + i)))
+    done, version = {}, 0
+    while engine.num_unfinished:
+        version += 1
+        engine.stage_weights(weights, version)
+        done.update((c.request_id, c) for c in engine.step())
+    assert len(done) == 8
+    for i, c in done.items():
+        assert len(c.token_ids) == 2 + int(i)
+        assert c.versions == sorted(c.versions) and c.versions[0] >= 1
+
+
+def test_stage_from_another_thread_while_stepping(qwen):
+    """A publisher thread stages 30 versions while the main thread keeps decoding."""
+    _, cfg, weights = qwen
+    engine = BuiltinEngine(cfg, weights, max_running=4, max_seq_len=40)
+    published, errors, done = [], [], {}
+
+    def publisher():
+        try:
+            for v in range(1, 31):
+                engine.stage_weights({k: t.clone() for k, t in weights.items()}, v)
+                published.append(v)
+                time.sleep(0.002)
+        except Exception as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    thread = threading.Thread(target=publisher)
+    thread.start()
+    batch = 0
+    while thread.is_alive() or engine.num_unfinished:
+        if engine.num_unfinished == 0 and thread.is_alive():  # keep the decode loop busy
+            for i, p in enumerate(prompts(6, seed=batch)):
+                engine.add_request(req(f"{batch}-{i}", p, SamplingParams(temperature=1.0, max_new_tokens=20)))
+            batch += 1
+        done.update((c.request_id, c) for c in engine.step())
+    thread.join()
+    engine.step()  # applies whatever was staged last
+    assert not errors and len(done) == 6 * batch
+    assert engine.version == published[-1] == 30
+    for c in done.values():
+        assert len(c.token_ids) == 20 and c.versions == sorted(c.versions)
+    assert engine.stats()["swaps"] >= 2
