@@ -25,6 +25,7 @@ from typing import Callable, Iterable
 import torch
 
 SPEC_KEY = "publish/spec"
+HEADER_POLL_S = 0.002
 
 
 def header_key(version: int) -> str:
@@ -156,15 +157,12 @@ class WeightReceiver:
                             for _ in range(2)]
 
     def _wait_key(self, key: str) -> None:
-        """Wait in short slices so a stop request is noticed; no overall limit (the learner may be slow)."""
-        while True:
+        """Poll until the key exists, noticing a stop request; no overall limit (a learner step may be
+        slow). `check` rather than a timed `wait`: the latter logs a warning on every timeout."""
+        while not self.store.check([key]):
             if self.should_stop():
                 raise _Stopped()
-            try:
-                self.store.wait([key], timedelta(seconds=1))
-                return
-            except Exception:  # DistStoreError on timeout: poll again
-                continue
+            time.sleep(HEADER_POLL_S)
 
     def _run(self) -> None:
         try:
@@ -184,6 +182,8 @@ class WeightReceiver:
         deadline = time.monotonic() + self.timeout.total_seconds()
         # The set last held version-2; it is free once the engine runs version-1 or newer.
         while self.current_version() < version - 1:
+            if self.should_stop():
+                raise _Stopped()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"weight receive: the engine did not apply version {version - 1} within "
                                    f"{self.timeout.total_seconds():.0f}s")

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.protocols import Prompt
-from megarl.rollout.tasks import ArithmeticTask
+from megarl.rollout.tasks import THINK_CHAR, ArithmeticTask
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -120,6 +120,9 @@ class WarmStartRecipe:
     warmup_steps: int = 30
     p_correct: float = 0.3
     max_offset: int = 3
+    # Thinking tasks (task.think_mean > 0): longest filler run in a training target. Longer geometric
+    # draws are redrawn, so the model sees a constant stop rate up to here; keeps batches narrow.
+    max_think: int = 44
 
 
 def _near_miss(answer: int, lo: int, hi: int, max_offset: int, rng: random.Random) -> int:
@@ -168,17 +171,20 @@ def warm_start(model, tokenizer, task: ArithmeticTask, recipe: WarmStartRecipe) 
     def lr_factor(step: int) -> float:
         if step < recipe.clean_steps:
             return min(1.0, (step + 1) / recipe.warmup_steps)
-        return recipe.noisy_lr_scale * (1.0 - (step - recipe.clean_steps) / recipe.noisy_steps)
+        return recipe.noisy_lr_scale * (1.0 - (step - recipe.clean_steps) / max(1, recipe.noisy_steps))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     model.train()
     for step in range(total):
         batch = [rng.choice(prompts) for _ in range(recipe.batch_prompts)]
+        # Filler run of each target (empty unless the task thinks; then no rng draw is made, so a
+        # non-thinking build is unchanged). A correct answer and its near miss share their filler.
+        think = [THINK_CHAR * task.sample_think_length(rng, recipe.max_think) for _ in batch]
         if step < recipe.clean_steps:
-            answers, weights = [p.answer for p in batch], torch.ones(len(batch))
+            answers, weights = [t + p.answer for t, p in zip(think, batch)], torch.ones(len(batch))
         else:
-            misses = [str(_near_miss(int(p.answer), lo, hi, recipe.max_offset, rng)) for p in batch]
-            answers, batch = [p.answer for p in batch] + misses, batch + batch
+            misses = [t + str(_near_miss(int(p.answer), lo, hi, recipe.max_offset, rng)) for t, p in zip(think, batch)]
+            answers, batch = [t + p.answer for t, p in zip(think, batch)] + misses, batch + batch
             n = len(misses)
             weights = torch.cat([torch.full((n,), recipe.p_correct), torch.full((n,), 1.0 - recipe.p_correct)])
         input_ids, mask = _batch(tokenizer, batch, answers)
@@ -195,10 +201,25 @@ def warm_start(model, tokenizer, task: ArithmeticTask, recipe: WarmStartRecipe) 
 # ---------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def expected_accuracy(model, tokenizer, prompts: list[Prompt]) -> float:
-    """Mean probability of sampling exactly answer+EOS at T=1: the sampled accuracy without sampling noise."""
-    input_ids, mask = _batch(tokenizer, prompts, [p.answer for p in prompts])
-    return torch.exp(-_sequence_nll(model, input_ids, mask)).mean().item()
+def expected_accuracy(model, tokenizer, prompts: list[Prompt], max_new_tokens: int | None = None,
+                      chunk: int = 1024) -> float:
+    """Mean probability of sampling a correct completion at T=1: the sampled accuracy without sampling noise.
+
+    max_new_tokens=None: P(answer+EOS). Otherwise the probability that T=1 sampling capped at
+    max_new_tokens ends in a reward-1 completion: the sum over k of P(k filler tokens, answer, EOS)
+    for every k that fits (exact, since those completions are disjoint events)."""
+    owner, targets = [], []  # (prompt index, completion text) of every reward-1 completion that fits
+    for i, p in enumerate(prompts):
+        max_think = 0 if max_new_tokens is None else max_new_tokens - len(_encode(tokenizer, p.answer)) - 1
+        for k in range(max_think + 1):
+            owner.append(i)
+            targets.append(THINK_CHAR * k + p.answer)
+    probs = []
+    for s in range(0, len(targets), chunk):
+        input_ids, mask = _batch(tokenizer, [prompts[i] for i in owner[s: s + chunk]], targets[s: s + chunk])
+        probs.append(torch.exp(-_sequence_nll(model, input_ids, mask)))
+    per_prompt = torch.zeros(len(prompts)).index_add_(0, torch.tensor(owner), torch.cat(probs))
+    return per_prompt.mean().item()
 
 
 @torch.no_grad()
@@ -235,6 +256,19 @@ def generate(model, tokenizer, prompts: list[Prompt], temperature: float, seed: 
     return out
 
 
+def length_stats(tokenizer, completions: list[str], max_new_tokens: int) -> dict:
+    """Token-length summary of `generate` outputs (EOS counted when present; a completion of
+    max_new_tokens tokens without EOS was cut at the cap)."""
+    lengths = []
+    for c in completions:
+        n = len(_encode(tokenizer, c))
+        lengths.append(n if n >= max_new_tokens else n + 1)
+    t = torch.tensor(sorted(lengths), dtype=torch.float)
+    q = lambda f: round(torch.quantile(t, f).item(), 1)  # noqa: E731
+    return {"mean": round(t.mean().item(), 2), "median": q(0.5), "p90": q(0.9), "p99": q(0.99),
+            "max": int(t.max().item()), "frac_at_cap": round(sum(n >= max_new_tokens for n in lengths) / len(lengths), 4)}
+
+
 # ---------------------------------------------------------------------------------------------
 # The registry and the on-disk cache
 # ---------------------------------------------------------------------------------------------
@@ -243,10 +277,18 @@ def generate(model, tokenizer, prompts: list[Prompt], temperature: float, seed: 
 class EmbeddedSpec:
     task: ArithmeticTask
     recipe: WarmStartRecipe
+    # Completion-token budget the build's evaluation samples with (EOS included), like a sampler's
+    # max_new_tokens; for the thinking model some T=1 completions are cut here while still thinking.
+    max_new_tokens: int = 4
 
+
+# Completion budget to run the thinking model with (filler + answer + EOS); ~1-2% of T=1 samples hit it.
+THINK_MAX_NEW_TOKENS = 48
 
 EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-qwen2-arith": EmbeddedSpec(task=ArithmeticTask(), recipe=WarmStartRecipe()),
+    "tiny-qwen2-arith-think": EmbeddedSpec(task=ArithmeticTask(think_mean=10.0), recipe=WarmStartRecipe(),
+                                           max_new_tokens=THINK_MAX_NEW_TOKENS),
 }
 
 
@@ -257,6 +299,7 @@ def _spec_hash(spec: EmbeddedSpec) -> str:
     import transformers
 
     blob = json.dumps({"task": asdict(spec.task), "recipe": asdict(spec.recipe), "config": build_config().to_dict(),
+                       "max_new_tokens": spec.max_new_tokens,
                        "transformers_major": transformers.__version__.split(".")[0]}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
@@ -283,7 +326,8 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
         torch.set_num_threads(threads)
     train_s = time.perf_counter() - t0
     prompts = spec.task.all_prompts()
-    greedy = generate(model, tokenizer, prompts, temperature=0.0)
+    greedy = generate(model, tokenizer, prompts, temperature=0.0, max_new_tokens=spec.max_new_tokens)
+    sampled = generate(model, tokenizer, prompts, temperature=1.0, seed=0, max_new_tokens=spec.max_new_tokens)
     record = {
         "name": name,
         "task": asdict(spec.task),
@@ -291,8 +335,12 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
         "warm_start_seconds": round(train_s, 1),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         # Over every distinct prompt of the task: exact P(answer+EOS) at T=1, and greedy exact match.
-        "expected_sampled_accuracy": round(expected_accuracy(model, tokenizer, prompts), 4),
+        "max_new_tokens": spec.max_new_tokens,
+        "expected_sampled_accuracy": round(expected_accuracy(model, tokenizer, prompts, spec.max_new_tokens), 4),
         "greedy_accuracy": round(sum(spec.task.reward(p, c) for p, c in zip(prompts, greedy)) / len(prompts), 4),
+        # One T=1 sample per prompt (seed 0): its accuracy and completion lengths in tokens, EOS included.
+        "sampled_accuracy": round(sum(spec.task.reward(p, c) for p, c in zip(prompts, sampled)) / len(prompts), 4),
+        "sampled_lengths": length_stats(tokenizer, sampled, spec.max_new_tokens),
     }
     model.generation_config = GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -84,6 +84,9 @@ class SamplerLoop:
                     self._finish(completion, sender)
         finally:
             self.stopped = True
+            # Join before the process exits: a thread still inside a store or gloo call at
+            # interpreter shutdown aborts the process (SIGABRT), which torchrun reports as a failure.
+            receiver.thread.join(self.cfg.publish.timeout_s)
             sender.close()
 
     def _admit(self) -> None:

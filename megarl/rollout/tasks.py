@@ -4,6 +4,11 @@ A task implements `megarl.protocols.Task`: `sample_prompts(rng, n)` draws prompt
 `reward(prompt, completion)` scores one completion text. The built-in `ArithmeticTask`
 ("12+7=" -> "19") is what the embedded default model is warm-started on and what the CPU demo
 trains with RL; it needs no data files, so a fresh machine can run end to end.
+
+With `think_mean > 0` the task has a "thinking" segment: the target completion is a run of filler
+tokens (`THINK_CHAR`, "." -- one token) of geometrically distributed length with that mean, then the
+answer: `"12+7="` -> `"..........19<eos>"`. That gives long-tailed generation lengths (like reasoning
+RL) while the reward still depends only on the final answer.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Callable
 from megarl.protocols import Prompt
 
 EOS_TEXT = "<|endoftext|>"
+THINK_CHAR = "."  # the filler "thinking" token: one byte, so one token of the embedded tokenizer
 
 _OPS: dict[str, Callable[[int, int], int]] = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
@@ -26,11 +32,18 @@ class ArithmeticTask:
     Defaults (addition, operands 0..19): 400 distinct prompts, answers 0..38 of one or two digits,
     prompts of 4-6 characters. Small enough that the tiny embedded model learns it in seconds on a
     CPU, large enough that answers are not guessable (a uniform guess is right 1 time in 39).
+
+    `think_mean` (default 0: no thinking) is the mean number of filler `THINK_CHAR` tokens before the
+    answer in a target completion; their count is geometric (a constant per-token probability
+    1 / (1 + think_mean) of stopping), so completion lengths are long-tailed. It shapes the targets
+    (`target_completion`, used by the embedded model's warm start); the reward ignores leading filler
+    whatever its value, so it only ever scores the final answer.
     """
 
     min_operand: int = 0
     max_operand: int = 19
     ops: tuple[str, ...] = ("+",)
+    think_mean: float = 0.0
 
     def __post_init__(self) -> None:
         # Accept any sequence (e.g. an OmegaConf ListConfig from a YAML file) but store a tuple so the
@@ -43,6 +56,9 @@ class ArithmeticTask:
             raise ValueError(
                 f"ArithmeticTask needs 0 <= min_operand <= max_operand, got {self.min_operand}..{self.max_operand}"
             )
+        object.__setattr__(self, "think_mean", float(self.think_mean))
+        if not self.think_mean >= 0.0:  # also rejects NaN
+            raise ValueError(f"ArithmeticTask needs think_mean >= 0, got {self.think_mean}")
 
     def make_prompt(self, a: int, op: str, b: int) -> Prompt:
         return Prompt(text=f"{a}{op}{b}=", answer=str(_OPS[op](a, b)), meta={"a": a, "op": op, "b": b})
@@ -68,16 +84,46 @@ class ArithmeticTask:
                    for b in (self.min_operand, self.max_operand)]
         return min(results), max(results)
 
+    def sample_think_length(self, rng: random.Random, max_len: int | None = None) -> int:
+        """A geometric number of filler tokens with mean `think_mean` (0 when not thinking).
+
+        P(k) = (1 - q)^k q with q = 1 / (1 + think_mean): every filler token is followed by another
+        with the same probability, so a model trained on these targets learns a constant stop rate.
+        With `max_len`, longer draws are redrawn (the tail beyond it is cut off, not piled on it)."""
+        if self.think_mean <= 0.0:
+            return 0
+        if max_len is not None and max_len < 0:
+            raise ValueError(f"max_len must be >= 0, got {max_len}")
+        go_on = self.think_mean / (1.0 + self.think_mean)
+        while True:
+            k = 0
+            while rng.random() < go_on:
+                k += 1
+            if max_len is None or k <= max_len:
+                return k
+
+    def target_completion(self, prompt: Prompt, rng: random.Random, max_think: int | None = None) -> str:
+        """A correct completion (EOS not included): filler of geometric length, then the answer."""
+        return THINK_CHAR * self.sample_think_length(rng, max_think) + prompt.answer
+
     def reward(self, prompt: Prompt, completion: str) -> float:
         return exact_match(completion, prompt.answer)
 
 
-def exact_match(completion: str, answer: str) -> float:
-    """1.0 iff the completion, with the EOS marker and surrounding whitespace removed, equals answer."""
+def strip_thinking(completion: str) -> str:
+    """The final answer of a completion: EOS marker, surrounding whitespace and leading filler removed."""
     text = completion.strip()
     if text.endswith(EOS_TEXT):
         text = text[: -len(EOS_TEXT)].strip()
-    return 1.0 if text == answer.strip() else 0.0
+    return text.lstrip(THINK_CHAR).strip()
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """1.0 iff the completion, with the EOS marker, surrounding whitespace and any leading thinking
+    filler removed, equals answer. A completion with no answer (empty, or filler only -- e.g. cut at
+    the length limit while still thinking) gets 0."""
+    text = strip_thinking(completion)
+    return 1.0 if text and text == answer.strip() else 0.0
 
 
 _TASKS: dict[str, Callable[..., object]] = {"arithmetic": ArithmeticTask}
