@@ -201,24 +201,49 @@ def warm_start(model, tokenizer, task: ArithmeticTask, recipe: WarmStartRecipe) 
 # ---------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def expected_accuracy(model, tokenizer, prompts: list[Prompt], max_new_tokens: int | None = None,
-                      chunk: int = 1024) -> float:
+def expected_accuracy(model, tokenizer, prompts: list[Prompt], max_new_tokens: int | None = None) -> float:
     """Mean probability of sampling a correct completion at T=1: the sampled accuracy without sampling noise.
 
     max_new_tokens=None: P(answer+EOS). Otherwise the probability that T=1 sampling capped at
     max_new_tokens ends in a reward-1 completion: the sum over k of P(k filler tokens, answer, EOS)
-    for every k that fits (exact, since those completions are disjoint events)."""
-    owner, targets = [], []  # (prompt index, completion text) of every reward-1 completion that fits
-    for i, p in enumerate(prompts):
-        max_think = 0 if max_new_tokens is None else max_new_tokens - len(_encode(tokenizer, p.answer)) - 1
+    for every k that fits (exact: those completions are disjoint events). Computed with one forward
+    pass over prompt+filler per prompt group and a KV cache cropped to each k for the answer."""
+    if max_new_tokens is None:
+        input_ids, mask = _batch(tokenizer, prompts, [p.answer for p in prompts])
+        return torch.exp(-_sequence_nll(model, input_ids, mask)).mean().item()
+    import copy
+
+    think_id = _encode(tokenizer, THINK_CHAR)[0]
+    groups: dict[tuple[int, int], list[int]] = {}
+    encoded = [(_encode(tokenizer, p.text), _encode(tokenizer, p.answer) + [EOS_ID]) for p in prompts]
+    for i, (prompt_ids, answer_ids) in enumerate(encoded):
+        groups.setdefault((len(prompt_ids), len(answer_ids)), []).append(i)
+    per_prompt = torch.zeros(len(prompts))
+    for (plen, alen), idx in groups.items():
+        max_think = max_new_tokens - alen
+        if max_think < 0:
+            continue
+        prompt_ids = torch.tensor([encoded[i][0] for i in idx])
+        answer_ids = torch.tensor([encoded[i][1] for i in idx])
+        ids = torch.cat([prompt_ids, torch.full((len(idx), max_think), think_id)], 1)
+        out = model(input_ids=ids, use_cache=True)
+        logp = torch.log_softmax(out.logits.float(), -1)  # [B, plen + max_think, V]
+        # think_logp[:, k] = log P(k filler tokens first); first_logp[:, k] = log P(answer[0] | k fillers).
+        dot = logp[:, plen - 1: plen - 1 + max_think, think_id]
+        think_logp = torch.cat([torch.zeros(len(idx), 1), dot.cumsum(1)], 1)
+        first_logp = logp[:, plen - 1: plen + max_think].gather(2, answer_ids[:, :1, None].expand(-1, max_think + 1, 1))[..., 0]
+        total = []
         for k in range(max_think + 1):
-            owner.append(i)
-            targets.append(THINK_CHAR * k + p.answer)
-    probs = []
-    for s in range(0, len(targets), chunk):
-        input_ids, mask = _batch(tokenizer, [prompts[i] for i in owner[s: s + chunk]], targets[s: s + chunk])
-        probs.append(torch.exp(-_sequence_nll(model, input_ids, mask)))
-    per_prompt = torch.zeros(len(prompts)).index_add_(0, torch.tensor(owner), torch.cat(probs))
+            if alen > 1:
+                cache = copy.deepcopy(out.past_key_values)
+                cache.crop(plen + k)
+                rest = torch.log_softmax(model(input_ids=answer_ids[:, :-1], past_key_values=cache,
+                                               use_cache=True).logits.float(), -1)
+                rest_logp = rest.gather(2, answer_ids[:, 1:, None])[..., 0].sum(1)
+            else:
+                rest_logp = torch.zeros(len(idx))
+            total.append(think_logp[:, k] + first_logp[:, k] + rest_logp)
+        per_prompt[idx] = torch.logsumexp(torch.stack(total, 1), 1).exp()
     return per_prompt.mean().item()
 
 

@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent('''
     from megarl.algo.config import LossConfig
     from megarl.learner import cpu_shims
     from megarl.config.schema import LearnerConfig
-from megarl.learner.megatron import MegatronLearner
+    from megarl.learner.megatron import MegatronLearner
     from megarl.protocols import TrainBatch
 
     model_dir, sites = sys.argv[1], {tuple(k.split("|")): v for k, v in json.loads(sys.argv[2]).items()}

@@ -42,7 +42,7 @@ def world(tmp_path_factory):
 
 def _learner(model_dir, temperature=1.0, **cfg):
     from megarl.config.schema import LearnerConfig
-from megarl.learner.megatron import MegatronLearner
+    from megarl.learner.megatron import MegatronLearner
 
     return MegatronLearner(model_dir, LearnerConfig(**cfg), LossConfig(), temperature=temperature)
 
