@@ -79,6 +79,16 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(cfg.sampler.engine == "builtin", "sampler.engine", f"unknown engine {cfg.sampler.engine!r}; known: builtin")
     _require(cfg.sampler.kv_on_update in ("keep", "recompute"), "sampler.kv_on_update", "must be 'keep' or 'recompute'")
     _require(cfg.algo.mode in ("pipeline", "sync"), "algo.mode", f"must be 'pipeline' or 'sync', got {cfg.algo.mode!r}")
+    if cfg.algo.mode == "pipeline":
+        _require(cfg.algo.sync_epochs == 1, "algo.sync_epochs",
+                 "epochs over one batch are a sync-mode setting; in pipeline mode every batch gets exactly one "
+                 "optimizer step (set algo.mode=sync for the K-epoch baseline)")
+    else:
+        _require(cfg.algo.prompts_per_step % cfg.sampler.num_engines == 0, "algo.prompts_per_step",
+                 f"sync mode splits each batch evenly over the samplers: {cfg.algo.prompts_per_step} prompts do not "
+                 f"divide over sampler.num_engines={cfg.sampler.num_engines}")
+        _require(not cfg.algo.advantage.filter_zero_variance, "algo.advantage.filter_zero_variance",
+                 "sync mode generates exactly one batch per version, so dropped groups could not be replaced")
     _require(cfg.dist.backend in ("auto", "gloo", "nccl"), "dist.backend", "must be auto, gloo or nccl")
     _require(cfg.algo.max_lag >= 0, "algo.max_lag", "must be >= 0")
     _require(cfg.algo.group_size >= 2, "algo.group_size", "group advantages need at least 2 samples per prompt")
@@ -106,7 +116,7 @@ def _check_positive(cfg: Config) -> None:
     positive = {
         "run.steps", "sampling.max_new_tokens", "sampler.num_engines", "sampler.max_running",
         "sampler.max_seq_len", "sampler.threads", "learner.tp", "learner.pp", "learner.dp",
-        "learner.micro_batch_size", "learner.threads", "learner.lr", "algo.prompts_per_step",
+        "learner.micro_batch_size", "learner.threads", "learner.lr", "algo.prompts_per_step", "algo.sync_epochs",
         "publish.bucket_mb", "publish.timeout_s", "queue.timeout_s", "dist.timeout_s", "task.max_operand",
     }
     for key in positive:

@@ -75,7 +75,12 @@ class LearnerConfig:
 
 @dataclass
 class AlgoConfig:
-    mode: str = "pipeline"  # "pipeline" (one step per batch, in-flight updates) or "sync"
+    # "pipeline": samplers never stop; one optimizer step per batch; weights applied in flight.
+    # "sync": the baseline. Samplers generate exactly one batch under pi_t and wait; the learner
+    # trains `sync_epochs` optimizer steps on it (pi_t's recorded log-probs stay the ratio
+    # denominator), then publishes, and the next batch starts.
+    mode: str = "pipeline"
+    sync_epochs: int = 1
     group_size: int = 8  # samples per prompt (G)
     prompts_per_step: int = 8  # groups per learner batch
     # A sample whose oldest token is more than max_lag versions behind the learner is dropped.

@@ -1,15 +1,17 @@
 """Weight publish: the learner broadcasts each new policy version to every sampler, in buckets.
 
-Protocol for version v (publish group rank 0 = learner source, ranks 1.. = samplers):
+Protocol (publish group rank 0 = learner source, ranks 1.. = samplers):
   1. once per run the source writes the *spec* (HF name, shape, dtype of every tensor, in
      broadcast order) to the store; receivers check it against their engine's weights.
-  2. per version the source writes a header {version, crc32 per bucket, extra} under `publish/v{v}`,
-     then broadcasts each bucket (a flat buffer of whole tensors of one dtype, at most
+  2. per publish (numbered 1, 2, ...) the source writes a header {version, crc32 per bucket, extra}
+     under `publish/{n}`, then broadcasts each bucket (a flat buffer of whole tensors of one dtype, at most
      `bucket_mb`) over the group.
   3. a receiver thread waits for the header, receives the buckets into a staging buffer set,
      verifies the checksums and hands the tensors (views into the staging buffers) to a callback;
      the engine swaps them in at its next step boundary, so decoding overlaps the transfer.
-Receivers double-buffer: version v lands in buffer set v % 2, reused only once the engine has
+Publishes are numbered separately from policy versions because a version may advance by more than
+one between publishes (sync mode trains K steps, a skipped step advances none).
+Receivers double-buffer: publish n lands in buffer set n % 2, reused only once the engine has
 moved past the version that set last held.
 """
 from __future__ import annotations
@@ -28,8 +30,8 @@ SPEC_KEY = "publish/spec"
 HEADER_POLL_S = 0.002
 
 
-def header_key(version: int) -> str:
-    return f"publish/v{version}"
+def header_key(publish_index: int) -> str:
+    return f"publish/{publish_index}"
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class WeightPublisher:
         self.checksum = checksum
         self.buckets: list[Bucket] | None = None
         self.buffers: list[torch.Tensor] = []
+        self.published = 0
 
     def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], extra: dict | None = None) -> dict:
         """Broadcast one version; returns {bytes, seconds}. `extra` travels in the header (small JSON)."""
@@ -113,7 +116,9 @@ class WeightPublisher:
             for slot in bucket.slots:
                 buffer[slot.offset:slot.offset + slot.numel].copy_(named[slot.name].reshape(-1))
         crcs = [_crc(b) for b in self.buffers] if self.checksum else None
-        self.store.set(header_key(version), json.dumps({"version": version, "crc32": crcs, "extra": extra or {}}))
+        self.published += 1
+        self.store.set(header_key(self.published),
+                       json.dumps({"version": version, "crc32": crcs, "extra": extra or {}}))
         nbytes = 0
         for i, buffer in enumerate(self.buffers):
             _broadcast(self.group, buffer, self.timeout, f"version {version} bucket {i + 1}/{len(self.buffers)}")
@@ -129,13 +134,13 @@ class WeightReceiver:
     """
 
     def __init__(self, group, store, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
-                 first_version: int,
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
                  current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float):
         self.group, self.store = group, store
         self.on_version, self.current_version, self.should_stop = on_version, current_version, should_stop
         self.timeout = timedelta(seconds=timeout_s)
-        self.next_version = first_version + 1
+        self.next_index = 1
+        self.held_versions: list[int | None] = [None, None]  # version each staging set last received
         self.error: BaseException | None = None
         self.seconds_receiving = 0.0
         self._expected, self._device = expected, device
@@ -168,26 +173,27 @@ class WeightReceiver:
         try:
             self._load_spec()
             while True:
-                version = self.next_version
-                self._wait_key(header_key(version))
-                self._receive(version, json.loads(self.store.get(header_key(version))))
-                self.next_version += 1
+                self._wait_key(header_key(self.next_index))
+                self._receive(self.next_index % 2, json.loads(self.store.get(header_key(self.next_index))))
+                self.next_index += 1
         except _Stopped:
             pass
         except BaseException as exc:  # surfaced to the sampler loop through `error`
             self.error = exc
 
-    def _receive(self, version: int, header: dict) -> None:
-        buffers = self.buffer_sets[version % 2]
+    def _receive(self, set_index: int, header: dict) -> None:
+        version, buffers = header["version"], self.buffer_sets[set_index]
         deadline = time.monotonic() + self.timeout.total_seconds()
-        # The set last held version-2; it is free once the engine runs version-1 or newer.
-        while self.current_version() < version - 1:
+        # The engine may still run on the weights this set last received; the set is free once it
+        # has moved on (to the version staged from the other set).
+        while self.held_versions[set_index] is not None and self.current_version() == self.held_versions[set_index]:
             if self.should_stop():
                 raise _Stopped()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"weight receive: the engine did not apply version {version - 1} within "
-                                   f"{self.timeout.total_seconds():.0f}s")
+                raise TimeoutError(f"weight receive: the engine did not apply the version after "
+                                   f"{self.held_versions[set_index]} within {self.timeout.total_seconds():.0f}s")
             time.sleep(0.001)
+        self.held_versions[set_index] = version
         start = time.perf_counter()
         for i, buffer in enumerate(buffers):
             _broadcast(self.group, buffer, self.timeout, f"receive version {version} bucket {i + 1}/{len(buffers)}")

@@ -3,7 +3,8 @@
 Owns: building the TP/PP/DP model-parallel state over the learner ranks, loading an HF-format model
 directory into a megatron ``GPTModel`` (through megarl.models.convert), megatron DDP + optimizer,
 per-token log-probs through vocab-parallel cross-entropy, the policy-gradient step (loss from
-megarl.algo.losses) and the HF-named tensors the weight publisher broadcasts.
+megarl.algo.losses), the frozen reference model for the KL penalty (when loss.kl_coef > 0) and the
+HF-named tensors the weight publisher broadcasts.
 
 Process contract: construct it after ``torch.distributed`` is initialised with a default process
 group that contains ONLY the learner ranks (world size = tp * pp * dp).  Every learner rank receives
@@ -50,8 +51,6 @@ class MegatronLearner:
         if cfg.tp * cfg.pp * cfg.dp != dist.get_world_size():
             raise ValueError(f"learner tp*pp*dp = {cfg.tp}*{cfg.pp}*{cfg.dp} != learner world size "
                              f"{dist.get_world_size()}")
-        if loss_cfg.kl_coef > 0:
-            raise ValueError("loss.kl_coef > 0 needs reference log-probs, which this learner does not compute")
         self.cfg, self.loss_cfg, self.temperature = cfg, loss_cfg, temperature
         self._version = 0
         self.on_gpu = torch.cuda.is_available()
@@ -85,15 +84,27 @@ class MegatronLearner:
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
         self.layer_offset = get_transformer_layer_offset(self.config)
-        gpt = GPTModel(
-            config=self.config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-            pre_process=self.pre_process, post_process=self.post_process,
-            **convert.gpt_model_kwargs(self.hf_config),
-        )
-        self._load_hf_weights(gpt, model_dir)
-        self.gpt = gpt.to(self.device)
-        module = Float16Module(self.config, self.gpt) if self.on_gpu else self.gpt
+        hf_weights = convert.hf_to_mcore(load_file(os.path.join(model_dir, "model.safetensors")), self.hf_config)
+
+        def build():  # this rank's shard of the HF model, as a GPTModel (Float16Module-wrapped on GPU)
+            gpt = GPTModel(
+                config=self.config,
+                transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                pre_process=self.pre_process, post_process=self.post_process,
+                **convert.gpt_model_kwargs(self.hf_config),
+            )
+            self._load_hf_weights(gpt, hf_weights)
+            gpt = gpt.to(self.device)
+            return gpt, (Float16Module(self.config, gpt) if self.on_gpu else gpt)
+
+        self.gpt, module = build()
+        # KL penalty: a frozen copy of the initial weights, same sharding, no grads, no optimizer
+        # state, always in eval mode (docs/learner.md: one extra copy of the weights per rank).
+        self.ref_model = None
+        if loss_cfg.kl_coef > 0:
+            _, self.ref_model = build()
+            self.ref_model.requires_grad_(False).eval()
+        del hf_weights
         self.model = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
@@ -117,9 +128,8 @@ class MegatronLearner:
 
     # ------------------------------------------------------------------ weights in and out
 
-    def _load_hf_weights(self, gpt, model_dir: str) -> None:
-        """Load this rank's shard (its PP stage's layers, its TP slice) of the HF weights."""
-        full = convert.hf_to_mcore(load_file(os.path.join(model_dir, "model.safetensors")), self.hf_config)
+    def _load_hf_weights(self, gpt, full: dict[str, torch.Tensor]) -> None:
+        """Load this rank's shard (its PP stage's layers, its TP slice) of the full megatron-named weights."""
         params = dict(gpt.named_parameters())
         self._tp_dim: dict[str, int | None] = {}  # parameter name -> TP-split dim (None: replicated)
         shard = {}
@@ -232,8 +242,11 @@ class MegatronLearner:
         entropy = zmax.squeeze(-1) + sum_e.log() - sum_ez / sum_e
         return torch.nn.functional.pad(entropy, (1, 0))
 
-    def _run(self, micro_batches: list[dict], forward_only: bool, loss_fn) -> list:
-        """Run megatron's schedule over the micro-batches; loss_fn(logits, mb) -> (loss, record)."""
+    def _run(self, model, micro_batches: list[dict], forward_only: bool, loss_fn) -> list:
+        """Run megatron's schedule for `model` (policy or reference) over the micro-batches.
+
+        loss_fn(logits, mb) -> (loss, record); the records of the last PP stage are returned.
+        """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
@@ -247,7 +260,7 @@ class MegatronLearner:
                              "micro_batch_size * dp")
         b, s = micro_batches[0]["input_ids"].shape
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
             num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
             forward_only=forward_only,
         )
@@ -263,14 +276,22 @@ class MegatronLearner:
         return tensor
 
     @torch.no_grad()
-    def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs [B, S] (fp32, CPU) of the whole batch under the current weights."""
-        self.model.eval()
+    def _forward_logprobs(self, model, input_ids: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs [B, S] (fp32, CPU) of `model` on input_ids, forward-only, micro-batched.
+
+        The no-grad passes share it: the policy's (`logprobs`, the decoupled proximal policy) and the
+        frozen reference's (KL penalty).  Every rank of the PP group gets the result.
+        """
         mbs = [{"input_ids": chunk} for chunk in input_ids.split(self.cfg.micro_batch_size)]
-        out = self._run(mbs, forward_only=True, loss_fn=lambda logits, mb: (
+        out = self._run(model, mbs, forward_only=True, loss_fn=lambda logits, mb: (
             torch.zeros((), device=self.device), self._token_logprobs(logits, mb["input_ids"].to(self.device))))
         result = torch.cat(out) if self.post_process else None
         return self._broadcast_from_last_stage(result, tuple(input_ids.shape)).cpu()
+
+    def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs [B, S] (fp32, CPU) of the whole batch under the current weights."""
+        self.model.eval()
+        return self._forward_logprobs(self.model, input_ids)
 
     # ------------------------------------------------------------------ the step
 
@@ -280,18 +301,20 @@ class MegatronLearner:
         mask = batch.loss_mask.float()
         total_tokens = float(mask.sum())
         total_seqs = float((mask.sum(dim=1) > 0).sum())
-        # The decoupled objective's proximal policy is the weights at the start of this step.
-        proximal = self.logprobs(batch.input_ids) if self.loss_cfg.decoupled else None
-
         rows = torch.arange(batch.input_ids.shape[0]).tensor_split(self.cfg.dp)[self.ps.get_data_parallel_rank()]
         if len(rows) == 0:
             raise ValueError(f"batch of {batch.input_ids.shape[0]} rows is smaller than dp={self.cfg.dp}")
         fields = {"input_ids": batch.input_ids, "mask": mask, "behaviour_logprobs": batch.behaviour_logprobs,
                   "advantages": batch.advantages, "versions": batch.versions}
-        if proximal is not None:
-            fields["proximal_logprobs"] = proximal
+        fields = {k: v[rows] for k, v in fields.items()}  # this DP rank's share
+        # No-grad log-probs of this rank's rows, before the step: the decoupled objective's proximal
+        # policy (the weights at the start of this step) and the frozen reference (KL penalty).
+        if self.loss_cfg.decoupled:
+            fields["proximal_logprobs"] = self.logprobs(fields["input_ids"])
+        if self.ref_model is not None:
+            fields["ref_logprobs"] = self._forward_logprobs(self.ref_model, fields["input_ids"])
         micro_batches = [{k: v[idx] for k, v in fields.items()}
-                         for idx in rows.split(self.cfg.micro_batch_size)]
+                         for idx in torch.arange(len(rows)).split(self.cfg.micro_batch_size)]
         # policy_loss returns each micro-batch's share of the batch loss (global normalisers), so
         # the batch gradient is the plain SUM over micro-batches and DP ranks.  Megatron instead
         # divides each micro-batch loss by num_microbatches (schedules.forward_step_calc_loss,
@@ -308,7 +331,8 @@ class MegatronLearner:
                 behaviour_logprobs=mb["behaviour_logprobs"], advantages=mb["advantages"], mask=mb["mask"],
                 versions=mb["versions"], learner_version=batch.learner_version,
                 total_tokens=total_tokens, total_seqs=total_seqs,
-                proximal_logprobs=mb.get("proximal_logprobs"), entropy=entropy,
+                proximal_logprobs=mb.get("proximal_logprobs"), ref_logprobs=mb.get("ref_logprobs"),
+                entropy=entropy,
             )
             loss, stats = policy_loss(logprobs, inputs, self.loss_cfg)
             stats_list.append(stats)
@@ -318,7 +342,7 @@ class MegatronLearner:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._run(micro_batches, forward_only=False, loss_fn=loss_fn)
+        self._run(self.model, micro_batches, forward_only=False, loss_fn=loss_fn)
 
         # The batch loss = sum of micro-batch losses over the last PP stage of every DP rank.
         loss = torch.stack(losses).sum().double().cpu() if losses else torch.zeros((), dtype=torch.float64)

@@ -21,6 +21,7 @@ model path ("embedded:<name>" or a directory) into a checked directory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -123,6 +124,11 @@ class WarmStartRecipe:
     # Thinking tasks (task.think_mean > 0): longest filler run in a training target. Longer geometric
     # draws are redrawn, so the model sees a constant stop rate up to here; keeps batches narrow.
     max_think: int = 44
+    # Thinking tasks: the first `short_steps` of the clean phase draw filler runs with mean
+    # `short_think_mean` instead of task.think_mean (short, cheap sequences on which the arithmetic
+    # and finding the prompt across a variable gap are learnt fast); the full length after that.
+    short_steps: int = 0
+    short_think_mean: float = 2.0
 
 
 def _near_miss(answer: int, lo: int, hi: int, max_offset: int, rng: random.Random) -> int:
@@ -160,11 +166,13 @@ def _sequence_nll(model, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.T
     return (nll.view(input_ids.size(0), -1) * mask[:, 1:]).sum(1)
 
 
-def warm_start(model, tokenizer, task: ArithmeticTask, recipe: WarmStartRecipe) -> None:
-    """Train `model` in place (fp32, CPU) with the recipe; deterministic given recipe.seed."""
+def warm_start(model, tokenizer, task: ArithmeticTask, recipe: WarmStartRecipe, on_step=None) -> None:
+    """Train `model` in place (fp32, CPU) with the recipe; deterministic given recipe.seed.
+    `on_step(step, model)`, if given, is called after every step (for learning-curve experiments)."""
     rng = random.Random(recipe.seed)
     prompts = task.all_prompts()
     lo, hi = task.answer_range()
+    short_task = dataclasses.replace(task, think_mean=min(task.think_mean, recipe.short_think_mean))
     total = recipe.clean_steps + recipe.noisy_steps
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.0)
 
@@ -179,7 +187,8 @@ def warm_start(model, tokenizer, task: ArithmeticTask, recipe: WarmStartRecipe) 
         batch = [rng.choice(prompts) for _ in range(recipe.batch_prompts)]
         # Filler run of each target (empty unless the task thinks; then no rng draw is made, so a
         # non-thinking build is unchanged). A correct answer and its near miss share their filler.
-        think = [THINK_CHAR * task.sample_think_length(rng, recipe.max_think) for _ in batch]
+        src = short_task if step < recipe.short_steps else task
+        think = [THINK_CHAR * src.sample_think_length(rng, recipe.max_think) for _ in batch]
         if step < recipe.clean_steps:
             answers, weights = [t + p.answer for t, p in zip(think, batch)], torch.ones(len(batch))
         else:
@@ -193,6 +202,8 @@ def warm_start(model, tokenizer, task: ArithmeticTask, recipe: WarmStartRecipe) 
         loss.backward()
         opt.step()
         sched.step()
+        if on_step is not None:
+            on_step(step, model)
     model.eval()
 
 
@@ -227,6 +238,7 @@ def expected_accuracy(model, tokenizer, prompts: list[Prompt], max_new_tokens: i
         answer_ids = torch.tensor([encoded[i][1] for i in idx])
         ids = torch.cat([prompt_ids, torch.full((len(idx), max_think), think_id)], 1)
         out = model(input_ids=ids, use_cache=True)
+        prefix_cache = out.cache
         logp = torch.log_softmax(out.logits.float(), -1)  # [B, plen + max_think, V]
         # think_logp[:, k] = log P(k filler tokens first); first_logp[:, k] = log P(answer[0] | k fillers).
         dot = logp[:, plen - 1: plen - 1 + max_think, think_id]
@@ -235,10 +247,9 @@ def expected_accuracy(model, tokenizer, prompts: list[Prompt], max_new_tokens: i
         total = []
         for k in range(max_think + 1):
             if alen > 1:
-                cache = copy.deepcopy(out.past_key_values)
-                cache.crop(plen + k)
-                rest = torch.log_softmax(model(input_ids=answer_ids[:, :-1], past_key_values=cache,
-                                               use_cache=True).logits.float(), -1)
+                cache = copy.deepcopy(prefix_cache)
+                cache.crop(k - max_think)  # keep the prompt and k fillers (transformers 5: minus tokens to drop)
+                rest = torch.log_softmax(model(input_ids=answer_ids[:, :-1], cache=cache, use_cache=True).logits.float(), -1)
                 rest_logp = rest.gather(2, answer_ids[:, 1:, None])[..., 0].sum(1)
             else:
                 rest_logp = torch.zeros(len(idx))
@@ -248,22 +259,27 @@ def expected_accuracy(model, tokenizer, prompts: list[Prompt], max_new_tokens: i
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[Prompt], temperature: float, seed: int = 0,
-             max_new_tokens: int = 4) -> list[str]:
-    """Completion texts (EOS not included), greedy when temperature == 0. Small and exact, not fast."""
+def generate_tokens(model, tokenizer, prompts: list[Prompt], temperature: float, seed: int = 0,
+                    max_new_tokens: int = 4, banned: int | None = None) -> list[list[int]]:
+    """Completion token ids (EOS included when emitted; a list of max_new_tokens ids without EOS was
+    cut at the cap), greedy when temperature == 0; token id `banned` is never emitted. Small and
+    exact, not fast."""
     gen = torch.Generator().manual_seed(seed)
-    out: list[str] = [""] * len(prompts)
+    out: list[list[int]] = [[] for _ in prompts]
     by_len: dict[int, list[int]] = {}
     encoded = [_encode(tokenizer, p.text) for p in prompts]
     for i, ids in enumerate(encoded):
         by_len.setdefault(len(ids), []).append(i)
-    # Equal-length prompts batch without padding; re-running the whole (tiny) prefix avoids a KV cache.
+    # Equal-length prompts batch without padding; a KV cache carries the prefix between steps.
     for idx in by_len.values():
-        ids = torch.tensor([encoded[i] for i in idx])
+        step_ids, cache = torch.tensor([encoded[i] for i in idx]), None
         done = torch.zeros(len(idx), dtype=torch.bool)
         new = []
         for _ in range(max_new_tokens):
-            logits = model(input_ids=ids).logits[:, -1].float()
+            res = model(input_ids=step_ids, cache=cache, use_cache=True)
+            logits, cache = res.logits[:, -1].float(), res.cache
+            if banned is not None:
+                logits[:, banned] = float("-inf")
             if temperature == 0:
                 nxt = logits.argmax(-1)
             else:
@@ -271,27 +287,46 @@ def generate(model, tokenizer, prompts: list[Prompt], temperature: float, seed: 
             nxt = torch.where(done, torch.full_like(nxt, EOS_ID), nxt)
             new.append(nxt)
             done |= nxt == EOS_ID
-            ids = torch.cat([ids, nxt[:, None]], 1)
+            step_ids = nxt[:, None]
             if done.all():
                 break
         tokens = torch.stack(new, 1).tolist()
         for row, i in enumerate(idx):
-            kept = tokens[row][: tokens[row].index(EOS_ID)] if EOS_ID in tokens[row] else tokens[row]
-            out[i] = tokenizer.decode(kept)
+            out[i] = tokens[row][: tokens[row].index(EOS_ID) + 1] if EOS_ID in tokens[row] else tokens[row]
     return out
 
 
-def length_stats(tokenizer, completions: list[str], max_new_tokens: int) -> dict:
-    """Token-length summary of `generate` outputs (EOS counted when present; a completion of
-    max_new_tokens tokens without EOS was cut at the cap)."""
-    lengths = []
-    for c in completions:
-        n = len(_encode(tokenizer, c))
-        lengths.append(n if n >= max_new_tokens else n + 1)
-    t = torch.tensor(sorted(lengths), dtype=torch.float)
+def generate(model, tokenizer, prompts: list[Prompt], temperature: float, seed: int = 0,
+             max_new_tokens: int = 4) -> list[str]:
+    """Completion texts (EOS not included), greedy when temperature == 0."""
+    return [tokenizer.decode([t for t in ids if t != EOS_ID])
+            for ids in generate_tokens(model, tokenizer, prompts, temperature, seed, max_new_tokens)]
+
+
+def greedy_answer_accuracy(model, tokenizer, task: ArithmeticTask, prompts: list[Prompt],
+                           think_len: int) -> float:
+    """Exact-match accuracy of the greedy answer after a forced run of `think_len` filler tokens
+    (prompt + "." * think_len, then greedy with the filler banned).
+
+    This is the thinking model's "greedy accuracy": plain greedy decoding of a geometric thinking
+    segment never stops thinking (continuing is always the likelier token), so it measures
+    whether the mode of the *answer* is right -- and, over several think_len, whether the model
+    still finds the prompt across a long filler run."""
+    forced = [Prompt(p.text + THINK_CHAR * think_len, p.answer, p.meta) for p in prompts]
+    think_id = _encode(tokenizer, THINK_CHAR)[0]
+    answers = generate_tokens(model, tokenizer, forced, temperature=0.0, max_new_tokens=4, banned=think_id)
+    return sum(task.reward(p, tokenizer.decode([t for t in ids if t != EOS_ID]))
+               for p, ids in zip(prompts, answers)) / len(prompts)
+
+
+def length_stats(token_lists: list[list[int]], max_new_tokens: int) -> dict:
+    """Summary of completion lengths in tokens (EOS included) from `generate_tokens`."""
+    lengths = [len(t) for t in token_lists]
+    t = torch.tensor(lengths, dtype=torch.float)
     q = lambda f: round(torch.quantile(t, f).item(), 1)  # noqa: E731
-    return {"mean": round(t.mean().item(), 2), "median": q(0.5), "p90": q(0.9), "p99": q(0.99),
-            "max": int(t.max().item()), "frac_at_cap": round(sum(n >= max_new_tokens for n in lengths) / len(lengths), 4)}
+    return {"mean": round(t.mean().item(), 2), "median": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": max(lengths),
+            "frac_at_cap": round(sum(n >= max_new_tokens and EOS_ID not in ids for n, ids in zip(lengths, token_lists))
+                                 / len(lengths), 4)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,25 +382,29 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
             torch.manual_seed(spec.recipe.seed)
             model = Qwen2ForCausalLM(build_config())
             warm_start(model, tokenizer, spec.task, spec.recipe)
+        train_s = time.perf_counter() - t0
+        prompts = spec.task.all_prompts()
+        greedy = generate(model, tokenizer, prompts, temperature=0.0, max_new_tokens=spec.max_new_tokens)
+        sampled_ids = generate_tokens(model, tokenizer, prompts, temperature=1.0, seed=0, max_new_tokens=spec.max_new_tokens)
+        sampled = [tokenizer.decode([t for t in ids if t != EOS_ID]) for ids in sampled_ids]
+        expected = expected_accuracy(model, tokenizer, prompts, spec.max_new_tokens)
     finally:
         torch.set_num_threads(threads)
-    train_s = time.perf_counter() - t0
-    prompts = spec.task.all_prompts()
-    greedy = generate(model, tokenizer, prompts, temperature=0.0, max_new_tokens=spec.max_new_tokens)
-    sampled = generate(model, tokenizer, prompts, temperature=1.0, seed=0, max_new_tokens=spec.max_new_tokens)
     record = {
         "name": name,
         "task": asdict(spec.task),
         "recipe": asdict(spec.recipe),
         "warm_start_seconds": round(train_s, 1),
         "num_parameters": sum(p.numel() for p in model.parameters()),
-        # Over every distinct prompt of the task: exact P(answer+EOS) at T=1, and greedy exact match.
+        # Over every distinct prompt of the task: exact P(reward 1) at T=1 within max_new_tokens
+        # (P(answer+EOS) for the non-thinking model), and greedy exact match.
         "max_new_tokens": spec.max_new_tokens,
-        "expected_sampled_accuracy": round(expected_accuracy(model, tokenizer, prompts, spec.max_new_tokens), 4),
+        "expected_sampled_accuracy": round(expected, 4),
         "greedy_accuracy": round(sum(spec.task.reward(p, c) for p, c in zip(prompts, greedy)) / len(prompts), 4),
         # One T=1 sample per prompt (seed 0): its accuracy and completion lengths in tokens, EOS included.
         "sampled_accuracy": round(sum(spec.task.reward(p, c) for p, c in zip(prompts, sampled)) / len(prompts), 4),
-        "sampled_lengths": length_stats(tokenizer, sampled, spec.max_new_tokens),
+        "sampled_lengths": length_stats(sampled_ids, spec.max_new_tokens),
+        "eval_seconds": round(time.perf_counter() - t0 - train_s, 1),
     }
     model.generation_config = GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -3,10 +3,14 @@
 Pipeline mode: the learner never waits for a generation phase; it takes the next `prompts_per_step`
 fresh groups from the queue, drops those older than `max_lag` versions (counted), trains once and
 publishes version v+1 to the samplers, which apply it in flight.
+Sync mode: the same loop, but the batch is the one the samplers generated under the current
+version, and it gets `sync_epochs` optimizer steps before the publish (the recorded behaviour
+log-probs of pi_t stay the ratio denominator in every epoch).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from collections import Counter
 from pathlib import Path
 
@@ -65,7 +69,9 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 dropped_totals[reason] += n
             batch, filter_counts = assemble_batch(groups, cfg.algo.advantage, pad_id, learner_version=version)
             t0 = time.perf_counter()
-            metrics = learner.train_step(batch)
+            for _ in range(cfg.algo.sync_epochs):  # 1 in pipeline mode (validated)
+                # Later epochs see the same tokens one more version behind: the lag metrics say so.
+                metrics = learner.train_step(replace(batch, learner_version=learner.version))
             t1 = time.perf_counter()
             retired.update(g[0].sampler_rank for g in groups)
             published = {"bytes": 0, "seconds": 0.0}

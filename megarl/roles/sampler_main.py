@@ -4,7 +4,10 @@ Each iteration admits new prompt groups while the staleness budget allows, runs 
 (which applies a newly received version in flight first), scores finished groups and pushes them
 to the learner. Weights arrive on a receiver thread, overlapping the transfer with decoding.
 
-Staleness budget: a sampler may have at most ceil((max_lag + 1) * prompts_per_step / samplers)
+Sync mode (the baseline): right after each new version is applied the sampler starts exactly its
+share of one batch and then waits, generating nothing, until the learner publishes again.
+
+Staleness budget (pipeline mode): a sampler may have at most ceil((max_lag + 1) * prompts_per_step / samplers)
 groups outstanding (started, not yet trained or dropped by the learner, which reports what it
 retired in every publish header), so the age of what is queued cannot grow without bound when the
 learner slows down.
@@ -29,6 +32,7 @@ from megarl.rollout.rewards import score
 from megarl.rollout.tasks import build_task
 
 STOP_POLL_S = 0.2
+MAX_CONSECUTIVE_SKIPS = 1000
 
 
 class SamplerLoop:
@@ -46,7 +50,10 @@ class SamplerLoop:
         self.rng = random.Random(cfg.run.seed * 1000 + topo.rank)
         self.sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k,
                                        cfg.sampling.max_new_tokens)
-        self.budget = math.ceil((cfg.algo.max_lag + 1) * cfg.algo.prompts_per_step / topo.num_samplers)
+        share = cfg.algo.prompts_per_step / topo.num_samplers
+        self.budget = math.ceil((cfg.algo.max_lag + 1) * share)
+        self.sync_share = int(share)
+        self.sync_admitted_version: int | None = None
         self.started = 0
         self.retired = 0
         self.skipped_overlong = 0
@@ -62,7 +69,6 @@ class SamplerLoop:
     def run(self) -> None:
         group = publish_group(self.topo, self.store, self.cfg.dist.backend, self.cfg.publish.timeout_s)
         receiver = WeightReceiver(group, self.store, self.engine.weight_spec(), self.engine.device,
-                                  first_version=self.engine.version,
                                   on_version=self._on_version, current_version=lambda: self.engine.version,
                                   should_stop=lambda: self.stopped, timeout_s=self.cfg.publish.timeout_s).start()
         sender = QueueSender(self.store, self.cfg.queue.timeout_s)
@@ -90,7 +96,18 @@ class SamplerLoop:
             sender.close()
 
     def _admit(self) -> None:
+        if self.cfg.algo.mode == "sync":
+            if self.pending or self.sync_admitted_version == self.engine.version:
+                return  # this version's batch is generated (or generating): wait for the next one
+            self.sync_admitted_version = self.engine.version
+            for _ in range(self.sync_share):
+                self._start_group()
+            return
         while self.started - self.retired < self.budget:
+            self._start_group()
+
+    def _start_group(self) -> None:
+        for _ in range(MAX_CONSECUTIVE_SKIPS):
             prompt = self.task.sample_prompts(self.rng, 1)[0]
             ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)
             if len(ids) + 1 > self.cfg.sampler.max_seq_len:
@@ -99,12 +116,16 @@ class SamplerLoop:
                                      f"{self.cfg.sampler.max_seq_len}: {prompt.text[:80]!r}")
                 self.skipped_overlong += 1
                 continue
-            group_id = f"s{self.topo.role_rank}-g{self.started}"
-            self.pending[group_id] = {"prompt": prompt, "done": []}
-            for j in range(self.cfg.algo.group_size):
-                self.engine.add_request(GenerationRequest(f"{group_id}/{j}", ids, self.sampling,
-                                                          stop_token_ids=(self.tokenizer.eos_token_id,)))
-            self.started += 1
+            break
+        else:
+            raise ValueError(f"{MAX_CONSECUTIVE_SKIPS} prompts in a row do not fit sampler.max_seq_len="
+                             f"{self.cfg.sampler.max_seq_len}; raise it or shorten the task's prompts")
+        group_id = f"s{self.topo.role_rank}-g{self.started}"
+        self.pending[group_id] = {"prompt": prompt, "done": []}
+        for j in range(self.cfg.algo.group_size):
+            self.engine.add_request(GenerationRequest(f"{group_id}/{j}", ids, self.sampling,
+                                                      stop_token_ids=(self.tokenizer.eos_token_id,)))
+        self.started += 1
 
     def _finish(self, completion: Completion, sender: QueueSender) -> None:
         group_id = completion.request_id.rsplit("/", 1)[0]

@@ -25,13 +25,15 @@ def test_demo_config_loads_with_overrides():
     ("algo.mode=async", "algo.mode: must be 'pipeline' or 'sync'"),
     ("sampler.kv_on_update=drop", "sampler.kv_on_update"),
     ("sampling.max_new_tokens=64", "sampling.max_new_tokens"),
+    ("algo.sync_epochs=4", "algo.sync_epochs: epochs over one batch are a sync-mode setting"),
+    ("algo.mode=sync sampler.num_engines=3", "algo.prompts_per_step"),
     ("algo.group_size=1", "algo.group_size"),
     ("algo.loss.eps_low=-0.1", "algo.loss"),
     ("steps", "is not of the form key=value"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(DEMO, [override])
+        load_config(DEMO, override.split())
 
 
 def test_unknown_key_in_yaml_is_named(tmp_path):

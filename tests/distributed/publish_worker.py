@@ -20,8 +20,8 @@ from megarl.distributed.topology import Topology, connect_store, publish_group
 out, mode = Path(sys.argv[1]), sys.argv[2]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 topo = Topology(rank=rank, world_size=world, num_learners=1, num_samplers=world - 1)
-store = connect_store(topo, 30)
-group = publish_group(topo, store, "gloo", 30)
+store = connect_store(topo, 60)
+group = publish_group(topo, store, "gloo", 60)
 VERSIONS = 4
 
 
@@ -37,7 +37,7 @@ def crc(t: torch.Tensor) -> int:
 
 
 if rank == 0:
-    publisher = pub.WeightPublisher(group, store, bucket_mb=0.01, timeout_s=30, checksum=True)
+    publisher = pub.WeightPublisher(group, store, bucket_mb=0.01, timeout_s=60, checksum=True)
     if mode == "corrupt":
         real_crc = pub._crc
         pub._crc = lambda b: real_crc(b) ^ 1  # the header lies: every receiver must refuse the version
@@ -62,9 +62,9 @@ else:
             done.set()
 
     spec = {n: (t.shape, t.dtype) for n, t in weights(0).items()}
-    recv = pub.WeightReceiver(group, store, spec, torch.device("cpu"), first_version=0, on_version=on_version,
+    recv = pub.WeightReceiver(group, store, spec, torch.device("cpu"), on_version=on_version,
                               current_version=lambda: engine_version[0], should_stop=done.is_set,
-                              timeout_s=30).start()
+                              timeout_s=60).start()
     recv.thread.join(60)
     result = {"received": received, "error": repr(recv.error) if recv.error else None}
     (out / f"rank{rank}.json").write_text(json.dumps(result))

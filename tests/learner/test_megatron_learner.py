@@ -40,11 +40,11 @@ def world(tmp_path_factory):
     dist.destroy_process_group()
 
 
-def _learner(model_dir, temperature=1.0, **cfg):
+def _learner(model_dir, temperature=1.0, loss_cfg=None, **cfg):
     from megarl.config.schema import LearnerConfig
     from megarl.learner.megatron import MegatronLearner
 
-    return MegatronLearner(model_dir, LearnerConfig(**cfg), LossConfig(), temperature=temperature)
+    return MegatronLearner(model_dir, LearnerConfig(**cfg), loss_cfg or LossConfig(), temperature=temperature)
 
 
 def _hf(model_dir):
@@ -133,6 +133,74 @@ def test_nonfinite_step_is_skipped(model_dir, world):
     assert learner.version == 0
     after = dict(learner.publish_tensors())
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+# ---------------------------------------------------------------- KL to the frozen reference policy
+
+
+def test_kl_is_zero_while_policy_equals_reference(model_dir, world):
+    """Step 0: policy = reference, so the k3 term (value and gradient) vanishes and the step is the no-KL step."""
+    batch = _batch(_hf(model_dir), seed=1)
+    plain = _learner(model_dir, micro_batch_size=16, lr=1e-2).train_step(batch)
+    with_kl = _learner(model_dir, loss_cfg=LossConfig(kl_coef=0.5), micro_batch_size=16, lr=1e-2).train_step(batch)
+    assert with_kl["kl_ref/mean"] == 0.0 and with_kl["loss/kl"] == 0.0
+    assert abs(with_kl["loss"] - plain["loss"]) <= 1e-7
+    assert abs(with_kl["grad_norm"] - plain["grad_norm"]) <= 1e-7 * plain["grad_norm"]
+
+
+@pytest.fixture(scope="module")
+def kl_run(model_dir, world):
+    """Two optimizer steps with kl_coef > 0; the reference's weights before and after, the policy after step 1."""
+    kl_coef = 0.1
+    learner = _learner(model_dir, loss_cfg=LossConfig(kl_coef=kl_coef, kl_estimator="k3"),
+                       micro_batch_size=24, lr=1e-2)
+    hf = _hf(model_dir)
+    batches = [_batch(hf, seed=2), _batch(hf, seed=3)]
+    ref_before = {n: p.detach().clone() for n, p in learner.ref_model.named_parameters()}
+    first = learner.train_step(batches[0])
+    policy_after_first = dict(learner.publish_tensors())
+    second = learner.train_step(batches[1])
+    return dict(learner=learner, kl_coef=kl_coef, batch=batches[1], first=first, second=second,
+                policy=policy_after_first, ref_before=ref_before)
+
+
+def test_kl_after_a_step_matches_independent_reference(model_dir, kl_run):
+    """Step 2's kl_ref/mean = hand-written k3 between HF models: policy (published weights), reference (the dir)."""
+    config = Qwen2Config.from_pretrained(model_dir)
+    policy = Qwen2ForCausalLM(config).eval()
+    missing, unexpected = policy.load_state_dict(kl_run["policy"], strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected  # tied to the embedding
+    batch = kl_run["batch"]
+    with torch.no_grad():
+        logp = _hf_logprobs(policy, batch.input_ids)
+        ref = _hf_logprobs(_hf(model_dir), batch.input_ids)
+    x = ref - logp  # log(ref / pi)
+    k3 = torch.exp(x) - 1 - x
+    mask = batch.loss_mask
+    expected = ((k3 * mask).sum() / mask.sum()).item()
+
+    metrics = kl_run["second"]
+    assert kl_run["first"]["kl_ref/mean"] == 0.0
+    assert metrics["skipped_nonfinite"] == 0.0 and kl_run["learner"].version == 2
+    assert metrics["kl_ref/mean"] > 1e-4
+    assert abs(metrics["kl_ref/mean"] - expected) <= 1e-5
+    assert abs(metrics["loss/kl"] - kl_run["kl_coef"] * expected) <= 1e-6  # token_mean aggregation
+
+
+def test_reference_weights_stay_frozen(kl_run):
+    learner = kl_run["learner"]
+    ref = dict(learner.ref_model.named_parameters())
+    assert not learner.ref_model.training
+    assert set(ref) == set(kl_run["ref_before"])
+    for name, param in ref.items():
+        assert not param.requires_grad and param.grad is None, name
+        assert torch.equal(param, kl_run["ref_before"][name]), name
+    # Its own storage (not aliasing the policy), and nothing of it in the optimizer.
+    policy = list(learner.gpt.parameters())
+    assert not {p.data_ptr() for p in policy} & {p.data_ptr() for p in ref.values()}
+    optimized = {id(p) for group in learner.optimizer.param_groups for p in group["params"]}
+    assert not optimized & {id(p) for p in ref.values()}
+    assert not all(torch.equal(a, b) for a, b in zip(policy, ref.values()))  # ... while the policy moved
 
 
 DIST_SCRIPT = """

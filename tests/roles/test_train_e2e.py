@@ -77,3 +77,17 @@ def test_raw_torchrun_command_from_the_readme_works(embedded_model_dir, tmp_path
                         f"model.path={embedded_model_dir}", module=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert len(read_jsonl(run_dir / "metrics.jsonl")) == 3
+
+
+def test_sync_baseline_generates_one_batch_per_version_and_trains_k_epochs(embedded_model_dir, tmp_path):
+    run_dir = tmp_path / "sync"
+    proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=3", "algo.mode=sync",
+                      "algo.sync_epochs=2", f"model.path={embedded_model_dir}", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == [2, 4, 6]  # K=2 optimizer steps per batch
+    rollouts = read_jsonl(run_dir / "rollouts.jsonl")
+    for r in rollouts:
+        # every token of a sync batch comes from the one version the batch was generated under
+        assert set(r["versions"]) == {r["trained_at_step"]}
+    assert sorted({r["trained_at_step"] for r in rollouts}) == [0, 2, 4]
