@@ -7,8 +7,23 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def embedded_model_dir(tmp_path_factory) -> Path:
-    """The warm-started embedded default model, built once per test session (~30-45 s on one core)."""
+def embedded_cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("megarl_models")
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir(embedded_cache_dir) -> Path:
+    """The no-thinking embedded model (`tiny-qwen2-arith`, ~3-token completions), built on first
+    request, once per test session (~30-45 s on one core). Request it only where it is needed."""
     from megarl.models.tiny import ensure_embedded_model
 
-    return ensure_embedded_model("tiny-qwen2-arith", cache_dir=tmp_path_factory.mktemp("megarl_models"))
+    return ensure_embedded_model("tiny-qwen2-arith", cache_dir=embedded_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def embedded_think_model_dir(embedded_cache_dir) -> Path:
+    """The thinking embedded model (`tiny-qwen2-arith-think`: "12+7=" -> "..........19<eos>" with a
+    long-tailed filler run), built on first request, once per test session (~45-60 s on one core)."""
+    from megarl.models.tiny import ensure_embedded_model
+
+    return ensure_embedded_model("tiny-qwen2-arith-think", cache_dir=embedded_cache_dir)

@@ -96,9 +96,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(cfg.sampling.temperature >= 0.0, "sampling.temperature", "must be >= 0")
     _require(cfg.sampling.max_new_tokens < cfg.sampler.max_seq_len, "sampling.max_new_tokens",
              f"({cfg.sampling.max_new_tokens}) must be smaller than sampler.max_seq_len ({cfg.sampler.max_seq_len})")
-    for dim in ("tp", "pp", "dp"):
-        _require(getattr(lc, dim) == 1, f"learner.{dim}",
-                 "only 1 is supported by this version of the megatron learner (TP/PP/DP > 1 is tracked work)")
+    _require(lc.pp == 1, "learner.pp", "pipeline parallelism is not supported yet (learner.tp and learner.dp are)")
+    _require(not lc.use_distributed_optimizer, "learner.use_distributed_optimizer",
+             "megatron's distributed optimizer is not supported on this version yet")
     if world_size is not None:
         need = world_size_for(cfg)
         _require(world_size == need, "sampler.num_engines",

@@ -14,6 +14,10 @@ generation_config.json, tokenizer files) that every other component loads like a
 * Warm start: a short supervised run on the built-in arithmetic task so the *base* model knows the
   output format (digits then EOS) and roughly where the answer is, but is right only ~20% of the
   time when sampled at T=1: RL then has real headroom (see docs/embedded_model.md).
+* Two registered models: "tiny-qwen2-arith" ("12+7=" -> "19<eos>", ~3-token completions) and
+  "tiny-qwen2-arith-think" ("12+7=" -> "..........19<eos>": a geometric run of "." thinking
+  filler with mean 10, then the answer; long-tailed completion lengths, run it with
+  max_new_tokens=THINK_MAX_NEW_TOKENS=48 and the task `build_task("arithmetic", think_mean=10)`).
 
 `ensure_embedded_model` builds atomically under a file lock; `resolve_model_path` turns a config's
 model path ("embedded:<name>" or a directory) into a checked directory.
@@ -344,10 +348,13 @@ class EmbeddedSpec:
 
 # Completion budget to run the thinking model with (filler + answer + EOS); ~1-2% of T=1 samples hit it.
 THINK_MAX_NEW_TOKENS = 48
+# Forced filler lengths the thinking model's greedy answer is evaluated after (see greedy_answer_accuracy).
+GREEDY_THINK_LENS = (0, 10, 25, 40)
 
 EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-qwen2-arith": EmbeddedSpec(task=ArithmeticTask(), recipe=WarmStartRecipe()),
-    "tiny-qwen2-arith-think": EmbeddedSpec(task=ArithmeticTask(think_mean=10.0), recipe=WarmStartRecipe(),
+    "tiny-qwen2-arith-think": EmbeddedSpec(task=ArithmeticTask(think_mean=10.0),
+                                           recipe=WarmStartRecipe(short_steps=400, noisy_steps=200),
                                            max_new_tokens=THINK_MAX_NEW_TOKENS),
 }
 
@@ -384,7 +391,12 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
             warm_start(model, tokenizer, spec.task, spec.recipe)
         train_s = time.perf_counter() - t0
         prompts = spec.task.all_prompts()
-        greedy = generate(model, tokenizer, prompts, temperature=0.0, max_new_tokens=spec.max_new_tokens)
+        if spec.task.think_mean > 0:
+            greedy_by_len = {k: greedy_answer_accuracy(model, tokenizer, spec.task, prompts, k) for k in GREEDY_THINK_LENS}
+            greedy_acc = greedy_by_len[min(GREEDY_THINK_LENS, key=lambda k: abs(k - spec.task.think_mean))]
+        else:
+            greedy = generate(model, tokenizer, prompts, temperature=0.0, max_new_tokens=spec.max_new_tokens)
+            greedy_acc, greedy_by_len = sum(spec.task.reward(p, c) for p, c in zip(prompts, greedy)) / len(prompts), None
         sampled_ids = generate_tokens(model, tokenizer, prompts, temperature=1.0, seed=0, max_new_tokens=spec.max_new_tokens)
         sampled = [tokenizer.decode([t for t in ids if t != EOS_ID]) for ids in sampled_ids]
         expected = expected_accuracy(model, tokenizer, prompts, spec.max_new_tokens)
@@ -397,15 +409,19 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
         "warm_start_seconds": round(train_s, 1),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         # Over every distinct prompt of the task: exact P(reward 1) at T=1 within max_new_tokens
-        # (P(answer+EOS) for the non-thinking model), and greedy exact match.
+        # (P(answer+EOS) for the non-thinking model), and greedy exact match -- for the thinking
+        # model, of the greedy answer after a forced filler run of the length nearest think_mean,
+        # and by forced length (plain greedy never stops thinking).
         "max_new_tokens": spec.max_new_tokens,
         "expected_sampled_accuracy": round(expected, 4),
-        "greedy_accuracy": round(sum(spec.task.reward(p, c) for p, c in zip(prompts, greedy)) / len(prompts), 4),
+        "greedy_accuracy": round(greedy_acc, 4),
         # One T=1 sample per prompt (seed 0): its accuracy and completion lengths in tokens, EOS included.
         "sampled_accuracy": round(sum(spec.task.reward(p, c) for p, c in zip(prompts, sampled)) / len(prompts), 4),
         "sampled_lengths": length_stats(sampled_ids, spec.max_new_tokens),
         "eval_seconds": round(time.perf_counter() - t0 - train_s, 1),
     }
+    if greedy_by_len is not None:
+        record["greedy_answer_accuracy_by_think_len"] = {str(k): round(v, 4) for k, v in greedy_by_len.items()}
     model.generation_config = GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megarl.config.schema import Config
 from megarl.distributed.publish import WeightPublisher
@@ -43,6 +44,39 @@ def batch_metrics(batch: TrainBatch) -> dict[str, float]:
     }
 
 
+class Intake:
+    """Learner rank 0's side of the queue: collects usable groups, assembles batches, and keeps the
+    per-sampler count of retired groups that every publish header reports back."""
+
+    def __init__(self, cfg: Config, store, pad_id: int):
+        self.cfg, self.pad_id = cfg, pad_id
+        self.queue = QueueReceiver(store, cfg.queue.host)
+        self.retired: Counter[int] = Counter()  # groups per sampler rank that left (trained or dropped)
+        self.dropped_totals: Counter[str] = Counter()
+
+    def next_batch(self, version: int) -> tuple[TrainBatch, dict[str, float]]:
+        groups, dropped, wait_s = _collect_groups(self.queue, self.cfg, version, self.retired)
+        self.dropped_totals.update(dropped)
+        batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, self.pad_id, learner_version=version)
+        self.retired.update(g[0].sampler_rank for g in groups)
+        metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
+        metrics.update({f"dropped/{k}_total": v for k, v in self.dropped_totals.items()})
+        metrics["queue_wait_s"] = wait_s
+        return batch, metrics
+
+    def header(self) -> dict:
+        return {"retired": {str(k): v for k, v in self.retired.items()}}
+
+
+def share_batch(batch: TrainBatch | None) -> TrainBatch:
+    """Learner rank 0 hands the batch to every learner rank (each DP rank trains on its share)."""
+    if dist.get_world_size() == 1:
+        return batch
+    box = [batch]
+    dist.broadcast_object_list(box, src=0)  # bounded by the learner group's dist.timeout_s
+    return box[0]
+
+
 def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -50,43 +84,42 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
 
     torch.set_num_threads(cfg.learner.threads)
     init_learner_group(topo, store, cfg.dist.backend, cfg.dist.timeout_s)
+    lead = topo.rank == 0  # owns the queue, the publish source and the run outputs
     group = publish_group(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
-    queue = QueueReceiver(store, cfg.queue.host)
     learner = MegatronLearner(str(model_dir), cfg.learner, cfg.algo.loss, temperature=cfg.sampling.temperature or 1.0)
-    publisher = WeightPublisher(group, store, cfg.publish.bucket_mb, cfg.publish.timeout_s, cfg.publish.checksum)
-    pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
-    metrics_sink = MetricsSink(cfg.run.dir, cfg.run.tensorboard)
-    rollout_sink = RolloutSink(cfg.run.dir) if cfg.run.log_rollouts else None
-    progress = ProgressLine(cfg.run.steps, cfg.run.progress)
-    retired: Counter[int] = Counter()  # groups per sampler rank that left the system (trained or dropped)
-    dropped_totals: Counter[str] = Counter()
+    if lead:
+        intake = Intake(cfg, store, AutoTokenizer.from_pretrained(model_dir).pad_token_id)
+        publisher = WeightPublisher(group, store, cfg.publish.bucket_mb, cfg.publish.timeout_s, cfg.publish.checksum)
+        metrics_sink = MetricsSink(cfg.run.dir, cfg.run.tensorboard)
+        rollout_sink = RolloutSink(cfg.run.dir) if cfg.run.log_rollouts else None
+        progress = ProgressLine(cfg.run.steps, cfg.run.progress)
     try:
         last = time.perf_counter()
         for step in range(cfg.run.steps):
             version = learner.version  # differs from `step` once a non-finite step was skipped
-            groups, dropped, wait_s = _collect_groups(queue, cfg, version, retired)
-            for reason, n in dropped.items():
-                dropped_totals[reason] += n
-            batch, filter_counts = assemble_batch(groups, cfg.algo.advantage, pad_id, learner_version=version)
+            batch, intake_metrics = intake.next_batch(version) if lead else (None, {})
+            batch = share_batch(batch)
             t0 = time.perf_counter()
             for _ in range(cfg.algo.sync_epochs):  # 1 in pipeline mode (validated)
                 # Later epochs see the same tokens one more version behind: the lag metrics say so.
                 metrics = learner.train_step(replace(batch, learner_version=learner.version))
             t1 = time.perf_counter()
-            retired.update(g[0].sampler_rank for g in groups)
             published = {"bytes": 0, "seconds": 0.0}
             if learner.version != version:  # a skipped (non-finite) step changed nothing to publish
-                published = publisher.publish(learner.version, learner.publish_tensors(),
-                                              extra={"retired": {str(k): v for k, v in retired.items()}})
+                tensors = learner.publish_tensors()  # collective over TP: every learner rank iterates it
+                if lead:
+                    published = publisher.publish(learner.version, tensors, extra=intake.header())
+                else:
+                    for _ in tensors:
+                        pass
+            if not lead:
+                continue
             now = time.perf_counter()
             metrics.update(batch_metrics(batch))
-            metrics.update(filter_counts)
-            metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
-            metrics.update({f"dropped/{k}_total": v for k, v in dropped_totals.items()})
+            metrics.update(intake_metrics)
             metrics.update({
-                "tokens_per_s": batch.num_tokens / (now - last), "queue_wait_s": wait_s,
-                "train_s": t1 - t0, "publish_s": published["seconds"], "publish_bytes": published["bytes"],
-                "version": learner.version,
+                "tokens_per_s": batch.num_tokens / (now - last), "train_s": t1 - t0,
+                "publish_s": published["seconds"], "publish_bytes": published["bytes"], "version": learner.version,
             })
             last = now
             metrics_sink.log(step, metrics)
@@ -94,11 +127,12 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 rollout_sink.log(batch.samples, trained_at_step=version)
             progress.update(step + 1, metrics)
     finally:
-        store.set(STOP_KEY, "learner stopped")
-        metrics_sink.close()
-        if rollout_sink is not None:
-            rollout_sink.close()
-        queue.close()
+        if lead:
+            store.set(STOP_KEY, "learner stopped")
+            metrics_sink.close()
+            if rollout_sink is not None:
+                rollout_sink.close()
+            intake.queue.close()
 
 
 def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int,

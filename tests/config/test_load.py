@@ -21,7 +21,7 @@ def test_demo_config_loads_with_overrides():
     ("learner.lr=fast", "bad value for config key 'learner.lr'"),
     ("run.steps=0", "run.steps: must be > 0"),
     ("sampler.num_engines=0", "sampler.num_engines: must be > 0"),
-    ("learner.tp=2", "learner.tp: only 1 is supported"),
+    ("learner.pp=2", "learner.pp: pipeline parallelism is not supported yet"),
     ("algo.mode=async", "algo.mode: must be 'pipeline' or 'sync'"),
     ("sampler.kv_on_update=drop", "sampler.kv_on_update"),
     ("sampling.max_new_tokens=64", "sampling.max_new_tokens"),

@@ -33,7 +33,8 @@ def test_tokenizer_is_one_token_per_character_with_nothing_added(tmp_path):
     assert tok.decode([ord("7"), tiny.EOS_ID], skip_special_tokens=True) == "7"
 
 
-def test_model_dir_is_a_loadable_hf_qwen2(embedded_model_dir):
+def test_model_dir_is_a_loadable_hf_qwen2(embedded_think_model_dir):
+    embedded_model_dir = embedded_think_model_dir
     names = {p.name for p in embedded_model_dir.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json", tiny.BUILD_RECORD} <= names
@@ -50,7 +51,7 @@ def test_model_dir_is_a_loadable_hf_qwen2(embedded_model_dir):
     assert model.generation_config.eos_token_id == tiny.EOS_ID
 
 
-def test_base_model_knows_the_format_but_leaves_headroom(embedded_model_dir):
+def test_no_thinking_base_model_knows_the_format_but_leaves_headroom(embedded_model_dir):
     model = AutoModelForCausalLM.from_pretrained(embedded_model_dir).eval()
     tok = AutoTokenizer.from_pretrained(embedded_model_dir)
     task = ArithmeticTask()
@@ -68,13 +69,82 @@ def test_base_model_knows_the_format_but_leaves_headroom(embedded_model_dir):
     assert abs(record["expected_sampled_accuracy"] - sampled_acc) < 0.1 and record["greedy_accuracy"] == greedy_acc
 
 
-def test_ensure_reuses_the_built_dir(embedded_model_dir):
+def test_thinking_base_model_has_headroom_a_long_length_tail_and_finds_the_prompt(embedded_think_model_dir):
+    d = embedded_think_model_dir
+    model = AutoModelForCausalLM.from_pretrained(d).eval()
+    tok = AutoTokenizer.from_pretrained(d)
+    task = tiny.EMBEDDED_MODELS["tiny-qwen2-arith-think"].task
+    assert task.think_mean == 10.0
+    prompts = task.all_prompts()
+    cap = tiny.THINK_MAX_NEW_TOKENS
+    ids = tiny.generate_tokens(model, tok, prompts, temperature=1.0, seed=1, max_new_tokens=cap)
+    texts = [tok.decode([t for t in i if t != tiny.EOS_ID]) for i in ids]
+    sampled_acc = sum(task.reward(p, c) for p, c in zip(prompts, texts)) / len(prompts)
+    assert 0.08 < sampled_acc < 0.45, sampled_acc  # partly right: RL has headroom
+    # Format: filler run, then the answer digits, then EOS.
+    well_formed = sum(bool(re.fullmatch(r"\.*\d+", c)) and i[-1] == tiny.EOS_ID for c, i in zip(texts, ids)) / len(ids)
+    assert well_formed > 0.95, well_formed
+    # Long-tailed lengths that mostly fit the sampler's budget.
+    stats = tiny.length_stats(ids, cap)
+    assert 6 <= stats["median"] <= 14 and 8 <= stats["mean"] <= 16, stats
+    assert stats["p90"] >= 2.0 * stats["median"] and stats["p99"] >= 3.0 * stats["median"], stats
+    assert stats["frac_at_cap"] < 0.03, stats
+    # The answer's mode is right (greedy answer well above sampled), also after a long filler run:
+    # the model still attends back to the prompt across it.
+    greedy = {k: tiny.greedy_answer_accuracy(model, tok, task, prompts, k) for k in tiny.GREEDY_THINK_LENS}
+    assert greedy[10] > sampled_acc + 0.15, (greedy, sampled_acc)
+    assert min(greedy.values()) > sampled_acc + 0.1, (greedy, sampled_acc)
+    record = json.loads((d / tiny.BUILD_RECORD).read_text())
+    assert abs(record["expected_sampled_accuracy"] - sampled_acc) < 0.1, (record, sampled_acc)
+    assert record["greedy_accuracy"] == round(greedy[10], 4)
+    assert record["greedy_answer_accuracy_by_think_len"] == {str(k): round(v, 4) for k, v in greedy.items()}
+
+
+def test_expected_accuracy_sums_every_filler_length_exactly():
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny.build_config()).eval()
+    tok = tiny.build_tokenizer()
+    task = ArithmeticTask(think_mean=10.0)
+    prompts = task.all_prompts()[::37]  # one- and two-digit answers, prompts of several lengths
+    brute = 0.0
+    with torch.no_grad():
+        for p in prompts:
+            for k in range(8 - len(p.answer)):  # filler + answer + EOS <= 8 tokens
+                ids, mask = tiny._batch(tok, [p], ["." * k + p.answer])
+                brute += torch.exp(-tiny._sequence_nll(model, ids, mask)).item()
+    assert tiny.expected_accuracy(model, tok, prompts, max_new_tokens=8) == pytest.approx(brute / len(prompts), rel=1e-4)
+    ids, mask = tiny._batch(tok, prompts, [p.answer for p in prompts])
+    with torch.no_grad():
+        plain = torch.exp(-tiny._sequence_nll(model, ids, mask)).mean().item()
+    assert tiny.expected_accuracy(model, tok, prompts) == pytest.approx(plain, rel=1e-5)
+
+
+def test_kv_cached_generation_matches_full_recompute():
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(tiny.build_config()).eval()
+    tok = tiny.build_tokenizer()
+    prompts = ArithmeticTask(think_mean=10.0).all_prompts()[::41]
+    got = tiny.generate_tokens(model, tok, prompts, temperature=0.0, max_new_tokens=6)
+    for p, ids in zip(prompts, got):
+        seq = tiny._encode(tok, p.text)
+        for _ in range(len(ids)):
+            with torch.no_grad():
+                seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        assert ids == seq[-len(ids):]
+
+
+def test_ensure_reuses_the_built_dir(embedded_think_model_dir):
+    embedded_model_dir, name = embedded_think_model_dir, "tiny-qwen2-arith-think"
     mtimes = {p.name: p.stat().st_mtime_ns for p in embedded_model_dir.iterdir()}
     t0 = time.perf_counter()
-    again = tiny.ensure_embedded_model("tiny-qwen2-arith", cache_dir=embedded_model_dir.parent)
+    again = tiny.ensure_embedded_model(name, cache_dir=embedded_model_dir.parent)
     assert again == embedded_model_dir and time.perf_counter() - t0 < 2.0
     assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == mtimes
-    assert tiny.resolve_model_path("embedded:tiny-qwen2-arith", embedded_model_dir.parent) == embedded_model_dir
+    assert tiny.resolve_model_path(f"embedded:{name}", embedded_model_dir.parent) == embedded_model_dir
     assert tiny.resolve_model_path(str(embedded_model_dir)) == embedded_model_dir
 
 

@@ -1,9 +1,10 @@
 import random
+import re
 
 import pytest
 
 from megarl.protocols import Prompt, Task
-from megarl.rollout.tasks import ArithmeticTask, build_task, exact_match
+from megarl.rollout.tasks import ArithmeticTask, build_task, exact_match, strip_thinking
 
 
 def test_default_task_prompts_and_answers():
@@ -49,3 +50,40 @@ def test_bad_task_names_and_arguments():
         ArithmeticTask(ops=("/",))
     with pytest.raises(ValueError, match="min_operand"):
         ArithmeticTask(min_operand=5, max_operand=1)
+
+
+def test_thinking_is_off_by_default_and_configurable_by_name():
+    assert ArithmeticTask().think_mean == 0.0
+    rng = random.Random(0)
+    state = rng.getstate()
+    assert ArithmeticTask().sample_think_length(rng) == 0 and rng.getstate() == state  # no draw: old targets
+    task = build_task("arithmetic", max_operand=9, think_mean=10)
+    assert task.think_mean == 10.0 and isinstance(task.think_mean, float) and task.answer_range() == (0, 18)
+    with pytest.raises(ValueError, match="think_mean"):
+        ArithmeticTask(think_mean=-1.0)
+
+
+def test_thinking_lengths_are_geometric_with_the_given_mean():
+    task = ArithmeticTask(think_mean=10.0)
+    rng = random.Random(0)
+    ks = [task.sample_think_length(rng) for _ in range(20000)]
+    assert abs(sum(ks) / len(ks) - 10.0) < 0.3
+    assert abs(ks.count(0) / len(ks) - 1 / 11) < 0.01  # constant stop probability 1 / (1 + mean)
+    assert abs(sum(k >= 10 for k in ks) / len(ks) - (10 / 11) ** 10) < 0.015  # memoryless tail
+    capped = [task.sample_think_length(rng, max_len=20) for _ in range(2000)]
+    assert max(capped) <= 20
+    p = task.make_prompt(12, "+", 7)
+    for _ in range(50):
+        target = task.target_completion(p, rng, max_think=44)
+        assert re.fullmatch(r"\.{0,44}19", target) and task.reward(p, target) == 1.0
+
+
+@pytest.mark.parametrize("completion, reward", [
+    ("..........19<|endoftext|>", 1.0), (".19", 1.0), ("19", 1.0), (" ...19 ", 1.0), ("...19 <|endoftext|>", 1.0),
+    ("..........", 0.0), ("....<|endoftext|>", 0.0), ("...18", 0.0), ("19..", 0.0), ("1.9", 0.0), (".19.", 0.0),
+    ("..19<|endoftext|>x", 0.0), ("...019", 0.0), ("..190", 0.0),
+])
+def test_reward_ignores_the_thinking_filler_only(completion, reward):
+    for task in (ArithmeticTask(think_mean=10.0), ArithmeticTask()):
+        assert task.reward(task.make_prompt(12, "+", 7), completion) == reward
+    assert strip_thinking("..19<|endoftext|>") == "19" and strip_thinking("...") == ""
