@@ -25,7 +25,7 @@ class RunConfig:
 class ModelConfig:
     # "embedded:<name>" builds the tiny local default once (see megarl/models/tiny.py);
     # anything else is an HF-format directory (config.json, model.safetensors, tokenizer files).
-    path: str = "embedded:tiny-qwen2-arith"
+    path: str = "embedded:tiny-qwen2-arith-think"
     cache_dir: str = "~/.cache/megarl/models"
 
 
@@ -33,6 +33,9 @@ class ModelConfig:
 class TaskConfig:
     name: str = "arithmetic"
     max_operand: int = 19
+    # Mean length of the filler "thinking" run before the answer (geometric, so long-tailed);
+    # 0 = answer directly. The embedded default model was warm-started with 10.
+    think_mean: float = 10.0
     # A prompt whose tokens do not leave room for one completion token within the sampler's
     # context is skipped and counted; set to false to stop the run instead.
     skip_overlong_prompts: bool = True
@@ -43,7 +46,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_new_tokens: int = 8
+    max_new_tokens: int = 48
 
 
 @dataclass

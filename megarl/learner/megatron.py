@@ -242,6 +242,17 @@ class MegatronLearner:
         entropy = zmax.squeeze(-1) + sum_e.log() - sum_ez / sum_e
         return torch.nn.functional.pad(entropy, (1, 0))
 
+    def _micro_batches(self, fields: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Split rows into micro-batches of `micro_batch_size`, each cut to its longest sequence
+        (at PP>1 megatron's p2p needs one shape for all, so nothing is cut)."""
+        lengths = sequence_lengths(fields["mask"])
+        full = fields["input_ids"].shape[1]
+        micro_batches = []
+        for idx in torch.arange(len(lengths)).split(self.cfg.micro_batch_size):
+            width = int(lengths[idx].max()) if self.cfg.pp == 1 else full
+            micro_batches.append({k: v[idx, :width] for k, v in fields.items()})
+        return micro_batches
+
     def _run(self, model, micro_batches: list[dict], forward_only: bool, loss_fn) -> list:
         """Run megatron's schedule for `model` (policy or reference) over the micro-batches.
 
@@ -276,22 +287,27 @@ class MegatronLearner:
         return tensor
 
     @torch.no_grad()
-    def _forward_logprobs(self, model, input_ids: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs [B, S] (fp32, CPU) of `model` on input_ids, forward-only, micro-batched.
+    def _forward_logprobs(self, model, micro_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-token log-probs (fp32, CPU) of `model` on each micro-batch of input_ids, forward-only.
 
         The no-grad passes share it: the policy's (`logprobs`, the decoupled proximal policy) and the
-        frozen reference's (KL penalty).  Every rank of the PP group gets the result.
+        frozen reference's (KL penalty). They run on exactly the micro-batch shapes of the training
+        pass, so identical weights give bit-identical log-probs. Every rank of the PP group gets them.
         """
-        mbs = [{"input_ids": chunk} for chunk in input_ids.split(self.cfg.micro_batch_size)]
-        out = self._run(model, mbs, forward_only=True, loss_fn=lambda logits, mb: (
-            torch.zeros((), device=self.device), self._token_logprobs(logits, mb["input_ids"].to(self.device))))
-        result = torch.cat(out) if self.post_process else None
-        return self._broadcast_from_last_stage(result, tuple(input_ids.shape)).cpu()
+        out = self._run(model, [{"input_ids": x} for x in micro_inputs], forward_only=True,
+                        loss_fn=lambda logits, mb: (torch.zeros((), device=self.device),
+                                                    self._token_logprobs(logits, mb["input_ids"].to(self.device))))
+        if self.cfg.pp == 1:
+            return [o.cpu() for o in out]
+        rows = [x.shape[0] for x in micro_inputs]  # PP: equal widths, one broadcast for all
+        full = self._broadcast_from_last_stage(torch.cat(out) if self.post_process else None,
+                                               (sum(rows), micro_inputs[0].shape[1]))
+        return list(full.cpu().split(rows))
 
     def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Per-token log-probs [B, S] (fp32, CPU) of the whole batch under the current weights."""
         self.model.eval()
-        return self._forward_logprobs(self.model, input_ids)
+        return torch.cat(self._forward_logprobs(self.model, list(input_ids.split(self.cfg.micro_batch_size))))
 
     # ------------------------------------------------------------------ the step
 
@@ -307,14 +323,20 @@ class MegatronLearner:
         fields = {"input_ids": batch.input_ids, "mask": mask, "behaviour_logprobs": batch.behaviour_logprobs,
                   "advantages": batch.advantages, "versions": batch.versions}
         fields = {k: v[rows] for k, v in fields.items()}  # this DP rank's share
+        # Longest rows first, so each micro-batch holds rows of similar length and is trimmed to its
+        # own longest row: with long-tailed completions most padding is never computed.
+        order = torch.argsort(sequence_lengths(fields["mask"]), descending=True, stable=True)
+        fields = {k: v[order] for k, v in fields.items()}
+        micro_batches = self._micro_batches(fields)
         # No-grad log-probs of this rank's rows, before the step: the decoupled objective's proximal
         # policy (the weights at the start of this step) and the frozen reference (KL penalty).
-        if self.loss_cfg.decoupled:
-            fields["proximal_logprobs"] = self.logprobs(fields["input_ids"])
-        if self.ref_model is not None:
-            fields["ref_logprobs"] = self._forward_logprobs(self.ref_model, fields["input_ids"])
-        micro_batches = [{k: v[idx] for k, v in fields.items()}
-                         for idx in torch.arange(len(rows)).split(self.cfg.micro_batch_size)]
+        extra_passes = {"proximal_logprobs": self.model if self.loss_cfg.decoupled else None,
+                        "ref_logprobs": self.ref_model}
+        for key, model in extra_passes.items():
+            if model is not None:
+                model.eval()
+                for mb, lp in zip(micro_batches, self._forward_logprobs(model, [mb["input_ids"] for mb in micro_batches])):
+                    mb[key] = lp
         # policy_loss returns each micro-batch's share of the batch loss (global normalisers), so
         # the batch gradient is the plain SUM over micro-batches and DP ranks.  Megatron instead
         # divides each micro-batch loss by num_microbatches (schedules.forward_step_calc_loss,
@@ -356,8 +378,10 @@ class MegatronLearner:
         if not skipped:
             self.optimizer.step()
             self._version += 1
+        computed = sum(mb["input_ids"].numel() for mb in micro_batches)
         metrics = {
             "loss": loss, "grad_norm": grad_norm, "lr": self.cfg.lr, "num_tokens": total_tokens,
+            "padding_frac": 1.0 - float(sequence_lengths(fields["mask"]).sum()) / computed,
             "step_time_s": time.perf_counter() - start, "skipped_nonfinite": float(skipped),
         }
         if self.post_process:  # only the last PP stage computes losses
@@ -368,3 +392,10 @@ class MegatronLearner:
                 stats_list = [st for rank_stats in gathered for st in rank_stats]
             metrics.update(merge_stats(stats_list))
         return metrics
+
+
+def sequence_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """Per row, one past the last trained position (completions end their sequence); 1 for a row with
+    no trained token, which then costs one position."""
+    positions = torch.arange(1, mask.shape[1] + 1).expand_as(mask)
+    return (positions * (mask > 0)).max(dim=1).values.clamp(min=1)

@@ -354,7 +354,7 @@ GREEDY_THINK_LENS = (0, 10, 25, 40)
 EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-qwen2-arith": EmbeddedSpec(task=ArithmeticTask(), recipe=WarmStartRecipe()),
     "tiny-qwen2-arith-think": EmbeddedSpec(task=ArithmeticTask(think_mean=10.0),
-                                           recipe=WarmStartRecipe(short_steps=400, noisy_steps=200),
+                                           recipe=WarmStartRecipe(short_steps=400, noisy_steps=120),
                                            max_new_tokens=THINK_MAX_NEW_TOKENS),
 }
 

@@ -46,7 +46,7 @@ class SamplerLoop:
         self.engine = BuiltinEngine.from_pretrained(
             model_dir, max_running=cfg.sampler.max_running, max_seq_len=cfg.sampler.max_seq_len,
             kv_on_update=cfg.sampler.kv_on_update, seed=cfg.run.seed * 1000 + topo.rank)
-        self.task = build_task(cfg.task.name, max_operand=cfg.task.max_operand)
+        self.task = build_task(cfg.task.name, max_operand=cfg.task.max_operand, think_mean=cfg.task.think_mean)
         self.rng = random.Random(cfg.run.seed * 1000 + topo.rank)
         self.sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k,
                                        cfg.sampling.max_new_tokens)

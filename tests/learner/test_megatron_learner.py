@@ -258,3 +258,10 @@ def test_tp2_and_dp2_match_tp1(model_dir, world, tmp_path):
         assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], layout
         for name, value in ref_published.items():
             assert abs(got["published"][name] - value) <= 1e-4 * max(1.0, abs(value)), (layout, name)
+
+
+def test_sequence_lengths_end_at_the_last_trained_token():
+    from megarl.learner.megatron import sequence_lengths
+
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    assert sequence_lengths(mask).tolist() == [4, 6, 1]
