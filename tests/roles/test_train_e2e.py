@@ -53,7 +53,13 @@ def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_think_mo
         assert max(r["versions"]) <= r["trained_at_step"]
         assert r["reward"] in (0.0, 1.0) and r["prompt"] and isinstance(r["completion"], str)
     assert sorted({r["trained_at_step"] for r in rollouts}) == list(range(STEPS))
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"reward_mean", "lag_mean", "ratio/mean", "ess", "lag0/ratio_mean", "lag0/token_share"} <= tags
+    assert len(events.Scalars("reward_mean")) == STEPS
 
     # Behaviour log-probs of version-0 rollouts equal an independent recomputation (HF transformers)
     # with the version-0 weights on disk.
