@@ -142,7 +142,6 @@ class WeightReceiver:
         self.next_index = 1
         self.held_versions: list[int | None] = [None, None]  # version each staging set last received
         self.error: BaseException | None = None
-        self.seconds_receiving = 0.0
         self._expected, self._device = expected, device
         self.buckets: list[Bucket] | None = None
         self.buffer_sets: list[list[torch.Tensor]] = []
@@ -194,7 +193,6 @@ class WeightReceiver:
                                    f"{self.held_versions[set_index]} within {self.timeout.total_seconds():.0f}s")
             time.sleep(0.001)
         self.held_versions[set_index] = version
-        start = time.perf_counter()
         for i, buffer in enumerate(buffers):
             _broadcast(self.group, buffer, self.timeout, f"receive version {version} bucket {i + 1}/{len(buffers)}")
         if header["crc32"] is not None:
@@ -206,7 +204,6 @@ class WeightReceiver:
         for bucket, buffer in zip(self.buckets, buffers):
             for slot in bucket.slots:
                 tensors[slot.name] = buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        self.seconds_receiving += time.perf_counter() - start
         self.on_version(version, tensors, header.get("extra", {}))
 
 

@@ -2,7 +2,8 @@
 
 The learner binds a PULL socket (address published in the rendezvous store under `queue/address`);
 every sampler connects a PUSH socket. One message is one group (the G samples of one prompt), so
-group advantages are computed from complete groups. Every wait is bounded and its error says
+group advantages are computed from complete groups, plus the sender's running counters (engine
+throughput, swaps, busy time), so sampler health reaches metrics.jsonl without another channel. Every wait is bounded and its error says
 what it waited for.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ class QueueReceiver:
         self.address = f"tcp://{host}:{port}"
         store.set(ADDRESS_KEY, self.address)
 
-    def recv_group(self, timeout_s: float) -> list[Sample]:
+    def recv_group(self, timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
+        """The next group and its sampler's counters at the time it was sent."""
         if not self.socket.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"sample queue: no group arrived at {self.address} within {timeout_s:.0f}s "
                                f"(are the sampler ranks alive and generating?)")
@@ -56,9 +58,9 @@ class QueueSender:
         self.socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         self.socket.connect(self.address)
 
-    def send_group(self, group: list[Sample]) -> None:
+    def send_group(self, group: list[Sample], sampler_stats: dict[str, float] | None = None) -> None:
         try:
-            self.socket.send(pickle.dumps(group, protocol=pickle.HIGHEST_PROTOCOL))
+            self.socket.send(pickle.dumps((group, sampler_stats or {}), protocol=pickle.HIGHEST_PROTOCOL))
         except zmq.Again:
             raise TimeoutError(f"sample queue: the learner at {self.address} did not take a group within "
                                f"{self.timeout_s:.0f}s") from None

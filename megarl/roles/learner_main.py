@@ -53,15 +53,18 @@ class Intake:
         self.queue = QueueReceiver(store, cfg.queue.host)
         self.retired: Counter[int] = Counter()  # groups per sampler rank that left (trained or dropped)
         self.dropped_totals: Counter[str] = Counter()
+        self.sampler_stats: dict[int, dict[str, float]] = {}  # latest counters per sampler rank
 
     def next_batch(self, version: int) -> tuple[TrainBatch, dict[str, float]]:
-        groups, dropped, wait_s = _collect_groups(self.queue, self.cfg, version, self.retired)
+        groups, dropped, wait_s = _collect_groups(self.queue, self.cfg, version, self.retired, self.sampler_stats)
         self.dropped_totals.update(dropped)
         batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, self.pad_id, learner_version=version)
         self.retired.update(g[0].sampler_rank for g in groups)
         metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
         metrics.update({f"dropped/{k}_total": v for k, v in self.dropped_totals.items()})
         metrics["queue_wait_s"] = wait_s
+        for rank, stats in sorted(self.sampler_stats.items()):
+            metrics.update({f"sampler{rank}/{k}": v for k, v in stats.items()})
         return batch, metrics
 
     def header(self) -> dict:
@@ -135,15 +138,16 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             intake.queue.close()
 
 
-def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int,
-                    retired: Counter) -> tuple[list[list[Sample]], Counter, float]:
+def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, retired: Counter,
+                    sampler_stats: dict[int, dict[str, float]]) -> tuple[list[list[Sample]], Counter, float]:
     """The next `prompts_per_step` usable groups. Stale groups (older than max_lag) and, with
     advantage.filter_zero_variance, groups whose rewards are all equal are dropped, counted by
     reason and retired (so the sampler may start replacements)."""
     start = time.perf_counter()
     groups, dropped = [], Counter({"stale_groups": 0})
     while len(groups) < cfg.algo.prompts_per_step:
-        group = queue.recv_group(cfg.queue.timeout_s)
+        group, stats = queue.recv_group(cfg.queue.timeout_s)
+        sampler_stats[group[0].sampler_rank] = stats
         reason = None
         if is_stale(group, learner_version, cfg.algo.max_lag):
             reason = "stale_groups"

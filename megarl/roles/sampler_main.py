@@ -60,6 +60,8 @@ class SamplerLoop:
         self.pending: dict[str, dict] = {}
         self.new_version = threading.Event()
         self.stopped = False
+        self.started_at = time.monotonic()
+        self.busy_s = 0.0  # wall time in engine steps that had work to do
 
     def _on_version(self, version: int, tensors: dict, extra: dict) -> None:
         self.engine.stage_weights(tensors, version)
@@ -86,7 +88,12 @@ class SamplerLoop:
                     # Budget spent and nothing running: wait for the learner's next version.
                     self.new_version.wait(STOP_POLL_S)
                 self.new_version.clear()
-                for completion in self.engine.step():
+                had_work = self.engine.num_unfinished > 0
+                start = time.monotonic()
+                finished = self.engine.step()
+                if had_work:
+                    self.busy_s += time.monotonic() - start
+                for completion in finished:
                     self._finish(completion, sender)
         finally:
             self.stopped = True
@@ -141,7 +148,16 @@ class SamplerLoop:
             samples.append(Sample(group_id=group_id, prompt=prompt.text, completion=text, prompt_ids=c.prompt_ids,
                                   token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions, reward=reward,
                                   finish_reason=c.finish_reason, sampler_rank=self.topo.rank, reward_error=error))
-        sender.send_group(samples)
+        sender.send_group(samples, self._stats())
+
+    def _stats(self) -> dict[str, float]:
+        """Running counters sent with every group (the learner logs them as sampler{rank}/...)."""
+        engine = self.engine.stats()
+        wall = time.monotonic() - self.started_at
+        return {"busy_frac": self.busy_s / wall, "tokens_per_s": engine["tokens_decoded"] / wall,
+                "tokens_decoded": engine["tokens_decoded"], "swaps": engine["swaps"],
+                "swap_time_s": engine["swap_time_s"], "version": engine["version"],
+                "skipped_overlong_prompts": self.skipped_overlong}
 
 
 def run_sampler(cfg: Config, topo: Topology, store, model_dir: Path) -> None:

@@ -25,7 +25,7 @@ def _send(port: int, n: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
     sender = QueueSender(store, timeout_s=20)
     for i in range(n):
-        sender.send_group([sample(i, [i, i + 1]), sample(i, [i])])
+        sender.send_group([sample(i, [i, i + 1]), sample(i, [i])], {"tokens_decoded": float(i)})
     sender.close()
 
 
@@ -35,9 +35,11 @@ def test_groups_arrive_whole_and_in_order_from_another_process():
     receiver = QueueReceiver(store, "127.0.0.1")
     proc = mp.get_context("spawn").Process(target=_send, args=(port, 5))
     proc.start()
-    groups = [receiver.recv_group(timeout_s=30) for _ in range(5)]
+    messages = [receiver.recv_group(timeout_s=30) for _ in range(5)]
     proc.join(30)
     assert proc.exitcode == 0
+    groups = [g for g, _ in messages]
+    assert [stats["tokens_decoded"] for _, stats in messages] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert [g[0].group_id for g in groups] == [f"g{i}" for i in range(5)]
     assert groups[3][0].versions == [3, 4] and groups[3][1].logprobs == [-0.5, -0.1]
     receiver.close()

@@ -37,11 +37,12 @@ def test_stale_and_zero_variance_groups_are_dropped_counted_and_retired():
     queue = QueueReceiver(store, "127.0.0.1")
     proc = mp.get_context("spawn").Process(target=_feed, args=(port,))
     proc.start()
-    retired = Counter()
-    groups, dropped, _ = _collect_groups(queue, cfg, learner_version=9, retired=retired)
+    retired, sampler_stats = Counter(), {}
+    groups, dropped, _ = _collect_groups(queue, cfg, learner_version=9, retired=retired, sampler_stats=sampler_stats)
     proc.join(30)
     # learner version 9, max_lag 4: a group whose oldest token is version < 5 is stale.
     assert [g[0].group_id for g in groups] == ["fresh1", "edge", "fresh2"]
     assert dropped == Counter({"stale_groups": 2, "zero_variance_groups": 1})
     assert retired == Counter({1: 2, 2: 1})  # dropped groups free the sampler's budget at once
+    assert set(sampler_stats) == {1, 2}
     queue.close()

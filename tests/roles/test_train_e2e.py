@@ -36,6 +36,7 @@ def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_think_mo
         for key in ("reward_mean", "lag_mean", "lag_max", "tokens_per_s", "loss", "ratio/mean", "ess"):
             assert math.isfinite(m[key]), key
         assert 0 <= m["lag_mean"] <= m["lag_max"] <= max_lag
+        assert 0 < m["sampler1/busy_frac"] <= 1 and m["sampler1/tokens_decoded"] > 0  # sampler rank 1's counters
     # Learner and sampler compute the same policy: step 0 trains only on version-0 tokens, and the
     # learner's log-probs equal the recorded behaviour log-probs. (Later lag-0 tokens may come from
     # rollouts that crossed an update with their old KV cache kept, whose behaviour log-probs are
