@@ -2,11 +2,11 @@
 
     python benchmarks/sync_vs_pipeline.py [--steps N] [--target R] [--out runs/sync_vs_pipeline] [key=value ...]
 
-For each mode it runs `megarl train configs/demo.yaml` and reports, from the run's metrics.jsonl:
-trained completion tokens per second of training wall time, learner steps per second, and the wall
-time until the reward (mean over a 20-step window) first reaches the target. Ends with one JSON line
-of the pipeline/sync ratios. (Sampler busy fractions and the throughput-over-time picture need the
-timeline recorder, which is not built yet.)
+For each mode it runs `megarl train configs/demo.yaml` and reports, from the run's metrics.jsonl and
+timeline: trained completion tokens per second of training wall time, learner steps per second,
+sampler and learner busy fractions, and the wall time until the reward (mean over a 20-step
+window) first reaches the target; it renders OUT/<mode>.png (generated tokens/s over time, learner
+training shaded). Ends with one JSON line of the pipeline/sync ratios.
 """
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot_timeline import learner_busy_fraction, render  # noqa: E402
 
 WINDOW = 20
 
@@ -31,7 +34,9 @@ def summarise(run_dir: Path, target: float, wall_s: float) -> dict:
         if reached is None and len(window) == WINDOW and sum(r["reward_mean"] for r in window) / WINDOW >= target:
             reached = elapsed
     train_wall = sum(step_s)
-    return {"steps": len(rows), "wall_s": round(wall_s, 1), "train_wall_s": round(train_wall, 1),
+    sampler_busy = [v for k, v in rows[-1].items() if k.startswith("sampler") and k.endswith("/busy_frac")]
+    return {"sampler_busy_frac": round(sum(sampler_busy) / len(sampler_busy), 3),
+            "learner_busy_frac": round(learner_busy_fraction(run_dir), 3),"steps": len(rows), "wall_s": round(wall_s, 1), "train_wall_s": round(train_wall, 1),
             "tokens_per_s": round(sum(r["num_tokens"] for r in rows) / train_wall, 1),
             "steps_per_s": round(len(rows) / train_wall, 3),
             "final_reward": round(sum(r["reward_mean"] for r in rows[-WINDOW:]) / min(WINDOW, len(rows)), 3),
@@ -55,6 +60,7 @@ def main() -> None:
         if proc.returncode != 0:
             sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
         results[mode] = summarise(run_dir, args.target, time.perf_counter() - start)
+        render(run_dir, Path(args.out) / f"{mode}.png", f"{mode} mode: generated tokens/s (grey: learner training)")
         print(mode, json.dumps(results[mode]), flush=True)
     s, p = results["sync"], results["pipeline"]
     ratios = {"tokens_per_s_ratio": round(p["tokens_per_s"] / s["tokens_per_s"], 3),

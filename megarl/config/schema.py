@@ -19,6 +19,7 @@ class RunConfig:
     log_rollouts: bool = True
     tensorboard: bool = True
     progress: bool = True  # console progress line
+    timeline: bool = True  # timeline/<process>.jsonl: learner spans, sampler tokens per time slice
 
 
 @dataclass

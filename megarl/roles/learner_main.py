@@ -22,6 +22,7 @@ from megarl.distributed.publish import WeightPublisher
 from megarl.distributed.queue import QueueReceiver
 from megarl.distributed.topology import Topology, init_learner_group, publish_group
 from megarl.observe.sinks import MetricsSink, ProgressLine, RolloutSink
+from megarl.observe.timeline import Timeline
 from megarl.protocols import Sample, TrainBatch
 from megarl.rollout.batch import assemble_batch, is_stale, is_zero_variance
 
@@ -96,17 +97,21 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
         metrics_sink = MetricsSink(cfg.run.dir, cfg.run.tensorboard)
         rollout_sink = RolloutSink(cfg.run.dir) if cfg.run.log_rollouts else None
         progress = ProgressLine(cfg.run.steps, cfg.run.progress)
+        timeline = Timeline(cfg.run.dir, f"learner{topo.rank}") if cfg.run.timeline else None
     try:
         last = time.perf_counter()
         for step in range(cfg.run.steps):
             version = learner.version  # differs from `step` once a non-finite step was skipped
+            wall = [time.time()]  # span boundaries for the timeline: wait | train | publish
             batch, intake_metrics = intake.next_batch(version) if lead else (None, {})
             batch = share_batch(batch)
+            wall.append(time.time())
             t0 = time.perf_counter()
             for _ in range(cfg.algo.sync_epochs):  # 1 in pipeline mode (validated)
                 # Later epochs see the same tokens one more version behind: the lag metrics say so.
                 metrics = learner.train_step(replace(batch, learner_version=learner.version))
             t1 = time.perf_counter()
+            wall.append(time.time())
             published = {"bytes": 0, "seconds": 0.0}
             if learner.version != version:  # a skipped (non-finite) step changed nothing to publish
                 tensors = learner.publish_tensors()  # collective over TP: every learner rank iterates it
@@ -115,8 +120,12 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 else:
                     for _ in tensors:
                         pass
+            wall.append(time.time())
             if not lead:
                 continue
+            if timeline is not None:
+                for kind, start, end in zip(("wait", "train", "publish"), wall, wall[1:]):
+                    timeline.span(kind, start, end)
             now = time.perf_counter()
             metrics.update(batch_metrics(batch))
             metrics.update(intake_metrics)
@@ -136,6 +145,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             if rollout_sink is not None:
                 rollout_sink.close()
             intake.queue.close()
+            if timeline is not None:
+                timeline.close()
 
 
 def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, retired: Counter,

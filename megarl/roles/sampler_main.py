@@ -26,6 +26,7 @@ from megarl.config.schema import Config
 from megarl.distributed.publish import WeightReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.topology import Topology, publish_group
+from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
 from megarl.roles.learner_main import STOP_KEY
 from megarl.rollout.rewards import score
@@ -62,6 +63,7 @@ class SamplerLoop:
         self.stopped = False
         self.started_at = time.monotonic()
         self.busy_s = 0.0  # wall time in engine steps that had work to do
+        self.timeline = Timeline(cfg.run.dir, f"sampler{topo.rank}") if cfg.run.timeline else None
 
     def _on_version(self, version: int, tensors: dict, extra: dict) -> None:
         self.engine.stage_weights(tensors, version)
@@ -89,10 +91,12 @@ class SamplerLoop:
                     self.new_version.wait(STOP_POLL_S)
                 self.new_version.clear()
                 had_work = self.engine.num_unfinished > 0
-                start = time.monotonic()
+                start, decoded = time.monotonic(), self.engine.stats()["tokens_decoded"]
                 finished = self.engine.step()
                 if had_work:
                     self.busy_s += time.monotonic() - start
+                    if self.timeline is not None:
+                        self.timeline.tokens(self.engine.stats()["tokens_decoded"] - decoded)
                 for completion in finished:
                     self._finish(completion, sender)
         finally:
@@ -101,6 +105,8 @@ class SamplerLoop:
             # interpreter shutdown aborts the process (SIGABRT), which torchrun reports as a failure.
             receiver.thread.join(self.cfg.publish.timeout_s)
             sender.close()
+            if self.timeline is not None:
+                self.timeline.close()
 
     def _admit(self) -> None:
         if self.cfg.algo.mode == "sync":

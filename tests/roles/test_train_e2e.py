@@ -61,6 +61,13 @@ def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_think_mo
     tags = set(events.Tags()["scalars"])
     assert {"reward_mean", "lag_mean", "ratio/mean", "ess", "lag0/ratio_mean", "lag0/token_share"} <= tags
     assert len(events.Scalars("reward_mean")) == STEPS
+    from megarl.observe.timeline import load_timeline
+
+    timeline = load_timeline(run_dir)
+    assert {e["kind"] for e in timeline["learner0"]} == {"wait", "train", "publish"}
+    assert len([e for e in timeline["learner0"] if e["kind"] == "train"]) == STEPS
+    assert sum(e["tokens"] for e in timeline["sampler1"]) >= sum(len(r["token_ids"]) for r in read_jsonl(
+        run_dir / "rollouts.jsonl"))  # the sampler decoded at least every trained token
 
     # Behaviour log-probs of version-0 rollouts equal an independent recomputation (HF transformers)
     # with the version-0 weights on disk.
