@@ -40,26 +40,29 @@ def learner_busy_fraction(run_dir: str | Path) -> float:
     return sum(e["end"] - e["start"] for e in spans if e["kind"] != "wait") / wall
 
 
-def render(run_dir: str | Path, out_png: str | Path, title: str) -> None:
+def render(run_dir: str | Path, out_png: str | Path, title: str, zoom_s: float = 8.0) -> None:
+    """Two panels: the whole run in 0.5 s bins, and its first `zoom_s` seconds in 0.05 s bins, where
+    the alternation of generation and training (sync) or their overlap (pipeline) is visible."""
     timeline = load_timeline(run_dir)
     t0 = min(e["start"] for evs in timeline.values() for e in evs)
     t1 = max(e["end"] for evs in timeline.values() for e in evs)
-    edges = np.arange(0.0, t1 - t0 + BIN_S, BIN_S)
     samplers = sorted(name for name in timeline if name.startswith("sampler"))
-    rates = [sampler_rates(timeline[name], t0, edges) for name in samplers]
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ax.stackplot(edges[:-1], rates, labels=samplers, step="post", alpha=0.8)
-    for name in timeline:
-        if name.startswith("learner"):
-            for e in timeline[name]:
-                if e["kind"] == "train":
-                    ax.axvspan(e["start"] - t0, e["end"] - t0, color="grey", alpha=0.15, lw=0)
-    ax.set_xlabel("time (s); grey = learner training")
-    ax.set_ylabel("generated tokens/s")
-    ax.set_title(title)
-    ax.legend(loc="upper right")
+    train = [e for name, evs in timeline.items() if name.startswith("learner") for e in evs if e["kind"] == "train"]
+    fig, axes = plt.subplots(2, 1, figsize=(10, 6))
+    for ax, (end, bin_s) in zip(axes, [(t1 - t0, BIN_S), (min(zoom_s, t1 - t0), BIN_S / 10)]):
+        edges = np.arange(0.0, end + bin_s, bin_s)
+        rates = [sampler_rates(timeline[name], t0, edges) for name in samplers]
+        ax.stackplot(edges[:-1], rates, labels=samplers, step="post", alpha=0.8)
+        for e in train:
+            if e["start"] - t0 < end:
+                ax.axvspan(e["start"] - t0, e["end"] - t0, color="grey", alpha=0.25, lw=0)
+        ax.set_xlim(0, end)
+        ax.set_ylabel("generated tokens/s")
+        ax.legend(loc="upper right")
+    axes[0].set_title(title)
+    axes[1].set_xlabel("time (s); grey = learner training; bottom: the first seconds, finer bins")
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
+    fig.savefig(out_png, dpi=110)
     plt.close(fig)
 
 

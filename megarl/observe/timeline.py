@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 class Timeline:
-    def __init__(self, run_dir: str | Path, name: str, slice_s: float = 0.25):
+    def __init__(self, run_dir: str | Path, name: str, slice_s: float = 0.05):
         directory = Path(run_dir) / "timeline"
         directory.mkdir(parents=True, exist_ok=True)
         self.file = open(directory / f"{name}.jsonl", "a", buffering=1 << 16)
