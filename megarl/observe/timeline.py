@@ -10,7 +10,6 @@ time (`time.time()`, comparable across the processes of one node):
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 
@@ -22,27 +21,32 @@ class Timeline:
         self.slice_s = slice_s
         self._slice_start: float | None = None
         self._slice_tokens = 0
+        self._last_end = 0.0
 
     def span(self, kind: str, start: float, end: float) -> None:
         self.file.write(json.dumps({"kind": kind, "start": start, "end": end}) + "\n")
 
-    def tokens(self, n: int, now: float | None = None) -> None:
-        """Count decoded tokens into the current slice; a slice is written once it is over."""
-        now = time.time() if now is None else now
-        if self._slice_start is not None and now - self._slice_start >= self.slice_s:
-            self._flush(now)
+    def tokens(self, n: int, start: float, end: float) -> None:
+        """Count the tokens of one engine step (wall-clock start/end) into the current slice. A slice
+        closes once it covers `slice_s`, or at the last step before an idle gap, so idle time is
+        never smeared into a slice."""
+        if self._slice_start is not None and start - self._last_end > self.slice_s / 2:
+            self._flush()
         if self._slice_start is None:
-            self._slice_start = now
+            self._slice_start = start
         self._slice_tokens += n
+        self._last_end = end
+        if end - self._slice_start >= self.slice_s:
+            self._flush()
 
-    def _flush(self, now: float) -> None:
+    def _flush(self) -> None:
         if self._slice_start is not None and self._slice_tokens:
-            self.file.write(json.dumps({"kind": "decode", "start": self._slice_start, "end": now,
+            self.file.write(json.dumps({"kind": "decode", "start": self._slice_start, "end": self._last_end,
                                         "tokens": self._slice_tokens}) + "\n")
         self._slice_start, self._slice_tokens = None, 0
 
     def close(self) -> None:
-        self._flush(time.time())
+        self._flush()
         self.file.close()
 
 

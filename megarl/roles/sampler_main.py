@@ -61,7 +61,7 @@ class SamplerLoop:
         self.pending: dict[str, dict] = {}
         self.new_version = threading.Event()
         self.stopped = False
-        self.started_at = time.monotonic()
+        self.started_at = time.time()
         self.busy_s = 0.0  # wall time in engine steps that had work to do
         self.timeline = Timeline(cfg.run.dir, f"sampler{topo.rank}") if cfg.run.timeline else None
 
@@ -91,12 +91,13 @@ class SamplerLoop:
                     self.new_version.wait(STOP_POLL_S)
                 self.new_version.clear()
                 had_work = self.engine.num_unfinished > 0
-                start, decoded = time.monotonic(), self.engine.stats()["tokens_decoded"]
+                start, decoded = time.time(), self.engine.stats()["tokens_decoded"]
                 finished = self.engine.step()
                 if had_work:
-                    self.busy_s += time.monotonic() - start
+                    end = time.time()
+                    self.busy_s += end - start
                     if self.timeline is not None:
-                        self.timeline.tokens(self.engine.stats()["tokens_decoded"] - decoded)
+                        self.timeline.tokens(self.engine.stats()["tokens_decoded"] - decoded, start, end)
                 for completion in finished:
                     self._finish(completion, sender)
         finally:
@@ -159,7 +160,7 @@ class SamplerLoop:
     def _stats(self) -> dict[str, float]:
         """Running counters sent with every group (the learner logs them as sampler{rank}/...)."""
         engine = self.engine.stats()
-        wall = time.monotonic() - self.started_at
+        wall = time.time() - self.started_at
         return {"busy_frac": self.busy_s / wall, "tokens_per_s": engine["tokens_decoded"] / wall,
                 "tokens_decoded": engine["tokens_decoded"], "swaps": engine["swaps"],
                 "swap_time_s": engine["swap_time_s"], "version": engine["version"],
