@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("train", help="train with a YAML config and key=value overrides")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. run.steps=20 sampler.num_engines=2")
-    p.add_argument("--dry-run", action="store_true", help="check the config and print the torchrun command")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config and print the torchrun command (give it before CONFIG)")
     p.set_defaults(func=train)
     args = parser.parse_args(argv)
     sys.exit(args.func(args))
