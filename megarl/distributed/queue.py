@@ -3,8 +3,8 @@
 The learner binds a PULL socket (address published in the rendezvous store under `queue/address`);
 every sampler connects a PUSH socket. One message is one group (the G samples of one prompt), so
 group advantages are computed from complete groups, plus the sender's running counters (engine
-throughput, swaps, busy time), so sampler health reaches metrics.jsonl without another channel. Every wait is bounded and its error says
-what it waited for.
+throughput, swaps, busy time), so sampler health reaches metrics.jsonl without another channel.
+Every wait is bounded and its error says what it waited for.
 """
 from __future__ import annotations
 

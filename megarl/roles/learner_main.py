@@ -73,12 +73,14 @@ class Intake:
 
 
 def share_batch(batch: TrainBatch | None) -> TrainBatch:
-    """Learner rank 0 hands the batch to every learner rank (each DP rank trains on its share)."""
+    """Learner rank 0 hands the batch to every learner rank (each DP rank trains on its share).
+
+    Only the tensors travel: the samples' provenance is for rank 0's logs, and rank 0 keeps its own."""
     if dist.get_world_size() == 1:
         return batch
-    box = [batch]
+    box = [None if batch is None else replace(batch, samples=[])]
     dist.broadcast_object_list(box, src=0)  # bounded by the learner group's dist.timeout_s
-    return box[0]
+    return batch if batch is not None else box[0]
 
 
 def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
@@ -106,11 +108,9 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             batch, intake_metrics = intake.next_batch(version) if lead else (None, {})
             batch = share_batch(batch)
             wall.append(time.time())
-            t0 = time.perf_counter()
             for _ in range(cfg.algo.sync_epochs):  # 1 in pipeline mode (validated)
                 # Later epochs see the same tokens one more version behind: the lag metrics say so.
                 metrics = learner.train_step(replace(batch, learner_version=learner.version))
-            t1 = time.perf_counter()
             wall.append(time.time())
             published = {"bytes": 0, "seconds": 0.0}
             if learner.version != version:  # a skipped (non-finite) step changed nothing to publish
@@ -130,7 +130,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             metrics.update(batch_metrics(batch))
             metrics.update(intake_metrics)
             metrics.update({
-                "tokens_per_s": batch.num_tokens / (now - last), "train_s": t1 - t0,
+                "tokens_per_s": batch.num_tokens / (now - last), "train_s": wall[2] - wall[1],
                 "publish_s": published["seconds"], "publish_bytes": published["bytes"], "version": learner.version,
             })
             last = now
