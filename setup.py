@@ -30,7 +30,8 @@ setup(
     extras_require={
         "cpu": ["torch==2.13.0"],
         "gpu": [],
-        "test": ["pytest>=8", "pytest-timeout>=2.2"],
+        # pyarrow / datasets: the Parquet and save_to_disk dataset readers are optional for users, tested in CI.
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "pyarrow>=14", "datasets>=2.18"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

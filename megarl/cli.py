@@ -1,45 +1,207 @@
-"""`megarl` command line: `megarl train CONFIG [key=value ...]`.
+"""`megarl` command line: `megarl train CONFIG [key=value ...]`, `megarl placement CONFIG --nnodes N`.
 
-`train` checks the whole configuration (keys, types, topology) and prepares the model before any
-worker starts, then launches one torchrun holding every role and waits for it.
+`train` checks the whole configuration (keys, types, topology), the model directory (config.json,
+a supported architecture, weights, tokenizer files) and the task (dataset rows, reward function,
+sandbox) before any worker starts, then launches one torchrun holding every role and waits for it.
+`placement` prints which node runs which ranks and roles for a multi-node launch (docs/launch.md).
+`export --checkpoint CKPT --out DIR` writes a learner checkpoint as an HF model directory (docs/checkpoint.md).
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
 
 from megarl.config.load import ConfigError, load_config, world_size_for
 
+# A tokenizer is one of these file sets (fast tokenizer, byte-level BPE, sentencepiece).
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
 
-def torchrun_command(config: str, overrides: list[str], nproc: int) -> list[str]:
+
+def torchrun_command(config: str, overrides: list[str], nproc: int, max_restarts: int = 0) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "megarl.roles.worker", config, *overrides]
+            f"--max-restarts={max_restarts}", "-m", "megarl.roles.worker", config, *overrides]
 
 
 def train(args: argparse.Namespace) -> int:
-    from megarl.models.tiny import resolve_model_path
-
     try:
         cfg = load_config(args.config, args.overrides)
+        # Imported once the config loaded: they import torch, and a config error should be quick.
+        from megarl.distributed.topology import placement
+        from megarl.models.tiny import resolve_model_path
+
+        nodes = placement(cfg, args.nnodes)
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
+    if args.nnodes > 1 and not args.dry_run:
+        print("megarl: train launches one node; start multi-node runs with launch/torchrun_multi_node.sh or "
+              "launch/slurm_multi_node.sbatch (docs/launch.md)", file=sys.stderr)
+        return 2
     try:
         model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        check_model_dir(model_dir)
     except (FileNotFoundError, ValueError) as exc:
         print(f"megarl: model.path: {exc}", file=sys.stderr)
         return 2
-    cmd = torchrun_command(args.config, args.overrides, world_size_for(cfg))
+    try:
+        for line in check_task(cfg):
+            print(f"megarl: {line}")
+    except (OSError, ImportError, ValueError) as exc:
+        print(f"megarl: task: {exc}", file=sys.stderr)
+        return 2
+    from megarl.checkpoint.resume import check_export_target, find_checkpoint
+    from megarl.checkpoint.storage import CheckpointError
+
+    try:  # the learner checks again (raw torchrun launches); here it costs no process start
+        check_export_target(cfg)
+        resume_from = find_checkpoint(cfg)
+    except CheckpointError as exc:
+        print(f"megarl: checkpoint: {exc}", file=sys.stderr)
+        return 2
+    if resume_from is not None:
+        print(f"megarl: resuming from {resume_from}")
+    restarts = cfg.fault.max_restarts if cfg.fault.on_failure == "restart" else 0
+    cmd = torchrun_command(args.config, args.overrides, world_size_for(cfg), restarts)
     print(f"megarl: model {model_dir}; run dir {cfg.run.dir}")
-    print("megarl: launching: torchrun " + shlex.join(cmd[3:]), flush=True)
+    if args.nnodes > 1:
+        print(f"megarl: processes per node: {len(nodes[0])} ({args.nnodes} nodes)")
+    else:
+        print("megarl: launching: torchrun " + shlex.join(cmd[3:]), flush=True)
     if args.dry_run:
         return 0
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+    return run_torchrun(cmd, env, cfg)
+
+
+def run_torchrun(cmd: list[str], env: dict, cfg) -> int:
+    """Run torchrun, passing its output through; if it fails, say which rank and role failed first."""
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    tail: collections.deque[str] = collections.deque(maxlen=400)
+    for line in proc.stderr:  # torchrun writes its failure report (and the workers' tracebacks) here
+        sys.stderr.write(line)
+        tail.append(line)
+    code = proc.wait()
+    if code != 0:
+        print(f"megarl: the run failed: {failure_summary(''.join(tail), cfg)}", file=sys.stderr)
+    return code
+
+
+def failure_summary(torchrun_stderr: str, cfg) -> str:
+    """One line naming the first failed rank, its role and how it ended, from torchrun's root-cause report."""
+    from megarl.distributed.topology import Topology
+
+    match = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", torchrun_stderr, re.S)
+    if match is None:
+        return "torchrun exited with an error (see its output above)"
+    rank, code = int(match.group(1)), int(match.group(2))
+    learners = world_size_for(cfg) - cfg.sampler.num_engines
+    topo = Topology(rank=rank, world_size=world_size_for(cfg), num_learners=learners, num_samplers=cfg.sampler.num_engines)
+    how = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0
+           else f"exited with code {code} (its traceback is above)")
+    after = ("torchrun stopped every other process" if cfg.fault.on_failure == "stop"
+             else f"torchrun stopped every process after {cfg.fault.max_restarts} restarts (fault.max_restarts)")
+    return f"{topo.role} {topo.role_rank} (rank {rank}) {how}; {after}. Outputs so far are in {cfg.run.dir}"
+
+
+def check_model_dir(model_dir) -> None:
+    """ValueError naming the file and what is missing or unsupported, for what the workers would load."""
+    from pathlib import Path
+
+    from megarl.models.convert import check_supported
+
+    model_dir = Path(model_dir)
+    config = model_dir / "config.json"
+    try:
+        hf_config = json.loads(config.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{config} is not valid JSON: {exc}") from exc
+    try:
+        check_supported(hf_config)
+    except ValueError as exc:
+        raise ValueError(f"{config}: {exc} (megarl trains Qwen2- and Llama-family models: model_type qwen2 or "
+                         f"llama, architectures Qwen2ForCausalLM or LlamaForCausalLM)") from exc
+    if not any((model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise ValueError(f"model directory {str(model_dir)!r} has no weights (model.safetensors or "
+                         f"model.safetensors.index.json)")
+    if not any(all((model_dir / name).is_file() for name in files) for files in TOKENIZER_FILES):
+        raise ValueError(f"model directory {str(model_dir)!r} has no tokenizer files (one of: "
+                         f"{'; '.join(' + '.join(files) for files in TOKENIZER_FILES)})")
+
+
+def check_task(cfg) -> list[str]:
+    """Build the task once as every sampler will (dataset rows read, reward function imported, sandbox
+    probed); raises what a sampler would raise, returns lines worth printing at start."""
+    from megarl.rollout.sandbox import SandboxError, load_function, probe
+    from megarl.rollout.tasks import task_from_config
+
+    tc, lines = cfg.task, []
+    task = task_from_config(tc)
+    if ":" in tc.reward_fn:
+        load_function(tc.reward_fn)
+    dataset = getattr(task, "task", task)  # a task scored by task.reward_fn wraps the prompt source
+    if hasattr(dataset, "bad_rows"):
+        lines.append(f"dataset {tc.path}: {len(dataset.prompts)} prompts"
+                     + (f", {dataset.bad_rows} bad rows skipped (first: {dataset.first_bad_row})"
+                        if dataset.bad_rows else ""))
+    if tc.reward_sandbox or tc.reward_fn == "python_output" or tc.name == "python_output":
+        try:
+            layers = probe()
+        except SandboxError as exc:
+            raise ValueError(f"sandboxed rewards cannot run: {exc}") from exc
+        if tc.sandbox.require_namespaces and "namespaces" not in layers:
+            raise ValueError("task.sandbox.require_namespaces: this kernel refuses unprivileged user namespaces, so "
+                             "sandboxed code could write outside its directory; set it to false to accept that")
+        lines.append(f"reward sandbox: {', '.join(layers)}")
+    return lines
+
+
+def placement_lines(nodes) -> list[str]:
+    """Node by node, the ranks torchrun starts there and the role each one takes."""
+    first = nodes[0][0]
+    lines = [f"{first.world_size} processes = {first.num_learners} learner ranks (learner.tp*pp*dp) + "
+             f"{first.num_samplers} sampler ranks (sampler.num_engines), {len(nodes[0])} on each of {len(nodes)} nodes"]
+    for node, ranks in enumerate(nodes):
+        roles = [f"rank {t.rank} = {t.role} {t.role_rank}"
+                 + (" (publishes weights, binds the queue at queue.host, writes run.dir)" if t.rank == 0 else "")
+                 for t in ranks]
+        lines.append(f"node {node} (torchrun group rank {node}): " + "; ".join(roles))
+    return lines
+
+
+def show_placement(args: argparse.Namespace) -> int:
+    from megarl.distributed.topology import placement
+
+    try:
+        nodes = placement(load_config(args.config, args.overrides), args.nnodes, args.nproc_per_node)
+    except ConfigError as exc:
+        print(f"megarl: config error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(placement_lines(nodes)), file=sys.stderr if args.nproc else sys.stdout)
+    if args.nproc:
+        print(len(nodes[0]))
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    from megarl.checkpoint.export import export_hf
+    from megarl.checkpoint.storage import CheckpointError, resolve
+
+    try:
+        checkpoint = resolve(args.checkpoint)
+        out = export_hf(checkpoint, args.out, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    except CheckpointError as exc:
+        print(f"megarl: export: {exc}", file=sys.stderr)
+        return 2
+    print(f"megarl: exported {checkpoint} to {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,7 +212,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("overrides", nargs="*", help="key=value, e.g. run.steps=20 sampler.num_engines=2")
     p.add_argument("--dry-run", action="store_true",
                    help="check the config and print the torchrun command (give it before CONFIG)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="with --dry-run: also check that the world spreads over this many nodes (launch scripts)")
     p.set_defaults(func=train)
+    p = sub.add_parser("placement", help="print which node runs which ranks and roles (multi-node launches)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value, as for train")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of the launch (torchrun --nnodes)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="processes per node (default: the config's world size / nnodes)")
+    p.add_argument("--nproc", action="store_true",
+                   help="print the processes per node on stdout and the placement on stderr (for launch scripts)")
+    p.set_defaults(func=show_placement)
+    p = sub.add_parser("export", help="write a checkpoint as an HF-format model directory (transformers loads it)")
+    p.add_argument("--checkpoint", required=True, help="a checkpoint (step_N dir) or a checkpoint.dir (its latest)")
+    p.add_argument("--out", required=True, help="the HF directory to create (absent or empty)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default 5)")
+    p.set_defaults(func=export)
     args = parser.parse_args(argv)
     sys.exit(args.func(args))
 

@@ -13,6 +13,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from megarl.algo.config import validate_advantage_config, validate_loss_config
 from megarl.config.schema import Config
+from megarl.rollout.sandbox import check_config as check_sandbox
 
 
 class ConfigError(ValueError):
@@ -76,7 +77,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_positive(cfg)
     lc = cfg.learner
     _require(lc.backend == "megatron", "learner.backend", f"unknown backend {lc.backend!r}; known: megatron")
-    _require(cfg.sampler.engine == "builtin", "sampler.engine", f"unknown engine {cfg.sampler.engine!r}; known: builtin")
+    _require(cfg.sampler.engine in ("builtin", "sglang"), "sampler.engine",
+             f"unknown engine {cfg.sampler.engine!r}; known: builtin, sglang")
+    if cfg.sampler.engine == "sglang":
+        _validate_sglang(cfg)
     _require(cfg.sampler.kv_on_update in ("keep", "recompute"), "sampler.kv_on_update", "must be 'keep' or 'recompute'")
     _require(cfg.algo.mode in ("pipeline", "sync"), "algo.mode", f"must be 'pipeline' or 'sync', got {cfg.algo.mode!r}")
     if cfg.algo.mode == "pipeline":
@@ -90,15 +94,25 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _require(not cfg.algo.advantage.filter_zero_variance, "algo.advantage.filter_zero_variance",
                  "sync mode generates exactly one batch per version, so dropped groups could not be replaced")
     _require(cfg.dist.backend in ("auto", "gloo", "nccl"), "dist.backend", "must be auto, gloo or nccl")
+    _validate_task(cfg)
+    _validate_checkpoint(cfg)
     _require(cfg.algo.max_lag >= 0, "algo.max_lag", "must be >= 0")
     _require(cfg.algo.group_size >= 2, "algo.group_size", "group advantages need at least 2 samples per prompt")
     _require(0.0 < cfg.sampling.top_p <= 1.0, "sampling.top_p", "must be in (0, 1]")
     _require(cfg.sampling.temperature >= 0.0, "sampling.temperature", "must be >= 0")
     _require(cfg.sampling.max_new_tokens < cfg.sampler.max_seq_len, "sampling.max_new_tokens",
              f"({cfg.sampling.max_new_tokens}) must be smaller than sampler.max_seq_len ({cfg.sampler.max_seq_len})")
-    _require(lc.pp == 1, "learner.pp", "pipeline parallelism is not supported yet (learner.tp and learner.dp are)")
-    _require(not lc.use_distributed_optimizer, "learner.use_distributed_optimizer",
-             "megatron's distributed optimizer is not supported on this version yet")
+    _require(lc.recompute_activations in ("none", "full", "selective"), "learner.recompute_activations",
+             f"must be none, full or selective, got {lc.recompute_activations!r}")
+    _require(lc.micro_batch_tokens >= 0, "learner.micro_batch_tokens", "must be >= 0 (0 = fixed micro_batch_size rows)")
+    _require(cfg.fault.on_failure in ("stop", "restart"), "fault.on_failure",
+             f"must be stop or restart, got {cfg.fault.on_failure!r}")
+    _require(cfg.fault.max_restarts >= 0, "fault.max_restarts", "must be >= 0")
+    _require(cfg.fault.sampler_timeout_s > cfg.fault.heartbeat_s, "fault.sampler_timeout_s",
+             f"must exceed fault.heartbeat_s ({cfg.fault.heartbeat_s})")
+    _require(lc.pp == 1 or cfg.sampler.engine != "sglang", "learner.pp",
+             "sampler.engine=sglang takes weights from one learner source; with learner.pp > 1 each stage publishes "
+             "its own layers, which only the built-in engine receives so far")
     if world_size is not None:
         need = world_size_for(cfg)
         _require(world_size == need, "sampler.num_engines",
@@ -111,12 +125,65 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"algo.{exc}") from exc
 
 
+def _validate_sglang(cfg: Config) -> None:
+    sc = cfg.sampler.sglang
+    _require(sc.server in ("builtin", "sglang"), "sampler.sglang.server",
+             f"must be builtin or sglang, got {sc.server!r}")
+    _require(sc.tp >= 1, "sampler.sglang.tp", "must be >= 1")
+    _require(sc.server == "sglang" or sc.tp == 1, "sampler.sglang.tp",
+             "the built-in SGLang-compatible server is one process; tp > 1 needs sampler.sglang.server=sglang")
+    _require(sc.cache_on_update in ("keep", "flush"), "sampler.sglang.cache_on_update", "must be keep or flush")
+    _require(sc.weight_format in ("flattened_bucket", "per_tensor"), "sampler.sglang.weight_format",
+             "must be flattened_bucket or per_tensor")
+    for key in ("startup_timeout_s", "request_timeout_s"):
+        _require(getattr(sc, key) > 0, f"sampler.sglang.{key}", "must be > 0")
+    for key in ("port", "update_group_port"):
+        _require(0 <= getattr(sc, key) < 65536, f"sampler.sglang.{key}", "must be a port number (0 = pick a free one)")
+    # SGLang returns log(probs) of its processed sampling distribution, i.e. with top-p/top-k folded in;
+    # megarl's behaviour log-prob is log_softmax(logits / T) over the full vocabulary (docs/CONTRACTS.md).
+    _require(cfg.sampling.top_p == 1.0, "sampling.top_p",
+             "must be 1.0 with sampler.engine=sglang: SGLang's returned log-probs include top-p truncation")
+    _require(cfg.sampling.top_k == 0, "sampling.top_k",
+             "must be 0 with sampler.engine=sglang: SGLang's returned log-probs include top-k truncation")
+
+
+def _validate_task(cfg: Config) -> None:
+    """The task.* keys that can be checked without importing the task (names are checked by `megarl train`)."""
+    tc = cfg.task
+    _require(tc.on_bad_row in ("error", "skip"), "task.on_bad_row", f"must be error or skip, got {tc.on_bad_row!r}")
+    _require(tc.reward_timeout_s > 0, "task.reward_timeout_s", f"must be > 0, got {tc.reward_timeout_s}")
+    if tc.name == "jsonl":
+        _require(bool(tc.path), "task.path", "task.name=jsonl needs the dataset: task.path=FILE.jsonl|FILE.parquet|DIR")
+        _require(Path(tc.path).expanduser().exists(), "task.path", f"dataset not found: {tc.path}")
+        _require(bool(tc.prompt_field) and bool(tc.answer_field), "task.prompt_field",
+                 "task.prompt_field and task.answer_field name the dataset's columns and must not be empty")
+    if tc.reward_fn and ":" in tc.reward_fn:
+        module, _, fn = tc.reward_fn.partition(":")
+        _require(all(p.isidentifier() for p in module.split(".") + fn.split(".")), "task.reward_fn",
+                 f"{tc.reward_fn!r} is not of the form 'package.module:function'")
+    _require(not tc.reward_sandbox or ":" in tc.reward_fn, "task.reward_sandbox",
+             "sandboxes a user function task.reward_fn='package.module:function' (python_output always runs sandboxed)")
+    try:
+        check_sandbox(tc.sandbox)
+    except ValueError as exc:  # its messages start with "sandbox.<field>"
+        raise ConfigError(f"task.{exc}") from exc
+
+
+def _validate_checkpoint(cfg: Config) -> None:
+    ck = cfg.checkpoint
+    _require(cfg.run.resume.lower() in ("false", "true", "auto"), "run.resume",
+             f"must be false, true or auto, got {cfg.run.resume!r}")
+    _require(bool(ck.dir), "checkpoint.dir", "must not be empty (default: {run.dir}/checkpoints)")
+    _require(ck.every_steps >= 0, "checkpoint.every_steps", f"must be >= 0 (0 = no periodic saves), got {ck.every_steps}")
+    _require(ck.keep >= 1, "checkpoint.keep", f"must be >= 1, got {ck.keep}")
+
+
 def _check_positive(cfg: Config) -> None:
     """Every count and size in the schema must be positive; checked generically so new keys are covered."""
     positive = {
         "run.steps", "sampling.max_new_tokens", "sampler.num_engines", "sampler.max_running",
         "sampler.max_seq_len", "sampler.threads", "learner.tp", "learner.pp", "learner.dp",
-        "learner.micro_batch_size", "learner.threads", "learner.lr", "algo.prompts_per_step", "algo.sync_epochs",
+        "learner.micro_batch_size", "learner.threads", "learner.lr", "learner.max_nonfinite_in_row", "algo.prompts_per_step", "algo.sync_epochs",
         "publish.bucket_mb", "publish.timeout_s", "queue.timeout_s", "dist.timeout_s", "task.max_operand",
     }
     for key in positive:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megarl.algo.config import AdvantageConfig, LossConfig
+from megarl.rollout.sandbox import SandboxConfig
 
 
 @dataclass
@@ -20,6 +21,10 @@ class RunConfig:
     tensorboard: bool = True
     progress: bool = True  # console progress line
     timeline: bool = True  # timeline/<process>.jsonl: learner spans, sampler tokens per time slice
+    # Continue from the latest checkpoint in checkpoint.dir: "true" (it must exist), "auto" (if one
+    # exists, else start fresh) or "false" (start fresh; refused if checkpoints would be overwritten).
+    # docs/checkpoint.md says exactly what a resumed run continues.
+    resume: str = "false"
 
 
 @dataclass
@@ -32,7 +37,7 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "arithmetic"
+    name: str = "arithmetic"  # arithmetic | python_output (code execution) | jsonl (a prompt dataset)
     max_operand: int = 19
     # Mean length of the filler "thinking" run before the answer (geometric, so long-tailed);
     # 0 = answer directly. The embedded default model was warm-started with 10.
@@ -40,6 +45,19 @@ class TaskConfig:
     # A prompt whose tokens do not leave room for one completion token within the sampler's
     # context is skipped and counted; set to false to stop the run instead.
     skip_overlong_prompts: bool = True
+    # name=jsonl: a .jsonl or .parquet file, or a directory written by `datasets`' save_to_disk
+    # (megarl/rollout/datasets.py); each row gives a prompt and its answer, other fields go to meta.
+    path: str = ""
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    on_bad_row: str = "error"  # a malformed row or one missing a field: "error" (names file:line) or "skip" (counted)
+    # The reward: "" = the task's own; "python_output" = run the completion as a Python program in the
+    # sandbox and compare its stdout with the answer; "package.module:function" = a user function
+    # called as fn(prompt, completion, answer, meta) -> float (megarl/rollout/rewards.py).
+    reward_fn: str = ""
+    reward_sandbox: bool = False  # run reward_fn in the sandbox, a fresh limited process per call
+    reward_timeout_s: float = 10.0  # a reward call (or sandboxed program) running longer is killed: failed reward
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # limits of sandboxed code
 
 
 @dataclass
@@ -51,13 +69,40 @@ class SamplingConfig:
 
 
 @dataclass
+class SGLangConfig:
+    """sampler.engine=sglang: each sampler rank starts one server and drives it over HTTP (docs/sglang.md)."""
+
+    # "sglang": `python -m sglang.launch_server` (GPU); "builtin": megarl's SGLang-compatible server around
+    # the built-in engine (`python -m megarl.sampler.sglang_server`, CPU, one process: tp must be 1).
+    server: str = "builtin"
+    server_args: list[str] = field(default_factory=list)  # extra launch flags, e.g. ["--mem-fraction-static", "0.8"]
+    tp: int = 1  # GPUs per server (SGLang --tp-size); the server's TP workers all join the weight-update group
+    gpus_per_node: int = 8  # where sampler servers may go: the GPUs of a node after its learner ranks
+    port: int = 0  # HTTP port of sampler 0's server (sampler i uses port + i); 0 = a free port each
+    startup_timeout_s: float = 900.0  # server start until /health answers
+    request_timeout_s: float = 600.0  # every HTTP call; a /generate stream fails after this long without data
+    # After an update: "keep" SGLang's prefix cache, or "flush" it (POST /flush_cache; SGLang flushes only
+    # when no request is running or waiting, so in pipeline mode most flushes are skipped and counted).
+    cache_on_update: str = "keep"
+    # /update_weights_from_distributed wire format: one broadcast per publish bucket ("flattened_bucket",
+    # SGLang's load_format) or one broadcast per tensor ("per_tensor", every SGLang 0.5.x).
+    weight_format: str = "flattened_bucket"
+    # The learner address the servers rendezvous at for the weight-update group; "" = queue.host (the learner
+    # node's address, which launch/torchrun_multi_node.sh sets).
+    update_group_host: str = ""
+    update_group_port: int = 0  # 0 = a free port on the learner
+
+
+@dataclass
 class SamplerConfig:
-    engine: str = "builtin"
+    engine: str = "builtin"  # "builtin" (torch engine in the sampler process) or "sglang" (a server per sampler)
     num_engines: int = 1  # sampler ranks; each runs one engine
-    max_running: int = 32  # continuous-batching slots per engine
+    max_running: int = 32  # continuous-batching slots per engine (sglang: requests in flight per server)
     max_seq_len: int = 64  # prompt + completion tokens per request (KV cache length)
-    kv_on_update: str = "keep"  # "keep" the KV cache on an in-flight weight swap, or "recompute" it
+    # "keep" the KV cache on an in-flight weight swap, or "recompute" it (sglang: pause mode in_place / retract)
+    kv_on_update: str = "keep"
     threads: int = 1  # torch intra-op threads per sampler process
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
 @dataclass
@@ -66,13 +111,18 @@ class LearnerConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
-    micro_batch_size: int = 16
+    micro_batch_size: int = 16  # rows per micro-batch (an upper bound when micro_batch_tokens > 0)
+    micro_batch_tokens: int = 0  # token budget per micro-batch (rows * longest row); 0 = fixed rows
+    recompute_activations: str = "none"  # none | full | selective (megatron activation recomputation)
     lr: float = 1e-3
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     grad_clip: float = 0.0
     use_distributed_optimizer: bool = False
+    # A step whose loss or grad norm is not finite is skipped (no update) and counted; this many in a
+    # row stop the run with an error (the weights are not going to recover by themselves).
+    max_nonfinite_in_row: int = 5
     seed: int = 1234
     threads: int = 1
 
@@ -113,6 +163,32 @@ class DistConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded, atomic learner checkpoints and the HF export (docs/checkpoint.md)."""
+
+    dir: str = "${run.dir}/checkpoints"  # holds step_<N>/ directories and the `latest` pointer
+    every_steps: int = 0  # save after every this many learner steps, and after the last one (0 = never)
+    keep: int = 2  # the newest checkpoints kept; older ones are deleted after each save
+    # Non-empty: at the end of training, save the final state and export it as an HF model directory here.
+    export_dir: str = ""
+
+
+@dataclass
+class FaultConfig:
+    """What happens when a process fails (docs/faults.md)."""
+
+    # "stop": torchrun stops every process as soon as one fails; megarl names the failed rank and role.
+    # "restart": torchrun restarts every process (at most max_restarts times) and the run resumes from
+    # its last checkpoint (needs checkpoint.every_steps > 0); the lost progress is counted.
+    on_failure: str = "stop"
+    max_restarts: int = 3
+    # A sampler process that is alive but whose loop has not turned for this long is declared hung
+    # (a dead one is torchrun's to see at once); the learner then fails, naming it.
+    sampler_timeout_s: float = 300.0
+    heartbeat_s: float = 1.0  # how often a sampler's loop reports that it turns
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -124,3 +200,5 @@ class Config:
     publish: PublishConfig = field(default_factory=PublishConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)

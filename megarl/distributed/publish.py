@@ -17,6 +17,7 @@ moved past the version that set last held.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import zlib
@@ -81,16 +82,32 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _broadcast(group, buffer: torch.Tensor, timeout: timedelta, what: str) -> None:
-    try:
-        group.broadcast(buffer, 0, timeout).wait()
-    except RuntimeError as exc:
-        raise TimeoutError(f"weight publish: {what} failed or timed out after {timeout.total_seconds():.0f}s "
-                           f"(a sampler or the learner may have died): {exc}") from exc
+class _Broadcast:
+    """A broadcast from group rank 0, started (asynchronously) on construction; `wait()` raises a
+    TimeoutError naming `what` when it fails or times out."""
+
+    def __init__(self, group, buffer: torch.Tensor, timeout: timedelta, what: str):
+        self.timeout, self.what = timeout, what
+        self.work = group.broadcast(buffer, 0, timeout)
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except RuntimeError as exc:
+            raise TimeoutError(f"weight publish: {self.what} failed or timed out after "
+                               f"{self.timeout.total_seconds():.0f}s (a sampler or the learner may have died): "
+                               f"{exc}") from exc
 
 
 class WeightPublisher:
-    """Learner side: `publish(version, named_tensors)` after every optimizer step."""
+    """Learner side: `publish(version, named_tensors)` after every optimizer step.
+
+    All of a version's buckets are in flight at once (gloo runs them in order, without a round trip
+    between buckets).  Without checksums the header goes first and packing bucket i+1 overlaps sending
+    bucket i; with checksums the header must carry every bucket's CRC, so all buckets are packed and
+    summed before the first is sent.  A bucket holding one contiguous tensor sends that tensor as is
+    (no copy into a staging buffer); staging buffers exist only for buckets that need packing.
+    """
 
     def __init__(self, group, store, bucket_mb: float, timeout_s: float, checksum: bool):
         self.group, self.store = group, store
@@ -98,7 +115,7 @@ class WeightPublisher:
         self.timeout = timedelta(seconds=timeout_s)
         self.checksum = checksum
         self.buckets: list[Bucket] | None = None
-        self.buffers: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor | None] = []  # a bucket's packing buffer, allocated when first needed
         self.published = 0
 
     def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], extra: dict | None = None) -> dict:
@@ -110,20 +127,56 @@ class WeightPublisher:
             self.store.set(SPEC_KEY, json.dumps({"bucket_bytes": self.bucket_bytes,
                                                  "tensors": [[n, list(s), _dtype_name(d)] for n, s, d in spec]}))
             self.buckets = plan_buckets(spec, self.bucket_bytes)
-            device = next(iter(named.values())).device
-            self.buffers = [torch.empty(b.numel, dtype=b.dtype, device=device) for b in self.buckets]
-        for bucket, buffer in zip(self.buckets, self.buffers):
-            for slot in bucket.slots:
-                buffer[slot.offset:slot.offset + slot.numel].copy_(named[slot.name].reshape(-1))
-        crcs = [_crc(b) for b in self.buffers] if self.checksum else None
+            self.buffers = [None] * len(self.buckets)
+        self._check(named)
         self.published += 1
-        self.store.set(header_key(self.published),
-                       json.dumps({"version": version, "crc32": crcs, "extra": extra or {}}))
-        nbytes = 0
-        for i, buffer in enumerate(self.buffers):
-            _broadcast(self.group, buffer, self.timeout, f"version {version} bucket {i + 1}/{len(self.buffers)}")
-            nbytes += buffer.numel() * buffer.element_size()
+        count = len(self.buckets)
+        sends = []
+        if self.checksum:
+            flats = [self._flat(i, named) for i in range(count)]
+            self._write_header(version, [_crc(flat) for flat in flats], extra)
+            sends = [self._send(flat, version, i) for i, flat in enumerate(flats)]
+        else:
+            self._write_header(version, None, extra)
+            for i in range(count):
+                sends.append(self._send(self._flat(i, named), version, i))
+        for send in sends:
+            send.wait()
+        nbytes = sum(b.numel * b.dtype.itemsize for b in self.buckets)
         return {"bytes": nbytes, "seconds": time.perf_counter() - start}
+
+    def _write_header(self, version: int, crcs: list[int] | None, extra: dict | None) -> None:
+        self.store.set(header_key(self.published), json.dumps({"version": version, "crc32": crcs, "extra": extra or {}}))
+
+    def _send(self, flat: torch.Tensor, version: int, index: int) -> _Broadcast:
+        return _Broadcast(self.group, flat, self.timeout, f"version {version} bucket {index + 1}/{len(self.buckets)}")
+
+    def _check(self, named: dict[str, torch.Tensor]) -> None:
+        """Every version must match the spec the first publish fixed; checked before the header is written,
+        so a bad version never leaves the receivers waiting for buckets that will not come."""
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                t = named.get(slot.name)
+                if t is None or tuple(t.shape) != slot.shape or t.dtype != bucket.dtype:
+                    got = "missing" if t is None else f"{list(t.shape)} {t.dtype}"
+                    raise ValueError(f"weight publish: {slot.name} is {got}, but the first publish fixed it "
+                                     f"as {list(slot.shape)} {bucket.dtype}")
+        unknown = set(named) - {slot.name for bucket in self.buckets for slot in bucket.slots}
+        if unknown:
+            raise ValueError(f"weight publish: tensors not in the first publish's spec: {sorted(unknown)[:5]}")
+
+    def _flat(self, index: int, named: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The flat tensor bucket `index` sends: its lone tensor itself if contiguous, else its packed buffer."""
+        bucket = self.buckets[index]
+        first = named[bucket.slots[0].name]
+        if len(bucket.slots) == 1 and first.is_contiguous():
+            return first.view(-1)
+        if self.buffers[index] is None:
+            self.buffers[index] = torch.empty(bucket.numel, dtype=bucket.dtype, device=first.device)
+        buffer = self.buffers[index]
+        for slot in bucket.slots:
+            buffer[slot.offset:slot.offset + slot.numel].copy_(named[slot.name].reshape(-1))
+        return buffer
 
 
 class WeightReceiver:
@@ -131,18 +184,26 @@ class WeightReceiver:
 
     `on_version(version, tensors, extra)` is called on the receiver thread; `current_version()` tells
     which version the engine runs, so a staging buffer set is reused only when it is free.
+    All of a version's bucket receives are posted at once, and bucket i is checksummed while the later
+    ones arrive.  `nice` (Linux) lowers the receiver thread's CPU priority: where the sampler decodes
+    on the same CPU cores, the receive's own work (checksums; `on_version`'s staging copies) then
+    yields to the decode loop, which stalls less per update, while a version takes longer to land
+    when the cores are busy (benchmarks/weight_publish.py measures both).
     """
 
     def __init__(self, group, store, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
-                 current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float):
+                 current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float,
+                 nice: int = 0):
         self.group, self.store = group, store
+        self.nice = nice
         self.on_version, self.current_version, self.should_stop = on_version, current_version, should_stop
         self.timeout = timedelta(seconds=timeout_s)
         self.next_index = 1
         self.held_versions: list[int | None] = [None, None]  # version each staging set last received
         self.error: BaseException | None = None
         self._expected, self._device = expected, device
+        self.partial = False  # one stage of several (StagedReceiver): the spec covers part of `expected`
         self.buckets: list[Bucket] | None = None
         self.buffer_sets: list[list[torch.Tensor]] = []
         self.thread = threading.Thread(target=self._run, name="megarl-weight-receiver", daemon=True)
@@ -155,7 +216,7 @@ class WeightReceiver:
         self._wait_key(SPEC_KEY)
         raw = json.loads(self.store.get(SPEC_KEY))
         spec = [(n, tuple(s), getattr(torch, d)) for n, s, d in raw["tensors"]]
-        check_spec(spec, self._expected)
+        check_spec(spec, self._expected, partial=self.partial)
         self.buckets = plan_buckets(spec, raw["bucket_bytes"])
         self.buffer_sets = [[torch.empty(b.numel, dtype=b.dtype, device=self._device) for b in self.buckets]
                             for _ in range(2)]
@@ -169,6 +230,8 @@ class WeightReceiver:
             time.sleep(HEADER_POLL_S)
 
     def _run(self) -> None:
+        if self.nice:  # a Linux thread has its own nice value; PRIO_PROCESS with its id sets only it
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
         try:
             self._load_spec()
             while True:
@@ -193,10 +256,14 @@ class WeightReceiver:
                                    f"{self.held_versions[set_index]} within {self.timeout.total_seconds():.0f}s")
             time.sleep(0.001)
         self.held_versions[set_index] = version
-        for i, buffer in enumerate(buffers):
-            _broadcast(self.group, buffer, self.timeout, f"receive version {version} bucket {i + 1}/{len(buffers)}")
+        receives = [_Broadcast(self.group, buffer, self.timeout, f"receive version {version} bucket {i + 1}/{len(buffers)}")
+                    for i, buffer in enumerate(buffers)]
+        got = []
+        for receive, buffer in zip(receives, buffers):
+            receive.wait()
+            if header["crc32"] is not None:  # checksum bucket i while the later ones are still arriving
+                got.append(_crc(buffer))
         if header["crc32"] is not None:
-            got = [_crc(b) for b in buffers]
             if got != header["crc32"]:
                 bad = [i for i, (a, b) in enumerate(zip(got, header["crc32"])) if a != b]
                 raise RuntimeError(f"weight publish: checksum mismatch for version {version} in buckets {bad}")
@@ -212,10 +279,11 @@ class _Stopped(Exception):
 
 
 def check_spec(spec: list[tuple[str, tuple[int, ...], torch.dtype]],
-               expected: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
-    """The learner's tensors must be exactly the engine's: same names, shapes and dtypes."""
+               expected: dict[str, tuple[torch.Size, torch.dtype]], partial: bool = False) -> None:
+    """The learner's tensors must be exactly the engine's: same names, shapes and dtypes (with
+    `partial`, a subset: one pipeline stage's share)."""
     names = {n for n, _, _ in spec}
-    missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
+    missing, unexpected = [] if partial else sorted(set(expected) - names), sorted(names - set(expected))
     if missing or unexpected:
         raise ValueError(f"weight publish: learner and sampler disagree on tensor names; "
                          f"missing on the learner: {missing[:5]}, unknown to the sampler: {unexpected[:5]}")
@@ -224,3 +292,57 @@ def check_spec(spec: list[tuple[str, tuple[int, ...], torch.dtype]],
         if tuple(ref_shape) != shape or ref_dtype != dtype:
             raise ValueError(f"weight publish: {name} is {list(shape)} {dtype} on the learner but "
                              f"{list(ref_shape)} {ref_dtype} on the sampler")
+
+
+class StagedReceiver:
+    """Sampler side when the learner is pipeline-parallel: one WeightReceiver per stage group, each
+    receiving its stage's tensors; a version reaches `on_version` once every stage delivered it.
+
+    `stages` is [(group, store)] in stage order (megarl.distributed.topology.publish_groups and
+    publish_stage_store); `extra` comes from stage 0, the publisher that owns the run's bookkeeping.
+    """
+
+    def __init__(self, stages: list, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
+                 on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
+                 current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float):
+        self.expected, self.on_version = expected, on_version
+        self.parts: dict[int, dict[int, tuple[dict, dict]]] = {}  # version -> stage -> (tensors, extra)
+        self.lock = threading.Lock()
+        self.merge_error: BaseException | None = None
+        self.receivers = []
+        for stage, (group, store) in enumerate(stages):
+            receiver = WeightReceiver(group, store, expected, device,
+                                      on_version=lambda v, t, e, stage=stage: self._on_part(stage, v, t, e),
+                                      current_version=current_version, should_stop=should_stop, timeout_s=timeout_s)
+            receiver.partial = True
+            self.receivers.append(receiver)
+
+    def start(self) -> "StagedReceiver":
+        for receiver in self.receivers:
+            receiver.start()
+        return self
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.merge_error or next((r.error for r in self.receivers if r.error is not None), None)
+
+    def join(self, timeout_s: float) -> None:
+        for receiver in self.receivers:
+            receiver.thread.join(timeout_s)
+
+    def _on_part(self, stage: int, version: int, tensors: dict, extra: dict) -> None:
+        with self.lock:
+            parts = self.parts.setdefault(version, {})
+            parts[stage] = (tensors, extra)
+            if len(parts) < len(self.receivers):
+                return
+            del self.parts[version]
+        merged = {}
+        for stage in range(len(self.receivers)):
+            merged.update(parts[stage][0])
+        if set(merged) != set(self.expected):
+            self.merge_error = ValueError(
+                f"weight publish: the pipeline stages of version {version} together miss "
+                f"{sorted(set(self.expected) - set(merged))[:5]}")
+            raise self.merge_error
+        self.on_version(version, merged, parts[0][1])

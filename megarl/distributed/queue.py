@@ -9,7 +9,9 @@ Every wait is bounded and its error says what it waited for.
 from __future__ import annotations
 
 import pickle
+import time
 from datetime import timedelta
+from typing import Callable
 
 import zmq
 
@@ -30,11 +32,19 @@ class QueueReceiver:
         self.address = f"tcp://{host}:{port}"
         store.set(ADDRESS_KEY, self.address)
 
-    def recv_group(self, timeout_s: float) -> tuple[list[Sample], dict[str, float]]:
-        """The next group and its sampler's counters at the time it was sent."""
-        if not self.socket.poll(int(timeout_s * 1000)):
-            raise TimeoutError(f"sample queue: no group arrived at {self.address} within {timeout_s:.0f}s "
-                               f"(are the sampler ranks alive and generating?)")
+    def recv_group(self, timeout_s: float, on_wait: Callable[[], None] | None = None,
+                   wait_slice_s: float = 1.0) -> tuple[list[Sample], dict[str, float]]:
+        """The next group and its sampler's counters at the time it was sent.
+
+        While waiting, `on_wait()` runs every `wait_slice_s` (the learner checks sampler heartbeats
+        there, so a hung sampler is named long before `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.socket.poll(int(min(wait_slice_s, max(deadline - time.monotonic(), 0)) * 1000)):
+            if on_wait is not None:
+                on_wait()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"sample queue: no group arrived at {self.address} within {timeout_s:.0f}s "
+                                   f"(are the sampler ranks alive and generating?)")
         return pickle.loads(self.socket.recv())
 
     def close(self) -> None:

@@ -11,6 +11,9 @@ Groups:
     groups SGLang and vLLM create) of the publishing learner rank (group rank 0) and every sampler
     (group ranks 1..S). Standalone because it spans roles whose default groups differ, and because
     an external engine (SGLang) can join such a group without being part of the torchrun world.
+  * SGLang weight update (sampler.engine=sglang): replaces the publish group. The learner's publish
+    source is rank 0 and every SGLang TP worker joins through the server's /init_weights_update_group,
+    built the way SGLang builds it (`init_sglang_update_group`); `sglang_group_layout` gives the ranks.
 The torchrun store also carries small control records: the queue address, publish headers, stop.
 """
 from __future__ import annotations
@@ -34,6 +37,13 @@ class Topology:
     world_size: int
     num_learners: int
     num_samplers: int
+    # Learner ranks per pipeline stage (tp * dp; megatron orders ranks tp fastest, then dp, then pp,
+    # so stage s holds learner ranks [s * this, (s + 1) * this)). 0 = one stage of all learners.
+    learners_per_stage: int = 0
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_learners // (self.learners_per_stage or self.num_learners)
 
     @property
     def role(self) -> str:
@@ -46,10 +56,18 @@ class Topology:
 
     @property
     def publish_rank(self) -> int | None:
-        """Rank in the publish group, None for learner ranks that do not publish."""
+        """Rank in the publish group(s), None for learner ranks that do not publish."""
         if self.role == "sampler":
             return 1 + self.role_rank
-        return 0 if self.rank == 0 else None
+        return 0 if self.publish_stage is not None else None
+
+    @property
+    def publish_stage(self) -> int | None:
+        """The pipeline stage this learner rank publishes (its stage's first rank), else None."""
+        per_stage = self.learners_per_stage or self.num_learners
+        if self.role != "learner" or self.rank % per_stage:
+            return None
+        return self.rank // per_stage
 
 
 def topology_from_env(cfg: Config) -> Topology:
@@ -63,7 +81,28 @@ def topology_from_env(cfg: Config) -> Topology:
             f"sampler.num_engines/learner.*: the config needs {world_size_for(cfg)} processes, "
             f"torchrun started WORLD_SIZE={world}")
     learners = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
-    return Topology(rank=rank, world_size=world, num_learners=learners, num_samplers=world - learners)
+    return Topology(rank=rank, world_size=world, num_learners=learners, num_samplers=world - learners,
+                    learners_per_stage=cfg.learner.tp * cfg.learner.dp)
+
+
+def placement(cfg: Config, nnodes: int, nproc_per_node: int | None = None) -> list[list[Topology]]:
+    """Every rank's Topology, node by node, for a launch of `nnodes` torchrun agents.
+
+    torchrun gives node (group rank) g the global ranks [g * nproc_per_node, (g + 1) * nproc_per_node),
+    so with learners at ranks [0, L) the first nodes hold the learners and the last ones the samplers.
+    Which machine becomes group rank g is the rendezvous' choice (docs/launch.md)."""
+    world = world_size_for(cfg)
+    if nnodes < 1:
+        raise ConfigError(f"--nnodes must be >= 1, got {nnodes}")
+    per_node = nproc_per_node or world // nnodes
+    if per_node < 1 or per_node * nnodes != world:
+        raise ConfigError(
+            f"sampler.num_engines/learner.*: the config needs {world} processes, which {nnodes} nodes "
+            f"x {per_node} processes per node do not give (torchrun starts the same number on every node); "
+            f"make the world size a multiple of the node count")
+    learners = world - cfg.sampler.num_engines
+    return [[Topology(rank=r, world_size=world, num_learners=learners, num_samplers=world - learners)
+             for r in range(node * per_node, (node + 1) * per_node)] for node in range(nnodes)]
 
 
 def connect_store(topo: Topology, timeout_s: float) -> dist.Store:
@@ -98,16 +137,83 @@ def init_learner_group(topo: Topology, store: dist.Store, backend: str, timeout_
                             timeout=timedelta(seconds=timeout_s))
 
 
-def publish_group(topo: Topology, store: dist.Store, backend: str, timeout_s: float):
-    """The standalone learner->samplers weight broadcast group (None for non-publishing learners)."""
+def publish_stage_store(store: dist.Store, stage: int) -> dist.Store:
+    """Where stage `stage`'s publish records (spec, headers) live: stage 0 uses the plain keys."""
+    return store if stage == 0 else dist.PrefixStore(f"stage{stage}/", store)
+
+
+def publish_groups(topo: Topology, store: dist.Store, backend: str, timeout_s: float) -> dict[int, object]:
+    """Pipeline stage -> its weight broadcast group, for the groups this rank belongs to.
+
+    One group per learner pipeline stage: that stage's first rank (the source, group rank 0) and every
+    sampler. Each stage broadcasts its own layers, so no learner rank ever gathers the whole model,
+    and the stages send concurrently. A sampler is in all of them; a non-source learner in none."""
+    if topo.role == "learner":
+        stages = [] if topo.publish_stage is None else [topo.publish_stage]
+    else:
+        stages = list(range(topo.num_stages))
+    return {stage: publish_group(topo, store, backend, timeout_s, stage) for stage in stages}
+
+
+def publish_group(topo: Topology, store: dist.Store, backend: str, timeout_s: float, stage: int = 0):
+    """The standalone learner->samplers weight broadcast group of one pipeline stage (None for
+    learner ranks that do not publish)."""
     rank = topo.publish_rank
     if rank is None:
         return None
     size = 1 + topo.num_samplers
-    sub = dist.PrefixStore("publish/", store)
+    sub = dist.PrefixStore("publish/" if stage == 0 else f"publish/stage{stage}/", store)
     timeout = timedelta(seconds=timeout_s)
     if resolve_backend(backend) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(sub, rank, size, opts)
     return dist.ProcessGroupGloo(sub, rank, size, timeout)
+
+
+def sglang_group_layout(num_engines: int, tp: int) -> tuple[int, list[int]]:
+    """(world size, rank offset of each engine) of the SGLang weight-update group.
+
+    Rank 0 is the learner's publish source. SGLang's model runner joins as `rank_offset + tp_rank`, so
+    engine i (one server on `tp` GPUs) owns ranks [1 + i*tp, 1 + (i+1)*tp).
+    """
+    return 1 + num_engines * tp, [1 + i * tp for i in range(num_engines)]
+
+
+def sglang_gpu_slice(rank: int, local_rank: int, local_world_size: int, num_learners: int, tp: int,
+                     gpus_per_node: int) -> list[int]:
+    """The node-local GPUs of the SGLang server that sampler `rank` starts.
+
+    Learner ranks use one GPU each, GPU = LOCAL_RANK; the samplers of a node take the GPUs after its
+    learners, `tp` each, in rank order.
+    """
+    node_first = rank - local_rank
+    learners_here = min(max(num_learners - node_first, 0), local_world_size)
+    first = learners_here + (local_rank - learners_here) * tp
+    if first + tp > gpus_per_node:
+        raise ConfigError(f"sampler.sglang.tp: sampler rank {rank} needs GPUs {first}..{first + tp - 1} on its node, "
+                          f"but sampler.sglang.gpus_per_node={gpus_per_node} ({learners_here} learner ranks there)")
+    return list(range(first, first + tp))
+
+
+def init_sglang_update_group(backend: str, host: str, port: int, world_size: int, rank: int, group_name: str,
+                             timeout_s: float):
+    """Join an SGLang weight-update group exactly as SGLang's `init_custom_process_group` builds one.
+
+    Both sides must produce the same store keys, so this follows SGLang (python/sglang/srt/utils,
+    called from model_runner.init_weights_update_group): the store of a `tcp://host:port` rendezvous
+    (rank 0 hosts it), a PrefixStore(group_name), torch's `_new_process_group_helper` (private, as in
+    SGLang), and the group registered with identity ranks so `dist.broadcast(src=0, group=...)` works.
+    The TCPStore is built here with the tcp rendezvous handler's arguments rather than through
+    `rendezvous()`: under torchrun (TORCHELASTIC_USE_AGENT_STORE) that handler would connect to the
+    torchrun agent's store instead of hosting this group's. Blocks until all `world_size` members
+    joined or `timeout_s` passed.
+    """
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                         group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group

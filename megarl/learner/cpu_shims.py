@@ -158,6 +158,61 @@ def _shim_clip_grads() -> None:
     ])
 
 
+def _shim_p2p() -> None:
+    # pipeline_parallel/p2p_communication.py, P2PCommunicator._communicate (every PP send/recv):
+    #     torch.empty(recv_shape, ..., device=torch.cuda.current_device(), ...)   (receive buffers)
+    #     torch.cuda.synchronize()                                                (batch_p2p_sync)
+    # and P2PCommunicator._communicate_shapes (PP with variable_seq_lengths, which megarl uses so
+    # micro-batches keep their own trimmed lengths): the shape tensors are allocated the same way
+    # and it synchronizes unconditionally.
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    cpu = [("device=torch.cuda.current_device()", 'device="cpu"'), ("torch.cuda.synchronize()", "pass")]
+    _rewrite(p2p_communication.P2PCommunicator, "_communicate", cpu)
+    _rewrite(p2p_communication.P2PCommunicator, "_communicate_shapes", cpu)
+
+
+def _shim_tied_embedding_sync() -> None:
+    # models/common/language_module/language_module.py, setup_embeddings_and_output_layer: with PP > 1
+    # and tied embeddings the last stage's output weight is copied from the first stage's word
+    # embedding by an all-reduce over the embedding group, after `weight.data = weight.data.cuda()`.
+    from megatron.core.models.common.language_module import language_module
+
+    _rewrite(language_module.LanguageModule, "setup_embeddings_and_output_layer",
+             [("weight.data = weight.data.cuda()", "pass")])
+
+
+def _shim_distributed_optimizer() -> None:
+    # optimizer/distrib_optimizer.py, DistributedOptimizer._build_model_and_main_param_groups:
+    #     elif model_param.type() == 'torch.cuda.FloatTensor':  ... else: raise TypeError(...)
+    # classifies each parameter by its CUDA type string; a CPU fp32 parameter is 'torch.FloatTensor'.
+    # Its base class, optimizer.py MixedPrecisionOptimizer.__init__, allocates the overflow buffer
+    # and the unit loss scale with device='cuda' (its zero-argument super() call is spelled out,
+    # since the rewritten method is compiled outside the class body).
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    _rewrite(distrib_optimizer.DistributedOptimizer, "_build_model_and_main_param_groups",
+             [("model_param.type() == 'torch.cuda.FloatTensor'", "model_param.type() == 'torch.FloatTensor'")])
+    _rewrite(optimizer.MixedPrecisionOptimizer, "__init__", [
+        ("super().__init__(optimizer, config, init_state_fn)",
+         "MegatronOptimizer.__init__(self, optimizer, config, init_state_fn)"),
+        ("device='cuda'", "device='cpu'"),
+    ])
+
+
+def _shim_distributed_optimizer_load() -> None:
+    # optimizer/distrib_optimizer.py, DistributedOptimizer._set_main_param_and_optimizer_states, when a
+    # checkpoint is loaded (megarl/checkpoint saves the distributed optimizer `fully_reshardable`):
+    #     for key in dst_tensors: dst_tensors[key].copy_(tensors[key])
+    # copies every key of the torch-Adam state, "step" included, from the checkpoint's tensors, which
+    # carry none (load_state_dict has set the step from the param groups already): KeyError 'step'.
+    # Apex/TE's FusedAdam keeps its step in the param groups; on CPU there is only torch's Adam.
+    from megatron.core.optimizer import distrib_optimizer
+
+    _rewrite(distrib_optimizer.DistributedOptimizer, "_set_main_param_and_optimizer_states",
+             [("for key in dst_tensors:", "for key in tensors:")])
+
+
 SHIMS: dict[str, Callable[[], None]] = {
     "schedule_token_count": _shim_schedule_token_count,
     "memory_buffer": _shim_memory_buffer,
@@ -167,6 +222,10 @@ SHIMS: dict[str, Callable[[], None]] = {
     "fp32_optimizer": _shim_fp32_optimizer,
     "grad_norm": _shim_grad_norm,
     "clip_grads": _shim_clip_grads,
+    "p2p": _shim_p2p,
+    "tied_embedding_sync": _shim_tied_embedding_sync,
+    "distributed_optimizer": _shim_distributed_optimizer,
+    "distributed_optimizer_load": _shim_distributed_optimizer_load,
 }
 
 

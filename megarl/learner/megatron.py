@@ -78,6 +78,13 @@ class MegatronLearner:
             tensor_model_parallel_size=cfg.tp,
             pipeline_model_parallel_size=cfg.pp,
             params_dtype=dtype, pipeline_dtype=dtype, bf16=self.on_gpu,
+            # Micro-batches keep their own trimmed (rows, length) shape, so at PP>1 the stages
+            # exchange each activation's shape before it (one tiny message per p2p transfer).
+            variable_seq_lengths=cfg.pp > 1,
+            # (config validation refuses variable lengths with the default MoE dispatcher even for a
+            # dense model; the dense layers never use it)
+            moe_token_dispatcher_type="alltoall",
+            **_recompute_kwargs(cfg.recompute_activations),
             use_cpu_initialization=True,
             perform_initialization=False,  # every weight is loaded from the HF checkpoint below
         )
@@ -243,15 +250,10 @@ class MegatronLearner:
         return torch.nn.functional.pad(entropy, (1, 0))
 
     def _micro_batches(self, fields: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """Split rows into micro-batches of `micro_batch_size`, each cut to its longest sequence
-        (at PP>1 megatron's p2p needs one shape for all, so nothing is cut)."""
+        """Split rows (sorted longest first) into micro-batches, each cut to its own longest row."""
         lengths = sequence_lengths(fields["mask"])
-        full = fields["input_ids"].shape[1]
-        micro_batches = []
-        for idx in torch.arange(len(lengths)).split(self.cfg.micro_batch_size):
-            width = int(lengths[idx].max()) if self.cfg.pp == 1 else full
-            micro_batches.append({k: v[idx, :width] for k, v in fields.items()})
-        return micro_batches
+        return [{k: v[idx, :int(lengths[idx].max())] for k, v in fields.items()}
+                for idx in micro_batch_rows(lengths, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)]
 
     def _run(self, model, micro_batches: list[dict], forward_only: bool, loss_fn) -> list:
         """Run megatron's schedule for `model` (policy or reference) over the micro-batches.
@@ -266,24 +268,23 @@ class MegatronLearner:
             output = model(input_ids, position_ids, mask)
             return output, lambda logits: loss_fn(logits, mb)
 
-        if self.cfg.pp > 1 and len({tuple(mb["input_ids"].shape) for mb in micro_batches}) > 1:
-            raise ValueError("PP>1 needs equal micro-batch shapes: make the batch size a multiple of "
-                             "micro_batch_size * dp")
-        b, s = micro_batches[0]["input_ids"].shape
+        # With variable_seq_lengths (PP>1) the stages send each shape along; these two only size
+        # megatron's default receive shape.
+        b, s = (max(mb["input_ids"].shape[i] for mb in micro_batches) for i in (0, 1))
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
             num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
             forward_only=forward_only,
         )
 
+    def _last_stage_rank(self) -> int:
+        group = self.ps.get_pipeline_model_parallel_group()
+        return dist.get_global_rank(group, self.ps.get_pipeline_model_parallel_world_size() - 1)
+
     def _broadcast_from_last_stage(self, tensor: torch.Tensor | None, shape) -> torch.Tensor:
-        if self.cfg.pp == 1:
-            return tensor
         if tensor is None:
             tensor = torch.empty(shape, dtype=torch.float32, device=self.device)
-        src = dist.get_global_rank(self.ps.get_pipeline_model_parallel_group(),
-                                   self.ps.get_pipeline_model_parallel_world_size() - 1)
-        dist.broadcast(tensor, src=src, group=self.ps.get_pipeline_model_parallel_group())
+        dist.broadcast(tensor, src=self._last_stage_rank(), group=self.ps.get_pipeline_model_parallel_group())
         return tensor
 
     @torch.no_grad()
@@ -299,10 +300,13 @@ class MegatronLearner:
                                                     self._token_logprobs(logits, mb["input_ids"].to(self.device))))
         if self.cfg.pp == 1:
             return [o.cpu() for o in out]
-        rows = [x.shape[0] for x in micro_inputs]  # PP: equal widths, one broadcast for all
-        full = self._broadcast_from_last_stage(torch.cat(out) if self.post_process else None,
-                                               (sum(rows), micro_inputs[0].shape[1]))
-        return list(full.cpu().split(rows))
+        # PP: only the last stage computed them; one broadcast of all micro-batches padded to the widest.
+        shapes = [tuple(x.shape) for x in micro_inputs]
+        width = max(w for _, w in shapes)
+        padded = (torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in out])
+                  if self.post_process else None)
+        full = self._broadcast_from_last_stage(padded, (sum(b for b, _ in shapes), width)).cpu()
+        return [part[:, :w] for part, (_, w) in zip(full.split([b for b, _ in shapes]), shapes)]
 
     def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Per-token log-probs [B, S] (fp32, CPU) of the whole batch under the current weights."""
@@ -391,7 +395,82 @@ class MegatronLearner:
                                        group=self.ps.get_data_parallel_group())
                 stats_list = [st for rank_stats in gathered for st in rank_stats]
             metrics.update(merge_stats(stats_list))
+        if self.cfg.pp > 1:  # every stage reports the loss statistics (rank 0, the logger, is the first)
+            box = [metrics if self.post_process else None]
+            dist.broadcast_object_list(box, src=self._last_stage_rank(),
+                                       group=self.ps.get_pipeline_model_parallel_group())
+            metrics = {**box[0], "step_time_s": metrics["step_time_s"]}
         return metrics
+
+    # ------------------------------------------------------------------ checkpoint state (megarl/checkpoint)
+
+    def sharded_state_dict(self, with_optimizer: bool, is_loading: bool = False) -> dict:
+        """Model (and optimizer) as megatron dist-checkpointing ShardedTensors: every shard is named
+        by its place in the full TP=1/PP=1 tensor, so what one tp/pp/dp layout saves another loads.
+        The optimizer has no state to save before its first applied step."""
+        model = self.gpt.sharded_state_dict()
+        if not with_optimizer:
+            return {"model": model}
+        # fully_reshardable: the distributed optimizer's state in the same model-space form as the
+        # plain optimizer's (which ignores these options); gathered over gloo on CPU (the other path
+        # gathers on the GPU).
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable",
+                    "distrib_optim_fully_reshardable_mem_efficient": not self.on_gpu}
+        if is_loading and self.cfg.use_distributed_optimizer:
+            # With torch's Adam (no Apex/TE) megatron reads the step from the Adam state, which exists
+            # only after a first step: create it (zero moments, replaced by the load), as megatron does.
+            for opt in self.optimizer.chained_optimizers:
+                if len(opt.optimizer.state) == 0:
+                    opt._init_optimizer_states_with_dummy_values()
+        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(
+            model, is_loading=is_loading, metadata=metadata)}
+
+    def load_state(self, state: dict, version: int) -> None:
+        """Take what `sharded_state_dict` saved, as dist_checkpointing.load returns it.  Weights, Adam
+        moments and step come from the checkpoint; lr, betas and weight decay stay this run's config."""
+        self.gpt.load_state_dict(state["model"])
+        if "optimizer" in state:
+            # (Apex/TE's FusedAdam keeps its step count in the param groups: that one is state.)
+            hyper = [{k: v for k, v in group.items() if k not in ("params", "step")}
+                     for group in self.optimizer.param_groups]
+            self.optimizer.load_state_dict(state["optimizer"])
+            for group, own in zip(self.optimizer.param_groups, hyper):
+                group.update(own)
+            if self.cfg.use_distributed_optimizer:
+                # megatron 0.16's distributed optimizer hands every parameter's torch-Adam state ONE
+                # shared step tensor, which Adam then increments once per parameter: un-share it.
+                for opt in self.optimizer.chained_optimizers:
+                    for param_state in opt.optimizer.state.values():
+                        if "step" in param_state:
+                            param_state["step"] = param_state["step"].clone()
+        self._version = version
+
+
+def micro_batch_rows(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
+    """Row indices of each micro-batch, for rows sorted longest first.
+
+    max_tokens = 0: fixed `max_rows` rows per micro-batch.  max_tokens > 0 (token budget): as many
+    rows as fit rows * (the micro-batch's longest row) <= max_tokens, at most `max_rows`, at least
+    one, so short rows travel in big micro-batches and long ones in small.
+    """
+    if max_tokens <= 0:
+        return list(torch.arange(len(lengths)).split(max_rows))
+    groups, start = [], 0
+    while start < len(lengths):
+        width = int(lengths[start])  # the longest row of this micro-batch (sorted)
+        rows = max(1, min(max_rows, max_tokens // width, len(lengths) - start))
+        groups.append(torch.arange(start, start + rows))
+        start += rows
+    return groups
+
+
+def _recompute_kwargs(mode: str) -> dict:
+    """TransformerConfig arguments of `learner.recompute_activations` (none | full | selective)."""
+    if mode == "full":  # every layer's activations recomputed in the backward pass
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if mode == "selective":  # only the attention core (megatron's cheap-to-recompute part)
+        return {"recompute_granularity": "selective"}
+    return {}
 
 
 def sequence_lengths(mask: torch.Tensor) -> torch.Tensor:

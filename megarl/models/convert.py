@@ -26,16 +26,62 @@ def _config_dict(hf_config) -> dict:
     return hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
 
 
-def _rope_theta(cfg: dict) -> float:
-    """RoPE base; refuses scaled RoPE variants, which the megatron config below does not map."""
+def _rope_params(cfg: dict) -> dict:
     # transformers >= 5 keeps rope settings in `rope_parameters`; older configs use
     # `rope_theta` + `rope_scaling`.
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope scaling type {rope_type!r} (only unscaled RoPE is mapped)")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def _rope_theta(cfg: dict) -> float:
+    return float(_rope_params(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+# megatron-core 0.16 implements Llama-3 RoPE scaling with these three constants fixed
+# (RotaryEmbedding._apply_scaling); only `factor` is a GPTModel argument.
+MEGATRON_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_scaling(hf_config) -> dict | None:
+    """The RoPE scaling megarl maps, as {"rope_type", "factor", ...}; None when RoPE is unscaled.
+
+    Supported: "linear" (positions divided by `factor`) and "llama3" (HF's Llama 3.x frequency
+    scaling, with the constants megatron-core hard-codes). Anything else raises ValueError by name:
+    "dynamic" NTK scaling depends on the running sequence length and "yarn"/"longrope" also rescale
+    attention, which megatron's GPTModel rotary embedding does not do.
+    """
+    params = _rope_params(_config_dict(hf_config))
+    kind = params["rope_type"]
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(params["factor"])}
+    if kind == "llama3":
+        fixed = {k: float(params[k]) for k in MEGATRON_LLAMA3_FIXED}
+        if fixed != MEGATRON_LLAMA3_FIXED:
+            raise ValueError(f"unsupported llama3 rope scaling {fixed}: megatron-core fixes {MEGATRON_LLAMA3_FIXED}")
+        return {"rope_type": "llama3", "factor": float(params["factor"]), **fixed}
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """RoPE inverse frequencies after `rope_scaling(...)`'s scaling (HF's definition), for engines
+    that build their own rotary tables."""
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths divided by factor, short ones kept, a smooth ramp in between.
+    old_len = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
 def check_supported(hf_config) -> dict:
@@ -55,7 +101,7 @@ def check_supported(hf_config) -> dict:
         raise ValueError("unsupported feature attention_bias=True (o_proj bias)")
     if cfg.get("mlp_bias"):
         raise ValueError("unsupported feature mlp_bias=True")
-    _rope_theta(cfg)
+    rope_scaling(cfg)
     return cfg
 
 
@@ -112,7 +158,16 @@ def gpt_model_kwargs(hf_config) -> dict:
         position_embedding_type="rope",
         rotary_base=_rope_theta(cfg),
         share_embeddings_and_output_weights=_tied(cfg),
+        **_megatron_rope_scaling(rope_scaling(cfg)),
     )
+
+
+def _megatron_rope_scaling(scaling: dict | None) -> dict:
+    if scaling is None:
+        return {}
+    if scaling["rope_type"] == "linear":  # megatron divides the positions, HF the frequencies: same angles
+        return {"seq_len_interpolation_factor": scaling["factor"]}
+    return {"rope_scaling": True, "rope_scaling_factor": scaling["factor"]}
 
 
 def hf_to_mcore(hf_state: dict, hf_config) -> dict:

@@ -13,14 +13,19 @@ import time
 from dataclasses import replace
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from megarl.checkpoint import learner_state
+from megarl.checkpoint.position import DataPosition
+from megarl.checkpoint.resume import Schedule, learner_resume_point, roll_back_outputs
 from megarl.config.schema import Config
+from megarl.distributed.heartbeat import HeartbeatMonitor
 from megarl.distributed.publish import WeightPublisher
 from megarl.distributed.queue import QueueReceiver
-from megarl.distributed.topology import Topology, init_learner_group, publish_group
+from megarl.distributed.topology import Topology, init_learner_group, publish_groups, publish_stage_store
 from megarl.observe.sinks import MetricsSink, ProgressLine, RolloutSink
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Sample, TrainBatch
@@ -49,18 +54,23 @@ class Intake:
     """Learner rank 0's side of the queue: collects usable groups, assembles batches, and keeps the
     per-sampler count of retired groups that every publish header reports back."""
 
-    def __init__(self, cfg: Config, store, pad_id: int):
-        self.cfg, self.pad_id = cfg, pad_id
+    def __init__(self, cfg: Config, store, pad_id: int, topo: Topology):
+        self.cfg, self.pad_id, self.num_learners = cfg, pad_id, topo.num_learners
         self.queue = QueueReceiver(store, cfg.queue.host)
+        self.heartbeats = HeartbeatMonitor(store, list(range(topo.num_learners, topo.world_size)),
+                                           cfg.fault.sampler_timeout_s)
         self.retired: Counter[int] = Counter()  # groups per sampler rank that left (trained or dropped)
+        self.position = DataPosition()  # which group indices left, per sampler stream (checkpointed)
         self.dropped_totals: Counter[str] = Counter()
         self.sampler_stats: dict[int, dict[str, float]] = {}  # latest counters per sampler rank
 
     def next_batch(self, version: int) -> tuple[TrainBatch, dict[str, float]]:
-        groups, dropped, wait_s = _collect_groups(self.queue, self.cfg, version, self.retired, self.sampler_stats)
+        groups, dropped, wait_s = _collect_groups(self.queue, self.cfg, version, self.retire, self.sampler_stats,
+                                                  on_wait=lambda: self.heartbeats.check(self.num_learners))
         self.dropped_totals.update(dropped)
         batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, self.pad_id, learner_version=version)
-        self.retired.update(g[0].sampler_rank for g in groups)
+        for group in groups:
+            self.retire(group)
         metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
         metrics.update({f"dropped/{k}_total": v for k, v in self.dropped_totals.items()})
         metrics["queue_wait_s"] = wait_s
@@ -70,6 +80,44 @@ class Intake:
 
     def header(self) -> dict:
         return {"retired": {str(k): v for k, v in self.retired.items()}}
+
+    def retire(self, group: list[Sample]) -> None:
+        """The group left (trained or dropped): its sampler may start another; the position records it."""
+        self.retired[group[0].sampler_rank] += 1
+        self.position.retire(group[0].group_id)
+
+    def resume(self, position: dict) -> None:
+        """Continue from a checkpoint's data position (the samplers re-issue what it had not retired)."""
+        self.position = DataPosition.from_dict(position)
+        for stream, retired in self.position.streams.items():
+            self.retired[self.num_learners + stream] = len(retired)
+
+
+def publish_weights(learner, publisher, extra: dict, intake: Intake | None = None) -> dict:
+    """Every learner rank iterates publish_tensors() (collective over TP); each stage's source broadcasts.
+
+    A broadcast that times out is usually a sampler that stopped receiving: the lead says which
+    samplers' heartbeats have gone quiet."""
+    tensors = learner.publish_tensors()
+    if publisher is not None:
+        try:
+            return publisher.publish(learner.version, tensors, extra=extra)
+        except TimeoutError as exc:
+            if intake is None:
+                raise
+            raise TimeoutError(f"{exc}; {intake.heartbeats.silent(intake.num_learners)}") from exc
+    for _ in tensors:
+        pass
+    return {"bytes": 0, "seconds": 0.0}
+
+
+def save_checkpoint(learner, cfg: Config, step: int, model_dir: Path, intake: Intake | None) -> None:
+    """Collective over the learner ranks; the lead's intake contributes the data position."""
+    start = time.perf_counter()
+    run_state = {"data_position": intake.position.to_dict()} if intake is not None else None
+    path = learner_state.save(learner, cfg.checkpoint.dir, step, cfg.checkpoint.keep, model_dir, run_state)
+    if intake is not None:
+        print(f"megarl: checkpoint {path} ({time.perf_counter() - start:.1f}s)", flush=True)
 
 
 def share_batch(batch: TrainBatch | None) -> TrainBatch:
@@ -91,18 +139,42 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     torch.set_num_threads(cfg.learner.threads)
     init_learner_group(topo, store, cfg.dist.backend, cfg.dist.timeout_s)
     lead = topo.rank == 0  # owns the queue, the publish source and the run outputs
-    group = publish_group(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
+    resume_from = learner_resume_point(cfg, store, lead)  # the lead also tells the samplers
+    sglang = cfg.sampler.engine == "sglang"  # then weights go to the samplers' servers, not to sampler ranks
+    # One broadcast group per pipeline stage; this rank is in its stage's group if it is the source.
+    groups = {} if sglang else publish_groups(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
+    publisher = None
+    if groups:
+        stage, group = next(iter(groups.items()))
+        publisher = WeightPublisher(group, publish_stage_store(store, stage), cfg.publish.bucket_mb,
+                                    cfg.publish.timeout_s, cfg.publish.checksum)
     learner = MegatronLearner(str(model_dir), cfg.learner, cfg.algo.loss, temperature=cfg.sampling.temperature or 1.0)
+    resumed = learner_state.load(learner, resume_from) if resume_from is not None else None
+    start_step = resumed["step"] if resumed else 0
+    schedule = Schedule(cfg, start_step)
+    intake = None
     if lead:
-        intake = Intake(cfg, store, AutoTokenizer.from_pretrained(model_dir).pad_token_id)
-        publisher = WeightPublisher(group, store, cfg.publish.bucket_mb, cfg.publish.timeout_s, cfg.publish.checksum)
+        intake = Intake(cfg, store, AutoTokenizer.from_pretrained(model_dir).pad_token_id, topo)
+        if resumed:
+            intake.resume(resumed["run"]["data_position"])
+            roll_back_outputs(cfg.run.dir, resumed)  # before the sinks below append to the files
+            print(f"megarl: resumed from {resumed['path']} (step {start_step}, version {learner.version})", flush=True)
+        if sglang:
+            from megarl.distributed.sglang_publish import SGLangPublisher
+
+            publisher = SGLangPublisher.from_config(cfg, store, topo.num_samplers)  # waits for every server
         metrics_sink = MetricsSink(cfg.run.dir, cfg.run.tensorboard)
         rollout_sink = RolloutSink(cfg.run.dir) if cfg.run.log_rollouts else None
         progress = ProgressLine(cfg.run.steps, cfg.run.progress)
         timeline = Timeline(cfg.run.dir, f"learner{topo.rank}") if cfg.run.timeline else None
     try:
+        if resumed:  # the samplers generate nothing before they run the resumed weights
+            publish_weights(learner, publisher, intake.header() if lead else {})
         last = time.perf_counter()
-        for step in range(cfg.run.steps):
+        nonfinite_in_row = 0
+        for step in range(start_step, cfg.run.steps):
+            if schedule.due(step):  # `step` steps are trained and logged
+                save_checkpoint(learner, cfg, step, model_dir, intake)
             version = learner.version  # differs from `step` once a non-finite step was skipped
             wall = [time.time()]  # span boundaries for the timeline: wait | train | publish
             batch, intake_metrics = intake.next_batch(version) if lead else (None, {})
@@ -111,15 +183,19 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             for _ in range(cfg.algo.sync_epochs):  # 1 in pipeline mode (validated)
                 # Later epochs see the same tokens one more version behind: the lag metrics say so.
                 metrics = learner.train_step(replace(batch, learner_version=learner.version))
+                nonfinite_in_row = nonfinite_in_row + 1 if metrics["skipped_nonfinite"] else 0
+                if nonfinite_in_row >= cfg.learner.max_nonfinite_in_row:  # same on every learner rank
+                    raise RuntimeError(
+                        f"learner: {nonfinite_in_row} optimizer steps in a row had a non-finite loss or grad norm "
+                        f"(last: loss={metrics['loss']}, grad_norm={metrics['grad_norm']}) and were skipped; "
+                        f"stopping at step {step} (learner.max_nonfinite_in_row={cfg.learner.max_nonfinite_in_row}). "
+                        "Lower learner.lr or check the rewards and data.")
             wall.append(time.time())
             published = {"bytes": 0, "seconds": 0.0}
             if learner.version != version:  # a skipped (non-finite) step changed nothing to publish
-                tensors = learner.publish_tensors()  # collective over TP: every learner rank iterates it
-                if lead:
-                    published = publisher.publish(learner.version, tensors, extra=intake.header())
-                else:
-                    for _ in tensors:
-                        pass
+                # The lead's header also carries the bookkeeping.
+                published = publish_weights(learner, publisher, intake.header() if lead else {},
+                                            intake if lead else None)
             wall.append(time.time())
             if not lead:
                 continue
@@ -138,6 +214,12 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             if rollout_sink is not None:
                 rollout_sink.log(batch.samples, trained_at_step=version)
             progress.update(step + 1, metrics)
+        if schedule.due(cfg.run.steps):
+            save_checkpoint(learner, cfg, cfg.run.steps, model_dir, intake)
+        if lead and cfg.checkpoint.export_dir:
+            from megarl.checkpoint.export import export_hf
+
+            print(f"megarl: exported {export_hf(cfg.checkpoint.dir, cfg.checkpoint.export_dir)}", flush=True)
     finally:
         if lead:
             store.set(STOP_KEY, "learner stopped")
@@ -149,15 +231,18 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 timeline.close()
 
 
-def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, retired: Counter,
-                    sampler_stats: dict[int, dict[str, float]]) -> tuple[list[list[Sample]], Counter, float]:
+def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, retire: Callable[[list[Sample]], None],
+                    sampler_stats: dict[int, dict[str, float]],
+                    on_wait=None) -> tuple[list[list[Sample]], Counter, float]:
     """The next `prompts_per_step` usable groups. Stale groups (older than max_lag) and, with
     advantage.filter_zero_variance, groups whose rewards are all equal are dropped, counted by
     reason and retired (so the sampler may start replacements)."""
     start = time.perf_counter()
     groups, dropped = [], Counter({"stale_groups": 0})
     while len(groups) < cfg.algo.prompts_per_step:
-        group, stats = queue.recv_group(cfg.queue.timeout_s)
+        group, stats = queue.recv_group(cfg.queue.timeout_s, on_wait=on_wait)
+        if on_wait is not None:  # also while groups flow: one sampler may hang while another feeds us
+            on_wait()
         sampler_stats[group[0].sampler_rank] = stats
         reason = None
         if is_stale(group, learner_version, cfg.algo.max_lag):
@@ -166,7 +251,7 @@ def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, ret
             reason = "zero_variance_groups"
         if reason is not None:
             dropped[reason] += 1
-            retired[group[0].sampler_rank] += 1
+            retire(group)
             continue
         groups.append(group)
     return groups, dropped, time.perf_counter() - start

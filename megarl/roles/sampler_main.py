@@ -14,23 +14,26 @@ learner slows down.
 """
 from __future__ import annotations
 
+import itertools
 import math
-import random
 import threading
 import time
 from pathlib import Path
 
 import torch
 
+from megarl.checkpoint.position import group_id as make_group_id
+from megarl.checkpoint.resume import wait_for_announcement
 from megarl.config.schema import Config
-from megarl.distributed.publish import WeightReceiver
+from megarl.distributed.heartbeat import Heartbeat
+from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
-from megarl.distributed.topology import Topology, publish_group
+from megarl.distributed.topology import Topology, publish_groups, publish_stage_store
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
 from megarl.roles.learner_main import STOP_KEY
 from megarl.rollout.rewards import score
-from megarl.rollout.tasks import build_task
+from megarl.rollout.tasks import prompt_rng, task_from_config
 
 STOP_POLL_S = 0.2
 MAX_CONSECUTIVE_SKIPS = 1000
@@ -44,11 +47,19 @@ class SamplerLoop:
 
         self.cfg, self.topo, self.store = cfg, topo, store
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.engine = BuiltinEngine.from_pretrained(
-            model_dir, max_running=cfg.sampler.max_running, max_seq_len=cfg.sampler.max_seq_len,
-            kv_on_update=cfg.sampler.kv_on_update, seed=cfg.run.seed * 1000 + topo.rank)
-        self.task = build_task(cfg.task.name, max_operand=cfg.task.max_operand, think_mean=cfg.task.think_mean)
-        self.rng = random.Random(cfg.run.seed * 1000 + topo.rank)
+        if cfg.sampler.engine == "sglang":
+            from megarl.sampler.sglang_engine import SGLangEngine
+
+            self.engine = SGLangEngine.from_config(cfg, topo, model_dir)  # starts this rank's server
+        else:
+            self.engine = BuiltinEngine.from_pretrained(
+                model_dir, max_running=cfg.sampler.max_running, max_seq_len=cfg.sampler.max_seq_len,
+                kv_on_update=cfg.sampler.kv_on_update, seed=cfg.run.seed * 1000 + topo.rank)
+        self.task = task_from_config(cfg.task)
+        # Group k of this sampler draws its prompt from prompt_rng(seed, role rank, k); a resumed run
+        # starts the indices its checkpoint had not retired (see run()).
+        self.indices = itertools.count()
+        self.resume_version: int | None = None  # generate nothing before the engine runs this version
         self.sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k,
                                        cfg.sampling.max_new_tokens)
         share = cfg.algo.prompts_per_step / topo.num_samplers
@@ -67,18 +78,39 @@ class SamplerLoop:
 
     def _on_version(self, version: int, tensors: dict, extra: dict) -> None:
         self.engine.stage_weights(tensors, version)
+        self._on_published(version, extra)
+
+    def _on_published(self, version: int, extra: dict) -> None:
         self.retired = extra.get("retired", {}).get(str(self.topo.rank), self.retired)
         self.new_version.set()
 
+    def _start_weight_receiver(self):
+        if self.cfg.sampler.engine == "sglang":  # the server receives; the follower drives its HTTP calls
+            from megarl.sampler.sglang_engine import SGLangWeightFollower
+
+            return SGLangWeightFollower.from_config(self.engine, self.store, self.cfg, self.topo,
+                                                    on_published=self._on_published,
+                                                    should_stop=lambda: self.stopped).start()
+        # One group per learner pipeline stage (one at PP=1); a version is applied once all arrived.
+        groups = publish_groups(self.topo, self.store, self.cfg.dist.backend, self.cfg.publish.timeout_s)
+        return StagedReceiver([(groups[stage], publish_stage_store(self.store, stage)) for stage in sorted(groups)],
+                              self.engine.weight_spec(), self.engine.device, on_version=self._on_version,
+                              current_version=lambda: self.engine.version, should_stop=lambda: self.stopped,
+                              timeout_s=self.cfg.publish.timeout_s).start()
+
     def run(self) -> None:
-        group = publish_group(self.topo, self.store, self.cfg.dist.backend, self.cfg.publish.timeout_s)
-        receiver = WeightReceiver(group, self.store, self.engine.weight_spec(), self.engine.device,
-                                  on_version=self._on_version, current_version=lambda: self.engine.version,
-                                  should_stop=lambda: self.stopped, timeout_s=self.cfg.publish.timeout_s).start()
+        self.resume_version, retired = wait_for_announcement(self.store, self.cfg, self.topo.role_rank,
+                                                             self.cfg.dist.timeout_s)
+        if self.resume_version is not None:
+            self.indices, self.started = retired.unretired(), len(retired)
+            self.retired = self.started
+        receiver = self._start_weight_receiver()
         sender = QueueSender(self.store, self.cfg.queue.timeout_s)
+        heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s)
         next_stop_check = 0.0
         try:
             while True:
+                heartbeat.beat()  # the learner names this rank if the loop stops turning
                 if time.monotonic() >= next_stop_check:
                     if self.store.check([STOP_KEY]):
                         return
@@ -104,12 +136,16 @@ class SamplerLoop:
             self.stopped = True
             # Join before the process exits: a thread still inside a store or gloo call at
             # interpreter shutdown aborts the process (SIGABRT), which torchrun reports as a failure.
-            receiver.thread.join(self.cfg.publish.timeout_s)
+            receiver.join(self.cfg.publish.timeout_s)
+            if self.cfg.sampler.engine == "sglang":
+                self.engine.close()  # stops this rank's server
             sender.close()
             if self.timeline is not None:
                 self.timeline.close()
 
     def _admit(self) -> None:
+        if self.resume_version is not None and self.engine.version < self.resume_version:
+            return  # a resumed run generates only with the resumed weights, published before its first step
         if self.cfg.algo.mode == "sync":
             if self.pending or self.sync_admitted_version == self.engine.version:
                 return  # this version's batch is generated (or generating): wait for the next one
@@ -121,8 +157,10 @@ class SamplerLoop:
             self._start_group()
 
     def _start_group(self) -> None:
+        index = next(self.indices)
+        rng = prompt_rng(self.cfg.run.seed, self.topo.role_rank, index)
         for _ in range(MAX_CONSECUTIVE_SKIPS):
-            prompt = self.task.sample_prompts(self.rng, 1)[0]
+            prompt = self.task.sample_prompts(rng, 1)[0]
             ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)
             if len(ids) + 1 > self.cfg.sampler.max_seq_len:
                 if not self.cfg.task.skip_overlong_prompts:
@@ -134,7 +172,7 @@ class SamplerLoop:
         else:
             raise ValueError(f"{MAX_CONSECUTIVE_SKIPS} prompts in a row do not fit sampler.max_seq_len="
                              f"{self.cfg.sampler.max_seq_len}; raise it or shorten the task's prompts")
-        group_id = f"s{self.topo.role_rank}-g{self.started}"
+        group_id = make_group_id(self.topo.role_rank, index)
         self.pending[group_id] = {"prompt": prompt, "done": []}
         for j in range(self.cfg.algo.group_size):
             self.engine.add_request(GenerationRequest(f"{group_id}/{j}", ids, self.sampling,

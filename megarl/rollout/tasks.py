@@ -9,15 +9,22 @@ With `think_mean > 0` the task has a "thinking" segment: the target completion i
 tokens (`THINK_CHAR`, "." -- one token) of geometrically distributed length with that mean, then the
 answer: `"12+7="` -> `"..........19<eos>"`. That gives long-tailed generation lengths (like reasoning
 RL) while the reward still depends only on the final answer.
+
+`PythonOutputTask` ("python_output") asks for a program instead and scores it by running it in the
+sandbox; "jsonl" is a prompt dataset (megarl/rollout/datasets.py). `task_from_config` builds the task a
+config names, scored by `task.reward_fn` when set (megarl/rollout/rewards.py).
 """
 from __future__ import annotations
 
+import inspect
 import operator
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from megarl.protocols import Prompt
+from megarl.rollout.rewards import WithReward, python_output_reward, reward_from_config
+from megarl.rollout.sandbox import SandboxConfig, load_function
 
 EOS_TEXT = "<|endoftext|>"
 THINK_CHAR = "."  # the filler "thinking" token: one byte, so one token of the embedded tokenizer
@@ -126,11 +133,53 @@ def exact_match(completion: str, answer: str) -> float:
     return 1.0 if text and text == answer.strip() else 0.0
 
 
-_TASKS: dict[str, Callable[..., object]] = {"arithmetic": ArithmeticTask}
+@dataclass(frozen=True)
+class PythonOutputTask:
+    """Code execution: "# Python 3: print the value of 12+7" -> a program, scored by running it in the
+    sandbox (megarl/rollout/sandbox.py): reward 1.0 iff it prints "19". Prompts and answers are
+    ArithmeticTask's; a program that fails or breaks a sandbox limit is a failed reward with its error."""
+
+    max_operand: int = 19
+    reward_timeout_s: float = 10.0  # wall-clock bound of one program run
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        return [Prompt(f"# Python 3: print the value of {p.text[:-1]}\n", p.answer, p.meta)
+                for p in ArithmeticTask(max_operand=self.max_operand).sample_prompts(rng, n)]
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        return python_output_reward(prompt, completion, self.sandbox, self.reward_timeout_s)
+
+
+# A string entry is imported on first use ("module:Class"): megarl.rollout.datasets builds on this module.
+_TASKS: dict[str, Callable[..., object] | str] = {
+    "arithmetic": ArithmeticTask, "python_output": PythonOutputTask, "jsonl": "megarl.rollout.datasets:DatasetTask"}
+
+
+def _factory(name: str) -> Callable[..., object]:
+    if name not in _TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(_TASKS)}")
+    factory = _TASKS[name]
+    return load_function(factory) if isinstance(factory, str) else factory
 
 
 def build_task(name: str, **kwargs):
     """The built-in task called `name`, constructed with `kwargs` (its dataclass fields)."""
-    if name not in _TASKS:
-        raise ValueError(f"unknown task {name!r}; known tasks: {sorted(_TASKS)}")
-    return _TASKS[name](**kwargs)
+    return _factory(name)(**kwargs)
+
+
+def task_from_config(tc):
+    """The task `tc.name` (tc: the TaskConfig), given the task.* keys named like its fields, scored by
+    `task.reward_fn` when that is set (megarl/rollout/rewards.py)."""
+    accepted = inspect.signature(_factory(tc.name)).parameters
+    task = build_task(tc.name, **{key: getattr(tc, key) for key in accepted if hasattr(tc, key)})
+    reward = reward_from_config(tc)
+    return task if reward is None else WithReward(task, reward)
+
+
+def prompt_rng(seed: int, stream: int, index: int) -> random.Random:
+    """The generator that draws prompt group `index` of sampler `stream` (its role rank) in run `seed`.
+
+    A pure function of the three (string seeds are hashed with SHA-512, the same in every process), so
+    a resumed run can re-issue exactly the prompts that were in flight (megarl/checkpoint/position.py)."""
+    return random.Random(f"megarl-prompt/{seed}/{stream}/{index}")

@@ -11,10 +11,13 @@ How a step runs (`step()`):
   3. one batched decode step for every running request (each has its own length and position);
   4. finished requests are returned, and the survivors are packed back to the front slots.
 
-Per-slot state lives in preallocated device tensors (tokens, behaviour log-probs, versions, lengths,
-sampling parameters), so the decode step has no Python loop over sequences; Python only touches a
-sequence when it is admitted or finishes.  Running sequences always occupy slots [0, n): the model's
-forward then works on a view of the cache instead of gathering it.
+Per-slot state lives in preallocated device tensors (tokens, behaviour log-probs, positions, sampling
+parameters), so the decode step has no Python loop over sequences; Python only touches a sequence when
+it is admitted, finishes, or a swap starts a new version.  Lengths and versions are tracked on the host
+(every decode step appends exactly one token to every running sequence, so a length is a base plus
+the engine's decode-step count, and a version changes only at a swap): an ordinary decode step reads
+nothing back from the device but the stop-token check.  Running sequences always occupy slots [0, n):
+the model's forward then works on a view of the cache instead of gathering it.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from megarl.sampler.model import (
     forward,
     load_pretrained,
     prepare_weights,
-    rope_tables,
+    forward_tables,
 )
 
 KV_POLICIES = ("keep", "recompute")
@@ -48,25 +51,43 @@ def sample_tokens(
     *,
     any_random: bool = True,
     any_truncation: bool = True,
+    any_greedy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (tokens [B], behaviour log-probs [B]).
 
     logits: float [B, V]; temperature/top_p: float [B]; top_k: long [B] (0 = off).  Temperature 0 is
     greedy.  The log-prob is log_softmax(logits / temperature) over the full vocabulary (temperature 1
     for greedy rows) — top-k/top-p truncation only shapes the sampling distribution (docs/CONTRACTS.md).
-    any_random / any_truncation let the caller skip work no row needs (pure fast paths).
+    any_random / any_truncation / any_greedy say whether any row samples (temperature > 0), truncates
+    (top-k or top-p, sampled rows) or is greedy; they let the caller skip work no row needs and must be
+    true whenever a row needs it (the defaults are always correct).
     """
-    greedy = temperature <= 0
-    logp = torch.log_softmax(logits / temperature.masked_fill(greedy, 1.0)[:, None], dim=-1)
+    if any_greedy:
+        greedy = temperature <= 0
+        temperature = temperature.masked_fill(greedy, 1.0)
+    logp = torch.log_softmax(logits / temperature[:, None], dim=-1)
     if not any_random:
         tokens = logits.argmax(dim=-1)
     else:
-        probs = (_truncate(logp, top_p, top_k) if any_truncation else logp).exp()
-        # argmax(p_i / E_i) with E_i ~ Exp(1) draws i with probability p_i / sum(p) (the exponential
-        # race); cheaper than torch.multinomial for one draw per row, and seeded by the same generator.
-        race = torch.empty_like(probs).exponential_(generator=generator)
-        tokens = torch.where(greedy, logits.argmax(dim=-1), (probs / race).argmax(dim=-1))
+        tokens = _inverse_cdf((_truncate(logp, top_p, top_k) if any_truncation else logp).exp(), generator)
+        if any_greedy:
+            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _inverse_cdf(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row from unnormalised weights [B, V]: the first index whose running sum exceeds u * total.
+
+    One uniform per row instead of one random number per vocabulary entry (the exponential race or
+    torch.multinomial): on CPU the generator costs ~30 ns a number, which at V = 264 was the single
+    most expensive kernel of a decode step.  The running sum is in fp64 so that every token's share of
+    it (its sampling probability) is exact to ~1e-16 even over a 150k vocabulary; in fp32 tokens below
+    ~1e-7 would be rounded away.  u * total < total, so the index lands on a token of non-zero weight.
+    """
+    cdf = weights.double().cumsum(dim=-1)
+    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device, generator=generator) * cdf[:, -1:]
+    # clamp: only NaN weights (a diverged model) could land past the end; keep the index in range.
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
 
 
 def _truncate(logp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -88,10 +109,18 @@ def _truncate(logp: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> t
 
 @dataclass
 class _Running:
-    """The Python-side record of a running request (its token data lives in the slot tensors)."""
+    """The host-side record of a running request; its tokens and log-probs live in the slot tensors."""
 
     request: GenerationRequest
     prompt_len: int
+    end_len: int  # the sequence length at which it finishes by length
+    base: int  # seq_len - the engine's decode-step count (constant while it runs)
+    # (completion index, version): where the tokens of each version begin; a swap appends one.
+    version_starts: list[tuple[int, int]]
+
+    def versions(self, num_tokens: int) -> list[int]:
+        ends = [start for start, _ in self.version_starts[1:]] + [num_tokens]
+        return [v for (start, v), end in zip(self.version_starts, ends) for _ in range(end - start)]
 
 
 class BuiltinEngine:
@@ -125,32 +154,37 @@ class BuiltinEngine:
         self._hf_meta = {name: (t.shape, t.dtype) for name, t in weights.items()}
         self._version = version
         self._cache = KVCache(self.spec, max_running, max_seq_len, self._weights.dtype, self.device)
-        self._rope = rope_tables(self.spec, max_seq_len, self.device)
+        self._tables = forward_tables(self.spec, max_seq_len, self._weights.dtype, self.device)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
 
         self._waiting: deque[GenerationRequest] = deque()
         self._running: list[_Running] = []  # index = slot
+        self._decode_count = 0  # decode steps so far: a running request's seq_len is its base + this
         self._max_len = 0  # max sequence length over running slots = attention span of a decode step
+        self._length_due = 0  # decode count at which the next running request finishes by length
         self._any_random = False  # does any running request sample (temperature > 0)?
         self._any_truncation = False  # ... with top-k or top-p?
+        self._any_greedy = False  # does any running request decode greedily (temperature 0)?
+        self._any_stops = False  # does any running request have stop tokens?
 
         slots, long = max_running, torch.long
         # Per-slot state; every tensor's first dim is the slot, so packing slots moves all of them.
         self._slot = {
             "tokens": torch.zeros(slots, max_seq_len, dtype=long, device=self.device),  # prompt + completion
             "logprobs": torch.zeros(slots, max_seq_len, dtype=torch.float32, device=self.device),
-            "versions": torch.zeros(slots, max_seq_len, dtype=long, device=self.device),
-            "seq_len": torch.zeros(slots, dtype=long, device=self.device),
-            "end_len": torch.zeros(slots, dtype=long, device=self.device),  # seq_len that means "length"
+            "pos": torch.zeros(slots, dtype=long, device=self.device),  # position of the last token (seq_len - 1)
             "temperature": torch.zeros(slots, dtype=torch.float32, device=self.device),
             "top_p": torch.ones(slots, dtype=torch.float32, device=self.device),
             "top_k": torch.zeros(slots, dtype=long, device=self.device),
             "stop_ids": torch.full((slots, 1), -1, dtype=long, device=self.device),  # padded with -1
         }
 
-        self._lock = threading.Lock()  # guards _staged, the only state another thread touches
+        self._lock = threading.Lock()  # guards _staged and _retired, the only state another thread touches
         self._staged: tuple[RuntimeWeights, int] | None = None
+        # The weights a swap replaced, released by the next `stage_weights` call rather than at the swap:
+        # freeing a version's buffers costs milliseconds per 100 MB, which belongs on the staging thread.
+        self._retired: RuntimeWeights | None = None
         self._stats = {"tokens_decoded": 0, "decode_steps": 0, "prefill_tokens": 0, "requests_finished": 0,
                        "swaps": 0, "swap_time_s": 0.0, "decode_time_s": 0.0}
 
@@ -196,11 +230,9 @@ class BuiltinEngine:
             self._apply_staged()
             finished: list[Completion] = []
             if self._waiting and len(self._running) < self.max_running:
-                self._admit()
-                finished += self._collect_finished()
+                finished += self._admit()
             if self._running:
-                self._decode()
-                finished += self._collect_finished()
+                finished += self._decode()
         return finished
 
     def stage_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
@@ -222,6 +254,9 @@ class BuiltinEngine:
         for name in self._hf_meta:
             if name not in named_tensors:
                 raise ValueError(f"stage_weights: missing tensor {name!r}")
+        with self._lock:
+            retired, self._retired = self._retired, None
+        del retired  # freed here, on the staging thread
         with torch.inference_mode():
             staged = prepare_weights(self.spec, {name: t.to(self.device) for name, t in named_tensors.items()})
         with self._lock:
@@ -247,13 +282,22 @@ class BuiltinEngine:
         return [done[r.request_id] for r in requests]
 
     # ------------------------------------------------------------------ internals
+    def _seq_len(self, record: _Running) -> int:
+        return record.base + self._decode_count
+
     def _apply_staged(self) -> None:
         with self._lock:
             staged, self._staged = self._staged, None
         if staged is None:
             return
         start = time.perf_counter()
+        with self._lock:
+            self._retired = self._weights
         self._weights, self._version = staged
+        # Every running request's next token is the new version's (a step that swaps always decodes,
+        # so two swaps never land on the same token).
+        for record in self._running:
+            record.version_starts.append((self._seq_len(record) - record.prompt_len, self._version))
         if self.kv_on_update == "recompute" and self._running:
             self._recompute_kv()
         self._stats["swaps"] += 1
@@ -266,11 +310,11 @@ class BuiltinEngine:
         positions = torch.arange(span, device=self.device).expand(n, span)
         # Only the K/V writes matter; one logit row per sequence is the cheapest thing to ask for.
         # (seq_len >= prompt_len + 1 >= 2 for a running sequence, so the index is valid.)
-        last_cached = self._slot["seq_len"][:n] - 2
-        forward(self.spec, self._weights, self._rope, self._cache, ids, positions,
+        last_cached = self._slot["pos"][:n] - 1
+        forward(self.spec, self._weights, self._tables, self._cache, ids, positions,
                 attn_len=span, logit_index=last_cached)
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Completion]:
         start = len(self._running)
         count = min(len(self._waiting), self.max_running - start)
         requests = [self._waiting.popleft() for _ in range(count)]
@@ -283,23 +327,24 @@ class BuiltinEngine:
                            dtype=torch.long, device=self.device)
         s["tokens"][rows, :width] = ids
         prompt_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
-        s["seq_len"][rows] = prompt_lens
-        s["end_len"][rows] = torch.tensor(
-            [min(n + r.sampling.max_new_tokens, self.max_seq_len) for n, r in zip(lens, requests)],
-            dtype=torch.long, device=self.device)
+        s["pos"][rows] = prompt_lens  # where the first completion token goes
         s["temperature"][rows] = torch.tensor([r.sampling.temperature for r in requests], device=self.device)
         s["top_p"][rows] = torch.tensor([r.sampling.top_p for r in requests], device=self.device)
         s["top_k"][rows] = torch.tensor([r.sampling.top_k for r in requests], device=self.device)
         self._set_stop_ids(rows, requests)
 
-        self._running += [_Running(r, n) for r, n in zip(requests, lens)]
-        self._refresh_sampling_flags()
+        self._running += [
+            _Running(r, n, end_len=min(n + r.sampling.max_new_tokens, self.max_seq_len),
+                     base=n + 1 - self._decode_count, version_starts=[(0, self._version)])
+            for r, n in zip(requests, lens)]
+        self._refresh_running_flags()
         positions = torch.arange(width, device=self.device).expand(count, width)
-        logits = forward(self.spec, self._weights, self._rope, self._cache, ids, positions,
+        logits = forward(self.spec, self._weights, self._tables, self._cache, ids, positions,
                          slot_start=start, attn_len=width, logit_index=prompt_lens - 1)
-        self._sample_and_append(rows, logits)
+        tokens = self._sample_and_append(rows, logits)
         self._max_len = max(self._max_len, width + 1)
         self._stats["prefill_tokens"] += sum(lens)
+        return self._collect_finished(rows, tokens)
 
     def _set_stop_ids(self, rows: slice, requests: list[GenerationRequest]) -> None:
         stops = self._slot["stop_ids"]
@@ -310,59 +355,72 @@ class BuiltinEngine:
         padded = [list(r.stop_token_ids) + [-1] * (stops.shape[1] - len(r.stop_token_ids)) for r in requests]
         stops[rows] = torch.tensor(padded, dtype=torch.long, device=self.device)
 
-    def _refresh_sampling_flags(self) -> None:
+    def _refresh_running_flags(self) -> None:
+        """Host-side facts about the running set that let a step skip work; O(running), on changes only."""
         params = [r.request.sampling for r in self._running]
         self._any_random = any(p.temperature > 0 for p in params)
         self._any_truncation = any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params)
+        self._any_greedy = any(p.temperature <= 0 for p in params)
+        self._any_stops = any(r.request.stop_token_ids for r in self._running)
+        self._length_due = min((r.end_len - r.base for r in self._running), default=0)
 
-    def _decode(self) -> None:
+    def _decode(self) -> list[Completion]:
         start = time.perf_counter()
         n, s = len(self._running), self._slot
-        last = s["seq_len"][:n] - 1
-        ids = s["tokens"][:n].gather(1, last[:, None])
-        logits = forward(self.spec, self._weights, self._rope, self._cache, ids, last[:, None],
+        pos = s["pos"][:n]
+        ids = s["tokens"][:n].gather(1, pos[:, None])
+        logits = forward(self.spec, self._weights, self._tables, self._cache, ids, pos[:, None],
                          attn_len=self._max_len)
-        self._sample_and_append(slice(0, n), logits[:, 0])
+        pos += 1  # in place: each sampled token goes one position further
+        tokens = self._sample_and_append(slice(0, n), logits[:, 0])
+        self._decode_count += 1
         self._max_len += 1
         self._stats["decode_steps"] += 1
         self._stats["decode_time_s"] += time.perf_counter() - start
+        return self._collect_finished(slice(0, n), tokens)
 
-    def _sample_and_append(self, rows: slice, logits: torch.Tensor) -> None:
+    def _sample_and_append(self, rows: slice, logits: torch.Tensor) -> torch.Tensor:
+        """Sample the next token of slots `rows` and write it (and its log-prob) at each slot's `pos`."""
         s = self._slot
         tokens, logprobs = sample_tokens(
             logits.float(), s["temperature"][rows], s["top_p"][rows], s["top_k"][rows], self._generator,
-            any_random=self._any_random, any_truncation=self._any_truncation)
-        at = s["seq_len"][rows][:, None]
+            any_random=self._any_random, any_truncation=self._any_truncation, any_greedy=self._any_greedy)
+        at = s["pos"][rows, None]
         s["tokens"][rows].scatter_(1, at, tokens[:, None])
-        s["logprobs"][rows].scatter_(1, at, logprobs[:, None].float())
-        s["versions"][rows].scatter_(1, at, torch.full_like(at, self._version))
-        s["seq_len"][rows] += 1
+        s["logprobs"][rows].scatter_(1, at, logprobs[:, None])
         self._stats["tokens_decoded"] += tokens.shape[0]
+        return tokens
 
-    def _collect_finished(self) -> list[Completion]:
-        """Return finished requests as Completions and pack the survivors into slots [0, n')."""
-        n, s = len(self._running), self._slot
-        seq_len = s["seq_len"][:n]
-        last_token = s["tokens"][:n].gather(1, (seq_len - 1)[:, None])
-        stopped = (last_token == s["stop_ids"][:n]).any(dim=1)
-        done = torch.nonzero(stopped | (seq_len >= s["end_len"][:n])).flatten()
-        if done.numel() == 0:  # the one host sync of an ordinary step
+    def _collect_finished(self, rows: slice, tokens: torch.Tensor) -> list[Completion]:
+        """Return the requests finished by `tokens` (just sampled for slots `rows`) and pack the survivors.
+
+        Length is known on the host; a stop token needs one device->host read, skipped when no running
+        request has stop tokens.
+        """
+        stopped: list[int] = []
+        if self._any_stops:
+            hit = (tokens[:, None] == self._slot["stop_ids"][rows]).any(dim=1)
+            stopped = [rows.start + i for i in hit.nonzero().flatten().tolist()]  # the step's one sync
+        by_length = []
+        if self._decode_count >= self._length_due:
+            by_length = [slot for slot, r in enumerate(self._running) if self._seq_len(r) >= r.end_len]
+        done_slots = sorted(set(stopped) | set(by_length))
+        if not done_slots:
             return []
 
-        done_slots = done.tolist()
-        lens, was_stopped = seq_len[done].tolist(), stopped[done].tolist()
-        tokens, logprobs, versions = (s[k][done].tolist() for k in ("tokens", "logprobs", "versions"))
-        completions = []
-        for i, slot in enumerate(done_slots):
+        index = torch.tensor(done_slots, device=self.device)
+        token_rows, logprob_rows = self._slot["tokens"][index].tolist(), self._slot["logprobs"][index].tolist()
+        stopped_set, completions = set(stopped), []
+        for slot, token_row, logprob_row in zip(done_slots, token_rows, logprob_rows):
             record = self._running[slot]
-            begin, end = record.prompt_len, lens[i]
+            begin, end = record.prompt_len, self._seq_len(record)
             completions.append(Completion(
                 request_id=record.request.request_id,
                 prompt_ids=list(record.request.prompt_ids),
-                token_ids=tokens[i][begin:end],
-                logprobs=logprobs[i][begin:end],
-                versions=versions[i][begin:end],
-                finish_reason="stop" if was_stopped[i] else "length",
+                token_ids=token_row[begin:end],
+                logprobs=logprob_row[begin:end],
+                versions=record.versions(end - begin),
+                finish_reason="stop" if slot in stopped_set else "length",
             ))
         self._pack_slots(set(done_slots))
         self._stats["requests_finished"] += len(completions)
@@ -383,5 +441,5 @@ class BuiltinEngine:
             for h, m in zip(holes, movers):
                 self._running[h] = self._running[m]
         del self._running[keep:]
-        self._max_len = int(self._slot["seq_len"][:keep].max()) if keep else 0
-        self._refresh_sampling_flags()
+        self._max_len = max((self._seq_len(r) for r in self._running), default=0)
+        self._refresh_running_flags()

@@ -154,52 +154,88 @@ def load_pretrained(model_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 class KVCache:
-    """Preallocated K/V tensors [layers, slots, kv_heads, max_seq_len, head_dim]."""
+    """Preallocated K and V: ``k`` [layers, slots, kv_heads, head_dim, max_seq_len] (transposed) and
+    ``v`` [layers, slots, kv_heads, max_seq_len, head_dim].
+
+    K is stored transposed so that both attention matmuls of a decode step (q @ K^T, p @ V) read
+    their second operand row-major: CPU bmm with a transposed second operand is ~3x slower at decode
+    shapes.  K's RoPE pairs are interleaved (see `prepare_weights`), which is invisible outside this
+    module: attention only ever takes dot products of q and k permuted alike.
+    """
 
     def __init__(self, spec: ModelSpec, num_slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu"):
-        shape = (spec.num_layers, num_slots, spec.num_kv_heads, max_seq_len, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        layers, heads, hd = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        self.k = torch.zeros((layers, num_slots, heads, hd, max_seq_len), dtype=dtype, device=device)
+        self.v = torch.zeros((layers, num_slots, heads, max_seq_len, hd), dtype=dtype, device=device)
         self.max_seq_len = max_seq_len
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Copy the first `length` positions of slots `src` into slots `dst` (used to keep slots packed)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.k[:, dst, :, :, :length] = self.k[:, src, :, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
-def rope_tables(spec: ModelSpec, max_seq_len: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 (cos, signed_sin) [max_seq_len, head_dim] for `_apply_rope`.
+@dataclass(frozen=True)
+class ForwardTables:
+    """Per-engine constants of the forward, built once by `forward_tables`.
 
-    cos/sin are computed exactly as transformers' default RoPE.  HF's ``x*cos + rotate_half(x)*sin``
-    with ``rotate_half([x1, x2]) = [-x2, x1]`` equals ``x*cos + [x2, x1] * [-sin1, sin2]`` bit for bit
-    (negation is exact), so the sign is folded into the table and the swap of halves is one flip.
+    Everything a decode step would otherwise rebuild per call or per layer (RoPE rotations, key
+    positions, RMSNorm's eps and divisor as tensors: a Python scalar in an in-place op costs a
+    tensor conversion per use on CPU).
+    """
+
+    rotation: torch.Tensor  # complex64 [max_seq_len, head_dim / 2]: cos + i*sin per (position, frequency)
+    key_pos: torch.Tensor  # long [max_seq_len]: 0, 1, ...
+    norm_eps: torch.Tensor  # fp32 scalar
+    norm_dim: torch.Tensor  # fp32 scalar: hidden size (RMSNorm's mean divisor)
+    neg_inf: torch.Tensor  # scalar -inf in the model's dtype (attention mask)
+    zero: torch.Tensor  # scalar 0 in the model's dtype
+
+
+def forward_tables(spec: ModelSpec, max_seq_len: int, dtype: torch.dtype = torch.float32,
+                   device="cpu") -> ForwardTables:
+    """The forward's constants for sequences up to `max_seq_len`.
+
+    RoPE cos and sin are computed exactly as transformers' default RoPE (fp32).  HF rotates the pair
+    (x[j], x[j + head_dim/2]) by the angle of frequency j; with the pair stored adjacently (q/k rows
+    interleaved in `prepare_weights`) that rotation is one complex multiply.
     """
     dim = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
     freqs = torch.arange(max_seq_len, dtype=torch.float, device=device)[:, None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    sin = emb.sin()
-    sin[:, : dim // 2] *= -1
-    return emb.cos(), sin
+    return ForwardTables(
+        rotation=torch.complex(freqs.cos(), freqs.sin()),
+        key_pos=torch.arange(max_seq_len, device=device),
+        norm_eps=torch.tensor(spec.rms_norm_eps, dtype=torch.float, device=device),
+        norm_dim=torch.tensor(spec.hidden_size, dtype=torch.float, device=device),
+        neg_inf=torch.tensor(float("-inf"), dtype=dtype, device=device),
+        zero=torch.tensor(0.0, dtype=dtype, device=device),
+    )
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., head_dim]; cos/signed_sin broadcastable to x (see rope_tables)."""
-    half = x.shape[-1] // 2
-    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
-    return x * cos + swapped * signed_sin
+# Projection matrices up to this many elements are stored as contiguous [in, out] copies: at decode
+# shapes MKL multiplies x @ W faster from that layout than from a transposed view of the HF [out, in]
+# matrix (~25% on the embedded model).  Larger ones stay [out, in] and the forward passes their
+# transposed view: a transposing copy runs at ~1 GB/s on CPU (several times a plain copy), which
+# would dominate staging each version of a large model, and their matmuls are bound by reading the
+# weights, not by the layout.
+SMALL_MATRIX = 1 << 18
 
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: q_proj, k_proj, v_proj stacked
+    """One layer's tensors.  Each projection is held as the right operand of ``x @ W`` ([in, out]):
+    a contiguous copy or a transposed view (see SMALL_MATRIX).  The RMSNorm weight in front of the
+    stacked projections is folded into them (``(w * x_hat) @ W`` = ``x_hat @ (diag(w) W)``): one
+    kernel less per norm, at no cost since stacking copies them anyway."""
+
+    # [hidden, (heads + 2 * kv_heads) * head_dim]: q_proj, k_proj, v_proj stacked, input_layernorm folded
+    # in, the columns of every q and k head permuted so RoPE pairs are adjacent (see `prepare_weights`).
+    qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o_proj: torch.Tensor
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate_proj, up_proj stacked
+    gate_up: torch.Tensor  # [hidden, 2 * intermediate]: gate_proj, up_proj stacked, post_attention_layernorm folded in
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
@@ -209,60 +245,111 @@ class LayerWeights:
 class RuntimeWeights:
     """The forward's view of one weight version, built from an HF-named state dict by `prepare_weights`.
 
-    q/k/v and gate/up are stacked so a layer runs 3 matmuls instead of 7: on CPU at small batch the
-    decode step is bound by the number of kernels, not by FLOPs.  Building it copies those tensors
-    once per version, which is why the engine does it on the thread that stages the weights.
+    q/k/v and gate/up are stacked so a layer runs 4 matmuls instead of 7: on CPU at small batch the
+    decode step is bound by the number of kernels, not by FLOPs.  Building it copies the stacked
+    matrices (and the small ones, see SMALL_MATRIX) once per version, which is why the engine does it
+    on the thread that stages the weights; everything else is a view of the tensors it was given.
     """
 
     embed: torch.Tensor
     layers: list[LayerWeights]
-    norm: torch.Tensor
-    lm_head: torch.Tensor  # the embedding matrix itself when embeddings are tied
+    norm: torch.Tensor  # the final RMSNorm weight (not folded: the lm_head may be the embedding itself)
+    lm_head: torch.Tensor  # [hidden, vocab]
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
 
+def _interleave_rope_pairs(t: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder each head's rows [x_0 .. x_{d/2-1}, x_{d/2} .. x_{d-1}] to [x_0, x_{d/2}, x_1, x_{d/2+1}, ...].
+
+    HF's `rotate_half` RoPE rotates the pair (x_j, x_{j+d/2}); adjacent pairs are a complex number, so
+    the rotation becomes one complex multiply (`_rotate`).  q and k get the same permutation, so
+    every q.k dot product, and therefore attention, is unchanged.
+    """
+    return t.unflatten(0, (heads, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
+
+
+def _mm_operand(weight: torch.Tensor) -> torch.Tensor:
+    """An HF [out, in] matrix as the right operand of x @ W: [in, out] (see SMALL_MATRIX)."""
+    return weight.t().contiguous() if weight.numel() <= SMALL_MATRIX else weight.t()
+
+
 def prepare_weights(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> RuntimeWeights:
     """Check an HF-named state dict against the spec and build the forward's RuntimeWeights."""
     spec.check_weights(weights)
-    w = weights
+    w, hd = weights, spec.head_dim
 
-    def stacked(prefix: str, names: tuple[str, ...], kind: str) -> torch.Tensor | None:
-        keys = [f"{prefix}{name}.{kind}" for name in names]
-        return torch.cat([w[k] for k in keys]) if keys[0] in w else None
+    def stacked(parts: list[torch.Tensor], norm: str) -> torch.Tensor:
+        """The [out, in] matrices stacked along out, the RMSNorm weight `norm` (of their input) folded in."""
+        return _mm_operand(torch.cat(parts).mul_(w[norm]))
+
+    def qkv_parts(prefix: str, kind: str) -> list[torch.Tensor]:
+        return [_interleave_rope_pairs(w[f"{prefix}q_proj.{kind}"], spec.num_heads, hd),
+                _interleave_rope_pairs(w[f"{prefix}k_proj.{kind}"], spec.num_kv_heads, hd),
+                w[f"{prefix}v_proj.{kind}"]]
+
+    def bias(*names: str) -> torch.Tensor | None:
+        return torch.cat([w[n] for n in names]) if names[0] in w else None
 
     layers = []
     for layer in range(spec.num_layers):
         p = f"model.layers.{layer}."
-        qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        gate_up = ("mlp.gate_proj", "mlp.up_proj")
+        attn, mlp = p + "self_attn.", p + "mlp."
         layers.append(LayerWeights(
-            input_norm=w[p + "input_layernorm.weight"],
-            qkv=stacked(p, qkv, "weight"),
-            qkv_bias=stacked(p, qkv, "bias"),
-            o_proj=w[p + "self_attn.o_proj.weight"],
-            o_bias=w.get(p + "self_attn.o_proj.bias"),
-            post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=stacked(p, gate_up, "weight"),
-            gate_up_bias=stacked(p, gate_up, "bias"),
-            down=w[p + "mlp.down_proj.weight"],
-            down_bias=w.get(p + "mlp.down_proj.bias"),
+            qkv=stacked(qkv_parts(attn, "weight"), p + "input_layernorm.weight"),
+            qkv_bias=torch.cat(qkv_parts(attn, "bias")) if spec.qkv_bias else None,
+            o_proj=_mm_operand(w[attn + "o_proj.weight"]),
+            o_bias=w.get(attn + "o_proj.bias"),
+            gate_up=stacked([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]],
+                            p + "post_attention_layernorm.weight"),
+            gate_up_bias=bias(mlp + "gate_proj.bias", mlp + "up_proj.bias"),
+            down=_mm_operand(w[mlp + "down_proj.weight"]),
+            down_bias=w.get(mlp + "down_proj.bias"),
         ))
     embed = w["model.embed_tokens.weight"]
     return RuntimeWeights(
         embed=embed,
         layers=layers,
         norm=w["model.norm.weight"],
-        lm_head=embed if spec.tie_word_embeddings else w["lm_head.weight"],
+        lm_head=_mm_operand(embed if spec.tie_word_embeddings else w["lm_head.weight"]),
     )
+
+
+def _rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """RoPE: rotate x [N, heads, head_dim] (pairs interleaved) by complex rot [N, 1, head_dim / 2], in fp32."""
+    fp32 = x.dtype == torch.float32
+    pairs = torch.view_as_complex((x if fp32 else x.float()).unflatten(-1, (-1, 2)))
+    out = torch.view_as_real(pairs * rot).flatten(-2)
+    return out if fp32 else out.to(x.dtype)
+
+
+def _rms_norm(x: torch.Tensor, tables: ForwardTables) -> torch.Tensor:
+    """HF's RMSNorm without its weight (folded into the next matmul, or applied by the caller):
+    x * rsqrt(mean(x^2) + eps) in fp32.  Written out because on CPU F.rms_norm runs ~10 small kernels (dtype round trips
+    included); this is 5 for fp32 input."""
+    fp32 = x.dtype == torch.float32
+    h = x if fp32 else x.float()
+    mean_sq = torch.addcdiv(tables.norm_eps, (h * h).sum(-1, keepdim=True), tables.norm_dim)  # eps + sum / dim
+    out = h * mean_sq.rsqrt_()
+    return out if fp32 else out.to(x.dtype)
+
+
+def _linear(h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(h, weight_t) if bias is None else torch.addmm(bias, h, weight_t)
+
+
+def _add_linear(x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x + linear(h): the residual add rides in the matmul's accumulate (one kernel)."""
+    out = torch.addmm(x, h, weight_t)
+    return out if bias is None else out.add_(bias)
 
 
 def forward(
     spec: ModelSpec,
     weights: RuntimeWeights,
-    rope: tuple[torch.Tensor, torch.Tensor],
+    tables: ForwardTables,
     cache: KVCache,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
@@ -278,52 +365,71 @@ def forward(
     its K/V land beyond the sequence's end and are overwritten before they are ever attended to).
     Each query attends to cache positions ``<= its position`` of its own slot, so all earlier
     positions of that slot must already be in the cache.
+    tables: `forward_tables(spec, >= max(positions) + 1)`.
     attn_len: how many cache positions to look at (>= max(positions) + 1); default max_seq_len.
     logit_index: long [B]; if given, return logits [B, V] of token ``logit_index[b]`` of each row only
     (prefill needs just the last one), else logits [B, T, V].  Logits are in the weights' dtype.
+
+    The residual stream is kept as [B*T, hidden] so every projection is a plain 2-D matmul.
     """
     bsz, seq = input_ids.shape
-    nh, nkv, hd, eps = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps
-    group = nh // nkv
+    nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    group, tokens = nh // nkv, bsz * seq
     attn_len = cache.max_seq_len if attn_len is None else attn_len
     slots = slice(slot_start, slot_start + bsz)
 
-    x = F.embedding(input_ids, weights.embed)
-    cos = rope[0][positions].to(x.dtype).unsqueeze(2)  # [B, T, 1, hd], broadcast over heads
-    sin = rope[1][positions].to(x.dtype).unsqueeze(2)
-    # Write index for scatter_ into [B, kv_heads, max_seq_len, hd] along the position dim.
-    write_idx = positions[:, None, :, None].expand(bsz, nkv, seq, hd)
-    # Boolean SDPA mask, True = attend: causal per row, over that row's own cache slot.
-    key_pos = torch.arange(attn_len, device=positions.device)
-    mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, attn_len]
-    # GQA without repeating K/V: the query heads sharing a KV head are folded into the query-length
-    # dim ([B, kv_heads, group * T, hd]), about twice as fast on CPU as SDPA's enable_gqa.
-    if group > 1 and seq > 1:
-        mask = mask.repeat(1, 1, group, 1)
+    x = F.embedding(input_ids.reshape(tokens), weights.embed)
+    rot = tables.rotation[positions.reshape(tokens)][:, None]  # [B*T, 1, hd/2], broadcast over heads
+    # Scatter indices along the position dim of a layer's K [B, kv_heads, hd, S] and V [B, kv_heads, S, hd].
+    k_idx = positions.view(bsz, 1, 1, seq).expand(bsz, nkv, hd, seq)
+    v_idx = positions.view(bsz, 1, seq, 1).expand(bsz, nkv, seq, hd)
+    key_pos = tables.key_pos[:attn_len]
+    if seq == 1:
+        # Decode: an additive mask [B*kv_heads, 1, L] (0 or -inf), read by baddbmm.
+        row_pos = positions.expand(bsz, nkv).reshape(bsz * nkv, 1, 1)
+        mask = torch.where(key_pos > row_pos, tables.neg_inf, tables.zero)
+    else:
+        # Prefill: boolean SDPA mask, True = attend: causal per row, over that row's own cache slot.
+        mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, attn_len]
+        if group > 1:
+            mask = mask.repeat(1, 1, group, 1)
 
     for layer, lw in enumerate(weights.layers):
-        h = F.rms_norm(x, (x.shape[-1],), lw.input_norm, eps)
-        qkv = F.linear(h, lw.qkv, lw.qkv_bias).view(bsz, seq, nh + 2 * nkv, hd)
-        qk = _apply_rope(qkv[:, :, : nh + nkv], cos, sin)  # one RoPE pass for q and k heads together
-        q = qk[:, :, :nh].transpose(1, 2)
-        k = qk[:, :, nh:].transpose(1, 2)
-        v = qkv[:, :, nh + nkv :].transpose(1, 2)
+        h = _rms_norm(x, tables)
+        qkv = _linear(h, lw.qkv, lw.qkv_bias).view(tokens, nh + 2 * nkv, hd)
+        qk = _rotate(qkv[:, : nh + nkv], rot)
+        k_cache, v_cache = cache.k[layer, slots], cache.v[layer, slots]  # views: writes land in the cache
+        k_cache.scatter_(3, k_idx, qk[:, nh:].view(bsz, seq, nkv, hd).permute(0, 2, 3, 1))
+        v_cache.scatter_(2, v_idx, qkv[:, nh + nkv:].view(bsz, seq, nkv, hd).transpose(1, 2))
+        attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_cache[..., :attn_len], v_cache[:, :, :attn_len],
+                          mask, group)
+        x = _add_linear(x, attn, lw.o_proj, lw.o_bias)
 
-        k_cache = cache.k[layer, slots]  # views: the writes land in the cache itself
-        v_cache = cache.v[layer, slots]
-        k_cache.scatter_(2, write_idx, k)
-        v_cache.scatter_(2, write_idx, v)
-        attn = F.scaled_dot_product_attention(
-            q.reshape(bsz, nkv, group * seq, hd), k_cache[:, :, :attn_len], v_cache[:, :, :attn_len],
-            attn_mask=mask,
-        )
-        attn = attn.view(bsz, nh, seq, hd).transpose(1, 2).reshape(bsz, seq, nh * hd)
-        x = x + F.linear(attn, lw.o_proj, lw.o_bias)
-
-        h = F.rms_norm(x, (x.shape[-1],), lw.post_norm, eps)
-        gate, up = F.linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
+        h = _rms_norm(x, tables)
+        gate, up = _linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+        x = _add_linear(x, F.silu(gate) * up, lw.down, lw.down_bias)
 
     if logit_index is not None:
-        x = x[torch.arange(bsz, device=x.device), logit_index]
-    return F.linear(F.rms_norm(x, (x.shape[-1],), weights.norm, eps), weights.lm_head)
+        x = x.view(bsz, seq, -1)[torch.arange(bsz, device=x.device), logit_index]
+    logits = torch.mm(_rms_norm(x, tables) * weights.norm, weights.lm_head)
+    return logits if logit_index is not None else logits.view(bsz, seq, -1)
+
+
+def _attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, group: int) -> torch.Tensor:
+    """q [B, T, heads, hd] against the cache's k_t [B, kv_heads, hd, L] and v [B, kv_heads, L, hd].
+
+    Returns [B*T, heads*hd].  GQA without repeating K/V: the `group` query heads that share a KV head
+    are folded into the query-length dim ([B, kv_heads, group*T, hd]).  Decode (T = 1) uses two
+    batched matmuls around a softmax, the additive mask riding in the first (baddbmm); at one query
+    row per head SDPA's CPU kernel costs several times that.  Prefill uses SDPA with the boolean mask
+    [B, 1, group*T, L].
+    """
+    bsz, seq, nh, hd = q.shape
+    nkv, span = k_t.shape[1], k_t.shape[3]
+    if seq == 1:
+        q = q.reshape(bsz * nkv, group, hd)
+        scores = torch.baddbmm(mask, q, k_t.reshape(bsz * nkv, hd, span), alpha=hd ** -0.5)
+        return torch.bmm(torch.softmax(scores, dim=-1), v.reshape(bsz * nkv, span, hd)).view(bsz, nh * hd)
+    q = q.transpose(1, 2).reshape(bsz, nkv, group * seq, hd)
+    out = F.scaled_dot_product_attention(q, k_t.transpose(2, 3), v, attn_mask=mask)
+    return out.view(bsz, nh, seq, hd).transpose(1, 2).reshape(bsz * seq, nh * hd)

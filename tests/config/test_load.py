@@ -21,7 +21,8 @@ def test_demo_config_loads_with_overrides():
     ("learner.lr=fast", "bad value for config key 'learner.lr'"),
     ("run.steps=0", "run.steps: must be > 0"),
     ("sampler.num_engines=0", "sampler.num_engines: must be > 0"),
-    ("learner.pp=2", "learner.pp: pipeline parallelism is not supported yet"),
+    ("learner.recompute_activations=some", "learner.recompute_activations: must be none, full or selective"),
+    ("learner.micro_batch_tokens=-1", "learner.micro_batch_tokens: must be >= 0"),
     ("algo.mode=async", "algo.mode: must be 'pipeline' or 'sync'"),
     ("sampler.kv_on_update=drop", "sampler.kv_on_update"),
     ("sampling.max_new_tokens=64", "sampling.max_new_tokens"),
@@ -59,9 +60,9 @@ def test_saved_config_round_trips(tmp_path):
 
 
 def test_cli_refuses_bad_config_before_starting_any_process():
-    proc = run_python("-m", "megarl.cli", "train", str(DEMO), "learner.pp=2", timeout=60)
+    proc = run_python("-m", "megarl.cli", "train", str(DEMO), "learner.tp=0", timeout=60)
     assert proc.returncode == 2
-    assert "learner.pp" in proc.stderr and "launching" not in proc.stdout
+    assert "learner.tp" in proc.stderr and "launching" not in proc.stdout
 
 
 def test_worker_refuses_a_launch_whose_world_does_not_match_the_topology():
@@ -70,3 +71,27 @@ def test_worker_refuses_a_launch_whose_world_does_not_match_the_topology():
     proc = run_torchrun("megarl.roles.worker", 1, str(DEMO), module=True, timeout=60)
     assert proc.returncode != 0
     assert "needs 2 processes" in proc.stderr and "WORLD_SIZE=1" in proc.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("task.on_bad_row=ignore", "task.on_bad_row: must be error or skip, got 'ignore'"),
+    ("task.reward_timeout_s=0", "task.reward_timeout_s: must be > 0"),
+    ("task.name=jsonl", "task.path: task.name=jsonl needs the dataset"),
+    ("task.name=jsonl task.path=/nonexistent/train.jsonl", "task.path: dataset not found: /nonexistent/train.jsonl"),
+    ("task.reward_fn=my-pkg.rewards:score", "task.reward_fn: 'my-pkg.rewards:score' is not of the form"),
+    ("task.reward_sandbox=true", "task.reward_sandbox: sandboxes a user function"),
+    ("task.sandbox.cpu_s=0", "task.sandbox.cpu_s: must be > 0"),
+    ("task.sandbox.memory_mb=16", "task.sandbox.memory_mb: must be >= 64"),
+    ("task.sandbox.wall_s=3", "unknown config key 'task.sandbox.wall_s'"),
+])
+def test_bad_task_keys_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(DEMO, override.split())
+
+
+def test_task_keys_for_datasets_and_rewards_load(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"q": "1+1=", "a": 2}\n')
+    cfg = load_config(DEMO, ["task.name=jsonl", f"task.path={data}", "task.prompt_field=q", "task.answer_field=a",
+                             "task.reward_fn=mypkg.rewards:score", "task.reward_sandbox=true", "task.sandbox.cpu_s=2"])
+    assert cfg.task.sandbox.cpu_s == 2.0 and cfg.task.reward_sandbox and cfg.task.answer_field == "a"

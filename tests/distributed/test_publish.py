@@ -1,10 +1,13 @@
 """Weight publish: bucket planning, and real multi-process broadcasts with checksum verification."""
 import json
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
 
-from megarl.distributed.publish import check_spec, plan_buckets
+from megarl.distributed.publish import WeightPublisher, check_spec, header_key, plan_buckets
 from tests.helpers import run_torchrun
 
 WORKER = Path(__file__).parent / "publish_worker.py"
@@ -36,14 +39,36 @@ def test_spec_mismatch_names_the_tensor():
 
 
 def test_every_sampler_receives_every_version_bit_exact(tmp_path):
+    """Packed buckets, lone contiguous tensors sent as they are and a lone transposed view all arrive
+    bit-exact; each receiver thread runs at the nice value it was given."""
     proc = run_torchrun(WORKER, 3, tmp_path, "ok", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sent = json.loads((tmp_path / "sent.json").read_text())
-    assert sent["buckets"] >= 3
+    assert sent["buckets"] >= 4
     for rank in (1, 2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["error"] is None
         assert got["received"] == sent["sent"]
+        assert got["nice"] == 5
+
+
+def test_a_version_that_does_not_match_the_first_is_refused_before_its_header():
+    """Shapes, dtypes and names are fixed by the first publish; a mismatch raises a ValueError naming the
+    tensor and writes no header, so receivers never wait for buckets that will not come."""
+    store = dist.HashStore()
+    group = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=10))  # a real (one-rank) gloo group
+    publisher = WeightPublisher(group, store, bucket_mb=1, timeout_s=10, checksum=True)
+    good = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    assert publisher.publish(1, good.items())["bytes"] == 15 * 4
+    for bad, message in (({"w": torch.zeros(3, 4), "b": torch.zeros(3)}, r"w is \[3, 4\]"),
+                         ({"w": torch.zeros(4, 3, dtype=torch.float64), "b": torch.zeros(3)}, "w is .*float64"),
+                         ({"w": torch.zeros(4, 3)}, "b is missing"),
+                         (dict(good, extra=torch.zeros(1)), "not in the first publish's spec")):
+        with pytest.raises(ValueError, match=message):
+            publisher.publish(2, bad.items())
+    assert not store.check([header_key(2)])
+    publisher.publish(2, good.items())
+    assert store.check([header_key(2)])
 
 
 def test_corrupted_bucket_is_refused_by_every_receiver(tmp_path):

@@ -1,12 +1,16 @@
 """Every CPU shim is needed, and fixes the megatron line it names.
 
-One subprocess (importing megatron costs ~9 s, so not one per shim) runs a full learner step — build,
+A subprocess (importing megatron costs ~9 s, so not one per shim) runs a full learner step — build,
 DDP, optimizer, forward/backward, grad norm, clipped optimizer step — with NO shims, and then
-repeatedly: the run must die with the CPU-torch CUDA error (or a CUDA tensor-type assert) inside a function that exactly one shim
-patches; that shim is applied and the run retried.  The test asserts that the run ends in success
-and that every shim in SHIMS was needed on the way, so deleting any shim (or its effect) fails it.
+repeatedly: the run must die with the CPU-torch CUDA error (or a CUDA tensor-type check) inside a
+function that exactly one shim patches; that shim is applied and the run retried.  The run must end
+in success, and every shim must have been needed in one of the layouts: one process (TP1), and two
+torchrun ranks for PP=2 (p2p, tied embeddings across stages) and the distributed optimizer.  Each
+failure happens on every rank before any collective, so the ranks retry in step.  Deleting any shim
+(or its effect) fails the test.
 """
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,24 +18,34 @@ import textwrap
 import pytest
 
 from megarl.learner import cpu_shims
+from tests.helpers import REPO
 
-# The megatron function (file, function name) each shim rewrites.  The deepest megatron frame of
+# The megatron function (file, qualified name) each shim rewrites.  The deepest megatron frame of
 # the failure must be one of them.
 SITES = {
-    ("tensor_parallel/random.py", "add"): "rng_tracker",
+    ("tensor_parallel/random.py", "CudaRNGStatesTracker.add"): "rng_tracker",
     ("tensor_parallel/random.py", "_get_cuda_rng_state"): "rng_tracker",
-    ("distributed/param_and_grad_buffer.py", "__init__"): "grad_buffer",
-    ("optimizer/optimizer.py", "__init__"): "fp32_optimizer",
+    ("distributed/param_and_grad_buffer.py", "_ParamAndGradBuffer.__init__"): "grad_buffer",
+    ("optimizer/optimizer.py", "FP32Optimizer.__init__"): "fp32_optimizer",
     ("pipeline_parallel/schedules.py", "forward_backward_no_pipelining"): "schedule_token_count",
-    ("models/common/embeddings/rotary_pos_embedding.py", "get_emb"): "rotary",
-    ("utils.py", "get_tensor"): "memory_buffer",
+    ("pipeline_parallel/schedules.py", "forward_backward_pipelining_without_interleaving"): "schedule_token_count",
+    ("models/common/embeddings/rotary_pos_embedding.py", "RotaryEmbedding.get_emb"): "rotary",
+    ("utils.py", "GlobalMemoryBuffer.get_tensor"): "memory_buffer",
     ("optimizer/clip_grads.py", "get_grad_norm_fp32"): "grad_norm",
     ("utils.py", "local_multi_tensor_l2_norm"): "grad_norm",
     ("optimizer/clip_grads.py", "clip_grad_by_total_norm_fp32"): "clip_grads",
+    ("pipeline_parallel/p2p_communication.py", "P2PCommunicator._communicate_shapes"): "p2p",
+    ("pipeline_parallel/p2p_communication.py", "P2PCommunicator._communicate"): "p2p",
+    ("models/common/language_module/language_module.py", "LanguageModule.setup_embeddings_and_output_layer"):
+        "tied_embedding_sync",
+    ("optimizer/optimizer.py", "MixedPrecisionOptimizer.__init__"): "distributed_optimizer",
+    ("optimizer/distrib_optimizer.py", "DistributedOptimizer._build_model_and_main_param_groups"):
+        "distributed_optimizer",
 }
 
 SCRIPT = textwrap.dedent('''
-    import json, sys, traceback
+    import json, os, sys, traceback
+    from datetime import timedelta
     import torch, torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from megarl.algo.config import LossConfig
@@ -40,52 +54,148 @@ SCRIPT = textwrap.dedent('''
     from megarl.learner.megatron import MegatronLearner
     from megarl.protocols import TrainBatch
 
-    model_dir, sites = sys.argv[1], {tuple(k.split("|")): v for k, v in json.loads(sys.argv[2]).items()}
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=1, intermediate_size=32, vocab_size=32,
-                                 tie_word_embeddings=True)).save_pretrained(model_dir)
-    dist.init_process_group("gloo", init_method="file://" + model_dir + "/store", rank=0, world_size=1)
+    model_dir, layout, preapplied = sys.argv[1], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+    sites = {tuple(k.split("|")): v for k, v in json.loads(sys.argv[2]).items()}
+    if "RANK" in os.environ:  # torchrun: rank 0 writes the model, the others wait for it
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    else:
+        dist.init_process_group("gloo", init_method="file://" + model_dir + "/store", rank=0, world_size=1)
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=1, intermediate_size=32, vocab_size=32,
+                                     tie_word_embeddings=True)).save_pretrained(model_dir)
+    dist.barrier()
     # The learner applies all shims itself; here they are applied one at a time by this loop.
-    apply_all = cpu_shims.apply_cpu_shims
     cpu_shims.apply_cpu_shims = lambda: None
-    ids = torch.randint(0, 32, (4, 8))
+    for shim in preapplied:
+        cpu_shims.SHIMS[shim]()
+    ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(4, 8)
     mask[:, 0] = 0
     batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=-3.0 * mask,
                        versions=torch.zeros(4, 8, dtype=torch.long), advantages=mask, learner_version=0)
     needed = []
     for _ in range(len(cpu_shims.SHIMS) + 1):
+        site = None
         try:
-            learner = MegatronLearner(model_dir, LearnerConfig(micro_batch_size=2, grad_clip=1e-3),
+            learner = MegatronLearner(model_dir, LearnerConfig(micro_batch_size=2, grad_clip=1e-3, **layout),
                                       LossConfig())
             metrics = learner.train_step(batch)
             assert learner.version == 1 and metrics["grad_norm"] > 0, metrics
-            break
         except (AssertionError, TypeError) as error:
-            frames = [f for f in traceback.extract_tb(error.__traceback__) if "megatron/core/" in f.filename]
-            # Either CPU torch refusing a CUDA call, or megatron asserting a CUDA tensor type.
-            if "Torch not compiled with CUDA enabled" not in str(error) and "cuda" not in frames[-1].line:
+            frame = [f for f, _ in traceback.walk_tb(error.__traceback__)
+                     if "megatron/core/" in f.f_code.co_filename][-1]
+            # Either CPU torch refusing a CUDA call, or megatron checking for a CUDA tensor type.
+            if "Torch not compiled with CUDA enabled" not in str(error) and "torch.cuda." not in str(error) \
+                    and "cuda" not in traceback.extract_tb(error.__traceback__)[-1].line:
                 raise
-            site = (frames[-1].filename.split("megatron/core/")[1], frames[-1].name)
-            if site not in sites:
-                print(json.dumps({"unshimmed_site": site}))
-                sys.exit(1)
-            shim = sites[site]
-            assert shim not in needed, f"{shim} applied but {site} still fails"
+            site = (frame.f_code.co_filename.split("megatron/core/")[1], frame.f_code.co_qualname)
+        # Every rank fails at its own first unshimmed site (e.g. both stages allocating a p2p buffer),
+        # before the communication that would pair them: agree on what to apply.
+        sites_seen = [None] * dist.get_world_size()
+        dist.all_gather_object(sites_seen, site)
+        if not any(sites_seen):
+            break
+        unknown = [s for s in sites_seen if s and s not in sites]
+        if unknown:
+            print(json.dumps({"unshimmed_site": unknown[0]}))
+            sys.exit(1)
+        for shim in dict.fromkeys(sites[s] for s in sites_seen if s):
+            assert shim not in needed, f"{shim} applied but {sites_seen} still fail"
             needed.append(shim)
             cpu_shims.SHIMS[shim]()
-    print(json.dumps({"needed": needed}))
+    if dist.get_rank() == 0:
+        print("NEEDED " + json.dumps(needed))
+''')
+
+# (layout, processes, the shims it must need). The multi-rank layouts start with every other shim
+# applied: a forward-pass failure on the first pipeline stage would leave the last one blocked in
+# its receive, and those shims are already proven by the one-process layout.
+LAYOUTS = [
+    ({}, 1, set(cpu_shims.SHIMS) - {"p2p", "tied_embedding_sync", "distributed_optimizer", "distributed_optimizer_load"}),
+    ({"pp": 2}, 2, {"p2p", "tied_embedding_sync"}),
+    ({"dp": 2, "use_distributed_optimizer": True}, 2, {"distributed_optimizer"}),
+]
+
+
+def _needed_shims(tmp_path, layout: dict, nproc: int, preapplied: list[str]) -> list[str]:
+    sites = json.dumps({"|".join(k): v for k, v in SITES.items()})
+    script = tmp_path / "shim_run.py"
+    script.write_text(SCRIPT)
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([*launcher, str(script), str(tmp_path), sites, json.dumps(layout), json.dumps(preapplied)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("NEEDED "))[7:])
+
+
+@pytest.mark.parametrize("layout, nproc, expected", LAYOUTS, ids=["tp1", "pp2", "dp2_distributed_optimizer"])
+def test_each_shim_is_needed_and_sufficient(tmp_path, layout, nproc, expected):
+    preapplied = [] if nproc == 1 else sorted(set(cpu_shims.SHIMS) - expected)
+    assert set(_needed_shims(tmp_path, layout, nproc, preapplied)) == expected
+
+
+def test_every_shim_is_covered_by_a_layout():
+    # distributed_optimizer_load is needed by loading a checkpoint, not by a training step (below).
+    covered = set().union(*(expected for _, _, expected in LAYOUTS)) | {"distributed_optimizer_load"}
+    assert covered == set(cpu_shims.SHIMS)
+
+
+LOAD_SCRIPT = textwrap.dedent('''
+    import sys, traceback
+    import torch, torch.distributed as dist
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from megarl.algo.config import LossConfig
+    from megarl.checkpoint import learner_state
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner import cpu_shims
+    from megarl.learner.megatron import MegatronLearner
+    from megarl.protocols import TrainBatch
+
+    model_dir = sys.argv[1]
+    dist.init_process_group("gloo", init_method="file://" + model_dir + "/store", rank=0, world_size=1)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                 intermediate_size=32, vocab_size=32)).save_pretrained(model_dir)
+    cpu_shims.apply_cpu_shims([name for name in cpu_shims.SHIMS if name != "distributed_optimizer_load"])
+    cpu_shims.apply_cpu_shims = lambda: None
+
+    def learner():
+        return MegatronLearner(model_dir, LearnerConfig(micro_batch_size=2, use_distributed_optimizer=True),
+                               LossConfig())
+
+    ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(4, 8)
+    mask[:, 0] = 0
+    trained = learner()
+    trained.train_step(TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=-3.0 * mask,
+                                  versions=torch.zeros(4, 8, dtype=torch.long), advantages=mask, learner_version=0))
+    learner_state.save(trained, model_dir + "/ckpt", step=1, keep=1, model_dir=model_dir)
+    try:
+        learner_state.load(learner(), model_dir + "/ckpt")
+        print("LOADED WITHOUT THE SHIM")
+    except KeyError as error:
+        frame = [f for f, _ in traceback.walk_tb(error.__traceback__) if "megatron/core/" in f.f_code.co_filename][-1]
+        print("FAILED", frame.f_code.co_qualname, repr(error))
+    cpu_shims.SHIMS["distributed_optimizer_load"]()
+    loaded = learner()
+    learner_state.load(loaded, model_dir + "/ckpt")
+    print("DIFF", (loaded.logprobs(ids) - trained.logprobs(ids)).abs().max().item())
 ''')
 
 
-def test_each_shim_is_needed_and_sufficient(tmp_path):
-    sites = {"|".join(k): v for k, v in SITES.items()}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), json.dumps(sites)],
-                          capture_output=True, text=True, timeout=85)
+def test_loading_a_distributed_optimizer_checkpoint_needs_its_shim(tmp_path):
+    """Without distributed_optimizer_load, loading fails where the shim says (torch Adam's per-parameter
+    step); with it, the loaded learner computes what the saved one did."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    needed = json.loads(proc.stdout.strip().splitlines()[-1])["needed"]
-    assert sorted(needed) == sorted(cpu_shims.SHIMS), needed
+    assert "FAILED DistributedOptimizer._set_main_param_and_optimizer_states KeyError('step')" in proc.stdout
+    assert "DIFF 0.0" in proc.stdout
 
 
 def test_rewrite_refuses_a_moved_line():

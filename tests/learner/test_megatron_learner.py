@@ -203,61 +203,79 @@ def test_reference_weights_stay_frozen(kl_run):
     assert not all(torch.equal(a, b) for a, b in zip(policy, ref.values()))  # ... while the policy moved
 
 
-DIST_SCRIPT = """
-import json, sys, torch, torch.distributed as dist
-from megatron.core import parallel_state
-from megarl.algo.config import LossConfig
-from megarl.config.schema import LearnerConfig
-from megarl.learner.megatron import MegatronLearner
-model_dir, batch_path = sys.argv[1], sys.argv[2]
-batch = torch.load(batch_path, weights_only=False)
-dist.init_process_group("gloo")
-results = {}
-for layout in ({"tp": 2}, {"dp": 2}):
-    learner = MegatronLearner(model_dir, LearnerConfig(micro_batch_size=16, **layout), LossConfig())
-    logprobs = learner.logprobs(batch.input_ids)
-    metrics = learner.train_step(batch)
-    published = {n: t.double().sum().item() for n, t in learner.publish_tensors()}
-    results[json.dumps(layout)] = dict(logprobs=logprobs.sum().item(), loss=metrics["loss"],
-                                       grad_norm=metrics["grad_norm"], published=published)
-    parallel_state.destroy_model_parallel()
-if dist.get_rank() == 0:
-    print("RESULTS " + json.dumps(results))
-"""
+# Two-process layouts, each against the TP1 reference computed in the test process. Micro-batches are
+# trimmed to their own longest row, so PP exchanges variable activation shapes between stages.
+LAYOUTS = {
+    "tp2": {"tp": 2, "micro_batch_size": 16},
+    "dp2": {"dp": 2, "micro_batch_size": 16},
+    "pp2": {"pp": 2, "micro_batch_size": 16},
+    "pp2_token_budget": {"pp": 2, "micro_batch_size": 64, "micro_batch_tokens": 160},
+    "dp2_distributed_optimizer": {"dp": 2, "micro_batch_size": 16, "use_distributed_optimizer": True},
+    "tp2_distributed_optimizer_recompute": {"tp": 2, "micro_batch_size": 16, "use_distributed_optimizer": True,
+                                            "recompute_activations": "full"},
+}
 
 
-def test_tp2_and_dp2_match_tp1(model_dir, world, tmp_path):
-    """A real 2-process torchrun (gloo): TP=2 and DP=2 give the TP=1 log-probs, loss, grad norm and weights."""
+def _close(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> bool:
+    return got.shape == ref.shape and float((got - ref).abs().max()) <= rel * max(1.0, float(ref.abs().max()))
+
+
+def test_every_layout_matches_tp1(model_dir, world, tmp_path):
+    """Real 2-process torchruns (gloo): TP2, DP2, PP2 (fixed rows and token-budget micro-batches) and the
+    distributed optimizer give the TP1 per-token log-probs, loss and grad norm, and one optimizer step
+    gives the same full weights, all to 1e-5 relative."""
     import json
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     hf = _hf(model_dir)
     batch = _batch(hf, seed=5)
     torch.save(batch, tmp_path / "batch.pt")
-    (tmp_path / "run.py").write_text(DIST_SCRIPT)
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    worker = Path(__file__).with_name("layout_worker.py")
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(tmp_path / "run.py"), model_dir, str(tmp_path / "batch.pt")],
+         str(worker), model_dir, str(tmp_path / "batch.pt"), str(tmp_path), json.dumps(LAYOUTS)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
     # The TP=1 reference, computed here while the two ranks start up.
     learner = _learner(model_dir, micro_batch_size=16)
-    ref_logprobs = learner.logprobs(batch.input_ids).sum().item()
+    ref_logprobs = learner.logprobs(batch.input_ids)
     ref = learner.train_step(batch)
-    ref_published = {n: t.double().sum().item() for n, t in learner.publish_tensors()}
+    ref_published = dict(learner.publish_tensors())
 
-    out, err = proc.communicate(timeout=80)
+    out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-4000:]
-    results = json.loads(next(line for line in out.splitlines() if line.startswith("RESULTS "))[8:])
-    for layout, got in results.items():
-        assert abs(got["logprobs"] - ref_logprobs) <= 1e-4, layout
-        assert abs(got["loss"] - ref["loss"]) <= 1e-6, layout
-        assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], layout
-        for name, value in ref_published.items():
-            assert abs(got["published"][name] - value) <= 1e-4 * max(1.0, abs(value)), (layout, name)
+    for layout in LAYOUTS:
+        ranks = [torch.load(tmp_path / f"{layout}.rank{r}.pt") for r in range(2)]
+        for rank in ranks:  # every rank (each PP stage too) sees the same log-probs and loss
+            assert _close(rank["logprobs"], ref_logprobs), layout
+            assert abs(rank["metrics"]["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), layout
+            assert abs(rank["metrics"]["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], layout
+            assert abs(rank["metrics"]["ratio/mean"] - ref["ratio/mean"]) <= 1e-5, layout
+        published = {}
+        for rank in ranks:
+            assert not set(rank["published"]) & set(published), f"{layout}: a tensor published twice"
+            published.update(rank["published"])
+        assert set(published) == set(ref_published), layout
+        if layout.startswith("pp2"):  # each stage publishes only its own tensors
+            assert all(rank["published"] for rank in ranks), layout
+        for name, tensor in ref_published.items():
+            assert _close(published[name], tensor), (layout, name)
+
+
+def test_token_budget_micro_batches():
+    from megarl.learner.megatron import micro_batch_rows
+
+    lengths = torch.tensor([10, 8, 5, 5, 4, 2, 2, 1])  # sorted longest first
+    assert [g.tolist() for g in micro_batch_rows(lengths, max_rows=3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    # rows * longest row <= 20: [10, 8] -> 20, [5, 5, 4, 2] -> 20, [2, 2, 1] -> 6 (capped by max_rows=4)
+    groups = micro_batch_rows(lengths, max_rows=4, max_tokens=20)
+    assert [g.tolist() for g in groups] == [[0, 1], [2, 3, 4, 5], [6, 7]]
+    # a row longer than the budget still gets a micro-batch of its own
+    assert [g.tolist() for g in micro_batch_rows(torch.tensor([30, 3]), 8, 20)] == [[0], [1]]
 
 
 def test_sequence_lengths_end_at_the_last_trained_token():

@@ -11,17 +11,30 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_
             intermediate_size=48, vocab_size=64, max_position_embeddings=64)
 
 
+# RoPE scalings on a large base, so the long-wavelength frequencies they rescale exist in the model.
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192, "rope_theta": 1e6}
+LINEAR = {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}
+
+
 def _save(tmp_path, kind):
     torch.manual_seed(0)
     if kind == "qwen2":  # GQA, q/k/v bias, tied embeddings
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True, rope_theta=5000.0))
-    else:  # GQA, no bias, untied
+    elif kind == "llama":  # GQA, no bias, untied
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
-    # Biases are zero-initialised; make them non-trivial so the bias packing is exercised.
+    elif kind == "llama3_rope":  # Llama 3.x frequency scaling
+        model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=LLAMA3))
+    else:  # linear position interpolation
+        model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False, rope_parameters=LINEAR))
+    # Biases are zero-initialised; make them non-trivial so the bias packing is exercised. With RoPE
+    # scaling, sharpen attention (q/k x30) so positions matter enough for the scaling to show.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_()
+            if kind.endswith("_rope") and ("q_proj" in name or "k_proj" in name):
+                p.mul_(30.0)
     path = tmp_path / kind
     model.save_pretrained(path)
     return model.eval(), load_file(path / "model.safetensors")
@@ -52,8 +65,10 @@ def test_qkv_packing_is_per_query_group(tmp_path):
 def test_refuses_unsupported():
     with pytest.raises(ValueError, match="gpt2"):
         convert.check_supported({"model_type": "gpt2"})
-    with pytest.raises(ValueError, match="linear"):
-        convert.check_supported(dict(model_type="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    with pytest.raises(ValueError, match="dynamic"):
+        convert.check_supported(dict(model_type="llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    with pytest.raises(ValueError, match="megatron-core fixes"):  # llama3 constants megatron cannot take
+        convert.check_supported(dict(model_type="llama", rope_parameters={**LLAMA3, "high_freq_factor": 2.0}))
     with pytest.raises(ValueError, match="yarn"):
         convert.check_supported(dict(model_type="qwen2", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="MistralForCausalLM"):
@@ -79,7 +94,7 @@ def megatron_world(tmp_path_factory):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "llama3_rope", "linear_rope"])
 def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -88,18 +103,35 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     hf_model, hf_state = _save(tmp_path, kind)
     config = TransformerConfig(**convert.transformer_config_kwargs(hf_model.config),
                                use_cpu_initialization=True, perform_initialization=False)
-    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                   **convert.gpt_model_kwargs(hf_model.config))
-    missing, unexpected = gpt.load_state_dict(convert.hf_to_mcore(hf_state, hf_model.config), strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
-    gpt.eval()
-
     ids = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(1))
     s = ids.shape[1]
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+
+    def megatron_logprobs(**overrides):
+        gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                       **{**convert.gpt_model_kwargs(hf_model.config), **overrides})
+        missing, unexpected = gpt.load_state_dict(convert.hf_to_mcore(hf_state, hf_model.config), strict=False)
+        assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+        with torch.no_grad():
+            logits = gpt.eval()(ids, torch.arange(s).expand_as(ids), mask)
+        return torch.log_softmax(logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])
+
     with torch.no_grad():
-        mc_logits = gpt(ids, torch.arange(s).expand_as(ids), mask)
-        hf_logits = hf_model(ids).logits
-    mc = torch.log_softmax(mc_logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])
-    hf = torch.log_softmax(hf_logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])
-    assert (mc - hf).abs().max().item() <= 1e-5
+        hf = torch.log_softmax(hf_model(ids).logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])
+    assert (megatron_logprobs() - hf).abs().max().item() <= 1e-5
+    if kind.endswith("_rope"):  # ... and only because the scaling was mapped
+        unscaled = megatron_logprobs(rope_scaling=False, seq_len_interpolation_factor=None)
+        assert (unscaled - hf).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["llama3_rope", "linear_rope"])
+def test_scaled_inv_freq_is_hfs(tmp_path, kind):
+    """The frequencies engines build their rotary tables from equal HF's own rotary embedding's."""
+    hf_model, _ = _save(tmp_path, kind)
+    cfg = hf_model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    theta = cfg.rope_parameters["rope_theta"]
+    plain = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ours = convert.scaled_inv_freq(plain, convert.rope_scaling(cfg))
+    assert not torch.allclose(ours, plain)  # the scaling changes something at this base
+    assert torch.allclose(ours, hf_model.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)

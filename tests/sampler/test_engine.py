@@ -9,7 +9,7 @@ import torch
 
 from megarl.protocols import Engine, GenerationRequest, SamplingParams
 from megarl.sampler.engine import BuiltinEngine, sample_tokens
-from megarl.sampler.model import KVCache, ModelSpec, forward, load_pretrained, prepare_weights, rope_tables
+from megarl.sampler.model import KVCache, ModelSpec, forward, load_pretrained, prepare_weights, forward_tables
 from tests.sampler import dominant_token_weights, make_tiny_model
 
 TOL = 1e-5
@@ -46,7 +46,7 @@ def full_logprobs(cfg, weights, ids: list[int], temperature: float = 1.0) -> tor
     cache = KVCache(spec, 1, len(ids), torch.float32)
     x = torch.tensor([ids])
     with torch.inference_mode():
-        logits = forward(spec, prepare_weights(spec, weights), rope_tables(spec, len(ids)), cache, x,
+        logits = forward(spec, prepare_weights(spec, weights), forward_tables(spec, len(ids)), cache, x,
                          torch.arange(len(ids))[None])
     return torch.log_softmax(logits[0] / temperature, -1)
 
@@ -135,6 +135,62 @@ def test_top_k_and_top_p_restrict_the_support():
     assert set(free.tolist()) == {0, 1, 2, 3}
 
 
+def test_sampled_frequencies_follow_the_truncated_distribution():
+    """One draw per row by inverse CDF: empirical frequencies within 5 sigma of the target probabilities."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.04, 0.01])
+    rows = 40_000
+    logits = torch.log(probs).expand(rows, -1)
+    gen = torch.Generator().manual_seed(0)
+    ones, zeros = torch.ones(rows), torch.zeros(rows, dtype=torch.long)
+    for top_p, top_k, support in ((1.0, 0, 5), (1.0, 3, 3), (0.85, 0, 3)):
+        tokens, _ = sample_tokens(logits, ones, torch.full((rows,), top_p), zeros + top_k, gen)
+        target = probs.clone()
+        target[support:] = 0
+        target /= target.sum()
+        freq = torch.bincount(tokens, minlength=5).double() / rows
+        sigma = (target * (1 - target) / rows).sqrt().clamp(min=1e-12)
+        assert ((freq - target).abs() <= 5 * sigma + 1e-12).all(), (top_p, top_k, freq, target)
+
+
+def test_fast_path_flags_do_not_change_results():
+    """The any_* flags only skip work: with truthful flags the draws equal the default (all-true) path."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 40, generator=gen)
+    temperature = torch.rand(64, generator=gen) + 0.5
+    top_p, top_k = torch.ones(64), torch.zeros(64, dtype=torch.long)
+    default = sample_tokens(logits, temperature, top_p, top_k, torch.Generator().manual_seed(7))
+    fast = sample_tokens(logits, temperature, top_p, top_k, torch.Generator().manual_seed(7),
+                         any_truncation=False, any_greedy=False)
+    assert torch.equal(default[0], fast[0]) and torch.equal(default[1], fast[1])
+    temperature[::2] = 0.0  # greedy rows take the argmax; sampled rows are unaffected by them
+    mixed, _ = sample_tokens(logits, temperature, top_p, top_k, torch.Generator().manual_seed(7))
+    assert torch.equal(mixed[::2], logits[::2].argmax(-1))
+
+
+def test_completions_stay_consistent_through_packing_and_stops(model):
+    """More requests than slots, stop tokens and length limits at T=1: each recorded log-prob equals a
+    fresh prefill's, each finish reason and length follows from the tokens."""
+    _, _, cfg, weights = model
+    stop = (3, 5)
+    requests = [req(i, p, SamplingParams(temperature=1.0, max_new_tokens=4 + 3 * (i % 5)), stop=stop)
+                for i, p in enumerate(prompts(12, seed=4))]
+    engine = BuiltinEngine(cfg, weights, max_running=3, max_seq_len=24, seed=3)
+    done = engine.generate(requests)
+    reasons = {c.finish_reason for c in done}
+    assert reasons == {"stop", "length"}  # both paths exercised
+    for r, c in zip(requests, done):
+        limit = min(r.sampling.max_new_tokens, 24 - len(r.prompt_ids))
+        assert all(t not in stop for t in c.token_ids[:-1])
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] in stop and len(c.token_ids) <= limit
+        else:
+            assert len(c.token_ids) == limit and c.token_ids[-1] not in stop
+        ref = full_logprobs(cfg, weights, c.prompt_ids + c.token_ids)
+        n = len(c.prompt_ids)
+        assert max(abs(lp - ref[n - 1 + i, t].item()) for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs))) <= TOL
+        assert c.versions == [0] * len(c.token_ids)
+
+
 def test_invalid_requests_are_refused(qwen):
     _, cfg, weights = qwen
     engine = BuiltinEngine(cfg, weights, max_seq_len=16)
@@ -212,10 +268,10 @@ def _keep_reference(cfg, v1, v2, prefix: list[int]) -> torch.Tensor:
     """Next-token log-probs when the cache of prefix[:-1] was computed by v1 and v2 feeds prefix[-1]."""
     spec = ModelSpec.from_hf_config(cfg)
     n = len(prefix)
-    cache, rope = KVCache(spec, 1, n, torch.float32), rope_tables(spec, n)
+    cache, tables = KVCache(spec, 1, n, torch.float32), forward_tables(spec, n)
     with torch.inference_mode():
-        forward(spec, prepare_weights(spec, v1), rope, cache, torch.tensor([prefix[:-1]]), torch.arange(n - 1)[None])
-        logits = forward(spec, prepare_weights(spec, v2), rope, cache, torch.tensor([prefix[-1:]]),
+        forward(spec, prepare_weights(spec, v1), tables, cache, torch.tensor([prefix[:-1]]), torch.arange(n - 1)[None])
+        logits = forward(spec, prepare_weights(spec, v2), tables, cache, torch.tensor([prefix[-1:]]),
                          torch.tensor([[n - 1]]))
     return torch.log_softmax(logits[0, 0], -1)
 

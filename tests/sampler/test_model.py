@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from megarl.sampler.model import KVCache, ModelSpec, forward, load_pretrained, prepare_weights, rope_tables
+from megarl.sampler.model import KVCache, ModelSpec, forward, load_pretrained, prepare_weights, forward_tables
 from tests.sampler import make_tiny_model
 
 TOL = 1e-5
@@ -43,7 +43,7 @@ def test_prefill_matches_hf(tiny):
     cache = KVCache(spec, num_slots=4, max_seq_len=32, dtype=torch.float32)
     positions = torch.arange(12).expand(3, 12)
     with torch.inference_mode():
-        ours = torch.log_softmax(forward(spec, w, rope_tables(spec, 32), cache, ids, positions, slot_start=1), -1)
+        ours = torch.log_softmax(forward(spec, w, forward_tables(spec, 32), cache, ids, positions, slot_start=1), -1)
     assert (ours - hf_logprobs(hf, ids)).abs().max() <= TOL
 
 
@@ -58,7 +58,7 @@ def test_padded_prefill_and_last_logit_index(tiny):
     cache = KVCache(spec, num_slots=3, max_seq_len=16, dtype=torch.float32)
     last = torch.tensor([len(s) - 1 for s in seqs])
     with torch.inference_mode():
-        logits = forward(spec, w, rope_tables(spec, 16), cache, ids, torch.arange(11).expand(3, 11),
+        logits = forward(spec, w, forward_tables(spec, 16), cache, ids, torch.arange(11).expand(3, 11),
                          attn_len=11, logit_index=last)
     for row, s in enumerate(seqs):
         ref = hf_logprobs(hf, s[None])[0, -1]
@@ -73,17 +73,17 @@ def test_batched_decode_with_different_lengths_matches_hf(tiny):
     refs = [hf_logprobs(hf, s[None])[0] for s in full]
     prompt_lens = [3, 9]  # row 0 is 6 tokens behind row 1 throughout
     max_len = 24
-    rope = rope_tables(spec, max_len)
+    tables = forward_tables(spec, max_len)
     cache = KVCache(spec, num_slots=2, max_seq_len=max_len, dtype=torch.float32)
     ids = torch.zeros(2, 9, dtype=torch.long)
     for row, n in enumerate(prompt_lens):
         ids[row, :n] = full[row][:n]
     with torch.inference_mode():
-        forward(spec, w, rope, cache, ids, torch.arange(9).expand(2, 9), logit_index=torch.tensor([2, 8]))
+        forward(spec, w, tables, cache, ids, torch.arange(9).expand(2, 9), logit_index=torch.tensor([2, 8]))
         for step in range(11):
             pos = torch.tensor([[n + step] for n in prompt_lens])
             tok = torch.stack([full[row][pos[row, 0]] for row in range(2)])[:, None]
-            out = torch.log_softmax(forward(spec, w, rope, cache, tok, pos, attn_len=int(pos.max()) + 1), -1)
+            out = torch.log_softmax(forward(spec, w, tables, cache, tok, pos, attn_len=int(pos.max()) + 1), -1)
             for row in range(2):
                 assert (out[row, 0] - refs[row][pos[row, 0]]).abs().max() <= TOL
 

@@ -1,0 +1,343 @@
+"""Weight publish path vs one raw flat broadcast; and how long a decoding sampler stalls per update.
+
+    python benchmarks/weight_publish.py [--quick] [--receivers 1 2] [--sizes 1 16 128 512] [--reps 3]
+                                        [--bucket-mb 16] [--out runs/weight_publish]
+
+For each receiver count R it starts one real `torchrun` with 1 + R processes (rank 0 = the learner's
+publish source, ranks 1..R = samplers) that build the publish group exactly as a run does
+(`megarl.distributed.topology.publish_group`: a standalone gloo group over the torchrun store).
+Per model size (a Qwen2 config whose fp32 weights total about that many MB, random weights):
+
+* bandwidth: the same bytes moved three ways, receivers idle, each timed on rank 0 from a store
+  barrier until every receiver reported completion through the store:
+  - raw: one `broadcast` of a single flat fp32 buffer of the model's total size (the practical limit);
+  - publish: `WeightPublisher.publish` -> every `WeightReceiver` has handed the version to its
+    callback (buckets received, checksums verified, tensors viewed), with `checksum` off and on.
+  The headline is publish bandwidth / raw bandwidth.
+* stall: every receiver runs a real `BuiltinEngine` on that model (8 sequences decoding greedily,
+  `stage_weights` as the receive callback, as in a sampler) while rank 0 publishes `reps` versions
+  (checksum on, the default).  From per-step timestamps (CLOCK_MONOTONIC, shared by the processes):
+  the baseline decode step (median outside any update), the extra decode time of the steps that
+  overlap an update (from the publish's start to the end of the step that swapped the version in),
+  and the swap itself; stall per update = that extra time, reported in decode steps.
+
+Ends with one JSON line: per size and receiver count, publish/raw bandwidth ratio (checksum off and
+on) and the stall in decode steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+# (vocab, hidden, intermediate, layers, heads, kv_heads) of a Qwen2 with about SIZE MB of fp32 weights.
+CONFIGS = {
+    1: (512, 128, 256, 1, 2, 1),
+    16: (8192, 256, 768, 3, 4, 2),
+    128: (16384, 768, 2048, 3, 12, 4),
+    512: (32768, 1024, 2816, 9, 16, 4),
+}
+DECODE_BATCH = 8
+STALL_UPDATES = 5
+WARMUP_UPDATES = 2  # the first receives into each staging buffer set touch fresh memory
+STORE_TIMEOUT = timedelta(seconds=600)
+
+
+def hf_config(size_mb: int) -> dict:
+    vocab, hidden, inter, layers, heads, kv = CONFIGS[size_mb]
+    return {"model_type": "qwen2", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+            "max_position_embeddings": 4096}
+
+
+def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    from megarl.sampler.model import ModelSpec
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in ModelSpec.from_hf_config(cfg).weight_shapes().items():
+        weights[name] = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02
+    return weights
+
+
+# ------------------------------------------------------------------------------------------ worker
+class Worker:
+    """One process of the torchrun launch: rank 0 publishes, the others receive."""
+
+    def __init__(self, out: Path, sizes: list[int], reps: int, bucket_mb: float, nices: list[int]):
+        from megarl.distributed.topology import Topology, connect_store, publish_group
+
+        self.out, self.sizes, self.reps, self.bucket_mb, self.nices = out, sizes, reps, bucket_mb, nices
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        topo = Topology(rank=self.rank, world_size=self.world, num_learners=1, num_samplers=self.world - 1)
+        self.store = connect_store(topo, 120)
+        # The receiver thread gets its own store connection: a TCPStore client serialises requests, so
+        # its header polls would queue behind the main thread's blocking barrier waits.
+        self.receiver_store = connect_store(topo, 120)
+        self.group = publish_group(topo, self.store, "gloo", 120)
+
+    def barrier(self, tag: str) -> None:
+        self.store.set(f"bench/{tag}/{self.rank}", "1")
+        self.store.wait([f"bench/{tag}/{r}" for r in range(self.world)], STORE_TIMEOUT)
+
+    def wait_receivers(self, tag: str) -> None:
+        self.store.wait([f"bench/{tag}/{r}" for r in range(1, self.world)], STORE_TIMEOUT)
+
+    def run(self) -> None:
+        for size in self.sizes:
+            cfg = hf_config(size)
+            weights = random_weights(cfg, seed=self.rank)
+            result = {"size_mb": size, "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
+            result["raw_s"] = self.raw(size, result["bytes"])
+            for checksum in (False, True):
+                result[f"publish_s_checksum_{'on' if checksum else 'off'}"] = self.publish_bandwidth(
+                    size, weights, checksum)
+            result["stall"] = {str(nice): self.stall(size, cfg, weights, nice) for nice in self.nices}
+            if self.rank == 0:
+                with open(self.out / f"size{size}.json", "w") as f:
+                    json.dump(result, f)
+            del weights
+
+    def raw(self, size: int, nbytes: int) -> list[float]:
+        flat = torch.zeros(nbytes // 4)
+        times = []
+        for rep in range(-1, self.reps):  # rep -1: warm-up
+            tag = f"raw/{size}/{rep}"
+            self.barrier(tag + "/start")
+            start = time.monotonic()
+            self.group.broadcast(flat, 0).wait()
+            if self.rank == 0:
+                self.wait_receivers(tag + "/done")
+                if rep >= 0:
+                    times.append(time.monotonic() - start)
+            else:
+                self.store.set(f"bench/{tag}/done/{self.rank}", "1")
+        return times
+
+    def _receiver(self, prefix: str, weights: dict, on_version, current_version, stop: threading.Event,
+                  nice: int = 0):
+        from megarl.distributed.publish import WeightReceiver
+
+        store = torch.distributed.PrefixStore(prefix, self.receiver_store)
+        spec = {n: (t.shape, t.dtype) for n, t in weights.items()}
+        return WeightReceiver(self.group, store, spec, torch.device("cpu"), on_version=on_version,
+                              current_version=current_version, should_stop=stop.is_set, timeout_s=120,
+                              nice=nice).start()
+
+    def _publisher(self, prefix: str, checksum: bool):
+        from megarl.distributed.publish import WeightPublisher
+
+        store = torch.distributed.PrefixStore(prefix, self.store)
+        return WeightPublisher(self.group, store, bucket_mb=self.bucket_mb, timeout_s=120, checksum=checksum)
+
+    def publish_bandwidth(self, size: int, weights: dict, checksum: bool) -> list[float]:
+        """Seconds per publish, from a barrier until every receiver's callback ran; the first two
+        publishes (one into each staging buffer set, touching fresh memory) are warm-up."""
+        tag = f"pub/{size}/{checksum}"
+        versions = self.reps + 2
+        times = []
+        if self.rank == 0:
+            publisher = self._publisher(f"bench/{tag}/", checksum)
+            for version in range(1, versions + 1):
+                self.barrier(f"{tag}/{version}/start")
+                start = time.monotonic()
+                publisher.publish(version, weights.items())
+                self.wait_receivers(f"{tag}/{version}/done")
+                if version > 2:
+                    times.append(time.monotonic() - start)
+            return times
+        current, stop = [0], threading.Event()
+
+        def on_version(version, tensors, extra):  # on the receiver thread: its own store connection
+            current[0] = version
+            self.receiver_store.set(f"bench/{tag}/{version}/done/{self.rank}", "1")
+
+        receiver = self._receiver(f"bench/{tag}/", weights, on_version, lambda: current[0], stop)
+        for version in range(1, versions + 1):
+            self.barrier(f"{tag}/{version}/start")
+        self.store.wait([f"bench/{tag}/{versions}/done/{self.rank}"], STORE_TIMEOUT)
+        stop.set()
+        receiver.thread.join(60)
+        if receiver.error:
+            raise receiver.error
+        return times
+
+    def stall(self, size: int, cfg: dict, weights: dict, nice: int) -> dict:
+        tag = f"stall/{size}/{nice}"
+        if self.rank == 0:
+            return self._publish_during_decode(tag, weights)
+        return self._decode_during_publish(tag, cfg, weights, nice)
+
+    def _publish_during_decode(self, tag: str, weights: dict) -> dict:
+        publisher = self._publisher(f"bench/{tag}/", checksum=True)
+        self.wait_receivers(f"{tag}/decoding")
+        windows = []
+        for version in range(1, WARMUP_UPDATES + STALL_UPDATES + 1):
+            start = time.monotonic()
+            publisher.publish(version, weights.items())
+            windows.append((start, time.monotonic()))
+            self.wait_receivers(f"{tag}/{version}/swapped")
+            # Decode undisturbed in between, long enough for a control window as long as the update.
+            time.sleep(max(0.3, 4 * (time.monotonic() - start)))
+        self.store.set(f"bench/{tag}/stop", "1")
+        self.wait_receivers(f"{tag}/report")
+        reports = [json.loads(self.store.get(f"bench/{tag}/report/{r}")) for r in range(1, self.world)]
+        return summarise_stall(windows, reports)
+
+    def _decode_during_publish(self, tag: str, cfg: dict, weights: dict, nice: int) -> dict:
+        from megarl.protocols import GenerationRequest, SamplingParams
+        from megarl.sampler.engine import BuiltinEngine
+
+        engine = BuiltinEngine(cfg, weights, max_running=DECODE_BATCH, max_seq_len=512)
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=504)
+        staged: dict[int, float] = {}
+        stop = threading.Event()
+
+        def on_version(version, tensors, extra):
+            engine.stage_weights(tensors, version)
+            staged[version] = time.monotonic()
+
+        receiver = self._receiver(f"bench/{tag}/", weights, on_version, lambda: engine.version, stop, nice)
+        steps = []  # (start, end, admitted, swapped, swap_s)
+        announced, swapped_versions = False, set()
+        while not self.store.check([f"bench/{tag}/stop"]):
+            for i in range(DECODE_BATCH - engine.num_unfinished):
+                engine.add_request(GenerationRequest(f"{len(steps)}-{i}", list(range(1, 9)), sampling))
+            before = engine.stats()
+            start = time.monotonic()
+            engine.step()
+            end = time.monotonic()
+            after = engine.stats()
+            steps.append((start, end, after["prefill_tokens"] > before["prefill_tokens"],
+                          after["swaps"] > before["swaps"], after["swap_time_s"] - before["swap_time_s"]))
+            if not announced and len(steps) >= 20:
+                self.store.set(f"bench/{tag}/decoding/{self.rank}", "1")
+                announced = True
+            if engine.version not in swapped_versions and engine.version > 0:
+                swapped_versions.add(engine.version)
+                self.store.set(f"bench/{tag}/{engine.version}/swapped/{self.rank}", "1")
+            if receiver.error:
+                raise receiver.error
+        stop.set()
+        receiver.thread.join(60)
+        self.store.set(f"bench/{tag}/report/{self.rank}", json.dumps({"steps": steps, "staged": staged}))
+        return {}
+
+
+def summarise_stall(windows: list[tuple[float, float]], reports: list[dict]) -> dict:
+    """Per receiver: the baseline decode step, and per update the extra decode time of the steps from
+    the publish's start to the end of the step that swapped the version in (admission steps excluded),
+    minus the same measure over a control window of equal length in the quiet gap after the update:
+    the machine is shared, and the control takes out what other jobs cost the decode loop anyway."""
+    per_receiver = []
+    for report in reports:
+        steps = [s for s in report["steps"] if not s[2]]  # (start, end, admitted, swapped, swap_s)
+        swaps = [s for s in steps if s[3]]
+        updates = [(pub_start, swap[1]) for (pub_start, _), swap in zip(windows, swaps)]
+        next_starts = [start for start, _ in windows[1:]] + [steps[-1][1]]
+        updates, next_starts, swaps = updates[WARMUP_UPDATES:], next_starts[WARMUP_UPDATES:], swaps[WARMUP_UPDATES:]
+        controls = []
+        for (start, end), next_start in zip(updates, next_starts):
+            middle = end + (next_start - end - (end - start)) / 2
+            if middle > end:  # the gap holds a window as long as the update's
+                controls.append((middle, middle + end - start))
+
+        def overlapping(window):
+            return [s for s in steps if s[0] < window[1] and s[1] > window[0]]
+
+        busy = {id(s) for window in updates for s in overlapping(window)}
+        baseline = statistics.median(s[1] - s[0] for s in steps if id(s) not in busy)
+
+        def extra(window) -> float:
+            return sum(s[1] - s[0] - baseline for s in overlapping(window))
+
+        update_extra = statistics.median(extra(w) for w in updates)
+        control_extra = statistics.median(extra(w) for w in controls) if controls else 0.0
+        per_receiver.append({
+            "baseline_step_ms": round(baseline * 1e3, 3),
+            "update_window_steps": round(statistics.median(len(overlapping(w)) for w in updates), 1),
+            "extra_ms_per_update": round(update_extra * 1e3, 2),
+            "control_extra_ms": round(control_extra * 1e3, 2),
+            "stall_steps_per_update": round((update_extra - control_extra) / baseline, 2),
+            "swap_ms": round(1e3 * statistics.median(s[4] for s in swaps), 3),
+        })
+    return {"publish_s": [round(e - s, 4) for s, e in windows[WARMUP_UPDATES:]], "receivers": per_receiver}
+
+
+# ------------------------------------------------------------------------------------------ driver
+def launch(receivers: int, sizes: list[int], reps: int, bucket_mb: float, nices: list[int], out: Path) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={1 + receivers}",
+           __file__, "--worker", str(out), "--sizes", *map(str, sizes), "--reps", str(reps),
+           "--bucket-mb", str(bucket_mb), "--nice", *map(str, nices)]
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    if proc.returncode != 0:
+        sys.exit(f"torchrun with {receivers} receiver(s) failed:\n{proc.stderr[-4000:]}")
+    return [json.loads((out / f"size{size}.json").read_text()) for size in sizes]
+
+
+def report(receivers: int, result: dict) -> dict:
+    mb = result["bytes"] / 2**20
+    raw = statistics.median(result["raw_s"])
+    row = {"MB": round(mb, 1), "raw_MB_s": round(mb / raw)}
+    print(f"{receivers} receiver(s), {mb:7.1f} MB: raw broadcast {mb / raw:7.0f} MB/s ({raw * 1e3:7.1f} ms)")
+    for mode in ("off", "on"):
+        t = statistics.median(result[f"publish_s_checksum_{mode}"])
+        row[f"publish_MB_s_checksum_{mode}"] = round(mb / t)
+        row[f"ratio_checksum_{mode}"] = round(raw / t, 3)
+        print(f"    publish, checksum {mode:3s}: {mb / t:7.0f} MB/s ({t * 1e3:7.1f} ms), {raw / t:.2f} of raw")
+    for nice, stall in result["stall"].items():
+        print(f"    decoding receivers, receiver thread nice {nice}: publish takes "
+              f"{1e3 * statistics.median(stall['publish_s']):.1f} ms")
+        for i, r in enumerate(stall["receivers"]):
+            print(f"      receiver {i + 1}: step {r['baseline_step_ms']:.2f} ms, update spans "
+                  f"{r['update_window_steps']} steps, extra decode time {r['extra_ms_per_update']:.1f} ms "
+                  f"(control window {r['control_extra_ms']:.1f} ms): stall {r['stall_steps_per_update']:.2f} "
+                  f"decode steps per update, swap {r['swap_ms']:.3f} ms")
+        row[f"stall_steps_nice{nice}"] = max(r["stall_steps_per_update"] for r in stall["receivers"])
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="sizes 1 16 128, 1 receiver, 2 reps")
+    parser.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 128, 512], choices=sorted(CONFIGS))
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=16.0)  # publish.bucket_mb's default
+    parser.add_argument("--nice", type=int, nargs="+", default=[0, 10],
+                        help="receiver thread nice values to measure the stall with")
+    parser.add_argument("--out", default="runs/weight_publish")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        torch.set_num_threads(1)
+        Worker(Path(args.worker), args.sizes, args.reps, args.bucket_mb, args.nice).run()
+        return
+    if args.quick:
+        args.sizes, args.receivers, args.reps = [1, 16, 128], [1], 2
+    print(f"torch {torch.__version__}, gloo over loopback, bucket_mb={args.bucket_mb}, {args.reps} reps, medians")
+    headline = {}
+    for receivers in args.receivers:
+        for result in launch(receivers, args.sizes, args.reps, args.bucket_mb, args.nice,
+                             Path(args.out) / f"r{receivers}"):
+            row = report(receivers, result)
+            headline[f"{result['size_mb']}MB_r{receivers}"] = {k: v for k, v in row.items()
+                                                                if k.startswith(("ratio", "stall"))}
+    print(json.dumps(headline))
+
+
+if __name__ == "__main__":
+    main()

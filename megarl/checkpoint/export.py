@@ -1,0 +1,182 @@
+"""Export a checkpoint as an HF-format model directory (config.json, safetensors, tokenizer files).
+
+Reads the checkpoint's files directly: no process group, no megatron model, whatever layout wrote
+it.  Tensors are read one decoder layer at a time (each megatron key stacks all layers along its
+first axis), converted to HF names by megarl.models.convert, and written in the dtype they were
+trained in (fp32 on CPU, bf16 on GPU) into safetensors files of at most `max_shard_bytes` (with
+``model.safetensors.index.json`` when there is more than one), so memory holds one layer plus one
+output shard.  The result is what ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from megarl.checkpoint.learner_state import HF_META_DIR, quiet_dcp, read_manifest
+from megarl.checkpoint.storage import CheckpointError, resolve
+from megarl.models import convert
+
+LAYER_PREFIX = "decoder.layers."
+# megatron's local layer spec saves its two norms under TransformerEngine's names (its
+# sharded_state_dict_keys_map), so local- and TE-spec checkpoints are interchangeable.
+_SAVED_AS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+def _model_keys(metadata) -> dict[str, torch.Size]:
+    """Checkpoint key -> global shape of every model tensor (not optimizer state, not RNG / extra state)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {k: md.size for k, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata) and not k.startswith("optimizer.")}
+
+
+class _LayerSlice(torch.Tensor):
+    """A read request for row `layer` of a stacked [L, ...] checkpoint tensor, in torch DCP's
+    checkpointable-tensor protocol (how DTensor tells DCP which chunk of a global tensor it holds)."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, layer: int, global_shape: torch.Size):
+        return torch.Tensor._make_wrapper_subclass(cls, global_shape, dtype=data.dtype)
+
+    def __init__(self, data: torch.Tensor, layer: int, global_shape: torch.Size):
+        self.chunk, self.offsets = data, torch.Size((layer,) + (0,) * (len(global_shape) - 1))
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.chunk.size())]
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        return self.chunk
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{cls.__name__} is a read request, not a tensor to compute with ({func})")
+
+
+def _read(checkpoint: Path, key: str, shape: torch.Size, dtype: torch.dtype, layer: int | None = None) -> torch.Tensor:
+    """The whole tensor `key`, or only its row [layer] along the stacked layer axis."""
+    import torch.distributed.checkpoint as dcp
+
+    if layer is None:
+        target = request = torch.empty(shape, dtype=dtype)
+    else:
+        target = torch.empty((1, *shape[1:]), dtype=dtype)
+        request = _LayerSlice(target, layer, shape)
+    with quiet_dcp():
+        dcp.load({key: request}, checkpoint_id=checkpoint, no_dist=True)
+    return target if layer is None else target[0]
+
+
+def hf_tensors(checkpoint: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's weights as (HF name, tensor), in save_pretrained order, one layer at a time."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    checkpoint = resolve(checkpoint)
+    hf_config = read_manifest(checkpoint)["hf_config"]
+    metadata = FileSystemReader(checkpoint).read_metadata()
+    keys = _model_keys(metadata)
+    dtype = metadata.state_dict_metadata["embedding.word_embeddings.weight"].properties.dtype
+    layer_keys = {k[len(LAYER_PREFIX):]: k for k in keys if k.startswith(LAYER_PREFIX)}
+    whole = {k for k in keys if not k.startswith(LAYER_PREFIX)}
+    expected = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
+    if not hf_config.get("tie_word_embeddings", False):
+        expected.add("output_layer.weight")
+    if whole != expected:
+        raise CheckpointError(f"{checkpoint}: unexpected model tensors {sorted(whole ^ expected)}")
+
+    def read(key, layer=None):
+        return _read(checkpoint, key, keys[key], dtype, layer)
+
+    yield "model.embed_tokens.weight", read("embedding.word_embeddings.weight")
+    for i in range(hf_config["num_hidden_layers"]):
+        layer = {_SAVED_AS.get(name, name): read(key, layer=i) for name, key in layer_keys.items()}
+        yield from convert.mcore_layer_to_hf(layer, i, hf_config).items()
+    yield "model.norm.weight", read("decoder.final_layernorm.weight")
+    if "output_layer.weight" in expected:
+        yield "lm_head.weight", read("output_layer.weight")
+
+
+class _ShardWriter:
+    """Greedy safetensors shards of at most `max_bytes` (a larger tensor gets a shard of its own),
+    named the HF way once the count is known."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.written: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.current[name] = tensor.contiguous()
+        self.current_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.directory / f"part-{len(self.written):05d}.safetensors"
+        save_file(self.current, str(path), metadata={"format": "pt"})
+        self.written.append((path, list(self.current)))
+        self.current, self.current_bytes = {}, 0
+
+    def close(self) -> None:
+        """Write the last shard; name them model.safetensors, or model-0000i-of-0000n.safetensors
+        plus model.safetensors.index.json."""
+        self._flush()
+        if len(self.written) == 1:
+            self.written[0][0].rename(self.directory / "model.safetensors")
+            return
+        weight_map = {}
+        for i, (path, names) in enumerate(self.written):
+            final = f"model-{i + 1:05d}-of-{len(self.written):05d}.safetensors"
+            path.rename(self.directory / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write the checkpoint (a step dir, or a checkpoint root: its `latest`) as an HF model directory.
+
+    `out_dir` must not exist or be empty; it appears complete or not at all (written next to it, then
+    renamed).  Returns `out_dir`.
+    """
+    checkpoint, out_dir = resolve(checkpoint), Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise CheckpointError(f"export target {out_dir} exists and is not an empty directory")
+    temp = out_dir.parent / f".tmp-{out_dir.name}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    try:
+        shards = _ShardWriter(temp, max_shard_bytes)
+        dtype = None
+        for name, tensor in hf_tensors(checkpoint):
+            shards.add(name, tensor)
+            dtype = tensor.dtype
+        shards.close()
+        meta = checkpoint / HF_META_DIR
+        for path in sorted(meta.iterdir()):
+            if path.name != "config.json":
+                shutil.copyfile(path, temp / path.name)
+        config = json.loads((meta / "config.json").read_text())
+        # The dtype the weights are stored in (transformers >= 5 writes "dtype", older "torch_dtype").
+        config["dtype" if "dtype" in config else "torch_dtype"] = str(dtype).removeprefix("torch.")
+        (temp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.rename(temp, out_dir)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,175 @@
+"""Learner side of the SGLang weight sync: rank 0 of SGLang's weight-update group, broadcasting in SGLang's format.
+
+With sampler.engine=sglang the weights do not go to sampler processes but straight into the SGLang
+servers, whose TP workers receive them in `/update_weights_from_distributed`. This module is the
+sending half; the sampler half (which makes its server receive) is
+`megarl.sampler.sglang_engine.SGLangWeightFollower`.
+
+Protocol (every key lives in the torchrun store, like the built-in publish path):
+  0. once: the learner writes GROUP_KEY {host, port, world_size, group_name, backend} and joins the
+     group as rank 0, hosting its TCP rendezvous (topology.init_sglang_update_group, built as SGLang's
+     init_custom_process_group builds it); each sampler has its server join with
+     /init_weights_update_group at the rank offset topology.sglang_group_layout gives it.
+  1. once, before the first header: SPEC_KEY {format, calls}: the [name, shape, dtype] lists of the
+     /update_weights_from_distributed calls of every publish, in order.
+  2. per publish n: the header `publish.header_key(n)` = {version, crc32: null, extra}, exactly the
+     built-in path's header, so the retired counts in `extra` reach the samplers' staleness budget.
+  3. per call, from group rank 0: "flattened_bucket" — one broadcast of the bucket's bytes, tensors
+     back to back in names order (SGLang's FlattenedTensorBucket layout, load_format
+     "flattened_bucket"); "per_tensor" — one broadcast per tensor in names order (load_format None).
+SGLang verifies no checksum, so headers carry none (publish.checksum does not apply here).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megarl.distributed.publish import header_key, plan_buckets
+from megarl.distributed.topology import init_sglang_update_group, resolve_backend, sglang_group_layout
+
+GROUP_KEY = "sglang/update_group"
+SPEC_KEY = "sglang/spec"
+GROUP_NAME = "megarl_weight_update"
+WEIGHT_FORMATS = ("flattened_bucket", "per_tensor")
+
+Spec = list[tuple[str, tuple[int, ...], torch.dtype]]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """SGLang's wire name for a dtype: what `getattr(torch, name)` turns back into it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_update_calls(spec: Spec, weight_format: str, bucket_bytes: int) -> list[Spec]:
+    """The tensors of each /update_weights_from_distributed call of one publish, in broadcast order.
+
+    flattened_bucket: one call per publish bucket (single-dtype, at most `bucket_bytes` unless one
+    tensor is bigger), so the receiver holds one bucket at a time. per_tensor: one call, every tensor.
+    """
+    if weight_format == "per_tensor":
+        return [list(spec)]
+    if weight_format != "flattened_bucket":
+        raise ValueError(f"weight_format={weight_format!r}: must be one of {WEIGHT_FORMATS}")
+    shapes = {name: shape for name, shape, _ in spec}
+    return [[(s.name, shapes[s.name], b.dtype) for s in b.slots] for b in plan_buckets(spec, bucket_bytes)]
+
+
+def update_body(call: Spec, weight_format: str, group_name: str, weight_version: str | None) -> dict:
+    """The /update_weights_from_distributed request body (sglang io_struct UpdateWeightsFromDistributedReqInput).
+
+    flush_cache is false: SGLang flushes only when nothing runs and *asserts* that it did, so a flush
+    requested with requests paused in place takes the scheduler down (docs/sglang.md)."""
+    return {"names": [n for n, _, _ in call], "dtypes": [dtype_name(d) for _, _, d in call],
+            "shapes": [list(s) for _, s, _ in call], "group_name": group_name, "flush_cache": False,
+            "abort_all_requests": False, "weight_version": weight_version,
+            "load_format": "flattened_bucket" if weight_format == "flattened_bucket" else None}
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class SGLangPublisher:
+    """Learner side: `publish(version, named_tensors, extra)` after every optimizer step (as WeightPublisher)."""
+
+    def __init__(self, store, *, world_size: int, host: str, port: int, backend: str, weight_format: str,
+                 bucket_mb: float, timeout_s: float, join_timeout_s: float):
+        self.store, self.weight_format = store, weight_format
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.backend = backend
+        port = port or free_port(host)
+        self.address = f"{host}:{port}"
+        store.set(GROUP_KEY, json.dumps({"host": host, "port": port, "world_size": world_size,
+                                         "group_name": GROUP_NAME, "backend": backend}))
+        try:
+            self.group = init_sglang_update_group(backend, host, port, world_size, 0, GROUP_NAME, join_timeout_s)
+        except Exception as exc:
+            raise TimeoutError(f"SGLang weight-update group at {self.address}: not all {world_size - 1} server ranks "
+                               f"joined within {join_timeout_s:.0f}s (did every SGLang server start?): {exc}") from exc
+        self.calls: list[Spec] | None = None
+        self.buffers: list[torch.Tensor] = []
+        self.published = 0
+
+    @classmethod
+    def from_config(cls, cfg, store, num_samplers: int) -> "SGLangPublisher":
+        sc = cfg.sampler.sglang
+        world_size, _ = sglang_group_layout(num_samplers, sc.tp)
+        # The built-in server runs on CPU, so its group is gloo whatever the learner runs on.
+        backend = "gloo" if sc.server == "builtin" else resolve_backend(cfg.dist.backend)
+        return cls(store, world_size=world_size, host=sc.update_group_host or cfg.queue.host,
+                   port=sc.update_group_port, backend=backend, weight_format=sc.weight_format,
+                   bucket_mb=cfg.publish.bucket_mb, timeout_s=cfg.publish.timeout_s,
+                   join_timeout_s=sc.startup_timeout_s + sc.request_timeout_s)
+
+    def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], extra: dict | None = None) -> dict:
+        """Broadcast one version; returns {bytes, seconds}. `extra` travels in the header (small JSON)."""
+        start = time.perf_counter()
+        named = dict(tensors)
+        if self.calls is None:
+            self._plan(named)
+        self.published += 1
+        header = {"version": version, "crc32": None, "extra": extra or {}}
+        self.store.set(header_key(self.published), json.dumps(header))
+        nbytes = 0
+        for i, (call, buffer) in enumerate(zip(self.calls, self.buffers)):
+            what = f"version {version} call {i + 1}/{len(self.calls)}"
+            if self.weight_format == "flattened_bucket":
+                offset = 0
+                for name, _, _ in call:
+                    raw = named[name].detach().contiguous().view(-1).view(torch.uint8)
+                    buffer[offset:offset + raw.numel()].copy_(raw)
+                    offset += raw.numel()
+                self._broadcast(buffer, what)
+                nbytes += buffer.numel()
+            else:
+                for name, _, _ in call:
+                    tensor = named[name].detach().to(self._device(named[name])).contiguous()
+                    self._broadcast(tensor, f"{what} tensor {name}")
+                    nbytes += tensor.numel() * tensor.element_size()
+        return {"bytes": nbytes, "seconds": time.perf_counter() - start}
+
+    def close(self) -> None:
+        """Tear the group down before interpreter shutdown would, in whatever order, with servers still
+        connected to the rendezvous store this process hosts."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+    def _plan(self, named: dict[str, torch.Tensor]) -> None:
+        spec = [(name, tuple(t.shape), t.dtype) for name, t in named.items()]
+        self.calls = plan_update_calls(spec, self.weight_format, self.bucket_bytes)
+        self.store.set(SPEC_KEY, json.dumps({
+            "format": self.weight_format,
+            "calls": [[[n, list(s), dtype_name(d)] for n, s, d in call] for call in self.calls]}))
+        if self.weight_format == "flattened_bucket":
+            device = self._device(next(iter(named.values())))
+            self.buffers = [torch.empty(sum(named[n].numel() * named[n].element_size() for n, _, _ in call),
+                                        dtype=torch.uint8, device=device) for call in self.calls]
+        else:
+            self.buffers = [None] * len(self.calls)
+
+    def _device(self, tensor: torch.Tensor) -> torch.device:
+        return torch.device("cpu") if self.backend == "gloo" else tensor.device
+
+    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        try:
+            dist.broadcast(tensor, src=0, group=self.group, async_op=True).wait(self.timeout)
+        except RuntimeError as exc:
+            raise TimeoutError(f"SGLang weight publish ({self.address}): {what} failed or timed out after "
+                               f"{self.timeout.total_seconds():.0f}s (a server may be stuck or dead): {exc}") from exc
+
+
+def load_spec(raw: str) -> tuple[str, list[Spec]]:
+    """SPEC_KEY's JSON -> (weight format, calls)."""
+    spec = json.loads(raw)
+    calls = [[(n, tuple(s), getattr(torch, d)) for n, s, d in call] for call in spec["calls"]]
+    return spec["format"], calls

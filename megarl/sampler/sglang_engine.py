@@ -1,0 +1,456 @@
+"""The SGLang engine backend: a sampler rank starts one SGLang server on its GPUs and drives it over HTTP.
+
+`SGLangEngine` implements the `Engine` protocol (megarl/protocols.py) the sampler loop drives:
+`add_request` sends a streaming `/generate` (token ids in, `return_logprob`), `step()` returns the
+requests that finished since the last call, each token with its behaviour log-prob and the policy
+version that produced it. Weights never pass through the sampler process: `SGLangWeightFollower`
+watches the learner's publish headers and makes the server receive each version over SGLang's
+weight-update group (learner side: megarl/distributed/sglang_publish.py):
+
+    /pause_generation {mode: in_place | retract}   running requests stay, their KV kept | recomputed
+    /update_weights_from_distributed ...           once per bucket, concurrent with the learner's broadcast
+    /flush_cache                                   only with sampler.sglang.cache_on_update=flush
+    /continue_generation                           the paused requests go on under the new weights
+
+Per-token versions (the argument is in docs/sglang.md): the server stamps its weight-version label
+on everything it returns. When meta_info carries `weight_versions` spans (newer SGLang, and megarl's
+built-in server) they are the scheduler's own per-token accounting and are used as they are.
+Otherwise every token takes the label of the first stream chunk that delivered it.
+
+The server is started with the command of `server_command` (real SGLang on GPU, or
+`python -m megarl.sampler.sglang_server` on CPU), bound to 127.0.0.1, logging to a file whose tail
+every error carries. Every HTTP call has a timeout and its errors name the route and the server.
+"""
+from __future__ import annotations
+
+import ctypes
+import http.client
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from megarl.distributed.publish import header_key
+from megarl.distributed.sglang_publish import GROUP_KEY, SPEC_KEY, load_spec, update_body
+from megarl.protocols import Completion, GenerationRequest
+
+HEALTH_POLL_S = 0.5
+STEP_POLL_S = 0.05  # step() waits this long for a finished request before returning none
+STORE_POLL_S = 0.002
+LOG_TAIL_LINES = 40
+
+
+class SGLangError(RuntimeError):
+    """A failed call to the SGLang server; the message names the route, the server and its log tail."""
+
+
+# ---------------------------------------------------------------------------------------------- versions
+def versions_from_spans(spans: list[dict], n: int) -> list[int]:
+    """meta_info["weight_versions"] ([{version, start, end}], contiguous from 0) -> one int version per token."""
+    versions: list[int] = []
+    for span in spans:
+        if span["start"] != len(versions):
+            raise ValueError(f"weight_versions spans are not contiguous: {spans}")
+        versions += [int(span["version"])] * (span["end"] - span["start"])
+    if len(versions) != n:
+        raise ValueError(f"weight_versions spans cover {len(versions)} tokens, the output has {n}: {spans}")
+    return versions
+
+
+def versions_from_stamps(stamps: list[tuple[int, str]], n: int) -> list[int]:
+    """[(output tokens delivered so far, weight_version label of that chunk)] in stream order -> per-token
+    versions: each token takes the label of the first chunk that delivered it."""
+    versions: list[int] = []
+    for count, label in stamps:
+        versions += [int(label)] * (count - len(versions))
+    if len(versions) != n:
+        raise ValueError(f"the stream delivered {len(versions)} tokens before its last chunk, the output has {n}")
+    return versions
+
+
+def completion_from_chunks(request: GenerationRequest, chunks: list[dict]) -> Completion:
+    """Build the Completion of one /generate stream (SGLang's cumulative chunks, the last one finished).
+
+    The token ids are those of `output_token_logprobs` ([logprob, token_id, text] triples): every
+    sampled token, the matched stop token included, whatever the server's stop trimming does to
+    `output_ids`."""
+    final = chunks[-1]
+    meta = final["meta_info"]
+    reason = meta.get("finish_reason") or {}
+    if reason.get("type") not in ("stop", "length"):
+        raise ValueError(f"request {request.request_id} ended with finish_reason {reason} (aborted by the server?)")
+    triples = meta["output_token_logprobs"]
+    token_ids = [int(t) for _, t, _ in triples]
+    if final["output_ids"] != token_ids[:len(final["output_ids"])]:
+        raise ValueError(f"request {request.request_id}: output_ids {final['output_ids']} disagree with the "
+                         f"token ids of output_token_logprobs {token_ids}")
+    if meta.get("completion_tokens", len(token_ids)) != len(token_ids):
+        raise ValueError(f"request {request.request_id}: completion_tokens={meta['completion_tokens']} but "
+                         f"{len(token_ids)} output_token_logprobs")
+    if meta.get("weight_versions"):
+        versions = versions_from_spans(meta["weight_versions"], len(token_ids))
+    else:  # SGLang's default stream chunks are cumulative: output_ids holds every token so far
+        stamps = [(len(c["output_ids"]), c["meta_info"]["weight_version"]) for c in chunks[:-1]]
+        versions = versions_from_stamps(stamps + [(len(token_ids), meta["weight_version"])], len(token_ids))
+    return Completion(request_id=request.request_id, prompt_ids=list(request.prompt_ids), token_ids=token_ids,
+                      logprobs=[float(lp) for lp, _, _ in triples], versions=versions,
+                      finish_reason=reason["type"])
+
+
+def generate_body(request: GenerationRequest) -> dict:
+    """The /generate request body (sglang io_struct GenerateReqInput, sampling_params as SGLang's SamplingParams)."""
+    sp = request.sampling
+    return {"rid": request.request_id, "input_ids": list(request.prompt_ids), "return_logprob": True, "stream": True,
+            "sampling_params": {"temperature": sp.temperature, "top_p": sp.top_p,
+                                "top_k": sp.top_k if sp.top_k > 0 else -1,  # SGLang: -1 = off
+                                "max_new_tokens": sp.max_new_tokens, "stop_token_ids": list(request.stop_token_ids),
+                                "no_stop_trim": True}}
+
+
+# ---------------------------------------------------------------------------------------------- process
+def server_command(cfg, model_dir: str | Path, port: int, seed: int) -> list[str]:
+    """The launch command of one sampler's server: SGLang's launch_server flags, with megarl's extras for
+    the built-in server (its context length, slots and KV policy follow the sampler config)."""
+    sc = cfg.sampler.sglang
+    common = ["--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--random-seed", str(seed),
+              "--weight-version", "0", "--skip-tokenizer-init",
+              "--max-running-requests", str(cfg.sampler.max_running)]
+    if sc.server == "builtin":
+        return [sys.executable, "-m", "megarl.sampler.sglang_server", *common,
+                "--context-length", str(cfg.sampler.max_seq_len), "--kv-on-update", cfg.sampler.kv_on_update,
+                *sc.server_args]
+    return [sys.executable, "-m", "sglang.launch_server", *common, "--tp-size", str(sc.tp), *sc.server_args]
+
+
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the server gets SIGTERM when the sampler process dies, even by SIGKILL (Linux).
+    (libc is loaded at import: the child of a threaded process should run as little as possible.)"""
+    _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class ServerProcess:
+    """One server process this sampler rank started: its log file, health, death and teardown."""
+
+    def __init__(self, cmd: list[str], env: dict, log_path: Path, url: str):
+        self.cmd, self.url, self.log_path = cmd, url, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            # Its own session: stop() ends the server and everything it spawned (SGLang's scheduler and
+            # detokenizer processes) with one killpg, without touching this process's group.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                         preexec_fn=_die_with_parent if _LIBC is not None else None)
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError as exc:
+            return f"(log {self.log_path} unreadable: {exc})"
+        return f"last {len(text)} lines of {self.log_path}:\n" + "\n".join(text)
+
+    def check_alive(self) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            raise SGLangError(f"SGLang server {self.url} (pid {self.proc.pid}) exited with code {code}; "
+                              f"command: {' '.join(self.cmd)}\n{self.log_tail()}")
+
+    def wait_healthy(self, client: "HTTPClient", timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            try:
+                if client.get("/health", timeout_s=5.0)[0] == 200:
+                    return
+            except SGLangError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise SGLangError(f"SGLang server {self.url} (pid {self.proc.pid}) did not answer /health within "
+                                  f"sampler.sglang.startup_timeout_s={timeout_s:.0f}s\n{self.log_tail()}")
+            time.sleep(HEALTH_POLL_S)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+class HTTPClient:
+    """JSON over HTTP to one server; every call has a timeout and failures name the route and server."""
+
+    def __init__(self, host: str, port: int, timeout_s: float, describe=lambda: ""):
+        self.host, self.port, self.timeout_s, self.describe = host, port, timeout_s, describe
+        self.url = f"http://{host}:{port}"
+
+    def error(self, route: str, why: str) -> SGLangError:
+        tail = self.describe()
+        return SGLangError(f"{route} on SGLang server {self.url}: {why}" + (f"\n{tail}" if tail else ""))
+
+    def _open(self, method: str, route: str, body: dict | None, timeout_s: float):
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+        try:
+            payload = None if body is None else json.dumps(body).encode()
+            conn.request(method, route, body=payload, headers={"Content-Type": "application/json"})
+            return conn, conn.getresponse()
+        except TimeoutError:
+            conn.close()
+            raise self.error(route, f"no answer within {timeout_s:.0f}s") from None
+        except OSError as exc:
+            conn.close()
+            raise self.error(route, f"{type(exc).__name__}: {exc}") from None
+
+    def get(self, route: str, timeout_s: float | None = None) -> tuple[int, bytes]:
+        return self._call("GET", route, None, timeout_s)
+
+    def post(self, route: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
+        """POST, expecting HTTP 200 with a JSON body."""
+        status, data = self._call("POST", route, body or {}, timeout_s)
+        if status != 200:
+            raise self.error(route, f"HTTP {status}: {data[:2000].decode(errors='replace')}")
+        return json.loads(data)
+
+    def _call(self, method, route, body, timeout_s) -> tuple[int, bytes]:
+        timeout_s = timeout_s or self.timeout_s
+        conn, resp = self._open(method, route, body, timeout_s)
+        try:
+            return resp.status, resp.read()
+        except (TimeoutError, OSError) as exc:
+            raise self.error(route, f"reading the answer failed after up to {timeout_s:.0f}s: {exc!r}") from None
+        finally:
+            conn.close()
+
+    def stream(self, route: str, body: dict) -> list[dict]:
+        """POST a streaming request; the SSE `data: {...}` chunks up to `data: [DONE]`."""
+        conn, resp = self._open("POST", route, body, self.timeout_s)
+        chunks = []
+        try:
+            if resp.status != 200:
+                raise self.error(route, f"HTTP {resp.status}: {resp.read()[:2000].decode(errors='replace')}")
+            while True:
+                line = resp.readline()
+                if not line:
+                    raise self.error(route, f"the stream ended without data: [DONE] after {len(chunks)} chunks")
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return chunks
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise self.error(route, f"request {body.get('rid')} failed: {chunk['error']}")
+                chunks.append(chunk)
+        except (TimeoutError, OSError) as exc:
+            raise self.error(route, f"no stream data for {self.timeout_s:.0f}s "
+                                    f"(sampler.sglang.request_timeout_s) or connection lost: {exc!r}") from None
+        finally:
+            conn.close()
+
+
+# ---------------------------------------------------------------------------------------------- engine
+class SGLangEngine:
+    """The `Engine` protocol over one SGLang server (see module docstring)."""
+
+    def __init__(self, client: HTTPClient, *, max_running: int, pause_mode: str = "in_place",
+                 cache_on_update: str = "keep", server: ServerProcess | None = None, version: int = 0):
+        self.client, self.server = client, server
+        self.pause_mode, self.cache_on_update = pause_mode, cache_on_update
+        self.max_running = max_running
+        self._version = version
+        # One thread per request in flight: a request occupies its thread for its whole stream, so
+        # max_workers caps requests in flight at the server; the rest wait in the pool's queue.
+        self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="megarl-sglang-generate")
+        self._finished: queue.Queue[Future] = queue.Queue()
+        self._unfinished = 0
+        self._stats = {"tokens_decoded": 0, "requests_finished": 0, "swaps": 0, "swap_time_s": 0.0,
+                       "cache_flushes": 0, "cache_flushes_skipped": 0}
+        self._closed = False
+        self.group_name: str | None = None  # of the weight-update group, once joined
+
+    @classmethod
+    def from_config(cls, cfg, topo, model_dir: str | Path) -> "SGLangEngine":
+        """Start this sampler rank's server (on its GPU slice, with real SGLang) and wait until it is healthy."""
+        from megarl.distributed.sglang_publish import free_port
+        from megarl.distributed.topology import sglang_gpu_slice
+
+        sc = cfg.sampler.sglang
+        port = sc.port + topo.role_rank if sc.port else free_port("127.0.0.1")
+        env = dict(os.environ)
+        if sc.server == "sglang":
+            gpus = sglang_gpu_slice(topo.rank, int(os.environ.get("LOCAL_RANK", topo.rank)),
+                                    int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size)), topo.num_learners,
+                                    sc.tp, sc.gpus_per_node)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        else:
+            env["OMP_NUM_THREADS"] = str(cfg.sampler.threads)
+        cmd = server_command(cfg, model_dir, port, seed=cfg.run.seed * 1000 + topo.rank)
+        server = ServerProcess(cmd, env, Path(cfg.run.dir) / "sglang" / f"sampler{topo.role_rank}.log",
+                               f"http://127.0.0.1:{port}")
+        client = HTTPClient("127.0.0.1", port, sc.request_timeout_s, describe=server.log_tail)
+        try:
+            server.wait_healthy(client, sc.startup_timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+        return cls(client, max_running=cfg.sampler.max_running, server=server, cache_on_update=sc.cache_on_update,
+                   pause_mode="in_place" if cfg.sampler.kv_on_update == "keep" else "retract")
+
+    # ------------------------------------------------------------------ Engine protocol
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_unfinished(self) -> int:
+        return self._unfinished
+
+    def add_request(self, request: GenerationRequest) -> None:
+        if self._closed:
+            raise RuntimeError("SGLangEngine is closed")
+        future = self._pool.submit(self._generate, request)
+        future.add_done_callback(self._finished.put)
+        self._unfinished += 1
+
+    def step(self) -> list[Completion]:
+        """The requests finished since the last call (waits up to STEP_POLL_S for one); raises if the
+        server died or a request failed."""
+        if self.server is not None:
+            self.server.check_alive()
+        done = []
+        try:
+            done.append(self._finished.get(timeout=STEP_POLL_S if self._unfinished else 0))
+            while True:
+                done.append(self._finished.get_nowait())
+        except queue.Empty:
+            pass
+        completions = []
+        for future in done:
+            self._unfinished -= 1
+            completion = future.result()  # re-raises the request's SGLangError
+            self._stats["tokens_decoded"] += len(completion.token_ids)
+            self._stats["requests_finished"] += 1
+            completions.append(completion)
+        return completions
+
+    def stage_weights(self, named_tensors, version: int) -> None:
+        raise TypeError("SGLangEngine receives weights on the server, over SGLang's weight-update group "
+                        "(SGLangWeightFollower), not through the sampler process")
+
+    def stats(self) -> dict:
+        running = min(self._unfinished, self.max_running)
+        return dict(self._stats, version=self._version, running=running, waiting=self._unfinished - running)
+
+    def _generate(self, request: GenerationRequest) -> Completion:
+        chunks = self.client.stream("/generate", generate_body(request))
+        try:
+            return completion_from_chunks(request, chunks)
+        except (KeyError, ValueError) as exc:
+            raise SGLangError(f"/generate on SGLang server {self.client.url}: unusable response for request "
+                              f"{request.request_id}: {exc!r}") from None
+
+    # ------------------------------------------------------------------ weight updates
+    def join_update_group(self, group: dict, rank_offset: int) -> None:
+        """POST /init_weights_update_group; returns once every member (learner included) has joined."""
+        body = {"master_address": group["host"], "master_port": group["port"], "rank_offset": rank_offset,
+                "world_size": group["world_size"], "group_name": group["group_name"], "backend": group["backend"]}
+        reply = self.client.post("/init_weights_update_group", body)
+        if not reply.get("success"):
+            raise self.client.error("/init_weights_update_group", reply.get("message", str(reply)))
+        self.group_name = group["group_name"]
+
+    def update_weights(self, version: int, weight_format: str, calls: list) -> None:
+        """Apply `version` in flight: pause, receive every call's tensors, (flush), continue."""
+        start = time.perf_counter()
+        self.client.post("/pause_generation", {"mode": self.pause_mode})
+        for i, call in enumerate(calls):
+            # The label changes with the last call only, once the whole version is loaded.
+            label = str(version) if i == len(calls) - 1 else None
+            reply = self.client.post("/update_weights_from_distributed",
+                                     update_body(call, weight_format, self.group_name, label))
+            if not reply.get("success"):
+                raise self.client.error("/update_weights_from_distributed", reply.get("message", str(reply)))
+        if self.cache_on_update == "flush":
+            # SGLang flushes only when no request runs or waits (HTTP 400 otherwise): a skip is not an error.
+            status, _ = self.client.get("/flush_cache")
+            self._stats["cache_flushes" if status == 200 else "cache_flushes_skipped"] += 1
+        self.client.post("/continue_generation", {})
+        self._version = version
+        self._stats["swaps"] += 1
+        self._stats["swap_time_s"] += time.perf_counter() - start
+
+    def close(self) -> None:
+        """Stop the server (its streams then fail and their threads end) and the request threads."""
+        self._closed = True
+        if self.server is not None:
+            self.server.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class SGLangWeightFollower:
+    """Sampler side of the SGLang weight sync: a thread that joins the update group, then applies every
+    published version through the engine and reports it with `on_published(version, extra)`.
+
+    Same surface as the built-in receivers (`start()`, `join()`, `error`), so the sampler loop treats both alike."""
+
+    def __init__(self, engine: SGLangEngine, store, rank_offset: int, on_published, should_stop):
+        self.engine, self.store, self.rank_offset = engine, store, rank_offset
+        self.on_published, self.should_stop = on_published, should_stop
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="megarl-sglang-weights", daemon=True)
+
+    @classmethod
+    def from_config(cls, engine: SGLangEngine, store, cfg, topo, on_published, should_stop) -> "SGLangWeightFollower":
+        from megarl.distributed.topology import sglang_group_layout
+
+        _, offsets = sglang_group_layout(topo.num_samplers, cfg.sampler.sglang.tp)
+        return cls(engine, store, offsets[topo.role_rank], on_published, should_stop)
+
+    def join(self, timeout_s: float) -> None:
+        self.thread.join(timeout_s)
+
+    def start(self) -> "SGLangWeightFollower":
+        self.thread.start()
+        return self
+
+    def join(self, timeout_s: float) -> None:
+        self.thread.join(timeout_s)
+
+    def _wait_key(self, key: str) -> bool:
+        """Poll until the key exists (no overall limit: a learner step may be slow); False on stop."""
+        while not self.store.check([key]):
+            if self.should_stop():
+                return False
+            time.sleep(STORE_POLL_S)
+        return True
+
+    def _run(self) -> None:
+        try:
+            if not self._wait_key(GROUP_KEY):
+                return
+            self.engine.join_update_group(json.loads(self.store.get(GROUP_KEY)), self.rank_offset)
+            index, calls = 1, None
+            while self._wait_key(header_key(index)):
+                header = json.loads(self.store.get(header_key(index)))
+                if calls is None:
+                    weight_format, calls = load_spec(self.store.get(SPEC_KEY))
+                self.engine.update_weights(header["version"], weight_format, calls)
+                self.on_published(header["version"], header.get("extra", {}))
+                index += 1
+        except BaseException as exc:  # surfaced to the sampler loop through `error`
+            self.error = exc

@@ -1,0 +1,574 @@
+"""An SGLang-compatible HTTP server around the built-in engine, so the SGLang client runs for real on CPU.
+
+    python -m megarl.sampler.sglang_server --model-path DIR [--host 127.0.0.1] [--port 30000] ...
+
+SGLang itself cannot run on the CPU machines megarl is tested on. This server speaks the subset of
+SGLang 0.5.x's native HTTP API that megarl's SGLang engine uses — same routes, request and response
+fields, status codes (sources in docs/sglang.md) — over `BuiltinEngine`, and joins SGLang's
+weight-update group the way SGLang does, so `SGLangEngine` and the learner's `SGLangPublisher` are
+tested against a real server process and a real gloo group.
+
+Routes: GET /health, /health_generate, /get_model_info, /get_weight_version, /get_server_info;
+POST /generate (input_ids; sampling_params; return_logprob; stream as SSE `data: {...}` + `data: [DONE]`),
+/pause_generation {mode: abort|in_place|retract}, /continue_generation, /flush_cache,
+/init_weights_update_group, /update_weights_from_distributed (per tensor, or load_format
+"flattened_bucket"), /destroy_weights_update_group.
+
+Threads: HTTP handlers never touch the engine. One engine thread owns `BuiltinEngine` (its public API
+only) and runs: admit queued requests, stage received weights, `step()`, deliver finished requests.
+Handlers talk to it through `EngineLoop`, whose condition variable guards the shared state.
+
+Where it differs from SGLang (all follow from the engine's public API, which returns a request only
+when it finishes):
+  * a stream carries one data chunk, at the end (SGLang with --stream-interval >= max_new_tokens);
+  * meta_info always carries `weight_versions` spans (newer SGLang's per-token accounting), computed
+    exactly from the engine's per-token versions, so a client never has to infer them;
+  * pause "in_place" keeps every running request's KV cache (the engine's kv_on_update=keep) and
+    "retract" recomputes it under the weights current at continue (kv_on_update=recompute); the engine
+    has one policy, chosen at launch with --kv-on-update, and the other mode is refused;
+  * /pause_generation returns once the engine has stopped at a step boundary (SGLang returns once the
+    request is queued to its scheduler); an abort returns aborted requests without their partial output;
+  * there is no prefix cache: /flush_cache only reports whether SGLang would have flushed (idle or not).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+log = logging.getLogger("megarl.sglang_server")
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT default
+PAUSE_MODES = ("abort", "in_place", "retract")
+# SGLang sampling params accepted and ignored: they change text post-processing, not tokens.
+IGNORED_SAMPLING_PARAMS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
+SAMPLING_PARAMS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos"}
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+
+
+class BadRequest(ValueError):
+    """A request SGLang would answer with HTTP 400 {"error": {"message": ...}}."""
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt_ids: list[int]
+    sampling: object  # megarl.protocols.SamplingParams
+    stop_ids: tuple[int, ...]
+    return_logprob: bool
+    created: float = field(default_factory=time.perf_counter)
+    done: threading.Event = field(default_factory=threading.Event)
+    completion: object = None  # megarl.protocols.Completion
+    error: str | None = None
+    aborted: bool = False
+
+
+def parse_sampling(params: dict, eos_ids: tuple[int, ...]):
+    """SGLang `sampling_params` -> (SamplingParams, stop token ids); BadRequest on anything unsupported."""
+    from megarl.protocols import SamplingParams
+
+    unknown = set(params) - SAMPLING_PARAMS - IGNORED_SAMPLING_PARAMS
+    if unknown:
+        raise BadRequest(f"sampling params {sorted(unknown)} are not supported by megarl's built-in SGLang server")
+    top_k = int(params.get("top_k", -1))
+    sampling = SamplingParams(temperature=float(params.get("temperature", 1.0)), top_p=float(params.get("top_p", 1.0)),
+                              top_k=0 if top_k == -1 else top_k,  # SGLang: -1 = off; megarl: 0 = off
+                              max_new_tokens=int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)))
+    stops = tuple(int(t) for t in params.get("stop_token_ids") or ())
+    if not params.get("ignore_eos", False):  # SGLang also stops at the model's EOS unless told not to
+        stops += tuple(t for t in eos_ids if t not in stops)
+    return sampling, stops
+
+
+def weight_version_spans(versions: list[int], labels: dict[int, str]) -> list[dict]:
+    """Per-token engine versions -> SGLang's meta_info["weight_versions"]: [{version, start, end}, ...],
+    contiguous, one span per run of equal labels (python/sglang/srt/utils/weight_versions.py)."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        label = labels[v]
+        if spans and spans[-1]["version"] == label:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": label, "start": i, "end": i + 1})
+    return spans
+
+
+def finish_reason(completion, aborted: bool) -> dict:
+    """SGLang's finish reasons (BaseFinishReason.to_json): FINISH_MATCHED_TOKEN, FINISH_LENGTH, FINISH_ABORT."""
+    if aborted:
+        return {"type": "abort", "message": "Aborted by /pause_generation mode abort", "status_code": None,
+                "err_type": None}
+    if completion.finish_reason == "stop":
+        return {"type": "stop", "matched": completion.token_ids[-1]}
+    return {"type": "length", "length": len(completion.token_ids)}
+
+
+class EngineLoop:
+    """Owns the engine thread; every method here is called from HTTP handler threads."""
+
+    def __init__(self, args, model_dir: str):
+        from megarl.sampler.engine import BuiltinEngine
+        from megarl.sampler.model import load_pretrained
+
+        self.args = args
+        self.hf_config, weights = load_pretrained(model_dir)
+        eos = self.hf_config.get("eos_token_id")
+        self.eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.engine_kw = dict(max_running=args.max_running_requests, max_seq_len=args.context_length,
+                              kv_on_update=args.kv_on_update, seed=args.random_seed, device=args.device)
+        self.weights = weights  # the full HF-named set the engine runs (or has staged); replaced per update
+        self.engine = BuiltinEngine(self.hf_config, weights, version=0, **self.engine_kw)
+        self.spec = self.engine.weight_spec()
+        self.label = args.weight_version  # SGLang's server_args.weight_version: an opaque string
+        self.labels = {0: self.label}  # engine version (int, one per staged set) -> label
+
+        self.cond = threading.Condition()
+        self.inbox: list[_Request] = []  # submitted, not yet handed to the engine
+        self.live: dict[str, _Request] = {}  # handed to the engine, not finished
+        self.paused: str | None = None  # pause mode while paused
+        self.stopped_at_boundary = False  # the engine thread is parked (paused) between steps
+        self.abort_pending = False
+        self.staged_dirty = False  # self.weights changed since the engine last staged them
+        self.stats = self.engine.stats()
+        self.error: BaseException | None = None
+        self.groups: dict[str, object] = {}
+        self.thread = threading.Thread(target=self._run, name="megarl-engine-loop", daemon=True)
+
+    # ------------------------------------------------------------------ handler side
+    def submit(self, request: _Request) -> None:
+        with self.cond:
+            if request.rid in self.live or any(r.rid == request.rid for r in self.inbox):
+                raise BadRequest(f"request id {request.rid!r} is already in flight")
+            self.inbox.append(request)
+            self.cond.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        with self.cond:
+            return bool(self.inbox or self.live)
+
+    def pause(self, mode: str) -> None:
+        """Stop the engine at its next step boundary; returns once it has stopped (abort: and aborted)."""
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"Invalid mode: {mode!r}. Expected one of {list(PAUSE_MODES)}.")
+        wanted = {"in_place": "keep", "retract": "recompute"}.get(mode)
+        if wanted is not None and wanted != self.args.kv_on_update:
+            raise BadRequest(f"pause mode {mode!r} needs a server started with --kv-on-update {wanted} (this one "
+                             f"runs {self.args.kv_on_update}: the built-in engine has one KV policy per launch)")
+        with self.cond:
+            self.paused = mode
+            self.abort_pending = mode == "abort"
+            self.stopped_at_boundary = False
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.stopped_at_boundary or self.error is not None)
+            if self.error is not None:
+                raise RuntimeError(f"engine loop failed: {self.error!r}")
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = None
+            self.cond.notify_all()
+
+    def install_weights(self, received: dict, label: str | None) -> None:
+        """New tensors for some names; the engine stages the merged set before its next step."""
+        for name, tensor in received.items():
+            if name not in self.spec:
+                raise BadRequest(f"unknown parameter {name!r} (not in the model's HF state dict)")
+            shape, dtype = self.spec[name]
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise BadRequest(f"{name} arrived as {list(tensor.shape)} {tensor.dtype}; "
+                                 f"the model has {list(shape)} {dtype}")
+        with self.cond:
+            self.weights = {**self.weights, **received}
+            self.staged_dirty = True
+            if label is not None:
+                self.label = label
+            self.cond.notify_all()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        import torch
+
+        try:
+            with torch.inference_mode():
+                while True:
+                    if not self._prepare_step():
+                        continue
+                    finished = self.engine.step()
+                    with self.cond:
+                        self.stats = self.engine.stats()
+                        for completion in finished:
+                            request = self.live.pop(completion.request_id)
+                            request.completion = completion
+                            request.done.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by /health and to every waiting request
+            log.exception("engine loop failed")
+            with self.cond:
+                self.error = exc
+                for request in [*self.inbox, *self.live.values()]:
+                    request.error = f"engine loop failed: {exc!r}"
+                    request.done.set()
+                self.cond.notify_all()
+
+    def _prepare_step(self) -> bool:
+        """Apply control state at the step boundary; True when the engine should step now."""
+        with self.cond:
+            if self.paused is not None:
+                if self.abort_pending:
+                    self._abort_all()
+                self.stopped_at_boundary = True
+                self.cond.notify_all()
+                self.cond.wait(0.5)
+                return False
+            if self.staged_dirty:
+                self.engine.stage_weights(self.weights, self.engine.version + 1)
+                self.labels[self.engine.version + 1] = self.label
+                self.staged_dirty = False
+            for request in self.inbox:
+                try:
+                    self.engine.add_request(self._engine_request(request))
+                    self.live[request.rid] = request
+                except ValueError as exc:
+                    request.error = str(exc)
+                    request.done.set()
+            self.inbox.clear()
+            if not self.live:
+                self.cond.wait(0.5)
+                return False
+            return True
+
+    def _engine_request(self, request: _Request):
+        from megarl.protocols import GenerationRequest
+
+        return GenerationRequest(request.rid, request.prompt_ids, request.sampling, request.stop_ids)
+
+    def _abort_all(self) -> None:
+        """Abort every request (their clients get finish_reason abort) by replacing the engine.
+
+        The engine's public API has no cancel, so a fresh engine with the current weights and version
+        takes its place; staged-but-unapplied weights are restaged by the next step boundary."""
+        from megarl.sampler.engine import BuiltinEngine
+
+        for request in [*self.live.values(), *self.inbox]:
+            request.aborted = True
+            request.done.set()
+        self.live.clear()
+        self.inbox.clear()
+        self.engine = BuiltinEngine(self.hf_config, self.weights, version=self.engine.version + 1, **self.engine_kw)
+        self.labels[self.engine.version] = self.label
+        self.staged_dirty = False
+        self.abort_pending = False
+        log.info("aborted all requests (pause mode abort)")
+
+    # ------------------------------------------------------------------ responses
+    def response(self, request: _Request, text: str) -> dict:
+        """The /generate response body of a finished request (SGLang's out_dict + meta_info)."""
+        c = request.completion
+        token_ids = [] if c is None else c.token_ids
+        meta = {
+            "id": request.rid,
+            "finish_reason": finish_reason(c, request.aborted),
+            "prompt_tokens": len(request.prompt_ids),
+            "completion_tokens": len(token_ids),
+            "cached_tokens": 0,
+            "e2e_latency": time.perf_counter() - request.created,
+        }
+        spans = weight_version_spans(c.versions, self.labels) if c is not None and token_ids else []
+        meta["weight_versions"] = spans
+        meta["weight_version"] = spans[-1]["version"] if spans else self.label
+        if request.return_logprob:
+            meta["output_token_logprobs"] = ([] if c is None else
+                                             [[lp, tok, None] for lp, tok in zip(c.logprobs, c.token_ids)])
+        return {"text": text, "output_ids": token_ids, "meta_info": meta}
+
+
+class Server:
+    """The HTTP side: route table, request parsing, weight-update receive."""
+
+    def __init__(self, args):
+        self.args = args
+        self.loop = EngineLoop(args, args.model_path)
+        self.tokenizer = None
+        if not args.skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        self.get_routes = {"/health": self.health, "/health_generate": self.health_generate,
+                           "/get_model_info": self.model_info, "/get_weight_version": self.weight_version,
+                           "/get_server_info": self.server_info, "/flush_cache": self.flush_cache}
+        self.post_routes = {"/generate": None, "/pause_generation": self.pause, "/continue_generation": self.resume,
+                            "/flush_cache": self.flush_cache, "/init_weights_update_group": self.init_group,
+                            "/destroy_weights_update_group": self.destroy_group,
+                            "/update_weights_from_distributed": self.update_from_distributed}
+
+    # ------------------------------------------------------------------ simple routes (status, body)
+    def health(self, body=None):
+        return (HTTPStatus.OK, b"") if self.loop.error is None else (HTTPStatus.SERVICE_UNAVAILABLE, b"")
+
+    def health_generate(self, body=None):
+        """As SGLang: generate one token unless something is already running (then that proves health)."""
+        if self.loop.error is not None:
+            return HTTPStatus.SERVICE_UNAVAILABLE, b""
+        if self.loop.busy:
+            return HTTPStatus.OK, b""
+        request = self._request({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
+                                rid=f"HEALTH_CHECK_{time.time()}")
+        self.loop.submit(request)
+        ok = request.done.wait(HEALTH_GENERATE_TIMEOUT_S) and request.error is None
+        return (HTTPStatus.OK, b"") if ok else (HTTPStatus.SERVICE_UNAVAILABLE, b"")
+
+    def model_info(self, body=None):
+        return HTTPStatus.OK, {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path,
+                               "is_generation": True, "preferred_sampling_params": None,
+                               "weight_version": self.loop.label}
+
+    def weight_version(self, body=None):
+        return HTTPStatus.OK, {"weight_version": self.loop.label}
+
+    def server_info(self, body=None):
+        return HTTPStatus.OK, {**vars(self.args), "internal_states": [self.loop.stats],
+                               "version": "megarl-builtin"}
+
+    def flush_cache(self, body=None):
+        # SGLang answers 400 when any request is running or waiting (scheduler.flush_cache); there is no
+        # prefix cache here, so the idle check is all that is left of it.
+        busy = self.loop.busy
+        log.info("flush_cache: %s", "not flushed, requests are running or waiting" if busy else "flushed")
+        if busy:
+            return HTTPStatus.BAD_REQUEST, b"Cache flushed.\nPlease check backend logs for more details. " \
+                                           b"(When there are running or waiting requests, the operation will not " \
+                                           b"be performed.)\n"
+        return HTTPStatus.OK, b"Cache flushed.\nPlease check backend logs for more details. (When there are " \
+                              b"running or waiting requests, the operation will not be performed.)\n"
+
+    def pause(self, body):
+        self.loop.pause((body or {}).get("mode", "abort"))  # SGLang's default mode is abort
+        return HTTPStatus.OK, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def resume(self, body=None):
+        self.loop.resume()
+        return HTTPStatus.OK, {"message": "Generation continued successfully.", "status": "ok"}
+
+    # ------------------------------------------------------------------ weight update group
+    def init_group(self, body):
+        from megarl.distributed.topology import init_sglang_update_group
+
+        name = body.get("group_name", "weight_update_group")
+        rank = int(body["rank_offset"]) + 0  # + tp_rank, as SGLang's model runner; this server is one rank
+        log.info("init weights update group %s: %s:%s rank %d of %d (%s)", name, body["master_address"],
+                 body["master_port"], rank, body["world_size"], body.get("backend", "nccl"))
+        try:
+            self.loop.groups[name] = init_sglang_update_group(
+                body.get("backend", "nccl"), body["master_address"], int(body["master_port"]),
+                int(body["world_size"]), rank, name, self.args.dist_timeout)
+        except Exception as exc:  # noqa: BLE001 - SGLang reports any failure in the body
+            return HTTPStatus.BAD_REQUEST, {"success": False,
+                                            "message": f"Failed to initialize custom process group: {exc}."}
+        return HTTPStatus.OK, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_group(self, body):
+        if self.loop.groups.pop(body.get("group_name", "weight_update_group"), None) is None:
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": "The group to be destroyed does not exist."}
+        return HTTPStatus.OK, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def update_from_distributed(self, body):
+        """Receive tensors broadcast from group rank 0: one per name in order, or one flattened bucket."""
+        import torch
+
+        if self.args.debug_hang_on_update:  # fault injection for tests: a server stuck in an update
+            log.warning("--debug-hang-on-update: this update never returns")
+            threading.Event().wait()
+        name = body.get("group_name", "weight_update_group")
+        group = self.loop.groups.get(name)
+        if group is None:
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": (
+                f"Group {name} not in {list(self.loop.groups)}. Please call `init_weights_update_group` first.")}
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        if not len(names) == len(dtypes) == len(shapes):
+            raise BadRequest("names, dtypes and shapes must have the same length")
+        tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in zip(dtypes, shapes)]
+        try:
+            if body.get("load_format") == "flattened_bucket":
+                # One byte buffer of the tensors back to back in names order (FlattenedTensorBucket).
+                flat = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8)
+                self._broadcast(group, flat)
+                offset = 0
+                for t in tensors:
+                    n = t.numel() * t.element_size()
+                    t.view(-1).view(torch.uint8).copy_(flat[offset:offset + n])
+                    offset += n
+            elif body.get("load_format") is None:
+                for t in tensors:
+                    self._broadcast(group, t)
+            else:
+                raise BadRequest(f"load_format={body['load_format']!r} is not supported (None or flattened_bucket)")
+            self.loop.install_weights(dict(zip(names, tensors)), body.get("weight_version"))
+        except Exception as exc:  # noqa: BLE001 - SGLang's wording: the weights are now partially updated
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": (
+                f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are partially "
+                f"updated. Please discard the whole weights.")}
+        message = "Succeeded to update parameter online."
+        if body.get("flush_cache", True) and self.loop.busy:
+            # SGLang asserts here ("Cache flush failed after updating weights") and its scheduler dies.
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": (
+                message + " Cache flush failed after updating weights: requests are running or waiting "
+                "(send flush_cache=false).")}
+        if body.get("weight_version") is not None:
+            message += f" Weight version updated to {body['weight_version']}."
+        return HTTPStatus.OK, {"success": True, "message": message}
+
+    def _broadcast(self, group, tensor) -> None:
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        dist.broadcast(tensor, src=0, group=group, async_op=True).wait(timedelta(seconds=self.args.dist_timeout))
+
+    # ------------------------------------------------------------------ /generate
+    def _request(self, body: dict, rid: str | None = None) -> _Request:
+        if body.get("text") is not None:
+            raise BadRequest("text input is not supported by megarl's built-in SGLang server: send input_ids")
+        ids = body.get("input_ids")
+        if not ids or not isinstance(ids, list) or isinstance(ids[0], list):
+            raise BadRequest("input_ids must be one non-empty list of token ids (batch requests are not supported)")
+        sampling, stops = parse_sampling(body.get("sampling_params") or {}, self.loop.eos_ids)
+        return _Request(rid=rid or body.get("rid") or uuid.uuid4().hex, prompt_ids=[int(t) for t in ids],
+                        sampling=sampling, stop_ids=stops, return_logprob=bool(body.get("return_logprob")))
+
+    def generate(self, body: dict) -> tuple[HTTPStatus, dict]:
+        request = self._request(body)
+        self.loop.submit(request)
+        request.done.wait()  # bounded by the engine: every request finishes or is aborted or errors
+        if request.error is not None:
+            raise BadRequest(request.error)
+        text = ""
+        if self.tokenizer is not None and request.completion is not None:
+            text = self.tokenizer.decode(request.completion.token_ids, skip_special_tokens=True)
+        return HTTPStatus.OK, self.loop.response(request, text)
+
+
+class HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 2048  # listen backlog, as uvicorn's; socketserver's 5 resets bursts of streams
+
+
+def make_handler(server: Server):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"  # one request per connection; streams end when the connection closes
+
+        def log_message(self, fmt, *args):  # access log at debug level, not on stderr per request
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+        def do_GET(self):
+            handler = server.get_routes.get(self._route())
+            if handler is None:
+                return self._send(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
+            self._call(handler, None)
+
+        def do_POST(self):
+            route = self._route()
+            if route not in server.post_routes:
+                return self._send(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}")
+            except json.JSONDecodeError as exc:
+                return self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": f"invalid JSON body: {exc}"}})
+            if route == "/generate":
+                return self._generate(body)
+            self._call(server.post_routes[route], body)
+
+        def _route(self) -> str:
+            return self.path.split("?", 1)[0]
+
+        def _call(self, handler, body):
+            try:
+                status, payload = handler(body)
+            except (BadRequest, KeyError, TypeError, ValueError) as exc:
+                status, payload = HTTPStatus.BAD_REQUEST, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+            self._send(status, payload)
+
+        def _generate(self, body):
+            stream = bool(body.get("stream"))
+            try:
+                status, payload = server.generate(body)
+            except (BadRequest, KeyError, TypeError, ValueError) as exc:
+                if not stream:
+                    return self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}})
+                payload = {"error": {"message": str(exc)}}  # SGLang streams errors as a data chunk
+            if not stream:
+                return self._send(status, payload)
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def _send(self, status, payload):
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain" if isinstance(payload, bytes) else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return Handler
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megarl.sampler.sglang_server",
+                                description="SGLang-compatible HTTP server around megarl's built-in engine")
+    # SGLang launch_server flags, same names and meaning.
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=1)
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--context-length", type=int, default=None, help="prompt + completion tokens per request")
+    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--skip-tokenizer-init", action="store_true", help="ids in, ids out; responses carry no text")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds; weight-update group and broadcasts")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--log-level", default="info")
+    for flag in ("--disable-radix-cache", "--disable-overlap-schedule", "--disable-cuda-graph"):
+        p.add_argument(flag, action="store_true", help="accepted for compatibility; no effect here")
+    p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for compatibility; no effect")
+    # megarl extras.
+    p.add_argument("--kv-on-update", choices=("keep", "recompute"), default="keep",
+                   help="the engine's KV policy on a weight update: keep = pause mode in_place, recompute = retract")
+    p.add_argument("--debug-hang-on-update", action="store_true",
+                   help="fault injection: /update_weights_from_distributed never returns (tests of client timeouts)")
+    args = p.parse_args(argv)
+    if args.tp_size != 1:
+        p.error(f"--tp-size {args.tp_size}: megarl's built-in server runs one process; use SGLang itself for "
+                f"tensor parallelism (sampler.sglang.server=sglang)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.context_length is None:
+        with open(os.path.join(args.model_path, "config.json")) as f:
+            args.context_length = int(json.load(f).get("max_position_embeddings", 2048))
+    server = Server(args)
+    server.loop.thread.start()
+    httpd = HTTPServer((args.host, args.port), make_handler(server))
+    log.info("megarl SGLang-compatible server for %s on http://%s:%d (weight version %s, kv_on_update=%s)",
+             args.model_path, args.host, args.port, args.weight_version, args.kv_on_update)
+    httpd.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Heartbeats through a real TCPStore: a sampler that stops beating is named once the timeout passes."""
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from megarl.distributed.heartbeat import Heartbeat, HeartbeatMonitor, SamplerHungError
+
+
+@pytest.fixture
+def store():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10))
+
+
+def test_beating_samplers_pass_and_a_silent_one_is_named(store):
+    beats = {r: Heartbeat(store, r, period_s=0.0) for r in (1, 2)}
+    monitor = HeartbeatMonitor(store, [1, 2], timeout_s=0.3, check_every_s=0.0)
+    deadline = time.monotonic() + 0.8
+    while time.monotonic() < deadline:  # both beat: never raises, well past the timeout
+        for beat in beats.values():
+            beat.beat()
+        monitor.check(num_learners=1)
+        time.sleep(0.02)
+    with pytest.raises(SamplerHungError, match=r"sampler rank 2 \(sampler 1\) stopped beating.*sampler_timeout_s=0.3"):
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            beats[1].beat()  # rank 2 went silent
+            monitor.check(num_learners=1)
+            time.sleep(0.02)
+
+
+def test_a_sampler_that_never_beats_is_named_after_the_timeout(store):
+    monitor = HeartbeatMonitor(store, [3], timeout_s=0.2, check_every_s=0.0)
+    monitor.check()  # within the timeout: fine
+    time.sleep(0.3)
+    with pytest.raises(SamplerHungError, match="sampler rank 3 .* has not started its loop"):
+        monitor.check()
+
+
+def test_beats_are_rate_limited(store):
+    beat = Heartbeat(store, 5, period_s=60.0)
+    beat.beat()
+    beat.beat()
+    assert store.get("heartbeat/5") == b"1"

@@ -1,0 +1,203 @@
+"""The SLURM sbatch scripts, executed for real: always against stand-ins for srun/scontrol/torchrun that
+record what the scripts would launch (tests/launch/fake_slurm.py), and under a real local SLURM
+(slurmctld + two slurmd on this machine, with munge) when Debian's slurm-wlm is installed."""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+CONFIG = "configs/demo.yaml"
+FAKE = Path(__file__).with_name("fake_slurm.py")
+
+
+@pytest.fixture
+def fake_model_dir(tmp_path) -> Path:
+    """An HF-format directory that passes megarl's start-up checks (nothing loads it: torchrun is a stand-in)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
+    (model / "model.safetensors").write_bytes(b"")
+    (model / "tokenizer.json").write_text("{}")
+    return model
+
+
+def fake_slurm(tmp_path: Path, nodes: int) -> tuple[dict, Path]:
+    """The environment of a batch job on `nodes` fake nodes, and the log the stand-ins write."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("srun", "scontrol", "torchrun", "hostname"):
+        wrapper = bin_dir / tool
+        wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} {tool} "$@"\n')
+        wrapper.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "NODE_", "RDZV_", "NNODES"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", PYTHONPATH=str(REPO), FAKE_SLURM_LOG=str(log),
+               SLURM_JOB_ID=f"fake{os.getpid()}", SLURM_JOB_NUM_NODES=str(nodes),
+               SLURM_JOB_NODELIST=",".join(f"node{i}" for i in range(nodes)), SLURM_SUBMIT_DIR=str(REPO))
+    return env, log
+
+
+def run_batch(script: str, env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "launch" / script), *args], env=env, capture_output=True, text=True,
+                          timeout=180, cwd="/")
+
+
+def calls(log: Path, tool: str) -> list[dict]:
+    return [c for c in map(json.loads, log.read_text().splitlines()) if c["tool"] == tool] if log.exists() else []
+
+
+def test_single_node_script_checks_stages_the_model_and_runs_srun_torchrun(tmp_path, fake_model_dir):
+    env, log = fake_slurm(tmp_path, nodes=1)
+    proc = run_batch("slurm_single_node.sbatch", env, CONFIG, f"model.path={fake_model_dir}", "run.steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "megarl: launching: torchrun" in proc.stdout  # `megarl train --dry-run` checked everything first
+    scratch = f"/tmp/megarl-{env['SLURM_JOB_ID']}"
+    [torchrun] = calls(log, "torchrun")
+    assert torchrun["argv"] == ["--standalone", "--nproc-per-node", "2", "-m", "megarl.roles.worker", CONFIG,
+                                f"model.path={fake_model_dir}", "run.steps=3", f"model.path={scratch}/model"]
+    assert torchrun["model_staged"] and torchrun["env"]["HF_HOME"] == f"{scratch}/hf"
+    assert calls(log, "srun")[1]["argv"][:3] == ["--nodes=1", "--ntasks=1", "torchrun"]
+    assert not os.path.exists(scratch)  # node-local scratch is removed when the job ends
+
+
+def test_multi_node_script_starts_one_c10d_agent_per_node_with_its_own_address(tmp_path, fake_model_dir):
+    env, log = fake_slurm(tmp_path, nodes=2)
+    proc = run_batch("slurm_multi_node.sbatch", env, CONFIG, f"model.path={fake_model_dir}", "run.steps=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scratch = f"/tmp/megarl-{env['SLURM_JOB_ID']}"
+    agents = calls(log, "torchrun")
+    assert [a["node"] for a in agents] == ["0", "1"]
+    for a in agents:
+        addr = f"10.9.0.{int(a['node']) + 1}"  # what `hostname -I` says on that node
+        assert a["argv"] == ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                             "--rdzv-endpoint", "addr-of-node0:29500", "--rdzv-id", env["SLURM_JOB_ID"],
+                             "--local-addr", addr, "-m", "megarl.roles.worker", CONFIG, f"queue.host={addr}",
+                             f"model.path={fake_model_dir}", "run.steps=3", f"model.path={scratch}/model"]
+        assert a["model_staged"] and a["env"]["TORCH_EXTENSIONS_DIR"] == f"{scratch}/torch_extensions"
+    assert proc.stderr.count("megarl placement: node 0 (torchrun group rank 0): rank 0 = learner 0") == 1
+
+
+@pytest.mark.parametrize("script, override, message", [
+    ("slurm_single_node.sbatch", "learner.tp=0", "learner.tp: must be > 0"),
+    ("slurm_multi_node.sbatch", "sampler.num_engines=2", "make the world size a multiple of the node count"),
+])
+def test_a_bad_config_stops_the_job_before_any_worker_starts(script, override, message, tmp_path, fake_model_dir):
+    env, log = fake_slurm(tmp_path, nodes=2 if "multi" in script else 1)
+    proc = run_batch(script, env, CONFIG, f"model.path={fake_model_dir}", override)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert calls(log, "torchrun") == []
+
+
+# ------------------------------------------------------------------------------------- real SLURM
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def local_slurm(tmp_path_factory):
+    """munged, slurmctld and two slurmd ("nodes" n0 and n1, both this machine on loopback), stopped afterwards."""
+    tools = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"SLURM is not installed ({', '.join(missing)} not found; `apt-get install slurm-wlm munge` "
+                    f"provides them): the sbatch scripts are covered by the stand-in tests only")
+    d = tmp_path_factory.mktemp("slurm")
+    d.chmod(0o755)
+    (d / "munge.key").write_bytes(os.urandom(1024))
+    (d / "munge.key").chmod(0o400)
+    for sub in ("state", "log", "spool/n0", "spool/n1"):
+        (d / sub).mkdir(parents=True)
+    host = socket.gethostname().split(".")[0]
+    ctld, n0, n1 = free_port(), free_port(), free_port()
+    conf = d / "slurm.conf"
+    conf.write_text(f"""ClusterName=megarltest
+SlurmctldHost={host}
+SlurmctldPort={ctld}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={d}/munge.sock
+CredType=cred/munge
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool/%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmctldLogFile={d}/log/slurmctld.log
+SlurmdLogFile={d}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+MpiDefault=none
+ReturnToService=2
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+NodeName=n0 NodeHostname={host} NodeAddr=127.0.0.1 Port={n0} CPUs=2 State=UNKNOWN
+NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={n1} CPUs=2 State=UNKNOWN
+PartitionName=debug Nodes=n0,n1 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+""")
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    start = [["munged", "--force", f"--socket={d}/munge.sock", f"--key-file={d}/munge.key",
+              f"--log-file={d}/log/munged.log", f"--pid-file={d}/munged.pid", f"--seed-file={d}/munged.seed"],
+             ["slurmctld", "-f", str(conf)], ["slurmd", "-f", str(conf), "-N", "n0"], ["slurmd", "-f", str(conf), "-N", "n1"]]
+    pid_files = [d / "munged.pid", d / "slurmctld.pid", d / "slurmd-n0.pid", d / "slurmd-n1.pid"]
+    try:
+        for cmd in start:
+            subprocess.run(cmd, env=env, check=True, timeout=30)  # each daemonizes and writes its pid file
+        deadline = time.monotonic() + 30
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "local SLURM did not come up: " + (d / "log/slurmctld.log").read_text()[-2000:]
+            time.sleep(0.5)
+        yield env
+    finally:
+        pids = [int(f.read_text()) for f in pid_files if f.exists()]  # before shutdown removes the files
+        subprocess.run(["scontrol", "shutdown"], env=env, timeout=30, capture_output=True)
+        for pid in pids:  # the daemons this fixture started, by pid: SIGTERM, SIGKILL after 5 s
+            stop(pid)
+
+
+def stop(pid: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+RUN = ["run.steps=2", "algo.prompts_per_step=4", "algo.group_size=4", "sampling.max_new_tokens=8",
+       "learner.micro_batch_size=16", "run.tensorboard=false"]
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("script, nodes", [("slurm_single_node.sbatch", 1), ("slurm_multi_node.sbatch", 2)])
+def test_sbatch_scripts_train_under_a_real_slurm(script, nodes, local_slurm, embedded_model_dir, tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    # Both "nodes" are this machine: the learner binds the loopback address, not the node's interface.
+    env = {**local_slurm, "NODE_ADDR": "127.0.0.1", "MEGARL_RDZV_PORT": str(free_port())}
+    proc = subprocess.run(["sbatch", "--wait", f"--nodes={nodes}", f"--output={out}", f"launch/{script}", CONFIG,
+                           f"run.dir={run_dir}", f"model.path={embedded_model_dir}", *RUN],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=400)
+    log = out.read_text() if out.exists() else ""
+    assert proc.returncode == 0, proc.stderr + log[-4000:]
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "step 2/2" in log

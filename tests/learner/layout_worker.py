@@ -1,0 +1,30 @@
+"""One torchrun rank of the cross-layout test: for each layout, log-probs, one step, published weights.
+
+argv: model_dir batch.pt out_dir layouts.json.  Every rank writes `{layout}.rank{r}.pt` with the
+log-probs and metrics it saw and the HF-named tensors it published (only the TP/DP rank 0 of each
+pipeline stage publishes, as the weight publisher does), so the test can rebuild the full model.
+"""
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megarl.algo.config import LossConfig
+from megarl.config.schema import LearnerConfig
+from megarl.learner.megatron import MegatronLearner
+
+model_dir, batch_path, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+batch = torch.load(batch_path, weights_only=False)
+dist.init_process_group("gloo")
+for name, layout in layouts.items():
+    learner = MegatronLearner(model_dir, LearnerConfig(**layout), LossConfig())
+    logprobs = learner.logprobs(batch.input_ids)
+    metrics = learner.train_step(batch)
+    published = dict(learner.publish_tensors())
+    source = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    torch.save({"logprobs": logprobs, "metrics": metrics, "published": published if source else {}},
+               f"{out_dir}/{name}.rank{dist.get_rank()}.pt")
+    parallel_state.destroy_model_parallel()
+dist.destroy_process_group()

@@ -1,0 +1,120 @@
+"""Faults, for real: real runs, real signals. A run that cannot go on stops every process, quickly,
+with a message that names the failed rank and role; nothing is left running."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.helpers import REPO, run_python
+
+DEMO = str(REPO / "configs" / "demo.yaml")
+
+
+def _workers(run_dir) -> dict[int, int]:
+    """RANK -> pid of the live megarl worker processes of this run (found by their command line)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if b"megarl.roles.worker" in args and str(run_dir).encode() in b" ".join(args) and b"RANK" in env:
+            found[int(env[b"RANK"])] = int(proc.name)
+    return found
+
+
+def _leftovers(run_dir) -> list[int]:
+    """Any process (workers, torchrun, its agent) still holding this run's directory on its command line."""
+    me = os.getpid()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int(proc.name) != me and str(run_dir).encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _start(run_dir, model_dir, *overrides) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}",
+                             f"model.path={model_dir}", "run.steps=100000", "algo.prompts_per_step=4", *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+
+
+def _wait_for_steps(run_dir, steps: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = Path(run_dir) / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    raise AssertionError(f"the run did not reach {steps} steps within {timeout}s")
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str, float]:
+    start = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"the run did not stop within {timeout}s")
+    return out, err, time.monotonic() - start
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run(embedded_think_model_dir, tmp_path):
+    # lr=1e30: the first step is finite but blows the weights up; every later loss is inf/NaN, so
+    # steps are skipped (no update, counted) until max_nonfinite_in_row stops the run.
+    run_dir = tmp_path / "nan"
+    proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=50", "learner.lr=1e30",
+                      "learner.max_nonfinite_in_row=2", "algo.prompts_per_step=4",
+                      f"model.path={embedded_think_model_dir}", timeout=300)
+    assert proc.returncode != 0
+    assert "2 optimizer steps in a row had a non-finite loss or grad norm" in proc.stderr
+    assert "learner.max_nonfinite_in_row=2" in proc.stderr
+    assert "megarl: the run failed: learner 0 (rank 0) exited with code 1" in proc.stderr
+    assert not _leftovers(run_dir)
+
+
+def test_a_killed_sampler_stops_the_run_and_is_named(embedded_think_model_dir, tmp_path):
+    run_dir = tmp_path / "kill"
+    proc = _start(run_dir, embedded_think_model_dir)
+    _wait_for_steps(run_dir, 2, proc)
+    os.kill(_workers(run_dir)[1], signal.SIGKILL)
+    out, err, took = _finish(proc, timeout=60)
+    assert proc.returncode != 0
+    assert "megarl: the run failed: sampler 0 (rank 1) was killed by signal 9 (SIGKILL); " \
+           "torchrun stopped every other process" in err
+    assert not _leftovers(run_dir)
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2  # what was done is kept
+
+
+def test_a_hung_sampler_is_named_by_the_learner(embedded_think_model_dir, tmp_path):
+    # SIGSTOP: the sampler process is alive (torchrun sees nothing wrong) but stops turning. The
+    # learner finds out either waiting for groups (heartbeat timeout) or in the weight broadcast the
+    # sampler no longer receives (publish timeout); either way it names the sampler.
+    run_dir = tmp_path / "hang"
+    proc = _start(run_dir, embedded_think_model_dir, "fault.sampler_timeout_s=4", "publish.timeout_s=8",
+                  "queue.timeout_s=600")
+    _wait_for_steps(run_dir, 2, proc)
+    sampler = _workers(run_dir)[1]
+    os.kill(sampler, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        while 0 in _workers(run_dir) and time.monotonic() < deadline:  # until the learner gives up
+            time.sleep(0.5)
+    finally:
+        os.kill(sampler, signal.SIGCONT)  # let it take torchrun's SIGTERM like the others
+    out, err, took = _finish(proc, timeout=60)
+    assert proc.returncode != 0
+    assert "sampler rank 1 (sampler 0)" in err and ("stopped beating" in err or "has sent no heartbeat" in err)
+    assert "megarl: the run failed: learner 0 (rank 0) exited with code 1" in err
+    assert not _leftovers(run_dir)

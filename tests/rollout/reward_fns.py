@@ -1,0 +1,62 @@
+"""User reward functions for the reward and sandbox tests, as a user would write them:
+fn(prompt, completion, answer, meta) -> float, referred to as "tests.rollout.reward_fns:NAME"."""
+import os
+import socket
+import time
+from pathlib import Path
+
+
+def exact(prompt, completion, answer, meta):
+    return float(completion.strip() == answer)
+
+
+def hang_on_nine(prompt, completion, answer, meta):
+    """Hangs for the prompts that contain a 9 (a bug on some inputs only), exact match otherwise."""
+    if "9" in prompt:
+        time.sleep(3600)
+    return exact(prompt, completion, answer, meta)
+
+
+def raises(prompt, completion, answer, meta):
+    raise ValueError(f"cannot score {completion!r}")
+
+
+def not_a_number(prompt, completion, answer, meta):
+    return "1.0"
+
+
+def crash(prompt, completion, answer, meta):
+    os._exit(3)
+
+
+def pid(prompt, completion, answer, meta):
+    return float(os.getpid())
+
+
+def where_am_i(prompt, completion, answer, meta):
+    """1.0 iff it runs in a process other than meta["parent_pid"], with the working directory as HOME."""
+    return float(os.getpid() != meta["parent_pid"] and os.environ["HOME"] == os.getcwd())
+
+
+def write_outside(prompt, completion, answer, meta):
+    Path(meta["target"]).write_text("escaped")
+    return 1.0
+
+
+def fork_bomb(prompt, completion, answer, meta):
+    while True:
+        os.fork()
+
+
+def allocate_10gb(prompt, completion, answer, meta):
+    return float(len(bytearray(10 << 30)))
+
+
+def sleep_forever(prompt, completion, answer, meta):
+    while True:
+        time.sleep(1)
+
+
+def connect(prompt, completion, answer, meta):
+    socket.create_connection(("127.0.0.1", meta["port"]), timeout=2).close()
+    return 1.0

@@ -1,0 +1,313 @@
+"""SGLangEngine: the Engine protocol over an SGLang server, weights applied in flight, failures named.
+
+The server is megarl's SGLang-compatible one (a real process); weights come from a separate learner
+process over SGLang's update group; the end-to-end runs are real `megarl train` launches.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from megarl.config.load import load_config
+from megarl.distributed.sglang_publish import free_port
+from megarl.distributed.topology import Topology
+from megarl.protocols import Engine, GenerationRequest, SamplingParams
+from megarl.sampler.model import load_pretrained
+from megarl.sampler.sglang_engine import (
+    HTTPClient, SGLangEngine, SGLangError, SGLangWeightFollower, ServerProcess, completion_from_chunks,
+    generate_body, server_command, versions_from_spans, versions_from_stamps)
+from tests.helpers import REPO, run_python
+from tests.sampler import make_tiny_model
+from tests.sampler.sglang_support import ENV, hf_logprobs, start_learner, token_logprobs
+
+CONTEXT = 512
+TOPO = Topology(rank=1, world_size=2, num_learners=1, num_samplers=1)
+DEMO = str(REPO / "configs" / "demo.yaml")
+
+
+def sglang_config(run_dir: Path, model_dir: Path, *overrides: str):
+    return load_config(None, [f"run.dir={run_dir}", f"model.path={model_dir}", "sampler.engine=sglang",
+                              f"sampler.max_seq_len={CONTEXT}", "sampler.max_running=8", *overrides])
+
+
+def request(rid: str, max_new_tokens: int, stop=()) -> GenerationRequest:
+    return GenerationRequest(rid, [1, 5, 9, 2], SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
+                             tuple(stop))
+
+
+def run_until_done(engine: SGLangEngine, timeout_s: float = 60) -> dict[str, object]:
+    done, deadline = {}, time.monotonic() + timeout_s
+    while engine.num_unfinished:
+        assert time.monotonic() < deadline, "requests did not finish"
+        done.update((c.request_id, c) for c in engine.step())
+    return done
+
+
+def decoded(engine: SGLangEngine) -> int:
+    """Tokens the server's engine has decoded so far (megarl's server reports its engine stats)."""
+    return json.loads(engine.client.get("/get_server_info")[1])["internal_states"][0]["tokens_decoded"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("sglang_model"), "qwen2", max_position_embeddings=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tmp_path_factory):
+    engine = SGLangEngine.from_config(sglang_config(tmp_path_factory.mktemp("run"), model_dir), TOPO, model_dir)
+    yield engine
+    engine.close()
+
+
+# ---------------------------------------------------------------------------------------------- pure parts
+def test_per_token_versions_come_from_spans_or_else_from_the_first_chunk_delivering_each_token():
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert versions_from_spans(spans, 5) == [3, 3, 4, 4, 4]
+    with pytest.raises(ValueError, match="cover 5 tokens"):
+        versions_from_spans(spans, 6)
+    # Cumulative chunks of 1, 3, 3 (a chunk with nothing new) and 5 tokens, the label changing after the 3rd.
+    assert versions_from_stamps([(1, "3"), (3, "3"), (3, "4"), (5, "4")], 5) == [3, 3, 3, 4, 4]
+
+
+def test_completion_takes_token_ids_and_logprobs_from_output_token_logprobs():
+    req = request("r", 3, stop=(7,))
+    chunk = lambda ids, label, reason=None, lps=(): {"output_ids": ids, "meta_info": {  # noqa: E731
+        "finish_reason": reason, "weight_version": label, "output_token_logprobs": [list(x) for x in lps]}}
+    triples = [(-0.5, 4, None), (-0.25, 6, None), (-0.1, 7, None)]
+    # No spans: the earlier chunks' labels decide; output_ids may stop-trim the matched stop token.
+    chunks = [chunk([4], "0"), chunk([4, 6], "1"), chunk([4, 6], "1", {"type": "stop", "matched": 7}, triples)]
+    c = completion_from_chunks(req, chunks)
+    assert (c.token_ids, c.logprobs, c.versions, c.finish_reason) == ([4, 6, 7], [-0.5, -0.25, -0.1], [0, 1, 1], "stop")
+    with pytest.raises(ValueError, match="abort"):
+        completion_from_chunks(req, [chunk([], "0", {"type": "abort", "message": "x"}, [])])
+
+
+def test_client_reads_chunked_streams_of_cumulative_chunks_as_sglangs_uvicorn_sends_them():
+    """Real SGLang streams with chunked transfer encoding, one cumulative chunk per token and no
+    weight_versions spans in 0.5.x; chunk boundaries need not match SSE lines."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    def chunk(n, label, done=False):
+        meta = {"id": "r", "weight_version": label, "finish_reason": {"type": "length", "length": 3} if done else None,
+                "output_token_logprobs": [[-1.0 - i, 10 + i, None] for i in range(n)], "completion_tokens": n}
+        return b"data: " + json.dumps({"text": "", "output_ids": [10 + i for i in range(n)], "meta_info": meta}).encode()
+
+    body = b"\n\n".join([chunk(1, "4"), chunk(2, "4"), chunk(3, "5", done=True), b"data: [DONE]"]) + b"\n\n"
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(0, len(body), 37):  # pieces that cut lines
+                piece = body[i:i + 37]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            self.wfile.write(b"0\r\n\r\n")
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = HTTPClient("127.0.0.1", httpd.server_address[1], 10)
+        chunks = client.stream("/generate", generate_body(request("r", 3)))
+    finally:
+        httpd.shutdown()
+    c = completion_from_chunks(request("r", 3), chunks)
+    assert (c.token_ids, c.logprobs, c.versions) == ([10, 11, 12], [-1.0, -2.0, -3.0], [4, 4, 5])
+
+
+def test_request_body_and_server_commands(tmp_path):
+    body = generate_body(GenerationRequest("g/1", [1, 2], SamplingParams(top_k=0, max_new_tokens=9), (5,)))
+    assert body["rid"] == "g/1" and body["input_ids"] == [1, 2] and body["return_logprob"] and body["stream"]
+    assert body["sampling_params"]["top_k"] == -1 and body["sampling_params"]["stop_token_ids"] == [5]
+    cfg = sglang_config(tmp_path, tmp_path, "sampler.kv_on_update=recompute", "sampler.sglang.server_args=[--x]")
+    builtin = server_command(cfg, "/m", 1234, seed=7)
+    assert builtin[1:3] == ["-m", "megarl.sampler.sglang_server"]
+    assert builtin[-3:] == ["--kv-on-update", "recompute", "--x"]
+    cfg = sglang_config(tmp_path, tmp_path, "sampler.sglang.server=sglang", "sampler.sglang.tp=2")
+    real = server_command(cfg, "/m", 1234, seed=7)
+    assert real[1:3] == ["-m", "sglang.launch_server"] and "--kv-on-update" not in real
+    for flag, value in [("--port", "1234"), ("--host", "127.0.0.1"), ("--tp-size", "2"), ("--weight-version", "0")]:
+        assert real[real.index(flag) + 1] == value
+
+
+def test_impossible_sglang_settings_are_refused_naming_the_key(tmp_path):
+    from megarl.config.load import ConfigError
+
+    for override, key in [("sampling.top_p=0.9", "sampling.top_p"), ("sampling.top_k=20", "sampling.top_k"),
+                          ("sampler.sglang.tp=2", "sampler.sglang.tp"),  # the built-in server is one process
+                          ("sampler.sglang.cache_on_update=drop", "sampler.sglang.cache_on_update"),
+                          ("sampler.sglang.weight_format=npz", "sampler.sglang.weight_format"),
+                          ("sampler.sglang.request_timeout_s=0", "sampler.sglang.request_timeout_s")]:
+        with pytest.raises(ConfigError, match=f"^{key}:"):
+            sglang_config(tmp_path, tmp_path, override)
+    sglang_config(tmp_path, tmp_path, "sampler.sglang.server=sglang", "sampler.sglang.tp=2")  # fine with SGLang
+
+
+# ---------------------------------------------------------------------------------------------- against a server
+def test_generates_with_behaviour_logprobs_of_the_served_weights(engine, model_dir):
+    assert isinstance(engine, Engine) and engine.version == 0
+    for i in range(12):  # more than max_running=8: the rest queue on the client
+        engine.add_request(request(f"a/{i}", 20))
+    done = run_until_done(engine)
+    assert sorted(done) == sorted(f"a/{i}" for i in range(12)) and engine.num_unfinished == 0
+    weights = load_pretrained(str(model_dir))[1]
+    for c in done.values():
+        assert len(c.token_ids) == len(c.logprobs) == len(c.versions) == 20 or c.finish_reason == "stop"
+        assert c.versions == [0] * len(c.token_ids)
+        lp, _ = hf_logprobs(model_dir, weights, c.prompt_ids + c.token_ids)
+        assert (token_logprobs(lp, c.prompt_ids + c.token_ids, 4) - torch.tensor(c.logprobs)).abs().max() < 1e-4
+    assert engine.stats()["tokens_decoded"] == sum(len(c.token_ids) for c in done.values())
+
+
+def test_follower_applies_a_published_version_in_flight(engine, model_dir, tmp_path):
+    """Learner process -> SGLang update group -> server, driven by SGLangWeightFollower from the store
+    headers; requests running across the update come back with both versions, none restarted."""
+    store_port = free_port("127.0.0.1")
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    learner = start_learner(model_dir, tmp_path / "w.safetensors", free_port("127.0.0.1"), 2, "flattened_bucket", 1,
+                            store_port=store_port)
+    published, stop = [], threading.Event()
+    follower = SGLangWeightFollower(engine, store, rank_offset=1, on_published=lambda v, e: published.append((v, e)),
+                                    should_stop=stop.is_set).start()
+    try:
+        deadline = time.monotonic() + 60
+        while engine.group_name is None:  # joined the learner's group
+            assert follower.error is None and time.monotonic() < deadline, follower.error
+            time.sleep(0.01)
+        before = decoded(engine)
+        for i in range(4):
+            engine.add_request(request(f"b/{i}", 480))
+        while decoded(engine) < before + 40:  # they are all decoding
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        store.set("test/go", "1")
+        done = run_until_done(engine)
+        while not published:
+            assert follower.error is None and time.monotonic() < deadline, follower.error
+            time.sleep(0.01)
+        assert learner.wait(60) == 0, learner.stdout.read()
+    finally:
+        stop.set()
+        follower.join(10)
+        learner.kill()
+    assert follower.error is None
+    assert published == [(1, {"retired": {"1": 1}})] and engine.version == 1 and engine.stats()["swaps"] == 1
+    spanning = [c for c in done.values() if set(c.versions) == {0, 1}]
+    assert spanning, [c.versions.count(0) for c in done.values()]
+    for c in done.values():
+        assert len(c.token_ids) == 480 and c.versions == sorted(c.versions)  # whole, versions never decrease
+
+
+# ---------------------------------------------------------------------------------------------- failures
+def test_a_server_that_fails_to_start_raises_with_its_log_tail(tmp_path):
+    cfg = sglang_config(tmp_path, tmp_path / "no_model", "sampler.sglang.startup_timeout_s=60")
+    start = time.monotonic()
+    with pytest.raises(SGLangError, match="exited with code 1") as err:
+        SGLangEngine.from_config(cfg, TOPO, tmp_path / "no_model")
+    assert "last " in str(err.value) and "no_model" in str(err.value) and time.monotonic() - start < 60
+
+
+def test_a_server_that_never_answers_health_times_out_with_its_log_tail(tmp_path):
+    server = ServerProcess([sys.executable, "-c", "print('stuck', flush=True); import time; time.sleep(60)"], ENV,
+                           tmp_path / "stuck.log", "http://127.0.0.1:9")
+    try:
+        with pytest.raises(SGLangError, match=r"did not answer /health within .*=2s[\s\S]*stuck"):
+            server.wait_healthy(HTTPClient("127.0.0.1", 9, 1), timeout_s=2)
+    finally:
+        server.stop()
+    assert server.proc.poll() is not None
+
+
+def test_a_server_hanging_in_an_update_fails_within_the_request_timeout(model_dir, tmp_path):
+    cfg = sglang_config(tmp_path, model_dir, "sampler.sglang.request_timeout_s=3",
+                        "sampler.sglang.server_args=[--debug-hang-on-update]")
+    engine = SGLangEngine.from_config(cfg, TOPO, model_dir)
+    try:
+        start = time.monotonic()
+        with pytest.raises(SGLangError, match=r"/update_weights_from_distributed on SGLang server http://127\.0\.0\.1:"
+                                              r"\d+: no answer within 3s[\s\S]*never returns"):
+            engine.update_weights(1, "per_tensor", [[("model.norm.weight", (64,), torch.float32)]])
+        assert time.monotonic() - start < 10
+    finally:
+        engine.close()
+
+
+def test_a_server_killed_mid_run_is_reported_by_step(model_dir, tmp_path):
+    engine = SGLangEngine.from_config(sglang_config(tmp_path, model_dir), TOPO, model_dir)
+    try:
+        engine.add_request(request("k", 480))
+        engine.server.proc.kill()
+        deadline = time.monotonic() + 30
+        with pytest.raises(SGLangError, match=r"exited with code -9|/generate on SGLang server"):
+            while time.monotonic() < deadline:
+                engine.step()
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_megarl_train_with_sglang_samplers_runs_pipeline_rl_end_to_end(embedded_think_model_dir, tmp_path):
+    run_dir, steps = tmp_path / "run", 5
+    proc = run_python("-m", "megarl.cli", "train", DEMO, "sampler.engine=sglang", f"run.dir={run_dir}",
+                      f"run.steps={steps}", f"model.path={embedded_think_model_dir}", timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    for m in metrics:
+        assert math.isfinite(m["loss"]) and 0 <= m["lag_mean"] <= m["lag_max"] <= cfg.algo.max_lag
+    assert metrics[0]["lag0/token_share"] == 1.0 and metrics[0]["lag0/logprob_gap_abs"] < 1e-4
+    assert metrics[-1]["sampler1/swaps"] >= steps - 2  # versions applied by the server, in flight
+
+    rollouts = read_jsonl(run_dir / "rollouts.jsonl")
+    assert len(rollouts) == steps * cfg.algo.prompts_per_step * cfg.algo.group_size
+    for r in rollouts:
+        assert len(r["versions"]) == len(r["behaviour_logprobs"]) == len(r["token_ids"]) > 0
+        assert r["versions"] == sorted(r["versions"]) and max(r["versions"]) <= r["trained_at_step"]
+        assert r["trained_at_step"] - min(r["versions"]) <= cfg.algo.max_lag
+    assert any(len(set(r["versions"])) > 1 for r in rollouts)  # some rollouts crossed an update
+    # Version-0 behaviour log-probs equal HF's with the weights on disk.
+    weights = load_pretrained(str(embedded_think_model_dir))[1]
+    for r in [r for r in rollouts if set(r["versions"]) == {0}][:8]:
+        ids = r["prompt_ids"] + r["token_ids"]
+        lp, _ = hf_logprobs(embedded_think_model_dir, weights, ids)
+        got = torch.tensor(r["behaviour_logprobs"], dtype=torch.float64)
+        assert (token_logprobs(lp, ids, len(r["prompt_ids"])) - got).abs().max() < 1e-4
+    assert "init weights update group" in (run_dir / "sglang" / "sampler0.log").read_text()
+
+
+def test_sync_mode_with_retract_and_cache_flush(embedded_think_model_dir, tmp_path):
+    """The baseline on SGLang samplers: the sampler is idle at every update, so each flush happens."""
+    run_dir = tmp_path / "sync"
+    proc = run_python("-m", "megarl.cli", "train", DEMO, "sampler.engine=sglang", f"run.dir={run_dir}", "run.steps=3",
+                      "algo.mode=sync", "algo.sync_epochs=2", "sampler.kv_on_update=recompute",
+                      "sampler.sglang.cache_on_update=flush", f"model.path={embedded_think_model_dir}", timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert [m["version"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [2, 4, 6]
+    for r in read_jsonl(run_dir / "rollouts.jsonl"):
+        assert set(r["versions"]) == {r["trained_at_step"]}
+    log = (run_dir / "sglang" / "sampler0.log").read_text()
+    assert log.count("flush_cache: flushed") >= 2 and "not flushed" not in log

@@ -1,0 +1,236 @@
+"""megarl's SGLang-compatible server: SGLang's wire format, and weights updated in flight over a real gloo group.
+
+Every test talks HTTP to a real server process (`python -m megarl.sampler.sglang_server`); weight
+updates come from a separate learner process (tests/sampler/sglang_learner.py) over SGLang's group.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megarl.distributed.sglang_publish import GROUP_NAME, free_port, plan_update_calls, update_body
+from megarl.sampler.model import load_pretrained
+from megarl.sampler.sglang_engine import HTTPClient, ServerProcess, versions_from_spans
+from tests.helpers import run_python
+from tests.sampler import make_tiny_model
+from tests.sampler.sglang_support import ENV, hf_logprobs, start_learner, token_logprobs
+
+CONTEXT = 512
+BUCKET_BYTES = int(0.01 * 2**20)  # the learner's bucket_mb=0.01
+TOL = 1e-4
+
+
+class Server:
+    """A running server process, the HF weights it runs and the version label they carry."""
+
+    def __init__(self, model_dir: Path, log: Path, kv_on_update: str):
+        self.model_dir, self.port = model_dir, free_port("127.0.0.1")
+        cmd = [sys.executable, "-m", "megarl.sampler.sglang_server", "--model-path", str(model_dir),
+               "--port", str(self.port), "--skip-tokenizer-init", "--context-length", str(CONTEXT),
+               "--max-running-requests", "8", "--weight-version", "0", "--kv-on-update", kv_on_update,
+               "--dist-timeout", "60"]
+        self.process = ServerProcess(cmd, ENV, log, f"http://127.0.0.1:{self.port}")
+        self.http = HTTPClient("127.0.0.1", self.port, 60, describe=self.process.log_tail)
+        self.process.wait_healthy(self.http, 120)
+        self.weights = load_pretrained(str(model_dir))[1]
+        self.version = 0
+
+    def decoded(self) -> int:
+        status, body = self.http.get("/get_server_info")
+        return json.loads(body)["internal_states"][0]["tokens_decoded"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("sglang_model"), "qwen2", max_position_embeddings=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    s = Server(model_dir, tmp_path_factory.mktemp("logs") / "server.log", kv_on_update="keep")
+    yield s
+    s.process.stop()
+
+
+def post(server: Server, route: str, body: dict) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", route, json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    return resp.status, resp.read()
+
+
+def generate(server: Server, body: dict) -> tuple[int, dict]:
+    status, data = post(server, "/generate", body)
+    return status, json.loads(data)
+
+
+def raw_stream(server: Server, body: dict) -> list[bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/generate", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+    return [line for line in resp.read().split(b"\n") if line]
+
+
+def start_long_request(server: Server, max_new_tokens: int = 450) -> tuple[threading.Thread, dict]:
+    """A sampled request of max_new_tokens streaming on a thread; returns once it has produced tokens."""
+    result, before = {}, server.decoded()
+    body = {"rid": f"long-{time.time()}", "input_ids": [1, 5, 9, 2], "return_logprob": True, "stream": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    thread = threading.Thread(target=lambda: result.update(chunks=server.http.stream("/generate", body)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while server.decoded() < before + 10:  # the request is decoding (nothing else runs)
+        assert time.monotonic() < deadline, "the long request never started decoding"
+        time.sleep(0.002)
+    return thread, result
+
+
+def publish_in_flight(server: Server, tmp_path: Path, pause_mode: str, weight_format: str):
+    """A learner process publishes version+1 while a long request runs: pause -> update -> continue.
+    Returns (the long request's final chunk, old weights, new weights)."""
+    port, out, version = free_port("127.0.0.1"), tmp_path / "new_weights.safetensors", server.version + 1
+    learner = start_learner(server.model_dir, out, port, 2, weight_format, version)
+    try:
+        reply = server.http.post("/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": GROUP_NAME, "backend": "gloo"})
+        assert reply["success"], reply
+        thread, result = start_long_request(server)
+        assert server.http.post("/pause_generation", {"mode": pause_mode})["status"] == "ok"
+        paused_at = server.decoded()
+        new = load_file(out)  # written before the learner joined the group
+        calls = plan_update_calls([(n, tuple(t.shape), t.dtype) for n, t in new.items()], weight_format, BUCKET_BYTES)
+        for i, call in enumerate(calls):
+            label = str(version) if i == len(calls) - 1 else None
+            reply = server.http.post("/update_weights_from_distributed",
+                                     update_body(call, weight_format, GROUP_NAME, label))
+            assert reply["success"], reply
+        assert server.decoded() == paused_at  # nothing ran while paused
+        assert json.loads(server.http.get("/get_weight_version")[1]) == {"weight_version": str(version)}
+        server.http.post("/continue_generation", {})
+        thread.join(60)
+        assert learner.wait(60) == 0, learner.stdout.read()
+        assert server.http.post("/destroy_weights_update_group", {"group_name": GROUP_NAME})["success"]
+    finally:
+        learner.kill()
+    old, server.weights, server.version = server.weights, new, version
+    return result["chunks"][-1], old, new
+
+
+def test_request_spanning_an_update_finishes_with_both_versions_and_new_weights_logprobs(server, tmp_path):
+    """pause in_place: the running request keeps its KV cache and continues under the new weights."""
+    final, old, new = publish_in_flight(server, tmp_path, "in_place", "flattened_bucket")
+    meta = final["meta_info"]
+    n = len(final["output_ids"])
+    assert meta["finish_reason"] == {"type": "length", "length": 450} and meta["completion_tokens"] == n == 450
+    versions = versions_from_spans(meta["weight_versions"], n)
+    k = versions.count(0)
+    assert 0 < k < n and versions == [0] * k + [1] * (n - k), meta["weight_versions"]
+    assert meta["weight_version"] == "1"
+
+    prompt, tokens = [1, 5, 9, 2], final["output_ids"]
+    logprobs = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]], dtype=torch.float64)
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == tokens
+    ids, p = prompt + tokens, len(prompt)
+    old_lp, _ = hf_logprobs(server.model_dir, old, ids)
+    assert (token_logprobs(old_lp, ids, p)[:k] - logprobs[:k]).abs().max() < TOL
+    # After the update: the new weights, attending over the KV cache the old weights wrote for every
+    # position fed before the swap (prompt and tokens[:k-1]); tokens[k-1] is fed by the first new step.
+    _, past = hf_logprobs(server.model_dir, old, ids[:p + k - 1])
+    kept_lp, _ = hf_logprobs(server.model_dir, new, ids[p + k - 1:], past=past)
+    assert (token_logprobs(kept_lp, ids[p + k - 1:], 1) - logprobs[k:]).abs().max() < TOL
+    stale = token_logprobs(old_lp, ids, p)[k:]
+    assert (stale - logprobs[k:]).abs().max() > 1e-2  # ... not the old weights'
+    fresh = token_logprobs(hf_logprobs(server.model_dir, new, ids)[0], ids, p)[k:]
+    assert (fresh - logprobs[k:]).abs().max() > 1e-3  # ... and not a recomputed cache's: it was kept
+
+
+def test_retract_recomputes_the_running_requests_kv_under_the_new_weights(model_dir, tmp_path):
+    """pause retract (server with --kv-on-update recompute), per-tensor broadcasts: after the update
+    every token's log-prob is exactly a fresh computation with the new weights."""
+    server = Server(model_dir, tmp_path / "retract.log", kv_on_update="recompute")
+    try:
+        status, body = post(server, "/pause_generation", {"mode": "in_place"})
+        assert status == 400 and b"--kv-on-update keep" in body  # one KV policy per launch
+        final, _, new = publish_in_flight(server, tmp_path, "retract", "per_tensor")
+    finally:
+        server.process.stop()
+    meta = final["meta_info"]
+    versions = versions_from_spans(meta["weight_versions"], len(final["output_ids"]))
+    k = versions.count(0)
+    assert 0 < k < len(versions)
+    ids, p = [1, 5, 9, 2] + final["output_ids"], 4
+    expected = token_logprobs(hf_logprobs(model_dir, new, ids)[0], ids, p)[k:]
+    got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]], dtype=torch.float64)[k:]
+    assert (expected - got).abs().max() < TOL
+
+
+def test_generate_answers_in_sglangs_format(server):
+    status, out = generate(server, {"rid": "r1", "input_ids": [3, 4], "return_logprob": True,
+                                    "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}})
+    assert status == 200 and set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["id"] == "r1" and meta["prompt_tokens"] == 2 and meta["completion_tokens"] == 5
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert [[t for _, t, _ in meta["output_token_logprobs"]], [x for _, _, x in meta["output_token_logprobs"]]] == \
+        [out["output_ids"], [None] * 5]
+    assert meta["weight_version"] == str(server.version)
+    assert meta["weight_versions"] == [{"version": str(server.version), "start": 0, "end": 5}]
+    # A stop token ends the request and is the last output token (finish_reason type "stop").
+    stop = out["output_ids"][2]
+    _, out = generate(server, {"input_ids": [3, 4], "sampling_params": {"temperature": 0, "max_new_tokens": 5,
+                                                                        "stop_token_ids": [stop]}})
+    assert out["output_ids"][-1] == stop and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert "output_token_logprobs" not in out["meta_info"]  # only with return_logprob
+
+
+def test_stream_is_sse_data_lines_then_done(server):
+    lines = raw_stream(server, {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3}})
+    assert lines[-1] == b"data: [DONE]" and all(line.startswith(b"data: ") for line in lines)
+    assert json.loads(lines[-2][6:])["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    # A request the engine refuses streams SGLang's error chunk, then [DONE].
+    lines = raw_stream(server, {"input_ids": [1] * CONTEXT, "sampling_params": {"max_new_tokens": 3}})
+    assert "max_seq_len" in json.loads(lines[0][6:])["error"]["message"] and lines[1] == b"data: [DONE]"
+
+
+def test_bad_requests_get_http_400_with_a_message(server):
+    status, out = generate(server, {"input_ids": [[1, 2], [3]]})
+    assert status == 400 and "batch" in out["error"]["message"]
+    status, out = generate(server, {"input_ids": [1], "sampling_params": {"min_p": 0.1}})
+    assert status == 400 and "min_p" in out["error"]["message"]
+    status, body = server.http.get("/nope")
+    assert status == 404
+
+
+def test_info_and_health_routes(server):
+    assert server.http.get("/health")[0] == 200 and server.http.get("/health_generate")[0] == 200
+    info = json.loads(server.http.get("/get_model_info")[1])
+    assert info["model_path"] == str(server.model_dir) and info["is_generation"] is True
+    assert info["weight_version"] == str(server.version)
+
+
+def test_abort_ends_running_requests_and_flush_needs_an_idle_server(server):
+    thread, result = start_long_request(server)
+    server.http.post("/pause_generation", {"mode": "in_place"})
+    assert server.http.get("/flush_cache")[0] == 400  # SGLang: not while requests are in the running batch
+    server.http.post("/pause_generation", {"mode": "abort"})
+    thread.join(10)
+    assert result["chunks"][-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert server.http.get("/flush_cache")[0] == 200
+    server.http.post("/continue_generation", {})
+    status, out = generate(server, {"input_ids": [3], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
+    assert status == 200 and out["meta_info"]["completion_tokens"] == 2
+
+
+def test_tensor_parallel_launch_is_refused_clearly():
+    proc = run_python("-m", "megarl.sampler.sglang_server", "--model-path", "unused", "--tp-size", "2", timeout=60)
+    assert proc.returncode == 2 and "--tp-size 2" in proc.stderr and "sampler.sglang.server=sglang" in proc.stderr

@@ -1,0 +1,93 @@
+"""`megarl train` refuses what the workers could not run before any process starts, naming the path and what
+is wrong; `megarl placement` says which node runs which roles. The real CLI, in a subprocess."""
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, run_python
+
+DEMO = str(REPO / "configs" / "demo.yaml")
+QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu"}
+
+
+def model_dir(root: Path, config=QWEN2, files=("model.safetensors", "tokenizer.json")) -> Path:
+    """An HF-format model directory as far as the start-up checks look (nothing loads the weights here)."""
+    root.mkdir()
+    if config is not None:
+        (root / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    for name in files:
+        (root / name).write_text("{}")
+    return root
+
+
+def train(*args: str):
+    return run_python("-m", "megarl.cli", "train", DEMO, *args, "--dry-run", timeout=120)
+
+
+BROKEN_MODELS = {
+    "not a directory": (None, None, "is not a directory"),
+    "no config.json": (None, ("model.safetensors",), "has no config.json"),
+    "config.json not JSON": ("{model_type: qwen2", ("model.safetensors", "tokenizer.json"), "config.json is not valid JSON"),
+    "unsupported model_type": ({**QWEN2, "model_type": "gpt2"}, ("model.safetensors", "tokenizer.json"),
+                               "config.json: unsupported model_type 'gpt2'"),
+    "unsupported architecture": ({**QWEN2, "architectures": ["Qwen2MoeForCausalLM"]},
+                                 ("model.safetensors", "tokenizer.json"), "unsupported architecture 'Qwen2MoeForCausalLM'"),
+    "no weights": (QWEN2, ("tokenizer.json",), "has no weights (model.safetensors or model.safetensors.index.json)"),
+    "no tokenizer": (QWEN2, ("model.safetensors", "tokenizer_config.json"),
+                     "has no tokenizer files (one of: tokenizer.json; vocab.json + merges.txt; tokenizer.model)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_MODELS))
+def test_a_broken_model_directory_is_named_before_any_worker_starts(case, tmp_path):
+    config, files, message = BROKEN_MODELS[case]
+    path = tmp_path / "model" if case == "not a directory" else model_dir(tmp_path / "model", config, files)
+    proc = train(f"model.path={path}")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert proc.stderr.startswith("megarl: model.path: ") and message in proc.stderr and str(path) in proc.stderr
+
+
+def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):
+    path = model_dir(tmp_path / "model", files=("model.safetensors", "vocab.json", "merges.txt"))
+    proc = train(f"model.path={path}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"megarl: model {path}; run dir runs/demo" in proc.stdout and "launching: torchrun" in proc.stdout
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["task.name=nope"], "megarl: task: unknown task 'nope'; known tasks: ['arithmetic', 'jsonl', 'python_output']"),
+    (["task.reward_fn=tests.rollout.nope:fn"], "cannot import module 'tests.rollout.nope'"),
+    (["task.reward_fn=tests.rollout.reward_fns:nope"], "has no attribute 'nope'"),
+    (["task.name=jsonl", "task.path=DATA"], "megarl: task: DATA:2: missing field 'answer'"),
+])
+def test_a_task_that_cannot_run_is_named_before_any_worker_starts(overrides, message, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2="}\n')
+    path = model_dir(tmp_path / "model")
+    proc = train(f"model.path={path}", *[o.replace("DATA", str(data)) for o in overrides])
+    assert proc.returncode == 2 and message.replace("DATA", str(data)) in proc.stderr, proc.stderr
+
+
+def test_skipped_dataset_rows_are_counted_at_start(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2="}\nnot json\n')
+    proc = train(f"model.path={model_dir(tmp_path / 'model')}", "task.name=jsonl", f"task.path={data}",
+                 "task.on_bad_row=skip")
+    assert proc.returncode == 0, proc.stderr
+    assert f"megarl: dataset {data}: 1 prompts, 2 bad rows skipped (first: {data}:2: missing field 'answer'" in proc.stdout
+
+
+def test_placement_prints_each_node_and_refuses_an_uneven_split():
+    proc = run_python("-m", "megarl.cli", "placement", DEMO, "learner.tp=2", "sampler.num_engines=2", "--nnodes", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "4 processes = 2 learner ranks (learner.tp*pp*dp) + 2 sampler ranks (sampler.num_engines), 2 on each of 2 nodes",
+        "node 0 (torchrun group rank 0): rank 0 = learner 0 (publishes weights, binds the queue at queue.host, "
+        "writes run.dir); rank 1 = learner 1",
+        "node 1 (torchrun group rank 1): rank 2 = sampler 0; rank 3 = sampler 1"]
+    proc = run_python("-m", "megarl.cli", "placement", DEMO, "sampler.num_engines=2", "--nnodes", "2")
+    assert proc.returncode == 2
+    assert "the config needs 3 processes, which 2 nodes x 1 processes per node do not give" in proc.stderr
+    proc = run_python("-m", "megarl.cli", "train", DEMO, "--nnodes", "2")
+    assert proc.returncode == 2 and "launch/torchrun_multi_node.sh" in proc.stderr
