@@ -1,28 +1,34 @@
-"""Weight publish path vs one raw flat broadcast; and how long a decoding sampler stalls per update.
+"""Weight publish path vs one raw flat broadcast; and what an update costs a decoding sampler.
 
     python benchmarks/weight_publish.py [--quick] [--receivers 1 2] [--sizes 1 16 128 512] [--reps 3]
-                                        [--bucket-mb 16] [--out runs/weight_publish]
+                                        [--bucket-mb 16] [--nice 0 10] [--out runs/weight_publish]
 
 For each receiver count R it starts one real `torchrun` with 1 + R processes (rank 0 = the learner's
 publish source, ranks 1..R = samplers) that build the publish group exactly as a run does
 (`megarl.distributed.topology.publish_group`: a standalone gloo group over the torchrun store).
 Per model size (a Qwen2 config whose fp32 weights total about that many MB, random weights):
 
-* bandwidth: the same bytes moved three ways, receivers idle, each timed on rank 0 from a store
-  barrier until every receiver reported completion through the store:
+* bandwidth: the same bytes moved two ways, receivers idle, each timed on rank 0 from a store
+  barrier until every receiver reported completion through the store (median of `--reps`, three
+  times as many for sizes <= 16 MB; one raw broadcast and two publishes, one into each receiver
+  staging set, first as warm-up):
   - raw: one `broadcast` of a single flat fp32 buffer of the model's total size (the practical limit);
   - publish: `WeightPublisher.publish` -> every `WeightReceiver` has handed the version to its
     callback (buckets received, checksums verified, tensors viewed), with `checksum` off and on.
   The headline is publish bandwidth / raw bandwidth.
-* stall: every receiver runs a real `BuiltinEngine` on that model (8 sequences decoding greedily,
-  `stage_weights` as the receive callback, as in a sampler) while rank 0 publishes `reps` versions
-  (checksum on, the default).  From per-step timestamps (CLOCK_MONOTONIC, shared by the processes):
-  the baseline decode step (median outside any update), the extra decode time of the steps that
-  overlap an update (from the publish's start to the end of the step that swapped the version in),
-  and the swap itself; stall per update = that extra time, reported in decode steps.
+* update cost on a decoding sampler: every receiver runs a real `BuiltinEngine` on that model (8
+  sequences decoding greedily, `stage_weights` as the receive callback, as in a sampler) while rank 0
+  publishes 2 + 5 versions (checksum on, the default; the first 2 are warm-up), for each receiver
+  thread `--nice`.  From per-step timestamps (CLOCK_MONOTONIC, shared by the processes) per update:
+  - swap: the time the decode thread spent applying the version at the step boundary;
+  - receive CPU: CPU time the sampler process spent off the decode thread (receive, checksums,
+    `stage_weights`) from the publish's start to the end of the step that swapped it in, minus the
+    same over a control window of equal length in the quiet gap after the update; in decode steps;
+  - stall: the extra wall time of the decode steps in that window over the baseline step, minus the
+    same over the control window, in decode steps.  On cores shared with other jobs this one is noisy.
 
-Ends with one JSON line: per size and receiver count, publish/raw bandwidth ratio (checksum off and
-on) and the stall in decode steps.
+Ends with one JSON line: per size and receiver count, publish/raw bandwidth ratios (checksum off and
+on), the swap time, the receive CPU and the stall in decode steps.
 """
 from __future__ import annotations
 
@@ -108,10 +114,13 @@ class Worker:
                     json.dump(result, f)
             del weights
 
+    def reps_for(self, size: int) -> int:
+        return self.reps * 3 if size <= 16 else self.reps  # small ones are quick and noisy
+
     def raw(self, size: int, nbytes: int) -> list[float]:
         flat = torch.zeros(nbytes // 4)
         times = []
-        for rep in range(-1, self.reps):  # rep -1: warm-up
+        for rep in range(-1, self.reps_for(size)):  # rep -1: warm-up
             tag = f"raw/{size}/{rep}"
             self.barrier(tag + "/start")
             start = time.monotonic()
@@ -144,7 +153,7 @@ class Worker:
         """Seconds per publish, from a barrier until every receiver's callback ran; the first two
         publishes (one into each staging buffer set, touching fresh memory) are warm-up."""
         tag = f"pub/{size}/{checksum}"
-        versions = self.reps + 2
+        versions = self.reps_for(size) + 2
         times = []
         if self.rank == 0:
             publisher = self._publisher(f"bench/{tag}/", checksum)
@@ -188,7 +197,7 @@ class Worker:
             windows.append((start, time.monotonic()))
             self.wait_receivers(f"{tag}/{version}/swapped")
             # Decode undisturbed in between, long enough for a control window as long as the update.
-            time.sleep(max(0.3, 4 * (time.monotonic() - start)))
+            time.sleep(max(0.3, 3 * (time.monotonic() - start)))
         self.store.set(f"bench/{tag}/stop", "1")
         self.wait_receivers(f"{tag}/report")
         reports = [json.loads(self.store.get(f"bench/{tag}/report/{r}")) for r in range(1, self.world)]
@@ -200,26 +209,23 @@ class Worker:
 
         engine = BuiltinEngine(cfg, weights, max_running=DECODE_BATCH, max_seq_len=512)
         sampling = SamplingParams(temperature=0.0, max_new_tokens=504)
-        staged: dict[int, float] = {}
         stop = threading.Event()
-
-        def on_version(version, tensors, extra):
-            engine.stage_weights(tensors, version)
-            staged[version] = time.monotonic()
-
-        receiver = self._receiver(f"bench/{tag}/", weights, on_version, lambda: engine.version, stop, nice)
-        steps = []  # (start, end, admitted, swapped, swap_s)
+        receiver = self._receiver(f"bench/{tag}/", weights, lambda version, tensors, extra: engine.stage_weights(
+            tensors, version), lambda: engine.version, stop, nice)
+        # (start, end, admitted, swapped, swap_s, decode-thread CPU at start / end, process CPU at start / end)
+        steps = []
         announced, swapped_versions = False, set()
         while not self.store.check([f"bench/{tag}/stop"]):
             for i in range(DECODE_BATCH - engine.num_unfinished):
                 engine.add_request(GenerationRequest(f"{len(steps)}-{i}", list(range(1, 9)), sampling))
             before = engine.stats()
-            start = time.monotonic()
+            start, thread_start, proc_start = time.monotonic(), time.thread_time(), time.process_time()
             engine.step()
-            end = time.monotonic()
+            end, thread_end, proc_end = time.monotonic(), time.thread_time(), time.process_time()
             after = engine.stats()
             steps.append((start, end, after["prefill_tokens"] > before["prefill_tokens"],
-                          after["swaps"] > before["swaps"], after["swap_time_s"] - before["swap_time_s"]))
+                          after["swaps"] > before["swaps"], after["swap_time_s"] - before["swap_time_s"],
+                          thread_start, thread_end, proc_start, proc_end))
             if not announced and len(steps) >= 20:
                 self.store.set(f"bench/{tag}/decoding/{self.rank}", "1")
                 announced = True
@@ -230,7 +236,7 @@ class Worker:
                 raise receiver.error
         stop.set()
         receiver.thread.join(60)
-        self.store.set(f"bench/{tag}/report/{self.rank}", json.dumps({"steps": steps, "staged": staged}))
+        self.store.set(f"bench/{tag}/report/{self.rank}", json.dumps({"steps": steps}))
         return {}
 
 
@@ -241,8 +247,9 @@ def summarise_stall(windows: list[tuple[float, float]], reports: list[dict]) -> 
     the machine is shared, and the control takes out what other jobs cost the decode loop anyway."""
     per_receiver = []
     for report in reports:
-        steps = [s for s in report["steps"] if not s[2]]  # (start, end, admitted, swapped, swap_s)
-        swaps = [s for s in steps if s[3]]
+        # A step: (start, end, admitted, swapped, swap_s, decode-thread CPU start/end, process CPU start/end).
+        swaps = [s for s in report["steps"] if s[3]]
+        steps = [s for s in report["steps"] if not s[2]]  # a step that admitted requests also prefilled
         updates = [(pub_start, swap[1]) for (pub_start, _), swap in zip(windows, swaps)]
         next_starts = [start for start, _ in windows[1:]] + [steps[-1][1]]
         updates, next_starts, swaps = updates[WARMUP_UPDATES:], next_starts[WARMUP_UPDATES:], swaps[WARMUP_UPDATES:]
@@ -261,14 +268,22 @@ def summarise_stall(windows: list[tuple[float, float]], reports: list[dict]) -> 
         def extra(window) -> float:
             return sum(s[1] - s[0] - baseline for s in overlapping(window))
 
+        def other_cpu(window) -> float:  # CPU the sampler process spent off the decode thread
+            inside = [s for s in report["steps"] if s[0] < window[1] and s[1] > window[0]]
+            return (inside[-1][8] - inside[0][7]) - (inside[-1][6] - inside[0][5])
+
         update_extra = statistics.median(extra(w) for w in updates)
         control_extra = statistics.median(extra(w) for w in controls) if controls else 0.0
+        receive_cpu = statistics.median(other_cpu(w) for w in updates)
+        control_cpu = statistics.median(other_cpu(w) for w in controls) if controls else 0.0
         per_receiver.append({
             "baseline_step_ms": round(baseline * 1e3, 3),
             "update_window_steps": round(statistics.median(len(overlapping(w)) for w in updates), 1),
             "extra_ms_per_update": round(update_extra * 1e3, 2),
             "control_extra_ms": round(control_extra * 1e3, 2),
             "stall_steps_per_update": round((update_extra - control_extra) / baseline, 2),
+            "receive_cpu_ms": round((receive_cpu - control_cpu) * 1e3, 1),
+            "receive_cpu_steps": round((receive_cpu - control_cpu) / baseline, 2),
             "swap_ms": round(1e3 * statistics.median(s[4] for s in swaps), 3),
         })
     return {"publish_s": [round(e - s, 4) for s, e in windows[WARMUP_UPDATES:]], "receivers": per_receiver}
@@ -305,8 +320,11 @@ def report(receivers: int, result: dict) -> dict:
             print(f"      receiver {i + 1}: step {r['baseline_step_ms']:.2f} ms, update spans "
                   f"{r['update_window_steps']} steps, extra decode time {r['extra_ms_per_update']:.1f} ms "
                   f"(control window {r['control_extra_ms']:.1f} ms): stall {r['stall_steps_per_update']:.2f} "
-                  f"decode steps per update, swap {r['swap_ms']:.3f} ms")
+                  f"decode steps per update; swap {r['swap_ms']:.3f} ms; receive CPU off the decode thread "
+                  f"{r['receive_cpu_ms']:.1f} ms = {r['receive_cpu_steps']:.2f} decode steps")
         row[f"stall_steps_nice{nice}"] = max(r["stall_steps_per_update"] for r in stall["receivers"])
+        row[f"receive_cpu_steps_nice{nice}"] = max(r["receive_cpu_steps"] for r in stall["receivers"])
+        row["swap_ms"] = max(r["swap_ms"] for r in stall["receivers"])
     return row
 
 
@@ -317,7 +335,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 128, 512], choices=sorted(CONFIGS))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=16.0)  # publish.bucket_mb's default
-    parser.add_argument("--nice", type=int, nargs="+", default=[0, 10],
+    parser.add_argument("--nice", type=int, nargs="+", default=[0],
                         help="receiver thread nice values to measure the stall with")
     parser.add_argument("--out", default="runs/weight_publish")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -335,7 +353,7 @@ def main() -> None:
                              Path(args.out) / f"r{receivers}"):
             row = report(receivers, result)
             headline[f"{result['size_mb']}MB_r{receivers}"] = {k: v for k, v in row.items()
-                                                                if k.startswith(("ratio", "stall"))}
+                                                                if k.startswith(("ratio", "stall", "receive", "swap"))}
     print(json.dumps(headline))
 
 

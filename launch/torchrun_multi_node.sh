@@ -25,8 +25,9 @@ if [ "$NODE_RANK" = 0 ]; then
 else
   nproc=$(python -m megarl.cli placement "$config" "$@" --nnodes "$NNODES" --nproc 2>/dev/null)
 fi
+restarts=$(python -m megarl.cli placement "$config" "$@" --max-restarts)  # fault.on_failure=restart
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec torchrun --nnodes "$NNODES" --nproc-per-node "$nproc" \
+exec torchrun --nnodes "$NNODES" --nproc-per-node "$nproc" --max-restarts "$restarts" \
   --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-megarl}}" \
   --local-addr "$NODE_ADDR" \
   -m megarl.roles.worker "$config" "queue.host=$NODE_ADDR" "$@"

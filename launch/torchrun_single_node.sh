@@ -7,4 +7,5 @@ config=${1:?usage: $0 CONFIG [key=value ...]}
 shift
 nproc=$(python -c 'import sys; from megarl.config.load import load_config, world_size_for; print(world_size_for(load_config(sys.argv[1], sys.argv[2:])))' "$config" "$@")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec torchrun --standalone --nproc-per-node "$nproc" -m megarl.roles.worker "$config" "$@"
+restarts=$(python -m megarl.cli placement "$config" "$@" --max-restarts)  # fault.on_failure=restart
+exec torchrun --standalone --nproc-per-node "$nproc" --max-restarts "$restarts" -m megarl.roles.worker "$config" "$@"

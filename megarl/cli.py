@@ -180,10 +180,14 @@ def show_placement(args: argparse.Namespace) -> int:
     from megarl.distributed.topology import placement
 
     try:
-        nodes = placement(load_config(args.config, args.overrides), args.nnodes, args.nproc_per_node)
+        cfg = load_config(args.config, args.overrides)
+        nodes = placement(cfg, args.nnodes, args.nproc_per_node)
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
+    if args.max_restarts:  # torchrun --max-restarts for fault.on_failure (launch scripts)
+        print(cfg.fault.max_restarts if cfg.fault.on_failure == "restart" else 0)
+        return 0
     print("\n".join(placement_lines(nodes)), file=sys.stderr if args.nproc else sys.stdout)
     if args.nproc:
         print(len(nodes[0]))
@@ -223,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="processes per node (default: the config's world size / nnodes)")
     p.add_argument("--nproc", action="store_true",
                    help="print the processes per node on stdout and the placement on stderr (for launch scripts)")
+    p.add_argument("--max-restarts", action="store_true",
+                   help="print only torchrun's --max-restarts for the config's fault.on_failure (for launch scripts)")
     p.set_defaults(func=show_placement)
     p = sub.add_parser("export", help="write a checkpoint as an HF-format model directory (transformers loads it)")
     p.add_argument("--checkpoint", required=True, help="a checkpoint (step_N dir) or a checkpoint.dir (its latest)")

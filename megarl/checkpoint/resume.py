@@ -130,13 +130,15 @@ def _rewrite_jsonl(path: Path, keep) -> int:
     return dropped
 
 
-def roll_back_outputs(run_dir: str | Path, manifest: dict) -> int:
+def roll_back_outputs(run_dir: str | Path, manifest: dict) -> dict[str, int]:
     """Drop what the interrupted run logged after its checkpoint, so metrics.jsonl / rollouts.jsonl hold
     one history: steps < the checkpoint's step, samples trained before its version.  Returns the
-    number of records dropped.  (TensorBoard event files are append-only; they keep the extra points.)"""
+    records dropped per file: the steps (and samples) the resumed run redoes.  (TensorBoard event
+    files are append-only; they keep the extra points.)"""
     run_dir = Path(run_dir)
-    return (_rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("step", -1) < manifest["step"])
-            + _rewrite_jsonl(run_dir / "rollouts.jsonl", lambda r: r.get("trained_at_step", -1) < manifest["version"]))
+    return {"metrics": _rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("step", -1) < manifest["step"]),
+            "rollouts": _rewrite_jsonl(run_dir / "rollouts.jsonl",
+                                       lambda r: r.get("trained_at_step", -1) < manifest["version"])}
 
 
 class Schedule:

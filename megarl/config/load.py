@@ -108,6 +108,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(cfg.fault.on_failure in ("stop", "restart"), "fault.on_failure",
              f"must be stop or restart, got {cfg.fault.on_failure!r}")
     _require(cfg.fault.max_restarts >= 0, "fault.max_restarts", "must be >= 0")
+    _require(cfg.fault.on_failure != "restart" or cfg.checkpoint.every_steps > 0, "fault.on_failure",
+             "restart resumes from the last checkpoint: set checkpoint.every_steps > 0")
     _require(cfg.fault.sampler_timeout_s > cfg.fault.heartbeat_s, "fault.sampler_timeout_s",
              f"must exceed fault.heartbeat_s ({cfg.fault.heartbeat_s})")
     _require(lc.pp == 1 or cfg.sampler.engine != "sglang", "learner.pp",

@@ -120,7 +120,11 @@ def connect_store(topo: Topology, timeout_s: float) -> dist.Store:
     except Exception as exc:
         raise RuntimeError(f"rank {topo.rank}: could not reach the rendezvous store at {host}:{port} "
                            f"within {timeout_s:.0f}s: {exc}") from exc
-    return dist.PrefixStore(STORE_PREFIX, store)
+    # torchrun keeps its store across the restarts of fault.on_failure=restart: every attempt gets its
+    # own key space, so a restarted run never sees the failed attempt's queue address, publish
+    # headers, heartbeats or stop flag.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"{STORE_PREFIX}attempt{attempt}/", store)
 
 
 def resolve_backend(name: str) -> str:

@@ -9,6 +9,7 @@ log-probs of pi_t stay the ratio denominator in every epoch).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from collections import Counter
@@ -152,13 +153,18 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     resumed = learner_state.load(learner, resume_from) if resume_from is not None else None
     start_step = resumed["step"] if resumed else 0
     schedule = Schedule(cfg, start_step)
-    intake = None
+    intake, recovery = None, {}
     if lead:
         intake = Intake(cfg, store, AutoTokenizer.from_pretrained(model_dir).pad_token_id, topo)
         if resumed:
             intake.resume(resumed["run"]["data_position"])
-            roll_back_outputs(cfg.run.dir, resumed)  # before the sinks below append to the files
-            print(f"megarl: resumed from {resumed['path']} (step {start_step}, version {learner.version})", flush=True)
+            dropped = roll_back_outputs(cfg.run.dir, resumed)  # before the sinks below append to the files
+            # What a restart lost: the steps logged after the checkpoint are redone (groups then in
+            # flight are re-issued by the samplers: the data position).
+            recovery = {"restarts": float(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                        "redone_steps": float(dropped["metrics"])}
+            print(f"megarl: resumed from {resumed['path']} (step {start_step}, version {learner.version}); "
+                  f"restart {recovery['restarts']:.0f}, redoing {dropped['metrics']} logged steps", flush=True)
         if sglang:
             from megarl.distributed.sglang_publish import SGLangPublisher
 
@@ -205,6 +211,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             now = time.perf_counter()
             metrics.update(batch_metrics(batch))
             metrics.update(intake_metrics)
+            metrics.update(recovery)  # restarts / redone_steps, when this run resumed after a failure
             metrics.update({
                 "tokens_per_s": batch.num_tokens / (now - last), "train_s": wall[2] - wall[1],
                 "publish_s": published["seconds"], "publish_bytes": published["bytes"], "version": learner.version,
@@ -229,6 +236,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             intake.queue.close()
             if timeline is not None:
                 timeline.close()
+            if sglang:
+                publisher.close()  # before interpreter shutdown: servers are still connected to its store
 
 
 def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, retire: Callable[[list[Sample]], None],

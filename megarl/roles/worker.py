@@ -6,8 +6,11 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+import torch
 
 from megarl.config.load import load_config, save_config
 from megarl.distributed.topology import connect_store, topology_from_env
@@ -24,6 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     if topo.rank == 0:
         save_config(cfg, Path(cfg.run.dir) / "config.yaml")
+    if torch.cuda.is_available() and (topo.role == "learner" or cfg.sampler.engine == "builtin"):
+        # One GPU per learner rank and per built-in engine: the node-local rank's (SGLang samplers
+        # leave theirs to the server they start, megarl.distributed.topology.sglang_gpu_slice).
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if topo.role == "learner":
         from megarl.roles.learner_main import run_learner
 

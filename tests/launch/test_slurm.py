@@ -62,7 +62,7 @@ def test_single_node_script_checks_stages_the_model_and_runs_srun_torchrun(tmp_p
     assert "megarl: launching: torchrun" in proc.stdout  # `megarl train --dry-run` checked everything first
     scratch = f"/tmp/megarl-{env['SLURM_JOB_ID']}"
     [torchrun] = calls(log, "torchrun")
-    assert torchrun["argv"] == ["--standalone", "--nproc-per-node", "2", "-m", "megarl.roles.worker", CONFIG,
+    assert torchrun["argv"] == ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "-m", "megarl.roles.worker", CONFIG,
                                 f"model.path={fake_model_dir}", "run.steps=3", f"model.path={scratch}/model"]
     assert torchrun["model_staged"] and torchrun["env"]["HF_HOME"] == f"{scratch}/hf"
     assert calls(log, "srun")[1]["argv"][:3] == ["--nodes=1", "--ntasks=1", "torchrun"]
@@ -78,7 +78,7 @@ def test_multi_node_script_starts_one_c10d_agent_per_node_with_its_own_address(t
     assert [a["node"] for a in agents] == ["0", "1"]
     for a in agents:
         addr = f"10.9.0.{int(a['node']) + 1}"  # what `hostname -I` says on that node
-        assert a["argv"] == ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+        assert a["argv"] == ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0", "--rdzv-backend", "c10d",
                              "--rdzv-endpoint", "addr-of-node0:29500", "--rdzv-id", env["SLURM_JOB_ID"],
                              "--local-addr", addr, "-m", "megarl.roles.worker", CONFIG, f"queue.host={addr}",
                              f"model.path={fake_model_dir}", "run.steps=3", f"model.path={scratch}/model"]

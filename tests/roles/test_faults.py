@@ -118,3 +118,46 @@ def test_a_hung_sampler_is_named_by_the_learner(embedded_think_model_dir, tmp_pa
     assert "sampler rank 1 (sampler 0)" in err and ("stopped beating" in err or "has sent no heartbeat" in err)
     assert "megarl: the run failed: learner 0 (rank 0) exited with code 1" in err
     assert not _leftovers(run_dir)
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_with_restart_a_killed_sampler_costs_only_the_steps_since_the_checkpoint(embedded_think_model_dir, tmp_path):
+    run_dir = tmp_path / "restart"
+    proc = _start(run_dir, embedded_think_model_dir, "run.steps=12", "fault.on_failure=restart",
+                  "checkpoint.every_steps=3")
+    _wait_for_steps(run_dir, 5, proc)  # a checkpoint at step 3, progress past it
+    os.kill(_workers(run_dir)[1], signal.SIGKILL)
+    out, err, took = _finish(proc, timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "megarl: resumed from" in out and "restart 1, redoing" in out
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(12))  # one history, nothing skipped or doubled
+    assert [m["version"] for m in metrics] == list(range(1, 13))
+    resumed = [m for m in metrics if m.get("restarts") == 1.0]
+    assert resumed and resumed[0]["step"] in (3, 6, 9) and resumed[0]["redone_steps"] >= 0
+    assert not _leftovers(run_dir)
+
+
+def test_a_job_killed_mid_run_resumes_from_its_last_checkpoint(embedded_think_model_dir, tmp_path):
+    run_dir = tmp_path / "killed"
+    proc = _start(run_dir, embedded_think_model_dir, "checkpoint.every_steps=2")
+    _wait_for_steps(run_dir, 5, proc)
+    for pid in [proc.pid, *_leftovers(run_dir)]:  # the whole job at once: launcher, agent, workers
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+    time.sleep(1)
+    assert not _leftovers(run_dir)
+    done = len(_metrics(run_dir))
+    resumed = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", f"model.path={embedded_think_model_dir}",
+                         f"run.steps={done + 3}", "algo.prompts_per_step=4", "checkpoint.every_steps=2",
+                         "run.resume=true", timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(done + 3))
+    assert [m["version"] for m in metrics] == list(range(1, done + 4))
