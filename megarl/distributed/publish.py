@@ -17,7 +17,6 @@ moved past the version that set last held.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import zlib
@@ -185,18 +184,13 @@ class WeightReceiver:
     `on_version(version, tensors, extra)` is called on the receiver thread; `current_version()` tells
     which version the engine runs, so a staging buffer set is reused only when it is free.
     All of a version's bucket receives are posted at once, and bucket i is checksummed while the later
-    ones arrive.  `nice` (Linux) lowers the receiver thread's CPU priority: where the sampler decodes
-    on the same CPU cores, the receive's own work (checksums; `on_version`'s staging copies) then
-    yields to the decode loop, which stalls less per update, while a version takes longer to land
-    when the cores are busy (benchmarks/weight_publish.py measures both).
+    ones arrive.
     """
 
     def __init__(self, group, store, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
-                 current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float,
-                 nice: int = 0):
+                 current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float):
         self.group, self.store = group, store
-        self.nice = nice
         self.on_version, self.current_version, self.should_stop = on_version, current_version, should_stop
         self.timeout = timedelta(seconds=timeout_s)
         self.next_index = 1
@@ -230,8 +224,6 @@ class WeightReceiver:
             time.sleep(HEADER_POLL_S)
 
     def _run(self) -> None:
-        if self.nice:  # a Linux thread has its own nice value; PRIO_PROCESS with its id sets only it
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
         try:
             self._load_spec()
             while True:

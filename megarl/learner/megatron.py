@@ -22,7 +22,6 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from megarl.algo.config import LossConfig
 from megarl.algo.losses import LossInputs, merge_stats, policy_loss
@@ -91,7 +90,7 @@ class MegatronLearner:
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
         self.layer_offset = get_transformer_layer_offset(self.config)
-        hf_weights = convert.hf_to_mcore(load_file(os.path.join(model_dir, "model.safetensors")), self.hf_config)
+        hf_weights = convert.hf_to_mcore(convert.load_pretrained(model_dir)[1], self.hf_config)  # single or sharded
 
         def build():  # this rank's shard of the HF model, as a GPTModel (Float16Module-wrapped on GPU)
             gpt = GPTModel(

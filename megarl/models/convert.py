@@ -1,4 +1,5 @@
-"""HF <-> megatron-core weight conversion for Qwen2/Llama-family causal LMs (pure functions).
+"""HF <-> megatron-core weight conversion for Qwen2/Llama-family causal LMs (pure functions), plus
+`load_pretrained`, the HF-directory reader the learner and the built-in engine share.
 
 Owns the mapping between the HF state dict exactly as ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``
 ``save_pretrained`` writes it (the weights' interchange format, docs/CONTRACTS.md) and the state
@@ -17,6 +18,9 @@ Layout facts the conversion encodes:
 """
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -29,9 +33,12 @@ def _config_dict(hf_config) -> dict:
 def _rope_params(cfg: dict) -> dict:
     # transformers >= 5 keeps rope settings in `rope_parameters`; older configs use
     # `rope_theta` + `rope_scaling`.
-    params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
-    params.setdefault("rope_type", params.get("type", "default"))
+    params = dict(cfg.get("rope_parameters") or {})
+    params.setdefault("rope_type", "default")
+    scaling = dict(cfg.get("rope_scaling") or {})
+    scaling_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if params["rope_type"] == "default" and scaling_type != "default":  # whichever field names a scaling
+        params.update(scaling, rope_type=scaling_type)
     return params
 
 
@@ -245,3 +252,20 @@ def mcore_to_hf(mcore_state: dict, hf_config) -> dict:
     if not _tied(cfg):
         out["lm_head.weight"] = mcore_state["output_layer.weight"]
     return out
+
+
+def load_pretrained(model_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config dict, HF-named weights) from an HF model directory (single or sharded safetensors)."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        return cfg, load_file(single)
+    with open(os.path.join(model_dir, "model.safetensors.index.json")) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        weights.update(load_file(os.path.join(model_dir, shard)))
+    return cfg, weights

@@ -18,12 +18,13 @@ non-interleaved ``rotate_half``, RMSNorm computed in fp32), so fp32 log-probs ag
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from megarl.models import convert
+from megarl.models.convert import load_pretrained  # noqa: F401 - the engine's loader, shared with the learner
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -46,6 +47,7 @@ class ModelSpec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    rope_scaling: dict | None = None  # megarl.models.convert.rope_scaling: linear or llama3 (HF's definitions)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelSpec":
@@ -61,12 +63,12 @@ class ModelSpec:
         if any(t != "full_attention" for t in layer_types):
             raise ValueError(f"layer_types={layer_types!r} is not supported (full_attention only)")
         # Old configs put rope_theta / rope_scaling at the top level; transformers>=5 writes rope_parameters.
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type", "default")) != "default":
-            raise ValueError(f"rope_scaling={rope_scaling!r} is not supported (default RoPE only)")
+        # The learner's converter decides which scalings exist (the engine must compute what it trains).
+        try:
+            rope_scaling = convert.rope_scaling(cfg)
+        except ValueError as exc:
+            raise ValueError(f"rope_scaling/rope_parameters: {exc}") from None
         rope_params = cfg.get("rope_parameters") or {}
-        if rope_params.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_parameters.rope_type={rope_params['rope_type']!r} is not supported (default only)")
         partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         if partial != 1.0:
             raise ValueError(f"partial_rotary_factor={partial} is not supported (full rotary only)")
@@ -95,6 +97,7 @@ class ModelSpec:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type == "llama" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            rope_scaling=rope_scaling,
         )
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -134,23 +137,6 @@ class ModelSpec:
             if name not in expected:
                 raise ValueError(f"weights: unexpected tensor {name!r} for {self.model_type} "
                                  f"(tie_word_embeddings={self.tie_word_embeddings})")
-
-
-def load_pretrained(model_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config dict, HF-named weights) from an HF model directory (single or sharded safetensors)."""
-    from safetensors.torch import load_file
-
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.exists(single):
-        return cfg, load_file(single)
-    with open(os.path.join(model_dir, "model.safetensors.index.json")) as f:
-        shards = sorted(set(json.load(f)["weight_map"].values()))
-    weights: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        weights.update(load_file(os.path.join(model_dir, shard)))
-    return cfg, weights
 
 
 class KVCache:
@@ -202,6 +188,7 @@ def forward_tables(spec: ModelSpec, max_seq_len: int, dtype: torch.dtype = torch
     """
     dim = spec.head_dim
     inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+    inv_freq = convert.scaled_inv_freq(inv_freq, spec.rope_scaling)
     freqs = torch.arange(max_seq_len, dtype=torch.float, device=device)[:, None] * inv_freq
     return ForwardTables(
         rotation=torch.complex(freqs.cos(), freqs.sin()),

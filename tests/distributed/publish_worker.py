@@ -1,9 +1,8 @@
 """torchrun worker for tests/distributed/test_publish.py: rank 0 publishes, the others receive.
 
 Usage: publish_worker.py OUT_DIR MODE   (MODE: ok | corrupt)
-Each receiver writes, per version, the received tensors' checksums to OUT_DIR/rank{r}.json (and its
-receiver thread's nice value); the publisher writes what it sent to OUT_DIR/sent.json. `corrupt` makes
-the header's CRCs wrong.
+Each receiver writes, per version, the received tensors' checksums to OUT_DIR/rank{r}.json; the
+publisher writes what it sent to OUT_DIR/sent.json. `corrupt` makes the header's CRCs wrong.
 """
 import json
 import os
@@ -24,7 +23,6 @@ topo = Topology(rank=rank, world_size=world, num_learners=1, num_samplers=world 
 store = connect_store(topo, 60)
 group = publish_group(topo, store, "gloo", 60)
 VERSIONS = 4
-RECEIVER_NICE = 5
 
 
 def weights(version: int) -> dict[str, torch.Tensor]:
@@ -55,12 +53,11 @@ if rank == 0:
     (out / "sent.json").write_text(json.dumps({"sent": sent, "buckets": len(publisher.buckets)}))
     store.set("test/done", "1")
 else:
-    engine_version, nice = [0], [None]
+    engine_version = [0]
     received, done = {}, threading.Event()
 
-    def on_version(version, tensors, extra):  # on the receiver thread
+    def on_version(version, tensors, extra):
         assert extra == {"v": version}
-        nice[0] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         received[version] = {n: crc(t.clone()) for n, t in tensors.items()}
         engine_version[0] = version
         if version == VERSIONS:
@@ -69,7 +66,7 @@ else:
     spec = {n: (t.shape, t.dtype) for n, t in weights(0).items()}
     recv = pub.WeightReceiver(group, store, spec, torch.device("cpu"), on_version=on_version,
                               current_version=lambda: engine_version[0], should_stop=done.is_set,
-                              timeout_s=60, nice=RECEIVER_NICE).start()
+                              timeout_s=60).start()
     recv.thread.join(60)
-    result = {"received": received, "error": repr(recv.error) if recv.error else None, "nice": nice[0]}
+    result = {"received": received, "error": repr(recv.error) if recv.error else None}
     (out / f"rank{rank}.json").write_text(json.dumps(result))

@@ -12,12 +12,19 @@ from tests.sampler import make_tiny_model
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+# Llama 3.x RoPE scaling on a large base, so the rescaled long wavelengths exist at head_dim 16.
+LLAMA3_ROPE = {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192, "rope_theta": 1e6}}
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama", "llama3_rope"])
 def tiny(request, tmp_path_factory):
-    """(kind, HF model, spec, runtime weights) for a Qwen2 (GQA, bias, tied) and a Llama (untied)."""
+    """(kind, HF model, spec, runtime weights) for a Qwen2 (GQA, bias, tied), a Llama (untied) and a
+    Llama with Llama-3 RoPE scaling."""
     from transformers import AutoModelForCausalLM
 
-    path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    kind, overrides = ("llama", LLAMA3_ROPE) if request.param == "llama3_rope" else (request.param, {})
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), kind, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg, weights = load_pretrained(str(path))
     spec = ModelSpec.from_hf_config(cfg)
@@ -33,6 +40,7 @@ def test_spec_reads_hf_config(tiny):
     kind, hf, spec, _ = tiny
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 16)
     assert spec.tie_word_embeddings == (kind == "qwen2")
+    assert (spec.rope_scaling is not None) == (kind == "llama3_rope")
     assert spec.qkv_bias == (kind == "qwen2")
     assert spec.rope_theta == hf.config.rope_parameters["rope_theta"]
 
@@ -89,7 +97,7 @@ def test_batched_decode_with_different_lengths_matches_hf(tiny):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 8.0}),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
     ("use_sliding_window", True),
     ("model_type", "mistral"),
