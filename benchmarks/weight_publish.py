@@ -1,7 +1,7 @@
 """Weight publish path vs one raw flat broadcast; and what an update costs a decoding sampler.
 
     python benchmarks/weight_publish.py [--quick] [--receivers 1 2] [--sizes 1 16 128 512] [--reps 3]
-                                        [--bucket-mb 16] [--nice 0 10] [--out runs/weight_publish]
+                                        [--bucket-mb 16] [--out runs/weight_publish]
 
 For each receiver count R it starts one real `torchrun` with 1 + R processes (rank 0 = the learner's
 publish source, ranks 1..R = samplers) that build the publish group exactly as a run does
@@ -9,17 +9,18 @@ publish source, ranks 1..R = samplers) that build the publish group exactly as a
 Per model size (a Qwen2 config whose fp32 weights total about that many MB, random weights):
 
 * bandwidth: the same bytes moved two ways, receivers idle, each timed on rank 0 from a store
-  barrier until every receiver reported completion through the store (median of `--reps`, three
-  times as many for sizes <= 16 MB; one raw broadcast and two publishes, one into each receiver
-  staging set, first as warm-up):
+  barrier until every receiver reported completion through the store, in rounds of (raw, publish
+  with checksum off, publish with checksum on) so that load from other jobs hits them alike; the
+  ratio is the median over `--reps` rounds (three times as many for sizes <= 16 MB; two warm-up
+  rounds first) of the per-round raw / publish time:
   - raw: one `broadcast` of a single flat fp32 buffer of the model's total size (the practical limit);
   - publish: `WeightPublisher.publish` -> every `WeightReceiver` has handed the version to its
     callback (buckets received, checksums verified, tensors viewed), with `checksum` off and on.
   The headline is publish bandwidth / raw bandwidth.
 * update cost on a decoding sampler: every receiver runs a real `BuiltinEngine` on that model (8
   sequences decoding greedily, `stage_weights` as the receive callback, as in a sampler) while rank 0
-  publishes 2 + 5 versions (checksum on, the default; the first 2 are warm-up), for each receiver
-  thread `--nice`.  From per-step timestamps (CLOCK_MONOTONIC, shared by the processes) per update:
+  publishes 2 + 4 versions (checksum on, the default; the first 2 are warm-up).  From per-step
+  timestamps (CLOCK_MONOTONIC, shared by the processes) per update:
   - swap: the time the decode thread spent applying the version at the step boundary;
   - receive CPU: CPU time the sampler process spent off the decode thread (receive, checksums,
     `stage_weights`) from the publish's start to the end of the step that swapped it in, minus the
@@ -53,7 +54,7 @@ CONFIGS = {
     512: (32768, 1024, 2816, 9, 16, 4),
 }
 DECODE_BATCH = 8
-STALL_UPDATES = 5
+STALL_UPDATES = 4
 WARMUP_UPDATES = 2  # the first receives into each staging buffer set touch fresh memory
 STORE_TIMEOUT = timedelta(seconds=600)
 
@@ -80,10 +81,10 @@ def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 class Worker:
     """One process of the torchrun launch: rank 0 publishes, the others receive."""
 
-    def __init__(self, out: Path, sizes: list[int], reps: int, bucket_mb: float, nices: list[int]):
+    def __init__(self, out: Path, sizes: list[int], reps: int, bucket_mb: float):
         from megarl.distributed.topology import Topology, connect_store, publish_group
 
-        self.out, self.sizes, self.reps, self.bucket_mb, self.nices = out, sizes, reps, bucket_mb, nices
+        self.out, self.sizes, self.reps, self.bucket_mb = out, sizes, reps, bucket_mb
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         topo = Topology(rank=self.rank, world_size=self.world, num_learners=1, num_samplers=self.world - 1)
         self.store = connect_store(topo, 120)
@@ -104,11 +105,8 @@ class Worker:
             cfg = hf_config(size)
             weights = random_weights(cfg, seed=self.rank)
             result = {"size_mb": size, "bytes": sum(t.numel() * t.element_size() for t in weights.values())}
-            result["raw_s"] = self.raw(size, result["bytes"])
-            for checksum in (False, True):
-                result[f"publish_s_checksum_{'on' if checksum else 'off'}"] = self.publish_bandwidth(
-                    size, weights, checksum)
-            result["stall"] = {str(nice): self.stall(size, cfg, weights, nice) for nice in self.nices}
+            result["seconds"] = self.bandwidth(size, weights, result["bytes"])
+            result["stall"] = self.stall(size, cfg, weights)
             if self.rank == 0:
                 with open(self.out / f"size{size}.json", "w") as f:
                     json.dump(result, f)
@@ -117,31 +115,56 @@ class Worker:
     def reps_for(self, size: int) -> int:
         return self.reps * 3 if size <= 16 else self.reps  # small ones are quick and noisy
 
-    def raw(self, size: int, nbytes: int) -> list[float]:
+    def bandwidth(self, size: int, weights: dict, nbytes: int) -> dict[str, list[float]]:
+        """Seconds per transfer, from a barrier until every receiver reported it complete: rounds of
+        (raw flat broadcast, publish with checksum off, with checksum on), back to back so that load
+        from other jobs hits the three alike.  Two warm-up rounds: the first publishes land in fresh
+        staging buffers (one set each)."""
         flat = torch.zeros(nbytes // 4)
-        times = []
-        for rep in range(-1, self.reps_for(size)):  # rep -1: warm-up
-            tag = f"raw/{size}/{rep}"
-            self.barrier(tag + "/start")
-            start = time.monotonic()
-            self.group.broadcast(flat, 0).wait()
+        modes = ("raw", "checksum_off", "checksum_on")
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
+        publishers, receivers, stop = {}, [], threading.Event()
+        for mode in modes[1:]:
+            prefix = f"bench/bw/{size}/{mode}/"
             if self.rank == 0:
-                self.wait_receivers(tag + "/done")
-                if rep >= 0:
-                    times.append(time.monotonic() - start)
+                publishers[mode] = self._publisher(prefix, checksum=mode == "checksum_on")
             else:
-                self.store.set(f"bench/{tag}/done/{self.rank}", "1")
+                receivers.append(self._receiver(prefix, weights, self._report_done(size, mode), lambda: 0, stop))
+        for rep in range(-2, self.reps_for(size)):
+            for mode in modes:
+                tag = f"bw/{size}/{mode}/{rep}"
+                self.barrier(tag + "/start")
+                start = time.monotonic()
+                if mode == "raw":
+                    self.group.broadcast(flat, 0).wait()
+                    if self.rank > 0:
+                        self.store.set(f"bench/{tag}/done/{self.rank}", "1")
+                elif self.rank == 0:
+                    publishers[mode].publish(rep + 3, weights.items())
+                if self.rank == 0:
+                    self.wait_receivers(tag + "/done")
+                    if rep >= 0:
+                        times[mode].append(time.monotonic() - start)
+        self.barrier(f"bw/{size}/end")  # rank 0 arrives once the last publish was received everywhere
+        stop.set()
+        for receiver in receivers:
+            receiver.thread.join(60)
+            if receiver.error:
+                raise receiver.error
         return times
 
-    def _receiver(self, prefix: str, weights: dict, on_version, current_version, stop: threading.Event,
-                  nice: int = 0):
+    def _report_done(self, size: int, mode: str):
+        def on_version(version, tensors, extra):  # on the receiver thread: its own store connection
+            self.receiver_store.set(f"bench/bw/{size}/{mode}/{version - 3}/done/{self.rank}", "1")
+        return on_version
+
+    def _receiver(self, prefix: str, weights: dict, on_version, current_version, stop: threading.Event):
         from megarl.distributed.publish import WeightReceiver
 
         store = torch.distributed.PrefixStore(prefix, self.receiver_store)
         spec = {n: (t.shape, t.dtype) for n, t in weights.items()}
         return WeightReceiver(self.group, store, spec, torch.device("cpu"), on_version=on_version,
-                              current_version=current_version, should_stop=stop.is_set, timeout_s=120,
-                              nice=nice).start()
+                              current_version=current_version, should_stop=stop.is_set, timeout_s=120).start()
 
     def _publisher(self, prefix: str, checksum: bool):
         from megarl.distributed.publish import WeightPublisher
@@ -149,43 +172,11 @@ class Worker:
         store = torch.distributed.PrefixStore(prefix, self.store)
         return WeightPublisher(self.group, store, bucket_mb=self.bucket_mb, timeout_s=120, checksum=checksum)
 
-    def publish_bandwidth(self, size: int, weights: dict, checksum: bool) -> list[float]:
-        """Seconds per publish, from a barrier until every receiver's callback ran; the first two
-        publishes (one into each staging buffer set, touching fresh memory) are warm-up."""
-        tag = f"pub/{size}/{checksum}"
-        versions = self.reps_for(size) + 2
-        times = []
-        if self.rank == 0:
-            publisher = self._publisher(f"bench/{tag}/", checksum)
-            for version in range(1, versions + 1):
-                self.barrier(f"{tag}/{version}/start")
-                start = time.monotonic()
-                publisher.publish(version, weights.items())
-                self.wait_receivers(f"{tag}/{version}/done")
-                if version > 2:
-                    times.append(time.monotonic() - start)
-            return times
-        current, stop = [0], threading.Event()
-
-        def on_version(version, tensors, extra):  # on the receiver thread: its own store connection
-            current[0] = version
-            self.receiver_store.set(f"bench/{tag}/{version}/done/{self.rank}", "1")
-
-        receiver = self._receiver(f"bench/{tag}/", weights, on_version, lambda: current[0], stop)
-        for version in range(1, versions + 1):
-            self.barrier(f"{tag}/{version}/start")
-        self.store.wait([f"bench/{tag}/{versions}/done/{self.rank}"], STORE_TIMEOUT)
-        stop.set()
-        receiver.thread.join(60)
-        if receiver.error:
-            raise receiver.error
-        return times
-
-    def stall(self, size: int, cfg: dict, weights: dict, nice: int) -> dict:
-        tag = f"stall/{size}/{nice}"
+    def stall(self, size: int, cfg: dict, weights: dict) -> dict:
+        tag = f"stall/{size}"
         if self.rank == 0:
             return self._publish_during_decode(tag, weights)
-        return self._decode_during_publish(tag, cfg, weights, nice)
+        return self._decode_during_publish(tag, cfg, weights)
 
     def _publish_during_decode(self, tag: str, weights: dict) -> dict:
         publisher = self._publisher(f"bench/{tag}/", checksum=True)
@@ -197,13 +188,13 @@ class Worker:
             windows.append((start, time.monotonic()))
             self.wait_receivers(f"{tag}/{version}/swapped")
             # Decode undisturbed in between, long enough for a control window as long as the update.
-            time.sleep(max(0.3, 3 * (time.monotonic() - start)))
+            time.sleep(max(0.3, 2.5 * (time.monotonic() - start)))
         self.store.set(f"bench/{tag}/stop", "1")
         self.wait_receivers(f"{tag}/report")
         reports = [json.loads(self.store.get(f"bench/{tag}/report/{r}")) for r in range(1, self.world)]
         return summarise_stall(windows, reports)
 
-    def _decode_during_publish(self, tag: str, cfg: dict, weights: dict, nice: int) -> dict:
+    def _decode_during_publish(self, tag: str, cfg: dict, weights: dict) -> dict:
         from megarl.protocols import GenerationRequest, SamplingParams
         from megarl.sampler.engine import BuiltinEngine
 
@@ -211,7 +202,7 @@ class Worker:
         sampling = SamplingParams(temperature=0.0, max_new_tokens=504)
         stop = threading.Event()
         receiver = self._receiver(f"bench/{tag}/", weights, lambda version, tensors, extra: engine.stage_weights(
-            tensors, version), lambda: engine.version, stop, nice)
+            tensors, version), lambda: engine.version, stop)
         # (start, end, admitted, swapped, swap_s, decode-thread CPU at start / end, process CPU at start / end)
         steps = []
         announced, swapped_versions = False, set()
@@ -290,11 +281,11 @@ def summarise_stall(windows: list[tuple[float, float]], reports: list[dict]) -> 
 
 
 # ------------------------------------------------------------------------------------------ driver
-def launch(receivers: int, sizes: list[int], reps: int, bucket_mb: float, nices: list[int], out: Path) -> list[dict]:
+def launch(receivers: int, sizes: list[int], reps: int, bucket_mb: float, out: Path) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={1 + receivers}",
            __file__, "--worker", str(out), "--sizes", *map(str, sizes), "--reps", str(reps),
-           "--bucket-mb", str(bucket_mb), "--nice", *map(str, nices)]
+           "--bucket-mb", str(bucket_mb)]
     repo = str(Path(__file__).resolve().parent.parent)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
@@ -304,27 +295,25 @@ def launch(receivers: int, sizes: list[int], reps: int, bucket_mb: float, nices:
 
 
 def report(receivers: int, result: dict) -> dict:
-    mb = result["bytes"] / 2**20
-    raw = statistics.median(result["raw_s"])
+    mb, seconds = result["bytes"] / 2**20, result["seconds"]
+    raw = statistics.median(seconds["raw"])
     row = {"MB": round(mb, 1), "raw_MB_s": round(mb / raw)}
     print(f"{receivers} receiver(s), {mb:7.1f} MB: raw broadcast {mb / raw:7.0f} MB/s ({raw * 1e3:7.1f} ms)")
-    for mode in ("off", "on"):
-        t = statistics.median(result[f"publish_s_checksum_{mode}"])
-        row[f"publish_MB_s_checksum_{mode}"] = round(mb / t)
-        row[f"ratio_checksum_{mode}"] = round(raw / t, 3)
-        print(f"    publish, checksum {mode:3s}: {mb / t:7.0f} MB/s ({t * 1e3:7.1f} ms), {raw / t:.2f} of raw")
-    for nice, stall in result["stall"].items():
-        print(f"    decoding receivers, receiver thread nice {nice}: publish takes "
-              f"{1e3 * statistics.median(stall['publish_s']):.1f} ms")
-        for i, r in enumerate(stall["receivers"]):
-            print(f"      receiver {i + 1}: step {r['baseline_step_ms']:.2f} ms, update spans "
-                  f"{r['update_window_steps']} steps, extra decode time {r['extra_ms_per_update']:.1f} ms "
-                  f"(control window {r['control_extra_ms']:.1f} ms): stall {r['stall_steps_per_update']:.2f} "
-                  f"decode steps per update; swap {r['swap_ms']:.3f} ms; receive CPU off the decode thread "
-                  f"{r['receive_cpu_ms']:.1f} ms = {r['receive_cpu_steps']:.2f} decode steps")
-        row[f"stall_steps_nice{nice}"] = max(r["stall_steps_per_update"] for r in stall["receivers"])
-        row[f"receive_cpu_steps_nice{nice}"] = max(r["receive_cpu_steps"] for r in stall["receivers"])
-        row["swap_ms"] = max(r["swap_ms"] for r in stall["receivers"])
+    for mode in ("checksum_off", "checksum_on"):
+        t = statistics.median(seconds[mode])
+        ratio = statistics.median(r / p for r, p in zip(seconds["raw"], seconds[mode]))  # paired, per round
+        row[f"ratio_{mode}"] = round(ratio, 3)
+        print(f"    publish, {mode.replace('_', ' '):12s}: {mb / t:7.0f} MB/s ({t * 1e3:7.1f} ms), {ratio:.2f} of raw")
+    stall = result["stall"]
+    print(f"    decoding receivers: publish takes {1e3 * statistics.median(stall['publish_s']):.1f} ms")
+    for i, r in enumerate(stall["receivers"]):
+        print(f"      receiver {i + 1}: step {r['baseline_step_ms']:.2f} ms; swap {r['swap_ms']:.3f} ms; receive CPU "
+              f"off the decode thread {r['receive_cpu_ms']:.1f} ms = {r['receive_cpu_steps']:.2f} decode steps; "
+              f"update spans {r['update_window_steps']} steps, extra decode time {r['extra_ms_per_update']:.1f} ms "
+              f"(control window {r['control_extra_ms']:.1f} ms): stall {r['stall_steps_per_update']:.2f} steps")
+    row["swap_ms"] = max(r["swap_ms"] for r in stall["receivers"])
+    row["receive_cpu_steps"] = max(r["receive_cpu_steps"] for r in stall["receivers"])
+    row["stall_steps"] = max(r["stall_steps_per_update"] for r in stall["receivers"])
     return row
 
 
@@ -335,22 +324,19 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 128, 512], choices=sorted(CONFIGS))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=16.0)  # publish.bucket_mb's default
-    parser.add_argument("--nice", type=int, nargs="+", default=[0],
-                        help="receiver thread nice values to measure the stall with")
     parser.add_argument("--out", default="runs/weight_publish")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         torch.set_num_threads(1)
-        Worker(Path(args.worker), args.sizes, args.reps, args.bucket_mb, args.nice).run()
+        Worker(Path(args.worker), args.sizes, args.reps, args.bucket_mb).run()
         return
     if args.quick:
         args.sizes, args.receivers, args.reps = [1, 16, 128], [1], 2
     print(f"torch {torch.__version__}, gloo over loopback, bucket_mb={args.bucket_mb}, {args.reps} reps, medians")
     headline = {}
     for receivers in args.receivers:
-        for result in launch(receivers, args.sizes, args.reps, args.bucket_mb, args.nice,
-                             Path(args.out) / f"r{receivers}"):
+        for result in launch(receivers, args.sizes, args.reps, args.bucket_mb, Path(args.out) / f"r{receivers}"):
             row = report(receivers, result)
             headline[f"{result['size_mb']}MB_r{receivers}"] = {k: v for k, v in row.items()
                                                                 if k.startswith(("ratio", "stall", "receive", "swap"))}

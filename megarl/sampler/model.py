@@ -4,17 +4,21 @@ This module owns the model math and the KV-cache layout; it owns no scheduling (
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
 ``Qwen2ForCausalLM.save_pretrained`` / ``LlamaForCausalLM`` write to ``model.safetensors`` (tied
 embeddings -> no ``lm_head.weight``).  `prepare_weights` turns that dict into the forward's
-`RuntimeWeights` (q/k/v and gate/up stacked); the forward is a function over it, so swapping weights
-is replacing one reference: no nn.Module, no parameter copying on the decode thread.
+`RuntimeWeights` (q/k/v and gate/up stacked, norm weights folded in, RoPE pairs interleaved); the
+forward is a function over it, so swapping weights is replacing one reference: no nn.Module, no
+parameter copying on the decode thread.
 
-KV cache: preallocated ``[layers, slots, kv_heads, max_seq_len, head_dim]`` tensors.  A forward call
-works on a contiguous range of slots ``[slot_start, slot_start + B)`` (the engine keeps its running
-sequences packed at the front), writes the new tokens' K/V at their positions and attends to cache
-positions ``<= position`` of each query.  Every sequence thus has its own length inside one call, and
-the same function serves prefill (T tokens per row, right-padded) and batched decode (T = 1).
+KV cache: preallocated K [layers, slots, kv_heads, head_dim, max_seq_len] and V [layers, slots,
+kv_heads, max_seq_len, head_dim].  A forward call works on a contiguous range of slots
+``[slot_start, slot_start + B)`` (the engine keeps its running sequences packed at the front), writes
+the new tokens' K/V at their positions and attends to cache positions ``<= position`` of each query.
+Every sequence thus has its own length inside one call, and the same function serves prefill
+(T tokens per row, right-padded) and batched decode (T = 1).
 
-Numerics follow transformers' implementation (RoPE tables in fp32 cast to the activation dtype,
-non-interleaved ``rotate_half``, RMSNorm computed in fp32), so fp32 log-probs agree with HF to ~1e-6.
+On CPU at the sizes this engine serves, a decode step is bound by the number of kernels and the
+memory they touch, not by FLOPs; the layout choices (documented where they are made, and in
+docs/sampler.md) remove kernels.  Numerics follow transformers' (RoPE and RMSNorm in fp32, HF's
+``rotate_half`` pairing, same attention scale): fp32 log-probs agree with HF to ~2e-6.
 """
 from __future__ import annotations
 
