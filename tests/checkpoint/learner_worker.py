@@ -84,7 +84,8 @@ def main() -> None:
         logprobs = lrn.logprobs(PROBE)
         path = learner_state.save(lrn, work / "ckpt", step=N, keep=2, model_dir=model_dir,
                                   run_state={"note": "from the reference scenario"})
-        torch.save({"logprobs": logprobs, "probe": PROBE, "draws": draws(lrn), "path": str(path)}, work / "saved.pt")
+        torch.save({"logprobs": logprobs, "probe": PROBE, "draws": draws(lrn), "path": str(path),
+                    "published": dict(lrn.publish_tensors())}, work / "saved.pt")
     elif scenario == "resume":
         lrn = learner(model_dir)
         manifest = learner_state.load(lrn, work / "ckpt")
@@ -116,10 +117,12 @@ def continue_from(lrn: MegatronLearner, checkpoint: Path, out: Path) -> None:
     """Load, log-probs of the probe, one more step; every rank writes what it saw and published
     (a PP stage publishes only its own layers)."""
     manifest = learner_state.load(lrn, checkpoint)
+    at_load = dict(lrn.publish_tensors())  # what this layout would publish of the checkpoint's state
     logprobs = lrn.logprobs(PROBE)
     metrics = train(lrn, [N])[0]
     published = dict(lrn.publish_tensors())  # collective: every rank iterates
-    torch.save({"manifest": manifest, "logprobs": logprobs, "metrics": metrics, "published": published},
+    torch.save({"manifest": manifest, "logprobs": logprobs, "metrics": metrics, "published": published,
+                "published_at_load": at_load},
                f"{out}.rank{dist.get_rank()}.pt")
 
 

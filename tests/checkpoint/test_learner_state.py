@@ -138,6 +138,22 @@ def test_a_checkpoint_continues_under_another_layout(work, layout):
         assert (published[name] - tensor).abs().max().item() <= 1e-5, name
 
 
+def test_what_any_layout_publishes_is_bitwise_the_hf_export_of_the_same_state(work, tmp_path):
+    """Checkpoint N exported to HF safetensors equals, byte for byte, what the learner publishes of that
+    state: under TP1 (the run that wrote it) and after loading it under TP2, DP2 and PP2 (stages merged)."""
+    from safetensors.torch import load_file
+
+    exported = load_file(export_hf(work / "ckpt" / "step_00000002", tmp_path / "hf") / "model.safetensors")
+    layouts = {"tp1": _load(work / "saved.pt")["published"]}
+    for layout in ("tp2", "dp2", "pp2"):
+        ranks = [_load(work / f"layout_{layout}.rank{r}.pt")["published_at_load"] for r in (0, 1)]
+        layouts[layout] = {**ranks[0], **ranks[1]}
+    for layout, published in layouts.items():
+        assert set(published) == set(exported), layout
+        for name, tensor in exported.items():
+            assert published[name].dtype == tensor.dtype and torch.equal(published[name], tensor), (layout, name)
+
+
 def test_a_save_killed_before_its_commit_leaves_latest_on_the_previous_checkpoint(work, tmp_path):
     root = work / "ckpt"
     assert storage.latest_name(root) == "step_00000002"
