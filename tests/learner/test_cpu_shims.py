@@ -106,7 +106,13 @@ SCRIPT = textwrap.dedent('''
             needed.append(shim)
             cpu_shims.SHIMS[shim]()
     if dist.get_rank() == 0:
-        print("NEEDED " + json.dumps(needed))
+        print("NEEDED " + json.dumps(needed), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    # The failed attempts leave megatron objects holding gloo work behind; letting the interpreter
+    # tear them down at exit can abort ("terminate called without an active exception"), which says
+    # nothing about the shims: the verdict is printed, leave without that teardown.
+    os._exit(0)
 ''')
 
 # (layout, processes, the shims it must need). The multi-rank layouts start with every other shim
