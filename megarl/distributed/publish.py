@@ -189,7 +189,8 @@ class WeightReceiver:
 
     def __init__(self, group, store, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
-                 current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float):
+                 current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float,
+                 partial: bool = False):
         self.group, self.store = group, store
         self.on_version, self.current_version, self.should_stop = on_version, current_version, should_stop
         self.timeout = timedelta(seconds=timeout_s)
@@ -197,7 +198,7 @@ class WeightReceiver:
         self.held_versions: list[int | None] = [None, None]  # version each staging set last received
         self.error: BaseException | None = None
         self._expected, self._device = expected, device
-        self.partial = False  # one stage of several (StagedReceiver): the spec covers part of `expected`
+        self.partial = partial  # one stage of several (StagedReceiver): the spec covers part of `expected`
         self.buckets: list[Bucket] | None = None
         self.buffer_sets: list[list[torch.Tensor]] = []
         self.thread = threading.Thread(target=self._run, name="megarl-weight-receiver", daemon=True)
@@ -301,13 +302,12 @@ class StagedReceiver:
         self.parts: dict[int, dict[int, tuple[dict, dict]]] = {}  # version -> stage -> (tensors, extra)
         self.lock = threading.Lock()
         self.merge_error: BaseException | None = None
-        self.receivers = []
-        for stage, (group, store) in enumerate(stages):
-            receiver = WeightReceiver(group, store, expected, device,
-                                      on_version=lambda v, t, e, stage=stage: self._on_part(stage, v, t, e),
-                                      current_version=current_version, should_stop=should_stop, timeout_s=timeout_s)
-            receiver.partial = True
-            self.receivers.append(receiver)
+        self.receivers = [
+            WeightReceiver(group, store, expected, device,
+                           on_version=lambda v, t, e, stage=stage: self._on_part(stage, v, t, e),
+                           current_version=current_version, should_stop=should_stop, timeout_s=timeout_s,
+                           partial=True)
+            for stage, (group, store) in enumerate(stages)]
 
     def start(self) -> "StagedReceiver":
         for receiver in self.receivers:
