@@ -95,13 +95,25 @@ def run_torchrun(cmd: list[str], env: dict, cfg) -> int:
 
 
 def failure_summary(torchrun_stderr: str, cfg) -> str:
-    """One line naming the first failed rank, its role and how it ended, from torchrun's root-cause report."""
+    """One line naming the failed rank that caused the stop, its role and how it ended, from torchrun's
+    failure report.
+
+    torchrun's "Root Cause" is the failure it observed first, and that is often an effect: when a rank is
+    killed from outside (kill -9, the OOM killer), its peers' collectives and sockets break and they exit
+    with an error within milliseconds, sometimes before torchrun's monitor sees the kill. So a rank
+    that died of a signal other than SIGTERM (which torchrun itself sends to stop the rest) is named in
+    preference; otherwise the root cause is.
+    """
     from megarl.distributed.topology import Topology
 
-    match = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", torchrun_stderr, re.S)
-    if match is None:
+    report = torchrun_stderr[torchrun_stderr.rfind("Failures:"):]
+    failures = [(int(rank), int(code)) for rank, code in
+                re.findall(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", report, re.S)]
+    if not failures:
         return "torchrun exited with an error (see its output above)"
-    rank, code = int(match.group(1)), int(match.group(2))
+    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", report, re.S)
+    killed = [(rank, code) for rank, code in failures if code < 0 and -code != signal.SIGTERM]
+    rank, code = killed[0] if killed else (int(root.group(1)), int(root.group(2))) if root else failures[0]
     learners = world_size_for(cfg) - cfg.sampler.num_engines
     topo = Topology(rank=rank, world_size=world_size_for(cfg), num_learners=learners, num_samplers=cfg.sampler.num_engines)
     how = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0

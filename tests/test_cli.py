@@ -91,3 +91,31 @@ def test_placement_prints_each_node_and_refuses_an_uneven_split():
     assert "the config needs 3 processes, which 2 nodes x 1 processes per node do not give" in proc.stderr
     proc = run_python("-m", "megarl.cli", "train", DEMO, "--nnodes", "2")
     assert proc.returncode == 2 and "launch/torchrun_multi_node.sh" in proc.stderr
+
+
+def torchrun_report(root_cause: tuple[int, int], others: list[tuple[int, int]]) -> str:
+    """torchrun's ChildFailedError report, as it prints it (ranks' exit codes; negative = signal)."""
+    def entry(index, rank, code):
+        return (f"[{index}]:\n  time      : 2026-11-30_00:55:32\n  host      : localhost\n"
+                f"  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code} (pid: {100 + rank})\n"
+                f"  error_file: <N/A>\n")
+    return ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====\nworker FAILED\n-----\n"
+            "Failures:\n" + "".join(entry(i + 1, r, c) for i, (r, c) in enumerate(others))
+            + "-----\nRoot Cause (first observed failure):\n" + entry(0, *root_cause) + "=====\n")
+
+
+@pytest.mark.parametrize("root_cause, others, named", [
+    # torchrun saw the learner's error first, but the sampler was killed from outside: that is the cause.
+    ((0, 1), [(1, -9)], "sampler 0 (rank 1) was killed by signal 9 (SIGKILL)"),
+    # SIGTERM is torchrun stopping the others: the root cause stands.
+    ((2, -6), [(0, -15), (1, -15)], "sampler 1 (rank 2) was killed by signal 6 (SIGABRT)"),
+    ((0, 1), [(1, -15), (2, -15)], "learner 0 (rank 0) exited with code 1 (its traceback is above)"),
+])
+def test_the_failure_summary_names_the_rank_that_caused_the_stop(root_cause, others, named):
+    from megarl.cli import failure_summary
+    from megarl.config.load import load_config
+
+    cfg = load_config(DEMO, ["sampler.num_engines=2"])
+    summary = failure_summary("worker log lines\n" + torchrun_report(root_cause, others), cfg)
+    assert summary.startswith(named + "; torchrun stopped every other process")
+    assert failure_summary("no report at all", cfg) == "torchrun exited with an error (see its output above)"

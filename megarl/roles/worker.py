@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from megarl.config.load import load_config, save_config
+from megarl.distributed.lifetime import run_then_exit
 from megarl.distributed.topology import connect_store, topology_from_env
 from megarl.models.tiny import resolve_model_path
 
@@ -42,4 +43,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # not a plain exit: see megarl.distributed.lifetime

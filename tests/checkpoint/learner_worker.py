@@ -28,6 +28,7 @@ from megarl.algo.config import LossConfig
 from megarl.checkpoint import learner_state
 from megarl.checkpoint.storage import CheckpointError
 from megarl.config.schema import LearnerConfig
+from megarl.distributed.lifetime import run_then_exit
 from megarl.learner.megatron import MegatronLearner
 from megarl.protocols import TrainBatch
 
@@ -149,4 +150,4 @@ def disk_full(lrn: MegatronLearner, model_dir: str, work: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # not a plain exit: see megarl.distributed.lifetime

@@ -13,6 +13,7 @@ from megatron.core import parallel_state
 
 from megarl.algo.config import LossConfig
 from megarl.config.schema import LearnerConfig
+from megarl.distributed.lifetime import exit_process
 from megarl.learner.megatron import MegatronLearner
 
 model_dir, batch_path, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
@@ -28,3 +29,4 @@ for name, layout in layouts.items():
                f"{out_dir}/{name}.rank{dist.get_rank()}.pt")
     parallel_state.destroy_model_parallel()
 dist.destroy_process_group()
+exit_process(0)  # not a plain exit: see megarl.distributed.lifetime

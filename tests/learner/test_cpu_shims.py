@@ -50,6 +50,7 @@ SCRIPT = textwrap.dedent('''
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from megarl.algo.config import LossConfig
     from megarl.learner import cpu_shims
+    from megarl.distributed.lifetime import exit_process
     from megarl.config.schema import LearnerConfig
     from megarl.learner.megatron import MegatronLearner
     from megarl.protocols import TrainBatch
@@ -109,10 +110,7 @@ SCRIPT = textwrap.dedent('''
         print("NEEDED " + json.dumps(needed), flush=True)
     dist.barrier()
     dist.destroy_process_group()
-    # The failed attempts leave megatron objects holding gloo work behind; letting the interpreter
-    # tear them down at exit can abort ("terminate called without an active exception"), which says
-    # nothing about the shims: the verdict is printed, leave without that teardown.
-    os._exit(0)
+    exit_process(0)  # not a plain exit (it can abort in gloo's threads): see megarl.distributed.lifetime
 ''')
 
 # (layout, processes, the shims it must need). The multi-rank layouts start with every other shim
@@ -158,6 +156,7 @@ LOAD_SCRIPT = textwrap.dedent('''
     from megarl.checkpoint import learner_state
     from megarl.config.schema import LearnerConfig
     from megarl.learner import cpu_shims
+    from megarl.distributed.lifetime import exit_process
     from megarl.learner.megatron import MegatronLearner
     from megarl.protocols import TrainBatch
 

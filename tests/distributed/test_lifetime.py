@@ -1,0 +1,41 @@
+"""A rank's exit: the status a normal exit would have had, its output flushed, no finalization."""
+import textwrap
+
+import pytest
+
+from tests.helpers import run_python
+
+BODY = {
+    "returns": "print('done')",
+    "exits_with_code": "print('done'); sys.exit(3)",
+    "exits_with_message": "print('done'); sys.exit('bad config: learner.tp')",
+    "raises": "print('done'); raise ValueError('reward function raised')",
+}
+
+
+def run(body: str):
+    # Buffered stdout to a pipe: only the flush in exit_process gets 'done' out before os._exit; the
+    # atexit hook shows whether interpreter finalization ran (it must not).
+    script = textwrap.dedent(f"""
+        import atexit, sys
+        from megarl.distributed.lifetime import run_then_exit
+        atexit.register(lambda: print('finalized'))
+        def main():
+            {body}
+        run_then_exit(main)
+    """)
+    return run_python("-c", script, timeout=60)
+
+
+@pytest.mark.parametrize("case, code", [("returns", 0), ("exits_with_code", 3), ("exits_with_message", 1),
+                                        ("raises", 1)])
+def test_exit_status_is_what_a_normal_exit_would_give(case, code):
+    proc = run(BODY[case])
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout == "done\n"  # flushed, and no finalization (the atexit hook never printed)
+
+
+def test_the_failure_is_printed():
+    assert "bad config: learner.tp" in run(BODY["exits_with_message"]).stderr
+    stderr = run(BODY["raises"]).stderr
+    assert "Traceback" in stderr and "ValueError: reward function raised" in stderr
