@@ -147,7 +147,7 @@ class AlgoConfig:
 class PublishConfig:
     bucket_mb: float = 16.0  # tensors are packed into flat buffers of at most this size
     timeout_s: float = 120.0  # one version's broadcast, end to end
-    checksum: bool = True  # verify a CRC of every bucket on the receiving side
+    checksum: bool = True  # verify every bucket's checksum (publish.bucket_checksum) on the receiving side
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Usage: publish_worker.py OUT_DIR MODE   (MODE: ok | corrupt)
 Each receiver writes, per version, the received tensors' checksums to OUT_DIR/rank{r}.json; the
-publisher writes what it sent to OUT_DIR/sent.json. `corrupt` makes the header's CRCs wrong.
+publisher writes what it sent to OUT_DIR/sent.json. `corrupt` makes the header's checksums wrong.
 """
 import json
 import os
@@ -15,6 +15,7 @@ import torch
 
 from megarl.config.schema import Config
 from megarl.distributed import publish as pub
+from megarl.distributed.lifetime import exit_process
 from megarl.distributed.topology import Topology, connect_store, publish_group
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
@@ -34,15 +35,15 @@ def weights(version: int) -> dict[str, torch.Tensor]:
             "e.weight": torch.randn(90, 40, generator=g).t()}
 
 
-def crc(t: torch.Tensor) -> int:
+def crc(t: torch.Tensor) -> int:  # independent of the checksum under test
     return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
 
 
 if rank == 0:
     publisher = pub.WeightPublisher(group, store, bucket_mb=0.01, timeout_s=60, checksum=True)
     if mode == "corrupt":
-        real_crc = pub._crc
-        pub._crc = lambda b: real_crc(b) ^ 1  # the header lies: every receiver must refuse the version
+        real_checksum = pub.bucket_checksum
+        pub.bucket_checksum = lambda b: [x ^ 1 for x in real_checksum(b)]  # the header lies: receivers must refuse
     sent = {}
     for v in range(1, VERSIONS + 1):
         w = weights(v)
@@ -70,3 +71,4 @@ else:
     recv.thread.join(60)
     result = {"received": received, "error": repr(recv.error) if recv.error else None}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+exit_process(0)  # not a plain exit: see megarl.distributed.lifetime

@@ -77,3 +77,34 @@ def test_corrupted_bucket_is_refused_by_every_receiver(tmp_path):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["received"] == {}
         assert "checksum mismatch for version 1" in got["error"]
+
+
+def test_the_bucket_checksum_sees_every_flipped_byte_and_misplaced_chunk():
+    """Against the bytes themselves: equal bytes give equal checksums whatever the tensor's dtype, offset
+    or thread count; one changed byte anywhere (words and trailing bytes) or two swapped chunks change it."""
+    from megarl.distributed.publish import CHECKSUM_CHUNK_WORDS, bucket_checksum
+
+    g = torch.Generator().manual_seed(0)
+    nbytes = 3 * CHECKSUM_CHUNK_WORDS * 8 + 8 * 5 + 6  # three whole chunks, loose words, trailing bytes
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    reference = bucket_checksum(data)
+    assert bucket_checksum(data.clone().view(torch.bfloat16)) == reference  # bytes, not values
+    unaligned = torch.cat([torch.zeros(2, dtype=torch.uint8), data])[2:]  # storage offset 2
+    assert unaligned.storage_offset() % 8 and bucket_checksum(unaligned) == reference
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert bucket_checksum(data) == reference
+    finally:
+        torch.set_num_threads(threads)
+    for position in [0, 7, 8 * CHECKSUM_CHUNK_WORDS, nbytes - 7, nbytes - 1,
+                     *torch.randint(0, nbytes, (20,), generator=g).tolist()]:
+        for flip in (1, 128):
+            changed = data.clone()
+            changed[position] ^= flip
+            assert bucket_checksum(changed) != reference, (position, flip)
+    chunk = 8 * CHECKSUM_CHUNK_WORDS
+    swapped = data.clone()
+    swapped[:chunk], swapped[chunk:2 * chunk] = data[chunk:2 * chunk], data[:chunk]
+    assert bucket_checksum(swapped) != reference
+    assert bucket_checksum(torch.zeros_like(data)) != reference
