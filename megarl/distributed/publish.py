@@ -3,11 +3,13 @@
 Protocol (publish group rank 0 = learner source, ranks 1.. = samplers):
   1. once per run the source writes the *spec* (HF name, shape, dtype of every tensor, in
      broadcast order) to the store; receivers check it against their engine's weights.
-  2. per publish (numbered 1, 2, ...) the source writes a header {version, checksum per bucket, extra}
+  2. per publish (numbered 1, 2, ...) the source writes a header {version, checksum: bool, extra}
      under `publish/{n}`, then broadcasts each bucket (a flat buffer of whole tensors of one dtype, at most
-     `bucket_mb`) over the group.
+     `bucket_mb`) over the group; with checksums on, it sums each bucket while it is on the wire and
+     writes the sums under `publish/{n}/checksums` once the last bucket is sent.
   3. a receiver thread waits for the header, receives the buckets into a staging buffer set,
-     verifies the checksums and hands the tensors (views into the staging buffers) to a callback;
+     sums each bucket as it lands, compares with the source's sums and hands the tensors (views into
+     the staging buffers) to a callback;
      the engine swaps them in at its next step boundary, so decoding overlaps the transfer.
 Publishes are numbered separately from policy versions because a version may advance by more than
 one between publishes (sync mode trains K steps, a skipped step advances none).
@@ -32,6 +34,10 @@ CHECKSUM_CHUNK_WORDS = 8192  # 64 KiB: the granularity at which the second sum s
 
 def header_key(publish_index: int) -> str:
     return f"publish/{publish_index}"
+
+
+def checksums_key(publish_index: int) -> str:
+    return f"publish/{publish_index}/checksums"
 
 
 @dataclass(frozen=True)
@@ -122,9 +128,8 @@ class WeightPublisher:
     """Learner side: `publish(version, named_tensors)` after every optimizer step.
 
     All of a version's buckets are in flight at once (gloo runs them in order, without a round trip
-    between buckets).  Without checksums the header goes first and packing bucket i+1 overlaps sending
-    bucket i; with checksums the header must carry every bucket's checksum, so all buckets are packed and
-    summed before the first is sent.  A bucket holding one contiguous tensor sends that tensor as is
+    between buckets).  The header goes first; packing and summing bucket i+1 overlap sending bucket i
+    (the sums travel after the buckets, not in the header, so nothing waits for them).  A bucket holding one contiguous tensor sends that tensor as is
     (no copy into a staging buffer); staging buffers exist only for buckets that need packing.
     """
 
@@ -150,23 +155,20 @@ class WeightPublisher:
         self._check(named)
         self.published += 1
         count = len(self.buckets)
-        sends = []
+        self.store.set(header_key(self.published),
+                       json.dumps({"version": version, "checksum": self.checksum, "extra": extra or {}}))
+        sends, sums = [], []
+        for i in range(count):
+            flat = self._flat(i, named)
+            sends.append(self._send(flat, version, i))
+            if self.checksum:  # while the bucket is on the wire: the broadcast only reads it
+                sums.append(bucket_checksum(flat))
         if self.checksum:
-            flats = [self._flat(i, named) for i in range(count)]
-            self._write_header(version, [bucket_checksum(flat) for flat in flats], extra)
-            sends = [self._send(flat, version, i) for i, flat in enumerate(flats)]
-        else:
-            self._write_header(version, None, extra)
-            for i in range(count):
-                sends.append(self._send(self._flat(i, named), version, i))
+            self.store.set(checksums_key(self.published), json.dumps(sums))
         for send in sends:
             send.wait()
         nbytes = sum(b.numel * b.dtype.itemsize for b in self.buckets)
         return {"bytes": nbytes, "seconds": time.perf_counter() - start}
-
-    def _write_header(self, version: int, checksums: list[list[int]] | None, extra: dict | None) -> None:
-        self.store.set(header_key(self.published),
-                       json.dumps({"version": version, "checksums": checksums, "extra": extra or {}}))
 
     def _send(self, flat: torch.Tensor, version: int, index: int) -> _Broadcast:
         return _Broadcast(self.group, flat, self.timeout, f"version {version} bucket {index + 1}/{len(self.buckets)}")
@@ -250,14 +252,15 @@ class WeightReceiver:
             self._load_spec()
             while True:
                 self._wait_key(header_key(self.next_index))
-                self._receive(self.next_index % 2, json.loads(self.store.get(header_key(self.next_index))))
+                self._receive(self.next_index, json.loads(self.store.get(header_key(self.next_index))))
                 self.next_index += 1
         except _Stopped:
             pass
         except BaseException as exc:  # surfaced to the sampler loop through `error`
             self.error = exc
 
-    def _receive(self, set_index: int, header: dict) -> None:
+    def _receive(self, index: int, header: dict) -> None:
+        set_index = index % 2
         version, buffers = header["version"], self.buffer_sets[set_index]
         deadline = time.monotonic() + self.timeout.total_seconds()
         # The engine may still run on the weights this set last received; the set is free once it
@@ -275,11 +278,12 @@ class WeightReceiver:
         got = []
         for receive, buffer in zip(receives, buffers):
             receive.wait()
-            if header["checksums"] is not None:  # checksum bucket i while the later ones are still arriving
+            if header["checksum"]:  # sum bucket i while the later ones are still arriving
                 got.append(bucket_checksum(buffer))
-        if header["checksums"] is not None:
-            if got != header["checksums"]:
-                bad = [i for i, (a, b) in enumerate(zip(got, header["checksums"])) if a != b]
+        if header["checksum"]:
+            sent = self._sent_checksums(index, deadline)
+            if got != sent:
+                bad = [i for i, (a, b) in enumerate(zip(got, sent)) if a != b]
                 raise RuntimeError(f"weight publish: checksum mismatch for version {version} in buckets {bad}")
         tensors = {}
         for bucket, buffer in zip(self.buckets, buffers):
@@ -287,6 +291,17 @@ class WeightReceiver:
                 tensors[slot.name] = buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self.on_version(version, tensors, header.get("extra", {}))
 
+
+    def _sent_checksums(self, index: int, deadline: float) -> list[list[int]]:
+        """The source's sums of publish `index`: written right after its last bucket was sent, so normally
+        already there once every bucket arrived."""
+        key = checksums_key(index)
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight receive: every bucket of publish {index} arrived but its checksums "
+                                   f"({key}) were not in the store within {self.timeout.total_seconds():.0f}s")
+            time.sleep(HEADER_POLL_S)
+        return json.loads(self.store.get(key))
 
 class _Stopped(Exception):
     pass

@@ -12,7 +12,7 @@ Protocol (every key lives in the torchrun store, like the built-in publish path)
      /init_weights_update_group at the rank offset topology.sglang_group_layout gives it.
   1. once, before the first header: SPEC_KEY {format, calls}: the [name, shape, dtype] lists of the
      /update_weights_from_distributed calls of every publish, in order.
-  2. per publish n: the header `publish.header_key(n)` = {version, checksums: null, extra}, exactly the
+  2. per publish n: the header `publish.header_key(n)` = {version, checksum: false, extra}, exactly the
      built-in path's header, so the retired counts in `extra` reach the samplers' staleness budget.
   3. per call, from group rank 0: "flattened_bucket" — one broadcast of the bucket's bytes, tensors
      back to back in names order (SGLang's FlattenedTensorBucket layout, load_format
@@ -117,7 +117,7 @@ class SGLangPublisher:
         if self.calls is None:
             self._plan(named)
         self.published += 1
-        header = {"version": version, "checksums": None, "extra": extra or {}}
+        header = {"version": version, "checksum": False, "extra": extra or {}}
         self.store.set(header_key(self.published), json.dumps(header))
         nbytes = 0
         for i, (call, buffer) in enumerate(zip(self.calls, self.buffers)):

@@ -43,7 +43,7 @@ if rank == 0:
     publisher = pub.WeightPublisher(group, store, bucket_mb=0.01, timeout_s=60, checksum=True)
     if mode == "corrupt":
         real_checksum = pub.bucket_checksum
-        pub.bucket_checksum = lambda b: [x ^ 1 for x in real_checksum(b)]  # the header lies: receivers must refuse
+        pub.bucket_checksum = lambda b: [x ^ 1 for x in real_checksum(b)]  # the sent sums lie: receivers must refuse
     sent = {}
     for v in range(1, VERSIONS + 1):
         w = weights(v)
