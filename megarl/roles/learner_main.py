@@ -132,6 +132,59 @@ def share_batch(batch: TrainBatch | None) -> TrainBatch:
     return batch if batch is not None else box[0]
 
 
+def train_on(learner, batch: TrainBatch, cfg: Config, step: int, nonfinite_in_row: int) -> tuple[dict, int]:
+    """The optimizer steps of one batch (`sync_epochs`, 1 in pipeline mode): (last step's metrics, the
+    count of non-finite steps in a row so far). Raises once that count reaches the limit; every learner
+    rank sees the same metrics, so all of them stop together."""
+    for _ in range(cfg.algo.sync_epochs):
+        # Later epochs see the same tokens one more version behind: the lag metrics say so.
+        metrics = learner.train_step(replace(batch, learner_version=learner.version))
+        nonfinite_in_row = nonfinite_in_row + 1 if metrics["skipped_nonfinite"] else 0
+        if nonfinite_in_row >= cfg.learner.max_nonfinite_in_row:
+            raise RuntimeError(
+                f"learner: {nonfinite_in_row} optimizer steps in a row had a non-finite loss or grad norm "
+                f"(last: loss={metrics['loss']}, grad_norm={metrics['grad_norm']}) and were skipped; "
+                f"stopping at step {step} (learner.max_nonfinite_in_row={cfg.learner.max_nonfinite_in_row}). "
+                "Lower learner.lr or check the rewards and data.")
+    return metrics, nonfinite_in_row
+
+
+class RunOutputs:
+    """The lead's record of the run: metrics.jsonl + TensorBoard, rollouts.jsonl, the progress line and
+    the timeline spans; one `record` per step."""
+
+    def __init__(self, cfg: Config, rank: int, recovery: dict[str, float]):
+        self.metrics = MetricsSink(cfg.run.dir, cfg.run.tensorboard)
+        self.rollouts = RolloutSink(cfg.run.dir) if cfg.run.log_rollouts else None
+        self.progress = ProgressLine(cfg.run.steps, cfg.run.progress)
+        self.timeline = Timeline(cfg.run.dir, f"learner{rank}") if cfg.run.timeline else None
+        self.recovery = recovery  # restarts / redone_steps, when this run resumed after a failure
+        self.last = time.perf_counter()
+
+    def record(self, step: int, batch: TrainBatch, metrics: dict, wall: list[float], published: dict,
+               version: int) -> None:
+        """`wall`: the step's span boundaries (wait | train | publish); `version`: the one it trained from."""
+        if self.timeline is not None:
+            for kind, start, end in zip(("wait", "train", "publish"), wall, wall[1:]):
+                self.timeline.span(kind, start, end)
+        now = time.perf_counter()
+        metrics = {**metrics, **batch_metrics(batch), **self.recovery,
+                   "tokens_per_s": batch.num_tokens / (now - self.last), "train_s": wall[2] - wall[1],
+                   "publish_s": published["seconds"], "publish_bytes": published["bytes"]}
+        self.last = now
+        self.metrics.log(step, metrics)
+        if self.rollouts is not None:
+            self.rollouts.log(batch.samples, trained_at_step=version)
+        self.progress.update(step + 1, metrics)
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.rollouts is not None:
+            self.rollouts.close()
+        if self.timeline is not None:
+            self.timeline.close()
+
+
 def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -153,9 +206,10 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     resumed = learner_state.load(learner, resume_from) if resume_from is not None else None
     start_step = resumed["step"] if resumed else 0
     schedule = Schedule(cfg, start_step)
-    intake, recovery = None, {}
+    intake, outputs = None, None
     if lead:
         intake = Intake(cfg, store, AutoTokenizer.from_pretrained(model_dir).pad_token_id, topo)
+        recovery = {}
         if resumed:
             intake.resume(resumed["run"]["data_position"])
             dropped = roll_back_outputs(cfg.run.dir, resumed)  # before the sinks below append to the files
@@ -169,33 +223,20 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             from megarl.distributed.sglang_publish import SGLangPublisher
 
             publisher = SGLangPublisher.from_config(cfg, store, topo.num_samplers)  # waits for every server
-        metrics_sink = MetricsSink(cfg.run.dir, cfg.run.tensorboard)
-        rollout_sink = RolloutSink(cfg.run.dir) if cfg.run.log_rollouts else None
-        progress = ProgressLine(cfg.run.steps, cfg.run.progress)
-        timeline = Timeline(cfg.run.dir, f"learner{topo.rank}") if cfg.run.timeline else None
+        outputs = RunOutputs(cfg, topo.rank, recovery)
     try:
         if resumed:  # the samplers generate nothing before they run the resumed weights
             publish_weights(learner, publisher, intake.header() if lead else {})
-        last = time.perf_counter()
         nonfinite_in_row = 0
         for step in range(start_step, cfg.run.steps):
             if schedule.due(step):  # `step` steps are trained and logged
                 save_checkpoint(learner, cfg, step, model_dir, intake)
             version = learner.version  # differs from `step` once a non-finite step was skipped
-            wall = [time.time()]  # span boundaries for the timeline: wait | train | publish
+            wall = [time.time()]
             batch, intake_metrics = intake.next_batch(version) if lead else (None, {})
             batch = share_batch(batch)
             wall.append(time.time())
-            for _ in range(cfg.algo.sync_epochs):  # 1 in pipeline mode (validated)
-                # Later epochs see the same tokens one more version behind: the lag metrics say so.
-                metrics = learner.train_step(replace(batch, learner_version=learner.version))
-                nonfinite_in_row = nonfinite_in_row + 1 if metrics["skipped_nonfinite"] else 0
-                if nonfinite_in_row >= cfg.learner.max_nonfinite_in_row:  # same on every learner rank
-                    raise RuntimeError(
-                        f"learner: {nonfinite_in_row} optimizer steps in a row had a non-finite loss or grad norm "
-                        f"(last: loss={metrics['loss']}, grad_norm={metrics['grad_norm']}) and were skipped; "
-                        f"stopping at step {step} (learner.max_nonfinite_in_row={cfg.learner.max_nonfinite_in_row}). "
-                        "Lower learner.lr or check the rewards and data.")
+            metrics, nonfinite_in_row = train_on(learner, batch, cfg, step, nonfinite_in_row)
             wall.append(time.time())
             published = {"bytes": 0, "seconds": 0.0}
             if learner.version != version:  # a skipped (non-finite) step changed nothing to publish
@@ -203,24 +244,9 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 published = publish_weights(learner, publisher, intake.header() if lead else {},
                                             intake if lead else None)
             wall.append(time.time())
-            if not lead:
-                continue
-            if timeline is not None:
-                for kind, start, end in zip(("wait", "train", "publish"), wall, wall[1:]):
-                    timeline.span(kind, start, end)
-            now = time.perf_counter()
-            metrics.update(batch_metrics(batch))
-            metrics.update(intake_metrics)
-            metrics.update(recovery)  # restarts / redone_steps, when this run resumed after a failure
-            metrics.update({
-                "tokens_per_s": batch.num_tokens / (now - last), "train_s": wall[2] - wall[1],
-                "publish_s": published["seconds"], "publish_bytes": published["bytes"], "version": learner.version,
-            })
-            last = now
-            metrics_sink.log(step, metrics)
-            if rollout_sink is not None:
-                rollout_sink.log(batch.samples, trained_at_step=version)
-            progress.update(step + 1, metrics)
+            if lead:
+                outputs.record(step, batch, {**metrics, **intake_metrics, "version": learner.version}, wall,
+                               published, version)
         if schedule.due(cfg.run.steps):
             save_checkpoint(learner, cfg, cfg.run.steps, model_dir, intake)
         if lead and cfg.checkpoint.export_dir:
@@ -230,12 +256,9 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     finally:
         if lead:
             store.set(STOP_KEY, "learner stopped")
-            metrics_sink.close()
-            if rollout_sink is not None:
-                rollout_sink.close()
             intake.queue.close()
-            if timeline is not None:
-                timeline.close()
+            if outputs is not None:
+                outputs.close()
             if sglang:
                 publisher.close()  # before interpreter shutdown: servers are still connected to its store
 
