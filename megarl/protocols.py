@@ -45,7 +45,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
-    finish_reason: str  # "stop" (a stop token was produced, and is included) or "length"
+    # "stop" (a stop token was produced, and is included) or "length"; "abort": ended early on request
+    # (BuiltinEngine.cancel, an SGLang abort), the tokens are those produced until then.
+    finish_reason: str
 
 
 @dataclass

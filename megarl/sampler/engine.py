@@ -18,6 +18,12 @@ it is admitted, finishes, or a swap starts a new version.  Lengths and versions 
 the engine's decode-step count, and a version changes only at a swap): an ordinary decode step reads
 nothing back from the device but the stop-token check.  Running sequences always occupy slots [0, n):
 the model's forward then works on a view of the cache instead of gathering it.
+
+Between steps, on the stepping thread, a server can also look at and end requests before they finish
+(megarl/sampler/sglang_server.py streams and aborts with them): `progress()` reads the output so far
+of running requests (a gather of just the asked-for tokens), and `cancel()` removes running or queued
+requests and returns their partial output as completions with finish_reason "abort".  Neither adds
+work to a step.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Iterable, Mapping
 
 import torch
 
@@ -118,9 +125,21 @@ class _Running:
     # (completion index, version): where the tokens of each version begin; a swap appends one.
     version_starts: list[tuple[int, int]]
 
-    def versions(self, num_tokens: int) -> list[int]:
-        ends = [start for start, _ in self.version_starts[1:]] + [num_tokens]
-        return [v for (start, v), end in zip(self.version_starts, ends) for _ in range(end - start)]
+    def versions(self, end: int, begin: int = 0) -> list[int]:
+        """The versions of completion tokens [begin, end)."""
+        ends = [start for start, _ in self.version_starts[1:]] + [end]
+        return [v for (start, v), stop in zip(self.version_starts, ends)
+                for _ in range(max(start, begin), min(stop, end))]
+
+
+@dataclass
+class Progress:
+    """The output so far of a running request, from completion token `start` on (see `BuiltinEngine.progress`)."""
+
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
 
 
 class BuiltinEngine:
@@ -186,7 +205,7 @@ class BuiltinEngine:
         # freeing a version's buffers costs milliseconds per 100 MB, which belongs on the staging thread.
         self._retired: RuntimeWeights | None = None
         self._stats = {"tokens_decoded": 0, "decode_steps": 0, "prefill_tokens": 0, "requests_finished": 0,
-                       "swaps": 0, "swap_time_s": 0.0, "decode_time_s": 0.0}
+                       "requests_cancelled": 0, "swaps": 0, "swap_time_s": 0.0, "decode_time_s": 0.0}
 
     @classmethod
     def from_pretrained(cls, model_dir: str, **kw) -> "BuiltinEngine":
@@ -264,6 +283,55 @@ class BuiltinEngine:
             if version < newest:
                 raise ValueError(f"stage_weights: version {version} is older than {newest}")
             self._staged = (staged, version)
+
+    # ------------------------------------------------------------------ between steps (the stepping thread only)
+    def progress(self, since: Mapping[str, int] | None = None) -> dict[str, Progress]:
+        """request id -> the output so far of each running request: its completion tokens from index
+        `since[request_id]` on (all of them without `since`), with their behaviour log-probs and versions.
+
+        With `since`, only the running requests it names are reported (queued ones have no output yet).
+        It gathers only the reported tokens and their log-probs (two small device->host reads), so asking
+        for what is new (since = tokens already seen) keeps it cheap enough to call after every step.
+        Call it between steps, from the thread that calls `step()`.
+        """
+        wanted = [(slot, r, 0 if since is None else since[r.request.request_id])
+                  for slot, r in enumerate(self._running) if since is None or r.request.request_id in since]
+        if not wanted:
+            return {}
+        # Completion tokens [begin, end) of each reported request; end - begin is at least 0.
+        ends = [self._seq_len(r) - r.prompt_len for _, r, _ in wanted]
+        begins = [min(start, end) for (_, _, start), end in zip(wanted, ends)]
+        width = max(end - begin for begin, end in zip(begins, ends))
+        token_rows = logprob_rows = [[]] * len(wanted)
+        if width:
+            rows = torch.tensor([slot for slot, _, _ in wanted], device=self.device)[:, None]
+            first = torch.tensor([r.prompt_len + b for (_, r, _), b in zip(wanted, begins)], device=self.device)
+            cols = (first[:, None] + torch.arange(width, device=self.device)).clamp_(max=self.max_seq_len - 1)
+            token_rows = self._slot["tokens"][rows, cols].tolist()
+            logprob_rows = self._slot["logprobs"][rows, cols].tolist()
+        return {r.request.request_id: Progress(begin, tokens[:end - begin], logprobs[:end - begin],
+                                               r.versions(end, begin))
+                for (_, r, _), begin, end, tokens, logprobs in zip(wanted, begins, ends, token_rows, logprob_rows)}
+
+    def cancel(self, request_ids: Iterable[str]) -> list[Completion]:
+        """End running or queued requests now, between steps; return their output so far as completions
+        with finish_reason "abort" (a queued request has no tokens).  KeyError names any id that is
+        neither running nor queued (finished requests are gone).  Call it from the thread that calls
+        `step()`.
+        """
+        ids = set(request_ids)
+        queued = [r for r in self._waiting if r.request_id in ids]
+        slots = [slot for slot, r in enumerate(self._running) if r.request.request_id in ids]
+        unknown = ids - {r.request_id for r in queued} - {self._running[slot].request.request_id for slot in slots}
+        if unknown:
+            raise KeyError(f"cancel: request ids {sorted(unknown)} are neither running nor queued")
+        self._waiting = deque(r for r in self._waiting if r.request_id not in ids)
+        completions = [Completion(r.request_id, list(r.prompt_ids), [], [], [], finish_reason="abort")
+                       for r in queued]
+        if slots:
+            completions += self._remove(slots, ["abort"] * len(slots))
+        self._stats["requests_cancelled"] += len(completions)
+        return completions
 
     # ------------------------------------------------------------------ conveniences
     def stats(self) -> dict:
@@ -407,11 +475,17 @@ class BuiltinEngine:
         done_slots = sorted(set(stopped) | set(by_length))
         if not done_slots:
             return []
+        stopped_set = set(stopped)
+        completions = self._remove(done_slots, ["stop" if slot in stopped_set else "length" for slot in done_slots])
+        self._stats["requests_finished"] += len(completions)
+        return completions
 
-        index = torch.tensor(done_slots, device=self.device)
+    def _remove(self, slots: list[int], finish_reasons: list[str]) -> list[Completion]:
+        """The completions of running `slots` (ascending) with their finish reasons; frees and packs the slots."""
+        index = torch.tensor(slots, device=self.device)
         token_rows, logprob_rows = self._slot["tokens"][index].tolist(), self._slot["logprobs"][index].tolist()
-        stopped_set, completions = set(stopped), []
-        for slot, token_row, logprob_row in zip(done_slots, token_rows, logprob_rows):
+        completions = []
+        for slot, reason, token_row, logprob_row in zip(slots, finish_reasons, token_rows, logprob_rows):
             record = self._running[slot]
             begin, end = record.prompt_len, self._seq_len(record)
             completions.append(Completion(
@@ -420,10 +494,9 @@ class BuiltinEngine:
                 token_ids=token_row[begin:end],
                 logprobs=logprob_row[begin:end],
                 versions=record.versions(end - begin),
-                finish_reason="stop" if slot in stopped_set else "length",
+                finish_reason=reason,
             ))
-        self._pack_slots(set(done_slots))
-        self._stats["requests_finished"] += len(completions)
+        self._pack_slots(set(slots))
         return completions
 
     def _pack_slots(self, done: set[int]) -> None:

@@ -12,10 +12,19 @@ weight-update group (learner side: megarl/distributed/sglang_publish.py):
     /flush_cache                                   only with sampler.sglang.cache_on_update=flush
     /continue_generation                           the paused requests go on under the new weights
 
+Streams (SGLang's default, non-incremental): a chunk every `--stream-interval` tokens, each holding
+every token so far (`output_ids`, `meta_info.output_token_logprobs`), finish_reason set on the last.
+The client reads them as they come and keeps only the last chunk and each chunk's token count and
+label, so a long stream costs memory for one chunk, not for all of them.
+
 Per-token versions (the argument is in docs/sglang.md): the server stamps its weight-version label
 on everything it returns. When meta_info carries `weight_versions` spans (newer SGLang, and megarl's
 built-in server) they are the scheduler's own per-token accounting and are used as they are.
 Otherwise every token takes the label of the first stream chunk that delivered it.
+
+A request the server aborts (finish_reason "abort": someone paused with mode "abort", or the server
+gave up on it) fails with SGLangError naming how many tokens it had: megarl never asks for aborts,
+and a partial rollout must not be trained on as if it had finished.
 
 The server is started with the command of `server_command` (real SGLang on GPU, or
 `python -m megarl.sampler.sglang_server` on CPU), bound to 127.0.0.1, logging to a file whose tail
@@ -35,6 +44,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from megarl.distributed.publish import header_key
 from megarl.distributed.sglang_publish import GROUP_KEY, SPEC_KEY, load_spec, update_body
@@ -74,30 +84,38 @@ def versions_from_stamps(stamps: list[tuple[int, str]], n: int) -> list[int]:
     return versions
 
 
-def completion_from_chunks(request: GenerationRequest, chunks: list[dict]) -> Completion:
-    """Build the Completion of one /generate stream (SGLang's cumulative chunks, the last one finished).
+def completion_from_chunks(request: GenerationRequest, chunks: Iterable[dict]) -> Completion:
+    """Build the Completion of one /generate stream (SGLang's cumulative chunks, the last one finished),
+    reading the chunks as they come.  An aborted stream gives finish_reason "abort" and the tokens it had.
 
     The token ids are those of `output_token_logprobs` ([logprob, token_id, text] triples): every
     sampled token, the matched stop token included, whatever the server's stop trimming does to
-    `output_ids`."""
-    final = chunks[-1]
+    `output_ids` (and an abort of a streamed request queued in SGLang's waiting queue sends only the
+    last output id, tokenizer_manager._handle_abort_req)."""
+    stamps, final = [], None  # (tokens delivered, label) of every chunk; the last chunk
+    for chunk in chunks:
+        meta = chunk["meta_info"]
+        stamps.append((len(meta["output_token_logprobs"]), meta["weight_version"]))
+        final = chunk
+    if final is None:
+        raise ValueError(f"request {request.request_id}: the stream had no chunks")
     meta = final["meta_info"]
     reason = meta.get("finish_reason") or {}
-    if reason.get("type") not in ("stop", "length"):
-        raise ValueError(f"request {request.request_id} ended with finish_reason {reason} (aborted by the server?)")
+    if reason.get("type") not in ("stop", "length", "abort"):
+        raise ValueError(f"request {request.request_id}: the last chunk has finish_reason {reason}")
     triples = meta["output_token_logprobs"]
     token_ids = [int(t) for _, t, _ in triples]
-    if final["output_ids"] != token_ids[:len(final["output_ids"])]:
-        raise ValueError(f"request {request.request_id}: output_ids {final['output_ids']} disagree with the "
-                         f"token ids of output_token_logprobs {token_ids}")
     if meta.get("completion_tokens", len(token_ids)) != len(token_ids):
         raise ValueError(f"request {request.request_id}: completion_tokens={meta['completion_tokens']} but "
-                         f"{len(token_ids)} output_token_logprobs")
+                         f"{len(token_ids)} output_token_logprobs (megarl reads SGLang's default cumulative "
+                         f"chunks: is the server running with --incremental-streaming-output?)")
+    if reason["type"] != "abort" and final["output_ids"] != token_ids[:len(final["output_ids"])]:
+        raise ValueError(f"request {request.request_id}: output_ids {final['output_ids']} disagree with the "
+                         f"token ids of output_token_logprobs {token_ids}")
     if meta.get("weight_versions"):
         versions = versions_from_spans(meta["weight_versions"], len(token_ids))
-    else:  # SGLang's default stream chunks are cumulative: output_ids holds every token so far
-        stamps = [(len(c["output_ids"]), c["meta_info"]["weight_version"]) for c in chunks[:-1]]
-        versions = versions_from_stamps(stamps + [(len(token_ids), meta["weight_version"])], len(token_ids))
+    else:
+        versions = versions_from_stamps(stamps, len(token_ids))
     return Completion(request_id=request.request_id, prompt_ids=list(request.prompt_ids), token_ids=token_ids,
                       logprobs=[float(lp) for lp, _, _ in triples], versions=versions,
                       finish_reason=reason["type"])
@@ -235,27 +253,28 @@ class HTTPClient:
         finally:
             conn.close()
 
-    def stream(self, route: str, body: dict) -> list[dict]:
-        """POST a streaming request; the SSE `data: {...}` chunks up to `data: [DONE]`."""
+    def stream(self, route: str, body: dict) -> Iterator[dict]:
+        """POST a streaming request; yield its SSE `data: {...}` chunks as they arrive, up to `data: [DONE]`."""
         conn, resp = self._open("POST", route, body, self.timeout_s)
-        chunks = []
+        count = 0
         try:
             if resp.status != 200:
                 raise self.error(route, f"HTTP {resp.status}: {resp.read()[:2000].decode(errors='replace')}")
             while True:
                 line = resp.readline()
                 if not line:
-                    raise self.error(route, f"the stream ended without data: [DONE] after {len(chunks)} chunks")
+                    raise self.error(route, f"the stream ended without data: [DONE] after {count} chunks")
                 line = line.strip()
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":
-                    return chunks
+                    return
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise self.error(route, f"request {body.get('rid')} failed: {chunk['error']}")
-                chunks.append(chunk)
+                count += 1
+                yield chunk
         except (TimeoutError, OSError) as exc:
             raise self.error(route, f"no stream data for {self.timeout_s:.0f}s "
                                     f"(sampler.sglang.request_timeout_s) or connection lost: {exc!r}") from None
@@ -357,12 +376,16 @@ class SGLangEngine:
         return dict(self._stats, version=self._version, running=running, waiting=self._unfinished - running)
 
     def _generate(self, request: GenerationRequest) -> Completion:
-        chunks = self.client.stream("/generate", generate_body(request))
         try:
-            return completion_from_chunks(request, chunks)
-        except (KeyError, ValueError) as exc:
+            completion = completion_from_chunks(request, self.client.stream("/generate", generate_body(request)))
+        except (KeyError, TypeError, ValueError) as exc:
             raise SGLangError(f"/generate on SGLang server {self.client.url}: unusable response for request "
                               f"{request.request_id}: {exc!r}") from None
+        if completion.finish_reason == "abort":
+            raise SGLangError(f"/generate on SGLang server {self.client.url}: request {request.request_id} was "
+                              f"aborted by the server after {len(completion.token_ids)} tokens (megarl pauses with "
+                              f"mode {self.pause_mode!r}, never 'abort': who aborted it? see the server log)")
+        return completion
 
     # ------------------------------------------------------------------ weight updates
     def join_update_group(self, group: dict, rank_offset: int) -> None:

@@ -14,20 +14,32 @@ POST /generate (input_ids; sampling_params; return_logprob; stream as SSE `data:
 /init_weights_update_group, /update_weights_from_distributed (per tensor, or load_format
 "flattened_bucket"), /destroy_weights_update_group.
 
-Threads: HTTP handlers never touch the engine. One engine thread owns `BuiltinEngine` (its public API
-only) and runs: admit queued requests, stage received weights, `step()`, deliver finished requests.
-Handlers talk to it through `EngineLoop`, whose condition variable guards the shared state.
+Streams are SGLang's default (non-incremental) ones: a chunk every `--stream-interval` tokens (or the
+request's sampling param `stream_interval`; the first token always), each cumulative — `output_ids`,
+`meta_info.output_token_logprobs` and `text` (none with --skip-tokenizer-init) hold every token so far,
+`finish_reason` is null until the last chunk — then `data: [DONE]`. A chunk a slow reader missed is
+skipped: the next one has it all (SGLang's sources: docs/sglang.md, "Streams, aborts and disconnects").
+An abort (pause mode "abort", or the client hanging up) ends a request with the tokens it has, and
+finish_reason {"type": "abort", ...}.
 
-Where it differs from SGLang (all follow from the engine's public API, which returns a request only
-when it finishes):
-  * a stream carries one data chunk, at the end (SGLang with --stream-interval >= max_new_tokens);
+Threads: HTTP handlers never touch the engine. One engine thread owns `BuiltinEngine` (its public API
+only) and runs: admit queued requests, stage received weights, `step()`, read the new tokens of
+streamed requests (`progress`), deliver finished ones, end aborted ones (`cancel`). Handlers talk to it
+through `EngineLoop`, whose condition variable guards the shared state.
+
+Where it differs from SGLang:
   * meta_info always carries `weight_versions` spans (newer SGLang's per-token accounting), computed
     exactly from the engine's per-token versions, so a client never has to infer them;
   * pause "in_place" keeps every running request's KV cache (the engine's kv_on_update=keep) and
     "retract" recomputes it under the weights current at continue (kv_on_update=recompute); the engine
     has one policy, chosen at launch with --kv-on-update, and the other mode is refused;
   * /pause_generation returns once the engine has stopped at a step boundary (SGLang returns once the
-    request is queued to its scheduler); an abort returns aborted requests without their partial output;
+    request is queued to its scheduler);
+  * a stream's first chunk holds two tokens: an engine step prefills a new request and decodes it once
+    (SGLang's prefill step ends with a chunk of one);
+  * a client that hangs up is noticed within DISCONNECT_POLL_S (or at the next chunk write) and its
+    request aborted at the next step boundary (SGLang aborts it 2 s after the response ends,
+    TokenizerManager.create_abort_task); the abort of a queued request has no special message;
   * there is no prefix cache: /flush_cache only reports whether SGLang would have flushed (idle or not).
 """
 from __future__ import annotations
@@ -36,6 +48,8 @@ import argparse
 import json
 import logging
 import os
+import select
+import socket
 import sys
 import threading
 import time
@@ -43,14 +57,17 @@ import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Iterator
 
 log = logging.getLogger("megarl.sglang_server")
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT default
+DISCONNECT_POLL_S = 0.5  # a handler waiting for output checks this often whether its client hung up
 PAUSE_MODES = ("abort", "in_place", "retract")
 # SGLang sampling params accepted and ignored: they change text post-processing, not tokens.
 IGNORED_SAMPLING_PARAMS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
-SAMPLING_PARAMS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos"}
+SAMPLING_PARAMS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos",
+                   "stream_interval"}
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
 
@@ -65,11 +82,21 @@ class _Request:
     sampling: object  # megarl.protocols.SamplingParams
     stop_ids: tuple[int, ...]
     return_logprob: bool
+    stream: bool = False
+    stream_interval: int = 1
     created: float = field(default_factory=time.perf_counter)
-    done: threading.Event = field(default_factory=threading.Event)
-    completion: object = None  # megarl.protocols.Completion
+    # Written by the engine thread under EngineLoop.cond: the output so far (streamed requests) or at the
+    # end, the tokens a chunk may show (`published`, advanced every stream_interval tokens) and the
+    # weight-version label when it last advanced (SGLang stamps each output with the label of the moment).
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # engine versions
+    published: int = 0
+    label: str = ""
+    finish: dict | None = None  # SGLang's finish_reason, once finished
     error: str | None = None
-    aborted: bool = False
+    changed: threading.Event = field(default_factory=threading.Event)  # published, finish or error moved
+    done: threading.Event = field(default_factory=threading.Event)  # finished or failed
 
 
 def parse_sampling(params: dict, eos_ids: tuple[int, ...]):
@@ -102,14 +129,21 @@ def weight_version_spans(versions: list[int], labels: dict[int, str]) -> list[di
     return spans
 
 
-def finish_reason(completion, aborted: bool) -> dict:
-    """SGLang's finish reasons (BaseFinishReason.to_json): FINISH_MATCHED_TOKEN, FINISH_LENGTH, FINISH_ABORT."""
-    if aborted:
-        return {"type": "abort", "message": "Aborted by /pause_generation mode abort", "status_code": None,
-                "err_type": None}
+def finish_reason(completion, why: str = "") -> dict:
+    """SGLang's finish reasons (BaseFinishReason.to_json): FINISH_MATCHED_TOKEN, FINISH_LENGTH, FINISH_ABORT
+    (`why`: the abort message)."""
+    if completion.finish_reason == "abort":
+        return {"type": "abort", "message": why, "status_code": None, "err_type": None}
     if completion.finish_reason == "stop":
         return {"type": "stop", "matched": completion.token_ids[-1]}
     return {"type": "length", "length": len(completion.token_ids)}
+
+
+def stream_point_between(before: int, after: int, interval: int) -> bool:
+    """Does a stream chunk fall due as a request's output grows from `before` to `after` tokens?  SGLang's
+    scheduler streams when the count n satisfies n % interval == 1 (every token for interval 1), so the
+    first token always goes out (scheduler_output_processor_mixin.stream_output_generation)."""
+    return any(interval == 1 or n % interval == 1 for n in range(before + 1, after + 1))
 
 
 class EngineLoop:
@@ -120,13 +154,13 @@ class EngineLoop:
         from megarl.sampler.model import load_pretrained
 
         self.args = args
-        self.hf_config, weights = load_pretrained(model_dir)
-        eos = self.hf_config.get("eos_token_id")
+        hf_config, weights = load_pretrained(model_dir)
+        eos = hf_config.get("eos_token_id")
         self.eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.engine_kw = dict(max_running=args.max_running_requests, max_seq_len=args.context_length,
-                              kv_on_update=args.kv_on_update, seed=args.random_seed, device=args.device)
         self.weights = weights  # the full HF-named set the engine runs (or has staged); replaced per update
-        self.engine = BuiltinEngine(self.hf_config, weights, version=0, **self.engine_kw)
+        self.engine = BuiltinEngine(hf_config, weights, version=0, max_running=args.max_running_requests,
+                                    max_seq_len=args.context_length, kv_on_update=args.kv_on_update,
+                                    seed=args.random_seed, device=args.device)
         self.spec = self.engine.weight_spec()
         self.label = args.weight_version  # SGLang's server_args.weight_version: an opaque string
         self.labels = {0: self.label}  # engine version (int, one per staged set) -> label
@@ -137,6 +171,7 @@ class EngineLoop:
         self.paused: str | None = None  # pause mode while paused
         self.stopped_at_boundary = False  # the engine thread is parked (paused) between steps
         self.abort_pending = False
+        self.cancels: set[str] = set()  # request ids to abort at the next step boundary (clients gone)
         self.staged_dirty = False  # self.weights changed since the engine last staged them
         self.stats = self.engine.stats()
         self.error: BaseException | None = None
@@ -178,6 +213,12 @@ class EngineLoop:
             self.paused = None
             self.cond.notify_all()
 
+    def cancel(self, rid: str) -> None:
+        """Abort one request at the next step boundary (paused or not), as SGLang's abort_request."""
+        with self.cond:
+            self.cancels.add(rid)
+            self.cond.notify_all()
+
     def install_weights(self, received: dict, label: str | None) -> None:
         """New tensors for some names; the engine stages the merged set before its next step."""
         for name, tensor in received.items():
@@ -204,27 +245,59 @@ class EngineLoop:
                     if not self._prepare_step():
                         continue
                     finished = self.engine.step()
+                    # Only streamed requests are read between steps, and only their new tokens.
+                    streamed = {rid: len(r.token_ids) for rid, r in self.live.items() if r.stream}
+                    progress = self.engine.progress(streamed) if streamed else {}
                     with self.cond:
                         self.stats = self.engine.stats()
+                        for rid, new in progress.items():
+                            self._extend(self.live[rid], new)
                         for completion in finished:
-                            request = self.live.pop(completion.request_id)
-                            request.completion = completion
-                            request.done.set()
+                            self._finish(self.live.pop(completion.request_id), completion)
         except BaseException as exc:  # noqa: BLE001 - reported by /health and to every waiting request
             log.exception("engine loop failed")
             with self.cond:
                 self.error = exc
                 for request in [*self.inbox, *self.live.values()]:
-                    request.error = f"engine loop failed: {exc!r}"
-                    request.done.set()
+                    self._fail(request, f"engine loop failed: {exc!r}")
                 self.cond.notify_all()
+
+    @staticmethod
+    def _fail(request: _Request, error: str) -> None:
+        request.error = error
+        request.done.set()
+        request.changed.set()
+
+    def _extend(self, request: _Request, new) -> None:
+        """Append a streamed request's new tokens (an engine Progress); publish them when a chunk is due."""
+        before = len(request.token_ids)
+        request.token_ids += new.token_ids
+        request.logprobs += new.logprobs
+        request.versions += new.versions
+        if stream_point_between(before, len(request.token_ids), request.stream_interval):
+            request.published, request.label = len(request.token_ids), self.label
+            request.changed.set()
+
+    def _finish(self, request: _Request, completion, why: str = "") -> None:
+        """Deliver a finished (or aborted, `why` saying by what) request: its whole output, the last chunk."""
+        request.token_ids, request.logprobs, request.versions = completion.token_ids, completion.logprobs, \
+            completion.versions
+        request.published, request.label = len(completion.token_ids), self.label
+        request.finish = finish_reason(completion, why)
+        request.done.set()
+        request.changed.set()
 
     def _prepare_step(self) -> bool:
         """Apply control state at the step boundary; True when the engine should step now."""
         with self.cond:
+            if self.cancels:
+                self._abort(self.cancels, "client disconnected")
+                self.cancels.clear()
             if self.paused is not None:
                 if self.abort_pending:
-                    self._abort_all()
+                    self._abort({*self.live, *(r.rid for r in self.inbox)}, "Aborted by /pause_generation mode abort")
+                    self.abort_pending = False
+                    log.info("aborted all requests (pause mode abort)")
                 self.stopped_at_boundary = True
                 self.cond.notify_all()
                 self.cond.wait(0.5)
@@ -238,8 +311,7 @@ class EngineLoop:
                     self.engine.add_request(self._engine_request(request))
                     self.live[request.rid] = request
                 except ValueError as exc:
-                    request.error = str(exc)
-                    request.done.set()
+                    self._fail(request, str(exc))
             self.inbox.clear()
             if not self.live:
                 self.cond.wait(0.5)
@@ -251,44 +323,32 @@ class EngineLoop:
 
         return GenerationRequest(request.rid, request.prompt_ids, request.sampling, request.stop_ids)
 
-    def _abort_all(self) -> None:
-        """Abort every request (their clients get finish_reason abort) by replacing the engine.
+    def _abort(self, rids, why: str) -> None:
+        """End the named requests that are still queued here or in the engine, with the output they have."""
+        from megarl.protocols import Completion
 
-        The engine's public API has no cancel, so a fresh engine with the current weights and version
-        takes its place; staged-but-unapplied weights are restaged by the next step boundary."""
-        from megarl.sampler.engine import BuiltinEngine
-
-        for request in [*self.live.values(), *self.inbox]:
-            request.aborted = True
-            request.done.set()
-        self.live.clear()
-        self.inbox.clear()
-        self.engine = BuiltinEngine(self.hf_config, self.weights, version=self.engine.version + 1, **self.engine_kw)
-        self.labels[self.engine.version] = self.label
-        self.staged_dirty = False
-        self.abort_pending = False
-        log.info("aborted all requests (pause mode abort)")
+        for request in [r for r in self.inbox if r.rid in rids]:
+            self._finish(request, Completion(request.rid, request.prompt_ids, [], [], [], "abort"), why)
+        self.inbox = [r for r in self.inbox if r.rid not in rids]
+        for completion in self.engine.cancel([rid for rid in rids if rid in self.live]):
+            self._finish(self.live.pop(completion.request_id), completion, why)
+        self.stats = self.engine.stats()
 
     # ------------------------------------------------------------------ responses
-    def response(self, request: _Request, text: str) -> dict:
-        """The /generate response body of a finished request (SGLang's out_dict + meta_info)."""
-        c = request.completion
-        token_ids = [] if c is None else c.token_ids
-        meta = {
-            "id": request.rid,
-            "finish_reason": finish_reason(c, request.aborted),
-            "prompt_tokens": len(request.prompt_ids),
-            "completion_tokens": len(token_ids),
-            "cached_tokens": 0,
-            "e2e_latency": time.perf_counter() - request.created,
-        }
-        spans = weight_version_spans(c.versions, self.labels) if c is not None and token_ids else []
-        meta["weight_versions"] = spans
-        meta["weight_version"] = spans[-1]["version"] if spans else self.label
+    def output(self, request: _Request) -> dict:
+        """The /generate output of a request as published so far (SGLang's non-incremental out_dict: every
+        list cumulative; finish_reason null until the end). Call with `cond` held."""
+        n = request.published
+        token_ids = request.token_ids[:n]
+        spans = weight_version_spans(request.versions[:n], self.labels)
+        meta = {"id": request.rid, "finish_reason": request.finish, "prompt_tokens": len(request.prompt_ids),
+                "weight_version": request.label or self.label, "completion_tokens": n, "cached_tokens": 0,
+                "weight_versions": spans}
         if request.return_logprob:
-            meta["output_token_logprobs"] = ([] if c is None else
-                                             [[lp, tok, None] for lp, tok in zip(c.logprobs, c.token_ids)])
-        return {"text": text, "output_ids": token_ids, "meta_info": meta}
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(request.logprobs[:n], token_ids)]
+        if request.finish is not None:
+            meta["e2e_latency"] = time.perf_counter() - request.created
+        return {"output_ids": token_ids, "meta_info": meta}
 
 
 class Server:
@@ -324,6 +384,8 @@ class Server:
                                 rid=f"HEALTH_CHECK_{time.time()}")
         self.loop.submit(request)
         ok = request.done.wait(HEALTH_GENERATE_TIMEOUT_S) and request.error is None
+        if not ok:
+            self.loop.cancel(request.rid)
         return (HTTPStatus.OK, b"") if ok else (HTTPStatus.SERVICE_UNAVAILABLE, b"")
 
     def model_info(self, body=None):
@@ -335,8 +397,9 @@ class Server:
         return HTTPStatus.OK, {"weight_version": self.loop.label}
 
     def server_info(self, body=None):
-        return HTTPStatus.OK, {**vars(self.args), "internal_states": [self.loop.stats],
-                               "version": "megarl-builtin"}
+        with self.loop.cond:  # the engine's stats, and the requests not yet handed to it (e.g. while paused)
+            states = {**self.loop.stats, "inbox": len(self.loop.inbox)}
+        return HTTPStatus.OK, {**vars(self.args), "internal_states": [states], "version": "megarl-builtin"}
 
     def flush_cache(self, body=None):
         # SGLang answers 400 when any request is running or waiting (scheduler.flush_cache); there is no
@@ -439,20 +502,48 @@ class Server:
         ids = body.get("input_ids")
         if not ids or not isinstance(ids, list) or isinstance(ids[0], list):
             raise BadRequest("input_ids must be one non-empty list of token ids (batch requests are not supported)")
-        sampling, stops = parse_sampling(body.get("sampling_params") or {}, self.loop.eos_ids)
+        params = body.get("sampling_params") or {}
+        sampling, stops = parse_sampling(params, self.loop.eos_ids)
+        interval = int(params.get("stream_interval") or self.args.stream_interval)  # 0 = the server's, as SGLang
+        if interval < 1:
+            raise BadRequest(f"stream_interval={interval} must be >= 1")
         return _Request(rid=rid or body.get("rid") or uuid.uuid4().hex, prompt_ids=[int(t) for t in ids],
-                        sampling=sampling, stop_ids=stops, return_logprob=bool(body.get("return_logprob")))
+                        sampling=sampling, stop_ids=stops, return_logprob=bool(body.get("return_logprob")),
+                        stream=bool(body.get("stream")), stream_interval=interval)
 
-    def generate(self, body: dict) -> tuple[HTTPStatus, dict]:
+    def generate(self, body: dict, client_gone: Callable[[], bool]) -> Iterator[dict]:
+        """Submit a /generate; yield its outputs: every published chunk of a stream, else the final one only.
+
+        Bounded by the engine (every request finishes, is aborted or fails); BadRequest when the engine
+        refuses it; ConnectionAbortedError once `client_gone()` says the client hung up.  A request whose
+        outputs stop being read before it finished (that error, or the caller closing the generator
+        after a failed write) is aborted, as SGLang aborts the request of a client that went away."""
         request = self._request(body)
         self.loop.submit(request)
-        request.done.wait()  # bounded by the engine: every request finishes or is aborted or errors
-        if request.error is not None:
-            raise BadRequest(request.error)
-        text = ""
-        if self.tokenizer is not None and request.completion is not None:
-            text = self.tokenizer.decode(request.completion.token_ids, skip_special_tokens=True)
-        return HTTPStatus.OK, self.loop.response(request, text)
+        shown = -1
+        try:
+            while True:
+                if not request.changed.wait(DISCONNECT_POLL_S):
+                    if client_gone():
+                        raise ConnectionAbortedError(f"request {request.rid}: the client hung up")
+                    continue
+                with self.loop.cond:
+                    request.changed.clear()
+                    if request.error is not None:
+                        raise BadRequest(request.error)
+                    final = request.finish is not None
+                    if not final and (not request.stream or request.published == shown):
+                        continue
+                    shown = request.published
+                    out = self.loop.output(request)
+                if self.tokenizer is not None:  # cumulative text, as the ids
+                    out = {"text": self.tokenizer.decode(out["output_ids"], skip_special_tokens=True), **out}
+                yield out
+                if final:
+                    return
+        finally:
+            if not request.done.is_set():
+                self.loop.cancel(request.rid)
 
 
 class HTTPServer(ThreadingHTTPServer):
@@ -497,20 +588,34 @@ def make_handler(server: Server):
             self._send(status, payload)
 
         def _generate(self, body):
-            stream = bool(body.get("stream"))
+            outputs = server.generate(body, self._client_gone)
             try:
-                status, payload = server.generate(body)
-            except (BadRequest, KeyError, TypeError, ValueError) as exc:
-                if not stream:
-                    return self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}})
-                payload = {"error": {"message": str(exc)}}  # SGLang streams errors as a data chunk
-            if not stream:
-                return self._send(status, payload)
-            self.send_response(HTTPStatus.OK)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-            self.wfile.write(b"data: [DONE]\n\n")
+                if not body.get("stream"):
+                    try:
+                        *_, final = outputs  # one output: the final one
+                    except (BadRequest, KeyError, TypeError, ValueError) as exc:
+                        return self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}})
+                    return self._send(HTTPStatus.OK, final)
+                self.send_response(HTTPStatus.OK)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                try:
+                    for out in outputs:
+                        self.wfile.write(b"data: " + json.dumps(out).encode() + b"\n\n")
+                except (BadRequest, KeyError, TypeError, ValueError) as exc:  # SGLang streams errors as a chunk
+                    self.wfile.write(b"data: " + json.dumps({"error": {"message": str(exc)}}).encode() + b"\n\n")
+                self.wfile.write(b"data: [DONE]\n\n")
+            except OSError as exc:  # the client hung up (noticed while waiting, or by a failed write)
+                log.info("/generate: %r; its request is aborted", exc)
+                outputs.close()  # aborts the request if it has not finished
+
+        def _client_gone(self) -> bool:
+            """Has the client closed its end?  (Its request is fully read, so a readable socket is EOF.)"""
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
 
         def _send(self, status, payload):
             data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -543,12 +648,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("--disable-radix-cache", "--disable-overlap-schedule", "--disable-cuda-graph"):
         p.add_argument(flag, action="store_true", help="accepted for compatibility; no effect here")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for compatibility; no effect")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="a stream chunk every this many tokens (tokens 1, 1 + N, 1 + 2N, ...) and at the end")
     # megarl extras.
     p.add_argument("--kv-on-update", choices=("keep", "recompute"), default="keep",
                    help="the engine's KV policy on a weight update: keep = pause mode in_place, recompute = retract")
     p.add_argument("--debug-hang-on-update", action="store_true",
                    help="fault injection: /update_weights_from_distributed never returns (tests of client timeouts)")
     args = p.parse_args(argv)
+    if args.stream_interval < 1:
+        p.error(f"--stream-interval {args.stream_interval} must be >= 1")
     if args.tp_size != 1:
         p.error(f"--tp-size {args.tp_size}: megarl's built-in server runs one process; use SGLang itself for "
                 f"tensor parallelism (sampler.sglang.server=sglang)")

@@ -353,3 +353,67 @@ def test_stage_from_another_thread_while_stepping(qwen):
     for c in done.values():
         assert len(c.token_ids) == 20 and c.versions == sorted(c.versions)
     assert engine.stats()["swaps"] >= 2
+
+
+# ---------------------------------------------------------------------------------------------- between steps
+def test_progress_reports_each_running_requests_output_so_far_and_only_what_is_new(qwen):
+    """Polled after every step with `since` = tokens already seen, progress assembles exactly the
+    tokens, log-probs and versions each completion ends with, across a swap and slot packing."""
+    _, cfg, weights = qwen
+    requests = [req(i, p, SamplingParams(temperature=1.0, max_new_tokens=3 + 4 * i)) for i, p in enumerate(prompts(4))]
+    engine = BuiltinEngine(cfg, weights, max_running=3, max_seq_len=32, seed=5)
+    for r in requests:
+        engine.add_request(r)
+    seen: dict[str, tuple[list, list, list]] = {}
+    done, steps = {}, 0
+    while engine.num_unfinished:
+        if steps == 4:
+            engine.stage_weights(weights, 1)
+        done.update((c.request_id, c) for c in engine.step())
+        steps += 1
+        # Asked about every request: only the running ones are reported, from what was seen on.
+        new = engine.progress({r.request_id: len(seen.get(r.request_id, ([],))[0]) for r in requests})
+        assert sorted(new) == sorted(engine.progress()) == sorted(set(new) - set(done))
+        for rid, p in new.items():
+            tokens, logprobs, versions = seen.setdefault(rid, ([], [], []))
+            assert p.start == len(tokens) and len(p.token_ids) == len(p.logprobs) == len(p.versions) >= 1
+            tokens += p.token_ids
+            logprobs += p.logprobs
+            versions += p.versions
+    for rid, (tokens, logprobs, versions) in seen.items():
+        c, n = done[rid], len(tokens)
+        assert 0 < n < len(c.token_ids)  # the last step's tokens come with the completion
+        assert (tokens, logprobs, versions) == (c.token_ids[:n], c.logprobs[:n], c.versions[:n])
+    assert any(set(c.versions) == {0, 1} for c in done.values())
+    assert engine.progress() == {} and engine.progress({"0": 0}) == {}
+
+
+def test_cancel_ends_queued_and_running_requests_with_their_partial_output(qwen):
+    _, cfg, weights = qwen
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    requests = [req(i, p, greedy) for i, p in enumerate(prompts(4, seed=2))]
+    engine = BuiltinEngine(cfg, weights, max_running=3, max_seq_len=32)
+    for r in requests:
+        engine.add_request(r)
+    for _ in range(3):
+        assert engine.step() == []
+    so_far = engine.progress()
+    assert sorted(so_far) == ["0", "1", "2"]  # "3" is queued
+    with pytest.raises(KeyError, match=r"\['nope'\]"):
+        engine.cancel(["1", "nope"])
+    queued, running = engine.cancel(["3", "1"])  # queued requests first
+    assert (queued.request_id, queued.token_ids, queued.logprobs, queued.versions, queued.finish_reason) == \
+        ("3", [], [], [], "abort")
+    p = so_far["1"]
+    assert (running.request_id, running.finish_reason) == ("1", "abort") and len(running.token_ids) == 4
+    assert (running.token_ids, running.logprobs, running.versions) == (p.token_ids, p.logprobs, p.versions)
+    assert engine.num_unfinished == 2 and engine.stats()["requests_cancelled"] == 2
+    # The others go on undisturbed: the same greedy tokens as if they had run alone.
+    rest = {}
+    while engine.num_unfinished:
+        rest.update((c.request_id, c) for c in engine.step())
+    solo = BuiltinEngine(cfg, weights, max_running=1, max_seq_len=32)
+    for rid in ("0", "2"):
+        (alone,) = solo.generate([requests[int(rid)]])
+        assert rest[rid].token_ids == alone.token_ids and rest[rid].finish_reason == "length"
+    assert engine.stats()["requests_finished"] == 2

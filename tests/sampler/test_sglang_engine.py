@@ -80,17 +80,41 @@ def test_per_token_versions_come_from_spans_or_else_from_the_first_chunk_deliver
     assert versions_from_stamps([(1, "3"), (3, "3"), (3, "4"), (5, "4")], 5) == [3, 3, 3, 4, 4]
 
 
+def sglang_chunk(n: int, label: str, reason=None, output_ids=None) -> dict:
+    """SGLang 0.5.x's default stream chunk after n tokens (10, 11, ... with log-probs -1, -2, ...):
+    cumulative output_ids and output_token_logprobs, no weight_versions spans."""
+    triples = [[-1.0 - i, 10 + i, None] for i in range(n)]
+    return {"output_ids": [10 + i for i in range(n)] if output_ids is None else output_ids,
+            "meta_info": {"id": "r", "finish_reason": reason, "weight_version": label, "completion_tokens": n,
+                          "output_token_logprobs": triples}}
+
+
 def test_completion_takes_token_ids_and_logprobs_from_output_token_logprobs():
-    req = request("r", 3, stop=(7,))
-    chunk = lambda ids, label, reason=None, lps=(): {"output_ids": ids, "meta_info": {  # noqa: E731
-        "finish_reason": reason, "weight_version": label, "output_token_logprobs": [list(x) for x in lps]}}
-    triples = [(-0.5, 4, None), (-0.25, 6, None), (-0.1, 7, None)]
-    # No spans: the earlier chunks' labels decide; output_ids may stop-trim the matched stop token.
-    chunks = [chunk([4], "0"), chunk([4, 6], "1"), chunk([4, 6], "1", {"type": "stop", "matched": 7}, triples)]
-    c = completion_from_chunks(req, chunks)
-    assert (c.token_ids, c.logprobs, c.versions, c.finish_reason) == ([4, 6, 7], [-0.5, -0.25, -0.1], [0, 1, 1], "stop")
-    with pytest.raises(ValueError, match="abort"):
-        completion_from_chunks(req, [chunk([], "0", {"type": "abort", "message": "x"}, [])])
+    req = request("r", 3, stop=(12,))
+    # No spans: each token takes the label of the first chunk delivering it; output_ids may stop-trim
+    # the matched stop token.
+    chunks = [sglang_chunk(1, "0"), sglang_chunk(2, "1"), sglang_chunk(3, "1", {"type": "stop", "matched": 12}, [10, 11])]
+    c = completion_from_chunks(req, iter(chunks))  # read as they come
+    assert (c.token_ids, c.logprobs, c.versions, c.finish_reason) == ([10, 11, 12], [-1.0, -2.0, -3.0], [0, 1, 1], "stop")
+    # Chunks skipped by a slow reader change nothing but the labels' granularity.
+    assert completion_from_chunks(req, chunks[1:]).versions == [1, 1, 1]
+    # Incremental chunks (a server run with --incremental-streaming-output) are refused, naming the flag.
+    delta = sglang_chunk(3, "0", {"type": "length", "length": 3}, output_ids=[12])
+    delta["meta_info"]["output_token_logprobs"] = [[-3.0, 12, None]]
+    with pytest.raises(ValueError, match="incremental-streaming-output"):
+        completion_from_chunks(req, [sglang_chunk(2, "0"), delta])
+
+
+def test_an_aborted_stream_gives_its_partial_output_with_finish_reason_abort():
+    req = request("r", 8)
+    abort = {"type": "abort", "message": None, "status_code": None, "err_type": None}
+    c = completion_from_chunks(req, [sglang_chunk(1, "0"), sglang_chunk(2, "0"), sglang_chunk(3, "1", abort)])
+    assert (c.token_ids, c.logprobs, c.versions, c.finish_reason) == ([10, 11, 12], [-1.0, -2.0, -3.0], [0, 0, 1], "abort")
+    # SGLang's abort of a streamed request from its waiting queue sends only the last output id
+    # (tokenizer_manager._handle_abort_req); the log-probs still carry every token.
+    c = completion_from_chunks(req, [sglang_chunk(2, "0"), sglang_chunk(2, "0", abort, output_ids=[11])])
+    assert (c.token_ids, c.finish_reason) == ([10, 11], "abort")
+    assert completion_from_chunks(req, [sglang_chunk(0, "0", abort)]).token_ids == []
 
 
 def test_client_reads_chunked_streams_of_cumulative_chunks_as_sglangs_uvicorn_sends_them():
@@ -99,9 +123,7 @@ def test_client_reads_chunked_streams_of_cumulative_chunks_as_sglangs_uvicorn_se
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     def chunk(n, label, done=False):
-        meta = {"id": "r", "weight_version": label, "finish_reason": {"type": "length", "length": 3} if done else None,
-                "output_token_logprobs": [[-1.0 - i, 10 + i, None] for i in range(n)], "completion_tokens": n}
-        return b"data: " + json.dumps({"text": "", "output_ids": [10 + i for i in range(n)], "meta_info": meta}).encode()
+        return b"data: " + json.dumps(sglang_chunk(n, label, {"type": "length", "length": 3} if done else None)).encode()
 
     body = b"\n\n".join([chunk(1, "4"), chunk(2, "4"), chunk(3, "5", done=True), b"data: [DONE]"]) + b"\n\n"
 
@@ -126,7 +148,7 @@ def test_client_reads_chunked_streams_of_cumulative_chunks_as_sglangs_uvicorn_se
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         client = HTTPClient("127.0.0.1", httpd.server_address[1], 10)
-        chunks = client.stream("/generate", generate_body(request("r", 3)))
+        chunks = list(client.stream("/generate", generate_body(request("r", 3))))
     finally:
         httpd.shutdown()
     c = completion_from_chunks(request("r", 3), chunks)
@@ -215,6 +237,38 @@ def test_follower_applies_a_published_version_in_flight(engine, model_dir, tmp_p
     assert spanning, [c.versions.count(0) for c in done.values()]
     for c in done.values():
         assert len(c.token_ids) == 480 and c.versions == sorted(c.versions)  # whole, versions never decrease
+
+
+def test_a_multi_chunk_stream_assembles_as_the_single_response(engine):
+    """From the server: a greedy request streamed as many cumulative chunks gives the same Completion as
+    its last chunk alone and as the non-streamed response; without weight_versions spans (SGLang 0.5.x)
+    the chunks' labels give the same versions."""
+    r = GenerationRequest("m", [1, 5, 9, 2], SamplingParams(temperature=0.0, max_new_tokens=200))
+    body = generate_body(r)
+    body["sampling_params"]["ignore_eos"] = True
+    chunks = list(engine.client.stream("/generate", body))
+    assert len(chunks) > 10
+    streamed = completion_from_chunks(r, chunks)
+    assert len(streamed.token_ids) == 200 and streamed.versions == [engine.version] * 200
+    assert completion_from_chunks(r, chunks[-1:]) == streamed
+    assert completion_from_chunks(r, [engine.client.post("/generate", {**body, "stream": False})]) == streamed
+    unspanned = [{**c, "meta_info": {k: v for k, v in c["meta_info"].items() if k != "weight_versions"}} for c in chunks]
+    assert completion_from_chunks(r, unspanned) == streamed
+
+
+def test_a_request_the_server_aborts_fails_naming_its_partial_output(engine):
+    """megarl never pauses with mode abort; a request someone else aborts is an error, not a rollout."""
+    before = decoded(engine)
+    engine.add_request(request("x", 480))
+    deadline = time.monotonic() + 30
+    while decoded(engine) < before + 10:
+        assert time.monotonic() < deadline, "the request never started decoding"
+        time.sleep(0.002)
+    engine.client.post("/pause_generation", {"mode": "abort"})
+    engine.client.post("/continue_generation", {})
+    with pytest.raises(SGLangError, match=r"request x was aborted by the server after \d+ tokens"):
+        run_until_done(engine)
+    assert engine.num_unfinished == 0
 
 
 # ---------------------------------------------------------------------------------------------- failures

@@ -43,9 +43,12 @@ class Server:
         self.weights = load_pretrained(str(model_dir))[1]
         self.version = 0
 
+    def stats(self) -> dict:
+        """The engine's stats (megarl's server reports them as internal_states)."""
+        return json.loads(self.http.get("/get_server_info")[1])["internal_states"][0]
+
     def decoded(self) -> int:
-        status, body = self.http.get("/get_server_info")
-        return json.loads(body)["internal_states"][0]["tokens_decoded"]
+        return self.stats()["tokens_decoded"]
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +75,29 @@ def generate(server: Server, body: dict) -> tuple[int, dict]:
     return status, json.loads(data)
 
 
-def raw_stream(server: Server, body: dict) -> list[bytes]:
+def open_stream(server: Server, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/generate", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
-    return [line for line in resp.read().split(b"\n") if line]
+    return conn, resp
+
+
+def raw_stream(server: Server, body: dict) -> list[bytes]:
+    return [line for line in open_stream(server, body)[1].read().split(b"\n") if line]
+
+
+def stream_chunks(server: Server, body: dict) -> list[dict]:
+    lines = raw_stream(server, body)
+    assert lines[-1] == b"data: [DONE]" and all(line.startswith(b"data: ") for line in lines)
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def wait_for(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.002)
 
 
 def start_long_request(server: Server, max_new_tokens: int = 450) -> tuple[threading.Thread, dict]:
@@ -85,12 +105,9 @@ def start_long_request(server: Server, max_new_tokens: int = 450) -> tuple[threa
     result, before = {}, server.decoded()
     body = {"rid": f"long-{time.time()}", "input_ids": [1, 5, 9, 2], "return_logprob": True, "stream": True,
             "sampling_params": {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
-    thread = threading.Thread(target=lambda: result.update(chunks=server.http.stream("/generate", body)))
+    thread = threading.Thread(target=lambda: result.update(chunks=list(server.http.stream("/generate", body))))
     thread.start()
-    deadline = time.monotonic() + 30
-    while server.decoded() < before + 10:  # the request is decoding (nothing else runs)
-        assert time.monotonic() < deadline, "the long request never started decoding"
-        time.sleep(0.002)
+    wait_for(lambda: server.decoded() >= before + 10, "the long request to decode")  # nothing else runs
     return thread, result
 
 
@@ -177,7 +194,7 @@ def test_retract_recomputes_the_running_requests_kv_under_the_new_weights(model_
 def test_generate_answers_in_sglangs_format(server):
     status, out = generate(server, {"rid": "r1", "input_ids": [3, 4], "return_logprob": True,
                                     "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}})
-    assert status == 200 and set(out) == {"text", "output_ids", "meta_info"}
+    assert status == 200 and set(out) == {"output_ids", "meta_info"}  # --skip-tokenizer-init: no text
     meta = out["meta_info"]
     assert meta["id"] == "r1" and meta["prompt_tokens"] == 2 and meta["completion_tokens"] == 5
     assert meta["finish_reason"] == {"type": "length", "length": 5}
@@ -194,12 +211,59 @@ def test_generate_answers_in_sglangs_format(server):
 
 
 def test_stream_is_sse_data_lines_then_done(server):
-    lines = raw_stream(server, {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3}})
-    assert lines[-1] == b"data: [DONE]" and all(line.startswith(b"data: ") for line in lines)
-    assert json.loads(lines[-2][6:])["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    chunks = stream_chunks(server, {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3}})
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
     # A request the engine refuses streams SGLang's error chunk, then [DONE].
     lines = raw_stream(server, {"input_ids": [1] * CONTEXT, "sampling_params": {"max_new_tokens": 3}})
     assert "max_seq_len" in json.loads(lines[0][6:])["error"]["message"] and lines[1] == b"data: [DONE]"
+
+
+def test_a_long_stream_has_cumulative_chunks_ending_in_the_non_streamed_result(server):
+    """SGLang's default stream: a chunk per token as they are produced, each holding every token so far
+    (output_ids, output_token_logprobs, completion_tokens, spans), finish_reason only on the last; the
+    last equals the non-streamed answer to the same (greedy) request."""
+    body = {"input_ids": [1, 5, 9, 2], "return_logprob": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}}
+    chunks = stream_chunks(server, body)
+    assert len(chunks) > 10  # a slow reader may miss some: the next one has everything
+    previous = {"output_ids": [], "meta_info": {"output_token_logprobs": []}}
+    for chunk in chunks:
+        meta, n = chunk["meta_info"], len(chunk["output_ids"])
+        assert n > len(previous["output_ids"]) and chunk["output_ids"][:len(previous["output_ids"])] == previous["output_ids"]
+        assert meta["output_token_logprobs"][:len(previous["output_ids"])] == previous["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == chunk["output_ids"] and meta["completion_tokens"] == n
+        assert versions_from_spans(meta["weight_versions"], n) == [server.version] * n
+        assert (meta["finish_reason"] is None) == (chunk is not chunks[-1]) and ("e2e_latency" in meta) == (chunk is chunks[-1])
+        previous = chunk
+    _, whole = generate(server, body)
+    del whole["meta_info"]["e2e_latency"], chunks[-1]["meta_info"]["e2e_latency"]
+    assert {**whole, "meta_info": {**whole["meta_info"], "id": None}} == \
+        {**chunks[-1], "meta_info": {**chunks[-1]["meta_info"], "id": None}}
+
+
+def test_stream_interval_spaces_the_chunks_as_sglangs_scheduler(server):
+    """stream_interval N (sampling param; unset or 0: --stream-interval): chunks at 1, 1 + N, 1 + 2N, ...
+    tokens and at the end.  (The engine's first step both prefills and decodes, so the first chunk has 2 tokens.)"""
+    chunks = stream_chunks(server, {"input_ids": [3, 4], "sampling_params": {
+        "temperature": 0, "max_new_tokens": 100, "ignore_eos": True, "stream_interval": 16}})
+    counts = [c["meta_info"]["completion_tokens"] for c in chunks]
+    assert counts[-1] == 100 and set(counts[:-1]) <= {2, 17, 33, 49, 65, 81, 97}, counts
+    status, out = generate(server, {"input_ids": [3], "sampling_params": {"stream_interval": -1}})
+    assert status == 400 and "stream_interval" in out["error"]["message"]
+
+
+def test_a_client_hanging_up_aborts_its_request(server):
+    """As SGLang (TokenizerManager.create_abort_task): the request of a stream whose client went away
+    is aborted, not run to its end."""
+    before = server.stats()
+    conn, resp = open_stream(server, {"input_ids": [1, 5, 9, 2], "sampling_params": {
+        "temperature": 1.0, "max_new_tokens": 450, "ignore_eos": True}})
+    assert resp.readline().startswith(b"data: {")  # it is streaming
+    resp.close()  # the last reference to the socket: the connection closes
+    conn.close()
+    wait_for(lambda: server.stats()["requests_cancelled"] == before["requests_cancelled"] + 1, "the abort", 10)
+    stats = server.stats()
+    assert stats["running"] == 0 and stats["tokens_decoded"] - before["tokens_decoded"] < 450
 
 
 def test_bad_requests_get_http_400_with_a_message(server):
@@ -218,13 +282,32 @@ def test_info_and_health_routes(server):
     assert info["weight_version"] == str(server.version)
 
 
-def test_abort_ends_running_requests_and_flush_needs_an_idle_server(server):
+def test_abort_ends_running_requests_with_their_output_so_far_and_flush_needs_an_idle_server(server):
+    before = server.decoded()
     thread, result = start_long_request(server)
     server.http.post("/pause_generation", {"mode": "in_place"})
+    produced = server.decoded() - before  # every token the long request has (nothing else ran)
     assert server.http.get("/flush_cache")[0] == 400  # SGLang: not while requests are in the running batch
+    status, queued = {}, threading.Thread(target=lambda: status.update(zip(("code", "out"), generate(server, {
+        "input_ids": [3], "return_logprob": True, "sampling_params": {"max_new_tokens": 2}}))))
+    queued.start()
+    wait_for(lambda: server.stats()["inbox"] == 1, "the request to wait in the paused server")
     server.http.post("/pause_generation", {"mode": "abort"})
     thread.join(10)
-    assert result["chunks"][-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    queued.join(10)
+    *earlier, final = result["chunks"]
+    meta, tokens = final["meta_info"], final["output_ids"]
+    assert meta["finish_reason"]["type"] == "abort" and len(tokens) == meta["completion_tokens"] == produced < 450
+    assert tokens[:len(earlier[-1]["output_ids"])] == earlier[-1]["output_ids"]  # cumulative to the end
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == tokens
+    assert versions_from_spans(meta["weight_versions"], produced) == [server.version] * produced
+    ids = [1, 5, 9, 2] + tokens
+    expected = token_logprobs(hf_logprobs(server.model_dir, server.weights, ids)[0], ids, 4)
+    got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]], dtype=torch.float64)
+    assert (expected - got).abs().max() < TOL
+    # A non-streamed request that had not started: HTTP 200, finish_reason abort, no tokens.
+    assert status["code"] == 200 and status["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert status["out"]["output_ids"] == [] == status["out"]["meta_info"]["output_token_logprobs"]
     assert server.http.get("/flush_cache")[0] == 200
     server.http.post("/continue_generation", {})
     status, out = generate(server, {"input_ids": [3], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}})
