@@ -129,8 +129,9 @@ class WeightPublisher:
 
     All of a version's buckets are in flight at once (gloo runs them in order, without a round trip
     between buckets).  The header goes first; packing and summing bucket i+1 overlap sending bucket i
-    (the sums travel after the buckets, not in the header, so nothing waits for them).  A bucket holding one contiguous tensor sends that tensor as is
-    (no copy into a staging buffer); staging buffers exist only for buckets that need packing.
+    (the sums travel after the buckets, not in the header, so nothing waits for them).  A bucket
+    holding one contiguous tensor sends that tensor as is (no copy into a staging buffer); staging
+    buffers exist only for buckets that need packing.
     """
 
     def __init__(self, group, store, bucket_mb: float, timeout_s: float, checksum: bool):
