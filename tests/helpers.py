@@ -23,3 +23,25 @@ def run_python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=REPO)
+
+
+def save_tiny_qwen2(path: Path, tie_word_embeddings: bool, vocab_size: int = 64, tokenizer: bool = False) -> Path:
+    """A real HF Qwen2 directory small enough for multi-process learner tests: GQA (4 heads, 2 KV heads),
+    2 layers, and q/k/v biases drawn non-zero so that a converter that dropped them would show."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+        vocab_size=vocab_size, max_position_embeddings=64, tie_word_embeddings=tie_word_embeddings))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(std=0.1)
+    model.save_pretrained(path)
+    if tokenizer:
+        from megarl.models.tiny import build_tokenizer
+
+        build_tokenizer().save_pretrained(path)
+    return path

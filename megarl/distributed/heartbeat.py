@@ -49,7 +49,9 @@ class HeartbeatMonitor:
         self.last_change: dict[int, float] = {r: now for r in self.ranks}
         self.next_check = 0.0
 
-    def _refresh(self) -> float:
+    def observe(self) -> float:
+        """Read every sampler's counter now (returns the time). `silent()` can only say how long a counter
+        has stood still since it was last observed moving, so call this regularly (check() does)."""
         now = time.monotonic()
         present = [r for r in self.ranks if self.store.check([heartbeat_key(r)])]
         values = dict(zip(present, self.store.multi_get([heartbeat_key(r) for r in present]))) if present else {}
@@ -60,7 +62,7 @@ class HeartbeatMonitor:
 
     def silent(self, num_learners: int = 0, min_s: float = 3.0) -> str:
         """Which samplers have been silent for at least `min_s` right now (for error messages)."""
-        now = self._refresh()
+        now = self.observe()
         quiet = [f"sampler rank {r} (sampler {r - num_learners}) has sent no heartbeat for {now - t:.0f}s"
                  for r, t in self.last_change.items() if now - t >= min_s]
         return "; ".join(quiet) if quiet else "every sampler's heartbeat is current"
@@ -70,7 +72,7 @@ class HeartbeatMonitor:
         if now < self.next_check or not self.ranks:
             return
         self.next_check = now + self.check_every_s
-        self._refresh()
+        self.observe()
         for rank in self.ranks:
             value = self.last_value[rank]
             if now - self.last_change[rank] > self.timeout_s:

@@ -51,6 +51,10 @@ def batch_metrics(batch: TrainBatch) -> dict[str, float]:
     }
 
 
+def sampler_heartbeats(cfg: Config, store, topo: Topology) -> HeartbeatMonitor:
+    return HeartbeatMonitor(store, list(range(topo.num_learners, topo.world_size)), cfg.fault.sampler_timeout_s)
+
+
 class Intake:
     """Learner rank 0's side of the queue: collects usable groups, assembles batches, and keeps the
     per-sampler count of retired groups that every publish header reports back."""
@@ -58,8 +62,7 @@ class Intake:
     def __init__(self, cfg: Config, store, pad_id: int, topo: Topology):
         self.cfg, self.pad_id, self.num_learners = cfg, pad_id, topo.num_learners
         self.queue = QueueReceiver(store, cfg.queue.host)
-        self.heartbeats = HeartbeatMonitor(store, list(range(topo.num_learners, topo.world_size)),
-                                           cfg.fault.sampler_timeout_s)
+        self.heartbeats = sampler_heartbeats(cfg, store, topo)
         self.retired: Counter[int] = Counter()  # groups per sampler rank that left (trained or dropped)
         self.position = DataPosition()  # which group indices left, per sampler stream (checkpointed)
         self.dropped_totals: Counter[str] = Counter()
@@ -94,19 +97,22 @@ class Intake:
             self.retired[self.num_learners + stream] = len(retired)
 
 
-def publish_weights(learner, publisher, extra: dict, intake: Intake | None = None) -> dict:
+def publish_weights(learner, publisher, extra: dict, heartbeats: HeartbeatMonitor | None = None,
+                    num_learners: int = 0) -> dict:
     """Every learner rank iterates publish_tensors() (collective over TP); each stage's source broadcasts.
 
-    A broadcast that times out is usually a sampler that stopped receiving: the lead says which
-    samplers' heartbeats have gone quiet."""
+    A broadcast that times out is usually a sampler that stopped receiving: the source says which
+    samplers' heartbeats went quiet (it observes them before every publish, so it knows for how long)."""
     tensors = learner.publish_tensors()
     if publisher is not None:
+        if heartbeats is not None:
+            heartbeats.observe()
         try:
             return publisher.publish(learner.version, tensors, extra=extra)
         except TimeoutError as exc:
-            if intake is None:
+            if heartbeats is None:
                 raise
-            raise TimeoutError(f"{exc}; {intake.heartbeats.silent(intake.num_learners)}") from exc
+            raise TimeoutError(f"{exc}; {heartbeats.silent(num_learners)}") from exc
     for _ in tensors:
         pass
     return {"bytes": 0, "seconds": 0.0}
@@ -224,9 +230,11 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
 
             publisher = SGLangPublisher.from_config(cfg, store, topo.num_samplers)  # waits for every server
         outputs = RunOutputs(cfg, topo.rank, recovery)
+    # Every publish source can name a sampler that stopped receiving (the lead's intake watches anyway).
+    heartbeats = intake.heartbeats if lead else sampler_heartbeats(cfg, store, topo) if publisher else None
     try:
         if resumed:  # the samplers generate nothing before they run the resumed weights
-            publish_weights(learner, publisher, intake.header() if lead else {})
+            publish_weights(learner, publisher, intake.header() if lead else {}, heartbeats, topo.num_learners)
         nonfinite_in_row = 0
         for step in range(start_step, cfg.run.steps):
             if schedule.due(step):  # `step` steps are trained and logged
@@ -241,8 +249,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             published = {"bytes": 0, "seconds": 0.0}
             if learner.version != version:  # a skipped (non-finite) step changed nothing to publish
                 # The lead's header also carries the bookkeeping.
-                published = publish_weights(learner, publisher, intake.header() if lead else {},
-                                            intake if lead else None)
+                published = publish_weights(learner, publisher, intake.header() if lead else {}, heartbeats,
+                                            topo.num_learners)
             wall.append(time.time())
             if lead:
                 outputs.record(step, batch, {**metrics, **intake_metrics, "version": learner.version}, wall,

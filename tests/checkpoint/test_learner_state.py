@@ -19,13 +19,13 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.checkpoint import storage
 from megarl.checkpoint.export import export_hf
 from megarl.checkpoint.learner_state import check_architecture, check_optimizer
 from megarl.checkpoint.storage import CheckpointError
-from tests.helpers import REPO
+from tests.helpers import REPO, save_tiny_qwen2
 
 WORKER = REPO / "tests" / "checkpoint" / "learner_worker.py"
 N, M = 2, 2  # as in the worker
@@ -34,20 +34,7 @@ N, M = 2, 2  # as in the worker
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny Qwen2 with untied embeddings and non-zero q/k/v biases, plus a real tokenizer."""
-    from megarl.models.tiny import build_tokenizer
-
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, vocab_size=64, max_position_embeddings=64, tie_word_embeddings=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(std=0.1)
-    path = tmp_path_factory.mktemp("tiny_untied")
-    model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    return path
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny_untied"), tie_word_embeddings=False, tokenizer=True)
 
 
 def _env(**extra):

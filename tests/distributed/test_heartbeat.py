@@ -47,3 +47,18 @@ def test_beats_are_rate_limited(store):
     beat.beat()
     beat.beat()
     assert store.get("heartbeat/5") == b"1"
+
+
+def test_observed_only_now_and_then_a_quiet_sampler_is_still_named(store):
+    """A publish source observes the counters once per publish; when a broadcast then times out, the
+    samplers that did not move since are named with how long they have been quiet."""
+    beats = {r: Heartbeat(store, r, period_s=0.0) for r in (1, 2)}
+    monitor = HeartbeatMonitor(store, [1, 2], timeout_s=60, check_every_s=0.0)
+    for beat in beats.values():
+        beat.beat()
+    monitor.observe()  # before the publish
+    time.sleep(0.4)  # the broadcast hangs; sampler 1 keeps beating, sampler 2 does not
+    beats[1].beat()
+    quiet = monitor.silent(num_learners=1, min_s=0.3)
+    assert quiet.startswith("sampler rank 2 (sampler 1) has sent no heartbeat for") and "rank 1 " not in quiet
+    assert monitor.silent(num_learners=1, min_s=5.0) == "every sampler's heartbeat is current"

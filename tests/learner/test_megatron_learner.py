@@ -9,23 +9,14 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megarl.algo.config import LossConfig
 from megarl.protocols import TrainBatch
+from tests.helpers import save_tiny_qwen2
 
 VOCAB, B, S, PROMPT = 64, 64, 16, 4
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=True))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(std=0.1)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    model.save_pretrained(path)
-    return str(path)
+    return str(save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), tie_word_embeddings=True, vocab_size=VOCAB))
 
 
 @pytest.fixture(scope="module")
