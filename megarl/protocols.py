@@ -121,7 +121,12 @@ class Learner(Protocol):
         """Per-token log-probs [B, S] under the current weights (entry [:, 0] is 0)."""
 
     def publish_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full tensors of the current weights, in a fixed order (publish source ranks only)."""
+        """HF-named full tensors of the current weights, in a fixed order (every learner rank iterates it;
+        collective over TP)."""
+
+    def publish_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This TP rank's slices of those tensors, in megarl.models.tp_shard's layout (for samplers of the
+        same TP size: shard-to-shard publish)."""
 
 
 @runtime_checkable

@@ -4,7 +4,8 @@ Owns: building the TP/PP/DP model-parallel state over the learner ranks, loading
 directory into a megatron ``GPTModel`` (through megarl.models.convert), megatron DDP + optimizer,
 per-token log-probs through vocab-parallel cross-entropy, the policy-gradient step (loss from
 megarl.algo.losses), the frozen reference model for the KL penalty (when loss.kl_coef > 0) and the
-HF-named tensors the weight publisher broadcasts.
+HF-named tensors the weight publisher broadcasts (whole, or each TP rank's slices for a direct
+shard-to-shard publish: megarl.models.tp_shard).
 
 Process contract: construct it after ``torch.distributed`` is initialised with a default process
 group that contains ONLY the learner ranks (world size = tp * pp * dp).  Every learner rank receives
@@ -176,9 +177,9 @@ class MegatronLearner:
 
     def _tp_gather(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """Full fp32 tensor of a (possibly TP-sharded) parameter; collective over the TP group."""
-        local = param.detach().float()
         if self._tp_dim[name] is None:
-            return local.cpu().clone()
+            return _local_copy(param)
+        local = param.detach().float()  # gathered where it lives (NCCL on GPU), then moved to the CPU
         parts = [torch.empty_like(local) for _ in range(self.cfg.tp)]
         dist.all_gather(parts, local.contiguous(), group=self.ps.get_tensor_model_parallel_group())
         parts = [p.cpu() for p in parts]
@@ -195,14 +196,32 @@ class MegatronLearner:
         stage the embedding, the last the final norm (and lm_head when untied); no rank ever holds
         the whole model.
         """
+        yield from self._hf_tensors(self._tp_gather, tp_size=1)
+
+    def publish_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This TP rank's slices of the HF-named fp32 tensors of its PP stage, for a direct publish to
+        the same TP rank of samplers with the same TP size: exactly
+        ``tp_shard.shard(name, whole, tp, tp_rank)`` of each ``(name, whole)`` publish_tensors yields.
+
+        The decoder layers are converted from the local megatron shards, never gathered; the vocab-
+        parallel embedding and output layer are whole in the layout (tp_shard), so they are still
+        all-gathered: collective over the TP group, every TP rank must iterate it. Same PP behaviour
+        as publish_tensors.
+        """
+        yield from self._hf_tensors(lambda name, param: _local_copy(param), tp_size=self.cfg.tp)
+
+    def _hf_tensors(self, layer_tensor, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's HF-named tensors: the decoder layers' megatron tensors come from
+        layer_tensor(name, param) and are TP rank shards when tp_size > 1; embedding, final norm and
+        lm_head are always whole (gathered over TP)."""
         params = dict(self.gpt.named_parameters())
         if self.pre_process:
             yield "model.embed_tokens.weight", self._tp_gather(
                 "embedding.word_embeddings.weight", params["embedding.word_embeddings.weight"])
         for i in range(len(self.gpt.decoder.layers)):
             prefix = f"decoder.layers.{i}."
-            layer = {n[len(prefix):]: self._tp_gather(n, p) for n, p in params.items() if n.startswith(prefix)}
-            yield from convert.mcore_layer_to_hf(layer, i + self.layer_offset, self.hf_config).items()
+            layer = {n[len(prefix):]: layer_tensor(n, p) for n, p in params.items() if n.startswith(prefix)}
+            yield from convert.mcore_layer_to_hf(layer, i + self.layer_offset, self.hf_config, tp_size).items()
         if self.post_process:
             yield "model.norm.weight", self._tp_gather(
                 "decoder.final_layernorm.weight", params["decoder.final_layernorm.weight"])
@@ -443,6 +462,17 @@ class MegatronLearner:
                         if "step" in param_state:
                             param_state["step"] = param_state["step"].clone()
         self._version = version
+
+
+def _local_copy(param: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of a parameter as fp32 on CPU, detached from the training storage (one copy)."""
+    return param.detach().to(device="cpu", dtype=torch.float32, copy=True)
+
+
+def publish_bytes(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.float32) -> int:
+    """Bytes one publish source sends for tensors of these shapes (HF name -> shape), all of `dtype`:
+    with publish_shards, what each learner TP rank's link carries."""
+    return sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
 
 
 def micro_batch_rows(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:

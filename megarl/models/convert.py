@@ -7,7 +7,8 @@ dict of a megatron-core ``GPTModel`` built with the local layer spec
 (``get_gpt_layer_local_spec(normalization="RMSNorm")``), plus the ``TransformerConfig`` arguments
 that make that GPTModel compute the same function.
 
-All tensors are full (unsharded, TP=1 names); sharding for TP>1 is the learner's business.
+All tensors are full (unsharded, TP=1 names); sharding for TP>1 is the learner's business, except that
+``mcore_layer_to_hf(..., tp_size)`` also converts one TP rank's layer shard to its HF slices.
 ``hf_config`` may be a transformers config object or the dict from ``config.json``.
 
 Layout facts the conversion encodes:
@@ -209,12 +210,20 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
     return out
 
 
-def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config) -> dict:
+def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size: int = 1) -> dict:
     """One decoder layer: megatron names relative to the layer (``self_attention.linear_qkv.weight``)
-    -> HF names with the given global layer index.  Used by PP stages that hold only some layers."""
+    -> HF names with the given global layer index.  Used by PP stages that hold only some layers.
+
+    With ``tp_size`` > 1 the layer is ONE TP rank's megatron shard and the result is that rank's HF
+    slices (megarl.models.tp_shard's layout): the local ``linear_qkv`` holds whole query groups, so it
+    unpacks like the full one with groups / tp_size groups; the local ``linear_fc1`` is [gate_r; up_r];
+    the row-parallel ``linear_proj`` / ``linear_fc2`` shards are already HF's column slices."""
     cfg = check_supported(hf_config)
     _, heads, groups, head_dim = _dims(cfg)
     q_per_group = heads // groups
+    if groups % tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} does not divide num_key_value_heads={groups}")
+    groups //= tp_size
     hf = f"model.layers.{hf_layer_index}."
     out = {
         hf + "input_layernorm.weight": mcore_layer["input_layernorm.weight"],

@@ -1,8 +1,9 @@
-"""One torchrun rank of the cross-layout test: for each layout, log-probs, one step, published weights.
+"""One torchrun rank of the cross-layout tests: for each layout, log-probs, one step, published weights.
 
 argv: model_dir batch.pt out_dir layouts.json.  Every rank writes `{layout}.rank{r}.pt` with the
-log-probs and metrics it saw and the HF-named tensors it published (only the TP/DP rank 0 of each
-pipeline stage publishes, as the weight publisher does), so the test can rebuild the full model.
+log-probs and metrics it saw, its (tp, pp, dp) ranks, the whole HF-named tensors it publishes
+(`publish_tensors`; the weight publisher's source per stage is its TP/DP rank 0, so the test can
+rebuild the full model from those), and its TP slices of them (`publish_shards`) with their bytes.
 """
 import json
 import sys
@@ -14,7 +15,7 @@ from megatron.core import parallel_state
 from megarl.algo.config import LossConfig
 from megarl.config.schema import LearnerConfig
 from megarl.distributed.lifetime import exit_process
-from megarl.learner.megatron import MegatronLearner
+from megarl.learner.megatron import MegatronLearner, publish_bytes
 
 model_dir, batch_path, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 batch = torch.load(batch_path, weights_only=False)
@@ -23,9 +24,13 @@ for name, layout in layouts.items():
     learner = MegatronLearner(model_dir, LearnerConfig(**layout), LossConfig())
     logprobs = learner.logprobs(batch.input_ids)
     metrics = learner.train_step(batch)
-    published = dict(learner.publish_tensors())
-    source = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
-    torch.save({"logprobs": logprobs, "metrics": metrics, "published": published if source else {}},
+    published = dict(learner.publish_tensors())  # both are collective over TP: every rank iterates
+    shards = dict(learner.publish_shards())
+    torch.save({"logprobs": logprobs, "metrics": metrics, "published": published, "shards": shards,
+                "shard_bytes": publish_bytes({n: tuple(t.shape) for n, t in shards.items()}),
+                "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+                "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+                "dp_rank": parallel_state.get_data_parallel_rank()},
                f"{out_dir}/{name}.rank{dist.get_rank()}.pt")
     parallel_state.destroy_model_parallel()
 dist.destroy_process_group()

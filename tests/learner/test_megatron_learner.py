@@ -211,43 +211,58 @@ def _close(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> bool:
     return got.shape == ref.shape and float((got - ref).abs().max()) <= rel * max(1.0, float(ref.abs().max()))
 
 
-def test_every_layout_matches_tp1(model_dir, world, tmp_path):
-    """Real 2-process torchruns (gloo): TP2, DP2, PP2 (fixed rows and token-budget micro-batches) and the
-    distributed optimizer give the TP1 per-token log-probs, loss and grad norm, and one optimizer step
-    gives the same full weights, all to 1e-5 relative."""
+def _launch_layouts(model_dir, batch, tmp_path, layouts: dict, nproc: int):
+    """Start layout_worker.py under a real `nproc`-rank torchrun (gloo) over `layouts`."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    hf = _hf(model_dir)
-    batch = _batch(hf, seed=5)
     torch.save(batch, tmp_path / "batch.pt")
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     worker = Path(__file__).with_name("layout_worker.py")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(worker), model_dir, str(tmp_path / "batch.pt"), str(tmp_path), json.dumps(LAYOUTS)],
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         str(worker), model_dir, str(tmp_path / "batch.pt"), str(tmp_path), json.dumps(layouts)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _layout_results(proc, tmp_path, layouts: dict, nproc: int, timeout: float) -> dict[str, list[dict]]:
+    """Each layout's per-rank results (layout_worker.py), once the torchrun ended cleanly."""
+    _, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-4000:]
+    return {layout: [torch.load(tmp_path / f"{layout}.rank{r}.pt") for r in range(nproc)] for layout in layouts}
+
+
+def _sources(ranks: list[dict]) -> list[dict]:
+    """The publish source of each PP stage: its TP rank 0 of DP rank 0."""
+    return [r for r in ranks if r["tp_rank"] == 0 and r["dp_rank"] == 0]
+
+
+def test_every_layout_matches_tp1(model_dir, world, tmp_path):
+    """Real 2-process torchruns (gloo): TP2, DP2, PP2 (fixed rows and token-budget micro-batches) and the
+    distributed optimizer give the TP1 per-token log-probs, loss and grad norm, and one optimizer step
+    gives the same full weights, all to 1e-5 relative.  Every layout's publish_shards are its TP slices."""
+    batch = _batch(_hf(model_dir), seed=5)
+    proc = _launch_layouts(model_dir, batch, tmp_path, LAYOUTS, nproc=2)
 
     # The TP=1 reference, computed here while the two ranks start up.
     learner = _learner(model_dir, micro_batch_size=16)
     ref_logprobs = learner.logprobs(batch.input_ids)
     ref = learner.train_step(batch)
     ref_published = dict(learner.publish_tensors())
+    assert_publish_shards_are_tp_slices(ref_published, [{"tp_rank": 0, "shards": dict(learner.publish_shards())}], 1)
 
-    out, err = proc.communicate(timeout=240)
-    assert proc.returncode == 0, err[-4000:]
-    for layout in LAYOUTS:
-        ranks = [torch.load(tmp_path / f"{layout}.rank{r}.pt") for r in range(2)]
+    results = _layout_results(proc, tmp_path, LAYOUTS, nproc=2, timeout=240)
+    for layout, ranks in results.items():
         for rank in ranks:  # every rank (each PP stage too) sees the same log-probs and loss
             assert _close(rank["logprobs"], ref_logprobs), layout
             assert abs(rank["metrics"]["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), layout
             assert abs(rank["metrics"]["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], layout
             assert abs(rank["metrics"]["ratio/mean"] - ref["ratio/mean"]) <= 1e-5, layout
         published = {}
-        for rank in ranks:
+        for rank in _sources(ranks):
             assert not set(rank["published"]) & set(published), f"{layout}: a tensor published twice"
             published.update(rank["published"])
         assert set(published) == set(ref_published), layout
@@ -255,6 +270,75 @@ def test_every_layout_matches_tp1(model_dir, world, tmp_path):
             assert all(rank["published"] for rank in ranks), layout
         for name, tensor in ref_published.items():
             assert _close(published[name], tensor), (layout, name)
+        _check_stage_shards(ranks, LAYOUTS[layout].get("tp", 1))
+
+
+def assert_publish_shards_are_tp_slices(whole: dict, tp_ranks: list[dict], tp: int) -> None:
+    """Every TP rank's publish_shards() is bitwise tp_shard.shard of the whole publish_tensors(), and the
+    TP ranks' shards (all of them given, in any order) unshard to the whole tensors exactly."""
+    from megarl.models import tp_shard
+
+    tp_ranks = sorted(tp_ranks, key=lambda r: r["tp_rank"])
+    assert [r["tp_rank"] for r in tp_ranks] == list(range(tp))
+    for rank in tp_ranks:
+        assert set(rank["shards"]) == set(whole)
+        for name, tensor in whole.items():
+            got, want = rank["shards"][name], tp_shard.shard(name, tensor, tp, rank["tp_rank"])
+            assert got.dtype == torch.float32 and got.is_contiguous(), name
+            assert got.shape == want.shape and torch.equal(got, want), (rank["tp_rank"], name)
+    for name, tensor in whole.items():
+        assert torch.equal(tp_shard.unshard(name, [r["shards"][name] for r in tp_ranks]), tensor), name
+
+
+def _check_stage_shards(ranks: list[dict], tp: int) -> None:
+    """Per PP stage: every rank publishes the same whole tensors as the stage's source, every DP replica's
+    TP ranks hold its TP slices, and each TP rank's link carries 1/tp of the split tensors' bytes plus
+    the whole ones (embedding, norms, lm_head)."""
+    from megarl.learner.megatron import publish_bytes
+    from megarl.models import tp_shard
+
+    for source in _sources(ranks):
+        whole = source["published"]
+        stage = [r for r in ranks if r["pp_rank"] == source["pp_rank"]]
+        for rank in stage:
+            assert set(rank["published"]) == set(whole)
+            assert all(torch.equal(rank["published"][n], t) for n, t in whole.items())
+        for dp_rank in {r["dp_rank"] for r in stage}:
+            assert_publish_shards_are_tp_slices(whole, [r for r in stage if r["dp_rank"] == dp_rank], tp)
+        split = publish_bytes({n: t.shape for n, t in whole.items() if tp_shard.split_kind(n) != "whole"})
+        kept = publish_bytes({n: t.shape for n, t in whole.items() if tp_shard.split_kind(n) == "whole"})
+        assert split > 0 or not any(n.startswith("model.layers.") for n in whole)
+        for rank in stage:
+            assert rank["shard_bytes"] == split // tp + kept, (source["pp_rank"], rank["tp_rank"])
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """An untied Llama-family model (no biases) of the same tiny shape, 4 layers: two per PP stage."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+        vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False))
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_tp2_pp2_publish_shards(model_dir, llama_dir, tmp_path):
+    """A real 4-process torchrun (gloo), TP2 x PP2 on the untied Llama, after one step: on each stage each
+    TP rank's publish_shards() are exactly its tp_shard slices of publish_tensors() and unshard to them,
+    and lm_head (last stage) is whole on every TP rank.  (Qwen2's q/k/v biases: the TP2 layouts above.)"""
+    layouts = {"tp2pp2": {"tp": 2, "pp": 2, "micro_batch_size": 16}}
+    batch = _batch(_hf(model_dir), seed=6)  # token ids and log-probs: valid data for the Llama too
+    ranks = _layout_results(_launch_layouts(llama_dir, batch, tmp_path, layouts, nproc=4), tmp_path, layouts,
+                            nproc=4, timeout=240)["tp2pp2"]
+    assert all(r["metrics"]["skipped_nonfinite"] == 0.0 for r in ranks)
+    _check_stage_shards(ranks, tp=2)
+    assert {n for r in _sources(ranks) for n in r["published"]} == set(load_file(f"{llama_dir}/model.safetensors"))
+    last = [r for r in ranks if r["pp_rank"] == 1]
+    assert all(r["shards"]["lm_head.weight"].shape == (VOCAB, 32) for r in last)
 
 
 def test_token_budget_micro_batches():

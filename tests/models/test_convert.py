@@ -62,6 +62,40 @@ def test_qkv_packing_is_per_query_group(tmp_path):
     assert torch.equal(group1[3 * d:], v[d: 2 * d])
 
 
+def _megatron_tp_shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """TP rank `rank`'s megatron parameter, as megatron splits it: qkv and fc1 by rows (fc1 = [gate_r; up_r]),
+    linear_proj / fc2 by input columns, norms replicated."""
+    if name.endswith("linear_fc1.weight"):
+        return torch.cat([half.chunk(tp)[rank] for half in full.chunk(2)])
+    if "linear_qkv" in name:
+        return full.chunk(tp)[rank]
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return full.chunk(tp, dim=1)[rank].contiguous()  # a parameter of its own, as megatron's
+    return full
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("tp", [2, 4])  # 2 KV heads: at tp=4 the layout is refused by name
+def test_layer_shard_converts_to_the_tp_slices(tmp_path, kind, tp):
+    """A TP rank's megatron layer shard converts (tp_size=tp) to exactly tp_shard's slices of the HF tensors."""
+    from megarl.models import tp_shard
+
+    model, hf_state = _save(tmp_path, kind)
+    mcore = convert.hf_to_mcore(hf_state, model.config)
+    prefix = "decoder.layers.1."
+    for rank in range(tp):
+        layer = {n[len(prefix):]: _megatron_tp_shard(n, t, tp, rank) for n, t in mcore.items() if n.startswith(prefix)}
+        if tp == 4:
+            with pytest.raises(ValueError, match="num_key_value_heads=2"):
+                convert.mcore_layer_to_hf(layer, 1, model.config, tp_size=tp)
+            return
+        sliced = convert.mcore_layer_to_hf(layer, 1, model.config, tp_size=tp)
+        expected = {n: tp_shard.shard(n, t, tp, rank) for n, t in hf_state.items() if n.startswith("model.layers.1.")}
+        assert set(sliced) == set(expected)
+        for name, tensor in expected.items():
+            assert sliced[name].is_contiguous() and torch.equal(sliced[name], tensor), (rank, name)
+
+
 def test_refuses_unsupported():
     with pytest.raises(ValueError, match="gpt2"):
         convert.check_supported({"model_type": "gpt2"})

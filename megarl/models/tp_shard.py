@@ -1,0 +1,67 @@
+"""The tensor-parallel layout of HF-named weights: which slice of each HF tensor TP rank r holds.
+
+One definition shared by the two sides of a direct shard-to-shard publish: the learner's TP rank r
+sends exactly these slices (`MegatronLearner.publish_shards`) and the built-in engine's TP rank r runs
+on them (`megarl.sampler.model`), so neither side ever holds the whole model to convert it.
+
+The split is megatron's (and SGLang's) for a Llama/Qwen2 decoder:
+  * column-parallel, split by output rows: q_proj, k_proj, v_proj (whole heads: rank r holds query
+    heads [r*H/t, (r+1)*H/t) and KV heads [r*K/t, (r+1)*K/t)), their biases, gate_proj, up_proj and
+    their biases;
+  * row-parallel, split by input columns: o_proj, down_proj; their biases (if any) are not split:
+    every rank holds them whole and adds them once, after the all-reduce of the partial outputs;
+  * everything else (embedding, lm_head, norms) whole on every rank.
+"""
+from __future__ import annotations
+
+import torch
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, tp_size: int) -> None:
+    """ValueError naming the dimension that tp_size does not divide."""
+    for what, n in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads),
+                    ("intermediate_size", intermediate_size)):
+        if n % tp_size:
+            raise ValueError(f"tensor parallel size {tp_size} does not divide {what}={n}")
+
+
+def split_kind(name: str) -> str:
+    """'column', 'row' or 'whole': how TP splits the HF tensor `name` (biases of row-parallel layers are whole)."""
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    if module in COLUMN_PARALLEL:
+        return "column"
+    if module in ROW_PARALLEL and name.endswith(".weight"):
+        return "row"
+    return "whole"
+
+
+def shard(name: str, tensor: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s slice of the HF tensor `name` (a view; the tensor itself when whole).
+
+    Column-parallel tensors are cut into tp_size equal blocks of rows; since q/k/v rows are grouped by
+    head, equal blocks are whole heads (check_divisible first)."""
+    kind = split_kind(name)
+    if kind == "whole" or tp_size == 1:
+        return tensor
+    dim = 0 if kind == "column" else 1
+    if tensor.shape[dim] % tp_size:
+        raise ValueError(f"{name} {list(tensor.shape)}: tensor parallel size {tp_size} does not divide "
+                         f"dimension {dim}")
+    return tensor.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def shard_state_dict(weights: dict[str, torch.Tensor], tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF state dict cut to TP rank `tp_rank`'s slice."""
+    return {name: shard(name, t, tp_size, tp_rank) for name, t in weights.items()}
+
+
+def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The whole HF tensor from every TP rank's slice, in rank order (the inverse of `shard`)."""
+    kind = split_kind(name)
+    if kind == "whole":
+        return shards[0]
+    return torch.cat(shards, dim=0 if kind == "column" else 1)
+
