@@ -11,7 +11,7 @@
 #                  torchrun advertises it (--local-addr) and the learner binds its sample queue there
 #                  (queue.host); a key=value argument queue.host=... still wins.
 #   RDZV_ID        one id shared by every node of the job (default $SLURM_JOB_ID, else "megarl")
-# Processes per node come from the config: (learner.tp*pp*dp + sampler.num_engines) / NNODES, which
+# Processes per node come from the config: (learner.tp*pp*dp + sampler.num_engines*sampler.tp) / NNODES, which
 # must divide evenly (`megarl placement CONFIG --nnodes N` prints which node runs which roles).
 set -euo pipefail
 config=${1:?usage: NNODES=N RDZV_ENDPOINT=host:port $0 CONFIG [key=value ...]}

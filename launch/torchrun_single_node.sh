@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One node, every role in one torchrun launch: the raw equivalent of `megarl train CONFIG ...`.
 #   launch/torchrun_single_node.sh configs/demo.yaml [key=value ...]
-# The number of processes is read from the config (learner.tp*pp*dp + sampler.num_engines).
+# The number of processes is read from the config (learner.tp*pp*dp + sampler.num_engines*sampler.tp).
 set -euo pipefail
 config=${1:?usage: $0 CONFIG [key=value ...]}
 shift

@@ -46,7 +46,7 @@ def train(args: argparse.Namespace) -> int:
         return 2
     try:
         model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        check_model_dir(model_dir)
+        check_model_dir(model_dir, max(cfg.learner.tp, cfg.sampler.tp))
     except (FileNotFoundError, ValueError) as exc:
         print(f"megarl: model.path: {exc}", file=sys.stderr)
         return 2
@@ -114,8 +114,8 @@ def failure_summary(torchrun_stderr: str, cfg) -> str:
     root = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", report, re.S)
     killed = [(rank, code) for rank, code in failures if code < 0 and -code != signal.SIGTERM]
     rank, code = killed[0] if killed else (int(root.group(1)), int(root.group(2))) if root else failures[0]
-    learners = world_size_for(cfg) - cfg.sampler.num_engines
-    topo = Topology(rank=rank, world_size=world_size_for(cfg), num_learners=learners, num_samplers=cfg.sampler.num_engines)
+    learners, world = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp, world_size_for(cfg)
+    topo = Topology(rank=rank, world_size=world, num_learners=learners, num_samplers=world - learners)
     how = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0
            else f"exited with code {code} (its traceback is above)")
     after = ("torchrun stopped every other process" if cfg.fault.on_failure == "stop"
@@ -123,11 +123,13 @@ def failure_summary(torchrun_stderr: str, cfg) -> str:
     return f"{topo.role} {topo.role_rank} (rank {rank}) {how}; {after}. Outputs so far are in {cfg.run.dir}"
 
 
-def check_model_dir(model_dir) -> None:
-    """ValueError naming the file and what is missing or unsupported, for what the workers would load."""
+def check_model_dir(model_dir, tp: int = 1) -> None:
+    """ValueError naming the file and what is missing or unsupported, for what the workers would load
+    (split `tp` ways, the larger of learner.tp and sampler.tp)."""
     from pathlib import Path
 
     from megarl.models.convert import check_supported
+    from megarl.models.tp_shard import check_divisible
 
     model_dir = Path(model_dir)
     config = model_dir / "config.json"
@@ -140,6 +142,12 @@ def check_model_dir(model_dir) -> None:
     except ValueError as exc:
         raise ValueError(f"{config}: {exc} (megarl trains Qwen2- and Llama-family models: model_type qwen2 or "
                          f"llama, architectures Qwen2ForCausalLM or LlamaForCausalLM)") from exc
+    if tp > 1:
+        try:
+            heads = hf_config["num_attention_heads"]
+            check_divisible(heads, hf_config.get("num_key_value_heads") or heads, hf_config["intermediate_size"], tp)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"{config}: learner.tp/sampler.tp={tp}: {exc}") from exc
     if not any((model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
         raise ValueError(f"model directory {str(model_dir)!r} has no weights (model.safetensors or "
                          f"model.safetensors.index.json)")
@@ -179,9 +187,11 @@ def placement_lines(nodes) -> list[str]:
     """Node by node, the ranks torchrun starts there and the role each one takes."""
     first = nodes[0][0]
     lines = [f"{first.world_size} processes = {first.num_learners} learner ranks (learner.tp*pp*dp) + "
-             f"{first.num_samplers} sampler ranks (sampler.num_engines), {len(nodes[0])} on each of {len(nodes)} nodes"]
+             f"{first.num_samplers} sampler ranks (sampler.num_engines*tp), {len(nodes[0])} on each of {len(nodes)} nodes"]
     for node, ranks in enumerate(nodes):
         roles = [f"rank {t.rank} = {t.role} {t.role_rank}"
+                 + (f" (engine {t.engine_index} TP rank {t.engine_tp_rank})"
+                    if t.role == "sampler" and t.sampler_tp > 1 else "")
                  + (" (publishes weights, binds the queue at queue.host, writes run.dir)" if t.rank == 0 else "")
                  for t in ranks]
         lines.append(f"node {node} (torchrun group rank {node}): " + "; ".join(roles))

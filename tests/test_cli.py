@@ -48,6 +48,14 @@ def test_a_broken_model_directory_is_named_before_any_worker_starts(case, tmp_pa
     assert proc.stderr.startswith("megarl: model.path: ") and message in proc.stderr and str(path) in proc.stderr
 
 
+def test_a_model_that_the_tensor_parallel_size_does_not_split_is_named(tmp_path):
+    config = {**QWEN2, "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 64}
+    path = model_dir(tmp_path / "model", config)
+    proc = train(f"model.path={path}", "learner.tp=2", "sampler.tp=2")
+    assert proc.returncode == 2
+    assert "learner.tp/sampler.tp=2: tensor parallel size 2 does not divide num_key_value_heads=1" in proc.stderr
+
+
 def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):
     path = model_dir(tmp_path / "model", files=("model.safetensors", "vocab.json", "merges.txt"))
     proc = train(f"model.path={path}")
@@ -82,10 +90,14 @@ def test_placement_prints_each_node_and_refuses_an_uneven_split():
     proc = run_python("-m", "megarl.cli", "placement", DEMO, "learner.tp=2", "sampler.num_engines=2", "--nnodes", "2")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
-        "4 processes = 2 learner ranks (learner.tp*pp*dp) + 2 sampler ranks (sampler.num_engines), 2 on each of 2 nodes",
+        "4 processes = 2 learner ranks (learner.tp*pp*dp) + 2 sampler ranks (sampler.num_engines*tp), 2 on each of 2 nodes",
         "node 0 (torchrun group rank 0): rank 0 = learner 0 (publishes weights, binds the queue at queue.host, "
         "writes run.dir); rank 1 = learner 1",
         "node 1 (torchrun group rank 1): rank 2 = sampler 0; rank 3 = sampler 1"]
+    proc = run_python("-m", "megarl.cli", "placement", DEMO, "learner.tp=2", "sampler.tp=2", "--nnodes", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == ("node 1 (torchrun group rank 1): rank 2 = sampler 0 (engine 0 TP rank 0); "
+                                            "rank 3 = sampler 1 (engine 0 TP rank 1)")
     proc = run_python("-m", "megarl.cli", "placement", DEMO, "sampler.num_engines=2", "--nnodes", "2")
     assert proc.returncode == 2
     assert "the config needs 3 processes, which 2 nodes x 1 processes per node do not give" in proc.stderr

@@ -63,8 +63,8 @@ def to_dict(cfg: Config) -> dict:
 
 
 def world_size_for(cfg: Config) -> int:
-    """Processes a run needs: every learner rank plus one per sampler engine."""
-    return cfg.learner.tp * cfg.learner.pp * cfg.learner.dp + cfg.sampler.num_engines
+    """Processes a run needs: every learner rank plus sampler.tp per sampler engine."""
+    return cfg.learner.tp * cfg.learner.pp * cfg.learner.dp + cfg.sampler.num_engines * cfg.sampler.tp
 
 
 def _require(ok: bool, key: str, why: str) -> None:
@@ -112,14 +112,17 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              "restart resumes from the last checkpoint: set checkpoint.every_steps > 0")
     _require(cfg.fault.sampler_timeout_s > cfg.fault.heartbeat_s, "fault.sampler_timeout_s",
              f"must exceed fault.heartbeat_s ({cfg.fault.heartbeat_s})")
+    _require(cfg.sampler.tp == 1 or (cfg.sampler.engine == "builtin" and cfg.sampler.tp == lc.tp), "sampler.tp",
+             f"the built-in engine runs on sampler.tp ranks with weights published shard to shard, so it must be 1 "
+             f"or equal learner.tp={lc.tp} (got {cfg.sampler.tp}); SGLang servers take sampler.sglang.tp")
     _require(lc.pp == 1 or cfg.sampler.engine != "sglang", "learner.pp",
              "sampler.engine=sglang takes weights from one learner source; with learner.pp > 1 each stage publishes "
              "its own layers, which only the built-in engine receives so far")
     if world_size is not None:
-        need = world_size_for(cfg)
+        need, samplers = world_size_for(cfg), cfg.sampler.num_engines * cfg.sampler.tp
         _require(world_size == need, "sampler.num_engines",
-                 f"the topology needs {need} processes (learner.tp*pp*dp = {need - cfg.sampler.num_engines} learner "
-                 f"ranks + {cfg.sampler.num_engines} sampler ranks) but the launch has WORLD_SIZE={world_size}")
+                 f"the topology needs {need} processes (learner.tp*pp*dp = {need - samplers} learner ranks + "
+                 f"sampler.num_engines*tp = {samplers} sampler ranks) but the launch has WORLD_SIZE={world_size}")
     try:
         validate_loss_config(cfg.algo.loss)
         validate_advantage_config(cfg.algo.advantage)
@@ -184,7 +187,7 @@ def _check_positive(cfg: Config) -> None:
     """Every count and size in the schema must be positive; checked generically so new keys are covered."""
     positive = {
         "run.steps", "sampling.max_new_tokens", "sampler.num_engines", "sampler.max_running",
-        "sampler.max_seq_len", "sampler.threads", "learner.tp", "learner.pp", "learner.dp",
+        "sampler.max_seq_len", "sampler.threads", "sampler.tp", "learner.tp", "learner.pp", "learner.dp",
         "learner.micro_batch_size", "learner.threads", "learner.lr", "learner.max_nonfinite_in_row", "algo.prompts_per_step", "algo.sync_epochs",
         "publish.bucket_mb", "publish.timeout_s", "queue.timeout_s", "dist.timeout_s", "task.max_operand",
     }

@@ -96,7 +96,10 @@ class SGLangConfig:
 @dataclass
 class SamplerConfig:
     engine: str = "builtin"  # "builtin" (torch engine in the sampler process) or "sglang" (a server per sampler)
-    num_engines: int = 1  # sampler ranks; each runs one engine
+    num_engines: int = 1  # sampler engines; each runs on `tp` sampler ranks
+    # Built-in engine tensor parallelism: ranks per engine. 1, or learner.tp: then learner TP rank r sends
+    # only its shard to TP rank r of every engine (docs/sampler.md#tensor-parallelism).
+    tp: int = 1
     max_running: int = 32  # continuous-batching slots per engine (sglang: requests in flight per server)
     max_seq_len: int = 64  # prompt + completion tokens per request (KV cache length)
     # "keep" the KV cache on an in-flight weight swap, or "recompute" it (sglang: pause mode in_place / retract)

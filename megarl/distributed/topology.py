@@ -1,16 +1,22 @@
 """Roles and process groups: maps the torchrun world to learner and sampler ranks and builds every group.
 
 Nothing else in megarl creates process groups. The layout of a world of L learner ranks and S
-sampler ranks is fixed: ranks [0, L) are learners, ranks [L, L+S) are samplers (one engine each).
+sampler ranks is fixed: ranks [0, L) are learners, ranks [L, L+S) are samplers, `sampler_tp`
+consecutive ranks per engine (one rank per engine unless the built-in engine runs tensor parallel;
+the engine's first rank is its lead: scheduling, rewards, queue).
 
 Groups:
   * learners: the *default* torch.distributed group of a learner process holds only the learner ranks
     (megatron's parallel_state builds TP/PP/DP from it), rendezvoused through a prefix of
     torchrun's store. Sampler processes have no default group: they never join a learner collective.
   * publish: a standalone group (not registered with torch.distributed, like the weight-update
-    groups SGLang and vLLM create) of the publishing learner rank (group rank 0) and every sampler
-    (group ranks 1..S). Standalone because it spans roles whose default groups differ, and because
-    an external engine (SGLang) can join such a group without being part of the torchrun world.
+    groups SGLang and vLLM create) per publish part: the publishing learner rank (group rank 0) and
+    every engine (group ranks 1..E). One part per pipeline stage, and with sampler_tp > 1 one per
+    stage and TP rank (shard to shard). Standalone because it spans roles whose default groups
+    differ, and because an external engine (SGLang) can join such a group without being part of the
+    torchrun world.
+  * engine TP (sampler_tp > 1): the ranks of one built-in engine; its lead broadcasts each step's plan
+    and the forward all-reduces over it.
   * SGLang weight update (sampler.engine=sglang): replaces the publish group. The learner's publish
     source is rank 0 and every SGLang TP worker joins through the server's /init_weights_update_group,
     built the way SGLang builds it (`init_sglang_update_group`); `sglang_group_layout` gives the ranks.
@@ -36,14 +42,21 @@ class Topology:
     rank: int
     world_size: int
     num_learners: int
-    num_samplers: int
+    num_samplers: int  # sampler ranks: num_engines * sampler_tp
     # Learner ranks per pipeline stage (tp * dp; megatron orders ranks tp fastest, then dp, then pp,
     # so stage s holds learner ranks [s * this, (s + 1) * this)). 0 = one stage of all learners.
     learners_per_stage: int = 0
+    # Ranks per built-in sampler engine (sampler.tp). Above 1 it equals learner.tp and the publish is
+    # shard to shard: learner TP rank r (of each stage's first DP replica) -> TP rank r of every engine.
+    sampler_tp: int = 1
 
     @property
     def num_stages(self) -> int:
         return self.num_learners // (self.learners_per_stage or self.num_learners)
+
+    @property
+    def num_engines(self) -> int:
+        return self.num_samplers // self.sampler_tp
 
     @property
     def role(self) -> str:
@@ -55,19 +68,36 @@ class Topology:
         return self.rank if self.role == "learner" else self.rank - self.num_learners
 
     @property
-    def publish_rank(self) -> int | None:
-        """Rank in the publish group(s), None for learner ranks that do not publish."""
-        if self.role == "sampler":
-            return 1 + self.role_rank
-        return 0 if self.publish_stage is not None else None
+    def engine_index(self) -> int:
+        """Which engine a sampler rank belongs to (its TP ranks are consecutive)."""
+        return self.role_rank // self.sampler_tp
 
     @property
-    def publish_stage(self) -> int | None:
-        """The pipeline stage this learner rank publishes (its stage's first rank), else None."""
-        per_stage = self.learners_per_stage or self.num_learners
-        if self.role != "learner" or self.rank % per_stage:
-            return None
-        return self.rank // per_stage
+    def engine_tp_rank(self) -> int:
+        """A sampler rank's TP rank within its engine; 0 is the engine's lead (queue, rewards, schedule)."""
+        return self.role_rank % self.sampler_tp
+
+    @property
+    def engine_leads(self) -> list[int]:
+        """The global ranks of every engine's lead."""
+        return list(range(self.num_learners, self.world_size, self.sampler_tp))
+
+    @property
+    def publish_parts(self) -> list[tuple[int, int]]:
+        """(pipeline stage, TP rank) of every publish group this rank is in: a source learner rank is in
+        its own (its stage's first rank, or with sampler_tp > 1 each TP rank of the stage's first DP
+        replica), a sampler rank in every stage's group of its TP rank, other learner ranks in none."""
+        if self.role == "sampler":
+            return [(stage, self.engine_tp_rank) for stage in range(self.num_stages)]
+        stage, offset = divmod(self.rank, self.learners_per_stage or self.num_learners)
+        return [(stage, offset)] if offset < self.sampler_tp else []
+
+    @property
+    def publish_rank(self) -> int | None:
+        """Rank in the publish group(s): 0 for a source, 1 + engine index for a sampler, else None."""
+        if self.role == "sampler":
+            return 1 + self.engine_index
+        return 0 if self.publish_parts else None
 
 
 def topology_from_env(cfg: Config) -> Topology:
@@ -82,7 +112,7 @@ def topology_from_env(cfg: Config) -> Topology:
             f"torchrun started WORLD_SIZE={world}")
     learners = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
     return Topology(rank=rank, world_size=world, num_learners=learners, num_samplers=world - learners,
-                    learners_per_stage=cfg.learner.tp * cfg.learner.dp)
+                    learners_per_stage=cfg.learner.tp * cfg.learner.dp, sampler_tp=cfg.sampler.tp)
 
 
 def placement(cfg: Config, nnodes: int, nproc_per_node: int | None = None) -> list[list[Topology]]:
@@ -100,8 +130,9 @@ def placement(cfg: Config, nnodes: int, nproc_per_node: int | None = None) -> li
             f"sampler.num_engines/learner.*: the config needs {world} processes, which {nnodes} nodes "
             f"x {per_node} processes per node do not give (torchrun starts the same number on every node); "
             f"make the world size a multiple of the node count")
-    learners = world - cfg.sampler.num_engines
-    return [[Topology(rank=r, world_size=world, num_learners=learners, num_samplers=world - learners)
+    learners = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
+    return [[Topology(rank=r, world_size=world, num_learners=learners, num_samplers=world - learners,
+                      learners_per_stage=cfg.learner.tp * cfg.learner.dp, sampler_tp=cfg.sampler.tp)
              for r in range(node * per_node, (node + 1) * per_node)] for node in range(nnodes)]
 
 
@@ -141,38 +172,64 @@ def init_learner_group(topo: Topology, store: dist.Store, backend: str, timeout_
                             timeout=timedelta(seconds=timeout_s))
 
 
-def publish_stage_store(store: dist.Store, stage: int) -> dist.Store:
-    """Where stage `stage`'s publish records (spec, headers) live: stage 0 uses the plain keys."""
-    return store if stage == 0 else dist.PrefixStore(f"stage{stage}/", store)
+def publish_stage_store(store: dist.Store, stage: int, tp_rank: int = 0) -> dist.Store:
+    """Where publish part (stage, TP rank)'s records (spec, headers) live: part (0, 0) uses the plain
+    keys, and its headers carry the run's bookkeeping."""
+    if (stage, tp_rank) == (0, 0):
+        return store
+    return dist.PrefixStore(f"stage{stage}/" + (f"tp{tp_rank}/" if tp_rank else ""), store)
 
 
-def publish_groups(topo: Topology, store: dist.Store, backend: str, timeout_s: float) -> dict[int, object]:
-    """Pipeline stage -> its weight broadcast group, for the groups this rank belongs to.
+def publish_groups(topo: Topology, store: dist.Store, backend: str,
+                   timeout_s: float) -> dict[tuple[int, int], object]:
+    """(pipeline stage, TP rank) -> its weight broadcast group, for the groups this rank belongs to.
 
-    One group per learner pipeline stage: that stage's first rank (the source, group rank 0) and every
-    sampler. Each stage broadcasts its own layers, so no learner rank ever gathers the whole model,
-    and the stages send concurrently. A sampler is in all of them; a non-source learner in none."""
-    if topo.role == "learner":
-        stages = [] if topo.publish_stage is None else [topo.publish_stage]
-    else:
-        stages = list(range(topo.num_stages))
-    return {stage: publish_group(topo, store, backend, timeout_s, stage) for stage in stages}
+    One group per learner pipeline stage: that stage's source (group rank 0) and every engine. Each
+    stage broadcasts its own layers, so no learner rank ever gathers the whole model, and the stages
+    send concurrently. With sampler_tp > 1 each stage has one group per TP rank r: the stage's TP rank
+    r (first DP replica) sends its shards to TP rank r of every engine, nothing is gathered over TP.
+    """
+    return {part: publish_group(topo, store, backend, timeout_s, *part) for part in topo.publish_parts}
 
 
-def publish_group(topo: Topology, store: dist.Store, backend: str, timeout_s: float, stage: int = 0):
-    """The standalone learner->samplers weight broadcast group of one pipeline stage (None for
-    learner ranks that do not publish)."""
+def publish_group(topo: Topology, store: dist.Store, backend: str, timeout_s: float, stage: int = 0,
+                  tp_rank: int = 0):
+    """The standalone learner->engines weight broadcast group of publish part (stage, TP rank): the
+    source learner rank is group rank 0, engine i's TP rank `tp_rank` is group rank 1 + i."""
     rank = topo.publish_rank
     if rank is None:
         return None
-    size = 1 + topo.num_samplers
-    sub = dist.PrefixStore("publish/" if stage == 0 else f"publish/stage{stage}/", store)
+    prefix = "publish/" + (f"stage{stage}/" if stage else "") + (f"tp{tp_rank}/" if tp_rank else "")
+    sub = dist.PrefixStore(prefix, store)
     timeout = timedelta(seconds=timeout_s)
     if resolve_backend(backend) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(sub, rank, size, opts)
-    return dist.ProcessGroupGloo(sub, rank, size, timeout)
+        return dist.ProcessGroupNCCL(sub, rank, 1 + topo.num_engines, opts)
+    return dist.ProcessGroupGloo(sub, rank, 1 + topo.num_engines, timeout)
+
+
+def engine_tp_group(topo: Topology, store: dist.Store, backend: str, timeout_s: float):
+    """The group of one sampler engine's TP ranks (group rank = TP rank); None at sampler_tp 1.
+
+    The lead broadcasts each step's plan over it and the forward all-reduces its row-parallel outputs.
+    Registered with torch.distributed (identity ranks, as the SGLang group below) so `dist.*` calls take
+    it, although a sampler process has no default group."""
+    if topo.role != "sampler" or topo.sampler_tp == 1:
+        return None
+    name = f"megarl_engine{topo.engine_index}_tp"
+    return _registered_group(dist.PrefixStore(f"engine{topo.engine_index}/tp/", store), topo.engine_tp_rank,
+                             topo.sampler_tp, resolve_backend(backend), name, timedelta(seconds=timeout_s))
+
+
+def _registered_group(store: dist.Store, rank: int, size: int, backend: str, name: str, timeout: timedelta):
+    """A process group built by torch's `_new_process_group_helper` (private, as in SGLang) and
+    registered with identity ranks, so `dist.broadcast(src=0, group=...)` works in any process."""
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+    group, _ = _new_process_group_helper(size, rank, [], Backend(backend), store, group_name=name, timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(size)}
+    return group
 
 
 def sglang_group_layout(num_engines: int, tp: int) -> tuple[int, list[int]]:
@@ -213,11 +270,6 @@ def init_sglang_update_group(backend: str, host: str, port: int, world_size: int
     torchrun agent's store instead of hosting this group's. Blocks until all `world_size` members
     joined or `timeout_s` passed.
     """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                         group_name=group_name, timeout=timeout)
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
+    return _registered_group(dist.PrefixStore(group_name, store), rank, world_size, backend, group_name, timeout)

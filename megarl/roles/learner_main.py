@@ -52,7 +52,8 @@ def batch_metrics(batch: TrainBatch) -> dict[str, float]:
 
 
 def sampler_heartbeats(cfg: Config, store, topo: Topology) -> HeartbeatMonitor:
-    return HeartbeatMonitor(store, list(range(topo.num_learners, topo.world_size)), cfg.fault.sampler_timeout_s)
+    """Watches every engine's lead (a stuck TP follower stalls its lead's collectives, so the lead goes quiet)."""
+    return HeartbeatMonitor(store, topo.engine_leads, cfg.fault.sampler_timeout_s)
 
 
 class Intake:
@@ -98,12 +99,14 @@ class Intake:
 
 
 def publish_weights(learner, publisher, extra: dict, heartbeats: HeartbeatMonitor | None = None,
-                    num_learners: int = 0) -> dict:
-    """Every learner rank iterates publish_tensors() (collective over TP); each stage's source broadcasts.
+                    num_learners: int = 0, shards: bool = False) -> dict:
+    """Every learner rank iterates publish_tensors() (whole tensors, gathered over TP) or, shard to
+    shard, publish_shards() (its own TP slices; only the embedding is gathered); both are collective
+    over TP. Each publish part's source broadcasts.
 
     A broadcast that times out is usually a sampler that stopped receiving: the source says which
     samplers' heartbeats went quiet (it observes them before every publish, so it knows for how long)."""
-    tensors = learner.publish_tensors()
+    tensors = learner.publish_shards() if shards else learner.publish_tensors()
     if publisher is not None:
         if heartbeats is not None:
             heartbeats.observe()
@@ -201,12 +204,14 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     lead = topo.rank == 0  # owns the queue, the publish source and the run outputs
     resume_from = learner_resume_point(cfg, store, lead)  # the lead also tells the samplers
     sglang = cfg.sampler.engine == "sglang"  # then weights go to the samplers' servers, not to sampler ranks
-    # One broadcast group per pipeline stage; this rank is in its stage's group if it is the source.
+    # One broadcast group per pipeline stage (per stage and TP rank, shard to shard); this rank is in the
+    # group it is the source of, if any.
     groups = {} if sglang else publish_groups(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
+    shards = topo.sampler_tp > 1
     publisher = None
     if groups:
-        stage, group = next(iter(groups.items()))
-        publisher = WeightPublisher(group, publish_stage_store(store, stage), cfg.publish.bucket_mb,
+        part, group = next(iter(groups.items()))
+        publisher = WeightPublisher(group, publish_stage_store(store, *part), cfg.publish.bucket_mb,
                                     cfg.publish.timeout_s, cfg.publish.checksum)
     learner = MegatronLearner(str(model_dir), cfg.learner, cfg.algo.loss, temperature=cfg.sampling.temperature or 1.0)
     resumed = learner_state.load(learner, resume_from) if resume_from is not None else None
@@ -234,7 +239,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     heartbeats = intake.heartbeats if lead else sampler_heartbeats(cfg, store, topo) if publisher else None
     try:
         if resumed:  # the samplers generate nothing before they run the resumed weights
-            publish_weights(learner, publisher, intake.header() if lead else {}, heartbeats, topo.num_learners)
+            publish_weights(learner, publisher, intake.header() if lead else {}, heartbeats, topo.num_learners,
+                            shards)
         nonfinite_in_row = 0
         for step in range(start_step, cfg.run.steps):
             if schedule.due(step):  # `step` steps are trained and logged
@@ -250,7 +256,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             if learner.version != version:  # a skipped (non-finite) step changed nothing to publish
                 # The lead's header also carries the bookkeeping.
                 published = publish_weights(learner, publisher, intake.header() if lead else {}, heartbeats,
-                                            topo.num_learners)
+                                            topo.num_learners, shards)
             wall.append(time.time())
             if lead:
                 outputs.record(step, batch, {**metrics, **intake_metrics, "version": learner.version}, wall,

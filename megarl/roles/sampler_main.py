@@ -28,7 +28,7 @@ from megarl.config.schema import Config
 from megarl.distributed.heartbeat import Heartbeat
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
-from megarl.distributed.topology import Topology, publish_groups, publish_stage_store
+from megarl.distributed.topology import Topology, engine_tp_group, publish_groups, publish_stage_store
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
 from megarl.roles.learner_main import STOP_KEY
@@ -39,11 +39,30 @@ STOP_POLL_S = 0.2
 MAX_CONSECUTIVE_SKIPS = 1000
 
 
-class SamplerLoop:
-    def __init__(self, cfg: Config, topo: Topology, store, model_dir: Path):
-        from transformers import AutoTokenizer
+def builtin_engine(cfg: Config, topo: Topology, model_dir: Path, tp_group):
+    """This rank's built-in engine: the whole model, or its TP shard of an engine spanning sampler.tp ranks
+    (every TP rank of an engine seeds alike: identical logits then sample identical tokens)."""
+    from megarl.sampler.engine import BuiltinEngine
 
-        from megarl.sampler.engine import BuiltinEngine
+    return BuiltinEngine.from_pretrained(
+        model_dir, max_running=cfg.sampler.max_running, max_seq_len=cfg.sampler.max_seq_len,
+        kv_on_update=cfg.sampler.kv_on_update, seed=cfg.run.seed * 1000 + topo.engine_leads[topo.engine_index],
+        tp_group=tp_group)
+
+
+def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, should_stop) -> StagedReceiver:
+    """The receiver of this sampler rank's part of every version: one group per learner pipeline stage
+    (one at PP=1), of this rank's TP rank; a version is applied once every stage's part arrived."""
+    groups = publish_groups(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
+    return StagedReceiver([(groups[part], publish_stage_store(store, *part)) for part in sorted(groups)],
+                          engine.weight_spec(), engine.device, on_version=on_version,
+                          current_version=lambda: engine.version, should_stop=should_stop,
+                          timeout_s=cfg.publish.timeout_s).start()
+
+
+class SamplerLoop:
+    def __init__(self, cfg: Config, topo: Topology, store, model_dir: Path, tp_group=None):
+        from transformers import AutoTokenizer
 
         self.cfg, self.topo, self.store = cfg, topo, store
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -51,10 +70,12 @@ class SamplerLoop:
             from megarl.sampler.sglang_engine import SGLangEngine
 
             self.engine = SGLangEngine.from_config(cfg, topo, model_dir)  # starts this rank's server
+        elif tp_group is not None:  # this rank leads an engine spanning sampler.tp ranks
+            from megarl.sampler.tensor_parallel import TPLeadEngine
+
+            self.engine = TPLeadEngine(builtin_engine(cfg, topo, model_dir, tp_group), tp_group, cfg.dist.timeout_s)
         else:
-            self.engine = BuiltinEngine.from_pretrained(
-                model_dir, max_running=cfg.sampler.max_running, max_seq_len=cfg.sampler.max_seq_len,
-                kv_on_update=cfg.sampler.kv_on_update, seed=cfg.run.seed * 1000 + topo.rank)
+            self.engine = builtin_engine(cfg, topo, model_dir, None)
         self.task = task_from_config(cfg.task)
         # Group k of this sampler draws its prompt from prompt_rng(seed, role rank, k); a resumed run
         # starts the indices its checkpoint had not retired (see run()).
@@ -62,7 +83,7 @@ class SamplerLoop:
         self.resume_version: int | None = None  # generate nothing before the engine runs this version
         self.sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k,
                                        cfg.sampling.max_new_tokens)
-        share = cfg.algo.prompts_per_step / topo.num_samplers
+        share = cfg.algo.prompts_per_step / topo.num_engines
         self.budget = math.ceil((cfg.algo.max_lag + 1) * share)
         self.sync_share = int(share)
         self.sync_admitted_version: int | None = None
@@ -91,12 +112,7 @@ class SamplerLoop:
             return SGLangWeightFollower.from_config(self.engine, self.store, self.cfg, self.topo,
                                                     on_published=self._on_published,
                                                     should_stop=lambda: self.stopped).start()
-        # One group per learner pipeline stage (one at PP=1); a version is applied once all arrived.
-        groups = publish_groups(self.topo, self.store, self.cfg.dist.backend, self.cfg.publish.timeout_s)
-        return StagedReceiver([(groups[stage], publish_stage_store(self.store, stage)) for stage in sorted(groups)],
-                              self.engine.weight_spec(), self.engine.device, on_version=self._on_version,
-                              current_version=lambda: self.engine.version, should_stop=lambda: self.stopped,
-                              timeout_s=self.cfg.publish.timeout_s).start()
+        return weight_receiver(self.cfg, self.topo, self.store, self.engine, self._on_version, lambda: self.stopped)
 
     def run(self) -> None:
         self.resume_version, retired = wait_for_announcement(self.store, self.cfg, self.topo.role_rank,
@@ -137,8 +153,8 @@ class SamplerLoop:
             # Join before the process exits: a thread still inside a store or gloo call at
             # interpreter shutdown aborts the process (SIGABRT), which torchrun reports as a failure.
             receiver.join(self.cfg.publish.timeout_s)
-            if self.cfg.sampler.engine == "sglang":
-                self.engine.close()  # stops this rank's server
+            if hasattr(self.engine, "close"):
+                self.engine.close()  # stops this rank's SGLang server / this engine's TP followers
             sender.close()
             if self.timeline is not None:
                 self.timeline.close()
@@ -207,4 +223,27 @@ class SamplerLoop:
 
 def run_sampler(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     torch.set_num_threads(cfg.sampler.threads)
-    SamplerLoop(cfg, topo, store, model_dir).run()
+    tp_group = engine_tp_group(topo, store, cfg.dist.backend, cfg.dist.timeout_s)
+    if topo.engine_tp_rank == 0:
+        SamplerLoop(cfg, topo, store, model_dir, tp_group).run()
+    else:
+        run_engine_follower(cfg, topo, store, model_dir, tp_group)
+
+
+def run_engine_follower(cfg: Config, topo: Topology, store, model_dir: Path, tp_group) -> None:
+    """A TP rank > 0 of an engine: receives its weight shards and mirrors every step its lead plans
+    (megarl.sampler.tensor_parallel); the lead does the scheduling, rewards and queue, and sends the
+    stop when its loop ends."""
+    from megarl.sampler.tensor_parallel import run_follower
+
+    engine = builtin_engine(cfg, topo, model_dir, tp_group)
+    stopped = threading.Event()
+    receiver = weight_receiver(cfg, topo, store, engine, lambda version, tensors, extra: engine.stage_weights(
+        tensors, version), stopped.is_set)
+    try:
+        run_follower(engine, tp_group, should_stop=lambda: receiver.error is not None, timeout_s=cfg.dist.timeout_s)
+        if receiver.error is not None:
+            raise RuntimeError(f"sampler {topo.role_rank}: weight receiver failed") from receiver.error
+    finally:
+        stopped.set()
+        receiver.join(cfg.publish.timeout_s)

@@ -24,6 +24,13 @@ Between steps, on the stepping thread, a server can also look at and end request
 of running requests (a gather of just the asked-for tokens), and `cancel()` removes running or queued
 requests and returns their partial output as completions with finish_reason "abort".  Neither adds
 work to a step.
+
+Tensor parallelism: with `tp_group` (t ranks) the engine holds only its rank's weight slices
+(`megarl.models.tp_shard`) and its share of the KV heads; the forward sums partial products over the
+group and every rank computes the same logits.  Every rank must then run the same steps with the same
+requests and apply the same weight version at the same step boundary: `step(apply_staged=False)` and
+`apply_staged(version)` give that control to `megarl.sampler.tensor_parallel`, which drives the ranks.
+Staged versions are kept by version (a rank's receiver may stage v+1 before the group applies v).
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from megarl.models import tp_shard
 from megarl.protocols import Completion, GenerationRequest
 from megarl.sampler.model import (
     KVCache,
@@ -47,6 +55,9 @@ from megarl.sampler.model import (
 )
 
 KV_POLICIES = ("keep", "recompute")
+# Staged versions held at once: under tensor parallelism a rank's receiver can stage v+1 before the
+# group applies v, so v must survive it; a third drops the oldest (each is a full copy of the weights).
+MAX_STAGED = 2
 
 
 def sample_tokens(
@@ -143,7 +154,10 @@ class Progress:
 
 
 class BuiltinEngine:
-    """Continuous-batching torch engine over HF-named Qwen2/Llama weights (see module docstring)."""
+    """Continuous-batching torch engine over HF-named Qwen2/Llama weights (see module docstring).
+
+    With `tp_group` of size t, `weights` are this rank's slices (`tp_shard.shard_state_dict(full, t,
+    rank)`, shapes of `ModelSpec.shard(t)`); `from_pretrained` cuts them from an HF directory."""
 
     def __init__(
         self,
@@ -156,20 +170,23 @@ class BuiltinEngine:
         seed: int = 0,
         version: int = 0,
         device="cpu",
+        tp_group=None,
     ):
         if kv_on_update not in KV_POLICIES:
             raise ValueError(f"kv_on_update={kv_on_update!r} must be one of {KV_POLICIES}")
         if max_running < 1 or max_seq_len < 2:
             raise ValueError(f"max_running={max_running} must be >= 1 and max_seq_len={max_seq_len} >= 2")
-        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.tp_size = 1 if tp_group is None else tp_group.size()
+        self.tp_group = tp_group if self.tp_size > 1 else None  # a group of one: the plain forward
+        self.spec = ModelSpec.from_hf_config(hf_config).shard(self.tp_size)  # this rank's heads and MLP width
         self.device = torch.device(device)
         weights = {name: t.to(self.device) for name, t in weights.items()}
         self.max_running = max_running
         self.max_seq_len = max_seq_len
         self.kv_on_update = kv_on_update
 
-        self._weights = prepare_weights(self.spec, weights)  # checks names and shapes
-        # What stage_weights validates against: every HF name with its shape and dtype.
+        self._weights = prepare_weights(self.spec, weights)  # checks names and (this rank's) shapes
+        # What stage_weights validates against: every HF name with its (this rank's) shape and dtype.
         self._hf_meta = {name: (t.shape, t.dtype) for name, t in weights.items()}
         self._version = version
         self._cache = KVCache(self.spec, max_running, max_seq_len, self._weights.dtype, self.device)
@@ -199,19 +216,27 @@ class BuiltinEngine:
             "stop_ids": torch.full((slots, 1), -1, dtype=long, device=self.device),  # padded with -1
         }
 
-        self._lock = threading.Lock()  # guards _staged and _retired, the only state another thread touches
-        self._staged: tuple[RuntimeWeights, int] | None = None
-        # The weights a swap replaced, released by the next `stage_weights` call rather than at the swap:
-        # freeing a version's buffers costs milliseconds per 100 MB, which belongs on the staging thread.
-        self._retired: RuntimeWeights | None = None
+        # Guards _staged and _retired, the only state another thread touches; notified when a version is staged.
+        self._lock = threading.Condition(threading.Lock())
+        self._staged: dict[int, RuntimeWeights] = {}  # version -> weights, at most MAX_STAGED
+        # The weights a swap replaced (and staged versions it skipped), released by the next `stage_weights`
+        # call rather than at the swap: freeing a version's buffers costs milliseconds per 100 MB, which
+        # belongs on the staging thread.
+        self._retired: list[RuntimeWeights] = []
         self._stats = {"tokens_decoded": 0, "decode_steps": 0, "prefill_tokens": 0, "requests_finished": 0,
                        "requests_cancelled": 0, "swaps": 0, "swap_time_s": 0.0, "decode_time_s": 0.0}
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, **kw) -> "BuiltinEngine":
-        """Load config.json + model.safetensors from an HF model directory."""
+    def from_pretrained(cls, model_dir: str, tp_group=None, **kw) -> "BuiltinEngine":
+        """Load config.json + model.safetensors from an HF model directory (with `tp_group`: this
+        rank's slices of it)."""
         cfg, weights = load_pretrained(model_dir)
-        return cls(cfg, weights, **kw)
+        if tp_group is not None and tp_group.size() > 1:
+            ModelSpec.from_hf_config(cfg).shard(tp_group.size())  # a clear error before cutting anything
+            shards = tp_shard.shard_state_dict(weights, tp_group.size(), tp_group.rank())
+            # Copy the split slices: a view would keep the whole tensor alive.
+            weights = {name: t if tp_shard.split_kind(name) == "whole" else t.clone() for name, t in shards.items()}
+        return cls(cfg, weights, tp_group=tp_group, **kw)
 
     # ------------------------------------------------------------------ Engine protocol
     @property
@@ -227,7 +252,7 @@ class BuiltinEngine:
         return len(self._running)
 
     def weight_spec(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """HF name -> (shape, dtype) of every tensor `stage_weights` accepts."""
+        """HF name -> (shape, dtype) of every tensor `stage_weights` accepts (this TP rank's slices)."""
         return dict(self._hf_meta)
 
     def add_request(self, request: GenerationRequest) -> None:
@@ -244,9 +269,12 @@ class BuiltinEngine:
             raise ValueError(f"request {request.request_id}: invalid sampling params {sp}")
         self._waiting.append(request)
 
-    def step(self) -> list[Completion]:
+    def step(self, apply_staged: bool = True) -> list[Completion]:
+        """Apply the newest staged version (unless apply_staged=False: a TP group applies versions
+        through `apply_staged(version)`), admit, decode; return the requests that finished."""
         with torch.inference_mode():
-            self._apply_staged()
+            if apply_staged:
+                self.apply_staged()
             finished: list[Completion] = []
             if self._waiting and len(self._running) < self.max_running:
                 finished += self._admit()
@@ -255,13 +283,14 @@ class BuiltinEngine:
         return finished
 
     def stage_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Validate and stage a full HF-named weight set; it becomes current at the next step boundary.
+        """Validate and stage a full HF-named weight set (this TP rank's slices); it becomes current at
+        the next step boundary that applies it (`step()` applies the newest).
 
         Safe to call from another thread.  Validation, device transfer and `prepare_weights` (which
         stacks q/k/v and gate/up) happen here, on the caller's thread, so the decode thread's swap is a
         reference assignment.  The engine takes ownership of the tensors: the caller must not modify
-        them afterwards.  A second call before the boundary replaces the first (only the newest
-        version matters).
+        them afterwards.  Staging the same version again replaces it; a version older than the current
+        or a staged one is refused; beyond MAX_STAGED versions the oldest staged one is dropped.
         """
         for name, t in named_tensors.items():
             if name not in self._hf_meta:
@@ -274,15 +303,64 @@ class BuiltinEngine:
             if name not in named_tensors:
                 raise ValueError(f"stage_weights: missing tensor {name!r}")
         with self._lock:
-            retired, self._retired = self._retired, None
+            retired, self._retired = self._retired, []
         del retired  # freed here, on the staging thread
         with torch.inference_mode():
             staged = prepare_weights(self.spec, {name: t.to(self.device) for name, t in named_tensors.items()})
         with self._lock:
-            newest = self._version if self._staged is None else max(self._version, self._staged[1])
+            newest = max([self._version, *self._staged])
             if version < newest:
                 raise ValueError(f"stage_weights: version {version} is older than {newest}")
-            self._staged = (staged, version)
+            self._staged[version] = staged
+            while len(self._staged) > MAX_STAGED:
+                del self._staged[min(self._staged)]
+            self._lock.notify_all()
+
+    def staged_versions(self) -> list[int]:
+        """The versions staged and not yet applied, oldest first."""
+        with self._lock:
+            return sorted(self._staged)
+
+    def wait_staged(self, version: int, timeout_s: float, should_stop=lambda: False) -> bool:
+        """Block until `version` is staged (True), `timeout_s` passes or should_stop() (False); True
+        at once if it is already staged.  should_stop is polled every 0.2 s."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while version not in self._staged:
+                left = deadline - time.monotonic()
+                if left <= 0 or should_stop():
+                    return False
+                self._lock.wait(min(left, 0.2))
+        return True
+
+    def apply_staged(self, version: int | None = None) -> int | None:
+        """Make a staged version current now (the step boundary: call it between steps, from the
+        stepping thread): the newest one, or exactly `version`.  Returns the version applied, None
+        if nothing was staged (version=None only).  Older staged versions are dropped.  KeyError
+        names a `version` that is not staged."""
+        with self._lock:
+            if version is None:
+                if not self._staged:
+                    return None
+                version = max(self._staged)
+            elif version not in self._staged:
+                raise KeyError(f"apply_staged: version {version} is not staged (staged: {sorted(self._staged)}, "
+                               f"current: {self._version})")
+            weights = self._staged.pop(version)
+            skipped = [self._staged.pop(v) for v in [v for v in self._staged if v < version]]
+            self._retired += [self._weights, *skipped]
+        start = time.perf_counter()
+        self._weights, self._version = weights, version
+        # Every running request's next token is the new version's (a step that swaps always decodes,
+        # so two swaps never land on the same token).
+        for record in self._running:
+            record.version_starts.append((self._seq_len(record) - record.prompt_len, self._version))
+        if self.kv_on_update == "recompute" and self._running:
+            with torch.inference_mode():
+                self._recompute_kv()
+        self._stats["swaps"] += 1
+        self._stats["swap_time_s"] += time.perf_counter() - start
+        return version
 
     # ------------------------------------------------------------------ between steps (the stepping thread only)
     def progress(self, since: Mapping[str, int] | None = None) -> dict[str, Progress]:
@@ -353,24 +431,6 @@ class BuiltinEngine:
     def _seq_len(self, record: _Running) -> int:
         return record.base + self._decode_count
 
-    def _apply_staged(self) -> None:
-        with self._lock:
-            staged, self._staged = self._staged, None
-        if staged is None:
-            return
-        start = time.perf_counter()
-        with self._lock:
-            self._retired = self._weights
-        self._weights, self._version = staged
-        # Every running request's next token is the new version's (a step that swaps always decodes,
-        # so two swaps never land on the same token).
-        for record in self._running:
-            record.version_starts.append((self._seq_len(record) - record.prompt_len, self._version))
-        if self.kv_on_update == "recompute" and self._running:
-            self._recompute_kv()
-        self._stats["swaps"] += 1
-        self._stats["swap_time_s"] += time.perf_counter() - start
-
     def _recompute_kv(self) -> None:
         """Re-prefill every running sequence's cached prefix (all but its last token) with the new weights."""
         n, span = len(self._running), self._max_len - 1  # the last token is fed by the next decode step
@@ -380,7 +440,7 @@ class BuiltinEngine:
         # (seq_len >= prompt_len + 1 >= 2 for a running sequence, so the index is valid.)
         last_cached = self._slot["pos"][:n] - 1
         forward(self.spec, self._weights, self._tables, self._cache, ids, positions,
-                attn_len=span, logit_index=last_cached)
+                attn_len=span, logit_index=last_cached, tp_group=self.tp_group)
 
     def _admit(self) -> list[Completion]:
         start = len(self._running)
@@ -408,7 +468,7 @@ class BuiltinEngine:
         self._refresh_running_flags()
         positions = torch.arange(width, device=self.device).expand(count, width)
         logits = forward(self.spec, self._weights, self._tables, self._cache, ids, positions,
-                         slot_start=start, attn_len=width, logit_index=prompt_lens - 1)
+                         slot_start=start, attn_len=width, logit_index=prompt_lens - 1, tp_group=self.tp_group)
         tokens = self._sample_and_append(rows, logits)
         self._max_len = max(self._max_len, width + 1)
         self._stats["prefill_tokens"] += sum(lens)
@@ -438,7 +498,7 @@ class BuiltinEngine:
         pos = s["pos"][:n]
         ids = s["tokens"][:n].gather(1, pos[:, None])
         logits = forward(self.spec, self._weights, self._tables, self._cache, ids, pos[:, None],
-                         attn_len=self._max_len)
+                         attn_len=self._max_len, tp_group=self.tp_group)
         pos += 1  # in place: each sampled token goes one position further
         tokens = self._sample_and_append(slice(0, n), logits[:, 0])
         self._decode_count += 1

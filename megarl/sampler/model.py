@@ -19,15 +19,22 @@ On CPU at the sizes this engine serves, a decode step is bound by the number of 
 memory they touch, not by FLOPs; the layout choices (documented where they are made, and in
 docs/sampler.md) remove kernels.  Numerics follow transformers' (RoPE and RMSNorm in fp32, HF's
 ``rotate_half`` pairing, same attention scale): fp32 log-probs agree with HF to ~2e-6.
+
+Tensor parallelism: `ModelSpec.shard(t)` is the spec of one TP rank, whose weights are that rank's
+slices in the layout of `megarl.models.tp_shard` (whole heads of q/k/v, rows of gate/up, columns of
+o_proj/down_proj; embedding, norms and lm_head whole).  `forward(..., tp_group=g)` sums the partial
+outputs of o_proj and down_proj over g and runs everything else replicated, so every rank of g ends
+with the same logits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarl.models import convert
+from megarl.models import convert, tp_shard
 from megarl.models.convert import load_pretrained  # noqa: F401 - the engine's loader, shared with the learner
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -52,6 +59,8 @@ class ModelSpec:
     o_bias: bool
     mlp_bias: bool
     rope_scaling: dict | None = None  # megarl.models.convert.rope_scaling: linear or llama3 (HF's definitions)
+    # > 1: the spec of one tensor-parallel rank (`shard`): the head and intermediate counts are per rank.
+    tp_size: int = 1
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelSpec":
@@ -104,8 +113,22 @@ class ModelSpec:
             rope_scaling=rope_scaling,
         )
 
+    def shard(self, tp_size: int) -> "ModelSpec":
+        """The spec of one of `tp_size` tensor-parallel ranks: its heads, KV heads and MLP width are
+        1/tp_size of the model's (hidden size, head_dim and vocabulary unchanged), so `weight_shapes`
+        gives the shapes of that rank's `tp_shard` slices.  ValueError naming the dimension tp_size
+        does not divide."""
+        if self.tp_size != 1:
+            raise ValueError(f"this spec is already one of {self.tp_size} tensor-parallel shards")
+        if tp_size < 1:
+            raise ValueError(f"tensor parallel size must be >= 1, got {tp_size}")
+        tp_shard.check_divisible(self.num_heads, self.num_kv_heads, self.intermediate_size, tp_size)
+        return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
+                       intermediate_size=self.intermediate_size // tp_size, tp_size=tp_size)
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """HF name -> shape of every tensor the forward reads, in save_pretrained naming."""
+        """HF name -> shape of every tensor the forward reads, in save_pretrained naming (this TP
+        rank's slices for a `shard` spec; row-parallel biases are whole, see megarl.models.tp_shard)."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q_out, kv_out = self.num_heads * d, self.num_kv_heads * d
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
@@ -337,6 +360,18 @@ def _add_linear(x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, bias: 
     return out if bias is None else out.add_(bias)
 
 
+def _add_row_parallel(x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+                      tp_group) -> torch.Tensor:
+    """x + linear(h) for a row-parallel layer: each rank multiplies its slice of the input features,
+    the partial products are summed over `tp_group`, then the bias (whole on every rank) and the
+    residual are added once.  The all-reduce leaves the same bits on every rank, so the replicated
+    rest of the forward stays identical across ranks.  It waits as long as the group's own timeout."""
+    out = torch.mm(h, weight_t)
+    dist.all_reduce(out, group=tp_group)
+    out = out.add_(x)
+    return out if bias is None else out.add_(bias)
+
+
 def forward(
     spec: ModelSpec,
     weights: RuntimeWeights,
@@ -348,6 +383,7 @@ def forward(
     slot_start: int = 0,
     attn_len: int | None = None,
     logit_index: torch.Tensor | None = None,
+    tp_group=None,
 ) -> torch.Tensor:
     """Run B rows of T tokens through the decoder, writing their K/V into the cache.
 
@@ -360,9 +396,15 @@ def forward(
     attn_len: how many cache positions to look at (>= max(positions) + 1); default max_seq_len.
     logit_index: long [B]; if given, return logits [B, V] of token ``logit_index[b]`` of each row only
     (prefill needs just the last one), else logits [B, T, V].  Logits are in the weights' dtype.
+    tp_group: for a `ModelSpec.shard` spec, the process group of the spec's tp_size ranks (each with
+    its own slices, cache and the same inputs); every rank of it must call forward with the same
+    inputs, and every rank gets the same logits.
 
     The residual stream is kept as [B*T, hidden] so every projection is a plain 2-D matmul.
     """
+    if (1 if tp_group is None else tp_group.size()) != spec.tp_size:
+        raise ValueError(f"forward: a spec of tp_size={spec.tp_size} needs a tensor-parallel group of that size, "
+                         f"got {'none' if tp_group is None else tp_group.size()}")
     bsz, seq = input_ids.shape
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     group, tokens = nh // nkv, bsz * seq
@@ -394,11 +436,17 @@ def forward(
         v_cache.scatter_(2, v_idx, qkv[:, nh + nkv:].view(bsz, seq, nkv, hd).transpose(1, 2))
         attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_cache[..., :attn_len], v_cache[:, :, :attn_len],
                           mask, group)
-        x = _add_linear(x, attn, lw.o_proj, lw.o_bias)
+        if tp_group is None:
+            x = _add_linear(x, attn, lw.o_proj, lw.o_bias)
+        else:
+            x = _add_row_parallel(x, attn, lw.o_proj, lw.o_bias, tp_group)
 
         h = _rms_norm(x, tables)
         gate, up = _linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-        x = _add_linear(x, F.silu(gate) * up, lw.down, lw.down_bias)
+        if tp_group is None:
+            x = _add_linear(x, F.silu(gate) * up, lw.down, lw.down_bias)
+        else:
+            x = _add_row_parallel(x, F.silu(gate) * up, lw.down, lw.down_bias, tp_group)
 
     if logit_index is not None:
         x = x.view(bsz, seq, -1)[torch.arange(bsz, device=x.device), logit_index]

@@ -30,6 +30,9 @@ def test_demo_config_loads_with_overrides():
     ("algo.mode=sync sampler.num_engines=3", "algo.prompts_per_step"),
     ("algo.group_size=1", "algo.group_size"),
     ("algo.loss.eps_low=-0.1", "algo.loss"),
+    ("sampler.tp=2", "sampler.tp: the built-in engine runs on sampler.tp ranks with weights published shard to "
+                     "shard, so it must be 1 or equal learner.tp=1 (got 2)"),
+    ("sampler.tp=2 learner.tp=2 sampler.engine=sglang", "sampler.tp: "),
     ("steps", "is not of the form key=value"),
 ])
 def test_bad_overrides_name_the_key(override, message):

@@ -224,6 +224,41 @@ def test_stage_weights_validation(model):
     assert engine.version == 2 and engine.stats()["swaps"] == 1
 
 
+def test_staged_versions_are_kept_by_version_and_applied_on_request(qwen):
+    """The step-boundary control of a TP group: step(apply_staged=False) leaves staged versions alone,
+    apply_staged(v) applies exactly v and drops older ones, a third staged version drops the oldest."""
+    _, cfg, weights = qwen
+    engine = BuiltinEngine(cfg, weights, version=1)
+    assert engine.apply_staged() is None and engine.stats()["swaps"] == 0
+    engine.stage_weights(weights, 2)
+    engine.stage_weights(weights, 3)
+    engine.add_request(req("a", [1, 2, 3], SamplingParams(temperature=1.0, max_new_tokens=4)))
+    assert engine.step(apply_staged=False) == []  # 2 tokens of v1
+    assert engine.version == 1 and engine.staged_versions() == [2, 3]
+    with pytest.raises(KeyError, match=r"version 5 is not staged \(staged: \[2, 3\], current: 1\)"):
+        engine.apply_staged(5)
+    assert engine.apply_staged(2) == 2 and engine.version == 2 and engine.staged_versions() == [3]
+    assert engine.step(apply_staged=False) == []  # 1 token of v2
+    engine.stage_weights(weights, 4)
+    engine.stage_weights(weights, 5)  # beyond MAX_STAGED: 3 is dropped
+    assert engine.staged_versions() == [4, 5]
+    (done,) = engine.step()  # applies the newest
+    assert done.versions == [1, 1, 2, 5] and engine.staged_versions() == [] and engine.stats()["swaps"] == 2
+
+
+def test_wait_staged_is_bounded(qwen):
+    _, cfg, weights = qwen
+    engine = BuiltinEngine(cfg, weights)
+    start = time.monotonic()
+    assert not engine.wait_staged(1, timeout_s=0.1)
+    assert not engine.wait_staged(1, timeout_s=30, should_stop=lambda: True)
+    assert time.monotonic() - start < 5
+    stager = threading.Timer(0.1, engine.stage_weights, (weights, 1))
+    stager.start()
+    assert engine.wait_staged(1, timeout_s=30) and engine.wait_staged(1, timeout_s=0)
+    stager.join()
+
+
 def _start(engine, requests, steps):
     for r in requests:
         engine.add_request(r)

@@ -1,0 +1,124 @@
+"""A built-in engine over two TP ranks (real processes, gloo): TP1 logits, identical ranks, lead/follower lockstep.
+
+One torchrun launch of tests/sampler/tp_worker.py runs every multi-process scenario (a launch costs
+seconds); the tests below each check one of its results against a TP1 engine run here.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megarl.models.tp_shard import shard_state_dict
+from megarl.sampler.engine import BuiltinEngine
+from megarl.sampler.model import ModelSpec, load_pretrained
+from tests.helpers import run_torchrun
+from tests.sampler import make_tiny_model
+from tests.sampler.tp_worker import SEED, SWAP_STAGES, batches, drive, perturbed
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """A random tiny Qwen2 (GQA, q/k/v biases, tied): sampled tokens of high entropy."""
+    return make_tiny_model(tmp_path_factory.mktemp("qwen"), "qwen2")
+
+
+@pytest.fixture(scope="module")
+def ranks(embedded_model_dir, qwen, tmp_path_factory) -> tuple[dict, dict]:
+    """The results of both ranks of one two-rank launch of the worker."""
+    llama = make_tiny_model(tmp_path_factory.mktemp("llama_biased"), "llama", attention_bias=True, mlp_bias=True)
+    out = tmp_path_factory.mktemp("tp_worker")
+    proc = run_torchrun("tests/sampler/tp_worker.py", 2, str(embedded_model_dir), str(llama), str(qwen), str(out),
+                        timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+
+
+def tp1_run(model_dir, **engine_kw) -> dict:
+    """The worker's schedule on one TP1 engine (same seed, requests and staging steps)."""
+    cfg, full = load_pretrained(str(model_dir))
+    swap = engine_kw.pop("swap", False)
+    engine = BuiltinEngine(cfg, full, max_running=4, max_seq_len=32, seed=SEED, version=1, **engine_kw)
+
+    def stage(step):
+        if swap and step in SWAP_STAGES:
+            engine.stage_weights(perturbed(full, seed=SWAP_STAGES[step]), SWAP_STAGES[step])
+    done, _ = drive(engine, *batches(engine.spec.vocab_size, stop=3), stage=stage)
+    return done
+
+
+def test_shard_spec_shapes_are_the_tp_shard_slices(embedded_model_dir):
+    cfg, full = load_pretrained(str(embedded_model_dir))
+    spec = ModelSpec.from_hf_config(cfg).shard(2)
+    assert (spec.num_heads, spec.num_kv_heads, spec.intermediate_size, spec.tp_size) == (2, 1, 96, 2)
+    assert (spec.hidden_size, spec.head_dim, spec.vocab_size) == (64, 16, 264)
+    for rank in (0, 1):
+        assert {n: tuple(t.shape) for n, t in shard_state_dict(full, 2, rank).items()} == spec.weight_shapes()
+
+
+def test_shard_refuses_a_tp_size_that_does_not_divide_the_kv_heads(embedded_model_dir):
+    cfg = json.loads((embedded_model_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match="tensor parallel size 4 does not divide num_key_value_heads=2"):
+        ModelSpec.from_hf_config(cfg).shard(4)
+    with pytest.raises(ValueError, match="already one of 2"):
+        ModelSpec.from_hf_config(cfg).shard(2).shard(2)
+
+
+@pytest.mark.parametrize("model", ["embedded", "llama_biased"])
+def test_tp2_forward_equals_tp1_and_is_bit_identical_across_ranks(ranks, model):
+    """Prefill then two decode steps; the Llama has o_proj/down_proj biases (added once, after the all-reduce)."""
+    for rank in ranks:
+        for tp1, tp2 in zip(rank["forward"][model]["tp1"], rank["forward"][model]["tp2"]):
+            assert (torch.log_softmax(tp2, -1) - torch.log_softmax(tp1, -1)).abs().max() <= TOL
+    for a, b in zip(ranks[0]["forward"][model]["tp2"], ranks[1]["forward"][model]["tp2"]):
+        assert torch.equal(a, b)
+
+
+def _same(a, b) -> bool:
+    return (a.token_ids, a.logprobs, a.versions, a.finish_reason) == (b.token_ids, b.logprobs, b.versions,
+                                                                      b.finish_reason)
+
+
+def _close_to_tp1(tp2: dict, tp1: dict) -> None:
+    """Same tokens, versions and finish reasons as TP1 with the same seed, log-probs to 1e-4 (TP sums in
+    another order, so they differ by float rounding; a sampled token could in principle flip if a
+    uniform draw lands within that rounding of a CDF boundary: it does not at these seeds)."""
+    assert tp2.keys() == tp1.keys()
+    for rid, c in tp2.items():
+        ref = tp1[rid]
+        assert (c.token_ids, c.versions, c.finish_reason) == (ref.token_ids, ref.versions, ref.finish_reason), rid
+        assert max(abs(a - b) for a, b in zip(c.logprobs, ref.logprobs)) <= 1e-4
+
+
+def test_lead_and_follower_generate_in_lockstep_and_match_tp1(ranks, qwen):
+    """Sampled (T=1, some top-p), 10 requests through 4 slots, 4 added mid-run: the follower's
+    completions equal the lead's bit for bit, and both equal a TP1 engine's with the same seed."""
+    lead, follower = ranks[0]["generate"], ranks[1]["generate"]
+    assert len(lead["done"]) == 10 and lead["done"].keys() == follower["done"].keys()
+    assert all(_same(lead["done"][rid], follower["done"][rid]) for rid in lead["done"])
+    assert lead["steps"] == follower["steps"] and lead["stats"]["decode_steps"] == follower["stats"]["decode_steps"]
+    assert {c.finish_reason for c in lead["done"].values()} == {"stop", "length"}
+    _close_to_tp1(lead["done"], tp1_run(qwen))
+
+
+def test_in_flight_swap_applies_each_version_at_the_same_step_on_both_ranks(ranks, qwen):
+    """The follower's v2 arrives 0.5 s late (it waits for it), its v3 right after: both ranks apply v2
+    before step 3 and v3 before step 6, as TP1 does with the same staging."""
+    lead, follower = ranks[0]["swap"], ranks[1]["swap"]
+    assert all(_same(lead["done"][rid], follower["done"][rid]) for rid in lead["done"])
+    assert lead["stats"]["swaps"] == follower["stats"]["swaps"] == 2
+    assert lead["stats"]["version"] == follower["stats"]["version"] == 3
+    spans = [c.versions for c in lead["done"].values()]
+    assert all(v == sorted(v) for v in spans)
+    assert any({1, 2} <= set(v) for v in spans) and any(3 in v for v in spans)  # requests ran across swaps
+    _close_to_tp1(lead["done"], tp1_run(qwen, kv_on_update="recompute", swap=True))
+
+
+def test_follower_names_the_version_that_never_arrives(ranks):
+    assert ranks[0]["missing"]["version"] == 2  # the lead applied it
+    missing = ranks[1]["missing"]
+    assert missing["error"] is not None and "weight version 2" in missing["error"]
+    assert "staged []" in missing["error"] and 1.0 <= missing["waited_s"] < 10
