@@ -264,14 +264,17 @@ class WeightReceiver:
         set_index = index % 2
         version, buffers = header["version"], self.buffer_sets[set_index]
         deadline = time.monotonic() + self.timeout.total_seconds()
-        # The engine may still run on the weights this set last received; the set is free once it
-        # has moved on (to the version staged from the other set).
-        while self.held_versions[set_index] is not None and self.current_version() == self.held_versions[set_index]:
+        # The engine may still run on, or not yet have applied, the weights this set last received (a
+        # staged version is views into its buffers, and a TP engine applies exactly the version its
+        # lead plans, not always the newest); the set is free once the engine has moved past it.
+        held = self.held_versions[set_index]
+        while held is not None and self.current_version() <= held:
             if self.should_stop():
                 raise _Stopped()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"weight receive: the engine did not apply the version after "
-                                   f"{self.held_versions[set_index]} within {self.timeout.total_seconds():.0f}s")
+                raise TimeoutError(f"weight receive: the engine did not move past version {held} within "
+                                   f"{self.timeout.total_seconds():.0f}s (its staging buffers are needed for "
+                                   f"version {version})")
             time.sleep(0.001)
         self.held_versions[set_index] = version
         receives = [_Broadcast(self.group, buffer, self.timeout, f"receive version {version} bucket {i + 1}/{len(buffers)}")
