@@ -34,6 +34,15 @@ def test_demo_config_loads_with_overrides():
                      "shard, so it must be 1 or equal learner.tp=1 (got 2)"),
     ("sampler.tp=2 learner.tp=2 sampler.engine=sglang", "sampler.tp: "),
     ("steps", "is not of the form key=value"),
+    ("task.on_bad_row=ignore", "task.on_bad_row: must be error or skip, got 'ignore'"),
+    ("task.reward_timeout_s=0", "task.reward_timeout_s: must be > 0"),
+    ("task.name=jsonl", "task.path: task.name=jsonl needs the dataset"),
+    ("task.name=jsonl task.path=/nonexistent/train.jsonl", "task.path: dataset not found: /nonexistent/train.jsonl"),
+    ("task.reward_fn=my-pkg.rewards:score", "task.reward_fn: 'my-pkg.rewards:score' is not of the form"),
+    ("task.reward_sandbox=true", "task.reward_sandbox: sandboxes a user function"),
+    ("task.sandbox.cpu_s=0", "task.sandbox.cpu_s: must be > 0"),
+    ("task.sandbox.memory_mb=16", "task.sandbox.memory_mb: must be >= 64"),
+    ("task.sandbox.wall_s=3", "unknown config key 'task.sandbox.wall_s'"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -75,21 +84,6 @@ def test_worker_refuses_a_launch_whose_world_does_not_match_the_topology():
     assert proc.returncode != 0
     assert "needs 2 processes" in proc.stderr and "WORLD_SIZE=1" in proc.stderr
 
-
-@pytest.mark.parametrize("override, message", [
-    ("task.on_bad_row=ignore", "task.on_bad_row: must be error or skip, got 'ignore'"),
-    ("task.reward_timeout_s=0", "task.reward_timeout_s: must be > 0"),
-    ("task.name=jsonl", "task.path: task.name=jsonl needs the dataset"),
-    ("task.name=jsonl task.path=/nonexistent/train.jsonl", "task.path: dataset not found: /nonexistent/train.jsonl"),
-    ("task.reward_fn=my-pkg.rewards:score", "task.reward_fn: 'my-pkg.rewards:score' is not of the form"),
-    ("task.reward_sandbox=true", "task.reward_sandbox: sandboxes a user function"),
-    ("task.sandbox.cpu_s=0", "task.sandbox.cpu_s: must be > 0"),
-    ("task.sandbox.memory_mb=16", "task.sandbox.memory_mb: must be >= 64"),
-    ("task.sandbox.wall_s=3", "unknown config key 'task.sandbox.wall_s'"),
-])
-def test_bad_task_keys_name_the_key(override, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(DEMO, override.split())
 
 
 def test_task_keys_for_datasets_and_rewards_load(tmp_path):
