@@ -145,7 +145,8 @@ def check_model_dir(model_dir, tp: int = 1) -> None:
     if tp > 1:
         try:
             heads = hf_config["num_attention_heads"]
-            check_divisible(heads, hf_config.get("num_key_value_heads") or heads, hf_config["intermediate_size"], tp)
+            check_divisible(heads, hf_config.get("num_key_value_heads") or heads, hf_config["intermediate_size"],
+                            hf_config["vocab_size"], tp)
         except (KeyError, ValueError) as exc:
             raise ValueError(f"{config}: learner.tp/sampler.tp={tp}: {exc}") from exc
     if not any((model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):

@@ -49,7 +49,7 @@ def test_a_broken_model_directory_is_named_before_any_worker_starts(case, tmp_pa
 
 
 def test_a_model_that_the_tensor_parallel_size_does_not_split_is_named(tmp_path):
-    config = {**QWEN2, "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 64}
+    config = {**QWEN2, "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 64}
     path = model_dir(tmp_path / "model", config)
     proc = train(f"model.path={path}", "learner.tp=2", "sampler.tp=2")
     assert proc.returncode == 2

@@ -203,30 +203,28 @@ class MegatronLearner:
         the same TP rank of samplers with the same TP size: exactly
         ``tp_shard.shard(name, whole, tp, tp_rank)`` of each ``(name, whole)`` publish_tensors yields.
 
-        The decoder layers are converted from the local megatron shards, never gathered; the vocab-
-        parallel embedding and output layer are whole in the layout (tp_shard), so they are still
-        all-gathered: collective over the TP group, every TP rank must iterate it. Same PP behaviour
-        as publish_tensors.
+        Every tensor is converted from the local megatron shard, nothing is gathered (megatron's
+        vocab-parallel embedding and output layer hold the same vocab rows as the layout), so unlike
+        publish_tensors this is not collective. Same PP behaviour as publish_tensors.
         """
         yield from self._hf_tensors(lambda name, param: _local_copy(param), tp_size=self.cfg.tp)
 
-    def _hf_tensors(self, layer_tensor, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """This stage's HF-named tensors: the decoder layers' megatron tensors come from
-        layer_tensor(name, param) and are TP rank shards when tp_size > 1; embedding, final norm and
-        lm_head are always whole (gathered over TP)."""
+    def _hf_tensors(self, megatron_tensor, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's HF-named tensors, built from megatron_tensor(name, param) of each parameter: the
+        whole tensor (tp_size 1) or this TP rank's shard (tp_size = learner TP)."""
         params = dict(self.gpt.named_parameters())
         if self.pre_process:
-            yield "model.embed_tokens.weight", self._tp_gather(
-                "embedding.word_embeddings.weight", params["embedding.word_embeddings.weight"])
+            name = "embedding.word_embeddings.weight"
+            yield "model.embed_tokens.weight", megatron_tensor(name, params[name])
         for i in range(len(self.gpt.decoder.layers)):
             prefix = f"decoder.layers.{i}."
-            layer = {n[len(prefix):]: layer_tensor(n, p) for n, p in params.items() if n.startswith(prefix)}
+            layer = {n[len(prefix):]: megatron_tensor(n, p) for n, p in params.items() if n.startswith(prefix)}
             yield from convert.mcore_layer_to_hf(layer, i + self.layer_offset, self.hf_config, tp_size).items()
         if self.post_process:
-            yield "model.norm.weight", self._tp_gather(
-                "decoder.final_layernorm.weight", params["decoder.final_layernorm.weight"])
+            name = "decoder.final_layernorm.weight"
+            yield "model.norm.weight", megatron_tensor(name, params[name])
             if not self.hf_config.get("tie_word_embeddings", False):
-                yield "lm_head.weight", self._tp_gather("output_layer.weight", params["output_layer.weight"])
+                yield "lm_head.weight", megatron_tensor("output_layer.weight", params["output_layer.weight"])
 
     # ------------------------------------------------------------------ forward / loss
 

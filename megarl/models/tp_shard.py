@@ -7,30 +7,34 @@ on them (`megarl.sampler.model`), so neither side ever holds the whole model to 
 The split is megatron's (and SGLang's) for a Llama/Qwen2 decoder:
   * column-parallel, split by output rows: q_proj, k_proj, v_proj (whole heads: rank r holds query
     heads [r*H/t, (r+1)*H/t) and KV heads [r*K/t, (r+1)*K/t)), their biases, gate_proj, up_proj and
-    their biases;
+    their biases; and vocab-parallel, also by rows: embed_tokens and lm_head (rank r holds token ids
+    [r*V/t, (r+1)*V/t), as megatron's VocabParallelEmbedding and output layer do);
   * row-parallel, split by input columns: o_proj, down_proj; their biases (if any) are not split:
     every rank holds them whole and adds them once, after the all-reduce of the partial outputs;
-  * everything else (embedding, lm_head, norms) whole on every rank.
+  * the norms whole on every rank.
+So a link carries 1/t of every matrix; nothing needs gathering on the learner side.
 """
 from __future__ import annotations
 
 import torch
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
-def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, tp_size: int) -> None:
+def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
+                    tp_size: int) -> None:
     """ValueError naming the dimension that tp_size does not divide."""
     for what, n in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads),
-                    ("intermediate_size", intermediate_size)):
+                    ("intermediate_size", intermediate_size), ("vocab_size", vocab_size)):
         if n % tp_size:
             raise ValueError(f"tensor parallel size {tp_size} does not divide {what}={n}")
 
 
 def split_kind(name: str) -> str:
     """'column', 'row' or 'whole': how TP splits the HF tensor `name` (biases of row-parallel layers are whole)."""
-    module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    parts = name.split(".")
+    module = parts[-2] if len(parts) >= 2 else ""
     if module in COLUMN_PARALLEL:
         return "column"
     if module in ROW_PARALLEL and name.endswith(".weight"):
@@ -41,8 +45,8 @@ def split_kind(name: str) -> str:
 def shard(name: str, tensor: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
     """TP rank `tp_rank`'s slice of the HF tensor `name` (a view; the tensor itself when whole).
 
-    Column-parallel tensors are cut into tp_size equal blocks of rows; since q/k/v rows are grouped by
-    head, equal blocks are whole heads (check_divisible first)."""
+    Column- and vocab-parallel tensors are cut into tp_size equal blocks of rows; since q/k/v rows are
+    grouped by head, equal blocks are whole heads (check_divisible first)."""
     kind = split_kind(name)
     if kind == "whole" or tp_size == 1:
         return tensor

@@ -22,9 +22,9 @@ docs/sampler.md) remove kernels.  Numerics follow transformers' (RoPE and RMSNor
 
 Tensor parallelism: `ModelSpec.shard(t)` is the spec of one TP rank, whose weights are that rank's
 slices in the layout of `megarl.models.tp_shard` (whole heads of q/k/v, rows of gate/up, columns of
-o_proj/down_proj; embedding, norms and lm_head whole).  `forward(..., tp_group=g)` sums the partial
-outputs of o_proj and down_proj over g and runs everything else replicated, so every rank of g ends
-with the same logits.
+o_proj/down_proj, vocab rows of the embedding and lm_head; norms whole).  `forward(..., tp_group=g)`
+sums the embedding lookups and the partial outputs of o_proj and down_proj over g, gathers the
+logits' vocab slices and runs everything else replicated, so every rank of g ends with the same logits.
 """
 from __future__ import annotations
 
@@ -115,23 +115,29 @@ class ModelSpec:
 
     def shard(self, tp_size: int) -> "ModelSpec":
         """The spec of one of `tp_size` tensor-parallel ranks: its heads, KV heads and MLP width are
-        1/tp_size of the model's (hidden size, head_dim and vocabulary unchanged), so `weight_shapes`
-        gives the shapes of that rank's `tp_shard` slices.  ValueError naming the dimension tp_size
-        does not divide."""
+        1/tp_size of the model's (hidden size and head_dim unchanged; `vocab_size` stays the model's,
+        its embedding and lm_head rows are `shard_vocab`), so `weight_shapes` gives the shapes of that
+        rank's `tp_shard` slices.  ValueError naming the dimension tp_size does not divide."""
         if self.tp_size != 1:
             raise ValueError(f"this spec is already one of {self.tp_size} tensor-parallel shards")
         if tp_size < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {tp_size}")
-        tp_shard.check_divisible(self.num_heads, self.num_kv_heads, self.intermediate_size, tp_size)
+        tp_shard.check_divisible(self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size,
+                                 tp_size)
         return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
                        intermediate_size=self.intermediate_size // tp_size, tp_size=tp_size)
+
+    @property
+    def shard_vocab(self) -> int:
+        """Token ids per TP rank: its embedding and lm_head hold rows [rank * this, (rank + 1) * this)."""
+        return self.vocab_size // self.tp_size
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> shape of every tensor the forward reads, in save_pretrained naming (this TP
         rank's slices for a `shard` spec; row-parallel biases are whole, see megarl.models.tp_shard)."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q_out, kv_out = self.num_heads * d, self.num_kv_heads * d
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.shard_vocab, h)}
         for layer in range(self.num_layers):
             p = f"model.layers.{layer}."
             shapes[p + "input_layernorm.weight"] = (h,)
@@ -149,7 +155,7 @@ class ModelSpec:
                     shapes[p + f"mlp.{name}.bias"] = (shape[0],)
         shapes["model.norm.weight"] = (h,)
         if not self.tie_word_embeddings:
-            shapes["lm_head.weight"] = (self.vocab_size, h)
+            shapes["lm_head.weight"] = (self.shard_vocab, h)
         return shapes
 
     def check_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -372,6 +378,29 @@ def _add_row_parallel(x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, 
     return out if bias is None else out.add_(bias)
 
 
+def _embed(ids: torch.Tensor, embed: torch.Tensor, spec: ModelSpec, tp_group) -> torch.Tensor:
+    """Embedding rows of `ids`; vocab-parallel with a tp_group: each rank looks up the ids in its
+    range, zeros the others, and the sum over the group is every id's row (exactly: one non-zero term)."""
+    if tp_group is None:
+        return F.embedding(ids, embed)
+    local = ids - tp_group.rank() * spec.shard_vocab
+    outside = (local < 0) | (local >= spec.shard_vocab)
+    x = F.embedding(local.clamp(0, spec.shard_vocab - 1), embed).masked_fill_(outside[:, None], 0.0)
+    dist.all_reduce(x, group=tp_group)
+    return x
+
+
+def _lm_head(h: torch.Tensor, lm_head: torch.Tensor, tp_group) -> torch.Tensor:
+    """Logits of h over the whole vocabulary; vocab-parallel with a tp_group: each rank computes its
+    vocab slice and the slices are gathered in rank order, so every rank gets the same logits."""
+    logits = torch.mm(h, lm_head)
+    if tp_group is None:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(tp_group.size())]
+    dist.all_gather(parts, logits, group=tp_group)
+    return torch.cat(parts, dim=-1)
+
+
 def forward(
     spec: ModelSpec,
     weights: RuntimeWeights,
@@ -411,7 +440,7 @@ def forward(
     attn_len = cache.max_seq_len if attn_len is None else attn_len
     slots = slice(slot_start, slot_start + bsz)
 
-    x = F.embedding(input_ids.reshape(tokens), weights.embed)
+    x = _embed(input_ids.reshape(tokens), weights.embed, spec, tp_group)
     rot = tables.rotation[positions.reshape(tokens)][:, None]  # [B*T, 1, hd/2], broadcast over heads
     # Scatter indices along the position dim of a layer's K [B, kv_heads, hd, S] and V [B, kv_heads, S, hd].
     k_idx = positions.view(bsz, 1, 1, seq).expand(bsz, nkv, hd, seq)
@@ -450,7 +479,7 @@ def forward(
 
     if logit_index is not None:
         x = x.view(bsz, seq, -1)[torch.arange(bsz, device=x.device), logit_index]
-    logits = torch.mm(_rms_norm(x, tables) * weights.norm, weights.lm_head)
+    logits = _lm_head(_rms_norm(x, tables) * weights.norm, weights.lm_head, tp_group)
     return logits if logit_index is not None else logits.view(bsz, seq, -1)
 
 

@@ -13,7 +13,7 @@ workers, one rank decides and the others repeat:
     staged that version (each rank receives its own shards), applies exactly it, and runs the same step.
 
 Each rank thus holds the same queue and running set and makes the same calls in the same order: the
-collectives of the forward pair up, and since the all-reduce leaves the same logits on every rank,
+collectives of the forward pair up, and since its all-reduces and all-gather leave the same logits on every rank,
 equal seeds sample equal tokens.  A follower discards its completions (the lead's are the output).
 
 Every wait is bounded: a plan broadcast by `timeout_s` (TimeoutError naming the plan), a version by

@@ -97,8 +97,8 @@ def test_batched_decode_with_different_lengths_matches_hf(tiny):
 
 
 def test_shard_spec_is_one_tp_ranks_share(tiny):
-    """shard(t) divides the heads, KV heads and MLP width; q/k/v/gate/up shapes shrink by rows, o/down
-    by columns; hidden, vocab and the rest stay; shard(1) is the model itself."""
+    """shard(t) divides the heads, KV heads and MLP width; q/k/v/gate/up and the embedding (vocab rows)
+    shrink by rows, o/down by columns; hidden, vocab_size and the rest stay; shard(1) is the model itself."""
     _, _, spec, w = tiny
     half = spec.shard(2)
     assert spec.shard(1) == spec and half.tp_size == 2
@@ -107,7 +107,8 @@ def test_shard_spec_is_one_tp_ranks_share(tiny):
     p = "model.layers.0."
     assert shapes[p + "self_attn.q_proj.weight"] == (32, 64) and shapes[p + "self_attn.k_proj.weight"] == (16, 64)
     assert shapes[p + "self_attn.o_proj.weight"] == (64, 32) and shapes[p + "mlp.down_proj.weight"] == (64, 64)
-    assert shapes[p + "mlp.up_proj.weight"] == (64, 64) and shapes["model.embed_tokens.weight"] == (32, 64)
+    assert shapes[p + "mlp.up_proj.weight"] == (64, 64) and shapes["model.embed_tokens.weight"] == (16, 64)
+    assert half.vocab_size == spec.vocab_size == 32 and half.shard_vocab == 16
     with pytest.raises(ValueError, match="tp_size=2 needs a tensor-parallel group of that size, got none"):
         zero = torch.zeros(1, 1, dtype=torch.long)
         forward(half, w, forward_tables(half, 8), KVCache(half, 1, 8, torch.float32), zero, zero)
