@@ -106,6 +106,9 @@ class Engine(Protocol):
     def stage_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Hand over new weights; they take effect at the next step boundary (in flight)."""
 
+    def close(self) -> None:
+        """Release what the engine started (an SGLang server, its TP followers); nothing to do in-process."""
+
 
 @runtime_checkable
 class Learner(Protocol):

@@ -153,8 +153,7 @@ class SamplerLoop:
             # Join before the process exits: a thread still inside a store or gloo call at
             # interpreter shutdown aborts the process (SIGABRT), which torchrun reports as a failure.
             receiver.join(self.cfg.publish.timeout_s)
-            if hasattr(self.engine, "close"):
-                self.engine.close()  # stops this rank's SGLang server / this engine's TP followers
+            self.engine.close()  # stops this rank's SGLang server / this engine's TP followers
             sender.close()
             if self.timeline is not None:
                 self.timeline.close()

@@ -411,6 +411,10 @@ class BuiltinEngine:
         self._stats["requests_cancelled"] += len(completions)
         return completions
 
+    def close(self) -> None:
+        """Nothing to release: the engine lives in this process (the protocol's close is for engines that
+        start processes)."""
+
     # ------------------------------------------------------------------ conveniences
     def stats(self) -> dict:
         return dict(self._stats, version=self._version, running=len(self._running), waiting=len(self._waiting))
