@@ -29,6 +29,11 @@ megarl_prepare() {
   megarl_nproc=$(( $(python -c 'import sys; from megarl.config.load import load_config, world_size_for
 print(world_size_for(load_config(sys.argv[1], sys.argv[2:])))' "$@") / SLURM_JOB_NUM_NODES ))
   megarl_model=$megarl_local/model
-  srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
-    bash -c 'mkdir -p "$1" && rm -rf "$2" && cp -r "$3" "$2"' stage "$megarl_local" "$megarl_model" "$source"
+  # Copy to a fresh directory, then rename it into place (atomic): where nodes share the scratch file
+  # system, the first node's rename wins and the others drop their identical copy, instead of one
+  # node's rm -rf racing another's cp -r.
+  srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 bash -c \
+    'mkdir -p "$1" && copy=$(mktemp -d "$1/.model.XXXXXX") && cp -r "$3/." "$copy" &&
+     { mv -T "$copy" "$2" 2>/dev/null || { [ -f "$2/config.json" ] && rm -rf "$copy"; }; }' \
+    stage "$megarl_local" "$megarl_model" "$source"
 }
