@@ -6,11 +6,13 @@ behaviour: PPO clip with clip-higher (eps 0.2 / 0.28) against the per-token beha
 token-level mean, GRPO advantages with std normalisation, nothing filtered.
 
 `validate_loss_config` / `validate_advantage_config` reject impossible values at start with a message
-naming the field; docs/algorithms.md explains every objective and which paper uses it.
+naming the field, and warn (`ObjectiveWarning`) about sound combinations that do not mean what their
+names promise; docs/algorithms.md explains every objective and which paper uses it.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -75,6 +77,10 @@ class AdvantageConfig:
     drop_truncated: bool = False
 
 
+class ObjectiveWarning(UserWarning):
+    """A valid objective that differs from the method its settings are named after."""
+
+
 def _fail(field: str, value, why: str) -> None:
     raise ValueError(f"{field}={value!r}: {why}")
 
@@ -115,6 +121,13 @@ def validate_loss_config(cfg: LossConfig) -> None:
         _fail("loss.entropy_coef", cfg.entropy_coef, "must be finite and >= 0")
     if cfg.max_lag_bucket < 1:
         _fail("loss.max_lag_bucket", cfg.max_lag_bucket, "must be >= 1")
+    # A warning, not a refusal: length-weighted sequence ratios are a sound objective that some setups
+    # want; but whoever asks for GSPO by its ratio gets its 1/G sequence weighting only with seq_mean.
+    if cfg.ratio_level == "sequence" and cfg.aggregation != "seq_mean":
+        warnings.warn(f"algo.loss.ratio_level=sequence (GSPO) with algo.loss.aggregation={cfg.aggregation}: each "
+                      f"sequence's loss is weighted by its length, whereas GSPO weighs the sequences of a batch "
+                      f"alike; set algo.loss.aggregation=seq_mean for GSPO (docs/algorithms.md)",
+                      ObjectiveWarning, stacklevel=2)
 
 
 def validate_advantage_config(cfg: AdvantageConfig) -> None:

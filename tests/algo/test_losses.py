@@ -285,6 +285,23 @@ def test_validate_names_the_field(field, value):
         validate_loss_config(replace(LossConfig(), **{field: value}))
 
 
+def test_gspo_without_seq_mean_warns_naming_both_keys():
+    import warnings
+
+    from megarl.algo.config import ObjectiveWarning
+    from megarl.config.load import load_config
+
+    for aggregation in ("token_mean", "constant"):
+        with pytest.warns(ObjectiveWarning, match=f"algo.loss.ratio_level=sequence \\(GSPO\\) with "
+                                                  f"algo.loss.aggregation={aggregation}: each sequence's loss is "
+                                                  f"weighted by its length.*set algo.loss.aggregation=seq_mean"):
+            load_config(None, ["algo.loss.ratio_level=sequence", f"algo.loss.aggregation={aggregation}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ObjectiveWarning)  # GSPO as the paper weighs it, and token ratios: silent
+        load_config(None, ["algo.loss.ratio_level=sequence", "algo.loss.aggregation=seq_mean"])
+        load_config(None, ["algo.loss.aggregation=token_mean"])
+
+
 def test_defaults_are_valid_and_spine_compatible():
     cfg = LossConfig()
     validate_loss_config(cfg)

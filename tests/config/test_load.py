@@ -33,6 +33,7 @@ def test_demo_config_loads_with_overrides():
     ("sampler.tp=2", "sampler.tp: the built-in engine runs on sampler.tp ranks with weights published shard to "
                      "shard, so it must be 1 or equal learner.tp=1 (got 2)"),
     ("sampler.tp=2 learner.tp=2 sampler.engine=sglang", "sampler.tp: "),
+    ("algo.prompts_per_step=2 algo.group_size=2 learner.dp=5", "learner.dp: every DP rank trains its share of a batch's 4 rows"),
     ("steps", "is not of the form key=value"),
     ("task.on_bad_row=ignore", "task.on_bad_row: must be error or skip, got 'ignore'"),
     ("task.reward_timeout_s=0", "task.reward_timeout_s: must be > 0"),
@@ -92,3 +93,55 @@ def test_task_keys_for_datasets_and_rewards_load(tmp_path):
     cfg = load_config(DEMO, ["task.name=jsonl", f"task.path={data}", "task.prompt_field=q", "task.answer_field=a",
                              "task.reward_fn=mypkg.rewards:score", "task.reward_sandbox=true", "task.sandbox.cpu_s=2"])
     assert cfg.task.sandbox.cpu_s == 2.0 and cfg.task.reward_sandbox and cfg.task.answer_field == "a"
+
+
+# ------------------------------------------------------------------- layouts the model cannot be split into
+
+# The embedded models' shapes (megarl/models/tiny.py): 2 layers, 4 heads, 2 KV heads, MLP 192, vocab 264.
+TINY = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 192,
+        "vocab_size": 264}
+
+
+@pytest.mark.parametrize("overrides, model, message", [
+    ("learner.pp=3", {}, "learner.pp=3: pipeline parallel size 3 does not divide num_hidden_layers=2 (megatron "
+                         "gives every stage the same number of layers; this model allows learner.pp in 1, 2)"),
+    ("learner.pp=4", {}, "learner.pp=4: pipeline parallel size 4 does not divide num_hidden_layers=2"),
+    ("learner.tp=3", {}, "learner.tp=3: tensor parallel size 3 does not divide num_attention_heads=4"),
+    ("learner.tp=4", {}, "learner.tp=4: tensor parallel size 4 does not divide num_key_value_heads=2"),
+    ("learner.tp=2 sampler.tp=2", {"num_key_value_heads": 1},
+     "learner.tp/sampler.tp=2: tensor parallel size 2 does not divide num_key_value_heads=1"),
+    ("learner.tp=2", {"num_key_value_heads": None, "num_attention_heads": 5},  # KV heads default to the heads
+     "learner.tp=2: tensor parallel size 2 does not divide num_attention_heads=5"),
+    ("learner.tp=2", {"intermediate_size": 190 + 1}, "learner.tp=2: tensor parallel size 2 does not divide "
+                                                     "intermediate_size=191"),
+    ("learner.tp=2", {"vocab_size": 263}, "learner.tp=2: tensor parallel size 2 does not divide vocab_size=263 "
+                                          "(each TP rank holds an equal share; vocab_size=263 allows tp in 1, 263)"),
+    ("learner.pp=2", {"num_hidden_layers": None}, "config.json has no positive integer 'num_hidden_layers'"),
+    ("learner.pp=2 learner.tp=2 learner.dp=2", {}, None),
+    ("learner.tp=2 sampler.tp=2", {}, None),
+])
+def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overrides, model, message):
+    from megarl.models.layout import check_layout
+
+    cfg = load_config(DEMO, overrides.split())  # the keys alone are fine: only the model's shapes refuse them
+    hf_config = {k: v for k, v in {**TINY, **model}.items() if v is not None}
+    if message is None:
+        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp)
+        return
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp)
+
+
+def test_an_impossible_layout_is_refused_before_any_process_starts_and_in_a_raw_torchrun_launch(
+        embedded_model_dir, tmp_path):
+    from tests.helpers import run_torchrun
+
+    refused = "learner.pp=3: pipeline parallel size 3 does not divide num_hidden_layers=2"
+    proc = run_python("-m", "megarl.cli", "train", "--dry-run", str(DEMO), f"model.path={embedded_model_dir}",
+                      "learner.pp=3", timeout=120)
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert f"megarl: model.path: {embedded_model_dir}/config.json: {refused}" in proc.stderr, proc.stderr
+    proc = run_torchrun("megarl.roles.worker", 4, str(DEMO), f"model.path={embedded_model_dir}", "learner.pp=3",
+                        f"run.dir={tmp_path}", "run.tensorboard=false", "run.timeline=false", module=True, timeout=180)
+    assert proc.returncode != 0 and refused in proc.stderr, proc.stderr[-3000:]
+    assert "AssertionError" not in proc.stderr  # refused by megarl, not by a megatron assert

@@ -1,0 +1,56 @@
+"""Which parallel layouts a model admits: every divisibility megatron-core 0.16.1 and megarl's own
+shard-to-shard path require, checked against the model's config.json before any process starts.
+
+`check_layout` is called by `megarl train` (megarl/cli.py check_model_dir) and again by every learner
+rank of a raw torchrun launch (megarl/roles/learner_main.py), so a refused layout is named with its key
+instead of ending in a megatron assert seconds after four processes started. What it enumerates, and
+where each rule comes from:
+
+  learner.pp  num_hidden_layers % pp == 0: megatron's transformer_block.get_num_layers_to_build asserts
+              "num_layers should be divisible by pipeline_model_parallel_size" (megarl sets no uneven
+              first/last stage sizes).
+  learner.tp  num_attention_heads % tp == 0: TransformerConfig.__post_init__ raises.
+              num_key_value_heads % tp == 0: megatron also admits tp % kv_heads == 0 (replicated KV
+              heads), but megarl's converters and tp_shard split whole KV heads per rank.
+              intermediate_size % tp == 0: ColumnParallelLinear (fc1) and RowParallelLinear (fc2)
+              `divide` it by the TP size (an AssertionError).
+              vocab_size % tp == 0: VocabParallelEmbedding and the vocab-parallel output layer
+              `divide` it (megarl does not pad the vocabulary).
+  sampler.tp  the same four TP rules: the built-in engine runs on tp_shard slices (sampler.tp is 1 or
+              learner.tp, megarl.config.load checks that).
+Rules that need no model (a batch smaller than learner.dp, sampler.tp not 1 or learner.tp) are in
+megarl.config.load.validate.
+"""
+from __future__ import annotations
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, sampler_tp: int = 1) -> None:
+    """ValueError naming the config key and the model dimension it does not divide; a dimension the
+    check needs but config.json lacks is named too."""
+
+    def dim(name: str, default_from: str | None = None) -> int:
+        value = hf_config.get(name) or (hf_config.get(default_from) if default_from else None)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.json has no positive integer {name!r} (got {value!r}), which the parallel "
+                             f"layout needs")
+        return value
+
+    if learner_pp > 1:
+        layers = dim("num_hidden_layers")
+        if layers % learner_pp:
+            raise ValueError(f"learner.pp={learner_pp}: pipeline parallel size {learner_pp} does not divide "
+                             f"num_hidden_layers={layers} (megatron gives every stage the same number of layers; "
+                             f"this model allows learner.pp in {_divisors(layers)})")
+    tp = max(learner_tp, sampler_tp)
+    if tp > 1:
+        keys = "learner.tp/sampler.tp" if sampler_tp > 1 else "learner.tp"
+        for name, default_from in (("num_attention_heads", None), ("num_key_value_heads", "num_attention_heads"),
+                                   ("intermediate_size", None), ("vocab_size", None)):
+            n = dim(name, default_from)
+            if n % tp:
+                raise ValueError(f"{keys}={tp}: tensor parallel size {tp} does not divide {name}={n} "
+                                 f"(each TP rank holds an equal share; {name}={n} allows tp in {_divisors(n)})")
