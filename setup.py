@@ -28,7 +28,10 @@ setup(
         "numpy>=1.24",
     ],
     extras_require={
-        "cpu": ["torch==2.13.0"],
+        # DeepSpeed (learner.backend=deepspeed) builds from source; on CPU no op is prebuilt (DS_BUILD_OPS
+        # defaults to 0) and its torch requirement is unpinned, so the torch pin above holds. GPU users
+        # keep the DeepSpeed they built for their CUDA (`pip install deepspeed` when they want it).
+        "cpu": ["torch==2.13.0", "deepspeed==0.19.8"],
         "gpu": [],
         # pyarrow / datasets: the Parquet and save_to_disk dataset readers are optional for users, tested in CI.
         "test": ["pytest>=8", "pytest-timeout>=2.2", "pyarrow>=14", "datasets>=2.18"],

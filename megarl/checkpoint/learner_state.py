@@ -98,8 +98,11 @@ def quiet_dcp():
         yield
 
 
-def _layout(learner) -> dict[str, int]:
-    return {"tp": learner.cfg.tp, "pp": learner.cfg.pp, "dp": learner.cfg.dp}
+def _layout(learner) -> dict:
+    layout = {"tp": learner.cfg.tp, "pp": learner.cfg.pp, "dp": learner.cfg.dp}
+    if learner.cfg.backend == "deepspeed":  # DeepSpeed's own checkpoint (megarl.learner.deepspeed)
+        layout.update(backend="deepspeed", zero_stage=learner.cfg.deepspeed.zero_stage)
+    return layout
 
 
 def _optimizer_kind(use_distributed_optimizer: bool) -> str:
@@ -197,9 +200,12 @@ def save(learner, root: str | Path, step: int, keep: int, model_dir: str | Path,
 
     previous = _from_rank0(_agree(prepare, f"creating {temp}"))
     try:
-        state = learner.sharded_state_dict(with_optimizer=learner.version > 0)
-        state["rng"] = _rng_object(learner, capture_rng(learner))
-        _write_shards(state, temp)
+        if learner.cfg.backend == "deepspeed":
+            _agree(lambda: learner.save_shards(temp), f"writing the DeepSpeed checkpoint to {temp}")
+        else:
+            state = learner.sharded_state_dict(with_optimizer=learner.version > 0)
+            state["rng"] = _rng_object(learner, capture_rng(learner))
+            _write_shards(state, temp)
         manifest = {
             "format": FORMAT, "step": step, "version": learner.version, "layout": _layout(learner),
             "optimizer": _optimizer_kind(learner.cfg.use_distributed_optimizer),
@@ -258,6 +264,8 @@ def load(learner, checkpoint: str | Path) -> dict:
     path = resolve(checkpoint)
     manifest = read_manifest(path)
     check_architecture(manifest, learner.hf_config, str(path))
+    if "deepspeed" in (learner.cfg.backend, manifest["layout"].get("backend")):
+        return _load_deepspeed(learner, path, manifest)
     check_optimizer(manifest, learner.cfg.use_distributed_optimizer, str(path))
     state = learner.sharded_state_dict(with_optimizer=manifest["version"] > 0, is_loading=True)
     same_layout = manifest["layout"] == _layout(learner)
@@ -270,3 +278,22 @@ def load(learner, checkpoint: str | Path) -> dict:
     if rng is not None:
         restore_rng(learner, rng)
     return {**manifest, "path": str(path), "rng_restored": same_layout}
+
+
+def _load_deepspeed(learner, path: Path, manifest: dict) -> dict:
+    """DeepSpeed's checkpoint under the layout that wrote it (its ZeRO partitions are per DP rank and
+    stage): another layout is refused, naming the keys to set."""
+    saved, ours = manifest["layout"], _layout(learner)
+    if saved.get("backend", "megatron") != ours.get("backend", "megatron"):
+        raise CheckpointError(f"{path} was saved by learner.backend={saved.get('backend', 'megatron')}, this run has "
+                              f"learner.backend={learner.cfg.backend}: resume with the backend that saved it")
+    if saved != ours:
+        keys = {"dp": "learner.dp", "zero_stage": "learner.deepspeed.zero_stage"}
+        diff = {name: (saved.get(k), ours.get(k)) for k, name in keys.items() if saved.get(k) != ours.get(k)}
+        raise CheckpointError(
+            f"{path} holds DeepSpeed ZeRO partitions for another layout: (checkpoint, this run) = {diff}; "
+            f"resume with the learner.dp and learner.deepspeed.zero_stage it was saved with "
+            f"(or `megarl export` it and start a new run from the HF directory)")
+    _agree(lambda: learner.load_shards(path, manifest["version"], with_optimizer=manifest["version"] > 0),
+           f"loading {path}")
+    return {**manifest, "path": str(path), "rng_restored": False}

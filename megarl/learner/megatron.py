@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo.config import LossConfig
-from megarl.algo.losses import LossInputs, merge_stats, policy_loss
 from megarl.config.schema import LearnerConfig
+from megarl.learner import step
+from megarl.learner.step import micro_batch_rows, sequence_lengths  # noqa: F401  (their home before step.py)
 from megarl.models import convert
 from megarl.protocols import TrainBatch
 
@@ -265,12 +266,6 @@ class MegatronLearner:
         entropy = zmax.squeeze(-1) + sum_e.log() - sum_ez / sum_e
         return torch.nn.functional.pad(entropy, (1, 0))
 
-    def _micro_batches(self, fields: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """Split rows (sorted longest first) into micro-batches, each cut to its own longest row."""
-        lengths = sequence_lengths(fields["mask"])
-        return [{k: v[idx, :int(lengths[idx].max())] for k, v in fields.items()}
-                for idx in micro_batch_rows(lengths, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)]
-
     def _run(self, model, micro_batches: list[dict], forward_only: bool, loss_fn) -> list:
         """Run megatron's schedule for `model` (policy or reference) over the micro-batches.
 
@@ -334,20 +329,9 @@ class MegatronLearner:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """Exactly one optimizer step over the whole batch; skipped if loss or grad norm is not finite."""
         start = time.perf_counter()
-        mask = batch.loss_mask.float()
-        total_tokens = float(mask.sum())
-        total_seqs = float((mask.sum(dim=1) > 0).sum())
-        rows = torch.arange(batch.input_ids.shape[0]).tensor_split(self.cfg.dp)[self.ps.get_data_parallel_rank()]
-        if len(rows) == 0:
-            raise ValueError(f"batch of {batch.input_ids.shape[0]} rows is smaller than dp={self.cfg.dp}")
-        fields = {"input_ids": batch.input_ids, "mask": mask, "behaviour_logprobs": batch.behaviour_logprobs,
-                  "advantages": batch.advantages, "versions": batch.versions}
-        fields = {k: v[rows] for k, v in fields.items()}  # this DP rank's share
-        # Longest rows first, so each micro-batch holds rows of similar length and is trimmed to its
-        # own longest row: with long-tailed completions most padding is never computed.
-        order = torch.argsort(sequence_lengths(fields["mask"]), descending=True, stable=True)
-        fields = {k: v[order] for k, v in fields.items()}
-        micro_batches = self._micro_batches(fields)
+        totals = step.batch_totals(batch)
+        fields = step.dp_share(batch, self.cfg.dp, self.ps.get_data_parallel_rank())
+        micro_batches = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
         # No-grad log-probs of this rank's rows, before the step: the decoupled objective's proximal
         # policy (the weights at the start of this step) and the frozen reference (KL penalty).
         extra_passes = {"proximal_logprobs": self.model if self.loss_cfg.decoupled else None,
@@ -369,14 +353,7 @@ class MegatronLearner:
             mb = {k: v.to(self.device) for k, v in mb.items()}
             logprobs = self._token_logprobs(logits, mb["input_ids"])
             entropy = self._token_entropy(logits) if self.loss_cfg.entropy_coef > 0 else None
-            inputs = LossInputs(
-                behaviour_logprobs=mb["behaviour_logprobs"], advantages=mb["advantages"], mask=mb["mask"],
-                versions=mb["versions"], learner_version=batch.learner_version,
-                total_tokens=total_tokens, total_seqs=total_seqs,
-                proximal_logprobs=mb.get("proximal_logprobs"), ref_logprobs=mb.get("ref_logprobs"),
-                entropy=entropy,
-            )
-            loss, stats = policy_loss(logprobs, inputs, self.loss_cfg)
+            loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy)
             stats_list.append(stats)
             losses.append(loss.detach())
             return loss * megatron_scale, {}
@@ -398,19 +375,13 @@ class MegatronLearner:
         if not skipped:
             self.optimizer.step()
             self._version += 1
-        computed = sum(mb["input_ids"].numel() for mb in micro_batches)
         metrics = {
-            "loss": loss, "grad_norm": grad_norm, "lr": self.cfg.lr, "num_tokens": total_tokens,
-            "padding_frac": 1.0 - float(sequence_lengths(fields["mask"]).sum()) / computed,
+            "loss": loss, "grad_norm": grad_norm, "lr": self.cfg.lr, "num_tokens": totals[0],
+            "padding_frac": step.padding_frac(fields, micro_batches),
             "step_time_s": time.perf_counter() - start, "skipped_nonfinite": float(skipped),
         }
         if self.post_process:  # only the last PP stage computes losses
-            if self.cfg.dp > 1:  # every DP rank saw its own rows: merge all of their partial sums
-                gathered = [None] * self.cfg.dp
-                dist.all_gather_object(gathered, [{k: v.cpu() for k, v in st.items()} for st in stats_list],
-                                       group=self.ps.get_data_parallel_group())
-                stats_list = [st for rank_stats in gathered for st in rank_stats]
-            metrics.update(merge_stats(stats_list))
+            metrics.update(step.dp_merged_stats(stats_list, self.cfg.dp, self.ps.get_data_parallel_group()))
         if self.cfg.pp > 1:  # every stage reports the loss statistics (rank 0, the logger, is the first)
             box = [metrics if self.post_process else None]
             dist.broadcast_object_list(box, src=self._last_stage_rank(),
@@ -473,24 +444,6 @@ def publish_bytes(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch
     return sum(math.prod(shape) for shape in shapes.values()) * dtype.itemsize
 
 
-def micro_batch_rows(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
-    """Row indices of each micro-batch, for rows sorted longest first.
-
-    max_tokens = 0: fixed `max_rows` rows per micro-batch.  max_tokens > 0 (token budget): as many
-    rows as fit rows * (the micro-batch's longest row) <= max_tokens, at most `max_rows`, at least
-    one, so short rows travel in big micro-batches and long ones in small.
-    """
-    if max_tokens <= 0:
-        return list(torch.arange(len(lengths)).split(max_rows))
-    groups, start = [], 0
-    while start < len(lengths):
-        width = int(lengths[start])  # the longest row of this micro-batch (sorted)
-        rows = max(1, min(max_rows, max_tokens // width, len(lengths) - start))
-        groups.append(torch.arange(start, start + rows))
-        start += rows
-    return groups
-
-
 def _recompute_kwargs(mode: str) -> dict:
     """TransformerConfig arguments of `learner.recompute_activations` (none | full | selective)."""
     if mode == "full":  # every layer's activations recomputed in the backward pass
@@ -498,10 +451,3 @@ def _recompute_kwargs(mode: str) -> dict:
     if mode == "selective":  # only the attention core (megatron's cheap-to-recompute part)
         return {"recompute_granularity": "selective"}
     return {}
-
-
-def sequence_lengths(mask: torch.Tensor) -> torch.Tensor:
-    """Per row, one past the last trained position (completions end their sequence); 1 for a row with
-    no trained token, which then costs one position."""
-    positions = torch.arange(1, mask.shape[1] + 1).expand_as(mask)
-    return (positions * (mask > 0)).max(dim=1).values.clamp(min=1)

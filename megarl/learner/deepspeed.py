@@ -1,0 +1,295 @@
+"""The DeepSpeed ZeRO learner: any HF causal-LM directory (transformers AutoModelForCausalLM), data
+parallel over every learner rank with ZeRO stage 1, 2 or 3, one optimizer step per batch.
+
+Owns: the DeepSpeed engine and its config (ZeRO stage, CPU offload of the optimizer state and, at
+stage 3, of the parameters; HF gradient checkpointing; fp32 on CPU, bf16 on GPU), per-token log-probs
+from the full-vocabulary logits, the step's gradient accumulation over micro-batches, the frozen
+reference model of the KL penalty, the HF-named tensors the weight publisher broadcasts (at ZeRO-3
+gathered one publish bucket at a time), and DeepSpeed's own checkpoint of engine and optimizer.
+The loss, advantages and metrics are megarl.learner.step's (the megatron learner's too).
+
+Process contract (the megatron learner's): construct it after ``torch.distributed`` is initialised
+with a default process group that contains ONLY the learner ranks (world size = learner.dp). Every
+learner rank receives the same whole ``TrainBatch`` and trains its contiguous share of the rows.
+docs/learner.md#deepspeed describes the loss scaling, the publish buckets and the memory per stage.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megarl.algo.config import LossConfig
+from megarl.config.schema import LearnerConfig
+from megarl.distributed.publish import plan_buckets
+from megarl.learner import step
+from megarl.protocols import TrainBatch
+
+CHECKPOINT_TAG = "deepspeed"  # the sub-directory DeepSpeed's save_checkpoint writes in a megarl step dir
+
+
+def deepspeed_config(cfg: LearnerConfig, on_gpu: bool, with_optimizer: bool = True) -> dict:
+    """The DeepSpeed config dict of `cfg` (pure).
+
+    managed_gradient_accumulation=False: the caller owns the boundary, so a step may have any number
+    of micro-batches (token-budget micro-batches vary from step to step) and `step()` is the one
+    optimizer update.  torch_adam on CPU: DeepSpeed's fused / CPU Adam would JIT-compile an op.
+    """
+    ds = cfg.deepspeed
+    zero: dict = {"stage": ds.zero_stage,
+                  # Unmanaged accumulation supports overlapped reduction only at stage 2.
+                  "overlap_comm": ds.zero_stage == 2}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if ds.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,  # bookkeeping only: micro-batches are megarl's
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "zero_optimization": zero,
+        "gradient_clipping": cfg.grad_clip,
+        "steps_per_print": 2**31 - 1,  # megarl logs the metrics
+        "wall_clock_breakdown": False,
+        # bf16 with the overflow check, so a non-finite gradient skips the step as it does in fp32.
+        "bf16": {"enabled": on_gpu, "check_grad_overflow": True},
+    }
+    if with_optimizer:
+        # AdamW: megatron's adam is decoupled weight decay too.
+        config["optimizer"] = {"type": "AdamW", "params": {
+            "lr": cfg.lr, "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": 1e-8,
+            "weight_decay": cfg.weight_decay, "torch_adam": not on_gpu}}
+    return config
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, S] log-probs of input_ids[:, t] from logits[:, t-1] / T over the full vocabulary; column 0 is 0."""
+    shifted = logits[:, :-1].float() / temperature
+    nll = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none")
+    return F.pad(-nll.view(input_ids.shape[0], -1), (1, 0))
+
+
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, S] entropy of the predictive distribution for input_ids[:, t] (column 0 is 0)."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    return F.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+
+
+def _skip_shm_comm_build() -> None:
+    """On CPU DeepSpeed's comm backend JIT-compiles a shared-memory all-reduce op (~60-80 s with g++ on
+    a fresh machine) that only its inference path (inference_all_reduce) uses; ZeRO training reduces
+    over gloo. Marking the op incompatible in DeepSpeed's own (mutable, cached) table skips the build."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+class DeepSpeedLearner:
+    def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig, temperature: float = 1.0,
+                 publish_bucket_mb: float = 16.0):
+        try:
+            import deepspeed
+        except ImportError as exc:
+            raise ImportError("learner.backend=deepspeed needs DeepSpeed: `pip install -e \".[cpu]\"` installs it "
+                              "on CPU; on GPU install the DeepSpeed built for your CUDA (`pip install deepspeed`)") from exc
+        from transformers import AutoModelForCausalLM
+
+        if not dist.is_initialized():
+            raise RuntimeError("DeepSpeedLearner needs torch.distributed initialised over the learner ranks")
+        if (cfg.tp, cfg.pp) != (1, 1) or cfg.dp != dist.get_world_size():
+            raise ValueError(f"learner.backend=deepspeed is data parallel only: tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} "
+                             f"for a learner world of {dist.get_world_size()} (needs tp=pp=1, dp=world)")
+        self.cfg, self.loss_cfg, self.temperature = cfg, loss_cfg, temperature
+        self.bucket_bytes = int(publish_bucket_mb * 2**20)
+        self._version = 0
+        self.on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+        if not self.on_gpu:
+            torch.set_num_threads(cfg.threads)
+            _skip_shm_comm_build()
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the learner group torch already has
+        torch.manual_seed(cfg.seed)
+        self.zero_stage = cfg.deepspeed.zero_stage
+        with open(os.path.join(model_dir, "config.json")) as f:
+            self.hf_config = json.load(f)
+        dtype = torch.bfloat16 if self.on_gpu else torch.float32
+
+        def load():
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+            model.config.use_cache = False
+            return model
+
+        model = load()
+        if cfg.recompute_activations == "full":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=deepspeed_config(cfg, self.on_gpu))
+        # KL penalty: a frozen copy of the initial weights (docs/learner.md#deepspeed): partitioned like
+        # the policy at stage 3 (an engine without optimizer), a plain replica below.
+        self.ref_model = None
+        if loss_cfg.kl_coef > 0:
+            ref = load().requires_grad_(False).eval()
+            if self.zero_stage == 3:
+                ref = deepspeed.initialize(model=ref, config=deepspeed_config(cfg, self.on_gpu, with_optimizer=False))[0]
+            self.ref_model = ref.to(self.device) if self.zero_stage < 3 else ref
+            self.ref_model.eval()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def module(self):
+        """The HF model inside the engine (parameters named as in the HF checkpoint)."""
+        return self.engine.module
+
+    # ------------------------------------------------------------------ forward
+
+    def _logits(self, model, input_ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=input_ids.to(self.device), use_cache=False).logits
+
+    def _aligned(self, micro: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches, padded to the most any DP rank has: ZeRO gathers parameters in every forward
+        (stage 3) and reduces gradients in every backward (2, 3), so all ranks run the same count. A padding
+        micro-batch is a one-row copy with nothing trained (loss 0, gradient 0, no statistics)."""
+        count = torch.tensor([len(micro)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        pad = {k: v[:1].clone() for k, v in micro[-1].items()}
+        pad["mask"] = torch.zeros_like(pad["mask"])
+        return micro + [pad] * (int(count) - len(micro))
+
+    @torch.no_grad()
+    def _forward_logprobs(self, model, micro_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-token log-probs (fp32, CPU) of `model` on each micro-batch of input_ids, forward only: the
+        same micro-batch shapes as the training pass, so identical weights give identical log-probs."""
+        return [token_logprobs(self._logits(model, x), x.to(self.device), self.temperature).cpu() for x in micro_inputs]
+
+    def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs [B, S] (fp32, CPU) of the whole batch under the current weights (every
+        rank the whole batch, in the same micro-batches: collective at stage 3)."""
+        self.engine.eval()
+        return torch.cat(self._forward_logprobs(self.engine, list(input_ids.split(self.cfg.micro_batch_size))))
+
+    # ------------------------------------------------------------------ the step
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Exactly one optimizer step over the whole batch; skipped if loss or grad norm is not finite."""
+        start = time.perf_counter()
+        dp, dp_rank = self.cfg.dp, dist.get_rank()
+        totals = step.batch_totals(batch)
+        fields = step.dp_share(batch, dp, dp_rank)
+        real = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
+        micro = self._aligned(real)
+        # No-grad log-probs of this rank's rows before the step: the decoupled objective's proximal
+        # policy and the frozen reference (KL penalty).
+        extra_passes = {"proximal_logprobs": self.engine if self.loss_cfg.decoupled else None,
+                        "ref_logprobs": self.ref_model}
+        for key, model in extra_passes.items():
+            if model is not None:
+                model.eval()
+                for mb, lp in zip(micro, self._forward_logprobs(model, [mb["input_ids"] for mb in micro])):
+                    mb[key] = lp
+        self.engine.train()
+        stats_list, losses = [], []
+        for i, mb in enumerate(micro):
+            mb = {k: v.to(self.device) for k, v in mb.items()}
+            logits = self._logits(self.engine, mb["input_ids"])
+            logprobs = token_logprobs(logits, mb["input_ids"], self.temperature)
+            entropy = token_entropy(logits, self.temperature) if self.loss_cfg.entropy_coef > 0 else None
+            loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy)
+            if i < len(real):
+                stats_list.append(stats)
+                losses.append(loss.detach())
+            # The micro-batch losses (global normalisers) add up to the batch loss over all micro-batches
+            # and ranks, so the batch gradient is their plain SUM; DeepSpeed averages gradients over the
+            # DP ranks, which the factor dp undoes.
+            self.engine.backward(loss * dp, scale_wrt_gas=False)
+        self.engine.step()  # the one optimizer update (ZeRO skips it on a non-finite gradient norm)
+
+        loss = torch.stack(losses).sum().double().cpu()
+        dist.all_reduce(loss)
+        loss = float(loss)
+        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm) and self.engine.was_step_applied())
+        if not skipped:
+            self._version += 1
+        metrics = {
+            "loss": loss, "grad_norm": grad_norm, "lr": self.cfg.lr, "num_tokens": totals[0],
+            "padding_frac": step.padding_frac(fields, real),
+            "step_time_s": time.perf_counter() - start, "skipped_nonfinite": float(skipped),
+        }
+        metrics.update(step.dp_merged_stats(stats_list, dp))
+        return metrics
+
+    # ------------------------------------------------------------------ weights out
+
+    def publish_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named fp32 CPU copies of the full weights, in the HF model's parameter order (tied: the
+        embedding once, no lm_head). Collective: every learner rank iterates it.
+
+        At ZeRO-3 the parameters are gathered one publish bucket at a time (the weight publisher's own
+        plan over `publish.bucket_mb`: one GatheredParameters over all of a bucket's parameters), so the
+        device holds at most one gathered bucket beyond its partition."""
+        named = list(self.module.named_parameters())
+        if self.zero_stage < 3:
+            for name, param in named:
+                yield name, _cpu_copy(param)
+            return
+        import deepspeed
+
+        params = dict(named)
+        spec = [(name, tuple(p.ds_shape), torch.float32) for name, p in named]
+        for bucket in plan_buckets(spec, self.bucket_bytes):
+            names = [slot.name for slot in bucket.slots]
+            with deepspeed.zero.GatheredParameters([params[n] for n in names]):
+                copies = [(n, _cpu_copy(params[n])) for n in names]
+            yield from copies
+
+    def publish_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """TP = 1: this rank's 'slices' are the whole tensors."""
+        yield from self.publish_tensors()
+
+    # ------------------------------------------------------------------ checkpoint state (megarl/checkpoint)
+
+    def save_shards(self, directory: Path) -> None:
+        """DeepSpeed's checkpoint (module, ZeRO-partitioned optimizer state and step) under
+        `directory`/CHECKPOINT_TAG; collective. megarl's storage makes the step directory atomic."""
+        self.engine.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
+
+    def load_shards(self, directory: Path, version: int, with_optimizer: bool) -> None:
+        """Weights (and, after a first step, Adam moments and step) from `save_shards`; lr, betas and
+        weight decay stay this run's config. Collective; the same dp and zero_stage as the save."""
+        hyper = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in self.optimizer.param_groups]
+        path, _ = self.engine.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_module_strict=True,
+                                              load_optimizer_states=with_optimizer, load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory / CHECKPOINT_TAG}")
+        for group, own in zip(self.optimizer.param_groups, hyper):
+            group.update(own)
+        self._version = version
+
+
+def checkpoint_hf_tensors(checkpoint: Path, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full fp32 weights of a `save_shards` checkpoint as (HF name, tensor), merged from the ZeRO
+    partitions of every rank one tensor at a time (DeepSpeed's zero_to_fp32, lazy mode; no process
+    group). Tied embeddings: the embedding only, as HF saves it."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=CHECKPOINT_TAG, lazy_mode=True)
+    tied = hf_config.get("tie_word_embeddings", False)
+    for name, lazy in state.items():
+        if not (tied and name == "lm_head.weight"):
+            yield name, lazy.contiguous()
+
+
+def _cpu_copy(param: torch.Tensor) -> torch.Tensor:
+    return param.detach().to(device="cpu", dtype=torch.float32, copy=True)

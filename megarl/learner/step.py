@@ -1,0 +1,107 @@
+"""The backend-independent half of a learner step: which rows a DP rank trains, how they are cut into
+micro-batches, one micro-batch's loss from its per-token log-probs, and the step's metrics over DP.
+
+Every learner backend (megarl.learner.megatron, megarl.learner.deepspeed) calls these, so the loss,
+advantages and metrics of a step do not depend on the backend: a backend only turns a micro-batch's
+input_ids into per-token log-probs (and entropy) with gradients, and reduces the gradients.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megarl.algo.config import LossConfig
+from megarl.algo.losses import LossInputs, merge_stats, policy_loss
+from megarl.protocols import TrainBatch
+
+# The per-token tensors of a batch a micro-batch carries (keys of the `fields` dicts below).
+FIELDS = ("input_ids", "mask", "behaviour_logprobs", "advantages", "versions")
+
+
+def batch_totals(batch: TrainBatch) -> tuple[float, float]:
+    """(masked tokens, sequences with >= 1 masked token) of the WHOLE batch: the loss's normalisers."""
+    mask = batch.loss_mask.float()
+    return float(mask.sum()), float((mask.sum(dim=1) > 0).sum())
+
+
+def dp_share(batch: TrainBatch, dp: int, dp_rank: int) -> dict[str, torch.Tensor]:
+    """This DP rank's contiguous share of the rows, sorted longest first (stable).
+
+    Longest rows first, so each micro-batch holds rows of similar length and is trimmed to its own
+    longest row: with long-tailed completions most padding is never computed.
+    """
+    rows = torch.arange(batch.input_ids.shape[0]).tensor_split(dp)[dp_rank]
+    if len(rows) == 0:
+        raise ValueError(f"batch of {batch.input_ids.shape[0]} rows is smaller than dp={dp}")
+    fields = {"input_ids": batch.input_ids, "mask": batch.loss_mask.float(),
+              "behaviour_logprobs": batch.behaviour_logprobs, "advantages": batch.advantages,
+              "versions": batch.versions}
+    fields = {k: v[rows] for k, v in fields.items()}
+    order = torch.argsort(sequence_lengths(fields["mask"]), descending=True, stable=True)
+    return {k: v[order] for k, v in fields.items()}
+
+
+def micro_batches(fields: dict[str, torch.Tensor], max_rows: int, max_tokens: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Split rows (sorted longest first) into micro-batches, each cut to its own longest row."""
+    lengths = sequence_lengths(fields["mask"])
+    return [{k: v[idx, :int(lengths[idx].max())] for k, v in fields.items()}
+            for idx in micro_batch_rows(lengths, max_rows, max_tokens)]
+
+
+def micro_batch_loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor], learner_version: int,
+                     totals: tuple[float, float], loss_cfg: LossConfig,
+                     entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One micro-batch's share of the batch loss (global normalisers: the shares of a step, over all
+    micro-batches and DP ranks, add up to the batch loss) and its partial statistics.
+
+    `mb` holds the FIELDS on the logits' device, plus `proximal_logprobs` / `ref_logprobs` when the
+    objective needs them (no-grad passes before the step)."""
+    inputs = LossInputs(
+        behaviour_logprobs=mb["behaviour_logprobs"], advantages=mb["advantages"], mask=mb["mask"],
+        versions=mb["versions"], learner_version=learner_version,
+        total_tokens=totals[0], total_seqs=totals[1],
+        proximal_logprobs=mb.get("proximal_logprobs"), ref_logprobs=mb.get("ref_logprobs"),
+        entropy=entropy,
+    )
+    return policy_loss(logprobs, inputs, loss_cfg)
+
+
+def dp_merged_stats(stats_list: list[dict[str, torch.Tensor]], dp: int, group=None) -> dict[str, float]:
+    """The step's loss metrics from every DP rank's micro-batch statistics (collective over `group`
+    when dp > 1: every DP rank saw its own rows, so all of their partial sums are merged)."""
+    if dp > 1:
+        gathered = [None] * dp
+        dist.all_gather_object(gathered, [{k: v.cpu() for k, v in st.items()} for st in stats_list], group=group)
+        stats_list = [st for rank_stats in gathered for st in rank_stats]
+    return merge_stats(stats_list)
+
+
+def padding_frac(fields: dict[str, torch.Tensor], micro: list[dict[str, torch.Tensor]]) -> float:
+    """Share of the computed positions that are padding (the micro-batches' trimmed shapes)."""
+    computed = sum(mb["input_ids"].numel() for mb in micro)
+    return 1.0 - float(sequence_lengths(fields["mask"]).sum()) / computed
+
+
+def micro_batch_rows(lengths: torch.Tensor, max_rows: int, max_tokens: int = 0) -> list[torch.Tensor]:
+    """Row indices of each micro-batch, for rows sorted longest first.
+
+    max_tokens = 0: fixed `max_rows` rows per micro-batch.  max_tokens > 0 (token budget): as many
+    rows as fit rows * (the micro-batch's longest row) <= max_tokens, at most `max_rows`, at least
+    one, so short rows travel in big micro-batches and long ones in small.
+    """
+    if max_tokens <= 0:
+        return list(torch.arange(len(lengths)).split(max_rows))
+    groups, start = [], 0
+    while start < len(lengths):
+        width = int(lengths[start])  # the longest row of this micro-batch (sorted)
+        rows = max(1, min(max_rows, max_tokens // width, len(lengths) - start))
+        groups.append(torch.arange(start, start + rows))
+        start += rows
+    return groups
+
+
+def sequence_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """Per row, one past the last trained position (completions end their sequence); 1 for a row with
+    no trained token, which then costs one position."""
+    positions = torch.arange(1, mask.shape[1] + 1).expand_as(mask)
+    return (positions * (mask > 0)).max(dim=1).values.clamp(min=1)

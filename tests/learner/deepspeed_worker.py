@@ -1,0 +1,60 @@
+"""One torchrun rank of the DeepSpeed learner tests: for each case, the whole learner life cycle.
+
+argv: out_dir batches.pt cases.json.  Each case {name, model_dir, learner: LearnerConfig kwargs (with
+`deepspeed` as a dict), loss: LossConfig kwargs}: publish before any step, log-probs, step 1,
+checkpoint (megarl's learner_state, DeepSpeed's files), step 2; then a second learner resumed from the
+checkpoint redoes step 2; rank 0 exports the checkpoint to an HF directory; last, a non-finite step.
+Every rank writes `{name}.rank{r}.pt` with what it saw.
+"""
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.algo.config import LossConfig
+from megarl.checkpoint import learner_state
+from megarl.checkpoint.export import export_hf
+from megarl.config.schema import DeepSpeedConfig, LearnerConfig
+from megarl.distributed.lifetime import exit_process
+from megarl.learner.deepspeed import DeepSpeedLearner
+
+out_dir, batches, cases = Path(sys.argv[1]), torch.load(sys.argv[2], weights_only=False), json.loads(sys.argv[3])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for case in cases:
+    learner_kwargs = dict(case["learner"], deepspeed=DeepSpeedConfig(**case["learner"].get("deepspeed", {})))
+    cfg, loss_cfg = LearnerConfig(backend="deepspeed", **learner_kwargs), LossConfig(**case["loss"])
+
+    def build():
+        return DeepSpeedLearner(case["model_dir"], cfg, loss_cfg, publish_bucket_mb=case.get("bucket_mb", 16.0))
+
+    learner = build()
+    record = {"initial": dict(learner.publish_tensors()), "logprobs": learner.logprobs(batches[0].input_ids)}
+    record["step1"] = learner.train_step(batches[0])
+    record["after_step1"] = dict(learner.publish_tensors())
+    root = out_dir / f"{case['name']}.ckpt"
+    learner_state.save(learner, root, step=1, keep=2, model_dir=case["model_dir"])
+    record["step2"] = learner.train_step(replace(batches[1], learner_version=learner.version))
+    record["after_step2"] = dict(learner.publish_tensors())
+    del learner
+
+    resumed = build()
+    manifest = learner_state.load(resumed, root)
+    record["resumed_version"] = resumed.version
+    record["resumed_step2"] = resumed.train_step(replace(batches[1], learner_version=resumed.version))
+    record["resumed_after_step2"] = dict(resumed.publish_tensors())
+    if rank == 0:
+        export_hf(root, out_dir / f"{case['name']}.export")
+    dist.barrier()
+    nan = replace(batches[1], advantages=torch.full_like(batches[1].advantages, float("nan")),
+                  learner_version=resumed.version)
+    record["nonfinite"] = resumed.train_step(nan)
+    record["version_after_nonfinite"] = resumed.version
+    record["after_nonfinite"] = dict(resumed.publish_tensors())
+    torch.save(record, out_dir / f"{case['name']}.rank{rank}.pt")
+    del resumed
+dist.destroy_process_group()
+exit_process(0)  # not a plain exit: see megarl.distributed.lifetime

@@ -1,0 +1,227 @@
+"""DeepSpeedLearner under a real 2-rank torchrun (gloo, ZeRO-1/2/3 at dp=2) on tiny HF models built here
+(Qwen2 with tied embeddings, Llama untied), against independent references: the HF checkpoint files,
+a transformers forward, and the megatron learner's first step on the same weights and batch."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from megarl.algo.config import LossConfig
+from megarl.config.load import ConfigError, load_config
+from tests.helpers import REPO, run_python, save_tiny_qwen2
+from tests.learner.test_megatron_learner import _batch, _hf, _hf_logprobs
+
+VOCAB = 64
+
+
+def save_tiny_llama(path: Path) -> Path:
+    """An untied Llama-family model (no biases) of the tiny Qwen2's shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+        vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False)).save_pretrained(path)
+    return path
+
+
+# name -> (model, learner kwargs, loss kwargs). Between them: every ZeRO stage, fixed-row and token-budget
+# micro-batches (whose counts differ between the two ranks), activation checkpointing, the KL reference
+# model, CPU offload of optimizer state and parameters, publish buckets of several tensors each.
+CASES = {
+    "qwen_zero1": ("qwen", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 1}}, {}),
+    "qwen_zero2_token_budget_recompute": ("qwen", {"micro_batch_size": 64, "micro_batch_tokens": 160,
+                                                   "recompute_activations": "full",
+                                                   "deepspeed": {"zero_stage": 2}}, {}),
+    "qwen_zero3_kl": ("qwen", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 3}}, {"kl_coef": 0.1}),
+    "llama_zero3_offload": ("llama", {"micro_batch_size": 16, "deepspeed": {
+        "zero_stage": 3, "offload_optimizer": True, "offload_params": True}}, {}),
+}
+BUCKET_MB = 0.01  # 10 KiB: two or three of the tiny models' tensors per publish bucket
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds_models")
+    return {"qwen": str(save_tiny_qwen2(root / "qwen", tie_word_embeddings=True, vocab_size=VOCAB)),
+            "llama": str(save_tiny_llama(root / "llama"))}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """World-size-1 gloo group for the in-process megatron reference, torn down after the module."""
+    from megatron.core import parallel_state
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(models, world, tmp_path_factory):
+    """One torchrun over every case (deepspeed_worker.py); meanwhile the megatron reference of each
+    case's first step, in this process. -> (batches, {case: [rank0, rank1] records}, {case: megatron metrics})."""
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner.megatron import MegatronLearner
+
+    out = tmp_path_factory.mktemp("ds_runs")
+    batches = [_batch(_hf(models["qwen"]), seed=5), _batch(_hf(models["qwen"]), seed=6)]
+    torch.save(batches, out / "batches.pt")
+    cases = [{"name": name, "model_dir": models[model], "learner": {"dp": 2, "lr": 1e-2, **learner},
+              "loss": loss, "bucket_mb": BUCKET_MB} for name, (model, learner, loss) in CASES.items()]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(Path(__file__).with_name("deepspeed_worker.py")), str(out), str(out / "batches.pt"), json.dumps(cases)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    megatron = {}
+    for name, (model, _, loss) in CASES.items():
+        learner = MegatronLearner(models[model], LearnerConfig(micro_batch_size=16, lr=1e-2), LossConfig(**loss))
+        megatron[name] = learner.train_step(batches[0])
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-6000:]
+    records = {name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)] for name in CASES}
+    return batches, records, megatron, out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_publish_before_any_step_is_bitwise_the_hf_checkpoint(runs, models, case):
+    saved = load_file(f"{models[CASES[case][0]]}/model.safetensors")
+    for rank in runs[1][case]:
+        published = rank["initial"]
+        assert set(published) == set(saved)  # tied Qwen2: no lm_head; Llama: lm_head
+        for name, tensor in saved.items():
+            assert published[name].dtype == torch.float32 and torch.equal(published[name], tensor), (case, name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logprobs_equal_a_transformers_forward(runs, models, case):
+    batches, records, _, _ = runs
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(models[CASES[case][0]], dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = _hf_logprobs(hf, batches[0].input_ids)
+    for rank in records[case]:
+        assert torch.all(rank["logprobs"][:, 0] == 0)
+        assert (rank["logprobs"] - ref).abs().max().item() <= 1e-5, case
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_first_step_equals_the_megatron_learner(runs, case):
+    """Same HF weights, same batch: loss, grad norm and the ratio metric of step 1 to 1e-5 relative, so the
+    DP-averaging and micro-batch scaling is undone exactly and the loss is the shared one."""
+    _, records, megatron, _ = runs
+    ref = megatron[case]
+    for rank in records[case]:
+        got = rank["step1"]
+        assert got["skipped_nonfinite"] == 0.0
+        for key in ("loss", "grad_norm", "ratio/mean", "ess"):
+            assert abs(got[key] - ref[key]) <= 1e-5 * max(1e-3, abs(ref[key])), (case, key, got[key], ref[key])
+        if "kl_coef" in CASES[case][2]:
+            assert got["kl_ref/mean"] == 0.0 == ref["kl_ref/mean"]  # the reference is the initial policy
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_rank_publishes_the_same_updated_weights(runs, case):
+    first, second = runs[1][case]
+    assert set(first["after_step1"]) == set(first["initial"])
+    assert any(not torch.equal(first["after_step1"][n], first["initial"][n]) for n in first["initial"])
+    for name, tensor in first["after_step2"].items():
+        assert torch.equal(tensor, second["after_step2"][name]), (case, name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resume_from_checkpoint_is_exact(runs, case):
+    """A second learner loaded from the checkpoint after step 1 redoes step 2 bit for bit: weights, Adam
+    moments and step came back (lr and the rest are the run's config)."""
+    for rank in runs[1][case]:
+        assert rank["resumed_version"] == 1
+        assert rank["resumed_step2"] == {**rank["step2"], "step_time_s": rank["resumed_step2"]["step_time_s"]}
+        for name, tensor in rank["after_step2"].items():
+            assert torch.equal(rank["resumed_after_step2"][name], tensor), (case, name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_export_is_the_checkpointed_weights(runs, case):
+    from transformers import AutoModelForCausalLM
+
+    export = runs[3] / f"{case}.export"
+    exported = load_file(export / "model.safetensors")
+    after_step1 = runs[1][case][0]["after_step1"]
+    assert set(exported) == set(after_step1)
+    for name, tensor in after_step1.items():
+        assert torch.equal(exported[name], tensor), (case, name)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # a loadable HF directory
+    assert torch.equal(model.get_input_embeddings().weight, after_step1["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_nonfinite_step_is_skipped(runs, case):
+    for rank in runs[1][case]:
+        assert rank["nonfinite"]["skipped_nonfinite"] == 1.0 and rank["version_after_nonfinite"] == 2
+        for name, tensor in rank["resumed_after_step2"].items():
+            assert torch.equal(rank["after_nonfinite"][name], tensor), (case, name)
+
+
+def test_resume_under_another_layout_is_refused_naming_the_keys(runs):
+    from megarl.checkpoint.learner_state import _load_deepspeed
+    from megarl.checkpoint.storage import CheckpointError, resolve
+    from megarl.config.schema import DeepSpeedConfig, LearnerConfig
+
+    path = resolve(runs[3] / "qwen_zero3_kl.ckpt")
+    manifest = json.loads((path / "megarl.json").read_text())
+    assert manifest["layout"] == {"tp": 1, "pp": 1, "dp": 2, "backend": "deepspeed", "zero_stage": 3}
+
+    class Learner:  # the refusal comes before anything is loaded: only the config is read
+        cfg = LearnerConfig(backend="deepspeed", dp=4, deepspeed=DeepSpeedConfig(zero_stage=2))
+
+    with pytest.raises(CheckpointError, match=r"learner\.dp.*\(2, 4\).*learner\.deepspeed\.zero_stage.*\(3, 2\)"):
+        _load_deepspeed(Learner(), path, manifest)
+    Learner.cfg = LearnerConfig(backend="megatron", dp=2)
+    with pytest.raises(CheckpointError, match="learner.backend=deepspeed"):
+        _load_deepspeed(Learner(), path, manifest)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["learner.tp=2"], "learner.tp"),
+    (["learner.pp=2"], "learner.pp"),
+    (["learner.deepspeed.zero_stage=4"], "learner.deepspeed.zero_stage"),
+    (["learner.deepspeed.zero_stage=2", "learner.deepspeed.offload_params=true"], "learner.deepspeed.offload_params"),
+    (["learner.use_distributed_optimizer=true"], "learner.use_distributed_optimizer"),
+    (["learner.recompute_activations=selective"], "learner.recompute_activations"),
+])
+def test_config_refuses_what_deepspeed_cannot_do(overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{key}:"):
+        load_config(REPO / "configs" / "demo.yaml", ["learner.backend=deepspeed", *overrides])
+
+
+def test_config_refuses_deepspeed_flags_on_megatron():
+    with pytest.raises(ConfigError, match=r"^learner\.deepspeed\.offload_optimizer:"):
+        load_config(REPO / "configs" / "demo.yaml", ["learner.deepspeed.offload_optimizer=true"])
+    load_config(REPO / "configs" / "demo.yaml", ["learner.backend=deepspeed", "learner.dp=2"])  # accepted
+
+
+def test_megarl_train_with_zero3_runs_the_published_weights(embedded_think_model_dir, tmp_path):
+    """End to end at dp=2, ZeRO-3, max_lag=0: every trained token was generated by the version the learner
+    is at, i.e. by weights that went through the bucketed ZeRO-3 publish, and the learner's log-probs
+    equal the built-in engine's behaviour log-probs."""
+    run_dir = tmp_path / "run"
+    proc = run_python("-m", "megarl.cli", "train", str(REPO / "configs" / "demo.yaml"), f"run.dir={run_dir}",
+                      "run.steps=4", "algo.max_lag=0", "learner.backend=deepspeed", "learner.deepspeed.zero_stage=3",
+                      "learner.dp=2", "publish.bucket_mb=0.25", f"model.path={embedded_think_model_dir}",
+                      timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        assert m["lag0/token_share"] == 1.0
+        assert m["lag0/logprob_gap_abs"] < 1e-4, (m["step"], m["lag0/logprob_gap_abs"])
