@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from megarl.algo.config import LossConfig
 from megarl.config.schema import LearnerConfig
-from megarl.distributed.publish import plan_buckets
+from megarl.distributed.publish import Bucket, plan_buckets
 from megarl.learner import step
 from megarl.protocols import TrainBatch
 
@@ -234,25 +234,32 @@ class DeepSpeedLearner:
 
     def publish_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named fp32 CPU copies of the full weights, in the HF model's parameter order (tied: the
-        embedding once, no lm_head). Collective: every learner rank iterates it.
-
-        At ZeRO-3 the parameters are gathered one publish bucket at a time (the weight publisher's own
-        plan over `publish.bucket_mb`: one GatheredParameters over all of a bucket's parameters), so the
-        device holds at most one gathered bucket beyond its partition."""
-        named = list(self.module.named_parameters())
+        embedding once, no lm_head). Collective: every learner rank iterates it. At ZeRO-3 they are
+        views into `publish_buckets`' flat buffers (contiguous, one bucket's worth per gather)."""
         if self.zero_stage < 3:
-            for name, param in named:
+            for name, param in self.module.named_parameters():
                 yield name, _cpu_copy(param)
             return
+        for bucket, flat in self.publish_buckets():
+            for slot in bucket.slots:
+                yield slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def publish_buckets(self) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        """ZeRO-3: the weight publisher's own bucket plan over `publish.bucket_mb` (megarl.distributed.
+        publish.plan_buckets), each bucket's parameters gathered with ONE GatheredParameters over all of
+        them and copied straight into a fresh flat fp32 CPU buffer; the device holds at most one gathered
+        bucket beyond its partition. Collective over the learner ranks."""
         import deepspeed
 
+        named = list(self.module.named_parameters())
         params = dict(named)
         spec = [(name, tuple(p.ds_shape), torch.float32) for name, p in named]
         for bucket in plan_buckets(spec, self.bucket_bytes):
-            names = [slot.name for slot in bucket.slots]
-            with deepspeed.zero.GatheredParameters([params[n] for n in names]):
-                copies = [(n, _cpu_copy(params[n])) for n in names]
-            yield from copies
+            flat = torch.empty(bucket.numel, dtype=torch.float32)
+            with deepspeed.zero.GatheredParameters([params[slot.name] for slot in bucket.slots]):
+                for slot in bucket.slots:
+                    flat[slot.offset:slot.offset + slot.numel].copy_(params[slot.name].detach().reshape(-1))
+            yield bucket, flat
 
     def publish_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """TP = 1: this rank's 'slices' are the whole tensors."""
