@@ -77,7 +77,8 @@ def runs(models, world, tmp_path_factory):
     torch.save(batches, out / "batches.pt")
     cases = [{"name": name, "model_dir": models[model], "learner": {"dp": 2, "lr": 1e-2, **learner},
               "loss": loss, "bucket_mb": BUCKET_MB} for name, (model, learner, loss) in CASES.items()]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    extensions = out / "torch_extensions"  # where DeepSpeed would JIT-compile ops: nothing may land there
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(extensions))
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(Path(__file__).with_name("deepspeed_worker.py")), str(out), str(out / "batches.pt"), json.dumps(cases)],
@@ -88,6 +89,7 @@ def runs(models, world, tmp_path_factory):
         megatron[name] = learner.train_step(batches[0])
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-6000:]
+    assert not extensions.exists() or not any(extensions.iterdir()), "a DeepSpeed op was JIT-compiled on CPU"
     records = {name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)] for name in CASES}
     return batches, records, megatron, out
 
