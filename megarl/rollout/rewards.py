@@ -6,6 +6,17 @@ an error string; the caller records the string on the Sample (`Sample.reward_err
 counts it (`reward_errors`), so a buggy user reward shows up in the metrics instead of as a crashed or
 hung sampler or a NaN loss.
 
+The user contract (signature, return type, import path, a worked example) is docs/rewards.md. Three
+guards keep a broken or slow reward from costing a run silently:
+  * `check_reward`: before launch (`megarl train`) and in sampler 0 (raw torchrun launches) the function is
+    called on a few real prompts with their answers as completions; a wrong signature, an exception or a
+    non-number stops the run naming task.reward_fn (a timeout only warns: it may hang on some inputs only).
+  * `score_group`: a group's rewards share a budget (task.reward_group_budget_s); once spent, the group's
+    remaining samples fail fast without a call, so a hanging reward costs at most budget + one
+    task.reward_timeout_s per group.
+  * `RewardErrorWindow`: the learner stops the run, showing the first failure, once more than
+    task.max_reward_error_frac of a batch's worth of the samples it received last (trained or dropped) failed.
+
 Where a reward runs depends on who wrote it (`reward_from_config`):
   * a task's own reward (exact match): trusted and cheap, called in the sampler process.
   * `task.reward_fn: "pkg.module:fn"`, called as fn(prompt, completion, answer, meta) -> float:
@@ -20,12 +31,15 @@ Where a reward runs depends on who wrote it (`reward_from_config`):
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import numbers
+import random
 import re
+import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from megarl.protocols import Prompt, Task
 from megarl.rollout.sandbox import FunctionWorker, SandboxConfig, SandboxError, call, run_python
@@ -49,6 +63,82 @@ def score(task: Task, prompt: Prompt, completion: str) -> tuple[float, str | Non
     if not math.isfinite(value):
         return 0.0, f"ValueError: reward must be finite, got {value}"
     return value, None
+
+
+def is_timeout(error: str) -> bool:
+    """Whether a `score` error string reports a call that ran out of time (a worker's or sandbox's deadline,
+    or the group's budget) rather than one that failed."""
+    return error.startswith(("TimeoutError:", "wall-clock limit:"))
+
+
+@dataclass
+class GroupScores:
+    scores: list[tuple[float, str | None]]  # (reward, error) per completion, in order
+    seconds: float  # wall time of the group's reward calls
+    skipped: int  # completions failed without a call: the budget was spent
+
+
+def score_group(task: Task, prompt: Prompt, completions: Sequence[str], budget_s: float) -> GroupScores:
+    """`score` of each completion, one after another, until the calls together took `budget_s`; the rest
+    fail fast (0.0, "TimeoutError: ..."). A call started within the budget may still run to its own
+    timeout, so the group takes at most budget_s + task.reward_timeout_s."""
+    start, scores, skipped = time.monotonic(), [], 0
+    for completion in completions:
+        spent = time.monotonic() - start
+        if spent >= budget_s:
+            scores.append((0.0, f"TimeoutError: not scored: this group's rewards already took {spent:.1f}s "
+                                f"(task.reward_group_budget_s={budget_s:g})"))
+            skipped += 1
+            continue
+        scores.append(score(task, prompt, completion))
+    return GroupScores(scores, time.monotonic() - start, skipped)
+
+
+def check_reward(task: Task, reward_fn: str, num_prompts: int = 4) -> str:
+    """Score `num_prompts` of the task's real prompts, each with its answer as the completion, exactly as a
+    sampler will; ValueError naming task.reward_fn on the first call that raises or returns a non-number.
+    Timeouts are tolerated (a reward may hang on some inputs only; the run's budget and error share handle
+    them). Returns a line saying what it saw."""
+    prompts = task.sample_prompts(random.Random(0), num_prompts)
+    values, timeouts = [], []
+    for prompt in prompts:
+        value, error = score(task, prompt, prompt.answer)
+        if error is None:
+            values.append(value)
+        elif is_timeout(error):  # no verdict; a second hang would only add another timeout to the start-up
+            timeouts.append(error)
+            break
+        else:
+            raise ValueError(f"task.reward_fn={reward_fn} failed on a real prompt of the task ({prompt.text!r:.80}, "
+                             f"completion {prompt.answer!r:.40}): {error}. A reward function is called as "
+                             f"fn(prompt, completion, answer, meta) and returns a real number (docs/rewards.md)")
+    line = (f"task.reward_fn={reward_fn}: called on {len(values) + len(timeouts)} real prompt(s) with their answers "
+            f"as completions: rewards {', '.join(f'{v:g}' for v in values) or 'none'}")
+    return line + (f"; then one timed out, so the check stopped there ({timeouts[0]})" if timeouts else "")
+
+
+class RewardErrorWindow:
+    """Failed rewards among the last `size` samples (a batch's worth) the learner received, trained or
+    dropped (a failing reward scores every sample 0.0, so zero-variance filtering would drop them all:
+    counting only trained samples could never trip). `add` raises RuntimeError, showing the window's first
+    failure, as soon as more than `max_frac` * `size` of them failed -- already before the window is full,
+    since no later sample can bring that share back down: a reward that fails on every call stops the run
+    after max_frac of one batch."""
+
+    def __init__(self, size: int, max_frac: float):
+        self.max_frac = max_frac
+        self.window: collections.deque[tuple[str, str | None]] = collections.deque(maxlen=size)  # (prompt, error)
+
+    def add(self, samples) -> None:
+        self.window.extend((s.prompt, s.reward_error) for s in samples)
+        failed = [(prompt, error) for prompt, error in self.window if error is not None]
+        if len(failed) > self.max_frac * self.window.maxlen:
+            prompt, error = failed[0]
+            raise RuntimeError(
+                f"rewards: {len(failed)} of the last {len(self.window)} samples' rewards failed, more than "
+                f"task.max_reward_error_frac={self.max_frac:g} of a batch ({self.window.maxlen} samples); the "
+                f"first of them (prompt {prompt!r:.60}): {error}. Fix task.reward_fn (docs/rewards.md), or "
+                f"raise task.max_reward_error_frac to train on regardless")
 
 
 def extract_code(completion: str) -> str:

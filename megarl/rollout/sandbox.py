@@ -33,6 +33,7 @@ import errno
 import functools
 import importlib
 import json
+import numbers
 import os
 import platform
 import re
@@ -140,8 +141,12 @@ def _child_argv() -> list[str]:
 
 
 def _sys_path() -> list[str]:
-    """The parent's import path, so a dotted reward function resolves in the child as it does here."""
-    return [os.path.abspath(p or os.getcwd()) for p in sys.path]
+    """The import path of a dotted function in the child: the parent's working directory first, then the
+    parent's own path (PYTHONPATH, installed packages). The working directory is added explicitly because
+    whether it is on the parent's path depends on how the parent started (`python -m` yes, the `megarl`
+    console script no); this way `megarl train`'s check and every sampler resolve a function alike."""
+    paths = [os.getcwd(), *(os.path.abspath(p or os.getcwd()) for p in sys.path)]
+    return list(dict.fromkeys(paths))
 
 
 def _child_env(workdir: str) -> dict[str, str]:
@@ -554,11 +559,24 @@ def _isolate(spec: dict) -> list[str]:
     return layers
 
 
+def describe_exception(exc: BaseException) -> str:
+    """"Type: message (at FILE:LINE in FUNCTION)": the exception and the innermost frame of the code that
+    raised it (frames of this file, which only called it, are skipped; none left: no location)."""
+    import traceback
+
+    text = f"{type(exc).__name__}: {exc}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != os.path.abspath(__file__)
+              and f.filename != __file__]
+    return f"{text} (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else text
+
+
 def _encode_value(value) -> dict:
     """A JSON record of a function's result; anything but plain data is reported by type, never pickled
     (unpickling would run code chosen by the sandboxed side in the parent)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"value": value}
+    if isinstance(value, numbers.Real):  # numpy scalars (np.int64, np.float32, ...) register as numbers.Real
+        return {"value": bool(value) if type(value).__name__ == "bool_" else float(value)}
     return {"error": f"TypeError: result must be a number, got {type(value).__name__} {repr(value)[:80]}"}
 
 
@@ -575,7 +593,7 @@ def _serve(spec: dict, out) -> None:
         try:
             record = _encode_value(fn(*json.loads(line)))
         except Exception as exc:  # noqa: BLE001 - reported to the caller, who records it
-            record = {"error": f"{type(exc).__name__}: {exc}"}
+            record = {"error": describe_exception(exc)}
         out.write(json.dumps(record) + "\n")
 
 
@@ -613,7 +631,7 @@ def _child_main() -> None:
     try:
         record = _encode_value(load_function(spec["fn"])(*spec["args"]))
     except Exception as exc:  # noqa: BLE001
-        record = {"error": f"{type(exc).__name__}: {exc}"}
+        record = {"error": describe_exception(exc)}
     out.write(json.dumps(record) + "\n")
 
 

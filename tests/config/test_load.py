@@ -37,6 +37,8 @@ def test_demo_config_loads_with_overrides():
     ("steps", "is not of the form key=value"),
     ("task.on_bad_row=ignore", "task.on_bad_row: must be error or skip, got 'ignore'"),
     ("task.reward_timeout_s=0", "task.reward_timeout_s: must be > 0"),
+    ("task.reward_group_budget_s=0", "task.reward_group_budget_s: must be > 0"),
+    ("task.max_reward_error_frac=2", "task.max_reward_error_frac: must be in .0, 1. .1 = never stop for failed rewards., got 2.0"),
     ("task.name=jsonl", "task.path: task.name=jsonl needs the dataset"),
     ("task.name=jsonl task.path=/nonexistent/train.jsonl", "task.path: dataset not found: /nonexistent/train.jsonl"),
     ("task.reward_fn=my-pkg.rewards:score", "task.reward_fn: 'my-pkg.rewards:score' is not of the form"),

@@ -60,3 +60,28 @@ def sleep_forever(prompt, completion, answer, meta):
 def connect(prompt, completion, answer, meta):
     socket.create_connection(("127.0.0.1", meta["port"]), timeout=2).close()
     return 1.0
+
+
+def wrong_signature(prompt, completion):
+    """The bug of issue 17: a reward written for (prompt, completion) only."""
+    return 1.0
+
+
+def returns_none(prompt, completion, answer, meta):
+    return None
+
+
+def returns_nan(prompt, completion, answer, meta):
+    return float("nan")
+
+
+def parse_float(prompt, completion, answer, meta):
+    """Right on its answers, raises on any completion that is not a number (most of a young policy's)."""
+    return float(float(completion.strip()) == float(answer))
+
+
+def numpy_scalar(prompt, completion, answer, meta):
+    """Rewards computed with numpy return numpy scalars, not floats."""
+    import numpy
+
+    return numpy.float32(completion.strip() == answer) + numpy.float32(0.5)  # float32: not a float subclass

@@ -1,16 +1,24 @@
 """Reward scoring: whatever a reward does -- raise, hang, crash, return a non-number, run escaping code --
-the sampler gets (0.0, error string) in bounded time and goes on."""
+the sampler gets (0.0, error string) in bounded time and goes on; a reward that breaks its contract is
+refused at start-up naming task.reward_fn, a group's rewards share a time budget, and a run whose rewards
+fail too often stops showing the first failure."""
+import json
 import math
 import os
 import random
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from megarl.config.load import load_config
-from megarl.protocols import Prompt
-from megarl.rollout.rewards import extract_code, score
+from megarl.protocols import Prompt, Sample
+from megarl.rollout.rewards import RewardErrorWindow, check_reward, extract_code, score, score_group
 from megarl.rollout.tasks import ArithmeticTask, task_from_config
+from tests.helpers import REPO, run_python
 
 PROMPT = Prompt("1+1=", "2")
 
@@ -68,6 +76,7 @@ def test_a_user_reward_runs_by_dotted_path_in_a_worker_process():
     task = task_with(reward_fn=f"{FNS}:exact")
     assert score(task, PROMPT, " 2 ") == (1.0, None) and score(task, PROMPT, "3") == (0.0, None)
     assert score(task_with(reward_fn=f"{FNS}:pid"), PROMPT, "x")[0] not in (0.0, float(os.getpid()))
+    assert score(task_with(reward_fn=f"{FNS}:numpy_scalar"), PROMPT, "2") == (1.5, None)
 
 
 def test_a_hanging_user_reward_fails_within_its_timeout_and_scoring_goes_on():
@@ -127,3 +136,101 @@ def test_python_output_reward_scores_other_tasks_and_reads_stdin():
 def test_unknown_rewards_are_named():
     with pytest.raises(ValueError, match="unknown built-in reward 'exactmatch'.*python_output"):
         task_with(reward_fn="exactmatch")
+
+
+# ------------------------------------------------------------ the start-up check (megarl train, sampler 0)
+
+@pytest.mark.parametrize("fn, error", [
+    ("wrong_signature", "TypeError: wrong_signature() takes 2 positional arguments but 4 were given"),
+    ("raises", "ValueError: cannot score '"),
+    ("not_a_number", "TypeError: reward must be a real number, got str '1.0'"),
+    ("returns_none", "TypeError: reward must be a real number, got NoneType None"),
+    ("returns_nan", "ValueError: reward must be finite, got nan"),
+    ("nope", f"ValueError: '{FNS}:nope': "),
+])
+def test_the_start_up_check_refuses_a_reward_that_fails_on_real_prompts_naming_the_key(fn, error):
+    with pytest.raises(ValueError) as info:
+        check_reward(task_with(reward_fn=f"{FNS}:{fn}"), f"{FNS}:{fn}")
+    message = str(info.value)
+    assert message.startswith(f"task.reward_fn={FNS}:{fn} failed on a real prompt of the task (") and error in message
+    assert message.endswith("called as fn(prompt, completion, answer, meta) and returns a real number (docs/rewards.md)")
+    if fn == "raises":  # the traceback summary: where in the user's code it raised
+        assert re.search(r"\(at .*/tests/rollout/reward_fns\.py:\d+ in raises\)", message), message
+
+
+def test_the_start_up_check_passes_a_good_reward_and_stops_at_a_timeout_without_refusing():
+    assert check_reward(task_with(reward_fn=f"{FNS}:exact"), f"{FNS}:exact") == (
+        f"task.reward_fn={FNS}:exact: called on 4 real prompt(s) with their answers as completions: rewards 1, 1, 1, 1")
+    line = check_reward(task_with(reward_fn=f"{FNS}:sleep_forever", reward_timeout_s=0.5), f"{FNS}:sleep_forever")
+    assert line == (f"task.reward_fn={FNS}:sleep_forever: called on 1 real prompt(s) with their answers as completions: "
+                    f"rewards none; then one timed out, so the check stopped there (TimeoutError: {FNS}:sleep_forever "
+                    f"did not return within 0.5s (its worker process was killed; the next call starts a new one))")
+
+
+def test_the_worked_example_of_docs_rewards_md_is_found_in_the_working_directory(embedded_model_dir, tmp_path):
+    """The user's module lies in the directory `megarl` is started from; no PYTHONPATH, the console script."""
+    doc = (REPO / "docs" / "rewards.md").read_text()
+    (tmp_path / "my_rewards.py").write_text(doc.split("```python\n", 1)[1].split("```", 1)[0])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([str(Path(sys.executable).with_name("megarl")), "train", "--dry-run",
+                           str(REPO / "configs" / "demo.yaml"), f"model.path={embedded_model_dir}", "task.name=arithmetic",
+                           "task.reward_fn=my_rewards:score"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert ("megarl: task.reward_fn=my_rewards:score: called on 4 real prompt(s) with their answers as completions: "
+            "rewards 1, 1, 1, 1") in proc.stdout
+
+
+# ------------------------------------------------------------------------- budgets and the error share
+
+def test_a_group_s_rewards_share_a_budget_after_which_the_rest_fail_fast():
+    task = task_with(reward_fn=f"{FNS}:hang_on_nine", reward_timeout_s=0.5)
+    start = time.monotonic()
+    hung = score_group(task, Prompt("9+9=", "18"), ["18"] * 8, budget_s=1.0)
+    assert time.monotonic() - start < 1.0 + 0.5 + 2.0  # budget + one call's timeout (+ slack for a loaded machine)
+    assert all(value == 0.0 and error.startswith("TimeoutError: ") for value, error in hung.scores)
+    assert hung.skipped >= 5 and all(error.startswith("TimeoutError: not scored: this group's rewards already took ")
+                                     and error.endswith("s (task.reward_group_budget_s=1)")
+                                     for _, error in hung.scores[-hung.skipped:])
+    fine = score_group(task, Prompt("1+2=", "3"), ["3", "4"], budget_s=1.0)
+    assert fine.scores == [(1.0, None), (0.0, None)] and fine.skipped == 0
+
+
+def sample(error=None):
+    return Sample(group_id="0/0", prompt="1+1=", completion="2", prompt_ids=[1], token_ids=[2], logprobs=[0.0],
+                  versions=[0], reward=0.0, finish_reason="stop", sampler_rank=1, reward_error=error)
+
+
+def test_the_run_stops_once_failed_rewards_exceed_their_share_of_a_batch_showing_the_first():
+    window = RewardErrorWindow(size=20, max_frac=0.1)
+    window.add([sample()] * 18 + [sample("ValueError: first (at r.py:3 in f)")] + [sample()])
+    window.add([sample("ValueError: second")] + [sample()] * 3)  # 2 of the last 20: not more than 10%
+    with pytest.raises(RuntimeError, match=re.escape(
+            "rewards: 3 of the last 20 samples' rewards failed, more than task.max_reward_error_frac=0.1 of a batch "
+            "(20 samples); the first of them (prompt '1+1='): ValueError: first (at r.py:3 in f). Fix task.reward_fn")):
+        window.add([sample("TypeError: third")])
+    early = RewardErrorWindow(size=20, max_frac=0.1)  # a reward failing on every call: stops before a batch is full
+    with pytest.raises(RuntimeError, match="3 of the last 3 samples"):
+        early.add([sample("TimeoutError: x")] * 3)
+    never = RewardErrorWindow(size=4, max_frac=1.0)
+    never.add([sample("TimeoutError: x")] * 10)
+
+
+def test_a_run_whose_reward_always_hangs_stops_at_the_defaults_saying_why(embedded_model_dir, tmp_path):
+    """Issue 17: at the old defaults this run stood still for minutes, printing nothing."""
+    proc = run_python("-m", "megarl.cli", "train", str(REPO / "configs" / "demo.yaml"), f"run.dir={tmp_path / 'run'}",
+                      f"model.path={embedded_model_dir}", "task.name=arithmetic", "task.think_mean=0",
+                      f"task.reward_fn={FNS}:sleep_forever", "run.steps=3", "algo.prompts_per_step=4",
+                      "algo.group_size=4", "sampling.max_new_tokens=8", "learner.micro_batch_size=16",
+                      "run.tensorboard=false", timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "then one timed out, so the check stopped there" in proc.stdout  # start-up: warned, not refused
+    assert re.search(r"megarl: sampler 0: the rewards of one group took [\d.]+s, over task.reward_group_budget_s=4; "
+                     r"\d of its 4 samples failed without a call \(first error: TimeoutError: .*\); 1 such group\(s\) so far",
+                     proc.stdout), out[-3000:]
+    assert re.search(r"rewards: \d+ of the last \d+ samples' rewards failed, more than task.max_reward_error_frac=0.1 "
+                     r"of a batch \(16 samples\); the first of them \(prompt '[^']*'\): TimeoutError: "
+                     rf"{FNS}:sleep_forever did not return within 2s", proc.stderr), out[-3000:]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or not [json.loads(line) for line in metrics.read_text().splitlines()]
