@@ -18,6 +18,8 @@ where each rule comes from:
               `divide` it (megarl does not pad the vocabulary).
   sampler.tp  the same four TP rules: the built-in engine runs on tp_shard slices (sampler.tp is 1 or
               learner.tp, megarl.config.load checks that).
+  learner.dp  no model rule: with learner.use_distributed_optimizer megatron pads every gradient bucket
+              to a multiple of dp (param_and_grad_buffer._pad_end_of_bucket_if_needed), so any dp shards.
 Rules that need no model (a batch smaller than learner.dp, sampler.tp not 1 or learner.tp) are in
 megarl.config.load.validate.
 """
