@@ -14,10 +14,12 @@ generation_config.json, tokenizer files) that every other component loads like a
 * Warm start: a short supervised run on the built-in arithmetic task so the *base* model knows the
   output format (digits then EOS) and roughly where the answer is, but is right only ~20% of the
   time when sampled at T=1: RL then has real headroom (see docs/embedded_model.md).
-* Two registered models: "tiny-qwen2-arith" ("12+7=" -> "19<eos>", ~3-token completions) and
-  "tiny-qwen2-arith-think" ("12+7=" -> "..........19<eos>": a geometric run of "." thinking
-  filler with mean 10, then the answer; long-tailed completion lengths, run it with
-  max_new_tokens=THINK_MAX_NEW_TOKENS=48 and the task `build_task("arithmetic", think_mean=10)`).
+* Three registered models: "tiny-qwen2-count" (the demo's: "d-k=" -> "defghijk<eos>", the
+  alphabet run the prompt names, long-tailed lengths set by the prompt; run it with
+  max_new_tokens=COUNT_MAX_NEW_TOKENS=49 and `build_task("count")`), "tiny-qwen2-arith"
+  ("12+7=" -> "19<eos>", ~3-token completions) and "tiny-qwen2-arith-think" ("12+7=" ->
+  "..........19<eos>": a geometric run of "." thinking filler with mean 10, then the answer; run
+  it with max_new_tokens=THINK_MAX_NEW_TOKENS=48 and `build_task("arithmetic", think_mean=10)`).
 
 `ensure_embedded_model` builds atomically under a file lock; `resolve_model_path` turns a config's
 model path ("embedded:<name>" or a directory) into a checked directory.
@@ -42,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.protocols import Prompt
-from megarl.rollout.tasks import THINK_CHAR, ArithmeticTask
+from megarl.rollout.tasks import THINK_CHAR, ArithmeticTask, CountTask
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -114,7 +116,8 @@ class WarmStartRecipe:
     `p_correct` and on a near miss (answer +-1..3) with weight 1 - p_correct, so the base policy
     ends up putting a minority of its mass on the exact answer and the rest on plausible misses.
     Both completions of a prompt are in the same batch (stratified), which is far less noisy than
-    drawing one label per prompt."""
+    drawing one label per prompt. For CountTask the near miss is the run stopped 1..max_offset
+    letters early or late, and prompts are drawn from the task's own long-tailed distribution."""
 
     seed: int = 0
     clean_steps: int = 550
@@ -170,13 +173,41 @@ def _sequence_nll(model, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.T
     return (nll.view(input_ids.size(0), -1) * mask[:, 1:]).sum(1)
 
 
-def warm_start(model, tokenizer, task: ArithmeticTask, recipe: WarmStartRecipe, on_step=None) -> None:
-    """Train `model` in place (fp32, CPU) with the recipe; deterministic given recipe.seed.
-    `on_step(step, model)`, if given, is called after every step (for learning-curve experiments)."""
-    rng = random.Random(recipe.seed)
+def _arithmetic_targets(task: ArithmeticTask, recipe: WarmStartRecipe):
+    """draw(step, rng, noisy) -> (prompts, correct completions, near misses or None) for arithmetic."""
     prompts = task.all_prompts()
     lo, hi = task.answer_range()
     short_task = dataclasses.replace(task, think_mean=min(task.think_mean, recipe.short_think_mean))
+
+    def draw(step: int, rng: random.Random, noisy: bool):
+        batch = [rng.choice(prompts) for _ in range(recipe.batch_prompts)]
+        # Filler run of each target (empty unless the task thinks; then no rng draw is made, so a
+        # non-thinking build is unchanged). A correct answer and its near miss share their filler.
+        src = short_task if step < recipe.short_steps else task
+        think = [THINK_CHAR * src.sample_think_length(rng, recipe.max_think) for _ in batch]
+        misses = ([t + str(_near_miss(int(p.answer), lo, hi, recipe.max_offset, rng)) for t, p in zip(think, batch)]
+                  if noisy else None)
+        return batch, [t + p.answer for t, p in zip(think, batch)], misses
+
+    return draw
+
+
+def _count_targets(task: CountTask, recipe: WarmStartRecipe):
+    """draw(step, rng, noisy) for CountTask: prompts as RL draws them, misses stopped off the end letter."""
+
+    def draw(step: int, rng: random.Random, noisy: bool):
+        batch = task.sample_prompts(rng, recipe.batch_prompts)
+        misses = [task.near_miss(p, rng, recipe.max_offset) for p in batch] if noisy else None
+        return batch, [p.answer for p in batch], misses
+
+    return draw
+
+
+def warm_start(model, tokenizer, task: ArithmeticTask | CountTask, recipe: WarmStartRecipe, on_step=None) -> None:
+    """Train `model` in place (fp32, CPU) with the recipe; deterministic given recipe.seed.
+    `on_step(step, model)`, if given, is called after every step (for learning-curve experiments)."""
+    rng = random.Random(recipe.seed)
+    draw = _count_targets(task, recipe) if isinstance(task, CountTask) else _arithmetic_targets(task, recipe)
     total = recipe.clean_steps + recipe.noisy_steps
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.0)
 
@@ -188,16 +219,11 @@ def warm_start(model, tokenizer, task: ArithmeticTask, recipe: WarmStartRecipe, 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     model.train()
     for step in range(total):
-        batch = [rng.choice(prompts) for _ in range(recipe.batch_prompts)]
-        # Filler run of each target (empty unless the task thinks; then no rng draw is made, so a
-        # non-thinking build is unchanged). A correct answer and its near miss share their filler.
-        src = short_task if step < recipe.short_steps else task
-        think = [THINK_CHAR * src.sample_think_length(rng, recipe.max_think) for _ in batch]
-        if step < recipe.clean_steps:
-            answers, weights = [t + p.answer for t, p in zip(think, batch)], torch.ones(len(batch))
+        batch, answers, misses = draw(step, rng, noisy=step >= recipe.clean_steps)
+        if misses is None:
+            weights = torch.ones(len(batch))
         else:
-            misses = [t + str(_near_miss(int(p.answer), lo, hi, recipe.max_offset, rng)) for t, p in zip(think, batch)]
-            answers, batch = [t + p.answer for t, p in zip(think, batch)] + misses, batch + batch
+            answers, batch = answers + misses, batch + batch
             n = len(misses)
             weights = torch.cat([torch.full((n,), recipe.p_correct), torch.full((n,), 1.0 - recipe.p_correct)])
         input_ids, mask = _batch(tokenizer, batch, answers)
@@ -339,7 +365,7 @@ def length_stats(token_lists: list[list[int]], max_new_tokens: int) -> dict:
 
 @dataclass(frozen=True)
 class EmbeddedSpec:
-    task: ArithmeticTask
+    task: ArithmeticTask | CountTask
     recipe: WarmStartRecipe
     # Completion-token budget the build's evaluation samples with (EOS included), like a sampler's
     # max_new_tokens; for the thinking model some T=1 completions are cut here while still thinking.
@@ -351,7 +377,14 @@ THINK_MAX_NEW_TOKENS = 48
 # Forced filler lengths the thinking model's greedy answer is evaluated after (see greedy_answer_accuracy).
 GREEDY_THINK_LENS = (0, 10, 25, 40)
 
+# Completion budget to run the count model with: the longest run (48 letters) + EOS.
+COUNT_MAX_NEW_TOKENS = 49
+# Prompts the count model is evaluated on in its build: drawn like RL draws them (seed fixed).
+COUNT_EVAL_PROMPTS = 400
+
 EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
+    "tiny-qwen2-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
+                                     max_new_tokens=COUNT_MAX_NEW_TOKENS),
     "tiny-qwen2-arith": EmbeddedSpec(task=ArithmeticTask(), recipe=WarmStartRecipe()),
     "tiny-qwen2-arith-think": EmbeddedSpec(task=ArithmeticTask(think_mean=10.0),
                                            recipe=WarmStartRecipe(short_steps=400, noisy_steps=120),
@@ -390,8 +423,11 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
             model = Qwen2ForCausalLM(build_config())
             warm_start(model, tokenizer, spec.task, spec.recipe)
         train_s = time.perf_counter() - t0
-        prompts = spec.task.all_prompts()
-        if spec.task.think_mean > 0:
+        if isinstance(spec.task, CountTask):
+            prompts = spec.task.sample_prompts(random.Random(1), COUNT_EVAL_PROMPTS)
+        else:
+            prompts = spec.task.all_prompts()
+        if isinstance(spec.task, ArithmeticTask) and spec.task.think_mean > 0:
             greedy_by_len = {k: greedy_answer_accuracy(model, tokenizer, spec.task, prompts, k) for k in GREEDY_THINK_LENS}
             greedy_acc = greedy_by_len[min(GREEDY_THINK_LENS, key=lambda k: abs(k - spec.task.think_mean))]
         else:
@@ -399,7 +435,9 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
             greedy_acc, greedy_by_len = sum(spec.task.reward(p, c) for p, c in zip(prompts, greedy)) / len(prompts), None
         sampled_ids = generate_tokens(model, tokenizer, prompts, temperature=1.0, seed=0, max_new_tokens=spec.max_new_tokens)
         sampled = [tokenizer.decode([t for t in ids if t != EOS_ID]) for ids in sampled_ids]
-        expected = expected_accuracy(model, tokenizer, prompts, spec.max_new_tokens)
+        # A count completion has no filler: P(reward 1) is P(run + EOS), one teacher-forced pass.
+        expected = expected_accuracy(model, tokenizer, prompts,
+                                     None if isinstance(spec.task, CountTask) else spec.max_new_tokens)
     finally:
         torch.set_num_threads(threads)
     record = {

@@ -10,6 +10,10 @@ tokens (`THINK_CHAR`, "." -- one token) of geometrically distributed length with
 answer: `"12+7="` -> `"..........19<eos>"`. That gives long-tailed generation lengths (like reasoning
 RL) while the reward still depends only on the final answer.
 
+`CountTask` ("count": `"d-k="` -> `"defghijk"`) is the task whose completion length the prompt sets:
+spell the alphabet run from one letter to another, run lengths drawn long-tailed, so RL cannot
+shorten the tail without losing reward (docs/tasks.md says why it is the demo's task).
+
 `PythonOutputTask` ("python_output") asks for a program instead and scores it by running it in the
 sandbox; "jsonl" is a prompt dataset (megarl/rollout/datasets.py). `task_from_config` builds the task a
 config names, scored by `task.reward_fn` when set (megarl/rollout/rewards.py).
@@ -133,6 +137,68 @@ def exact_match(completion: str, answer: str) -> float:
     return 1.0 if text and text == answer.strip() else 0.0
 
 
+# The alphabet CountTask spells runs of: 52 one-byte characters, so one token each in the embedded tokenizer.
+COUNT_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+@dataclass(frozen=True)
+class CountTask:
+    """`d-k=` -> `defghijk`: the run of COUNT_ALPHABET from the first letter to the second, inclusive.
+
+    The prompt alone sets the completion's length (the run, then EOS) and the reward is exact match,
+    so a policy cannot shorten a long completion without losing its reward: unlike a filler run, the
+    length tail survives RL. Run lengths are long-tailed: P(L = k) is proportional to
+    (1 - q)^(k-1) q for k in 1..max_length (q = 1 / length_mean; longer draws are redrawn), which
+    with the defaults (mean 8, at most 48) gives p99 / mean ~4.3, like the reasoning lengths of a
+    real RL batch. The start letter is uniform among those that leave room for the run.
+    """
+
+    length_mean: float = 8.0
+    max_length: int = 48
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "length_mean", float(self.length_mean))
+        if not 1 <= self.max_length <= len(COUNT_ALPHABET):
+            raise ValueError(f"CountTask needs 1 <= max_length <= {len(COUNT_ALPHABET)}, got {self.max_length}")
+        if not self.length_mean >= 1.0:  # also rejects NaN
+            raise ValueError(f"CountTask needs length_mean >= 1, got {self.length_mean}")
+
+    def make_prompt(self, start: int, length: int) -> Prompt:
+        run = COUNT_ALPHABET[start:start + length]
+        return Prompt(text=f"{run[0]}-{run[-1]}=", answer=run, meta={"start": start, "length": length})
+
+    def sample_length(self, rng: random.Random) -> int:
+        go_on = 1.0 - 1.0 / self.length_mean
+        while True:
+            k = 1
+            while rng.random() < go_on:
+                k += 1
+            if k <= self.max_length:
+                return k
+
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        # Length first, then the start: a seeded rng gives the same prompts everywhere.
+        prompts = []
+        for _ in range(n):
+            length = self.sample_length(rng)
+            prompts.append(self.make_prompt(rng.randint(0, len(COUNT_ALPHABET) - length), length))
+        return prompts
+
+    def near_miss(self, prompt: Prompt, rng: random.Random, max_offset: int) -> str:
+        """The run from the same start stopped 1..max_offset letters early or late (within the alphabet,
+        never empty): a plausible wrong completion. "Z-Z=" has no such run; its miss stops at once."""
+        start, length = prompt.meta["start"], prompt.meta["length"]
+        room = len(COUNT_ALPHABET) - start
+        offsets = [d for d in range(-max_offset, max_offset + 1) if d and 1 <= length + d <= room] or [-length]
+        return COUNT_ALPHABET[start:start + length + rng.choice(offsets)]
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        text = completion.strip()
+        if text.endswith(EOS_TEXT):
+            text = text[: -len(EOS_TEXT)].strip()
+        return 1.0 if text == prompt.answer else 0.0
+
+
 @dataclass(frozen=True)
 class PythonOutputTask:
     """Code execution: "# Python 3: print the value of 12+7" -> a program, scored by running it in the
@@ -153,7 +219,7 @@ class PythonOutputTask:
 
 # A string entry is imported on first use ("module:Class"): megarl.rollout.datasets builds on this module.
 _TASKS: dict[str, Callable[..., object] | str] = {
-    "arithmetic": ArithmeticTask, "python_output": PythonOutputTask, "jsonl": "megarl.rollout.datasets:DatasetTask"}
+    "arithmetic": ArithmeticTask, "count": CountTask, "python_output": PythonOutputTask, "jsonl": "megarl.rollout.datasets:DatasetTask"}
 
 
 def _factory(name: str) -> Callable[..., object]:

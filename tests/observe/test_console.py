@@ -1,0 +1,87 @@
+"""The console a person watching a run sees: the progress line, notes that never glue onto it on a real
+terminal (a pty), and the closing summary."""
+import io
+import os
+import pty
+import re
+
+from megarl.observe.console import Console, format_duration, tenth_means
+
+
+def read_all(fd: int) -> str:
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return out.decode()
+        if not chunk:
+            return out.decode()
+        out += chunk
+
+
+def step_metrics(reward: float, errors: float = 0.0) -> dict:
+    return {"reward_mean": reward, "lag_mean": 1.5, "lag_max": 2, "tokens_per_s": 900.0,
+            "dropped/stale_groups_total": 3, "reward_errors": errors}
+
+
+def test_plain_lines_carry_multi_version_share_eta_and_reward_errors_only_when_some_failed():
+    out = io.StringIO()
+    console = Console(4, True, "runs/x", stream=out)
+    console.update(1, step_metrics(0.25), [1, 1, 2, 3])
+    console.update(2, step_metrics(0.5, errors=1.0), [1, 2, 1, 1])
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and "\r" not in out.getvalue()  # not a terminal: one plain line per step
+    assert lines[0].startswith("step 1/4  reward 0.250  multi-version 50%  lag 1.5/2") and "eta --" in lines[0]
+    assert re.search(r"multi-version 38%.* eta \d+:\d\d  reward errors 25%$", lines[1]), lines[1]
+    assert "reward errors" not in lines[0]
+
+
+def test_summary_gives_reward_first_to_last_tenth_shares_outputs_and_the_plot_commands():
+    out = io.StringIO()
+    console = Console(20, True, "runs/demo", stream=out)
+    for step in range(1, 21):
+        console.update(step, step_metrics(0.1 if step <= 2 else 0.9 if step > 18 else 0.5), [1, 2, 2, 3])
+    console.close()
+    summary = out.getvalue().split("step 20/20")[1]
+    assert "reward 0.100 -> 0.900" in summary
+    assert "80 rollouts trained; 75.0% hold tokens of >= 2 policy versions, 25.0% of >= 3; 2.00 versions" in summary
+    assert "outputs in runs/demo/" in summary
+    assert "python benchmarks/plot_rollouts.py runs/demo" in summary and "plot_timeline.py runs/demo" in summary
+
+
+def test_no_summary_for_a_run_that_stopped_early_or_a_disabled_console():
+    for total, enabled in [(5, True), (2, False)]:
+        out = io.StringIO()
+        console = Console(total, enabled, "runs/x", stream=out)
+        console.update(1, step_metrics(0.5), [1])
+        console.update(2, step_metrics(0.5), [1])
+        console.close()
+        assert "megarl: done" not in out.getvalue()
+        assert bool(out.getvalue()) == enabled
+
+
+def test_on_a_terminal_a_note_clears_the_progress_line_and_the_line_comes_back():
+    master, slave = pty.openpty()
+    os.set_blocking(master, False)
+    with os.fdopen(slave, "w") as tty:
+        console = Console(3, True, "runs/x", stream=tty)
+        assert console.tty
+        console.update(1, step_metrics(0.5), [1, 2])
+        console.note("megarl: checkpoint runs/x/checkpoints/step_1 (0.3s)")
+        console.update(2, step_metrics(0.6), [1])
+        console.update(3, step_metrics(0.7), [1])
+        console.close()
+        shown = read_all(master)
+    # The note starts on a cleared line (never glued after "eta --"), then the progress line is redrawn.
+    before, after = shown.split("megarl: checkpoint runs/x/checkpoints/step_1 (0.3s)")
+    assert re.search(r"eta --\s*\r *\r$", before), repr(before[-200:])
+    assert after.startswith("\r\n\rstep 1/3"), repr(after[:40])  # the pty turns "\n" into "\r\n"
+    assert "\rstep 3/3" in after and "megarl: done, 3 steps" in after
+    # Every progress line overwrites the last one on the same terminal row: no newline before the last step.
+    assert "\n" not in after.split("\rstep 1/3")[1].split("step 3/3")[0]
+
+
+def test_durations_and_tenths():
+    assert format_duration(59.6) == "1:00" and format_duration(3725) == "1:02:05" and format_duration(-3) == "0:00"
+    assert tenth_means([0.0] * 5 + [1.0] * 5) == (0.0, 1.0) and tenth_means([0.5]) == (0.5, 0.5)
