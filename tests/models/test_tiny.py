@@ -1,5 +1,6 @@
 import json
 import multiprocessing
+import random
 import re
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.models import tiny
-from megarl.rollout.tasks import ArithmeticTask
+from megarl.rollout.tasks import COUNT_ALPHABET, ArithmeticTask
 
 # A cheap registry entry (a few optimizer steps) for the tests of the cache mechanics.
 SMOKE = "tiny-qwen2-arith-smoke"
@@ -98,6 +99,34 @@ def test_thinking_base_model_has_headroom_a_long_length_tail_and_finds_the_promp
     assert abs(record["expected_sampled_accuracy"] - sampled_acc) < 0.1, (record, sampled_acc)
     assert record["greedy_accuracy"] == round(greedy[10], 4)
     assert record["greedy_answer_accuracy_by_think_len"] == {str(k): round(v, 4) for k, v in greedy.items()}
+
+
+@pytest.fixture(scope="module")
+def count_model_dir(tmp_path_factory) -> Path:
+    """The demo's model (`tiny-qwen2-count`), built once for this module (~40 s on one core)."""
+    return tiny.ensure_embedded_model("tiny-qwen2-count", cache_dir=tmp_path_factory.mktemp("count_model"))
+
+
+def test_count_base_model_spells_runs_of_the_prompted_length_but_often_stops_off_the_end(count_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(count_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(count_model_dir)
+    task = tiny.EMBEDDED_MODELS["tiny-qwen2-count"].task
+    prompts = task.sample_prompts(random.Random(7), 300)
+    ids = tiny.generate_tokens(model, tok, prompts, temperature=1.0, seed=1, max_new_tokens=tiny.COUNT_MAX_NEW_TOKENS)
+    texts = [tok.decode([t for t in i if t != tiny.EOS_ID]) for i in ids]
+    sampled_acc = sum(task.reward(p, c) for p, c in zip(prompts, texts)) / len(prompts)
+    assert 0.15 < sampled_acc < 0.5, sampled_acc  # partly right: RL has headroom
+    # Format: the alphabet from the prompt's first letter, then EOS; the length follows the prompt.
+    runs = [i[-1] == tiny.EOS_ID and COUNT_ALPHABET.startswith(c, p.meta["start"]) and c != ""
+            for p, c, i in zip(prompts, texts, ids)]
+    assert sum(runs) / len(runs) > 0.95, [c for c, ok in zip(texts, runs) if not ok][:10]
+    near = sum(abs(len(c) - p.meta["length"]) <= 3 for p, c in zip(prompts, texts)) / len(prompts)
+    assert near > 0.8, near
+    long = [(p, c) for p, c in zip(prompts, texts) if p.meta["length"] >= 20]  # the tail is generated, not cut
+    assert len(long) >= 10 and sum(len(c) >= p.meta["length"] - 3 for p, c in long) / len(long) > 0.75, long
+    record = json.loads((count_model_dir / tiny.BUILD_RECORD).read_text())
+    assert abs(record["expected_sampled_accuracy"] - sampled_acc) < 0.1, (record, sampled_acc)
+    assert record["sampled_lengths"]["p99"] >= 3.0 * record["sampled_lengths"]["mean"], record
 
 
 def test_expected_accuracy_sums_every_filler_length_exactly():
