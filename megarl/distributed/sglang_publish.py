@@ -22,6 +22,8 @@ SGLang verifies no checksum, so headers carry none (publish.checksum does not ap
 from __future__ import annotations
 
 import json
+import math
+import os
 import socket
 import time
 from datetime import timedelta
@@ -50,10 +52,21 @@ def plan_update_calls(spec: Spec, weight_format: str, bucket_bytes: int) -> list
     """The tensors of each /update_weights_from_distributed call of one publish, in broadcast order.
 
     flattened_bucket: one call per publish bucket (single-dtype, at most `bucket_bytes` unless one
-    tensor is bigger), so the receiver holds one bucket at a time. per_tensor: one call, every tensor.
+    tensor is bigger), so the receiver holds one bucket at a time. per_tensor: consecutive tensors in
+    calls of at most `bucket_bytes` (a bigger tensor alone): SGLang allocates every tensor of a call
+    before loading any, so one call of everything would be a second full model copy on its GPU.
     """
     if weight_format == "per_tensor":
-        return [list(spec)]
+        calls: list[Spec] = []
+        size = 0
+        for name, shape, dtype in spec:
+            nbytes = math.prod(shape) * dtype.itemsize
+            if not calls or size + nbytes > bucket_bytes:
+                calls.append([])
+                size = 0
+            calls[-1].append((name, shape, dtype))
+            size += nbytes
+        return calls
     if weight_format != "flattened_bucket":
         raise ValueError(f"weight_format={weight_format!r}: must be one of {WEIGHT_FORMATS}")
     shapes = {name: shape for name, shape, _ in spec}
@@ -69,6 +82,18 @@ def update_body(call: Spec, weight_format: str, group_name: str, weight_version:
             "shapes": [list(s) for _, s, _ in call], "group_name": group_name, "flush_cache": False,
             "abort_all_requests": False, "weight_version": weight_version,
             "load_format": "flattened_bucket" if weight_format == "flattened_bucket" else None}
+
+
+# What SGLang sets in its own process before NCCL starts (and other RL stacks set on the trainer): NCCL's
+# cuMem allocator and NVLink SHARP off. Both ends of the weight-update broadcast then agree; a mismatch is
+# a known cause of hangs in the first broadcast.
+NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def set_publish_nccl_env(environ=os.environ) -> None:
+    """Set NCCL_ENV in the learner process. NCCL reads these once, at its first communicator, so the
+    learner calls this before it creates any process group (learner_main)."""
+    environ.update(NCCL_ENV)
 
 
 def free_port(host: str) -> int:
@@ -88,6 +113,8 @@ class SGLangPublisher:
         self.backend = backend
         port = port or free_port(host)
         self.address = f"{host}:{port}"
+        if backend == "nccl":
+            set_publish_nccl_env()  # normally done at learner start already; idempotent
         store.set(GROUP_KEY, json.dumps({"host": host, "port": port, "world_size": world_size,
                                          "group_name": GROUP_NAME, "backend": backend}))
         try:

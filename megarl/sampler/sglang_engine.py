@@ -8,7 +8,9 @@ watches the learner's publish headers and makes the server receive each version 
 weight-update group (learner side: megarl/distributed/sglang_publish.py):
 
     /pause_generation {mode: in_place | retract}   running requests stay, their KV kept | recomputed
+    /begin_weight_update                           SGLang >= 0.5.21 loads weights only inside a session
     /update_weights_from_distributed ...           once per bucket, concurrent with the learner's broadcast
+    /end_weight_update                             closes the session (also on every error path)
     /flush_cache                                   only with sampler.sglang.cache_on_update=flush
     /continue_generation                           the paused requests go on under the new weights
 
@@ -26,15 +28,23 @@ A request the server aborts (finish_reason "abort": someone paused with mode "ab
 gave up on it) fails with SGLangError naming how many tokens it had: megarl never asks for aborts,
 and a partial rollout must not be trained on as if it had finished.
 
+Length budget: SGLang refuses a request whose prompt + max_new_tokens exceeds its context length
+(tokenizer_manager._validate_one_request), so every request asks for
+min(sampling.max_new_tokens, context - prompt) tokens; the context is sampler.max_seq_len, which
+megarl passes to the server as --context-length.
+
 The server is started with the command of `server_command` (real SGLang on GPU, or
-`python -m megarl.sampler.sglang_server` on CPU), bound to 127.0.0.1, logging to a file whose tail
-every error carries. Every HTTP call has a timeout and its errors name the route and the server.
+`python -m megarl.sampler.sglang_server` on CPU) in the environment of `server_env` (the sampler's,
+without torchrun's variables), bound to 127.0.0.1, logging to a file whose tail every error carries.
+Once healthy, its version is read from /server_info and one outside SUPPORTED_VERSIONS is refused.
+Every HTTP call has a timeout and its errors name the route and the server.
 """
 from __future__ import annotations
 
 import ctypes
 import http.client
 import json
+import logging
 import os
 import queue
 import signal
@@ -49,6 +59,17 @@ from typing import Iterable, Iterator
 from megarl.distributed.publish import header_key
 from megarl.distributed.sglang_publish import GROUP_KEY, SPEC_KEY, load_spec, update_body
 from megarl.protocols import Completion, GenerationRequest
+
+# The SGLang releases megarl drives correctly, oldest and newest (bounds explained in docs/sglang.md;
+# tests/sampler/sglang_contract/ runs megarl's requests through both releases' own code).
+SUPPORTED_VERSIONS = ("0.5.21", "0.5.23")
+# Variables torchrun sets for its workers. SGLang bootstraps its own torch.distributed (tcp://127.0.0.1)
+# even at TP 1; under TORCHELASTIC_USE_AGENT_STORE every rank of that bootstrap becomes a client of a
+# store nobody hosts and /health never answers, and the others describe the sampler's job, not the server's.
+TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                 "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE")
+TORCHRUN_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
+log = logging.getLogger("megarl.sglang_engine")
 
 HEALTH_POLL_S = 0.5
 STEP_POLL_S = 0.05  # step() waits this long for a finished request before returning none
@@ -121,14 +142,44 @@ def completion_from_chunks(request: GenerationRequest, chunks: Iterable[dict]) -
                       finish_reason=reason["type"])
 
 
-def generate_body(request: GenerationRequest) -> dict:
+def new_token_budget(request: GenerationRequest, context_length: int) -> int:
+    """max_new_tokens of one request: what it asks for, within what the context leaves after its prompt
+    (SGLang refuses prompt + max_new_tokens > context_length instead of truncating)."""
+    return min(request.sampling.max_new_tokens, context_length - len(request.prompt_ids))
+
+
+def generate_body(request: GenerationRequest, context_length: int) -> dict:
     """The /generate request body (sglang io_struct GenerateReqInput, sampling_params as SGLang's SamplingParams)."""
     sp = request.sampling
     return {"rid": request.request_id, "input_ids": list(request.prompt_ids), "return_logprob": True, "stream": True,
             "sampling_params": {"temperature": sp.temperature, "top_p": sp.top_p,
                                 "top_k": sp.top_k if sp.top_k > 0 else -1,  # SGLang: -1 = off
-                                "max_new_tokens": sp.max_new_tokens, "stop_token_ids": list(request.stop_token_ids),
-                                "no_stop_trim": True}}
+                                "max_new_tokens": new_token_budget(request, context_length),
+                                "stop_token_ids": list(request.stop_token_ids), "no_stop_trim": True}}
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """"0.5.23", "0.5.23.post1", "0.5.24rc0" -> (0, 5, 23) / (0, 5, 23) / (0, 5, 24); None if not x.y.z..."""
+    import re
+
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", str(text))
+    return tuple(int(g) for g in match.groups()) if match else None
+
+
+def check_server_version(version: str, url: str = "") -> None:
+    """Refuse an SGLang release outside SUPPORTED_VERSIONS, naming it and the range."""
+    low, high = (parse_version(v) for v in SUPPORTED_VERSIONS)
+    parsed = parse_version(version)
+    if parsed is None or not low <= parsed <= high:
+        raise SGLangError(f"SGLang server {url} runs version {version!r}; megarl supports SGLang "
+                          f"{SUPPORTED_VERSIONS[0]} to {SUPPORTED_VERSIONS[1]} (docs/sglang.md, 'Supported versions': "
+                          f"older releases lack the weight-update session or label updates wrongly, newer ones "
+                          f"are not checked against megarl's requests)")
+
+
+def server_env(env: dict) -> dict:
+    """The server's environment: the sampler rank's without torchrun's variables (TORCHRUN_VARS)."""
+    return {k: v for k, v in env.items() if k not in TORCHRUN_VARS and not k.startswith(TORCHRUN_PREFIXES)}
 
 
 # ---------------------------------------------------------------------------------------------- process
@@ -138,11 +189,20 @@ def server_command(cfg, model_dir: str | Path, port: int, seed: int) -> list[str
     sc = cfg.sampler.sglang
     common = ["--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--random-seed", str(seed),
               "--weight-version", "0", "--skip-tokenizer-init",
-              "--max-running-requests", str(cfg.sampler.max_running)]
+              "--max-running-requests", str(cfg.sampler.max_running),
+              # The length budget of every request is computed against this (new_token_budget).
+              "--context-length", str(cfg.sampler.max_seq_len),
+              # Exact per-token versions: with the overlap scheduler an in_place update records
+              # len(output_ids) while the in-flight batch's result is still queued, so up to one
+              # old-weights token per running request would land in the new version's span.
+              "--disable-overlap-schedule"]
+    if cfg.sampler.kv_on_update == "recompute":
+        # retract must recompute: otherwise the prompt's KV stays in the radix cache and is reused after
+        # continue (a flush cannot be relied on: it is refused while any request runs).
+        common.append("--disable-radix-cache")
     if sc.server == "builtin":
         return [sys.executable, "-m", "megarl.sampler.sglang_server", *common,
-                "--context-length", str(cfg.sampler.max_seq_len), "--kv-on-update", cfg.sampler.kv_on_update,
-                *sc.server_args]
+                "--kv-on-update", cfg.sampler.kv_on_update, *sc.server_args]
     return [sys.executable, "-m", "sglang.launch_server", *common, "--tp-size", str(sc.tp), *sc.server_args]
 
 
@@ -286,9 +346,11 @@ class HTTPClient:
 class SGLangEngine:
     """The `Engine` protocol over one SGLang server (see module docstring)."""
 
-    def __init__(self, client: HTTPClient, *, max_running: int, pause_mode: str = "in_place",
-                 cache_on_update: str = "keep", server: ServerProcess | None = None, version: int = 0):
+    def __init__(self, client: HTTPClient, *, max_running: int, context_length: int, pause_mode: str = "in_place",
+                 cache_on_update: str = "keep", min_new_tokens: int = 1, server: ServerProcess | None = None,
+                 version: int = 0):
         self.client, self.server = client, server
+        self.context_length, self.min_new_tokens = context_length, min_new_tokens
         self.pause_mode, self.cache_on_update = pause_mode, cache_on_update
         self.max_running = max_running
         self._version = version
@@ -310,7 +372,7 @@ class SGLangEngine:
 
         sc = cfg.sampler.sglang
         port = sc.port + topo.role_rank if sc.port else free_port("127.0.0.1")
-        env = dict(os.environ)
+        env = server_env(os.environ)
         if sc.server == "sglang":
             gpus = sglang_gpu_slice(topo.rank, int(os.environ.get("LOCAL_RANK", topo.rank)),
                                     int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size)), topo.num_learners,
@@ -324,10 +386,15 @@ class SGLangEngine:
         client = HTTPClient("127.0.0.1", port, sc.request_timeout_s, describe=server.log_tail)
         try:
             server.wait_healthy(client, sc.startup_timeout_s)
+            info = client.get("/server_info")  # both supported releases serve it (/get_server_info: deprecated)
+            if info[0] != 200:
+                raise client.error("/server_info", f"HTTP {info[0]}: {info[1][:2000].decode(errors='replace')}")
+            check_server_version(json.loads(info[1]).get("version", "(none)"), client.url)
         except BaseException:
             server.stop()
             raise
-        return cls(client, max_running=cfg.sampler.max_running, server=server, cache_on_update=sc.cache_on_update,
+        return cls(client, max_running=cfg.sampler.max_running, context_length=cfg.sampler.max_seq_len,
+                   server=server, cache_on_update=sc.cache_on_update, min_new_tokens=sc.min_new_tokens,
                    pause_mode="in_place" if cfg.sampler.kv_on_update == "keep" else "retract")
 
     # ------------------------------------------------------------------ Engine protocol
@@ -340,8 +407,14 @@ class SGLangEngine:
         return self._unfinished
 
     def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request; ValueError if the context leaves it fewer than min_new_tokens (the sampler loop
+        skips and counts such prompts before they get here)."""
         if self._closed:
             raise RuntimeError("SGLangEngine is closed")
+        if self.context_length - len(request.prompt_ids) < self.min_new_tokens:
+            raise ValueError(f"request {request.request_id}: a prompt of {len(request.prompt_ids)} tokens leaves "
+                             f"{self.context_length - len(request.prompt_ids)} of sampler.max_seq_len="
+                             f"{self.context_length}, fewer than sampler.sglang.min_new_tokens={self.min_new_tokens}")
         future = self._pool.submit(self._generate, request)
         future.add_done_callback(self._finished.put)
         self._unfinished += 1
@@ -377,7 +450,8 @@ class SGLangEngine:
 
     def _generate(self, request: GenerationRequest) -> Completion:
         try:
-            completion = completion_from_chunks(request, self.client.stream("/generate", generate_body(request)))
+            completion = completion_from_chunks(request, self.client.stream("/generate", generate_body(request,
+                                                                                              self.context_length)))
         except (KeyError, TypeError, ValueError) as exc:
             raise SGLangError(f"/generate on SGLang server {self.client.url}: unusable response for request "
                               f"{request.request_id}: {exc!r}") from None
@@ -398,24 +472,49 @@ class SGLangEngine:
         self.group_name = group["group_name"]
 
     def update_weights(self, version: int, weight_format: str, calls: list) -> None:
-        """Apply `version` in flight: pause, receive every call's tensors, (flush), continue."""
+        """Apply `version` in flight: pause, open the weight-update session, receive every call's tensors,
+        close the session, (flush), continue.  On any failure the session is closed and generation
+        continued before the error propagates, so the server is never left paused or inside a session."""
         start = time.perf_counter()
-        self.client.post("/pause_generation", {"mode": self.pause_mode})
-        for i, call in enumerate(calls):
-            # The label changes with the last call only, once the whole version is loaded.
-            label = str(version) if i == len(calls) - 1 else None
-            reply = self.client.post("/update_weights_from_distributed",
-                                     update_body(call, weight_format, self.group_name, label))
-            if not reply.get("success"):
-                raise self.client.error("/update_weights_from_distributed", reply.get("message", str(reply)))
-        if self.cache_on_update == "flush":
-            # SGLang flushes only when no request runs or waits (HTTP 400 otherwise): a skip is not an error.
-            status, _ = self.client.get("/flush_cache")
-            self._stats["cache_flushes" if status == 200 else "cache_flushes_skipped"] += 1
-        self.client.post("/continue_generation", {})
+        try:
+            self.client.post("/pause_generation", {"mode": self.pause_mode})
+            self._checked_post("/begin_weight_update", {})
+            try:
+                for i, call in enumerate(calls):
+                    # The label changes with the last call only, once the whole version is loaded.
+                    label = str(version) if i == len(calls) - 1 else None
+                    self._checked_post("/update_weights_from_distributed",
+                                       update_body(call, weight_format, self.group_name, label))
+            except BaseException:
+                self._after_failure("/end_weight_update")
+                raise
+            self._checked_post("/end_weight_update", {})
+            if self.cache_on_update == "flush":
+                # SGLang flushes only when no request runs or waits (HTTP 400 otherwise): a skip is not an error.
+                status, _ = self.client.get("/flush_cache")
+                self._stats["cache_flushes" if status == 200 else "cache_flushes_skipped"] += 1
+        except BaseException:
+            self._after_failure("/continue_generation")
+            raise
+        self._checked_post("/continue_generation", {})
         self._version = version
         self._stats["swaps"] += 1
         self._stats["swap_time_s"] += time.perf_counter() - start
+
+    def _checked_post(self, route: str, body: dict) -> dict:
+        """POST a control call; SGLangError unless HTTP 200 and (where the reply has one) success."""
+        reply = self.client.post(route, body)
+        if not reply.get("success", True):
+            raise self.client.error(route, reply.get("message", str(reply)))
+        return reply
+
+    def _after_failure(self, route: str) -> None:
+        """Close the session / continue after a failed update; a failure here is logged, not raised: the
+        error already propagating is the one that explains what went wrong."""
+        try:
+            self._checked_post(route, {})
+        except SGLangError as exc:
+            log.warning("after a failed weight update, %s failed too: %s", route, exc)
 
     def close(self) -> None:
         """Stop the server (its streams then fail and their threads end) and the request threads."""
@@ -443,9 +542,6 @@ class SGLangWeightFollower:
 
         _, offsets = sglang_group_layout(topo.num_samplers, cfg.sampler.sglang.tp)
         return cls(engine, store, offsets[topo.role_rank], on_published, should_stop)
-
-    def join(self, timeout_s: float) -> None:
-        self.thread.join(timeout_s)
 
     def start(self) -> "SGLangWeightFollower":
         self.thread.start()

@@ -3,16 +3,28 @@
     python -m megarl.sampler.sglang_server --model-path DIR [--host 127.0.0.1] [--port 30000] ...
 
 SGLang itself cannot run on the CPU machines megarl is tested on. This server speaks the subset of
-SGLang 0.5.x's native HTTP API that megarl's SGLang engine uses — same routes, request and response
-fields, status codes (sources in docs/sglang.md) — over `BuiltinEngine`, and joins SGLang's
-weight-update group the way SGLang does, so `SGLangEngine` and the learner's `SGLangPublisher` are
-tested against a real server process and a real gloo group.
+SGLang's native HTTP API that megarl's SGLang engine uses, as release IMITATES (0.5.23) serves it —
+same routes, request and response fields, status codes (sources in docs/sglang.md) — over
+`BuiltinEngine`, and joins SGLang's weight-update group the way SGLang does, so `SGLangEngine` and the
+learner's `SGLangPublisher` are tested against a real server process and a real gloo group.
+/server_info reports `version` = IMITATES (and `megarl_builtin: true`).
 
-Routes: GET /health, /health_generate, /get_model_info, /get_weight_version, /get_server_info;
+Routes: GET /health, /health_generate, /model_info, /server_info (and the deprecated /get_server_info);
 POST /generate (input_ids; sampling_params; return_logprob; stream as SSE `data: {...}` + `data: [DONE]`),
 /pause_generation {mode: abort|in_place|retract}, /continue_generation, /flush_cache,
-/init_weights_update_group, /update_weights_from_distributed (per tensor, or load_format
-"flattened_bucket"), /destroy_weights_update_group.
+/init_weights_update_group, /begin_weight_update, /update_weights_from_distributed (per tensor, or
+load_format "flattened_bucket"), /end_weight_update, /destroy_weights_update_group.
+
+What it enforces as SGLang IMITATES does (tests/sampler/sglang_contract/ checks megarl against that
+release's own code): an update outside a begin/end_weight_update session fails (HTTP 400,
+success=false, SGLang's message), a second begin or an end without begin too; a prompt of
+>= --context-length tokens, or prompt + max_new_tokens > --context-length, is refused with SGLang's
+message (HTTP 400, or a stream's `data: {"error": ...}` chunk); /flush_cache while paused ignores
+requests waiting (SGLang's is_fully_idle(ignore_waiting=paused)), so it succeeds after a retract
+and is refused while requests are paused in place; unknown sampling params are refused (0.5.22+'s
+contract gate). The launch needs --disable-overlap-schedule (the spans here are exact, which SGLang's
+are only without the overlap scheduler) and, with --kv-on-update recompute, --disable-radix-cache
+(SGLang's retract reuses the prompt's KV from the radix cache otherwise).
 
 Streams are SGLang's default (non-incremental) ones: a chunk every `--stream-interval` tokens (or the
 request's sampling param `stream_interval`; the first token always), each cumulative — `output_ids`,
@@ -69,6 +81,7 @@ IGNORED_SAMPLING_PARAMS = {"skip_special_tokens", "spaces_between_special_tokens
 SAMPLING_PARAMS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos",
                    "stream_interval"}
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+IMITATES = "0.5.23"  # the SGLang release whose behaviour this server reproduces (docs/sglang.md)
 
 
 class BadRequest(ValueError):
@@ -114,6 +127,19 @@ def parse_sampling(params: dict, eos_ids: tuple[int, ...]):
     if not params.get("ignore_eos", False):  # SGLang also stops at the model's EOS unless told not to
         stops += tuple(t for t in eos_ids if t not in stops)
     return sampling, stops
+
+
+def check_length(prompt_len: int, max_new_tokens: int, context_len: int) -> None:
+    """SGLang's length refusal (tokenizer_manager._validate_one_request without --allow-auto-truncate)."""
+    if prompt_len >= context_len:
+        raise BadRequest(f"The input ({prompt_len} tokens) is longer than the model's context length "
+                         f"({context_len} tokens).")
+    if prompt_len + max_new_tokens > context_len:
+        raise BadRequest(f"Requested token count exceeds the model's maximum context length of {context_len} "
+                         f"tokens. You requested a total of {prompt_len + max_new_tokens} tokens: {prompt_len} "
+                         f"tokens from the input messages and {max_new_tokens} tokens for the completion. Please "
+                         f"reduce the number of tokens in the input messages or the completion to fit within the "
+                         f"limit.")
 
 
 def weight_version_spans(versions: list[int], labels: dict[int, str]) -> list[dict]:
@@ -190,6 +216,15 @@ class EngineLoop:
     def busy(self) -> bool:
         with self.cond:
             return bool(self.inbox or self.live)
+
+    @property
+    def flushable(self) -> bool:
+        """SGLang's scheduler.flush_cache condition: is_fully_idle(ignore_waiting=paused). Paused, waiting
+        requests do not count, and retract has moved the running ones back to waiting."""
+        with self.cond:
+            if self.paused is not None:
+                return self.paused == "retract" or not self.live
+            return not (self.inbox or self.live)
 
     def pause(self, mode: str) -> None:
         """Stop the engine at its next step boundary; returns once it has stopped (abort: and aborted)."""
@@ -363,12 +398,15 @@ class Server:
 
             self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
         self.get_routes = {"/health": self.health, "/health_generate": self.health_generate,
-                           "/get_model_info": self.model_info, "/get_weight_version": self.weight_version,
+                           "/model_info": self.model_info, "/server_info": self.server_info,
                            "/get_server_info": self.server_info, "/flush_cache": self.flush_cache}
         self.post_routes = {"/generate": None, "/pause_generation": self.pause, "/continue_generation": self.resume,
                             "/flush_cache": self.flush_cache, "/init_weights_update_group": self.init_group,
                             "/destroy_weights_update_group": self.destroy_group,
+                            "/begin_weight_update": self.begin_update, "/end_weight_update": self.end_update,
                             "/update_weights_from_distributed": self.update_from_distributed}
+        self.session_lock = threading.Lock()
+        self.session_open = False  # inside /begin_weight_update ... /end_weight_update
 
     # ------------------------------------------------------------------ simple routes (status, body)
     def health(self, body=None):
@@ -393,18 +431,16 @@ class Server:
                                "is_generation": True, "preferred_sampling_params": None,
                                "weight_version": self.loop.label}
 
-    def weight_version(self, body=None):
-        return HTTPStatus.OK, {"weight_version": self.loop.label}
-
     def server_info(self, body=None):
         with self.loop.cond:  # the engine's stats, and the requests not yet handed to it (e.g. while paused)
             states = {**self.loop.stats, "inbox": len(self.loop.inbox)}
-        return HTTPStatus.OK, {**vars(self.args), "internal_states": [states], "version": "megarl-builtin"}
+        return HTTPStatus.OK, {**vars(self.args), "internal_states": [states], "version": IMITATES,
+                               "megarl_builtin": True}
 
     def flush_cache(self, body=None):
         # SGLang answers 400 when any request is running or waiting (scheduler.flush_cache); there is no
         # prefix cache here, so the idle check is all that is left of it.
-        busy = self.loop.busy
+        busy = not self.loop.flushable
         log.info("flush_cache: %s", "not flushed, requests are running or waiting" if busy else "flushed")
         if busy:
             return HTTPStatus.BAD_REQUEST, b"Cache flushed.\nPlease check backend logs for more details. " \
@@ -443,9 +479,30 @@ class Server:
             return HTTPStatus.BAD_REQUEST, {"success": False, "message": "The group to be destroyed does not exist."}
         return HTTPStatus.OK, {"success": True, "message": "Succeeded to destroy custom process group."}
 
+    def begin_update(self, body=None):
+        """SGLang's SchedulerWeightUpdaterManager.begin_weight_update: open the one session."""
+        with self.session_lock:
+            if self.session_open:
+                return HTTPStatus.BAD_REQUEST, {"success": False, "message": (
+                    "a weight-update session is already open; call end_weight_update() first")}
+            self.session_open = True
+        return HTTPStatus.OK, {"success": True, "message": "Success"}
+
+    def end_update(self, body=None):
+        with self.session_lock:
+            if not self.session_open:
+                return HTTPStatus.BAD_REQUEST, {"success": False, "message": (
+                    "no weight-update session is open; call begin_weight_update() first")}
+            self.session_open = False
+        return HTTPStatus.OK, {"success": True, "message": "Success"}
+
     def update_from_distributed(self, body):
         """Receive tensors broadcast from group rank 0: one per name in order, or one flattened bucket."""
         import torch
+
+        if not self.session_open:  # SGLang >= 0.5.21 (weight_updater.update_weights_from_distributed)
+            return HTTPStatus.BAD_REQUEST, {"success": False, "message": (
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()")}
 
         if self.args.debug_hang_on_update:  # fault injection for tests: a server stuck in an update
             log.warning("--debug-hang-on-update: this update never returns")
@@ -480,11 +537,11 @@ class Server:
                 f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are partially "
                 f"updated. Please discard the whole weights.")}
         message = "Succeeded to update parameter online."
-        if body.get("flush_cache", True) and self.loop.busy:
-            # SGLang asserts here ("Cache flush failed after updating weights") and its scheduler dies.
+        if body.get("flush_cache", True) and not self.loop.flushable:
+            # SGLang's flush_cache_after_weight_update: the update call fails (older builds assert).
             return HTTPStatus.BAD_REQUEST, {"success": False, "message": (
-                message + " Cache flush failed after updating weights: requests are running or waiting "
-                "(send flush_cache=false).")}
+                "Weights were updated, but the cache was not flushed because requests are still running or "
+                "queued. Retract or finish them, then call /flush_cache.")}
         if body.get("weight_version") is not None:
             message += f" Weight version updated to {body['weight_version']}."
         return HTTPStatus.OK, {"success": True, "message": message}
@@ -504,6 +561,7 @@ class Server:
             raise BadRequest("input_ids must be one non-empty list of token ids (batch requests are not supported)")
         params = body.get("sampling_params") or {}
         sampling, stops = parse_sampling(params, self.loop.eos_ids)
+        check_length(len(ids), sampling.max_new_tokens, self.args.context_length)
         interval = int(params.get("stream_interval") or self.args.stream_interval)  # 0 = the server's, as SGLang
         if interval < 1:
             raise BadRequest(f"stream_interval={interval} must be >= 1")
@@ -645,8 +703,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds; weight-update group and broadcasts")
     p.add_argument("--device", default="cpu")
     p.add_argument("--log-level", default="info")
-    for flag in ("--disable-radix-cache", "--disable-overlap-schedule", "--disable-cuda-graph"):
-        p.add_argument(flag, action="store_true", help="accepted for compatibility; no effect here")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="required: this server's spans are exact, as SGLang's are only without the overlap scheduler")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="required with --kv-on-update recompute: SGLang's retract reuses cached prompt KV otherwise")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="accepted for compatibility; no effect here")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for compatibility; no effect")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="a stream chunk every this many tokens (tokens 1, 1 + N, 1 + 2N, ...) and at the end")
@@ -658,6 +719,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.stream_interval < 1:
         p.error(f"--stream-interval {args.stream_interval} must be >= 1")
+    if not args.disable_overlap_schedule:
+        p.error(f"--disable-overlap-schedule is required: SGLang {IMITATES}'s overlap scheduler labels up to one "
+                f"old-weights token per running request with the new version; this server imitates it without")
+    if args.kv_on_update == "recompute" and not args.disable_radix_cache:
+        p.error("--kv-on-update recompute (pause mode retract) needs --disable-radix-cache: SGLang keeps the "
+                "prompt's KV in its radix cache and reuses it after continue otherwise")
     if args.tp_size != 1:
         p.error(f"--tp-size {args.tp_size}: megarl's built-in server runs one process; use SGLang itself for "
                 f"tensor parallelism (sampler.sglang.server=sglang)")

@@ -24,8 +24,9 @@ from megarl.distributed.topology import Topology
 from megarl.protocols import Engine, GenerationRequest, SamplingParams
 from megarl.sampler.model import load_pretrained
 from megarl.sampler.sglang_engine import (
-    HTTPClient, SGLangEngine, SGLangError, SGLangWeightFollower, ServerProcess, completion_from_chunks,
-    generate_body, server_command, versions_from_spans, versions_from_stamps)
+    SUPPORTED_VERSIONS, HTTPClient, SGLangEngine, SGLangError, SGLangWeightFollower, ServerProcess,
+    check_server_version, completion_from_chunks, generate_body, server_command, server_env, versions_from_spans,
+    versions_from_stamps)
 from tests.helpers import REPO, run_python
 from tests.sampler import make_tiny_model
 from tests.sampler.sglang_support import ENV, hf_logprobs, start_learner, token_logprobs
@@ -33,6 +34,7 @@ from tests.sampler.sglang_support import ENV, hf_logprobs, start_learner, token_
 CONTEXT = 512
 TOPO = Topology(rank=1, world_size=2, num_learners=1, num_samplers=1)
 DEMO = str(REPO / "configs" / "demo.yaml")
+BOOTSTRAP = Path(__file__).parent / "sglang_bootstrap.py"
 
 
 def sglang_config(run_dir: Path, model_dir: Path, *overrides: str):
@@ -55,7 +57,7 @@ def run_until_done(engine: SGLangEngine, timeout_s: float = 60) -> dict[str, obj
 
 def decoded(engine: SGLangEngine) -> int:
     """Tokens the server's engine has decoded so far (megarl's server reports its engine stats)."""
-    return json.loads(engine.client.get("/get_server_info")[1])["internal_states"][0]["tokens_decoded"]
+    return json.loads(engine.client.get("/server_info")[1])["internal_states"][0]["tokens_decoded"]
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +150,7 @@ def test_client_reads_chunked_streams_of_cumulative_chunks_as_sglangs_uvicorn_se
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         client = HTTPClient("127.0.0.1", httpd.server_address[1], 10)
-        chunks = list(client.stream("/generate", generate_body(request("r", 3))))
+        chunks = list(client.stream("/generate", generate_body(request("r", 3), CONTEXT)))
     finally:
         httpd.shutdown()
     c = completion_from_chunks(request("r", 3), chunks)
@@ -156,18 +158,51 @@ def test_client_reads_chunked_streams_of_cumulative_chunks_as_sglangs_uvicorn_se
 
 
 def test_request_body_and_server_commands(tmp_path):
-    body = generate_body(GenerationRequest("g/1", [1, 2], SamplingParams(top_k=0, max_new_tokens=9), (5,)))
+    body = generate_body(GenerationRequest("g/1", [1, 2], SamplingParams(top_k=0, max_new_tokens=9), (5,)), 64)
     assert body["rid"] == "g/1" and body["input_ids"] == [1, 2] and body["return_logprob"] and body["stream"]
     assert body["sampling_params"]["top_k"] == -1 and body["sampling_params"]["stop_token_ids"] == [5]
+    assert body["sampling_params"]["max_new_tokens"] == 9
+    # SGLang refuses prompt + max_new_tokens > context: the budget is what the context leaves.
+    body = generate_body(GenerationRequest("g/2", [1] * 60, SamplingParams(max_new_tokens=9)), 64)
+    assert body["sampling_params"]["max_new_tokens"] == 4
     cfg = sglang_config(tmp_path, tmp_path, "sampler.kv_on_update=recompute", "sampler.sglang.server_args=[--x]")
     builtin = server_command(cfg, "/m", 1234, seed=7)
     assert builtin[1:3] == ["-m", "megarl.sampler.sglang_server"]
     assert builtin[-3:] == ["--kv-on-update", "recompute", "--x"]
+    assert {"--disable-overlap-schedule", "--disable-radix-cache"} <= set(builtin)  # exact spans; retract recomputes
     cfg = sglang_config(tmp_path, tmp_path, "sampler.sglang.server=sglang", "sampler.sglang.tp=2")
     real = server_command(cfg, "/m", 1234, seed=7)
     assert real[1:3] == ["-m", "sglang.launch_server"] and "--kv-on-update" not in real
-    for flag, value in [("--port", "1234"), ("--host", "127.0.0.1"), ("--tp-size", "2"), ("--weight-version", "0")]:
+    assert "--disable-overlap-schedule" in real and "--disable-radix-cache" not in real  # in_place keeps the cache
+    for flag, value in [("--port", "1234"), ("--host", "127.0.0.1"), ("--tp-size", "2"), ("--weight-version", "0"),
+                        ("--context-length", str(CONTEXT))]:
         assert real[real.index(flag) + 1] == value
+
+
+def test_only_supported_sglang_releases_are_accepted_naming_version_and_range():
+    for ok in (*SUPPORTED_VERSIONS, "0.5.22", "0.5.23.post1"):
+        check_server_version(ok)
+    for bad in ("0.5.20", "0.5.6", "0.5.24", "0.6.0", "0.0.0.dev0", "megarl-builtin"):
+        with pytest.raises(SGLangError, match=rf"version '{bad}'; megarl supports SGLang 0\.5\.21 to 0\.5\.23"):
+            check_server_version(bad, "http://x")
+
+
+def test_the_server_environment_has_no_torchrun_variables():
+    env = {"PATH": "/bin", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x", "MASTER_ADDR": "h",
+           "MASTER_PORT": "1", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "GROUP_RANK": "0", "ROLE_RANK": "1", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": "2",
+           "CUDA_VISIBLE_DEVICES": "3", "OMP_NUM_THREADS": "1"}
+    assert server_env(env) == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "3", "OMP_NUM_THREADS": "1"}
+
+
+def test_a_child_of_a_torchrun_worker_bootstraps_torch_distributed_as_sglang_does_only_with_the_clean_env(tmp_path):
+    """SGLang's model runner runs init_process_group(init_method=tcp://127.0.0.1:port, world_size=tp) even at
+    TP 1. From a torchrun worker's environment (TORCHELASTIC_USE_AGENT_STORE=True) that rank becomes a client
+    of a store nobody hosts and times out; from server_env(...) it starts at once."""
+    proc = run_python("-m", "torch.distributed.run", "--nproc-per-node=1", str(BOOTSTRAP), timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["cleaned"] == "ok" and result["inherited"].startswith("failed"), result
 
 
 def test_impossible_sglang_settings_are_refused_naming_the_key(tmp_path):
@@ -197,6 +232,17 @@ def test_generates_with_behaviour_logprobs_of_the_served_weights(engine, model_d
         lp, _ = hf_logprobs(model_dir, weights, c.prompt_ids + c.token_ids)
         assert (token_logprobs(lp, c.prompt_ids + c.token_ids, 4) - torch.tensor(c.logprobs)).abs().max() < 1e-4
     assert engine.stats()["tokens_decoded"] == sum(len(c.token_ids) for c in done.values())
+
+
+def test_requests_get_the_length_budget_the_context_leaves(engine):
+    """The server refuses prompt + max_new_tokens > --context-length (as SGLang): megarl asks for what fits."""
+    long = GenerationRequest("long", [3] * 500, SamplingParams(temperature=1.0, max_new_tokens=1000))
+    engine.add_request(long)
+    c = run_until_done(engine)["long"]
+    assert len(c.token_ids) == CONTEXT - 500 or c.finish_reason == "stop"
+    with pytest.raises(ValueError, match=r"leaves 0 of sampler.max_seq_len=512, fewer than "
+                                         r"sampler.sglang.min_new_tokens=1"):
+        engine.add_request(GenerationRequest("full", [3] * CONTEXT, SamplingParams(max_new_tokens=4)))
 
 
 def test_follower_applies_a_published_version_in_flight(engine, model_dir, tmp_path):
@@ -244,7 +290,7 @@ def test_a_multi_chunk_stream_assembles_as_the_single_response(engine):
     its last chunk alone and as the non-streamed response; without weight_versions spans (SGLang 0.5.x)
     the chunks' labels give the same versions."""
     r = GenerationRequest("m", [1, 5, 9, 2], SamplingParams(temperature=0.0, max_new_tokens=200))
-    body = generate_body(r)
+    body = generate_body(r, CONTEXT)
     body["sampling_params"]["ignore_eos"] = True
     chunks = list(engine.client.stream("/generate", body))
     assert len(chunks) > 10
@@ -301,6 +347,11 @@ def test_a_server_hanging_in_an_update_fails_within_the_request_timeout(model_di
                                               r"\d+: no answer within 3s[\s\S]*never returns"):
             engine.update_weights(1, "per_tensor", [[("model.norm.weight", (64,), torch.float32)]])
         assert time.monotonic() - start < 10
+        # The failed update left no open session and no paused server behind.
+        assert engine.client.post("/begin_weight_update", {})["success"]
+        assert engine.client.post("/end_weight_update", {})["success"]
+        engine.add_request(request("after", 3))
+        assert len(run_until_done(engine, 30)["after"].token_ids) == 3
     finally:
         engine.close()
 
@@ -334,7 +385,9 @@ def test_megarl_train_with_sglang_samplers_runs_pipeline_rl_end_to_end(embedded_
     for m in metrics:
         assert math.isfinite(m["loss"]) and 0 <= m["lag_mean"] <= m["lag_max"] <= cfg.algo.max_lag
     assert metrics[0]["lag0/token_share"] == 1.0 and metrics[0]["lag0/logprob_gap_abs"] < 1e-4
-    assert metrics[-1]["sampler1/swaps"] >= steps - 2  # versions applied by the server, in flight
+    # Versions applied by the server, in flight: the last step's groups were sampled at version
+    # >= steps - 1 - max_lag, and the swap count travels with them.
+    assert metrics[-1]["sampler1/swaps"] >= max(1, steps - 1 - cfg.algo.max_lag)
 
     rollouts = read_jsonl(run_dir / "rollouts.jsonl")
     assert len(rollouts) == steps * cfg.algo.prompts_per_step * cfg.algo.group_size

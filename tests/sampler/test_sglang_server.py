@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from megarl.distributed.sglang_publish import GROUP_NAME, free_port, plan_update_calls, update_body
 from megarl.sampler.model import load_pretrained
 from megarl.sampler.sglang_engine import HTTPClient, ServerProcess, versions_from_spans
+from megarl.sampler.sglang_server import IMITATES
 from tests.helpers import run_python
 from tests.sampler import make_tiny_model
 from tests.sampler.sglang_support import ENV, hf_logprobs, start_learner, token_logprobs
@@ -36,7 +37,8 @@ class Server:
         cmd = [sys.executable, "-m", "megarl.sampler.sglang_server", "--model-path", str(model_dir),
                "--port", str(self.port), "--skip-tokenizer-init", "--context-length", str(CONTEXT),
                "--max-running-requests", "8", "--weight-version", "0", "--kv-on-update", kv_on_update,
-               "--dist-timeout", "60"]
+               "--dist-timeout", "60", "--disable-overlap-schedule"]
+        cmd += ["--disable-radix-cache"] if kv_on_update == "recompute" else []
         self.process = ServerProcess(cmd, ENV, log, f"http://127.0.0.1:{self.port}")
         self.http = HTTPClient("127.0.0.1", self.port, 60, describe=self.process.log_tail)
         self.process.wait_healthy(self.http, 120)
@@ -45,7 +47,7 @@ class Server:
 
     def stats(self) -> dict:
         """The engine's stats (megarl's server reports them as internal_states)."""
-        return json.loads(self.http.get("/get_server_info")[1])["internal_states"][0]
+        return json.loads(self.http.get("/server_info")[1])["internal_states"][0]
 
     def decoded(self) -> int:
         return self.stats()["tokens_decoded"]
@@ -112,8 +114,9 @@ def start_long_request(server: Server, max_new_tokens: int = 450) -> tuple[threa
 
 
 def publish_in_flight(server: Server, tmp_path: Path, pause_mode: str, weight_format: str):
-    """A learner process publishes version+1 while a long request runs: pause -> update -> continue.
-    Returns (the long request's final chunk, old weights, new weights)."""
+    """A learner process publishes version+1 while a long request runs: pause -> begin -> update(s) -> end
+    -> continue, with SGLang's refusals checked on the way.  Returns (the long request's final chunk, old
+    weights, new weights)."""
     port, out, version = free_port("127.0.0.1"), tmp_path / "new_weights.safetensors", server.version + 1
     learner = start_learner(server.model_dir, out, port, 2, weight_format, version)
     try:
@@ -124,15 +127,25 @@ def publish_in_flight(server: Server, tmp_path: Path, pause_mode: str, weight_fo
         thread, result = start_long_request(server)
         assert server.http.post("/pause_generation", {"mode": pause_mode})["status"] == "ok"
         paused_at = server.decoded()
+        # SGLang's flush while paused ignores waiting requests: a retract emptied the running batch.
+        assert server.http.get("/flush_cache")[0] == (200 if pause_mode == "retract" else 400)
         new = load_file(out)  # written before the learner joined the group
         calls = plan_update_calls([(n, tuple(t.shape), t.dtype) for n, t in new.items()], weight_format, BUCKET_BYTES)
+        # SGLang >= 0.5.21: no update outside a begin/end_weight_update session, one session at a time.
+        status, reply = post(server, "/update_weights_from_distributed", update_body(calls[0], weight_format,
+                                                                                    GROUP_NAME, None))
+        assert status == 400 and b"must run between begin_weight_update() and end_weight_update()" in reply
+        assert post(server, "/end_weight_update", {})[0] == 400
+        assert server.http.post("/begin_weight_update", {})["success"]
+        assert post(server, "/begin_weight_update", {})[0] == 400
         for i, call in enumerate(calls):
             label = str(version) if i == len(calls) - 1 else None
             reply = server.http.post("/update_weights_from_distributed",
                                      update_body(call, weight_format, GROUP_NAME, label))
             assert reply["success"], reply
         assert server.decoded() == paused_at  # nothing ran while paused
-        assert json.loads(server.http.get("/get_weight_version")[1]) == {"weight_version": str(version)}
+        assert server.http.post("/end_weight_update", {})["success"]
+        assert json.loads(server.http.get("/model_info")[1])["weight_version"] == str(version)
         server.http.post("/continue_generation", {})
         thread.join(60)
         assert learner.wait(60) == 0, learner.stdout.read()
@@ -213,9 +226,15 @@ def test_generate_answers_in_sglangs_format(server):
 def test_stream_is_sse_data_lines_then_done(server):
     chunks = stream_chunks(server, {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 3}})
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
-    # A request the engine refuses streams SGLang's error chunk, then [DONE].
+    # A request SGLang refuses streams its error chunk, then [DONE]: a prompt that fills the context, or
+    # one whose max_new_tokens would go past it (no truncation: tokenizer_manager._validate_one_request).
     lines = raw_stream(server, {"input_ids": [1] * CONTEXT, "sampling_params": {"max_new_tokens": 3}})
-    assert "max_seq_len" in json.loads(lines[0][6:])["error"]["message"] and lines[1] == b"data: [DONE]"
+    assert "is longer than the model's context length" in json.loads(lines[0][6:])["error"]["message"]
+    assert lines[1] == b"data: [DONE]"
+    lines = raw_stream(server, {"input_ids": [1] * (CONTEXT - 3), "sampling_params": {"max_new_tokens": 4}})
+    assert "exceeds the model's maximum context length" in json.loads(lines[0][6:])["error"]["message"]
+    assert len(stream_chunks(server, {"input_ids": [1] * (CONTEXT - 3), "sampling_params": {
+        "max_new_tokens": 3, "ignore_eos": True}})[-1]["output_ids"]) == 3  # exactly the context: fine
 
 
 def test_a_long_stream_has_cumulative_chunks_ending_in_the_non_streamed_result(server):
@@ -277,9 +296,12 @@ def test_bad_requests_get_http_400_with_a_message(server):
 
 def test_info_and_health_routes(server):
     assert server.http.get("/health")[0] == 200 and server.http.get("/health_generate")[0] == 200
-    info = json.loads(server.http.get("/get_model_info")[1])
+    info = json.loads(server.http.get("/model_info")[1])
     assert info["model_path"] == str(server.model_dir) and info["is_generation"] is True
     assert info["weight_version"] == str(server.version)
+    info = json.loads(server.http.get("/server_info")[1])
+    assert info["version"] == IMITATES and info["megarl_builtin"] is True
+    assert server.http.get("/get_weight_version")[0] == 404  # gone since SGLang 0.5.21
 
 
 def test_abort_ends_running_requests_with_their_output_so_far_and_flush_needs_an_idle_server(server):
@@ -314,6 +336,11 @@ def test_abort_ends_running_requests_with_their_output_so_far_and_flush_needs_an
     assert status == 200 and out["meta_info"]["completion_tokens"] == 2
 
 
-def test_tensor_parallel_launch_is_refused_clearly():
-    proc = run_python("-m", "megarl.sampler.sglang_server", "--model-path", "unused", "--tp-size", "2", timeout=60)
-    assert proc.returncode == 2 and "--tp-size 2" in proc.stderr and "sampler.sglang.server=sglang" in proc.stderr
+@pytest.mark.parametrize("flags, says", [
+    (["--disable-overlap-schedule", "--tp-size", "2"], ["--tp-size 2", "sampler.sglang.server=sglang"]),
+    ([], ["--disable-overlap-schedule is required"]),
+    (["--disable-overlap-schedule", "--kv-on-update", "recompute"], ["needs --disable-radix-cache"]),
+])
+def test_launches_sglang_would_run_differently_are_refused_clearly(flags, says):
+    proc = run_python("-m", "megarl.sampler.sglang_server", "--model-path", "unused", *flags, timeout=60)
+    assert proc.returncode == 2 and all(s in proc.stderr for s in says), proc.stderr

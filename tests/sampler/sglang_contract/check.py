@@ -1,0 +1,247 @@
+"""Runs megarl's SGLang client code through one SGLang release's own code; a subprocess of test_contract.py.
+
+    python check.py MODEL_DIR RUN_DIR        (PYTHONPATH: that release's install, its deps, the repo)
+
+Prints one JSON line {"version", "checked": [...]} when every check passed; raises otherwise.
+  * requests: every body megarl sends is built into SGLang's own request type (io_struct; unknown
+    fields are a TypeError), /generate bodies also pass 0.5.22+'s contract gate (api/v1/api_types.py,
+    where the release has it) and the tokenizer manager's length validation (_validate_one_request)
+    for prompts up to the whole context;
+  * launch: megarl's `sglang.launch_server` command for every config (the GPU configs included) goes
+    through ServerArgs.add_cli_args + ServerArgs.from_cli_args, and the resolved args are what megarl
+    relies on (context length, overlap schedule off, radix cache off for retract, ...);
+  * sequence: SGLangEngine.update_weights drives SGLang's SchedulerWeightUpdaterManager (the weight
+    loading replaced by a recording stub): every call succeeds, the loads are megarl's calls in order,
+    the label moves once, the session is closed and generation continued; a load failing halfway
+    still leaves no open session and no pause.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+import types
+from datetime import timedelta
+from pathlib import Path
+
+from tests.sampler.sglang_contract.sglang_env import install_stubs
+
+install_stubs()
+
+import sglang  # noqa: E402  (after the stubs)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from sglang.srt.managers import io_struct  # noqa: E402
+from sglang.srt.managers.scheduler_components import weight_updater  # noqa: E402
+from sglang.srt.managers.tokenizer_manager import TokenizerManager  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from megarl.config.load import load_config  # noqa: E402
+from megarl.distributed.sglang_publish import plan_update_calls  # noqa: E402
+from megarl.protocols import GenerationRequest, SamplingParams  # noqa: E402
+from megarl.sampler.sglang_engine import SGLangEngine, SGLangError, generate_body, server_command  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+CONTEXT = 512
+# Each route megarl calls -> SGLang's request type of its body (entrypoints/http_server.py).
+ROUTE_TYPES = {"/pause_generation": io_struct.PauseGenerationReqInput,
+               "/continue_generation": io_struct.ContinueGenerationReqInput,
+               "/begin_weight_update": io_struct.BeginWeightUpdateReqInput,
+               "/end_weight_update": io_struct.EndWeightUpdateReqInput,
+               "/init_weights_update_group": io_struct.InitWeightsUpdateGroupReqInput,
+               "/update_weights_from_distributed": io_struct.UpdateWeightsFromDistributedReqInput}
+
+
+def parse(route: str, body: dict):
+    """SGLang's request object of one megarl body; TypeError on a field SGLang does not have."""
+    return ROUTE_TYPES[route](**body)
+
+
+# ---------------------------------------------------------------------------------------------- requests
+def check_generate(model_dir: str, run_dir: str) -> str:
+    from sglang.srt import runtime_context
+
+    # megarl's launch, on this CPU machine (SGLang resolves its defaults for the device it finds).
+    args = launch_args(server_command(config(run_dir, model_dir), model_dir, 30000, seed=1) + ["--device", "cpu"])
+    runtime_context.publish(args, role="tokenizer")  # the tokenizer manager reads its config from here
+    gate = None
+    if importlib.util.find_spec("sglang.srt.entrypoints.api_contract") is not None:  # 0.5.22+
+        gate = importlib.import_module("sglang.srt.entrypoints.api_contract").generate_contract_error
+    # The manager's own validation methods on the state they read (a real one needs a scheduler process).
+    manager = TokenizerManager.__new__(TokenizerManager)
+    vars(manager).update(context_len=CONTEXT, num_reserved_tokens=0, allow_auto_truncate=False,
+                         validate_total_tokens=True, server_args=args, is_generation=True, max_req_input_len=None,
+                         model_config=types.SimpleNamespace(joint_head_config=None, pointer_head=None))
+    for prompt_len in (4, 300, CONTEXT - 1):
+        for sampling in (SamplingParams(temperature=1.0, max_new_tokens=2048), SamplingParams(temperature=0.7,
+                                                                                               max_new_tokens=8)):
+            request = GenerationRequest(f"g/{prompt_len}", [7] * prompt_len, sampling, (2,))
+            body = generate_body(request, CONTEXT)
+            if gate is not None:
+                error = gate(json.loads(json.dumps(body)))
+                assert error is None, f"SGLang's contract gate refuses {body['sampling_params']}: {error}"
+            obj = io_struct.GenerateReqInput(**body)
+            obj.normalize_batch_and_arguments()
+            TokenizerManager._validate_one_request(manager, obj, list(body["input_ids"]))
+            from sglang.srt.sampling.sampling_params import SamplingParams as SGLangSampling
+            SGLangSampling(**body["sampling_params"]).verify(vocab_size=1000)
+    return f"generate bodies (contract gate: {'yes' if gate else 'not in this release'}, length validation)"
+
+
+# ---------------------------------------------------------------------------------------------- launch
+def config(run_dir: str, model_dir: str, *overrides: str, path: str | None = None):
+    base = [f"run.dir={run_dir}", f"model.path={model_dir}"]
+    if path is None:
+        base += ["sampler.engine=sglang", "sampler.sglang.server=sglang", f"sampler.max_seq_len={CONTEXT}"]
+    return load_config(path, [*base, *overrides])
+
+
+def launch_args(cmd: list[str]) -> ServerArgs:
+    assert cmd[1:3] == ["-m", "sglang.launch_server"], cmd
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(cmd[3:]))
+
+
+def check_launch(model_dir: str, run_dir: str) -> str:
+    cases = [(config(run_dir, model_dir), "keep"), (config(run_dir, model_dir, "sampler.kv_on_update=recompute"),
+                                                      "recompute")]
+    data = Path(run_dir) / "train.jsonl"  # the GPU configs name a dataset that is not here
+    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    gpu = sorted((REPO / "configs").glob("gpu_*sglang*.yaml"))
+    cases += [(config(run_dir, model_dir, f"task.path={data}", path=str(p)), None) for p in gpu]
+    for cfg, _ in cases:
+        args = launch_args(server_command(cfg, model_dir, 30001, seed=5))
+        assert args.context_length == cfg.sampler.max_seq_len, (args.context_length, cfg.sampler.max_seq_len)
+        assert args.disable_overlap_schedule, "exact spans need the overlap scheduler off"
+        assert args.disable_radix_cache == (cfg.sampler.kv_on_update == "recompute")
+        assert args.skip_tokenizer_init and args.weight_version == "0" and args.port == 30001
+        assert args.tp_size == cfg.sampler.sglang.tp and args.max_running_requests == cfg.sampler.max_running
+        assert not args.allow_auto_truncate
+    return f"launch commands ({len(cases)} configs)"
+
+
+# ---------------------------------------------------------------------------------------------- sequence
+class RecordingWorker:
+    """Stands in for the TP worker and model runner: records what SGLang's manager asks it to load."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.received, self.loaded, self.fail_at = [], [], fail_at
+        self.model_runner = types.SimpleNamespace(weight_updater=self)
+        self.sessions = 0
+
+    def init_weights_update_group(self, req):
+        return True, "Succeeded to initialize custom process group."
+
+    def receive_weights_from_distributed(self, names, dtypes, shapes, group_name, load_format):
+        if self.fail_at is not None and len(self.received) == self.fail_at:
+            raise RuntimeError("broadcast timed out (injected)")
+        self.received.append((list(names), list(dtypes), [list(s) for s in shapes], load_format))
+        return names
+
+    def weight_update_runners(self):
+        return [("target", types.SimpleNamespace(weight_updater=self))]
+
+    def load_weights_from_distributed(self, weights):
+        self.loaded.append(list(weights))
+        return True, "Succeeded to update parameter online."
+
+    def begin_weight_update(self):
+        self.sessions += 1
+
+    def end_weight_update(self, run_post_load=True):
+        pass
+
+
+class SchedulerRoutes:
+    """What SGLang's HTTP server and scheduler do with megarl's control calls, in process: the body is
+    parsed into SGLang's request type, the weight-update routes go to SchedulerWeightUpdaterManager
+    (HTTP 400 when its reply says success=False, as http_server.py); pause/continue set the flag."""
+
+    def __init__(self, worker: RecordingWorker, tp_cpu_group):
+        self.worker, self.paused, self.labels, self.calls = worker, False, [], []
+        scheduler = types.SimpleNamespace(record_weight_version_change=lambda new_version: self.labels.append(
+            new_version), _engine_paused=False)
+        kwargs = dict(tp_worker=worker, draft_worker=None, memory_saver_adapter=None,
+                      flush_cache=lambda empty_cache=True: False, is_fully_idle=lambda **kw: False, scheduler=scheduler)
+        if any(f.name == "tp_cpu_group" and f.init for f in dataclasses.fields(weight_updater.SchedulerWeightUpdaterManager)):
+            kwargs["tp_cpu_group"] = tp_cpu_group  # 0.5.21: a constructor field; later: from the runtime context
+        else:
+            weight_updater.get_parallel = lambda: types.SimpleNamespace(tp_group=types.SimpleNamespace(
+                cpu_group=tp_cpu_group))
+        self.manager = weight_updater.SchedulerWeightUpdaterManager(**kwargs)
+        self.url = "in-process SGLang " + sglang.__version__
+
+    def error(self, route, why):
+        return SGLangError(f"{route} on {self.url}: {why}")
+
+    def post(self, route: str, body: dict | None = None, timeout_s=None) -> dict:
+        self.calls.append(route)
+        req = parse(route, body or {})
+        if route == "/pause_generation":
+            self.paused = True
+            return {"message": "Generation paused successfully.", "status": "ok"}
+        if route == "/continue_generation":
+            self.paused = False
+            return {"message": "Generation continued successfully.", "status": "ok"}
+        handler = {"/begin_weight_update": self.manager.begin_weight_update,
+                   "/end_weight_update": self.manager.end_weight_update,
+                   "/init_weights_update_group": self.manager.init_weights_update_group,
+                   "/update_weights_from_distributed": self.manager.update_weights_from_distributed}[route]
+        out = handler(req)
+        reply = {"success": out.success, "message": out.message}
+        if not out.success:
+            raise self.error(route, f"HTTP 400: {json.dumps(reply)}")
+        return reply
+
+    def get(self, route, timeout_s=None):
+        raise AssertionError(f"megarl sent GET {route} during a weight update (cache_on_update=keep)")
+
+
+def check_sequence(model_dir: str, run_dir: str) -> str:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    spec = [("model.embed_tokens.weight", (1000, 64), torch.float32), ("model.norm.weight", (64,), torch.float32),
+            ("lm_head.weight", (1000, 64), torch.bfloat16)]
+    checked = 0
+    for weight_format in ("flattened_bucket", "per_tensor"):
+        calls = plan_update_calls(spec, weight_format, bucket_bytes=300_000)
+        assert len(calls) > 1, "several calls per version: the session must span them all"
+        worker = RecordingWorker()
+        routes = SchedulerRoutes(worker, dist.group.WORLD)
+        engine = SGLangEngine(routes, max_running=1, context_length=CONTEXT, pause_mode="in_place")
+        engine.join_update_group({"host": "127.0.0.1", "port": 1, "world_size": 2, "group_name": "g",
+                                  "backend": "nccl"}, rank_offset=1)
+        for version in (1, 2):
+            engine.update_weights(version, weight_format, calls)
+            assert routes.manager._session is None and not routes.paused
+        assert [r[0] for r in worker.received] == [[n for n, _, _ in c] for c in calls] * 2
+        assert {r[3] for r in worker.received} == {"flattened_bucket" if weight_format == "flattened_bucket" else None}
+        # record_weight_version_change runs after every successful load; only the last call carries the label.
+        assert routes.labels == [None] * (len(calls) - 1) + ["1"] + [None] * (len(calls) - 1) + ["2"], routes.labels
+        assert worker.sessions == 2 and engine.version == 2
+        # A load failing halfway: the error propagates, and the server is left in no session, not paused.
+        failing = SchedulerRoutes(RecordingWorker(fail_at=1), dist.group.WORLD)
+        engine = SGLangEngine(failing, max_running=1, context_length=CONTEXT, pause_mode="retract")
+        engine.group_name = "g"
+        try:
+            engine.update_weights(1, weight_format, calls)
+            raise AssertionError("a failed load did not raise")
+        except SGLangError as exc:
+            assert "Failed to receive weights" in str(exc) or "injected" in str(exc), exc
+        assert failing.manager._session is None and not failing.paused, failing.calls
+        assert failing.calls[-2:] == ["/end_weight_update", "/continue_generation"], failing.calls
+        checked += 1
+    dist.destroy_process_group()
+    return f"weight-update sequences ({checked} formats, SchedulerWeightUpdaterManager)"
+
+
+def main() -> None:
+    model_dir, run_dir = sys.argv[1:3]
+    checked = [check(model_dir, run_dir) for check in (check_launch, check_generate, check_sequence)]
+    print(json.dumps({"version": sglang.__version__, "checked": checked}))
+
+
+if __name__ == "__main__":
+    main()

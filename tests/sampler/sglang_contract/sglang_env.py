@@ -1,0 +1,121 @@
+"""Brings up SGLang's own Python code on CPU for the contract tests: a pinned install, and the stubs it needs.
+
+`install(version)` puts `pip install --no-deps sglang==VERSION` into a cache directory under
+~/.cache/megarl/sglang-contract/ (once; later runs reuse it), next to one shared directory of the
+pure-Python packages SGLang's request types, argument parser and weight-update manager import
+(DEPS, pinned). Neither touches the test environment: the checks run in a subprocess whose
+PYTHONPATH is those directories. A failed install raises: the contract tests fail, never skip.
+
+`install_stubs()` (called first in that subprocess) makes the modules in STUBS importable as empty
+stand-ins. Each is imported at module level somewhere on the import path of the code under test but
+never used by it; none can be installed and run on these CPUs, or it would be installed instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+CACHE = Path(os.environ.get("MEGARL_CACHE", Path.home() / ".cache" / "megarl")) / "sglang-contract"
+DEPS = ("pybase64==1.5.1", "msgspec==0.23.0", "fastapi==0.165.0", "starlette==1.10.0", "openai==3.57.0",
+        "httpx==0.28.1", "httpcore==1.0.9", "distro==1.9.0", "jiter==0.19.0", "partial_json_parser==0.2.1.1.post7",
+        "opentelemetry-api==1.45.2", "uvloop==0.23.0", "uvicorn==0.54.0")
+STUBS = {
+    "triton": "GPU kernel compiler (CUDA only); sglang.srt.utils.common imports it at module level",
+    "aiohttp": "HTTP client of SGLang's frontend language (sglang.lang), imported by sglang/__init__",
+    "torchvision": "image transforms of the multimodal processors, imported through the model configs",
+    "tvm_ffi": "FFI of the flashinfer/TVM CUDA kernels, imported by the kernel registry",
+    "sentencepiece": "tokenizer backend of some multimodal models' processors (never loaded here)",
+    "compressed_tensors": "quantisation configs of compressed-tensors checkpoints (quantization/__init__)",
+    "gguf": "GGUF checkpoint reader (quantization/__init__); GGUF kernels are CUDA only",
+}
+
+
+def _pip(target: Path, *requirements: str) -> None:
+    partial = target.with_name(target.name + ".partial")
+    subprocess.run(["rm", "-rf", str(partial)], check=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                           "--no-deps", "--target", str(partial), *requirements],
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip install --no-deps --target {partial} {' '.join(requirements)} failed "
+                           f"(rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    partial.rename(target)  # a half-finished install never looks finished
+
+
+def install(version: str) -> tuple[list[Path], float]:
+    """(PYTHONPATH entries for SGLang `version`, seconds spent installing: 0 on a warm cache)."""
+    start = time.monotonic()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    sglang_dir = CACHE / f"sglang-{version}"
+    deps_dir = CACHE / f"deps-{hashlib.sha1(' '.join(DEPS).encode()).hexdigest()[:12]}"  # new pins: new dir
+    if not sglang_dir.exists():
+        _pip(sglang_dir, f"sglang=={version}")
+    if not deps_dir.exists():
+        _pip(deps_dir, *DEPS)
+    return [sglang_dir, deps_dir], time.monotonic() - start
+
+
+class _StubMeta(type):
+    """Stub classes: every attribute is another stub class; used as a decorator, they leave the function."""
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _stub(f"{cls.__name__}.{name}")
+
+    def __call__(cls, *args, **kwargs):
+        if len(args) == 1 and not kwargs and callable(args[0]):
+            return args[0]
+        return super().__call__()
+
+    def __getitem__(cls, item):
+        return cls
+
+
+class _Stub(metaclass=_StubMeta):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _stub(name)
+
+    def __call__(self, *args, **kwargs):
+        return args[0] if len(args) == 1 and not kwargs and callable(args[0]) else _Stub()
+
+
+def _stub(name: str) -> type:
+    return _StubMeta(name, (_Stub,), {})
+
+
+def _module_getattr(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _stub(name)
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path, target=None):
+        if fullname.split(".")[0] in STUBS:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__, module.__getattr__, module.__version__ = [], _module_getattr, "0.0.0"
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def install_stubs() -> None:
+    # torch decides once whether triton exists: let it see the truth before the triton stub appears.
+    import torch._inductor.compile_fx  # noqa: F401
+
+    sys.meta_path.insert(0, _StubFinder())
