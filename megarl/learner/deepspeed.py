@@ -19,6 +19,7 @@ import json
 import math
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -91,6 +92,23 @@ def _skip_shm_comm_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+@contextmanager
+def _launcher_world_is_learner_group():
+    """WORLD_SIZE = the learner group's size while DeepSpeed builds an engine. zero.Init refuses a
+    single-rank group when the launcher's WORLD_SIZE is larger (its guard against a size-1 group made
+    by accident); megarl's learner group is the learner ranks only on purpose, while WORLD_SIZE counts
+    the sampler ranks too (learner.dp=1 with one sampler: a group of 1 in a world of 2)."""
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = saved
+
+
 class DeepSpeedLearner:
     def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig, temperature: float = 1.0,
                  publish_bucket_mb: float = 16.0):
@@ -129,16 +147,18 @@ class DeepSpeedLearner:
         model = load()
         if cfg.recompute_activations == "full":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=deepspeed_config(cfg, self.on_gpu))
+        with _launcher_world_is_learner_group():
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                config=deepspeed_config(cfg, self.on_gpu))
         # KL penalty: a frozen copy of the initial weights (docs/learner.md#deepspeed): partitioned like
         # the policy at stage 3 (an engine without optimizer), a plain replica below.
         self.ref_model = None
         if loss_cfg.kl_coef > 0:
             ref = load().requires_grad_(False).eval()
             if self.zero_stage == 3:
-                ref = deepspeed.initialize(model=ref, config=deepspeed_config(cfg, self.on_gpu, with_optimizer=False))[0]
+                with _launcher_world_is_learner_group():
+                    ref = deepspeed.initialize(model=ref, config=deepspeed_config(cfg, self.on_gpu, with_optimizer=False))[0]
             self.ref_model = ref.to(self.device) if self.zero_stage < 3 else ref
             self.ref_model.eval()
 
