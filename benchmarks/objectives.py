@@ -47,7 +47,7 @@ def main() -> None:
             continue
         run_dir = Path(args.out) / name
         cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", f"run.dir={run_dir}",
-               "run.progress=false", *extra, *args.overrides]
+               "run.overwrite=true", "run.progress=false", *extra, *args.overrides]
         if args.steps:
             cmd.append(f"run.steps={args.steps}")
         proc = subprocess.run(cmd, capture_output=True, text=True)

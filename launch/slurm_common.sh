@@ -20,14 +20,16 @@ fi
 # megarl_prepare CONFIG [key=value ...]: check everything `megarl train` checks (config, topology over the
 # job's nodes, model directory, task, reward sandbox) before any worker starts -- one Python start, the
 # embedded model built if needed -- then stage the model on every node. Sets megarl_model (the node-local
-# model directory) and megarl_nproc (processes per node).
+# model directory), megarl_nproc (processes per node) and megarl_stop_timeout (fault.stop_timeout_s).
 megarl_prepare() {
   local report source
   report=$(python -m megarl.cli train "$@" --dry-run --nnodes "$SLURM_JOB_NUM_NODES")
   echo "$report"
   source=$(sed -n 's/^megarl: model \(.*\); run dir .*/\1/p' <<<"$report")
-  megarl_nproc=$(( $(python -c 'import sys; from megarl.config.load import load_config, world_size_for
-print(world_size_for(load_config(sys.argv[1], sys.argv[2:])))' "$@") / SLURM_JOB_NUM_NODES ))
+  local world
+  read -r world megarl_stop_timeout < <(python -c 'import sys; from megarl.config.load import load_config, world_size_for
+cfg = load_config(sys.argv[1], sys.argv[2:]); print(world_size_for(cfg), cfg.fault.stop_timeout_s)' "$@")
+  megarl_nproc=$(( world / SLURM_JOB_NUM_NODES ))
   megarl_model=$megarl_local/model
   # Copy to a fresh directory, then rename it into place (atomic): where nodes share the scratch file
   # system, the first node's rename wins and the others drop their identical copy, instead of one
@@ -36,4 +38,27 @@ print(world_size_for(load_config(sys.argv[1], sys.argv[2:])))' "$@") / SLURM_JOB
     'mkdir -p "$1" && copy=$(mktemp -d "$1/.model.XXXXXX") && cp -r "$3/." "$copy" &&
      { mv -T "$copy" "$2" 2>/dev/null || { [ -f "$2/config.json" ] && rm -rf "$copy"; }; }' \
     stage "$megarl_local" "$megarl_model" "$source"
+}
+
+# megarl_run_step COMMAND...: run the job step (srun ...) in the background and wait for it, passing a stop
+# signal that reaches the batch shell (scancel --batch, sbatch --signal=B:TERM@120 or B:USR1@120, a
+# preemption's SIGTERM) on to srun as SIGTERM; srun hands it to torchrun, which hands it to every worker,
+# and the run stops at its next step boundary (checkpointing if fault.checkpoint_on_signal). A foreground
+# srun would not see it: bash runs traps only once its foreground command has ended. Returns the step's
+# exit status, or 128 + 15 after a stop (torchrun itself exits 1 on a signal).
+megarl_run_step() {
+  local step rc=0 stopped=
+  "$@" &
+  step=$!
+  trap 'stopped=1; kill -TERM "$step" 2>/dev/null || true' TERM INT HUP USR1
+  while kill -0 "$step" 2>/dev/null; do
+    wait "$step" || true  # returns early when a trapped signal arrives; the step is still stopping then
+  done
+  wait "$step" || rc=$?
+  trap - TERM INT HUP USR1
+  if [ -n "$stopped" ]; then
+    echo "megarl: the job step was stopped by a signal to the batch script (exit status 143)" >&2
+    rc=143
+  fi
+  return "$rc"
 }

@@ -5,7 +5,10 @@
 set -euo pipefail
 config=${1:?usage: $0 CONFIG [key=value ...]}
 shift
-nproc=$(python -c 'import sys; from megarl.config.load import load_config, world_size_for; print(world_size_for(load_config(sys.argv[1], sys.argv[2:])))' "$config" "$@")
+read -r nproc stop_timeout < <(python -c 'import sys; from megarl.config.load import load_config, world_size_for
+cfg = load_config(sys.argv[1], sys.argv[2:]); print(world_size_for(cfg), cfg.fault.stop_timeout_s)' "$config" "$@")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 restarts=$(python -m megarl.cli placement "$config" "$@" --max-restarts)  # fault.on_failure=restart
-exec torchrun --standalone --nproc-per-node "$nproc" --max-restarts "$restarts" -m megarl.roles.worker "$config" "$@"
+# SIGTERM/SIGINT/SIGHUP to torchrun stop every worker at a step boundary; after fault.stop_timeout_s it kills them.
+exec torchrun --standalone --nproc-per-node "$nproc" --max-restarts "$restarts" --shutdown-timeout "$stop_timeout" \
+  -m megarl.roles.worker "$config" "$@"

@@ -131,3 +131,47 @@ def test_the_failure_summary_names_the_rank_that_caused_the_stop(root_cause, oth
     summary = failure_summary("worker log lines\n" + torchrun_report(root_cause, others), cfg)
     assert summary.startswith(named + "; torchrun stopped every other process")
     assert failure_summary("no report at all", cfg) == "torchrun exited with an error (see its output above)"
+
+
+def test_a_run_dir_holding_another_runs_outputs_is_refused_before_launch(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    model = model_dir(tmp_path / "model")
+    proc = train(f"model.path={model}", f"run.dir={run_dir}")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert proc.stderr.startswith(f"megarl: checkpoint: run.dir {run_dir} already holds another run's outputs "
+                                  f"(metrics.jsonl)"), proc.stderr
+    assert "choose a new run.dir, or set run.overwrite=true to delete those outputs first" in proc.stderr
+    proc = train(f"model.path={model}", f"run.dir={run_dir}", "run.overwrite=true")
+    assert proc.returncode == 0, proc.stderr
+    assert (run_dir / "metrics.jsonl").exists()  # the learner deletes them once launched, not a dry run
+
+
+def hung_sampler_stderr(report: str) -> str:
+    """What torchrun printed when a SIGSTOP'd sampler (rank 1) made the learner fail (recorded from a real run,
+    shortened): the learner's error, torchrun's SIGTERM, which the stopped sampler cannot take, and the SIGKILL
+    torchrun escalates to 30 s later."""
+    return ("TimeoutError: weight publish: version 19 bucket 1/1 failed or timed out after 8s (a sampler or the "
+            "learner may have died): [gloo] Timed out waiting 8000ms for send operation to complete; sampler rank 1 "
+            "(sampler 0) has sent no heartbeat for 8s\n"
+            "W1201 19:34:59.692000 14764 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 101 "
+            "closing signal SIGTERM\n"
+            "W1201 19:35:29.692000 14764 torch/distributed/elastic/multiprocessing/api.py:1047] Unable to shutdown "
+            "process 101 via 15, forcefully exiting via 9\n" + report)
+
+
+@pytest.mark.parametrize("stderr, named", [
+    # The SIGKILL is torchrun's own escalation for a process that could not take SIGTERM: the cause is the hang.
+    (hung_sampler_stderr(torchrun_report((0, 1), [(1, -9)])),
+     "sampler 0 (rank 1) hung: alive but silent, no heartbeat for 8s, so learner 0 (rank 0) stopped the run"),
+    # A megarl worker takes torchrun's SIGTERM and exits 128 + 15: torchrun's stop, not the cause...
+    (torchrun_report((1, 143), [(0, 1)]), "learner 0 (rank 0) exited with code 1 (its traceback is above)"),
+    # ... unless a stop signal is all there was (`kill` of one worker of a raw torchrun launch).
+    (torchrun_report((1, 143), [(0, 143)]), "sampler 0 (rank 1) stopped on SIGTERM (exit code 143)"),
+])
+def test_the_failure_summary_tells_torchruns_own_stops_from_the_cause(stderr, named):
+    from megarl.cli import failure_summary
+    from megarl.config.load import load_config
+
+    assert failure_summary(stderr, load_config(DEMO, [])).startswith(named)

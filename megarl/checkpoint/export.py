@@ -79,7 +79,13 @@ def hf_tensors(checkpoint: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     checkpoint = resolve(checkpoint)
-    hf_config = read_manifest(checkpoint)["hf_config"]
+    manifest = read_manifest(checkpoint)
+    hf_config = manifest["hf_config"]
+    if manifest["layout"].get("backend") == "deepspeed":  # DeepSpeed's ZeRO files, already HF-named
+        from megarl.learner.deepspeed import checkpoint_hf_tensors
+
+        yield from checkpoint_hf_tensors(checkpoint, hf_config)
+        return
     metadata = FileSystemReader(checkpoint).read_metadata()
     keys = _model_keys(metadata)
     dtype = metadata.state_dict_metadata["embedding.word_embeddings.weight"].properties.dtype
@@ -101,6 +107,13 @@ def hf_tensors(checkpoint: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     yield "model.norm.weight", read("decoder.final_layernorm.weight")
     if "output_layer.weight" in expected:
         yield "lm_head.weight", read("output_layer.weight")
+
+
+def _default_file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (0644 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 class _ShardWriter:
@@ -127,6 +140,7 @@ class _ShardWriter:
 
         path = self.directory / f"part-{len(self.written):05d}.safetensors"
         save_file(self.current, str(path), metadata={"format": "pt"})
+        os.chmod(path, _default_file_mode())  # safetensors creates 0600 (a private temp file it renames)
         self.written.append((path, list(self.current)))
         self.current, self.current_bytes = {}, 0
 

@@ -61,11 +61,22 @@ class HeartbeatMonitor:
         return now
 
     def silent(self, num_learners: int = 0, min_s: float = 3.0) -> str:
-        """Which samplers have been silent for at least `min_s` right now (for error messages)."""
+        """Which samplers are silent, for the error message of a failure that just happened: those quiet
+        for at least `min_s` now or, when none is, those whose counter does not move in the next `min_s`
+        (a peer that died a moment before the failure, e.g. the one a broadcast lost, is named, not
+        reported as current)."""
         now = self.observe()
         quiet = [f"sampler rank {r} (sampler {r - num_learners}) has sent no heartbeat for {now - t:.0f}s"
                  for r, t in self.last_change.items() if now - t >= min_s]
-        return "; ".join(quiet) if quiet else "every sampler's heartbeat is current"
+        if quiet:
+            return "; ".join(quiet)
+        start, before = now, dict(self.last_value)
+        while now - start < min_s:
+            time.sleep(min(0.25, min_s))
+            now = self.observe()
+        quiet = [f"sampler rank {r} (sampler {r - num_learners}) has sent no heartbeat since (watched {min_s:g}s): "
+                 f"it died or hung" for r in self.ranks if self.last_value[r] == before[r]]
+        return "; ".join(quiet) if quiet else f"every sampler's heartbeat kept moving for {min_s:g}s after the failure"
 
     def check(self, num_learners: int = 0) -> None:
         now = time.monotonic()

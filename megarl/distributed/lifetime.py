@@ -1,4 +1,14 @@
-"""How a rank process ends: flush its output, then leave without interpreter finalization.
+"""How a rank process ends: on a stop signal, at the next safe point; then flush its output and leave
+without interpreter finalization.
+
+Stop signals (SIGTERM, SIGINT, SIGHUP: what a supervisor, a scheduler's preemption, `kill PID`, a closed
+terminal or Ctrl-C send) are recorded, not acted on inside the handler: `install_stop_handlers()` makes
+the first one set `stop_signal()`, and the roles leave their loops where that is safe. The learner
+ranks leave together at a step boundary (the lead decides and tells the others with the batch it
+shares), save a checkpoint when one is due or `fault.checkpoint_on_signal` asks for it, and exit with
+the conventional status 128 + signal number; samplers keep serving until the learner says stop (a
+publish in progress needs them), at most `fault.stop_timeout_s`. A rank that receives a signal the
+others did not (a raw `kill` of one worker) also writes it to the store, where the lead sees it.
 
 Why not a normal exit: gloo runs every async collective (the weight broadcasts, megatron's gradient
 all-reduces) on the process group's own worker threads ("pt_gloo_runloop"), and a worker thread drops
@@ -17,9 +27,66 @@ blocks (metric and rollout files, TensorBoard, the queue sockets, the SGLang ser
 which also die with their parent), so finalization has nothing left to do but race those threads.
 """
 import os
+import signal
 import sys
+import time
 import traceback
 from typing import Callable, NoReturn
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SIGNAL_KEY = "stop_signal"  # store key: the number of a stop signal some rank received
+
+_received: tuple[int, float] | None = None  # (signal number, time.monotonic() it arrived), first only
+_next_store_check = 0.0
+
+
+class StopRequested(Exception):
+    """A stop signal reached the run; `signum` is the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name}"
+
+
+def exit_status(signum: int) -> int:
+    """The status a process killed by `signum` reports to a shell (128 + n): what schedulers expect."""
+    return 128 + signum
+
+
+def _record(signum, frame) -> None:
+    global _received
+    if _received is None:
+        _received = (signum, time.monotonic())
+
+
+def install_stop_handlers() -> None:
+    """Record the first stop signal instead of dying of it (no KeyboardInterrupt either)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _record)
+
+
+def stop_signal() -> int | None:
+    """The stop signal this process received, or None."""
+    return None if _received is None else _received[0]
+
+
+def seconds_since_signal() -> float:
+    return 0.0 if _received is None else time.monotonic() - _received[1]
+
+
+def raise_if_stopped(store=None, store_every_s: float = 1.0) -> None:
+    """StopRequested if this process, or (with `store`, asked at most every `store_every_s`) any rank of
+    the run, received a stop signal."""
+    global _next_store_check
+    if _received is not None:
+        raise StopRequested(_received[0])
+    if store is not None and time.monotonic() >= _next_store_check:
+        _next_store_check = time.monotonic() + store_every_s
+        if store.check([SIGNAL_KEY]):
+            raise StopRequested(int(store.get(SIGNAL_KEY)))
 
 
 def exit_process(code: int) -> NoReturn:

@@ -177,6 +177,9 @@ def test_export_is_an_hf_model_with_the_learners_logits(work, model_dir, tmp_pat
     single = export_hf(checkpoint, tmp_path / "single")
     sharded = export_hf(checkpoint, tmp_path / "sharded", max_shard_bytes=20_000)
     assert (single / "model.safetensors").is_file() and (single / "tokenizer.json").is_file()
+    # Every exported file is readable by others, as open() creates files (safetensors alone makes 0600).
+    assert {path.name: oct(path.stat().st_mode & 0o777) for path in [*single.iterdir(), *sharded.iterdir()]
+            if path.stat().st_mode & 0o777 != 0o644} == {}
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" in index["weight_map"]
     for out in (single, sharded):

@@ -96,6 +96,37 @@ def test_samplers_learn_what_to_resume_from_through_the_store(tmp_path):
     assert version == 6 and (retired.cursor, retired.above) == (24, {26})
     version, retired = resume.wait_for_announcement(store, cfg, stream=1, timeout_s=5)
     assert version == 6 and len(retired) == 0  # a sampler the checkpoint did not know starts at index 0
-    assert resume.wait_for_announcement(store, config(tmp_path), 0, timeout_s=5)[0] is None  # resume=false: no wait
+    fresh = dist.FileStore(str(tmp_path / "fresh"), 1)
+    resume.announce(fresh, config(tmp_path), None)  # a fresh start is announced too: run.dir is ready
+    assert resume.wait_for_announcement(fresh, config(tmp_path), 0, timeout_s=5)[0] is None
     with pytest.raises(TimeoutError, match="did not say within 1s what the run resumes from"):
         resume.wait_for_announcement(dist.FileStore(str(tmp_path / "empty"), 1), cfg, 0, timeout_s=1)
+
+
+def test_a_fresh_run_refuses_another_runs_outputs_naming_the_choices(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    (run_dir / "timeline").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("run: {}\n")  # rewritten by every start: not an output
+    resume.prepare_run_dir(config(run_dir), None, clear=True)  # nothing in it yet
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run_dir / "timeline" / "sampler1.jsonl").write_text('{"kind": "decode"}\n')
+    with pytest.raises(CheckpointError) as refused:
+        resume.prepare_run_dir(config(run_dir), None, clear=True)
+    assert str(refused.value) == (
+        f"run.dir {run_dir} already holds another run's outputs (metrics.jsonl, timeline/) and this fresh run would "
+        f"mix its records into them: that run saved no checkpoint in {run_dir}/checkpoints, so it cannot be "
+        f"continued; choose a new run.dir, or set run.overwrite=true to delete those outputs first")
+    commit_fake(run_dir / "checkpoints", 4)
+    with pytest.raises(CheckpointError, match="continue that run with run.resume=true, choose a new run.dir"):
+        resume.prepare_run_dir(config(run_dir), None, clear=True)
+    resume.prepare_run_dir(config(run_dir), run_dir / "checkpoints" / "step_00000004", clear=True)  # resuming
+    assert (run_dir / "metrics.jsonl").exists()
+    resume.prepare_run_dir(config(run_dir, "run.overwrite=true"), None, clear=False)  # megarl train: check only
+    assert (run_dir / "metrics.jsonl").exists()
+    resume.prepare_run_dir(config(run_dir, "run.overwrite=true"), None, clear=True)  # the learner clears
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml"]  # checkpoints stay
+    # torchrun restarted the run before its first checkpoint: the failed attempt's outputs are its own.
+    (run_dir / "rollouts.jsonl").write_text('{"trained_at_step": 0}\n')
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    resume.prepare_run_dir(config(run_dir), None, clear=True)
+    assert not (run_dir / "rollouts.jsonl").exists()

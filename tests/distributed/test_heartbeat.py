@@ -61,4 +61,34 @@ def test_observed_only_now_and_then_a_quiet_sampler_is_still_named(store):
     beats[1].beat()
     quiet = monitor.silent(num_learners=1, min_s=0.3)
     assert quiet.startswith("sampler rank 2 (sampler 1) has sent no heartbeat for") and "rank 1 " not in quiet
-    assert monitor.silent(num_learners=1, min_s=5.0) == "every sampler's heartbeat is current"
+
+
+def test_a_sampler_that_died_just_before_the_failure_is_named_not_reported_current(store):
+    """A broadcast fails at once when a receiver dies (connection reset): nobody has been quiet for long
+    yet, so the monitor watches a moment more and names the counter that no longer moves."""
+    import threading
+
+    beats = {r: Heartbeat(store, r, period_s=0.0) for r in (1, 2)}
+    monitor = HeartbeatMonitor(store, [1, 2], timeout_s=60, check_every_s=0.0)
+    for beat in beats.values():
+        beat.beat()
+    monitor.observe()
+    alive = threading.Event()
+
+    def sampler_1_keeps_turning():
+        while not alive.wait(0.05):
+            beats[1].beat()
+
+    thread = threading.Thread(target=sampler_1_keeps_turning)
+    thread.start()
+    try:
+        quiet = monitor.silent(num_learners=1, min_s=0.5)  # sampler 2 (rank 2) has just died
+    finally:
+        alive.set()
+        thread.join()
+    assert quiet == "sampler rank 2 (sampler 1) has sent no heartbeat since (watched 0.5s): it died or hung"
+    beats[2].beat()
+    thread = threading.Thread(target=lambda: [(beats[r].beat(), time.sleep(0.05)) for _ in range(20) for r in (1, 2)])
+    thread.start()
+    assert monitor.silent(num_learners=1, min_s=0.5) == "every sampler's heartbeat kept moving for 0.5s after the failure"
+    thread.join()

@@ -1,12 +1,15 @@
 """Stand-ins for srun, scontrol, torchrun and `hostname` so a test can execute the sbatch scripts for real on
 a machine without SLURM. Every call is recorded as a JSON line in $FAKE_SLURM_LOG (tool, argv, node, the
-launch-related environment). srun runs its command once per node, as SLURM does, with SLURM_NODEID set;
-torchrun only records (and whether the model it is given exists); `hostname -I` answers 10.9.0.<node + 1>.
+launch-related environment). srun runs its command once per node, as SLURM does, with SLURM_NODEID set,
+and passes SIGTERM/SIGINT/SIGHUP on to it, as srun forwards signals to its tasks; torchrun only records
+(and whether the model it is given exists), or with FAKE_SLURM_REAL_TORCHRUN=1 then runs the real one;
+`hostname -I` answers 10.9.0.<node + 1>.
 
     python fake_slurm.py TOOL [args...]    (the test puts one wrapper per TOOL on PATH)
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -34,9 +37,18 @@ def srun(argv: list[str]) -> int:
     names = os.environ["SLURM_JOB_NODELIST"].split(",")
     for node in range(nodes):
         env = {**os.environ, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node), "SLURMD_NODENAME": names[node]}
-        rc = subprocess.call(argv[i:], env=env)
+        task = subprocess.Popen(argv[i:], env=env)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda signum, frame: task.send_signal(signum))
+        rc = task.wait()
         if rc:
-            return rc
+            return 128 - rc if rc < 0 else rc
+    return 0
+
+
+def torchrun(argv: list[str]) -> int:
+    if os.environ.get("FAKE_SLURM_REAL_TORCHRUN") == "1":
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *argv])
     return 0
 
 
@@ -57,4 +69,4 @@ def hostname(argv: list[str]) -> int:
 if __name__ == "__main__":
     tool, args = sys.argv[1], sys.argv[2:]
     record(tool, args)
-    sys.exit({"srun": srun, "scontrol": scontrol, "hostname": hostname}.get(tool, lambda a: 0)(args))
+    sys.exit({"srun": srun, "scontrol": scontrol, "hostname": hostname, "torchrun": torchrun}.get(tool, lambda a: 0)(args))

@@ -62,7 +62,8 @@ def test_single_node_script_checks_stages_the_model_and_runs_srun_torchrun(tmp_p
     assert "megarl: launching: torchrun" in proc.stdout  # `megarl train --dry-run` checked everything first
     scratch = f"/tmp/megarl-{env['SLURM_JOB_ID']}"
     [torchrun] = calls(log, "torchrun")
-    assert torchrun["argv"] == ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "-m", "megarl.roles.worker", CONFIG,
+    assert torchrun["argv"] == ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--shutdown-timeout", "30",
+                                "-m", "megarl.roles.worker", CONFIG,
                                 f"model.path={fake_model_dir}", "run.steps=3", f"model.path={scratch}/model"]
     assert torchrun["model_staged"] and torchrun["env"]["HF_HOME"] == f"{scratch}/hf"
     assert calls(log, "srun")[1]["argv"][:3] == ["--nodes=1", "--ntasks=1", "torchrun"]
@@ -95,6 +96,36 @@ def test_a_bad_config_stops_the_job_before_any_worker_starts(script, override, m
     proc = run_batch(script, env, CONFIG, f"model.path={fake_model_dir}", override)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
     assert calls(log, "torchrun") == []
+
+
+def test_a_stop_signal_to_the_batch_script_stops_the_run_at_a_step_boundary(tmp_path, embedded_model_dir):
+    """What `scancel --batch`, `sbatch --signal=B:TERM@120` or a preemption sends: SIGTERM to the batch shell
+    only. The script passes it to srun (which forwards signals to its tasks, as the stand-in does), the real
+    torchrun to every worker: the run saves a checkpoint (fault.checkpoint_on_signal) and every process ends."""
+    from tests.roles.test_faults import leftovers
+
+    env, log = fake_slurm(tmp_path, nodes=1)
+    env["FAKE_SLURM_REAL_TORCHRUN"] = "1"
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen(["bash", str(REPO / "launch" / "slurm_single_node.sbatch"), CONFIG, f"run.dir={run_dir}",
+                            f"model.path={embedded_model_dir}", "run.steps=100000", "algo.prompts_per_step=4",
+                            "run.tensorboard=false", "fault.checkpoint_on_signal=true"],
+                           env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.5)
+    job.send_signal(signal.SIGTERM)
+    try:
+        out, err = job.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        raise AssertionError("the job did not stop within 90s of SIGTERM")
+    assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
+    steps = len(metrics.read_text().splitlines())
+    assert f"megarl: stopped by SIGTERM after {steps} steps" in out
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
+    assert not leftovers(run_dir) and not os.path.exists(f"/tmp/megarl-{env['SLURM_JOB_ID']}")
 
 
 # ------------------------------------------------------------------------------------- real SLURM

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO, run_python
 
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -29,7 +31,7 @@ def _workers(run_dir) -> dict[int, int]:
     return found
 
 
-def _leftovers(run_dir) -> list[int]:
+def leftovers(run_dir) -> list[int]:
     """Any process (workers, torchrun, its agent) still holding this run's directory on its command line."""
     me = os.getpid()
     pids = []
@@ -81,7 +83,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run(embedded_think_model_dir, tmp_pat
     assert "2 optimizer steps in a row had a non-finite loss or grad norm" in proc.stderr
     assert "learner.max_nonfinite_in_row=2" in proc.stderr
     assert "megarl: the run failed: learner 0 (rank 0) exited with code 1" in proc.stderr
-    assert not _leftovers(run_dir)
+    assert not leftovers(run_dir)
 
 
 def test_a_killed_sampler_stops_the_run_and_is_named(embedded_think_model_dir, tmp_path):
@@ -93,7 +95,7 @@ def test_a_killed_sampler_stops_the_run_and_is_named(embedded_think_model_dir, t
     assert proc.returncode != 0
     assert "megarl: the run failed: sampler 0 (rank 1) was killed by signal 9 (SIGKILL); " \
            "torchrun stopped every other process" in err
-    assert not _leftovers(run_dir)
+    assert not leftovers(run_dir)
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2  # what was done is kept
 
 
@@ -117,7 +119,7 @@ def test_a_hung_sampler_is_named_by_the_learner(embedded_think_model_dir, tmp_pa
     assert proc.returncode != 0
     assert "sampler rank 1 (sampler 0)" in err and ("stopped beating" in err or "has sent no heartbeat" in err)
     assert "megarl: the run failed: learner 0 (rank 0) exited with code 1" in err
-    assert not _leftovers(run_dir)
+    assert not leftovers(run_dir)
 
 
 def _metrics(run_dir) -> list[dict]:
@@ -138,21 +140,21 @@ def test_with_restart_a_killed_sampler_costs_only_the_steps_since_the_checkpoint
     assert [m["version"] for m in metrics] == list(range(1, 13))
     resumed = [m for m in metrics if m.get("restarts") == 1.0]
     assert resumed and resumed[0]["step"] in (3, 6, 9) and resumed[0]["redone_steps"] >= 0
-    assert not _leftovers(run_dir)
+    assert not leftovers(run_dir)
 
 
 def test_a_job_killed_mid_run_resumes_from_its_last_checkpoint(embedded_think_model_dir, tmp_path):
     run_dir = tmp_path / "killed"
     proc = _start(run_dir, embedded_think_model_dir, "checkpoint.every_steps=2")
     _wait_for_steps(run_dir, 5, proc)
-    for pid in [proc.pid, *_leftovers(run_dir)]:  # the whole job at once: launcher, agent, workers
+    for pid in [proc.pid, *leftovers(run_dir)]:  # the whole job at once: launcher, agent, workers
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     proc.wait(timeout=30)
     time.sleep(1)
-    assert not _leftovers(run_dir)
+    assert not leftovers(run_dir)
     done = len(_metrics(run_dir))
     resumed = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", f"model.path={embedded_think_model_dir}",
                          f"run.steps={done + 3}", "algo.prompts_per_step=4", "checkpoint.every_steps=2",
@@ -161,3 +163,39 @@ def test_a_job_killed_mid_run_resumes_from_its_last_checkpoint(embedded_think_mo
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(done + 3))
     assert [m["version"] for m in metrics] == list(range(1, done + 4))
+
+
+@pytest.mark.parametrize("sig, overrides", [(signal.SIGTERM, ["fault.checkpoint_on_signal=true"]), (signal.SIGINT, [])])
+def test_a_stop_signal_to_megarl_train_stops_every_process_of_the_run(sig, overrides, embedded_think_model_dir,
+                                                                      tmp_path):
+    # The main process only: what a supervisor, a container runtime, a scheduler or `kill PID` signals.
+    run_dir = tmp_path / "signal"
+    proc = _start(run_dir, embedded_think_model_dir, *overrides)
+    _wait_for_steps(run_dir, 2, proc)
+    proc.send_signal(sig)
+    out, err, took = _finish(proc, timeout=60)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert not leftovers(run_dir)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    steps = len(_metrics(run_dir))
+    assert f"megarl: stopped by {sig.name} after {steps} steps" in out  # at a step boundary: every step logged whole
+    assert f"megarl: stopped by {sig.name}; every process of the run has exited" in err
+    if overrides:
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
+        assert f"continue from {run_dir}/checkpoints/step_{steps:08d} with the same command and run.resume=true" in err
+    else:
+        assert "no checkpoint was saved" in err
+
+
+def test_torchrun_killed_from_outside_is_named_in_one_line_and_its_workers_stopped(embedded_think_model_dir, tmp_path):
+    run_dir = tmp_path / "torchrun"
+    proc = _start(run_dir, embedded_think_model_dir)
+    _wait_for_steps(run_dir, 2, proc)
+    [torchrun] = map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+    os.kill(torchrun, signal.SIGKILL)
+    out, err, took = _finish(proc, timeout=60)
+    assert proc.returncode == 128 + signal.SIGKILL
+    assert err.rstrip().endswith(f"megarl: the run failed: torchrun (pid {torchrun}) was killed by SIGKILL (from "
+                                 f"outside megarl); megarl stopped its workers. Outputs so far are in {run_dir}")
+    assert "DistNetworkError" not in err and "Traceback" not in err, err[-3000:]
+    assert not leftovers(run_dir)

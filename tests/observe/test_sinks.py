@@ -1,0 +1,58 @@
+"""metrics.jsonl and rollouts.jsonl after a kill -9: every line is a whole record, and rollouts.jsonl holds
+whole steps (a real process, really killed, between two steps)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from megarl.observe.jsonl import read_jsonl
+from tests.helpers import REPO
+
+SAMPLES_PER_STEP = 256
+
+WRITER = f"""
+import sys, time
+from megarl.observe.sinks import MetricsSink, RolloutSink
+from megarl.protocols import Sample
+
+run_dir, steps = sys.argv[1], int(sys.argv[2])
+metrics, rollouts = MetricsSink(run_dir, tensorboard=False), RolloutSink(run_dir)
+samples = [Sample(group_id=f"s0-g{{i // 8}}", prompt="12+7=", completion=".........19", prompt_ids=list(range(6)),
+                  token_ids=list(range(40)), logprobs=[-0.125] * 40, versions=[3] * 40, reward=1.0,
+                  finish_reason="stop") for i in range({SAMPLES_PER_STEP})]
+for step in range(steps):
+    rollouts.log(samples, trained_at_step=step)
+    metrics.log(step, {{"reward_mean": 0.5, "loss": 0.25}})
+print("logged", flush=True)
+time.sleep(600)  # killed here, between steps, as a run is killed during its next step's work
+"""
+
+
+def test_a_killed_writer_leaves_whole_records_and_whole_steps(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), "7"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline() == "logged\n"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    for name in ("rollouts.jsonl", "metrics.jsonl"):
+        assert (tmp_path / name).read_text().endswith("\n"), f"{name} ends in a torn line"
+    rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
+    assert [r["trained_at_step"] for r in rollouts] == [s for s in range(7) for _ in range(SAMPLES_PER_STEP)]
+    assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(7))
+
+
+def test_a_torn_last_line_is_left_out_and_damage_inside_the_file_is_named(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    whole = "".join(json.dumps({"step": s}) + "\n" for s in range(3))
+    path.write_text(whole + '{"step": 3, "rew')  # what a crash during a write can leave
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2]
+    path.write_text('{"step": 0}\n{"st\n{"step": 2}\n')
+    try:
+        read_jsonl(path)
+    except ValueError as exc:
+        assert str(exc) == f"{path}: line 2 is not JSON: '{{\"st\\n'"
+    else:
+        raise AssertionError("a damaged line inside the file passed")
