@@ -212,7 +212,10 @@ def test_impossible_sglang_settings_are_refused_naming_the_key(tmp_path):
                           ("sampler.sglang.tp=2", "sampler.sglang.tp"),  # the built-in server is one process
                           ("sampler.sglang.cache_on_update=drop", "sampler.sglang.cache_on_update"),
                           ("sampler.sglang.weight_format=npz", "sampler.sglang.weight_format"),
-                          ("sampler.sglang.request_timeout_s=0", "sampler.sglang.request_timeout_s")]:
+                          ("sampler.sglang.request_timeout_s=0", "sampler.sglang.request_timeout_s"),
+                          ("sampler.sglang.min_new_tokens=0", "sampler.sglang.min_new_tokens"),
+                          # the context is sampler.max_seq_len, which every request's budget is computed from
+                          ("sampler.sglang.server_args=[--context-length,99]", "sampler.sglang.server_args")]:
         with pytest.raises(ConfigError, match=f"^{key}:"):
             sglang_config(tmp_path, tmp_path, override)
     sglang_config(tmp_path, tmp_path, "sampler.sglang.server=sglang", "sampler.sglang.tp=2")  # fine with SGLang
