@@ -179,6 +179,24 @@ def test_request_body_and_server_commands(tmp_path):
         assert real[real.index(flag) + 1] == value
 
 
+def test_per_tensor_updates_come_in_calls_no_bigger_than_a_bucket():
+    """SGLang allocates every tensor of a call before loading any: one call of the whole model would be a
+    second model copy on its GPU."""
+    from megarl.distributed.sglang_publish import plan_update_calls
+
+    spec = [(f"w{i}", (100, 10), torch.float32) for i in range(10)] + [("big", (1000, 10), torch.bfloat16)]
+    calls = plan_update_calls(spec, "per_tensor", bucket_bytes=8000)  # two 4000-byte tensors per call
+    assert [[n for n, _, _ in c] for c in calls] == [[f"w{i}", f"w{i + 1}"] for i in range(0, 10, 2)] + [["big"]]
+
+
+def test_the_learner_sets_sglangs_nccl_settings():
+    from megarl.distributed.sglang_publish import set_publish_nccl_env
+
+    env = {"NCCL_CUMEM_ENABLE": "1"}
+    set_publish_nccl_env(env)
+    assert env == {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
 def test_only_supported_sglang_releases_are_accepted_naming_version_and_range():
     for ok in (*SUPPORTED_VERSIONS, "0.5.22", "0.5.23.post1"):
         check_server_version(ok)
