@@ -131,6 +131,10 @@ class Learner(Protocol):
         """This TP rank's slices of those tensors, in megarl.models.tp_shard's layout (for samplers of the
         same TP size: shard-to-shard publish)."""
 
+    def publish_spec(self, shards: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, shape, dtype) of what publish_tensors (shards: publish_shards) yields, in its order,
+        computed without materialising a tensor: the publisher streams them against it."""
+
 
 @runtime_checkable
 class Task(Protocol):

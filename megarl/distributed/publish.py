@@ -18,6 +18,7 @@ moved past the version that set last held.
 """
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -109,10 +110,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 class _Broadcast:
     """A broadcast from group rank 0, started (asynchronously) on construction; `wait()` raises a
-    TimeoutError naming `what` when it fails or times out."""
+    TimeoutError naming `what` when it fails or times out. Holds the buffer until it is sent."""
 
     def __init__(self, group, buffer: torch.Tensor, timeout: timedelta, what: str):
-        self.timeout, self.what = timeout, what
+        self.buffer, self.timeout, self.what = buffer, timeout, what
         self.work = group.broadcast(buffer, 0, timeout)
 
     def wait(self) -> None:
@@ -122,83 +123,114 @@ class _Broadcast:
             raise TimeoutError(f"weight publish: {self.what} failed or timed out after "
                                f"{self.timeout.total_seconds():.0f}s (a sampler or the learner may have died): "
                                f"{exc}") from exc
+        self.buffer = None
+
+
+Spec = list[tuple[str, tuple[int, ...], torch.dtype]]
 
 
 class WeightPublisher:
-    """Learner side: `publish(version, named_tensors)` after every optimizer step.
+    """Learner side: `publish(version, named_tensors, spec=...)` after every optimizer step.
 
-    All of a version's buckets are in flight at once (gloo runs them in order, without a round trip
-    between buckets).  The header goes first; packing and summing bucket i+1 overlap sending bucket i
-    (the sums travel after the buckets, not in the header, so nothing waits for them).  A bucket
-    holding one contiguous tensor sends that tensor as is (no copy into a staging buffer); staging
-    buffers exist only for buckets that need packing.
+    The tensors stream: bucket i is packed as its tensors arrive and sent at once, while the learner
+    produces (gathers, converts) the next bucket's tensors, and at most `IN_FLIGHT` buckets are on the
+    wire, so the source holds about two buckets of weights beyond the model, never a second copy of it
+    (a ZeRO-3 learner gathers bucket by bucket for the same reason). The header goes first; the sums
+    travel after the buckets, not in the header, so nothing waits for them. A bucket holding one
+    contiguous tensor sends that tensor as is (no copy); packed buckets use `IN_FLIGHT` reused buffers.
     """
+
+    IN_FLIGHT = 2
 
     def __init__(self, group, store, bucket_mb: float, timeout_s: float, checksum: bool):
         self.group, self.store = group, store
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.timeout = timedelta(seconds=timeout_s)
         self.checksum = checksum
+        self.spec: Spec | None = None
         self.buckets: list[Bucket] | None = None
-        self.buffers: list[torch.Tensor | None] = []  # a bucket's packing buffer, allocated when first needed
+        # Packing buffers: slot i % IN_FLIGHT, per (dtype, device), as large as the largest bucket of that dtype.
+        self.ring: list[dict[tuple[torch.dtype, torch.device], torch.Tensor]] = [{} for _ in range(self.IN_FLIGHT)]
         self.published = 0
 
-    def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], extra: dict | None = None) -> dict:
-        """Broadcast one version; returns {bytes, seconds}. `extra` travels in the header (small JSON)."""
+    def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], extra: dict | None = None,
+                spec: Spec | None = None) -> dict:
+        """Broadcast one version; returns {bytes, seconds}. `extra` travels in the header (small JSON).
+
+        `spec`: the (name, shape, dtype) of each tensor `tensors` will yield, in that order (a learner's
+        `publish_spec`), so the tensors can stream. Without it they are collected first (callers that
+        hold them all anyway)."""
         start = time.perf_counter()
-        named = dict(tensors)
+        if spec is None:
+            named = dict(tensors)
+            spec, tensors = [(n, tuple(t.shape), t.dtype) for n, t in named.items()], named.items()
+        spec = [(n, tuple(shape), dtype) for n, shape, dtype in spec]
         if self.buckets is None:
-            spec = [(n, tuple(t.shape), t.dtype) for n, t in named.items()]
             self.store.set(SPEC_KEY, json.dumps({"bucket_bytes": self.bucket_bytes,
                                                  "tensors": [[n, list(s), _dtype_name(d)] for n, s, d in spec]}))
-            self.buckets = plan_buckets(spec, self.bucket_bytes)
-            self.buffers = [None] * len(self.buckets)
-        self._check(named)
+            self.spec, self.buckets = spec, plan_buckets(spec, self.bucket_bytes)
+        self._check(spec)
         self.published += 1
-        count = len(self.buckets)
         self.store.set(header_key(self.published),
                        json.dumps({"version": version, "checksum": self.checksum, "extra": extra or {}}))
-        sends, sums = [], []
-        for i in range(count):
-            flat = self._flat(i, named)
-            sends.append(self._send(flat, version, i))
+        stream = iter(tensors)
+        in_flight: collections.deque[_Broadcast] = collections.deque()
+        sums = []
+        for i, bucket in enumerate(self.buckets):
+            if len(in_flight) == self.IN_FLIGHT:  # frees ring slot i % IN_FLIGHT (bucket i - IN_FLIGHT used it)
+                in_flight.popleft().wait()
+            flat = self._flat(i, bucket, stream)
+            in_flight.append(_Broadcast(self.group, flat, self.timeout,
+                                        f"version {version} bucket {i + 1}/{len(self.buckets)}"))
             if self.checksum:  # while the bucket is on the wire: the broadcast only reads it
                 sums.append(bucket_checksum(flat))
         if self.checksum:
             self.store.set(checksums_key(self.published), json.dumps(sums))
-        for send in sends:
+        for send in in_flight:
             send.wait()
+        surplus = next(stream, None)
+        if surplus is not None:
+            raise RuntimeError(f"weight publish: the learner yielded {surplus[0]} beyond its publish spec")
         nbytes = sum(b.numel * b.dtype.itemsize for b in self.buckets)
         return {"bytes": nbytes, "seconds": time.perf_counter() - start}
 
-    def _send(self, flat: torch.Tensor, version: int, index: int) -> _Broadcast:
-        return _Broadcast(self.group, flat, self.timeout, f"version {version} bucket {index + 1}/{len(self.buckets)}")
-
-    def _check(self, named: dict[str, torch.Tensor]) -> None:
+    def _check(self, spec: Spec) -> None:
         """Every version must match the spec the first publish fixed; checked before the header is written,
         so a bad version never leaves the receivers waiting for buckets that will not come."""
-        for bucket in self.buckets:
-            for slot in bucket.slots:
-                t = named.get(slot.name)
-                if t is None or tuple(t.shape) != slot.shape or t.dtype != bucket.dtype:
-                    got = "missing" if t is None else f"{list(t.shape)} {t.dtype}"
-                    raise ValueError(f"weight publish: {slot.name} is {got}, but the first publish fixed it "
-                                     f"as {list(slot.shape)} {bucket.dtype}")
-        unknown = set(named) - {slot.name for bucket in self.buckets for slot in bucket.slots}
+        fixed = {name: (shape, dtype) for name, shape, dtype in self.spec}
+        given = {name: (shape, dtype) for name, shape, dtype in spec}
+        for name, (shape, dtype) in fixed.items():
+            if given.get(name) != (shape, dtype):
+                got = "missing" if name not in given else f"{list(given[name][0])} {given[name][1]}"
+                raise ValueError(f"weight publish: {name} is {got}, but the first publish fixed it "
+                                 f"as {list(shape)} {dtype}")
+        unknown = set(given) - set(fixed)
         if unknown:
             raise ValueError(f"weight publish: tensors not in the first publish's spec: {sorted(unknown)[:5]}")
+        if [name for name, _, _ in spec] != [name for name, _, _ in self.spec]:
+            raise ValueError("weight publish: the tensors come in another order than the first publish's")
 
-    def _flat(self, index: int, named: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The flat tensor bucket `index` sends: its lone tensor itself if contiguous, else its packed buffer."""
-        bucket = self.buckets[index]
-        first = named[bucket.slots[0].name]
-        if len(bucket.slots) == 1 and first.is_contiguous():
-            return first.view(-1)
-        if self.buffers[index] is None:
-            self.buffers[index] = torch.empty(bucket.numel, dtype=bucket.dtype, device=first.device)
-        buffer = self.buffers[index]
+    def _flat(self, index: int, bucket: Bucket, stream) -> torch.Tensor:
+        """The flat tensor bucket `index` sends, built from the next tensors of the stream: its lone tensor
+        itself if contiguous, else packed into ring slot index % IN_FLIGHT."""
+        parts = []
         for slot in bucket.slots:
-            buffer[slot.offset:slot.offset + slot.numel].copy_(named[slot.name].reshape(-1))
+            name, tensor = next(stream, (None, None))
+            if name != slot.name or tuple(tensor.shape) != slot.shape or tensor.dtype != bucket.dtype:
+                got = "nothing" if name is None else f"{name} {list(tensor.shape)} {tensor.dtype}"
+                raise RuntimeError(f"weight publish: the learner yielded {got} where its publish spec has "
+                                   f"{slot.name} {list(slot.shape)} {bucket.dtype}")
+            parts.append(tensor)
+        if len(parts) == 1 and parts[0].is_contiguous():
+            return parts[0].view(-1)
+        key = (bucket.dtype, parts[0].device)
+        slot_buffers = self.ring[index % self.IN_FLIGHT]
+        if key not in slot_buffers:
+            largest = max(b.numel for b in self.buckets if b.dtype == bucket.dtype)
+            slot_buffers[key] = torch.empty(largest, dtype=bucket.dtype, device=parts[0].device)
+        buffer = slot_buffers[key][:bucket.numel]
+        for slot, tensor in zip(bucket.slots, parts):
+            buffer[slot.offset:slot.offset + slot.numel].copy_(tensor.reshape(-1))
         return buffer
 
 

@@ -264,6 +264,11 @@ class DeepSpeedLearner:
             for slot in bucket.slots:
                 yield slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
+    def publish_spec(self, shards: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """What publish_tensors yields (TP = 1: shards are the same); ZeRO-3 parameters' full shapes."""
+        return [(name, tuple(getattr(p, "ds_shape", p.shape)), torch.float32)
+                for name, p in self.module.named_parameters()]
+
     def publish_buckets(self) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """ZeRO-3: the weight publisher's own bucket plan over `publish.bucket_mb` (megarl.distributed.
         publish.plan_buckets), each bucket's parameters gathered with ONE GatheredParameters over all of

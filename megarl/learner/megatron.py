@@ -210,6 +210,18 @@ class MegatronLearner:
         """
         yield from self._hf_tensors(lambda name, param: _local_copy(param), tp_size=self.cfg.tp)
 
+    def publish_spec(self, shards: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """What publish_tensors / publish_shards yield, from the same conversion run on meta tensors of the
+        shapes they would have (whole: the TP-split dim times tp); local, nothing is gathered."""
+        def meta(name: str, param: torch.Tensor) -> torch.Tensor:
+            shape = list(param.shape)
+            if not shards and self._tp_dim[name] is not None:
+                shape[self._tp_dim[name]] *= self.cfg.tp
+            return torch.empty(shape, dtype=torch.float32, device="meta")
+
+        return [(name, tuple(t.shape), t.dtype)
+                for name, t in self._hf_tensors(meta, tp_size=self.cfg.tp if shards else 1)]
+
     def _hf_tensors(self, megatron_tensor, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
         """This stage's HF-named tensors, built from megatron_tensor(name, param) of each parameter: the
         whole tensor (tp_size 1) or this TP rank's shard (tp_size = learner TP)."""

@@ -70,6 +70,56 @@ def test_a_version_that_does_not_match_the_first_is_refused_before_its_header():
     assert store.check([header_key(2)])
 
 
+class RecordingGroup:
+    """A real one-rank gloo group that logs each broadcast it starts."""
+
+    def __init__(self, log: list):
+        self.store = dist.HashStore()
+        self.group, self.log = dist.ProcessGroupGloo(self.store, 0, 1, timedelta(seconds=10)), log
+
+    def broadcast(self, tensor, root, timeout):
+        self.log.append(("send", tensor.numel()))
+        return self.group.broadcast(tensor, root, timeout)
+
+
+def test_tensors_stream_into_buckets_sent_as_they_fill_never_the_whole_model():
+    """With the learner's spec, each bucket goes on the wire as soon as its tensors have arrived, before
+    the next tensors are produced (a learner gathers or converts them meanwhile), and the source packs into
+    at most IN_FLIGHT reused buffers whatever the model's size."""
+    log: list = []
+    rec = RecordingGroup(log)
+    publisher = WeightPublisher(rec, rec.store, bucket_mb=64 * 4 / 2**20, timeout_s=10, checksum=True)
+    weights = {f"w{i}": torch.full((16, 2), float(i)) for i in range(12)}  # two tensors per 64-word bucket
+
+    def stream():
+        for name, tensor in weights.items():
+            log.append(("yield", name))
+            yield name, tensor
+
+    spec = [(n, tuple(t.shape), t.dtype) for n, t in weights.items()]
+    assert publisher.publish(1, stream(), spec=spec)["bytes"] == 12 * 32 * 4
+    assert publisher.publish(2, stream(), spec=spec)["bytes"] == 12 * 32 * 4
+    first = log[:len(log) // 2]
+    assert first[:3] == [("yield", "w0"), ("yield", "w1"), ("send", 64)]
+    assert first.index(("send", 64)) < first.index(("yield", "w2"))  # sent before the next bucket exists
+    assert [e for e in first if e[0] == "send"] == [("send", 64)] * 6
+    packing = [buf for slot in publisher.ring for buf in slot.values()]
+    assert len(packing) == WeightPublisher.IN_FLIGHT and all(b.numel() == 64 for b in packing)
+
+
+def test_a_stream_that_breaks_its_own_spec_is_named():
+    log: list = []
+    rec = RecordingGroup(log)
+    publisher = WeightPublisher(rec, rec.store, bucket_mb=1, timeout_s=10, checksum=False)
+    spec = [("a", (2,), torch.float32), ("b", (3,), torch.float32)]
+    with pytest.raises(RuntimeError, match=r"yielded b \[2\] torch.float32 where its publish spec has b \[3\]"):
+        publisher.publish(1, iter([("a", torch.zeros(2)), ("b", torch.zeros(2))]), spec=spec)
+    with pytest.raises(RuntimeError, match="yielded nothing where its publish spec has b"):
+        publisher.publish(2, iter([("a", torch.zeros(2))]), spec=spec)
+    with pytest.raises(ValueError, match="another order"):
+        publisher.publish(3, iter([]), spec=spec[::-1])
+
+
 def test_corrupted_bucket_is_refused_by_every_receiver(tmp_path):
     proc = run_torchrun(WORKER, 3, tmp_path, "corrupt", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

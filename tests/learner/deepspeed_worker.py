@@ -32,7 +32,8 @@ for case in cases:
         return DeepSpeedLearner(case["model_dir"], cfg, loss_cfg, publish_bucket_mb=case.get("bucket_mb", 16.0))
 
     learner = build()
-    record = {"initial": dict(learner.publish_tensors()), "logprobs": learner.logprobs(batches[0].input_ids)}
+    record = {"initial": dict(learner.publish_tensors()), "logprobs": learner.logprobs(batches[0].input_ids),
+              "spec": learner.publish_spec()}
     record["step1"] = learner.train_step(batches[0])
     record["after_step1"] = dict(learner.publish_tensors())
     root = out_dir / f"{case['name']}.ckpt"

@@ -27,6 +27,7 @@ for name, layout in layouts.items():
     published = dict(learner.publish_tensors())  # both are collective over TP: every rank iterates
     shards = dict(learner.publish_shards())
     torch.save({"logprobs": logprobs, "metrics": metrics, "published": published, "shards": shards,
+                "spec": learner.publish_spec(), "shard_spec": learner.publish_spec(shards=True),
                 "shard_bytes": publish_bytes({n: tuple(t.shape) for n, t in shards.items()}),
                 "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
                 "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),

@@ -100,6 +100,8 @@ def test_publish_before_any_step_is_bitwise_the_hf_checkpoint(runs, models, case
     for rank in runs[1][case]:
         published = rank["initial"]
         assert set(published) == set(saved)  # tied Qwen2: no lm_head; Llama: lm_head
+        # ...streamed in the order, shapes and dtypes publish_spec() announces
+        assert rank["spec"] == [(n, tuple(t.shape), t.dtype) for n, t in published.items()], case
         for name, tensor in saved.items():
             assert published[name].dtype == torch.float32 and torch.equal(published[name], tensor), (case, name)
 

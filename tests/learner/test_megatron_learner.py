@@ -76,9 +76,15 @@ def test_logprobs_match_hf(model_dir, world):
     assert (ours - ref).abs().max().item() <= 1e-5
 
 
+def spec_of(tensors: dict) -> list:
+    return [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+
+
 def test_publish_tensors_are_the_hf_state(model_dir, world):
+    """...in the order, shapes and dtypes publish_spec() announces (the publisher streams against it)."""
     learner = _learner(model_dir)
     published = dict(learner.publish_tensors())
+    assert learner.publish_spec() == spec_of(published)
     saved = load_file(f"{model_dir}/model.safetensors")
     assert set(published) == set(saved)  # tied: no lm_head.weight
     for name, tensor in saved.items():
@@ -302,6 +308,7 @@ def _check_stage_shards(ranks: list[dict], tp: int) -> None:
         stage = [r for r in ranks if r["pp_rank"] == source["pp_rank"]]
         for rank in stage:
             assert set(rank["published"]) == set(whole)
+            assert rank["spec"] == spec_of(rank["published"]) and rank["shard_spec"] == spec_of(rank["shards"])
             assert all(torch.equal(rank["published"][n], t) for n, t in whole.items())
         for dp_rank in {r["dp_rank"] for r in stage}:
             assert_publish_shards_are_tp_slices(whole, [r for r in stage if r["dp_rank"] == dp_rank], tp)
