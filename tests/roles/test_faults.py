@@ -118,7 +118,8 @@ def test_a_hung_sampler_is_named_by_the_learner(embedded_think_model_dir, tmp_pa
     out, err, took = _finish(proc, timeout=60)
     assert proc.returncode != 0
     assert "sampler rank 1 (sampler 0)" in err and ("stopped beating" in err or "has sent no heartbeat" in err)
-    assert "megarl: the run failed: learner 0 (rank 0) exited with code 1" in err
+    assert "megarl: the run failed: sampler 0 (rank 1) hung: alive but silent, no heartbeat for " in err
+    assert "so learner 0 (rank 0) stopped the run (its error is above)" in err
     assert not leftovers(run_dir)
 
 
