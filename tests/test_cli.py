@@ -1,6 +1,7 @@
 """`megarl train` refuses what the workers could not run before any process starts, naming the path and what
 is wrong; `megarl placement` says which node runs which roles. The real CLI, in a subprocess."""
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from tests.helpers import REPO, run_python
 
 DEMO = str(REPO / "configs" / "demo.yaml")
+EMPTY_RUN_DIR = tempfile.mkdtemp(prefix="megarl-cli-test-")  # a dry run writes nothing there
 QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu"}
 
 
@@ -22,7 +24,10 @@ def model_dir(root: Path, config=QWEN2, files=("model.safetensors", "tokenizer.j
 
 
 def train(*args: str):
-    return run_python("-m", "megarl.cli", "train", DEMO, *args, "--dry-run", timeout=120)
+    """`megarl train --dry-run`, in an empty run.dir unless `args` name one (the default, runs/demo, may
+    hold a demo run's outputs, which a fresh run refuses)."""
+    run_dir = [] if any(a.startswith("run.dir=") for a in args) else [f"run.dir={EMPTY_RUN_DIR}"]
+    return run_python("-m", "megarl.cli", "train", DEMO, *run_dir, *args, "--dry-run", timeout=120)
 
 
 BROKEN_MODELS = {
@@ -60,11 +65,11 @@ def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):
     path = model_dir(tmp_path / "model", files=("model.safetensors", "vocab.json", "merges.txt"))
     proc = train(f"model.path={path}")
     assert proc.returncode == 0, proc.stderr
-    assert f"megarl: model {path}; run dir runs/demo" in proc.stdout and "launching: torchrun" in proc.stdout
+    assert f"megarl: model {path}; run dir {EMPTY_RUN_DIR}" in proc.stdout and "launching: torchrun" in proc.stdout
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["task.name=nope"], "megarl: task: unknown task 'nope'; known tasks: ['arithmetic', 'jsonl', 'python_output']"),
+    (["task.name=nope"], "megarl: task: unknown task 'nope'; known tasks: ['arithmetic', 'count', 'jsonl', 'python_output']"),
     (["task.reward_fn=tests.rollout.nope:fn"], "cannot import module 'tests.rollout.nope'"),
     (["task.reward_fn=tests.rollout.reward_fns:nope"], "has no attribute 'nope'"),
     (["task.name=jsonl", "task.path=DATA"], "megarl: task: DATA:2: missing field 'answer'"),

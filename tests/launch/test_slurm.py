@@ -57,14 +57,16 @@ def calls(log: Path, tool: str) -> list[dict]:
 
 def test_single_node_script_checks_stages_the_model_and_runs_srun_torchrun(tmp_path, fake_model_dir):
     env, log = fake_slurm(tmp_path, nodes=1)
-    proc = run_batch("slurm_single_node.sbatch", env, CONFIG, f"model.path={fake_model_dir}", "run.steps=3")
+    proc = run_batch("slurm_single_node.sbatch", env, CONFIG, f"model.path={fake_model_dir}", "run.steps=3",
+                     f"run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "megarl: launching: torchrun" in proc.stdout  # `megarl train --dry-run` checked everything first
     scratch = f"/tmp/megarl-{env['SLURM_JOB_ID']}"
     [torchrun] = calls(log, "torchrun")
     assert torchrun["argv"] == ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--shutdown-timeout", "30",
                                 "-m", "megarl.roles.worker", CONFIG,
-                                f"model.path={fake_model_dir}", "run.steps=3", f"model.path={scratch}/model"]
+                                f"model.path={fake_model_dir}", "run.steps=3", f"run.dir={tmp_path / 'run'}",
+                                f"model.path={scratch}/model"]
     assert torchrun["model_staged"] and torchrun["env"]["HF_HOME"] == f"{scratch}/hf"
     assert calls(log, "srun")[1]["argv"][:3] == ["--nodes=1", "--ntasks=1", "torchrun"]
     assert not os.path.exists(scratch)  # node-local scratch is removed when the job ends
@@ -72,7 +74,8 @@ def test_single_node_script_checks_stages_the_model_and_runs_srun_torchrun(tmp_p
 
 def test_multi_node_script_starts_one_c10d_agent_per_node_with_its_own_address(tmp_path, fake_model_dir):
     env, log = fake_slurm(tmp_path, nodes=2)
-    proc = run_batch("slurm_multi_node.sbatch", env, CONFIG, f"model.path={fake_model_dir}", "run.steps=3")
+    proc = run_batch("slurm_multi_node.sbatch", env, CONFIG, f"model.path={fake_model_dir}", "run.steps=3",
+                     f"run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     scratch = f"/tmp/megarl-{env['SLURM_JOB_ID']}"
     agents = calls(log, "torchrun")
@@ -82,7 +85,8 @@ def test_multi_node_script_starts_one_c10d_agent_per_node_with_its_own_address(t
         assert a["argv"] == ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0", "--rdzv-backend", "c10d",
                              "--rdzv-endpoint", "addr-of-node0:29500", "--rdzv-id", env["SLURM_JOB_ID"],
                              "--local-addr", addr, "-m", "megarl.roles.worker", CONFIG, f"queue.host={addr}",
-                             f"model.path={fake_model_dir}", "run.steps=3", f"model.path={scratch}/model"]
+                             f"model.path={fake_model_dir}", "run.steps=3", f"run.dir={tmp_path / 'run'}",
+                                f"model.path={scratch}/model"]
         assert a["model_staged"] and a["env"]["TORCH_EXTENSIONS_DIR"] == f"{scratch}/torch_extensions"
     assert proc.stderr.count("megarl placement: node 0 (torchrun group rank 0): rank 0 = learner 0") == 1
 
@@ -93,7 +97,7 @@ def test_multi_node_script_starts_one_c10d_agent_per_node_with_its_own_address(t
 ])
 def test_a_bad_config_stops_the_job_before_any_worker_starts(script, override, message, tmp_path, fake_model_dir):
     env, log = fake_slurm(tmp_path, nodes=2 if "multi" in script else 1)
-    proc = run_batch(script, env, CONFIG, f"model.path={fake_model_dir}", override)
+    proc = run_batch(script, env, CONFIG, f"model.path={fake_model_dir}", override, f"run.dir={tmp_path / 'run'}")
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
     assert calls(log, "torchrun") == []
 

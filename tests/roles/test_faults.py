@@ -12,7 +12,8 @@ import pytest
 
 from tests.helpers import REPO, run_python
 
-DEMO = str(REPO / "configs" / "demo.yaml")
+# The arithmetic demo: the task the embedded think model (embedded_think_model_dir) was built for.
+DEMO = str(REPO / "configs" / "arithmetic.yaml")
 
 
 def _workers(run_dir) -> dict[int, int]:
