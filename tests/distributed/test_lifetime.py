@@ -39,3 +39,35 @@ def test_the_failure_is_printed():
     assert "bad config: learner.tp" in run(BODY["exits_with_message"]).stderr
     stderr = run(BODY["raises"]).stderr
     assert "Traceback" in stderr and "ValueError: reward function raised" in stderr
+
+
+STOPPABLE = textwrap.dedent("""
+    import sys, time
+    from megarl.distributed.lifetime import StopRequested, exit_status, install_stop_handlers, raise_if_stopped
+    install_stop_handlers()
+    print('ready', flush=True)
+    try:
+        while True:  # a role's loop: it checks at its safe points
+            raise_if_stopped()
+            time.sleep(0.01)
+    except StopRequested as stop:
+        print(stop, flush=True)
+        sys.exit(exit_status(stop.signum))
+""")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_stop_signal_is_recorded_and_left_at_a_safe_point_with_128_plus_its_number(sig):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    proc = subprocess.Popen([sys.executable, "-c", STOPPABLE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=30)
+    assert (proc.returncode, out, err) == (128 + getattr(signal, sig), f"stopped by {sig}\n", "")  # no KeyboardInterrupt
