@@ -13,12 +13,15 @@ from pathlib import Path
 import torch
 
 from megarl.config.load import load_config, save_config
-from megarl.distributed.lifetime import run_then_exit
+from megarl.distributed.lifetime import install_stop_handlers, run_then_exit
 from megarl.distributed.topology import connect_store, topology_from_env
 from megarl.models.tiny import resolve_model_path
+from megarl.observe.quiet import silence_known_library_warnings
 
 
 def main(argv: list[str] | None = None) -> None:
+    silence_known_library_warnings()  # megatron-core's import-time fallback notices (megarl.observe.quiet)
+    install_stop_handlers()  # SIGTERM/SIGINT/SIGHUP end the run at a step boundary (megarl.distributed.lifetime)
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         sys.exit("usage: torchrun ... -m megarl.roles.worker CONFIG [key=value ...]")
