@@ -17,9 +17,9 @@ sampler receiving over a standalone gloo publish group (learner rank 0 -> sample
   - bucketed: `publish_buckets()` (one GatheredParameters per publish bucket of `--bucket-mb`, packed
     into one flat buffer), each bucket broadcast while the next one is gathered (at most two in
     flight): what the learner's gathers give a publisher that consumes them as they come;
-  - weight_publisher: megarl's WeightPublisher -> WeightReceiver as a run does today
-    (`publish_weights`): it collects every tensor before planning the sends, so the source holds a
-    CPU copy of the whole model (docs/learner.md#deepspeed).
+  - weight_publisher: megarl's WeightPublisher -> WeightReceiver as a run does (`publish_weights`):
+    the learner's tensors stream against its `publish_spec()`, each bucket packed and sent as its
+    tensors arrive, at most two buckets on the wire.
 
 Ends with one JSON line.
 """
@@ -186,7 +186,7 @@ def weight_publisher(learner, rank, store, group, spec, args, rep) -> None:
     if rank == 0:
         if not hasattr(weight_publisher, "publisher"):
             weight_publisher.publisher = WeightPublisher(group, dist_prefix(store), args.bucket_mb, 600, False)
-        weight_publisher.publisher.publish(rep + 1, learner.publish_tensors())
+        weight_publisher.publisher.publish(rep + 1, learner.publish_tensors(), spec=learner.publish_spec())
     else:
         for _ in learner.publish_tensors():
             pass

@@ -9,24 +9,26 @@ sandbox) before any worker starts, then launches one torchrun holding every role
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
+from pathlib import Path
 
 from megarl.config.load import ConfigError, load_config, world_size_for
+from megarl.distributed.lifetime import STOP_SIGNALS
 
 # A tokenizer is one of these file sets (fast tokenizer, byte-level BPE, sentencepiece).
 TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
 
 
-def torchrun_command(config: str, overrides: list[str], nproc: int, max_restarts: int = 0) -> list[str]:
+def torchrun_command(config: str, overrides: list[str], nproc: int, max_restarts: int = 0,
+                     shutdown_timeout_s: int = 30) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "-m", "megarl.roles.worker", config, *overrides]
+            f"--max-restarts={max_restarts}", f"--shutdown-timeout={shutdown_timeout_s}", "-m", "megarl.roles.worker",
+            config, *overrides]
 
 
 def train(args: argparse.Namespace) -> int:
@@ -46,7 +48,7 @@ def train(args: argparse.Namespace) -> int:
         return 2
     try:
         model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        check_model_dir(model_dir, max(cfg.learner.tp, cfg.sampler.tp))
+        check_model_dir(model_dir, cfg)
     except (FileNotFoundError, ValueError) as exc:
         print(f"megarl: model.path: {exc}", file=sys.stderr)
         return 2
@@ -56,19 +58,20 @@ def train(args: argparse.Namespace) -> int:
     except (OSError, ImportError, ValueError) as exc:
         print(f"megarl: task: {exc}", file=sys.stderr)
         return 2
-    from megarl.checkpoint.resume import check_export_target, find_checkpoint
+    from megarl.checkpoint.resume import check_export_target, find_checkpoint, prepare_run_dir
     from megarl.checkpoint.storage import CheckpointError
 
     try:  # the learner checks again (raw torchrun launches); here it costs no process start
         check_export_target(cfg)
         resume_from = find_checkpoint(cfg)
+        prepare_run_dir(cfg, resume_from, clear=False)  # with run.overwrite the learner clears, once launched
     except CheckpointError as exc:
         print(f"megarl: checkpoint: {exc}", file=sys.stderr)
         return 2
     if resume_from is not None:
         print(f"megarl: resuming from {resume_from}")
     restarts = cfg.fault.max_restarts if cfg.fault.on_failure == "restart" else 0
-    cmd = torchrun_command(args.config, args.overrides, world_size_for(cfg), restarts)
+    cmd = torchrun_command(args.config, args.overrides, world_size_for(cfg), restarts, cfg.fault.stop_timeout_s)
     print(f"megarl: model {model_dir}; run dir {cfg.run.dir}")
     if args.nnodes > 1:
         print(f"megarl: processes per node: {len(nodes[0])} ({args.nnodes} nodes)")
@@ -82,54 +85,90 @@ def train(args: argparse.Namespace) -> int:
 
 
 def run_torchrun(cmd: list[str], env: dict, cfg) -> int:
-    """Run torchrun, passing its output through; if it fails, say which rank and role failed first."""
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
-    tail: collections.deque[str] = collections.deque(maxlen=400)
-    for line in proc.stderr:  # torchrun writes its failure report (and the workers' tracebacks) here
-        sys.stderr.write(line)
-        tail.append(line)
-    code = proc.wait()
+    """Run torchrun (megarl.distributed.supervisor); a stop signal to this process stops the whole run and
+    exits 128 + its number, saying how to resume; if the run fails, say which rank and role failed first."""
+    from megarl.checkpoint.storage import CheckpointError, find_latest
+    from megarl.distributed.lifetime import exit_status
+    from megarl.distributed.supervisor import TorchrunRun
+
+    run = TorchrunRun(cmd, env, cfg.fault.stop_timeout_s)
+    code = run.wait()
+    if run.signalled is not None:
+        try:
+            latest = find_latest(cfg.checkpoint.dir) if Path(cfg.checkpoint.dir).is_dir() else None
+        except CheckpointError:
+            latest = None
+        print(f"megarl: stopped by {signal.Signals(run.signalled).name}; every process of the run has exited. "
+              f"Outputs are in {cfg.run.dir}"
+              + (f"; continue from {latest} with the same command and run.resume=true" if latest else
+                 " (no checkpoint was saved: fault.checkpoint_on_signal=true or checkpoint.every_steps save one)"),
+              file=sys.stderr)
+        return exit_status(run.signalled)
+    if run.killed_by is not None:
+        print(f"megarl: the run failed: torchrun (pid {run.proc.pid}) was killed by {signal.Signals(run.killed_by).name}"
+              f" (from outside megarl); megarl stopped its workers. Outputs so far are in {cfg.run.dir}",
+              file=sys.stderr)
+        return exit_status(run.killed_by)
     if code != 0:
-        print(f"megarl: the run failed: {failure_summary(''.join(tail), cfg)}", file=sys.stderr)
+        print(f"megarl: the run failed: {failure_summary(''.join(run.tail), cfg)}", file=sys.stderr)
     return code
 
 
 def failure_summary(torchrun_stderr: str, cfg) -> str:
     """One line naming the failed rank that caused the stop, its role and how it ended, from torchrun's
-    failure report.
+    failure report (and, for a hung sampler, the learner's heartbeat error above it).
 
     torchrun's "Root Cause" is the failure it observed first, and that is often an effect: when a rank is
     killed from outside (kill -9, the OOM killer), its peers' collectives and sockets break and they exit
     with an error within milliseconds, sometimes before torchrun's monitor sees the kill. So a rank
-    that died of a signal other than SIGTERM (which torchrun itself sends to stop the rest) is named in
-    preference; otherwise the root cause is.
+    that died of a signal is named in preference, except the signals torchrun itself sends to stop the
+    rest: SIGTERM (or the 128 + 15 a megarl worker exits with on it), and the SIGKILL it escalates to
+    for a process that ignored the SIGTERM (a hung one: "Unable to shutdown process PID"). A learner
+    that stopped the run because a sampler's heartbeat went quiet names that sampler as the cause.
     """
     from megarl.distributed.topology import Topology
 
     report = torchrun_stderr[torchrun_stderr.rfind("Failures:"):]
-    failures = [(int(rank), int(code)) for rank, code in
-                re.findall(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", report, re.S)]
+    failures = [(int(rank), int(code), int(pid)) for rank, code, pid in
+                re.findall(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)", report, re.S)]
     if not failures:
         return "torchrun exited with an error (see its output above)"
+    escalated = {int(pid) for pid in re.findall(r"Unable to shutdown process (\d+) via", torchrun_stderr)}
     root = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", report, re.S)
-    killed = [(rank, code) for rank, code in failures if code < 0 and -code != signal.SIGTERM]
-    rank, code = killed[0] if killed else (int(root.group(1)), int(root.group(2))) if root else failures[0]
+    killed = [(rank, code) for rank, code, pid in failures
+              if code < 0 and -code != signal.SIGTERM and pid not in escalated]
+    rank, code = killed[0] if killed else (int(root.group(1)), int(root.group(2))) if root else failures[0][:2]
+    stops = {-signal.SIGTERM, *(128 + s for s in STOP_SIGNALS)}  # how a rank ends when told to stop
+    errors = [(r, c) for r, c, _ in failures if c > 0 and c not in stops]
+    if not killed and code in stops and errors:  # it was stopped; the rank with an error is the cause
+        rank, code = errors[0]
     learners, world = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp, world_size_for(cfg)
     topo = Topology(rank=rank, world_size=world, num_learners=learners, num_samplers=world - learners)
-    how = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0
-           else f"exited with code {code} (its traceback is above)")
+    if code < 0:
+        how = f"was killed by signal {-code} ({signal.Signals(-code).name})"
+    elif code - 128 in set(STOP_SIGNALS):
+        how = f"stopped on {signal.Signals(code - 128).name} (exit code {code})"
+    else:
+        how = f"exited with code {code} (its traceback is above)"
     after = ("torchrun stopped every other process" if cfg.fault.on_failure == "stop"
              else f"torchrun stopped every process after {cfg.fault.max_restarts} restarts (fault.max_restarts)")
+    hung = re.findall(r"sampler rank (\d+) \(sampler (\d+)\) (?:stopped beating: no heartbeat for|has not started its "
+                      r"loop: no heartbeat for|has sent no heartbeat for) (\d+)s", torchrun_stderr)
+    if topo.role == "learner" and code > 0 and hung:
+        sampler_rank, sampler, silent_s = hung[-1]
+        return (f"sampler {sampler} (rank {sampler_rank}) hung: alive but silent, no heartbeat for {silent_s}s, "
+                f"so {topo.role} {topo.role_rank} (rank {rank}) stopped the run (its "
+                f"error is above); {after}. Outputs so far are in {cfg.run.dir}")
     return f"{topo.role} {topo.role_rank} (rank {rank}) {how}; {after}. Outputs so far are in {cfg.run.dir}"
 
 
-def check_model_dir(model_dir, tp: int = 1) -> None:
+def check_model_dir(model_dir, cfg=None) -> None:
     """ValueError naming the file and what is missing or unsupported, for what the workers would load
-    (split `tp` ways, the larger of learner.tp and sampler.tp)."""
+    (and, given the run config, split over its learner.tp/pp and sampler.tp: megarl/models/layout.py)."""
     from pathlib import Path
 
     from megarl.models.convert import check_supported
-    from megarl.models.tp_shard import check_divisible
+    from megarl.models.layout import check_layout
 
     model_dir = Path(model_dir)
     config = model_dir / "config.json"
@@ -142,13 +181,11 @@ def check_model_dir(model_dir, tp: int = 1) -> None:
     except ValueError as exc:
         raise ValueError(f"{config}: {exc} (megarl trains Qwen2- and Llama-family models: model_type qwen2 or "
                          f"llama, architectures Qwen2ForCausalLM or LlamaForCausalLM)") from exc
-    if tp > 1:
+    if cfg is not None:
         try:
-            heads = hf_config["num_attention_heads"]
-            check_divisible(heads, hf_config.get("num_key_value_heads") or heads, hf_config["intermediate_size"],
-                            hf_config["vocab_size"], tp)
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"{config}: learner.tp/sampler.tp={tp}: {exc}") from exc
+            check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp)
+        except ValueError as exc:
+            raise ValueError(f"{config}: {exc}") from exc
     if not any((model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
         raise ValueError(f"model directory {str(model_dir)!r} has no weights (model.safetensors or "
                          f"model.safetensors.index.json)")
@@ -158,15 +195,14 @@ def check_model_dir(model_dir, tp: int = 1) -> None:
 
 
 def check_task(cfg) -> list[str]:
-    """Build the task once as every sampler will (dataset rows read, reward function imported, sandbox
-    probed); raises what a sampler would raise, returns lines worth printing at start."""
-    from megarl.rollout.sandbox import SandboxError, load_function, probe
+    """Build the task once as every sampler will (dataset rows read, sandbox probed, a user reward function
+    called on a few real prompts); raises what a sampler would raise, returns lines worth printing at start."""
+    from megarl.rollout.rewards import check_reward
+    from megarl.rollout.sandbox import SandboxError, probe
     from megarl.rollout.tasks import task_from_config
 
     tc, lines = cfg.task, []
     task = task_from_config(tc)
-    if ":" in tc.reward_fn:
-        load_function(tc.reward_fn)
     dataset = getattr(task, "task", task)  # a task scored by task.reward_fn wraps the prompt source
     if hasattr(dataset, "bad_rows"):
         lines.append(f"dataset {tc.path}: {len(dataset.prompts)} prompts"
@@ -181,6 +217,8 @@ def check_task(cfg) -> list[str]:
             raise ValueError("task.sandbox.require_namespaces: this kernel refuses unprivileged user namespaces, so "
                              "sandboxed code could write outside its directory; set it to false to accept that")
         lines.append(f"reward sandbox: {', '.join(layers)}")
+    if ":" in tc.reward_fn:  # a user function: imported and called on real prompts, in its own process
+        lines.append(check_reward(task, tc.reward_fn))
     return lines
 
 
@@ -259,7 +297,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default 5)")
     p.set_defaults(func=export)
     args = parser.parse_args(argv)
-    sys.exit(args.func(args))
+    try:
+        sys.exit(args.func(args))
+    except KeyboardInterrupt:  # Ctrl-C before the run started (checks, model build): nothing to stop yet
+        print("megarl: interrupted before the run started", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":

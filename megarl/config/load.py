@@ -76,7 +76,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Cross-field rules. `world_size`, when known (inside torchrun), must match the topology."""
     _check_positive(cfg)
     lc = cfg.learner
-    _require(lc.backend == "megatron", "learner.backend", f"unknown backend {lc.backend!r}; known: megatron")
+    _require(lc.backend in ("megatron", "deepspeed"), "learner.backend",
+             f"unknown backend {lc.backend!r}; known: megatron, deepspeed")
+    _validate_deepspeed(lc)
     _require(cfg.sampler.engine in ("builtin", "sglang"), "sampler.engine",
              f"unknown engine {cfg.sampler.engine!r}; known: builtin, sglang")
     if cfg.sampler.engine == "sglang":
@@ -105,9 +107,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(lc.recompute_activations in ("none", "full", "selective"), "learner.recompute_activations",
              f"must be none, full or selective, got {lc.recompute_activations!r}")
     _require(lc.micro_batch_tokens >= 0, "learner.micro_batch_tokens", "must be >= 0 (0 = fixed micro_batch_size rows)")
+    rows = cfg.algo.prompts_per_step * cfg.algo.group_size
+    _require(rows >= lc.dp, "learner.dp", f"every DP rank trains its share of a batch's {rows} rows "
+             f"(algo.prompts_per_step*algo.group_size), so dp={lc.dp} would leave a rank without any")
     _require(cfg.fault.on_failure in ("stop", "restart"), "fault.on_failure",
              f"must be stop or restart, got {cfg.fault.on_failure!r}")
     _require(cfg.fault.max_restarts >= 0, "fault.max_restarts", "must be >= 0")
+    _require(cfg.fault.stop_timeout_s > 0, "fault.stop_timeout_s", "must be > 0")
     _require(cfg.fault.on_failure != "restart" or cfg.checkpoint.every_steps > 0, "fault.on_failure",
              "restart resumes from the last checkpoint: set checkpoint.every_steps > 0")
     _require(cfg.fault.sampler_timeout_s > cfg.fault.heartbeat_s, "fault.sampler_timeout_s",
@@ -138,6 +144,9 @@ def _validate_sglang(cfg: Config) -> None:
     _require(sc.server == "sglang" or sc.tp == 1, "sampler.sglang.tp",
              "the built-in SGLang-compatible server is one process; tp > 1 needs sampler.sglang.server=sglang")
     _require(sc.cache_on_update in ("keep", "flush"), "sampler.sglang.cache_on_update", "must be keep or flush")
+    _require(sc.min_new_tokens >= 1, "sampler.sglang.min_new_tokens", "must be >= 1")
+    _require(not any(a.split("=")[0] == "--context-length" for a in sc.server_args), "sampler.sglang.server_args",
+             "must not set --context-length: megarl passes sampler.max_seq_len, the length every request is budgeted to")
     _require(sc.weight_format in ("flattened_bucket", "per_tensor"), "sampler.sglang.weight_format",
              "must be flattened_bucket or per_tensor")
     for key in ("startup_timeout_s", "request_timeout_s"):
@@ -157,6 +166,9 @@ def _validate_task(cfg: Config) -> None:
     tc = cfg.task
     _require(tc.on_bad_row in ("error", "skip"), "task.on_bad_row", f"must be error or skip, got {tc.on_bad_row!r}")
     _require(tc.reward_timeout_s > 0, "task.reward_timeout_s", f"must be > 0, got {tc.reward_timeout_s}")
+    _require(tc.reward_group_budget_s > 0, "task.reward_group_budget_s", f"must be > 0, got {tc.reward_group_budget_s}")
+    _require(0.0 <= tc.max_reward_error_frac <= 1.0, "task.max_reward_error_frac",
+             f"must be in [0, 1] (1 = never stop for failed rewards), got {tc.max_reward_error_frac}")
     if tc.name == "jsonl":
         _require(bool(tc.path), "task.path", "task.name=jsonl needs the dataset: task.path=FILE.jsonl|FILE.parquet|DIR")
         _require(Path(tc.path).expanduser().exists(), "task.path", f"dataset not found: {tc.path}")
@@ -181,6 +193,29 @@ def _validate_checkpoint(cfg: Config) -> None:
     _require(bool(ck.dir), "checkpoint.dir", "must not be empty (default: {run.dir}/checkpoints)")
     _require(ck.every_steps >= 0, "checkpoint.every_steps", f"must be >= 0 (0 = no periodic saves), got {ck.every_steps}")
     _require(ck.keep >= 1, "checkpoint.keep", f"must be >= 1, got {ck.keep}")
+
+
+def _validate_deepspeed(lc) -> None:
+    """learner.backend=deepspeed: data parallel only (ZeRO partitions over the DP ranks), and the
+    learner.deepspeed.* flags only where they apply."""
+    ds = lc.deepspeed
+    if lc.backend != "deepspeed":
+        for key in ("offload_optimizer", "offload_params"):
+            _require(not getattr(ds, key), f"learner.deepspeed.{key}",
+                     f"applies to learner.backend=deepspeed only (backend is {lc.backend!r})")
+        return
+    for key in ("tp", "pp"):
+        _require(getattr(lc, key) == 1, f"learner.{key}",
+                 f"learner.backend=deepspeed is data parallel only (ZeRO over learner.dp ranks); got {key}="
+                 f"{getattr(lc, key)}, use learner.backend=megatron for tensor / pipeline parallelism")
+    _require(ds.zero_stage in (1, 2, 3), "learner.deepspeed.zero_stage", f"must be 1, 2 or 3, got {ds.zero_stage!r}")
+    _require(not ds.offload_params or ds.zero_stage == 3, "learner.deepspeed.offload_params",
+             f"parameters are partitioned (and so offloadable) only at zero_stage 3, not {ds.zero_stage}")
+    _require(not lc.use_distributed_optimizer, "learner.use_distributed_optimizer",
+             "is megatron's; with learner.backend=deepspeed the ZeRO stage partitions the optimizer state")
+    _require(lc.recompute_activations in ("none", "full"), "learner.recompute_activations",
+             f"learner.backend=deepspeed recomputes whole layers (HF gradient checkpointing): none or full, "
+             f"got {lc.recompute_activations!r}")
 
 
 def _check_positive(cfg: Config) -> None:

@@ -25,6 +25,9 @@ class RunConfig:
     # exists, else start fresh) or "false" (start fresh; refused if checkpoints would be overwritten).
     # docs/checkpoint.md says exactly what a resumed run continues.
     resume: str = "false"
+    # A fresh run (resume false) refuses a run.dir holding another run's metrics.jsonl, rollouts.jsonl or
+    # timeline/; true deletes those outputs (and tensorboard/) first. Checkpoints are never deleted.
+    overwrite: bool = False
 
 
 @dataclass
@@ -37,8 +40,11 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "arithmetic"  # arithmetic | python_output (code execution) | jsonl (a prompt dataset)
+    name: str = "arithmetic"  # arithmetic | count | python_output (code execution) | jsonl (a prompt dataset)
     max_operand: int = 19
+    # name=count ("d-k=" -> "defghijk"): mean and cap of the run length, drawn long-tailed (geometric).
+    length_mean: float = 8.0
+    max_length: int = 48
     # Mean length of the filler "thinking" run before the answer (geometric, so long-tailed);
     # 0 = answer directly. The embedded default model was warm-started with 10.
     think_mean: float = 10.0
@@ -53,10 +59,16 @@ class TaskConfig:
     on_bad_row: str = "error"  # a malformed row or one missing a field: "error" (names file:line) or "skip" (counted)
     # The reward: "" = the task's own; "python_output" = run the completion as a Python program in the
     # sandbox and compare its stdout with the answer; "package.module:function" = a user function
-    # called as fn(prompt, completion, answer, meta) -> float (megarl/rollout/rewards.py).
+    # called as fn(prompt, completion, answer, meta) -> float (the contract: docs/rewards.md).
     reward_fn: str = ""
     reward_sandbox: bool = False  # run reward_fn in the sandbox, a fresh limited process per call
-    reward_timeout_s: float = 10.0  # a reward call (or sandboxed program) running longer is killed: failed reward
+    reward_timeout_s: float = 2.0  # a reward call (or sandboxed program) running longer is killed: failed reward
+    # All reward calls of one group (algo.group_size samples) together; once spent, the group's remaining
+    # samples fail without a call and the sampler says so, so a hanging reward cannot stall generation.
+    reward_group_budget_s: float = 4.0
+    # The run stops, showing the first failure, once more than this share of a batch's worth of the
+    # samples the learner received last had a failed reward (raised, timed out, not a number); 1 = never.
+    max_reward_error_frac: float = 0.1
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # limits of sandboxed code
 
 
@@ -91,6 +103,10 @@ class SGLangConfig:
     # node's address, which launch/torchrun_multi_node.sh sets).
     update_group_host: str = ""
     update_group_port: int = 0  # 0 = a free port on the learner
+    # A prompt that leaves fewer than this many new tokens within sampler.max_seq_len (the server's
+    # --context-length) is skipped and counted (sampler skipped_overlong_prompts); every other request
+    # asks for min(sampling.max_new_tokens, max_seq_len - prompt) tokens (SGLang refuses more).
+    min_new_tokens: int = 1
 
 
 @dataclass
@@ -109,8 +125,17 @@ class SamplerConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """learner.backend=deepspeed (megarl/learner/deepspeed.py; docs/learner.md#deepspeed)."""
+
+    zero_stage: int = 3  # 1: optimizer state, 2: + gradients, 3: + parameters partitioned over the DP ranks
+    offload_optimizer: bool = False  # Adam state (and its step) on the CPU
+    offload_params: bool = False  # stage 3 only: parameters on the CPU between uses
+
+
+@dataclass
 class LearnerConfig:
-    backend: str = "megatron"
+    backend: str = "megatron"  # megatron | deepspeed (any HF causal LM through transformers)
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -128,6 +153,7 @@ class LearnerConfig:
     max_nonfinite_in_row: int = 5
     seed: int = 1234
     threads: int = 1
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
 
 @dataclass
@@ -189,6 +215,12 @@ class FaultConfig:
     # (a dead one is torchrun's to see at once); the learner then fails, naming it.
     sampler_timeout_s: float = 300.0
     heartbeat_s: float = 1.0  # how often a sampler's loop reports that it turns
+    # SIGTERM/SIGINT/SIGHUP stop the run at the next step boundary; also save a checkpoint there (a
+    # checkpoint due by checkpoint.every_steps is saved anyway). docs/faults.md.
+    checkpoint_on_signal: bool = False
+    # After a stop signal, how long the processes may take to stop (finish the step, publish, checkpoint)
+    # before torchrun kills them (its --shutdown-timeout).
+    stop_timeout_s: int = 30
 
 
 @dataclass

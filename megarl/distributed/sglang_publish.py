@@ -137,8 +137,11 @@ class SGLangPublisher:
                    bucket_mb=cfg.publish.bucket_mb, timeout_s=cfg.publish.timeout_s,
                    join_timeout_s=sc.startup_timeout_s + sc.request_timeout_s)
 
-    def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], extra: dict | None = None) -> dict:
-        """Broadcast one version; returns {bytes, seconds}. `extra` travels in the header (small JSON)."""
+    def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], extra: dict | None = None,
+                spec=None) -> dict:
+        """Broadcast one version; returns {bytes, seconds}. `extra` travels in the header (small JSON).
+        `spec` (WeightPublisher's streaming contract) is not used yet: the tensors are collected first, so
+        this source holds a copy of the model during a publish (docs/sglang.md)."""
         start = time.perf_counter()
         named = dict(tensors)
         if self.calls is None:

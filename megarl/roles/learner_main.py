@@ -9,6 +9,7 @@ log-probs of pi_t stay the ratio denominator in every epoch).
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import replace
@@ -24,13 +25,17 @@ from megarl.checkpoint.position import DataPosition
 from megarl.checkpoint.resume import Schedule, learner_resume_point, roll_back_outputs
 from megarl.config.schema import Config
 from megarl.distributed.heartbeat import HeartbeatMonitor
+from megarl.distributed.lifetime import StopRequested, exit_status, raise_if_stopped
 from megarl.distributed.publish import WeightPublisher
 from megarl.distributed.queue import QueueReceiver
 from megarl.distributed.topology import Topology, init_learner_group, publish_groups, publish_stage_store
-from megarl.observe.sinks import MetricsSink, ProgressLine, RolloutSink
+from megarl.models.layout import check_layout
+from megarl.observe.console import Console
+from megarl.observe.sinks import MetricsSink, RolloutSink
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Sample, TrainBatch
 from megarl.rollout.batch import assemble_batch, is_stale, is_zero_variance
+from megarl.rollout.rewards import RewardErrorWindow
 
 STOP_KEY = "stop"
 
@@ -41,13 +46,15 @@ def batch_metrics(batch: TrainBatch) -> dict[str, float]:
     lags = (batch.learner_version - batch.versions)[mask].float()
     rewards = torch.tensor([s.reward for s in batch.samples])
     multi = sum(len(set(s.versions)) > 1 for s in batch.samples)
+    errors = sum(s.reward_error is not None for s in batch.samples)
     return {
         "reward_mean": rewards.mean().item(),
         "lag_mean": lags.mean().item() if lags.numel() else 0.0,
         "lag_max": lags.max().item() if lags.numel() else 0.0,
         "multi_version_frac": multi / len(batch.samples),
         "completion_len_mean": mask.sum(1).float().mean().item(),
-        "reward_errors": float(sum(s.reward_error is not None for s in batch.samples)),
+        "reward_errors": float(errors),  # samples of the batch whose reward failed (scored 0.0)
+        "reward_error_frac": errors / len(batch.samples),
     }
 
 
@@ -61,17 +68,19 @@ class Intake:
     per-sampler count of retired groups that every publish header reports back."""
 
     def __init__(self, cfg: Config, store, pad_id: int, topo: Topology):
-        self.cfg, self.pad_id, self.num_learners = cfg, pad_id, topo.num_learners
+        self.cfg, self.pad_id, self.num_learners, self.store = cfg, pad_id, topo.num_learners, store
         self.queue = QueueReceiver(store, cfg.queue.host)
         self.heartbeats = sampler_heartbeats(cfg, store, topo)
         self.retired: Counter[int] = Counter()  # groups per sampler rank that left (trained or dropped)
         self.position = DataPosition()  # which group indices left, per sampler stream (checkpointed)
         self.dropped_totals: Counter[str] = Counter()
         self.sampler_stats: dict[int, dict[str, float]] = {}  # latest counters per sampler rank
+        self.reward_errors = RewardErrorWindow(cfg.algo.prompts_per_step * cfg.algo.group_size,
+                                               cfg.task.max_reward_error_frac)
 
     def next_batch(self, version: int) -> tuple[TrainBatch, dict[str, float]]:
         groups, dropped, wait_s = _collect_groups(self.queue, self.cfg, version, self.retire, self.sampler_stats,
-                                                  on_wait=lambda: self.heartbeats.check(self.num_learners))
+                                                  on_wait=self._on_wait)
         self.dropped_totals.update(dropped)
         batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, self.pad_id, learner_version=version)
         for group in groups:
@@ -83,13 +92,20 @@ class Intake:
             metrics.update({f"sampler{rank}/{k}": v for k, v in stats.items()})
         return batch, metrics
 
+    def _on_wait(self) -> None:
+        """While groups are awaited (and between them): a hung sampler, or a stop signal, ends the wait."""
+        raise_if_stopped(self.store)
+        self.heartbeats.check(self.num_learners)
+
     def header(self) -> dict:
         return {"retired": {str(k): v for k, v in self.retired.items()}}
 
     def retire(self, group: list[Sample]) -> None:
-        """The group left (trained or dropped): its sampler may start another; the position records it."""
+        """The group left (trained or dropped): its sampler may start another; the position records it, and
+        its failed rewards count towards task.max_reward_error_frac (which stops the run when exceeded)."""
         self.retired[group[0].sampler_rank] += 1
         self.position.retire(group[0].group_id)
+        self.reward_errors.add(group)
 
     def resume(self, position: dict) -> None:
         """Continue from a checkpoint's data position (the samplers re-issue what it had not retired)."""
@@ -102,7 +118,8 @@ def publish_weights(learner, publisher, extra: dict, heartbeats: HeartbeatMonito
                     num_learners: int = 0, shards: bool = False) -> dict:
     """Every learner rank iterates publish_tensors() (whole tensors, gathered over TP) or, shard to
     shard, publish_shards() (its own TP slices; only the embedding is gathered); both are collective
-    over TP. Each publish part's source broadcasts.
+    over TP. Each publish part's source broadcasts them as they come (publish_spec() tells it what will
+    come), so no rank holds a second copy of the model.
 
     A broadcast that times out is usually a sampler that stopped receiving: the source says which
     samplers' heartbeats went quiet (it observes them before every publish, so it knows for how long)."""
@@ -111,7 +128,7 @@ def publish_weights(learner, publisher, extra: dict, heartbeats: HeartbeatMonito
         if heartbeats is not None:
             heartbeats.observe()
         try:
-            return publisher.publish(learner.version, tensors, extra=extra)
+            return publisher.publish(learner.version, tensors, extra=extra, spec=learner.publish_spec(shards))
         except TimeoutError as exc:
             if heartbeats is None:
                 raise
@@ -121,22 +138,24 @@ def publish_weights(learner, publisher, extra: dict, heartbeats: HeartbeatMonito
     return {"bytes": 0, "seconds": 0.0}
 
 
-def save_checkpoint(learner, cfg: Config, step: int, model_dir: Path, intake: Intake | None) -> None:
-    """Collective over the learner ranks; the lead's intake contributes the data position."""
+def save_checkpoint(learner, cfg: Config, step: int, model_dir: Path, intake: Intake | None,
+                    note: Callable[[str], None] = print) -> None:
+    """Collective over the learner ranks; the lead's intake contributes the data position and `note`s it."""
     start = time.perf_counter()
     run_state = {"data_position": intake.position.to_dict()} if intake is not None else None
     path = learner_state.save(learner, cfg.checkpoint.dir, step, cfg.checkpoint.keep, model_dir, run_state)
     if intake is not None:
-        print(f"megarl: checkpoint {path} ({time.perf_counter() - start:.1f}s)", flush=True)
+        note(f"megarl: checkpoint {path} ({time.perf_counter() - start:.1f}s)")
 
 
 def share_batch(batch: TrainBatch | None) -> TrainBatch:
     """Learner rank 0 hands the batch to every learner rank (each DP rank trains on its share).
 
-    Only the tensors travel: the samples' provenance is for rank 0's logs, and rank 0 keeps its own."""
+    Only the tensors travel: the samples' provenance is for rank 0's logs, and rank 0 keeps its own. In
+    place of a batch the lead may send StopRequested: every learner rank then stops at this step."""
     if dist.get_world_size() == 1:
         return batch
-    box = [None if batch is None else replace(batch, samples=[])]
+    box = [replace(batch, samples=[]) if isinstance(batch, TrainBatch) else batch]
     dist.broadcast_object_list(box, src=0)  # bounded by the learner group's dist.timeout_s
     return batch if batch is not None else box[0]
 
@@ -159,13 +178,13 @@ def train_on(learner, batch: TrainBatch, cfg: Config, step: int, nonfinite_in_ro
 
 
 class RunOutputs:
-    """The lead's record of the run: metrics.jsonl + TensorBoard, rollouts.jsonl, the progress line and
-    the timeline spans; one `record` per step."""
+    """The lead's record of the run: metrics.jsonl + TensorBoard, rollouts.jsonl, the console (progress
+    line, notes, closing summary) and the timeline spans; one `record` per step."""
 
     def __init__(self, cfg: Config, rank: int, recovery: dict[str, float]):
         self.metrics = MetricsSink(cfg.run.dir, cfg.run.tensorboard)
         self.rollouts = RolloutSink(cfg.run.dir) if cfg.run.log_rollouts else None
-        self.progress = ProgressLine(cfg.run.steps, cfg.run.progress)
+        self.console = Console(cfg.run.steps, cfg.run.progress, cfg.run.dir)
         self.timeline = Timeline(cfg.run.dir, f"learner{rank}") if cfg.run.timeline else None
         self.recovery = recovery  # restarts / redone_steps, when this run resumed after a failure
         self.last = time.perf_counter()
@@ -184,7 +203,7 @@ class RunOutputs:
         self.metrics.log(step, metrics)
         if self.rollouts is not None:
             self.rollouts.log(batch.samples, trained_at_step=version)
-        self.progress.update(step + 1, metrics)
+        self.console.update(step + 1, metrics, [len(set(s.versions)) for s in batch.samples])
 
     def close(self) -> None:
         self.metrics.close()
@@ -192,14 +211,21 @@ class RunOutputs:
             self.rollouts.close()
         if self.timeline is not None:
             self.timeline.close()
+        self.console.close()  # the summary, once every step ran
 
 
 def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from megarl.learner.megatron import MegatronLearner
+    from megarl.learner import build_learner
 
     torch.set_num_threads(cfg.learner.threads)
+    # A raw torchrun launch skipped `megarl train`'s check: refuse the layout naming its key, before megatron asserts.
+    check_layout(json.loads((Path(model_dir) / "config.json").read_text()), cfg.learner.tp, cfg.learner.pp,
+                 cfg.sampler.tp)
+    if cfg.sampler.engine == "sglang":  # before any NCCL communicator: NCCL reads these once
+        from megarl.distributed.sglang_publish import set_publish_nccl_env
+        set_publish_nccl_env()
     init_learner_group(topo, store, cfg.dist.backend, cfg.dist.timeout_s)
     lead = topo.rank == 0  # owns the queue, the publish source and the run outputs
     resume_from = learner_resume_point(cfg, store, lead)  # the lead also tells the samplers
@@ -213,7 +239,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
         part, group = next(iter(groups.items()))
         publisher = WeightPublisher(group, publish_stage_store(store, *part), cfg.publish.bucket_mb,
                                     cfg.publish.timeout_s, cfg.publish.checksum)
-    learner = MegatronLearner(str(model_dir), cfg.learner, cfg.algo.loss, temperature=cfg.sampling.temperature or 1.0)
+    learner = build_learner(str(model_dir), cfg)  # learner.backend: megatron | deepspeed
     resumed = learner_state.load(learner, resume_from) if resume_from is not None else None
     start_step = resumed["step"] if resumed else 0
     schedule = Schedule(cfg, start_step)
@@ -237,18 +263,25 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
         outputs = RunOutputs(cfg, topo.rank, recovery)
     # Every publish source can name a sampler that stopped receiving (the lead's intake watches anyway).
     heartbeats = intake.heartbeats if lead else sampler_heartbeats(cfg, store, topo) if publisher else None
+    note = outputs.console.note if lead else print  # messages never glued onto the progress line
     try:
         if resumed:  # the samplers generate nothing before they run the resumed weights
             publish_weights(learner, publisher, intake.header() if lead else {}, heartbeats, topo.num_learners,
                             shards)
-        nonfinite_in_row = 0
+        nonfinite_in_row, stopped = 0, None
         for step in range(start_step, cfg.run.steps):
             if schedule.due(step):  # `step` steps are trained and logged
-                save_checkpoint(learner, cfg, step, model_dir, intake)
+                save_checkpoint(learner, cfg, step, model_dir, intake, note)
             version = learner.version  # differs from `step` once a non-finite step was skipped
             wall = [time.time()]
-            batch, intake_metrics = intake.next_batch(version) if lead else (None, {})
+            try:
+                batch, intake_metrics = intake.next_batch(version) if lead else (None, {})
+            except StopRequested as stop:  # a stop signal: the lead tells every learner rank in the batch's place
+                batch, intake_metrics = stop, {}
             batch = share_batch(batch)
+            if isinstance(batch, StopRequested):
+                stopped = batch
+                break
             wall.append(time.time())
             metrics, nonfinite_in_row = train_on(learner, batch, cfg, step, nonfinite_in_row)
             wall.append(time.time())
@@ -261,12 +294,14 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             if lead:
                 outputs.record(step, batch, {**metrics, **intake_metrics, "version": learner.version}, wall,
                                published, version)
+        if stopped is not None:
+            stop_on_signal(learner, cfg, step, schedule, model_dir, intake, stopped, note)
         if schedule.due(cfg.run.steps):
-            save_checkpoint(learner, cfg, cfg.run.steps, model_dir, intake)
+            save_checkpoint(learner, cfg, cfg.run.steps, model_dir, intake, note)
         if lead and cfg.checkpoint.export_dir:
             from megarl.checkpoint.export import export_hf
 
-            print(f"megarl: exported {export_hf(cfg.checkpoint.dir, cfg.checkpoint.export_dir)}", flush=True)
+            note(f"megarl: exported {export_hf(cfg.checkpoint.dir, cfg.checkpoint.export_dir)}")
     finally:
         if lead:
             store.set(STOP_KEY, "learner stopped")
@@ -275,6 +310,17 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 outputs.close()
             if sglang:
                 publisher.close()  # before interpreter shutdown: servers are still connected to its store
+
+
+def stop_on_signal(learner, cfg: Config, step: int, schedule: Schedule, model_dir: Path, intake: Intake | None,
+                   stop: StopRequested, note: Callable[[str], None] = print) -> None:
+    """Every learner rank, `step` steps done: save if fault.checkpoint_on_signal asks (a checkpoint due at
+    this step was saved at the top of the loop), then leave with 128 + the signal's number."""
+    if cfg.fault.checkpoint_on_signal and step > schedule.start and not schedule.due(step):
+        save_checkpoint(learner, cfg, step, model_dir, intake, note)
+    if intake is not None:
+        note(f"megarl: {stop} after {step} steps")
+    raise SystemExit(exit_status(stop.signum))
 
 
 def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, retire: Callable[[list[Sample]], None],

@@ -26,16 +26,18 @@ from megarl.checkpoint.position import group_id as make_group_id
 from megarl.checkpoint.resume import wait_for_announcement
 from megarl.config.schema import Config
 from megarl.distributed.heartbeat import Heartbeat
+from megarl.distributed.lifetime import SIGNAL_KEY, exit_status, seconds_since_signal, stop_signal
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.topology import Topology, engine_tp_group, publish_groups, publish_stage_store
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
 from megarl.roles.learner_main import STOP_KEY
-from megarl.rollout.rewards import score
+from megarl.rollout.rewards import check_reward, score_group
 from megarl.rollout.tasks import prompt_rng, task_from_config
 
 STOP_POLL_S = 0.2
+REWARD_REPORT_S = 30.0  # a spent reward budget is printed at most this often (each one is counted)
 MAX_CONSECUTIVE_SKIPS = 1000
 
 
@@ -77,6 +79,8 @@ class SamplerLoop:
         else:
             self.engine = builtin_engine(cfg, topo, model_dir, None)
         self.task = task_from_config(cfg.task)
+        if ":" in cfg.task.reward_fn and topo.role_rank == 0:  # `megarl train` checked it; a raw torchrun did not
+            print(f"megarl: {check_reward(self.task, cfg.task.reward_fn)}", flush=True)
         # Group k of this sampler draws its prompt from prompt_rng(seed, role rank, k); a resumed run
         # starts the indices its checkpoint had not retired (see run()).
         self.indices = itertools.count()
@@ -93,9 +97,13 @@ class SamplerLoop:
         self.pending: dict[str, dict] = {}
         self.new_version = threading.Event()
         self.stopped = False
+        self.signal_reported = False
         self.started_at = time.time()
         self.busy_s = 0.0  # wall time in engine steps that had work to do
-        self.timeline = Timeline(cfg.run.dir, f"sampler{topo.rank}") if cfg.run.timeline else None
+        self.reward_s = 0.0  # wall time in reward calls
+        self.reward_budget_spent = 0  # groups whose reward budget ran out (their remaining samples failed fast)
+        self.next_reward_report = 0.0  # monotonic time before which a spent budget is counted, not printed
+        self.timeline: Timeline | None = None  # opened once the learner has prepared run.dir (run())
 
     def _on_version(self, version: int, tensors: dict, extra: dict) -> None:
         self.engine.stage_weights(tensors, version)
@@ -120,6 +128,8 @@ class SamplerLoop:
         if self.resume_version is not None:
             self.indices, self.started = retired.unretired(), len(retired)
             self.retired = self.started
+        if self.cfg.run.timeline:
+            self.timeline = Timeline(self.cfg.run.dir, f"sampler{self.topo.rank}")
         receiver = self._start_weight_receiver()
         sender = QueueSender(self.store, self.cfg.queue.timeout_s)
         heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s)
@@ -129,7 +139,9 @@ class SamplerLoop:
                 heartbeat.beat()  # the learner names this rank if the loop stops turning
                 if time.monotonic() >= next_stop_check:
                     if self.store.check([STOP_KEY]):
-                        return
+                        break
+                    if stop_signal() is not None and self._stop_signalled():
+                        break
                     next_stop_check = time.monotonic() + STOP_POLL_S
                 if receiver.error is not None:
                     raise RuntimeError(f"sampler {self.topo.role_rank}: weight receiver failed") from receiver.error
@@ -158,6 +170,15 @@ class SamplerLoop:
             if self.timeline is not None:
                 self.timeline.close()
 
+    def _stop_signalled(self) -> bool:
+        """This rank received a stop signal: tell the learner (it may not have received one), then keep
+        serving until it says stop (a publish in progress needs every receiver), at most half of
+        fault.stop_timeout_s (the rest is the learner's, for its checkpoint)."""
+        if not self.signal_reported:
+            self.store.set(SIGNAL_KEY, str(stop_signal()))
+            self.signal_reported = True
+        return seconds_since_signal() > self.cfg.fault.stop_timeout_s / 2
+
     def _admit(self) -> None:
         if self.resume_version is not None and self.engine.version < self.resume_version:
             return  # a resumed run generates only with the resumed weights, published before its first step
@@ -177,7 +198,9 @@ class SamplerLoop:
         for _ in range(MAX_CONSECUTIVE_SKIPS):
             prompt = self.task.sample_prompts(rng, 1)[0]
             ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)
-            if len(ids) + 1 > self.cfg.sampler.max_seq_len:
+            # SGLang: the prompt must leave min_new_tokens of the server's context (sampler.max_seq_len).
+            room = self.cfg.sampler.sglang.min_new_tokens if self.cfg.sampler.engine == "sglang" else 1
+            if len(ids) + room > self.cfg.sampler.max_seq_len:
                 if not self.cfg.task.skip_overlong_prompts:
                     raise ValueError(f"prompt of {len(ids)} tokens does not fit sampler.max_seq_len="
                                      f"{self.cfg.sampler.max_seq_len}: {prompt.text[:80]!r}")
@@ -202,9 +225,20 @@ class SamplerLoop:
             return
         del self.pending[group_id]
         prompt, samples = entry["prompt"], []
-        for c in sorted(entry["done"], key=lambda c: c.request_id):
-            text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            reward, error = score(self.task, prompt, text)
+        done = sorted(entry["done"], key=lambda c: c.request_id)
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in done]
+        scored = score_group(self.task, prompt, texts, self.cfg.task.reward_group_budget_s)
+        self.reward_s += scored.seconds
+        if scored.skipped:  # generation stood still meanwhile: say so, at most every REWARD_REPORT_S
+            self.reward_budget_spent += 1
+            if time.monotonic() >= self.next_reward_report:
+                self.next_reward_report = time.monotonic() + REWARD_REPORT_S
+                first = next(error for _, error in scored.scores if error is not None)
+                print(f"megarl: sampler {self.topo.role_rank}: the rewards of one group took {scored.seconds:.1f}s, "
+                      f"over task.reward_group_budget_s={self.cfg.task.reward_group_budget_s:g}; {scored.skipped} of "
+                      f"its {len(texts)} samples failed without a call (first error: {first}); "
+                      f"{self.reward_budget_spent} such group(s) so far", flush=True)
+        for c, text, (reward, error) in zip(done, texts, scored.scores):
             samples.append(Sample(group_id=group_id, prompt=prompt.text, completion=text, prompt_ids=c.prompt_ids,
                                   token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions, reward=reward,
                                   finish_reason=c.finish_reason, sampler_rank=self.topo.rank, reward_error=error))
@@ -217,7 +251,8 @@ class SamplerLoop:
         return {"busy_frac": self.busy_s / wall, "tokens_per_s": engine["tokens_decoded"] / wall,
                 "tokens_decoded": engine["tokens_decoded"], "swaps": engine["swaps"],
                 "swap_time_s": engine["swap_time_s"], "version": engine["version"],
-                "skipped_overlong_prompts": self.skipped_overlong}
+                "skipped_overlong_prompts": self.skipped_overlong, "reward_s": self.reward_s,
+                "reward_budget_spent": self.reward_budget_spent}
 
 
 def run_sampler(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
@@ -227,6 +262,8 @@ def run_sampler(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
         SamplerLoop(cfg, topo, store, model_dir, tp_group).run()
     else:
         run_engine_follower(cfg, topo, store, model_dir, tp_group)
+    if stop_signal() is not None:
+        raise SystemExit(exit_status(stop_signal()))
 
 
 def run_engine_follower(cfg: Config, topo: Topology, store, model_dir: Path, tp_group) -> None:
