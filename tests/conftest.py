@@ -27,3 +27,12 @@ def embedded_think_model_dir(embedded_cache_dir) -> Path:
     from megarl.models.tiny import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-arith-think", cache_dir=embedded_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def embedded_count_model_dir(embedded_cache_dir) -> Path:
+    """The demo's model (`tiny-qwen2-count`: "d-k=" -> "defghijk<eos>", run lengths set by the prompt),
+    built on first request, once per test session (~40 s on one core)."""
+    from megarl.models.tiny import ensure_embedded_model
+
+    return ensure_embedded_model("tiny-qwen2-count", cache_dir=embedded_cache_dir)

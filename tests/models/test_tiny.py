@@ -101,15 +101,9 @@ def test_thinking_base_model_has_headroom_a_long_length_tail_and_finds_the_promp
     assert record["greedy_answer_accuracy_by_think_len"] == {str(k): round(v, 4) for k, v in greedy.items()}
 
 
-@pytest.fixture(scope="module")
-def count_model_dir(tmp_path_factory) -> Path:
-    """The demo's model (`tiny-qwen2-count`), built once for this module (~40 s on one core)."""
-    return tiny.ensure_embedded_model("tiny-qwen2-count", cache_dir=tmp_path_factory.mktemp("count_model"))
-
-
-def test_count_base_model_spells_runs_of_the_prompted_length_but_often_stops_off_the_end(count_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(count_model_dir).eval()
-    tok = AutoTokenizer.from_pretrained(count_model_dir)
+def test_count_base_model_spells_runs_of_the_prompted_length_but_often_stops_off_the_end(embedded_count_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(embedded_count_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(embedded_count_model_dir)
     task = tiny.EMBEDDED_MODELS["tiny-qwen2-count"].task
     prompts = task.sample_prompts(random.Random(7), 300)
     ids = tiny.generate_tokens(model, tok, prompts, temperature=1.0, seed=1, max_new_tokens=tiny.COUNT_MAX_NEW_TOKENS)
@@ -124,7 +118,7 @@ def test_count_base_model_spells_runs_of_the_prompted_length_but_often_stops_off
     assert near > 0.8, near
     long = [(p, c) for p, c in zip(prompts, texts) if p.meta["length"] >= 20]  # the tail is generated, not cut
     assert len(long) >= 10 and sum(len(c) >= p.meta["length"] - 3 for p, c in long) / len(long) > 0.75, long
-    record = json.loads((count_model_dir / tiny.BUILD_RECORD).read_text())
+    record = json.loads((embedded_count_model_dir / tiny.BUILD_RECORD).read_text())
     assert abs(record["expected_sampled_accuracy"] - sampled_acc) < 0.1, (record, sampled_acc)
     assert record["sampled_lengths"]["p99"] >= 3.0 * record["sampled_lengths"]["mean"], record
 

@@ -33,7 +33,7 @@ from tests.sampler.sglang_support import ENV, hf_logprobs, start_learner, token_
 
 CONTEXT = 512
 TOPO = Topology(rank=1, world_size=2, num_learners=1, num_samplers=1)
-DEMO = str(REPO / "configs" / "demo.yaml")
+ARITHMETIC = str(REPO / "configs" / "arithmetic.yaml")  # the config the think model the tests use was built for
 BOOTSTRAP = Path(__file__).parent / "sglang_bootstrap.py"
 
 
@@ -397,7 +397,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def test_megarl_train_with_sglang_samplers_runs_pipeline_rl_end_to_end(embedded_think_model_dir, tmp_path):
     run_dir, steps = tmp_path / "run", 5
-    proc = run_python("-m", "megarl.cli", "train", DEMO, "sampler.engine=sglang", f"run.dir={run_dir}",
+    proc = run_python("-m", "megarl.cli", "train", ARITHMETIC, "sampler.engine=sglang", f"run.dir={run_dir}",
                       f"run.steps={steps}", f"model.path={embedded_think_model_dir}", timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     cfg = OmegaConf.load(run_dir / "config.yaml")
@@ -430,7 +430,7 @@ def test_megarl_train_with_sglang_samplers_runs_pipeline_rl_end_to_end(embedded_
 def test_sync_mode_with_retract_and_cache_flush(embedded_think_model_dir, tmp_path):
     """The baseline on SGLang samplers: the sampler is idle at every update, so each flush happens."""
     run_dir = tmp_path / "sync"
-    proc = run_python("-m", "megarl.cli", "train", DEMO, "sampler.engine=sglang", f"run.dir={run_dir}", "run.steps=3",
+    proc = run_python("-m", "megarl.cli", "train", ARITHMETIC, "sampler.engine=sglang", f"run.dir={run_dir}", "run.steps=3",
                       "algo.mode=sync", "algo.sync_epochs=2", "sampler.kv_on_update=recompute",
                       "sampler.sglang.cache_on_update=flush", f"model.path={embedded_think_model_dir}", timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
