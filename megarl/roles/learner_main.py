@@ -40,6 +40,11 @@ from megarl.rollout.rewards import RewardErrorWindow
 STOP_KEY = "stop"
 
 
+def dropped_retired_key(sampler_rank: int) -> str:
+    """Where the lead posts a sampler's retired-group count as soon as it drops one of its groups."""
+    return f"retired/{sampler_rank}"
+
+
 def batch_metrics(batch: TrainBatch) -> dict[str, float]:
     """Reward and token-lag statistics of the batch the step trains on."""
     mask = batch.loss_mask.bool()
@@ -79,7 +84,7 @@ class Intake:
                                                cfg.task.max_reward_error_frac)
 
     def next_batch(self, version: int) -> tuple[TrainBatch, dict[str, float]]:
-        groups, dropped, wait_s = _collect_groups(self.queue, self.cfg, version, self.retire, self.sampler_stats,
+        groups, dropped, wait_s = _collect_groups(self.queue, self.cfg, version, self.drop, self.sampler_stats,
                                                   on_wait=self._on_wait)
         self.dropped_totals.update(dropped)
         batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, self.pad_id, learner_version=version)
@@ -106,6 +111,14 @@ class Intake:
         self.retired[group[0].sampler_rank] += 1
         self.position.retire(group[0].group_id)
         self.reward_errors.add(group)
+
+    def drop(self, group: list[Sample]) -> None:
+        """A group dropped (stale, zero variance) is retired and its sampler told at once, not with the next
+        publish: the learner is waiting for usable groups, and a sampler whose whole staleness budget was
+        dropped would otherwise wait for a publish that needs its groups (a deadlock)."""
+        self.retire(group)
+        rank = group[0].sampler_rank
+        self.store.set(dropped_retired_key(rank), str(self.retired[rank]))
 
     def resume(self, position: dict) -> None:
         """Continue from a checkpoint's data position (the samplers re-issue what it had not retired)."""
@@ -323,12 +336,12 @@ def stop_on_signal(learner, cfg: Config, step: int, schedule: Schedule, model_di
     raise SystemExit(exit_status(stop.signum))
 
 
-def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, retire: Callable[[list[Sample]], None],
+def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, drop: Callable[[list[Sample]], None],
                     sampler_stats: dict[int, dict[str, float]],
                     on_wait=None) -> tuple[list[list[Sample]], Counter, float]:
     """The next `prompts_per_step` usable groups. Stale groups (older than max_lag) and, with
     advantage.filter_zero_variance, groups whose rewards are all equal are dropped, counted by
-    reason and retired (so the sampler may start replacements)."""
+    reason and handed to `drop` (retired: the sampler may start replacements at once)."""
     start = time.perf_counter()
     groups, dropped = [], Counter({"stale_groups": 0})
     while len(groups) < cfg.algo.prompts_per_step:
@@ -343,7 +356,7 @@ def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, ret
             reason = "zero_variance_groups"
         if reason is not None:
             dropped[reason] += 1
-            retire(group)
+            drop(group)
             continue
         groups.append(group)
     return groups, dropped, time.perf_counter() - start

@@ -9,8 +9,8 @@ share of one batch and then waits, generating nothing, until the learner publish
 
 Staleness budget (pipeline mode): a sampler may have at most ceil((max_lag + 1) * prompts_per_step / samplers)
 groups outstanding (started, not yet trained or dropped by the learner, which reports what it
-retired in every publish header), so the age of what is queued cannot grow without bound when the
-learner slows down.
+retired in every publish header, and what it dropped as soon as it drops it), so the age of what is
+queued cannot grow without bound when the learner slows down.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from megarl.distributed.queue import QueueSender
 from megarl.distributed.topology import Topology, engine_tp_group, publish_groups, publish_stage_store
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
-from megarl.roles.learner_main import STOP_KEY
+from megarl.roles.learner_main import STOP_KEY, dropped_retired_key
 from megarl.rollout.rewards import check_reward, score_group
 from megarl.rollout.tasks import prompt_rng, task_from_config
 
@@ -142,6 +142,7 @@ class SamplerLoop:
                         break
                     if stop_signal() is not None and self._stop_signalled():
                         break
+                    self._read_dropped()
                     next_stop_check = time.monotonic() + STOP_POLL_S
                 if receiver.error is not None:
                     raise RuntimeError(f"sampler {self.topo.role_rank}: weight receiver failed") from receiver.error
@@ -169,6 +170,12 @@ class SamplerLoop:
             sender.close()
             if self.timeline is not None:
                 self.timeline.close()
+
+    def _read_dropped(self) -> None:
+        """Groups the learner dropped free budget before its next publish says so (learner_main.Intake.drop)."""
+        key = dropped_retired_key(self.topo.rank)
+        if self.store.check([key]):
+            self.retired = max(self.retired, int(self.store.get(key)))
 
     def _stop_signalled(self) -> bool:
         """This rank received a stop signal: tell the learner (it may not have received one), then keep

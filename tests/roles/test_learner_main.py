@@ -38,7 +38,7 @@ def test_stale_and_zero_variance_groups_are_dropped_counted_and_retired():
     proc = mp.get_context("spawn").Process(target=_feed, args=(port,))
     proc.start()
     retired, sampler_stats = Counter(), {}
-    groups, dropped, _ = _collect_groups(queue, cfg, learner_version=9, retire=lambda g: retired.update([g[0].sampler_rank]),
+    groups, dropped, _ = _collect_groups(queue, cfg, learner_version=9, drop=lambda g: retired.update([g[0].sampler_rank]),
                                          sampler_stats=sampler_stats)
     proc.join(30)
     # learner version 9, max_lag 4: a group whose oldest token is version < 5 is stale.

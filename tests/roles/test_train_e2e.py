@@ -87,6 +87,23 @@ def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_count_mo
     assert worst < 1e-4
 
 
+def test_groups_dropped_for_zero_variance_free_the_samplers_budget_before_the_next_publish(
+        embedded_count_model_dir, tmp_path):
+    """With advantage.filter_zero_variance, 7 groups in 8 are dropped: more than the staleness budget
+    holds. The sampler learns of each drop at once and starts replacements (it used to hear of drops only
+    with the next publish, which needed those groups: the run stood still until queue.timeout_s)."""
+    run_dir = tmp_path / "filtered"
+    proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=3",
+                      f"model.path={embedded_count_model_dir}", "algo.advantage.filter_zero_variance=true",
+                      "algo.prompts_per_step=4", "algo.max_lag=1", "queue.timeout_s=60",
+                      "task.reward_fn=tests.rollout.reward_fns:varies_on_one_prompt_in_eight", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == [1, 2, 3]
+    # More groups were dropped than the budget ((max_lag + 1) * prompts_per_step = 8) could ever hold.
+    assert metrics[-1]["dropped/zero_variance_groups_total"] > 8
+
+
 def test_raw_torchrun_command_from_the_readme_works(embedded_count_model_dir, tmp_path):
     run_dir = tmp_path / "raw"
     proc = run_torchrun("megarl.roles.worker", 2, DEMO, f"run.dir={run_dir}", "run.steps=3",

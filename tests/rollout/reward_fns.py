@@ -85,3 +85,11 @@ def numpy_scalar(prompt, completion, answer, meta):
     import numpy
 
     return numpy.float32(completion.strip() == answer) + numpy.float32(0.5)  # float32: not a float subclass
+
+
+def varies_on_one_prompt_in_eight(prompt, completion, answer, meta):
+    """Zero-variance groups for 7 prompts in 8 (reward 0 whatever the completion); the rest score the
+    completion's length parity, which varies within a group."""
+    import zlib
+
+    return float(len(completion) % 2) if zlib.crc32(prompt.encode()) % 8 == 0 else 0.0
