@@ -129,7 +129,7 @@ class Worker:
             if self.rank == 0:
                 publishers[mode] = self._publisher(prefix, checksum=mode == "checksum_on")
             else:
-                receivers.append(self._receiver(prefix, weights, self._report_done(size, mode), lambda: 0, stop))
+                receivers.append(self._bandwidth_receiver(prefix, weights, self._report_done(size, mode), stop))
         for rep in range(-2, self.reps_for(size)):
             for mode in modes:
                 tag = f"bw/{size}/{mode}/{rep}"
@@ -157,6 +157,19 @@ class Worker:
         def on_version(version, tensors, extra):  # on the receiver thread: its own store connection
             self.receiver_store.set(f"bench/bw/{size}/{mode}/{version - 3}/done/{self.rank}", "1")
         return on_version
+
+    def _bandwidth_receiver(self, prefix: str, weights: dict, on_version, stop: threading.Event):
+        """A receiver whose 'engine' uses each version as soon as it is handed over, so its staging sets are
+        free again for the next-but-one publish. (Reporting version 0 forever, as this benchmark once did,
+        makes the third publish wait for a staging set that is never released: the receive, then the
+        publish, time out after 120 s.)"""
+        applied = [0]
+
+        def use(version, tensors, extra):
+            on_version(version, tensors, extra)
+            applied[0] = version
+
+        return self._receiver(prefix, weights, use, lambda: applied[0], stop)
 
     def _receiver(self, prefix: str, weights: dict, on_version, current_version, stop: threading.Event):
         from megarl.distributed.publish import WeightReceiver
