@@ -208,15 +208,8 @@ class DeepSpeedLearner:
         fields = step.dp_share(batch, dp, dp_rank)
         real = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
         micro = self._aligned(real)
-        # No-grad log-probs of this rank's rows before the step: the decoupled objective's proximal
-        # policy and the frozen reference (KL penalty).
-        extra_passes = {"proximal_logprobs": self.engine if self.loss_cfg.decoupled else None,
-                        "ref_logprobs": self.ref_model}
-        for key, model in extra_passes.items():
-            if model is not None:
-                model.eval()
-                for mb, lp in zip(micro, self._forward_logprobs(model, [mb["input_ids"] for mb in micro])):
-                    mb[key] = lp
+        step.attach_extra_logprobs(micro, {"proximal_logprobs": self.engine if self.loss_cfg.decoupled else None,
+                                           "ref_logprobs": self.ref_model}, self._forward_logprobs)
         self.engine.train()
         stats_list, losses = [], []
         for i, mb in enumerate(micro):

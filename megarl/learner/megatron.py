@@ -27,7 +27,6 @@ import torch.distributed as dist
 from megarl.algo.config import LossConfig
 from megarl.config.schema import LearnerConfig
 from megarl.learner import step
-from megarl.learner.step import micro_batch_rows, sequence_lengths  # noqa: F401  (their home before step.py)
 from megarl.models import convert
 from megarl.protocols import TrainBatch
 
@@ -344,15 +343,8 @@ class MegatronLearner:
         totals = step.batch_totals(batch)
         fields = step.dp_share(batch, self.cfg.dp, self.ps.get_data_parallel_rank())
         micro_batches = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
-        # No-grad log-probs of this rank's rows, before the step: the decoupled objective's proximal
-        # policy (the weights at the start of this step) and the frozen reference (KL penalty).
-        extra_passes = {"proximal_logprobs": self.model if self.loss_cfg.decoupled else None,
-                        "ref_logprobs": self.ref_model}
-        for key, model in extra_passes.items():
-            if model is not None:
-                model.eval()
-                for mb, lp in zip(micro_batches, self._forward_logprobs(model, [mb["input_ids"] for mb in micro_batches])):
-                    mb[key] = lp
+        step.attach_extra_logprobs(micro_batches, {"proximal_logprobs": self.model if self.loss_cfg.decoupled else None,
+                                                   "ref_logprobs": self.ref_model}, self._forward_logprobs)
         # policy_loss returns each micro-batch's share of the batch loss (global normalisers), so
         # the batch gradient is the plain SUM over micro-batches and DP ranks.  Megatron instead
         # divides each micro-batch loss by num_microbatches (schedules.forward_step_calc_loss,

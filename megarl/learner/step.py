@@ -48,6 +48,18 @@ def micro_batches(fields: dict[str, torch.Tensor], max_rows: int, max_tokens: in
             for idx in micro_batch_rows(lengths, max_rows, max_tokens)]
 
 
+def attach_extra_logprobs(micro: list[dict[str, torch.Tensor]], passes: dict, forward_logprobs) -> None:
+    """No-grad log-probs of each micro-batch's rows under each model of `passes` (key -> model or None),
+    stored in the micro-batch under that key, before the step: the decoupled objective's proximal policy
+    (the weights at the start of this step) and the frozen reference (KL penalty).
+    `forward_logprobs(model, [input_ids, ...])` is the backend's own forward."""
+    for key, model in passes.items():
+        if model is not None:
+            model.eval()
+            for mb, lp in zip(micro, forward_logprobs(model, [mb["input_ids"] for mb in micro])):
+                mb[key] = lp
+
+
 def micro_batch_loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor], learner_version: int,
                      totals: tuple[float, float], loss_cfg: LossConfig,
                      entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from megarl.algo.config import LossConfig
@@ -51,18 +50,6 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_models")
     return {"qwen": str(save_tiny_qwen2(root / "qwen", tie_word_embeddings=True, vocab_size=VOCAB)),
             "llama": str(save_tiny_llama(root / "llama"))}
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """World-size-1 gloo group for the in-process megatron reference, torn down after the module."""
-    from megatron.core import parallel_state
-
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -17,18 +16,6 @@ VOCAB, B, S, PROMPT = 64, 64, 16, 4
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), tie_word_embeddings=True, vocab_size=VOCAB))
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """World-size-1 gloo default group (the learner ranks), torn down after the module."""
-    from megatron.core import parallel_state
-
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _learner(model_dir, temperature=1.0, loss_cfg=None, **cfg):
@@ -349,7 +336,7 @@ def test_tp2_pp2_publish_shards(model_dir, llama_dir, tmp_path):
 
 
 def test_token_budget_micro_batches():
-    from megarl.learner.megatron import micro_batch_rows
+    from megarl.learner.step import micro_batch_rows
 
     lengths = torch.tensor([10, 8, 5, 5, 4, 2, 2, 1])  # sorted longest first
     assert [g.tolist() for g in micro_batch_rows(lengths, max_rows=3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
@@ -361,7 +348,7 @@ def test_token_budget_micro_batches():
 
 
 def test_sequence_lengths_end_at_the_last_trained_token():
-    from megarl.learner.megatron import sequence_lengths
+    from megarl.learner.step import sequence_lengths
 
     mask = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]], dtype=torch.float32)
     assert sequence_lengths(mask).tolist() == [4, 6, 1]
