@@ -101,7 +101,7 @@ def prepare_run_dir(cfg, resume_from: Path | None, clear: bool) -> None:
             f"mix its records into them: "
             + ("continue that run with run.resume=true, " if resumable else
                f"that run saved no checkpoint in {root}, so it cannot be continued; ")
-            + f"choose a new run.dir, or set run.overwrite=true to delete those outputs first")
+            + "choose a new run.dir, or set run.overwrite=true to delete those outputs first")
     if clear:
         for name in (*RUN_OUTPUTS, "tensorboard"):
             path = run_dir / name
