@@ -20,6 +20,9 @@ sampler receiving over a standalone gloo publish group (learner rank 0 -> sample
   - weight_publisher: megarl's WeightPublisher -> WeightReceiver as a run does (`publish_weights`):
     the learner's tensors stream against its `publish_spec()`, each bucket packed and sent as its
     tensors arrive, at most two buckets on the wire.
+  - two_senders: the same with `publish.senders=2`: both learner ranks publish, each every other
+    bucket over its own group (rank 1 -> sampler is a second group), the sampler merges the parts
+    (StagedReceiver): two broadcasts on the wire at once instead of one.
 
 Ends with one JSON line.
 """
@@ -102,12 +105,15 @@ def worker(args) -> None:
         spec_model = AutoModelForCausalLM.from_config(config)
     spec = [(n, tuple(p.shape), torch.float32) for n, p in spec_model.named_parameters()]
     num_params = sum(p.numel() for p in spec_model.parameters())
-    publish_group = dist.ProcessGroupGloo(dist.PrefixStore("publish/", store), 0 if rank == 0 else 1, 2,
-                                          STORE_TIMEOUT) if rank in (0, 2) else None
+    # Sender r's group: learner rank r (group rank 0) and the sampler (rank 2).
+    groups = {sender: dist.ProcessGroupGloo(dist.PrefixStore(f"publish/sender{sender}/", store),
+                                            0 if rank == sender else 1, 2, STORE_TIMEOUT)
+              for sender in (0, 1) if rank in (sender, 2)}
+    publish_group = groups.get(0)
     results = {"params": num_params, "bucket_mb": args.bucket_mb, "memory": {}, "publish": {}}
 
     if rank == 2:
-        receive(store, publish_group, spec, args)
+        receive(store, groups, spec, args)
         return
     dist.init_process_group("gloo", store=dist.PrefixStore("learners/", store), rank=rank, world_size=2,
                             timeout=STORE_TIMEOUT)
@@ -133,21 +139,20 @@ def worker(args) -> None:
         gc.collect()
         results["memory"][stage] = {"built": built, "step_peak": peak.peak - base, "after_step": rss() - base,
                                     "theory": theory(num_params, stage, 2)}
-        if stage == 3:
-            for rep in range(args.reps):
-                for pattern in ("per_param", "bucketed", "weight_publisher"):
-                    gc.collect()
-                    before = rss()
-                    start = time.perf_counter()
-                    with PeakRSS() as peak:
-                        PATTERNS[pattern](learner, rank, store, publish_group, spec, args, rep)
-                    if rank == 0:
-                        store.wait([f"received/{pattern}/{rep}"])
-                    seconds = time.perf_counter() - start
-                    dist.barrier()
-                    entry = results["publish"].setdefault(pattern, {"seconds": [], "peak_extra": []})
-                    entry["seconds"].append(seconds)
-                    entry["peak_extra"].append(peak.peak - before)
+        for rep in range(args.reps):
+            for pattern in STAGE_PATTERNS.get(stage, ()):
+                gc.collect()
+                before = rss()
+                start = time.perf_counter()
+                with PeakRSS() as peak:
+                    PATTERNS[pattern](learner, rank, store, groups, spec, args, rep, stage)
+                if rank == 0:
+                    store.wait([f"received/{stage}/{pattern}/{rep}"])
+                seconds = time.perf_counter() - start
+                dist.barrier()
+                entry = results["publish"].setdefault(f"zero{stage}/{pattern}", {"seconds": [], "peak_extra": []})
+                entry["seconds"].append(seconds)
+                entry["peak_extra"].append(peak.peak - before)
         del learner
     gathered = [None, None]
     dist.all_gather_object(gathered, results)
@@ -156,74 +161,89 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def per_param(learner, rank, store, group, spec, args, rep) -> None:
+def per_param(learner, rank, store, groups, spec, args, rep, stage) -> None:
     """GatheredParameters([p]) + one broadcast per tensor from rank 0 (rank 1 joins every gather)."""
     import deepspeed
 
     for _, param in learner.module.named_parameters():
         with deepspeed.zero.GatheredParameters([param]):
             if rank == 0:
-                group.broadcast(param.data.contiguous(), 0).wait()
+                groups[0].broadcast(param.data.contiguous(), 0).wait()
 
 
-def bucketed(learner, rank, store, group, spec, args, rep) -> None:
+def bucketed(learner, rank, store, groups, spec, args, rep, stage) -> None:
     """The learner's publish buckets as they come (`publish_buckets`: one GatheredParameters per bucket,
     packed flat), each broadcast asynchronously while the next one is gathered; at most two in flight."""
     in_flight = []
     for _, flat in learner.publish_buckets():
         if rank == 0:
-            in_flight.append(group.broadcast(flat, 0))
+            in_flight.append(groups[0].broadcast(flat, 0))
             if len(in_flight) > 2:
                 in_flight.pop(0).wait()
     for work in in_flight:
         work.wait()
 
 
-def weight_publisher(learner, rank, store, group, spec, args, rep) -> None:
-    """megarl's publish path as a run takes it (megarl.roles.learner_main.publish_weights)."""
-    from megarl.distributed.publish import WeightPublisher
+def publishing(pattern: str, senders: int):
+    """megarl's publish path as a run takes it (megarl.roles.learner_main.publish_weights) with
+    `senders` publishing learner ranks; the others iterate the (collective) stream and send nothing."""
+    publishers = {}
 
-    if rank == 0:
-        if not hasattr(weight_publisher, "publisher"):
-            weight_publisher.publisher = WeightPublisher(group, dist_prefix(store), args.bucket_mb, 600, False)
-        weight_publisher.publisher.publish(rep + 1, learner.publish_tensors(), spec=learner.publish_spec())
-    else:
-        for _ in learner.publish_tensors():
-            pass
+    def run(learner, rank, store, groups, spec, args, rep, stage) -> None:
+        from megarl.distributed.publish import WeightPublisher
+
+        if rank < senders:
+            if stage not in publishers:
+                publishers[stage] = WeightPublisher(groups[rank], part_store(store, stage, pattern, rank),
+                                                    args.bucket_mb, 600, False, sender=rank, senders=senders)
+            publishers[stage].publish(rep + 1, learner.publish_tensors(), spec=learner.publish_spec())
+        else:
+            for _ in learner.publish_tensors():
+                pass
+    return run
 
 
-def dist_prefix(store):
+def part_store(store, stage: int, pattern: str, sender: int):
     import torch.distributed as dist
 
-    return dist.PrefixStore("weights/", store)
+    return dist.PrefixStore(f"weights/zero{stage}/{pattern}/sender{sender}/", store)
 
 
-PATTERNS = {"per_param": per_param, "bucketed": bucketed, "weight_publisher": weight_publisher}
+PATTERNS = {"per_param": per_param, "bucketed": bucketed, "weight_publisher": publishing("weight_publisher", 1),
+            "two_senders": publishing("two_senders", 2)}
+SENDERS = {"weight_publisher": 1, "two_senders": 2}
+# At ZeRO-1 every rank holds the whole model, so the senders' sends are all there is to a publish; at
+# ZeRO-3 they share the time with the gathers, which every rank joins.
+STAGE_PATTERNS = {1: ("weight_publisher", "two_senders"), 3: tuple(PATTERNS)}
 
 
-def receive(store, group, spec, args) -> None:
+def receive(store, groups, spec, args) -> None:
     """The sampler: receives every pattern's version in the order the learner sends them."""
-    from megarl.distributed.publish import WeightReceiver, plan_buckets
+    from megarl.distributed.publish import StagedReceiver, plan_buckets
 
     got = threading.Event()
-    receiver = WeightReceiver(group, dist_prefix(store), {n: (torch.Size(s), d) for n, s, d in spec},
-                              torch.device("cpu"), on_version=lambda v, t, e: got.set(),
-                              current_version=lambda: 10**9, should_stop=lambda: False, timeout_s=600)
-    started = False
+    expected = {n: (torch.Size(s), d) for n, s, d in spec}
     buckets = plan_buckets(spec, int(args.bucket_mb * 2**20))
-    for rep in range(args.reps):
-        for _, shape, dtype in spec:
-            group.broadcast(torch.empty(shape, dtype=dtype), 0).wait()
-        store.set(f"received/per_param/{rep}", "1")
-        for work in [group.broadcast(torch.empty(b.numel, dtype=b.dtype), 0) for b in buckets]:
-            work.wait()
-        store.set(f"received/bucketed/{rep}", "1")
-        if not started:
-            receiver.start()
-            started = True
-        got.wait(600)
-        got.clear()
-        store.set(f"received/weight_publisher/{rep}", "1")
+    for stage, patterns in STAGE_PATTERNS.items():
+        receivers = {pattern: StagedReceiver([(groups[r], part_store(store, stage, pattern, r)) for r in range(n)],
+                                             expected, torch.device("cpu"), on_version=lambda v, t, e: got.set(),
+                                             current_version=lambda: 10**9, should_stop=lambda: False, timeout_s=600)
+                     for pattern, n in SENDERS.items() if pattern in patterns}
+        for rep in range(args.reps):
+            for pattern in patterns:
+                if pattern == "per_param":
+                    for _, shape, dtype in spec:
+                        groups[0].broadcast(torch.empty(shape, dtype=dtype), 0).wait()
+                elif pattern == "bucketed":
+                    for work in [groups[0].broadcast(torch.empty(b.numel, dtype=b.dtype), 0) for b in buckets]:
+                        work.wait()
+                else:
+                    if rep == 0:
+                        receivers[pattern].start()
+                    if not got.wait(600):
+                        raise TimeoutError(f"the zero{stage} {pattern} publish of rep {rep} did not arrive within 600 s")
+                    got.clear()
+                store.set(f"received/{stage}/{pattern}/{rep}", "1")
 
 
 def report(results: list[dict]) -> dict:
@@ -247,13 +267,19 @@ def report(results: list[dict]) -> dict:
             "step_peak_mb": [round(r["memory"][stage]["step_peak"] / mb) for r in results],
             "after_step_mb": [round(r["memory"][stage]["after_step"] / mb) for r in results],
             "theory_mb": round(first["memory"][stage]["theory"]["total"] / mb)}
-    print("\nZeRO-3 publish (rank 0 until the sampler has it; peak extra RSS per learner rank)")
-    print(f"{'pattern':>17} {'seconds':>8} {'rank0 MB':>9} {'rank1 MB':>9}")
-    for pattern in PATTERNS:
+    print("\npublish (rank 0 until the sampler has it; peak extra RSS per learner rank)")
+    print(f"{'pattern':>23} {'seconds':>8} {'rank0 MB':>9} {'rank1 MB':>9}")
+    for pattern in first["publish"]:
         seconds = min(first["publish"][pattern]["seconds"])
         peaks = [max(r["publish"][pattern]["peak_extra"]) / mb for r in results]
-        print(f"{pattern:>17} {seconds:8.2f} {peaks[0]:9.0f} {peaks[1]:9.0f}")
+        print(f"{pattern:>23} {seconds:8.2f} {peaks[0]:9.0f} {peaks[1]:9.0f}")
         summary["publish"][pattern] = {"seconds": round(seconds, 3), "peak_extra_mb": [round(p) for p in peaks]}
+    publish = summary["publish"]
+    for stage in (1, 3):  # time of one sender / time of two
+        summary[f"zero{stage}_two_senders_speedup"] = round(
+            publish[f"zero{stage}/weight_publisher"]["seconds"] / publish[f"zero{stage}/two_senders"]["seconds"], 3)
+        print(f"ZeRO-{stage}: two senders vs one (time of one / time of two): "
+              f"{summary[f'zero{stage}_two_senders_speedup']:.2f}x")
     return summary
 
 

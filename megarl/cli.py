@@ -58,12 +58,15 @@ def train(args: argparse.Namespace) -> int:
     except (OSError, ImportError, ValueError) as exc:
         print(f"megarl: task: {exc}", file=sys.stderr)
         return 2
+    from megarl.checkpoint.learner_state import check_resumable, read_manifest
     from megarl.checkpoint.resume import check_export_target, find_checkpoint, prepare_run_dir
     from megarl.checkpoint.storage import CheckpointError
 
     try:  # the learner checks again (raw torchrun launches); here it costs no process start
         check_export_target(cfg)
         resume_from = find_checkpoint(cfg)
+        if resume_from is not None:  # a layout the checkpoint cannot load is refused before any process starts
+            check_resumable(resume_from, read_manifest(resume_from), cfg.learner)
         prepare_run_dir(cfg, resume_from, clear=False)  # with run.overwrite the learner clears, once launched
     except CheckpointError as exc:
         print(f"megarl: checkpoint: {exc}", file=sys.stderr)

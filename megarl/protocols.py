@@ -125,7 +125,7 @@ class Learner(Protocol):
 
     def publish_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full tensors of the current weights, in a fixed order (every learner rank iterates it;
-        collective over TP)."""
+        collective over TP); valid until the next train_step (they may be the parameters themselves)."""
 
     def publish_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This TP rank's slices of those tensors, in megarl.models.tp_shard's layout (for samplers of the

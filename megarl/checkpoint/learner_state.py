@@ -99,10 +99,35 @@ def quiet_dcp():
 
 
 def _layout(learner) -> dict:
-    layout = {"tp": learner.cfg.tp, "pp": learner.cfg.pp, "dp": learner.cfg.dp}
-    if learner.cfg.backend == "deepspeed":  # DeepSpeed's own checkpoint (megarl.learner.deepspeed)
-        layout.update(backend="deepspeed", zero_stage=learner.cfg.deepspeed.zero_stage)
+    return layout_of(learner.cfg)
+
+
+def layout_of(learner_cfg) -> dict:
+    """The layout a learner of this config writes into a checkpoint's manifest."""
+    layout = {"tp": learner_cfg.tp, "pp": learner_cfg.pp, "dp": learner_cfg.dp}
+    if learner_cfg.backend == "deepspeed":  # DeepSpeed's own checkpoint (megarl.learner.deepspeed)
+        layout.update(backend="deepspeed", zero_stage=learner_cfg.deepspeed.zero_stage)
     return layout
+
+
+def check_resumable(path: Path, manifest: dict, learner_cfg) -> None:
+    """CheckpointError unless a learner of `learner_cfg` can load this checkpoint: the backend that saved
+    it, and for DeepSpeed the same learner.dp and zero_stage (its ZeRO partitions are per DP rank and
+    stage; megatron's distributed checkpoint reshards to any layout). Pure: `megarl train` runs it
+    before launching anything, the learner again when it loads."""
+    saved, ours = manifest["layout"], layout_of(learner_cfg)
+    if "deepspeed" not in (saved.get("backend"), ours.get("backend")):
+        return
+    if saved.get("backend", "megatron") != ours.get("backend", "megatron"):
+        raise CheckpointError(f"{path} was saved by learner.backend={saved.get('backend', 'megatron')}, this run has "
+                              f"learner.backend={learner_cfg.backend}: resume with the backend that saved it")
+    if saved != ours:
+        keys = {"dp": "learner.dp", "zero_stage": "learner.deepspeed.zero_stage"}
+        diff = {name: (saved.get(k), ours.get(k)) for k, name in keys.items() if saved.get(k) != ours.get(k)}
+        raise CheckpointError(
+            f"{path} holds DeepSpeed ZeRO partitions for another layout: (checkpoint, this run) = {diff}; "
+            f"resume with the learner.dp and learner.deepspeed.zero_stage it was saved with "
+            f"(or `megarl export` it and start a new run from the HF directory)")
 
 
 def _optimizer_kind(use_distributed_optimizer: bool) -> str:
@@ -281,19 +306,9 @@ def load(learner, checkpoint: str | Path) -> dict:
 
 
 def _load_deepspeed(learner, path: Path, manifest: dict) -> dict:
-    """DeepSpeed's checkpoint under the layout that wrote it (its ZeRO partitions are per DP rank and
-    stage): another layout is refused, naming the keys to set."""
-    saved, ours = manifest["layout"], _layout(learner)
-    if saved.get("backend", "megatron") != ours.get("backend", "megatron"):
-        raise CheckpointError(f"{path} was saved by learner.backend={saved.get('backend', 'megatron')}, this run has "
-                              f"learner.backend={learner.cfg.backend}: resume with the backend that saved it")
-    if saved != ours:
-        keys = {"dp": "learner.dp", "zero_stage": "learner.deepspeed.zero_stage"}
-        diff = {name: (saved.get(k), ours.get(k)) for k, name in keys.items() if saved.get(k) != ours.get(k)}
-        raise CheckpointError(
-            f"{path} holds DeepSpeed ZeRO partitions for another layout: (checkpoint, this run) = {diff}; "
-            f"resume with the learner.dp and learner.deepspeed.zero_stage it was saved with "
-            f"(or `megarl export` it and start a new run from the HF directory)")
+    """DeepSpeed's checkpoint under the layout that wrote it: another layout is refused, naming the keys
+    to set (check_resumable)."""
+    check_resumable(path, manifest, learner.cfg)
     _agree(lambda: learner.load_shards(path, manifest["version"], with_optimizer=manifest["version"] > 0),
            f"loading {path}")
     return {**manifest, "path": str(path), "rng_restored": False}

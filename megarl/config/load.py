@@ -41,8 +41,22 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe(exc)) from exc
     cfg: Config = OmegaConf.to_object(merged)
+    _pick_vllm_model(cfg)
     validate(cfg)
     return cfg
+
+
+def _pick_vllm_model(cfg: Config) -> None:
+    """sampler.engine=vllm with an embedded model vLLM cannot run (head_dim < 32 on CPU): use its variant with
+    head_dim 32 (megarl.models.tiny.VLLM_VARIANTS), so `megarl train configs/demo.yaml sampler.engine=vllm`
+    works as typed. The resolved config (saved with the run) shows the model actually used."""
+    if cfg.sampler.engine != "vllm" or not cfg.model.path.startswith("embedded:"):
+        return
+    from megarl.models.tiny import VLLM_VARIANTS
+
+    name = cfg.model.path.split(":", 1)[1]
+    if name in VLLM_VARIANTS:
+        cfg.model.path = f"embedded:{VLLM_VARIANTS[name]}"
 
 
 def _describe(exc: OmegaConfBaseException) -> str:
@@ -79,10 +93,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(lc.backend in ("megatron", "deepspeed"), "learner.backend",
              f"unknown backend {lc.backend!r}; known: megatron, deepspeed")
     _validate_deepspeed(lc)
-    _require(cfg.sampler.engine in ("builtin", "sglang"), "sampler.engine",
-             f"unknown engine {cfg.sampler.engine!r}; known: builtin, sglang")
+    _require(cfg.sampler.engine in ("builtin", "sglang", "vllm"), "sampler.engine",
+             f"unknown engine {cfg.sampler.engine!r}; known: builtin, sglang, vllm")
     if cfg.sampler.engine == "sglang":
         _validate_sglang(cfg)
+    if cfg.sampler.engine == "vllm":
+        _validate_vllm(cfg)
     _require(cfg.sampler.kv_on_update in ("keep", "recompute"), "sampler.kv_on_update", "must be 'keep' or 'recompute'")
     _require(cfg.algo.mode in ("pipeline", "sync"), "algo.mode", f"must be 'pipeline' or 'sync', got {cfg.algo.mode!r}")
     if cfg.algo.mode == "pipeline":
@@ -121,6 +137,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(cfg.sampler.tp == 1 or (cfg.sampler.engine == "builtin" and cfg.sampler.tp == lc.tp), "sampler.tp",
              f"the built-in engine runs on sampler.tp ranks with weights published shard to shard, so it must be 1 "
              f"or equal learner.tp={lc.tp} (got {cfg.sampler.tp}); SGLang servers take sampler.sglang.tp")
+    _require(cfg.publish.senders <= lc.dp, "publish.senders",
+             f"each sender is a learner DP replica: at most learner.dp={lc.dp}, got {cfg.publish.senders}")
+    _require(cfg.publish.senders == 1 or (cfg.sampler.engine == "builtin" and cfg.sampler.tp == 1), "publish.senders",
+             "several senders need the built-in engine at sampler.tp=1 (SGLang's weight-update group has one "
+             "source; shard-to-shard publish already sends from every TP rank)")
     _require(lc.pp == 1 or cfg.sampler.engine != "sglang", "learner.pp",
              "sampler.engine=sglang takes weights from one learner source; with learner.pp > 1 each stage publishes "
              "its own layers, which only the built-in engine receives so far")
@@ -134,6 +155,23 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         validate_advantage_config(cfg.algo.advantage)
     except ValueError as exc:  # their messages start with "loss.<field>" / "advantage.<field>"
         raise ConfigError(f"algo.{exc}") from exc
+
+
+def _validate_vllm(cfg: Config) -> None:
+    vc = cfg.sampler.vllm
+    for key in ("startup_timeout_s", "request_timeout_s", "kv_cache_gib"):
+        _require(getattr(vc, key) > 0, f"sampler.vllm.{key}", "must be > 0")
+    _require(0 <= vc.port < 65536, "sampler.vllm.port", "must be a port number (0 = pick a free one)")
+    _require(cfg.sampling.top_p == 1.0, "sampling.top_p",
+             "must be 1.0 with sampler.engine=vllm: vLLM's processed log-probs include top-p truncation")
+    _require(cfg.sampling.top_k == 0, "sampling.top_k",
+             "must be 0 with sampler.engine=vllm: vLLM's processed log-probs include top-k truncation")
+    _require(cfg.sampler.kv_on_update == "keep", "sampler.kv_on_update",
+             "sampler.engine=vllm pauses with mode=keep (running requests keep their KV cache); recompute is not "
+             "implemented for vLLM")
+    _require(not any(a.split("=")[0] in ("--max-model-len", "--logprobs-mode", "--worker-extension-cls")
+                     for a in vc.server_args), "sampler.vllm.server_args",
+             "--max-model-len (sampler.max_seq_len), --logprobs-mode and --worker-extension-cls are set by megarl")
 
 
 def _validate_sglang(cfg: Config) -> None:
@@ -224,7 +262,7 @@ def _check_positive(cfg: Config) -> None:
         "run.steps", "sampling.max_new_tokens", "sampler.num_engines", "sampler.max_running",
         "sampler.max_seq_len", "sampler.threads", "sampler.tp", "learner.tp", "learner.pp", "learner.dp",
         "learner.micro_batch_size", "learner.threads", "learner.lr", "learner.max_nonfinite_in_row", "algo.prompts_per_step", "algo.sync_epochs",
-        "publish.bucket_mb", "publish.timeout_s", "queue.timeout_s", "dist.timeout_s", "task.max_operand",
+        "publish.bucket_mb", "publish.timeout_s", "publish.senders", "queue.timeout_s", "dist.timeout_s", "task.max_operand",
     }
     for key in positive:
         section, name = key.split(".")

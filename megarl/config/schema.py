@@ -110,8 +110,26 @@ class SGLangConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """sampler.engine=vllm: each sampler rank starts one vLLM server (its own environment) and drives it over HTTP
+    (docs/vllm.md). Weights reach the sampler rank over megarl's publish groups, then the server over a local gloo
+    group, applied in flight (pause keep -> load -> resume)."""
+
+    server_args: list[str] = field(default_factory=list)  # extra vLLM launch flags, passed through
+    port: int = 0  # HTTP port of sampler 0's server (sampler i uses port + i); 0 = a free port each
+    startup_timeout_s: float = 600.0  # server start (vLLM imports, model load, warm-up) until /health answers
+    request_timeout_s: float = 300.0  # every HTTP call; a stream fails after this long without data
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: the server's KV cache on CPU
+    # True: no torch.compile (start-up ~40 s faster on the CPU machines; slower decode for big models).
+    enforce_eager: bool = True
+    # vLLM's prefix cache: off by default, so no request reuses KV an older version computed.
+    prefix_caching: bool = False
+
+
+@dataclass
 class SamplerConfig:
-    engine: str = "builtin"  # "builtin" (torch engine in the sampler process) or "sglang" (a server per sampler)
+    # "builtin" (torch engine in the sampler process), "sglang" or "vllm" (a server per sampler)
+    engine: str = "builtin"
     num_engines: int = 1  # sampler engines; each runs on `tp` sampler ranks
     # Built-in engine tensor parallelism: ranks per engine. 1, or learner.tp: then learner TP rank r sends
     # only its shard to TP rank r of every engine (docs/sampler.md#tensor-parallelism).
@@ -122,6 +140,7 @@ class SamplerConfig:
     kv_on_update: str = "keep"
     threads: int = 1  # torch intra-op threads per sampler process
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass
@@ -177,6 +196,9 @@ class PublishConfig:
     bucket_mb: float = 16.0  # tensors are packed into flat buffers of at most this size
     timeout_s: float = 120.0  # one version's broadcast, end to end
     checksum: bool = True  # verify every bucket's checksum (publish.bucket_checksum) on the receiving side
+    # Learner DP replicas that send (built-in engine): replica d broadcasts every k-th bucket over its own
+    # group, so k sends run at once (docs/learner.md#several-senders measures when that pays).
+    senders: int = 1
 
 
 @dataclass

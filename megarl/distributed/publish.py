@@ -11,6 +11,9 @@ Protocol (publish group rank 0 = learner source, ranks 1.. = samplers):
      sums each bucket as it lands, compares with the source's sums and hands the tensors (views into
      the staging buffers) to a callback;
      the engine swaps them in at its next step boundary, so decoding overlaps the transfer.
+With publish.senders = k, k learner DP replicas publish, each over its own group (its own header,
+spec and checksums): sender d sends buckets d, d + k, d + 2k, ... of the plan over the whole spec
+(`sender_share`), so k broadcasts run at once; a receiver merges the parts (StagedReceiver).
 Publishes are numbered separately from policy versions because a version may advance by more than
 one between publishes (sync mode trains K steps, a skipped step advances none).
 Receivers double-buffer: publish n lands in buffer set n % 2, reused only once the engine has
@@ -80,6 +83,19 @@ def plan_buckets(spec: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_by
     return buckets
 
 
+def sender_share(spec: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int, senders: int,
+                 sender: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The part of `spec` publish sender `sender` of `senders` sends: the tensors of buckets sender,
+    sender + senders, ... of the plan over the whole spec. Round robin rather than contiguous halves, so
+    the senders' sends interleave in the order a ZeRO-3 learner gathers (the gather of bucket i + 1,
+    collective over every rank, overlaps the send of bucket i by another rank)."""
+    share = set()
+    for i, bucket in enumerate(plan_buckets(spec, bucket_bytes)):
+        if i % senders == sender:
+            share.update(slot.name for slot in bucket.slots)
+    return [entry for entry in spec if entry[0] in share]
+
+
 def bucket_checksum(buffer: torch.Tensor) -> list[int]:
     """Two wrapping 64-bit sums over a bucket's bytes: of its 8-byte words (plus trailing bytes), and of
     its 64 KiB chunk sums weighted by chunk position.
@@ -138,16 +154,22 @@ class WeightPublisher:
     (a ZeRO-3 learner gathers bucket by bucket for the same reason). The header goes first; the sums
     travel after the buckets, not in the header, so nothing waits for them. A bucket holding one
     contiguous tensor sends that tensor as is (no copy); packed buckets use `IN_FLIGHT` reused buffers.
+
+    `sender`/`senders`: one of several publishing DP replicas, each given the whole stream (its
+    production may be collective, as ZeRO-3 gathers are) and sending its `sender_share` of it.
     """
 
     IN_FLIGHT = 2
 
-    def __init__(self, group, store, bucket_mb: float, timeout_s: float, checksum: bool):
+    def __init__(self, group, store, bucket_mb: float, timeout_s: float, checksum: bool, sender: int = 0,
+                 senders: int = 1):
         self.group, self.store = group, store
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.timeout = timedelta(seconds=timeout_s)
         self.checksum = checksum
-        self.spec: Spec | None = None
+        self.sender, self.senders = sender, senders
+        self.spec: Spec | None = None  # the whole spec the first publish fixed
+        self.own: set[str] = set()  # the names of this sender's share
         self.buckets: list[Bucket] | None = None
         # Packing buffers: slot i % IN_FLIGHT, per (dtype, device), as large as the largest bucket of that dtype.
         self.ring: list[dict[tuple[torch.dtype, torch.device], torch.Tensor]] = [{} for _ in range(self.IN_FLIGHT)]
@@ -166,14 +188,15 @@ class WeightPublisher:
             spec, tensors = [(n, tuple(t.shape), t.dtype) for n, t in named.items()], named.items()
         spec = [(n, tuple(shape), dtype) for n, shape, dtype in spec]
         if self.buckets is None:
+            share = sender_share(spec, self.bucket_bytes, self.senders, self.sender)
             self.store.set(SPEC_KEY, json.dumps({"bucket_bytes": self.bucket_bytes,
-                                                 "tensors": [[n, list(s), _dtype_name(d)] for n, s, d in spec]}))
-            self.spec, self.buckets = spec, plan_buckets(spec, self.bucket_bytes)
+                                                 "tensors": [[n, list(s), _dtype_name(d)] for n, s, d in share]}))
+            self.spec, self.own, self.buckets = spec, {n for n, _, _ in share}, plan_buckets(share, self.bucket_bytes)
         self._check(spec)
         self.published += 1
         self.store.set(header_key(self.published),
                        json.dumps({"version": version, "checksum": self.checksum, "extra": extra or {}}))
-        stream = iter(tensors)
+        stream = self._own(tensors)
         in_flight: collections.deque[_Broadcast] = collections.deque()
         sums = []
         for i, bucket in enumerate(self.buckets):
@@ -188,11 +211,20 @@ class WeightPublisher:
             self.store.set(checksums_key(self.published), json.dumps(sums))
         for send in in_flight:
             send.wait()
-        surplus = next(stream, None)
+        surplus = next(stream, None)  # also runs the rest of a collective stream: the other senders need it
         if surplus is not None:
             raise RuntimeError(f"weight publish: the learner yielded {surplus[0]} beyond its publish spec")
         nbytes = sum(b.numel * b.dtype.itemsize for b in self.buckets)
         return {"bytes": nbytes, "seconds": time.perf_counter() - start}
+
+    def _own(self, tensors: Iterable[tuple[str, torch.Tensor]]):
+        """The stream's tensors of this sender's share (all of them for a lone sender)."""
+        known = {name for name, _, _ in self.spec}
+        for name, tensor in tensors:
+            if name in self.own:
+                yield name, tensor
+            elif name not in known:
+                raise RuntimeError(f"weight publish: the learner yielded {name} beyond its publish spec")
 
     def _check(self, spec: Spec) -> None:
         """Every version must match the spec the first publish fixed; checked before the header is written,
@@ -360,11 +392,12 @@ def check_spec(spec: list[tuple[str, tuple[int, ...], torch.dtype]],
 
 
 class StagedReceiver:
-    """Sampler side when the learner is pipeline-parallel: one WeightReceiver per stage group, each
-    receiving its stage's tensors; a version reaches `on_version` once every stage delivered it.
+    """Sampler side: one WeightReceiver per publish part (a learner pipeline stage's layers, or one
+    sender's share of them), each receiving its part's tensors; a version reaches `on_version` once
+    every part delivered it.
 
-    `stages` is [(group, store)] in stage order (megarl.distributed.topology.publish_groups and
-    publish_stage_store); `extra` comes from stage 0, the publisher that owns the run's bookkeeping.
+    `stages` is [(group, store)] in part order (megarl.distributed.topology.publish_groups and
+    publish_stage_store); `extra` comes from part 0, the publisher that owns the run's bookkeeping.
     """
 
     def __init__(self, stages: list, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,

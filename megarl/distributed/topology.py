@@ -11,10 +11,11 @@ Groups:
     torchrun's store. Sampler processes have no default group: they never join a learner collective.
   * publish: a standalone group (not registered with torch.distributed, like the weight-update
     groups SGLang and vLLM create) per publish part: the publishing learner rank (group rank 0) and
-    every engine (group ranks 1..E). One part per pipeline stage, and with sampler_tp > 1 one per
-    stage and TP rank (shard to shard). Standalone because it spans roles whose default groups
-    differ, and because an external engine (SGLang) can join such a group without being part of the
-    torchrun world.
+    every engine (group ranks 1..E). A part is (pipeline stage, TP rank, sender): one per pipeline
+    stage; with sampler_tp > 1 one per stage and TP rank (shard to shard); with publish.senders = k > 1
+    one per stage and DP replica 0..k-1, each sending its share of the stage's buckets
+    (publish.sender_share). Standalone because it spans roles whose default groups differ, and because
+    an external engine (SGLang) can join such a group without being part of the torchrun world.
   * engine TP (sampler_tp > 1): the ranks of one built-in engine; its lead broadcasts each step's plan
     and the forward all-reduces over it.
   * SGLang weight update (sampler.engine=sglang): replaces the publish group. The learner's publish
@@ -49,6 +50,9 @@ class Topology:
     # Ranks per built-in sampler engine (sampler.tp). Above 1 it equals learner.tp and the publish is
     # shard to shard: learner TP rank r (of each stage's first DP replica) -> TP rank r of every engine.
     sampler_tp: int = 1
+    learner_tp: int = 1  # a stage's DP replica d starts at offset d * learner_tp
+    # DP replicas of each stage that publish (publish.senders), replica d sending share d of the buckets.
+    publish_senders: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -83,14 +87,19 @@ class Topology:
         return list(range(self.num_learners, self.world_size, self.sampler_tp))
 
     @property
-    def publish_parts(self) -> list[tuple[int, int]]:
-        """(pipeline stage, TP rank) of every publish group this rank is in: a source learner rank is in
-        its own (its stage's first rank, or with sampler_tp > 1 each TP rank of the stage's first DP
-        replica), a sampler rank in every stage's group of its TP rank, other learner ranks in none."""
+    def publish_parts(self) -> list[tuple[int, int, int]]:
+        """(pipeline stage, TP rank, sender) of every publish group this rank is in. A source learner rank
+        is in its own: its stage's first rank, or with sampler_tp > 1 each TP rank of the stage's first DP
+        replica, or with publish_senders = k the first rank of each of the stage's first k DP replicas.
+        A sampler rank is in every group of its TP rank; other learner ranks are in none."""
         if self.role == "sampler":
-            return [(stage, self.engine_tp_rank) for stage in range(self.num_stages)]
+            return [(stage, self.engine_tp_rank, sender)
+                    for stage in range(self.num_stages) for sender in range(self.publish_senders)]
         stage, offset = divmod(self.rank, self.learners_per_stage or self.num_learners)
-        return [(stage, offset)] if offset < self.sampler_tp else []
+        if self.sampler_tp > 1:
+            return [(stage, offset, 0)] if offset < self.sampler_tp else []
+        replica, tp_rank = divmod(offset, self.learner_tp)
+        return [(stage, 0, replica)] if tp_rank == 0 and replica < self.publish_senders else []
 
     @property
     def publish_rank(self) -> int | None:
@@ -110,9 +119,7 @@ def topology_from_env(cfg: Config) -> Topology:
         raise ConfigError(
             f"sampler.num_engines/learner.*: the config needs {world_size_for(cfg)} processes, "
             f"torchrun started WORLD_SIZE={world}")
-    learners = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
-    return Topology(rank=rank, world_size=world, num_learners=learners, num_samplers=world - learners,
-                    learners_per_stage=cfg.learner.tp * cfg.learner.dp, sampler_tp=cfg.sampler.tp)
+    return rank_topology(cfg, rank, world)
 
 
 def placement(cfg: Config, nnodes: int, nproc_per_node: int | None = None) -> list[list[Topology]]:
@@ -130,10 +137,15 @@ def placement(cfg: Config, nnodes: int, nproc_per_node: int | None = None) -> li
             f"sampler.num_engines/learner.*: the config needs {world} processes, which {nnodes} nodes "
             f"x {per_node} processes per node do not give (torchrun starts the same number on every node); "
             f"make the world size a multiple of the node count")
+    return [[rank_topology(cfg, r, world) for r in range(node * per_node, (node + 1) * per_node)]
+            for node in range(nnodes)]
+
+
+def rank_topology(cfg: Config, rank: int, world: int) -> Topology:
     learners = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
-    return [[Topology(rank=r, world_size=world, num_learners=learners, num_samplers=world - learners,
-                      learners_per_stage=cfg.learner.tp * cfg.learner.dp, sampler_tp=cfg.sampler.tp)
-             for r in range(node * per_node, (node + 1) * per_node)] for node in range(nnodes)]
+    return Topology(rank=rank, world_size=world, num_learners=learners, num_samplers=world - learners,
+                    learners_per_stage=cfg.learner.tp * cfg.learner.dp, sampler_tp=cfg.sampler.tp,
+                    learner_tp=cfg.learner.tp, publish_senders=cfg.publish.senders)
 
 
 def connect_store(topo: Topology, timeout_s: float) -> dist.Store:
@@ -172,35 +184,39 @@ def init_learner_group(topo: Topology, store: dist.Store, backend: str, timeout_
                             timeout=timedelta(seconds=timeout_s))
 
 
-def publish_stage_store(store: dist.Store, stage: int, tp_rank: int = 0) -> dist.Store:
-    """Where publish part (stage, TP rank)'s records (spec, headers) live: part (0, 0) uses the plain
-    keys, and its headers carry the run's bookkeeping."""
-    if (stage, tp_rank) == (0, 0):
-        return store
-    return dist.PrefixStore(f"stage{stage}/" + (f"tp{tp_rank}/" if tp_rank else ""), store)
+def publish_stage_store(store: dist.Store, stage: int, tp_rank: int = 0, sender: int = 0) -> dist.Store:
+    """Where publish part (stage, TP rank, sender)'s records (spec, headers) live: part (0, 0, 0) uses
+    the plain keys, and its headers carry the run's bookkeeping."""
+    prefix = _part_prefix(stage, tp_rank, sender)
+    return dist.PrefixStore(prefix, store) if prefix else store
+
+
+def _part_prefix(stage: int, tp_rank: int, sender: int) -> str:
+    return (f"stage{stage}/" if stage else "") + (f"tp{tp_rank}/" if tp_rank else "") + \
+        (f"sender{sender}/" if sender else "")
 
 
 def publish_groups(topo: Topology, store: dist.Store, backend: str,
-                   timeout_s: float) -> dict[tuple[int, int], object]:
-    """(pipeline stage, TP rank) -> its weight broadcast group, for the groups this rank belongs to.
+                   timeout_s: float) -> dict[tuple[int, int, int], object]:
+    """(pipeline stage, TP rank, sender) -> its weight broadcast group, for the groups this rank is in.
 
     One group per learner pipeline stage: that stage's source (group rank 0) and every engine. Each
     stage broadcasts its own layers, so no learner rank ever gathers the whole model, and the stages
     send concurrently. With sampler_tp > 1 each stage has one group per TP rank r: the stage's TP rank
     r (first DP replica) sends its shards to TP rank r of every engine, nothing is gathered over TP.
+    With publish.senders = k each stage has k groups, DP replica d sending share d of the buckets.
     """
     return {part: publish_group(topo, store, backend, timeout_s, *part) for part in topo.publish_parts}
 
 
 def publish_group(topo: Topology, store: dist.Store, backend: str, timeout_s: float, stage: int = 0,
-                  tp_rank: int = 0):
-    """The standalone learner->engines weight broadcast group of publish part (stage, TP rank): the
-    source learner rank is group rank 0, engine i's TP rank `tp_rank` is group rank 1 + i."""
+                  tp_rank: int = 0, sender: int = 0):
+    """The standalone learner->engines weight broadcast group of publish part (stage, TP rank, sender):
+    the source learner rank is group rank 0, engine i's TP rank `tp_rank` is group rank 1 + i."""
     rank = topo.publish_rank
     if rank is None:
         return None
-    prefix = "publish/" + (f"stage{stage}/" if stage else "") + (f"tp{tp_rank}/" if tp_rank else "")
-    sub = dist.PrefixStore(prefix, store)
+    sub = dist.PrefixStore("publish/" + _part_prefix(stage, tp_rank, sender), store)
     timeout = timedelta(seconds=timeout_s)
     if resolve_backend(backend) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()

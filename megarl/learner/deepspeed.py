@@ -246,12 +246,14 @@ class DeepSpeedLearner:
     # ------------------------------------------------------------------ weights out
 
     def publish_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named fp32 CPU copies of the full weights, in the HF model's parameter order (tied: the
-        embedding once, no lm_head). Collective: every learner rank iterates it. At ZeRO-3 they are
-        views into `publish_buckets`' flat buffers (contiguous, one bucket's worth per gather)."""
+        """HF-named fp32 CPU tensors of the full weights, in the HF model's parameter order (tied: the
+        embedding once, no lm_head), valid until the next step: below ZeRO-3 the parameters themselves
+        when they are fp32 on the CPU (a publisher that sends only its share copies nothing it skips),
+        else converted copies. Collective: every learner rank iterates it. At ZeRO-3 they are views into
+        `publish_buckets`' flat buffers (contiguous, one bucket's worth per gather)."""
         if self.zero_stage < 3:
             for name, param in self.module.named_parameters():
-                yield name, _cpu_copy(param)
+                yield name, param.detach().to(device="cpu", dtype=torch.float32)
             return
         for bucket, flat in self.publish_buckets():
             for slot in bucket.slots:
@@ -315,6 +317,3 @@ def checkpoint_hf_tensors(checkpoint: Path, hf_config: dict) -> Iterator[tuple[s
         if not (tied and name == "lm_head.weight"):
             yield name, lazy.contiguous()
 
-
-def _cpu_copy(param: torch.Tensor) -> torch.Tensor:
-    return param.detach().to(device="cpu", dtype=torch.float32, copy=True)

@@ -243,15 +243,16 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     lead = topo.rank == 0  # owns the queue, the publish source and the run outputs
     resume_from = learner_resume_point(cfg, store, lead)  # the lead also tells the samplers
     sglang = cfg.sampler.engine == "sglang"  # then weights go to the samplers' servers, not to sampler ranks
-    # One broadcast group per pipeline stage (per stage and TP rank, shard to shard); this rank is in the
-    # group it is the source of, if any.
+    # One broadcast group per pipeline stage (per stage and TP rank shard to shard, per stage and sender
+    # with publish.senders > 1); this rank is in the group it is the source of, if any.
     groups = {} if sglang else publish_groups(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
     shards = topo.sampler_tp > 1
     publisher = None
     if groups:
         part, group = next(iter(groups.items()))
         publisher = WeightPublisher(group, publish_stage_store(store, *part), cfg.publish.bucket_mb,
-                                    cfg.publish.timeout_s, cfg.publish.checksum)
+                                    cfg.publish.timeout_s, cfg.publish.checksum, sender=part[2],
+                                    senders=topo.publish_senders)
     learner = build_learner(str(model_dir), cfg)  # learner.backend: megatron | deepspeed
     resumed = learner_state.load(learner, resume_from) if resume_from is not None else None
     start_step = resumed["step"] if resumed else 0

@@ -1,8 +1,10 @@
 """torchrun worker for tests/distributed/test_publish.py: rank 0 publishes, the others receive.
 
-Usage: publish_worker.py OUT_DIR MODE   (MODE: ok | corrupt)
+Usage: publish_worker.py OUT_DIR MODE   (MODE: ok | corrupt | senders)
 Each receiver writes, per version, the received tensors' checksums to OUT_DIR/rank{r}.json; the
 publisher writes what it sent to OUT_DIR/sent.json. `corrupt` makes the header's checksums wrong.
+`senders`: ranks 0 and 1 are two DP replicas holding the same weights, each publishing its share
+(publish.senders=2) over its own group; the receivers merge the parts (StagedReceiver), as a run does.
 """
 import json
 import os
@@ -16,13 +18,15 @@ import torch
 from megarl.config.schema import Config
 from megarl.distributed import publish as pub
 from megarl.distributed.lifetime import exit_process
-from megarl.distributed.topology import Topology, connect_store, publish_group
+from megarl.distributed.topology import Topology, connect_store, publish_groups, publish_stage_store
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-topo = Topology(rank=rank, world_size=world, num_learners=1, num_samplers=world - 1)
+senders = 2 if mode == "senders" else 1
+topo = Topology(rank=rank, world_size=world, num_learners=senders, num_samplers=world - senders,
+                publish_senders=senders)
 store = connect_store(topo, 60)
-group = publish_group(topo, store, "gloo", 60)
+groups = publish_groups(topo, store, "gloo", 60)
 VERSIONS = 4
 
 
@@ -39,8 +43,10 @@ def crc(t: torch.Tensor) -> int:  # independent of the checksum under test
     return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
 
 
-if rank == 0:
-    publisher = pub.WeightPublisher(group, store, bucket_mb=0.01, timeout_s=60, checksum=True)
+if topo.role == "learner":
+    (part, group), = groups.items()
+    publisher = pub.WeightPublisher(group, publish_stage_store(store, *part), bucket_mb=0.01, timeout_s=60,
+                                    checksum=True, sender=rank, senders=senders)
     if mode == "corrupt":
         real_checksum = pub.bucket_checksum
         pub.bucket_checksum = lambda b: [x ^ 1 for x in real_checksum(b)]  # the sent sums lie: receivers must refuse
@@ -51,8 +57,8 @@ if rank == 0:
         sent[v] = {n: crc(t) for n, t in w.items()}
         if mode == "corrupt":
             break
-    (out / "sent.json").write_text(json.dumps({"sent": sent, "buckets": len(publisher.buckets)}))
-    store.set("test/done", "1")
+    own = sorted(slot.name for bucket in publisher.buckets for slot in bucket.slots)
+    (out / f"sent{rank}.json").write_text(json.dumps({"sent": sent, "buckets": len(publisher.buckets), "own": own}))
 else:
     engine_version = [0]
     received, done = {}, threading.Event()
@@ -65,10 +71,11 @@ else:
             done.set()
 
     spec = {n: (t.shape, t.dtype) for n, t in weights(0).items()}
-    recv = pub.WeightReceiver(group, store, spec, torch.device("cpu"), on_version=on_version,
+    recv = pub.StagedReceiver([(groups[part], publish_stage_store(store, *part)) for part in sorted(groups)],
+                              spec, torch.device("cpu"), on_version=on_version,
                               current_version=lambda: engine_version[0], should_stop=done.is_set,
                               timeout_s=60).start()
-    recv.thread.join(60)
+    recv.join(60)
     result = {"received": received, "error": repr(recv.error) if recv.error else None}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 exit_process(0)  # not a plain exit: see megarl.distributed.lifetime

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megarl.distributed.publish import WeightPublisher, check_spec, header_key, plan_buckets
+from megarl.distributed.publish import WeightPublisher, check_spec, header_key, plan_buckets, sender_share
 from tests.helpers import run_torchrun
 
 WORKER = Path(__file__).parent / "publish_worker.py"
@@ -43,12 +43,36 @@ def test_every_sampler_receives_every_version_bit_exact(tmp_path):
     bit-exact at every receiver."""
     proc = run_torchrun(WORKER, 3, tmp_path, "ok", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    sent = json.loads((tmp_path / "sent.json").read_text())
+    sent = json.loads((tmp_path / "sent0.json").read_text())
     assert sent["buckets"] >= 4
     for rank in (1, 2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["error"] is None
         assert got["received"] == sent["sent"]
+
+
+def test_two_senders_each_send_a_share_and_every_sampler_receives_the_whole_model_bit_exact(tmp_path):
+    """publish.senders=2: two DP replicas with the same weights each send every other bucket over their
+    own group, the shares are disjoint and together the model, every receiver gets every version whole."""
+    proc = run_torchrun(WORKER, 4, tmp_path, "senders", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shares = [json.loads((tmp_path / f"sent{rank}.json").read_text()) for rank in (0, 1)]
+    assert shares[0]["sent"] == shares[1]["sent"]  # the same weights on both replicas
+    own = [set(share["own"]) for share in shares]
+    assert own[0] and own[1] and not own[0] & own[1]
+    assert own[0] | own[1] == set(shares[0]["sent"]["1"])
+    for rank in (2, 3):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["error"] is None
+        assert got["received"] == shares[0]["sent"]
+
+
+def test_sender_shares_are_round_robin_buckets_of_the_whole_plan():
+    spec = [(f"t{i}", (10,), torch.float32) for i in range(6)]
+    # 80-byte buckets hold two 40-byte tensors: buckets [t0 t1] [t2 t3] [t4 t5] -> sender 0 gets 0 and 2.
+    assert [n for n, _, _ in sender_share(spec, 80, 2, 0)] == ["t0", "t1", "t4", "t5"]
+    assert [n for n, _, _ in sender_share(spec, 80, 2, 1)] == ["t2", "t3"]
+    assert sender_share(spec, 80, 1, 0) == spec
 
 
 def test_a_version_that_does_not_match_the_first_is_refused_before_its_header():

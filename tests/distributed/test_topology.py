@@ -1,18 +1,20 @@
 """Who is in which publish group: whole tensors from each stage's first rank, or shard to shard from
-each TP rank of the stage's first DP replica to the same TP rank of every sampler engine."""
+each TP rank of the stage's first DP replica to the same TP rank of every sampler engine, or with
+publish.senders = k from the first rank of each of the stage's first k DP replicas."""
 from megarl.distributed.topology import Topology
 
 
-def world(tp: int, dp: int, pp: int, engines: int, sampler_tp: int = 1) -> list[Topology]:
+def world(tp: int, dp: int, pp: int, engines: int, sampler_tp: int = 1, senders: int = 1) -> list[Topology]:
     learners = tp * dp * pp
     size = learners + engines * sampler_tp
     return [Topology(rank=r, world_size=size, num_learners=learners, num_samplers=size - learners,
-                     learners_per_stage=tp * dp, sampler_tp=sampler_tp) for r in range(size)]
+                     learners_per_stage=tp * dp, sampler_tp=sampler_tp, learner_tp=tp, publish_senders=senders)
+            for r in range(size)]
 
 
-def members(ranks: list[Topology]) -> dict[tuple[int, int], list[tuple[int, int]]]:
+def members(ranks: list[Topology]) -> dict[tuple[int, int, int], list[tuple[int, int]]]:
     """publish part -> [(group rank, global rank)] in group-rank order."""
-    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    groups: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
     for t in ranks:
         for part in t.publish_parts:
             groups.setdefault(part, []).append((t.publish_rank, t.rank))
@@ -21,15 +23,23 @@ def members(ranks: list[Topology]) -> dict[tuple[int, int], list[tuple[int, int]
 
 def test_whole_tensors_go_from_each_stage_first_rank_to_every_engine():
     # tp2 dp2 pp2: stage 0 = learner ranks 0-3, stage 1 = 4-7; two engines of one rank: 8, 9.
-    assert members(world(2, 2, 2, engines=2)) == {(0, 0): [(0, 0), (1, 8), (2, 9)],
-                                                  (1, 0): [(0, 4), (1, 8), (2, 9)]}
+    assert members(world(2, 2, 2, engines=2)) == {(0, 0, 0): [(0, 0), (1, 8), (2, 9)],
+                                                  (1, 0, 0): [(0, 4), (1, 8), (2, 9)]}
 
 
 def test_shard_to_shard_pairs_learner_tp_rank_r_with_tp_rank_r_of_every_engine():
     # tp2 dp2 pp2 learner (megatron order: tp fastest, then dp, then pp), two engines of 2 ranks: 8-9, 10-11.
     ranks = world(2, 2, 2, engines=2, sampler_tp=2)
-    assert members(ranks) == {(0, 0): [(0, 0), (1, 8), (2, 10)], (0, 1): [(0, 1), (1, 9), (2, 11)],
-                              (1, 0): [(0, 4), (1, 8), (2, 10)], (1, 1): [(0, 5), (1, 9), (2, 11)]}
+    assert members(ranks) == {(0, 0, 0): [(0, 0), (1, 8), (2, 10)], (0, 1, 0): [(0, 1), (1, 9), (2, 11)],
+                              (1, 0, 0): [(0, 4), (1, 8), (2, 10)], (1, 1, 0): [(0, 5), (1, 9), (2, 11)]}
     assert ranks[0].engine_leads == [8, 10]
     assert [(t.engine_index, t.engine_tp_rank) for t in ranks[8:]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert ranks[2].publish_parts == [] and ranks[2].publish_rank is None  # DP replica 1 sends nothing
+
+
+def test_several_senders_are_the_first_rank_of_each_of_the_first_k_dp_replicas_of_every_stage():
+    # tp2 dp3 pp2, senders=2: stage 0 = ranks 0-5 (replicas at offsets 0, 2, 4), stage 1 = 6-11; engines 12, 13.
+    ranks = world(2, 3, 2, engines=2, senders=2)
+    assert members(ranks) == {(0, 0, 0): [(0, 0), (1, 12), (2, 13)], (0, 0, 1): [(0, 2), (1, 12), (2, 13)],
+                              (1, 0, 0): [(0, 6), (1, 12), (2, 13)], (1, 0, 1): [(0, 8), (1, 12), (2, 13)]}
+    assert ranks[4].publish_parts == [] and ranks[1].publish_parts == []  # replica 2, and a TP rank 1

@@ -21,6 +21,13 @@ from megarl.config.schema import DeepSpeedConfig, LearnerConfig
 from megarl.distributed.lifetime import exit_process
 from megarl.learner.deepspeed import DeepSpeedLearner
 
+
+
+def snapshot(learner) -> dict[str, torch.Tensor]:
+    """The published weights as they are now (publish_tensors' tensors are valid until the next step)."""
+    return {name: tensor.clone() for name, tensor in learner.publish_tensors()}
+
+
 out_dir, batches, cases = Path(sys.argv[1]), torch.load(sys.argv[2], weights_only=False), json.loads(sys.argv[3])
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -32,21 +39,21 @@ for case in cases:
         return DeepSpeedLearner(case["model_dir"], cfg, loss_cfg, publish_bucket_mb=case.get("bucket_mb", 16.0))
 
     learner = build()
-    record = {"initial": dict(learner.publish_tensors()), "logprobs": learner.logprobs(batches[0].input_ids),
+    record = {"initial": snapshot(learner), "logprobs": learner.logprobs(batches[0].input_ids),
               "spec": learner.publish_spec()}
     record["step1"] = learner.train_step(batches[0])
-    record["after_step1"] = dict(learner.publish_tensors())
+    record["after_step1"] = snapshot(learner)
     root = out_dir / f"{case['name']}.ckpt"
     learner_state.save(learner, root, step=1, keep=2, model_dir=case["model_dir"])
     record["step2"] = learner.train_step(replace(batches[1], learner_version=learner.version))
-    record["after_step2"] = dict(learner.publish_tensors())
+    record["after_step2"] = snapshot(learner)
     del learner
 
     resumed = build()
     manifest = learner_state.load(resumed, root)
     record["resumed_version"] = resumed.version
     record["resumed_step2"] = resumed.train_step(replace(batches[1], learner_version=resumed.version))
-    record["resumed_after_step2"] = dict(resumed.publish_tensors())
+    record["resumed_after_step2"] = snapshot(resumed)
     if rank == 0:
         export_hf(root, out_dir / f"{case['name']}.export")
     dist.barrier()
@@ -54,7 +61,7 @@ for case in cases:
                   learner_version=resumed.version)
     record["nonfinite"] = resumed.train_step(nan)
     record["version_after_nonfinite"] = resumed.version
-    record["after_nonfinite"] = dict(resumed.publish_tensors())
+    record["after_nonfinite"] = snapshot(resumed)
     torch.save(record, out_dir / f"{case['name']}.rank{rank}.pt")
     del resumed
 dist.destroy_process_group()
