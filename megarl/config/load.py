@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from megarl.algo.config import validate_advantage_config, validate_loss_config
-from megarl.config.schema import Config
+from megarl.config.schema import Config, PublishConfig
 from megarl.rollout.sandbox import check_config as check_sandbox
 
 
@@ -142,6 +142,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(cfg.publish.senders == 1 or (cfg.sampler.engine == "builtin" and cfg.sampler.tp == 1), "publish.senders",
              "several senders need the built-in engine at sampler.tp=1 (SGLang's weight-update group has one "
              "source; shard-to-shard publish already sends from every TP rank)")
+    _require(cfg.publish.dtype in ("float32", "bfloat16"), "publish.dtype",
+             f"must be float32 or bfloat16, got {cfg.publish.dtype!r}")
+    for key in ("dtype", "delta"):
+        _require(cfg.sampler.engine == "builtin" or getattr(cfg.publish, key) == getattr(PublishConfig(), key),
+                 f"publish.{key}", f"applies to the built-in engine's publish groups; sampler.engine="
+                 f"{cfg.sampler.engine} takes weights through its server's own update API")
     _require(lc.pp == 1 or cfg.sampler.engine != "sglang", "learner.pp",
              "sampler.engine=sglang takes weights from one learner source; with learner.pp > 1 each stage publishes "
              "its own layers, which only the built-in engine receives so far")

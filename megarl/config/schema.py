@@ -199,6 +199,10 @@ class PublishConfig:
     # Learner DP replicas that send (built-in engine): replica d broadcasts every k-th bucket over its own
     # group, so k sends run at once (docs/learner.md#several-senders measures when that pays).
     senders: int = 1
+    # Wire dtype of floating tensors: float32, or bfloat16 (the learner keeps fp32 master weights; the engine
+    # casts on arrival). delta: after the first publish, send per bucket only the words that changed.
+    dtype: str = "float32"
+    delta: bool = False
 
 
 @dataclass

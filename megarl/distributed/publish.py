@@ -14,6 +14,13 @@ Protocol (publish group rank 0 = learner source, ranks 1.. = samplers):
 With publish.senders = k, k learner DP replicas publish, each over its own group (its own header,
 spec and checksums): sender d sends buckets d, d + k, d + 2k, ... of the plan over the whole spec
 (`sender_share`), so k broadcasts run at once; a receiver merges the parts (StagedReceiver).
+Wire format options (publish.dtype, publish.delta): floating tensors may travel as bf16 (the learner
+keeps its fp32 master weights; receivers cast into the engine's dtype), and with delta on, every
+publish after the first sends per bucket only the words that changed since the previous publish, as
+(int32 index, value) pairs, or the whole bucket when that is smaller (`delta_payload`): a small int64
+count goes first (-1: the whole bucket follows). Both sides keep the last words of every bucket (the
+source to diff against, receivers to patch), and the checksums cover the rebuilt words, so a receiver
+checks it holds exactly the source's words.
 Publishes are numbered separately from policy versions because a version may advance by more than
 one between publishes (sync mode trains K steps, a skipped step advances none).
 Receivers double-buffer: publish n lands in buffer set n % 2, reused only once the engine has
@@ -96,6 +103,33 @@ def sender_share(spec: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_by
     return [entry for entry in spec if entry[0] in share]
 
 
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # bit-pattern views by item size
+
+
+def words(flat: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a flat tensor (comparing floats as floats would call NaN changed, -0 == 0 same)."""
+    return flat.view(_WORD[flat.element_size()])
+
+
+def delta_payload(new: torch.Tensor, old: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """(changed count, payload) to turn the flat bucket `old` into `new`: int32 indices of the changed words,
+    then their new values, as one uint8 buffer; None when sending `new` whole is no bigger."""
+    changed = (words(new) != words(old)).nonzero().view(-1)
+    count, size = changed.numel(), new.element_size()
+    if count * (4 + size) >= new.numel() * size:
+        return None
+    payload = torch.empty(count * (4 + size), dtype=torch.uint8, device=new.device)
+    payload[:4 * count].view(torch.int32).copy_(changed)
+    payload[4 * count:].view(new.dtype).copy_(new[changed])
+    return count, payload
+
+
+def apply_delta(words_to_patch: torch.Tensor, count: int, payload: torch.Tensor) -> None:
+    """Write a `delta_payload` into the previous version's flat bucket, in place."""
+    index = payload[:4 * count].view(torch.int32).long()
+    words_to_patch[index] = payload[4 * count:].view(words_to_patch.dtype)
+
+
 def bucket_checksum(buffer: torch.Tensor) -> list[int]:
     """Two wrapping 64-bit sums over a bucket's bytes: of its 8-byte words (plus trailing bytes), and of
     its 64 KiB chunk sums weighted by chunk position.
@@ -162,14 +196,17 @@ class WeightPublisher:
     IN_FLIGHT = 2
 
     def __init__(self, group, store, bucket_mb: float, timeout_s: float, checksum: bool, sender: int = 0,
-                 senders: int = 1):
+                 senders: int = 1, wire_dtype: torch.dtype | None = None, delta: bool = False):
         self.group, self.store = group, store
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.timeout = timedelta(seconds=timeout_s)
         self.checksum = checksum
         self.sender, self.senders = sender, senders
-        self.spec: Spec | None = None  # the whole spec the first publish fixed
+        self.wire_dtype, self.delta = wire_dtype, delta  # floating tensors travel as wire_dtype (None: as they are)
+        self.spec: Spec | None = None  # the whole spec the first publish fixed (the learner's dtypes)
+        self.source_dtypes: dict[str, torch.dtype] = {}
         self.own: set[str] = set()  # the names of this sender's share
+        self.last_sent: list[torch.Tensor] = []  # with delta: every bucket's words as the last publish sent them
         self.buckets: list[Bucket] | None = None
         # Packing buffers: slot i % IN_FLIGHT, per (dtype, device), as large as the largest bucket of that dtype.
         self.ring: list[dict[tuple[torch.dtype, torch.device], torch.Tensor]] = [{} for _ in range(self.IN_FLIGHT)]
@@ -188,34 +225,56 @@ class WeightPublisher:
             spec, tensors = [(n, tuple(t.shape), t.dtype) for n, t in named.items()], named.items()
         spec = [(n, tuple(shape), dtype) for n, shape, dtype in spec]
         if self.buckets is None:
-            share = sender_share(spec, self.bucket_bytes, self.senders, self.sender)
-            self.store.set(SPEC_KEY, json.dumps({"bucket_bytes": self.bucket_bytes,
-                                                 "tensors": [[n, list(s), _dtype_name(d)] for n, s, d in share]}))
-            self.spec, self.own, self.buckets = spec, {n for n, _, _ in share}, plan_buckets(share, self.bucket_bytes)
+            wire = [(n, s, self._wire(d)) for n, s, d in sender_share(spec, self.bucket_bytes, self.senders, self.sender)]
+            self.store.set(SPEC_KEY, json.dumps({"bucket_bytes": self.bucket_bytes, "delta": self.delta,
+                                                 "tensors": [[n, list(s), _dtype_name(d)] for n, s, d in wire]}))
+            self.spec, self.own, self.buckets = spec, {n for n, _, _ in wire}, plan_buckets(wire, self.bucket_bytes)
+            self.source_dtypes = {n: d for n, _, d in spec}
         self._check(spec)
         self.published += 1
-        self.store.set(header_key(self.published),
-                       json.dumps({"version": version, "checksum": self.checksum, "extra": extra or {}}))
+        delta = self.delta and bool(self.last_sent)  # the first publish has nothing to diff against
+        self.store.set(header_key(self.published), json.dumps(
+            {"version": version, "checksum": self.checksum, "delta": delta, "extra": extra or {}}))
         stream = self._own(tensors)
-        in_flight: collections.deque[_Broadcast] = collections.deque()
-        sums = []
+        in_flight: collections.deque[list[_Broadcast]] = collections.deque()
+        sums, sent = [], 0
         for i, bucket in enumerate(self.buckets):
             if len(in_flight) == self.IN_FLIGHT:  # frees ring slot i % IN_FLIGHT (bucket i - IN_FLIGHT used it)
-                in_flight.popleft().wait()
+                for send in in_flight.popleft():
+                    send.wait()
             flat = self._flat(i, bucket, stream)
-            in_flight.append(_Broadcast(self.group, flat, self.timeout,
-                                        f"version {version} bucket {i + 1}/{len(self.buckets)}"))
+            what = f"version {version} bucket {i + 1}/{len(self.buckets)}"
+            body = flat
+            sends = []
+            if delta:
+                change = delta_payload(flat, self.last_sent[i])
+                count, body = (-1, flat) if change is None else change
+                sends.append(_Broadcast(self.group, torch.tensor([count], dtype=torch.int64), self.timeout,
+                                        f"{what} (its delta size)"))
+                sent += 8
+            sends.append(_Broadcast(self.group, body, self.timeout, what))
+            sent += body.numel() * body.element_size()
+            in_flight.append(sends)
             if self.checksum:  # while the bucket is on the wire: the broadcast only reads it
                 sums.append(bucket_checksum(flat))
+            if self.delta:  # what the receivers hold once this bucket landed
+                if len(self.last_sent) <= i:
+                    self.last_sent.append(flat.clone())
+                else:
+                    self.last_sent[i].copy_(flat)
         if self.checksum:
             self.store.set(checksums_key(self.published), json.dumps(sums))
-        for send in in_flight:
-            send.wait()
+        for sends in in_flight:
+            for send in sends:
+                send.wait()
         surplus = next(stream, None)  # also runs the rest of a collective stream: the other senders need it
         if surplus is not None:
             raise RuntimeError(f"weight publish: the learner yielded {surplus[0]} beyond its publish spec")
-        nbytes = sum(b.numel * b.dtype.itemsize for b in self.buckets)
-        return {"bytes": nbytes, "seconds": time.perf_counter() - start}
+        full = sum(b.numel * b.dtype.itemsize for b in self.buckets)
+        return {"bytes": sent, "full_bytes": full, "seconds": time.perf_counter() - start}
+
+    def _wire(self, dtype: torch.dtype) -> torch.dtype:
+        return self.wire_dtype if self.wire_dtype is not None and dtype.is_floating_point else dtype
 
     def _own(self, tensors: Iterable[tuple[str, torch.Tensor]]):
         """The stream's tensors of this sender's share (all of them for a lone sender)."""
@@ -248,12 +307,13 @@ class WeightPublisher:
         parts = []
         for slot in bucket.slots:
             name, tensor = next(stream, (None, None))
-            if name != slot.name or tuple(tensor.shape) != slot.shape or tensor.dtype != bucket.dtype:
+            dtype = self.source_dtypes.get(slot.name)
+            if name != slot.name or tuple(tensor.shape) != slot.shape or tensor.dtype != dtype:
                 got = "nothing" if name is None else f"{name} {list(tensor.shape)} {tensor.dtype}"
                 raise RuntimeError(f"weight publish: the learner yielded {got} where its publish spec has "
-                                   f"{slot.name} {list(slot.shape)} {bucket.dtype}")
+                                   f"{slot.name} {list(slot.shape)} {dtype}")
             parts.append(tensor)
-        if len(parts) == 1 and parts[0].is_contiguous():
+        if len(parts) == 1 and parts[0].is_contiguous() and parts[0].dtype == bucket.dtype:
             return parts[0].view(-1)
         key = (bucket.dtype, parts[0].device)
         slot_buffers = self.ring[index % self.IN_FLIGHT]
@@ -262,7 +322,7 @@ class WeightPublisher:
             slot_buffers[key] = torch.empty(largest, dtype=bucket.dtype, device=parts[0].device)
         buffer = slot_buffers[key][:bucket.numel]
         for slot, tensor in zip(bucket.slots, parts):
-            buffer[slot.offset:slot.offset + slot.numel].copy_(tensor.reshape(-1))
+            buffer[slot.offset:slot.offset + slot.numel].copy_(tensor.reshape(-1))  # casts to the wire dtype
         return buffer
 
 
@@ -272,7 +332,9 @@ class WeightReceiver:
     `on_version(version, tensors, extra)` is called on the receiver thread; `current_version()` tells
     which version the engine runs, so a staging buffer set is reused only when it is free.
     All of a version's bucket receives are posted at once, and bucket i is checksummed while the later
-    ones arrive.
+    ones arrive. When the wire carries another dtype than the engine's (publish.dtype) or deltas
+    (publish.delta), buckets land in one set of wire buffers that keeps the last version's words (the
+    base a delta patches), are checked there, and are cast into the engine's staging set.
     """
 
     def __init__(self, group, store, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
@@ -289,6 +351,7 @@ class WeightReceiver:
         self.partial = partial  # one stage of several (StagedReceiver): the spec covers part of `expected`
         self.buckets: list[Bucket] | None = None
         self.buffer_sets: list[list[torch.Tensor]] = []
+        self.wire: list[torch.Tensor] | None = None  # the last version's words as sent (see the class docstring)
         self.thread = threading.Thread(target=self._run, name="megarl-weight-receiver", daemon=True)
 
     def start(self) -> "WeightReceiver":
@@ -301,8 +364,16 @@ class WeightReceiver:
         spec = [(n, tuple(s), getattr(torch, d)) for n, s, d in raw["tensors"]]
         check_spec(spec, self._expected, partial=self.partial)
         self.buckets = plan_buckets(spec, raw["bucket_bytes"])
-        self.buffer_sets = [[torch.empty(b.numel, dtype=b.dtype, device=self._device) for b in self.buckets]
-                            for _ in range(2)]
+        engine_dtypes = [self._expected[b.slots[0].name][1] for b in self.buckets]
+        for bucket, dtype in zip(self.buckets, engine_dtypes):
+            mixed = [slot.name for slot in bucket.slots if self._expected[slot.name][1] != dtype]
+            if mixed:  # a staging bucket is one flat tensor: one dtype
+                raise ValueError(f"weight publish: the engine holds {mixed[:3]} in another dtype than "
+                                 f"{bucket.slots[0].name} ({dtype}), but they travel in one bucket")
+        self.buffer_sets = [[torch.empty(b.numel, dtype=d, device=self._device)
+                             for b, d in zip(self.buckets, engine_dtypes)] for _ in range(2)]
+        if raw.get("delta") or any(b.dtype != d for b, d in zip(self.buckets, engine_dtypes)):
+            self.wire = [torch.zeros(b.numel, dtype=b.dtype, device=self._device) for b in self.buckets]
 
     def _wait_key(self, key: str) -> None:
         """Poll until the key exists, noticing a stop request; no overall limit (a learner step may be
@@ -341,13 +412,8 @@ class WeightReceiver:
                                    f"version {version})")
             time.sleep(0.001)
         self.held_versions[set_index] = version
-        receives = [_Broadcast(self.group, buffer, self.timeout, f"receive version {version} bucket {i + 1}/{len(buffers)}")
-                    for i, buffer in enumerate(buffers)]
-        got = []
-        for receive, buffer in zip(receives, buffers):
-            receive.wait()
-            if header["checksum"]:  # sum bucket i while the later ones are still arriving
-                got.append(bucket_checksum(buffer))
+        got = self._receive_buckets(version, buffers, header) if self.wire is None else \
+            self._receive_wire(version, buffers, header)
         if header["checksum"]:
             sent = self._sent_checksums(index, deadline)
             if got != sent:
@@ -359,6 +425,39 @@ class WeightReceiver:
                 tensors[slot.name] = buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self.on_version(version, tensors, header.get("extra", {}))
 
+
+    def _receive_buckets(self, version: int, buffers: list[torch.Tensor], header: dict) -> list[list[int]]:
+        """Every bucket straight into the staging set (wire = engine dtype, no deltas); their checksums."""
+        receives = [_Broadcast(self.group, buffer, self.timeout, f"receive version {version} bucket {i + 1}/{len(buffers)}")
+                    for i, buffer in enumerate(buffers)]
+        got = []
+        for receive, buffer in zip(receives, buffers):
+            receive.wait()
+            if header["checksum"]:  # sum bucket i while the later ones are still arriving
+                got.append(bucket_checksum(buffer))
+        return got
+
+    def _receive_wire(self, version: int, buffers: list[torch.Tensor], header: dict) -> list[list[int]]:
+        """Every bucket into the wire buffers (whole, or a delta patching the previous version's words),
+        checksummed there and cast into the staging set; their checksums."""
+        got = []
+        for i, (wire, buffer) in enumerate(zip(self.wire, buffers)):
+            what = f"receive version {version} bucket {i + 1}/{len(buffers)}"
+            count = -1
+            if header.get("delta"):
+                size = torch.empty(1, dtype=torch.int64)
+                _Broadcast(self.group, size, self.timeout, f"{what} (its delta size)").wait()
+                count = int(size)
+            if count < 0:
+                _Broadcast(self.group, wire, self.timeout, what).wait()
+            else:
+                payload = torch.empty(count * (4 + wire.element_size()), dtype=torch.uint8, device=wire.device)
+                _Broadcast(self.group, payload, self.timeout, what).wait()
+                apply_delta(wire, count, payload)
+            if header["checksum"]:
+                got.append(bucket_checksum(wire))
+            buffer.copy_(wire)
+        return got
 
     def _sent_checksums(self, index: int, deadline: float) -> list[list[int]]:
         """The source's sums of publish `index`: written right after its last bucket was sent, so normally
@@ -377,8 +476,9 @@ class _Stopped(Exception):
 
 def check_spec(spec: list[tuple[str, tuple[int, ...], torch.dtype]],
                expected: dict[str, tuple[torch.Size, torch.dtype]], partial: bool = False) -> None:
-    """The learner's tensors must be exactly the engine's: same names, shapes and dtypes (with
-    `partial`, a subset: one pipeline stage's share)."""
+    """The learner's tensors must be exactly the engine's: same names and shapes, and the same dtypes
+    or both floating point (publish.dtype: cast on arrival); with `partial`, a subset: one pipeline
+    stage's share."""
     names = {n for n, _, _ in spec}
     missing, unexpected = [] if partial else sorted(set(expected) - names), sorted(names - set(expected))
     if missing or unexpected:
@@ -386,7 +486,8 @@ def check_spec(spec: list[tuple[str, tuple[int, ...], torch.dtype]],
                          f"missing on the learner: {missing[:5]}, unknown to the sampler: {unexpected[:5]}")
     for name, shape, dtype in spec:
         ref_shape, ref_dtype = expected[name]
-        if tuple(ref_shape) != shape or ref_dtype != dtype:
+        castable = dtype.is_floating_point and ref_dtype.is_floating_point  # publish.dtype: cast on arrival
+        if tuple(ref_shape) != shape or (ref_dtype != dtype and not castable):
             raise ValueError(f"weight publish: {name} is {list(shape)} {dtype} on the learner but "
                              f"{list(ref_shape)} {ref_dtype} on the sampler")
 

@@ -212,6 +212,8 @@ class RunOutputs:
         metrics = {**metrics, **batch_metrics(batch), **self.recovery,
                    "tokens_per_s": batch.num_tokens / (now - self.last), "train_s": wall[2] - wall[1],
                    "publish_s": published["seconds"], "publish_bytes": published["bytes"]}
+        if published.get("full_bytes"):  # what a full publish of the same part would have sent
+            metrics["publish_bytes_frac"] = published["bytes"] / published["full_bytes"]
         self.last = now
         self.metrics.log(step, metrics)
         if self.rollouts is not None:
@@ -252,7 +254,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
         part, group = next(iter(groups.items()))
         publisher = WeightPublisher(group, publish_stage_store(store, *part), cfg.publish.bucket_mb,
                                     cfg.publish.timeout_s, cfg.publish.checksum, sender=part[2],
-                                    senders=topo.publish_senders)
+                                    senders=topo.publish_senders, wire_dtype=getattr(torch, cfg.publish.dtype),
+                                    delta=cfg.publish.delta)
     learner = build_learner(str(model_dir), cfg)  # learner.backend: megatron | deepspeed
     resumed = learner_state.load(learner, resume_from) if resume_from is not None else None
     start_step = resumed["step"] if resumed else 0

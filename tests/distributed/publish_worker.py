@@ -1,10 +1,12 @@
 """torchrun worker for tests/distributed/test_publish.py: rank 0 publishes, the others receive.
 
-Usage: publish_worker.py OUT_DIR MODE   (MODE: ok | corrupt | senders)
+Usage: publish_worker.py OUT_DIR MODE   (MODE: ok | corrupt | senders | delta)
 Each receiver writes, per version, the received tensors' checksums to OUT_DIR/rank{r}.json; the
 publisher writes what it sent to OUT_DIR/sent.json. `corrupt` makes the header's checksums wrong.
 `senders`: ranks 0 and 1 are two DP replicas holding the same weights, each publishing its share
 (publish.senders=2) over its own group; the receivers merge the parts (StagedReceiver), as a run does.
+`delta`: bf16 on the wire (fp32 on both ends) with delta publish; versions 2 and 4 change 1% of the
+elements, version 3 every one (sent whole), and `sent0.json` also has each publish's bytes.
 """
 import json
 import os
@@ -39,26 +41,40 @@ def weights(version: int) -> dict[str, torch.Tensor]:
             "e.weight": torch.randn(90, 40, generator=g).t()}
 
 
+def evolving(version: int) -> dict[str, torch.Tensor]:
+    """Version 1's weights, then per version a share of the elements moved (delta mode)."""
+    w = weights(1)
+    for step in range(2, version + 1):
+        g = torch.Generator().manual_seed(100 + step)
+        frac = 1.0 if step == 3 else 0.01
+        w = {n: torch.where(torch.rand(t.shape, generator=g) < frac, t + 0.5, t) for n, t in w.items()}
+    return w
+
+
 def crc(t: torch.Tensor) -> int:  # independent of the checksum under test
     return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
 
 
 if topo.role == "learner":
     (part, group), = groups.items()
+    delta = mode == "delta"
     publisher = pub.WeightPublisher(group, publish_stage_store(store, *part), bucket_mb=0.01, timeout_s=60,
-                                    checksum=True, sender=rank, senders=senders)
+                                    checksum=True, sender=rank, senders=senders,
+                                    wire_dtype=torch.bfloat16 if delta else None, delta=delta)
     if mode == "corrupt":
         real_checksum = pub.bucket_checksum
         pub.bucket_checksum = lambda b: [x ^ 1 for x in real_checksum(b)]  # the sent sums lie: receivers must refuse
-    sent = {}
+    sent, sizes = {}, {}
     for v in range(1, VERSIONS + 1):
-        w = weights(v)
-        publisher.publish(v, w.items(), extra={"v": v})
-        sent[v] = {n: crc(t) for n, t in w.items()}
+        w = evolving(v) if delta else weights(v)
+        sizes[v] = publisher.publish(v, w.items(), extra={"v": v})
+        # What a receiver's fp32 engine must hold: the tensors, rounded to bf16 on the wire in delta mode.
+        sent[v] = {n: crc(t.to(torch.bfloat16).float() if delta else t) for n, t in w.items()}
         if mode == "corrupt":
             break
     own = sorted(slot.name for bucket in publisher.buckets for slot in bucket.slots)
-    (out / f"sent{rank}.json").write_text(json.dumps({"sent": sent, "buckets": len(publisher.buckets), "own": own}))
+    (out / f"sent{rank}.json").write_text(json.dumps({"sent": sent, "buckets": len(publisher.buckets), "own": own,
+                                                      "sizes": sizes}))
 else:
     engine_version = [0]
     received, done = {}, threading.Event()
