@@ -179,7 +179,12 @@ def resolve_backend(name: str) -> str:
 def init_learner_group(topo: Topology, store: dist.Store, backend: str, timeout_s: float) -> None:
     """Make the learner ranks (and only them) the default process group of this learner process."""
     assert topo.role == "learner"
-    dist.init_process_group(backend=resolve_backend(backend), store=dist.PrefixStore("learners/", store),
+    backend = resolve_backend(backend)
+    # The learners also reduce small CPU tensors (loss, token counts, micro-batch counts), which a plain
+    # nccl group refuses: CUDA tensors go over NCCL, CPU ones over gloo.
+    if backend == "nccl":
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("learners/", store),
                             rank=topo.role_rank, world_size=topo.num_learners,
                             timeout=timedelta(seconds=timeout_s))
 

@@ -132,7 +132,8 @@ class DeepSpeedLearner:
         if not self.on_gpu:
             torch.set_num_threads(cfg.threads)
             _skip_shm_comm_build()
-        deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the learner group torch already has
+        # Wraps the learner group torch already has (on GPU "cpu:gloo,cuda:nccl": DeepSpeed names it nccl).
+        deepspeed.init_distributed(dist_backend="nccl" if "nccl" in dist.get_backend() else dist.get_backend())
         torch.manual_seed(cfg.seed)
         self.zero_stage = cfg.deepspeed.zero_stage
         with open(os.path.join(model_dir, "config.json")) as f:
