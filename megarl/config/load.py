@@ -139,15 +139,17 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              f"or equal learner.tp={lc.tp} (got {cfg.sampler.tp}); SGLang servers take sampler.sglang.tp")
     _require(cfg.publish.senders <= lc.dp, "publish.senders",
              f"each sender is a learner DP replica: at most learner.dp={lc.dp}, got {cfg.publish.senders}")
-    _require(cfg.publish.senders == 1 or (cfg.sampler.engine == "builtin" and cfg.sampler.tp == 1), "publish.senders",
-             "several senders need the built-in engine at sampler.tp=1 (SGLang's weight-update group has one "
-             "source; shard-to-shard publish already sends from every TP rank)")
+    # Engines whose weights reach the sampler ranks through megarl's publish groups (vLLM: then the server).
+    publish_groups = cfg.sampler.engine in ("builtin", "vllm")
+    _require(cfg.publish.senders == 1 or (publish_groups and cfg.sampler.tp == 1), "publish.senders",
+             "several senders need megarl's publish groups (sampler.engine builtin or vllm) at sampler.tp=1 (SGLang's "
+             "weight-update group has one source; shard-to-shard publish already sends from every TP rank)")
     _require(cfg.publish.dtype in ("float32", "bfloat16"), "publish.dtype",
              f"must be float32 or bfloat16, got {cfg.publish.dtype!r}")
     for key in ("dtype", "delta"):
-        _require(cfg.sampler.engine == "builtin" or getattr(cfg.publish, key) == getattr(PublishConfig(), key),
-                 f"publish.{key}", f"applies to the built-in engine's publish groups; sampler.engine="
-                 f"{cfg.sampler.engine} takes weights through its server's own update API")
+        _require(publish_groups or getattr(cfg.publish, key) == getattr(PublishConfig(), key),
+                 f"publish.{key}", f"applies to megarl's publish groups (sampler.engine builtin or vllm); "
+                 f"sampler.engine={cfg.sampler.engine} takes weights through its server's own update API")
     _require(lc.pp == 1 or cfg.sampler.engine != "sglang", "learner.pp",
              "sampler.engine=sglang takes weights from one learner source; with learner.pp > 1 each stage publishes "
              "its own layers, which only the built-in engine receives so far")

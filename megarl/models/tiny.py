@@ -26,9 +26,7 @@ model path ("embedded:<name>" or a directory) into a checked directory.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
@@ -43,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from megarl.filelock import exclusive
 from megarl.protocols import Prompt
 from megarl.rollout.tasks import THINK_CHAR, ArithmeticTask, CountTask
 
@@ -94,15 +93,18 @@ def build_tokenizer():
     )
 
 
-def build_config():
+def build_config(**overrides):
+    """The tiny Qwen2 config; `overrides` replace keys (an EmbeddedSpec's `config`, e.g. fewer, wider heads)."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(
+    kwargs = dict(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, max_window_layers=2,
         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID, torch_dtype="float32",
     )
+    kwargs.update(overrides)
+    return Qwen2Config(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,6 +372,15 @@ class EmbeddedSpec:
     # Completion-token budget the build's evaluation samples with (EOS included), like a sampler's
     # max_new_tokens; for the thinking model some T=1 completions are cut here while still thinking.
     max_new_tokens: int = 4
+    # build_config overrides as (key, value) pairs; () = the default tiny config (and its hash).
+    config: tuple = ()
+
+
+# vLLM's CPU attention needs head_dim >= 32; the default config has 64 / 4 = 16. These variants have
+# 2 query heads and 1 KV head of 32 (still GQA, same hidden size and parameter count).
+HEAD_DIM_32 = (("num_attention_heads", 2), ("num_key_value_heads", 1))
+# sampler.engine=vllm swaps an embedded model for its head_dim >= 32 variant (megarl.config.load).
+VLLM_VARIANTS = {"tiny-qwen2-count": "tiny-qwen2-count-hd32"}
 
 
 # Completion budget to run the thinking model with (filler + answer + EOS); ~1-2% of T=1 samples hit it.
@@ -385,6 +396,9 @@ COUNT_EVAL_PROMPTS = 400
 EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-qwen2-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                      max_new_tokens=COUNT_MAX_NEW_TOKENS),
+    # The demo's model for sampler.engine=vllm (head_dim 32, see HEAD_DIM_32), same task and recipe.
+    "tiny-qwen2-count-hd32": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
+                                          max_new_tokens=COUNT_MAX_NEW_TOKENS, config=HEAD_DIM_32),
     "tiny-qwen2-arith": EmbeddedSpec(task=ArithmeticTask(), recipe=WarmStartRecipe()),
     "tiny-qwen2-arith-think": EmbeddedSpec(task=ArithmeticTask(think_mean=10.0),
                                            recipe=WarmStartRecipe(short_steps=400, noisy_steps=120),
@@ -398,7 +412,8 @@ def _spec_hash(spec: EmbeddedSpec) -> str:
     # instead of silently reusing a stale one.
     import transformers
 
-    blob = json.dumps({"task": asdict(spec.task), "recipe": asdict(spec.recipe), "config": build_config().to_dict(),
+    config = build_config(**dict(spec.config)).to_dict()
+    blob = json.dumps({"task": asdict(spec.task), "recipe": asdict(spec.recipe), "config": config,
                        "max_new_tokens": spec.max_new_tokens,
                        "transformers_major": transformers.__version__.split(".")[0]}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
@@ -420,7 +435,7 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.recipe.seed)
-            model = Qwen2ForCausalLM(build_config())
+            model = Qwen2ForCausalLM(build_config(**dict(spec.config)))
             warm_start(model, tokenizer, spec.task, spec.recipe)
         train_s = time.perf_counter() - t0
         if isinstance(spec.task, CountTask):
@@ -467,16 +482,6 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
     return record
 
 
-@contextlib.contextmanager
-def _locked(lock_path: Path):
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure_embedded_model(name: str = "tiny-qwen2-arith", cache_dir: str | Path = "~/.cache/megarl/models") -> Path:
     """The directory of the named embedded model, building it on first use.
 
@@ -490,7 +495,7 @@ def ensure_embedded_model(name: str = "tiny-qwen2-arith", cache_dir: str | Path 
     if final.is_dir():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(cache_dir / f".{final.name}.lock"):
+    with exclusive(cache_dir / f".{final.name}.lock"):
         if final.is_dir():  # another process built it while we waited for the lock
             return final
         # Leftovers of a crashed build: nobody else can be building, we hold the lock.

@@ -72,6 +72,12 @@ class SamplerLoop:
             from megarl.sampler.sglang_engine import SGLangEngine
 
             self.engine = SGLangEngine.from_config(cfg, topo, model_dir)  # starts this rank's server
+        elif cfg.sampler.engine == "vllm":
+            from megarl.sampler.vllm_engine import VLLMEngine
+
+            # Starts this rank's vLLM server; weights come through weight_receiver, then stage_weights applies
+            # them on the server in flight.
+            self.engine = VLLMEngine.from_config(cfg, topo, model_dir)
         elif tp_group is not None:  # this rank leads an engine spanning sampler.tp ranks
             from megarl.sampler.tensor_parallel import TPLeadEngine
 

@@ -46,19 +46,18 @@ import http.client
 import json
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from megarl.distributed.publish import header_key
 from megarl.distributed.sglang_publish import GROUP_KEY, SPEC_KEY, load_spec, update_body
 from megarl.protocols import Completion, GenerationRequest
+from megarl.sampler.request_pool import RequestPool
 
 # The SGLang releases megarl drives correctly, oldest and newest (bounds explained in docs/sglang.md;
 # tests/sampler/sglang_contract/ runs megarl's requests through both releases' own code).
@@ -72,7 +71,6 @@ TORCHRUN_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
 log = logging.getLogger("megarl.sglang_engine")
 
 HEALTH_POLL_S = 0.5
-STEP_POLL_S = 0.05  # step() waits this long for a finished request before returning none
 STORE_POLL_S = 0.002
 LOG_TAIL_LINES = 40
 
@@ -218,6 +216,9 @@ def _die_with_parent() -> None:
 class ServerProcess:
     """One server process this sampler rank started: its log file, health, death and teardown."""
 
+    # For another server kind (megarl.sampler.vllm_engine): its error, its name, its config section.
+    error_type, kind, section = SGLangError, "SGLang", "sampler.sglang"
+
     def __init__(self, cmd: list[str], env: dict, log_path: Path, url: str):
         self.cmd, self.url, self.log_path = cmd, url, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,8 +238,8 @@ class ServerProcess:
     def check_alive(self) -> None:
         code = self.proc.poll()
         if code is not None:
-            raise SGLangError(f"SGLang server {self.url} (pid {self.proc.pid}) exited with code {code}; "
-                              f"command: {' '.join(self.cmd)}\n{self.log_tail()}")
+            raise self.error_type(f"{self.kind} server {self.url} (pid {self.proc.pid}) exited with code {code}; "
+                                  f"command: {' '.join(self.cmd)}\n{self.log_tail()}")
 
     def wait_healthy(self, client: "HTTPClient", timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -247,11 +248,11 @@ class ServerProcess:
             try:
                 if client.get("/health", timeout_s=5.0)[0] == 200:
                     return
-            except SGLangError:
+            except self.error_type:
                 pass  # not listening yet
             if time.monotonic() > deadline:
-                raise SGLangError(f"SGLang server {self.url} (pid {self.proc.pid}) did not answer /health within "
-                                  f"sampler.sglang.startup_timeout_s={timeout_s:.0f}s\n{self.log_tail()}")
+                raise self.error_type(f"{self.kind} server {self.url} (pid {self.proc.pid}) did not answer GET /health "
+                                      f"within {self.section}.startup_timeout_s={timeout_s:.0f}s\n{self.log_tail()}")
             time.sleep(HEALTH_POLL_S)
 
     def stop(self, timeout_s: float = 30.0) -> None:
@@ -313,17 +314,22 @@ class HTTPClient:
         finally:
             conn.close()
 
+    # What the request body names its id, and the config key of `timeout_s` (for the messages).
+    request_id_key, timeout_key = "rid", "sampler.sglang.request_timeout_s"
+
     def stream(self, route: str, body: dict) -> Iterator[dict]:
-        """POST a streaming request; yield its SSE `data: {...}` chunks as they arrive, up to `data: [DONE]`."""
+        """POST a streaming request; yield its SSE `data: {...}` chunks as they arrive, up to `data: [DONE]`;
+        every read is bounded by `timeout_s`."""
         conn, resp = self._open("POST", route, body, self.timeout_s)
-        count = 0
+        request, count = f"request {body.get(self.request_id_key)}", 0
         try:
             if resp.status != 200:
-                raise self.error(route, f"HTTP {resp.status}: {resp.read()[:2000].decode(errors='replace')}")
+                raise self.error(route, f"{request}: HTTP {resp.status}: {resp.read()[:2000].decode(errors='replace')}")
             while True:
                 line = resp.readline()
                 if not line:
-                    raise self.error(route, f"the stream ended without data: [DONE] after {count} chunks")
+                    raise self.error(route, f"{request}: the stream ended without data: [DONE] after {count} "
+                                            f"chunks (server died?)")
                 line = line.strip()
                 if not line.startswith(b"data:"):
                     continue
@@ -332,12 +338,12 @@ class HTTPClient:
                     return
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    raise self.error(route, f"request {body.get('rid')} failed: {chunk['error']}")
+                    raise self.error(route, f"{request} failed: {chunk['error']}")
                 count += 1
                 yield chunk
         except (TimeoutError, OSError) as exc:
-            raise self.error(route, f"no stream data for {self.timeout_s:.0f}s "
-                                    f"(sampler.sglang.request_timeout_s) or connection lost: {exc!r}") from None
+            raise self.error(route, f"{request}: no stream data for {self.timeout_s:.0f}s ({self.timeout_key}) "
+                                    f"or connection lost after {count} chunks: {exc!r}") from None
         finally:
             conn.close()
 
@@ -354,12 +360,8 @@ class SGLangEngine:
         self.pause_mode, self.cache_on_update = pause_mode, cache_on_update
         self.max_running = max_running
         self._version = version
-        # One thread per request in flight: a request occupies its thread for its whole stream, so
-        # max_workers caps requests in flight at the server; the rest wait in the pool's queue.
-        self._pool = ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="megarl-sglang-generate")
-        self._finished: queue.Queue[Future] = queue.Queue()
-        self._unfinished = 0
-        self._stats = {"tokens_decoded": 0, "requests_finished": 0, "swaps": 0, "swap_time_s": 0.0,
+        self.requests = RequestPool(max_running, "sglang")  # one thread per request in flight
+        self._stats = {"swaps": 0, "swap_time_s": 0.0,
                        "cache_flushes": 0, "cache_flushes_skipped": 0}
         self._closed = False
         self.group_name: str | None = None  # of the weight-update group, once joined
@@ -404,7 +406,7 @@ class SGLangEngine:
 
     @property
     def num_unfinished(self) -> int:
-        return self._unfinished
+        return self.requests.unfinished
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request; ValueError if the context leaves it fewer than min_new_tokens (the sampler loop
@@ -415,38 +417,21 @@ class SGLangEngine:
             raise ValueError(f"request {request.request_id}: a prompt of {len(request.prompt_ids)} tokens leaves "
                              f"{self.context_length - len(request.prompt_ids)} of sampler.max_seq_len="
                              f"{self.context_length}, fewer than sampler.sglang.min_new_tokens={self.min_new_tokens}")
-        future = self._pool.submit(self._generate, request)
-        future.add_done_callback(self._finished.put)
-        self._unfinished += 1
+        self.requests.submit(self._generate, request)
 
     def step(self) -> list[Completion]:
-        """The requests finished since the last call (waits up to STEP_POLL_S for one); raises if the
-        server died or a request failed."""
+        """The requests finished since the last call (RequestPool.finished); raises if the server died or a
+        request failed."""
         if self.server is not None:
             self.server.check_alive()
-        done = []
-        try:
-            done.append(self._finished.get(timeout=STEP_POLL_S if self._unfinished else 0))
-            while True:
-                done.append(self._finished.get_nowait())
-        except queue.Empty:
-            pass
-        completions = []
-        for future in done:
-            self._unfinished -= 1
-            completion = future.result()  # re-raises the request's SGLangError
-            self._stats["tokens_decoded"] += len(completion.token_ids)
-            self._stats["requests_finished"] += 1
-            completions.append(completion)
-        return completions
+        return self.requests.finished()
 
     def stage_weights(self, named_tensors, version: int) -> None:
         raise TypeError("SGLangEngine receives weights on the server, over SGLang's weight-update group "
                         "(SGLangWeightFollower), not through the sampler process")
 
     def stats(self) -> dict:
-        running = min(self._unfinished, self.max_running)
-        return dict(self._stats, version=self._version, running=running, waiting=self._unfinished - running)
+        return dict(self._stats, **self.requests.stats(), version=self._version)
 
     def _generate(self, request: GenerationRequest) -> Completion:
         try:
@@ -521,7 +506,7 @@ class SGLangEngine:
         self._closed = True
         if self.server is not None:
             self.server.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.requests.close()
 
 
 class SGLangWeightFollower:

@@ -47,7 +47,7 @@ def test_demo_config_loads_with_overrides():
     ("task.sandbox.memory_mb=16", "task.sandbox.memory_mb: must be >= 64"),
     ("task.sandbox.wall_s=3", "unknown config key 'task.sandbox.wall_s'"),
     ("publish.dtype=float16", "publish.dtype: must be float32 or bfloat16, got 'float16'"),
-    ("publish.delta=true sampler.engine=sglang", "publish.delta: applies to the built-in engine's publish groups"),
+    ("publish.delta=true sampler.engine=sglang", "publish.delta: applies to megarl's publish groups"),
     ("publish.senders=0", "publish.senders: must be > 0"),
 ])
 def test_bad_overrides_name_the_key(override, message):

@@ -219,7 +219,7 @@ def test_config_refuses_what_deepspeed_cannot_do(overrides, key):
 
 @pytest.mark.parametrize("overrides, message", [
     (["learner.dp=2", "publish.senders=3"], "at most learner.dp=2"),
-    (["learner.dp=2", "publish.senders=2", "sampler.engine=sglang"], "built-in engine"),
+    (["learner.dp=2", "publish.senders=2", "sampler.engine=sglang"], "megarl's publish groups"),
 ])
 def test_config_refuses_senders_that_cannot_send(overrides, message):
     with pytest.raises(ConfigError, match=rf"^publish\.senders:.*{message}"):

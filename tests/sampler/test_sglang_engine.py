@@ -351,7 +351,7 @@ def test_a_server_that_never_answers_health_times_out_with_its_log_tail(tmp_path
     server = ServerProcess([sys.executable, "-c", "print('stuck', flush=True); import time; time.sleep(60)"], ENV,
                            tmp_path / "stuck.log", "http://127.0.0.1:9")
     try:
-        with pytest.raises(SGLangError, match=r"did not answer /health within .*=2s[\s\S]*stuck"):
+        with pytest.raises(SGLangError, match=r"did not answer GET /health within .*=2s[\s\S]*stuck"):
             server.wait_healthy(HTTPClient("127.0.0.1", 9, 1), timeout_s=2)
     finally:
         server.stop()

@@ -1,0 +1,423 @@
+"""The vLLM engine backend: a sampler rank starts one vLLM OpenAI-compatible server and drives it over HTTP.
+
+`VLLMEngine` implements the `Engine` protocol (megarl/protocols.py). The server runs with the python of the
+separate vLLM environment (megarl.sampler.vllm_env), bound to 127.0.0.1, in the sampler's environment without
+torchrun's variables (sglang_engine.server_env) plus `VLLM_SERVER_DEV_MODE=1` (the pause/resume and
+collective_rpc routes) and megarl's worker extension on PYTHONPATH (megarl/sampler/vllm_ext).
+
+Generation: one streaming `POST /v1/completions` per request, token ids in (`prompt: [ids]`), `logprobs: 0`
+(the sampled token's log-prob), `return_token_ids: true` (each chunk's new token ids). The server runs with
+`--logprobs-mode processed_logprobs`: the log-prob after temperature (and top-k/top-p, which megarl refuses),
+i.e. log_softmax(logits / T) over the full vocabulary, megarl's behaviour log-prob (docs/vllm.md measures
+raw vs processed against transformers).
+
+Weights: the sampler process receives each version from the learner over megarl's publish groups (the
+built-in path: buckets over gloo/NCCL, StagedReceiver) and hands it to `stage_weights`, which applies it in
+flight on the server:
+
+    POST /pause?mode=keep            running requests stay frozen with their KV cache; no engine step runs
+    POST /collective_rpc megarl_update   in the worker: count every request's sampled tokens, then receive the
+                                     buckets (gloo group sampler <-> vLLM worker) and reload the weights
+    (sampler broadcasts the buckets meanwhile)
+    POST /resume                     the frozen requests continue under the new weights
+
+Per-token versions: vLLM reports none per token, so megarl derives them from the counts `megarl_update`
+returns (taken in the worker between two engine steps, before the first new weight is loaded): for each
+update, the first `count` tokens of a request are older than it, the rest newer. The record of an update is
+kept before /resume, so a token sampled by the new weights can never be assigned before its update is known.
+The argument that this is exact is in docs/vllm.md; tests/sampler/vllm/ checks it against recomputation.
+
+Every HTTP call and every wait has a timeout; every error is a VLLMError naming the server URL and the call,
+with the tail of the server's log.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from megarl.protocols import Completion, GenerationRequest
+from megarl.sampler import sglang_engine
+from megarl.sampler.request_pool import RequestPool
+from megarl.sampler.vllm_ext import megarl_vllm_worker as ext
+
+EXT_DIR = Path(__file__).resolve().parent / "vllm_ext"
+WORKER_EXTENSION = "megarl_vllm_worker.MegarlWorkerExtension"
+SERVED_NAME = "megarl"
+MIN_HEAD_DIM = 32  # vLLM's CPU attention backend refuses smaller heads
+log = logging.getLogger("megarl.vllm_engine")
+
+
+class VLLMError(RuntimeError):
+    """A failed call to (or death of) a vLLM server; the message names the server, the call and the log tail."""
+
+
+class _Client(sglang_engine.HTTPClient):
+    request_id_key, timeout_key = "request_id", "sampler.vllm.request_timeout_s"
+
+    def error(self, route: str, why: str) -> VLLMError:
+        tail = self.describe()
+        return VLLMError(f"{route} on vLLM server {self.url}: {why}" + (f"\n{tail}" if tail else ""))
+
+
+class _Server(sglang_engine.ServerProcess):
+    error_type, kind, section = VLLMError, "vLLM", "sampler.vllm"
+
+
+# ---------------------------------------------------------------------------------------------- pure helpers
+def check_model(hf_config: dict, path: str = "") -> None:
+    """vLLM on CPU needs head_dim >= 32; refuse a model with smaller heads before starting anything."""
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+    if head_dim < MIN_HEAD_DIM:
+        raise ValueError(f"model {path}: head_dim {head_dim} < {MIN_HEAD_DIM}, which vLLM's CPU attention refuses "
+                         f"(sampler.engine=vllm); the embedded demo model has a vLLM variant "
+                         f"(megarl.models.tiny.VLLM_VARIANTS) that model.path=embedded:<name> picks automatically")
+
+
+def server_env(env: dict, cfg_vllm, threads: int) -> dict:
+    """The server's environment: the sampler's without torchrun's variables, plus vLLM dev mode and megarl's
+    worker extension on PYTHONPATH (nothing else of megarl: the server runs in the vLLM environment)."""
+    out = sglang_engine.server_env(env)
+    out.pop("PYTHONPATH", None)  # megarl's environment's paths must not leak into vLLM's
+    out.update({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(EXT_DIR),
+                "VLLM_CPU_KVCACHE_SPACE": str(cfg_vllm.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                "OMP_NUM_THREADS": str(threads), "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"})
+    return out
+
+
+def server_command(python: str | Path, model_dir: str | Path, port: int, seed: int, *, max_model_len: int,
+                   max_num_seqs: int, enforce_eager: bool = True, prefix_caching: bool = False,
+                   extra: list[str] = ()) -> list[str]:
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", "float32",
+           "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", str(seed),
+           # megarl's behaviour log-prob: log_softmax(logits / T), what vLLM calls processed (docs/vllm.md).
+           "--logprobs-mode", "processed_logprobs",
+           "--worker-extension-cls", WORKER_EXTENSION,
+           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    if enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd + list(extra)
+
+
+def completion_body(request: GenerationRequest, server_id: str, context_length: int) -> dict:
+    sp = request.sampling
+    return {"model": SERVED_NAME, "prompt": list(request.prompt_ids), "request_id": server_id, "stream": True,
+            "max_tokens": sglang_engine.new_token_budget(request, context_length),
+            "temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k if sp.top_k > 0 else -1,
+            "logprobs": 0, "return_token_ids": True, "stop_token_ids": list(request.stop_token_ids),
+            "skip_special_tokens": False}
+
+
+def versions_from_swaps(n: int, start_version: int, swaps: list[tuple[int, int]]) -> list[int]:
+    """Per-token versions of a request with n output tokens that began under `start_version`, given the
+    updates during its life in order as (new version, tokens the request had sampled at that update)."""
+    versions, version, done = [], start_version, 0
+    for new_version, count in swaps:
+        count = min(count, n)
+        if count < done:
+            raise ValueError(f"token counts at updates decrease ({count} < {done}): {swaps}")
+        versions += [version] * (count - done)
+        version, done = new_version, count
+    return versions + [version] * (n - done)
+
+
+def weight_spec(model_dir: str | Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """HF name -> (shape, dtype) of the model directory's safetensors, read from their headers (no tensor loaded)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
+    spec = {}
+    for name in files:
+        with safe_open(str(model_dir / name), "pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                dtype = getattr(torch, {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}[
+                    sl.get_dtype()])
+                spec[key] = (torch.Size(sl.get_shape()), dtype)
+    return spec
+
+
+_INTERNAL_ID = re.compile(r"^cmpl-(megarl\d+)-")
+
+
+def counts_by_server_id(counts: dict) -> dict[str, int]:
+    """The worker's counts are keyed by vLLM's internal ids, "cmpl-<request_id>-<index>-<random>"."""
+    out = {}
+    for internal, count in counts.items():
+        match = _INTERNAL_ID.match(internal)
+        if match:
+            out[match.group(1)] = max(count, out.get(match.group(1), 0))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- engine
+class _Tracked:
+    __slots__ = ("request", "server_id", "start_version", "first_swap", "received")
+
+    def __init__(self, request, server_id, start_version, first_swap):
+        self.request, self.server_id = request, server_id
+        self.start_version, self.first_swap, self.received = start_version, first_swap, 0
+
+
+class VLLMEngine:
+    """The `Engine` protocol over one vLLM server (see module docstring)."""
+
+    def __init__(self, client: _Client, *, model_dir: str | Path, max_running: int, context_length: int,
+                 server: _Server | None = None, version: int = 0, update_timeout_s: float = 120.0,
+                 bucket_mb: float = 16.0):
+        self.client, self.server = client, server
+        self.context_length, self.max_running = context_length, max_running
+        self.update_timeout_s, self.bucket_bytes = update_timeout_s, int(bucket_mb * 2 ** 20)
+        self._spec = weight_spec(model_dir)
+        self.device = torch.device("cpu")
+        self._version = version
+        self._lock = threading.Lock()
+        self._swaps: list[tuple[int, dict[str, int]]] = []  # (new version, server id -> tokens sampled before it)
+        self._running: dict[str, _Tracked] = {}
+        self._ids = iter(range(1, 1 << 62))
+        self.requests = RequestPool(max_running, "vllm")  # one thread per request in flight
+        self._stats = {"swaps": 0, "swap_time_s": 0.0,
+                       "swap_pause_s": 0.0}
+        self._group = None
+        self._store = None
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg, topo, model_dir: str | Path) -> "VLLMEngine":
+        """Start this sampler rank's vLLM server, wait for /health, join the weight group."""
+        from megarl.distributed.sglang_publish import free_port
+        from megarl.sampler.vllm_env import ensure_env
+
+        vc = cfg.sampler.vllm
+        with open(Path(model_dir) / "config.json") as fh:
+            check_model(json.load(fh), str(model_dir))
+        python, _ = ensure_env()
+        port = vc.port + topo.role_rank if vc.port else free_port("127.0.0.1")
+        cmd = server_command(python, model_dir, port, cfg.run.seed * 1000 + topo.rank,
+                             max_model_len=cfg.sampler.max_seq_len, max_num_seqs=cfg.sampler.max_running,
+                             enforce_eager=vc.enforce_eager, prefix_caching=vc.prefix_caching, extra=vc.server_args)
+        return cls.start(cmd, server_env(os.environ, vc, cfg.sampler.threads),
+                         Path(cfg.run.dir) / "vllm" / f"sampler{topo.role_rank}.log", port, model_dir=model_dir,
+                         max_running=cfg.sampler.max_running, context_length=cfg.sampler.max_seq_len,
+                         startup_timeout_s=vc.startup_timeout_s, request_timeout_s=vc.request_timeout_s,
+                         update_timeout_s=cfg.publish.timeout_s, bucket_mb=cfg.publish.bucket_mb)
+
+    @classmethod
+    def start(cls, cmd, env, log_path: Path, port: int, *, model_dir, max_running: int, context_length: int,
+              startup_timeout_s: float, request_timeout_s: float, update_timeout_s: float = 120.0,
+              bucket_mb: float = 16.0) -> "VLLMEngine":
+        server = _Server(cmd, env, Path(log_path), f"http://127.0.0.1:{port}")
+        client = _Client("127.0.0.1", port, request_timeout_s, describe=server.log_tail)
+        try:
+            server.wait_healthy(client, startup_timeout_s)
+            engine = cls(client, model_dir=model_dir, max_running=max_running, context_length=context_length,
+                         server=server, update_timeout_s=update_timeout_s, bucket_mb=bucket_mb)
+            engine.join_weight_group()
+        except BaseException:
+            server.stop()
+            raise
+        return engine
+
+    # ------------------------------------------------------------------ Engine protocol
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.requests.unfinished
+
+    def weight_spec(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """HF name -> (shape, dtype) of every tensor `stage_weights` takes (the model directory's)."""
+        return dict(self._spec)
+
+    def add_request(self, request: GenerationRequest) -> None:
+        if self._closed:
+            raise RuntimeError("VLLMEngine is closed")
+        if len(request.prompt_ids) + 1 > self.context_length:
+            raise ValueError(f"request {request.request_id}: a prompt of {len(request.prompt_ids)} tokens leaves no "
+                             f"room in sampler.max_seq_len={self.context_length}")
+        if request.sampling.top_p < 1 or request.sampling.top_k > 0:
+            raise ValueError(f"request {request.request_id}: sampler.engine=vllm needs top_p=1 and top_k=0 (vLLM's "
+                             f"processed log-probs fold the truncation in)")
+        self.requests.submit(self._generate, request)
+
+    def step(self) -> list[Completion]:
+        """The requests finished since the last call (RequestPool.finished); raises VLLMError if the
+        server died or a request failed."""
+        if self.server is not None:
+            self.server.check_alive()
+        return self.requests.finished()
+
+    def stats(self) -> dict:
+        return dict(self._stats, **self.requests.stats(), version=self._version)
+
+    def generate(self, requests: list[GenerationRequest], timeout_s: float = 600.0) -> list[Completion]:
+        """Run the given requests to the end; completions in request order (tests, benchmarks)."""
+        for r in requests:
+            self.add_request(r)
+        done, deadline = {}, time.monotonic() + timeout_s
+        while len(done) < len(requests):
+            if time.monotonic() > deadline:
+                raise VLLMError(f"vLLM server {self.client.url}: {len(requests) - len(done)} requests unfinished "
+                                f"after {timeout_s:.0f}s")
+            done.update({c.request_id: c for c in self.step()})
+        return [done[r.request_id] for r in requests]
+
+    def _generate(self, request: GenerationRequest) -> Completion:
+        with self._lock:
+            server_id = f"megarl{next(self._ids)}"
+            tracked = _Tracked(request, server_id, self._version, len(self._swaps))
+            self._running[server_id] = tracked
+        route = "POST /v1/completions"
+        try:
+            tokens, logprobs, reason = [], [], None
+            for chunk in self.client.stream("/v1/completions", completion_body(request, server_id,
+                                                                                self.context_length)):
+                choice = chunk["choices"][0]
+                ids = choice.get("token_ids") or []
+                lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+                if len(ids) != len(lps):
+                    raise ValueError(f"a chunk has {len(ids)} token ids and {len(lps)} log-probs")
+                tokens += [int(t) for t in ids]
+                logprobs += [float(lp) for lp in lps]
+                tracked.received = len(tokens)
+                reason = choice.get("finish_reason") or reason
+        except (KeyError, TypeError, ValueError) as exc:
+            raise VLLMError(f"{route} on vLLM server {self.client.url}: unusable stream for request "
+                            f"{request.request_id}: {exc!r}") from None
+        finally:
+            with self._lock:
+                self._running.pop(server_id, None)
+                swaps = [(v, counts.get(server_id, 0)) for v, counts in self._swaps[tracked.first_swap:]]
+        if reason not in ("stop", "length"):
+            raise VLLMError(f"{route} on vLLM server {self.client.url}: request {request.request_id} ended with "
+                            f"finish_reason {reason!r} after {len(tokens)} tokens (megarl pauses with mode=keep, "
+                            f"never abort: see the server log)")
+        return Completion(request_id=request.request_id, prompt_ids=list(request.prompt_ids), token_ids=tokens,
+                          logprobs=logprobs, versions=versions_from_swaps(len(tokens), tracked.start_version, swaps),
+                          finish_reason=reason)
+
+    # ------------------------------------------------------------------ weights
+    def _rpc(self, method: str, args: dict, timeout_s: float) -> dict:
+        route = f"/collective_rpc {method}"
+        reply = self.client.post("/collective_rpc", {"method": method, "args": [json.dumps(args)],
+                                                     "timeout": timeout_s}, timeout_s=timeout_s + 10)
+        results = reply.get("results")
+        if not results or not isinstance(results[0], dict):
+            raise self.client.error(route, f"unexpected reply {str(reply)[:500]}")
+        return results[0]
+
+    def _with_group(self, method: str, args: dict, timeout_s: float, local) -> dict:
+        """Run the rpc (the worker's side of a group operation) on a thread while `local()` does this side."""
+        result: dict = {}
+
+        def call():
+            try:
+                result["reply"] = self._rpc(method, args, timeout_s)
+            except BaseException as exc:  # re-raised below, on the caller's thread
+                result["error"] = exc
+
+        thread = threading.Thread(target=call, name=f"megarl-vllm-{method}", daemon=True)
+        thread.start()
+        try:
+            local()
+        except BaseException as exc:
+            thread.join(5.0)
+            if "error" in result:
+                raise result["error"] from exc
+            raise VLLMError(f"{method} with vLLM server {self.client.url}: this side failed: {exc!r}") from exc
+        thread.join(timeout_s + 15)
+        if thread.is_alive():
+            raise VLLMError(f"/collective_rpc {method} on vLLM server {self.client.url}: no answer within "
+                            f"{timeout_s + 15:.0f}s\n{self.client.describe()}")
+        if "error" in result:
+            raise result["error"]
+        return result["reply"]
+
+    def join_weight_group(self) -> None:
+        """A two-member gloo group: this process (rank 0, hosting the store) and the server's worker (rank 1)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = self.update_timeout_s
+        self._store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        holder = {}
+
+        def local():
+            holder["group"] = ext.make_group("127.0.0.1", self._store.port, 0, 2, timeout, store=self._store)
+
+        self._with_group("megarl_join", {"host": "127.0.0.1", "port": self._store.port, "rank": 1, "world_size": 2,
+                                         "timeout_s": timeout}, timeout, local)
+        self._group = holder["group"]
+
+    def stage_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Apply `version` on the server now, in flight (pause keep -> load -> resume; see module docstring).
+        Returns once the server runs it. The server is resumed on every path, failed or not."""
+        missing = set(self._spec) - set(named_tensors)
+        if missing:
+            raise ValueError(f"stage_weights: missing {sorted(missing)[:5]}")
+        if version <= self._version:
+            raise ValueError(f"stage_weights: version {version} is not newer than {self._version}")
+        names = list(self._spec)  # the model directory's order
+        spec = [(n, list(named_tensors[n].shape), str(named_tensors[n].dtype).removeprefix("torch.")) for n in names]
+        plan = ext.bucket_plan(spec, self.bucket_bytes)
+        start = time.perf_counter()
+        self.client.post("/pause?mode=keep", {}, timeout_s=self.update_timeout_s)
+        paused_at = time.perf_counter()
+        try:
+            with self._lock:
+                received_at_pause = {sid: t.received for sid, t in self._running.items()}
+
+            def send():
+                for bucket in plan:
+                    parts = [named_tensors[name].detach().contiguous().view(-1).view(torch.uint8)
+                             for name, *_ in bucket["tensors"]]
+                    ext.broadcast_bytes(self._group, torch.cat(parts), self.update_timeout_s)
+
+            reply = self._with_group("megarl_update", {"version": version, "buckets": plan}, self.update_timeout_s,
+                                     send)
+            counts = counts_by_server_id(reply["counts"])
+            for sid, received in received_at_pause.items():
+                if received > counts.get(sid, 0):  # the client cannot have more tokens than the worker sampled
+                    raise VLLMError(f"/collective_rpc megarl_update on vLLM server {self.client.url}: request {sid} "
+                                    f"had {received} tokens at the client but {counts.get(sid, 0)} in the worker")
+            with self._lock:  # before /resume: no new-weights token exists before its update is recorded
+                self._swaps.append((version, counts))
+                self._version = version
+        except BaseException:
+            try:  # never leave the server paused; the error already propagating is the one that explains
+                self.client.post("/resume", {}, timeout_s=self.update_timeout_s)
+            except VLLMError as exc:
+                log.warning("after a failed weight update, /resume failed too: %s", exc)
+            raise
+        self.client.post("/resume", {}, timeout_s=self.update_timeout_s)
+        self._stats["swaps"] += 1
+        self._stats["swap_time_s"] += time.perf_counter() - start
+        self._stats["swap_pause_s"] += time.perf_counter() - paused_at
+        self._forget_swaps()
+
+    def _forget_swaps(self) -> None:
+        """Drop update records no running request needs any more (kept: those since the oldest running one)."""
+        with self._lock:
+            oldest = min((t.first_swap for t in self._running.values()), default=len(self._swaps))
+            for i in range(oldest):
+                self._swaps[i] = (self._swaps[i][0], {})
+
+    def close(self) -> None:
+        self._closed = True
+        if self.server is not None:
+            self.server.stop()
+        self.requests.close()

@@ -1,0 +1,163 @@
+"""megarl's vLLM worker extension (`--worker-extension-cls megarl_vllm_worker.MegarlWorkerExtension`).
+
+Loaded by vLLM into its worker class, inside the vLLM server's engine process, and called through the dev-mode
+route `POST /collective_rpc {"method": "megarl_...", "args": [json string]}`. Imports only the standard library
+and torch (vLLM is reached through the worker it is mixed into), so the server's environment needs nothing of
+megarl but this directory on PYTHONPATH. megarl's sampler process imports the same module for the parts both
+sides must agree on (`make_group`, `bucket_plan`, `unpack`).
+
+* `megarl_join`: joins a two-member gloo group with the sampler process (rank 0, which hosts the TCPStore).
+* `megarl_update`: the in-flight weight swap. First it records how many output tokens every request the worker
+  has seen has sampled (`model_runner.requests[id].output_token_ids`; a finished request's final count is kept
+  when vLLM drops its state, see `_FinishedCounts`), then it receives the new weights bucket by
+  bucket over the group and loads them with `model_runner.reload_weights` (vLLM's in-place reload: it restores
+  the CPU layers' original parameters, loads, and repacks the CPU GEMM weights again). vLLM runs a collective_rpc
+  between two engine steps and runs no step while it lasts, so every token counted was sampled by the old
+  weights and every later token by the new ones: the counts are the exact per-request version boundary
+  (the argument is in docs/vllm.md).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+def _linear_without_onednn() -> None:
+    """vLLM 0.32's CPU linear layers run through oneDNN handles created from the weights at load time
+    (model_executor/layers/utils.dispatch_cpu_unquantized_gemm). After `reload_weights` with different weights,
+    some of those layers kept computing with the old weights (measured: fresh requests after an update were
+    0.08 to 1.4 nats off transformers with the new weights, while an update with unchanged weights stayed exact).
+    With oneDNN off, the layers use torch's linear over their own weight tensors, which the reload updates in
+    place: then every log-prob after an update matches transformers to ~1e-6 (tests/sampler/vllm/). The
+    extension module is imported when the worker is created, before the model is loaded, so this is in time."""
+    try:
+        import vllm._custom_ops as ops
+    except ImportError:  # imported by megarl's sampler process, where vLLM is not installed
+        return
+    ops._supports_onednn = False
+
+
+_linear_without_onednn()
+
+DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+def make_group(host: str, port: int, rank: int, world_size: int, timeout_s: float, store=None):
+    """A gloo ProcessGroup of `world_size` members over a TCPStore at host:port (rank 0 passes the store it hosts).
+    Built directly, not through torch.distributed's default group: neither side has one for this."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore("megarl-vllm-weights", store), rank, world_size, timeout)
+
+
+def bucket_plan(spec: list, bucket_bytes: int) -> list[dict]:
+    """[(name, shape, dtype name)] in publish order -> buckets of at most bucket_bytes (a bigger tensor alone):
+    [{"nbytes": n, "tensors": [[name, shape, dtype, byte offset], ...]}]. Tensors travel as raw bytes (uint8)."""
+    buckets, current, used = [], [], 0
+    for name, shape, dtype in spec:
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        nbytes = numel * torch.empty((), dtype=DTYPES[dtype]).element_size()
+        if current and used + nbytes > bucket_bytes:
+            buckets.append({"nbytes": used, "tensors": current})
+            current, used = [], 0
+        current.append([name, list(shape), dtype, used])
+        used += nbytes
+    if current:
+        buckets.append({"nbytes": used, "tensors": current})
+    return buckets
+
+
+def unpack(buffer: torch.Tensor, bucket: dict):
+    """(name, tensor) views of one received bucket."""
+    for name, shape, dtype, offset in bucket["tensors"]:
+        dt = DTYPES[dtype]
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        nbytes = numel * torch.empty((), dtype=dt).element_size()
+        yield name, buffer[offset:offset + nbytes].view(dt).view(shape)
+
+
+def broadcast_bytes(group, buffer: torch.Tensor, timeout_s: float) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    work = group.broadcast([buffer], opts)
+    if not work.wait(datetime.timedelta(seconds=timeout_s)):
+        raise TimeoutError(f"weight bucket broadcast of {buffer.numel()} bytes did not finish within {timeout_s}s")
+
+
+FINISHED_KEPT = 100_000  # final counts of finished requests remembered (oldest forgotten first)
+
+
+class _FinishedCounts(dict):
+    """model_runner.requests, recording each request's output-token count when vLLM drops it (it pops finished
+    and aborted requests at the next step, gpu_model_runner._update_states). Without this a request that finished
+    before a swap and one the scheduler had not started yet would both be absent at the swap, though all of the
+    first one's tokens are old-version and all of the second's new."""
+
+    def __init__(self, live: dict, finished: dict):
+        super().__init__(live)
+        self.finished = finished
+
+    def _record(self, req_id, state) -> None:
+        if state is not None and hasattr(state, "output_token_ids"):
+            self.finished[req_id] = len(state.output_token_ids)
+            while len(self.finished) > FINISHED_KEPT:
+                self.finished.pop(next(iter(self.finished)))
+
+    def pop(self, key, *default):
+        state = super().pop(key, *default)
+        self._record(key, state)
+        return state
+
+    def __delitem__(self, key):
+        self._record(key, self.get(key))
+        super().__delitem__(key)
+
+
+class MegarlWorkerExtension:
+    """Mixed into vLLM's worker class; the methods run in the worker (see module docstring)."""
+
+    def megarl_join(self, args: str) -> dict:
+        a = json.loads(args)
+        if not isinstance(self.model_runner.requests, _FinishedCounts):
+            self._megarl_finished = {}
+            self.model_runner.requests = _FinishedCounts(self.model_runner.requests, self._megarl_finished)
+        self._megarl_group = make_group(a["host"], a["port"], a["rank"], a["world_size"], a["timeout_s"])
+        self._megarl_timeout_s = a["timeout_s"]
+        return {"joined": True, "rank": a["rank"]}
+
+    def megarl_counts(self, args: str = "{}") -> dict:
+        """request id -> output tokens sampled so far, for every request the worker has seen since megarl_join
+        (finished ones with their final count); a request absent from it has sampled nothing yet."""
+        counts = dict(getattr(self, "_megarl_finished", {}))
+        counts.update({rid: len(state.output_token_ids) for rid, state in self.model_runner.requests.items()})
+        return counts
+
+    def megarl_update(self, args: str) -> dict:
+        a = json.loads(args)
+        start = time.perf_counter()
+        counts = self.megarl_counts()  # before any new weight is loaded: these tokens are the old version's
+        received = []
+
+        def weights():
+            for bucket in a["buckets"]:
+                buffer = torch.empty(bucket["nbytes"], dtype=torch.uint8)
+                broadcast_bytes(self._megarl_group, buffer, self._megarl_timeout_s)
+                for name, tensor in unpack(buffer, bucket):
+                    received.append(name)
+                    yield name, tensor
+
+        with torch.no_grad():
+            self.model_runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        if len(received) != sum(len(b["tensors"]) for b in a["buckets"]):
+            raise RuntimeError(f"megarl_update: vLLM's reload consumed {len(received)} of "
+                               f"{sum(len(b['tensors']) for b in a['buckets'])} tensors")
+        return {"counts": counts, "version": a["version"], "tensors": len(received),
+                "seconds": time.perf_counter() - start}

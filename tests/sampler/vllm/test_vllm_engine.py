@@ -1,0 +1,212 @@
+"""sampler.engine=vllm against a real vLLM 0.32.0 server on CPU (never mocked).
+
+One server for the module (module fixture); the fault test, last, stops and kills it. Every log-prob is checked
+against a transformers forward of the same HF model in fp32, with the weights of the version megarl assigned to
+the token -- and checked *not* to match the other version (what AReaL #1569's mislabelling would give).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from megarl.protocols import GenerationRequest, SamplingParams
+
+from .conftest import start_engine
+
+pytestmark = pytest.mark.vllm
+
+EOS = 256
+TEMPERATURE = 0.7  # != 1, so raw (un-tempered) and processed log-probs differ
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_python, vllm_model_dir, tmp_path_factory):
+    engine = start_engine(vllm_python, vllm_model_dir, tmp_path_factory.mktemp("vllm"))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def hf(vllm_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(vllm_model_dir)
+
+
+def _requests(tok, prompts, n, max_new_tokens=48, temperature=TEMPERATURE, tag="r"):
+    out = []
+    for i in range(n):
+        ids = tok.encode(prompts[i % len(prompts)], add_special_tokens=False)
+        out.append(GenerationRequest(f"{tag}{i}", ids, SamplingParams(temperature, 1.0, 0, max_new_tokens),
+                                     stop_token_ids=(EOS,)))
+    return out
+
+
+@torch.no_grad()
+def _hf_logprobs(model, prompt, tokens, temperature):
+    """(tempered, raw) log-probs of `tokens` after `prompt` under `model`, one fp32 forward."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    target = torch.tensor(tokens)[:, None]
+    tempered = torch.log_softmax(logits / temperature, -1).gather(1, target)[:, 0]
+    raw = torch.log_softmax(logits, -1).gather(1, target)[:, 0]
+    return tempered, raw
+
+
+@torch.no_grad()
+def _hf_logprobs_across_swap(old, new, prompt, tokens, boundary, temperature):
+    """Log-probs of tokens[boundary:] as an engine that *keeps* the KV cache across a swap computes them (vLLM 0.32
+    on CPU does not: see the update test; kept for the comparison it prints):
+    the new weights attend over K/V the old weights wrote for prompt + tokens[:boundary-1] (token boundary-1 is
+    the first input of the first step after the swap, so its K/V are the new weights')."""
+    seq = list(prompt) + list(tokens)
+    split = len(prompt) + boundary - 1  # inputs [0, split) ran under the old weights
+    out = old(input_ids=torch.tensor([seq[:split]]), use_cache=True)
+    logits = new(input_ids=torch.tensor([seq[split:-1]]), cache=out.cache,
+                 use_cache=True).logits[0].float()
+    target = torch.tensor(tokens[boundary:])[:, None]
+    return torch.log_softmax(logits / temperature, -1).gather(1, target)[:, 0]
+
+
+def test_generation_and_lag0_logprobs_match_transformers(engine, hf):
+    """Behaviour log-probs = log_softmax(logits / T) of the sampled token over the full vocabulary (vLLM's
+    processed_logprobs), to fp32 rounding; vLLM's default raw_logprobs (no temperature) would be far off."""
+    model, tok = hf
+    start = time.monotonic()
+    completions = engine.generate(_requests(tok, ["a-k=", "d-q=", "m-z=", "b-e="], 8))
+    elapsed = time.monotonic() - start
+    gaps, raw_gaps, n = [], [], 0
+    for c in completions:
+        assert c.finish_reason in ("stop", "length")
+        assert c.versions == [0] * len(c.token_ids)
+        assert len(c.logprobs) == len(c.token_ids) > 0
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == EOS  # the stop token is included, as megarl's contract says
+        tempered, raw = _hf_logprobs(model, c.prompt_ids, c.token_ids, TEMPERATURE)
+        got = torch.tensor(c.logprobs)
+        gaps.append((got - tempered).abs().max().item())
+        raw_gaps.append((got - raw).abs().max().item())
+        n += len(c.token_ids)
+    print(f"\nlag-0 |vLLM - transformers| max over {n} tokens: {max(gaps):.2e} (vs raw log-probs: {max(raw_gaps):.2e}); "
+          f"{n / elapsed:.0f} tokens/s")
+    assert max(gaps) < 1e-4
+    assert max(raw_gaps) > 1e-2  # the mode matters: un-tempered log-probs would be wrong
+
+
+def _perturbed(model, scale=0.5, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return {name: (t + scale * t.std() * torch.randn(t.shape, generator=gen)).contiguous()
+            for name, t in model.state_dict().items() if name in _names(model)}
+
+
+def _names(model):
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(model.name_or_path, "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+def test_update_mid_rollout_versions_exact(engine, hf):
+    """Requests running across an in-flight update (pause keep -> load over gloo -> resume): megarl's per-token
+    versions say exactly which weights sampled each token -- each log-prob matches the assigned version's
+    recomputation and not the other's -- and the requests finish whole.
+
+    This is the test that catches AReaL #1569 (versions mislabelled when an update lands during an HTTP call):
+    with the boundary one token off either way, or the client's own token count at the pause used instead of
+    the worker's, the assertions on `assigned` fail."""
+    from transformers import AutoModelForCausalLM
+
+    model, tok = hf
+    new_weights = _perturbed(model)
+    assert set(new_weights) == set(engine.weight_spec())
+    new_model = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32).eval()
+    new_model.load_state_dict(new_weights, strict=False)
+    new_model.tie_weights()
+
+    requests = _requests(tok, ["a-z=", "b-y=", "c-x="], 8, max_new_tokens=60, tag="u")
+    version = engine.version + 1
+    for r in requests:
+        engine.add_request(r)
+    deadline = time.monotonic() + 60
+    while not any(t.received >= 3 for t in list(engine._running.values())):  # some are mid-rollout
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    engine.stage_weights({k: v.clone() for k, v in new_weights.items()}, version)
+    assert engine.version == version
+    done = {}
+    while len(done) < len(requests):
+        done.update({c.request_id: c for c in engine.step()})
+
+    straddling, discriminating, total, shifted_caught, kept_kv_gap = 0, 0, 0, 0, 0.0
+    for r in requests:
+        c = done[r.request_id]
+        b = c.versions.count(version - 1)
+        assert c.versions == [version - 1] * b + [version] * (len(c.token_ids) - b)
+        got = torch.tensor(c.logprobs)
+        # Recomputation under the version megarl assigned to each token ...
+        old_lp, _ = _hf_logprobs(model, c.prompt_ids, c.token_ids, TEMPERATURE)
+        # vLLM 0.32 (CPU) recomputes a paused request's KV with the new weights after the update (measured:
+        # tokens after it match the new weights over the whole prefix to ~1e-6, not over the old weights' KV).
+        new_lp, _ = _hf_logprobs(new_model, c.prompt_ids, c.token_ids, TEMPERATURE)
+        if 0 < b < len(c.token_ids):
+            kept = _hf_logprobs_across_swap(model, new_model, c.prompt_ids, c.token_ids, b, TEMPERATURE)
+            kept_kv_gap = max(kept_kv_gap, (got[b:] - kept).abs().max().item())
+        assigned = torch.cat([old_lp[:b], new_lp[b:]])
+        assert (got - assigned).abs().max() < 1e-4, (r.request_id, b, (got - assigned).abs().max())
+        # ... and under the other one: where the two versions disagree, the token's log-prob must be the
+        # assigned version's, so a label one token off (AReaL #1569) fails the line above.
+        other = torch.cat([new_lp[:b], old_lp[b:]])
+        differs = (assigned - other).abs() > 1e-3
+        assert ((got - other).abs()[differs] > 1e-3 - 1e-4).all()
+        discriminating += int(differs.sum())
+        total += len(c.token_ids)
+        if 0 < b < len(c.token_ids):
+            straddling += 1
+            # The AReaL #1569 failure: the boundary one token off. Token b-1 relabelled new / token b old:
+            shifted_caught += int((got[b - 1] - new_lp[b - 1]).abs() > 1e-4 and (got[b] - old_lp[b]).abs() > 1e-4)
+    assert straddling >= 1, [done[r.request_id].versions for r in requests]
+    assert discriminating >= total // 2, (discriminating, total)
+    assert shifted_caught >= 1  # a boundary one token off (either way) is caught on real data  # the check has power: most tokens tell versions apart
+    print(f"\n{straddling} of {len(requests)} requests straddle the update; {discriminating} of {total} tokens "
+          f"have log-probs > 1e-3 apart under the two versions; a one-off boundary caught in {shifted_caught}; (gap to the new weights over the old KV: {kept_kv_gap:.1e}); swap {engine.stats()['swap_time_s']:.3f}s")
+
+    # Later requests run entirely on the new weights.
+    after = engine.generate(_requests(tok, ["e-j="], 2, tag="after"))
+    for c in after:
+        assert set(c.versions) == {version}
+        new_lp, _ = _hf_logprobs(new_model, c.prompt_ids, c.token_ids, TEMPERATURE)
+        assert (torch.tensor(c.logprobs) - new_lp).abs().max() < 1e-4
+
+
+def test_hung_then_killed_server_is_reported(engine, hf):
+    """A server that stops answering fails the request within request_timeout_s; one that dies is named by step()
+    (the sampler loop raises it; fault.on_failure takes over)."""
+    from megarl.sampler.vllm_engine import VLLMError
+
+    _, tok = hf
+    engine.client.timeout_s = 5.0
+    pgid = engine.server.proc.pid
+    os.killpg(pgid, signal.SIGSTOP)  # every process of the server: alive, listening, answering nothing
+    start = time.monotonic()
+    engine.add_request(_requests(tok, ["a-z="], 1, max_new_tokens=60, tag="hang")[0])
+    with pytest.raises(VLLMError, match=rf"vLLM server {engine.client.url}.*(no stream data for 5s|no answer)"):
+        while True:
+            engine.step()
+            assert time.monotonic() - start < 30
+    hung_s = time.monotonic() - start
+    os.killpg(pgid, signal.SIGKILL)
+    os.killpg(pgid, signal.SIGCONT)
+    start = time.monotonic()
+    engine.server.proc.wait(10)  # dead (reaped by the kernel's SIGKILL): the next step must say so
+    engine.add_request(_requests(tok, ["a-z="], 1, tag="dead")[0])
+    with pytest.raises(VLLMError, match=rf"vLLM server {engine.client.url} \(pid {pgid}\) exited"):
+        while True:
+            engine.step()
+            assert time.monotonic() - start < 30
+            time.sleep(0.05)
+    print(f"\nhung server reported after {hung_s:.1f}s, killed one after {time.monotonic() - start:.1f}s")

@@ -1,0 +1,85 @@
+"""`megarl train configs/demo.yaml sampler.engine=vllm` as a user types it (plus a short run and a temp run dir):
+a real torchrun launch, megatron learner + one sampler rank driving a real vLLM server, weights over gloo."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+def test_demo_trains_with_vllm(vllm_python, tmp_path):
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", "sampler.engine=vllm",
+                           "run.steps=16", f"run.dir={run_dir}", "run.progress=false"],
+                          capture_output=True, text=True, timeout=900)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "tiny-qwen2-count-hd32" in (run_dir / "config.yaml").read_text()  # the vLLM variant was picked
+    log = (run_dir / "vllm" / "sampler0.log").read_text()
+    assert "POST /v1/completions" in log and "POST /collective_rpc" in log
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").open()]
+    multi = [r for r in rollouts if len(set(r["versions"])) > 1]
+    assert multi, "no rollout spans a weight update"
+    for r in rollouts:
+        assert len(r["versions"]) == len(r["token_ids"]) == len(r["behaviour_logprobs"])
+        assert r["versions"] == sorted(r["versions"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    gaps = [row["lag0/logprob_gap_abs"] for row in rows if "lag0/logprob_gap_abs" in row]
+    assert gaps and max(gaps) < 1e-4, gaps  # learner (megatron fp32) vs vLLM behaviour log-probs at lag 0
+    print(f"\nvllm demo: {len(rows)} steps in {elapsed:.0f}s, {len(multi)}/{len(rollouts)} multi-version rollouts, "
+          f"lag-0 |gap| mean per step max {max(gaps):.1e}")
+
+
+def _server_pid(log_path) -> int | None:
+    """The pid of the process that has this run's vLLM log open (the server megarl started), read from /proc."""
+    import os
+
+    target = str(log_path)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    return int(pid)
+            except OSError:
+                continue
+    return None
+
+
+def test_killed_vllm_server_stops_the_run_naming_it(vllm_python, tmp_path):
+    """fault.on_failure=stop: the vLLM server of sampler 0 is SIGKILLed mid-run; the run stops, non-zero, and
+    says which server died, well within the configured timeouts (nothing waits for queue.timeout_s)."""
+    import os
+    import signal
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", "sampler.engine=vllm",
+                             "run.steps=500", f"run.dir={run_dir}", "run.progress=false"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").exists() and
+                   sum(1 for _ in (run_dir / "metrics.jsonl").open()) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        pid = _server_pid(run_dir / "vllm" / "sampler0.log")
+        assert pid is not None
+        os.killpg(pid, signal.SIGKILL)  # the server runs in its own session: pgid == pid
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        stopped_s = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "vLLM server http://127.0.0.1:" in out and "exited with code" in out, out[-4000:]
+    print(f"\nrun stopped {stopped_s:.1f}s after the vLLM server was killed (rc {proc.returncode})")
