@@ -83,3 +83,33 @@ def test_killed_vllm_server_stops_the_run_naming_it(vllm_python, tmp_path):
     assert proc.returncode != 0
     assert "vLLM server http://127.0.0.1:" in out and "exited with code" in out, out[-4000:]
     print(f"\nrun stopped {stopped_s:.1f}s after the vLLM server was killed (rc {proc.returncode})")
+
+
+def test_killed_vllm_server_with_restart_resumes_from_the_last_checkpoint(vllm_python, tmp_path):
+    """fault.on_failure=restart: the same kill; torchrun restarts every process, the sampler starts a new vLLM
+    server, the learner resumes from its last checkpoint and the run finishes all its steps."""
+    import os
+    import signal
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", "sampler.engine=vllm",
+                             "run.steps=30", f"run.dir={run_dir}", "run.progress=false", "fault.on_failure=restart",
+                             "checkpoint.every_steps=4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run_dir / "metrics.jsonl").exists() and
+                   sum(1 for _ in (run_dir / "metrics.jsonl").open()) >= 9):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        pid = _server_pid(run_dir / "vllm" / "sampler0.log")
+        assert pid is not None
+        os.killpg(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "megarl: resumed from" in out and "restart 1" in out, out[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [row["step"] for row in rows] == list(range(30))  # the redone steps replaced, none missing
+    assert rows[-1]["restarts"] == 1.0
