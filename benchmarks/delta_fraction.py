@@ -8,9 +8,9 @@ language-model loss over random tokens (a real backward, so gradients, Adam mome
 sizes are those of training; the data does not matter for how far Adam moves each weight), and after
 every step the weights are rounded to bf16 and compared word for word with the previous step's bf16
 words. Printed per case: the changed fraction at each step, and the bytes a delta would send against a
-full bf16 publish: what megarl's delta publish sends (`publish.delta_payload` per 16 MB bucket:
-(int32 index, bf16 value) pairs, 6 bytes per changed word, or the bucket whole when that is smaller),
-and, for comparison, a changed-word bitmap plus the values (1/8 + 2 bytes per word changed).
+full bf16 publish: what megarl's delta publish sends (`publish.delta_payload` per 16 MB bucket, the
+smallest of (int32 index, bf16 value) pairs, 6 bytes per changed word; a changed-word bitmap plus the
+values, 1/8 byte per word + 2 per changed word; the bucket whole), and the bitmap alone for comparison.
 
 Why the fraction follows from lr: Adam moves a weight by about lr per step (|m / sqrt(v)| <= ~1), and a
 bf16 word (8 significant bits) changes once the move exceeds half its spacing, |w| * 2**-8; so the
@@ -53,8 +53,8 @@ def megarl_delta_bytes(new: torch.Tensor, old: torch.Tensor) -> int:
 
     total = 0
     for start in range(0, new.numel(), BUCKET_ELEMENTS):
-        change = delta_payload(new[start:start + BUCKET_ELEMENTS], old[start:start + BUCKET_ELEMENTS])
-        total += 8 + (change[1].numel() if change else 2 * min(BUCKET_ELEMENTS, new.numel() - start))
+        _, _, payload = delta_payload(new[start:start + BUCKET_ELEMENTS], old[start:start + BUCKET_ELEMENTS])
+        total += 16 + payload.numel() * payload.element_size()
     return total
 
 

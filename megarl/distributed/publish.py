@@ -17,10 +17,10 @@ spec and checksums): sender d sends buckets d, d + k, d + 2k, ... of the plan ov
 Wire format options (publish.dtype, publish.delta): floating tensors may travel as bf16 (the learner
 keeps its fp32 master weights; receivers cast into the engine's dtype), and with delta on, every
 publish after the first sends per bucket only the words that changed since the previous publish, as
-(int32 index, value) pairs, or the whole bucket when that is smaller (`delta_payload`): a small int64
-count goes first (-1: the whole bucket follows). Both sides keep the last words of every bucket (the
-source to diff against, receivers to patch), and the checksums cover the rebuilt words, so a receiver
-checks it holds exactly the source's words.
+(int32 index, value) pairs, or a changed-word bitmap and the values, or the whole bucket, whichever is
+smallest (`delta_payload`): a small int64 header (encoding, changed count) goes first. Both sides keep
+the last words of every bucket (the source to diff against, receivers to patch), and the checksums
+cover the rebuilt words, so a receiver checks it holds exactly the source's words.
 Publishes are numbered separately from policy versions because a version may advance by more than
 one between publishes (sync mode trains K steps, a skipped step advances none).
 Receivers double-buffer: publish n lands in buffer set n % 2, reused only once the engine has
@@ -111,23 +111,47 @@ def words(flat: torch.Tensor) -> torch.Tensor:
     return flat.view(_WORD[flat.element_size()])
 
 
-def delta_payload(new: torch.Tensor, old: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-    """(changed count, payload) to turn the flat bucket `old` into `new`: int32 indices of the changed words,
-    then their new values, as one uint8 buffer; None when sending `new` whole is no bigger."""
-    changed = (words(new) != words(old)).nonzero().view(-1)
-    count, size = changed.numel(), new.element_size()
-    if count * (4 + size) >= new.numel() * size:
-        return None
-    payload = torch.empty(count * (4 + size), dtype=torch.uint8, device=new.device)
-    payload[:4 * count].view(torch.int32).copy_(changed)
-    payload[4 * count:].view(new.dtype).copy_(new[changed])
-    return count, payload
+WHOLE, PAIRS, BITMAP = 0, 1, 2  # how a bucket of a delta publish travels (the first word of its delta header)
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
-def apply_delta(words_to_patch: torch.Tensor, count: int, payload: torch.Tensor) -> None:
-    """Write a `delta_payload` into the previous version's flat bucket, in place."""
-    index = payload[:4 * count].view(torch.int32).long()
-    words_to_patch[index] = payload[4 * count:].view(words_to_patch.dtype)
+def delta_size(encoding: int, count: int, numel: int, item_size: int) -> int:
+    """Payload bytes of a bucket of `numel` words with `count` changed: (int32 index, value) pairs, or a
+    changed-word bitmap (padded to 8 bytes, so the values after it stay aligned) then the values (smaller
+    once more than ~1 word in 32 changed), or the words whole."""
+    return {PAIRS: count * (4 + item_size), BITMAP: (numel + 63) // 64 * 8 + count * item_size,
+            WHOLE: numel * item_size}[encoding]
+
+
+def delta_payload(new: torch.Tensor, old: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(encoding, changed count, payload) that turns the flat bucket `old` into `new`, the smallest of
+    PAIRS, BITMAP and WHOLE (then the payload is `new` itself)."""
+    changed = words(new) != words(old)
+    count, numel, size = int(changed.sum()), new.numel(), new.element_size()
+    encoding = min((PAIRS, BITMAP, WHOLE), key=lambda e: delta_size(e, count, numel, size))
+    if encoding == WHOLE:
+        return WHOLE, count, new
+    payload = torch.empty(delta_size(encoding, count, numel, size), dtype=torch.uint8, device=new.device)
+    head = payload.numel() - count * size  # indices or bitmap; the values follow, aligned (head % 4 == 0)
+    if encoding == PAIRS:
+        payload[:head].view(torch.int32).copy_(changed.nonzero().view(-1))
+    else:
+        bits = torch.zeros(head * 8, dtype=torch.uint8, device=new.device)
+        bits[:numel] = changed
+        payload[:head] = (bits.view(-1, 8) * _BIT_WEIGHTS.to(new.device)).sum(dim=1, dtype=torch.uint8)
+    payload[head:].view(new.dtype).copy_(new[changed])
+    return encoding, count, payload
+
+
+def apply_delta(words_to_patch: torch.Tensor, encoding: int, count: int, payload: torch.Tensor) -> None:
+    """Write a PAIRS or BITMAP `delta_payload` into the previous version's flat bucket, in place."""
+    head = payload.numel() - count * words_to_patch.element_size()
+    values = payload[head:].view(words_to_patch.dtype)
+    if encoding == PAIRS:
+        words_to_patch[payload[:head].view(torch.int32).long()] = values
+    else:
+        bits = (payload[:head].unsqueeze(1) & _BIT_WEIGHTS.to(payload.device)) != 0
+        words_to_patch[bits.view(-1)[:words_to_patch.numel()]] = values
 
 
 def bucket_checksum(buffer: torch.Tensor) -> list[int]:
@@ -247,11 +271,10 @@ class WeightPublisher:
             body = flat
             sends = []
             if delta:
-                change = delta_payload(flat, self.last_sent[i])
-                count, body = (-1, flat) if change is None else change
-                sends.append(_Broadcast(self.group, torch.tensor([count], dtype=torch.int64), self.timeout,
-                                        f"{what} (its delta size)"))
-                sent += 8
+                encoding, count, body = delta_payload(flat, self.last_sent[i])
+                sends.append(_Broadcast(self.group, torch.tensor([encoding, count], dtype=torch.int64), self.timeout,
+                                        f"{what} (its delta header)"))
+                sent += 16
             sends.append(_Broadcast(self.group, body, self.timeout, what))
             sent += body.numel() * body.element_size()
             in_flight.append(sends)
@@ -443,17 +466,18 @@ class WeightReceiver:
         got = []
         for i, (wire, buffer) in enumerate(zip(self.wire, buffers)):
             what = f"receive version {version} bucket {i + 1}/{len(buffers)}"
-            count = -1
+            encoding, count = WHOLE, 0
             if header.get("delta"):
-                size = torch.empty(1, dtype=torch.int64)
-                _Broadcast(self.group, size, self.timeout, f"{what} (its delta size)").wait()
-                count = int(size)
-            if count < 0:
+                delta_header = torch.empty(2, dtype=torch.int64)
+                _Broadcast(self.group, delta_header, self.timeout, f"{what} (its delta header)").wait()
+                encoding, count = delta_header.tolist()
+            if encoding == WHOLE:
                 _Broadcast(self.group, wire, self.timeout, what).wait()
             else:
-                payload = torch.empty(count * (4 + wire.element_size()), dtype=torch.uint8, device=wire.device)
+                payload = torch.empty(delta_size(encoding, count, wire.numel(), wire.element_size()),
+                                      dtype=torch.uint8, device=wire.device)
                 _Broadcast(self.group, payload, self.timeout, what).wait()
-                apply_delta(wire, count, payload)
+                apply_delta(wire, encoding, count, payload)
             if header["checksum"]:
                 got.append(bucket_checksum(wire))
             buffer.copy_(wire)

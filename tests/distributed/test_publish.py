@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megarl.distributed.publish import (WeightPublisher, apply_delta, check_spec, delta_payload, header_key,
-                                       plan_buckets, sender_share)
+from megarl.distributed.publish import (BITMAP, PAIRS, WHOLE, WeightPublisher, apply_delta, check_spec, delta_payload,
+                                       delta_size, header_key, plan_buckets, sender_share)
 from tests.helpers import run_torchrun
 
 WORKER = Path(__file__).parent / "publish_worker.py"
@@ -71,7 +71,8 @@ def test_two_senders_each_send_a_share_and_every_sampler_receives_the_whole_mode
 def test_bf16_delta_publish_sends_only_changed_words_and_every_receiver_rebuilds_them_bit_exact(tmp_path):
     """publish.dtype=bfloat16 + publish.delta: fp32 learner and engines, bf16 on the wire. The first
     publish is whole (half the fp32 bytes); a version moving 1% of the elements sends ~3% of them (6-byte
-    index/value pairs per changed bf16 word); one moving every element falls back to whole buckets. The
+    index/value pairs per changed bf16 word, or a bitmap); one moving every element falls back to whole
+    buckets. The
     receivers patch their last words, pass the source's checksums and hold exactly the bf16-rounded
     weights."""
     proc = run_torchrun(WORKER, 3, tmp_path, "delta", timeout=120)
@@ -82,24 +83,32 @@ def test_bf16_delta_publish_sends_only_changed_words_and_every_receiver_rebuilds
     assert full == sum(4 * n for n in (300 * 200, 7, 64 * 64, 3 * 5, 90 * 40)) // 2  # bf16: half the fp32 bytes
     assert sizes[1]["bytes"] == full
     assert sizes[2]["bytes"] < 0.05 * full and sizes[4]["bytes"] < 0.05 * full
-    assert full <= sizes[3]["bytes"] <= full + 8 * sent["buckets"]  # whole buckets, after their delta sizes
+    assert full <= sizes[3]["bytes"] <= full + 16 * sent["buckets"]  # whole buckets, after their delta headers
     for rank in (1, 2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["error"] is None
         assert got["received"] == sent["sent"]
 
 
-def test_a_delta_payload_rebuilds_the_new_words_exactly_or_is_refused_when_no_smaller():
-    old = torch.randn(1000).to(torch.bfloat16)
+@pytest.mark.parametrize("changed, encoding", [(4, PAIRS), (100, BITMAP), (1000, WHOLE), (0, PAIRS)])
+def test_a_delta_payload_is_the_smallest_encoding_and_rebuilds_the_new_words_exactly(changed, encoding):
+    """1000 bf16 words: a few changed travel as index/value pairs, a tenth as a bitmap + values, all of them
+    whole; NaN and -0 count as changed bit patterns."""
+    old = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     new = old.clone()
-    new[[3, 500, 999]] += 1
-    new[10] = float("nan")
-    count, payload = delta_payload(new, old)
-    assert count == 4 and payload.numel() == 4 * 6
+    where = torch.randperm(1000, generator=torch.Generator().manual_seed(1))[:changed]
+    new[where] += 1
+    if changed:
+        new[where[0]] = float("nan")
+    got, count, payload = delta_payload(new, old)
+    assert (got, count) == (encoding, changed)
+    assert payload.numel() * payload.element_size() == delta_size(encoding, changed, 1000, 2)
+    if encoding == WHOLE:
+        assert payload is new
+        return
     patched = old.clone()
-    apply_delta(patched, count, payload)
+    apply_delta(patched, encoding, count, payload)
     assert torch.equal(patched.view(torch.int16), new.view(torch.int16))
-    assert delta_payload(old + 1, old) is None  # every word changed: send the bucket whole
 
 
 def test_sender_shares_are_round_robin_buckets_of_the_whole_plan():
