@@ -55,60 +55,49 @@ def _server_pid(log_path) -> int | None:
     return None
 
 
-def test_killed_vllm_server_stops_the_run_naming_it(vllm_python, tmp_path):
-    """fault.on_failure=stop: the vLLM server of sampler 0 is SIGKILLed mid-run; the run stops, non-zero, and
-    says which server died, well within the configured timeouts (nothing waits for queue.timeout_s)."""
+def _train_and_kill_the_server(run_dir, overrides: list[str], after_steps: int, timeout_s: float):
+    """`megarl train configs/demo.yaml sampler.engine=vllm ...`; once `after_steps` steps are logged, SIGKILL
+    sampler 0's vLLM server (its own session: pgid == pid). -> (return code, output, seconds from the kill
+    to the run's end)."""
     import os
     import signal
 
-    run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", "sampler.engine=vllm",
-                             "run.steps=500", f"run.dir={run_dir}", "run.progress=false"],
+                             f"run.dir={run_dir}", "run.progress=false", *overrides],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
         while not ((run_dir / "metrics.jsonl").exists() and
-                   sum(1 for _ in (run_dir / "metrics.jsonl").open()) >= 3):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.5)
-        pid = _server_pid(run_dir / "vllm" / "sampler0.log")
-        assert pid is not None
-        os.killpg(pid, signal.SIGKILL)  # the server runs in its own session: pgid == pid
-        killed = time.monotonic()
-        out, _ = proc.communicate(timeout=120)
-        stopped_s = time.monotonic() - killed
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    assert "vLLM server http://127.0.0.1:" in out and "exited with code" in out, out[-4000:]
-    print(f"\nrun stopped {stopped_s:.1f}s after the vLLM server was killed (rc {proc.returncode})")
-
-
-def test_killed_vllm_server_with_restart_resumes_from_the_last_checkpoint(vllm_python, tmp_path):
-    """fault.on_failure=restart: the same kill; torchrun restarts every process, the sampler starts a new vLLM
-    server, the learner resumes from its last checkpoint and the run finishes all its steps."""
-    import os
-    import signal
-
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", "sampler.engine=vllm",
-                             "run.steps=30", f"run.dir={run_dir}", "run.progress=false", "fault.on_failure=restart",
-                             "checkpoint.every_steps=4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not ((run_dir / "metrics.jsonl").exists() and
-                   sum(1 for _ in (run_dir / "metrics.jsonl").open()) >= 9):
+                   sum(1 for _ in (run_dir / "metrics.jsonl").open()) >= after_steps):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
         pid = _server_pid(run_dir / "vllm" / "sampler0.log")
         assert pid is not None
         os.killpg(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=600)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, time.monotonic() - killed
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, out[-4000:]
+
+
+def test_killed_vllm_server_stops_the_run_naming_it(vllm_python, tmp_path):
+    """fault.on_failure=stop: the vLLM server of sampler 0 is SIGKILLed mid-run; the run stops, non-zero, and
+    says which server died, well within the configured timeouts (nothing waits for queue.timeout_s)."""
+    rc, out, stopped_s = _train_and_kill_the_server(tmp_path / "run", ["run.steps=500"], after_steps=3, timeout_s=120)
+    assert rc != 0
+    assert "vLLM server http://127.0.0.1:" in out and "exited with code" in out, out[-4000:]
+    print(f"\nrun stopped {stopped_s:.1f}s after the vLLM server was killed (rc {rc})")
+
+
+def test_killed_vllm_server_with_restart_resumes_from_the_last_checkpoint(vllm_python, tmp_path):
+    """fault.on_failure=restart: the same kill; torchrun restarts every process, the sampler starts a new vLLM
+    server, the learner resumes from its last checkpoint and the run finishes all its steps."""
+    run_dir = tmp_path / "run"
+    rc, out, _ = _train_and_kill_the_server(
+        run_dir, ["run.steps=30", "fault.on_failure=restart", "checkpoint.every_steps=4"], after_steps=9, timeout_s=600)
+    assert rc == 0, out[-4000:]
     assert "megarl: resumed from" in out and "restart 1" in out, out[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     assert [row["step"] for row in rows] == list(range(30))  # the redone steps replaced, none missing
