@@ -311,8 +311,11 @@ class VLLMEngine:
     # ------------------------------------------------------------------ weights
     def _rpc(self, method: str, args: dict, timeout_s: float) -> dict:
         route = f"/collective_rpc {method}"
-        reply = self.client.post("/collective_rpc", {"method": method, "args": [json.dumps(args)],
-                                                     "timeout": timeout_s}, timeout_s=timeout_s + 10)
+        try:
+            reply = self.client.post("/collective_rpc", {"method": method, "args": [json.dumps(args)],
+                                                         "timeout": timeout_s}, timeout_s=timeout_s + 10)
+        except VLLMError as exc:  # the worker refused it (its error is in the reply): name the method too
+            raise VLLMError(f"{method}: {exc}") from None
         results = reply.get("results")
         if not results or not isinstance(results[0], dict):
             raise self.client.error(route, f"unexpected reply {str(reply)[:500]}")

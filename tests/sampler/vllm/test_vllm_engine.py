@@ -210,3 +210,28 @@ def test_hung_then_killed_server_is_reported(engine, hf):
             assert time.monotonic() - start < 30
             time.sleep(0.05)
     print(f"\nhung server reported after {hung_s:.1f}s, killed one after {time.monotonic() - start:.1f}s")
+
+
+def test_an_update_the_server_refuses_is_raised_at_once_naming_the_call_and_the_cause(vllm_python, vllm_model_dir,
+                                                                                   tmp_path):
+    """The worker cannot load a tensor (a wrong shape): stage_weights raises a VLLMError naming the call, the
+    server and vLLM's reason at once, and the version does not advance. vLLM 0.32's reload has by then moved
+    the model's layers to the meta device, so the server cannot generate again (measured: the next request
+    fails with "Tensor on device cpu is not on the expected device meta"): the sampler loop lets the error end
+    the process and fault.on_failure takes over (restart: a new server). Its own server, as it breaks it."""
+    from megarl.sampler.vllm_engine import VLLMError
+
+    engine = start_engine(vllm_python, vllm_model_dir, tmp_path)
+    try:
+        weights = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in engine.weight_spec().items()}
+        last = list(weights)[-1]  # in the last bucket: every bucket is received before the load fails
+        weights[last] = torch.zeros(weights[last].numel() + 1)
+        version, start = engine.version, time.monotonic()
+        with pytest.raises(VLLMError, match=rf"^megarl_update: /collective_rpc on vLLM server {engine.client.url}: "
+                                            rf"HTTP 500.*Attempted to load weight"):
+            engine.stage_weights(weights, version + 1)
+        refused_s = time.monotonic() - start
+        assert engine.version == version and refused_s < 30, refused_s
+        print(f"\nrefused update raised after {refused_s:.1f}s")
+    finally:
+        engine.close()
