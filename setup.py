@@ -33,8 +33,11 @@ setup(
         # keep the DeepSpeed they built for their CUDA (`pip install deepspeed` when they want it).
         "cpu": ["torch==2.13.0", "deepspeed==0.19.8"],
         "gpu": [],
-        # pyarrow / datasets: the Parquet and save_to_disk dataset readers are optional for users, tested in CI.
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "pyarrow>=14", "datasets>=2.18"],
+        # The `openai` client, for agents that train through a sampler's /v1/chat/completions (task.agent).
+        "agent": ["openai>=1.40"],
+        # pyarrow / datasets: the Parquet and save_to_disk dataset readers are optional for users, tested in CI;
+        # openai: the agent tests drive the endpoint with the real client.
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "pyarrow>=14", "datasets>=2.18", "openai>=1.40"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

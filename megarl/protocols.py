@@ -5,7 +5,11 @@ Data path: prompts/tasks -> sampler Engine -> reward -> queue -> TrainBatch -> L
 `Engine` or `Learner`; nothing else changes.
 
 Per-token conventions (used everywhere):
-  * A completion token carries the log-probability it had under the weights that produced it
+  * A sample's `token_ids` are everything after its prompt. Single-turn: the model's completion.
+    Multi-turn (megarl/rollout/episode.py): model turns interleaved with environment tokens (tool
+    results, user turns), the latter listed in `env_spans`, with behaviour log-prob 0, version -1 and
+    loss mask 0: they are context, not actions.
+  * A model token carries the log-probability it had under the weights that produced it
     (`logprobs`, the *behaviour* log-prob, computed from logits / temperature over the full
     vocabulary) and that weights' policy `version`.
   * Batched per-token tensors are [B, S] and aligned with `input_ids`: entry [b, t] refers to the
@@ -65,10 +69,37 @@ class Sample:
     finish_reason: str
     sampler_rank: int = 0
     reward_error: str | None = None
+    # Multi-turn episodes: [start, end) offsets into token_ids of the environment's tokens, and the
+    # number of model turns. A single-turn sample has no environment tokens and one turn.
+    env_spans: list[tuple[int, int]] = field(default_factory=list)
+    turns: int = 1
+
+    @property
+    def policy_versions(self) -> set[int]:
+        """The policy versions that produced this sample's model tokens (environment tokens have none)."""
+        return {v for v in self.versions if v >= 0}
 
     @property
     def oldest_version(self) -> int:
-        return min(self.versions) if self.versions else -1
+        return min(self.policy_versions, default=-1)
+
+    def model_token_mask(self) -> list[bool]:
+        """Per token of token_ids: True where the model produced it (trained), False on environment tokens."""
+        mask = [True] * len(self.token_ids)
+        for start, end in self.env_spans:
+            mask[start:end] = [False] * (end - start)
+        return mask
+
+    def spans(self) -> list[tuple[str, int, int]]:
+        """token_ids cut into ("model" | "env", start, end) runs, in order (what rollouts.jsonl records)."""
+        runs: list[tuple[str, int, int]] = []
+        for i, is_model in enumerate(self.model_token_mask()):
+            kind = "model" if is_model else "env"
+            if runs and runs[-1][0] == kind:
+                runs[-1] = (kind, runs[-1][1], i + 1)
+            else:
+                runs.append((kind, i, i + 1))
+        return runs
 
 
 @dataclass

@@ -36,3 +36,12 @@ def embedded_count_model_dir(embedded_cache_dir) -> Path:
     from megarl.models.tiny import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-count", cache_dir=embedded_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def embedded_tool_model_dir(embedded_cache_dir) -> Path:
+    """The multi-turn demo's chat model (`tiny-qwen2-tool`: "37*43" -> ">>> 37*43", the tool's "1591",
+    "1591"), built on first request, once per test session (~80 s on one core)."""
+    from megarl.models.tiny import ensure_embedded_model
+
+    return ensure_embedded_model("tiny-qwen2-tool", cache_dir=embedded_cache_dir)

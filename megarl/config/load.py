@@ -14,6 +14,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from megarl.algo.config import validate_advantage_config, validate_loss_config
 from megarl.config.schema import Config, PublishConfig
 from megarl.rollout.sandbox import check_config as check_sandbox
+from megarl.rollout.tasks import MULTI_TURN_TASKS
 
 
 class ConfigError(ValueError):
@@ -224,6 +225,17 @@ def _validate_task(cfg: Config) -> None:
         module, _, fn = tc.reward_fn.partition(":")
         _require(all(p.isidentifier() for p in module.split(".") + fn.split(".")), "task.reward_fn",
                  f"{tc.reward_fn!r} is not of the form 'package.module:function'")
+    if tc.agent:
+        module, _, fn = tc.agent.partition(":")
+        _require(bool(fn) and all(p.isidentifier() for p in module.split(".") + fn.split(".")), "task.agent",
+                 f"{tc.agent!r} is not of the form 'package.module:function'")
+        _require(not tc.reward_fn, "task.reward_fn", "with task.agent the agent returns each episode's reward; "
+                                                     "leave task.reward_fn empty")
+    if tc.name in MULTI_TURN_TASKS:
+        _require(not tc.reward_fn, "task.reward_fn", f"task.name={tc.name} is multi-turn: its environment gives the "
+                                                     f"reward at the end of an episode; leave task.reward_fn empty")
+    _require(tc.max_episode_tokens >= 0, "task.max_episode_tokens",
+             f"must be >= 0 (0 = only sampler.max_seq_len bounds an episode), got {tc.max_episode_tokens}")
     _require(not tc.reward_sandbox or ":" in tc.reward_fn, "task.reward_sandbox",
              "sandboxes a user function task.reward_fn='package.module:function' (python_output always runs sandboxed)")
     try:
@@ -271,6 +283,7 @@ def _check_positive(cfg: Config) -> None:
         "sampler.max_seq_len", "sampler.threads", "sampler.tp", "learner.tp", "learner.pp", "learner.dp",
         "learner.micro_batch_size", "learner.threads", "learner.lr", "learner.max_nonfinite_in_row", "algo.prompts_per_step", "algo.sync_epochs",
         "publish.bucket_mb", "publish.timeout_s", "publish.senders", "queue.timeout_s", "dist.timeout_s", "task.max_operand",
+        "task.max_turns", "task.env_timeout_s", "task.env_workers", "task.tool_timeout_s", "task.agent_timeout_s",
     }
     for key in positive:
         section, name = key.split(".")

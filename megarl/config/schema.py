@@ -40,7 +40,8 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "arithmetic"  # arithmetic | count | python_output (code execution) | jsonl (a prompt dataset)
+    # arithmetic | count | python_output (code execution) | jsonl (a prompt dataset) | tool_arith (multi-turn, a tool)
+    name: str = "arithmetic"
     max_operand: int = 19
     # name=count ("d-k=" -> "defghijk"): mean and cap of the run length, drawn long-tailed (geometric).
     length_mean: float = 8.0
@@ -70,6 +71,23 @@ class TaskConfig:
     # samples the learner received last had a failed reward (raised, timed out, not a number); 1 = never.
     max_reward_error_frac: float = 0.1
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # limits of sandboxed code
+    # Multi-turn tasks (name=tool_arith; megarl/rollout/episode.py): an episode ends, truncated with reward 0,
+    # after max_turns model turns or max_episode_tokens tokens after the prompt (model and environment
+    # together; 0 = only sampler.max_seq_len bounds it). Environment steps run on env_workers threads; a
+    # step that raises, returns a malformed observation or runs past env_timeout_s fails its episode (counted).
+    max_turns: int = 4
+    max_episode_tokens: int = 0
+    env_timeout_s: float = 10.0
+    env_workers: int = 4
+    # name=tool_arith: operands of `digits` digits; a tool call (model-written Python, sandboxed) is killed
+    # after tool_timeout_s and answered with the limit it broke.
+    digits: int = 2
+    tool_timeout_s: float = 5.0
+    # "package.module:function": every episode is fn(base_url, prompt, answer, meta) -> reward, an agent
+    # talking to this sampler's OpenAI-compatible /v1/chat/completions at base_url (megarl/rollout/agent.py),
+    # on one of env_workers threads; prompts from task.name. An agent call running past agent_timeout_s fails.
+    agent: str = ""
+    agent_timeout_s: float = 300.0
 
 
 @dataclass

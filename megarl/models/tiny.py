@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from megarl.filelock import exclusive
 from megarl.protocols import Prompt
-from megarl.rollout.tasks import THINK_CHAR, ArithmeticTask, CountTask
+from megarl.rollout.tasks import THINK_CHAR, ArithmeticTask, CountTask, ToolArithmeticTask
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -69,13 +69,18 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def build_tokenizer():
-    """A `PreTrainedTokenizerFast`: one token per byte, no special tokens added on encode."""
+def build_tokenizer(chat_markers: tuple[str, str] | None = None):
+    """A `PreTrainedTokenizerFast`: one token per byte, no special tokens added on encode. With
+    chat_markers (start, end) the first two reserved specials carry those names and `end` is the EOS
+    (the chat model, megarl/models/tiny_chat.py): same ids, same vocabulary size."""
+    specials = list(_SPECIAL_TOKENS)
+    if chat_markers is not None:
+        specials[2:4] = chat_markers
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
-    vocab.update({tok: 256 + i for i, tok in enumerate(_SPECIAL_TOKENS)})
+    vocab.update({tok: 256 + i for i, tok in enumerate(specials)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
     # Same normalizer / pre-tokenizer / decoder as transformers' Qwen2Tokenizer (see module docstring).
     tok.normalizer = normalizers.NFC()
@@ -86,10 +91,10 @@ def build_tokenizer():
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, model_max_length=128,
-        additional_special_tokens=_SPECIAL_TOKENS[2:],
+        tokenizer_object=tok, eos_token=EOS_TOKEN if chat_markers is None else chat_markers[1], pad_token=PAD_TOKEN,
+        model_max_length=128, additional_special_tokens=specials[2:],
     )
 
 
@@ -208,8 +213,25 @@ def _count_targets(task: CountTask, recipe: WarmStartRecipe):
 def warm_start(model, tokenizer, task: ArithmeticTask | CountTask, recipe: WarmStartRecipe, on_step=None) -> None:
     """Train `model` in place (fp32, CPU) with the recipe; deterministic given recipe.seed.
     `on_step(step, model)`, if given, is called after every step (for learning-curve experiments)."""
-    rng = random.Random(recipe.seed)
     draw = _count_targets(task, recipe) if isinstance(task, CountTask) else _arithmetic_targets(task, recipe)
+
+    def make_batch(step: int, rng: random.Random):
+        batch, answers, misses = draw(step, rng, noisy=step >= recipe.clean_steps)
+        if misses is None:
+            weights = torch.ones(len(batch))
+        else:
+            answers, batch = answers + misses, batch + batch
+            n = len(misses)
+            weights = torch.cat([torch.full((n,), recipe.p_correct), torch.full((n,), 1.0 - recipe.p_correct)])
+        return (*_batch(tokenizer, batch, answers), weights)
+
+    train_supervised(model, recipe, make_batch, on_step)
+
+
+def train_supervised(model, recipe: WarmStartRecipe, make_batch, on_step=None) -> None:
+    """The warm start's optimisation: AdamW with warm-up over the clean phase and a decaying, scaled-down
+    rate over the noisy one; make_batch(step, rng) -> (input_ids, loss mask, per-sequence weights)."""
+    rng = random.Random(recipe.seed)
     total = recipe.clean_steps + recipe.noisy_steps
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98), weight_decay=0.0)
 
@@ -221,14 +243,7 @@ def warm_start(model, tokenizer, task: ArithmeticTask | CountTask, recipe: WarmS
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     model.train()
     for step in range(total):
-        batch, answers, misses = draw(step, rng, noisy=step >= recipe.clean_steps)
-        if misses is None:
-            weights = torch.ones(len(batch))
-        else:
-            answers, batch = answers + misses, batch + batch
-            n = len(misses)
-            weights = torch.cat([torch.full((n,), recipe.p_correct), torch.full((n,), 1.0 - recipe.p_correct)])
-        input_ids, mask = _batch(tokenizer, batch, answers)
+        input_ids, mask, weights = make_batch(step, rng)
         loss = (_sequence_nll(model, input_ids, mask) * weights).sum() / weights.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -367,7 +382,7 @@ def length_stats(token_lists: list[list[int]], max_new_tokens: int) -> dict:
 
 @dataclass(frozen=True)
 class EmbeddedSpec:
-    task: ArithmeticTask | CountTask
+    task: ArithmeticTask | CountTask | ToolArithmeticTask
     recipe: WarmStartRecipe
     # Completion-token budget the build's evaluation samples with (EOS included), like a sampler's
     # max_new_tokens; for the thinking model some T=1 completions are cut here while still thinking.
@@ -380,7 +395,7 @@ class EmbeddedSpec:
 # 2 query heads and 1 KV head of 32 (still GQA, same hidden size and parameter count).
 HEAD_DIM_32 = (("num_attention_heads", 2), ("num_key_value_heads", 1))
 # sampler.engine=vllm swaps an embedded model for its head_dim >= 32 variant (megarl.config.load).
-VLLM_VARIANTS = {"tiny-qwen2-count": "tiny-qwen2-count-hd32"}
+VLLM_VARIANTS = {"tiny-qwen2-count": "tiny-qwen2-count-hd32", "tiny-qwen2-tool": "tiny-qwen2-tool-hd32"}
 
 
 # Completion budget to run the thinking model with (filler + answer + EOS); ~1-2% of T=1 samples hit it.
@@ -400,6 +415,11 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-qwen2-count-hd32": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                           max_new_tokens=COUNT_MAX_NEW_TOKENS, config=HEAD_DIM_32),
     "tiny-qwen2-arith": EmbeddedSpec(task=ArithmeticTask(), recipe=WarmStartRecipe()),
+    # The multi-turn demo's chat model (megarl/models/tiny_chat.py): tool calls, episodes of ~75 tokens.
+    "tiny-qwen2-tool": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
+                                    max_new_tokens=16, config=(("max_position_embeddings", 256),)),
+    "tiny-qwen2-tool-hd32": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
+                                         max_new_tokens=16, config=(("max_position_embeddings", 256),) + HEAD_DIM_32),
     "tiny-qwen2-arith-think": EmbeddedSpec(task=ArithmeticTask(think_mean=10.0),
                                            recipe=WarmStartRecipe(short_steps=400, noisy_steps=120),
                                            max_new_tokens=THINK_MAX_NEW_TOKENS),
@@ -425,6 +445,8 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
 
     spec = EMBEDDED_MODELS[name]
     out_dir = Path(out_dir)
+    if isinstance(spec.task, ToolArithmeticTask):
+        return _build_tool_model(name, spec, out_dir)
     t0 = time.perf_counter()
     tokenizer = build_tokenizer()
     # fork_rng: building must not disturb the caller's global torch RNG stream. One thread: a model
@@ -482,6 +504,24 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
     return record
 
 
+def _build_tool_model(name: str, spec: EmbeddedSpec, out_dir: Path) -> dict:
+    from megarl.models.tiny_chat import build_tool_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as build_embedded_model: bit-reproducible whatever the core count
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.recipe.seed)
+            fields = build_tool_model(spec, out_dir)
+    finally:
+        torch.set_num_threads(threads)
+    record = {"name": name, "task": asdict(spec.task), "recipe": asdict(spec.recipe), **fields,
+              # The accuracy of sampled episodes (the tool runs in them); greedy is not measured.
+              "expected_sampled_accuracy": fields["sampled_accuracy"]}
+    (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
 def ensure_embedded_model(name: str = "tiny-qwen2-arith", cache_dir: str | Path = "~/.cache/megarl/models") -> Path:
     """The directory of the named embedded model, building it on first use.
 
@@ -510,8 +550,9 @@ def ensure_embedded_model(name: str = "tiny-qwen2-arith", cache_dir: str | Path 
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    greedy = f", greedy {record['greedy_accuracy']:.2f}" if "greedy_accuracy" in record else ""
     print(f"megarl: built {name} -> {final} in {record['warm_start_seconds']}s "
-          f"({record['num_parameters']} params; base accuracy: sampled T=1 {record['expected_sampled_accuracy']:.2f}, greedy {record['greedy_accuracy']:.2f})",
+          f"({record['num_parameters']} params; base accuracy: sampled T=1 {record['expected_sampled_accuracy']:.2f}{greedy})",
           file=sys.stderr, flush=True)
     return final
 

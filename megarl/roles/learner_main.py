@@ -50,13 +50,14 @@ def batch_metrics(batch: TrainBatch) -> dict[str, float]:
     mask = batch.loss_mask.bool()
     lags = (batch.learner_version - batch.versions)[mask].float()
     rewards = torch.tensor([s.reward for s in batch.samples])
-    multi = sum(len(set(s.versions)) > 1 for s in batch.samples)
+    multi = sum(len(s.policy_versions) > 1 for s in batch.samples)
     errors = sum(s.reward_error is not None for s in batch.samples)
     return {
         "reward_mean": rewards.mean().item(),
         "lag_mean": lags.mean().item() if lags.numel() else 0.0,
         "lag_max": lags.max().item() if lags.numel() else 0.0,
         "multi_version_frac": multi / len(batch.samples),
+        "turns_mean": sum(s.turns for s in batch.samples) / len(batch.samples),
         "completion_len_mean": mask.sum(1).float().mean().item(),
         "reward_errors": float(errors),  # samples of the batch whose reward failed (scored 0.0)
         "reward_error_frac": errors / len(batch.samples),
@@ -218,7 +219,7 @@ class RunOutputs:
         self.metrics.log(step, metrics)
         if self.rollouts is not None:
             self.rollouts.log(batch.samples, trained_at_step=version)
-        self.console.update(step + 1, metrics, [len(set(s.versions)) for s in batch.samples])
+        self.console.update(step + 1, metrics, [len(s.policy_versions) for s in batch.samples])
 
     def close(self) -> None:
         self.metrics.close()

@@ -4,6 +4,10 @@ Each iteration admits new prompt groups while the staleness budget allows, runs 
 (which applies a newly received version in flight first), scores finished groups and pushes them
 to the learner. Weights arrive on a receiver thread, overlapping the transfer with decoding.
 
+A multi-turn task's samples are episodes (megarl/rollout/episode.py): each finished model turn goes to
+the task's environment on a worker thread, whose answer becomes environment tokens and the next
+turn's request; a group is scored when all its episodes have ended (the environment gave the reward).
+
 Sync mode (the baseline): right after each new version is applied the sampler starts exactly its
 share of one batch and then waits, generating nothing, until the learner publishes again.
 
@@ -33,6 +37,9 @@ from megarl.distributed.topology import Topology, engine_tp_group, publish_group
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
 from megarl.roles.learner_main import STOP_KEY, dropped_retired_key
+from megarl.rollout.agent import AgentRunner
+from megarl.rollout.environment import is_multi_turn
+from megarl.rollout.episode import Episode, EpisodeLimits, EpisodeRunner
 from megarl.rollout.rewards import check_reward, score_group
 from megarl.rollout.tasks import prompt_rng, task_from_config
 
@@ -93,6 +100,18 @@ class SamplerLoop:
         self.resume_version: int | None = None  # generate nothing before the engine runs this version
         self.sampling = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k,
                                        cfg.sampling.max_new_tokens)
+        # SGLang: a request must leave min_new_tokens of the server's context (sampler.max_seq_len).
+        self.room = cfg.sampler.sglang.min_new_tokens if cfg.sampler.engine == "sglang" else 1
+        self.episodes: EpisodeRunner | AgentRunner | None = None
+        tc = cfg.task
+        limits = EpisodeLimits(tc.max_turns, tc.max_episode_tokens, cfg.sampler.max_seq_len, self.room, tc.env_timeout_s)
+        if tc.agent:  # episodes are agent programs talking to this sampler's chat-completions endpoint
+            self.episodes = AgentRunner(tc.agent, self.tokenizer, self.engine.add_request, self.sampling, limits,
+                                        stop_token_ids=(self.tokenizer.eos_token_id,), workers=tc.env_workers,
+                                        timeout_s=tc.agent_timeout_s, model_name=Path(model_dir).name)
+        elif is_multi_turn(self.task):
+            self.episodes = EpisodeRunner(self.task, self.tokenizer, self.engine.add_request, self.sampling, limits,
+                                          stop_token_ids=(self.tokenizer.eos_token_id,), workers=tc.env_workers)
         share = cfg.algo.prompts_per_step / topo.num_engines
         self.budget = math.ceil((cfg.algo.max_lag + 1) * share)
         self.sync_share = int(share)
@@ -154,8 +173,10 @@ class SamplerLoop:
                     raise RuntimeError(f"sampler {self.topo.role_rank}: weight receiver failed") from receiver.error
                 self._admit()
                 if self.engine.num_unfinished == 0:
-                    # Budget spent and nothing running: wait for the learner's next version.
-                    self.new_version.wait(STOP_POLL_S)
+                    if self.episodes is not None and self.episodes.num_stepping:
+                        self.episodes.ready.wait(STOP_POLL_S)  # every episode waits for its environment
+                    else:  # budget spent and nothing running: wait for the learner's next version
+                        self.new_version.wait(STOP_POLL_S)
                 self.new_version.clear()
                 had_work = self.engine.num_unfinished > 0
                 start, decoded = time.time(), self.engine.stats()["tokens_decoded"]
@@ -165,10 +186,17 @@ class SamplerLoop:
                     self.busy_s += end - start
                     if self.timeline is not None:
                         self.timeline.tokens(self.engine.stats()["tokens_decoded"] - decoded, start, end)
-                for completion in finished:
-                    self._finish(completion, sender)
+                if self.episodes is None:
+                    for completion in finished:
+                        self._finish(completion, sender)
+                else:
+                    ended = [e for e in map(self.episodes.on_completion, finished) if e is not None]
+                    for episode in ended + self.episodes.poll():
+                        self._finish_episode(episode, sender)
         finally:
             self.stopped = True
+            if self.episodes is not None:
+                self.episodes.close()
             # Join before the process exits: a thread still inside a store or gloo call at
             # interpreter shutdown aborts the process (SIGABRT), which torchrun reports as a failure.
             receiver.join(self.cfg.publish.timeout_s)
@@ -210,10 +238,12 @@ class SamplerLoop:
         rng = prompt_rng(self.cfg.run.seed, self.topo.role_rank, index)
         for _ in range(MAX_CONSECUTIVE_SKIPS):
             prompt = self.task.sample_prompts(rng, 1)[0]
-            ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)
-            # SGLang: the prompt must leave min_new_tokens of the server's context (sampler.max_seq_len).
-            room = self.cfg.sampler.sglang.min_new_tokens if self.cfg.sampler.engine == "sglang" else 1
-            if len(ids) + room > self.cfg.sampler.max_seq_len:
+            if self.episodes is not None:
+                opening = self.episodes.opening(prompt)
+                ids = opening.ids if opening is not None else []  # an agent's requests are checked one by one
+            else:
+                ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)
+            if len(ids) + self.room > self.cfg.sampler.max_seq_len:
                 if not self.cfg.task.skip_overlong_prompts:
                     raise ValueError(f"prompt of {len(ids)} tokens does not fit sampler.max_seq_len="
                                      f"{self.cfg.sampler.max_seq_len}: {prompt.text[:80]!r}")
@@ -225,10 +255,13 @@ class SamplerLoop:
                              f"{self.cfg.sampler.max_seq_len}; raise it or shorten the task's prompts")
         group_id = make_group_id(self.topo.role_rank, index)
         self.pending[group_id] = {"prompt": prompt, "done": []}
+        self.started += 1
         for j in range(self.cfg.algo.group_size):
+            if self.episodes is not None:  # each episode its own (transcript of the same) opening
+                self.episodes.start(f"{group_id}/{j}", prompt, self.episodes.opening(prompt))
+                continue
             self.engine.add_request(GenerationRequest(f"{group_id}/{j}", ids, self.sampling,
                                                       stop_token_ids=(self.tokenizer.eos_token_id,)))
-        self.started += 1
 
     def _finish(self, completion: Completion, sender: QueueSender) -> None:
         group_id = completion.request_id.rsplit("/", 1)[0]
@@ -257,6 +290,25 @@ class SamplerLoop:
                                   finish_reason=c.finish_reason, sampler_rank=self.topo.rank, reward_error=error))
         sender.send_group(samples, self._stats())
 
+    def _finish_episode(self, episode: Episode, sender: QueueSender) -> None:
+        group_id = episode.key.rsplit("/", 1)[0]
+        entry = self.pending[group_id]
+        entry["done"].append(episode)
+        if len(entry["done"]) < self.cfg.algo.group_size:
+            return
+        del self.pending[group_id]
+        samples = [Sample(group_id=group_id, prompt=e.prompt.text, completion=self.tokenizer.decode(e.token_ids),
+                          prompt_ids=e.prompt_ids, token_ids=e.token_ids, logprobs=e.logprobs, versions=e.versions,
+                          reward=e.reward, finish_reason=e.finish_reason, sampler_rank=self.topo.rank,
+                          reward_error=e.error, env_spans=e.env_spans, turns=e.turns)
+                   for e in sorted(entry["done"], key=lambda e: int(e.key.rsplit("/", 1)[1]))]
+        failed = next((s.reward_error for s in samples if s.reward_error is not None), None)
+        if failed is not None and time.monotonic() >= self.next_reward_report:  # said at most every REWARD_REPORT_S
+            self.next_reward_report = time.monotonic() + REWARD_REPORT_S
+            print(f"megarl: sampler {self.topo.role_rank}: an episode failed, scored 0 ({failed}); "
+                  f"{self.episodes.env_failures} environment failure(s) so far", flush=True)
+        sender.send_group(samples, self._stats())
+
     def _stats(self) -> dict[str, float]:
         """Running counters sent with every group (the learner logs them as sampler{rank}/...)."""
         engine = self.engine.stats()
@@ -265,7 +317,9 @@ class SamplerLoop:
                 "tokens_decoded": engine["tokens_decoded"], "swaps": engine["swaps"],
                 "swap_time_s": engine["swap_time_s"], "version": engine["version"],
                 "skipped_overlong_prompts": self.skipped_overlong, "reward_s": self.reward_s,
-                "reward_budget_spent": self.reward_budget_spent}
+                "reward_budget_spent": self.reward_budget_spent,
+                "env_failures": self.episodes.env_failures if self.episodes else 0,
+                "env_s": self.episodes.env_s if self.episodes else 0.0}
 
 
 def run_sampler(cfg: Config, topo: Topology, store, model_dir: Path) -> None:

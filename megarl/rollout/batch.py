@@ -31,7 +31,9 @@ def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id:
     """The TrainBatch of these groups, and counts of what the advantage filters left out.
 
     Samples a filter drops (e.g. truncated ones with advantage.drop_truncated) stay in the batch
-    with loss_mask 0: their rewards still count in their group's baseline.
+    with loss_mask 0: their rewards still count in their group's baseline. A multi-turn episode's
+    environment tokens are in input_ids (the model saw them) with loss_mask 0 (it did not choose them);
+    its advantage covers every model token of every turn.
     """
     samples = [s for g in groups for s in g]
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
@@ -48,7 +50,7 @@ def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id:
     for i, s in enumerate(samples):
         p, c = len(s.prompt_ids), len(s.token_ids)
         input_ids[i, :p + c] = torch.tensor(s.prompt_ids + s.token_ids)
-        loss_mask[i, p:p + c] = float(keep[i])
+        loss_mask[i, p:p + c] = float(keep[i]) * torch.tensor(s.model_token_mask(), dtype=torch.float32)
         behaviour[i, p:p + c] = torch.tensor(s.logprobs)
         versions[i, p:p + c] = torch.tensor(s.versions)
         adv[i, p:p + c] = advantages[i]

@@ -14,6 +14,10 @@ RL) while the reward still depends only on the final answer.
 spell the alphabet run from one letter to another, run lengths drawn long-tailed, so RL cannot
 shorten the tail without losing reward (docs/tasks.md says why it is the demo's task).
 
+`ToolArithmeticTask` ("tool_arith": `"37*43"` -> a `>>> 37*43` tool call, the tool's `1591`, the answer
+`1591`) is the multi-turn task: a chat episode only solvable by calling the Python tool and copying
+its output (megarl/rollout/environment.py), what the multi-turn demo trains.
+
 `PythonOutputTask` ("python_output") asks for a program instead and scores it by running it in the
 sandbox; "jsonl" is a prompt dataset (megarl/rollout/datasets.py). `task_from_config` builds the task a
 config names, scored by `task.reward_fn` when set (megarl/rollout/rewards.py).
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megarl.protocols import Prompt
+from megarl.rollout.environment import Observation, PythonTool, tool_code
 from megarl.rollout.rewards import WithReward, python_output_reward, reward_from_config
 from megarl.rollout.sandbox import SandboxConfig, load_function
 
@@ -217,9 +222,59 @@ class PythonOutputTask:
         return python_output_reward(prompt, completion, self.sandbox, self.reward_timeout_s)
 
 
+@dataclass(frozen=True)
+class ToolArithmeticTask:
+    """Multiply two numbers of `digits` digits, with a Python tool: a chat episode of up to max_turns model turns.
+
+    The user turn is `"37*43"`. A model turn `>>> <code>` is run by the tool (PythonTool, in the sandbox)
+    and answered by a "tool" message with its output; any other model turn is the answer: reward 1.0 iff it
+    is the product. The embedded model cannot multiply (a uniform guess of a 4-digit product is right about
+    1 time in 9000), so the reward measures whether it calls the tool with the right operands and copies
+    the result: two model turns that depend on each other through the environment's tokens."""
+
+    digits: int = 2
+    tool_timeout_s: float = 5.0
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.digits <= 4:
+            raise ValueError(f"ToolArithmeticTask needs 1 <= digits <= 4, got {self.digits}")
+        # One tool for every episode, its outputs memoised: the calls are arithmetic (see PythonTool).
+        object.__setattr__(self, "_tool", PythonTool(self.tool_timeout_s, sandbox=self.sandbox, memo=True))
+
+    def make_prompt(self, a: int, b: int) -> Prompt:
+        return Prompt(text=f"{a}*{b}", answer=str(a * b), meta={"a": a, "b": b})
+
+    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
+        lo, hi = 10 ** (self.digits - 1), 10 ** self.digits - 1
+        return [self.make_prompt(rng.randint(lo, hi), rng.randint(lo, hi)) for _ in range(n)]
+
+    def opening_messages(self, prompt: Prompt) -> list[dict]:
+        return [{"role": "user", "content": prompt.text}]
+
+    def environment(self, prompt: Prompt) -> "ToolArithmeticEnv":
+        return ToolArithmeticEnv(prompt.answer, self._tool)
+
+
+@dataclass
+class ToolArithmeticEnv:
+    answer: str
+    tool: PythonTool
+
+    def step(self, messages: list[dict]) -> Observation:
+        content = messages[-1]["content"]
+        code = tool_code(content)
+        if code is None:
+            return Observation(done=True, reward=1.0 if content.strip() == self.answer else 0.0)
+        return Observation(messages=[{"role": "tool", "content": self.tool.output(code)}])
+
+
 # A string entry is imported on first use ("module:Class"): megarl.rollout.datasets builds on this module.
 _TASKS: dict[str, Callable[..., object] | str] = {
-    "arithmetic": ArithmeticTask, "count": CountTask, "python_output": PythonOutputTask, "jsonl": "megarl.rollout.datasets:DatasetTask"}
+    "arithmetic": ArithmeticTask, "count": CountTask, "python_output": PythonOutputTask,
+    "tool_arith": ToolArithmeticTask, "jsonl": "megarl.rollout.datasets:DatasetTask"}
+
+MULTI_TURN_TASKS = ("tool_arith",)  # the built-in tasks whose samples are episodes (megarl/rollout/episode.py)
 
 
 def _factory(name: str) -> Callable[..., object]:

@@ -150,3 +150,16 @@ def test_an_impossible_layout_is_refused_before_any_process_starts_and_in_a_raw_
                         f"run.dir={tmp_path}", "run.tensorboard=false", "run.timeline=false", module=True, timeout=180)
     assert proc.returncode != 0 and refused in proc.stderr, proc.stderr[-3000:]
     assert "AssertionError" not in proc.stderr  # refused by megarl, not by a megatron assert
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("task.name=tool_arith task.reward_fn=pkg.mod:fn", "task.reward_fn: task.name=tool_arith is multi-turn"),
+    ("task.agent=tool_agent:run task.reward_fn=pkg.mod:fn", "task.reward_fn: with task.agent the agent returns"),
+    ("task.agent=not-a-path", "task.agent: 'not-a-path' is not of the form 'package.module:function'"),
+    ("task.max_turns=0", "task.max_turns: must be > 0"),
+    ("task.env_timeout_s=0", "task.env_timeout_s: must be > 0"),
+    ("task.max_episode_tokens=-1", "task.max_episode_tokens: must be >= 0"),
+])
+def test_multi_turn_keys_are_checked_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(DEMO, overrides.split())

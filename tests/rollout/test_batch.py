@@ -48,3 +48,18 @@ def test_truncated_samples_are_zero_weighted_but_keep_their_place_in_the_baselin
 def test_zero_variance_groups_are_recognised():
     assert is_zero_variance([sample([1], [2], [0], 1.0)] * 3)
     assert not is_zero_variance([sample([1], [2], [0], 1.0), sample([1], [2], [0], 0.0)])
+
+
+def test_an_episode_s_environment_tokens_are_context_not_trained_and_do_not_count_for_staleness():
+    episode = sample([1, 2], [10, 11, 90, 91, 92, 12], [4, 4, -1, -1, -1, 6], reward=1.0)
+    episode.env_spans, episode.turns = [(2, 5)], 2
+    other = sample([1, 2], [13], [5], reward=0.0)
+    assert episode.oldest_version == 4 and episode.policy_versions == {4, 6}
+    assert group_lag([episode, other], learner_version=7) == 3
+    assert episode.spans() == [("model", 0, 2), ("env", 2, 5), ("model", 5, 6)]
+    batch, _ = assemble_batch([[episode, other]], AdvantageConfig(), pad_id=0, learner_version=7)
+    assert batch.input_ids[0].tolist() == [1, 2, 10, 11, 90, 91, 92, 12]  # the model saw the environment's tokens
+    assert batch.loss_mask[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 1]
+    assert batch.versions[0].tolist() == [-1, -1, 4, 4, -1, -1, -1, 6]
+    advantage = batch.advantages[0, 2].item()
+    assert advantage > 0 and batch.advantages[0, 7].item() == advantage  # one advantage for every model turn

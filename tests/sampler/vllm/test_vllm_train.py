@@ -102,3 +102,21 @@ def test_killed_vllm_server_with_restart_resumes_from_the_last_checkpoint(vllm_p
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     assert [row["step"] for row in rows] == list(range(30))  # the redone steps replaced, none missing
     assert rows[-1]["restarts"] == 1.0
+
+
+def test_multiturn_demo_trains_with_vllm(vllm_python, tmp_path):
+    """Tool-using episodes through a real vLLM server: every turn a token-id prompt of the episode so far."""
+    from tests.roles.test_multiturn_e2e import check_episode
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", "configs/multiturn_demo.yaml",
+                           "sampler.engine=vllm", "run.steps=6", f"run.dir={run_dir}", "run.progress=false"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "tiny-qwen2-tool-hd32" in (run_dir / "config.yaml").read_text()
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").open()]
+    for r in rollouts:
+        check_episode(r)
+    assert sum(r["turns"] >= 2 for r in rollouts) > len(rollouts) / 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert rows[0]["lag0/token_share"] == 1.0 and rows[0]["lag0/logprob_gap_abs"] < 1e-4

@@ -1,0 +1,222 @@
+"""Episodes driven by agent programs through the sampler's OpenAI-compatible endpoint.
+
+With `task.agent = "package.module:function"` every episode of a prompt group is one call, on a worker
+thread, of
+
+    function(base_url, prompt, answer, meta) -> reward
+
+where base_url is that episode's own session of megarl's /v1/chat/completions
+(megarl/sampler/openai_endpoint.py): an agent written against the `openai` client
+(`openai.OpenAI(base_url=base_url, api_key="megarl")`) talks to it like to any server, runs its own
+tools, and returns the episode's reward. Prompts come from the configured task (task.name).
+
+Server side, each request of a session is turned into tokens exactly as the engine will see them
+(megarl.rollout.chat.ChatTranscript): the first request's messages are the episode's prompt; every later
+request must resend that history unchanged, replies included, and the messages it adds become
+environment tokens (version -1, not trained). Generation runs on the sampler loop's engine like any
+other request (the HTTP thread hands it over and waits), so in-flight updates, versions and behaviour
+log-probs are those of every other rollout. The episode ends when the function returns.
+
+Limits answer the agent with an error and end the episode as truncated (reward 0, finish_reason
+"length"): task.max_turns, task.max_episode_tokens, the context. An agent that raises, returns a
+non-number, made no request, or runs past task.agent_timeout_s fails its episode (counted, the run
+goes on); a thread stuck in a hung agent is abandoned and occupies one of task.env_workers.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import numbers
+import queue
+import threading
+import time
+from dataclasses import replace
+from http import HTTPStatus
+from typing import Callable
+
+from megarl.protocols import Completion, GenerationRequest, Prompt, SamplingParams
+from megarl.rollout.chat import ChatFormatError, ChatTranscript
+from megarl.rollout.episode import Episode, EpisodeLimits, turn_room
+from megarl.rollout.sandbox import load_function
+from megarl.sampler.openai_endpoint import ChatCompletionsEndpoint, EndpointError, check_request, completion_response
+
+
+class _Session:
+    def __init__(self, episode: Episode):
+        self.episode = episode
+        self.lock = threading.Lock()  # one request at a time per session
+        self.closed = False
+        self.truncated = False
+
+
+class AgentRunner:
+    """Episodes run by an agent function (see the module docstring); the EpisodeRunner interface."""
+
+    def __init__(self, agent: str, tokenizer, submit: Callable[[GenerationRequest], None], sampling: SamplingParams,
+                 limits: EpisodeLimits, stop_token_ids: tuple[int, ...], workers: int, timeout_s: float,
+                 model_name: str, port: int = 0):
+        self.agent_path, self.agent = agent, load_function(agent)
+        self.tokenizer, self.submit, self.sampling = tokenizer, submit, sampling
+        self.limits, self.stop_token_ids, self.timeout_s = limits, stop_token_ids, timeout_s
+        self.model_name = model_name
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="megarl-agent")
+        self.sessions: dict[str, _Session] = {}  # session id -> session, while its agent runs
+        self.running: dict[str, concurrent.futures.Future] = {}  # session id -> the agent call
+        self.started_at: dict[str, float] = {}
+        self.inbox: queue.Queue = queue.Queue()  # (request, future) from HTTP threads, for the loop thread
+        self.waiting: dict[str, concurrent.futures.Future] = {}  # request id -> its completion, on the engine
+        self.env_failures = 0
+        self.env_s = 0.0  # wall time of finished agent calls, summed
+        self.ready = threading.Event()  # a request arrived or an agent returned: poll() has work
+        self._lock = threading.Lock()
+        self.endpoint = ChatCompletionsEndpoint(self._handle, model_name, port).start()
+
+    # ---- sampler loop thread -------------------------------------------------------------------------
+    def opening(self, prompt: Prompt) -> None:
+        return None  # the agent writes the opening messages; the endpoint checks each request's length
+
+    def start(self, key: str, prompt: Prompt, chat: None = None) -> None:
+        session_id = key.replace("/", ".")
+        self.sessions[session_id] = _Session(Episode(key, prompt, None, 0))
+        self.started_at[session_id] = time.monotonic()
+        self.running[session_id] = self.pool.submit(self._call_agent, session_id, prompt)
+
+    def _call_agent(self, session_id: str, prompt: Prompt):
+        with self._lock:
+            self.started_at[session_id] = time.monotonic()  # the timeout counts from here, not from the queue
+        try:
+            return self.agent(self.endpoint.base_url(session_id), prompt.text, prompt.answer, dict(prompt.meta))
+        finally:
+            with self._lock:
+                self.env_s += time.monotonic() - self.started_at[session_id]
+            self.ready.set()
+
+    def on_completion(self, completion: Completion) -> None:
+        self.waiting.pop(completion.request_id).set_result(completion)  # the HTTP thread answers the agent
+        return None
+
+    def poll(self) -> list[Episode]:
+        self.ready.clear()
+        while True:
+            try:
+                request, future = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            self.waiting[request.request_id] = future
+            self.submit(request)
+        ended, now = [], time.monotonic()
+        for session_id, future in list(self.running.items()):
+            with self._lock:
+                started = self.started_at[session_id]
+            if not future.done() and now - started < self.timeout_s:
+                continue
+            session = self.sessions.pop(session_id)
+            del self.running[session_id]
+            with self._lock:  # from here on no request of the session changes its episode
+                session.closed = True
+            ended.append(self._end(session, future))
+        return ended
+
+    def _end(self, session: _Session, future: concurrent.futures.Future) -> Episode:
+        episode = session.episode
+        if not future.done():
+            return self._fail(episode, f"agent {self.agent_path}: timed out after {self.timeout_s:g}s "
+                                       f"(task.agent_timeout_s); its thread is abandoned")
+        try:
+            reward = future.result()
+        except Exception as exc:  # noqa: BLE001 - an agent's failure fails its episode only
+            return self._fail(episode, f"agent {self.agent_path}: {type(exc).__name__}: {exc}")
+        if episode.turns == 0:
+            return self._fail(episode, f"agent {self.agent_path}: returned without a chat completion request")
+        if session.truncated:
+            episode.end(0.0, "length")
+            return episode
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            return self._fail(episode, f"agent {self.agent_path}: must return a finite number (the reward), "
+                                       f"got {type(reward).__name__} {reward!r:.80}")
+        episode.end(float(reward))
+        return episode
+
+    def _fail(self, episode: Episode, error: str) -> Episode:
+        self.env_failures += 1
+        episode.end(0.0, error=error)
+        return episode
+
+    @property
+    def num_stepping(self) -> int:
+        return len(self.running)
+
+    def close(self) -> None:
+        self.endpoint.close()
+        for future in self.waiting.values():
+            future.set_exception(RuntimeError("the sampler stopped"))
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- HTTP threads ------------------------------------------------------------------------------------
+    def _handle(self, session_id: str, body: dict) -> dict:
+        session = self.sessions.get(session_id)
+        if session is None or session.closed:
+            raise EndpointError(HTTPStatus.NOT_FOUND, f"no open session {session_id!r} (its episode ended, or it "
+                                                      f"never existed)", code="session_not_found")
+        messages = check_request(body)
+        if not session.lock.acquire(blocking=False):
+            raise EndpointError(HTTPStatus.CONFLICT, "this session already has a request in progress: an episode's "
+                                                     "turns come one after another", code="concurrent_request")
+        try:
+            return self._turn(session_id, session, messages, body)
+        finally:
+            session.lock.release()
+
+    def _open(self, session_id: str, session: _Session) -> None:
+        """Called holding self._lock before changing the episode: a session the loop has ended stays as it was."""
+        if session.closed:
+            raise EndpointError(HTTPStatus.NOT_FOUND, f"session {session_id!r} ended", code="session_not_found")
+
+    def _turn(self, session_id: str, session: _Session, messages: list, body: dict) -> dict:
+        episode = session.episode
+        with self._lock:
+            self._open(session_id, session)
+            try:
+                if episode.chat is None:
+                    episode.chat = ChatTranscript(self.tokenizer, messages)
+                    episode.prompt_len = len(episode.chat.ids)
+                else:
+                    new = episode.chat.extend_to(messages)
+                    if not new:
+                        raise EndpointError(HTTPStatus.BAD_REQUEST, "no message after the session's history: add "
+                                            "the next user or tool message", code="invalid_messages")
+                    episode.add_environment_turn(new)
+            except ChatFormatError as exc:
+                raise EndpointError(HTTPStatus.BAD_REQUEST, str(exc), code="invalid_messages") from exc
+        room = turn_room(episode, self.limits)
+        if room is None:
+            session.truncated = True
+            raise EndpointError(HTTPStatus.BAD_REQUEST, f"the episode has no room for another model turn "
+                                f"(task.max_turns={self.limits.max_turns}, task.max_episode_tokens="
+                                f"{self.limits.max_episode_tokens}, context {self.limits.max_seq_len} tokens); "
+                                f"it ends truncated", code="context_length_exceeded")
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.sampling.max_new_tokens
+        if not isinstance(asked, int) or asked < 1:
+            raise EndpointError(HTTPStatus.BAD_REQUEST, f"max_tokens must be a positive integer, got {asked!r}")
+        sampling = replace(self.sampling, max_new_tokens=min(asked, self.sampling.max_new_tokens, room))
+        prompt_tokens = len(episode.chat.ids)
+        request = GenerationRequest(f"{episode.key}/{episode.turns}", list(episode.chat.ids), sampling,
+                                    stop_token_ids=self.stop_token_ids)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put((request, future))
+        self.ready.set()
+        try:
+            completion = future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError as exc:
+            raise EndpointError(HTTPStatus.GATEWAY_TIMEOUT, f"no completion within {self.timeout_s:g}s "
+                                f"(task.agent_timeout_s)", kind="server_error") from exc
+        except RuntimeError as exc:
+            raise EndpointError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), kind="server_error") from exc
+        with self._lock:
+            self._open(session_id, session)
+            episode.add_model_turn(completion, self.stop_token_ids)
+        if completion.finish_reason != "stop":
+            session.truncated = True  # cut at its token limit: the episode cannot go on in order
+        return completion_response(session_id, episode.turns, self.model_name, episode.chat.messages[-1]["content"],
+                                   completion.finish_reason, prompt_tokens, len(completion.token_ids))
+
