@@ -5,6 +5,8 @@ a supported architecture, weights, tokenizer files) and the task (dataset rows, 
 sandbox) before any worker starts, then launches one torchrun holding every role and waits for it.
 `placement` prints which node runs which ranks and roles for a multi-node launch (docs/launch.md).
 `export --checkpoint CKPT --out DIR` writes a learner checkpoint as an HF model directory (docs/checkpoint.md).
+`sft CONFIG [key=value ...]` fine-tunes model.path on sft.data (supervised, the learner backends and layouts of
+`train`), after the same checks, and writes an HF model directory `train` takes as model.path (docs/sft.md).
 """
 from __future__ import annotations
 
@@ -225,6 +227,64 @@ def check_task(cfg) -> list[str]:
     return lines
 
 
+def sft(args: argparse.Namespace) -> int:
+    """Check the config (keys, types, learner layout, sft.*), the model directory and the data (every line read
+    and rendered as the ranks will) and the outputs, then run one torchrun of learner ranks (megarl.sft.run)."""
+    from megarl.config.load import validate_sft
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        validate_sft(cfg)
+        from megarl.models.tiny import resolve_model_path
+    except ConfigError as exc:
+        print(f"megarl: config error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        check_model_dir(model_dir, cfg)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"megarl: model.path: {exc}", file=sys.stderr)
+        return 2
+    from megarl.sft.data import SFTDataError
+    from megarl.sft.run import CHECKED_ENV, SFTOutputError, check_outputs, load_data
+
+    try:
+        data = load_data(cfg, model_dir)
+    except (SFTDataError, ValueError, OSError) as exc:  # BadRecord is a ValueError
+        print(f"megarl: sft data: {exc}", file=sys.stderr)
+        return 2
+    try:
+        check_outputs(cfg, model_dir)
+    except SFTOutputError as exc:
+        print(f"megarl: sft: {exc}", file=sys.stderr)
+        return 2
+    for line in data.lines():
+        print(f"megarl: sft: {line}")
+    nproc = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", f"--shutdown-timeout={cfg.fault.stop_timeout_s}", "-m", "megarl.sft.run",
+           args.config, *args.overrides]
+    print(f"megarl: model {model_dir}; run dir {cfg.run.dir}; model out {cfg.sft.output_dir}")
+    print("megarl: launching: torchrun " + shlex.join(cmd[3:]), flush=True)
+    if args.dry_run:
+        return 0
+    from megarl.distributed.lifetime import exit_status
+    from megarl.distributed.supervisor import TorchrunRun
+
+    env = {**os.environ, CHECKED_ENV: "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    run = TorchrunRun(cmd, env, cfg.fault.stop_timeout_s)
+    code = run.wait()
+    stopped = run.signalled if run.signalled is not None else run.killed_by
+    if stopped is not None:
+        print(f"megarl: sft stopped by {signal.Signals(stopped).name}; every process has exited. The model was not "
+              f"written (sft.output_dir is written when training ends); metrics so far in {cfg.run.dir}", file=sys.stderr)
+        return exit_status(stopped)
+    if code != 0:
+        print(f"megarl: sft failed: {failure_summary(''.join(run.tail), cfg)}", file=sys.stderr)
+    return code
+
+
 def placement_lines(nodes) -> list[str]:
     """Node by node, the ranks torchrun starts there and the role each one takes."""
     first = nodes[0][0]
@@ -299,6 +359,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="the HF directory to create (absent or empty)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default 5)")
     p.set_defaults(func=export)
+    p = sub.add_parser("sft", help="supervised fine-tuning on a JSONL of prompt/completion or chat records "
+                                   "(writes an HF model directory for `megarl train model.path=...`)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. sft.data=train.jsonl sft.epochs=3")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config, model, data and outputs and print the torchrun command (give it before CONFIG)")
+    p.set_defaults(func=sft)
     args = parser.parse_args(argv)
     try:
         sys.exit(args.func(args))

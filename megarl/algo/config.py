@@ -77,6 +77,18 @@ class AdvantageConfig:
     drop_truncated: bool = False
 
 
+@dataclass(frozen=True)
+class NLLConfig:
+    """The supervised objective of `megarl sft`: the masked token-mean negative log-likelihood
+    (megarl.algo.losses.nll_loss). Not a run-config section (megarl sft builds it); its fields are
+    the ones every learner backend asks of its objective, fixed: no proximal pass, no reference
+    model, no entropy."""
+
+    decoupled: bool = False
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+
 class ObjectiveWarning(UserWarning):
     """A valid objective that differs from the method its settings are named after."""
 

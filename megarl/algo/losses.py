@@ -109,6 +109,25 @@ def policy_loss(logprobs: Tensor, inputs: LossInputs, cfg: LossConfig) -> tuple[
     return loss, stats
 
 
+def nll_loss(logprobs: Tensor, mask: Tensor, total_tokens: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """The supervised objective (`megarl sft`): one micro-batch's share of the batch's masked token-mean
+    negative log-likelihood, sum_t mask_t * -log pi(a_t) / total_tokens, and its partial statistics.
+
+    logprobs: learner log-probs [B, S] with grad (temperature 1); mask: [B, S], 1 on the trained tokens
+    (a completion and its EOS, or the assistant turns); total_tokens: the masked tokens of the WHOLE
+    batch, so the shares of all micro-batches and DP ranks add up to the batch's token mean (as
+    `policy_loss`'s do). The statistics merge with `merge_stats`: `loss/nll`, `mask/tokens`, `mask/seqs`.
+    """
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    mask = mask.to(dtype)
+    # Off-mask positions may hold anything (padding): where, not a product, so an inf there stays out.
+    nll = torch.where(mask > 0, -logprobs.to(dtype) * mask, 0.0)
+    loss = nll.sum() / max(total_tokens, 1.0)
+    stats = {"sum/tokens": mask.sum().detach().double(), "sum/seqs": (mask.sum(dim=-1) > 0).sum().double(),
+             "sum/loss/nll": loss.detach().double(), "sum/loss/total": loss.detach().double()}
+    return loss, stats
+
+
 def merge_stats(stats_list: list[dict[str, Tensor]]) -> dict[str, float]:
     """The step's scalar metrics from the stats of all its micro-batches (see megarl.algo.metrics).
 

@@ -160,7 +160,7 @@ def finalize(partials: dict[str, Tensor]) -> dict[str, float]:
     tokens = p.get("sum/tokens", 0.0)
     out = {"mask/tokens": tokens, "mask/seqs": p.get("sum/seqs", 0.0)}
     out.update({key[len("sum/"):]: value for key, value in p.items() if key.startswith("sum/loss/")})
-    if tokens <= 0:
+    if tokens <= 0 or "max/ratio" not in p:  # (the supervised loss has no ratios: megarl.algo.losses.nll_loss)
         return out
     for name, metric in TOKEN_MEANS.items():
         if f"sum/{name}" in p:

@@ -82,6 +82,31 @@ def world_size_for(cfg: Config) -> int:
     return cfg.learner.tp * cfg.learner.pp * cfg.learner.dp + cfg.sampler.num_engines * cfg.sampler.tp
 
 
+def validate_sft(cfg: Config, world_size: int | None = None) -> None:
+    """The sft.* rules of `megarl sft` (validate covers learner.*); `world_size`, when known (inside
+    torchrun), must be the learner ranks: megarl sft starts no samplers."""
+    sc, lc = cfg.sft, cfg.learner
+    _require(bool(sc.data), "sft.data", "megarl sft needs the training records: sft.data=FILE.jsonl")
+    for key in ("data", "eval_data"):
+        path = getattr(sc, key)
+        _require(not path or Path(path).expanduser().is_file(), f"sft.{key}", f"file not found: {path}")
+    _require(0.0 <= sc.eval_fraction < 1.0, "sft.eval_fraction", f"must be in [0, 1), got {sc.eval_fraction}")
+    for key in ("eval_every", "steps", "max_seq_len"):
+        _require(getattr(sc, key) >= 0, f"sft.{key}", f"must be >= 0, got {getattr(sc, key)}")
+    _require(sc.steps > 0 or sc.epochs > 0, "sft.epochs", f"must be > 0 (or set sft.steps), got {sc.epochs}")
+    _require(sc.batch_size >= 1, "sft.batch_size", f"must be >= 1, got {sc.batch_size}")
+    _require(sc.lr > 0, "sft.lr", f"must be > 0, got {sc.lr}")
+    for key in ("on_overlong", "on_bad_row"):
+        _require(getattr(sc, key) in ("error", "skip"), f"sft.{key}", f"must be error or skip, got {getattr(sc, key)!r}")
+    _require(bool(sc.output_dir), "sft.output_dir", "must name the HF model directory to write")
+    _require(sc.batch_size >= lc.dp, "learner.dp", f"every DP rank trains its share of a batch's sft.batch_size="
+             f"{sc.batch_size} records, so dp={lc.dp} would leave a rank without any")
+    if world_size is not None:
+        need = lc.tp * lc.pp * lc.dp
+        _require(world_size == need, "learner.dp", f"megarl sft runs learner.tp*pp*dp = {need} processes (no samplers) "
+                 f"but the launch has WORLD_SIZE={world_size}")
+
+
 def _require(ok: bool, key: str, why: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {why}")

@@ -268,6 +268,32 @@ class FaultConfig:
 
 
 @dataclass
+class SFTConfig:
+    """`megarl sft CONFIG`: supervised fine-tuning on a JSONL file with the learner backends and layouts of
+    `megarl train` (learner.*: backend, tp/pp/dp, ZeRO stage, micro-batches, optimizer betas, weight decay,
+    grad clip), writing an HF model directory that `megarl train` takes as model.path (docs/sft.md)."""
+
+    # The training records, one JSON object per line: {"prompt": ..., "completion": ...} (loss on the
+    # completion's tokens and the tokenizer's EOS) or {"messages": [{"role": ..., "content": ...}, ...]}
+    # (rendered with the model directory's chat template; loss on the assistant turns). Other keys are ignored.
+    data: str = ""
+    # Held-out records (same formats), or "" to hold out `eval_fraction` of `data` (drawn with run.seed).
+    eval_data: str = ""
+    eval_fraction: float = 0.05
+    eval_every: int = 0  # held-out loss every this many steps; 0: before the first and after the last only
+    epochs: float = 1.0  # passes over the training records: steps = ceil(epochs * records / batch_size)
+    steps: int = 0  # optimizer steps; > 0 replaces `epochs`
+    batch_size: int = 32  # records per optimizer step; the loss is the token mean over the batch's trained tokens
+    lr: float = 1e-4  # constant (learner.lr is RL's and is not used by megarl sft)
+    max_seq_len: int = 0  # tokens per record (prompt + completion); 0 = the model's max_position_embeddings
+    # A record longer than max_seq_len: "error" (stops before training, naming file:line) or "skip" (counted).
+    on_overlong: str = "error"
+    # A line that is empty, not JSON, or not a record of either format: "error" (file:line) or "skip" (counted).
+    on_bad_row: str = "error"
+    output_dir: str = "${run.dir}/model"  # the HF model directory written at the end (run.overwrite replaces one)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -281,3 +307,4 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)  # megarl sft only

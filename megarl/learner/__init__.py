@@ -6,14 +6,18 @@ Importing this package is cheap: each backend imports its framework only when it
 from __future__ import annotations
 
 
-def build_learner(model_dir: str, cfg):
-    """The learner of `cfg.learner.backend` for the HF model directory `model_dir` (cfg: megarl Config)."""
-    temperature = cfg.sampling.temperature or 1.0
+def build_learner(model_dir: str, cfg, loss_cfg=None, temperature: float | None = None):
+    """The learner of `cfg.learner.backend` for the HF model directory `model_dir` (cfg: megarl Config).
+
+    `loss_cfg` / `temperature` default to the RL run's (cfg.algo.loss, cfg.sampling.temperature);
+    megarl sft passes megarl.algo.config.NLLConfig() and 1.0."""
+    loss_cfg = cfg.algo.loss if loss_cfg is None else loss_cfg
+    temperature = (cfg.sampling.temperature or 1.0) if temperature is None else temperature
     if cfg.learner.backend == "deepspeed":
         from megarl.learner.deepspeed import DeepSpeedLearner
 
-        return DeepSpeedLearner(model_dir, cfg.learner, cfg.algo.loss, temperature=temperature,
+        return DeepSpeedLearner(model_dir, cfg.learner, loss_cfg, temperature=temperature,
                                 publish_bucket_mb=cfg.publish.bucket_mb)
     from megarl.learner.megatron import MegatronLearner
 
-    return MegatronLearner(model_dir, cfg.learner, cfg.algo.loss, temperature=temperature)
+    return MegatronLearner(model_dir, cfg.learner, loss_cfg, temperature=temperature)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarl.algo.config import LossConfig
-from megarl.algo.losses import LossInputs, merge_stats, policy_loss
+from megarl.algo.config import LossConfig, NLLConfig
+from megarl.algo.losses import LossInputs, merge_stats, nll_loss, policy_loss
 from megarl.protocols import TrainBatch
 
 # The per-token tensors of a batch a micro-batch carries (keys of the `fields` dicts below).
@@ -67,7 +67,10 @@ def micro_batch_loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor], learne
     micro-batches and DP ranks, add up to the batch loss) and its partial statistics.
 
     `mb` holds the FIELDS on the logits' device, plus `proximal_logprobs` / `ref_logprobs` when the
-    objective needs them (no-grad passes before the step)."""
+    objective needs them (no-grad passes before the step). With `NLLConfig` (megarl sft) the loss is the
+    supervised one, `nll_loss`, on the same masks and normalisers."""
+    if isinstance(loss_cfg, NLLConfig):
+        return nll_loss(logprobs, mb["mask"], totals[0])
     inputs = LossInputs(
         behaviour_logprobs=mb["behaviour_logprobs"], advantages=mb["advantages"], mask=mb["mask"],
         versions=mb["versions"], learner_version=learner_version,

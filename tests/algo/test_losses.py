@@ -326,3 +326,25 @@ def test_entropy_bonus_gradient(agg):
     loss, _ = policy_loss(b.logp, loss_inputs(b), cfg)
     (grad,) = torch.autograd.grad(loss, b.entropy)
     torch.testing.assert_close(grad, -cfg.entropy_coef * b.mask / normaliser(b, cfg), rtol=1e-12, atol=1e-15)
+
+
+def test_nll_loss_is_the_masked_token_mean_split_over_micro_batches():
+    """The supervised objective (megarl sft): shares of micro-batches add up to the batch's token mean of
+    -log pi over the mask; off-mask positions (padding, even -inf) contribute neither value nor gradient."""
+    from megarl.algo.losses import nll_loss
+
+    torch.manual_seed(0)
+    logp = -torch.rand(4, 6, dtype=torch.float64) * 3
+    mask = (torch.rand(4, 6) > 0.4).double()
+    mask[3] = 0.0
+    logp = logp.masked_fill(mask == 0, -math.inf).requires_grad_()
+    total = float(mask.sum())
+    expected = sum(-logp[i, t].item() for i in range(4) for t in range(6) if mask[i, t]) / total
+    parts = [nll_loss(logp[rows], mask[rows], total) for rows in (slice(0, 1), slice(1, 3), slice(3, 4))]
+    loss = sum(p[0] for p in parts)
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -mask / total)
+    stats = merge_stats([p[1] for p in parts])
+    assert stats["loss/nll"] == pytest.approx(expected, rel=1e-12)
+    assert stats["mask/tokens"] == total and stats["mask/seqs"] == 3.0 and "ratio/mean" not in stats
