@@ -69,7 +69,7 @@ def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["task.name=nope"], "megarl: task: unknown task 'nope'; known tasks: ['arithmetic', 'count', 'jsonl', 'python_output']"),
+    (["task.name=nope"], "megarl: task: unknown task 'nope'; known tasks: ['arithmetic', 'count', 'jsonl', 'python_output', 'tool_arith']"),
     (["task.reward_fn=tests.rollout.nope:fn"], "cannot import module 'tests.rollout.nope'"),
     (["task.reward_fn=tests.rollout.reward_fns:nope"], "has no attribute 'nope'"),
     (["task.name=jsonl", "task.path=DATA"], "megarl: task: DATA:2: missing field 'answer'"),

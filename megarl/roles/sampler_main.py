@@ -263,13 +263,19 @@ class SamplerLoop:
             self.engine.add_request(GenerationRequest(f"{group_id}/{j}", ids, self.sampling,
                                                       stop_token_ids=(self.tokenizer.eos_token_id,)))
 
-    def _finish(self, completion: Completion, sender: QueueSender) -> None:
-        group_id = completion.request_id.rsplit("/", 1)[0]
+    def _group_complete(self, key: str, finished) -> tuple[str, dict] | None:
+        """Record a finished completion or episode ("<group id>/<j>"); its group's id and entry once all are in."""
+        group_id = key.rsplit("/", 1)[0]
         entry = self.pending[group_id]
-        entry["done"].append(completion)
+        entry["done"].append(finished)
         if len(entry["done"]) < self.cfg.algo.group_size:
+            return None
+        return group_id, self.pending.pop(group_id)
+
+    def _finish(self, completion: Completion, sender: QueueSender) -> None:
+        if (complete := self._group_complete(completion.request_id, completion)) is None:
             return
-        del self.pending[group_id]
+        group_id, entry = complete
         prompt, samples = entry["prompt"], []
         done = sorted(entry["done"], key=lambda c: c.request_id)
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in done]
@@ -291,12 +297,9 @@ class SamplerLoop:
         sender.send_group(samples, self._stats())
 
     def _finish_episode(self, episode: Episode, sender: QueueSender) -> None:
-        group_id = episode.key.rsplit("/", 1)[0]
-        entry = self.pending[group_id]
-        entry["done"].append(episode)
-        if len(entry["done"]) < self.cfg.algo.group_size:
+        if (complete := self._group_complete(episode.key, episode)) is None:
             return
-        del self.pending[group_id]
+        group_id, entry = complete
         samples = [Sample(group_id=group_id, prompt=e.prompt.text, completion=self.tokenizer.decode(e.token_ids),
                           prompt_ids=e.prompt_ids, token_ids=e.token_ids, logprobs=e.logprobs, versions=e.versions,
                           reward=e.reward, finish_reason=e.finish_reason, sampler_rank=self.topo.rank,
