@@ -40,9 +40,9 @@ def check_episode(r: dict) -> None:
 
 def test_pipeline_episodes_span_versions_across_turns_with_environment_tokens_masked(embedded_tool_model_dir,
                                                                                      tmp_path):
-    rollouts = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=8")
+    rollouts = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=6")
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rollouts) == 8 * 64
+    assert len(rollouts) == 6 * 64
     for r in rollouts:
         check_episode(r)
     two_turns = [r for r in rollouts if r["turns"] >= 2]
@@ -60,10 +60,10 @@ def test_pipeline_episodes_span_versions_across_turns_with_environment_tokens_ma
 def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode(embedded_tool_model_dir, tmp_path):
     """The shipped agent (docs/examples/agent/tool_agent.py) drives every episode; sync mode, so each episode runs
     under the one version its batch was generated for."""
-    rollouts = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=3", "algo.mode=sync", "algo.max_lag=0",
+    rollouts = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=2", "algo.mode=sync", "algo.max_lag=0",
                      "task.agent=tool_agent:run")
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rollouts) == 3 * 64
+    assert len(rollouts) == 2 * 64
     for r in rollouts:
         check_episode(r)
         assert r["reward_error"] is None
