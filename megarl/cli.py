@@ -38,7 +38,6 @@ def train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         # Imported once the config loaded: they import torch, and a config error should be quick.
         from megarl.distributed.topology import placement
-        from megarl.models.tiny import resolve_model_path
 
         nodes = placement(cfg, args.nnodes)
     except ConfigError as exc:
@@ -48,11 +47,8 @@ def train(args: argparse.Namespace) -> int:
         print("megarl: train launches one node; start multi-node runs with launch/torchrun_multi_node.sh or "
               "launch/slurm_multi_node.sbatch (docs/launch.md)", file=sys.stderr)
         return 2
-    try:
-        model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        check_model_dir(model_dir, cfg)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"megarl: model.path: {exc}", file=sys.stderr)
+    model_dir = checked_model_dir(cfg)
+    if model_dir is None:
         return 2
     try:
         for line in check_task(cfg):
@@ -167,6 +163,19 @@ def failure_summary(torchrun_stderr: str, cfg) -> str:
     return f"{topo.role} {topo.role_rank} (rank {rank}) {how}; {after}. Outputs so far are in {cfg.run.dir}"
 
 
+def checked_model_dir(cfg) -> Path | None:
+    """cfg.model.path resolved (an embedded model built on first use) and checked; None after printing why not."""
+    from megarl.models.tiny import resolve_model_path
+
+    try:
+        model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        check_model_dir(model_dir, cfg)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"megarl: model.path: {exc}", file=sys.stderr)
+        return None
+    return model_dir
+
+
 def check_model_dir(model_dir, cfg=None) -> None:
     """ValueError naming the file and what is missing or unsupported, for what the workers would load
     (and, given the run config, split over its learner.tp/pp and sampler.tp: megarl/models/layout.py)."""
@@ -235,15 +244,11 @@ def sft(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         validate_sft(cfg)
-        from megarl.models.tiny import resolve_model_path
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
-    try:
-        model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        check_model_dir(model_dir, cfg)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"megarl: model.path: {exc}", file=sys.stderr)
+    model_dir = checked_model_dir(cfg)
+    if model_dir is None:
         return 2
     from megarl.sft.data import SFTDataError
     from megarl.sft.run import CHECKED_ENV, SFTOutputError, check_outputs, load_data
