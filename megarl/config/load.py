@@ -259,6 +259,8 @@ def _validate_task(cfg: Config) -> None:
     if tc.name in MULTI_TURN_TASKS:
         _require(not tc.reward_fn, "task.reward_fn", f"task.name={tc.name} is multi-turn: its environment gives the "
                                                      f"reward at the end of an episode; leave task.reward_fn empty")
+    _require(tc.agent_max_request_bytes >= 0, "task.agent_max_request_bytes",
+             f"must be >= 0 (0 = derived from sampler.max_seq_len), got {tc.agent_max_request_bytes}")
     _require(tc.max_episode_tokens >= 0, "task.max_episode_tokens",
              f"must be >= 0 (0 = only sampler.max_seq_len bounds an episode), got {tc.max_episode_tokens}")
     _require(not tc.reward_sandbox or ":" in tc.reward_fn, "task.reward_sandbox",

@@ -88,6 +88,9 @@ class TaskConfig:
     # on one of env_workers threads; prompts from task.name. An agent call running past agent_timeout_s fails.
     agent: str = ""
     agent_timeout_s: float = 300.0
+    # The largest request body the agent endpoint reads (bytes; larger: 413, nothing of it parsed).
+    # 0 = max(1 MiB, 32 bytes x sampler.max_seq_len): a request resends the whole history as JSON.
+    agent_max_request_bytes: int = 0
 
 
 @dataclass

@@ -108,7 +108,8 @@ class SamplerLoop:
         if tc.agent:  # episodes are agent programs talking to this sampler's chat-completions endpoint
             self.episodes = AgentRunner(tc.agent, self.tokenizer, self.engine.add_request, self.sampling, limits,
                                         stop_token_ids=(self.tokenizer.eos_token_id,), workers=tc.env_workers,
-                                        timeout_s=tc.agent_timeout_s, model_name=Path(model_dir).name)
+                                        timeout_s=tc.agent_timeout_s, model_name=Path(model_dir).name,
+                                        max_request_bytes=tc.agent_max_request_bytes)
         elif is_multi_turn(self.task):
             self.episodes = EpisodeRunner(self.task, self.tokenizer, self.engine.add_request, self.sampling, limits,
                                           stop_token_ids=(self.tokenizer.eos_token_id,), workers=tc.env_workers)
@@ -322,6 +323,7 @@ class SamplerLoop:
                 "skipped_overlong_prompts": self.skipped_overlong, "reward_s": self.reward_s,
                 "reward_budget_spent": self.reward_budget_spent,
                 "env_failures": self.episodes.env_failures if self.episodes else 0,
+                "over_context": self.episodes.over_context if self.episodes else 0,
                 "env_s": self.episodes.env_s if self.episodes else 0.0}
 
 

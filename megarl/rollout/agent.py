@@ -6,9 +6,10 @@ thread, of
     function(base_url, prompt, answer, meta) -> reward
 
 where base_url is that episode's own session of megarl's /v1/chat/completions
-(megarl/sampler/openai_endpoint.py): an agent written against the `openai` client
+(megarl/rollout/agent_endpoint.py): an agent written against the `openai` client
 (`openai.OpenAI(base_url=base_url, api_key="megarl")`) talks to it like to any server, runs its own
-tools, and returns the episode's reward. Prompts come from the configured task (task.name).
+tools, and returns the episode's reward. Prompts come from the configured task (task.name). The URL
+holds the session's secret token: only the agent handed it can reach the session.
 
 Server side, each request of a session is turned into tokens exactly as the engine will see them
 (megarl.rollout.chat.ChatTranscript): the first request's messages are the episode's prompt; every later
@@ -18,9 +19,15 @@ other request (the HTTP thread hands it over and waits), so in-flight updates, v
 log-probs are those of every other rollout. The episode ends when the function returns.
 
 Limits answer the agent with an error and end the episode as truncated (reward 0, finish_reason
-"length"): task.max_turns, task.max_episode_tokens, the context. An agent that raises, returns a
-non-number, made no request, or runs past task.agent_timeout_s fails its episode (counted, the run
-goes on); a thread stuck in a hung agent is abandoned and occupies one of task.env_workers.
+"length"): task.max_turns, task.max_episode_tokens, the context. Messages that do not fit are refused
+before they join the episode -- by their byte length where that proves it, without tokenising -- so an
+episode's tokens never exceed sampler.max_seq_len (counted in `over_context`, printed at most every
+30 s). A request's messages are rendered and tokenised on its HTTP thread holding only its own
+session's lock; the lock the sessions share with the sampler loop guards just the appending.
+
+An agent that raises, returns a non-number, made no request, or runs past task.agent_timeout_s fails its
+episode (counted, the run goes on); a thread stuck in a hung agent is abandoned and occupies one of
+task.env_workers.
 """
 from __future__ import annotations
 
@@ -32,13 +39,14 @@ import threading
 import time
 from dataclasses import replace
 from http import HTTPStatus
-from typing import Callable
+from typing import Callable, NoReturn
 
 from megarl.protocols import Completion, GenerationRequest, Prompt, SamplingParams
-from megarl.rollout.chat import ChatFormatError, ChatTranscript
-from megarl.rollout.episode import Episode, EpisodeLimits, turn_room
+from megarl.rollout.agent_endpoint import (ChatCompletionsEndpoint, EndpointError, RateLimitedLine, check_request,
+                                           completion_response, max_request_bytes_for, new_session_token)
+from megarl.rollout.chat import ChatFormatError, ChatTranscript, OverContextError
+from megarl.rollout.episode import Episode, EpisodeLimits, environment_room, turn_room
 from megarl.rollout.sandbox import load_function
-from megarl.sampler.openai_endpoint import ChatCompletionsEndpoint, EndpointError, check_request, completion_response
 
 
 class _Session:
@@ -54,41 +62,48 @@ class AgentRunner:
 
     def __init__(self, agent: str, tokenizer, submit: Callable[[GenerationRequest], None], sampling: SamplingParams,
                  limits: EpisodeLimits, stop_token_ids: tuple[int, ...], workers: int, timeout_s: float,
-                 model_name: str, port: int = 0):
+                 model_name: str, max_request_bytes: int = 0, port: int = 0):
         self.agent_path, self.agent = agent, load_function(agent)
         self.tokenizer, self.submit, self.sampling = tokenizer, submit, sampling
         self.limits, self.stop_token_ids, self.timeout_s = limits, stop_token_ids, timeout_s
         self.model_name = model_name
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="megarl-agent")
-        self.sessions: dict[str, _Session] = {}  # session id -> session, while its agent runs
-        self.running: dict[str, concurrent.futures.Future] = {}  # session id -> the agent call
+        self.sessions: dict[str, _Session] = {}  # secret session token -> session, while its agent runs
+        self.running: dict[str, concurrent.futures.Future] = {}  # session token -> the agent call
         self.started_at: dict[str, float] = {}
         self.inbox: queue.Queue = queue.Queue()  # (request, future) from HTTP threads, for the loop thread
         self.waiting: dict[str, concurrent.futures.Future] = {}  # request id -> its completion, on the engine
         self.env_failures = 0
         self.env_s = 0.0  # wall time of finished agent calls, summed
+        self.over_context_line = RateLimitedLine()  # requests refused for the context: counted and printed
         self.ready = threading.Event()  # a request arrived or an agent returned: poll() has work
         self._lock = threading.Lock()
-        self.endpoint = ChatCompletionsEndpoint(self._handle, model_name, port).start()
+        self.endpoint = ChatCompletionsEndpoint(self._handle, self._is_open, model_name,
+                                                max_request_bytes or max_request_bytes_for(limits.max_seq_len),
+                                                port).start()
+
+    @property
+    def over_context(self) -> int:
+        return self.over_context_line.count
 
     # ---- sampler loop thread -------------------------------------------------------------------------
     def opening(self, prompt: Prompt) -> None:
         return None  # the agent writes the opening messages; the endpoint checks each request's length
 
     def start(self, key: str, prompt: Prompt, chat: None = None) -> None:
-        session_id = key.replace("/", ".")
-        self.sessions[session_id] = _Session(Episode(key, prompt, None, 0))
-        self.started_at[session_id] = time.monotonic()
-        self.running[session_id] = self.pool.submit(self._call_agent, session_id, prompt)
+        token = new_session_token()
+        self.sessions[token] = _Session(Episode(key, prompt, None, 0))
+        self.started_at[token] = time.monotonic()
+        self.running[token] = self.pool.submit(self._call_agent, token, prompt)
 
-    def _call_agent(self, session_id: str, prompt: Prompt):
+    def _call_agent(self, token: str, prompt: Prompt):
         with self._lock:
-            self.started_at[session_id] = time.monotonic()  # the timeout counts from here, not from the queue
+            self.started_at[token] = time.monotonic()  # the timeout counts from here, not from the queue
         try:
-            return self.agent(self.endpoint.base_url(session_id), prompt.text, prompt.answer, dict(prompt.meta))
+            return self.agent(self.endpoint.base_url(token), prompt.text, prompt.answer, dict(prompt.meta))
         finally:
             with self._lock:
-                self.env_s += time.monotonic() - self.started_at[session_id]
+                self.env_s += time.monotonic() - self.started_at[token]
             self.ready.set()
 
     def on_completion(self, completion: Completion) -> None:
@@ -105,13 +120,13 @@ class AgentRunner:
             self.waiting[request.request_id] = future
             self.submit(request)
         ended, now = [], time.monotonic()
-        for session_id, future in list(self.running.items()):
+        for token, future in list(self.running.items()):
             with self._lock:
-                started = self.started_at[session_id]
+                started = self.started_at[token]
             if not future.done() and now - started < self.timeout_s:
                 continue
-            session = self.sessions.pop(session_id)
-            del self.running[session_id]
+            session = self.sessions.pop(token)
+            del self.running[token]
             with self._lock:  # from here on no request of the session changes its episode
                 session.closed = True
             ended.append(self._end(session, future))
@@ -126,11 +141,11 @@ class AgentRunner:
             reward = future.result()
         except Exception as exc:  # noqa: BLE001 - an agent's failure fails its episode only
             return self._fail(episode, f"agent {self.agent_path}: {type(exc).__name__}: {exc}")
-        if episode.turns == 0:
-            return self._fail(episode, f"agent {self.agent_path}: returned without a chat completion request")
-        if session.truncated:
+        if session.truncated:  # also an episode whose opening did not fit: it ends with no tokens at all
             episode.end(0.0, "length")
             return episode
+        if episode.turns == 0:
+            return self._fail(episode, f"agent {self.agent_path}: returned without a chat completion request")
         if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
             return self._fail(episode, f"agent {self.agent_path}: must return a finite number (the reward), "
                                        f"got {type(reward).__name__} {reward!r:.80}")
@@ -153,48 +168,67 @@ class AgentRunner:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- HTTP threads ------------------------------------------------------------------------------------
-    def _handle(self, session_id: str, body: dict) -> dict:
-        session = self.sessions.get(session_id)
+    def _is_open(self, token: str) -> bool:
+        session = self.sessions.get(token)
+        return session is not None and not session.closed
+
+    def _handle(self, token: str, body: dict) -> dict:
+        session = self.sessions.get(token)
         if session is None or session.closed:
-            raise EndpointError(HTTPStatus.NOT_FOUND, f"no open session {session_id!r} (its episode ended, or it "
-                                                      f"never existed)", code="session_not_found")
+            raise EndpointError(HTTPStatus.NOT_FOUND, "no open session at this URL (its episode ended)",
+                                code="session_not_found")
         messages = check_request(body)
         if not session.lock.acquire(blocking=False):
             raise EndpointError(HTTPStatus.CONFLICT, "this session already has a request in progress: an episode's "
                                                      "turns come one after another", code="concurrent_request")
         try:
-            return self._turn(session_id, session, messages, body)
+            return self._turn(session, messages, body)
         finally:
             session.lock.release()
 
-    def _open(self, session_id: str, session: _Session) -> None:
+    def _open(self, session: _Session) -> None:
         """Called holding self._lock before changing the episode: a session the loop has ended stays as it was."""
         if session.closed:
-            raise EndpointError(HTTPStatus.NOT_FOUND, f"session {session_id!r} ended", code="session_not_found")
+            raise EndpointError(HTTPStatus.NOT_FOUND, f"episode {session.episode.key} ended", code="session_not_found")
 
-    def _turn(self, session_id: str, session: _Session, messages: list, body: dict) -> dict:
+    def _no_room(self, session: _Session, why: str) -> NoReturn:
+        session.truncated = True
+        raise EndpointError(HTTPStatus.BAD_REQUEST, f"{why}: the episode has no room for another model turn "
+                            f"(task.max_turns={self.limits.max_turns}, task.max_episode_tokens="
+                            f"{self.limits.max_episode_tokens}, context {self.limits.max_seq_len} tokens); "
+                            f"it ends truncated", code="context_length_exceeded")
+
+    def _turn(self, session: _Session, messages: list, body: dict) -> dict:
         episode = session.episode
+        if episode.turns >= self.limits.max_turns:
+            self._no_room(session, f"{episode.turns} model turns")
+        # Rendered and tokenised holding only this session's lock (other sessions and the loop go on), and
+        # refused before tokenising when the text's size proves it cannot fit.
+        try:
+            if episode.chat is None:
+                room = environment_room(episode, self.limits)
+                opening, addition = ChatTranscript(self.tokenizer, messages, max_ids=room), None
+            else:
+                new = episode.chat.extend_to(messages)
+                if not new:
+                    raise EndpointError(HTTPStatus.BAD_REQUEST, "no message after the session's history: add "
+                                        "the next user or tool message", code="invalid_messages")
+                addition = episode.chat.prepare(new, max_ids=environment_room(episode, self.limits))
+        except OverContextError as exc:
+            self.over_context_line(f"sampler: an agent's messages did not fit its episode ({exc}); the episode "
+                                   f"ends truncated without them")
+            self._no_room(session, f"refused: {exc}")
+        except ChatFormatError as exc:
+            raise EndpointError(HTTPStatus.BAD_REQUEST, str(exc), code="invalid_messages") from exc
         with self._lock:
-            self._open(session_id, session)
-            try:
-                if episode.chat is None:
-                    episode.chat = ChatTranscript(self.tokenizer, messages)
-                    episode.prompt_len = len(episode.chat.ids)
-                else:
-                    new = episode.chat.extend_to(messages)
-                    if not new:
-                        raise EndpointError(HTTPStatus.BAD_REQUEST, "no message after the session's history: add "
-                                            "the next user or tool message", code="invalid_messages")
-                    episode.add_environment_turn(new)
-            except ChatFormatError as exc:
-                raise EndpointError(HTTPStatus.BAD_REQUEST, str(exc), code="invalid_messages") from exc
+            self._open(session)
+            if addition is None:
+                episode.chat, episode.prompt_len = opening, len(opening.ids)
+            else:
+                episode.add_environment_turn(addition)
         room = turn_room(episode, self.limits)
-        if room is None:
-            session.truncated = True
-            raise EndpointError(HTTPStatus.BAD_REQUEST, f"the episode has no room for another model turn "
-                                f"(task.max_turns={self.limits.max_turns}, task.max_episode_tokens="
-                                f"{self.limits.max_episode_tokens}, context {self.limits.max_seq_len} tokens); "
-                                f"it ends truncated", code="context_length_exceeded")
+        if room is None:  # environment_room leaves min_new_tokens of context; task.max_episode_tokens may not
+            self._no_room(session, "no tokens left")
         asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.sampling.max_new_tokens
         if not isinstance(asked, int) or asked < 1:
             raise EndpointError(HTTPStatus.BAD_REQUEST, f"max_tokens must be a positive integer, got {asked!r}")
@@ -213,10 +247,9 @@ class AgentRunner:
         except RuntimeError as exc:
             raise EndpointError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), kind="server_error") from exc
         with self._lock:
-            self._open(session_id, session)
+            self._open(session)
             episode.add_model_turn(completion, self.stop_token_ids)
         if completion.finish_reason != "stop":
             session.truncated = True  # cut at its token limit: the episode cannot go on in order
-        return completion_response(session_id, episode.turns, self.model_name, episode.chat.messages[-1]["content"],
+        return completion_response(episode.key, episode.turns, self.model_name, episode.chat.messages[-1]["content"],
                                    completion.finish_reason, prompt_tokens, len(completion.token_ids))
-

@@ -18,12 +18,47 @@ as produced and the new message still reads as the template writes it.
 
 Without a chat template (a base model) a conversation is plain text: the first user message is
 the prompt and every later message's content is appended as is.
+
+Messages from outside (an agent's request) may be of any size: given `max_ids`, a transcript refuses
+text that cannot fit (`OverContextError`) before tokenising it where its byte length already proves it
+(no token spells more bytes than the vocabulary's longest entry), and after tokenising otherwise. New
+messages can be prepared (rendered and tokenised: the slow part, touching nothing) and applied later
+(appending ids), so a caller can tokenise outside a lock it shares with others.
 """
 from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
 
 
 class ChatFormatError(ValueError):
     """A conversation the transcript cannot extend (the caller's history differs from the recorded one)."""
+
+
+class OverContextError(ValueError):
+    """Messages whose tokens do not fit the room left (the context, or task.max_episode_tokens)."""
+
+    def __init__(self, tokens: int, room: int, estimated: bool):
+        self.tokens, self.room = tokens, room
+        super().__init__(f"the new messages take {'at least ' if estimated else ''}{tokens} tokens"
+                         f"{' (by their size in bytes)' if estimated else ''}, over the {room} left")
+
+
+@dataclass(frozen=True)
+class Addition:
+    """New messages rendered and tokenised against a transcript of `base` ids (see ChatTranscript.prepare)."""
+    messages: list[dict]
+    text: str
+    ids: list[int]
+    base: int
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes any vocabulary entry spells: every token covers at most this much text (a
+    byte-level BPE entry's characters stand for one byte each, a SentencePiece '▁' for a space)."""
+    return max(len(token.encode()) for token in tokenizer.get_vocab())
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -33,7 +68,7 @@ def has_chat_template(tokenizer) -> bool:
 class ChatTranscript:
     """One conversation: `messages` and `ids` (prompt + model + added tokens, exactly as the engine saw them)."""
 
-    def __init__(self, tokenizer, messages: list[dict]):
+    def __init__(self, tokenizer, messages: list[dict], max_ids: int | None = None):
         if not messages:
             raise ChatFormatError("a conversation needs at least one message")
         self.tokenizer = tokenizer
@@ -41,7 +76,7 @@ class ChatTranscript:
         self.messages = [_message(m) for m in messages]
         # The text the ids spell, special tokens written out: what the next render must extend.
         self.text = self._render(self.messages, generation_prompt=True)
-        self.ids: list[int] = self._encode(self.text)
+        self.ids: list[int] = self._encode(self.text, max_ids)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         if not self.templated:
@@ -49,8 +84,15 @@ class ChatTranscript:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+    def _encode(self, text: str, max_ids: int | None = None) -> list[int]:
+        if max_ids is not None:  # refuse what cannot fit before paying for tokenising it
+            least = math.ceil(len(text.encode()) / longest_token_bytes(self.tokenizer))
+            if least > max_ids:
+                raise OverContextError(least, max_ids, estimated=True)
+        ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        if max_ids is not None and len(ids) > max_ids:
+            raise OverContextError(len(ids), max_ids, estimated=False)
+        return ids
 
     def add_model_turn(self, token_ids: list[int], stop_token_ids: tuple[int, ...] = ()) -> str:
         """Record a model turn as produced; returns its message content (the stop token left out)."""
@@ -65,6 +107,11 @@ class ChatTranscript:
     def add_messages(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
         """Append messages (tool results, user turns) and, with generation_prompt, the start of the next
         model turn; returns the ids added (the environment's tokens)."""
+        return self.apply(self.prepare(messages, generation_prompt))
+
+    def prepare(self, messages: list[dict], generation_prompt: bool = True, max_ids: int | None = None) -> Addition:
+        """What add_messages would append, computed without changing the transcript; OverContextError when
+        it takes more than max_ids tokens."""
         new = [_message(m) for m in messages]
         before = self._render(self.messages, generation_prompt=False)
         after = self._render(self.messages + new, generation_prompt=generation_prompt)
@@ -75,11 +122,16 @@ class ChatTranscript:
         else:
             raise ChatFormatError("the chat template does not render the conversation as a prefix of itself "
                                   "extended by the new messages; megarl cannot append to it token by token")
-        ids = self._encode(added)
-        self.messages.extend(new)
-        self.text += added
-        self.ids.extend(ids)
-        return ids
+        return Addition(new, added, self._encode(added, max_ids), len(self.ids))
+
+    def apply(self, addition: Addition) -> list[int]:
+        """Append a prepared Addition; returns its ids."""
+        if addition.base != len(self.ids):  # the transcript changed since: appending would misplace the ids
+            raise ChatFormatError(f"an addition prepared against {addition.base} ids applied to {len(self.ids)}")
+        self.messages.extend(addition.messages)
+        self.text += addition.text
+        self.ids.extend(addition.ids)
+        return addition.ids
 
     def extend_to(self, messages: list[dict]) -> list[dict]:
         """The messages of `messages` after the recorded ones, checking the recorded ones are its start

@@ -14,6 +14,8 @@ GenerationRequests with the episode's token ids so far and is handed their Compl
 
 Limits, each ending the episode as truncated (finish_reason "length", reward 0): task.max_turns model
 turns, task.max_episode_tokens tokens after the prompt, the engine's context (sampler.max_seq_len).
+An environment turn that would leave the next model turn no room is not added (`environment_room`):
+an episode's tokens never exceed the context, so nothing over it reaches the learner.
 An environment step that raises, returns something malformed, or runs past task.env_timeout_s fails
 the episode (reward 0, `error` says why, counted in `env_failures`) and the run goes on; a thread
 stuck in a hung step is abandoned (Python cannot kill it) and occupies one of the task.env_workers.
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from megarl.protocols import Completion, GenerationRequest, Prompt, SamplingParams
-from megarl.rollout.chat import ChatFormatError, ChatTranscript
+from megarl.rollout.chat import Addition, ChatFormatError, ChatTranscript, OverContextError
 from megarl.rollout.environment import check_observation
 
 
@@ -64,9 +66,10 @@ class Episode:
         self.versions.extend(completion.versions)
         self.turns += 1
 
-    def add_environment_turn(self, messages: list[dict]) -> None:
+    def add_environment_turn(self, addition: Addition) -> None:
+        """Append messages prepared (rendered, tokenised) by self.chat.prepare."""
         start = len(self.chat.ids) - self.prompt_len
-        added = self.chat.add_messages(messages)
+        added = self.chat.apply(addition)
         self.logprobs.extend([0.0] * len(added))
         self.versions.extend([-1] * len(added))
         if added:
@@ -95,6 +98,17 @@ def turn_room(episode: Episode, limits: EpisodeLimits) -> int | None:
     return None if episode.turns >= limits.max_turns or room < limits.min_new_tokens else room
 
 
+def environment_room(episode: Episode, limits: EpisodeLimits) -> int:
+    """The most tokens an environment turn (or, before any, the opening) may add and still leave the next
+    model turn limits.min_new_tokens of room."""
+    if episode.chat is None:
+        return limits.max_seq_len - limits.min_new_tokens
+    room = limits.max_seq_len - len(episode.chat.ids)
+    if limits.max_episode_tokens > 0:
+        room = min(room, limits.max_episode_tokens - len(episode.token_ids))
+    return room - limits.min_new_tokens
+
+
 class EpisodeRunner:
     """Episodes of a multi-turn task in flight on one engine (see the module docstring)."""
 
@@ -109,6 +123,7 @@ class EpisodeRunner:
         self.stepping: dict[str, concurrent.futures.Future] = {}
         self.step_started: dict[str, float] = {}
         self.env_failures = 0
+        self.over_context = 0  # environment turns refused for the context (their episodes end truncated)
         self.env_s = 0.0  # wall time of finished environment steps, summed over threads
         self.ready = threading.Event()  # an environment step finished: poll() has work
         self._lock = threading.Lock()
@@ -178,7 +193,11 @@ class EpisodeRunner:
                     if obs.done:
                         episode.end(float(obs.reward))
                     else:
-                        episode.add_environment_turn(list(obs.messages))
+                        episode.add_environment_turn(episode.chat.prepare(
+                            list(obs.messages), max_ids=environment_room(episode, self.limits)))
+                except OverContextError:
+                    self.over_context += 1
+                    episode.end(0.0, "length")  # truncated, without the messages that do not fit
                 except (ChatFormatError, ValueError) as exc:
                     self._fail(episode, f"environment: {exc}")
                 except Exception as exc:  # noqa: BLE001 - a user environment's failure fails its episode only

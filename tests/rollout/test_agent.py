@@ -1,11 +1,17 @@
-"""AgentRunner + the OpenAI-compatible endpoint, driven by agents written against the real `openai` client.
+"""AgentRunner + the OpenAI-compatible endpoint, driven by agents written against the real `openai` client
+and by raw sockets (what an attacker on the machine sends).
 
 The engine is a script on a loop thread (each model turn's tokens and versions chosen by the test), so
 token bookkeeping and every refusal are exact; tests/roles/test_multiturn_e2e.py runs the shipped agent
 through a real training run."""
+import json
+import socket
+import struct
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -13,6 +19,7 @@ import pytest
 from megarl.models.tiny_chat import IM_END, build_chat_tokenizer
 from megarl.protocols import Completion, Prompt, SamplingParams
 from megarl.rollout.agent import AgentRunner
+from megarl.rollout.agent_endpoint import ChatCompletionsEndpoint, new_session_token
 from megarl.rollout.episode import EpisodeLimits
 from tests.helpers import REPO
 
@@ -25,26 +32,36 @@ def tok():
     return build_chat_tokenizer()
 
 
+MAX_SEQ_LEN = 256
+
+
 class ScriptedLoop:
-    """The sampler loop's part: polls the runner and answers each request with the next scripted reply."""
+    """The sampler loop's part: polls the runner and answers each request with the next scripted reply
+    (or, with a callable, the reply to the request's text)."""
 
-    def __init__(self, tok, agent, replies, max_turns=3, timeout_s=20.0, version_per_turn=True):
-        self.tok, self.replies, self.requests, self.ended = tok, list(replies), [], []
+    def __init__(self, tok, agent, replies, max_turns=3, timeout_s=20.0, workers=2):
+        self.tok, self.replies, self.requests, self.ended = tok, replies, [], []
         self.runner = AgentRunner(agent, tok, self.requests.append, SamplingParams(max_new_tokens=16),
-                                  EpisodeLimits(max_turns, 0, 256, 1, 10.0), (tok.convert_tokens_to_ids(IM_END),),
-                                  workers=2, timeout_s=timeout_s, model_name="tiny")
-        self.version_per_turn = version_per_turn
+                                  EpisodeLimits(max_turns, 0, MAX_SEQ_LEN, 1, 10.0),
+                                  (tok.convert_tokens_to_ids(IM_END),), workers=workers, timeout_s=timeout_s,
+                                  model_name="tiny")
 
-    def run(self, prompt: Prompt, n: int = 1, deadline_s: float = 60.0):
-        for j in range(n):
-            self.runner.start(f"s0-g0/{j}", prompt)
+    def reply(self, request) -> str:
+        if callable(self.replies):
+            return self.replies(self.tok.decode(request.prompt_ids))
+        return self.replies.pop(0) if self.replies else "0"
+
+    def run(self, prompt: Prompt | list[Prompt], n: int = 1, deadline_s: float = 60.0):
+        prompts = prompt if isinstance(prompt, list) else [prompt] * n
+        for j, p in enumerate(prompts):
+            self.runner.start(f"s0-g0/{j}", p)
         deadline, served = time.monotonic() + deadline_s, 0
-        while len(self.ended) < n:
+        while len(self.ended) < len(prompts):
             assert time.monotonic() < deadline, "episodes did not end"
             self.ended += self.runner.poll()
             for request in self.requests[served:]:
                 served += 1
-                text = self.replies.pop(0) if self.replies else "0"
+                text = self.reply(request)
                 ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.convert_tokens_to_ids(IM_END)]
                 self.runner.on_completion(Completion(request.request_id, request.prompt_ids, ids, [-0.25] * len(ids),
                                                      [served] * len(ids), "stop"))
@@ -129,16 +146,119 @@ def test_an_agent_that_raises_returns_garbage_makes_no_call_or_hangs_fails_only_
 
 def test_a_session_that_ended_or_never_existed_answers_404(tok):
     loop = ScriptedLoop(tok, "tool_agent:run", [">>> 1+1", "2"])
+    urls = []
+    loop.runner.agent = lambda base_url, *args: urls.append(base_url) or tool_agent.run(base_url, *args)
     loop.run(Prompt("1+1", "2"))
-    client = openai.OpenAI(base_url=loop.runner.endpoint.base_url("s0-g0.0"), api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=urls[0], api_key="x", max_retries=0)
     with pytest.raises(openai.APIConnectionError):  # closed with the runner
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
     runner = AgentRunner("tool_agent:run", tok, lambda r: None, SamplingParams(), EpisodeLimits(3, 0, 256), (0,),
                          workers=1, timeout_s=5.0, model_name="tiny")
     try:
-        client = openai.OpenAI(base_url=runner.endpoint.base_url("nope"), api_key="x", max_retries=0)
-        with pytest.raises(openai.NotFoundError, match="no open session"):
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
-        assert [m.id for m in client.models.list()] == ["tiny"]
+        for session in ("nope", "s0-g0.0", new_session_token()):  # what was a session id before, a random token
+            client = openai.OpenAI(base_url=runner.endpoint.base_url(session), api_key="x", max_retries=0)
+            with pytest.raises(openai.NotFoundError, match="no open session"):
+                client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+            with pytest.raises(openai.NotFoundError, match="no open session"):
+                client.models.list()
     finally:
         runner.close()
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting the characters it is asked to encode; text holding HOLD waits (up to 20 s)
+    until `release` is set, so a test can see what goes on meanwhile."""
+
+    HOLD = "hold on"
+
+    def __init__(self, tok):
+        self.tok, self.encoded_chars, self.release, self.held_until_released = tok, [], threading.Event(), None
+
+    def encode(self, text, **kwargs):
+        self.encoded_chars.append(len(text))
+        if self.HOLD in text:
+            self.held_until_released = self.release.wait(20)
+        return self.tok.encode(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def arithmetic_reply(text: str) -> str:
+    """The model's part of tool_arith: a tool call, then the tool's answer copied."""
+    return text.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0] if "<|im_start|>tool" in text else ">>> 37*43"
+
+
+def test_an_8mb_message_an_over_context_one_and_a_turn_into_another_session_are_refused_and_never_trained(tok):
+    counting = CountingTokenizer(tok)
+    seen, injection_tried = {}, threading.Event()
+
+    def status_of(call):
+        try:
+            call()
+        except openai.APIStatusError as exc:
+            return exc.status_code, exc.code
+        return 200, None
+
+    def attacker(base_url, prompt, answer, meta):
+        client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+        if prompt == "opens too long":  # 4 KB in a 256-token context, as the first request
+            seen["opening"] = status_of(lambda: client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "7" * 4000}]))
+            return 1.0
+        messages = [{"role": "user", "content": "q"}]
+        reply = client.chat.completions.create(model="m", messages=messages).choices[0].message.content
+        messages.append({"role": "assistant", "content": reply})
+        # A turn into the honest session (open: its agent waits for this) under what its URL was before
+        # session tokens, and under a random token.
+        for name, session in (("guessed", "s0-g0.2"), ("random", new_session_token())):
+            other = openai.OpenAI(base_url=base_url.replace(base_url.split("/")[-2], session), api_key="x",
+                                  max_retries=0)
+            seen[name] = (status_of(lambda: other.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "37*43"}, {"role": "user", "content": "injected"}])),
+                status_of(other.models.list))
+        injection_tried.set()
+        seen["8mb"] = status_of(lambda: client.chat.completions.create(
+            model="m", messages=messages + [{"role": "user", "content": "x" * (8 << 20)}]))
+        # A message that fits, tokenised while the honest agent finishes its episode (it waits for that).
+        messages.append({"role": "user", "content": CountingTokenizer.HOLD})
+        reply = client.chat.completions.create(model="m", messages=messages).choices[0].message.content
+        messages.append({"role": "assistant", "content": reply})
+        seen["4kb"] = status_of(lambda: client.chat.completions.create(
+            model="m", messages=messages + [{"role": "user", "content": "7" * 4000}]))
+        return 1.0
+
+    def honest(base_url, prompt, answer, meta):
+        try:
+            reward = tool_agent.run(base_url, prompt, answer, meta)
+            injection_tried.wait(20)
+            return reward
+        finally:
+            counting.release.set()
+
+    def agent(base_url, prompt, answer, meta):
+        return (honest if prompt == "37*43" else attacker)(base_url, prompt, answer, meta)
+
+    loop = ScriptedLoop(tok, agent_that(agent), arithmetic_reply, workers=3)
+    loop.runner.tokenizer = counting
+    episodes = loop.run([Prompt("opens too long", ""), Prompt("floods", ""), Prompt("37*43", "1591")])
+    opening, flood, honest_episode = sorted(episodes, key=lambda e: e.key)
+
+    assert seen["opening"] == seen["4kb"] == (400, "context_length_exceeded")
+    assert seen["8mb"] == (413, "request_too_large")
+    assert seen["guessed"] == seen["random"] == ((404, "session_not_found"),) * 2
+    assert counting.held_until_released  # other sessions and the loop went on while it tokenised
+    assert max(counting.encoded_chars) < 4000  # neither over-context message was tokenised
+    assert loop.runner.over_context == 2
+    # Nothing over the context reaches the learner: what _finish_episode sends is prompt_ids + token_ids.
+    for e in episodes:
+        assert len(e.prompt_ids) + len(e.token_ids) <= MAX_SEQ_LEN
+        assert len(e.versions) == len(e.logprobs) == len(e.token_ids)
+    assert (opening.finish_reason, opening.reward, opening.prompt_ids, opening.token_ids) == ("length", 0.0, [], [])
+    assert (flood.finish_reason, flood.reward, flood.turns) == ("length", 0.0, 2)
+    assert "xxxx" not in tok.decode(flood.token_ids) and "7777" not in tok.decode(flood.token_ids)
+    # The honest episode is exactly what it is alone (test_the_shipped_agent_trains_...): nothing injected.
+    assert (honest_episode.reward, honest_episode.turns, honest_episode.error) == (1.0, 2, None)
+    [(start, end)] = honest_episode.env_spans
+    assert tok.decode(honest_episode.token_ids[start:end]) == \
+        "\n<|im_start|>tool\n1591<|im_end|>\n<|im_start|>assistant\n"

@@ -141,3 +141,16 @@ def test_limits_end_an_episode_as_truncated(tok):
     assert finish_env(runner) == []
     used = len(requests[1].prompt_ids) - len(requests[0].prompt_ids)
     assert requests[1].sampling.max_new_tokens == min(16, 40 - used)
+
+
+def test_an_environment_turn_over_the_context_is_not_added_and_the_episode_ends_truncated(tok):
+    # 5,000 characters of tool output in a 256-token context: the episode ends truncated without them, so the
+    # sample the learner gets stays within the context (before: the tokens were appended, 5,000+ in all).
+    flood = Observation(messages=[{"role": "tool", "content": "9" * 5000}])
+    runner, requests = runner_for(tok, ScriptedTask([flood]))
+    runner.start("g/0", Prompt("q", "a"), runner.opening(Prompt("q", "a")))
+    runner.on_completion(turn(tok, requests[0], ">>> 1", 0))
+    [e] = finish_env(runner)
+    assert (e.finish_reason, e.reward, e.turns, e.env_spans, runner.over_context) == ("length", 0.0, 1, [], 1)
+    assert len(e.prompt_ids) + len(e.token_ids) <= 256 and len(e.versions) == len(e.token_ids)
+    runner.close()

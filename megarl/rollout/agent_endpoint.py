@@ -1,0 +1,317 @@
+"""The OpenAI-compatible chat-completions endpoint agent programs talk to (127.0.0.1 only).
+
+    POST /sessions/<token>/v1/chat/completions   (the `openai` client's base_url: .../sessions/<token>/v1)
+    GET  /sessions/<token>/v1/models
+
+One session is one training episode (megarl/rollout/agent.py opens them). Its token is a secret
+(`new_session_token`, 32 random bytes): the base URL is the credential, handed only to the agent that
+runs the episode, so another local process can neither find a session nor inject a turn into it. The
+token travels in the path rather than as the `openai` client's api_key (its `Authorization: Bearer`)
+because every client takes a base URL and agents already pass it through unchanged.
+
+This module owns the HTTP side only -- reading and checking a request, OpenAI's response and error
+shapes, one console line per dropped connection -- and hands every request of an open session to
+`handle(token, body) -> response dict`, which raises `EndpointError` for an error response. What it
+refuses before anything else runs: a body without a valid Content-Length (411, 400), over
+`max_request_bytes` (413: nothing of it is parsed), a body that does not arrive within the read
+timeout (408), invalid or deeply nested JSON (400), an unknown session (404, for `/models` too).
+Unsupported parameters are refused rather than ignored where ignoring them would change what the agent
+gets (`stream`, `n` > 1, `tools`); sampling parameters (temperature, top_p) are the run's, since the
+behaviour log-probs the learner corrects for must be the run's policy's.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import socket
+import sys
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+_ROUTE = re.compile(r"^/sessions/([^/]+)/v1/(chat/completions|models)$")
+_DIGITS = re.compile(r"[0-9]{1,18}")
+READ_TIMEOUT_S = 30.0  # a request's headers and body must arrive within this (a stalled client frees its thread)
+MAX_JSON_DEPTH = 32  # a chat request nests 4 deep ({"messages": [{"content": ...}]}); deeper is refused
+REPORT_EVERY_S = 30.0  # a kind of console line is printed at most this often (each occurrence is counted)
+_DRAIN_BYTES = 64 << 20  # a refused body up to this size is read and discarded so the client sees the answer
+
+
+def new_session_token() -> str:
+    """An unguessable session token (256 bits, URL-safe: it is a path segment of the base URL)."""
+    return secrets.token_urlsafe(32)
+
+
+def max_request_bytes_for(max_seq_len: int) -> int:
+    """The default body limit (task.agent_max_request_bytes = 0): 32 bytes per token of the context, at
+    least 1 MiB. A request carries the whole history as JSON; English is ~4 bytes a token, JSON's \\uXXXX
+    escapes of non-ASCII text up to ~12."""
+    return max(1 << 20, 32 * max_seq_len)
+
+
+class EndpointError(Exception):
+    """An error response: HTTP status, OpenAI error type and code, and a message for the agent's author."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.code = status, kind, code
+
+
+class RateLimitedLine:
+    """Console lines of one kind, at most one every REPORT_EVERY_S; every occurrence is counted."""
+
+    def __init__(self, every_s: float = REPORT_EVERY_S):
+        self.every_s, self.count, self._next, self._since = every_s, 0, 0.0, 0
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> None:
+        with self._lock:
+            self.count += 1
+            self._since += 1
+            if time.monotonic() < self._next:
+                return
+            self._next, since, self._since = time.monotonic() + self.every_s, self._since, 0
+        more = f" ({since - 1} more since the last such line)" if since > 1 else ""
+        print(f"megarl: {text}; {self.count} so far{more}", flush=True)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 256
+
+    def __init__(self, address, handler, disconnected: RateLimitedLine):
+        super().__init__(address, handler)
+        self.disconnected = disconnected
+
+    def handle_error(self, request, client_address):
+        # socketserver prints a full traceback for any error that escapes a handler; a client that went
+        # away is routine (an agent timed out or was killed) and gets one line.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            self.disconnected(f"agent endpoint: a client disconnected ({type(exc).__name__})")
+        else:
+            log.error("agent endpoint: request from %s failed", client_address[0], exc_info=exc)
+
+
+class ChatCompletionsEndpoint:
+    def __init__(self, handle: Callable[[str, dict], dict], is_open: Callable[[str], bool], model_name: str,
+                 max_request_bytes: int, port: int = 0, read_timeout_s: float = READ_TIMEOUT_S):
+        self.handle, self.is_open, self.model_name = handle, is_open, model_name
+        self.max_request_bytes, self.read_timeout_s = max_request_bytes, read_timeout_s
+        self.disconnected = RateLimitedLine()
+        self.server = _Server(("127.0.0.1", port), self._handler(), self.disconnected)
+        self.thread = threading.Thread(target=self.server.serve_forever, name="megarl-openai", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    def base_url(self, token: str) -> str:
+        return f"http://127.0.0.1:{self.port}/sessions/{token}/v1"
+
+    def start(self) -> "ChatCompletionsEndpoint":
+        self.thread.start()
+        return self
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _handler(self):
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.0"
+            timeout = endpoint.read_timeout_s  # every recv of the request line, headers and body
+
+            def log_message(self, fmt, *args):
+                log.debug("%s " + fmt, self.address_string(), *args)
+
+            def do_GET(self):
+                self._answer(self._models)
+
+            def do_POST(self):
+                self._answer(self._chat_completion)
+
+            def _answer(self, respond: Callable[[], dict]) -> None:
+                self.body_read = False
+                try:
+                    status, payload = HTTPStatus.OK, respond()
+                except ConnectionError as exc:
+                    endpoint.disconnected(f"agent endpoint: a client disconnected while sending its request "
+                                          f"({type(exc).__name__})")
+                    return
+                except EndpointError as exc:
+                    status, payload = exc.status, _error_payload(exc)
+                except Exception as exc:  # noqa: BLE001 - a bug must answer 500, not hang the agent
+                    log.exception("agent endpoint: %s %s failed", self.command, _route_name(self.path))
+                    status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, _error_payload(
+                        EndpointError(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}",
+                                      kind="server_error"))
+                try:
+                    self._send(status, payload)
+                    if not self.body_read:
+                        self._drain()
+                except (ConnectionError, TimeoutError) as exc:
+                    endpoint.disconnected(f"agent endpoint: a client disconnected before its answer "
+                                          f"({type(exc).__name__})")
+
+            def _session(self, method: str) -> str:
+                match = _ROUTE.match(self.path.split("?", 1)[0])
+                if match is None or match.group(2) != method:
+                    raise EndpointError(HTTPStatus.NOT_FOUND, f"no route {self.command} {_route_name(self.path)}; "
+                                        f"megarl serves /sessions/<token>/v1/chat/completions and .../models",
+                                        code="not_found")
+                if not endpoint.is_open(match.group(1)):
+                    raise EndpointError(HTTPStatus.NOT_FOUND, "no open session at this URL (its episode ended, or "
+                                        "the URL is not one megarl handed out)", code="session_not_found")
+                return match.group(1)
+
+            def _models(self) -> dict:
+                self._session("models")
+                return {"object": "list", "data": [
+                    {"id": endpoint.model_name, "object": "model", "created": 0, "owned_by": "megarl"}]}
+
+            def _chat_completion(self) -> dict:
+                token = self._session("chat/completions")
+                return endpoint.handle(token, parse_json_object(self._read_body()))
+
+            def _read_body(self) -> bytes:
+                """The body, checked against Content-Length and the size limit before any of it is read."""
+                raw = self.headers.get("Content-Length")
+                if raw is None:
+                    raise EndpointError(HTTPStatus.LENGTH_REQUIRED, "a Content-Length header is required",
+                                        code="length_required")
+                raw = raw.strip()
+                if not raw.isascii() or not raw.isdigit():
+                    raise EndpointError(HTTPStatus.BAD_REQUEST, f"Content-Length must be a non-negative integer, "
+                                                                f"got {raw[:40]!r}", code="invalid_content_length")
+                length = int(raw) if _DIGITS.fullmatch(raw) else None  # None: 19+ digits, over any limit
+                if length is None or length > endpoint.max_request_bytes:
+                    raise EndpointError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the request body of {raw[:40]} bytes "
+                                        f"is over this endpoint's limit of {endpoint.max_request_bytes} bytes "
+                                        f"(task.agent_max_request_bytes)", code="request_too_large")
+                deadline, chunks, left = time.monotonic() + endpoint.read_timeout_s, [], length
+                try:
+                    while left:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError
+                        chunk = self.rfile.read1(min(left, 1 << 16))
+                        if not chunk:
+                            raise EndpointError(HTTPStatus.BAD_REQUEST, f"the body ended after {length - left} of "
+                                                f"its {length} bytes (Content-Length)", code="incomplete_body")
+                        chunks.append(chunk)
+                        left -= len(chunk)
+                except TimeoutError as exc:
+                    self.close_connection = True
+                    raise EndpointError(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within "
+                                        f"{endpoint.read_timeout_s:g}s ({length - left} of {length} bytes)",
+                                        code="request_timeout") from exc
+                self.body_read = True
+                return b"".join(chunks)
+
+            def _drain(self) -> None:
+                """Read and discard a refused body (bounded in bytes and time) before closing: closing a socket
+                with unread data resets it, and the client would see a broken connection, not the answer."""
+                left = min(_content_length(self.headers) or 0, _DRAIN_BYTES)
+                deadline = time.monotonic() + endpoint.read_timeout_s
+                try:
+                    self.connection.shutdown(socket.SHUT_WR)
+                    while left > 0 and time.monotonic() < deadline:
+                        chunk = self.rfile.read1(min(left, 1 << 16))
+                        if not chunk:
+                            break
+                        left -= len(chunk)
+                except OSError:
+                    pass  # the client went away: nothing left to drain
+
+            def _send(self, status, payload: dict):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                self.wfile.flush()
+
+        return Handler
+
+
+def _content_length(headers) -> int | None:
+    raw = (headers.get("Content-Length") or "").strip()
+    return int(raw) if _DIGITS.fullmatch(raw) else None
+
+
+def _route_name(path: str) -> str:
+    """A path as it may be printed: a session token is a credential and never reaches a log or a message."""
+    return _ROUTE.sub(lambda m: f"/sessions/<token>/v1/{m.group(2)}", path.split("?", 1)[0])[:200]
+
+
+def _error_payload(exc: EndpointError) -> dict:
+    return {"error": {"message": str(exc), "type": exc.kind, "param": None, "code": exc.code}}
+
+
+def parse_json_object(data: bytes) -> dict:
+    """A request body as a JSON object; 400 for anything else, including nesting over MAX_JSON_DEPTH."""
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EndpointError(HTTPStatus.BAD_REQUEST, f"invalid JSON body: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:  # the parser's own recursion guard: nesting deeper than Python's stack allows
+        raise EndpointError(HTTPStatus.BAD_REQUEST, f"JSON nested deeper than {MAX_JSON_DEPTH} levels",
+                            code="invalid_json") from exc
+    if json_depth(body) > MAX_JSON_DEPTH:  # before anything (repr, templates) recurses into it
+        raise EndpointError(HTTPStatus.BAD_REQUEST, f"JSON nested deeper than {MAX_JSON_DEPTH} levels",
+                            code="invalid_json")
+    if not isinstance(body, dict):
+        raise EndpointError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def json_depth(value) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0), without recursion."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        depth = max(depth, level)
+        stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
+    return depth
+
+
+def check_request(body: dict) -> list:
+    """The request's messages after refusing what megarl does not serve; EndpointError otherwise."""
+    if body.get("stream"):
+        raise EndpointError(HTTPStatus.BAD_REQUEST, "stream=true is not supported: megarl answers each turn whole",
+                            code="unsupported_parameter")
+    if body.get("n", 1) != 1:
+        raise EndpointError(HTTPStatus.BAD_REQUEST, "n must be 1: one session is one episode (a group's episodes "
+                                                    "are separate sessions)", code="unsupported_parameter")
+    if body.get("tools") or body.get("functions"):
+        raise EndpointError(HTTPStatus.BAD_REQUEST, "tools/functions are not supported: the model writes its tool "
+                            "calls as text and the agent parses them", code="unsupported_parameter")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise EndpointError(HTTPStatus.BAD_REQUEST, "messages must be a non-empty list", code="invalid_messages")
+    return messages
+
+
+def completion_response(episode_key: str, turn: int, model: str, content: str, finish_reason: str,
+                        prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's chat.completion object for one model turn."""
+    return {
+        "id": f"chatcmpl-{episode_key.replace('/', '.')}-{turn}", "object": "chat.completion", "created": 0,
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                     "finish_reason": "length" if finish_reason == "length" else "stop", "logprobs": None}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
