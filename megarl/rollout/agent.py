@@ -215,8 +215,8 @@ class AgentRunner:
                                         "the next user or tool message", code="invalid_messages")
                 addition = episode.chat.prepare(new, max_ids=environment_room(episode, self.limits))
         except OverContextError as exc:
-            self.over_context_line(f"sampler: an agent's messages did not fit its episode ({exc}); the episode "
-                                   f"ends truncated without them")
+            self.over_context_line(f"agent endpoint: a request's messages did not fit its episode ({exc}); "
+                                   f"the episode ends truncated without them")
             self._no_room(session, f"refused: {exc}")
         except ChatFormatError as exc:
             raise EndpointError(HTTPStatus.BAD_REQUEST, str(exc), code="invalid_messages") from exc

@@ -140,7 +140,7 @@ class ChatCompletionsEndpoint:
                 self._answer(self._chat_completion)
 
             def _answer(self, respond: Callable[[], dict]) -> None:
-                self.body_read = False
+                self.body_pending = True  # unread (a refused request's body is drained after the answer)
                 try:
                     status, payload = HTTPStatus.OK, respond()
                 except ConnectionError as exc:
@@ -156,7 +156,7 @@ class ChatCompletionsEndpoint:
                                       kind="server_error"))
                 try:
                     self._send(status, payload)
-                    if not self.body_read:
+                    if self.body_pending:
                         self._drain()
                 except (ConnectionError, TimeoutError) as exc:
                     endpoint.disconnected(f"agent endpoint: a client disconnected before its answer "
@@ -209,11 +209,11 @@ class ChatCompletionsEndpoint:
                         chunks.append(chunk)
                         left -= len(chunk)
                 except TimeoutError as exc:
-                    self.close_connection = True
+                    self.body_pending = False  # a stalled client is not waited for twice
                     raise EndpointError(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within "
                                         f"{endpoint.read_timeout_s:g}s ({length - left} of {length} bytes)",
                                         code="request_timeout") from exc
-                self.body_read = True
+                self.body_pending = False
                 return b"".join(chunks)
 
             def _drain(self) -> None:

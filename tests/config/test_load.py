@@ -159,6 +159,7 @@ def test_an_impossible_layout_is_refused_before_any_process_starts_and_in_a_raw_
     ("task.max_turns=0", "task.max_turns: must be > 0"),
     ("task.env_timeout_s=0", "task.env_timeout_s: must be > 0"),
     ("task.max_episode_tokens=-1", "task.max_episode_tokens: must be >= 0"),
+    ("task.agent_max_request_bytes=-1", "task.agent_max_request_bytes: must be >= 0"),
 ])
 def test_multi_turn_keys_are_checked_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -70,3 +70,4 @@ def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode
         assert {v for v in r["versions"] if v >= 0} == {r["trained_at_step"]}
     assert sum(r["turns"] >= 2 for r in rollouts) > len(rollouts) / 2 and any(r["reward"] == 1.0 for r in rollouts)
     assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)
+    assert all(m["sampler1/over_context"] == 0 for m in metrics)  # reported; the shipped agent's turns all fit

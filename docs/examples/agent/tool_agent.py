@@ -8,9 +8,9 @@ environment: the model asks for a tool call by answering ">>> <code>"; the agent
 
     PYTHONPATH=docs/examples/agent megarl train configs/multiturn_demo.yaml task.agent=tool_agent:run
 
-Run alone against a live endpoint (e.g. a sampler's, printed by a run) to see one conversation:
+Run alone against a live session (a base_url megarl handed to an agent) to see one conversation:
 
-    python docs/examples/agent/tool_agent.py http://127.0.0.1:PORT/sessions/SESSION/v1 "37*43" 1591
+    python docs/examples/agent/tool_agent.py http://127.0.0.1:PORT/sessions/TOKEN/v1 "37*43" 1591
 """
 import sys
 
