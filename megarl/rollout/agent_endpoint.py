@@ -36,6 +36,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 _ROUTE = re.compile(r"^/sessions/([^/]+)/v1/(chat/completions|models)$")
+_SESSION_SEGMENT = re.compile(r"/sessions/[^/\s]+")
 _DIGITS = re.compile(r"[0-9]{1,18}")
 READ_TIMEOUT_S = 30.0  # a request's headers and body must arrive within this (a stalled client frees its thread)
 MAX_JSON_DEPTH = 32  # a chat request nests 4 deep ({"messages": [{"content": ...}]}); deeper is refused
@@ -131,7 +132,7 @@ class ChatCompletionsEndpoint:
             timeout = endpoint.read_timeout_s  # every recv of the request line, headers and body
 
             def log_message(self, fmt, *args):
-                log.debug("%s " + fmt, self.address_string(), *args)
+                log.debug("%s %s", self.address_string(), _redact(fmt % args))
 
             def do_GET(self):
                 self._answer(self._models)
@@ -248,9 +249,13 @@ def _content_length(headers) -> int | None:
     return int(raw) if _DIGITS.fullmatch(raw) else None
 
 
+def _redact(text: str) -> str:
+    """Text as it may be printed: a session token is a credential and never reaches a log or a message."""
+    return _SESSION_SEGMENT.sub("/sessions/<token>", text)
+
+
 def _route_name(path: str) -> str:
-    """A path as it may be printed: a session token is a credential and never reaches a log or a message."""
-    return _ROUTE.sub(lambda m: f"/sessions/<token>/v1/{m.group(2)}", path.split("?", 1)[0])[:200]
+    return _redact(path.split("?", 1)[0])[:200]
 
 
 def _error_payload(exc: EndpointError) -> dict:
