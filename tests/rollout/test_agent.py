@@ -1,17 +1,12 @@
 """AgentRunner + the OpenAI-compatible endpoint, driven by agents written against the real `openai` client
-and by raw sockets (what an attacker on the machine sends).
+(honest ones and hostile ones; tests/rollout/test_agent_endpoint.py sends the endpoint raw bytes).
 
 The engine is a script on a loop thread (each model turn's tokens and versions chosen by the test), so
 token bookkeeping and every refusal are exact; tests/roles/test_multiturn_e2e.py runs the shipped agent
 through a real training run."""
-import json
-import socket
-import struct
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
@@ -19,7 +14,7 @@ import pytest
 from megarl.models.tiny_chat import IM_END, build_chat_tokenizer
 from megarl.protocols import Completion, Prompt, SamplingParams
 from megarl.rollout.agent import AgentRunner
-from megarl.rollout.agent_endpoint import ChatCompletionsEndpoint, new_session_token
+from megarl.rollout.agent_endpoint import new_session_token
 from megarl.rollout.episode import EpisodeLimits
 from tests.helpers import REPO
 
