@@ -305,8 +305,11 @@ class FunctionWorker:
     For trusted functions that must still not stall the caller (a user reward that hangs on some
     input): the child imports the function once, so a call costs a pipe round trip, not a process.
     A call that overruns `timeout_s` kills the child (TimeoutError); the next call starts a new one.
-    The child dies with its parent (PR_SET_PDEATHSIG, which fires when the creating *thread* exits,
-    so create and call a worker from one long-lived thread) and exits when its stdin closes.
+    The child leads its own process group, and the group -- with every process the function started --
+    is killed when the worker is closed, when its stdin closes, and when its parent dies however it
+    exits (PR_SET_PDEATHSIG with SIGTERM, on which the worker kills its group; the signal fires when
+    the creating *thread* exits, so create and call a worker from one long-lived thread). A process
+    the function starts in a new session of its own (setsid) leaves the group and is not reached.
     """
 
     def __init__(self, fn_path: str, timeout_s: float):
@@ -637,21 +640,34 @@ def _encode_value(value) -> dict:
     return {"error": f"TypeError: result must be a number, got {type(value).__name__} {repr(value)[:80]}"}
 
 
+def _kill_own_group(*_signal) -> None:
+    """SIGKILL this worker's whole process group: the function's children with it (the worker leads
+    the group: start_new_session)."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 def _serve(spec: dict, out) -> None:
-    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    # The parent's death (even by SIGKILL, or a rank's os._exit, which runs no cleanup) sends SIGTERM,
+    # on which the worker kills its group: whatever the function started dies with the run.
+    signal.signal(signal.SIGTERM, _kill_own_group)
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "prctl(PDEATHSIG)")
     if os.getppid() != spec["parent_pid"]:
-        return  # the parent died before PDEATHSIG was armed
+        _kill_own_group()  # the parent died before PDEATHSIG was armed
     try:
         fn = load_function(spec["fn"])
     except ValueError as exc:
         out.write(json.dumps({"error": f"ValueError: {exc}"}) + "\n")
         return
-    for line in sys.stdin:
-        try:
-            record = _encode_value(fn(*json.loads(line)))
-        except Exception as exc:  # noqa: BLE001 - reported to the caller, who records it
-            record = {"error": describe_exception(exc)}
-        out.write(json.dumps(record) + "\n")
+    try:
+        for line in sys.stdin:
+            try:
+                record = _encode_value(fn(*json.loads(line)))
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, who records it
+                record = {"error": describe_exception(exc)}
+            out.write(json.dumps(record) + "\n")
+    finally:  # stdin closed: the parent is done with this worker
+        out.flush()
+        _kill_own_group()
 
 
 def _seal_result_channel(fd: int) -> None:

@@ -103,3 +103,14 @@ def run_untrusted(prompt, completion, answer, meta):
     import sys
 
     return float(subprocess.run([sys.executable, "-c", completion], close_fds=False, timeout=10).returncode == 7)
+
+
+def spawns_children(prompt, completion, answer, meta):
+    """A (trusted) reward that starts a helper process per call and leaves it running, appending its pid
+    to meta["pid_file"]."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(meta["pid_file"], "a") as f:
+        f.write(f"{child.pid}\n")
+    return 1.0

@@ -172,6 +172,38 @@ def test_worker_survives_hangs_and_crashes_within_its_deadline():
     crashing.close()
 
 
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for a reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("exit_how", ["os._exit", "SIGKILL"])
+def test_a_rewards_children_die_with_the_process_that_called_it(tmp_path, exit_how):
+    """A rank leaves with os._exit (megarl/distributed/lifetime.py), or is killed: neither runs cleanup
+    code, and the reward worker's own children must still not outlive it (issue 23: 292 were left)."""
+    pid_file = tmp_path / "pids"
+    exit_now = "os._exit(0)" if exit_how == "os._exit" else "os.kill(os.getpid(), signal.SIGKILL)"
+    # FunctionWorker is what a trusted UserReward calls (megarl/rollout/rewards.py); importing only the
+    # sandbox module keeps this test free of torch's import time.
+    code = ("import os, signal\nfrom megarl.rollout.sandbox import FunctionWorker\n"
+            "reward = FunctionWorker('tests.rollout.reward_fns:spawns_children', timeout_s=10)\n"
+            f"print([reward('1+1=', '2', '2', {{'pid_file': {str(pid_file)!r}}}) for _ in range(3)], flush=True)\n"
+            + exit_now + "\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout == "[1.0, 1.0, 1.0]\n", proc.stderr[-2000:]
+    pids = [int(line) for line in pid_file.read_text().split()]
+    assert len(pids) == 3
+    deadline = time.monotonic() + 10
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(running, pids)), [p for p in pids if running(p)]
+
+
 def test_limits_that_cannot_hold_are_refused():
     with pytest.raises(ValueError, match="sandbox.cpu_s: must be > 0"):
         check_config(SandboxConfig(cpu_s=0))
