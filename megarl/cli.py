@@ -212,10 +212,11 @@ def check_task(cfg) -> list[str]:
     """Build the task once as every sampler will (dataset rows read, sandbox probed, a user reward function
     called on a few real prompts); raises what a sampler would raise, returns lines worth printing at start."""
     from megarl.rollout.rewards import check_reward
-    from megarl.rollout.sandbox import SandboxError, probe
+    from megarl.rollout.sandbox import SandboxError, hide_from_sandboxes, probe
     from megarl.rollout.tasks import task_from_config
 
     tc, lines = cfg.task, []
+    hide_from_sandboxes(cfg.run.dir, tc.path, cfg.checkpoint.dir)  # as the samplers will
     task = task_from_config(tc)
     dataset = getattr(task, "task", task)  # a task scored by task.reward_fn wraps the prompt source
     if hasattr(dataset, "bad_rows"):

@@ -135,6 +135,20 @@ def probe() -> tuple[str, ...]:
     return result.layers
 
 
+_hidden_paths: tuple[str, ...] = ()
+
+
+def hide_from_sandboxes(*paths: str) -> None:
+    """Paths no sandbox this process starts may read: the run's answers (task.path), its run and
+    checkpoint directories. Process-wide, because rewards, tasks and tools all start sandboxes and must
+    hide the same run-level paths; set by a role at start. Each existing path is covered, in the
+    sandbox's mount namespace, by an empty read-only tmpfs (a directory) or an unreadable node (a file);
+    a path that holds the sandbox's working directory or an import path it needs is left visible (hiding
+    it would break the sandbox) and named in the result's layers. Without namespaces nothing is hidden."""
+    global _hidden_paths
+    _hidden_paths = tuple(dict.fromkeys(os.path.realpath(os.path.expanduser(p)) for p in paths if p))
+
+
 def _child_argv() -> list[str]:
     # -I: no user site, no PYTHON* variables, no script directory on sys.path; the child sets sys.path.
     return [sys.executable, "-I", os.path.abspath(__file__)]
@@ -173,7 +187,8 @@ def _run(job: dict, limits: SandboxConfig, timeout_s: float) -> SandboxResult:
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="megarl-sandbox-")
     result_r, result_w = os.pipe()
-    spec = {**job, "workdir": workdir, "result_fd": result_w, "limits": asdict(limits), "sys_path": _sys_path()}
+    spec = {**job, "workdir": workdir, "result_fd": result_w, "limits": asdict(limits), "sys_path": _sys_path(),
+            "hidden": _hidden_paths}
     try:
         proc = subprocess.Popen(_child_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=workdir, env=_child_env(workdir),
@@ -451,10 +466,29 @@ def _remount_readonly(point: str) -> None:
     _mount(None, point, None, flags)
 
 
-def _enter_namespaces(workdir: str, limits: dict) -> bool:
-    """User + mount + pid + ipc (+ net) namespaces with a read-only view of the filesystem; False if the
-    kernel refuses an unprivileged user namespace and they are not required. Raises if they are required
-    but refused, or if setting them up half-succeeds: the sandbox fails closed."""
+def _hide(paths: list[str], needed: list[str]) -> list[str]:
+    """Cover each existing path of `paths` (see hide_from_sandboxes) unless one of `needed` lies in it;
+    returns the layer names: "hidden:<path>" or "visible:<path>" (needed, so left readable)."""
+    layers = []
+    for path in paths:
+        if not os.path.lexists(path):
+            continue
+        if any(os.path.commonpath([path, os.path.realpath(n)]) == path for n in needed):
+            layers.append(f"visible:{path}")
+        elif os.path.isdir(path):
+            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555")
+            layers.append(f"hidden:{path}")
+        else:  # a file: /dev/null over it, which the read-only remount below makes nodev (unopenable)
+            _mount("/dev/null", path, None, MS_BIND)
+            layers.append(f"hidden:{path}")
+    return layers
+
+
+def _enter_namespaces(workdir: str, limits: dict, hidden: list[str], needed: list[str]) -> list[str] | None:
+    """User + mount + pid + ipc (+ net) namespaces with a read-only view of the filesystem and `hidden`
+    covered; returns _hide's layer names, or None if the kernel refuses an unprivileged user namespace
+    and they are not required. Raises if they are required but refused, or if setting them up
+    half-succeeds: the sandbox fails closed."""
     uid, gid = os.geteuid(), os.getegid()
     flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if limits["network"] else CLONE_NEWNET)
     if _libc.unshare(flags) != 0:
@@ -470,17 +504,18 @@ def _enter_namespaces(workdir: str, limits: dict) -> bool:
                                f"as root: without one, sandboxed code would run as root (it could write any root-owned "
                                f"file and signal any root process), so sandbox.require_namespaces=false is refused "
                                f"for uid 0; allow user namespaces or run megarl as a non-root user (docs/security.md)")
-        return False
+        return None
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
     _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits['disk_mb']}m,mode=0700")
     _mount("/dev/null", "/dev/null", None, MS_BIND)  # its own mount, so it survives /dev going nodev
+    hide_layers = _hide(hidden, [workdir, *needed])
     for point in _mount_points():
         if point not in (workdir, "/dev/null"):
             _remount_readonly(point)
-    return True
+    return hide_layers
 
 
 def _fork_and_mirror() -> None:
@@ -602,13 +637,18 @@ def _isolate(spec: dict) -> list[str]:
     limits, workdir = spec["limits"], spec["workdir"]
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     layers = ["process"]
-    namespaced = _enter_namespaces(workdir, limits)
+    # The interpreter and, for a function, its import path stay visible whatever is hidden.
+    needed = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.abspath(__file__))]
+    needed += spec["sys_path"] if spec["mode"] == "call" else []
+    hide_layers = _enter_namespaces(workdir, limits, spec["hidden"], needed)
+    namespaced = hide_layers is not None
     if namespaced:
         _enter_pid_namespace()  # returns in pid 1 of the new namespace
         _hide_host_proc()
         _drop_capabilities()
         layers += ["namespaces", "readonly-fs", "tmpfs-workdir", "pid-namespace"]
         layers += [] if limits["network"] else ["net-namespace"]
+        layers += hide_layers
     os.chdir(workdir)
     _set_rlimits(limits)
     layers.append("rlimits")

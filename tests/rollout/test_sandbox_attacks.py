@@ -212,3 +212,33 @@ raise SystemExit(7 if wrote else 0)
     proc = as_sampler(mode, code, MODES[mode][1], forge)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == "0.0", proc.stdout
+
+
+@needs_userns
+def test_the_answers_and_the_run_directory_are_not_readable(tmp_path):
+    """A python_output program that reads task.path would print the answer and score 1.0."""
+    answers, run_dir = tmp_path / "answers.jsonl", tmp_path / "runs" / "demo"
+    answers.write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    run_dir.mkdir(parents=True)
+    (run_dir / "rollouts.jsonl").write_text('{"answer": "4"}\n')
+    steal = (f"for path in ({str(answers)!r}, {str(run_dir / 'rollouts.jsonl')!r}):\n"
+             "    try:\n        print(repr(open(path).read()))\n"
+             "    except OSError as exc:\n        print(type(exc).__name__)\n")
+    code = ("import sys\nfrom megarl.rollout.sandbox import hide_from_sandboxes, run_python\n"
+            "hide_from_sandboxes(sys.argv[1], sys.argv[2], '')\n"
+            "result = run_python(sys.argv[3], timeout_s=20)\nprint(result.error, result.layers)\n"
+            "print(result.stdout, end='')\n")
+    proc = as_sampler("namespaced-root", code, str(answers), str(run_dir), steal)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status, *read = proc.stdout.splitlines()
+    assert status.startswith("None") and f"hidden:{answers}" in status and f"hidden:{run_dir}" in status, status
+    assert read == ["PermissionError", "FileNotFoundError"], read  # /dev/null on a nodev mount; an empty tmpfs
+
+
+@needs_userns
+def test_a_hidden_path_that_holds_a_rewards_import_path_stays_visible():
+    code = ("import os\nfrom megarl.rollout.sandbox import call, hide_from_sandboxes\n"
+            "hide_from_sandboxes(os.getcwd())\n"
+            "print(call('tests.rollout.reward_fns:exact', ['1+1=', '2', '2', {}], timeout_s=20))\n")
+    proc = as_sampler("namespaced-root", code)
+    assert proc.returncode == 0 and proc.stdout == "1.0\n", (proc.stdout, proc.stderr[-3000:])
