@@ -230,7 +230,8 @@ def check_task(cfg) -> list[str]:
             raise ValueError(f"sandboxed rewards cannot run: {exc}") from exc
         if tc.sandbox.require_namespaces and "namespaces" not in layers:
             raise ValueError("task.sandbox.require_namespaces: this kernel refuses unprivileged user namespaces, so "
-                             "sandboxed code could write outside its directory; set it to false to accept that")
+                             "sandboxed code could write outside its directory; set it to false to accept that (non-root only: "
+                             "docs/security.md, \"Sandbox modes\", says what the fallback leaves open)")
         lines.append(f"reward sandbox: {', '.join(layers)}")
     if ":" in tc.reward_fn:  # a user function: imported and called on real prompts, in its own process
         lines.append(check_reward(task, tc.reward_fn))

@@ -5,26 +5,36 @@ Parent side (what megarl calls):
   * `call(fn_path, args, limits, timeout_s)` runs one function ("pkg.module:function") and returns its value;
   * `FunctionWorker(fn_path, timeout_s)`: one persistent, *unisolated* process for trusted functions that
     may still hang: a call that overruns its deadline kills the worker, which restarts on the next call;
-  * `probe()` says which isolation layers this machine applies.
+  * `probe()` says which isolation layers this machine applies;
+  * `hide_from_sandboxes(*paths)`: paths (the run's answers and outputs) no sandbox of this process may read.
 Child side: this same file run as a script (`python -I sandbox.py`), standard library only, so a
 sandbox starts without importing megarl or torch.
 
-The layers that contain sandboxed code, each applied where the kernel allows:
+The layers that contain sandboxed code, each applied where the kernel allows (docs/security.md,
+"Sandbox modes", says what each mode stops and what remains):
   process     its own session and process group; at the wall-clock deadline the group is SIGKILLed.
-  rlimits     CPU seconds (SIGXCPU), address space, file size, open files, no core dumps; with
-              max_processes > 1 also RLIMIT_NPROC (processes *and threads*).
-  seccomp     no_new_privs + a BPF filter: no new processes when max_processes == 1 (fork, vfork,
-              clone without CLONE_THREAD; threads stay allowed), no socket() when network is off,
-              no io_uring (it can open sockets behind seccomp's back). Unprivileged, root or not.
+              A fresh environment (nothing of the sampler's). For call(): the result pipe is
+              close-on-exec, replaced by /dev/null in forked children, and the process is non-dumpable,
+              so code the function starts cannot write its result.
+  rlimits     CPU seconds (SIGXCPU), address space, file size, open files, no POSIX message queues, no
+              core dumps; with max_processes > 1 also RLIMIT_NPROC (processes *and threads*).
+  seccomp     no_new_privs + a BPF filter: no ptrace, process_vm_readv/writev, SysV shared memory,
+              message queues or semaphores, memfd, io_uring (it can open sockets behind seccomp's back);
+              with max_processes == 1 no new task at all (fork, vfork, clone, clone3: threads too -- root
+              is exempt from RLIMIT_NPROC, and raw clone(CLONE_THREAD) needs almost no address space);
+              no socket() when network is off; without a pid namespace, signals and prlimit only to the
+              sandbox's own process and group. Unprivileged, root or not.
   namespaces  an unprivileged user namespace with mount, pid, ipc and net namespaces: every mount
-              read-only and nodev except a size-capped tmpfs working directory and /dev/null, a
-              fresh /proc that shows only the sandbox, no network interface but a down loopback,
-              all capabilities dropped, and every process the code starts dies with it.
+              read-only and nodev except a size-capped tmpfs working directory and /dev/null, the
+              paths of hide_from_sandboxes() covered, a fresh /proc that shows only the sandbox, no
+              network interface but a down loopback, all capabilities dropped, and every process the
+              code starts dies with it.
 Without user namespaces (kernel.unprivileged_userns_clone=0, an AppArmor userns restriction, docker's
-default seccomp profile) the working directory is a host tempdir (cwd, HOME and TMPDIR point there)
-and writes elsewhere are limited only by the uid's file permissions: docs/bad_input.md says so.
-RLIMIT_NPROC does not bind uid 0 (the kernel exempts root), so as root only max_processes == 1
-(seccomp) can be enforced and larger values are refused.
+default seccomp profile) the working directory is a host tempdir (cwd, HOME and TMPDIR point there),
+files are limited only by the uid's permissions and nothing is hidden. As root that fallback is refused
+(the code would run as root); as another user the sampler makes itself non-dumpable, so the sandbox
+(same uid) cannot read its /proc/<pid>/environ or memory. RLIMIT_NPROC does not bind uid 0 (the kernel
+exempts root), so as root only max_processes == 1 (seccomp) can be enforced and larger values are refused.
 """
 from __future__ import annotations
 
@@ -54,11 +64,12 @@ class SandboxConfig:
     cpu_s: float = 5.0  # CPU seconds per process (RLIMIT_CPU, rounded up to whole seconds)
     memory_mb: int = 512  # address space per process (RLIMIT_AS)
     disk_mb: int = 16  # largest file (RLIMIT_FSIZE); with namespaces also the working directory's size
-    max_processes: int = 1  # 1 = the program alone (no fork); > 1 needs a non-root uid (RLIMIT_NPROC)
+    max_processes: int = 1  # 1 = the program alone (no fork, no thread); > 1 needs a non-root uid (RLIMIT_NPROC)
     max_output_kb: int = 256  # stdout and stderr kept, per stream; more kills the program
     network: bool = False  # False: no sockets (seccomp) and no interfaces (net namespace)
-    # Without user namespaces the filesystem is not read-only for the code (see the module docstring):
-    # true refuses to run then, false runs with the process, rlimit and seccomp layers only.
+    # Without user namespaces the filesystem is not read-only for the code (docs/security.md, "Sandbox
+    # modes"): true refuses to run then, false runs with the process, rlimit and seccomp layers only
+    # (as a non-root user; as root the fallback is refused).
     require_namespaces: bool = True
 
 
