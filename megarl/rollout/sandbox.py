@@ -413,7 +413,7 @@ def _wait_readable(fd: int, timeout_s: float) -> bool:
 _libc = ctypes.CDLL(None, use_errno=True)
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
-CLONE_NEWPID, CLONE_NEWNET, CLONE_THREAD = 0x20000000, 0x40000000, 0x00010000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE = 1024, 2048, 4096, 16384, 1 << 18
 MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
@@ -440,6 +440,7 @@ _SYSCALLS = {
 # no limit until mapped).
 _ALWAYS_DENIED = ("io_uring_setup", "ptrace", "process_vm_readv", "process_vm_writev", "shmget", "shmat", "msgget",
                   "semget", "memfd_create", "memfd_secret")
+
 
 def _check(ret: int, what: str) -> None:
     if ret != 0:

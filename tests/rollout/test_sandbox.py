@@ -96,7 +96,7 @@ ESCAPES = {
     "exit status": ("raise SystemExit(3)", "exit status 3"),
     "self kill": ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "killed by SIGSEGV"),
     # The true cause, not the waiting pid 1's failure to relay it (it reported "sandbox setup failed: OSError").
-    "SIGKILL": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "killed by SIGKILL: the CPU-time hard limit"),
+    "SIGKILL": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "killed by SIGKILL: the CPU-time hard"),
 }
 
 

@@ -109,8 +109,8 @@ from megarl.rollout.sandbox import SandboxConfig, run_python
 # sandbox; other processes of a non-root uid are not (docs/security.md).
 victim = subprocess.Popen(["sleep", "30"], env={})
 limits = SandboxConfig(cpu_s=5, memory_mb=256, disk_mb=16, require_namespaces=sys.argv[1] == "namespaced")
-result = run_python(sys.argv[2], stdin=json.dumps({"victim": victim.pid, "memory_mb": 256, "disk_mb": 16}), limits=limits,
-                    timeout_s=30)
+job = {"victim": victim.pid, "memory_mb": 256, "disk_mb": 16}
+result = run_python(sys.argv[2], stdin=json.dumps(job), limits=limits, timeout_s=30)
 victim_alive = victim.poll() is None
 victim.kill()
 print(json.dumps({"layers": result.layers, "error": result.error, "stdout": result.stdout,
