@@ -212,10 +212,11 @@ def check_task(cfg) -> list[str]:
     """Build the task once as every sampler will (dataset rows read, sandbox probed, a user reward function
     called on a few real prompts); raises what a sampler would raise, returns lines worth printing at start."""
     from megarl.rollout.rewards import check_reward
-    from megarl.rollout.sandbox import SandboxError, probe
+    from megarl.rollout.sandbox import SandboxError, hide_from_sandboxes, probe
     from megarl.rollout.tasks import task_from_config
 
     tc, lines = cfg.task, []
+    hide_from_sandboxes(cfg.run.dir, tc.path, cfg.checkpoint.dir)  # as the samplers will
     task = task_from_config(tc)
     dataset = getattr(task, "task", task)  # a task scored by task.reward_fn wraps the prompt source
     if hasattr(dataset, "bad_rows"):
@@ -229,7 +230,8 @@ def check_task(cfg) -> list[str]:
             raise ValueError(f"sandboxed rewards cannot run: {exc}") from exc
         if tc.sandbox.require_namespaces and "namespaces" not in layers:
             raise ValueError("task.sandbox.require_namespaces: this kernel refuses unprivileged user namespaces, so "
-                             "sandboxed code could write outside its directory; set it to false to accept that")
+                             "sandboxed code could write outside its directory; set it to false to accept that (non-root only: "
+                             "docs/security.md, \"Sandbox modes\", says what the fallback leaves open)")
         lines.append(f"reward sandbox: {', '.join(layers)}")
     if ":" in tc.reward_fn:  # a user function: imported and called on real prompts, in its own process
         lines.append(check_reward(task, tc.reward_fn))

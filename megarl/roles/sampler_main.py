@@ -41,6 +41,7 @@ from megarl.rollout.agent import AgentRunner
 from megarl.rollout.environment import is_multi_turn
 from megarl.rollout.episode import Episode, EpisodeLimits, EpisodeRunner
 from megarl.rollout.rewards import check_reward, score_group
+from megarl.rollout.sandbox import hide_from_sandboxes
 from megarl.rollout.tasks import prompt_rng, task_from_config
 
 STOP_POLL_S = 0.2
@@ -91,6 +92,8 @@ class SamplerLoop:
             self.engine = TPLeadEngine(builtin_engine(cfg, topo, model_dir, tp_group), tp_group, cfg.dist.timeout_s)
         else:
             self.engine = builtin_engine(cfg, topo, model_dir, None)
+        # Sandboxed code (a python_output program, a tool call, a sandboxed reward) must not read the answers.
+        hide_from_sandboxes(cfg.run.dir, cfg.task.path, cfg.checkpoint.dir)
         self.task = task_from_config(cfg.task)
         if ":" in cfg.task.reward_fn and topo.role_rank == 0:  # `megarl train` checked it; a raw torchrun did not
             print(f"megarl: {check_reward(self.task, cfg.task.reward_fn)}", flush=True)

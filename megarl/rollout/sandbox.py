@@ -5,26 +5,36 @@ Parent side (what megarl calls):
   * `call(fn_path, args, limits, timeout_s)` runs one function ("pkg.module:function") and returns its value;
   * `FunctionWorker(fn_path, timeout_s)`: one persistent, *unisolated* process for trusted functions that
     may still hang: a call that overruns its deadline kills the worker, which restarts on the next call;
-  * `probe()` says which isolation layers this machine applies.
+  * `probe()` says which isolation layers this machine applies;
+  * `hide_from_sandboxes(*paths)`: paths (the run's answers and outputs) no sandbox of this process may read.
 Child side: this same file run as a script (`python -I sandbox.py`), standard library only, so a
 sandbox starts without importing megarl or torch.
 
-The layers that contain sandboxed code, each applied where the kernel allows:
+The layers that contain sandboxed code, each applied where the kernel allows (docs/security.md,
+"Sandbox modes", says what each mode stops and what remains):
   process     its own session and process group; at the wall-clock deadline the group is SIGKILLed.
-  rlimits     CPU seconds (SIGXCPU), address space, file size, open files, no core dumps; with
-              max_processes > 1 also RLIMIT_NPROC (processes *and threads*).
-  seccomp     no_new_privs + a BPF filter: no new processes when max_processes == 1 (fork, vfork,
-              clone without CLONE_THREAD; threads stay allowed), no socket() when network is off,
-              no io_uring (it can open sockets behind seccomp's back). Unprivileged, root or not.
+              A fresh environment (nothing of the sampler's). For call(): the result pipe is
+              close-on-exec, replaced by /dev/null in forked children, and the process is non-dumpable,
+              so code the function starts cannot write its result.
+  rlimits     CPU seconds (SIGXCPU), address space, file size, open files, no POSIX message queues, no
+              core dumps; with max_processes > 1 also RLIMIT_NPROC (processes *and threads*).
+  seccomp     no_new_privs + a BPF filter: no ptrace, process_vm_readv/writev, SysV shared memory,
+              message queues or semaphores, memfd, io_uring (it can open sockets behind seccomp's back);
+              with max_processes == 1 no new task at all (fork, vfork, clone, clone3: threads too -- root
+              is exempt from RLIMIT_NPROC, and raw clone(CLONE_THREAD) needs almost no address space);
+              no socket() when network is off; without a pid namespace, signals and prlimit only to the
+              sandbox's own process and group. Unprivileged, root or not.
   namespaces  an unprivileged user namespace with mount, pid, ipc and net namespaces: every mount
-              read-only and nodev except a size-capped tmpfs working directory and /dev/null, a
-              fresh /proc that shows only the sandbox, no network interface but a down loopback,
-              all capabilities dropped, and every process the code starts dies with it.
+              read-only and nodev except a size-capped tmpfs working directory and /dev/null, the
+              paths of hide_from_sandboxes() covered, a fresh /proc that shows only the sandbox, no
+              network interface but a down loopback, all capabilities dropped, and every process the
+              code starts dies with it.
 Without user namespaces (kernel.unprivileged_userns_clone=0, an AppArmor userns restriction, docker's
-default seccomp profile) the working directory is a host tempdir (cwd, HOME and TMPDIR point there)
-and writes elsewhere are limited only by the uid's file permissions: docs/bad_input.md says so.
-RLIMIT_NPROC does not bind uid 0 (the kernel exempts root), so as root only max_processes == 1
-(seccomp) can be enforced and larger values are refused.
+default seccomp profile) the working directory is a host tempdir (cwd, HOME and TMPDIR point there),
+files are limited only by the uid's permissions and nothing is hidden. As root that fallback is refused
+(the code would run as root); as another user the sampler makes itself non-dumpable, so the sandbox
+(same uid) cannot read its /proc/<pid>/environ or memory. RLIMIT_NPROC does not bind uid 0 (the kernel
+exempts root), so as root only max_processes == 1 (seccomp) can be enforced and larger values are refused.
 """
 from __future__ import annotations
 
@@ -54,11 +64,12 @@ class SandboxConfig:
     cpu_s: float = 5.0  # CPU seconds per process (RLIMIT_CPU, rounded up to whole seconds)
     memory_mb: int = 512  # address space per process (RLIMIT_AS)
     disk_mb: int = 16  # largest file (RLIMIT_FSIZE); with namespaces also the working directory's size
-    max_processes: int = 1  # 1 = the program alone (no fork); > 1 needs a non-root uid (RLIMIT_NPROC)
+    max_processes: int = 1  # 1 = the program alone (no fork, no thread); > 1 needs a non-root uid (RLIMIT_NPROC)
     max_output_kb: int = 256  # stdout and stderr kept, per stream; more kills the program
     network: bool = False  # False: no sockets (seccomp) and no interfaces (net namespace)
-    # Without user namespaces the filesystem is not read-only for the code (see the module docstring):
-    # true refuses to run then, false runs with the process, rlimit and seccomp layers only.
+    # Without user namespaces the filesystem is not read-only for the code (docs/security.md, "Sandbox
+    # modes"): true refuses to run then, false runs with the process, rlimit and seccomp layers only
+    # (as a non-root user; as root the fallback is refused).
     require_namespaces: bool = True
 
 
@@ -135,6 +146,20 @@ def probe() -> tuple[str, ...]:
     return result.layers
 
 
+_hidden_paths: tuple[str, ...] = ()
+
+
+def hide_from_sandboxes(*paths: str) -> None:
+    """Paths no sandbox this process starts may read: the run's answers (task.path), its run and
+    checkpoint directories. Process-wide, because rewards, tasks and tools all start sandboxes and must
+    hide the same run-level paths; set by a role at start. Each existing path is covered, in the
+    sandbox's mount namespace, by an empty read-only tmpfs (a directory) or an unreadable node (a file);
+    a path that holds the sandbox's working directory or an import path it needs is left visible (hiding
+    it would break the sandbox) and named in the result's layers. Without namespaces nothing is hidden."""
+    global _hidden_paths
+    _hidden_paths = tuple(dict.fromkeys(os.path.realpath(os.path.expanduser(p)) for p in paths if p))
+
+
 def _child_argv() -> list[str]:
     # -I: no user site, no PYTHON* variables, no script directory on sys.path; the child sets sys.path.
     return [sys.executable, "-I", os.path.abspath(__file__)]
@@ -150,16 +175,31 @@ def _sys_path() -> list[str]:
 
 
 def _child_env(workdir: str) -> dict[str, str]:
-    # A fresh environment: nothing of the sampler's (tokens, credentials) reaches the code.
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+    # A fresh environment: nothing of the sampler's (tokens, credentials) reaches the code. One thread per
+    # math library: with max_processes=1 seccomp refuses every thread, and OpenBLAS (numpy) dies by SIGINT
+    # at import when it cannot start its thread pool.
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@functools.lru_cache(maxsize=None)
+def _hide_from_own_uid() -> None:
+    """Make this process non-dumpable: without namespaces the sandbox runs as this uid and sees host
+    /proc, and a same-uid process without capabilities may otherwise read /proc/<this pid>/environ
+    (tokens, credentials), open /proc/<this pid>/mem or ptrace it. Costs: no core dumps; profilers
+    such as py-spy need root to attach."""
+    _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(DUMPABLE)")
 
 
 def _run(job: dict, limits: SandboxConfig, timeout_s: float) -> SandboxResult:
     check_config(limits)
+    if not limits.require_namespaces and os.geteuid() != 0:
+        _hide_from_own_uid()
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="megarl-sandbox-")
     result_r, result_w = os.pipe()
-    spec = {**job, "workdir": workdir, "result_fd": result_w, "limits": asdict(limits), "sys_path": _sys_path()}
+    spec = {**job, "workdir": workdir, "result_fd": result_w, "limits": asdict(limits), "sys_path": _sys_path(),
+            "hidden": _hidden_paths}
     try:
         proc = subprocess.Popen(_child_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=workdir, env=_child_env(workdir),
@@ -187,11 +227,17 @@ def _run(job: dict, limits: SandboxConfig, timeout_s: float) -> SandboxResult:
         _remove_tree(workdir)
     stdout, stderr, records = (streams[k].decode("utf-8", "replace") for k in ("stdout", "stderr", "result"))
     record: dict = {}
-    for line in records.splitlines():  # {"layers": [...]}, then (call) {"value": v} or {"error": "..."}
+    lines = records.splitlines()  # {"layers": [...]}, then (call) {"value": v} or {"error": "..."}
+    expected = 2 if job["mode"] == "call" else 1
+    for line in lines[:expected]:
         try:
             record.update(json.loads(line))
         except ValueError:
             record["error"] = f"unreadable result record {line[:80]!r}"
+    if len(lines) > expected:  # the sandbox writes no more; a forged value must not count
+        record.pop("value", None)
+        record["error"] = (f"the result channel carried {len(lines)} records, more than the sandbox writes "
+                           f"({lines[expected][:80]!r}): something else in the sandbox wrote to it")
     result = SandboxResult(returncode=proc.returncode, stdout=stdout, stderr=stderr, error=record.get("error"),
                            wall_s=time.monotonic() - start, layers=tuple(record.get("layers", ())),
                            value=record.get("value"))
@@ -247,7 +293,8 @@ def _describe_failure(result: SandboxResult, stop: str | None, limits: SandboxCo
     if sig == signal.SIGXCPU:
         return f"CPU-time limit: used more than {limits.cpu_s:g}s of CPU (SIGXCPU)"
     if sig == signal.SIGKILL:
-        return f"killed (SIGKILL): CPU-time hard limit ({limits.cpu_s:g}s + 1) or out of memory"
+        return (f"killed by SIGKILL: the CPU-time hard limit ({limits.cpu_s:g}s + 1), out of memory (the kernel's "
+                f"OOM killer), or a kill from within the sandbox")
     if sig in signal.valid_signals():
         return f"killed by {signal.Signals(sig).name}"
     if result.error is not None:
@@ -284,8 +331,11 @@ class FunctionWorker:
     For trusted functions that must still not stall the caller (a user reward that hangs on some
     input): the child imports the function once, so a call costs a pipe round trip, not a process.
     A call that overruns `timeout_s` kills the child (TimeoutError); the next call starts a new one.
-    The child dies with its parent (PR_SET_PDEATHSIG, which fires when the creating *thread* exits,
-    so create and call a worker from one long-lived thread) and exits when its stdin closes.
+    The child leads its own process group, and the group -- with every process the function started --
+    is killed when the worker is closed, when its stdin closes, and when its parent dies however it
+    exits (PR_SET_PDEATHSIG with SIGTERM, on which the worker kills its group; the signal fires when
+    the creating *thread* exits, so create and call a worker from one long-lived thread). A process
+    the function starts in a new session of its own (setsid) leaves the group and is not reached.
     """
 
     def __init__(self, fn_path: str, timeout_s: float):
@@ -363,19 +413,33 @@ def _wait_readable(fd: int, timeout_s: float) -> bool:
 _libc = ctypes.CDLL(None, use_errno=True)
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x10000000
-CLONE_NEWPID, CLONE_NEWNET, CLONE_THREAD = 0x20000000, 0x40000000, 0x00010000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE = 1024, 2048, 4096, 16384, 1 << 18
 MS_RELATIME, MS_STRICTATIME = 1 << 21, 1 << 24
-PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 1, 22, 24, 38, 47
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_CAPBSET_DROP = 1, 4, 22, 24
+PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 38, 47
 SECCOMP_MODE_FILTER, SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 2, 0x7FFF0000, 0x00050000
 
 # audit arch, and the syscall numbers the filter needs (aarch64 has no fork/vfork syscalls).
 _SYSCALLS = {
     "x86_64": (0xC000003E, {"clone": 56, "fork": 57, "vfork": 58, "clone3": 435, "socket": 41,
-                            "io_uring_setup": 425}),
-    "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435, "socket": 198, "io_uring_setup": 425}),
+                            "io_uring_setup": 425, "ptrace": 101, "process_vm_readv": 310,
+                            "process_vm_writev": 311, "shmget": 29, "shmat": 30, "msgget": 68, "semget": 64,
+                            "memfd_create": 319, "memfd_secret": 447, "kill": 62, "tkill": 200, "tgkill": 234,
+                            "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297, "pidfd_open": 434,
+                            "pidfd_send_signal": 424, "pidfd_getfd": 438, "prlimit64": 302}),
+    "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435, "socket": 198, "io_uring_setup": 425, "ptrace": 117,
+                             "process_vm_readv": 270, "process_vm_writev": 271, "shmget": 194, "shmat": 196,
+                             "msgget": 186, "semget": 190, "memfd_create": 279, "memfd_secret": 447, "kill": 129,
+                             "tkill": 130, "tgkill": 131, "rt_sigqueueinfo": 138, "rt_tgsigqueueinfo": 240,
+                             "pidfd_open": 434, "pidfd_send_signal": 424, "pidfd_getfd": 438, "prlimit64": 261}),
 }
+# Always denied: another process's memory (ptrace, process_vm_*), and memory that outlives or escapes
+# RLIMIT_AS (SysV shared memory and message queues, detached, stay allocated; memfd pages count against
+# no limit until mapped).
+_ALWAYS_DENIED = ("io_uring_setup", "ptrace", "process_vm_readv", "process_vm_writev", "shmget", "shmat", "msgget",
+                  "semget", "memfd_create", "memfd_secret")
 
 
 def _check(ret: int, what: str) -> None:
@@ -414,10 +478,29 @@ def _remount_readonly(point: str) -> None:
     _mount(None, point, None, flags)
 
 
-def _enter_namespaces(workdir: str, limits: dict) -> bool:
-    """User + mount + pid + ipc (+ net) namespaces with a read-only view of the filesystem; False if the
-    kernel refuses an unprivileged user namespace and they are not required. Raises if they are required
-    but refused, or if setting them up half-succeeds: the sandbox fails closed."""
+def _hide(paths: list[str], needed: list[str]) -> list[str]:
+    """Cover each existing path of `paths` (see hide_from_sandboxes) unless one of `needed` lies in it;
+    returns the layer names: "hidden:<path>" or "visible:<path>" (needed, so left readable)."""
+    layers = []
+    for path in paths:
+        if not os.path.lexists(path):
+            continue
+        if any(os.path.commonpath([path, os.path.realpath(n)]) == path for n in needed):
+            layers.append(f"visible:{path}")
+        elif os.path.isdir(path):
+            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555")
+            layers.append(f"hidden:{path}")
+        else:  # a file: /dev/null over it, which the read-only remount below makes nodev (unopenable)
+            _mount("/dev/null", path, None, MS_BIND)
+            layers.append(f"hidden:{path}")
+    return layers
+
+
+def _enter_namespaces(workdir: str, limits: dict, hidden: list[str], needed: list[str]) -> list[str] | None:
+    """User + mount + pid + ipc (+ net) namespaces with a read-only view of the filesystem and `hidden`
+    covered; returns _hide's layer names, or None if the kernel refuses an unprivileged user namespace
+    and they are not required. Raises if they are required but refused, or if setting them up
+    half-succeeds: the sandbox fails closed."""
     uid, gid = os.geteuid(), os.getegid()
     flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if limits["network"] else CLONE_NEWNET)
     if _libc.unshare(flags) != 0:
@@ -427,17 +510,24 @@ def _enter_namespaces(workdir: str, limits: dict) -> bool:
                                f"set sandbox.require_namespaces=false to run with the process, rlimit and seccomp "
                                f"layers only (writes outside the working directory are then limited only by file "
                                f"permissions)")
-        return False
+        if os.geteuid() == 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"this kernel refuses a user namespace (unshare: {os.strerror(err)}) and megarl runs "
+                               f"as root: without one, sandboxed code would run as root (it could write any root-owned "
+                               f"file and signal any root process), so sandbox.require_namespaces=false is refused "
+                               f"for uid 0; allow user namespaces or run megarl as a non-root user (docs/security.md)")
+        return None
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
     _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits['disk_mb']}m,mode=0700")
     _mount("/dev/null", "/dev/null", None, MS_BIND)  # its own mount, so it survives /dev going nodev
+    hide_layers = _hide(hidden, [workdir, *needed])
     for point in _mount_points():
         if point not in (workdir, "/dev/null"):
             _remount_readonly(point)
-    return True
+    return hide_layers
 
 
 def _fork_and_mirror() -> None:
@@ -456,7 +546,8 @@ def _fork_and_mirror() -> None:
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot have a handler (EINVAL)
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)  # still here: pid 1 of a namespace cannot signal itself; exit as a shell would
     os._exit(os.waitstatus_to_exitcode(status))
@@ -495,33 +586,46 @@ def _set_rlimits(limits: dict) -> None:
     size = limits["disk_mb"] << 20
     resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))  # POSIX message queues: kernel memory outside RLIMIT_AS
     if limits["max_processes"] > 1:
         resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"], limits["max_processes"]))
 
 
-def _seccomp_program(arch: str, deny_processes: bool, deny_network: bool) -> list[tuple[int, int, int, int]]:
-    """The BPF filter as (code, jt, jf, k) instructions."""
+def _seccomp_program(arch: str, deny_processes: bool, deny_network: bool,
+                     own_pid: int | None = None) -> list[tuple[int, int, int, int]]:
+    """The BPF filter as (code, jt, jf, k) instructions. deny_processes: no new task at all, process or
+    thread (RLIMIT_NPROC cannot bound threads for root, and a raw clone(CLONE_THREAD) needs almost no
+    address space). own_pid (set where host processes are visible: no pid namespace): signals and
+    prlimit reach only this process and its process group, never another pid."""
     audit_arch, nr = _SYSCALLS[arch]
     eperm, enosys = SECCOMP_RET_ERRNO | errno.EPERM, SECCOMP_RET_ERRNO | errno.ENOSYS
     load = lambda offset: (0x20, 0, 0, offset)  # noqa: E731  BPF_LD|BPF_W|BPF_ABS
     ret = lambda action: (0x06, 0, 0, action)  # noqa: E731  BPF_RET|BPF_K
-    denied = {nr["io_uring_setup"]: eperm}
+    denied = {nr[name]: eperm for name in _ALWAYS_DENIED}
     if deny_network:
         denied[nr["socket"]] = eperm
     if deny_processes:
-        denied.update({nr[name]: eperm for name in ("fork", "vfork") if name in nr})
-        denied[nr["clone3"]] = enosys  # ENOSYS makes glibc fall back to clone(), which is checked below
+        denied.update({nr[name]: eperm for name in ("fork", "vfork", "clone") if name in nr})
+        denied[nr["clone3"]] = enosys  # ENOSYS makes glibc fall back to clone(), denied above
+    allowed_first_arg: dict[int, tuple[int, ...]] = {}
+    if own_pid is not None:
+        denied.update({nr[name]: eperm for name in ("tkill", "pidfd_open", "pidfd_send_signal", "pidfd_getfd")})
+        group = (0, own_pid, -own_pid & 0xFFFFFFFF)  # kill(0)/kill(-pgid): the own group (pgid == own_pid)
+        allowed_first_arg = {nr["kill"]: group, nr["rt_sigqueueinfo"]: group, nr["tgkill"]: (own_pid,),
+                             nr["rt_tgsigqueueinfo"]: (own_pid,), nr["prlimit64"]: (0, own_pid)}
     program = [load(4), (0x15, 1, 0, audit_arch), ret(eperm), load(0)]  # another ABI (i386 on x86_64): deny
     if arch == "x86_64":
         program += [(0x35, 0, 1, 0x40000000), ret(eperm)]  # x32 syscalls (nr | 0x40000000): deny
     for number, action in denied.items():
         program += [(0x15, 0, 1, number), ret(action)]  # BPF_JEQ
-    if deny_processes:  # clone() is allowed only for threads: args[0] (flags) must have CLONE_THREAD
-        program += [(0x15, 0, 3, nr["clone"]), load(16), (0x45, 1, 0, CLONE_THREAD), ret(eperm)]
+    for number, values in allowed_first_arg.items():
+        # args[0]'s low 32 bits (pid_t; little-endian): allowed values return ALLOW, anything else EPERM.
+        block = [load(16)] + [ins for v in values for ins in ((0x15, 0, 1, v), ret(SECCOMP_RET_ALLOW))] + [ret(eperm)]
+        program += [(0x15, 0, len(block), number)] + block
     return program + [ret(SECCOMP_RET_ALLOW)]
 
 
-def _install_seccomp(limits: dict) -> bool:
+def _install_seccomp(limits: dict, own_pid: int | None) -> bool:
     arch = platform.machine()
     if arch not in _SYSCALLS:
         return False
@@ -532,7 +636,7 @@ def _install_seccomp(limits: dict) -> bool:
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
 
-    program = _seccomp_program(arch, limits["max_processes"] == 1, not limits["network"])
+    program = _seccomp_program(arch, limits["max_processes"] == 1, not limits["network"], own_pid)
     filters = (SockFilter * len(program))(*[SockFilter(*ins) for ins in program])
     fprog = SockFprog(len(program), filters)
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
@@ -545,16 +649,24 @@ def _isolate(spec: dict) -> list[str]:
     limits, workdir = spec["limits"], spec["workdir"]
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     layers = ["process"]
-    if _enter_namespaces(workdir, limits):
+    # The interpreter and, for a function, its import path stay visible whatever is hidden.
+    needed = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.abspath(__file__))]
+    needed += spec["sys_path"] if spec["mode"] == "call" else []
+    hide_layers = _enter_namespaces(workdir, limits, spec["hidden"], needed)
+    namespaced = hide_layers is not None
+    if namespaced:
         _enter_pid_namespace()  # returns in pid 1 of the new namespace
         _hide_host_proc()
         _drop_capabilities()
         layers += ["namespaces", "readonly-fs", "tmpfs-workdir", "pid-namespace"]
         layers += [] if limits["network"] else ["net-namespace"]
+        layers += hide_layers
     os.chdir(workdir)
     _set_rlimits(limits)
     layers.append("rlimits")
-    if _install_seccomp(limits):
+    # Without a pid namespace every host process is addressable by pid: signals stay within this process
+    # and its group (it is the group's leader: start_new_session).
+    if _install_seccomp(limits, None if namespaced else os.getpid()):
         layers.append("seccomp")
     return layers
 
@@ -580,33 +692,66 @@ def _encode_value(value) -> dict:
     return {"error": f"TypeError: result must be a number, got {type(value).__name__} {repr(value)[:80]}"}
 
 
+def _kill_own_group(*_signal) -> None:
+    """SIGKILL this worker's whole process group: the function's children with it (the worker leads
+    the group: start_new_session)."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 def _serve(spec: dict, out) -> None:
-    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    # The parent's death (even by SIGKILL, or a rank's os._exit, which runs no cleanup) sends SIGTERM,
+    # on which the worker kills its group: whatever the function started dies with the run.
+    signal.signal(signal.SIGTERM, _kill_own_group)
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0), "prctl(PDEATHSIG)")
     if os.getppid() != spec["parent_pid"]:
-        return  # the parent died before PDEATHSIG was armed
+        _kill_own_group()  # the parent died before PDEATHSIG was armed
     try:
         fn = load_function(spec["fn"])
     except ValueError as exc:
         out.write(json.dumps({"error": f"ValueError: {exc}"}) + "\n")
         return
-    for line in sys.stdin:
-        try:
-            record = _encode_value(fn(*json.loads(line)))
-        except Exception as exc:  # noqa: BLE001 - reported to the caller, who records it
-            record = {"error": describe_exception(exc)}
-        out.write(json.dumps(record) + "\n")
+    try:
+        for line in sys.stdin:
+            try:
+                record = _encode_value(fn(*json.loads(line)))
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, who records it
+                record = {"error": describe_exception(exc)}
+            out.write(json.dumps(record) + "\n")
+    finally:  # stdin closed: the parent is done with this worker
+        out.flush()
+        _kill_own_group()
+
+
+def _seal_result_channel(fd: int) -> None:
+    """Keep the result pipe (already close-on-exec) from every process this one starts from now on: in a
+    forked child it is replaced by /dev/null (so the child's writes, and Python's closing of the inherited
+    file object, go nowhere), and the process is made non-dumpable, so its children (same uid, no
+    capabilities) cannot reach it through ptrace, process_vm_*, /proc/<pid>/fd or /proc/<pid>/mem either."""
+    _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(DUMPABLE)")
+
+    def blank() -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd, inheritable=False)
+        os.close(null)
+
+    os.register_at_fork(after_in_child=blank)
 
 
 def _child_main() -> None:
     spec = json.loads(sys.stdin.buffer.readline())
     sys.path[:] = spec["sys_path"]
     sys.dont_write_bytecode = True
-    out = os.fdopen(spec.pop("result_fd"), "w", buffering=1)
+    result_fd = spec.pop("result_fd")
+    os.set_inheritable(result_fd, False)
+    out = os.fdopen(result_fd, "w", buffering=1)
     if spec["mode"] == "serve":
+        _seal_result_channel(result_fd)
         _serve(spec, out)
         return
     try:
-        layers = _isolate(spec)
+        layers = _isolate(spec)  # forks (pid namespace) before the channel is sealed against forked children
+        if spec["mode"] == "call":  # ("exec" closes the channel before the program starts)
+            _seal_result_channel(result_fd)
         if spec["mode"] == "exec":
             with open("main.py", "w") as f:
                 f.write(spec["source"])

@@ -93,3 +93,24 @@ def varies_on_one_prompt_in_eight(prompt, completion, answer, meta):
     import zlib
 
     return float(len(completion) % 2) if zlib.crc32(prompt.encode()) % 8 == 0 else 0.0
+
+
+def run_untrusted(prompt, completion, answer, meta):
+    """A grader that runs the completion as a program in a child process, inheriting what it can
+    (close_fds=False, as os.system would), and scores 1.0 iff the program exits with status 7: the
+    attack program of tests/rollout/test_sandbox_attacks.py exits 7 when it reached the result channel."""
+    import subprocess
+    import sys
+
+    return float(subprocess.run([sys.executable, "-c", completion], close_fds=False, timeout=10).returncode == 7)
+
+
+def spawns_children(prompt, completion, answer, meta):
+    """A (trusted) reward that starts a helper process per call and leaves it running, appending its pid
+    to meta["pid_file"]."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(meta["pid_file"], "a") as f:
+        f.write(f"{child.pid}\n")
+    return 1.0
