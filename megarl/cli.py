@@ -19,6 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
+from megarl import run_lock
 from megarl.config.load import ConfigError, load_config, world_size_for
 from megarl.distributed.lifetime import STOP_SIGNALS
 
@@ -46,6 +47,8 @@ def train(args: argparse.Namespace) -> int:
     if args.nnodes > 1 and not args.dry_run:
         print("megarl: train launches one node; start multi-node runs with launch/torchrun_multi_node.sh or "
               "launch/slurm_multi_node.sbatch (docs/launch.md)", file=sys.stderr)
+        return 2
+    if not claim_run_dir(cfg, args.dry_run):
         return 2
     model_dir = checked_model_dir(cfg)
     if model_dir is None:
@@ -80,9 +83,21 @@ def train(args: argparse.Namespace) -> int:
         print("megarl: launching: torchrun " + shlex.join(cmd[3:]), flush=True)
     if args.dry_run:
         return 0
-    env = dict(os.environ)
+    env = {**os.environ, **run_lock.launcher_env(cfg.run.dir)}
     env.setdefault("OMP_NUM_THREADS", "1")
     return run_torchrun(cmd, env, cfg)
+
+
+def claim_run_dir(cfg, dry_run: bool) -> bool:
+    """Hold cfg.run.dir for this process's lifetime (the whole torchrun), so a second run into it is refused
+    before it checks or launches anything (megarl/run_lock.py); a dry run only checks that it is free.
+    False after printing why not."""
+    try:
+        run_lock.check_free(cfg.run.dir) if dry_run else run_lock.hold(cfg.run.dir)
+    except (run_lock.RunDirError, OSError) as exc:
+        print(f"megarl: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def run_torchrun(cmd: list[str], env: dict, cfg) -> int:
@@ -247,6 +262,8 @@ def sft(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
+    if not claim_run_dir(cfg, args.dry_run):
+        return 2
     model_dir = checked_model_dir(cfg)
     if model_dir is None:
         return 2
@@ -276,7 +293,7 @@ def sft(args: argparse.Namespace) -> int:
     from megarl.distributed.lifetime import exit_status
     from megarl.distributed.supervisor import TorchrunRun
 
-    env = {**os.environ, CHECKED_ENV: "1"}
+    env = {**os.environ, CHECKED_ENV: "1", **run_lock.launcher_env(cfg.run.dir)}
     env.setdefault("OMP_NUM_THREADS", "1")
     run = TorchrunRun(cmd, env, cfg.fault.stop_timeout_s)
     code = run.wait()

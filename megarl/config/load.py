@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -30,6 +31,14 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
+            top = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if top is not None and not isinstance(top, dict):
+            kind = "list" if isinstance(top, list) else f"scalar ({type(top).__name__})"
+            raise ConfigError(f"{path}: the top level is a {kind}, {str(top)[:60]!r}; a config file is a mapping of "
+                              f"config keys (run:, model:, task:, ...; configs/demo.yaml is one)")
+        try:
             layers.append(OmegaConf.load(path))
         except Exception as exc:  # YAML syntax errors come in several exception types
             raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
@@ -37,7 +46,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        layers.append(OmegaConf.from_dotlist([_empty_string(schema, item) for item in overrides]))
         merged = OmegaConf.merge(*layers)
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe(exc)) from exc
@@ -45,6 +54,13 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     _pick_vllm_model(cfg)
     validate(cfg)
     return cfg
+
+
+def _empty_string(schema, override: str) -> str:
+    """`key=` sets a string key to "" (dotlist parsing would make it null, which a string key refuses): a
+    shell turns the documented `sft.eval_data=''` into exactly that."""
+    key, _, value = override.partition("=")
+    return f"{key}=''" if value == "" and isinstance(OmegaConf.select(schema, key, default=None), str) else override
 
 
 def _pick_vllm_model(cfg: Config) -> None:

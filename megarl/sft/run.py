@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from megarl import run_lock
 from megarl.config.schema import Config
 from megarl.sft.data import Example, Records, batch_order, collate, load_records, num_steps, split_heldout
 
@@ -323,9 +324,14 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
         check_layout(json.loads((model_dir / "config.json").read_text()), lc.tp, lc.pp, 1)
     except ValueError as exc:
         raise ConfigError(f"{model_dir / 'config.json'}: {exc}") from None
+    lead = rank == 0
+    if lead:  # the rank that writes run.dir holds it (a raw torchrun launch), or its launcher does
+        try:
+            run_lock.hold(cfg.run.dir)
+        except run_lock.RunDirError as exc:
+            sys.exit(f"megarl sft: {exc}")
     data = load_data(cfg, model_dir)
     check_outputs(cfg, model_dir)
-    lead = rank == 0
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     init_learner_group(topo, store, cfg.dist.backend, cfg.dist.timeout_s)
