@@ -218,9 +218,24 @@ def check_model_dir(model_dir, cfg=None) -> None:
     if not any((model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
         raise ValueError(f"model directory {str(model_dir)!r} has no weights (model.safetensors or "
                          f"model.safetensors.index.json)")
-    if not any(all((model_dir / name).is_file() for name in files) for files in TOKENIZER_FILES):
+    present = [files for files in TOKENIZER_FILES if all((model_dir / name).is_file() for name in files)]
+    if not present:
         raise ValueError(f"model directory {str(model_dir)!r} has no tokenizer files (one of: "
                          f"{'; '.join(' + '.join(files) for files in TOKENIZER_FILES)})")
+    check_tokenizer(model_dir, present[0])
+
+
+def check_tokenizer(model_dir: Path, files: tuple[str, ...]) -> None:
+    """Load the tokenizer as every worker will (transformers' AutoTokenizer, about a second): a corrupt
+    tokenizer file is named here rather than in a sampler's traceback after the launch."""
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 - whatever a broken file raises (KeyError, JSON, Rust parse errors)
+        names = " + ".join(str(model_dir / name) for name in files)
+        raise ValueError(f"{names}: the tokenizer does not load (transformers AutoTokenizer, as the workers load it): "
+                         f"{type(exc).__name__}: {str(exc)[:300]}") from exc
 
 
 def check_task(cfg) -> list[str]:
