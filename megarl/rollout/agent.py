@@ -25,7 +25,6 @@ goes on); a thread stuck in a hung agent is abandoned and occupies one of task.e
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import numbers
 import queue
 import threading
@@ -37,6 +36,7 @@ from typing import Callable
 from megarl.protocols import Completion, GenerationRequest, Prompt, SamplingParams
 from megarl.rollout.chat import ChatFormatError, ChatTranscript
 from megarl.rollout.episode import Episode, EpisodeLimits, turn_room
+from megarl.rollout.rewards import bad_reward_value
 from megarl.rollout.sandbox import load_function
 from megarl.sampler.openai_endpoint import ChatCompletionsEndpoint, EndpointError, check_request, completion_response
 
@@ -131,9 +131,9 @@ class AgentRunner:
         if session.truncated:
             episode.end(0.0, "length")
             return episode
-        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-            return self._fail(episode, f"agent {self.agent_path}: must return a finite number (the reward), "
-                                       f"got {type(reward).__name__} {reward!r:.80}")
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or bad_reward_value(float(reward)):
+            return self._fail(episode, f"agent {self.agent_path}: must return a finite number (the reward; within "
+                                       f"float32's range), got {type(reward).__name__} {reward!r:.80}")
         episode.end(float(reward))
         return episode
 
