@@ -84,6 +84,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run(embedded_think_model_dir, tmp_pat
     assert "2 optimizer steps in a row had a non-finite loss or grad norm" in proc.stderr
     assert "learner.max_nonfinite_in_row=2" in proc.stderr
     assert "megarl: the run failed: learner 0 (rank 0) exited with code 1" in proc.stderr
+    assert "megarl: done" not in proc.stdout
     assert not leftovers(run_dir)
 
 
