@@ -36,11 +36,7 @@ def torchrun_command(config: str, overrides: list[str], nproc: int, max_restarts
 
 def train(args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(args.config, args.overrides)
-        # Imported once the config loaded: they import torch, and a config error should be quick.
-        from megarl.distributed.topology import placement
-
-        nodes = placement(cfg, args.nnodes)
+        cfg, nodes = checked_config(args)
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
@@ -269,11 +265,8 @@ def check_task(cfg) -> list[str]:
 def sft(args: argparse.Namespace) -> int:
     """Check the config (keys, types, learner layout, sft.*), the model directory and the data (every line read
     and rendered as the ranks will) and the outputs, then run one torchrun of learner ranks (megarl.sft.run)."""
-    from megarl.config.load import validate_sft
-
     try:
-        cfg = load_config(args.config, args.overrides)
-        validate_sft(cfg)
+        cfg, _ = checked_config(args)
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
@@ -338,11 +331,8 @@ def placement_lines(nodes) -> list[str]:
 
 
 def show_placement(args: argparse.Namespace) -> int:
-    from megarl.distributed.topology import placement
-
     try:
-        cfg = load_config(args.config, args.overrides)
-        nodes = placement(cfg, args.nnodes, args.nproc_per_node)
+        cfg, nodes = checked_config(args)
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
@@ -369,7 +359,7 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="Asynchronous Pipeline RL post-training")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train with a YAML config and key=value overrides")
@@ -403,6 +393,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="check the config, model, data and outputs and print the torchrun command (give it before CONFIG)")
     p.set_defaults(func=sft)
+    return parser
+
+
+def checked_config(args: argparse.Namespace, check_files: bool = True):
+    """(config, placement) of a `train`, `sft` or `placement` command line parsed by build_parser: the
+    checks that need nothing but the config file (keys, types, cross-field rules, the topology; sft.*, and
+    with `check_files` that the data files named by task.path, sft.data, sft.eval_data exist), ConfigError
+    naming the key. Run first by each of those
+    commands, and on every command the docs show (tests/test_doc_commands.py)."""
+    from megarl.config.load import validate_sft
+
+    cfg = load_config(args.config, args.overrides, check_files)
+    if args.command == "sft":
+        validate_sft(cfg, check_files=check_files)
+        return cfg, None
+    from megarl.distributed.topology import placement  # imports torch: after the quick checks
+
+    return cfg, placement(cfg, args.nnodes, getattr(args, "nproc_per_node", None))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         sys.exit(args.func(args))
