@@ -68,6 +68,14 @@ def test_a_broken_model_directory_is_named_before_any_worker_starts(case, tmp_pa
     assert proc.stderr.startswith("megarl: model.path: ") and message in proc.stderr and str(path) in proc.stderr
 
 
+def test_a_run_dir_that_is_a_file_is_refused_before_launch(tmp_path):
+    # It used to pass the checks; inside torchrun: FileExistsError, a 30 s shutdown wait, exit 1.
+    (tmp_path / "f").write_text("x")
+    proc = train(f"run.dir={tmp_path / 'f'}")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert proc.stderr == f"megarl: run.dir {tmp_path / 'f'} is a file, not a directory; set run.dir to a directory\n"
+
+
 def test_a_model_that_the_tensor_parallel_size_does_not_split_is_named(tmp_path):
     config = {**QWEN2, "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 64}
     path = model_dir(tmp_path / "model", config)

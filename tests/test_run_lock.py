@@ -75,9 +75,8 @@ def test_a_run_dir_that_is_a_file_is_refused_and_a_dry_check_creates_nothing(tmp
     assert not (tmp_path / "new").exists()
 
 
-@pytest.mark.parametrize("command", [["train", "configs/demo.yaml"], ["train", "--dry-run", "configs/demo.yaml"],
-                                     ["sft", "configs/sft.yaml", "sft.eval_data="],
-                                     ["sft", "--dry-run", "configs/sft.yaml", "sft.eval_data="]])
+@pytest.mark.parametrize("command", [["train", "configs/demo.yaml"], ["sft", "--dry-run", "configs/sft.yaml",
+                                                                     "sft.eval_data="]])
 def test_megarl_train_and_sft_refuse_a_held_run_dir_before_launch_naming_the_run(command, holder):
     run_dir, first = holder
     data = run_dir.parent / "sft.jsonl"
