@@ -1,8 +1,9 @@
 """`megarl` command line: `megarl train CONFIG [key=value ...]`, `megarl placement CONFIG --nnodes N`.
 
-`train` checks the whole configuration (keys, types, topology), the model directory (config.json,
-a supported architecture, weights, tokenizer files) and the task (dataset rows, reward function,
-sandbox) before any worker starts, then launches one torchrun holding every role and waits for it.
+`train` takes run.dir for the run's lifetime (megarl/run_lock.py: a second run into it is refused), checks
+the whole configuration (keys, types, topology), the model directory (config.json, a supported architecture,
+weights, a tokenizer that loads) and the task (dataset rows, reward function, sandbox) before any worker
+starts, then launches one torchrun holding every role and waits for it.
 `placement` prints which node runs which ranks and roles for a multi-node launch (docs/launch.md).
 `export --checkpoint CKPT --out DIR` writes a learner checkpoint as an HF model directory (docs/checkpoint.md).
 `sft CONFIG [key=value ...]` fine-tunes model.path on sft.data (supervised, the learner backends and layouts of
