@@ -20,6 +20,7 @@ import datetime
 import fcntl
 import json
 import os
+import shlex
 import socket
 import sys
 from pathlib import Path
@@ -53,7 +54,7 @@ def hold(run_dir: str | Path) -> None:
         raise RunDirError(_in_use(run_dir, holder)) from None
     lock.truncate(0)
     lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": _now(),
-                           "command": " ".join(sys.argv)}) + "\n")
+                           "command": _command()}) + "\n")
     lock.flush()
     _held[run_dir] = lock
 
@@ -106,6 +107,12 @@ def _in_use(run_dir: Path, holder: dict) -> str:
            f"{holder.get('host', '?')} ({holder.get('command', '?')})" if holder else "another megarl run")
     return (f"run.dir {run_dir} is in use by {who}; two runs in one run.dir would mix their records: wait for "
             f"it to end, or choose another run.dir")
+
+
+def _command() -> str:
+    """This process's command line as the user typed it: `megarl train ...` rather than `.../megarl/cli.py train ...`."""
+    program = Path(sys.argv[0]).name
+    return shlex.join(["megarl" if program == "cli.py" else program, *sys.argv[1:]])
 
 
 def _now() -> str:
