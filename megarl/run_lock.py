@@ -110,9 +110,13 @@ def _in_use(run_dir: Path, holder: dict) -> str:
 
 
 def _command() -> str:
-    """This process's command line as the user typed it: `megarl train ...` rather than `.../megarl/cli.py train ...`."""
-    program = Path(sys.argv[0]).name
-    return shlex.join(["megarl" if program == "cli.py" else program, *sys.argv[1:]])
+    """This process's command line as it was typed: `megarl train ...`, `-m megarl.roles.worker ...` (under
+    torchrun) rather than the module's file path that sys.argv holds."""
+    program, package = Path(sys.argv[0]).resolve(), Path(__file__).resolve().parent
+    if program.is_relative_to(package):
+        module = ".".join(("megarl", *program.relative_to(package).with_suffix("").parts))
+        return " ".join(["megarl" if module == "megarl.cli" else f"-m {module}", shlex.join(sys.argv[1:])])
+    return shlex.join(sys.argv)
 
 
 def _now() -> str:
