@@ -401,8 +401,8 @@ def checked_config(args: argparse.Namespace, check_files: bool = True):
     """(config, placement) of a `train`, `sft` or `placement` command line parsed by build_parser: the
     checks that need nothing but the config file (keys, types, cross-field rules, the topology; sft.*, and
     with `check_files` that the data files named by task.path, sft.data, sft.eval_data exist), ConfigError
-    naming the key. Run first by each of those
-    commands, and on every command the docs show (tests/test_doc_commands.py)."""
+    naming the key. Run first by each of those commands, and on every command the docs show
+    (tests/test_doc_commands.py)."""
     from megarl.config.load import validate_sft
 
     cfg = load_config(args.config, args.overrides, check_files)
