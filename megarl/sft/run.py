@@ -357,8 +357,8 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
                      f"{lc.backend}, {world} learner ranks (tp {lc.tp}, pp {lc.pp}, dp {lc.dp})")
     order = batch_order(len(data.train), sc.batch_size, data.steps, cfg.run.seed)
     rows = lc.micro_batch_size
-    nonfinite, last = NonfiniteSteps(lc.max_nonfinite_in_row, "megarl sft", "Lower sft.lr or check the data."), \
-        time.perf_counter()
+    nonfinite = NonfiniteSteps(lc.max_nonfinite_in_row, "megarl sft", "Lower sft.lr or check the data.")
+    last = time.perf_counter()
     try:
         for step in range(data.steps + 1):
             record: dict = {}
