@@ -75,14 +75,14 @@ def test_a_run_dir_that_is_a_file_is_refused_and_a_dry_check_creates_nothing(tmp
     assert not (tmp_path / "new").exists()
 
 
-@pytest.mark.parametrize("command", [["train", "configs/demo.yaml"], ["sft", "--dry-run", "configs/sft.yaml",
-                                                                     "sft.eval_data="]])
-def test_megarl_train_and_sft_refuse_a_held_run_dir_before_launch_naming_the_run(command, holder):
+def test_megarl_sft_refuses_a_held_run_dir_before_launch_naming_the_run(holder):
+    # megarl train: roles/test_faults.py::test_a_job_killed_mid_run_resumes_from_its_last_checkpoint, with a real run.
     run_dir, first = holder
     data = run_dir.parent / "sft.jsonl"
     data.write_text('{"prompt": "ab<", "completion": "ba"}\n')
-    proc = subprocess.run([sys.executable, "-m", "megarl.cli", *command, f"run.dir={run_dir}", f"sft.data={data}"],
-                          capture_output=True, text=True, env=_env(), cwd=REPO, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "sft", "configs/sft.yaml", f"run.dir={run_dir}",
+                           f"sft.data={data}", "sft.eval_data="], capture_output=True, text=True, env=_env(), cwd=REPO,
+                          timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"megarl: run.dir {run_dir} is in use by the run started "), proc.stderr
     assert f"as pid {first.pid} on " in proc.stderr and "launching" not in proc.stdout
