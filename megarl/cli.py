@@ -1,8 +1,9 @@
 """`megarl` command line: `megarl train CONFIG [key=value ...]`, `megarl placement CONFIG --nnodes N`.
 
-`train` checks the whole configuration (keys, types, topology), the model directory (config.json,
-a supported architecture, weights, tokenizer files) and the task (dataset rows, reward function,
-sandbox) before any worker starts, then launches one torchrun holding every role and waits for it.
+`train` takes run.dir for the run's lifetime (megarl/run_lock.py: a second run into it is refused), checks
+the whole configuration (keys, types, topology), the model directory (config.json, a supported architecture,
+weights, a tokenizer that loads) and the task (dataset rows, reward function, sandbox) before any worker
+starts, then launches one torchrun holding every role and waits for it.
 `placement` prints which node runs which ranks and roles for a multi-node launch (docs/launch.md).
 `export --checkpoint CKPT --out DIR` writes a learner checkpoint as an HF model directory (docs/checkpoint.md).
 `sft CONFIG [key=value ...]` fine-tunes model.path on sft.data (supervised, the learner backends and layouts of
@@ -19,6 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
+from megarl import run_lock
 from megarl.config.load import ConfigError, load_config, world_size_for
 from megarl.distributed.lifetime import STOP_SIGNALS
 
@@ -35,17 +37,15 @@ def torchrun_command(config: str, overrides: list[str], nproc: int, max_restarts
 
 def train(args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(args.config, args.overrides)
-        # Imported once the config loaded: they import torch, and a config error should be quick.
-        from megarl.distributed.topology import placement
-
-        nodes = placement(cfg, args.nnodes)
+        cfg, nodes = checked_config(args)
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
     if args.nnodes > 1 and not args.dry_run:
         print("megarl: train launches one node; start multi-node runs with launch/torchrun_multi_node.sh or "
               "launch/slurm_multi_node.sbatch (docs/launch.md)", file=sys.stderr)
+        return 2
+    if not claim_run_dir(cfg, args.dry_run):
         return 2
     model_dir = checked_model_dir(cfg)
     if model_dir is None:
@@ -80,9 +80,21 @@ def train(args: argparse.Namespace) -> int:
         print("megarl: launching: torchrun " + shlex.join(cmd[3:]), flush=True)
     if args.dry_run:
         return 0
-    env = dict(os.environ)
+    env = {**os.environ, **run_lock.launcher_env(cfg.run.dir)}
     env.setdefault("OMP_NUM_THREADS", "1")
     return run_torchrun(cmd, env, cfg)
+
+
+def claim_run_dir(cfg, dry_run: bool) -> bool:
+    """Hold cfg.run.dir for this process's lifetime (the whole torchrun), so a second run into it is refused
+    before it checks or launches anything (megarl/run_lock.py); a dry run only checks that it is free.
+    False after printing why not."""
+    try:
+        run_lock.check_free(cfg.run.dir) if dry_run else run_lock.hold(cfg.run.dir)
+    except (run_lock.RunDirError, OSError) as exc:
+        print(f"megarl: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def run_torchrun(cmd: list[str], env: dict, cfg) -> int:
@@ -203,9 +215,24 @@ def check_model_dir(model_dir, cfg=None) -> None:
     if not any((model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
         raise ValueError(f"model directory {str(model_dir)!r} has no weights (model.safetensors or "
                          f"model.safetensors.index.json)")
-    if not any(all((model_dir / name).is_file() for name in files) for files in TOKENIZER_FILES):
+    present = [files for files in TOKENIZER_FILES if all((model_dir / name).is_file() for name in files)]
+    if not present:
         raise ValueError(f"model directory {str(model_dir)!r} has no tokenizer files (one of: "
                          f"{'; '.join(' + '.join(files) for files in TOKENIZER_FILES)})")
+    check_tokenizer(model_dir, present[0])
+
+
+def check_tokenizer(model_dir: Path, files: tuple[str, ...]) -> None:
+    """Load the tokenizer as every worker will (transformers' AutoTokenizer, about a second): a corrupt
+    tokenizer file is named here rather than in a sampler's traceback after the launch."""
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 - whatever a broken file raises (KeyError, JSON, Rust parse errors)
+        names = " + ".join(str(model_dir / name) for name in files)
+        raise ValueError(f"{names}: the tokenizer does not load (transformers AutoTokenizer, as the workers load it): "
+                         f"{type(exc).__name__}: {str(exc)[:300]}") from exc
 
 
 def check_task(cfg) -> list[str]:
@@ -241,13 +268,12 @@ def check_task(cfg) -> list[str]:
 def sft(args: argparse.Namespace) -> int:
     """Check the config (keys, types, learner layout, sft.*), the model directory and the data (every line read
     and rendered as the ranks will) and the outputs, then run one torchrun of learner ranks (megarl.sft.run)."""
-    from megarl.config.load import validate_sft
-
     try:
-        cfg = load_config(args.config, args.overrides)
-        validate_sft(cfg)
+        cfg, _ = checked_config(args)
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
+        return 2
+    if not claim_run_dir(cfg, args.dry_run):
         return 2
     model_dir = checked_model_dir(cfg)
     if model_dir is None:
@@ -278,7 +304,7 @@ def sft(args: argparse.Namespace) -> int:
     from megarl.distributed.lifetime import exit_status
     from megarl.distributed.supervisor import TorchrunRun
 
-    env = {**os.environ, CHECKED_ENV: "1"}
+    env = {**os.environ, CHECKED_ENV: "1", **run_lock.launcher_env(cfg.run.dir)}
     env.setdefault("OMP_NUM_THREADS", "1")
     run = TorchrunRun(cmd, env, cfg.fault.stop_timeout_s)
     code = run.wait()
@@ -308,11 +334,8 @@ def placement_lines(nodes) -> list[str]:
 
 
 def show_placement(args: argparse.Namespace) -> int:
-    from megarl.distributed.topology import placement
-
     try:
-        cfg = load_config(args.config, args.overrides)
-        nodes = placement(cfg, args.nnodes, args.nproc_per_node)
+        cfg, nodes = checked_config(args)
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
@@ -339,7 +362,7 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="Asynchronous Pipeline RL post-training")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train with a YAML config and key=value overrides")
@@ -373,6 +396,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="check the config, model, data and outputs and print the torchrun command (give it before CONFIG)")
     p.set_defaults(func=sft)
+    return parser
+
+
+def checked_config(args: argparse.Namespace, check_files: bool = True):
+    """(config, placement) of a `train`, `sft` or `placement` command line parsed by build_parser: the
+    checks that need nothing but the config file (keys, types, cross-field rules, the topology; sft.*, and
+    with `check_files` that the data files named by task.path, sft.data, sft.eval_data exist), ConfigError
+    naming the key. Run first by each of those commands, and on every command the docs show
+    (tests/test_doc_commands.py)."""
+    from megarl.config.load import validate_sft
+
+    cfg = load_config(args.config, args.overrides, check_files)
+    if args.command == "sft":
+        validate_sft(cfg, check_files=check_files)
+        return cfg, None
+    from megarl.distributed.topology import placement  # imports torch: after the quick checks
+
+    return cfg, placement(cfg, args.nnodes, getattr(args, "nproc_per_node", None))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         sys.exit(args.func(args))

@@ -25,6 +25,14 @@ def run_python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           cwd=REPO)
 
 
+def save_tokenizer(model_dir: Path) -> None:
+    """The embedded models' real tokenizer (tokenizer.json + tokenizer_config.json), which megarl's start-up
+    check loads: for model directories made up for the CLI's checks (nothing loads their weights)."""
+    from megarl.models.tiny import build_tokenizer
+
+    build_tokenizer().save_pretrained(model_dir)
+
+
 def save_tiny_qwen2(path: Path, tie_word_embeddings: bool, vocab_size: int = 64, tokenizer: bool = False) -> Path:
     """A real HF Qwen2 directory small enough for multi-process learner tests: GQA (4 heads, 2 KV heads),
     2 layers, and q/k/v biases drawn non-zero so that a converter that dropped them would show."""

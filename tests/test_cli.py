@@ -6,20 +6,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, run_python
+from tests.helpers import REPO, run_python, save_tokenizer
 
 DEMO = str(REPO / "configs" / "demo.yaml")
 EMPTY_RUN_DIR = tempfile.mkdtemp(prefix="megarl-cli-test-")  # a dry run writes nothing there
 QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu"}
 
 
-def model_dir(root: Path, config=QWEN2, files=("model.safetensors", "tokenizer.json")) -> Path:
-    """An HF-format model directory as far as the start-up checks look (nothing loads the weights here)."""
+def model_dir(root: Path, config=QWEN2, files=("model.safetensors", "tokenizer.json"), tokenizer: str | None = None
+              ) -> Path:
+    """An HF-format model directory as far as the start-up checks look (nothing loads the weights here); the
+    tokenizer files load (a tokenizer.json is a real one, or `tokenizer`, its text, when given)."""
     root.mkdir()
     if config is not None:
         (root / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
     for name in files:
-        (root / name).write_text("{}")
+        (root / name).write_text({"vocab.json": '{"a": 0, "b": 1}', "merges.txt": "#version: 0.2\n"}.get(name, "{}"))
+    if "tokenizer.json" in files:
+        save_tokenizer(root)
+        if tokenizer is not None:
+            (root / "tokenizer.json").write_text(tokenizer)
     return root
 
 
@@ -41,16 +47,33 @@ BROKEN_MODELS = {
     "no weights": (QWEN2, ("tokenizer.json",), "has no weights (model.safetensors or model.safetensors.index.json)"),
     "no tokenizer": (QWEN2, ("model.safetensors", "tokenizer_config.json"),
                      "has no tokenizer files (one of: tokenizer.json; vocab.json + merges.txt; tokenizer.model)"),
+    # Valid JSON that transformers cannot load: the sampler died 40 s after the launch with KeyError: 'added_tokens'.
+    "corrupt tokenizer.json": (QWEN2, ("model.safetensors", "tokenizer.json"), "/model/tokenizer.json: the tokenizer "
+                               "does not load (transformers AutoTokenizer, as the workers load it): KeyError: 'added_tokens'"),
+    "truncated tokenizer.json": (QWEN2, ("model.safetensors", "tokenizer.json"),
+                                 "/model/tokenizer.json: the tokenizer does not load (transformers AutoTokenizer, as the "
+                                 "workers load it): JSONDecodeError: "),
 }
+BROKEN_TOKENIZERS = {"corrupt tokenizer.json": '{"version": "1.0", "model": {"type": "BPE"}}',
+                     "truncated tokenizer.json": '{"version": "1.0", "added_tokens": [{"id'}
 
 
 @pytest.mark.parametrize("case", list(BROKEN_MODELS))
 def test_a_broken_model_directory_is_named_before_any_worker_starts(case, tmp_path):
     config, files, message = BROKEN_MODELS[case]
-    path = tmp_path / "model" if case == "not a directory" else model_dir(tmp_path / "model", config, files)
+    path = (tmp_path / "model" if case == "not a directory" else
+            model_dir(tmp_path / "model", config, files, BROKEN_TOKENIZERS.get(case)))
     proc = train(f"model.path={path}")
     assert proc.returncode == 2 and "launching" not in proc.stdout
     assert proc.stderr.startswith("megarl: model.path: ") and message in proc.stderr and str(path) in proc.stderr
+
+
+def test_a_run_dir_that_is_a_file_is_refused_before_launch(tmp_path):
+    # It used to pass the checks; inside torchrun: FileExistsError, a 30 s shutdown wait, exit 1.
+    (tmp_path / "f").write_text("x")
+    proc = train(f"run.dir={tmp_path / 'f'}")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert proc.stderr == f"megarl: run.dir {tmp_path / 'f'} is a file, not a directory; set run.dir to a directory\n"
 
 
 def test_a_model_that_the_tensor_parallel_size_does_not_split_is_named(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -21,14 +22,23 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key."""
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
-    """Merge the YAML file at `path` (optional) and dotlist `overrides` onto the schema, then validate."""
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), check_files: bool = True) -> Config:
+    """Merge the YAML file at `path` (optional) and dotlist `overrides` onto the schema, then validate
+    (`check_files`: also that the data files the config names exist; validate)."""
     schema = OmegaConf.structured(Config)
     layers = [schema]
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
+        try:
+            top = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if top is not None and not isinstance(top, dict):
+            kind = "list" if isinstance(top, list) else f"scalar ({type(top).__name__})"
+            raise ConfigError(f"{path}: the top level is a {kind}, {str(top)[:60]!r}; a config file is a mapping of "
+                              f"config keys (run:, model:, task:, ...; configs/demo.yaml is one)")
         try:
             layers.append(OmegaConf.load(path))
         except Exception as exc:  # YAML syntax errors come in several exception types
@@ -37,14 +47,21 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        layers.append(OmegaConf.from_dotlist([_empty_string(schema, item) for item in overrides]))
         merged = OmegaConf.merge(*layers)
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe(exc)) from exc
     cfg: Config = OmegaConf.to_object(merged)
     _pick_vllm_model(cfg)
-    validate(cfg)
+    validate(cfg, check_files=check_files)
     return cfg
+
+
+def _empty_string(schema, override: str) -> str:
+    """`key=` sets a string key to "" (dotlist parsing would make it null, which a string key refuses): a
+    shell turns the documented `sft.eval_data=''` into exactly that."""
+    key, _, value = override.partition("=")
+    return f"{key}=''" if value == "" and isinstance(OmegaConf.select(schema, key, default=None), str) else override
 
 
 def _pick_vllm_model(cfg: Config) -> None:
@@ -82,14 +99,15 @@ def world_size_for(cfg: Config) -> int:
     return cfg.learner.tp * cfg.learner.pp * cfg.learner.dp + cfg.sampler.num_engines * cfg.sampler.tp
 
 
-def validate_sft(cfg: Config, world_size: int | None = None) -> None:
+def validate_sft(cfg: Config, world_size: int | None = None, check_files: bool = True) -> None:
     """The sft.* rules of `megarl sft` (validate covers learner.*); `world_size`, when known (inside
-    torchrun), must be the learner ranks: megarl sft starts no samplers."""
+    torchrun), must be the learner ranks: megarl sft starts no samplers. `check_files`: that sft.data and
+    sft.eval_data exist."""
     sc, lc = cfg.sft, cfg.learner
     _require(bool(sc.data), "sft.data", "megarl sft needs the training records: sft.data=FILE.jsonl")
     for key in ("data", "eval_data"):
         path = getattr(sc, key)
-        _require(not path or Path(path).expanduser().is_file(), f"sft.{key}", f"file not found: {path}")
+        _require(not (check_files and path) or Path(path).expanduser().is_file(), f"sft.{key}", f"file not found: {path}")
     _require(0.0 <= sc.eval_fraction < 1.0, "sft.eval_fraction", f"must be in [0, 1), got {sc.eval_fraction}")
     for key in ("eval_every", "steps", "max_seq_len"):
         _require(getattr(sc, key) >= 0, f"sft.{key}", f"must be >= 0, got {getattr(sc, key)}")
@@ -112,8 +130,9 @@ def _require(ok: bool, key: str, why: str) -> None:
         raise ConfigError(f"{key}: {why}")
 
 
-def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Cross-field rules. `world_size`, when known (inside torchrun), must match the topology."""
+def validate(cfg: Config, world_size: int | None = None, check_files: bool = True) -> None:
+    """Cross-field rules. `world_size`, when known (inside torchrun), must match the topology; `check_files`:
+    that task.path exists (a check of a command before its data is made turns it off)."""
     _check_positive(cfg)
     lc = cfg.learner
     _require(lc.backend in ("megatron", "deepspeed"), "learner.backend",
@@ -138,7 +157,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _require(not cfg.algo.advantage.filter_zero_variance, "algo.advantage.filter_zero_variance",
                  "sync mode generates exactly one batch per version, so dropped groups could not be replaced")
     _require(cfg.dist.backend in ("auto", "gloo", "nccl"), "dist.backend", "must be auto, gloo or nccl")
-    _validate_task(cfg)
+    _validate_task(cfg, check_files)
     _validate_checkpoint(cfg)
     _require(cfg.algo.max_lag >= 0, "algo.max_lag", "must be >= 0")
     _require(cfg.algo.group_size >= 2, "algo.group_size", "group advantages need at least 2 samples per prompt")
@@ -233,7 +252,7 @@ def _validate_sglang(cfg: Config) -> None:
              "must be 0 with sampler.engine=sglang: SGLang's returned log-probs include top-k truncation")
 
 
-def _validate_task(cfg: Config) -> None:
+def _validate_task(cfg: Config, check_files: bool) -> None:
     """The task.* keys that can be checked without importing the task (names are checked by `megarl train`)."""
     tc = cfg.task
     _require(tc.on_bad_row in ("error", "skip"), "task.on_bad_row", f"must be error or skip, got {tc.on_bad_row!r}")
@@ -243,7 +262,7 @@ def _validate_task(cfg: Config) -> None:
              f"must be in [0, 1] (1 = never stop for failed rewards), got {tc.max_reward_error_frac}")
     if tc.name == "jsonl":
         _require(bool(tc.path), "task.path", "task.name=jsonl needs the dataset: task.path=FILE.jsonl|FILE.parquet|DIR")
-        _require(Path(tc.path).expanduser().exists(), "task.path", f"dataset not found: {tc.path}")
+        _require(not check_files or Path(tc.path).expanduser().exists(), "task.path", f"dataset not found: {tc.path}")
         _require(bool(tc.prompt_field) and bool(tc.answer_field), "task.prompt_field",
                  "task.prompt_field and task.answer_field name the dataset's columns and must not be empty")
     if tc.reward_fn and ":" in tc.reward_fn:

@@ -29,6 +29,7 @@ from megarl.distributed.lifetime import StopRequested, exit_status, raise_if_sto
 from megarl.distributed.publish import WeightPublisher
 from megarl.distributed.queue import QueueReceiver
 from megarl.distributed.topology import Topology, init_learner_group, publish_groups, publish_stage_store
+from megarl.learner.nonfinite import NonfiniteSteps
 from megarl.models.layout import check_layout
 from megarl.observe.console import Console
 from megarl.observe.sinks import MetricsSink, RolloutSink
@@ -174,21 +175,14 @@ def share_batch(batch: TrainBatch | None) -> TrainBatch:
     return batch if batch is not None else box[0]
 
 
-def train_on(learner, batch: TrainBatch, cfg: Config, step: int, nonfinite_in_row: int) -> tuple[dict, int]:
-    """The optimizer steps of one batch (`sync_epochs`, 1 in pipeline mode): (last step's metrics, the
-    count of non-finite steps in a row so far). Raises once that count reaches the limit; every learner
-    rank sees the same metrics, so all of them stop together."""
-    for _ in range(cfg.algo.sync_epochs):
+def train_on(learner, batch: TrainBatch, cfg: Config, step: int, nonfinite: NonfiniteSteps) -> dict:
+    """The optimizer steps of one batch (`sync_epochs`, 1 in pipeline mode): the last step's metrics. Raises
+    when non-finite (skipped) steps stop the run (megarl.learner.nonfinite)."""
+    for epoch in range(cfg.algo.sync_epochs):
         # Later epochs see the same tokens one more version behind: the lag metrics say so.
         metrics = learner.train_step(replace(batch, learner_version=learner.version))
-        nonfinite_in_row = nonfinite_in_row + 1 if metrics["skipped_nonfinite"] else 0
-        if nonfinite_in_row >= cfg.learner.max_nonfinite_in_row:
-            raise RuntimeError(
-                f"learner: {nonfinite_in_row} optimizer steps in a row had a non-finite loss or grad norm "
-                f"(last: loss={metrics['loss']}, grad_norm={metrics['grad_norm']}) and were skipped; "
-                f"stopping at step {step} (learner.max_nonfinite_in_row={cfg.learner.max_nonfinite_in_row}). "
-                "Lower learner.lr or check the rewards and data.")
-    return metrics, nonfinite_in_row
+        nonfinite.count(metrics, step, last=step == cfg.run.steps - 1 and epoch == cfg.algo.sync_epochs - 1)
+    return metrics
 
 
 class RunOutputs:
@@ -286,7 +280,9 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
         if resumed:  # the samplers generate nothing before they run the resumed weights
             publish_weights(learner, publisher, intake.header() if lead else {}, heartbeats, topo.num_learners,
                             shards)
-        nonfinite_in_row, stopped = 0, None
+        nonfinite = NonfiniteSteps(cfg.learner.max_nonfinite_in_row, "learner",
+                                   "Lower learner.lr or check the rewards and data.")
+        stopped = None
         for step in range(start_step, cfg.run.steps):
             if schedule.due(step):  # `step` steps are trained and logged
                 save_checkpoint(learner, cfg, step, model_dir, intake, note)
@@ -301,7 +297,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 stopped = batch
                 break
             wall.append(time.time())
-            metrics, nonfinite_in_row = train_on(learner, batch, cfg, step, nonfinite_in_row)
+            metrics = train_on(learner, batch, cfg, step, nonfinite)
             wall.append(time.time())
             published = {"bytes": 0, "seconds": 0.0}
             if learner.version != version:  # a skipped (non-finite) step changed nothing to publish

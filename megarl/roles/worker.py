@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from megarl import run_lock
 from megarl.config.load import load_config, save_config
 from megarl.distributed.lifetime import install_stop_handlers, run_then_exit
 from megarl.distributed.topology import connect_store, topology_from_env
@@ -29,7 +30,11 @@ def main(argv: list[str] | None = None) -> None:
     topo = topology_from_env(cfg)
     store = connect_store(topo, cfg.dist.timeout_s)
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    if topo.rank == 0:
+    if topo.rank == 0:  # the rank that writes run.dir holds it (a raw torchrun launch), or its launcher does
+        try:
+            run_lock.hold(cfg.run.dir)
+        except run_lock.RunDirError as exc:
+            sys.exit(f"megarl: {exc}")
         save_config(cfg, Path(cfg.run.dir) / "config.yaml")
     if torch.cuda.is_available() and (topo.role == "learner" or cfg.sampler.engine == "builtin"):
         # One GPU per learner rank and per built-in engine: the node-local rank's (SGLang samplers

@@ -32,7 +32,6 @@ task.env_workers.
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import numbers
 import queue
 import threading
@@ -46,6 +45,7 @@ from megarl.rollout.agent_endpoint import (ChatCompletionsEndpoint, EndpointErro
                                            completion_response, max_request_bytes_for, new_session_token)
 from megarl.rollout.chat import ChatFormatError, ChatTranscript, OverContextError
 from megarl.rollout.episode import Episode, EpisodeLimits, environment_room, turn_room
+from megarl.rollout.rewards import bad_reward_value
 from megarl.rollout.sandbox import load_function
 
 
@@ -146,9 +146,9 @@ class AgentRunner:
             return episode
         if episode.turns == 0:
             return self._fail(episode, f"agent {self.agent_path}: returned without a chat completion request")
-        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-            return self._fail(episode, f"agent {self.agent_path}: must return a finite number (the reward), "
-                                       f"got {type(reward).__name__} {reward!r:.80}")
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or bad_reward_value(float(reward)):
+            return self._fail(episode, f"agent {self.agent_path}: must return a finite number (the reward; within "
+                                       f"float32's range), got {type(reward).__name__} {reward!r:.80}")
         episode.end(float(reward))
         return episode
 

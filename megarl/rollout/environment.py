@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
 from megarl.protocols import Prompt
+from megarl.rollout.rewards import bad_reward_value
 from megarl.rollout.sandbox import SandboxConfig, run_python
 
 TOOL_PREFIX = ">>> "
@@ -74,8 +75,10 @@ def check_observation(obs) -> Observation:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"an observation message must be a dict with string 'role' and 'content', got {m!r:.80}")
     if obs.done:
-        if isinstance(obs.reward, bool) or not isinstance(obs.reward, numbers.Real) or obs.reward != obs.reward:
+        if isinstance(obs.reward, bool) or not isinstance(obs.reward, numbers.Real):
             raise ValueError(f"a finished episode needs a real-valued reward, got {obs.reward!r}")
+        if (why := bad_reward_value(float(obs.reward))) is not None:
+            raise ValueError(f"a finished episode needs a real-valued reward: {why}")
     elif not obs.messages:
         raise ValueError("an episode that is not done needs at least one message for the model to answer")
     return obs

@@ -1,7 +1,8 @@
 """Safe reward evaluation: one bad reward call must never stop (or stall) a run.
 
 `score` wraps `task.reward`. A reward that raises, overruns its deadline, breaks a sandbox limit, or
-returns something that is not a finite real number (None, a string, NaN, inf) yields reward 0.0 and
+returns something that is not a finite real number (None, a string, NaN, inf, beyond float32's range: 1e308)
+yields reward 0.0 and
 an error string; the caller records the string on the Sample (`Sample.reward_error`) and the learner
 counts it (`reward_errors`), so a buggy user reward shows up in the metrics instead of as a crashed or
 hung sampler or a NaN loss.
@@ -59,10 +60,24 @@ def score(task: Task, prompt: Prompt, completion: str) -> tuple[float, str | Non
     if not isinstance(value, numbers.Real):
         return 0.0, f"TypeError: reward must be a real number, got {type(value).__name__} {value!r:.80}"
     value = float(value)
-    # inf is rejected with NaN: either one turns every group advantage it touches into NaN.
-    if not math.isfinite(value):
-        return 0.0, f"ValueError: reward must be finite, got {value}"
+    if (why := bad_reward_value(value)) is not None:
+        return 0.0, f"ValueError: {why}"
     return value, None
+
+
+# float32's largest finite value (torch.finfo(torch.float32).max): advantages and the loss are float32.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def bad_reward_value(value: float) -> str | None:
+    """Why a real number cannot be a reward, or None. NaN and inf turn every group advantage they touch into
+    NaN; so does a value float64 holds but float32 does not (1e308 is inf in training), and then every step
+    that trains on it is skipped as non-finite."""
+    if not math.isfinite(value):
+        return f"reward must be finite, got {value}"
+    if abs(value) > FLOAT32_MAX:
+        return f"reward must be finite in float32 (|reward| <= 3.4e38), as training holds it, got {value}"
+    return None
 
 
 def is_timeout(error: str) -> bool:

@@ -36,7 +36,9 @@ from pathlib import Path
 
 import torch
 
+from megarl import run_lock
 from megarl.config.schema import Config
+from megarl.learner.nonfinite import NonfiniteSteps
 from megarl.sft.data import Example, Records, batch_order, collate, load_records, num_steps, split_heldout
 
 SFT_RECORD = "megarl_sft.json"  # written into the output directory: what trained it
@@ -323,9 +325,14 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
         check_layout(json.loads((model_dir / "config.json").read_text()), lc.tp, lc.pp, 1)
     except ValueError as exc:
         raise ConfigError(f"{model_dir / 'config.json'}: {exc}") from None
+    lead = rank == 0
+    if lead:  # the rank that writes run.dir holds it (a raw torchrun launch), or its launcher does
+        try:
+            run_lock.hold(cfg.run.dir)
+        except run_lock.RunDirError as exc:
+            sys.exit(f"megarl sft: {exc}")
     data = load_data(cfg, model_dir)
     check_outputs(cfg, model_dir)
-    lead = rank == 0
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     init_learner_group(topo, store, cfg.dist.backend, cfg.dist.timeout_s)
@@ -350,7 +357,8 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
                      f"{lc.backend}, {world} learner ranks (tp {lc.tp}, pp {lc.pp}, dp {lc.dp})")
     order = batch_order(len(data.train), sc.batch_size, data.steps, cfg.run.seed)
     rows = lc.micro_batch_size
-    nonfinite_in_row, last = 0, time.perf_counter()
+    nonfinite = NonfiniteSteps(lc.max_nonfinite_in_row, "megarl sft", "Lower sft.lr or check the data.")
+    last = time.perf_counter()
     try:
         for step in range(data.steps + 1):
             record: dict = {}
@@ -369,11 +377,7 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
                 raise SystemExit(exit_status(signum))
             batch = collate([data.train[i] for i in order[step]], data.pad_id, learner.version)
             metrics = learner.train_step(batch)
-            nonfinite_in_row = nonfinite_in_row + 1 if metrics["skipped_nonfinite"] else 0
-            if nonfinite_in_row >= lc.max_nonfinite_in_row:
-                raise RuntimeError(f"megarl sft: {nonfinite_in_row} optimizer steps in a row had a non-finite loss or grad "
-                                   f"norm and were skipped; stopping at step {step} (learner.max_nonfinite_in_row="
-                                   f"{lc.max_nonfinite_in_row}). Lower sft.lr or check the data.")
+            nonfinite.count(metrics, step, last=step == data.steps - 1)
             now = time.perf_counter()
             metrics = {**metrics, **record, "epoch": (step + 1) * sc.batch_size / len(data.train),
                        "tokens_per_s": batch.num_tokens / (now - last), "version": learner.version}

@@ -71,6 +71,25 @@ def test_missing_file_and_broken_yaml(tmp_path):
         load_config(broken)
 
 
+@pytest.mark.parametrize("text, kind", [("- run\n- model\n", "a list, \"['run', 'model']\""),
+                                        ("42\n", "a scalar (int), '42'"), ("just words\n", "a scalar (str)")])
+def test_a_config_whose_top_level_is_not_a_mapping_is_named(text, kind, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert str(exc.value).startswith(f"{path}: the top level is {kind}"), exc.value
+    assert "a config file is a mapping of config keys" in str(exc.value)
+
+
+def test_an_empty_value_on_the_command_line_sets_a_string_key_to_empty(tmp_path):
+    # A shell turns the documented sft.eval_data='' into sft.eval_data= (OmegaConf alone reads that as null).
+    cfg = load_config(DEMO, ["sft.eval_data=", "task.reward_fn=''"])
+    assert cfg.sft.eval_data == "" and cfg.task.reward_fn == ""
+    with pytest.raises(ConfigError, match="bad value for config key 'run.steps'"):  # not a string key: still refused
+        load_config(DEMO, ["run.steps="])
+
+
 def test_saved_config_round_trips(tmp_path):
     cfg = load_config(DEMO, ["run.steps=11"])
     save_config(cfg, tmp_path / "config.yaml")

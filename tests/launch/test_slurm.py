@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, save_tokenizer
 
 CONFIG = "configs/demo.yaml"
 FAKE = Path(__file__).with_name("fake_slurm.py")
@@ -26,7 +26,7 @@ def fake_model_dir(tmp_path) -> Path:
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
     (model / "model.safetensors").write_bytes(b"")
-    (model / "tokenizer.json").write_text("{}")
+    save_tokenizer(model)
     return model
 
 

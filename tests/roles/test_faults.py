@@ -84,6 +84,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run(embedded_think_model_dir, tmp_pat
     assert "2 optimizer steps in a row had a non-finite loss or grad norm" in proc.stderr
     assert "learner.max_nonfinite_in_row=2" in proc.stderr
     assert "megarl: the run failed: learner 0 (rank 0) exited with code 1" in proc.stderr
+    assert "megarl: done" not in proc.stdout
     assert not leftovers(run_dir)
 
 
@@ -153,6 +154,11 @@ def test_a_job_killed_mid_run_resumes_from_its_last_checkpoint(embedded_think_mo
     run_dir = tmp_path / "killed"
     proc = _start(run_dir, embedded_think_model_dir, "checkpoint.every_steps=2")
     _wait_for_steps(run_dir, 5, proc)
+    # A second run into the same run.dir meanwhile is refused before it launches, naming the first.
+    second = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.resume=true", timeout=120)
+    assert second.returncode == 2 and "launching" not in second.stdout, second.stderr[-3000:]
+    assert second.stderr.startswith(f"megarl: run.dir {run_dir} is in use by the run started "), second.stderr
+    assert f" as pid {proc.pid} on " in second.stderr
     for pid in [proc.pid, *leftovers(run_dir)]:  # the whole job at once: launcher, agent, workers
         try:
             os.kill(pid, signal.SIGKILL)
@@ -161,6 +167,7 @@ def test_a_job_killed_mid_run_resumes_from_its_last_checkpoint(embedded_think_mo
     proc.wait(timeout=30)
     time.sleep(1)
     assert not leftovers(run_dir)
+    assert (run_dir / ".megarl.lock").is_file()  # left by the killed run: it must not block the resumed one
     done = len(_metrics(run_dir))
     resumed = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", f"model.path={embedded_think_model_dir}",
                          f"run.steps={done + 3}", "algo.prompts_per_step=4", "checkpoint.every_steps=2",

@@ -131,6 +131,7 @@ def test_an_agent_that_raises_returns_garbage_makes_no_call_or_hangs_fails_only_
 
     cases = [(lambda *a: 1 / 0, "ZeroDivisionError"), (one_call_then("yes"), "must return a finite number"),
              (one_call_then(float("inf")), "must return a finite number"),
+             (one_call_then(1e308), "must return a finite number (the reward; within float32's range), got float 1e+308"),
              (lambda *a: 1.0, "without a chat completion request"), (lambda *a: release.wait(30), "timed out after 1s")]
     for behaviour, why in cases:
         loop = ScriptedLoop(tok, agent_that(behaviour), [], timeout_s=1.0)

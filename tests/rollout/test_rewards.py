@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from megarl.config.load import load_config
 from megarl.protocols import Prompt, Sample
-from megarl.rollout.rewards import RewardErrorWindow, check_reward, extract_code, score, score_group
+from megarl.rollout.rewards import FLOAT32_MAX, RewardErrorWindow, check_reward, extract_code, score, score_group
 from megarl.rollout.tasks import ArithmeticTask, task_from_config
 from tests.helpers import REPO, run_python
 
@@ -60,6 +61,13 @@ def test_non_numbers_and_non_finite_are_errors():
     for bad in (math.nan, math.inf, -math.inf):
         value, err = score(FixedReward(bad), PROMPT, "x")
         assert value == 0.0 and err.startswith("ValueError: reward must be finite")
+    # Finite in float64 but inf in float32, where training holds rewards: every step would be skipped.
+    for bad in (1e308, -1e39):
+        value, err = score(FixedReward(bad), PROMPT, "x")
+        assert value == 0.0 and err == f"ValueError: reward must be finite in float32 (|reward| <= 3.4e38), as " \
+                                       f"training holds it, got {bad}"
+    assert FLOAT32_MAX == torch.finfo(torch.float32).max
+    assert score(FixedReward(FLOAT32_MAX), PROMPT, "x") == (FLOAT32_MAX, None)
 
 
 # ----------------------------------------------------------------- rewards selected by task.reward_fn
