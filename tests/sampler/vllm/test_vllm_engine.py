@@ -77,6 +77,7 @@ def _hf_logprobs_over_kept_kv(old, new, prompt, tokens, boundary, temperature):
     target = torch.tensor(tokens[boundary:])[:, None]
     return torch.log_softmax(logits / temperature, -1).gather(1, target)[:, 0]
 
+
 def test_generation_and_lag0_logprobs_match_transformers(engine, hf):
     """Behaviour log-probs = log_softmax(logits / T) of the sampled token over the full vocabulary (vLLM's
     processed_logprobs), to fp32 rounding; vLLM's default raw_logprobs (no temperature) would be far off."""
@@ -212,6 +213,7 @@ def test_update_mid_rollout_versions_and_kv_policy_exact(engine, hf, served, pol
         assert set(c.versions) == {version}
         new_lp, _ = _hf_logprobs(new_model, c.prompt_ids, c.token_ids, TEMPERATURE)
         assert (torch.tensor(c.logprobs) - new_lp).abs().max() < 1e-4
+
 
 def test_hung_then_killed_server_is_reported(engine, hf):
     """A server that stops answering fails the request within request_timeout_s; one that dies is named by step()
