@@ -1,4 +1,4 @@
-""".ci/quickstart.py: CI reads the README's two quickstart commands from the README itself, and refuses another shape."""
+""".ci/quickstart.py: CI reads the two quickstart commands from the README; another shape is refused."""
 from __future__ import annotations
 
 import importlib.util
