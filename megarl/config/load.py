@@ -219,9 +219,11 @@ def _validate_vllm(cfg: Config) -> None:
              "must be 1.0 with sampler.engine=vllm: vLLM's processed log-probs include top-p truncation")
     _require(cfg.sampling.top_k == 0, "sampling.top_k",
              "must be 0 with sampler.engine=vllm: vLLM's processed log-probs include top-k truncation")
-    _require(cfg.sampler.kv_on_update == "keep", "sampler.kv_on_update",
-             "sampler.engine=vllm pauses with mode=keep (running requests keep their KV cache); recompute is not "
-             "implemented for vLLM")
+    # keep: /pause clear_cache=false, the running requests' KV stays; recompute: clear_cache=true, vLLM preempts them
+    # and prefills them again under the new weights (megarl/sampler/vllm_engine.py CLEAR_CACHE).
+    _require(not (vc.prefix_caching and cfg.sampler.kv_on_update == "keep"), "sampler.vllm.prefix_caching",
+             "needs sampler.kv_on_update=recompute: with keep the prefix cache survives an update, so a new request "
+             "would reuse KV an older version computed (recompute resets it at every update)")
     _require(not any(a.split("=")[0] in ("--max-model-len", "--logprobs-mode", "--worker-extension-cls")
                      for a in vc.server_args), "sampler.vllm.server_args",
              "--max-model-len (sampler.max_seq_len), --logprobs-mode and --worker-extension-cls are set by megarl")

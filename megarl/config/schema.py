@@ -143,7 +143,8 @@ class VLLMConfig:
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: the server's KV cache on CPU
     # True: no torch.compile (start-up ~40 s faster on the CPU machines; slower decode for big models).
     enforce_eager: bool = True
-    # vLLM's prefix cache: off by default, so no request reuses KV an older version computed.
+    # vLLM's prefix cache: off by default, so no request reuses KV an older version computed; true needs
+    # sampler.kv_on_update=recompute (whose pause resets the prefix cache).
     prefix_caching: bool = False
 
 
@@ -157,7 +158,8 @@ class SamplerConfig:
     tp: int = 1
     max_running: int = 32  # continuous-batching slots per engine (sglang: requests in flight per server)
     max_seq_len: int = 64  # prompt + completion tokens per request (KV cache length)
-    # "keep" the KV cache on an in-flight weight swap, or "recompute" it (sglang: pause mode in_place / retract)
+    # "keep" the KV cache on an in-flight weight swap, or "recompute" it (sglang: pause mode in_place / retract;
+    # vllm: /pause clear_cache=false / true)
     kv_on_update: str = "keep"
     threads: int = 1  # torch intra-op threads per sampler process
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

@@ -15,7 +15,11 @@ Weights: the sampler process receives each version from the learner over megarl'
 built-in path: buckets over gloo/NCCL, StagedReceiver) and hands it to `stage_weights`, which applies it in
 flight on the server:
 
-    POST /pause?mode=keep            running requests stay frozen with their KV cache; no engine step runs
+    POST /pause?mode=keep&clear_cache=C   running requests stay in the scheduler; no engine step runs. C is
+                                     sent explicitly (vLLM 0.32's default, true, resets the prefix cache with
+                                     reset_running_requests=True, whatever its docstring says): false for
+                                     kv_on_update=keep (their KV cache stays), true for recompute (they are
+                                     preempted and re-prefilled under the new weights at /resume)
     POST /collective_rpc megarl_update   in the worker: count every request's sampled tokens, then receive the
                                      buckets (gloo group sampler <-> vLLM worker) and reload the weights
     (sampler broadcasts the buckets meanwhile)
@@ -50,6 +54,13 @@ from megarl.sampler.vllm_ext import megarl_vllm_worker as ext
 EXT_DIR = Path(__file__).resolve().parent / "vllm_ext"
 WORKER_EXTENSION = "megarl_vllm_worker.MegarlWorkerExtension"
 SERVED_NAME = "megarl"
+# sampler.kv_on_update -> /pause's clear_cache (vLLM 0.32, v1/engine/core.py: `_finish_pause(clear_cache)` calls
+# `reset_prefix_cache(reset_running_requests=True)`, which preempts every running request: num_computed_tokens = 0,
+# its blocks freed, so /resume prefills prompt + output again, under the new weights). Always sent, never left to
+# vLLM's default (true: keep would silently be recompute). Its docstring says the flag is ignored with mode=keep; a
+# release that makes the code match it turns recompute into keep, which tests/sampler/vllm/test_vllm_engine.py's KV
+# test catches (it checks the log-probs after an update against both policies' recomputation).
+CLEAR_CACHE = {"keep": "false", "recompute": "true"}
 MIN_HEAD_DIM = 32  # vLLM's CPU attention backend refuses smaller heads
 log = logging.getLogger("megarl.vllm_engine")
 
@@ -174,8 +185,11 @@ class VLLMEngine:
 
     def __init__(self, client: _Client, *, model_dir: str | Path, max_running: int, context_length: int,
                  server: _Server | None = None, version: int = 0, update_timeout_s: float = 120.0,
-                 bucket_mb: float = 16.0):
+                 bucket_mb: float = 16.0, kv_on_update: str = "keep"):
+        if kv_on_update not in CLEAR_CACHE:
+            raise ValueError(f"kv_on_update={kv_on_update!r} must be one of {tuple(CLEAR_CACHE)}")
         self.client, self.server = client, server
+        self.kv_on_update = kv_on_update
         self.context_length, self.max_running = context_length, max_running
         self.update_timeout_s, self.bucket_bytes = update_timeout_s, int(bucket_mb * 2 ** 20)
         self._spec = weight_spec(model_dir)
@@ -210,18 +224,20 @@ class VLLMEngine:
                          Path(cfg.run.dir) / "vllm" / f"sampler{topo.role_rank}.log", port, model_dir=model_dir,
                          max_running=cfg.sampler.max_running, context_length=cfg.sampler.max_seq_len,
                          startup_timeout_s=vc.startup_timeout_s, request_timeout_s=vc.request_timeout_s,
-                         update_timeout_s=cfg.publish.timeout_s, bucket_mb=cfg.publish.bucket_mb)
+                         update_timeout_s=cfg.publish.timeout_s, bucket_mb=cfg.publish.bucket_mb,
+                         kv_on_update=cfg.sampler.kv_on_update)
 
     @classmethod
     def start(cls, cmd, env, log_path: Path, port: int, *, model_dir, max_running: int, context_length: int,
               startup_timeout_s: float, request_timeout_s: float, update_timeout_s: float = 120.0,
-              bucket_mb: float = 16.0) -> "VLLMEngine":
+              bucket_mb: float = 16.0, kv_on_update: str = "keep") -> "VLLMEngine":
         server = _Server(cmd, env, Path(log_path), f"http://127.0.0.1:{port}")
         client = _Client("127.0.0.1", port, request_timeout_s, describe=server.log_tail)
         try:
             server.wait_healthy(client, startup_timeout_s)
             engine = cls(client, model_dir=model_dir, max_running=max_running, context_length=context_length,
-                         server=server, update_timeout_s=update_timeout_s, bucket_mb=bucket_mb)
+                         server=server, update_timeout_s=update_timeout_s, bucket_mb=bucket_mb,
+                         kv_on_update=kv_on_update)
             engine.join_weight_group()
         except BaseException:
             server.stop()
@@ -367,7 +383,8 @@ class VLLMEngine:
         self._group = holder["group"]
 
     def stage_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Apply `version` on the server now, in flight (pause keep -> load -> resume; see module docstring).
+        """Apply `version` on the server now, in flight (pause keep with this engine's clear_cache -> load ->
+        resume; see module docstring).
         Returns once the server runs it. The server is resumed on every path, failed or not."""
         missing = set(self._spec) - set(named_tensors)
         if missing:
@@ -378,7 +395,8 @@ class VLLMEngine:
         spec = [(n, list(named_tensors[n].shape), str(named_tensors[n].dtype).removeprefix("torch.")) for n in names]
         plan = ext.bucket_plan(spec, self.bucket_bytes)
         start = time.perf_counter()
-        self.client.post("/pause?mode=keep", {}, timeout_s=self.update_timeout_s)
+        self.client.post(f"/pause?mode=keep&clear_cache={CLEAR_CACHE[self.kv_on_update]}", {},
+                         timeout_s=self.update_timeout_s)
         paused_at = time.perf_counter()
         try:
             with self._lock:

@@ -63,8 +63,12 @@ def test_config_picks_the_vllm_variant_and_refuses_truncation():
     assert load_config("configs/demo.yaml").model.path == "embedded:tiny-qwen2-count"
     with pytest.raises(ConfigError, match="sampling.top_p"):
         load_config("configs/demo.yaml", ["sampler.engine=vllm", "sampling.top_p=0.9"])
-    with pytest.raises(ConfigError, match="sampler.kv_on_update"):
-        load_config("configs/demo.yaml", ["sampler.engine=vllm", "sampler.kv_on_update=recompute"])
+    assert load_config("configs/demo.yaml", ["sampler.engine=vllm",
+                                             "sampler.kv_on_update=recompute"]).sampler.kv_on_update == "recompute"
+    load_config("configs/demo.yaml", ["sampler.engine=vllm", "sampler.kv_on_update=recompute",
+                                      "sampler.vllm.prefix_caching=true"])
+    with pytest.raises(ConfigError, match="sampler.vllm.prefix_caching: needs sampler.kv_on_update=recompute"):
+        load_config("configs/demo.yaml", ["sampler.engine=vllm", "sampler.vllm.prefix_caching=true"])
     with pytest.raises(ConfigError, match="sampler.vllm.server_args"):
         load_config("configs/demo.yaml", ["sampler.engine=vllm", "sampler.vllm.server_args=[--max-model-len=9]"])
 

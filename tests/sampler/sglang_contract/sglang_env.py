@@ -3,8 +3,9 @@
 `install(version)` puts `pip install --no-deps sglang==VERSION` into a cache directory under
 ~/.cache/megarl/sglang-contract/ (once; later runs reuse it), next to one shared directory of the
 pure-Python packages SGLang's request types, argument parser and weight-update manager import
-(DEPS, pinned). Neither touches the test environment: the checks run in a subprocess whose
-PYTHONPATH is those directories. A failed install raises: the contract tests fail, never skip.
+(DEPS, pinned; the directory's name is a hash of DEPS, so changing a pin builds a new one and a cached
+directory with the old pins is never used again). Neither touches the test environment: the checks run in a
+subprocess whose PYTHONPATH is those directories. A failed install raises: the contract tests fail, never skip.
 
 `install_stubs()` (called first in that subprocess) makes the modules in STUBS importable as empty
 stand-ins. Each is imported at module level somewhere on the import path of the code under test but
@@ -22,10 +23,17 @@ import time
 import types
 from pathlib import Path
 
+from megarl.filelock import exclusive
+
 CACHE = Path(os.environ.get("MEGARL_CACHE", Path.home() / ".cache" / "megarl")) / "sglang-contract"
 DEPS = ("pybase64==1.5.1", "msgspec==0.23.0", "fastapi==0.165.0", "starlette==1.10.0", "openai==3.57.0",
         "httpx==0.28.1", "httpcore==1.0.9", "distro==1.9.0", "jiter==0.19.0", "partial_json_parser==0.2.1.1.post7",
-        "opentelemetry-api==1.45.2", "uvloop==0.23.0", "uvicorn==0.54.0")
+        "opentelemetry-api==1.45.2", "uvloop==0.23.0", "uvicorn==0.54.0",
+        # Imported at module level by sglang/srt/utils/common.py (orjson, requests) and sglang/utils.py (requests,
+        # IPython.display), with what they import in turn. A fresh venv has none of them; a Python that happens to
+        # have them (a system one) hides their absence, so the fresh-venv CI (.ci/run) is what checks this list.
+        "orjson==3.13.0", "requests==2.34.2", "urllib3==2.8.0", "certifi==2026.10.19.post1", "idna==3.20",
+        "charset-normalizer==3.5.3", "ipython==9.18.1", "traitlets==5.16.1")
 STUBS = {
     "triton": "GPU kernel compiler (CUDA only); sglang.srt.utils.common imports it at module level",
     "aiohttp": "HTTP client of SGLang's frontend language (sglang.lang), imported by sglang/__init__",
@@ -55,10 +63,11 @@ def install(version: str) -> tuple[list[Path], float]:
     CACHE.mkdir(parents=True, exist_ok=True)
     sglang_dir = CACHE / f"sglang-{version}"
     deps_dir = CACHE / f"deps-{hashlib.sha1(' '.join(DEPS).encode()).hexdigest()[:12]}"  # new pins: new dir
-    if not sglang_dir.exists():
-        _pip(sglang_dir, f"sglang=={version}")
-    if not deps_dir.exists():
-        _pip(deps_dir, *DEPS)
+    with exclusive(CACHE / ".install.lock"):  # test processes running at once install once, never into each other
+        if not sglang_dir.exists():
+            _pip(sglang_dir, f"sglang=={version}")
+        if not deps_dir.exists():
+            _pip(deps_dir, *DEPS)
     return [sglang_dir, deps_dir], time.monotonic() - start
 
 

@@ -38,6 +38,12 @@ def hf(vllm_model_dir):
     return model, AutoTokenizer.from_pretrained(vllm_model_dir)
 
 
+@pytest.fixture(scope="module")
+def served(hf):
+    """{"weights": what the module's server runs now}: the model's own until an update test loads others."""
+    return {"weights": hf[0].state_dict()}
+
+
 def _requests(tok, prompts, n, max_new_tokens=48, temperature=TEMPERATURE, tag="r"):
     out = []
     for i in range(n):
@@ -59,11 +65,10 @@ def _hf_logprobs(model, prompt, tokens, temperature):
 
 
 @torch.no_grad()
-def _hf_logprobs_across_swap(old, new, prompt, tokens, boundary, temperature):
-    """Log-probs of tokens[boundary:] as an engine that *keeps* the KV cache across a swap computes them (vLLM 0.32
-    on CPU does not: see the update test; kept for the comparison it prints):
-    the new weights attend over K/V the old weights wrote for prompt + tokens[:boundary-1] (token boundary-1 is
-    the first input of the first step after the swap, so its K/V are the new weights')."""
+def _hf_logprobs_over_kept_kv(old, new, prompt, tokens, boundary, temperature):
+    """Log-probs of tokens[boundary:] as an engine that keeps the KV cache across a swap computes them
+    (kv_on_update=keep): the new weights attend over K/V the old weights wrote for prompt + tokens[:boundary-1]
+    (token boundary-1 is the first input of the first step after the swap, so its K/V are the new weights')."""
     seq = list(prompt) + list(tokens)
     split = len(prompt) + boundary - 1  # inputs [0, split) ran under the old weights
     out = old(input_ids=torch.tensor([seq[:split]]), use_cache=True)
@@ -111,24 +116,34 @@ def _names(model):
         return set(f.keys())
 
 
-def test_update_mid_rollout_versions_exact(engine, hf):
-    """Requests running across an in-flight update (pause keep -> load over gloo -> resume): megarl's per-token
-    versions say exactly which weights sampled each token -- each log-prob matches the assigned version's
-    recomputation and not the other's -- and the requests finish whole.
-
-    This is the test that catches AReaL #1569 (versions mislabelled when an update lands during an HTTP call):
-    with the boundary one token off either way, or the client's own token count at the pause used instead of
-    the worker's, the assertions on `assigned` fail."""
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_update_mid_rollout_versions_and_kv_policy_exact(engine, hf, served, policy):
+    """Requests running across an in-flight update (pause keep with the policy's clear_cache -> load over gloo ->
+    resume):
+    * the KV the requests continue over is the configured policy's: the first token after the update has the
+      log-prob of the new weights over the old weights' KV (keep) or over a prefix recomputed under the new
+      weights (recompute), and not the other policy's. This fails if megarl leaves /pause's clear_cache to
+      vLLM 0.32's default (true: keep would silently recompute), or if vLLM makes its code match its docstring
+      (clear_cache ignored with mode=keep: recompute would silently keep);
+    * megarl's per-token versions say exactly which weights sampled each token -- each log-prob matches the
+      assigned version's recomputation and not the other's -- and the requests finish whole. This is the check
+      that catches AReaL #1569 (versions mislabelled when an update lands during an HTTP call): with the boundary
+      one token off either way, or the client's own token count at the pause used instead of the worker's, the
+      assertions on `assigned` fail."""
     from transformers import AutoModelForCausalLM
 
     model, tok = hf
-    new_weights = _perturbed(model)
+    engine.kv_on_update = policy  # one server serves both: clear_cache is a per-pause argument
+    new_weights = _perturbed(model, seed=engine.version + 1)
     assert set(new_weights) == set(engine.weight_spec())
     new_model = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32).eval()
     new_model.load_state_dict(new_weights, strict=False)
     new_model.tie_weights()
+    old_model = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32).eval()
+    old_model.load_state_dict(served["weights"], strict=False)
+    old_model.tie_weights()
 
-    requests = _requests(tok, ["a-z=", "b-y=", "c-x="], 8, max_new_tokens=60, tag="u")
+    requests = _requests(tok, ["a-z=", "b-y=", "c-x="], 8, max_new_tokens=60, tag=f"{policy}-u")
     version = engine.version + 1
     for r in requests:
         engine.add_request(r)
@@ -137,26 +152,29 @@ def test_update_mid_rollout_versions_exact(engine, hf):
         assert time.monotonic() < deadline
         time.sleep(0.002)
     engine.stage_weights({k: v.clone() for k, v in new_weights.items()}, version)
+    served["weights"] = new_weights
     assert engine.version == version
     done = {}
     while len(done) < len(requests):
         done.update({c.request_id: c for c in engine.step()})
 
-    straddling, discriminating, total, shifted_caught, kept_kv_gap = 0, 0, 0, 0, 0.0
+    straddling, discriminating, total, shifted_caught = 0, 0, 0, 0
+    first_tokens = []  # (engine's, keep's, recompute's) log-prob of each straddling request's first new token
     for r in requests:
         c = done[r.request_id]
         b = c.versions.count(version - 1)
         assert c.versions == [version - 1] * b + [version] * (len(c.token_ids) - b)
         got = torch.tensor(c.logprobs)
-        # Recomputation under the version megarl assigned to each token ...
-        old_lp, _ = _hf_logprobs(model, c.prompt_ids, c.token_ids, TEMPERATURE)
-        # vLLM 0.32 (CPU) recomputes a paused request's KV with the new weights after the update (measured:
-        # tokens after it match the new weights over the whole prefix to ~1e-6, not over the old weights' KV).
-        new_lp, _ = _hf_logprobs(new_model, c.prompt_ids, c.token_ids, TEMPERATURE)
+        old_lp, _ = _hf_logprobs(old_model, c.prompt_ids, c.token_ids, TEMPERATURE)
+        new_lp, _ = _hf_logprobs(new_model, c.prompt_ids, c.token_ids, TEMPERATURE)  # over a recomputed prefix
+        after = new_lp[b:]
         if 0 < b < len(c.token_ids):
-            kept = _hf_logprobs_across_swap(model, new_model, c.prompt_ids, c.token_ids, b, TEMPERATURE)
-            kept_kv_gap = max(kept_kv_gap, (got[b:] - kept).abs().max().item())
-        assigned = torch.cat([old_lp[:b], new_lp[b:]])
+            straddling += 1
+            kept = _hf_logprobs_over_kept_kv(old_model, new_model, c.prompt_ids, c.token_ids, b, TEMPERATURE)
+            first_tokens.append((got[b].item(), kept[0].item(), new_lp[b].item()))
+            after = kept if policy == "keep" else new_lp[b:]
+        # Recomputation under the version megarl assigned to each token (and, after the update, the policy's KV) ...
+        assigned = torch.cat([old_lp[:b], after])
         assert (got - assigned).abs().max() < 1e-4, (r.request_id, b, (got - assigned).abs().max())
         # ... and under the other one: where the two versions disagree, the token's log-prob must be the
         # assigned version's, so a label one token off (AReaL #1569) fails the line above.
@@ -166,18 +184,32 @@ def test_update_mid_rollout_versions_exact(engine, hf):
         discriminating += int(differs.sum())
         total += len(c.token_ids)
         if 0 < b < len(c.token_ids):
-            straddling += 1
             # The AReaL #1569 failure: the boundary one token off. Token b-1 relabelled new / token b old:
             shifted_caught += int((got[b - 1] - new_lp[b - 1]).abs() > 1e-4 and (got[b] - old_lp[b]).abs() > 1e-4)
     assert straddling >= 1, [done[r.request_id].versions for r in requests]
-    assert discriminating >= total // 2, (discriminating, total)
-    assert shifted_caught >= 1  # a boundary one token off (either way) is caught on real data  # the check has power: most tokens tell versions apart
-    print(f"\n{straddling} of {len(requests)} requests straddle the update; {discriminating} of {total} tokens "
-          f"have log-probs > 1e-3 apart under the two versions; a one-off boundary caught in {shifted_caught}; (gap to the new weights over the old KV: {kept_kv_gap:.1e}); swap {engine.stats()['swap_time_s']:.3f}s")
+    assert discriminating >= total // 2, (discriminating, total)  # the check has power: most tokens tell versions apart
+    assert shifted_caught >= 1  # a boundary one token off (either way) is caught on real data
+
+    # The KV policy, on the first token after the update: the configured policy's log-prob, not the other's.
+    mine, theirs = (1, 2) if policy == "keep" else (2, 1)
+    telling = [t for t in first_tokens if abs(t[1] - t[2]) > 1e-3]
+    assert telling, f"no straddling request tells keep from recompute: {first_tokens}"
+    for t in first_tokens:
+        assert abs(t[0] - t[mine]) < 1e-4, (policy, t)
+    for t in telling:
+        assert abs(t[0] - t[theirs]) > 1e-3 - 1e-4, (policy, t)
+    gap_mine = max(abs(t[0] - t[mine]) for t in first_tokens)
+    gap_theirs = min(abs(t[0] - t[theirs]) for t in telling)
+    print(f"\n{policy}: {straddling} of {len(requests)} requests straddle the update; first token after it: "
+          f"|engine - {policy}| <= {gap_mine:.1e}, |engine - other policy| >= {gap_theirs:.1e} "
+          f"({len(telling)} telling); {discriminating} of {total} tokens have log-probs > 1e-3 apart under the "
+          f"two versions; a one-off boundary caught in {shifted_caught}; swap {engine.stats()['swap_time_s']:.3f}s\n"
+          f"(engine, keep, recompute) first-token log-probs that tell the policies apart: "
+          f"{[tuple(round(x, 6) for x in t) for t in telling]}")
 
     # Later requests run entirely on the new weights.
-    after = engine.generate(_requests(tok, ["e-j="], 2, tag="after"))
-    for c in after:
+    later = engine.generate(_requests(tok, ["e-j="], 2, tag=f"{policy}-after"))
+    for c in later:
         assert set(c.versions) == {version}
         new_lp, _ = _hf_logprobs(new_model, c.prompt_ids, c.token_ids, TEMPERATURE)
         assert (torch.tensor(c.logprobs) - new_lp).abs().max() < 1e-4

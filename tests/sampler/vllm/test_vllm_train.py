@@ -1,5 +1,6 @@
-"""`megarl train configs/demo.yaml sampler.engine=vllm` as a user types it (plus a short run and a temp run dir):
-a real torchrun launch, megatron learner + one sampler rank driving a real vLLM server, weights over gloo."""
+"""`megarl train configs/demo.yaml sampler.engine=vllm` (and the multi-turn demo) as a user types it, plus a short run,
+a temp run dir and, for the log-prob check, a KV policy: a real torchrun launch, megatron learner + one sampler rank
+driving a real vLLM server, weights over gloo."""
 from __future__ import annotations
 
 import json
@@ -13,10 +14,15 @@ pytestmark = pytest.mark.vllm
 
 
 def test_demo_trains_with_vllm(vllm_python, tmp_path):
+    """With kv_on_update=recompute every lag-0 token was sampled by the learner's own weights over a prefix they
+    computed, so every step's learner-vs-vLLM gap must be fp32 noise: the published weights are the learner's,
+    version by version. (With keep, a token sampled over an older version's KV after an update differs from the
+    learner's recomputation by design, docs/results.md; the multi-turn run below uses keep.)"""
     run_dir = tmp_path / "run"
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", "sampler.engine=vllm",
-                           "run.steps=16", f"run.dir={run_dir}", "run.progress=false"],
+                           "sampler.kv_on_update=recompute", "run.steps=16", f"run.dir={run_dir}",
+                           "run.progress=false"],
                           capture_output=True, text=True, timeout=900)
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
