@@ -37,6 +37,7 @@ from megarl.config.load import ConfigError, world_size_for
 from megarl.config.schema import Config
 from megarl.distributed.secret import run_secret
 from megarl.distributed.signed_store import SignedStore
+from megarl.distributed.store_server import tcp_store_server
 
 STORE_PREFIX = "megarl/"
 
@@ -297,5 +298,8 @@ def init_sglang_update_group(backend: str, host: str, port: int, world_size: int
     joined or `timeout_s` passed.
     """
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    if rank == 0:  # listens on `host` only, not on every interface (megarl.distributed.store_server)
+        store = tcp_store_server(host, port, timeout, world_size, wait_for_workers=True, multi_tenant=True)
+    else:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, multi_tenant=True)
     return _registered_group(dist.PrefixStore(group_name, store), rank, world_size, backend, group_name, timeout)

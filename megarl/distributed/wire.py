@@ -12,7 +12,8 @@ A message is
     sender          (u32)     the claimed sender (sampler global rank; the TP lead: 0)
     sequence        (u64)     strictly increasing per (session, sender): a replayed message is refused
     metadata length (u32)
-    metadata        msgpack map (str keys; no ext types); arrays appear in it as [dtype, shape]
+    metadata        msgpack map (str keys; no ext types); records travel as columns (encode_records),
+                    arrays appear in it as [dtype, shape] descriptors
     arrays          raw little-endian buffers, concatenated in the order their descriptors appear in the
                     metadata; their total size must equal what the descriptors declare
     tag             HMAC-SHA256(run secret, header + metadata + arrays)
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import math
 import struct
 from dataclasses import dataclass
@@ -62,6 +64,7 @@ class Field:
     dtypes: tuple[str, ...] = ()  # NDARRAY only: the accepted dtypes (numpy names, sent little-endian)
     ndim: int = 0  # NDARRAY only
     optional: bool = False  # NDARRAY only: may be None (OPT_STR is always optional)
+    min_value: int | None = None  # INT, INT_LIST: the smallest value accepted
 
 
 # Sample's schema: every attribute that travels, in one place (docs/security.md#the-wire-format).
@@ -69,22 +72,22 @@ SAMPLE_FIELDS: tuple[Field, ...] = (
     Field("group_id", STR),
     Field("prompt", STR),
     Field("completion", STR),
-    Field("prompt_ids", INT_LIST),
-    Field("token_ids", INT_LIST),
+    Field("prompt_ids", INT_LIST, min_value=0),
+    Field("token_ids", INT_LIST, min_value=0),
     Field("logprobs", FLOAT_LIST),
-    Field("versions", INT_LIST),
+    Field("versions", INT_LIST, min_value=-1),  # -1: an environment token
     Field("reward", FLOAT),
     Field("finish_reason", STR),
     Field("sampler_rank", INT),
     Field("reward_error", OPT_STR),
     Field("env_spans", SPAN_LIST),
-    Field("turns", INT),
+    Field("turns", INT, min_value=1),
 )
 
 SAMPLING_FIELDS: tuple[Field, ...] = (
     Field("temperature", FLOAT), Field("top_p", FLOAT), Field("top_k", INT), Field("max_new_tokens", INT))
 REQUEST_FIELDS: tuple[Field, ...] = (
-    Field("request_id", STR), Field("prompt_ids", INT_LIST), Field("stop_token_ids", INT_LIST))
+    Field("request_id", STR), Field("prompt_ids", INT_LIST, min_value=0), Field("stop_token_ids", INT_LIST, min_value=0))
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -134,88 +137,125 @@ def _little(dtype: str) -> str:
     return np.dtype(dtype).newbyteorder("<").str
 
 
-def encode_record(obj: Any, fields: tuple[Field, ...], arrays: _Arrays) -> dict:
-    """obj's declared attributes as a msgpack-ready dict (array fields as descriptors, buffers into `arrays`)."""
-    out: dict[str, Any] = {}
+def encode_records(objs: list, fields: tuple[Field, ...], arrays: _Arrays) -> dict:
+    """Records as columns: {"count": n, "columns": {field: column}}. A scalar column is the list of the n
+    values; a list column is {"lengths": [n ints], "data": one array of every record's items}; an ndarray
+    column is the n arrays' descriptors (None where absent). One array per list field and group, not per
+    record, keeps a group's cost near pickle's."""
+    columns: dict[str, Any] = {}
     for f in fields:
-        value = getattr(obj, f.name)
+        values = [getattr(obj, f.name) for obj in objs]
         if f.kind == INT:
-            out[f.name] = int(value)
+            columns[f.name] = [int(v) for v in values]
         elif f.kind == FLOAT:
-            out[f.name] = float(value)
+            columns[f.name] = [float(v) for v in values]
         elif f.kind in (STR, OPT_STR):
-            out[f.name] = value
+            columns[f.name] = values
         elif f.kind in LIST_LAYOUT:
             dtype, ndim = LIST_LAYOUT[f.kind]
-            array = np.asarray(value, dtype=dtype)
-            out[f.name] = arrays.add(array.reshape(-1, 2) if ndim == 2 else array)
-        elif f.kind == NDARRAY:
-            if value is None and f.optional:
-                out[f.name] = None
+            lengths = [len(v) for v in values]
+            if ndim == 1:
+                data = np.fromiter(itertools.chain.from_iterable(values), dtype=dtype, count=sum(lengths))
             else:
-                if value.dtype.name not in f.dtypes or value.ndim != f.ndim:
-                    raise WireError(f"{f.name}: {value.dtype.name}[{value.ndim}d] is not one of {list(f.dtypes)} "
+                data = np.asarray([pair for v in values for pair in v], dtype=dtype).reshape(-1, 2)
+            columns[f.name] = {"lengths": lengths, "data": arrays.add(data)}
+        elif f.kind == NDARRAY:
+            column = []
+            for v in values:
+                if v is None and f.optional:
+                    column.append(None)
+                    continue
+                if v.dtype.name not in f.dtypes or v.ndim != f.ndim:
+                    raise WireError(f"{f.name}: {v.dtype.name}[{v.ndim}d] is not one of {list(f.dtypes)} "
                                     f"with {f.ndim} dimensions")
-                out[f.name] = arrays.add(value)
+                column.append(arrays.add(v))
+            columns[f.name] = column
         else:
             raise AssertionError(f"unknown field kind {f.kind}")
+    return {"count": len(objs), "columns": columns}
+
+
+def decode_records(raw: Any, fields: tuple[Field, ...], reader: _ArrayReader, what: str) -> list[dict]:
+    """The validated attribute values of each record (keyword arguments for its class), from encode_records'
+    columns."""
+    if not (isinstance(raw, dict) and set(raw) == {"count", "columns"} and type(raw["count"]) is int
+            and raw["count"] >= 0 and isinstance(raw["columns"], dict)):
+        raise WireError(f"{what}: not {{count, columns}}")
+    n, columns = raw["count"], raw["columns"]
+    names = [f.name for f in fields]
+    if set(columns) != set(names):
+        missing, extra = sorted(set(names) - set(columns)), sorted(set(columns) - set(names))
+        raise WireError(f"{what}: fields differ from the schema (missing {missing}, unknown {extra})")
+    records: list[dict] = [{} for _ in range(n)]
+    for f in fields:
+        column, where = columns[f.name], f"{what}.{f.name}"
+        if f.kind in LIST_LAYOUT:
+            values = _split_list_column(column, f, n, reader, where)
+        elif not isinstance(column, list) or len(column) != n:
+            raise WireError(f"{where}: expected a list of {n} values")
+        elif f.kind == NDARRAY:
+            dtypes = tuple(_little(d) for d in f.dtypes)
+            values = [None if v is None and f.optional else reader.take(v, dtypes, f.ndim, where).copy()
+                      for v in column]
+        else:
+            values = [_check_scalar(f, v, where) for v in column]
+        for record, value in zip(records, values):
+            record[f.name] = value
+    return records
+
+
+def _check_scalar(f: Field, value: Any, where: str) -> Any:
+    if f.kind == INT:
+        if type(value) is not int:
+            raise WireError(f"{where}: expected an int, got {type(value).__name__}")
+        if f.min_value is not None and value < f.min_value:
+            raise WireError(f"{where}: {value}, below {f.min_value}")
+    elif f.kind == FLOAT:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise WireError(f"{where}: expected a finite float, got {value!r}"[:200])
+        value = float(value)
+    elif f.kind == STR or (f.kind == OPT_STR and value is not None):
+        if type(value) is not str:
+            raise WireError(f"{where}: expected a str, got {type(value).__name__}")
+    return value
+
+
+def _split_list_column(column: Any, f: Field, n: int, reader: _ArrayReader, where: str) -> list[list]:
+    kind = f.kind
+    dtype, ndim = LIST_LAYOUT[kind]
+    if not (isinstance(column, dict) and set(column) == {"lengths", "data"} and isinstance(column["lengths"], list)
+            and len(column["lengths"]) == n and all(type(k) is int and k >= 0 for k in column["lengths"])):
+        raise WireError(f"{where}: expected {{lengths: [{n} ints >= 0], data}}")
+    data = reader.take(column["data"], (dtype,), ndim, where)
+    if ndim == 2 and data.shape[1] != 2:
+        raise WireError(f"{where}: shape {list(data.shape)}, expected [n, 2]")
+    if len(data) != sum(column["lengths"]):
+        raise WireError(f"{where}: lengths sum to {sum(column['lengths'])}, the data holds {len(data)}")
+    if kind == FLOAT_LIST and not np.isfinite(data).all():
+        raise WireError(f"{where}: holds a non-finite value")
+    if f.min_value is not None and len(data) and data.min() < f.min_value:
+        raise WireError(f"{where}: holds {data.min()}, below {f.min_value}")
+    items = [tuple(pair) for pair in data.tolist()] if ndim == 2 else data.tolist()
+    out, offset = [], 0
+    for length in column["lengths"]:
+        out.append(items[offset:offset + length])
+        offset += length
     return out
 
 
-def decode_record(raw: Any, fields: tuple[Field, ...], reader: _ArrayReader, what: str) -> dict:
-    """The validated attribute values of one record (keyword arguments for its class)."""
-    if not isinstance(raw, dict):
-        raise WireError(f"{what}: not a map")
-    names = {f.name for f in fields}
-    if set(raw) != names:
-        missing, extra = sorted(names - set(raw)), sorted(set(raw) - names)
-        raise WireError(f"{what}: fields differ from the schema (missing {missing}, unknown {extra})")
-    values: dict[str, Any] = {}
-    for f in fields:
-        value, where = raw[f.name], f"{what}.{f.name}"
-        if f.kind == INT:
-            if type(value) is not int:
-                raise WireError(f"{where}: expected an int, got {type(value).__name__}")
-        elif f.kind == FLOAT:
-            if type(value) not in (int, float) or not math.isfinite(value):
-                raise WireError(f"{where}: expected a finite float, got {value!r}"[:200])
-            value = float(value)
-        elif f.kind == STR or (f.kind == OPT_STR and value is not None):
-            if type(value) is not str:
-                raise WireError(f"{where}: expected a str, got {type(value).__name__}")
-        elif f.kind in LIST_LAYOUT:
-            dtype, ndim = LIST_LAYOUT[f.kind]
-            array = reader.take(value, (dtype,), ndim, where)
-            if ndim == 2 and array.shape[1] != 2:
-                raise WireError(f"{where}: shape {list(array.shape)}, expected [n, 2]")
-            if f.kind == FLOAT_LIST and not np.isfinite(array).all():
-                raise WireError(f"{where}: holds a non-finite value")
-            value = [tuple(pair) for pair in array.tolist()] if ndim == 2 else array.tolist()
-        elif f.kind == NDARRAY:
-            if not (value is None and f.optional):
-                value = reader.take(value, tuple(_little(d) for d in f.dtypes), f.ndim, where).copy()
-        values[f.name] = value
-    return values
-
-
 def check_sample(s: Sample, what: str) -> None:
-    """The invariants the learner relies on: per-token lists of equal length, spans inside token_ids."""
+    """The invariants across fields the learner relies on (value ranges are the schema's min_value): per-token
+    lists of equal length, env spans ordered inside token_ids."""
     n = len(s.token_ids)
     if len(s.logprobs) != n or len(s.versions) != n:
         raise WireError(f"{what}: token_ids, logprobs and versions differ in length "
                         f"({n}, {len(s.logprobs)}, {len(s.versions)})")
-    if min(s.token_ids, default=0) < 0 or min(s.prompt_ids, default=0) < 0:
-        raise WireError(f"{what}: a negative token id")
-    if min(s.versions, default=-1) < -1:
-        raise WireError(f"{what}: a version below -1")
     end = 0
     for start, stop in s.env_spans:
         if not end <= start < stop <= n:
             raise WireError(f"{what}: env_spans {s.env_spans} are not ordered, non-empty spans within "
                             f"the {n} tokens")
         end = stop
-    if s.turns < 1:
-        raise WireError(f"{what}: turns={s.turns}")
 
 
 # --------------------------------------------------------------------------------------------- framing
@@ -276,7 +316,7 @@ def _refuse_ext(code: int, data: bytes):
 def encode_group(group: list[Sample], stats: dict[str, float], session: bytes, sender: int, sequence: int,
                  key: bytes) -> bytes:
     envelope, arrays = Envelope(GROUP, session, sender, sequence), _Arrays()
-    meta = {"samples": [encode_record(s, SAMPLE_FIELDS, arrays) for s in group],
+    meta = {"samples": encode_records(group, SAMPLE_FIELDS, arrays),
             "stats": {str(k): float(v) for k, v in stats.items()}}
     return seal(envelope, meta, arrays, key)
 
@@ -287,11 +327,11 @@ def decode_group(message: bytes | memoryview, key: bytes) -> tuple[Envelope, lis
     envelope, meta, reader = open_message(message, key, GROUP)
     if set(meta) != {"samples", "stats"}:
         raise WireError(f"group metadata keys {sorted(meta)}, expected ['samples', 'stats']")
-    raw_samples, stats = meta["samples"], meta["stats"]
-    if not isinstance(raw_samples, list) or not raw_samples:
-        raise WireError("a group must hold at least one sample")
-    group = [Sample(**decode_record(raw, SAMPLE_FIELDS, reader, f"sample {i}")) for i, raw in enumerate(raw_samples)]
+    group = [Sample(**values) for values in decode_records(meta["samples"], SAMPLE_FIELDS, reader, "samples")]
     reader.finish()
+    if not group:
+        raise WireError("a group must hold at least one sample")
+    stats = meta["stats"]
     for i, s in enumerate(group):
         check_sample(s, f"sample {i}")
         if s.group_id != group[0].group_id or s.sampler_rank != group[0].sampler_rank:
@@ -309,25 +349,21 @@ def encode_plan(requests: list[GenerationRequest], version: int | None, stop: bo
     """A TP lead's plan; the session is unused (the group's members share one process group), the
     sequence numbers the plans so a follower notices one out of order."""
     envelope, arrays = Envelope(PLAN, bytes(8), 0, sequence), _Arrays()
-    meta = {"version": version, "stop": stop,
-            "requests": [{**encode_record(r, REQUEST_FIELDS, arrays),
-                          "sampling": encode_record(r.sampling, SAMPLING_FIELDS, arrays)} for r in requests]}
+    meta = {"version": version, "stop": stop, "requests": encode_records(requests, REQUEST_FIELDS, arrays),
+            "sampling": encode_records([r.sampling for r in requests], SAMPLING_FIELDS, arrays)}
     return seal(envelope, meta, arrays, key)
 
 
 def decode_plan(message: bytes | memoryview, key: bytes) -> tuple[Envelope, list[GenerationRequest], int | None, bool]:
     envelope, meta, reader = open_message(message, key, PLAN)
-    if set(meta) != {"version", "stop", "requests"} or not isinstance(meta["requests"], list) \
-            or type(meta["stop"]) is not bool or not (meta["version"] is None or type(meta["version"]) is int):
-        raise WireError("plan metadata is not {version: int|None, stop: bool, requests: [...]}")
-    requests = []
-    for i, raw in enumerate(meta["requests"]):
-        if not isinstance(raw, dict) or "sampling" not in raw:
-            raise WireError(f"request {i}: no sampling parameters")
-        fields = decode_record({k: v for k, v in raw.items() if k != "sampling"}, REQUEST_FIELDS, reader,
-                               f"request {i}")
-        sampling = SamplingParams(**decode_record(raw["sampling"], SAMPLING_FIELDS, reader, f"request {i}.sampling"))
-        requests.append(GenerationRequest(fields["request_id"], fields["prompt_ids"], sampling,
-                                          tuple(fields["stop_token_ids"])))
+    if set(meta) != {"version", "stop", "requests", "sampling"} or type(meta["stop"]) is not bool \
+            or not (meta["version"] is None or type(meta["version"]) is int):
+        raise WireError("plan metadata is not {version: int|None, stop: bool, requests, sampling}")
+    fields = decode_records(meta["requests"], REQUEST_FIELDS, reader, "requests")
+    sampling = decode_records(meta["sampling"], SAMPLING_FIELDS, reader, "sampling")
     reader.finish()
+    if len(sampling) != len(fields):
+        raise WireError(f"{len(fields)} requests but {len(sampling)} sampling parameter sets")
+    requests = [GenerationRequest(f["request_id"], f["prompt_ids"], SamplingParams(**p), tuple(f["stop_token_ids"]))
+                for f, p in zip(fields, sampling)]
     return envelope, requests, meta["version"], meta["stop"]

@@ -53,19 +53,19 @@ def test_ndarray_fields_keep_dtype_and_shape(dtype):
     fields = (Field("routes", NDARRAY, dtypes=("uint8", "int16", "int32"), ndim=3, optional=True),)
     routes = np.arange(5 * 4 * 2, dtype=dtype).reshape(5, 4, 2)
     arrays = wire._Arrays()
-    raw = msgpack.unpackb(msgpack.packb(wire.encode_record(Routed(routes), fields, arrays)))
+    raw = msgpack.unpackb(msgpack.packb(wire.encode_records([Routed(routes), Routed(None)], fields, arrays)))
     reader = wire._ArrayReader(memoryview(b"".join(arrays.buffers)))
-    back = wire.decode_record(raw, fields, reader, "routed")["routes"]
+    back = [r["routes"] for r in wire.decode_records(raw, fields, reader, "routed")]
     reader.finish()
-    assert back.dtype == np.dtype(dtype) and back.shape == (5, 4, 2) and (back == routes).all()
-    arrays = wire._Arrays()
-    assert wire.encode_record(Routed(None), fields, arrays) == {"routes": None} and not arrays.buffers
+    assert back[0].dtype == np.dtype(dtype) and back[0].shape == (5, 4, 2) and (back[0] == routes).all()
+    assert back[1] is None
     with pytest.raises(WireError, match="not one of"):
-        wire.encode_record(Routed(routes.astype("int64")), fields, wire._Arrays())
+        wire.encode_records([Routed(routes.astype("int64"))], fields, wire._Arrays())
     # A receiver refuses a dtype or rank outside the declaration.
     for bad in (["<i8", [5, 4, 2]], ["<i2", [40]]):
         with pytest.raises(WireError):
-            wire.decode_record({"routes": bad}, fields, wire._ArrayReader(memoryview(bytes(320))), "routed")
+            wire.decode_records({"count": 1, "columns": {"routes": [bad]}}, fields,
+                                wire._ArrayReader(memoryview(bytes(320))), "routed")
 
 
 def test_a_tp_plan_round_trips():
@@ -94,16 +94,22 @@ def meta_of(message: bytes) -> dict:
     return msgpack.unpackb(message[HEADER.size:HEADER.size + HEADER.unpack_from(message)[-1]])
 
 
+def column(m: dict, name: str):
+    return m["samples"]["columns"][name]
+
+
 @pytest.mark.parametrize("change, error", [
-    (lambda m: m["samples"][0].update(reward=math.nan), "finite float"),
-    (lambda m: m["samples"][0].update(reward="1.0"), "finite float"),
-    (lambda m: m["samples"][0].update(turns=1.5), "expected an int"),
-    (lambda m: m["samples"][0].update(prompt=b"bytes"), "expected a str"),
-    (lambda m: m["samples"][0].pop("turns"), "missing \\['turns'\\]"),
-    (lambda m: m["samples"][0].update(extra=1), "unknown \\['extra'\\]"),
-    (lambda m: m["samples"][0].update(token_ids=["<i8", [50]]), "declares 400 bytes"),
-    (lambda m: m["samples"][0].update(logprobs=["<f4", [4]]), "dtype '<f4'"),
-    (lambda m: m.update(samples=[]), "at least one sample"),
+    (lambda m: column(m, "reward").__setitem__(0, math.nan), "finite float"),
+    (lambda m: column(m, "reward").__setitem__(0, "1.0"), "finite float"),
+    (lambda m: column(m, "turns").__setitem__(0, 1.5), "expected an int"),
+    (lambda m: column(m, "prompt").__setitem__(0, b"bytes"), "expected a str"),
+    (lambda m: m["samples"]["columns"].pop("turns"), "missing \\['turns'\\]"),
+    (lambda m: m["samples"]["columns"].update(extra=[1]), "unknown \\['extra'\\]"),
+    (lambda m: m["samples"].update(count=2), "expected a list of 2 values"),
+    (lambda m: column(m, "token_ids").update(data=["<i8", [50]]), "declares 400 bytes"),
+    (lambda m: column(m, "token_ids").update(lengths=[3]), "lengths sum to 3, the data holds 4"),
+    (lambda m: column(m, "token_ids").update(lengths=[-1]), "ints >= 0"),
+    (lambda m: column(m, "logprobs").update(data=["<f4", [4]]), "dtype '<f4'"),
     (lambda m: m.update(stats={"x": "y"}), "finite numbers"),
     (lambda m: m.update(extra=1), "metadata keys"),
 ])
@@ -121,13 +127,19 @@ def test_malformed_metadata_from_a_peer_with_the_secret_is_refused(change, error
     (dict(env_spans=[(3, 5)]), "env_spans"),
     (dict(env_spans=[(2, 2)]), "env_spans"),
     (dict(env_spans=[(2, 3), (0, 1)]), "env_spans"),
-    (dict(token_ids=[4, -5, 6, 7]), "negative token id"),
-    (dict(versions=[2, -2, -1, 3]), "below -1"),
-    (dict(turns=0), "turns=0"),
+    (dict(token_ids=[4, -5, 6, 7]), "token_ids: holds -5, below 0"),
+    (dict(prompt_ids=[-1]), "prompt_ids: holds -1, below 0"),
+    (dict(versions=[2, -2, -1, 3]), "holds -2, below -1"),
+    (dict(turns=0), "turns: 0, below 1"),
 ])
 def test_inconsistent_samples_are_refused(changes, error):
     with pytest.raises(WireError, match=error):
         roundtrip([sample(**changes)])
+
+
+def test_an_empty_group_is_refused():
+    with pytest.raises(WireError, match="at least one sample"):
+        roundtrip([])
 
 
 def test_a_group_mixing_groups_or_samplers_is_refused():
