@@ -5,7 +5,7 @@ megarl's control records there (queue address, publish spec/headers/checksums, s
 heartbeats, resume info, retired counts, the SGLang group) go through `SignedStore`, which stores
 `value + HMAC-SHA256(run secret, full key name, value)` and checks the tag on every read: a value
 written by a process without the secret raises `ForgedStoreValue` naming the key, so it is never
-acted on. The tag covers the key's full name (prefixes included), so a genuine value copied to
+acted on (`check` counts it as absent, `get` raises). The tag covers the key's full name (prefixes included), so a genuine value copied to
 another key is refused too. A replayed older value of the *same* key stays possible (the store keeps
 no history to compare against); docs/security.md says what that allows.
 
@@ -29,10 +29,12 @@ class ForgedStoreValue(RuntimeError):
 class SignedStore:
     def __init__(self, raw: dist.Store, key: bytes, prefix: str = ""):
         self.raw, self._key, self.prefix = raw, key, prefix
+        self._reported: set[str] = set()
 
     def prefixed(self, prefix: str) -> "SignedStore":
-        """The same signed view over `prefix` (PrefixStore), the prefix covered by the tags."""
-        return SignedStore(dist.PrefixStore(prefix, self.raw), self._key, self.prefix + prefix)
+        """The same signed view over `prefix` (PrefixStore), the prefix covered by the tags. PrefixStore joins
+        prefix and key with "/", and so does the name a tag covers: it is the key's name in `raw`."""
+        return SignedStore(dist.PrefixStore(prefix, self.raw), self._key, self.prefix + prefix + "/")
 
     def _tag(self, name: str, value: bytes) -> bytes:
         full = (self.prefix + name).encode()
@@ -56,7 +58,19 @@ class SignedStore:
         return [self._open(n, v) for n, v in zip(names, self.raw.multi_get(names))]
 
     def check(self, names: list[str]) -> bool:
-        return self.raw.check(names)
+        """Whether every key holds a genuine value. A forged one counts as absent (reported once per key), so
+        a forged stop flag or header is not acted on and the genuine writer can still overwrite it."""
+        if not self.raw.check(names):
+            return False
+        for name in names:
+            try:
+                self.get(name)
+            except ForgedStoreValue as exc:
+                if name not in self._reported:
+                    self._reported.add(name)
+                    print(f"megarl: {exc}; treated as absent", flush=True)
+                return False
+        return True
 
     def wait(self, names: list[str], timeout: timedelta | None = None) -> None:
         if timeout is None:
