@@ -1,22 +1,17 @@
-"""Under megarl.distributed.local_launch: every rank uses the store; rank 0 writes to OUT what the torchrun agent
-(its parent) listens on, the store's address and a digest of each rank's run secret (never the secret)."""
+"""Under megarl.distributed.local_launch (no torch import: the test pays only for the launcher's): each rank writes
+OUT.RANK with a digest of its run secret (never the secret); rank 0 adds what the torchrun agent, its parent,
+listens on and the store address the ranks were given."""
 import hashlib
 import json
 import os
 import subprocess
 import sys
-from datetime import timedelta
 
-import torch.distributed as dist
-
-store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                      timeout=timedelta(seconds=60))
-rank = os.environ["RANK"]
-store.set(f"secret/{rank}", hashlib.sha256(os.environ["MEGARL_RUN_SECRET"].encode()).hexdigest())
-store.wait(["secret/0", "secret/1"])
-if rank == "0":
+report = {"secret": hashlib.sha256(os.environ["MEGARL_RUN_SECRET"].encode()).hexdigest()}
+if os.environ["RANK"] == "0":
     agent = os.getppid()
     lines = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout.splitlines()
-    json.dump({"listening": [line.split()[3] for line in lines if f"pid={agent}," in line],
-               "store": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-               "secrets": [store.get(f"secret/{r}").decode() for r in "01"]}, open(sys.argv[1], "w"))
+    report["listening"] = [line.split()[3] for line in lines if f"pid={agent}," in line]
+    report["store"] = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+with open(f"{sys.argv[1]}.{os.environ['RANK']}", "w") as f:
+    json.dump(report, f)
