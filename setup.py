@@ -23,6 +23,7 @@ setup(
         "safetensors>=0.4",
         "omegaconf>=2.3",
         "pyzmq>=25",
+        "msgpack>=1.0",  # the wire format's metadata (megarl.distributed.wire)
         "tensorboard>=2.14",
         "matplotlib>=3.7",
         "numpy>=1.24",

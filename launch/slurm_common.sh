@@ -12,6 +12,9 @@
 megarl_local=${SLURM_TMPDIR:-/tmp/megarl-${SLURM_JOB_ID:?not inside a SLURM job}}
 export HF_HOME=$megarl_local/hf TRITON_CACHE_DIR=$megarl_local/triton TORCH_EXTENSIONS_DIR=$megarl_local/torch_extensions
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# The run's secret (docs/security.md): made here once per job, srun hands the environment to every node's tasks.
+MEGARL_RUN_SECRET=${MEGARL_RUN_SECRET:-$(python -c 'import secrets; print(secrets.token_hex(32))')}
+export MEGARL_RUN_SECRET
 if [ -z "${SLURM_TMPDIR:-}" ]; then
   # Our own scratch directory: remove it from every node when the batch script exits.
   trap 'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 rm -rf "$megarl_local"' EXIT

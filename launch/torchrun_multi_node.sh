@@ -11,11 +11,15 @@
 #                  torchrun advertises it (--local-addr) and the learner binds its sample queue there
 #                  (queue.host); a key=value argument queue.host=... still wins.
 #   RDZV_ID        one id shared by every node of the job (default $SLURM_JOB_ID, else "megarl")
+#   MEGARL_RUN_SECRET  the run's secret, the same on every node (required; docs/security.md): it authenticates
+#                  the sample queue and the store records. Make one per run, e.g.
+#                  `python -c 'import secrets; print(secrets.token_hex(32))'`, and give it to each node privately
 # Processes per node come from the config: (learner.tp*pp*dp + sampler.num_engines*sampler.tp) / NNODES, which
 # must divide evenly (`megarl placement CONFIG --nnodes N` prints which node runs which roles).
 set -euo pipefail
 config=${1:?usage: NNODES=N RDZV_ENDPOINT=host:port $0 CONFIG [key=value ...]}
 shift
+: "${MEGARL_RUN_SECRET:?set MEGARL_RUN_SECRET to one secret shared by every node of the run (docs/security.md)}"
 : "${NNODES:?set NNODES to the number of nodes}" "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port (e.g. the first node)}"
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
 NODE_ADDR=${NODE_ADDR:-$(hostname -I | awk '{print $1}')}

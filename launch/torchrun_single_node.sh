@@ -10,5 +10,7 @@ cfg = load_config(sys.argv[1], sys.argv[2:]); print(world_size_for(cfg), cfg.fau
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 restarts=$(python -m megarl.cli placement "$config" "$@" --max-restarts)  # fault.on_failure=restart
 # SIGTERM/SIGINT/SIGHUP to torchrun stop every worker at a step boundary; after fault.stop_timeout_s it kills them.
-exec torchrun --standalone --nproc-per-node "$nproc" --max-restarts "$restarts" --shutdown-timeout "$stop_timeout" \
-  -m megarl.roles.worker "$config" "$@"
+# torchrun runs through megarl.distributed.local_launch: its store listens on 127.0.0.1 only, and it sets a fresh
+# MEGARL_RUN_SECRET unless the environment has one (docs/security.md).
+exec python -m megarl.distributed.local_launch --nproc-per-node "$nproc" --max-restarts "$restarts" \
+  --shutdown-timeout "$stop_timeout" -m megarl.roles.worker "$config" "$@"

@@ -28,11 +28,16 @@ from megarl.distributed.lifetime import STOP_SIGNALS
 TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
 
 
+# torchrun with its store on 127.0.0.1 and a fresh run secret (megarl.distributed.local_launch); cmd[3:] are
+# torchrun's own arguments.
+LOCAL_TORCHRUN = [sys.executable, "-m", "megarl.distributed.local_launch"]
+LOCAL_NOTE = "  (one node; its store on 127.0.0.1 only: python -m megarl.distributed.local_launch)"
+
+
 def torchrun_command(config: str, overrides: list[str], nproc: int, max_restarts: int = 0,
                      shutdown_timeout_s: int = 30) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", f"--shutdown-timeout={shutdown_timeout_s}", "-m", "megarl.roles.worker",
-            config, *overrides]
+    return [*LOCAL_TORCHRUN, f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+            f"--shutdown-timeout={shutdown_timeout_s}", "-m", "megarl.roles.worker", config, *overrides]
 
 
 def train(args: argparse.Namespace) -> int:
@@ -77,7 +82,7 @@ def train(args: argparse.Namespace) -> int:
     if args.nnodes > 1:
         print(f"megarl: processes per node: {len(nodes[0])} ({args.nnodes} nodes)")
     else:
-        print("megarl: launching: torchrun " + shlex.join(cmd[3:]), flush=True)
+        print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
     if args.dry_run:
         return 0
     env = {**os.environ, **run_lock.launcher_env(cfg.run.dir)}
@@ -294,11 +299,10 @@ def sft(args: argparse.Namespace) -> int:
     for line in data.lines():
         print(f"megarl: sft: {line}")
     nproc = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=0", f"--shutdown-timeout={cfg.fault.stop_timeout_s}", "-m", "megarl.sft.run",
+    cmd = [*LOCAL_TORCHRUN, f"--nproc-per-node={nproc}", "--max-restarts=0", f"--shutdown-timeout={cfg.fault.stop_timeout_s}", "-m", "megarl.sft.run",
            args.config, *args.overrides]
     print(f"megarl: model {model_dir}; run dir {cfg.run.dir}; model out {cfg.sft.output_dir}")
-    print("megarl: launching: torchrun " + shlex.join(cmd[3:]), flush=True)
+    print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
     if args.dry_run:
         return 0
     from megarl.distributed.lifetime import exit_status

@@ -174,6 +174,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(cfg.fault.on_failure in ("stop", "restart"), "fault.on_failure",
              f"must be stop or restart, got {cfg.fault.on_failure!r}")
     _require(cfg.fault.max_restarts >= 0, "fault.max_restarts", "must be >= 0")
+    _require(cfg.queue.max_message_mb >= 0, "queue.max_message_mb", "must be >= 0 (0 = derived from the group's shapes)")
     _require(cfg.fault.stop_timeout_s > 0, "fault.stop_timeout_s", "must be > 0")
     _require(cfg.fault.on_failure != "restart" or cfg.checkpoint.every_steps > 0, "fault.on_failure",
              "restart resumes from the last checkpoint: set checkpoint.every_steps > 0")

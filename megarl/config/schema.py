@@ -232,6 +232,9 @@ class PublishConfig:
 class QueueConfig:
     host: str = "127.0.0.1"  # the learner binds here; set to the node's address for multi-node
     timeout_s: float = 300.0  # the learner gives up when no sample arrives for this long
+    # Largest message (one group) the learner reads; a longer one is dropped unread with its connection.
+    # 0 = algo.group_size * sampler.max_seq_len * 128 bytes + 1 MiB (docs/security.md).
+    max_message_mb: float = 0.0
 
 
 @dataclass

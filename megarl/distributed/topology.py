@@ -21,7 +21,8 @@ Groups:
   * SGLang weight update (sampler.engine=sglang): replaces the publish group. The learner's publish
     source is rank 0 and every SGLang TP worker joins through the server's /init_weights_update_group,
     built the way SGLang builds it (`init_sglang_update_group`); `sglang_group_layout` gives the ranks.
-The torchrun store also carries small control records: the queue address, publish headers, stop.
+The torchrun store also carries small control records: the queue address, publish headers, stop; they
+are signed with the run secret (megarl.distributed.signed_store), the groups' own keys are torch's.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ import torch.distributed as dist
 
 from megarl.config.load import ConfigError, world_size_for
 from megarl.config.schema import Config
+from megarl.distributed.secret import run_secret
+from megarl.distributed.signed_store import SignedStore
+from megarl.distributed.store_server import tcp_store_server
 
 STORE_PREFIX = "megarl/"
 
@@ -148,12 +152,14 @@ def rank_topology(cfg: Config, rank: int, world: int) -> Topology:
                     learner_tp=cfg.learner.tp, publish_senders=cfg.publish.senders)
 
 
-def connect_store(topo: Topology, timeout_s: float) -> dist.Store:
-    """The rendezvous store of this torchrun launch, prefixed for megarl's keys.
+def connect_store(topo: Topology, timeout_s: float) -> SignedStore:
+    """The rendezvous store of this torchrun launch, prefixed for megarl's keys, its records signed with the
+    run secret (megarl.distributed.signed_store; process groups rendezvous over its `.raw` store).
 
     Under torchrun the agent hosts a TCPStore at MASTER_ADDR:MASTER_PORT and workers connect as
     clients (TORCHELASTIC_USE_AGENT_STORE=True); in any other launcher rank 0 hosts it.
     """
+    key = run_secret()
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
     agent_hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
@@ -167,7 +173,7 @@ def connect_store(topo: Topology, timeout_s: float) -> dist.Store:
     # own key space, so a restarted run never sees the failed attempt's queue address, publish
     # headers, heartbeats or stop flag.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"{STORE_PREFIX}attempt{attempt}/", store)
+    return SignedStore(dist.PrefixStore(f"{STORE_PREFIX}attempt{attempt}/", store), key)
 
 
 def resolve_backend(name: str) -> str:
@@ -176,7 +182,7 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def init_learner_group(topo: Topology, store: dist.Store, backend: str, timeout_s: float) -> None:
+def init_learner_group(topo: Topology, store: SignedStore, backend: str, timeout_s: float) -> None:
     """Make the learner ranks (and only them) the default process group of this learner process."""
     assert topo.role == "learner"
     backend = resolve_backend(backend)
@@ -184,16 +190,16 @@ def init_learner_group(topo: Topology, store: dist.Store, backend: str, timeout_
     # nccl group refuses: CUDA tensors go over NCCL, CPU ones over gloo.
     if backend == "nccl":
         backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend=backend, store=dist.PrefixStore("learners/", store),
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("learners/", store.raw),
                             rank=topo.role_rank, world_size=topo.num_learners,
                             timeout=timedelta(seconds=timeout_s))
 
 
-def publish_stage_store(store: dist.Store, stage: int, tp_rank: int = 0, sender: int = 0) -> dist.Store:
+def publish_stage_store(store: SignedStore, stage: int, tp_rank: int = 0, sender: int = 0) -> SignedStore:
     """Where publish part (stage, TP rank, sender)'s records (spec, headers) live: part (0, 0, 0) uses
     the plain keys, and its headers carry the run's bookkeeping."""
     prefix = _part_prefix(stage, tp_rank, sender)
-    return dist.PrefixStore(prefix, store) if prefix else store
+    return store.prefixed(prefix) if prefix else store
 
 
 def _part_prefix(stage: int, tp_rank: int, sender: int) -> str:
@@ -201,7 +207,7 @@ def _part_prefix(stage: int, tp_rank: int, sender: int) -> str:
         (f"sender{sender}/" if sender else "")
 
 
-def publish_groups(topo: Topology, store: dist.Store, backend: str,
+def publish_groups(topo: Topology, store: SignedStore, backend: str,
                    timeout_s: float) -> dict[tuple[int, int, int], object]:
     """(pipeline stage, TP rank, sender) -> its weight broadcast group, for the groups this rank is in.
 
@@ -214,14 +220,14 @@ def publish_groups(topo: Topology, store: dist.Store, backend: str,
     return {part: publish_group(topo, store, backend, timeout_s, *part) for part in topo.publish_parts}
 
 
-def publish_group(topo: Topology, store: dist.Store, backend: str, timeout_s: float, stage: int = 0,
+def publish_group(topo: Topology, store: SignedStore, backend: str, timeout_s: float, stage: int = 0,
                   tp_rank: int = 0, sender: int = 0):
     """The standalone learner->engines weight broadcast group of publish part (stage, TP rank, sender):
     the source learner rank is group rank 0, engine i's TP rank `tp_rank` is group rank 1 + i."""
     rank = topo.publish_rank
     if rank is None:
         return None
-    sub = dist.PrefixStore("publish/" + _part_prefix(stage, tp_rank, sender), store)
+    sub = dist.PrefixStore("publish/" + _part_prefix(stage, tp_rank, sender), store.raw)
     timeout = timedelta(seconds=timeout_s)
     if resolve_backend(backend) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -230,7 +236,7 @@ def publish_group(topo: Topology, store: dist.Store, backend: str, timeout_s: fl
     return dist.ProcessGroupGloo(sub, rank, 1 + topo.num_engines, timeout)
 
 
-def engine_tp_group(topo: Topology, store: dist.Store, backend: str, timeout_s: float):
+def engine_tp_group(topo: Topology, store: SignedStore, backend: str, timeout_s: float):
     """The group of one sampler engine's TP ranks (group rank = TP rank); None at sampler_tp 1.
 
     The lead broadcasts each step's plan over it and the forward all-reduces its row-parallel outputs.
@@ -239,7 +245,7 @@ def engine_tp_group(topo: Topology, store: dist.Store, backend: str, timeout_s: 
     if topo.role != "sampler" or topo.sampler_tp == 1:
         return None
     name = f"megarl_engine{topo.engine_index}_tp"
-    return _registered_group(dist.PrefixStore(f"engine{topo.engine_index}/tp/", store), topo.engine_tp_rank,
+    return _registered_group(dist.PrefixStore(f"engine{topo.engine_index}/tp/", store.raw), topo.engine_tp_rank,
                              topo.sampler_tp, resolve_backend(backend), name, timedelta(seconds=timeout_s))
 
 
@@ -292,5 +298,8 @@ def init_sglang_update_group(backend: str, host: str, port: int, world_size: int
     joined or `timeout_s` passed.
     """
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    if rank == 0:  # listens on `host` only, not on every interface (megarl.distributed.store_server)
+        store = tcp_store_server(host, port, timeout, world_size, wait_for_workers=True, multi_tenant=True)
+    else:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, multi_tenant=True)
     return _registered_group(dist.PrefixStore(group_name, store), rank, world_size, backend, group_name, timeout)

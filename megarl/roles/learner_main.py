@@ -27,7 +27,8 @@ from megarl.config.schema import Config
 from megarl.distributed.heartbeat import HeartbeatMonitor
 from megarl.distributed.lifetime import StopRequested, exit_status, raise_if_stopped
 from megarl.distributed.publish import WeightPublisher
-from megarl.distributed.queue import QueueReceiver
+from megarl.distributed.queue import QueueReceiver, max_message_bytes
+from megarl.distributed.secret import run_secret
 from megarl.distributed.topology import Topology, init_learner_group, publish_groups, publish_stage_store
 from megarl.learner.nonfinite import NonfiniteSteps
 from megarl.models.layout import check_layout
@@ -76,7 +77,8 @@ class Intake:
 
     def __init__(self, cfg: Config, store, pad_id: int, topo: Topology):
         self.cfg, self.pad_id, self.num_learners, self.store = cfg, pad_id, topo.num_learners, store
-        self.queue = QueueReceiver(store, cfg.queue.host)
+        self.queue = QueueReceiver(store, cfg.queue.host, run_secret(),
+                                   max_message_bytes(cfg.queue.max_message_mb, cfg.algo.group_size, cfg.sampler.max_seq_len))
         self.heartbeats = sampler_heartbeats(cfg, store, topo)
         self.retired: Counter[int] = Counter()  # groups per sampler rank that left (trained or dropped)
         self.position = DataPosition()  # which group indices left, per sampler stream (checkpointed)
@@ -95,6 +97,7 @@ class Intake:
         metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
         metrics.update({f"dropped/{k}_total": v for k, v in self.dropped_totals.items()})
         metrics["queue_wait_s"] = wait_s
+        metrics.update(self.queue.counters())
         for rank, stats in sorted(self.sampler_stats.items()):
             metrics.update({f"sampler{rank}/{k}": v for k, v in stats.items()})
         return batch, metrics

@@ -33,6 +33,7 @@ from megarl.distributed.heartbeat import Heartbeat
 from megarl.distributed.lifetime import SIGNAL_KEY, exit_status, seconds_since_signal, stop_signal
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
+from megarl.distributed.secret import run_secret
 from megarl.distributed.topology import Topology, engine_tp_group, publish_groups, publish_stage_store
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
@@ -89,7 +90,8 @@ class SamplerLoop:
         elif tp_group is not None:  # this rank leads an engine spanning sampler.tp ranks
             from megarl.sampler.tensor_parallel import TPLeadEngine
 
-            self.engine = TPLeadEngine(builtin_engine(cfg, topo, model_dir, tp_group), tp_group, cfg.dist.timeout_s)
+            self.engine = TPLeadEngine(builtin_engine(cfg, topo, model_dir, tp_group), tp_group, run_secret(),
+                                       cfg.dist.timeout_s)
         else:
             self.engine = builtin_engine(cfg, topo, model_dir, None)
         # Sandboxed code (a python_output program, a tool call, a sandboxed reward) must not read the answers.
@@ -160,7 +162,7 @@ class SamplerLoop:
         if self.cfg.run.timeline:
             self.timeline = Timeline(self.cfg.run.dir, f"sampler{self.topo.rank}")
         receiver = self._start_weight_receiver()
-        sender = QueueSender(self.store, self.cfg.queue.timeout_s)
+        sender = QueueSender(self.store, self.cfg.queue.timeout_s, run_secret(), self.topo.rank)
         heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s)
         next_stop_check = 0.0
         try:
@@ -352,7 +354,7 @@ def run_engine_follower(cfg: Config, topo: Topology, store, model_dir: Path, tp_
     receiver = weight_receiver(cfg, topo, store, engine, lambda version, tensors, extra: engine.stage_weights(
         tensors, version), stopped.is_set)
     try:
-        run_follower(engine, tp_group, should_stop=lambda: receiver.error is not None, timeout_s=cfg.dist.timeout_s)
+        run_follower(engine, tp_group, run_secret(), should_stop=lambda: receiver.error is not None, timeout_s=cfg.dist.timeout_s)
         if receiver.error is not None:
             raise RuntimeError(f"sampler {topo.role_rank}: weight receiver failed") from receiver.error
     finally:

@@ -16,12 +16,14 @@ Each rank thus holds the same queue and running set and makes the same calls in 
 collectives of the forward pair up, and since its all-reduces and all-gather leave the same logits on every rank,
 equal seeds sample equal tokens.  A follower discards its completions (the lead's are the output).
 
+Plans travel as megarl.distributed.wire PLAN messages (declared fields, HMAC with the run secret,
+sequence-numbered), never pickle.
+
 Every wait is bounded: a plan broadcast by `timeout_s` (TimeoutError naming the plan), a version by
 `timeout_s` (TimeoutError naming the version), and the forward's all-reduces by the group's timeout.
 """
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
@@ -29,12 +31,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megarl.distributed.wire import WireError, decode_plan, encode_plan
 from megarl.protocols import Completion, GenerationRequest
 from megarl.sampler.engine import BuiltinEngine
 
-# A plan is a header [kind, version (-1: none), payload bytes], then the pickled requests if any.
-STEP, STOP = 0, 1
-NO_VERSION = -1
+# A plan is broadcast as its length (one long), then the wire message.
 
 
 @dataclass
@@ -57,42 +58,42 @@ def _broadcast(tensor: torch.Tensor, group, timeout_s: float, what: str) -> None
         raise kind(f"tensor-parallel engine: {what} did not complete within {timeout_s:g}s: {exc}") from exc
 
 
-def send_plan(plan: Plan, group, timeout_s: float) -> None:
-    """Lead side: broadcast `plan` to the other ranks of `group`."""
-    payload = pickle.dumps(plan.requests) if plan.requests else b""
-    header = torch.tensor([STOP if plan.stop else STEP, NO_VERSION if plan.version is None else plan.version,
-                           len(payload)], dtype=torch.long)
-    _broadcast(header, group, timeout_s, "broadcasting a step plan to the followers")
-    if payload:
-        _broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), group, timeout_s,
-                   f"broadcasting {len(plan.requests)} new request(s) to the followers")
+def send_plan(plan: Plan, group, timeout_s: float, key: bytes, sequence: int) -> None:
+    """Lead side: broadcast `plan` (the lead's `sequence`-th) to the other ranks of `group`."""
+    message = encode_plan(plan.requests, plan.version, plan.stop, sequence, key)
+    _broadcast(torch.tensor([len(message)], dtype=torch.long), group, timeout_s,
+               "broadcasting a step plan to the followers")
+    _broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8), group, timeout_s,
+               f"broadcasting a plan with {len(plan.requests)} new request(s) to the followers")
 
 
-def recv_plan(group, timeout_s: float) -> Plan:
-    """Follower side: the next plan from the group's rank 0."""
-    header = torch.empty(3, dtype=torch.long)
-    _broadcast(header, group, timeout_s, "receiving the next step plan from the lead")
-    kind, version, size = header.tolist()
-    requests = []
-    if size:
-        payload = torch.empty(size, dtype=torch.uint8)
-        _broadcast(payload, group, timeout_s, "receiving the plan's new requests from the lead")
-        requests = pickle.loads(payload.numpy().tobytes())
-    return Plan(requests, None if version == NO_VERSION else version, stop=kind == STOP)
+def recv_plan(group, timeout_s: float, key: bytes, sequence: int) -> Plan:
+    """Follower side: the next plan from the group's rank 0, which must be the lead's `sequence`-th
+    (megarl.distributed.wire.WireError otherwise, or for a message that is not a valid plan)."""
+    size = torch.empty(1, dtype=torch.long)
+    _broadcast(size, group, timeout_s, "receiving the next step plan from the lead")
+    message = torch.empty(int(size.item()), dtype=torch.uint8)
+    _broadcast(message, group, timeout_s, "receiving the step plan from the lead")
+    envelope, requests, version, stop = decode_plan(message.numpy().tobytes(), key)
+    if envelope.sequence != sequence:
+        raise WireError(f"tensor-parallel follower: plan {envelope.sequence} arrived, expected plan {sequence}")
+    return Plan(requests, version, stop=stop)
 
 
 class TPLeadEngine:
     """TP rank 0 of an engine: the `Engine` the sampler loop drives, mirrored on the followers.
 
     `engine` is this rank's `BuiltinEngine` (tp_group of the engine's ranks), `group` the group the
-    plans go over (the same one, typically); this process must be its rank 0.  Weights staged here are
+    plans go over (the same one, typically); this process must be its rank 0. `key` signs the plans
+    (the run secret, megarl.distributed.secret).  Weights staged here are
     this rank's shards; each follower's receiver stages its own.
     """
 
-    def __init__(self, engine: BuiltinEngine, group, timeout_s: float = 300.0):
+    def __init__(self, engine: BuiltinEngine, group, key: bytes, timeout_s: float = 300.0):
         if group.rank() != 0:
             raise ValueError(f"TPLeadEngine must run on rank 0 of its group, not rank {group.rank()}")
-        self.engine, self.group, self.timeout_s = engine, group, timeout_s
+        self.engine, self.group, self.key, self.timeout_s = engine, group, key, timeout_s
+        self._plans_sent = 0
         self._new: list[GenerationRequest] = []  # added since the last plan
         self._closed = False
 
@@ -137,7 +138,7 @@ class TPLeadEngine:
         plan = Plan(self._new, staged[-1] if staged else None)
         # Sent before applying: with kv_on_update="recompute" applying runs a forward, whose all-reduces
         # must pair with the followers', which apply only once they have the plan.
-        send_plan(plan, self.group, self.timeout_s)
+        self._send(plan)
         self._new = []
         if plan.version is not None:
             self.engine.apply_staged(plan.version)
@@ -147,10 +148,14 @@ class TPLeadEngine:
         """Tell the followers to return (idempotent).  Requests still running are dropped everywhere."""
         if not self._closed:
             self._closed = True
-            send_plan(Plan(stop=True), self.group, self.timeout_s)
+            self._send(Plan(stop=True))
+
+    def _send(self, plan: Plan) -> None:
+        send_plan(plan, self.group, self.timeout_s, self.key, self._plans_sent)
+        self._plans_sent += 1
 
 
-def run_follower(engine: BuiltinEngine, group, should_stop: Callable[[], bool], timeout_s: float) -> int:
+def run_follower(engine: BuiltinEngine, group, key: bytes, should_stop: Callable[[], bool], timeout_s: float) -> int:
     """TP rank > 0 of an engine: repeat the lead's plans until it sends stop; return the steps run.
 
     Each plan: add its requests, wait (at most timeout_s) until this rank's receiver has staged the
@@ -159,9 +164,10 @@ def run_follower(engine: BuiltinEngine, group, should_stop: Callable[[], bool], 
     a run that is over without a stop plan (e.g. this rank's receiver failed).  TimeoutError names the
     plan or version that did not arrive.
     """
-    steps = 0
+    steps = sequence = 0
     while True:
-        plan = recv_plan(group, timeout_s)
+        plan = recv_plan(group, timeout_s, key, sequence)
+        sequence += 1
         if plan.stop:
             return steps
         for request in plan.requests:

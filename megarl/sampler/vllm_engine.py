@@ -368,11 +368,10 @@ class VLLMEngine:
         """A two-member gloo group: this process (rank 0, hosting the store) and the server's worker (rank 1)."""
         import datetime
 
-        import torch.distributed as dist
+        from megarl.distributed.store_server import tcp_store_server
 
         timeout = self.update_timeout_s
-        self._store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=timeout))
+        self._store = tcp_store_server("127.0.0.1", 0, datetime.timedelta(seconds=timeout), world_size=2)
         holder = {}
 
         def local():

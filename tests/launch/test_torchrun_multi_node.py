@@ -25,7 +25,8 @@ def test_two_torchrun_agents_on_loopback_train_with_the_learner_and_sampler_on_d
     for node in (0, 1):
         env = {**os.environ, "PYTHONPATH": str(REPO), "NNODES": "2", "NODE_RANK": str(node),
                "NODE_ADDR": f"127.0.0.{node + 2}",
-               "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": f"test{os.getpid()}"}
+               "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": f"test{os.getpid()}",
+               "MEGARL_RUN_SECRET": "a secret both nodes of this test share"}
         cmd = ["bash", "launch/torchrun_multi_node.sh", "configs/demo.yaml", f"run.dir={run_dir}",
                f"model.path={embedded_model_dir}", *RUN]
         agents.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -10,7 +10,7 @@ from megarl.config.load import load_config
 from megarl.distributed.queue import QueueReceiver, QueueSender
 from megarl.protocols import Sample
 from megarl.roles.learner_main import _collect_groups
-from tests.distributed.test_queue import free_port
+from tests.distributed.test_queue import KEY, free_port
 from tests.helpers import REPO
 
 
@@ -22,7 +22,7 @@ def group(gid: str, versions: list[int], rewards=(1.0, 0.0), rank: int = 1) -> l
 
 def _feed(port: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
-    sender = QueueSender(store, timeout_s=20)
+    sender = QueueSender(store, timeout_s=20, key=KEY, sender=1)
     for g in [group("old", [3, 4]), group("fresh1", [6, 7]), group("flat", [7], rewards=(1.0, 1.0), rank=2),
               group("edge", [5, 9]), group("older", [0]), group("fresh2", [9])]:
         sender.send_group(g)
@@ -34,7 +34,7 @@ def test_stale_and_zero_variance_groups_are_dropped_counted_and_retired():
                       ["algo.max_lag=4", "algo.prompts_per_step=3", "algo.advantage.filter_zero_variance=true"])
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=20))
-    queue = QueueReceiver(store, "127.0.0.1")
+    queue = QueueReceiver(store, "127.0.0.1", KEY, max_bytes=1 << 20)
     proc = mp.get_context("spawn").Process(target=_feed, args=(port,))
     proc.start()
     retired, sampler_stats = Counter(), {}

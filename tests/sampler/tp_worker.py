@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.distributed.lifetime import exit_process
+from megarl.distributed.secret import run_secret
 from megarl.models.tp_shard import shard_state_dict
 from megarl.protocols import GenerationRequest, SamplingParams
 from megarl.sampler.engine import BuiltinEngine
@@ -114,7 +115,7 @@ def forward_logits(model_dir: str, rank: int, group) -> dict:
 def run_pair(rank: int, group, engine: BuiltinEngine, stage_lead, follower_stager=None) -> dict:
     """Rank 0 drives `engine` as a TPLeadEngine, rank 1 follows; each rank's completions and stats."""
     if rank == 0:
-        lead = TPLeadEngine(engine, group, timeout_s=TIMEOUT_S)
+        lead = TPLeadEngine(engine, group, run_secret(), timeout_s=TIMEOUT_S)
         done, steps = drive(lead, *batches(engine.spec.vocab_size, stop=3), stage=stage_lead)
         lead.close()
         return {"done": done, "steps": steps, "stats": engine.stats()}
@@ -122,7 +123,7 @@ def run_pair(rank: int, group, engine: BuiltinEngine, stage_lead, follower_stage
     if stager:
         stager.start()
     recording = Recording(engine)
-    steps = run_follower(recording, group, should_stop=lambda: False, timeout_s=TIMEOUT_S)
+    steps = run_follower(recording, group, run_secret(), should_stop=lambda: False, timeout_s=TIMEOUT_S)
     if stager:
         stager.join(TIMEOUT_S)
     return {"done": recording.done, "steps": steps, "stats": engine.stats()}
@@ -165,13 +166,13 @@ def main() -> None:
     engine = BuiltinEngine(cfg, shard(full, rank), tp_group=group, version=1)
     if rank == 0:
         engine.stage_weights(versions[2], 2)
-        lead = TPLeadEngine(engine, group, timeout_s=TIMEOUT_S)
+        lead = TPLeadEngine(engine, group, run_secret(), timeout_s=TIMEOUT_S)
         lead.step()
         results["missing"] = {"version": lead.version}
     else:
         start = time.monotonic()
         try:
-            run_follower(engine, group, should_stop=lambda: False, timeout_s=1.0)
+            run_follower(engine, group, run_secret(), should_stop=lambda: False, timeout_s=1.0)
             results["missing"] = {"error": None}
         except TimeoutError as exc:
             results["missing"] = {"error": str(exc), "waited_s": time.monotonic() - start}
