@@ -34,6 +34,7 @@ from megarl.distributed.lifetime import SIGNAL_KEY, exit_status, seconds_since_s
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.topology import Topology, engine_tp_group, publish_groups, publish_stage_store
+from megarl.eval.sampler_side import VersionEvaluator
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
 from megarl.roles.learner_main import STOP_KEY, dropped_retired_key
@@ -129,6 +130,7 @@ class SamplerLoop:
         self.reward_budget_spent = 0  # groups whose reward budget ran out (their remaining samples failed fast)
         self.next_reward_report = 0.0  # monotonic time before which a spent budget is counted, not printed
         self.timeline: Timeline | None = None  # opened once the learner has prepared run.dir (run())
+        self.evaluator: VersionEvaluator | None = None  # eval.sets: this engine's share of each due version (run())
 
     def _on_version(self, version: int, tensors: dict, extra: dict) -> None:
         self.engine.stage_weights(tensors, version)
@@ -155,6 +157,9 @@ class SamplerLoop:
             self.retired = self.started
         if self.cfg.run.timeline:
             self.timeline = Timeline(self.cfg.run.dir, f"sampler{self.topo.rank}")
+        if self.cfg.eval.sets:
+            self.evaluator = VersionEvaluator(self.cfg, self.store, self.tokenizer, self.topo.engine_index,
+                                              self.topo.num_engines, self.resume_version or 0)
         receiver = self._start_weight_receiver()
         sender = QueueSender(self.store, self.cfg.queue.timeout_s)
         heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s)
@@ -178,9 +183,12 @@ class SamplerLoop:
                     else:  # budget spent and nothing running: wait for the learner's next version
                         self.new_version.wait(STOP_POLL_S)
                 self.new_version.clear()
+                # An evaluation due at this step boundary runs to completion first, on its own engine pinned
+                # to one version (megarl/eval/sampler_side.py); False: it applied that version just now.
+                apply = self.evaluator.before_step(self.engine, heartbeat.beat) if self.evaluator else True
                 had_work = self.engine.num_unfinished > 0
                 start, decoded = time.time(), self.engine.stats()["tokens_decoded"]
-                finished = self.engine.step()
+                finished = self.engine.step() if apply else self.engine.step(apply_staged=False)
                 if had_work:
                     end = time.time()
                     self.busy_s += end - start
@@ -204,6 +212,8 @@ class SamplerLoop:
             sender.close()
             if self.timeline is not None:
                 self.timeline.close()
+            if self.evaluator is not None:
+                self.evaluator.close()
 
     def _read_dropped(self) -> None:
         """Groups the learner dropped free budget before its next publish says so (learner_main.Intake.drop)."""
