@@ -271,8 +271,8 @@ def _validate_task(cfg: Config) -> None:
 
 
 def _validate_eval(cfg: Config) -> None:
-    """eval.*: the counts, and what evaluation runs on so far (docs/eval.md); the files' rows are read by
-    `megarl train` / `megarl eval` (megarl.eval.sets.build_sets names FILE:LINE)."""
+    """eval.*: the counts and the sets' names and files; the files' rows are read by `megarl train` /
+    `megarl eval` (megarl.eval.sets.check_sets names FILE:LINE)."""
     ec = cfg.eval
     _require(ec.samples >= 1, "eval.samples", f"must be >= 1, got {ec.samples}")
     _require(1 <= ec.k <= ec.samples, "eval.k", f"pass@k needs 1 <= k <= eval.samples={ec.samples} (the samples taken "
@@ -295,14 +295,6 @@ def _validate_eval(cfg: Config) -> None:
             module, _, fn = sc.reward_fn.partition(":")
             _require(all(p.isidentifier() for p in module.split(".") + fn.split(".")), f"{key}.reward_fn",
                      f"{sc.reward_fn!r} is not of the form 'package.module:function'")
-    if ec.sets:
-        _require(cfg.sampler.engine == "builtin" and cfg.sampler.tp == 1, "eval.sets",
-                 f"evaluation during training runs on the built-in engine at sampler.tp=1 so far (it pins a version "
-                 f"on a second engine over the same weights: docs/eval.md); got sampler.engine={cfg.sampler.engine}, "
-                 f"sampler.tp={cfg.sampler.tp}. Score checkpoints with `megarl eval` instead")
-        _require(cfg.task.name not in MULTI_TURN_TASKS and not cfg.task.agent, "eval.sets",
-                 f"multi-turn and agent tasks (task.name={cfg.task.name}) are not evaluated yet: an eval sample is "
-                 f"one completion")
 
 
 def _validate_checkpoint(cfg: Config) -> None:

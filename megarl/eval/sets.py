@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, replace
 
 from megarl.protocols import Prompt, Task
-from megarl.rollout.tasks import task_from_config
+from megarl.rollout.tasks import MULTI_TURN_TASKS, task_from_config
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,26 @@ def build_sets(cfg) -> list[EvalSet]:
     return sets
 
 
+def not_evaluated_because(cfg) -> str | None:
+    """Why a run with eval.sets cannot evaluate while training (then it trains without, saying this at launch),
+    or None. The pin needs a second engine over the sampler's weights in the sampler process: the built-in
+    engine at sampler.tp=1 (docs/eval.md: what the HTTP engines would need); an eval sample is one completion."""
+    if not cfg.eval.sets:
+        return None
+    if cfg.sampler.engine != "builtin" or cfg.sampler.tp != 1:
+        return (f"eval.sets: not evaluated in this run: evaluation during training pins a version on a second built-in "
+                f"engine, so it needs sampler.engine=builtin and sampler.tp=1 (got {cfg.sampler.engine}, tp "
+                f"{cfg.sampler.tp}); score checkpoints with `megarl eval` (docs/eval.md)")
+    if cfg.task.name in MULTI_TURN_TASKS or cfg.task.agent:
+        return (f"eval.sets: not evaluated in this run: multi-turn and agent tasks (task.name={cfg.task.name}) are not "
+                f"evaluated yet, an eval sample is one completion (docs/eval.md)")
+    return None
+
+
 def due_versions(cfg, first_version: int = 0) -> set[int]:
     """The versions a run evaluates, from `first_version` (a resumed run's) through run.steps."""
     ec, last = cfg.eval, cfg.run.steps
-    if not ec.sets:
+    if not ec.sets or not_evaluated_because(cfg):
         return set()
     due = set(range(ec.every_steps, last, ec.every_steps)) if ec.every_steps else set()
     if ec.at_start:

@@ -30,6 +30,7 @@ from megarl.distributed.publish import WeightPublisher
 from megarl.distributed.queue import QueueReceiver
 from megarl.distributed.topology import Topology, init_learner_group, publish_groups, publish_stage_store
 from megarl.eval.learner_side import EvalCollector
+from megarl.eval.sets import due_versions
 from megarl.models.layout import check_layout
 from megarl.observe.console import Console
 from megarl.observe.sinks import MetricsSink, RolloutSink
@@ -286,7 +287,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
 
             publisher = SGLangPublisher.from_config(cfg, store, topo.num_samplers)  # waits for every server
         outputs = RunOutputs(cfg, topo.rank, recovery)
-        if cfg.eval.sets:
+        if due_versions(cfg, learner.version):
             collector = EvalCollector(cfg, store, topo.num_engines, learner.version, start_step, outputs.record_eval,
                                       outputs.console.note)
     # Every publish source can name a sampler that stopped receiving (the lead's intake watches anyway).

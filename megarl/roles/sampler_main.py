@@ -35,6 +35,7 @@ from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.topology import Topology, engine_tp_group, publish_groups, publish_stage_store
 from megarl.eval.sampler_side import VersionEvaluator
+from megarl.eval.sets import due_versions
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
 from megarl.roles.learner_main import STOP_KEY, dropped_retired_key
@@ -157,7 +158,7 @@ class SamplerLoop:
             self.retired = self.started
         if self.cfg.run.timeline:
             self.timeline = Timeline(self.cfg.run.dir, f"sampler{self.topo.rank}")
-        if self.cfg.eval.sets:
+        if due_versions(self.cfg, self.resume_version or 0):
             self.evaluator = VersionEvaluator(self.cfg, self.store, self.tokenizer, self.topo.engine_index,
                                               self.topo.num_engines, self.resume_version or 0)
         receiver = self._start_weight_receiver()
