@@ -287,7 +287,7 @@ def _validate_eval(cfg: Config) -> None:
     for i, sc in enumerate(ec.sets):
         key = f"eval.sets[{i}]"
         _require(bool(sc.name) and "/" not in sc.name, f"{key}.name", f"must be a non-empty name without '/', got {sc.name!r}")
-        _require(names.count(sc.name) == 1, f"{key}.name", f"{sc.name!r} names two sets; metrics are eval/<name>/...")
+        _require(sc.name not in names[:i], f"{key}.name", f"{sc.name!r} names two sets; metrics are eval/<name>/...")
         _require(sc.prompts >= (0 if sc.path else 1), f"{key}.prompts",
                  f"must be >= 1 (>= 0 for a file: 0 = every row), got {sc.prompts}")
         _require(not sc.path or Path(sc.path).expanduser().is_file(), f"{key}.path", f"file not found: {sc.path}")
