@@ -11,6 +11,10 @@ turn's request; a group is scored when all its episodes have ended (the environm
 Sync mode (the baseline): right after each new version is applied the sampler starts exactly its
 share of one batch and then waits, generating nothing, until the learner publishes again.
 
+Evaluation (eval.sets): at the step boundary where a due version is current or staged, the sampler
+runs its share of the held-out sets to completion on an engine pinned to that version before its own
+engine steps again (megarl/eval/sampler_side.py); versions published meanwhile wait staged.
+
 Staleness budget (pipeline mode): a sampler may have at most ceil((max_lag + 1) * prompts_per_step / samplers)
 groups outstanding (started, not yet trained or dropped by the learner, which reports what it
 retired in every publish header, and what it dropped as soon as it drops it), so the age of what is
