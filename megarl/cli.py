@@ -277,6 +277,9 @@ def evaluate(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         print(f"megarl: checkpoint: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:  # a checkpoint's sets are read after its export: a bad row names FILE:LINE here
+        print(f"megarl: eval.sets: {exc}", file=sys.stderr)
+        return 2
     Console(0, True, cfg.run.dir).evaluated(result["version"], result["version"], result["metrics"])
     print(f"megarl: wrote {write_result(result, args.out)}")
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from megarl.eval.score import score_set
 from megarl.eval.sets import EvalSet
 from megarl.protocols import GenerationRequest, SamplingParams
 from megarl.rollout.rewards import score_group
@@ -92,8 +93,6 @@ def run_share(engine, tokenizer, sets: list[EvalSet], cfg, share: int, shares: i
 def summarise(shares: list[dict], set_names: list[str], k: int) -> dict[str, float]:
     """The metrics of one evaluation from all its shares: eval/<set>/<metric> (megarl/eval/score.py), plus
     eval/<set>/skipped_overlong and eval_s (the slowest share's seconds)."""
-    from megarl.eval.score import score_set
-
     metrics: dict[str, float] = {"eval_s": max(s["seconds"] for s in shares)}
     for name in set_names:
         records = [r for s in shares for r in s["records"] if r["set"] == name]

@@ -36,15 +36,15 @@ def evaluate_model(cfg, model_dir: str | Path, version: int = 0) -> dict:
 
 def evaluate_checkpoint(cfg, checkpoint: str | Path) -> dict:
     """The same for a learner checkpoint (a step_N directory or a checkpoint.dir: its latest), exported to a
-    temporary HF directory first; the version is the checkpoint's step."""
+    temporary HF directory first; the version is the checkpoint's policy version."""
     from megarl.checkpoint.export import export_hf
+    from megarl.checkpoint.learner_state import read_manifest
     from megarl.checkpoint.storage import resolve
 
     path = resolve(checkpoint)
     with tempfile.TemporaryDirectory(prefix="megarl-eval-") as tmp:
         out = export_hf(path, Path(tmp) / "model")
-        step = int(path.name.split("_")[-1]) if path.name.startswith("step_") else 0
-        result = evaluate_model(cfg, out, version=step)
+        result = evaluate_model(cfg, out, version=int(read_manifest(path)["version"]))
     result["model"] = str(path)
     return result
 
