@@ -317,9 +317,9 @@ class EvalConfig:
     temperature: float = 1.0  # of the sampled completions (top_p 1, top_k off)
     greedy: bool = True  # one greedy (temperature 0) completion per prompt too: the "greedy" score
     max_new_tokens: int = 0  # 0 = sampling.max_new_tokens
-    every_steps: int = 0  # evaluate every version v with v % every_steps == 0 (version v: after v steps); 0 = never
-    at_start: bool = True  # the version training starts from (the base model: version 0)
-    at_end: bool = True  # the last version (run.steps)
+    every_steps: int = 0  # evaluate the version published every this many steps; 0 = never in between
+    at_start: bool = True  # the version training starts from (the base model: version 0; a resumed run's)
+    at_end: bool = True  # the last version (published by step run.steps)
     seed: int = 0  # draws the sets' prompts and seeds the eval sampling (the same in `megarl eval`)
     max_running: int = 0  # sequences decoded at once in an evaluation; 0 = sampler.max_running
     timeout_s: float = 600.0  # at the end, how long the learner waits for the last evaluations' results

@@ -6,9 +6,10 @@ the training task drawn with eval.seed from a stream of their own (`eval_rng`), 
 malformed row stops the launch naming FILE:LINE). The reward is the set's reward_fn, else task.reward_fn,
 else the task's own (exact match for files).
 
-Versions: version v is the policy after v optimizer steps. `due_versions` is the set a run evaluates:
-v = 0 (eval.at_start), every multiple of eval.every_steps, and run.steps (eval.at_end); a resumed run
-starts at its checkpoint's version and evaluates none before it.
+Versions: version v is the policy after v optimizer steps (run.steps batches publish run.steps *
+algo.sync_epochs of them). `due_versions` is the set a run evaluates: the first (eval.at_start), the one
+published every eval.every_steps steps, and the last (eval.at_end); a resumed run starts at its
+checkpoint's version and evaluates none before it.
 """
 from __future__ import annotations
 
@@ -65,11 +66,14 @@ def not_evaluated_because(cfg) -> str | None:
 
 
 def due_versions(cfg, first_version: int = 0) -> set[int]:
-    """The versions a run evaluates, from `first_version` (a resumed run's) through run.steps."""
-    ec, last = cfg.eval, cfg.run.steps
+    """The versions a run evaluates, from `first_version` (a resumed run's) through the last. A step publishes
+    version steps * algo.sync_epochs (sync mode trains K epochs per batch; pipeline mode: K = 1)."""
+    ec, per_step = cfg.eval, cfg.algo.sync_epochs
+    last = cfg.run.steps * per_step
     if not ec.sets or not_evaluated_because(cfg):
         return set()
-    due = set(range(ec.every_steps, last, ec.every_steps)) if ec.every_steps else set()
+    every = ec.every_steps * per_step
+    due = set(range(every, last, every)) if every else set()
     if ec.at_start:
         due.add(first_version)
     if ec.at_end:

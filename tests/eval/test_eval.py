@@ -96,6 +96,8 @@ def test_a_run_starts_its_evaluations_at_its_resumed_version(model_dir, tmp_path
     cfg = config(model_dir, tmp_path, "eval.every_steps=2", "run.steps=7")
     assert due_versions(cfg) == {0, 2, 4, 6, 7}
     assert due_versions(cfg, first_version=3) == {3, 4, 6, 7}
+    sync = config(model_dir, tmp_path, "eval.every_steps=2", "run.steps=3", "algo.mode=sync", "algo.sync_epochs=2")
+    assert due_versions(sync) == {0, 4, 6}  # a step publishes 2 versions later
     assert due_versions(config(model_dir, tmp_path, "eval.at_start=false", "eval.at_end=false",
                                "eval.every_steps=0")) == set()
     # Engines that cannot pin a version train without evaluating (said at launch).

@@ -154,6 +154,10 @@ def test_sync_baseline_generates_one_batch_per_version_and_trains_k_epochs(embed
         # every token of a sync batch comes from the one version the batch was generated under
         assert set(r["versions"]) == {r["trained_at_step"]}
     assert sorted({r["trained_at_step"] for r in rollouts}) == [0, 2, 4]
+    # The demo's evaluations: the first and the last version (K epochs per step: version 6 after 3 steps).
+    evals = eval_records(read_jsonl(run_dir / "metrics.jsonl"))
+    assert [(e["eval_version"], e["step"]) for e in evals] == [(0, 0), (6, 3)]
+    assert all(set(r["versions"]) == {r["eval_version"]} for r in read_jsonl(run_dir / "eval_samples.jsonl"))
 
 
 @pytest.mark.parametrize("layout", ["learner.tp=1", "learner.tp=2", "learner.dp=2", "learner.pp=2",
