@@ -7,8 +7,10 @@ steps its own engine again. Versions that arrive meanwhile stay staged and the t
 their slots; they continue, under the staged newest version, once the evaluation is done. The cost is
 the evaluation's duration of this sampler's generation (measured: docs/eval.md).
 
-A due version this engine never ran (the staging buffer dropped it while an earlier evaluation held the
-swap) is reported as missed, never scored with other weights. Results travel through the run's store
+While evaluation is on, versions are applied here, from one snapshot of what is staged, rather than by
+the engine's step, so a due version staged between two looks is never skipped over. A due version this
+engine never ran (the staging buffer, which keeps two, dropped it while a step or an evaluation ran) is
+reported as missed, never scored with other weights. Results travel through the run's store
 (`result_key`): the learner's lead collects every share (megarl/eval/learner_side.py); the per-sample
 records, with every token's version, go to run.dir/eval_samples.jsonl.
 """
@@ -38,23 +40,22 @@ class VersionEvaluator:
         self.pending = sorted(due_versions(cfg, first_version))
         self.samples = JsonlAppender(Path(cfg.run.dir) / SAMPLES_FILE)
 
-    def before_step(self, engine, between_steps: Callable[[], None]) -> bool:
-        """Evaluate a due version if the engine is at it or has it staged. True: the caller's next step may
-        apply staged versions; False: a version was just applied here, let a decode step run on it first
-        (so two swaps never land on the same token)."""
-        if not self.pending:
-            return True
-        staged = [v for v in engine.staged_versions() if v in self.pending]
-        applied = False
-        if engine.version not in self.pending and staged:
-            engine.apply_staged(staged[0])
-            applied = True
-        for version in [v for v in self.pending if v < engine.version]:
-            self._post(version, {"missed": f"sampler engine {self.share} moved from before version {version} "
-                                           f"to {engine.version} while an earlier evaluation held its swaps"})
+    def before_step(self, engine, between_steps: Callable[[], None]) -> None:
+        """At a step boundary, on the stepping thread: apply what is staged (the oldest due version among
+        them, else the newest, from one snapshot, so a due version staged meanwhile is seen next time rather
+        than skipped), then evaluate the current version if it is due. The caller's next step must not
+        apply staged versions itself: `engine.step(apply_staged=False)`."""
+        staged = engine.staged_versions()
+        if staged:
+            due = [v for v in staged if v in self.pending]
+            before = engine.version
+            engine.apply_staged(due[0] if due else staged[-1])
+            for version in [v for v in self.pending if v < engine.version]:
+                self._post(version, {"missed": f"sampler engine {self.share} never ran version {version}: it went "
+                                               f"from {before} to {engine.version} (the staging buffer keeps two "
+                                               f"versions; more arrived while a step or an evaluation ran)"})
         if engine.version in self.pending:
             self._evaluate(engine, between_steps)
-        return not applied
 
     def _evaluate(self, engine, between_steps) -> None:
         version = engine.version

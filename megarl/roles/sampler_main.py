@@ -188,12 +188,12 @@ class SamplerLoop:
                     else:  # budget spent and nothing running: wait for the learner's next version
                         self.new_version.wait(STOP_POLL_S)
                 self.new_version.clear()
-                # An evaluation due at this step boundary runs to completion first, on its own engine pinned
-                # to one version (megarl/eval/sampler_side.py); False: it applied that version just now.
-                apply = self.evaluator.before_step(self.engine, heartbeat.beat) if self.evaluator else True
+                if self.evaluator is not None:  # it applies staged versions; a due one is evaluated first, to
+                    # completion, on an engine pinned to it (megarl/eval/sampler_side.py)
+                    self.evaluator.before_step(self.engine, heartbeat.beat)
                 had_work = self.engine.num_unfinished > 0
                 start, decoded = time.time(), self.engine.stats()["tokens_decoded"]
-                finished = self.engine.step() if apply else self.engine.step(apply_staged=False)
+                finished = self.engine.step() if self.evaluator is None else self.engine.step(apply_staged=False)
                 if had_work:
                     end = time.time()
                     self.busy_s += end - start
