@@ -362,7 +362,7 @@ def check_e2e_train(args, size: Size) -> dict:
     if size.tiny:
         out["dry_run"] = proc.stdout.strip().splitlines()[-1:]
         return out
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()) if "kind" not in r]  # eval records: docs/eval.md
     keep = ("reward_mean", "tokens_per_s", "lag_mean", "multi_version_frac", "loss")
     out.update(steps=len(rows), first={k: rows[0].get(k) for k in keep}, last={k: rows[-1].get(k) for k in keep},
                sampler={k: v for k, v in rows[-1].items() if k.startswith("sampler") and k.endswith(("tokens_per_s", "busy_frac", "swap_time_s"))},

@@ -27,7 +27,7 @@ OBJECTIVES = {
 
 
 def reward_summary(run_dir: Path) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()) if "kind" not in r]  # eval records: docs/eval.md
     k = max(1, len(rows) // 10)
     mean = lambda seg: sum(r["reward_mean"] for r in seg) / len(seg)
     return {"first10": mean(rows[:k]), "last10": mean(rows[-k:]), "steps": len(rows),

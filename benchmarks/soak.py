@@ -95,7 +95,7 @@ def main() -> None:
     time.sleep(5)
     leaked = run_processes(run_dir)
 
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()) if "kind" not in r]  # eval records: docs/eval.md
     growth = {}
     for attempt in (0, 1):
         seg = [s for s in samples if s["attempt"] == attempt

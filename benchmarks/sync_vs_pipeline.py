@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot_timeline import learner_busy_fraction, plt, render, sampler_rates  # noqa: E402
 
 from megarl.observe.timeline import load_timeline  # noqa: E402
+from megarl.observe.sinks import train_records  # noqa: E402
 
 WINDOW = 20
 MODES = ("sync", "pipeline")
@@ -54,7 +55,7 @@ def phase_times(run_dir: Path) -> dict:
 
 
 def summarise(run_dir: Path, target: float, wall_s: float) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = train_records([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
     # Per-step wall time: tokens_per_s is num_tokens / (time since the previous step ended).
     step_s = [r["num_tokens"] / r["tokens_per_s"] for r in rows]
     elapsed, reached = 0.0, None

@@ -6,6 +6,7 @@ weights, a tokenizer that loads) and the task (dataset rows, reward function, sa
 starts, then launches one torchrun holding every role and waits for it.
 `placement` prints which node runs which ranks and roles for a multi-node launch (docs/launch.md).
 `export --checkpoint CKPT --out DIR` writes a learner checkpoint as an HF model directory (docs/checkpoint.md).
+`eval CONFIG [key=value ...]` scores model.path (or `--checkpoint`) on eval.sets as a run evaluates (docs/eval.md).
 `sft CONFIG [key=value ...]` fine-tunes model.path on sft.data (supervised, the learner backends and layouts of
 `train`), after the same checks, and writes an HF model directory `train` takes as model.path (docs/sft.md).
 """
@@ -60,6 +61,12 @@ def train(args: argparse.Namespace) -> int:
             print(f"megarl: {line}")
     except (OSError, ImportError, ValueError) as exc:
         print(f"megarl: task: {exc}", file=sys.stderr)
+        return 2
+    from megarl.eval.sets import not_evaluated_because
+
+    if (reason := not_evaluated_because(cfg)) is not None:
+        print(f"megarl: {reason}")
+    elif not print_eval_check(cfg, model_dir):
         return 2
     from megarl.checkpoint.learner_state import check_resumable, read_manifest
     from megarl.checkpoint.resume import check_export_target, find_checkpoint, prepare_run_dir
@@ -270,6 +277,48 @@ def check_task(cfg) -> list[str]:
     return lines
 
 
+def print_eval_check(cfg, model_dir) -> bool:
+    """eval.sets read and checked (megarl.eval.sets.check_sets), said on stdout; False after printing why not."""
+    from megarl.eval.sets import check_sets
+
+    try:
+        for line in check_sets(cfg, model_dir):
+            print(f"megarl: {line}")
+    except (OSError, ImportError, ValueError) as exc:
+        print(f"megarl: eval.sets: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    """`megarl eval CONFIG [key=value ...]`: score model.path (or --checkpoint) on eval.sets, write JSON."""
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if not cfg.eval.sets:
+            raise ConfigError("eval.sets: names no set to score (e.g. eval.sets='[{name: heldout}]')")
+    except ConfigError as exc:
+        print(f"megarl: config error: {exc}", file=sys.stderr)
+        return 2
+    from megarl.checkpoint.storage import CheckpointError
+    from megarl.eval.standalone import evaluate_checkpoint, evaluate_model, write_result
+    from megarl.observe.console import Console
+
+    model_dir = None if args.checkpoint else checked_model_dir(cfg)
+    if (model_dir is None and not args.checkpoint) or (model_dir and not print_eval_check(cfg, model_dir)):
+        return 2
+    try:
+        result = evaluate_checkpoint(cfg, args.checkpoint) if args.checkpoint else evaluate_model(cfg, model_dir)
+    except CheckpointError as exc:
+        print(f"megarl: checkpoint: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # a checkpoint's sets are read after its export: a bad row names FILE:LINE here
+        print(f"megarl: eval.sets: {exc}", file=sys.stderr)
+        return 2
+    Console(0, True, cfg.run.dir).evaluated(result["version"], result["version"], result["metrics"])
+    print(f"megarl: wrote {write_result(result, args.out)}")
+    return 0
+
+
 def sft(args: argparse.Namespace) -> int:
     """Check the config (keys, types, learner layout, sft.*), the model directory and the data (every line read
     and rendered as the ranks will) and the outputs, then run one torchrun of learner ranks (megarl.sft.run)."""
@@ -393,6 +442,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the HF directory to create (absent or empty)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (default 5)")
     p.set_defaults(func=export)
+    p = sub.add_parser("eval", help="score a model (model.path) or a checkpoint on eval.sets, as a run evaluates, "
+                                    "and write the result as JSON")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. model.path=hf/ eval.samples=8")
+    p.add_argument("--checkpoint", default="", help="a checkpoint (step_N dir) or a checkpoint.dir (its latest)")
+    p.add_argument("--out", default="eval.json", help="the JSON result to write (default eval.json)")
+    p.set_defaults(func=evaluate)
     p = sub.add_parser("sft", help="supervised fine-tuning on a JSONL of prompt/completion or chat records "
                                    "(writes an HF model directory for `megarl train model.path=...`)")
     p.add_argument("config")

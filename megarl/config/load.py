@@ -158,6 +158,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
                  "sync mode generates exactly one batch per version, so dropped groups could not be replaced")
     _require(cfg.dist.backend in ("auto", "gloo", "nccl"), "dist.backend", "must be auto, gloo or nccl")
     _validate_task(cfg, check_files)
+    _validate_eval(cfg, check_files)
     _validate_checkpoint(cfg)
     _require(cfg.algo.max_lag >= 0, "algo.max_lag", "must be >= 0")
     _require(cfg.algo.group_size >= 2, "algo.group_size", "group advantages need at least 2 samples per prompt")
@@ -291,6 +292,33 @@ def _validate_task(cfg: Config, check_files: bool) -> None:
         check_sandbox(tc.sandbox)
     except ValueError as exc:  # its messages start with "sandbox.<field>"
         raise ConfigError(f"task.{exc}") from exc
+
+
+def _validate_eval(cfg: Config, check_files: bool) -> None:
+    """eval.*: the counts and the sets' names and files; the files' rows are read by `megarl train` /
+    `megarl eval` (megarl.eval.sets.check_sets names FILE:LINE)."""
+    ec = cfg.eval
+    _require(ec.samples >= 1, "eval.samples", f"must be >= 1, got {ec.samples}")
+    _require(1 <= ec.k <= ec.samples, "eval.k", f"pass@k needs 1 <= k <= eval.samples={ec.samples} (the samples taken "
+             f"per prompt), got {ec.k}")
+    _require(ec.temperature >= 0, "eval.temperature", f"must be >= 0, got {ec.temperature}")
+    for key in ("every_steps", "max_new_tokens", "max_running"):
+        _require(getattr(ec, key) >= 0, f"eval.{key}", f"must be >= 0, got {getattr(ec, key)}")
+    _require(ec.max_new_tokens < cfg.sampler.max_seq_len, "eval.max_new_tokens",
+             f"({ec.max_new_tokens}) must be smaller than sampler.max_seq_len ({cfg.sampler.max_seq_len})")
+    _require(ec.timeout_s > 0, "eval.timeout_s", f"must be > 0, got {ec.timeout_s}")
+    names = [sc.name for sc in ec.sets]
+    for i, sc in enumerate(ec.sets):
+        key = f"eval.sets[{i}]"
+        _require(bool(sc.name) and "/" not in sc.name, f"{key}.name", f"must be a non-empty name without '/', got {sc.name!r}")
+        _require(sc.name not in names[:i], f"{key}.name", f"{sc.name!r} names two sets; metrics are eval/<name>/...")
+        _require(sc.prompts >= (0 if sc.path else 1), f"{key}.prompts",
+                 f"must be >= 1 (>= 0 for a file: 0 = every row), got {sc.prompts}")
+        _require(not (check_files and sc.path) or Path(sc.path).expanduser().is_file(), f"{key}.path", f"file not found: {sc.path}")
+        if sc.reward_fn and ":" in sc.reward_fn:
+            module, _, fn = sc.reward_fn.partition(":")
+            _require(all(p.isidentifier() for p in module.split(".") + fn.split(".")), f"{key}.reward_fn",
+                     f"{sc.reward_fn!r} is not of the form 'package.module:function'")
 
 
 def _validate_checkpoint(cfg: Config) -> None:

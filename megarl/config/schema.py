@@ -302,6 +302,38 @@ class SFTConfig:
 
 
 @dataclass
+class EvalSetConfig:
+    """One held-out set (docs/eval.md)."""
+
+    name: str = "heldout"  # the metric prefix: eval/<name>/pass@1, ...
+    # "" = prompts of the training task (task.*), drawn with eval.seed from their own stream (see
+    # docs/eval.md: the built-in synthetic tasks have no disjoint split); else a .jsonl file of
+    # {"prompt", "answer"} rows (task.prompt_field / task.answer_field), scored like task.name=jsonl.
+    path: str = ""
+    prompts: int = 64  # prompts in the set (a file: its first rows; 0 = all of them)
+    reward_fn: str = ""  # "" = task.reward_fn (or the task's own reward); else "package.module:function"
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation while training, every score of exactly one policy version (docs/eval.md);
+    `megarl eval CONFIG` scores a model with the same keys."""
+
+    sets: list[EvalSetConfig] = field(default_factory=list)  # empty: no evaluation
+    samples: int = 4  # sampled completions per prompt (n of pass@k)
+    k: int = 4  # pass@1 and pass@k are reported; k <= samples
+    temperature: float = 1.0  # of the sampled completions (top_p 1, top_k off)
+    greedy: bool = True  # one greedy (temperature 0) completion per prompt too: the "greedy" score
+    max_new_tokens: int = 0  # 0 = sampling.max_new_tokens
+    every_steps: int = 0  # evaluate the version published every this many steps; 0 = never in between
+    at_start: bool = True  # the version training starts from (the base model: version 0; a resumed run's)
+    at_end: bool = True  # the last version (published by step run.steps)
+    seed: int = 0  # draws the sets' prompts and seeds the eval sampling (the same in `megarl eval`)
+    max_running: int = 0  # sequences decoded at once in an evaluation; 0 = sampler.max_running
+    timeout_s: float = 600.0  # at the end, how long the learner waits for the last evaluations' results
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -316,3 +348,4 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)  # megarl sft only
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (train and megarl eval)

@@ -8,6 +8,8 @@ the batch whose reward raised. `note(text)` prints a message (a checkpoint, an e
 line: on a terminal it clears the progress line first, so the message is never glued onto it, and
 redraws the line below. `close()` prints the summary of a finished run: reward first -> last 10% of
 steps, the multi-version shares, versions per rollout, where the outputs are and how to draw them.
+`evaluated` prints one line per held-out evaluation (megarl/eval/); the summary then also gives each
+set's pass@k and greedy score, first -> last evaluation.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class Console:
         self.first_update: tuple[float, int] | None = None  # (time, step) of the first step seen
         self.line = ""
         self.last_step = 0
+        self.evals: list[tuple[int, dict[str, float]]] = []  # (version, metrics) of every evaluation reported
 
     def update(self, step: int, metrics: dict[str, float], version_counts: list[int]) -> None:
         """Step `step` (1-based) is trained; `version_counts`: distinct versions of each of its rollouts."""
@@ -66,6 +69,12 @@ class Console:
         self.line = line
         self._draw(end=step == self.total)
 
+    def evaluated(self, version: int, steps_trained: int, metrics: dict[str, float]) -> None:
+        """One line per evaluation: each set's scores of policy `version` (megarl/eval/)."""
+        self.evals.append((version, metrics))
+        self.note(f"megarl: eval version {version} (step {steps_trained}, {metrics.get('eval_s', 0):.1f}s): "
+                  + "; ".join(f"{name} {_scores(metrics, name)}" for name in eval_set_names(metrics)))
+
     def note(self, text: str) -> None:
         """A message on its own line; on a terminal the progress line is cleared first and redrawn after."""
         if self.tty and self.line:
@@ -84,6 +93,14 @@ class Console:
     def summary(self) -> str:
         first, last = tenth_means(self.rewards)
         n = len(self.version_counts)
+        evals = []
+        if self.evals:
+            (v0, m0), (v1, m1) = self.evals[0], self.evals[-1]
+            for name in eval_set_names(m1):
+                changes = ", ".join(f"{key} {m0.get(f'eval/{name}/{key}', float('nan')):.3f} -> {m1[f'eval/{name}/{key}']:.3f}"
+                                    for key in _score_keys(m1, name))
+                evals.append(f"megarl: eval {name}: {changes} (version {v0} -> {v1})")
+            evals.append(f"megarl:            python benchmarks/plot_eval.py {self.run_dir}   (eval curves vs step and time)")
         return "\n".join([
             f"megarl: done, {len(self.rewards)} steps. reward {first:.3f} -> {last:.3f} "
             f"(mean of the first -> last 10% of steps)",
@@ -92,6 +109,7 @@ class Console:
             f"megarl: outputs in {self.run_dir}/ (metrics.jsonl, rollouts.jsonl, tensorboard/, timeline/)",
             f"megarl: draw them: python benchmarks/plot_rollouts.py {self.run_dir}   (rollouts coloured by version)",
             f"megarl:            python benchmarks/plot_timeline.py {self.run_dir}   (generated tokens/s over time)",
+            *evals,
         ])
 
     def close(self) -> None:
@@ -105,3 +123,25 @@ class Console:
         else:
             self.stream.write(self.line + "\n")
         self.stream.flush()
+
+
+def eval_set_names(metrics: dict[str, float]) -> list[str]:
+    """The sets an eval record scores, in order (its keys are eval/<set>/<metric>)."""
+    return list(dict.fromkeys(key.split("/")[1] for key in metrics if key.count("/") == 2 and key.startswith("eval/")))
+
+
+def _score_keys(metrics: dict[str, float], name: str) -> list[str]:
+    prefix = f"eval/{name}/"
+    return [key[len(prefix):] for key in metrics if key.startswith(prefix) and key[len(prefix):].startswith("pass@")] + \
+        [key for key in ("greedy",) if prefix + key in metrics]
+
+
+def _scores(metrics: dict[str, float], name: str) -> str:
+    p = f"eval/{name}/"
+    parts = [f"{key} {metrics[p + key]:.3f}" for key in ["reward_mean", *_score_keys(metrics, name)] if p + key in metrics]
+    parts.append(f"len {metrics.get(p + 'completion_len_mean', 0):.1f}")
+    parts.append(f"truncated {metrics.get(p + 'truncated_frac', 0):.0%}")
+    for key in ("reward_errors", "skipped_overlong"):
+        if metrics.get(p + key):
+            parts.append(f"{key.replace('_', ' ')} {metrics[p + key]:.0f}")
+    return " ".join(parts)

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from megarl.observe.timeline import load_timeline
+from megarl.observe.sinks import train_records
 
 Z99 = 2.3263478740408408  # standard normal 99th percentile
 
@@ -516,7 +517,7 @@ def _read_run(run_dir: Path) -> tuple[dict, list[dict], list[dict], dict[str, li
         raise ValueError(f"{run_dir} is not a megarl run with its rollouts and timeline "
                          f"(run.log_rollouts=true run.timeline=true): missing {', '.join(missing)}")
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = train_records([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
     rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     return cfg, metrics, rollouts, load_timeline(run_dir)
 

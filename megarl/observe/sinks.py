@@ -1,5 +1,8 @@
 """Where a run's numbers go: metrics.jsonl + TensorBoard per learner step, rollouts.jsonl per trained
-sample (the console a person watches: megarl/observe/console.py)."""
+sample (the console a person watches: megarl/observe/console.py).
+
+metrics.jsonl holds one record per learner step and, with eval.sets, one record per evaluation, marked
+`"kind": "eval"` (train records have no kind): `train_records` / `eval_records` split what a reader loads."""
 from __future__ import annotations
 
 import math
@@ -32,6 +35,16 @@ class MetricsSink:
         self.file.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def train_records(records: list[dict]) -> list[dict]:
+    """The per-step records of a metrics.jsonl (evaluation records left out)."""
+    return [r for r in records if "kind" not in r]
+
+
+def eval_records(records: list[dict]) -> list[dict]:
+    """The evaluation records of a metrics.jsonl (megarl/eval/: eval_version, step, eval/<set>/<metric>)."""
+    return [r for r in records if r.get("kind") == "eval"]
 
 
 def _finite_or_none(value):

@@ -30,6 +30,8 @@ from megarl.distributed.publish import WeightPublisher
 from megarl.distributed.queue import QueueReceiver, max_message_bytes
 from megarl.distributed.secret import run_secret
 from megarl.distributed.topology import Topology, init_learner_group, publish_groups, publish_stage_store
+from megarl.eval.learner_side import EvalCollector
+from megarl.eval.sets import due_versions
 from megarl.learner.nonfinite import NonfiniteSteps
 from megarl.models.layout import check_layout
 from megarl.observe.console import Console
@@ -209,7 +211,7 @@ class RunOutputs:
         now = time.perf_counter()
         metrics = {**metrics, **batch_metrics(batch), **self.recovery,
                    "tokens_per_s": batch.num_tokens / (now - self.last), "train_s": wall[2] - wall[1],
-                   "publish_s": published["seconds"], "publish_bytes": published["bytes"]}
+                   "publish_s": published["seconds"], "publish_bytes": published["bytes"], "time": time.time()}
         if published.get("full_bytes"):  # what a full publish of the same part would have sent
             metrics["publish_bytes_frac"] = published["bytes"] / published["full_bytes"]
         self.last = now
@@ -217,6 +219,12 @@ class RunOutputs:
         if self.rollouts is not None:
             self.rollouts.log(batch.samples, trained_at_step=version)
         self.console.update(step + 1, metrics, [len(s.policy_versions) for s in batch.samples])
+
+    def record_eval(self, version: int, steps_trained: int, metrics: dict) -> None:
+        """One evaluation of policy `version` (published after `steps_trained` steps): a metrics.jsonl record
+        with kind "eval" (train records have no kind), TensorBoard at that step, and its console line."""
+        self.metrics.log(steps_trained, {"kind": "eval", "eval_version": version, "time": time.time(), **metrics})
+        self.console.evaluated(version, steps_trained, metrics)
 
     def close(self) -> None:
         self.metrics.close()
@@ -258,7 +266,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     resumed = learner_state.load(learner, resume_from) if resume_from is not None else None
     start_step = resumed["step"] if resumed else 0
     schedule = Schedule(cfg, start_step)
-    intake, outputs = None, None
+    intake, outputs, collector = None, None, None
     if lead:
         intake = Intake(cfg, store, AutoTokenizer.from_pretrained(model_dir).pad_token_id, topo)
         recovery = {}
@@ -276,6 +284,9 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
 
             publisher = SGLangPublisher.from_config(cfg, store, topo.num_samplers)  # waits for every server
         outputs = RunOutputs(cfg, topo.rank, recovery)
+        if due_versions(cfg, learner.version):
+            collector = EvalCollector(cfg, store, topo.num_engines, learner.version, start_step, outputs.record_eval,
+                                      outputs.console.note)
     # Every publish source can name a sampler that stopped receiving (the lead's intake watches anyway).
     heartbeats = intake.heartbeats if lead else sampler_heartbeats(cfg, store, topo) if publisher else None
     note = outputs.console.note if lead else print  # messages never glued onto the progress line
@@ -311,6 +322,9 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             if lead:
                 outputs.record(step, batch, {**metrics, **intake_metrics, "version": learner.version}, wall,
                                published, version)
+            if collector is not None:
+                collector.published(learner.version, step + 1)
+                collector.poll(learner.version)
         if stopped is not None:
             stop_on_signal(learner, cfg, step, schedule, model_dir, intake, stopped, note)
         if schedule.due(cfg.run.steps):
@@ -319,6 +333,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             from megarl.checkpoint.export import export_hf
 
             note(f"megarl: exported {export_hf(cfg.checkpoint.dir, cfg.checkpoint.export_dir)}")
+        if collector is not None:  # the samplers evaluate the last versions before they are told to stop
+            collector.finish(learner.version, on_wait=lambda: intake.heartbeats.check(topo.num_learners))
     finally:
         if lead:
             store.set(STOP_KEY, "learner stopped")

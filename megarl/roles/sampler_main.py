@@ -11,6 +11,10 @@ turn's request; a group is scored when all its episodes have ended (the environm
 Sync mode (the baseline): right after each new version is applied the sampler starts exactly its
 share of one batch and then waits, generating nothing, until the learner publishes again.
 
+Evaluation (eval.sets): at the step boundary where a due version is current or staged, the sampler
+runs its share of the held-out sets to completion on an engine pinned to that version before its own
+engine steps again (megarl/eval/sampler_side.py); versions published meanwhile wait staged.
+
 Staleness budget (pipeline mode): a sampler may have at most ceil((max_lag + 1) * prompts_per_step / samplers)
 groups outstanding (started, not yet trained or dropped by the learner, which reports what it
 retired in every publish header, and what it dropped as soon as it drops it), so the age of what is
@@ -35,6 +39,8 @@ from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.secret import run_secret
 from megarl.distributed.topology import Topology, engine_tp_group, publish_groups, publish_stage_store
+from megarl.eval.sampler_side import VersionEvaluator
+from megarl.eval.sets import due_versions
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
 from megarl.roles.learner_main import STOP_KEY, dropped_retired_key
@@ -135,6 +141,7 @@ class SamplerLoop:
         self.reward_budget_spent = 0  # groups whose reward budget ran out (their remaining samples failed fast)
         self.next_reward_report = 0.0  # monotonic time before which a spent budget is counted, not printed
         self.timeline: Timeline | None = None  # opened once the learner has prepared run.dir (run())
+        self.evaluator: VersionEvaluator | None = None  # eval.sets: this engine's share of each due version (run())
 
     def _on_version(self, version: int, tensors: dict, extra: dict) -> None:
         self.engine.stage_weights(tensors, version)
@@ -161,6 +168,9 @@ class SamplerLoop:
             self.retired = self.started
         if self.cfg.run.timeline:
             self.timeline = Timeline(self.cfg.run.dir, f"sampler{self.topo.rank}")
+        if due_versions(self.cfg, self.resume_version or 0):
+            self.evaluator = VersionEvaluator(self.cfg, self.store, self.tokenizer, self.topo.engine_index,
+                                              self.topo.num_engines, self.resume_version or 0)
         receiver = self._start_weight_receiver()
         sender = QueueSender(self.store, self.cfg.queue.timeout_s, run_secret(), self.topo.rank)
         heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s)
@@ -184,9 +194,12 @@ class SamplerLoop:
                     else:  # budget spent and nothing running: wait for the learner's next version
                         self.new_version.wait(STOP_POLL_S)
                 self.new_version.clear()
+                if self.evaluator is not None:  # it applies staged versions; a due one is evaluated first, to
+                    # completion, on an engine pinned to it (megarl/eval/sampler_side.py)
+                    self.evaluator.before_step(self.engine, heartbeat.beat)
                 had_work = self.engine.num_unfinished > 0
                 start, decoded = time.time(), self.engine.stats()["tokens_decoded"]
-                finished = self.engine.step()
+                finished = self.engine.step() if self.evaluator is None else self.engine.step(apply_staged=False)
                 if had_work:
                     end = time.time()
                     self.busy_s += end - start
@@ -210,6 +223,8 @@ class SamplerLoop:
             sender.close()
             if self.timeline is not None:
                 self.timeline.close()
+            if self.evaluator is not None:
+                self.evaluator.close()
 
     def _read_dropped(self) -> None:
         """Groups the learner dropped free budget before its next publish says so (learner_main.Intake.drop)."""

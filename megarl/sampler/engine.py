@@ -181,14 +181,18 @@ class BuiltinEngine:
         self.spec = ModelSpec.from_hf_config(hf_config).shard(self.tp_size)  # this rank's heads and MLP width
         self.device = torch.device(device)
         weights = {name: t.to(self.device) for name, t in weights.items()}
-        self.max_running = max_running
-        self.max_seq_len = max_seq_len
         self.kv_on_update = kv_on_update
 
         self._weights = prepare_weights(self.spec, weights)  # checks names and (this rank's) shapes
         # What stage_weights validates against: every HF name with its (this rank's) shape and dtype.
         self._hf_meta = {name: (t.shape, t.dtype) for name, t in weights.items()}
         self._version = version
+        self._init_state(max_running, max_seq_len, seed)
+
+    def _init_state(self, max_running: int, max_seq_len: int, seed: int) -> None:
+        """The per-engine state around the weights: KV cache, slots, queue, generator, staging, counters."""
+        self.max_running = max_running
+        self.max_seq_len = max_seq_len
         self._cache = KVCache(self.spec, max_running, max_seq_len, self._weights.dtype, self.device)
         self._tables = forward_tables(self.spec, max_seq_len, self._weights.dtype, self.device)
         self._generator = torch.Generator(device=self.device)
@@ -237,6 +241,23 @@ class BuiltinEngine:
             # Copy the split slices: a view would keep the whole tensor alive.
             weights = {name: t if tp_shard.split_kind(name) == "whole" else t.clone() for name, t in shards.items()}
         return cls(cfg, weights, tp_group=tp_group, **kw)
+
+    def pinned(self, *, max_running: int, seed: int) -> "BuiltinEngine":
+        """An engine over this engine's current weights and version (shared, not copied) with its own KV
+        cache, slots and generator seeded with `seed`: every token it generates is of this version, since
+        nothing is ever staged on it. Evaluation runs on one (megarl/eval/run.py) while this engine keeps
+        its running requests and staged versions. Single-process engines only (a TP group would need its
+        followers to mirror the pinned engine's steps)."""
+        if self.tp_group is not None:
+            raise ValueError("pinned: a tensor-parallel engine cannot pin a version (its followers do not mirror it)")
+        if max_running < 1:
+            raise ValueError(f"pinned: max_running={max_running} must be >= 1")
+        twin = object.__new__(BuiltinEngine)
+        twin.tp_size, twin.tp_group, twin.spec, twin.device = 1, None, self.spec, self.device
+        twin.kv_on_update = self.kv_on_update
+        twin._weights, twin._hf_meta, twin._version = self._weights, self._hf_meta, self._version
+        twin._init_state(max_running, self.max_seq_len, seed)
+        return twin
 
     # ------------------------------------------------------------------ Engine protocol
     @property

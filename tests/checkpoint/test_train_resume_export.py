@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from megarl.checkpoint import storage
 from megarl.checkpoint.position import RetiredIndices
+from megarl.observe.sinks import train_records
 from tests.helpers import REPO, run_python
 
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -40,7 +41,7 @@ def test_train_stop_resume_and_export(embedded_think_model_dir, tmp_path):
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
     assert "resumed from" in second.stdout and "(step 6, version 6)" in second.stdout
 
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = train_records(read_jsonl(run_dir / "metrics.jsonl"))
     assert [m["step"] for m in metrics] == list(range(10))  # appended, one history
     assert [m["version"] for m in metrics] == list(range(1, 11))
     first_resumed = metrics[6]

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from megarl.algo.config import LossConfig
 from megarl.config.load import ConfigError, load_config
+from megarl.observe.sinks import train_records
 from tests.helpers import REPO, run_python, save_tiny_qwen2
 from tests.learner.test_megatron_learner import _batch, _hf, _hf_logprobs
 
@@ -244,7 +245,7 @@ def test_megarl_train_runs_the_published_weights(embedded_think_model_dir, tmp_p
                       f"learner.deepspeed.zero_stage={zero_stage}", "learner.dp=2", "publish.bucket_mb=0.25",
                       f"publish.senders={senders}", f"model.path={embedded_think_model_dir}", timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = train_records([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
     model_bytes = sum(t.numel() * 4 for t in load_file(Path(embedded_think_model_dir) / "model.safetensors").values())
     for m in metrics:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from megarl.observe.sinks import train_records
+
 from tests.helpers import REPO, run_python
 
 # The arithmetic demo: the task the embedded think model (embedded_think_model_dir) was built for.
@@ -56,7 +58,7 @@ def _wait_for_steps(run_dir, steps: int, proc: subprocess.Popen, timeout: float 
     deadline = time.monotonic() + timeout
     metrics = Path(run_dir) / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+        if metrics.exists() and len(train_records([json.loads(line) for line in metrics.read_text().splitlines()])) >= steps:
             return
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.5)

@@ -8,10 +8,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from megarl.observe.sinks import eval_records, train_records
 from tests.helpers import REPO, run_python, run_torchrun
 
 DEMO = str(REPO / "configs" / "demo.yaml")
 STEPS = 8
+EVAL_EVERY = 4  # the demo's held-out set at versions 0, 4 and 8 (docs/eval.md)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -21,15 +23,16 @@ def read_jsonl(path: Path) -> list[dict]:
 def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_count_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", f"run.steps={STEPS}",
-                      f"model.path={embedded_count_model_dir}", timeout=400)
+                      f"model.path={embedded_count_model_dir}", f"eval.every_steps={EVAL_EVERY}", timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert f"step {STEPS}/{STEPS}" in proc.stdout  # the console progress line
+    assert "megarl: eval version 0 (step 0" in proc.stdout and "megarl: eval heldout: pass@1" in proc.stdout
 
     cfg = OmegaConf.load(run_dir / "config.yaml")
     assert cfg.run.steps == STEPS and cfg.model.path == str(embedded_count_model_dir)
     max_lag, per_step = cfg.algo.max_lag, cfg.algo.prompts_per_step * cfg.algo.group_size
 
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = train_records(read_jsonl(run_dir / "metrics.jsonl"))
     assert [m["step"] for m in metrics] == list(range(STEPS))
     assert [m["version"] for m in metrics] == list(range(1, STEPS + 1))  # one optimizer step per batch
     for m in metrics:
@@ -85,6 +88,33 @@ def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_count_mo
             ref = logp[p - 1:, :].gather(1, ids[0, p:, None]).squeeze(1)
             worst = max(worst, (ref - torch.tensor(r["behaviour_logprobs"], dtype=torch.float64)).abs().max().item())
     assert worst < 1e-4
+    check_evaluations(run_dir, embedded_count_model_dir, events)
+
+
+def check_evaluations(run_dir: Path, model_dir: Path, events) -> None:
+    """The demo's evaluations: one eval record per due version; every token of every eval sample of the
+    version the score is labelled with (publishes landed meanwhile: they stayed staged); the scores of
+    version 0 equal `megarl eval` on the base model with the same seeds, sample for sample."""
+    from megarl.config.load import load_config
+    from megarl.eval.standalone import evaluate_model
+
+    evals = eval_records(read_jsonl(run_dir / "metrics.jsonl"))
+    assert [(e["eval_version"], e["step"]) for e in evals] == [(v, v) for v in range(0, STEPS + 1, EVAL_EVERY)]
+    for e in evals:
+        assert 0 <= e["eval/heldout/pass@1"] <= e["eval/heldout/pass@4"] <= 1 and e["eval/heldout/prompts"] == 64
+        assert e["eval/heldout/pass@1"] == e["eval/heldout/reward_mean"]  # exact-match rewards are 0 or 1
+        assert 0 <= e["eval/heldout/greedy"] <= 1 and e["eval/heldout/completion_len_mean"] > 0
+    samples = read_jsonl(run_dir / "eval_samples.jsonl")
+    assert len(samples) == len(evals) * 64 * (4 + 1)
+    for r in samples:
+        assert r["versions"] and set(r["versions"]) == {r["eval_version"]}, (r["eval_version"], r["versions"])
+    assert {"eval/heldout/pass@4", "eval/heldout/greedy"} <= set(events.Tags()["scalars"])
+    standalone = evaluate_model(load_config(DEMO, [f"model.path={model_dir}"]), model_dir)
+    in_run = [{k: v for k, v in r.items() if k not in ("eval_version", "share")} for r in samples
+              if r["eval_version"] == 0]
+    assert in_run == standalone["records"]
+    assert {k: v for k, v in standalone["metrics"].items() if k != "eval_s"} == \
+        {k: v for k, v in evals[0].items() if k.startswith("eval/") and k != "eval/publishes_during"}
 
 
 def test_groups_dropped_for_zero_variance_free_the_samplers_budget_before_the_next_publish(
@@ -98,7 +128,7 @@ def test_groups_dropped_for_zero_variance_free_the_samplers_budget_before_the_ne
                       "algo.prompts_per_step=4", "algo.max_lag=1", "queue.timeout_s=60",
                       "task.reward_fn=tests.rollout.reward_fns:varies_on_one_prompt_in_eight", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = train_records(read_jsonl(run_dir / "metrics.jsonl"))
     assert [m["version"] for m in metrics] == [1, 2, 3]
     # More groups were dropped than the budget ((max_lag + 1) * prompts_per_step = 8) could ever hold.
     assert metrics[-1]["dropped/zero_variance_groups_total"] > 8
@@ -109,7 +139,7 @@ def test_raw_torchrun_command_from_the_readme_works(embedded_count_model_dir, tm
     proc = run_torchrun("megarl.roles.worker", 2, DEMO, f"run.dir={run_dir}", "run.steps=3",
                         f"model.path={embedded_count_model_dir}", module=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert len(read_jsonl(run_dir / "metrics.jsonl")) == 3
+    assert len(train_records(read_jsonl(run_dir / "metrics.jsonl"))) == 3
 
 
 def test_sync_baseline_generates_one_batch_per_version_and_trains_k_epochs(embedded_count_model_dir, tmp_path):
@@ -117,13 +147,17 @@ def test_sync_baseline_generates_one_batch_per_version_and_trains_k_epochs(embed
     proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=3", "algo.mode=sync",
                       "algo.sync_epochs=2", f"model.path={embedded_count_model_dir}", timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = train_records(read_jsonl(run_dir / "metrics.jsonl"))
     assert [m["version"] for m in metrics] == [2, 4, 6]  # K=2 optimizer steps per batch
     rollouts = read_jsonl(run_dir / "rollouts.jsonl")
     for r in rollouts:
         # every token of a sync batch comes from the one version the batch was generated under
         assert set(r["versions"]) == {r["trained_at_step"]}
     assert sorted({r["trained_at_step"] for r in rollouts}) == [0, 2, 4]
+    # The demo's evaluations: the first and the last version (K epochs per step: version 6 after 3 steps).
+    evals = eval_records(read_jsonl(run_dir / "metrics.jsonl"))
+    assert [(e["eval_version"], e["step"]) for e in evals] == [(0, 0), (6, 3)]
+    assert all(set(r["versions"]) == {r["eval_version"]} for r in read_jsonl(run_dir / "eval_samples.jsonl"))
 
 
 @pytest.mark.parametrize("layout", ["learner.tp=1", "learner.tp=2", "learner.dp=2", "learner.pp=2",
@@ -136,7 +170,7 @@ def test_samplers_run_exactly_the_weights_the_learner_published(embedded_count_m
     proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=4", "algo.max_lag=0",
                       *layout.split(), f"model.path={embedded_count_model_dir}", timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = train_records(read_jsonl(run_dir / "metrics.jsonl"))
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
         assert m["lag0/token_share"] == 1.0

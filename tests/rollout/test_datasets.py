@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config.load import load_config
+from megarl.observe.sinks import train_records
 from megarl.protocols import Prompt, Task
 from megarl.rollout.datasets import BadRow, DatasetTask
 from megarl.rollout.tasks import build_task, task_from_config
@@ -124,7 +125,7 @@ def test_a_run_trains_on_dataset_prompts_skips_overlong_ones_and_survives_a_hang
                     "task.reward_timeout_s=0.5",
                     "task.max_reward_error_frac=1")  # a third of the prompts hang: this run must survive them
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = train_records([json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()])
     assert len(metrics) == 3
     assert metrics[-1]["sampler1/skipped_overlong_prompts"] > 0  # the long prompts were drawn and skipped
     rollouts = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]

@@ -1,0 +1,111 @@
+"""What an evaluation scores and when: the held-out sets a config names, and the policy versions it evaluates.
+
+A set is a fixed list of prompts and the reward that scores them. `eval.sets[i].path` empty: prompts of
+the training task drawn with eval.seed from a stream of their own (`eval_rng`), so every process and
+`megarl eval` draw the same ones; a path: the file's rows, read as task.name=jsonl reads a dataset (a
+malformed row stops the launch naming FILE:LINE). The reward is the set's reward_fn, else task.reward_fn,
+else the task's own (exact match for files).
+
+Versions: version v is the policy after v optimizer steps (run.steps batches publish run.steps *
+algo.sync_epochs of them). `due_versions` is the set a run evaluates: the first (eval.at_start), the one
+published every eval.every_steps steps, and the last (eval.at_end); a resumed run starts at its
+checkpoint's version and evaluates none before it.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+from megarl.protocols import Prompt, Task
+from megarl.rollout.tasks import MULTI_TURN_TASKS, task_from_config
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    name: str
+    prompts: tuple[Prompt, ...]
+    task: Task  # scores the prompts: task.reward(prompt, completion)
+
+
+def eval_rng(seed: int, set_name: str) -> random.Random:
+    """The generator that draws a built-in set's prompts (string seeds hash the same in every process)."""
+    return random.Random(f"megarl-eval/{seed}/{set_name}")
+
+
+def build_sets(cfg) -> list[EvalSet]:
+    """Every set of cfg.eval.sets with its prompts and reward; raises ValueError (a file's FILE:LINE) on bad input."""
+    sets = []
+    for sc in cfg.eval.sets:
+        reward_fn = sc.reward_fn or cfg.task.reward_fn
+        if sc.path:
+            task = task_from_config(replace(cfg.task, name="jsonl", path=sc.path, reward_fn=reward_fn,
+                                            on_bad_row="error"))
+            rows = getattr(task, "task", task).prompts  # a task scored by reward_fn wraps the dataset
+            prompts = rows[:sc.prompts] if sc.prompts else rows
+        else:
+            task = task_from_config(replace(cfg.task, reward_fn=reward_fn))
+            prompts = task.sample_prompts(eval_rng(cfg.eval.seed, sc.name), sc.prompts)
+        sets.append(EvalSet(sc.name, tuple(prompts), task))
+    return sets
+
+
+def not_evaluated_because(cfg) -> str | None:
+    """Why a run with eval.sets cannot evaluate while training (then it trains without, saying this at launch),
+    or None. The pin needs a second engine over the sampler's weights in the sampler process: the built-in
+    engine at sampler.tp=1 (docs/eval.md: what the HTTP engines would need); an eval sample is one completion."""
+    if not cfg.eval.sets:
+        return None
+    if cfg.sampler.engine != "builtin" or cfg.sampler.tp != 1:
+        return (f"eval.sets: not evaluated in this run: evaluation during training pins a version on a second built-in "
+                f"engine, so it needs sampler.engine=builtin and sampler.tp=1 (got {cfg.sampler.engine}, tp "
+                f"{cfg.sampler.tp}); score checkpoints with `megarl eval` (docs/eval.md)")
+    if cfg.task.name in MULTI_TURN_TASKS or cfg.task.agent:
+        return (f"eval.sets: not evaluated in this run: multi-turn and agent tasks (task.name={cfg.task.name}) are not "
+                f"evaluated yet, an eval sample is one completion (docs/eval.md)")
+    return None
+
+
+def due_versions(cfg, first_version: int = 0) -> set[int]:
+    """The versions a run evaluates, from `first_version` (a resumed run's) through the last. A step publishes
+    version steps * algo.sync_epochs (sync mode trains K epochs per batch; pipeline mode: K = 1)."""
+    ec, per_step = cfg.eval, cfg.algo.sync_epochs
+    last = cfg.run.steps * per_step
+    if not ec.sets or not_evaluated_because(cfg):
+        return set()
+    every = ec.every_steps * per_step
+    due = set(range(every, last, every)) if every else set()
+    if ec.at_start:
+        due.add(first_version)
+    if ec.at_end:
+        due.add(last)
+    return {v for v in due if first_version <= v <= last}
+
+
+def check_sets(cfg, model_dir) -> list[str]:
+    """Build every set as the samplers will and say what it holds: its prompts and how many do not fit
+    sampler.max_seq_len with one new token (skipped and counted in every evaluation); a user reward
+    function is called on a few real prompts. Raises ValueError (FILE:LINE of a bad row, a reward that
+    raises) before anything starts."""
+    from transformers import AutoTokenizer
+
+    from megarl.rollout.rewards import check_reward
+
+    sets = build_sets(cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exceptions; the model check
+        # looks at file names only, the samplers load it for real (and say what is wrong)
+        tokenizer, unloaded = None, f" (lengths not counted here: the tokenizer did not load: {str(exc)[:120]})"
+    lines = []
+    for sc, s in zip(cfg.eval.sets, sets):
+        line = f"eval set {s.name}: {len(s.prompts)} prompts" + (f" ({sc.path})" if sc.path else "")
+        if tokenizer is None:
+            line += unloaded
+        elif over := sum(len(tokenizer.encode(p.text, add_special_tokens=False)) + 1 > cfg.sampler.max_seq_len
+                         for p in s.prompts):
+            line += f", {over} longer than sampler.max_seq_len={cfg.sampler.max_seq_len} (skipped, counted)"
+        lines.append(line)
+        reward_fn = sc.reward_fn or cfg.task.reward_fn
+        if ":" in reward_fn:
+            lines.append(f"eval set {s.name}: {check_reward(s.task, reward_fn)}")
+    return lines

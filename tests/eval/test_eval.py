@@ -1,0 +1,161 @@
+"""Evaluation on a real built-in engine and a real store: each score is of exactly one version while
+publishes land during the evaluation; missed versions are reported as missed; bad input is refused
+before launch (FILE:LINE, the key) or counted, never a crash; `megarl eval` writes its JSON result."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from megarl.config.load import ConfigError, load_config
+from megarl.eval.learner_side import EvalCollector
+from megarl.eval.run import run_share
+from megarl.eval.sampler_side import VersionEvaluator, result_key
+from megarl.eval.sets import build_sets, check_sets, due_versions
+from megarl.models.convert import load_pretrained
+from megarl.observe.jsonl import read_jsonl
+from megarl.protocols import GenerationRequest, SamplingParams
+from megarl.sampler.engine import BuiltinEngine
+from tests.helpers import REPO, save_tiny_qwen2
+
+DEMO = str(REPO / "configs" / "demo.yaml")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A random tiny Qwen2 with the embedded tokenizer (264 tokens): fast, and its samples vary."""
+    return save_tiny_qwen2(tmp_path_factory.mktemp("eval_model"), False, vocab_size=264, tokenizer=True)
+
+
+def config(model_dir, run_dir, *overrides):
+    return load_config(DEMO, [f"model.path={model_dir}", f"run.dir={run_dir}", "run.steps=4", "eval.every_steps=1",
+                              "eval.sets=[{name: heldout, prompts: 6}]", "eval.samples=3", "eval.k=2",
+                              "sampler.max_seq_len=24", "sampling.max_new_tokens=8", "sampler.max_running=8",
+                              *overrides])
+
+
+def scaled(weights: dict, factor: float) -> dict:
+    return {name: t * factor for name, t in weights.items()}
+
+
+def test_every_eval_token_is_of_the_labelled_version_while_publishes_land(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    cfg = config(model_dir, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    _, weights = load_pretrained(str(model_dir))
+    engine = BuiltinEngine.from_pretrained(str(model_dir), max_running=8, max_seq_len=24, seed=1)
+    training = SamplingParams(1.0, 1.0, 0, 16)
+    for i in range(4):  # training requests in flight when the evaluation starts
+        engine.add_request(GenerationRequest(f"train/{i}", [100, 45, 107, 61], training, ()))
+    engine.step()
+    store = dist.HashStore()
+    evaluator = VersionEvaluator(cfg, store, tokenizer, share=0, shares=1, first_version=0)
+    assert evaluator.pending == [0, 1, 2, 3, 4]
+    publishes = iter([1, 2, 3])
+
+    def publish_during_eval():  # the receiver thread's part: versions staged between the eval's steps
+        version = next(publishes, None)
+        if version is not None:
+            engine.stage_weights(scaled(weights, 1 + version / 4), version)
+
+    evaluator.before_step(engine, publish_during_eval)  # version 0 evaluated while 1, 2, 3 were published
+    assert engine.version == 0 and engine.staged_versions() == [2, 3]  # the buffer keeps two: 1 was dropped
+    evaluator.before_step(engine, lambda: None)  # 2 applied and evaluated; 1 reported missed, never scored
+    assert engine.version == 2 and engine.staged_versions() == [3]
+    assert json.loads(store.get(result_key(1, 0)))["missed"].startswith("sampler engine 0 never ran version 1")
+    assert all(set(c.versions) <= {0, 2} for c in engine.step(apply_staged=False))  # training goes on, under 2
+    evaluator.before_step(engine, lambda: None)
+    assert engine.version == 3 and evaluator.pending == [4]
+    evaluator.close()
+
+    samples = read_jsonl(tmp_path / "eval_samples.jsonl")
+    assert sorted({r["eval_version"] for r in samples}) == [0, 2, 3]
+    for r in samples:  # per token, from the records
+        assert r["versions"] and set(r["versions"]) == {r["eval_version"]}
+    assert len(samples) == 3 * 6 * (3 + 1)
+    assert json.loads(store.get(result_key(0, 0)))["publishes_during"] == 2  # 2 and 3 waited staged
+
+    reported, notes = [], []
+    collector = EvalCollector(cfg, store, 1, 0, 0, lambda v, s, m: reported.append((v, s, m)), notes.append)
+    for version in (1, 2, 3):
+        collector.published(version, version)
+    collector.poll(3)
+    assert [v for v, _, _ in reported] == [0, 2, 3] and collector.pending == [4]
+    assert notes and "eval of version 1 not reported" in notes[0]
+    assert reported[0][2]["eval/publishes_during"] == 2.0 and reported[0][2]["eval/heldout/prompts"] == 6
+    collector.cfg.eval.timeout_s = 0.3
+    collector.finish(4)  # version 4 never comes: said, not waited for forever
+    assert "eval of version(s) [4]: no result from every sampler within eval.timeout_s=0.3s" in notes[-1]
+
+
+def test_a_run_starts_its_evaluations_at_its_resumed_version(model_dir, tmp_path):
+    cfg = config(model_dir, tmp_path, "eval.every_steps=2", "run.steps=7")
+    assert due_versions(cfg) == {0, 2, 4, 6, 7}
+    assert due_versions(cfg, first_version=3) == {3, 4, 6, 7}
+    sync = config(model_dir, tmp_path, "eval.every_steps=2", "run.steps=3", "algo.mode=sync", "algo.sync_epochs=2")
+    assert due_versions(sync) == {0, 4, 6}  # a step publishes 2 versions later
+    assert due_versions(config(model_dir, tmp_path, "eval.at_start=false", "eval.at_end=false",
+                               "eval.every_steps=0")) == set()
+    # Engines that cannot pin a version train without evaluating (said at launch).
+    assert due_versions(config(model_dir, tmp_path, "sampler.engine=sglang")) == set()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval.k=4", "eval.k: pass@k needs 1 <= k <= eval.samples=3"),
+    ("eval.samples=0", "eval.samples: must be >= 1"),
+    ("eval.sets=[{name: a/b}]", "eval.sets[0].name: must be a non-empty name without '/'"),
+    ("eval.sets=[{name: a},{name: a}]", "eval.sets[1].name: 'a' names two sets"),
+    ("eval.sets=[{path: /nonexistent.jsonl}]", "eval.sets[0].path: file not found: /nonexistent.jsonl"),
+    ("eval.sets=[{reward_fn: 'not a path:x'}]", "eval.sets[0].reward_fn: 'not a path:x' is not of the form"),
+    ("eval.max_new_tokens=24", "eval.max_new_tokens: (24) must be smaller than sampler.max_seq_len (24)"),
+])
+def test_bad_eval_config_is_refused_naming_the_key(model_dir, tmp_path, override, message):
+    with pytest.raises(ConfigError) as err:
+        config(model_dir, tmp_path, override)
+    assert message in str(err.value)
+
+
+def test_a_malformed_eval_file_is_refused_at_its_line(model_dir, tmp_path):
+    path = tmp_path / "held.jsonl"
+    path.write_text('{"prompt": "a-c=", "answer": "abc"}\n\n{"prompt": "b-d=", \n')
+    cfg = config(model_dir, tmp_path, f"eval.sets=[{{name: file, path: {path}}}]")
+    with pytest.raises(ValueError, match=f"{path}:3: not valid JSON"):
+        build_sets(cfg)
+
+
+def test_failing_rewards_and_overlong_prompts_are_counted_not_raised(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "held.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in ["a-c=", "z" * 40, "b-e="]))
+    cfg = config(model_dir, tmp_path, f"eval.sets=[{{name: file, path: {path}, prompts: 0, "
+                                      f"reward_fn: 'tests.rollout.reward_fns:raises'}}]")
+    plain = config(model_dir, tmp_path, f"eval.sets=[{{name: file, path: {path}, prompts: 0}}]")
+    assert "eval set file: 3 prompts" in check_sets(plain, model_dir)[0]
+    assert "1 longer than sampler.max_seq_len=24 (skipped, counted)" in check_sets(plain, model_dir)[0]
+    with pytest.raises(ValueError, match="tests.rollout.reward_fns:raises"):  # at launch: fails on its own answers
+        check_sets(cfg, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = BuiltinEngine.from_pretrained(str(model_dir), max_running=8, max_seq_len=24).pinned(max_running=8, seed=0)
+    result = run_share(engine, tokenizer, build_sets(cfg), cfg, 0, 1)
+    assert result["skipped_overlong"] == {"file": 1}
+    assert len(result["records"]) == 2 * 4 and all(r["reward"] == 0.0 for r in result["records"])
+    assert all(r["reward_error"].startswith("ValueError") for r in result["records"])
+
+
+def test_megarl_eval_writes_the_json_result(model_dir, tmp_path):
+    from megarl.cli import main
+
+    out = tmp_path / "result.json"
+    with pytest.raises(SystemExit) as done:
+        main(["eval", DEMO, f"model.path={model_dir}", "eval.sets=[{name: heldout, prompts: 4}]",
+              "sampler.max_seq_len=24", "sampling.max_new_tokens=6", "--out", str(out)])
+    assert done.value.code == 0
+    result = json.loads(out.read_text())
+    assert result["version"] == 0 and result["metrics"]["eval/heldout/prompts"] == 4
+    assert len(result["records"]) == 4 * (4 + 1) and {v for r in result["records"] for v in r["versions"]} == {0}
+    with pytest.raises(SystemExit) as refused:
+        main(["eval", DEMO, f"model.path={model_dir}", "eval.sets=[]"])
+    assert refused.value.code == 2
