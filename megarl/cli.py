@@ -460,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def checked_config(args: argparse.Namespace, check_files: bool = True):
-    """(config, placement) of a `train`, `sft` or `placement` command line parsed by build_parser: the
+    """(config, placement) of a `train`, `sft`, `eval` or `placement` command line parsed by build_parser: the
     checks that need nothing but the config file (keys, types, cross-field rules, the topology; sft.*, and
     with `check_files` that the data files named by task.path, sft.data, sft.eval_data exist), ConfigError
     naming the key. Run first by each of those commands, and on every command the docs show
@@ -470,6 +470,8 @@ def checked_config(args: argparse.Namespace, check_files: bool = True):
     cfg = load_config(args.config, args.overrides, check_files)
     if args.command == "sft":
         validate_sft(cfg, check_files=check_files)
+        return cfg, None
+    if args.command == "eval":  # one process scores the model: no placement to check
         return cfg, None
     from megarl.distributed.topology import placement  # imports torch: after the quick checks
 
