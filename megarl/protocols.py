@@ -144,6 +144,9 @@ class TrainBatch:
     advantages: torch.Tensor  # float [B, S], the sample's advantage broadcast over its tokens
     learner_version: int  # the version of the weights the step starts from
     samples: list[Sample] = field(default_factory=list)  # provenance, for logging
+    # MoE models: uint8/int16 [B, S, L_moe, top_k], the experts the engine routed input token [b, t] to in
+    # each MoE layer (megarl.rollout.routes); None for dense models or when routes were not recorded.
+    routes: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -119,6 +119,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _require(lc.backend in ("megatron", "deepspeed"), "learner.backend",
              f"unknown backend {lc.backend!r}; known: megatron, deepspeed")
     _validate_deepspeed(lc)
+    _validate_moe(cfg)
     _require(cfg.sampler.engine in ("builtin", "sglang", "vllm"), "sampler.engine",
              f"unknown engine {cfg.sampler.engine!r}; known: builtin, sglang, vllm")
     if cfg.sampler.engine == "sglang":
@@ -278,6 +279,26 @@ def _validate_checkpoint(cfg: Config) -> None:
     _require(ck.keep >= 1, "checkpoint.keep", f"must be >= 1, got {ck.keep}")
 
 
+def _validate_moe(cfg: Config) -> None:
+    """Expert parallelism and routing replay rules that need no model (megarl/models/layout.py checks the
+    model's experts against learner.ep)."""
+    lc = cfg.learner
+    _require(cfg.algo.routing_replay in ("off", "r3"), "algo.routing_replay",
+             f"must be off or r3, got {cfg.algo.routing_replay!r}")
+    _require(lc.ep == 1 or lc.dp % lc.ep == 0, "learner.ep",
+             f"expert-parallel ranks are carved out of the data-parallel ones: learner.ep={lc.ep} must divide "
+             f"learner.dp={lc.dp} (e.g. learner.dp={lc.ep * max(1, lc.dp // lc.ep)})")
+    _require(lc.ep == 1 or lc.backend == "megatron", "learner.ep",
+             f"expert parallelism is megatron's; learner.backend={lc.backend} trains the experts data parallel")
+    if cfg.algo.routing_replay == "r3":
+        _require(lc.backend == "megatron", "algo.routing_replay",
+                 f"r3 replays routes through megatron-core's RouterReplay; learner.backend={lc.backend} has no "
+                 "replay (yet): use learner.backend=megatron or algo.routing_replay=off")
+        _require(lc.recompute_activations != "full", "algo.routing_replay",
+                 "r3 with learner.recompute_activations=full would re-route the recomputed layers in the backward "
+                 "after later micro-batches set their routes; use none or selective")
+
+
 def _validate_deepspeed(lc) -> None:
     """learner.backend=deepspeed: data parallel only (ZeRO partitions over the DP ranks), and the
     learner.deepspeed.* flags only where they apply."""
@@ -305,7 +326,7 @@ def _check_positive(cfg: Config) -> None:
     """Every count and size in the schema must be positive; checked generically so new keys are covered."""
     positive = {
         "run.steps", "sampling.max_new_tokens", "sampler.num_engines", "sampler.max_running",
-        "sampler.max_seq_len", "sampler.threads", "sampler.tp", "learner.tp", "learner.pp", "learner.dp",
+        "sampler.max_seq_len", "sampler.threads", "sampler.tp", "learner.tp", "learner.pp", "learner.dp", "learner.ep",
         "learner.micro_batch_size", "learner.threads", "learner.lr", "learner.max_nonfinite_in_row", "algo.prompts_per_step", "algo.sync_epochs",
         "publish.bucket_mb", "publish.timeout_s", "publish.senders", "queue.timeout_s", "dist.timeout_s", "task.max_operand",
         "task.max_turns", "task.env_timeout_s", "task.env_workers", "task.tool_timeout_s", "task.agent_timeout_s",

@@ -1,0 +1,131 @@
+"""MegatronLearner on mixture-of-experts models (one gloo rank) against transformers: the forward, the published
+HF names, and rollout routing replay (R3) through megatron-core's RouterReplay.
+
+The "sampler" here is transformers itself in fp32: its routes are the top-k of its router logits
+(``output_router_logits``), its log-probs the behaviour log-probs, so at lag 0 learner and sampler compute the
+same function and every difference is the learner's doing."""
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from megarl.algo.config import LossConfig
+from megarl.protocols import TrainBatch
+from tests.helpers import save_tiny_moe
+
+VOCAB, B, S, PROMPT, TOP_K = 64, 8, 12, 4, 2
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {"mixtral": str(save_tiny_moe(root / "mixtral", "mixtral")),
+            "qwen3_moe": str(save_tiny_moe(root / "qwen3_moe", "qwen3_moe")),
+            "qwen3_moe_norm_topk": str(save_tiny_moe(root / "qwen3_moe_norm", "qwen3_moe", norm_topk_prob=True))}
+
+
+def _learner(model_dir, routing_replay="off", loss_cfg=None, **cfg):
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner.megatron import MegatronLearner
+
+    return MegatronLearner(model_dir, LearnerConfig(**cfg), loss_cfg or LossConfig(), routing_replay=routing_replay)
+
+
+def _hf_forward(model_dir, ids):
+    """(log-probs [B, S] with column 0 = 0, routes [B, S, L, k]) of transformers in fp32."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf(ids, output_router_logits=True)
+    lp = torch.log_softmax(out.logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    routes = torch.stack([logits.reshape(*ids.shape, -1).topk(TOP_K, dim=-1).indices for logits in out.router_logits],
+                         dim=2)
+    return torch.nn.functional.pad(lp, (1, 0)), routes.to(torch.uint8)
+
+
+def _ids(seed=3):
+    return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm_topk"])
+def test_moe_logprobs_match_transformers(moe_dirs, world, kind):
+    learner = _learner(moe_dirs[kind], micro_batch_size=3)
+    ids = _ids()
+    ref, _ = _hf_forward(moe_dirs[kind], ids)
+    assert (learner.logprobs(ids) - ref).abs().max().item() <= 1e-5
+
+
+def test_moe_publishes_the_per_expert_hf_names(moe_dirs, world):
+    """publish_tensors (what samplers receive, and what megarl sft exports) is the save_pretrained state:
+    per-expert names, in the order, shapes and dtypes publish_spec announces."""
+    learner = _learner(moe_dirs["qwen3_moe"])
+    published = dict(learner.publish_tensors())
+    assert learner.publish_spec() == [(n, tuple(t.shape), t.dtype) for n, t in published.items()]
+    saved = load_file(f"{moe_dirs['qwen3_moe']}/model.safetensors")
+    assert set(published) == set(saved)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in published
+    for name, tensor in saved.items():
+        assert torch.equal(published[name], tensor), name
+
+
+def _batch(ids, behaviour, routes):
+    mask = torch.zeros_like(behaviour)
+    mask[:, PROMPT:] = 1.0
+    adv = torch.randn(B, 1, generator=torch.Generator().manual_seed(1)).expand(B, S) * mask
+    return TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour * mask,
+                      versions=torch.where(mask > 0, 0, -1), advantages=adv, learner_version=0, routes=routes)
+
+
+def _perturbed_router_dir(src, dst):
+    """The same model with every router weight moved: another learner router, the same experts."""
+    from safetensors.torch import save_file
+    import shutil
+
+    shutil.copytree(src, dst)
+    weights = load_file(f"{dst}/model.safetensors")
+    g = torch.Generator().manual_seed(7)
+    for name, w in weights.items():
+        if name.endswith("block_sparse_moe.gate.weight"):
+            weights[name] = w + 2.0 * w.std() * torch.randn(w.shape, generator=g)
+    save_file(weights, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_r3_replays_the_sampler_routes_exactly(moe_dirs, world, tmp_path):
+    """Same weights: the learner's own routes agree with the sampler's (agreement 1.0) and the lag-0 log-prob
+    gap is fp32 noise, replay or not. A perturbed learner router: without replay the agreement drops and the gap
+    grows; with r3 every expert call is the sampler's route (counted at the experts), the learner's own router
+    still reports its disagreement, and the router weight still gets a gradient."""
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["mixtral"], ids)
+    batch = _batch(ids, behaviour, routes)
+
+    same = _learner(moe_dirs["mixtral"], routing_replay="r3", micro_batch_size=3)
+    m = same.train_step(batch)
+    assert m["router/agreement"] == 1.0 and m["router/token_diff_frac"] == 0.0
+    assert m["lag0/router_agreement"] == 1.0
+    assert m["lag0/logprob_gap_abs"] < 1e-5
+
+    perturbed = _perturbed_router_dir(moe_dirs["mixtral"], tmp_path / "perturbed")
+    off = _learner(perturbed, micro_batch_size=3).train_step(batch)
+    assert off["router/agreement"] < 0.9 and off["router/token_diff_frac"] > 0.3
+    assert off["lag0/logprob_gap_abs"] > 1e-3
+
+    r3 = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
+    calls = torch.zeros(4, dtype=torch.long)  # tokens each expert of layer 0 computed, over the step's passes
+    experts = r3.gpt.decoder.layers[0].mlp.experts.local_experts
+    for e, expert in enumerate(experts):
+        expert.register_forward_hook(lambda mod, inp, out, e=e: calls.__setitem__(e, calls[e] + inp[0].shape[0]))
+    m = r3.train_step(batch)
+    assert m["router/agreement"] < 0.9  # what its own router would have chosen
+    # Every position of every row went to the replayed experts (rows are trimmed to their length: all S here).
+    assert torch.equal(calls, torch.bincount(routes[:, :, 0].reshape(-1).long(), minlength=4))
+    router = r3.gpt.decoder.layers[0].mlp.router.weight
+    assert router.main_grad.abs().sum() > 0
+
+
+def test_r3_without_routes_stops_the_step(moe_dirs, world):
+    ids = _ids()
+    behaviour, _ = _hf_forward(moe_dirs["mixtral"], ids)
+    learner = _learner(moe_dirs["mixtral"], routing_replay="r3")
+    with pytest.raises(RuntimeError, match="without routes"):
+        learner.train_step(_batch(ids, behaviour, None))
