@@ -9,10 +9,11 @@ Per-token conventions (used everywhere):
     Multi-turn (megarl/rollout/episode.py): model turns interleaved with environment tokens (tool
     results, user turns), the latter listed in `env_spans`, with behaviour log-prob 0, version -1 and
     loss mask 0: they are context, not actions.
-  * Mixture-of-experts models: a sample's `routes` (numpy, [P, moe_layers, top_k], `routes_dtype`) hold,
+  * Mixture-of-experts models: a sample's `routes` (numpy, [P, moe_layers, top_k], uint8 or int16 past 255
+    experts: megarl.models.moe.routes_dtype) hold,
     for every position i < P = len(prompt_ids) + len(token_ids) - 1 (the last token is never an input),
     the experts each MoE layer's router chose for the input token at i, in the router's top-k order,
-    under the weights that computed that position (docs/moe.md; `check_routes`).
+    under the weights that computed that position (docs/moe.md; checked by megarl.rollout.routes).
   * A model token carries the log-probability it had under the weights that produced it
     (`logprobs`, the *behaviour* log-prob, computed from logits / temperature over the full
     vocabulary) and that weights' policy `version`.
@@ -81,7 +82,8 @@ class Sample:
     # number of model turns. A single-turn sample has no environment tokens and one turn.
     env_spans: list[tuple[int, int]] = field(default_factory=list)
     turns: int = 1
-    # MoE models under algo.routing_replay=r3: the routes of every position (module docstring), None otherwise.
+    # MoE models: the routes of every position (module docstring), as the sampler's engine recorded them;
+    # None for a dense model or an engine that did not record them.
     routes: np.ndarray | None = None
 
     @property
@@ -110,27 +112,6 @@ class Sample:
             else:
                 runs.append((kind, i, i + 1))
         return runs
-
-
-def routes_dtype(num_experts: int) -> np.dtype:
-    """The integer dtype routes travel in: one byte per decision up to 255 experts, two beyond."""
-    return np.dtype(np.uint8 if num_experts <= 255 else np.int16)
-
-
-def check_routes(routes, prompt_len: int, num_tokens: int, moe_layers: int, top_k: int, num_experts: int,
-                 engine: str) -> None:
-    """ValueError, naming `engine`, unless `routes` is a numpy array of `routes_dtype(num_experts)`,
-    shape [prompt_len + num_tokens - 1, moe_layers, top_k], every index below num_experts."""
-    expected = (prompt_len + num_tokens - 1, moe_layers, top_k)
-    if not isinstance(routes, np.ndarray):
-        raise ValueError(f"routes from engine {engine}: expected a numpy array of shape {expected}, got "
-                         f"{type(routes).__name__}")
-    if routes.shape != expected or routes.dtype != routes_dtype(num_experts):
-        raise ValueError(f"routes from engine {engine}: shape {routes.shape} dtype {routes.dtype}, expected "
-                         f"{expected} (prompt {prompt_len} + {num_tokens} tokens - 1, {moe_layers} MoE layers, "
-                         f"top-{top_k}) dtype {routes_dtype(num_experts)}")
-    if routes.size and int(routes.max()) >= num_experts:
-        raise ValueError(f"routes from engine {engine}: expert index {int(routes.max())} >= num_experts={num_experts}")
 
 
 @dataclass

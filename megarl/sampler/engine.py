@@ -49,8 +49,8 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
-from megarl.models import tp_shard
-from megarl.protocols import Completion, GenerationRequest, routes_dtype
+from megarl.models import moe, tp_shard
+from megarl.protocols import Completion, GenerationRequest
 from megarl.sampler.model import (
     KVCache,
     ModelSpec,
@@ -62,7 +62,6 @@ from megarl.sampler.model import (
 )
 
 KV_POLICIES = ("keep", "recompute")
-_TORCH_ROUTES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.int16): torch.int16}
 # Staged versions held at once: under tensor parallelism a rank's receiver can stage v+1 before the
 # group applies v, so v must survive it; a third drops the oldest (each is a full copy of the weights).
 MAX_STAGED = 2
@@ -225,7 +224,8 @@ class BuiltinEngine:
         }
         if self.spec.is_moe:
             # The routes of every position of every slot (see the module docstring), and one decode step's.
-            route_shape, dtype = (self.spec.num_layers, self.spec.top_k), _TORCH_ROUTES[routes_dtype(self.spec.num_experts)]
+            route_shape = (self.spec.num_layers, self.spec.top_k)
+            dtype = torch.from_numpy(np.zeros(0, moe.routes_dtype(hf_config))).dtype  # uint8; int16 past 255 experts
             self._slot["routes"] = torch.zeros(slots, max_seq_len, *route_shape, dtype=dtype, device=self.device)
             self._decode_routes = torch.zeros(slots, 1, *route_shape, dtype=dtype, device=self.device)
             self._slot_index = torch.arange(slots, device=self.device)
