@@ -129,3 +129,20 @@ def test_r3_without_routes_stops_the_step(moe_dirs, world):
     learner = _learner(moe_dirs["mixtral"], routing_replay="r3")
     with pytest.raises(RuntimeError, match="without routes"):
         learner.train_step(_batch(ids, behaviour, None))
+
+
+def test_micro_batches_are_padded_to_the_expert_parallel_count():
+    """Every EP rank must run the same number of micro-batches (the MoE alltoall pairs them): rows are split
+    first, then filler rows that train nothing are added."""
+    from megarl.learner.step import pad_micro_batches
+
+    def mb(rows):
+        return {"input_ids": torch.arange(rows * 2).reshape(rows, 2), "mask": torch.ones(rows, 2),
+                "advantages": torch.ones(rows, 2)}
+
+    split = pad_micro_batches([mb(3), mb(1)], 3)
+    assert [m["input_ids"].shape[0] for m in split] == [1, 2, 1]
+    assert torch.equal(torch.cat([m["input_ids"] for m in split[:2]]), mb(3)["input_ids"])
+    filled = pad_micro_batches([mb(1)], 3)
+    assert len(filled) == 3 and all(m["mask"].sum() == 0 and m["advantages"].sum() == 0 for m in filled[1:])
+    assert filled[0]["mask"].sum() == 2  # the real row keeps its mask
