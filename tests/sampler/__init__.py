@@ -13,18 +13,23 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
     """Save a tiny randomly initialised HF model to `path` and return it.
 
     "qwen2": GQA, q/k/v biases, tied embeddings.  "llama": GQA, no biases, untied lm_head.
+    "mixtral": GQA, no biases, tied embeddings, 4 experts of width 64, top-2 (every layer an MoE layer).
     initializer_range is raised from HF's 0.02 so next-token distributions are far from uniform
     (greedy decoding has clear winners), but kept at 0.1: at 0.25 the activations grow large enough
     that fp32 rounding alone (HF's own cached decode vs its prefill) reaches 1e-5 in log-prob.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     torch.manual_seed(seed)
-    kw = dict(TINY, initializer_range=0.1, **overrides)
+    moe = dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2) if kind == "mixtral" else {}
+    kw = dict(TINY, initializer_range=0.1, **{**moe, **overrides})
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **kw))
     elif kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **kw))
+    elif kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(tie_word_embeddings=True, **kw))
     else:
         raise ValueError(kind)
     model.save_pretrained(path)
@@ -43,7 +48,7 @@ def dominant_token_weights(weights: dict[str, torch.Tensor], token: int, tied: b
     w = {name: t.clone() for name, t in weights.items()}
     w["model.embed_tokens.weight"][:, 0] = 1.0
     for name in w:
-        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight", ".w2.weight")):
             w[name][0] = 0.0
     head = w["model.embed_tokens.weight"] if tied else w["lm_head.weight"]
     head[:, 0] = 1.0 if tied else 0.0
