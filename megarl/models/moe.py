@@ -159,6 +159,19 @@ def mlp_mcore_to_hf(mcore_layer: dict, cfg: dict, hf_layer_index: int, expert_of
     return out
 
 
+def unstack_checkpoint_experts(layer: dict) -> dict:
+    """One layer as megatron's dist checkpoint stores it -> the model's names. SequentialMLP saves every
+    expert's tensor as one ``mlp.experts.experts.<name>`` stacked over the global experts (its
+    sharded_state_dict), which becomes ``mlp.experts.local_experts.{e}.<name>`` per expert."""
+    stacked = "mlp.experts.experts."
+    out = {k: v for k, v in layer.items() if not k.startswith(stacked)}
+    for key, tensor in layer.items():
+        if key.startswith(stacked):
+            for e, expert in enumerate(tensor):
+                out[f"mlp.experts.local_experts.{e}.{key[len(stacked):]}"] = expert
+    return out
+
+
 def global_expert_name(local_name: str, expert_offset: int) -> str:
     """A megatron parameter name with an EP rank's local expert index replaced by the global one."""
     marker = "mlp.experts.local_experts."

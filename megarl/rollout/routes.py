@@ -45,7 +45,7 @@ class RouteShape:
 def check_routes(sample: Sample, shape: RouteShape) -> np.ndarray:
     """The sample's routes, or ValueError naming the sampler rank, the sample and what is wrong."""
     where = f"sample {sample.group_id!r} from sampler rank {sample.sampler_rank}"
-    routes = getattr(sample, "routes", None)
+    routes = sample.routes
     if routes is None:
         raise ValueError(f"algo.routing_replay=r3: {where} carries no routes (its engine did not record them); "
                          "the step stops rather than train it unreplayed")
@@ -68,7 +68,7 @@ def pack_routes(samples: list[Sample], width: int, shape: RouteShape | None, req
     or when routes are not required (replay off) and some sample has none (then no agreement metrics)."""
     if shape is None:
         return None
-    if not required and any(getattr(s, "routes", None) is None for s in samples):
+    if not required and any(s.routes is None for s in samples):
         return None
     out = torch.arange(shape.top_k, dtype=shape.dtype).expand(len(samples), width, shape.layers, shape.top_k).clone()
     for i, sample in enumerate(samples):

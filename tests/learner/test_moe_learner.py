@@ -146,3 +146,19 @@ def test_micro_batches_are_padded_to_the_expert_parallel_count():
     filled = pad_micro_batches([mb(1)], 3)
     assert len(filled) == 3 and all(m["mask"].sum() == 0 and m["advantages"].sum() == 0 for m in filled[1:])
     assert filled[0]["mask"].sum() == 2  # the real row keeps its mask
+
+
+def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads(moe_dirs, world, tmp_path):
+    """megatron saves the experts stacked per layer ([E, ...]); the export unstacks them into per-expert HF names."""
+    from megarl.checkpoint import learner_state
+    from megarl.checkpoint.export import export_hf
+
+    learner = _learner(moe_dirs["qwen3_moe"])
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["qwen3_moe"], ids)
+    learner.train_step(_batch(ids, behaviour, routes))  # weights the HF directory does not have
+    learner_state.save(learner, tmp_path / "ckpt", step=1, keep=1, model_dir=moe_dirs["qwen3_moe"])
+    exported = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    ref, _ = _hf_forward(str(exported), ids)
+    assert (learner.logprobs(ids) - ref).abs().max().item() <= 1e-5
+    assert (ref - behaviour).abs().max().item() > 1e-4  # the trained weights, not the initial ones
