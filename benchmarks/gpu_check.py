@@ -360,59 +360,25 @@ def check_logprob_parity(args, size: Size) -> dict:
 
 def check_moe_replay(args, size: Size) -> dict:
     """Router agreement and log-prob gap between the built-in engine (bf16 weights on the GPU, recording routes)
-    and the megatron learner on a random Mixtral-style model, with routing replay off and r3: the table of
-    docs/moe.md that CPU cannot measure (on CPU both sides are fp32 and agree almost always)."""
+    and the megatron learner on a random Mixtral-style model, with routing replay off and r3
+    (benchmarks/moe_replay.py's measure): the table of docs/moe.md at a size and in dtypes CPU cannot show."""
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from megarl.algo.config import LossConfig
-    from megarl.config.schema import LearnerConfig
-    from megarl.learner.megatron import MegatronLearner
-    from megarl.protocols import GenerationRequest, SamplingParams, TrainBatch
+    from moe_replay import measure  # benchmarks/ (this script's directory) is on sys.path
 
     workdir = Path(args.workdir)
-    device = device_of(args)
     init_single_rank(args.backend, workdir)
     model_dir = workdir / "moe_model"
     if not (model_dir / "config.json").exists():
         torch.manual_seed(0)
         with torch.device(args.device):
             model = MixtralForCausalLM(MixtralConfig(**size.moe_model))
-        (model.to(torch.bfloat16) if args.device == "cuda" else model).save_pretrained(model_dir)
+        model.save_pretrained(model_dir)
         del model
-    prompts = random_prompts(size.moe_rows, size.moe_model["vocab_size"], seed=3)
-    engine = make_engine(model_dir, device, max_running=len(prompts),
-                         max_seq_len=max(map(len, prompts)) + size.moe_tokens)
-    sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=size.moe_tokens)
-    done = sorted(engine.generate([GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)]),
-                  key=lambda c: int(c.request_id))
-    engine.close()
-    del engine
-    length = max(len(c.prompt_ids) + len(c.token_ids) for c in done)
-    layers, k = size.moe_model["num_hidden_layers"], size.moe_model["num_experts_per_tok"]
-    ids = torch.zeros((len(done), length), dtype=torch.long)
-    mask, behaviour = torch.zeros((len(done), length)), torch.zeros((len(done), length))
-    routes = torch.arange(k, dtype=torch.uint8).expand(len(done), length, layers, k).clone()
-    for r, c in enumerate(done):
-        seq = c.prompt_ids + c.token_ids
-        ids[r, :len(seq)] = torch.tensor(seq)
-        mask[r, len(c.prompt_ids):len(seq)] = 1.0
-        behaviour[r, len(c.prompt_ids):len(seq)] = torch.tensor(c.logprobs)
-        routes[r, :len(seq) - 1] = torch.as_tensor(c.routes)
-    out = {"tokens": int(mask.sum()), "engine_dtype": "bfloat16" if args.device == "cuda" else "float32",
-           "experts": size.moe_model["num_local_experts"], "top_k": k, "moe_layers": layers}
-    for replay in ("off", "r3"):
-        learner = MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=8, lr=1e-6), LossConfig(),
-                                  routing_replay=replay)
-        m = learner.train_step(TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour,
-                                          versions=torch.where(mask > 0, 0, -1), advantages=mask, learner_version=0,
-                                          routes=routes))
-        out[replay] = {key: round(m[key], 5) for key in ("router/agreement", "router/token_diff_frac",
-                                                         "lag0/logprob_gap_abs", "ratio/max") if key in m}
-        out[replay]["learner_dtype"] = str(next(learner.gpt.parameters()).dtype)
-        del learner
-    out["peak_gpu_gib"] = peak_gib()
-    return out
+    engine_dtype = "bfloat16" if args.device == "cuda" else "float32"
+    return {**measure(model_dir, engine_dtype, size.moe_rows, size.moe_tokens, device=args.device),
+            "peak_gpu_gib": peak_gib()}
 
 
 def check_e2e_train(args, size: Size) -> dict:

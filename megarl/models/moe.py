@@ -86,7 +86,8 @@ def num_moe_layers(cfg: dict) -> int:
 
 
 def routes_dtype(cfg: dict):
-    """The integer dtype a sample's routes travel in (MOE_CONTRACT: uint8, int16 past 255 experts)."""
+    """The integer dtype a sample's routes travel in (MOE_CONTRACT: uint8, int16 past 255 experts); `cfg` is the
+    model's config.json (or just {"num_experts": E})."""
     import numpy as np
 
     return np.uint8 if num_experts(cfg) <= 255 else np.int16

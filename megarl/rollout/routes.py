@@ -39,7 +39,9 @@ class RouteShape:
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.uint8 if self.num_experts <= 255 else torch.int16
+        from megarl.models import moe
+
+        return torch.from_numpy(np.zeros(0, moe.routes_dtype({"num_experts": self.num_experts}))).dtype
 
 
 def check_routes(sample: Sample, shape: RouteShape) -> np.ndarray:
