@@ -59,7 +59,6 @@ class MegatronLearner:
             raise ValueError(f"learner tp*pp*dp = {cfg.tp}*{cfg.pp}*{cfg.dp} != learner world size "
                              f"{dist.get_world_size()}")
         self.cfg, self.loss_cfg, self.temperature = cfg, loss_cfg, temperature
-        self.routing_replay = routing_replay
         self._version = 0
         self.on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")

@@ -86,7 +86,8 @@ def num_moe_layers(cfg: dict) -> int:
 
 
 def routes_dtype(cfg: dict):
-    """The integer dtype a sample's routes travel in (MOE_CONTRACT: uint8, int16 past 255 experts)."""
+    """The integer dtype a sample's routes travel in (MOE_CONTRACT: uint8, int16 past 255 experts); `cfg` is the
+    model's config.json (or just {"num_experts": E})."""
     import numpy as np
 
     return np.uint8 if num_experts(cfg) <= 255 else np.int16
@@ -156,6 +157,19 @@ def mlp_mcore_to_hf(mcore_layer: dict, cfg: dict, hf_layer_index: int, expert_of
         gate, up = mcore_layer[f"{prefix}{j}.linear_fc1.weight"].chunk(2, dim=0)
         out[gate_name], out[up_name] = gate.contiguous(), up.contiguous()
         out[down_name] = mcore_layer[f"{prefix}{j}.linear_fc2.weight"]
+    return out
+
+
+def unstack_checkpoint_experts(layer: dict) -> dict:
+    """One layer as megatron's dist checkpoint stores it -> the model's names. SequentialMLP saves every
+    expert's tensor as one ``mlp.experts.experts.<name>`` stacked over the global experts (its
+    sharded_state_dict), which becomes ``mlp.experts.local_experts.{e}.<name>`` per expert."""
+    stacked = "mlp.experts.experts."
+    out = {k: v for k, v in layer.items() if not k.startswith(stacked)}
+    for key, tensor in layer.items():
+        if key.startswith(stacked):
+            for e, expert in enumerate(tensor):
+                out[f"mlp.experts.local_experts.{e}.{key[len(stacked):]}"] = expert
     return out
 
 

@@ -39,13 +39,15 @@ class RouteShape:
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.uint8 if self.num_experts <= 255 else torch.int16
+        from megarl.models import moe
+
+        return torch.from_numpy(np.zeros(0, moe.routes_dtype({"num_experts": self.num_experts}))).dtype
 
 
 def check_routes(sample: Sample, shape: RouteShape) -> np.ndarray:
     """The sample's routes, or ValueError naming the sampler rank, the sample and what is wrong."""
     where = f"sample {sample.group_id!r} from sampler rank {sample.sampler_rank}"
-    routes = getattr(sample, "routes", None)
+    routes = sample.routes
     if routes is None:
         raise ValueError(f"algo.routing_replay=r3: {where} carries no routes (its engine did not record them); "
                          "the step stops rather than train it unreplayed")
@@ -68,7 +70,7 @@ def pack_routes(samples: list[Sample], width: int, shape: RouteShape | None, req
     or when routes are not required (replay off) and some sample has none (then no agreement metrics)."""
     if shape is None:
         return None
-    if not required and any(getattr(s, "routes", None) is None for s in samples):
+    if not required and any(s.routes is None for s in samples):
         return None
     out = torch.arange(shape.top_k, dtype=shape.dtype).expand(len(samples), width, shape.layers, shape.top_k).clone()
     for i, sample in enumerate(samples):

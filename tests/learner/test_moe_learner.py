@@ -129,3 +129,91 @@ def test_r3_without_routes_stops_the_step(moe_dirs, world):
     learner = _learner(moe_dirs["mixtral"], routing_replay="r3")
     with pytest.raises(RuntimeError, match="without routes"):
         learner.train_step(_batch(ids, behaviour, None))
+
+
+def test_micro_batches_are_padded_to_the_expert_parallel_count():
+    """Every EP rank must run the same number of micro-batches (the MoE alltoall pairs them): rows are split
+    first, then filler rows that train nothing are added."""
+    from megarl.learner.step import pad_micro_batches
+
+    def mb(rows):
+        return {"input_ids": torch.arange(rows * 2).reshape(rows, 2), "mask": torch.ones(rows, 2),
+                "advantages": torch.ones(rows, 2)}
+
+    split = pad_micro_batches([mb(3), mb(1)], 3)
+    assert [m["input_ids"].shape[0] for m in split] == [1, 2, 1]
+    assert torch.equal(torch.cat([m["input_ids"] for m in split[:2]]), mb(3)["input_ids"])
+    filled = pad_micro_batches([mb(1)], 3)
+    assert len(filled) == 3 and all(m["mask"].sum() == 0 and m["advantages"].sum() == 0 for m in filled[1:])
+    assert filled[0]["mask"].sum() == 2  # the real row keeps its mask
+
+
+def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads(moe_dirs, world, tmp_path):
+    """megatron saves the experts stacked per layer ([E, ...]); the export unstacks them into per-expert HF names."""
+    from megarl.checkpoint import learner_state
+    from megarl.checkpoint.export import export_hf
+
+    learner = _learner(moe_dirs["qwen3_moe"])
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["qwen3_moe"], ids)
+    learner.train_step(_batch(ids, behaviour, routes))  # weights the HF directory does not have
+    learner_state.save(learner, tmp_path / "ckpt", step=1, keep=1, model_dir=moe_dirs["qwen3_moe"])
+    exported = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    ref, _ = _hf_forward(str(exported), ids)
+    assert (learner.logprobs(ids) - ref).abs().max().item() <= 1e-5
+    assert (ref - behaviour).abs().max().item() > 1e-4  # the trained weights, not the initial ones
+
+
+def test_r3_learner_runs_the_engines_routes_across_an_inflight_update(moe_dirs, world):
+    """End to end in one process: the built-in engine samples under v0, takes the learner's v1 in flight and
+    re-prefills (kv_on_update=recompute), recording routes; the batch packs them (megarl.rollout.routes) and the
+    r3 learner at v1 sends every position of every layer to exactly the recorded experts, its own router agrees
+    with all of them, and the log-probs of the lag-0 tokens are the engine's to fp32 noise."""
+    from megarl.protocols import GenerationRequest, Sample, SamplingParams
+    from megarl.rollout.routes import RouteShape, pack_routes
+    from megarl.sampler.engine import BuiltinEngine
+    from megarl.sampler.model import load_pretrained
+
+    learner = _learner(moe_dirs["mixtral"], routing_replay="r3", micro_batch_size=3)
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["mixtral"], ids)
+    learner.train_step(_batch(ids, behaviour, routes))  # v1: weights the engine does not have yet
+
+    cfg, weights = load_pretrained(moe_dirs["mixtral"])
+    engine = BuiltinEngine(cfg, weights, max_running=4, kv_on_update="recompute")
+    gen = torch.Generator().manual_seed(4)
+    for i in range(4):
+        engine.add_request(GenerationRequest(str(i), torch.randint(0, VOCAB, (5,), generator=gen).tolist(),
+                                             SamplingParams(temperature=1.0, max_new_tokens=7)))
+    done = []
+    for _ in range(3):
+        done += engine.step()
+    engine.stage_weights(dict(learner.publish_tensors()), 1)
+    while engine.num_unfinished:
+        done += engine.step()
+    samples = [Sample(group_id=c.request_id, prompt="", completion="", prompt_ids=c.prompt_ids, token_ids=c.token_ids,
+                      logprobs=c.logprobs, versions=c.versions, reward=0.0, finish_reason=c.finish_reason,
+                      routes=c.routes) for c in done]
+    assert all(0 in s.versions and 1 in s.versions for s in samples)
+    width = max(len(s.prompt_ids) + len(s.token_ids) for s in samples)
+    batch_ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask, mu, versions = torch.zeros(len(samples), width), torch.zeros(len(samples), width), torch.full(
+        (len(samples), width), -1)
+    for r, s in enumerate(samples):
+        p, n = len(s.prompt_ids), len(s.token_ids)
+        batch_ids[r, :p + n] = torch.tensor(s.prompt_ids + s.token_ids)
+        mask[r, p:p + n], mu[r, p:p + n], versions[r, p:p + n] = 1.0, torch.tensor(s.logprobs), torch.tensor(s.versions)
+    packed = pack_routes(samples, width, RouteShape.of(cfg), required=True)
+
+    calls = torch.zeros(2, 4, dtype=torch.long)  # [layer, expert]: tokens each expert computed in the train pass
+    hooks = [expert.register_forward_hook(lambda mod, inp, out, l=l, e=e: calls[l].__setitem__(e, calls[l, e] + inp[0].shape[0]))
+             for l, layer in enumerate(learner.gpt.decoder.layers) for e, expert in enumerate(layer.mlp.experts.local_experts)]
+    m = learner.train_step(TrainBatch(input_ids=batch_ids, loss_mask=mask, behaviour_logprobs=mu, versions=versions,
+                                      advantages=mask, learner_version=1, routes=packed))
+    for h in hooks:
+        h.remove()
+    lengths = (mask * torch.arange(1, width + 1)).amax(dim=1).long()  # each row is computed up to its last token
+    used = torch.cat([packed[r, :lengths[r]] for r in range(len(samples))])  # [positions, layers, k]
+    assert torch.equal(calls, torch.stack([torch.bincount(used[:, l].reshape(-1).long(), minlength=4) for l in range(2)]))
+    assert m["router/agreement"] == 1.0 and m["lag0/router_agreement"] == 1.0
+    assert m["lag0/token_share"] > 0.3 and m["lag0/logprob_gap_abs"] < 1e-5  # (measured at v1, in the step)
