@@ -66,6 +66,7 @@ import numpy as np
 
 from megarl.distributed.publish import header_key
 from megarl.distributed.sglang_publish import GROUP_KEY, SPEC_KEY, load_spec, update_body
+from megarl.models import moe
 from megarl.protocols import Completion, GenerationRequest
 from megarl.rollout.routes import RouteShape
 from megarl.sampler.request_pool import RequestPool
@@ -129,8 +130,7 @@ def routes_from_meta(meta: dict, request: GenerationRequest, num_tokens: int, sh
     if flat.size != rows * shape.layers * shape.top_k:
         raise ValueError(f"routed_experts holds {flat.size} indices, expected {rows} positions x {shape.layers} "
                          f"layers x top-{shape.top_k} = {rows * shape.layers * shape.top_k}")
-    # shape.dtype is the learner's torch dtype (uint8 / int16); the sample's numpy one has the same name
-    return flat.reshape(rows, shape.layers, shape.top_k).astype(str(shape.dtype).removeprefix("torch."))
+    return flat.reshape(rows, shape.layers, shape.top_k).astype(moe.routes_dtype({"num_experts": shape.num_experts}))
 
 
 def completion_from_chunks(request: GenerationRequest, chunks: Iterable[dict],
