@@ -584,12 +584,14 @@ class Server:
         if interval < 1:
             raise BadRequest(f"stream_interval={interval} must be >= 1")
         routes_from = int(body.get("routed_experts_start_len") or 0)
-        if body.get("return_routed_experts") and routes_from < 0:  # SGLang's messages (Scheduler.handle_generate_request)
+        # SGLang's messages (Scheduler.handle_generate_request)
+        if body.get("return_routed_experts") and routes_from < 0:
             raise BadRequest(f"recv_req.routed_experts_start_len={routes_from} is lower than 0. "
                              "Please use a non-negative routed_experts_start_len.")
         if body.get("return_routed_experts") and routes_from > len(ids):
             raise BadRequest(f"recv_req.routed_experts_start_len={routes_from} is higher than the number of input "
-                             f"tokens len(req.origin_input_ids)={len(ids)}. Please use a smaller routed_experts_start_len.")
+                             f"tokens len(req.origin_input_ids)={len(ids)}. Please use a smaller "
+                             "routed_experts_start_len.")
         return _Request(rid=rid or body.get("rid") or uuid.uuid4().hex, prompt_ids=[int(t) for t in ids],
                         sampling=sampling, stop_ids=stops, return_logprob=bool(body.get("return_logprob")),
                         return_routed_experts=bool(body.get("return_routed_experts")),

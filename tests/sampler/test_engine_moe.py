@@ -78,7 +78,8 @@ def test_routes_across_an_inflight_update_come_from_the_weights_that_computed_th
         assert c.versions == [0] * 4 + [1] * 6
         ids = c.prompt_ids + c.token_ids
         split = n + 3  # v1 computed positions [0, split); v2 the later ones and, under "recompute", all again
-        _, expected = hf_logprobs_and_routes(ids, *([(v2_dir, None)] if policy == "recompute" else [(path, split), (v2_dir, None)]))
+        versions = [(v2_dir, None)] if policy == "recompute" else [(path, split), (v2_dir, None)]
+        _, expected = hf_logprobs_and_routes(ids, *versions)
         np.testing.assert_array_equal(c.routes, expected[:-1])
         _, all_v1 = hf_logprobs_and_routes(ids, (path, None))
         differ += int((all_v1[:-1] != c.routes).any(axis=(1, 2)).sum())

@@ -139,7 +139,8 @@ def check_routes(model_dir: str, run_dir: str) -> str:
     assert parse_version(sglang.__version__) >= parse_version(ROUTED_EXPERTS_SINCE), sglang.__version__
     args = launch_args(server_command(config(run_dir, model_dir, "algo.routing_replay=r3"), model_dir, 30002, seed=1))
     assert args.enable_return_routed_experts, "r3 launches SGLang with its route capture on"
-    assert not launch_args(server_command(config(run_dir, model_dir), model_dir, 30002, seed=1)).enable_return_routed_experts
+    off = launch_args(server_command(config(run_dir, model_dir), model_dir, 30002, seed=1))
+    assert not off.enable_return_routed_experts
     request = GenerationRequest("r", [7] * 5, SamplingParams(temperature=1.0, max_new_tokens=3), (2,))
     body = generate_body(request, CONTEXT, routed_experts=True)
     if importlib.util.find_spec("sglang.srt.entrypoints.api_contract") is not None:  # 0.5.22+
