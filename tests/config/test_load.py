@@ -63,6 +63,14 @@ def test_bad_overrides_name_the_key(override, message):
         load_config(DEMO, override.split())
 
 
+def test_routing_replay_off_survives_yaml_reading_it_as_a_boolean(tmp_path):
+    assert load_config(DEMO, ["algo.routing_replay=off"]).algo.routing_replay == "off"
+    assert load_config(DEMO, ["algo.routing_replay=r3"]).algo.routing_replay == "r3"
+    path = tmp_path / "c.yaml"
+    path.write_text((REPO / "configs/moe.yaml").read_text().replace("routing_replay: r3", "routing_replay: off"))
+    assert load_config(str(path), []).algo.routing_replay == "off"
+
+
 def test_unknown_key_in_yaml_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("run:\n  steps: 3\nsampler:\n  engines: 2\n")
