@@ -42,6 +42,10 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe(exc)) from exc
     cfg: Config = OmegaConf.to_object(merged)
+    # YAML 1.1 (OmegaConf's parser, for files and key=value overrides alike) reads a bare `off` as the boolean
+    # false, which the str field then holds as "False": that is algo.routing_replay=off as written.
+    if cfg.algo.routing_replay == "False":
+        cfg.algo.routing_replay = "off"
     _pick_vllm_model(cfg)
     validate(cfg)
     return cfg

@@ -65,6 +65,14 @@ def test_bad_overrides_name_the_key(override, message):
         load_config(DEMO, override.split())
 
 
+def test_routing_replay_off_survives_yaml_reading_it_as_a_boolean(tmp_path):
+    assert load_config(DEMO, ["algo.routing_replay=off"]).algo.routing_replay == "off"
+    assert load_config(DEMO, ["algo.routing_replay=r3"]).algo.routing_replay == "r3"
+    path = tmp_path / "c.yaml"
+    path.write_text((REPO / "configs/moe.yaml").read_text().replace("routing_replay: r3", "routing_replay: off"))
+    assert load_config(str(path), []).algo.routing_replay == "off"
+
+
 def test_unknown_key_in_yaml_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("run:\n  steps: 3\nsampler:\n  engines: 2\n")
@@ -145,6 +153,8 @@ MIXTRAL_6 = {"model_type": "mixtral", "num_local_experts": 6, "num_experts_per_t
     ("learner.tp=2", MIXTRAL_6, "learner.tp=2: megatron-core 0.16.1 trains an MoE layer under tensor parallelism "
                                 "only with sequence parallelism"),
     ("learner.ep=2 learner.dp=2 learner.pp=2 algo.routing_replay=r3", MIXTRAL_6, None),
+    ("learner.backend=deepspeed", MIXTRAL_6, "learner.backend=deepspeed: mixture-of-experts models train on the "
+                                             "megatron learner only"),
     ("learner.tp=2 sampler.tp=2", {}, None),
 ])
 def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overrides, model, message):
@@ -153,10 +163,12 @@ def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overr
     cfg = load_config(DEMO, overrides.split())  # the keys alone are fine: only the model's shapes refuse them
     hf_config = {k: v for k, v in {**TINY, **model}.items() if v is not None}
     if message is None:
-        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay)
+        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay,
+                     cfg.learner.backend)
         return
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay)
+        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay,
+                     cfg.learner.backend)
 
 
 def test_an_impossible_layout_is_refused_before_any_process_starts_and_in_a_raw_torchrun_launch(

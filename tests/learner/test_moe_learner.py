@@ -217,3 +217,33 @@ def test_r3_learner_runs_the_engines_routes_across_an_inflight_update(moe_dirs, 
     assert torch.equal(calls, torch.stack([torch.bincount(used[:, l].reshape(-1).long(), minlength=4) for l in range(2)]))
     assert m["router/agreement"] == 1.0 and m["lag0/router_agreement"] == 1.0
     assert m["lag0/token_share"] > 0.3 and m["lag0/logprob_gap_abs"] < 1e-5  # (measured at v1, in the step)
+
+
+def test_r3_under_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+    """A real 2-process torchrun (gloo): PP2 (each stage replays only its own MoE layer) and DP2 x EP2 (each rank
+    holds 2 of the 4 experts; the alltoall sends each token to its replayed experts) give the one-rank r3 learner's
+    log-probs, loss, grad norm and router agreement, and after one step the same whole published weights. The
+    learner's routers are perturbed, so a stage or rank that routed itself would compute another function."""
+    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results, _sources
+
+    perturbed = _perturbed_router_dir(moe_dirs["mixtral"], tmp_path / "perturbed")
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["mixtral"], ids)
+    batch = _batch(ids, behaviour, routes)
+    layouts = {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}}
+    proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
+    learner = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
+    ref_logprobs = learner.logprobs(ids, routes)
+    ref = learner.train_step(batch)
+    ref_published = dict(learner.publish_tensors())
+    for layout, ranks in _layout_results(proc, tmp_path, layouts, nproc=2, timeout=240).items():
+        for rank in ranks:
+            assert _close(rank["logprobs"], ref_logprobs), layout
+            for key in ("loss", "grad_norm", "router/agreement", "router/token_diff_frac"):
+                assert abs(rank["metrics"][key] - ref[key]) <= 1e-5 * max(1.0, abs(ref[key])), (layout, key)
+        published = {}
+        for rank in (_sources(ranks) if layout == "pp2" else ranks[:1]):
+            published.update(rank["published"])
+        assert set(published) == set(ref_published), layout
+        assert all(_close(published[n], t) for n, t in ref_published.items()), layout
