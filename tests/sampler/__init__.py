@@ -1,6 +1,7 @@
 """Tests of the built-in sampler engine; shared helpers build tiny HF models locally (no hub)."""
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -68,15 +69,21 @@ def save_version(model_dir: Path, weights: dict, out: Path) -> Path:
     return out
 
 
+@functools.lru_cache(maxsize=4)
+def _hf_model(model_dir: str):
+    """transformers' model of a directory, loaded once per test session (the references only read it)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
 def hf_logprobs_and_routes(ids: list[int], *versions: tuple[Path, int | None]) -> tuple[torch.Tensor, np.ndarray]:
     """transformers' log-probs [len(ids), V] and routes [len(ids), layers, top_k], each (model dir, end) of
     `versions` computing positions up to `end` (None: to the end) over the KV cache the earlier ones left:
     what an engine that keeps its cache across an update computed."""
-    from transformers import AutoModelForCausalLM
-
     chosen, logits, cache, begin = [], [], None, 0
     for model_dir, end in versions:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        hf = _hf_model(str(model_dir))
         hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: chosen.append(out[2]))
                  for layer in hf.model.layers]
         end = len(ids) if end is None else end
