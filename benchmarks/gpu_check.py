@@ -15,6 +15,9 @@ JSON with the tail of its log, and the rest still run:
                     prompts and batch: generated tokens/s
   logprob_parity    the engine's recorded behaviour log-probs vs the learner's log-probs of the same
                     tokens (both bf16), and vs an fp32 HF forward: max / mean |difference|
+  moe_replay        mixture of experts: the built-in engine (bf16, recording routes) vs the megatron learner on
+                    a random Mixtral-style model (8 experts, top-2): router agreement, tokens routed differently
+                    and the lag-0 log-prob gap with algo.routing_replay off and r3 (docs/moe.md)
   e2e_train         `megarl train configs/demo.yaml` for a few steps, learner and sampler on the same GPU.
                     dist.backend=gloo: NCCL refuses two ranks on one GPU, so the publish group (and the
                     1-rank learner group) use gloo, which moves CUDA tensors through host memory
@@ -83,6 +86,12 @@ QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, rope_theta=1000000.0,
             rms_norm_eps=1e-6)  # the same rope and norm settings as the full shape
+# The MoE check's Mixtral-style models (8 experts, top-2 on the GPU; 4 experts on CPU).
+MOE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=16,
+           num_key_value_heads=4, max_position_embeddings=4096, num_local_experts=8, num_experts_per_tok=2,
+           tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-6)
+TINY_MOE = dict(MOE, vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, num_local_experts=4)
 
 
 class Size:
@@ -96,6 +105,8 @@ class Size:
         self.parity_rows, self.parity_tokens = (4, 8) if tiny else (16, 64)
         self.e2e_steps = 1 if tiny else 20
         self.publish_reps = 1 if tiny else 2
+        self.moe_model = TINY_MOE if tiny else MOE
+        self.moe_rows, self.moe_tokens = (4, 8) if tiny else (32, 96)
 
 
 def device_of(args) -> "torch.device":
@@ -347,6 +358,29 @@ def check_logprob_parity(args, size: Size) -> dict:
     return out
 
 
+def check_moe_replay(args, size: Size) -> dict:
+    """Router agreement and log-prob gap between the built-in engine (bf16 weights on the GPU, recording routes)
+    and the megatron learner on a random Mixtral-style model, with routing replay off and r3
+    (benchmarks/moe_replay.py's measure): the table of docs/moe.md at a size and in dtypes CPU cannot show."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from moe_replay import measure  # benchmarks/ (this script's directory) is on sys.path
+
+    workdir = Path(args.workdir)
+    init_single_rank(args.backend, workdir)
+    model_dir = workdir / "moe_model"
+    if not (model_dir / "config.json").exists():
+        torch.manual_seed(0)
+        with torch.device(args.device):
+            model = MixtralForCausalLM(MixtralConfig(**size.moe_model))
+        model.save_pretrained(model_dir)
+        del model
+    engine_dtype = "bfloat16" if args.device == "cuda" else "float32"
+    return {**measure(model_dir, engine_dtype, size.moe_rows, size.moe_tokens, device=args.device),
+            "peak_gpu_gib": peak_gib()}
+
+
 def check_e2e_train(args, size: Size) -> dict:
     run_dir = Path(args.workdir) / "e2e"
     cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", f"run.dir={run_dir}",
@@ -495,7 +529,8 @@ def _publish_worker(args, size: Size, rank: int) -> None:
 
 
 CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "engine_vs_hf": (check_engine_vs_hf, 120),
-          "logprob_parity": (check_logprob_parity, 120), "e2e_train": (check_e2e_train, 200),
+          "logprob_parity": (check_logprob_parity, 120), "moe_replay": (check_moe_replay, 120),
+          "e2e_train": (check_e2e_train, 200),
           "publish_bandwidth": (check_publish_bandwidth, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU

@@ -217,11 +217,12 @@ def check_model_dir(model_dir, cfg=None) -> None:
     try:
         check_supported(hf_config)
     except ValueError as exc:
-        raise ValueError(f"{config}: {exc} (megarl trains Qwen2- and Llama-family models: model_type qwen2 or "
-                         f"llama, architectures Qwen2ForCausalLM or LlamaForCausalLM)") from exc
+        raise ValueError(f"{config}: {exc} (megarl trains Qwen2- and Llama-family models and their MoE "
+                         f"relatives: model_type qwen2, llama, mixtral or qwen3_moe)") from exc
     if cfg is not None:
         try:
-            check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp)
+            check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep,
+                         cfg.algo.routing_replay, cfg.learner.backend)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
     if not any((model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):

@@ -9,6 +9,11 @@ Per-token conventions (used everywhere):
     Multi-turn (megarl/rollout/episode.py): model turns interleaved with environment tokens (tool
     results, user turns), the latter listed in `env_spans`, with behaviour log-prob 0, version -1 and
     loss mask 0: they are context, not actions.
+  * Mixture-of-experts models: a sample's `routes` (numpy, [P, moe_layers, top_k], uint8 or int16 past 255
+    experts: megarl.models.moe.routes_dtype) hold,
+    for every position i < P = len(prompt_ids) + len(token_ids) - 1 (the last token is never an input),
+    the experts each MoE layer's router chose for the input token at i, in the router's top-k order,
+    under the weights that computed that position (docs/moe.md; checked by megarl.rollout.routes).
   * A model token carries the log-probability it had under the weights that produced it
     (`logprobs`, the *behaviour* log-prob, computed from logits / temperature over the full
     vocabulary) and that weights' policy `version`.
@@ -21,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -52,6 +58,9 @@ class Completion:
     # "stop" (a stop token was produced, and is included) or "length"; "abort": ended early on request
     # (BuiltinEngine.cancel, an SGLang abort), the tokens are those produced until then.
     finish_reason: str
+    # MoE models, when the engine records them: the routes of every position it computed (the
+    # module docstring; [len(prompt_ids) + len(token_ids) - 1, moe_layers, top_k]); None otherwise.
+    routes: np.ndarray | None = None
 
 
 @dataclass
@@ -73,6 +82,9 @@ class Sample:
     # number of model turns. A single-turn sample has no environment tokens and one turn.
     env_spans: list[tuple[int, int]] = field(default_factory=list)
     turns: int = 1
+    # MoE models: the routes of every position (module docstring), as the sampler's engine recorded them;
+    # None for a dense model or an engine that did not record them.
+    routes: np.ndarray | None = None
 
     @property
     def policy_versions(self) -> set[int]:
@@ -113,6 +125,9 @@ class TrainBatch:
     advantages: torch.Tensor  # float [B, S], the sample's advantage broadcast over its tokens
     learner_version: int  # the version of the weights the step starts from
     samples: list[Sample] = field(default_factory=list)  # provenance, for logging
+    # MoE models: uint8/int16 [B, S, L_moe, top_k], the experts the engine routed input token [b, t] to in
+    # each MoE layer (megarl.rollout.routes); None for dense models or when routes were not recorded.
+    routes: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

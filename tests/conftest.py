@@ -39,6 +39,15 @@ def embedded_count_model_dir(embedded_cache_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def embedded_moe_model_dir(embedded_cache_dir) -> Path:
+    """The MoE demo's model (`tiny-mixtral-count`: a tiny Mixtral, 4 experts top-2, on the count task),
+    built on first request, once per test session (~75 s of CPU on one core)."""
+    from megarl.models.tiny import ensure_embedded_model
+
+    return ensure_embedded_model("tiny-mixtral-count", cache_dir=embedded_cache_dir)
+
+
+@pytest.fixture(scope="session")
 def embedded_tool_model_dir(embedded_cache_dir) -> Path:
     """The multi-turn demo's chat model (`tiny-qwen2-tool`: "37*43" -> ">>> 37*43", the tool's "1591",
     "1591"), built on first request, once per test session (~80 s on one core)."""

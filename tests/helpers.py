@@ -53,3 +53,27 @@ def save_tiny_qwen2(path: Path, tie_word_embeddings: bool, vocab_size: int = 64,
 
         build_tokenizer().save_pretrained(path)
     return path
+
+
+def save_tiny_moe(path: Path, kind: str, vocab_size: int = 64, **overrides) -> Path:
+    """A real HF mixture-of-experts directory (kind: mixtral | qwen3_moe): 2 layers, 4 experts, top-2, GQA;
+    Qwen3-MoE with its per-head q/k RMSNorm drawn away from 1 so that a converter that dropped it would show."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=vocab_size, max_position_embeddings=64, num_experts_per_tok=2)
+    if kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=48, num_local_experts=4, **common, **overrides))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                                                   head_dim=8, **common, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            if name.endswith("gate.weight"):  # routers decisive enough that fp32 noise flips no top-k
+                p.mul_(8.0)
+    model.save_pretrained(path)
+    return path

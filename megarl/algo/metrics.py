@@ -132,6 +132,51 @@ def token_partials(
     return partials
 
 
+def route_matches(sampler_routes: Tensor, learner_routes: Tensor) -> Tensor:
+    """[B, S] per position: how many of the sampler's routing decisions ([B, S, L, k] expert indices, one
+    set of k per MoE layer) the learner's router made too (the same expert in the same layer's top-k;
+    the order within a top-k does not change the layer's output). Summed over the given layers, so a
+    pipeline stage counts its own and the stages' counts add up."""
+    same = (sampler_routes.long().unsqueeze(-1) == learner_routes.long().unsqueeze(-2)).any(dim=-1)
+    return same.sum(dim=(-1, -2))
+
+
+def router_partials(matches: Tensor, decisions: int, mask: Tensor, versions: Tensor, learner_version: int,
+                    max_lag_bucket: int) -> dict[str, Tensor]:
+    """Partial statistics of router agreement for one micro-batch (merged like token_partials').
+
+    matches: [B, S] from route_matches over every MoE layer; decisions: routing decisions per position
+    (MoE layers * top_k). A trained token t is predicted from position t-1, computed in the same engine
+    forward that sampled t: its routes are position t-1's, its lag that of token t."""
+    on = mask[:, 1:] > 0
+    matched = matches[:, :-1][on].double()
+    lag = token_lag(versions, learner_version, mask)[:, 1:][on]
+    values = torch.stack([torch.ones_like(matched), matched / decisions, (matched < decisions).double()])
+    one_hot = torch.nn.functional.one_hot(lag.clamp(max=max_lag_bucket), max_lag_bucket + 1).double()
+    per_lag = values @ one_hot
+    partials = {"sum/router/tokens": values[0].sum(), "sum/router/agree": values[1].sum(),
+                "sum/router/differ": values[2].sum()}
+    for k, name in enumerate(lag_bucket_names(max_lag_bucket)):
+        for i, q in enumerate(("tokens", "agree", "differ")):
+            partials[f"sum/router/{name}/{q}"] = per_lag[i, k]
+    return partials
+
+
+def _router_metrics(p: dict[str, float]) -> dict[str, float]:
+    """router/agreement (share of routing decisions the learner's router made as the sampler's did) and
+    router/token_diff_frac (share of trained tokens with any MoE layer routed differently), overall and by
+    lag; with routing replay on, what the learner's router would have chosen, had it not replayed."""
+    out = {}
+    for scope in ["", *sorted({k.split("/")[2] for k in p if k.startswith("sum/router/lag")})]:
+        key = f"sum/router/{scope + '/' if scope else ''}"
+        n = p.get(key + "tokens", 0.0)
+        if n > 0:
+            prefix = f"{scope}/" if scope else ""
+            out[f"{prefix}router_agreement" if scope else "router/agreement"] = p[key + "agree"] / n
+            out[f"{prefix}router_token_diff_frac" if scope else "router/token_diff_frac"] = p[key + "differ"] / n
+    return out
+
+
 def _any_of(values: dict[str, Tensor], names: tuple[str, ...], like: Tensor) -> Tensor:
     present = [values[n] for n in names if n in values]
     if not present:
@@ -159,6 +204,7 @@ def finalize(partials: dict[str, Tensor]) -> dict[str, float]:
     p = dict(zip(partials.keys(), values))
     tokens = p.get("sum/tokens", 0.0)
     out = {"mask/tokens": tokens, "mask/seqs": p.get("sum/seqs", 0.0)}
+    out.update(_router_metrics(p))
     out.update({key[len("sum/"):]: value for key, value in p.items() if key.startswith("sum/loss/")})
     if tokens <= 0 or "max/ratio" not in p:  # (the supervised loss has no ratios: megarl.algo.losses.nll_loss)
         return out

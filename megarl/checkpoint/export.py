@@ -19,7 +19,7 @@ import torch
 
 from megarl.checkpoint.learner_state import HF_META_DIR, quiet_dcp, read_manifest
 from megarl.checkpoint.storage import CheckpointError, resolve
-from megarl.models import convert
+from megarl.models import convert, moe
 
 LAYER_PREFIX = "decoder.layers."
 # megatron's local layer spec saves its two norms under TransformerEngine's names (its
@@ -103,6 +103,7 @@ def hf_tensors(checkpoint: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     yield "model.embed_tokens.weight", read("embedding.word_embeddings.weight")
     for i in range(hf_config["num_hidden_layers"]):
         layer = {_SAVED_AS.get(name, name): read(key, layer=i) for name, key in layer_keys.items()}
+        layer = moe.unstack_checkpoint_experts(layer)  # (MoE layers; a dense layer is unchanged)
         yield from convert.mcore_layer_to_hf(layer, i, hf_config).items()
     yield "model.norm.weight", read("decoder.final_layernorm.weight")
     if "output_layer.weight" in expected:

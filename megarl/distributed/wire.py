@@ -82,6 +82,8 @@ SAMPLE_FIELDS: tuple[Field, ...] = (
     Field("reward_error", OPT_STR),
     Field("env_spans", SPAN_LIST),
     Field("turns", INT, min_value=1),
+    # MoE: [positions, moe_layers, top_k] expert indices (megarl.rollout.routes checks the shape against the model)
+    Field("routes", NDARRAY, dtypes=("uint8", "int16"), ndim=3, optional=True),
 )
 
 SAMPLING_FIELDS: tuple[Field, ...] = (
@@ -245,7 +247,8 @@ def _split_list_column(column: Any, f: Field, n: int, reader: _ArrayReader, wher
 
 def check_sample(s: Sample, what: str) -> None:
     """The invariants across fields the learner relies on (value ranges are the schema's min_value): per-token
-    lists of equal length, env spans ordered inside token_ids."""
+    lists of equal length, env spans ordered inside token_ids, MoE routes one row per input position (their
+    layers, top_k and expert range depend on the model: megarl.rollout.routes checks those)."""
     n = len(s.token_ids)
     if len(s.logprobs) != n or len(s.versions) != n:
         raise WireError(f"{what}: token_ids, logprobs and versions differ in length "
@@ -256,6 +259,10 @@ def check_sample(s: Sample, what: str) -> None:
             raise WireError(f"{what}: env_spans {s.env_spans} are not ordered, non-empty spans within "
                             f"the {n} tokens")
         end = stop
+    positions = len(s.prompt_ids) + n - 1  # every input position; the last token is never an input
+    if s.routes is not None and s.routes.shape[0] != positions:
+        raise WireError(f"{what}: routes hold {s.routes.shape[0]} positions, the sample has {positions} "
+                        f"(prompt + completion - 1)")
 
 
 # --------------------------------------------------------------------------------------------- framing

@@ -20,4 +20,5 @@ def build_learner(model_dir: str, cfg, loss_cfg=None, temperature: float | None 
                                 publish_bucket_mb=cfg.publish.bucket_mb)
     from megarl.learner.megatron import MegatronLearner
 
-    return MegatronLearner(model_dir, cfg.learner, loss_cfg, temperature=temperature)
+    return MegatronLearner(model_dir, cfg.learner, loss_cfg, temperature=temperature,
+                           routing_replay=cfg.algo.routing_replay)

@@ -213,6 +213,70 @@ def _shim_distributed_optimizer_load() -> None:
              [("for key in dst_tensors:", "for key in tensors:")])
 
 
+# ---- MoE (megatron-core 0.16.1, local spec, SequentialMLP, alltoall dispatcher): six more CUDA assumptions.
+
+def _shim_moe_router_device() -> None:
+    # transformer/moe/router.py, Router.gating (every MoE layer's forward):
+    #     if self.weight.device.type == 'cpu': self.weight.data = self.weight.data.to(device=torch.cuda.current_device())
+    # moves the router weight (and bias) to the GPU on the first forward; on CPU they stay.
+    from megatron.core.transformer.moe import router
+
+    _rewrite(router.Router, "gating", [("device=torch.cuda.current_device()", 'device="cpu"')])
+
+
+def _shim_moe_gating_gemm() -> None:
+    # transformer/moe/moe_utils.py, RouterGatingLinearFunction.forward/backward test
+    # `te_general_gemm is not None`, but the module binds `te_general_gemm` only inside its Transformer
+    # Engine import `try`: without TE every router forward raises NameError (a 0.16.1 bug, GPU too).
+    # Binding the name to None selects the torch.mm path the code already has.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _shim_moe_dispatcher_streams() -> None:
+    # transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher: __init__ creates a class-wide
+    # `torch.cuda.Stream()` for device-to-host copies of the split sizes, and _maybe_dtoh_and_synchronize
+    # enters it, records an event on it and synchronizes on that event. On CPU the copies are plain calls.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+    _rewrite(cls, "__init__", [
+        ("MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = torch.cuda.Stream()", "pass"),
+        ("super().__init__(", "MoETokenDispatcher.__init__(self, "),
+    ])
+    _rewrite(cls, "_maybe_dtoh_and_synchronize", [
+        ("on_side_stream = torch.cuda.current_stream() != self.cuda_dtoh_stream", "on_side_stream = False"),
+        ("self.cuda_dtoh_stream.wait_stream(torch.cuda.current_stream())", "pass"),
+        ("with torch.cuda.stream(self.cuda_dtoh_stream):", "if True:"),
+        ("self.d2h_event = self.cuda_dtoh_stream.record_event()", "pass"),
+        ("self.d2h_event.synchronize()", "pass"),
+    ])
+
+
+def _shim_moe_collectives_device() -> None:
+    # tensor_parallel/mappings.py: the gathers / reduce-scatters along the first and last dim and the
+    # alltoall-v autograd function (_AllToAll, expert parallelism) allocate their outputs with
+    # device=torch.cuda.current_device(); on CPU they go where the input is.
+    from megatron.core.tensor_parallel import mappings
+
+    on_input = [("device=torch.cuda.current_device()", "device=input_.device")]
+    for name in ("_gather_along_last_dim", "_gather_along_first_dim", "_reduce_scatter_along_first_dim"):
+        _rewrite(mappings, name, on_input)
+    _rewrite(mappings._AllToAll, "forward", [("device=torch.cuda.current_device()", "device=input.device")])
+
+
+def _shim_moe_split_sizes() -> None:
+    # transformer/moe/moe_utils.py, maybe_move_tensor_to_cpu converts only CUDA tensors, so on CPU the
+    # alltoall dispatcher's input/output split sizes stay tensors where it asked for numpy arrays, and
+    # torch.distributed.all_to_all_single takes them as a TypeError (expert parallelism > 1).
+    from megatron.core.transformer.moe import moe_utils
+
+    _rewrite(moe_utils, "maybe_move_tensor_to_cpu",
+             [("if torch.is_tensor(tensor) and tensor.is_cuda:", "if torch.is_tensor(tensor):")])
+
+
 SHIMS: dict[str, Callable[[], None]] = {
     "schedule_token_count": _shim_schedule_token_count,
     "memory_buffer": _shim_memory_buffer,
@@ -226,6 +290,11 @@ SHIMS: dict[str, Callable[[], None]] = {
     "tied_embedding_sync": _shim_tied_embedding_sync,
     "distributed_optimizer": _shim_distributed_optimizer,
     "distributed_optimizer_load": _shim_distributed_optimizer_load,
+    "moe_router_device": _shim_moe_router_device,
+    "moe_gating_gemm": _shim_moe_gating_gemm,
+    "moe_dispatcher_streams": _shim_moe_dispatcher_streams,
+    "moe_collectives_device": _shim_moe_collectives_device,
+    "moe_split_sizes": _shim_moe_split_sizes,
 }
 
 

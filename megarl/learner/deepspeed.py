@@ -188,16 +188,18 @@ class DeepSpeedLearner:
         return micro + [pad] * (int(count) - len(micro))
 
     @torch.no_grad()
-    def _forward_logprobs(self, model, micro_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per-token log-probs (fp32, CPU) of `model` on each micro-batch of input_ids, forward only: the
+    def _forward_logprobs(self, model, micro: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Per-token log-probs (fp32, CPU) of `model` on each micro-batch's input_ids, forward only: the
         same micro-batch shapes as the training pass, so identical weights give identical log-probs."""
-        return [token_logprobs(self._logits(model, x), x.to(self.device), self.temperature).cpu() for x in micro_inputs]
+        return [token_logprobs(self._logits(model, mb["input_ids"]), mb["input_ids"].to(self.device),
+                               self.temperature).cpu() for mb in micro]
 
     def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Per-token log-probs [B, S] (fp32, CPU) of the whole batch under the current weights (every
         rank the whole batch, in the same micro-batches: collective at stage 3)."""
         self.engine.eval()
-        return torch.cat(self._forward_logprobs(self.engine, list(input_ids.split(self.cfg.micro_batch_size))))
+        return torch.cat(self._forward_logprobs(
+            self.engine, [{"input_ids": x} for x in input_ids.split(self.cfg.micro_batch_size)]))
 
     # ------------------------------------------------------------------ the step
 

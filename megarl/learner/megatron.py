@@ -7,6 +7,12 @@ megarl.algo.losses), the frozen reference model for the KL penalty (when loss.kl
 HF-named tensors the weight publisher broadcasts (whole, or each TP rank's slices for a direct
 shard-to-shard publish: megarl.models.tp_shard).
 
+Mixture-of-experts models (Mixtral, Qwen3-MoE: megarl.models.moe) train with megatron's MoE layer
+(SequentialMLP experts, alltoall dispatcher) and expert parallelism ``learner.ep``: each EP rank holds
+E / ep experts, carved out of the data-parallel ranks (megatron's expert_model_parallel_size), and the
+published / exported tensors gather every expert. ``algo.routing_replay=r3`` forces the sampler's recorded
+routes in every forward of the step (megarl.learner.routing_replay).
+
 Process contract: construct it after ``torch.distributed`` is initialised with a default process
 group that contains ONLY the learner ranks (world size = tp * pp * dp).  Every learner rank receives
 the same, whole ``TrainBatch``; each DP rank trains on its contiguous share of the rows.  On CPU the
@@ -27,13 +33,14 @@ import torch.distributed as dist
 from megarl.algo.config import LossConfig
 from megarl.config.schema import LearnerConfig
 from megarl.learner import step
-from megarl.models import convert
+from megarl.learner.routing_replay import RouteReplayer
+from megarl.models import convert, moe
 from megarl.protocols import TrainBatch
 
 
 class MegatronLearner:
     def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, routing_replay: str = "off"):
         # megatron is imported here, not at module top: importing it costs ~9 s and the package's
         # other roles never need it.
         from megatron.core import parallel_state, tensor_parallel
@@ -63,18 +70,22 @@ class MegatronLearner:
 
         self.ps, self.tensor_parallel = parallel_state, tensor_parallel
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(cfg.tp, cfg.pp)
+            parallel_state.initialize_model_parallel(cfg.tp, cfg.pp, expert_model_parallel_size=cfg.ep)
         elif (parallel_state.get_tensor_model_parallel_world_size(),
-              parallel_state.get_pipeline_model_parallel_world_size()) != (cfg.tp, cfg.pp):
-            raise RuntimeError("megatron parallel_state is already initialised with another tp/pp")
+              parallel_state.get_pipeline_model_parallel_world_size(),
+              parallel_state.get_expert_model_parallel_world_size()) != (cfg.tp, cfg.pp, cfg.ep):
+            raise RuntimeError("megatron parallel_state is already initialised with another tp/pp/ep")
         torch.manual_seed(cfg.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
 
         with open(os.path.join(model_dir, "config.json")) as f:
             self.hf_config = convert.check_supported(json.load(f))
+        self.is_moe = moe.is_moe(self.hf_config)
+        if routing_replay == "r3" and not self.is_moe:
+            raise ValueError(f"algo.routing_replay=r3 needs a mixture-of-experts model; "
+                             f"{self.hf_config['model_type']!r} is dense")
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
         self.config = TransformerConfig(
-            **convert.transformer_config_kwargs(self.hf_config),
             tensor_model_parallel_size=cfg.tp,
             pipeline_model_parallel_size=cfg.pp,
             params_dtype=dtype, pipeline_dtype=dtype, bf16=self.on_gpu,
@@ -83,7 +94,9 @@ class MegatronLearner:
             variable_seq_lengths=cfg.pp > 1,
             # (config validation refuses variable lengths with the default MoE dispatcher even for a
             # dense model; the dense layers never use it)
-            moe_token_dispatcher_type="alltoall",
+            **{"moe_token_dispatcher_type": "alltoall", **convert.transformer_config_kwargs(self.hf_config)},
+            expert_model_parallel_size=cfg.ep,
+            moe_enable_routing_replay=self.is_moe,
             **_recompute_kwargs(cfg.recompute_activations),
             use_cpu_initialization=True,
             perform_initialization=False,  # every weight is loaded from the HF checkpoint below
@@ -91,12 +104,15 @@ class MegatronLearner:
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
         self.layer_offset = get_transformer_layer_offset(self.config)
+        # An EP rank's local expert j is global expert expert_offset + j (megatron's contiguous split).
+        self.expert_offset = (parallel_state.get_expert_model_parallel_rank() * moe.num_experts(self.hf_config)
+                              // cfg.ep if self.is_moe else 0)
         hf_weights = convert.hf_to_mcore(convert.load_pretrained(model_dir)[1], self.hf_config)  # single or sharded
 
         def build():  # this rank's shard of the HF model, as a GPTModel (Float16Module-wrapped on GPU)
             gpt = GPTModel(
                 config=self.config,
-                transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                transformer_layer_spec=get_gpt_layer_local_spec(**convert.layer_spec_kwargs(self.hf_config)),
                 pre_process=self.pre_process, post_process=self.post_process,
                 **convert.gpt_model_kwargs(self.hf_config),
             )
@@ -105,12 +121,16 @@ class MegatronLearner:
             return gpt, (Float16Module(self.config, gpt) if self.on_gpu else gpt)
 
         self.gpt, module = build()
+        replay = routing_replay == "r3"
+        self._replayers = {}  # id(model passed to _run) -> its RouteReplayer (MoE models)
         # KL penalty: a frozen copy of the initial weights, same sharding, no grads, no optimizer
         # state, always in eval mode (docs/learner.md: one extra copy of the weights per rank).
         self.ref_model = None
         if loss_cfg.kl_coef > 0:
-            _, self.ref_model = build()
+            ref_gpt, self.ref_model = build()
             self.ref_model.requires_grad_(False).eval()
+            if self.is_moe:
+                self._replayers[id(self.ref_model)] = RouteReplayer(ref_gpt, self.layer_offset, replay)
         del hf_weights
         self.model = DistributedDataParallel(
             config=self.config,
@@ -129,6 +149,8 @@ class MegatronLearner:
             ),
             [self.model],
         )
+        if self.is_moe:
+            self._replayers[id(self.model)] = RouteReplayer(self.gpt, self.layer_offset, replay)
         # The schedules run micro-batches under DDP's no_sync and reduce grads once at the end.
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -151,11 +173,12 @@ class MegatronLearner:
             raise RuntimeError(f"weight loading mismatch: missing={missing} unexpected={unexpected}")
 
     def _global_name(self, local_name: str) -> str:
-        """Megatron name with the PP stage's local layer index replaced by the global one."""
+        """Megatron name with the PP stage's local layer index (and the EP rank's local expert index)
+        replaced by the global one."""
         if not local_name.startswith("decoder.layers."):
             return local_name
         index, rest = local_name[len("decoder.layers."):].split(".", 1)
-        return f"decoder.layers.{int(index) + self.layer_offset}.{rest}"
+        return moe.global_expert_name(f"decoder.layers.{int(index) + self.layer_offset}.{rest}", self.expert_offset)
 
     def _tp_slice(self, name: str, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         # The TP-split dim is the one where the local shape differs from the full one (megatron's
@@ -231,12 +254,36 @@ class MegatronLearner:
         for i in range(len(self.gpt.decoder.layers)):
             prefix = f"decoder.layers.{i}."
             layer = {n[len(prefix):]: megatron_tensor(n, p) for n, p in params.items() if n.startswith(prefix)}
+            if self.cfg.ep > 1:
+                layer = self._all_experts(layer)
             yield from convert.mcore_layer_to_hf(layer, i + self.layer_offset, self.hf_config, tp_size).items()
         if self.post_process:
             name = "decoder.final_layernorm.weight"
             yield "model.norm.weight", megatron_tensor(name, params[name])
             if not self.hf_config.get("tie_word_embeddings", False):
                 yield "lm_head.weight", megatron_tensor("output_layer.weight", params["output_layer.weight"])
+
+    def _all_experts(self, layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One layer's tensors with every EP rank's experts, under global expert indices: gathered over
+        the expert-parallel group (collective: every rank of it iterates the publish), or for meta
+        tensors (publish_spec) the same shapes without communication."""
+        marker = "mlp.experts.local_experts."
+        local = {k: v for k, v in layer.items() if k.startswith(marker)}
+        out = {k: v for k, v in layer.items() if not k.startswith(marker)}
+        per_rank = moe.num_experts(self.hf_config) // self.cfg.ep
+        for name in sorted(local):
+            j, rest = name[len(marker):].split(".", 1)
+            tensor = local[name]
+            if tensor.is_meta:
+                parts = [tensor] * self.cfg.ep
+            else:
+                tensor = tensor.to(self.device).contiguous()  # gathered where it lives (NCCL on GPU)
+                parts = [torch.empty_like(tensor) for _ in range(self.cfg.ep)]
+                dist.all_gather(parts, tensor, group=self.ps.get_expert_model_parallel_group())
+                parts = [p.cpu() for p in parts]
+            for rank, part in enumerate(parts):
+                out[f"{marker}{rank * per_rank + int(j)}.{rest}"] = part
+        return out
 
     # ------------------------------------------------------------------ forward / loss
 
@@ -277,27 +324,58 @@ class MegatronLearner:
         entropy = zmax.squeeze(-1) + sum_e.log() - sum_ez / sum_e
         return torch.nn.functional.pad(entropy, (1, 0))
 
-    def _run(self, model, micro_batches: list[dict], forward_only: bool, loss_fn) -> list:
+    def _run(self, model, micro_batches: list[dict], forward_only: bool, loss_fn,
+             own_routes: list | None = None) -> list:
         """Run megatron's schedule for `model` (policy or reference) over the micro-batches.
 
-        loss_fn(logits, mb) -> (loss, record); the records of the last PP stage are returned.
+        loss_fn(logits, mb) -> (loss, record); the records of the last PP stage are returned. For an MoE
+        model each micro-batch's routers are fed its `routes` first (replay), and `own_routes`, when
+        given, receives per micro-batch the top-k this stage's routers computed themselves.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        replayer = self._replayers.get(id(model))
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             input_ids, position_ids, mask = self._model_inputs(mb["input_ids"])
+            if replayer is not None:
+                replayer.before_forward(mb["input_ids"], mb.get("routes"))
             output = model(input_ids, position_ids, mask)
+            if own_routes is not None and replayer is not None:
+                own_routes.append(replayer.own_choice())
             return output, lambda logits: loss_fn(logits, mb)
 
         # With variable_seq_lengths (PP>1) the stages send each shape along; these two only size
         # megatron's default receive shape.
         b, s = (max(mb["input_ids"].shape[i] for mb in micro_batches) for i in (0, 1))
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
-            num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
+                num_microbatches=len(micro_batches), seq_length=s, micro_batch_size=b,
+                forward_only=forward_only,
+            )
+        finally:
+            if replayer is not None:
+                replayer.clear()
+
+    def _router_partials(self, micro_batches: list[dict], own_routes: list, learner_version: int) -> list[dict]:
+        """Per micro-batch, the router-agreement partials (megarl.algo.metrics.router_partials) of its
+        trained tokens: the sampler's recorded routes against the top-k the learner's routers computed
+        themselves, every pipeline stage counting its own layers (summed over the PP group)."""
+        from megarl.algo import metrics
+
+        lo = self.layer_offset
+        matches = [metrics.route_matches(mb["routes"][:, :, lo:lo + own.shape[2]], own)
+                   for mb, own in zip(micro_batches, own_routes)]
+        if self.cfg.pp > 1:
+            flat = torch.cat([m.reshape(-1) for m in matches])
+            dist.all_reduce(flat, group=self.ps.get_pipeline_model_parallel_group())
+            matches = list(flat.split([m.numel() for m in matches]))
+            matches = [m.reshape(mb["input_ids"].shape) for m, mb in zip(matches, micro_batches)]
+        decisions = moe.num_moe_layers(self.hf_config) * moe.top_k(self.hf_config)
+        return [metrics.router_partials(m, decisions, mb["mask"], mb["versions"], learner_version,
+                                        getattr(self.loss_cfg, "max_lag_bucket", 8)) for m, mb in zip(matches, micro_batches)]
 
     def _last_stage_rank(self) -> int:
         group = self.ps.get_pipeline_model_parallel_group()
@@ -310,14 +388,17 @@ class MegatronLearner:
         return tensor
 
     @torch.no_grad()
-    def _forward_logprobs(self, model, micro_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per-token log-probs (fp32, CPU) of `model` on each micro-batch of input_ids, forward-only.
+    def _forward_logprobs(self, model, micro: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Per-token log-probs (fp32, CPU) of `model` on each micro-batch's input_ids (with its `routes`
+        replayed under routing replay), forward-only.
 
         The no-grad passes share it: the policy's (`logprobs`, the decoupled proximal policy) and the
         frozen reference's (KL penalty). They run on exactly the micro-batch shapes of the training
         pass, so identical weights give bit-identical log-probs. Every rank of the PP group gets them.
         """
-        out = self._run(model, [{"input_ids": x} for x in micro_inputs], forward_only=True,
+        micro_inputs = [mb["input_ids"] for mb in micro]
+        out = self._run(model, [{k: mb[k] for k in ("input_ids", "routes") if k in mb} for mb in micro],
+                        forward_only=True,
                         loss_fn=lambda logits, mb: (torch.zeros((), device=self.device),
                                                     self._token_logprobs(logits, mb["input_ids"].to(self.device))))
         if self.cfg.pp == 1:
@@ -330,10 +411,14 @@ class MegatronLearner:
         full = self._broadcast_from_last_stage(padded, (sum(b for b, _ in shapes), width)).cpu()
         return [part[:, :w] for part, (_, w) in zip(full.split([b for b, _ in shapes]), shapes)]
 
-    def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs [B, S] (fp32, CPU) of the whole batch under the current weights."""
+    def logprobs(self, input_ids: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token log-probs [B, S] (fp32, CPU) of the whole batch under the current weights (routes
+        [B, S, L, k]: replayed under algo.routing_replay=r3)."""
         self.model.eval()
-        return torch.cat(self._forward_logprobs(self.model, list(input_ids.split(self.cfg.micro_batch_size))))
+        rows = range(input_ids.shape[0])
+        return torch.cat(self._forward_logprobs(self.model, [
+            {"input_ids": input_ids[idx], **({"routes": routes[idx]} if routes is not None else {})}
+            for idx in torch.arange(len(rows)).split(self.cfg.micro_batch_size)]))
 
     # ------------------------------------------------------------------ the step
 
@@ -343,6 +428,11 @@ class MegatronLearner:
         totals = step.batch_totals(batch)
         fields = step.dp_share(batch, self.cfg.dp, self.ps.get_data_parallel_rank())
         micro_batches = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
+        if self.cfg.ep > 1:
+            # Every MoE layer's alltoall pairs the EP ranks micro-batch by micro-batch: same count on all.
+            count = torch.tensor(len(micro_batches))
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ps.get_expert_model_parallel_group())
+            micro_batches = step.pad_micro_batches(micro_batches, int(count))
         step.attach_extra_logprobs(micro_batches, {"proximal_logprobs": self.model if self.loss_cfg.decoupled else None,
                                                    "ref_logprobs": self.ref_model}, self._forward_logprobs)
         # policy_loss returns each micro-batch's share of the batch loss (global normalisers), so
@@ -365,7 +455,11 @@ class MegatronLearner:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._run(self.model, micro_batches, forward_only=False, loss_fn=loss_fn)
+        own_routes = [] if self.is_moe and "routes" in micro_batches[0] else None
+        self._run(self.model, micro_batches, forward_only=False, loss_fn=loss_fn, own_routes=own_routes)
+        if own_routes is not None:  # (collective over PP: every stage counts its own layers)
+            router = self._router_partials(micro_batches, own_routes, batch.learner_version)
+            stats_list = [{**st, **rp} for st, rp in zip(stats_list, router)] if self.post_process else stats_list
 
         # The batch loss = sum of micro-batch losses over the last PP stage of every DP rank.
         loss = torch.stack(losses).sum().double().cpu() if losses else torch.zeros((), dtype=torch.float64)

@@ -36,6 +36,8 @@ def dp_share(batch: TrainBatch, dp: int, dp_rank: int) -> dict[str, torch.Tensor
     fields = {"input_ids": batch.input_ids, "mask": batch.loss_mask.float(),
               "behaviour_logprobs": batch.behaviour_logprobs, "advantages": batch.advantages,
               "versions": batch.versions}
+    if batch.routes is not None:  # MoE: [B, S, L, k] recorded routes, travelling with their rows
+        fields["routes"] = batch.routes
     fields = {k: v[rows] for k, v in fields.items()}
     order = torch.argsort(sequence_lengths(fields["mask"]), descending=True, stable=True)
     return {k: v[order] for k, v in fields.items()}
@@ -52,12 +54,34 @@ def attach_extra_logprobs(micro: list[dict[str, torch.Tensor]], passes: dict, fo
     """No-grad log-probs of each micro-batch's rows under each model of `passes` (key -> model or None),
     stored in the micro-batch under that key, before the step: the decoupled objective's proximal policy
     (the weights at the start of this step) and the frozen reference (KL penalty).
-    `forward_logprobs(model, [input_ids, ...])` is the backend's own forward."""
+    `forward_logprobs(model, micro)` is the backend's own forward over the micro-batches (their input_ids,
+    and their routes where the backend replays them)."""
     for key, model in passes.items():
         if model is not None:
             model.eval()
-            for mb, lp in zip(micro, forward_logprobs(model, [mb["input_ids"] for mb in micro])):
+            for mb, lp in zip(micro, forward_logprobs(model, micro)):
                 mb[key] = lp
+
+
+def pad_micro_batches(micro: list[dict[str, torch.Tensor]], count: int) -> list[dict[str, torch.Tensor]]:
+    """The same rows in exactly `count` micro-batches (count >= len(micro)), for layers whose collectives
+    pair the ranks micro-batch by micro-batch (expert parallelism's alltoall): the micro-batch with the
+    most rows is split in two while one has more than a row; past that, one-row micro-batches repeating
+    the first row with nothing trained (mask, advantages 0: no loss, no gradient) are appended."""
+    micro = list(micro)
+    while len(micro) < count:
+        widest = max(range(len(micro)), key=lambda i: micro[i]["input_ids"].shape[0])
+        rows = micro[widest]["input_ids"].shape[0]
+        if rows > 1:
+            first, second = ({k: v[part] for k, v in micro[widest].items()}
+                             for part in (slice(0, rows // 2), slice(rows // 2, rows)))
+            micro[widest:widest + 1] = [first, second]
+        else:
+            filler = {k: v[:1].clone() for k, v in micro[0].items()}
+            filler["mask"].zero_()
+            filler["advantages"].zero_()
+            micro.append(filler)
+    return micro
 
 
 def micro_batch_loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor], learner_version: int,

@@ -1,4 +1,5 @@
-"""HF <-> megatron-core weight conversion for Qwen2/Llama-family causal LMs (pure functions), plus
+"""HF <-> megatron-core weight conversion for Qwen2/Llama-family causal LMs and their mixture-of-experts
+relatives Mixtral and Qwen3-MoE (pure functions; the MoE MLP mapping is megarl.models.moe's), plus
 `load_pretrained`, the HF-directory reader the learner and the built-in engine share.
 
 Owns the mapping between the HF state dict exactly as ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``
@@ -16,6 +17,8 @@ Layout facts the conversion encodes:
     the k head of g, the v head of g], each head ``head_dim`` rows; the bias follows the weight.
   * megatron's ``linear_fc1`` is the fused SwiGLU input projection: rows = cat[gate, up].
   * tied embeddings: megatron has no ``output_layer.weight`` and HF has no ``lm_head.weight``.
+  * Qwen3-MoE's per-head q/k RMSNorm (``self_attn.q_norm`` / ``k_norm``) is megatron's ``qk_layernorm``
+    (``self_attention.q_layernorm`` / ``k_layernorm``).
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ import os
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+from megarl.models import moe
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama") + moe.MOE_MODEL_TYPES
 
 
 def _config_dict(hf_config) -> dict:
@@ -96,10 +101,12 @@ def check_supported(hf_config) -> dict:
     """The config as a dict, or ValueError naming the architecture/feature that is not supported."""
     cfg = _config_dict(hf_config)
     model_type = cfg.get("model_type")
+    if moe.is_moe(cfg):
+        moe.check_moe(cfg)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
     for arch in cfg.get("architectures") or ():
-        if arch not in ("Qwen2ForCausalLM", "LlamaForCausalLM"):
+        if arch not in ("Qwen2ForCausalLM", "LlamaForCausalLM") + moe.MOE_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu/SwiGLU)")
@@ -123,6 +130,19 @@ def _dims(cfg: dict) -> tuple[int, int, int, int]:
 
 def _has_qkv_bias(cfg: dict) -> bool:
     return cfg["model_type"] == "qwen2"  # Qwen2 always has q/k/v bias; Llama (attention_bias=False) none
+
+
+def _has_qk_norm(cfg: dict) -> bool:
+    return cfg["model_type"] == "qwen3_moe"
+
+
+def layer_spec_kwargs(hf_config) -> dict:
+    """Keyword arguments for megatron's ``get_gpt_layer_local_spec`` of this model."""
+    cfg = check_supported(hf_config)
+    kwargs = dict(normalization="RMSNorm", qk_layernorm=_has_qk_norm(cfg))
+    if moe.is_moe(cfg):
+        kwargs.update(num_experts=moe.num_experts(cfg), moe_grouped_gemm=False)
+    return kwargs
 
 
 def _tied(cfg: dict) -> bool:
@@ -154,6 +174,8 @@ def transformer_config_kwargs(hf_config) -> dict:
         attention_dropout=0.0,
         # HF computes softmax in fp32 and RoPE in fp32; keep megatron on the same footing.
         attention_softmax_in_fp32=True,
+        qk_layernorm=_has_qk_norm(cfg),
+        **moe.transformer_config_kwargs(cfg),
     )
 
 
@@ -204,20 +226,30 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
         for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
             out[mc + f"self_attention.linear_qkv.{kind}"] = pack_qkv(
                 *(hf_state[hf + f"self_attn.{p}_proj.{kind}"] for p in "qkv"))
+        if _has_qk_norm(cfg):
+            out[mc + "self_attention.q_layernorm.weight"] = hf_state[hf + "self_attn.q_norm.weight"]
+            out[mc + "self_attention.k_layernorm.weight"] = hf_state[hf + "self_attn.k_norm.weight"]
+        if moe.is_moe(cfg):
+            out.update({mc + k: v for k, v in moe.mlp_hf_to_mcore(hf_state, cfg, i).items()})
+            continue
         out[mc + "mlp.linear_fc1.weight"] = torch.cat(
             [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]], dim=0)
         out[mc + "mlp.linear_fc2.weight"] = hf_state[hf + "mlp.down_proj.weight"]
     return out
 
 
-def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size: int = 1) -> dict:
+def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size: int = 1,
+                      expert_offset: int = 0) -> dict:
     """One decoder layer: megatron names relative to the layer (``self_attention.linear_qkv.weight``)
     -> HF names with the given global layer index.  Used by PP stages that hold only some layers.
 
     With ``tp_size`` > 1 the layer is ONE TP rank's megatron shard and the result is that rank's HF
     slices (megarl.models.tp_shard's layout): the local ``linear_qkv`` holds whole query groups, so it
     unpacks like the full one with groups / tp_size groups; the local ``linear_fc1`` is [gate_r; up_r];
-    the row-parallel ``linear_proj`` / ``linear_fc2`` shards are already HF's column slices."""
+    the row-parallel ``linear_proj`` / ``linear_fc2`` shards are already HF's column slices.
+
+    MoE layers convert the experts the layer holds (megarl.models.moe.mlp_mcore_to_hf; ``expert_offset``:
+    the global index of an EP rank's first local expert)."""
     cfg = check_supported(hf_config)
     _, heads, groups, head_dim = _dims(cfg)
     q_per_group = heads // groups
@@ -238,6 +270,12 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
         out[hf + f"self_attn.k_proj.{kind}"] = k.reshape(-1, *rest).contiguous()
         out[hf + f"self_attn.v_proj.{kind}"] = v.reshape(-1, *rest).contiguous()
     out[hf + "self_attn.o_proj.weight"] = mcore_layer["self_attention.linear_proj.weight"]
+    if _has_qk_norm(cfg):
+        out[hf + "self_attn.q_norm.weight"] = mcore_layer["self_attention.q_layernorm.weight"]
+        out[hf + "self_attn.k_norm.weight"] = mcore_layer["self_attention.k_layernorm.weight"]
+    if moe.is_moe(cfg):
+        out.update(moe.mlp_mcore_to_hf(mcore_layer, cfg, hf_layer_index, expert_offset))
+        return out
     gate, up = mcore_layer["mlp.linear_fc1.weight"].chunk(2, dim=0)
     out[hf + "mlp.gate_proj.weight"] = gate.contiguous()
     out[hf + "mlp.up_proj.weight"] = up.contiguous()

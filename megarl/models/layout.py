@@ -20,17 +20,28 @@ where each rule comes from:
               learner.tp, megarl.config.load checks that).
   learner.dp  no model rule: with learner.use_distributed_optimizer megatron pads every gradient bucket
               to a multiple of dp (param_and_grad_buffer._pad_end_of_bucket_if_needed), so any dp shards.
-Rules that need no model (a batch smaller than learner.dp, sampler.tp not 1 or learner.tp) are in
-megarl.config.load.validate.
+  learner.ep  a mixture-of-experts model only; num_experts % ep == 0: megatron's MoE layer asserts
+              "num_moe_experts must be divisible by expert_model_parallel_size" (each EP rank holds E / ep).
+              An MoE model with learner.tp > 1: megatron 0.16.1's MoE layer refuses training under TP
+              without sequence parallelism (moe_layer.py), which megarl's learner does not use.
+  algo.routing_replay=r3  a mixture-of-experts model.
+  learner.backend  deepspeed trains dense models only: transformers 5.x holds an MoE model's experts fused in
+              memory (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.gate``), so the DeepSpeed learner would
+              publish and export names no engine loads (they load save_pretrained's per-expert names).
+Rules that need no model (a batch smaller than learner.dp, sampler.tp not 1 or learner.tp, learner.ep not
+dividing learner.dp) are in megarl.config.load.validate.
 """
 from __future__ import annotations
+
+from megarl.models import moe
 
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, sampler_tp: int = 1) -> None:
+def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, sampler_tp: int = 1,
+                 learner_ep: int = 1, routing_replay: str = "off", learner_backend: str = "megatron") -> None:
     """ValueError naming the config key and the model dimension it does not divide; a dimension the
     check needs but config.json lacks is named too."""
 
@@ -47,6 +58,26 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
             raise ValueError(f"learner.pp={learner_pp}: pipeline parallel size {learner_pp} does not divide "
                              f"num_hidden_layers={layers} (megatron gives every stage the same number of layers; "
                              f"this model allows learner.pp in {_divisors(layers)})")
+    if not moe.is_moe(hf_config):
+        if learner_ep > 1:
+            raise ValueError(f"learner.ep={learner_ep}: expert parallelism needs a mixture-of-experts model; "
+                             f"model_type {hf_config.get('model_type')!r} is dense")
+        if routing_replay != "off":
+            raise ValueError(f"algo.routing_replay={routing_replay}: routing replay needs a mixture-of-experts "
+                             f"model; model_type {hf_config.get('model_type')!r} is dense")
+    else:
+        if learner_backend != "megatron":
+            raise ValueError(f"learner.backend={learner_backend}: mixture-of-experts models train on the megatron "
+                             "learner only (transformers holds the experts fused in memory, so the DeepSpeed learner "
+                             "would publish names no engine loads); use learner.backend=megatron")
+        experts = moe.num_experts(hf_config)
+        if experts % learner_ep:
+            raise ValueError(f"learner.ep={learner_ep}: expert parallel size {learner_ep} does not divide "
+                             f"num_experts={experts} (this model allows learner.ep in {_divisors(experts)})")
+        if learner_tp > 1:
+            raise ValueError(f"learner.tp={learner_tp}: megatron-core 0.16.1 trains an MoE layer under tensor "
+                             "parallelism only with sequence parallelism, which megarl's learner does not use; "
+                             "shard the experts with learner.ep (and learner.pp / learner.dp)")
     tp = max(learner_tp, sampler_tp)
     if tp > 1:
         keys = "learner.tp/sampler.tp" if sampler_tp > 1 else "learner.tp"

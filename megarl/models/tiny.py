@@ -389,6 +389,16 @@ class EmbeddedSpec:
     max_new_tokens: int = 4
     # build_config overrides as (key, value) pairs; () = the default tiny config (and its hash).
     config: tuple = ()
+    # The Mixtral-style mixture-of-experts variant (megarl/models/tiny_moe.py) instead of the dense Qwen2.
+    moe: bool = False
+
+    def model_config(self):
+        """The HF config this spec builds (the MoE one from tiny_moe, else build_config)."""
+        if self.moe:
+            from megarl.models.tiny_moe import build_moe_config
+
+            return build_moe_config(VOCAB_SIZE, EOS_ID, PAD_ID, **dict(self.config))
+        return build_config(**dict(self.config))
 
 
 # vLLM's CPU attention needs head_dim >= 32; the default config has 64 / 4 = 16. These variants have
@@ -415,6 +425,9 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-qwen2-count-hd32": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                           max_new_tokens=COUNT_MAX_NEW_TOKENS, config=HEAD_DIM_32),
     "tiny-qwen2-arith": EmbeddedSpec(task=ArithmeticTask(), recipe=WarmStartRecipe()),
+    # The mixture-of-experts demo's model (configs/moe.yaml, docs/moe.md): a tiny Mixtral, same task and recipe.
+    "tiny-mixtral-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
+                                       max_new_tokens=COUNT_MAX_NEW_TOKENS, moe=True),
     # The multi-turn demo's chat model (megarl/models/tiny_chat.py): tool calls, episodes of ~75 tokens.
     "tiny-qwen2-tool": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
                                     max_new_tokens=16, config=(("max_position_embeddings", 256),)),
@@ -432,7 +445,7 @@ def _spec_hash(spec: EmbeddedSpec) -> str:
     # instead of silently reusing a stale one.
     import transformers
 
-    config = build_config(**dict(spec.config)).to_dict()
+    config = spec.model_config().to_dict()
     blob = json.dumps({"task": asdict(spec.task), "recipe": asdict(spec.recipe), "config": config,
                        "max_new_tokens": spec.max_new_tokens,
                        "transformers_major": transformers.__version__.split(".")[0]}, sort_keys=True, default=str)
@@ -441,7 +454,7 @@ def _spec_hash(spec: EmbeddedSpec) -> str:
 
 def build_embedded_model(name: str, out_dir: str | Path) -> dict:
     """Create, warm-start, evaluate and save the named model into out_dir; returns the build record."""
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import GenerationConfig, MixtralForCausalLM, Qwen2ForCausalLM
 
     spec = EMBEDDED_MODELS[name]
     out_dir = Path(out_dir)
@@ -457,7 +470,7 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.recipe.seed)
-            model = Qwen2ForCausalLM(build_config(**dict(spec.config)))
+            model = (MixtralForCausalLM if spec.moe else Qwen2ForCausalLM)(spec.model_config())
             warm_start(model, tokenizer, spec.task, spec.recipe)
         train_s = time.perf_counter() - t0
         if isinstance(spec.task, CountTask):

@@ -45,6 +45,7 @@ class Console:
         self.line = ""
         self.last_step = 0
         self.evals: list[tuple[int, dict[str, float]]] = []  # (version, metrics) of every evaluation reported
+        self.router: dict[str, list[float]] = {}  # MoE: router agreement metrics of every step, by name
 
     def update(self, step: int, metrics: dict[str, float], version_counts: list[int]) -> None:
         """Step `step` (1-based) is trained; `version_counts`: distinct versions of each of its rollouts."""
@@ -52,6 +53,9 @@ class Console:
         self.rewards.append(metrics.get("reward_mean", float("nan")))
         self.version_counts.extend(version_counts)
         self.last_step = step
+        for key, value in metrics.items():
+            if key.startswith("router/") or key.endswith("/router_agreement"):
+                self.router.setdefault(key, []).append(value)
         if self.first_update is None:
             self.first_update = (now, step)
         if not self.enabled:
@@ -106,11 +110,22 @@ class Console:
             f"(mean of the first -> last 10% of steps)",
             f"megarl: {n} rollouts trained; {self.share(2):.1%} hold tokens of >= 2 policy versions, "
             f"{self.share(3):.1%} of >= 3; {sum(self.version_counts) / max(1, n):.2f} versions per rollout",
+            *self._router_summary(),
             f"megarl: outputs in {self.run_dir}/ (metrics.jsonl, rollouts.jsonl, tensorboard/, timeline/)",
             f"megarl: draw them: python benchmarks/plot_rollouts.py {self.run_dir}   (rollouts coloured by version)",
             f"megarl:            python benchmarks/plot_timeline.py {self.run_dir}   (generated tokens/s over time)",
             *evals,
         ])
+
+    def _router_summary(self) -> list[str]:
+        """MoE runs: how often the learner's router chose the sampler's experts (mean over steps)."""
+        if "router/agreement" not in self.router:
+            return []
+        mean = {k: sum(v) / len(v) for k, v in self.router.items()}
+        by_lag = ", ".join(f"{k.split('/')[0]} {v:.1%}" for k, v in sorted(mean.items()) if k.endswith("/router_agreement"))
+        return [f"megarl: router agreement sampler vs learner {mean['router/agreement']:.1%} of routing decisions "
+                f"({by_lag}); {mean.get('router/token_diff_frac', 0.0):.1%} of trained tokens routed differently in "
+                f"some layer (with routing replay: what the learner's router would have chosen)"]
 
     def close(self) -> None:
         """The summary, once the run reached its last step (a failed run ends with its error instead)."""

@@ -39,6 +39,7 @@ from megarl.observe.sinks import MetricsSink, RolloutSink
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Sample, TrainBatch
 from megarl.rollout.batch import assemble_batch, is_stale, is_zero_variance
+from megarl.rollout.routes import RouteShape
 from megarl.rollout.rewards import RewardErrorWindow
 
 STOP_KEY = "stop"
@@ -77,10 +78,13 @@ class Intake:
     """Learner rank 0's side of the queue: collects usable groups, assembles batches, and keeps the
     per-sampler count of retired groups that every publish header reports back."""
 
-    def __init__(self, cfg: Config, store, pad_id: int, topo: Topology):
+    def __init__(self, cfg: Config, store, pad_id: int, topo: Topology, route_shape: RouteShape | None = None):
         self.cfg, self.pad_id, self.num_learners, self.store = cfg, pad_id, topo.num_learners, store
+        self.route_shape = route_shape  # MoE models: the routes every sample carries
+        route_bytes = 0 if route_shape is None else route_shape.layers * route_shape.top_k * route_shape.dtype.itemsize
         self.queue = QueueReceiver(store, cfg.queue.host, run_secret(),
-                                   max_message_bytes(cfg.queue.max_message_mb, cfg.algo.group_size, cfg.sampler.max_seq_len))
+                                   max_message_bytes(cfg.queue.max_message_mb, cfg.algo.group_size,
+                                                     cfg.sampler.max_seq_len, route_bytes))
         self.heartbeats = sampler_heartbeats(cfg, store, topo)
         self.retired: Counter[int] = Counter()  # groups per sampler rank that left (trained or dropped)
         self.position = DataPosition()  # which group indices left, per sampler stream (checkpointed)
@@ -93,7 +97,9 @@ class Intake:
         groups, dropped, wait_s = _collect_groups(self.queue, self.cfg, version, self.drop, self.sampler_stats,
                                                   on_wait=self._on_wait)
         self.dropped_totals.update(dropped)
-        batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, self.pad_id, learner_version=version)
+        batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, self.pad_id, learner_version=version,
+                                        route_shape=self.route_shape,
+                                        routes_required=self.cfg.algo.routing_replay == "r3")
         for group in groups:
             self.retire(group)
         metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
@@ -243,7 +249,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     torch.set_num_threads(cfg.learner.threads)
     # A raw torchrun launch skipped `megarl train`'s check: refuse the layout naming its key, before megatron asserts.
     check_layout(json.loads((Path(model_dir) / "config.json").read_text()), cfg.learner.tp, cfg.learner.pp,
-                 cfg.sampler.tp)
+                 cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay, cfg.learner.backend)
     if cfg.sampler.engine == "sglang":  # before any NCCL communicator: NCCL reads these once
         from megarl.distributed.sglang_publish import set_publish_nccl_env
         set_publish_nccl_env()
@@ -268,7 +274,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     schedule = Schedule(cfg, start_step)
     intake, outputs, collector = None, None, None
     if lead:
-        intake = Intake(cfg, store, AutoTokenizer.from_pretrained(model_dir).pad_token_id, topo)
+        intake = Intake(cfg, store, AutoTokenizer.from_pretrained(model_dir).pad_token_id, topo,
+                        RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text())))
         recovery = {}
         if resumed:
             intake.resume(resumed["run"]["data_position"])

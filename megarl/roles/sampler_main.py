@@ -23,6 +23,7 @@ queued cannot grow without bound when the learner slows down.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import threading
 import time
@@ -49,11 +50,28 @@ from megarl.rollout.environment import is_multi_turn
 from megarl.rollout.episode import Episode, EpisodeLimits, EpisodeRunner
 from megarl.rollout.rewards import check_reward, score_group
 from megarl.rollout.sandbox import hide_from_sandboxes
+from megarl.rollout.routes import RouteShape, check_routes
 from megarl.rollout.tasks import prompt_rng, task_from_config
 
 STOP_POLL_S = 0.2
 REWARD_REPORT_S = 30.0  # a spent reward budget is printed at most this often (each one is counted)
 MAX_CONSECUTIVE_SKIPS = 1000
+
+
+def check_sample_routes(samples: list[Sample], shape: RouteShape | None, routing_replay: str, engine: str) -> None:
+    """Where a group is assembled: ValueError naming sampler.engine for a sample whose routes do not fit the
+    model, or that has none under algo.routing_replay=r3 (never send what the learner would train
+    unreplayed).  With replay off a sample may come without routes (an engine that does not record them);
+    a dense model (shape None) has none to check."""
+    if shape is None:
+        return
+    for sample in samples:
+        if sample.routes is None and routing_replay != "r3":
+            continue
+        try:
+            check_routes(sample, shape)
+        except ValueError as exc:
+            raise ValueError(f"megarl: routes from sampler.engine={engine}: {exc}") from None
 
 
 def builtin_engine(cfg: Config, topo: Topology, model_dir: Path, tp_group):
@@ -102,6 +120,8 @@ class SamplerLoop:
             self.engine = builtin_engine(cfg, topo, model_dir, None)
         # Sandboxed code (a python_output program, a tool call, a sandboxed reward) must not read the answers.
         hide_from_sandboxes(cfg.run.dir, cfg.task.path, cfg.checkpoint.dir)
+        # MoE models: every sample's routes are checked here, where the sample is assembled (None: dense).
+        self.route_shape = RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text()))
         self.task = task_from_config(cfg.task)
         if ":" in cfg.task.reward_fn and topo.role_rank == 0:  # `megarl train` checked it; a raw torchrun did not
             print(f"megarl: {check_reward(self.task, cfg.task.reward_fn)}", flush=True)
@@ -314,7 +334,9 @@ class SamplerLoop:
         for c, text, (reward, error) in zip(done, texts, scored.scores):
             samples.append(Sample(group_id=group_id, prompt=prompt.text, completion=text, prompt_ids=c.prompt_ids,
                                   token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions, reward=reward,
-                                  finish_reason=c.finish_reason, sampler_rank=self.topo.rank, reward_error=error))
+                                  finish_reason=c.finish_reason, sampler_rank=self.topo.rank, reward_error=error,
+                                  routes=c.routes))
+        self._check_routes(samples)
         sender.send_group(samples, self._stats())
 
     def _finish_episode(self, episode: Episode, sender: QueueSender) -> None:
@@ -324,14 +346,18 @@ class SamplerLoop:
         samples = [Sample(group_id=group_id, prompt=e.prompt.text, completion=self.tokenizer.decode(e.token_ids),
                           prompt_ids=e.prompt_ids, token_ids=e.token_ids, logprobs=e.logprobs, versions=e.versions,
                           reward=e.reward, finish_reason=e.finish_reason, sampler_rank=self.topo.rank,
-                          reward_error=e.error, env_spans=e.env_spans, turns=e.turns)
+                          reward_error=e.error, env_spans=e.env_spans, turns=e.turns, routes=e.sample_routes())
                    for e in sorted(entry["done"], key=lambda e: int(e.key.rsplit("/", 1)[1]))]
+        self._check_routes(samples)
         failed = next((s.reward_error for s in samples if s.reward_error is not None), None)
         if failed is not None and time.monotonic() >= self.next_reward_report:  # said at most every REWARD_REPORT_S
             self.next_reward_report = time.monotonic() + REWARD_REPORT_S
             print(f"megarl: sampler {self.topo.role_rank}: an episode failed, scored 0 ({failed}); "
                   f"{self.episodes.env_failures} environment failure(s) so far", flush=True)
         sender.send_group(samples, self._stats())
+
+    def _check_routes(self, samples: list[Sample]) -> None:
+        check_sample_routes(samples, self.route_shape, self.cfg.algo.routing_replay, self.cfg.sampler.engine)
 
     def _stats(self) -> dict[str, float]:
         """Running counters sent with every group (the learner logs them as sampler{rank}/...)."""

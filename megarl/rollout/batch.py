@@ -9,6 +9,7 @@ import torch
 from megarl.algo.advantages import compute_advantages, filter_groups
 from megarl.algo.config import AdvantageConfig
 from megarl.protocols import Sample, TrainBatch
+from megarl.rollout.routes import RouteShape, pack_routes
 
 
 def group_lag(group: list[Sample], learner_version: int) -> int:
@@ -27,13 +28,16 @@ def is_zero_variance(group: list[Sample]) -> bool:
 
 
 def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id: int,
-                   learner_version: int) -> tuple[TrainBatch, dict[str, float]]:
+                   learner_version: int, route_shape: RouteShape | None = None,
+                   routes_required: bool = False) -> tuple[TrainBatch, dict[str, float]]:
     """The TrainBatch of these groups, and counts of what the advantage filters left out.
 
     Samples a filter drops (e.g. truncated ones with advantage.drop_truncated) stay in the batch
     with loss_mask 0: their rewards still count in their group's baseline. A multi-turn episode's
     environment tokens are in input_ids (the model saw them) with loss_mask 0 (it did not choose them);
-    its advantage covers every model token of every turn.
+    its advantage covers every model token of every turn. For an MoE model (route_shape) the samples'
+    recorded routes are packed (megarl.rollout.routes); with routes_required (routing replay) a sample
+    without valid routes raises ValueError naming its sampler rank.
     """
     samples = [s for g in groups for s in g]
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
@@ -55,5 +59,6 @@ def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id:
         versions[i, p:p + c] = torch.tensor(s.versions)
         adv[i, p:p + c] = advantages[i]
     batch = TrainBatch(input_ids=input_ids, loss_mask=loss_mask, behaviour_logprobs=behaviour,
-                       versions=versions, advantages=adv, learner_version=learner_version, samples=samples)
+                       versions=versions, advantages=adv, learner_version=learner_version, samples=samples,
+                       routes=pack_routes(samples, width, route_shape, routes_required))
     return batch, counts

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import numpy as np
+
 from megarl.protocols import Completion, GenerationRequest, Prompt, SamplingParams
 from megarl.rollout.chat import Addition, ChatFormatError, ChatTranscript, OverContextError
 from megarl.rollout.environment import check_observation
@@ -47,6 +49,9 @@ class Episode:
     versions: list[int] = field(default_factory=list)
     env_spans: list[tuple[int, int]] = field(default_factory=list)
     turns: int = 0
+    # MoE models: the routes of the latest model turn's request, which (re)computed every position before
+    # its last token: the turn's prompt is the whole episode so far, prefilled anew (docs/moe.md).
+    routes: np.ndarray | None = None
     finish_reason: str = "stop"
     reward: float = 0.0
     error: str | None = None
@@ -64,6 +69,7 @@ class Episode:
         self.chat.add_model_turn(completion.token_ids, stop_token_ids)
         self.logprobs.extend(completion.logprobs)
         self.versions.extend(completion.versions)
+        self.routes = completion.routes
         self.turns += 1
 
     def add_environment_turn(self, addition: Addition) -> None:
@@ -74,6 +80,21 @@ class Episode:
         self.versions.extend([-1] * len(added))
         if added:
             self.env_spans.append((start, start + len(added)))
+
+    def sample_routes(self) -> np.ndarray | None:
+        """Routes of every position of the finished episode (prompt + tokens - 1 rows), None without routes.
+
+        The latest turn's request computed the positions before its last token; what follows -- that token
+        as an input, the chat markers after it, a final environment turn -- no engine computed, and no
+        trained token's log-prob depends on them (each is predicted from earlier positions only), so their
+        rows get experts 0..k-1, the filler megarl.rollout.routes pads a batch with."""
+        if self.routes is None:
+            return None
+        rows = len(self.chat.ids) - 1
+        filled = np.empty((rows, *self.routes.shape[1:]), dtype=self.routes.dtype)
+        filled[:] = np.arange(self.routes.shape[2], dtype=self.routes.dtype)
+        filled[:len(self.routes)] = self.routes
+        return filled
 
     def end(self, reward: float, finish_reason: str | None = None, error: str | None = None) -> None:
         self.reward, self.error, self.done = float(reward), error, True

@@ -25,6 +25,12 @@ of running requests (a gather of just the asked-for tokens), and `cancel()` remo
 requests and returns their partial output as completions with finish_reason "abort".  Neither adds
 work to a step.
 
+Mixture-of-experts models: every position the engine computes -- a prompt's prefill, each decode step's
+input token, a `recompute` re-prefill -- writes the experts its routers chose into the slot's route
+buffer (uint8, or int16 past 255 experts; allocated only for an MoE model), so a finished request's
+routes are those of the weights that computed each position (a re-prefill overwrites them).  A
+completion carries them as `Completion.routes` [prompt + completion - 1, layers, top_k].
+
 Tensor parallelism: with `tp_group` (t ranks) the engine holds only its rank's weight slices
 (`megarl.models.tp_shard`) and its share of the KV heads; the forward sums partial products over the
 group and every rank computes the same logits.  Every rank must then run the same steps with the same
@@ -40,9 +46,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+import numpy as np
 import torch
 
-from megarl.models import tp_shard
+from megarl.models import moe, tp_shard
 from megarl.protocols import Completion, GenerationRequest
 from megarl.sampler.model import (
     KVCache,
@@ -219,6 +226,13 @@ class BuiltinEngine:
             "top_k": torch.zeros(slots, dtype=long, device=self.device),
             "stop_ids": torch.full((slots, 1), -1, dtype=long, device=self.device),  # padded with -1
         }
+        if self.spec.is_moe:
+            # The routes of every position of every slot (see the module docstring), and one decode step's.
+            route_shape = (self.spec.num_layers, self.spec.top_k)
+            dtype = torch.from_numpy(np.zeros(0, moe.routes_dtype(hf_config))).dtype  # uint8; int16 past 255 experts
+            self._slot["routes"] = torch.zeros(slots, max_seq_len, *route_shape, dtype=dtype, device=self.device)
+            self._decode_routes = torch.zeros(slots, 1, *route_shape, dtype=dtype, device=self.device)
+            self._slot_index = torch.arange(slots, device=self.device)
 
         # Guards _staged and _retired, the only state another thread touches; notified when a version is staged.
         self._lock = threading.Condition(threading.Lock())
@@ -465,7 +479,12 @@ class BuiltinEngine:
         # (seq_len >= prompt_len + 1 >= 2 for a running sequence, so the index is valid.)
         last_cached = self._slot["pos"][:n] - 1
         forward(self.spec, self._weights, self._tables, self._cache, ids, positions,
-                attn_len=span, logit_index=last_cached, tp_group=self.tp_group)
+                attn_len=span, logit_index=last_cached, tp_group=self.tp_group, routes=self._routes(slice(0, n), span))
+
+    def _routes(self, rows: slice, width: int) -> torch.Tensor | None:
+        """The route buffer of slots `rows`, positions [0, width): a view the forward writes into (MoE only).
+        Positions a row computes past its sequence end (right padding) are rewritten before they count."""
+        return self._slot["routes"][rows, :width] if self.spec.is_moe else None
 
     def _admit(self) -> list[Completion]:
         start = len(self._running)
@@ -492,8 +511,9 @@ class BuiltinEngine:
             for r, n in zip(requests, lens)]
         self._refresh_running_flags()
         positions = torch.arange(width, device=self.device).expand(count, width)
-        logits = forward(self.spec, self._weights, self._tables, self._cache, ids, positions,
-                         slot_start=start, attn_len=width, logit_index=prompt_lens - 1, tp_group=self.tp_group)
+        logits = forward(self.spec, self._weights, self._tables, self._cache, ids, positions, slot_start=start,
+                         attn_len=width, logit_index=prompt_lens - 1, tp_group=self.tp_group,
+                         routes=self._routes(rows, width))
         tokens = self._sample_and_append(rows, logits)
         self._max_len = max(self._max_len, width + 1)
         self._stats["prefill_tokens"] += sum(lens)
@@ -522,8 +542,11 @@ class BuiltinEngine:
         n, s = len(self._running), self._slot
         pos = s["pos"][:n]
         ids = s["tokens"][:n].gather(1, pos[:, None])
+        step_routes = self._decode_routes[:n] if self.spec.is_moe else None
         logits = forward(self.spec, self._weights, self._tables, self._cache, ids, pos[:, None],
-                         attn_len=self._max_len, tp_group=self.tp_group)
+                         attn_len=self._max_len, tp_group=self.tp_group, routes=step_routes)
+        if step_routes is not None:  # the input token's routes, at its position
+            s["routes"][self._slot_index[:n], pos] = step_routes[:, 0]
         pos += 1  # in place: each sampled token goes one position further
         tokens = self._sample_and_append(slice(0, n), logits[:, 0])
         self._decode_count += 1
@@ -569,8 +592,10 @@ class BuiltinEngine:
         """The completions of running `slots` (ascending) with their finish reasons; frees and packs the slots."""
         index = torch.tensor(slots, device=self.device)
         token_rows, logprob_rows = self._slot["tokens"][index].tolist(), self._slot["logprobs"][index].tolist()
+        route_rows = self._slot["routes"][index].cpu().numpy() if self.spec.is_moe else [None] * len(slots)
         completions = []
-        for slot, reason, token_row, logprob_row in zip(slots, finish_reasons, token_rows, logprob_rows):
+        for slot, reason, token_row, logprob_row, route_row in zip(slots, finish_reasons, token_rows, logprob_rows,
+                                                                   route_rows):
             record = self._running[slot]
             begin, end = record.prompt_len, self._seq_len(record)
             completions.append(Completion(
@@ -580,6 +605,8 @@ class BuiltinEngine:
                 logprobs=logprob_row[begin:end],
                 versions=record.versions(end - begin),
                 finish_reason=reason,
+                # Every position but the last token's (never an input); a copy, not a view of the batch.
+                routes=None if route_row is None else route_row[:end - 1].copy(),
             ))
         self._pack_slots(set(slots))
         return completions

@@ -1,4 +1,4 @@
-"""Pure-torch forward pass of a Qwen2/Llama-family decoder, for the built-in sampler engine.
+"""Pure-torch forward pass of a Qwen2/Llama-family decoder (and Mixtral-style MoE), for the built-in sampler engine.
 
 This module owns the model math and the KV-cache layout; it owns no scheduling (that is
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
@@ -20,6 +20,15 @@ memory they touch, not by FLOPs; the layout choices (documented where they are m
 docs/sampler.md) remove kernels.  Numerics follow transformers' (RoPE and RMSNorm in fp32, HF's
 ``rotate_half`` pairing, same attention scale): fp32 log-probs agree with HF to ~2e-6.
 
+Mixture of experts (``model_type: mixtral``): every layer's MLP is a router and `num_experts` SwiGLU
+experts.  The router is Mixtral's: softmax over the router logits in fp32, the top-k probabilities
+renormalised to sum to 1, each chosen expert's output weighted by its share.  The forward computes all
+experts of a layer in two matmuls and combines them with a [tokens, experts] weight that is zero off
+the chosen k (the same sum transformers' per-expert loop makes, in another order): at the sizes this CPU
+engine serves, a decode step is bound by kernel count, not FLOPs (E / k times the expert FLOPs is the
+price).  `forward(..., routes=buf)` writes each position's top-k expert indices per MoE layer, in the
+router's top-k order, into `buf` (the engine's route records, docs/moe.md).
+
 Tensor parallelism: `ModelSpec.shard(t)` is the spec of one TP rank, whose weights are that rank's
 slices in the layout of `megarl.models.tp_shard` (whole heads of q/k/v, rows of gate/up, columns of
 o_proj/down_proj, vocab rows of the embedding and lm_head; norms whole).  `forward(..., tp_group=g)`
@@ -37,7 +46,7 @@ import torch.nn.functional as F
 from megarl.models import convert, tp_shard
 from megarl.models.convert import load_pretrained  # noqa: F401 - the engine's loader, shared with the learner
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,14 @@ class ModelSpec:
     rope_scaling: dict | None = None  # megarl.models.convert.rope_scaling: linear or llama3 (HF's definitions)
     # > 1: the spec of one tensor-parallel rank (`shard`): the head and intermediate counts are per rank.
     tp_size: int = 1
+    # Mixture of experts (model_type mixtral): experts per MoE layer (every layer is one; 0 = dense) and
+    # experts per token; `intermediate_size` is then one expert's width.
+    num_experts: int = 0
+    top_k: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelSpec":
@@ -72,6 +89,8 @@ class ModelSpec:
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
         if cfg.get("use_sliding_window"):
             raise ValueError("use_sliding_window=True is not supported (full attention only)")
+        if model_type == "mixtral" and cfg.get("sliding_window"):
+            raise ValueError(f"sliding_window={cfg['sliding_window']} is not supported (full attention only)")
         layer_types = cfg.get("layer_types") or []
         if any(t != "full_attention" for t in layer_types):
             raise ValueError(f"layer_types={layer_types!r} is not supported (full_attention only)")
@@ -95,6 +114,11 @@ class ModelSpec:
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         # Qwen2 always has q/k/v biases and none on o_proj; Llama's attention_bias covers q/k/v/o.
         attention_bias = bool(cfg.get("attention_bias", False))
+        num_experts = int(cfg.get("num_local_experts") or 0) if model_type == "mixtral" else 0
+        top_k = int(cfg.get("num_experts_per_tok") or 0) if model_type == "mixtral" else 0
+        if model_type == "mixtral" and not (num_experts >= 2 and 1 <= top_k <= num_experts):
+            raise ValueError(f"num_local_experts={num_experts}, num_experts_per_tok={top_k}: a mixture of experts "
+                             f"needs >= 2 experts and 1 <= experts per token <= experts")
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -111,6 +135,8 @@ class ModelSpec:
             o_bias=model_type == "llama" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             rope_scaling=rope_scaling,
+            num_experts=num_experts,
+            top_k=top_k,
         )
 
     def shard(self, tp_size: int) -> "ModelSpec":
@@ -122,6 +148,9 @@ class ModelSpec:
             raise ValueError(f"this spec is already one of {self.tp_size} tensor-parallel shards")
         if tp_size < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {tp_size}")
+        if self.is_moe and tp_size > 1:
+            raise ValueError(f"tensor parallelism (tp={tp_size}) is not supported for mixture-of-experts models "
+                             f"({self.model_type}) in the built-in engine; run it with tp=1")
         tp_shard.check_divisible(self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size,
                                  tp_size)
         return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
@@ -149,6 +178,12 @@ class ModelSpec:
             shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)
+            if self.is_moe:
+                shapes[p + "block_sparse_moe.gate.weight"] = (self.num_experts, h)
+                for e in range(self.num_experts):
+                    for name, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i))):
+                        shapes[p + f"block_sparse_moe.experts.{e}.{name}.weight"] = shape
+                continue
             for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
                 shapes[p + f"mlp.{name}.weight"] = shape
                 if self.mlp_bias:
@@ -255,9 +290,12 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     o_proj: torch.Tensor
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # [hidden, 2 * intermediate]: gate_proj, up_proj stacked, post_attention_layernorm folded in
+    # Dense: [hidden, 2 * intermediate]: gate_proj, up_proj stacked, post_attention_layernorm folded in.
+    # MoE: [hidden, experts + experts * 2 * intermediate]: the router, then every expert's (w1, w3) pair,
+    # post_attention_layernorm folded in (one matmul gives the router logits and every expert's gate/up).
+    gate_up: torch.Tensor
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: torch.Tensor  # MoE: [experts * intermediate, hidden], every expert's w2 stacked along its input
     down_bias: torch.Tensor | None
 
 
@@ -313,19 +351,30 @@ def prepare_weights(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Runtim
     def bias(*names: str) -> torch.Tensor | None:
         return torch.cat([w[n] for n in names]) if names[0] in w else None
 
+    def moe_parts(moe: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """([router, w1_0, w3_0, w1_1, w3_1, ...] as [out, in] parts, the stacked w2s as [E * i, hidden])."""
+        experts = range(spec.num_experts)
+        gate_up = [t for e in experts for t in (w[f"{moe}experts.{e}.w1.weight"], w[f"{moe}experts.{e}.w3.weight"])]
+        down = torch.cat([w[f"{moe}experts.{e}.w2.weight"] for e in experts], dim=1).t().contiguous()
+        return [w[moe + "gate.weight"], *gate_up], down
+
     layers = []
     for layer in range(spec.num_layers):
         p = f"model.layers.{layer}."
         attn, mlp = p + "self_attn.", p + "mlp."
+        if spec.is_moe:
+            gate_up_parts, down = moe_parts(p + "block_sparse_moe.")
+        else:
+            gate_up_parts = [w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]
+            down = _mm_operand(w[mlp + "down_proj.weight"])
         layers.append(LayerWeights(
             qkv=stacked(qkv_parts(attn, "weight"), p + "input_layernorm.weight"),
             qkv_bias=torch.cat(qkv_parts(attn, "bias")) if spec.qkv_bias else None,
             o_proj=_mm_operand(w[attn + "o_proj.weight"]),
             o_bias=w.get(attn + "o_proj.bias"),
-            gate_up=stacked([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]],
-                            p + "post_attention_layernorm.weight"),
+            gate_up=stacked(gate_up_parts, p + "post_attention_layernorm.weight"),
             gate_up_bias=bias(mlp + "gate_proj.bias", mlp + "up_proj.bias"),
-            down=_mm_operand(w[mlp + "down_proj.weight"]),
+            down=down,
             down_bias=w.get(mlp + "down_proj.bias"),
         ))
     embed = w["model.embed_tokens.weight"]
@@ -413,6 +462,7 @@ def forward(
     attn_len: int | None = None,
     logit_index: torch.Tensor | None = None,
     tp_group=None,
+    routes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run B rows of T tokens through the decoder, writing their K/V into the cache.
 
@@ -428,6 +478,8 @@ def forward(
     tp_group: for a `ModelSpec.shard` spec, the process group of the spec's tp_size ranks (each with
     its own slices, cache and the same inputs); every rank of it must call forward with the same
     inputs, and every rank gets the same logits.
+    routes: for an MoE spec, an integer tensor [B, T, num_layers, top_k] (a view is fine) that receives
+    each token's chosen experts per layer, in the router's top-k order; ignored for a dense spec.
 
     The residual stream is kept as [B*T, hidden] so every projection is a plain 2-D matmul.
     """
@@ -471,6 +523,12 @@ def forward(
             x = _add_row_parallel(x, attn, lw.o_proj, lw.o_bias, tp_group)
 
         h = _rms_norm(x, tables)
+        if spec.is_moe:
+            chosen, act = _moe_experts(spec, _linear(h, lw.gate_up, None))
+            if routes is not None:
+                routes[:, :, layer] = chosen.view(bsz, seq, spec.top_k)
+            x = _add_linear(x, act, lw.down, None)
+            continue
         gate, up = _linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
         if tp_group is None:
             x = _add_linear(x, F.silu(gate) * up, lw.down, lw.down_bias)
@@ -481,6 +539,22 @@ def forward(
         x = x.view(bsz, seq, -1)[torch.arange(bsz, device=x.device), logit_index]
     logits = _lm_head(_rms_norm(x, tables) * weights.norm, weights.lm_head, tp_group)
     return logits if logit_index is not None else logits.view(bsz, seq, -1)
+
+
+def _moe_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral's routing over one layer's fused projection [N, E + E * 2 * i] (router logits, then each
+    expert's gate and up).  Returns (the chosen experts [N, k] in top-k order, the weighted expert
+    activations [N, E * i], the input of the stacked w2s).
+
+    As transformers' MixtralTopKRouter: softmax over the logits in fp32, top-k of the probabilities,
+    renormalised over the k; an expert's SwiGLU activation is scaled by its share (zero off the k)."""
+    experts, tokens = spec.num_experts, projected.shape[0]
+    probs = torch.softmax(projected[:, :experts].float(), dim=-1)
+    top_probs, chosen = torch.topk(probs, spec.top_k, dim=-1)
+    share = torch.zeros_like(probs).scatter_(1, chosen, top_probs / top_probs.sum(dim=-1, keepdim=True))
+    gate_up = projected[:, experts:].view(tokens, experts, 2, spec.intermediate_size)
+    act = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * share.to(projected.dtype)[:, :, None]
+    return chosen, act.view(tokens, experts * spec.intermediate_size)
 
 
 def _attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, group: int) -> torch.Tensor:

@@ -24,6 +24,13 @@ on everything it returns. When meta_info carries `weight_versions` spans (newer 
 built-in server) they are the scheduler's own per-token accounting and are used as they are.
 Otherwise every token takes the label of the first stream chunk that delivered it.
 
+Routes (mixture-of-experts models under algo.routing_replay=r3): SGLang's own contract. The server is
+launched with --enable-return-routed-experts, every /generate asks `return_routed_experts: true`, and a
+finished request's meta_info["routed_experts"] is base64 of SGLang's int32 [prompt + completion - 1,
+num_hidden_layers, num_experts_per_tok] array (state_capturer/base.py get_topk: the routes its capturer
+recorded per KV slot, i.e. by the weights that computed each position); `routes_from_meta` turns it into
+the sample's routes. A release without the field is refused for r3, naming it (`check_routed_experts`).
+
 A request the server aborts (finish_reason "abort": someone paused with mode "abort", or the server
 gave up on it) fails with SGLangError naming how many tokens it had: megarl never asks for aborts,
 and a partial rollout must not be trained on as if it had finished.
@@ -41,6 +48,7 @@ Every HTTP call has a timeout and its errors name the route and the server.
 """
 from __future__ import annotations
 
+import base64
 import ctypes
 import http.client
 import json
@@ -54,14 +62,21 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import numpy as np
+
 from megarl.distributed.publish import header_key
 from megarl.distributed.sglang_publish import GROUP_KEY, SPEC_KEY, load_spec, update_body
+from megarl.models import moe
 from megarl.protocols import Completion, GenerationRequest
+from megarl.rollout.routes import RouteShape
 from megarl.sampler.request_pool import RequestPool
 
 # The SGLang releases megarl drives correctly, oldest and newest (bounds explained in docs/sglang.md;
 # tests/sampler/sglang_contract/ runs megarl's requests through both releases' own code).
 SUPPORTED_VERSIONS = ("0.5.21", "0.5.23")
+# The oldest release whose /generate returns routes as megarl reads them (return_routed_experts and
+# meta_info["routed_experts"]); the contract tests check every supported release from here on has them.
+ROUTED_EXPERTS_SINCE = "0.5.21"
 # Variables torchrun sets for its workers. SGLang bootstraps its own torch.distributed (tcp://127.0.0.1)
 # even at TP 1; under TORCHELASTIC_USE_AGENT_STORE every rank of that bootstrap becomes a client of a
 # store nobody hosts and /health never answers, and the others describe the sampler's job, not the server's.
@@ -103,14 +118,31 @@ def versions_from_stamps(stamps: list[tuple[int, str]], n: int) -> list[int]:
     return versions
 
 
-def completion_from_chunks(request: GenerationRequest, chunks: Iterable[dict]) -> Completion:
+def routes_from_meta(meta: dict, request: GenerationRequest, num_tokens: int, shape: RouteShape) -> np.ndarray:
+    """A finished request's routes from SGLang's meta_info["routed_experts"] (module docstring), in the
+    sample's dtype; ValueError when absent or of another size than the sequence's positions."""
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        raise ValueError("meta_info has no routed_experts (is the server running with "
+                         "--enable-return-routed-experts, and the model a mixture of experts?)")
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    rows = len(request.prompt_ids) + num_tokens - 1
+    if flat.size != rows * shape.layers * shape.top_k:
+        raise ValueError(f"routed_experts holds {flat.size} indices, expected {rows} positions x {shape.layers} "
+                         f"layers x top-{shape.top_k} = {rows * shape.layers * shape.top_k}")
+    return flat.reshape(rows, shape.layers, shape.top_k).astype(moe.routes_dtype({"num_experts": shape.num_experts}))
+
+
+def completion_from_chunks(request: GenerationRequest, chunks: Iterable[dict],
+                           route_shape: RouteShape | None = None) -> Completion:
     """Build the Completion of one /generate stream (SGLang's cumulative chunks, the last one finished),
     reading the chunks as they come.  An aborted stream gives finish_reason "abort" and the tokens it had.
 
     The token ids are those of `output_token_logprobs` ([logprob, token_id, text] triples): every
     sampled token, the matched stop token included, whatever the server's stop trimming does to
     `output_ids` (and an abort of a streamed request queued in SGLang's waiting queue sends only the
-    last output id, tokenizer_manager._handle_abort_req)."""
+    last output id, tokenizer_manager._handle_abort_req).  With `route_shape` the finished request's
+    routes are read too (`routes_from_meta`)."""
     stamps, final = [], None  # (tokens delivered, label) of every chunk; the last chunk
     for chunk in chunks:
         meta = chunk["meta_info"]
@@ -135,9 +167,12 @@ def completion_from_chunks(request: GenerationRequest, chunks: Iterable[dict]) -
         versions = versions_from_spans(meta["weight_versions"], len(token_ids))
     else:
         versions = versions_from_stamps(stamps, len(token_ids))
+    routes = None
+    if route_shape is not None and reason["type"] != "abort":
+        routes = routes_from_meta(meta, request, len(token_ids), route_shape)
     return Completion(request_id=request.request_id, prompt_ids=list(request.prompt_ids), token_ids=token_ids,
                       logprobs=[float(lp) for lp, _, _ in triples], versions=versions,
-                      finish_reason=reason["type"])
+                      finish_reason=reason["type"], routes=routes)
 
 
 def new_token_budget(request: GenerationRequest, context_length: int) -> int:
@@ -146,14 +181,18 @@ def new_token_budget(request: GenerationRequest, context_length: int) -> int:
     return min(request.sampling.max_new_tokens, context_length - len(request.prompt_ids))
 
 
-def generate_body(request: GenerationRequest, context_length: int) -> dict:
-    """The /generate request body (sglang io_struct GenerateReqInput, sampling_params as SGLang's SamplingParams)."""
+def generate_body(request: GenerationRequest, context_length: int, routed_experts: bool = False) -> dict:
+    """The /generate request body (sglang io_struct GenerateReqInput, sampling_params as SGLang's SamplingParams);
+    routed_experts: ask for the request's routes (GenerateReqInput.return_routed_experts, from position 0)."""
     sp = request.sampling
-    return {"rid": request.request_id, "input_ids": list(request.prompt_ids), "return_logprob": True, "stream": True,
+    body = {"rid": request.request_id, "input_ids": list(request.prompt_ids), "return_logprob": True, "stream": True,
             "sampling_params": {"temperature": sp.temperature, "top_p": sp.top_p,
                                 "top_k": sp.top_k if sp.top_k > 0 else -1,  # SGLang: -1 = off
                                 "max_new_tokens": new_token_budget(request, context_length),
                                 "stop_token_ids": list(request.stop_token_ids), "no_stop_trim": True}}
+    if routed_experts:
+        body["return_routed_experts"] = True
+    return body
 
 
 def parse_version(text: str) -> tuple[int, int, int] | None:
@@ -175,6 +214,16 @@ def check_server_version(version: str, url: str = "") -> None:
                           f"are not checked against megarl's requests)")
 
 
+def check_routed_experts(version: str, url: str = "") -> None:
+    """Refuse, for algo.routing_replay=r3, an SGLang release older than ROUTED_EXPERTS_SINCE (no
+    return_routed_experts), naming it."""
+    parsed = parse_version(version)
+    if parsed is None or parsed < parse_version(ROUTED_EXPERTS_SINCE):
+        raise SGLangError(f"SGLang server {url} runs version {version!r}, which cannot return routed experts "
+                          f"(GenerateReqInput.return_routed_experts, SGLang >= {ROUTED_EXPERTS_SINCE}): "
+                          f"algo.routing_replay=r3 needs them; use a newer SGLang or algo.routing_replay=off")
+
+
 def server_env(env: dict) -> dict:
     """The server's environment: the sampler rank's without torchrun's variables (TORCHRUN_VARS)."""
     return {k: v for k, v in env.items() if k not in TORCHRUN_VARS and not k.startswith(TORCHRUN_PREFIXES)}
@@ -194,6 +243,8 @@ def server_command(cfg, model_dir: str | Path, port: int, seed: int) -> list[str
               # len(output_ids) while the in-flight batch's result is still queued, so up to one
               # old-weights token per running request would land in the new version's span.
               "--disable-overlap-schedule"]
+    if cfg.algo.routing_replay == "r3":  # SGLang's route capture (ServerArgs.enable_return_routed_experts)
+        common.append("--enable-return-routed-experts")
     if cfg.sampler.kv_on_update == "recompute":
         # retract must recompute: otherwise the prompt's KV stays in the radix cache and is reused after
         # continue (a flush cannot be relied on: it is refused while any request runs).
@@ -354,8 +405,9 @@ class SGLangEngine:
 
     def __init__(self, client: HTTPClient, *, max_running: int, context_length: int, pause_mode: str = "in_place",
                  cache_on_update: str = "keep", min_new_tokens: int = 1, server: ServerProcess | None = None,
-                 version: int = 0):
+                 version: int = 0, route_shape: RouteShape | None = None):
         self.client, self.server = client, server
+        self.route_shape = route_shape  # ask for and read every request's routes (algo.routing_replay=r3)
         self.context_length, self.min_new_tokens = context_length, min_new_tokens
         self.pause_mode, self.cache_on_update = pause_mode, cache_on_update
         self.max_running = max_running
@@ -382,6 +434,9 @@ class SGLangEngine:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         else:
             env["OMP_NUM_THREADS"] = str(cfg.sampler.threads)
+        route_shape = None
+        if cfg.algo.routing_replay == "r3":
+            route_shape = RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text()))
         cmd = server_command(cfg, model_dir, port, seed=cfg.run.seed * 1000 + topo.rank)
         server = ServerProcess(cmd, env, Path(cfg.run.dir) / "sglang" / f"sampler{topo.role_rank}.log",
                                f"http://127.0.0.1:{port}")
@@ -391,13 +446,16 @@ class SGLangEngine:
             info = client.get("/server_info")  # both supported releases serve it (/get_server_info: deprecated)
             if info[0] != 200:
                 raise client.error("/server_info", f"HTTP {info[0]}: {info[1][:2000].decode(errors='replace')}")
-            check_server_version(json.loads(info[1]).get("version", "(none)"), client.url)
+            version = json.loads(info[1]).get("version", "(none)")
+            check_server_version(version, client.url)
+            if route_shape is not None:
+                check_routed_experts(version, client.url)
         except BaseException:
             server.stop()
             raise
         return cls(client, max_running=cfg.sampler.max_running, context_length=cfg.sampler.max_seq_len,
                    server=server, cache_on_update=sc.cache_on_update, min_new_tokens=sc.min_new_tokens,
-                   pause_mode="in_place" if cfg.sampler.kv_on_update == "keep" else "retract")
+                   pause_mode="in_place" if cfg.sampler.kv_on_update == "keep" else "retract", route_shape=route_shape)
 
     # ------------------------------------------------------------------ Engine protocol
     @property
@@ -435,8 +493,8 @@ class SGLangEngine:
 
     def _generate(self, request: GenerationRequest) -> Completion:
         try:
-            completion = completion_from_chunks(request, self.client.stream("/generate", generate_body(request,
-                                                                                              self.context_length)))
+            body = generate_body(request, self.context_length, routed_experts=self.route_shape is not None)
+            completion = completion_from_chunks(request, self.client.stream("/generate", body), self.route_shape)
         except (KeyError, TypeError, ValueError) as exc:
             raise SGLangError(f"/generate on SGLang server {self.client.url}: unusable response for request "
                               f"{request.request_id}: {exc!r}") from None

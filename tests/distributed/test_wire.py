@@ -68,6 +68,17 @@ def test_ndarray_fields_keep_dtype_and_shape(dtype):
                                 wire._ArrayReader(memoryview(bytes(320))), "routed")
 
 
+def test_a_group_carries_moe_routes_one_row_per_input_position():
+    routes = np.arange(5 * 2 * 2, dtype="uint8").reshape(5, 2, 2)  # 2 prompt + 4 completion tokens: 5 inputs
+    sample = Sample(group_id="g", prompt="p", completion="c", prompt_ids=[1, 2], token_ids=[3, 4, 5, 6],
+                    logprobs=[-0.5] * 4, versions=[0] * 4, reward=1.0, finish_reason="stop", routes=routes)
+    _, [back], _ = decode_group(encode_group([sample], {}, bytes(8), 1, 1, KEY), KEY)
+    assert back.routes.dtype == np.uint8 and (back.routes == routes).all()
+    short = dataclasses.replace(sample, routes=routes[:4])
+    with pytest.raises(WireError, match="routes hold 4 positions, the sample has 5"):
+        decode_group(encode_group([short], {}, bytes(8), 1, 1, KEY), KEY)
+
+
 def test_a_tp_plan_round_trips():
     requests = [GenerationRequest("r1", [1, 2, 3], SamplingParams(0.7, 0.9, 5, 16), (0, 2)),
                 GenerationRequest("r2", [], SamplingParams())]

@@ -1,6 +1,7 @@
 """One torchrun rank of the cross-layout tests: for each layout, log-probs, one step, published weights.
 
-argv: model_dir batch.pt out_dir layouts.json.  Every rank writes `{layout}.rank{r}.pt` with the
+argv: model_dir batch.pt out_dir layouts.json (a layout's "routing_replay" key goes to the learner, the rest to
+LearnerConfig; the batch's routes, if any, are replayed in the log-probs too).  Every rank writes `{layout}.rank{r}.pt` with the
 log-probs and metrics it saw, its (tp, pp, dp) ranks, the whole HF-named tensors it publishes
 (`publish_tensors`; the weight publisher's source per stage is its TP/DP rank 0, so the test can
 rebuild the full model from those), and its TP slices of them (`publish_shards`) with their bytes.
@@ -21,8 +22,10 @@ model_dir, batch_path, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3],
 batch = torch.load(batch_path, weights_only=False)
 dist.init_process_group("gloo")
 for name, layout in layouts.items():
-    learner = MegatronLearner(model_dir, LearnerConfig(**layout), LossConfig())
-    logprobs = learner.logprobs(batch.input_ids)
+    layout = dict(layout)
+    replay = layout.pop("routing_replay", "off")
+    learner = MegatronLearner(model_dir, LearnerConfig(**layout), LossConfig(), routing_replay=replay)
+    logprobs = learner.logprobs(batch.input_ids, batch.routes)
     metrics = learner.train_step(batch)
     published = dict(learner.publish_tensors())  # both are collective over TP: every rank iterates
     shards = dict(learner.publish_shards())

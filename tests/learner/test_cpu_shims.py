@@ -41,13 +41,24 @@ SITES = {
     ("optimizer/optimizer.py", "MixedPrecisionOptimizer.__init__"): "distributed_optimizer",
     ("optimizer/distrib_optimizer.py", "DistributedOptimizer._build_model_and_main_param_groups"):
         "distributed_optimizer",
+    ("transformer/moe/router.py", "Router.gating"): "moe_router_device",
+    ("transformer/moe/moe_utils.py", "RouterGatingLinearFunction.forward"): "moe_gating_gemm",
+    ("transformer/moe/token_dispatcher.py", "MoEAlltoAllTokenDispatcher.__init__"): "moe_dispatcher_streams",
+    ("transformer/moe/token_dispatcher.py", "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"):
+        "moe_dispatcher_streams",
+    ("tensor_parallel/mappings.py", "_gather_along_first_dim"): "moe_collectives_device",
+    ("tensor_parallel/mappings.py", "_reduce_scatter_along_first_dim"): "moe_collectives_device",
+    ("tensor_parallel/mappings.py", "_AllToAll.forward"): "moe_collectives_device",
+    # all_to_all_single refusing the split sizes maybe_move_tensor_to_cpu left as tensors (a TypeError
+    # raised in torch under mappings.all_to_all: told apart by its message, see SCRIPT)
+    ("tensor_parallel/mappings.py", "all_to_all", "split sizes"): "moe_split_sizes",
 }
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys, traceback
     from datetime import timedelta
     import torch, torch.distributed as dist
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM
     from megarl.algo.config import LossConfig
     from megarl.learner import cpu_shims
     from megarl.distributed.lifetime import exit_process
@@ -55,7 +66,7 @@ SCRIPT = textwrap.dedent('''
     from megarl.learner.megatron import MegatronLearner
     from megarl.protocols import TrainBatch
 
-    model_dir, layout, preapplied = sys.argv[1], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+    model_dir, layout, preapplied, kind = sys.argv[1], json.loads(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
     sites = {tuple(k.split("|")): v for k, v in json.loads(sys.argv[2]).items()}
     if "RANK" in os.environ:  # torchrun: rank 0 writes the model, the others wait for it
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
@@ -63,9 +74,14 @@ SCRIPT = textwrap.dedent('''
         dist.init_process_group("gloo", init_method="file://" + model_dir + "/store", rank=0, world_size=1)
     if dist.get_rank() == 0:
         torch.manual_seed(0)
-        Qwen2ForCausalLM(Qwen2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                     num_key_value_heads=1, intermediate_size=32, vocab_size=32,
-                                     tie_word_embeddings=True)).save_pretrained(model_dir)
+        if kind == "mixtral":  # mixture of experts: megatron's MoE layer, alltoall dispatcher
+            MixtralForCausalLM(MixtralConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                             num_key_value_heads=1, intermediate_size=32, vocab_size=32,
+                                             num_local_experts=4, num_experts_per_tok=2)).save_pretrained(model_dir)
+        else:
+            Qwen2ForCausalLM(Qwen2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=1, intermediate_size=32, vocab_size=32,
+                                         tie_word_embeddings=True)).save_pretrained(model_dir)
     dist.barrier()
     # The learner applies all shims itself; here they are applied one at a time by this loop.
     cpu_shims.apply_cpu_shims = lambda: None
@@ -82,16 +98,25 @@ SCRIPT = textwrap.dedent('''
         try:
             learner = MegatronLearner(model_dir, LearnerConfig(micro_batch_size=2, grad_clip=1e-3, **layout),
                                       LossConfig())
+            if kind == "mixtral":  # expert parallelism: each rank holds its own 4 / ep experts
+                assert len(learner.gpt.decoder.layers[0].mlp.experts.local_experts) == 4 // layout.get("ep", 1)
             metrics = learner.train_step(batch)
             assert learner.version == 1 and metrics["grad_norm"] > 0, metrics
-        except (AssertionError, TypeError) as error:
+        except (AssertionError, TypeError, RuntimeError, NameError) as error:
             frame = [f for f, _ in traceback.walk_tb(error.__traceback__)
                      if "megatron/core/" in f.f_code.co_filename][-1]
-            # Either CPU torch refusing a CUDA call, or megatron checking for a CUDA tensor type.
-            if "Torch not compiled with CUDA enabled" not in str(error) and "torch.cuda." not in str(error) \
+            site = (frame.f_code.co_filename.split("megatron/core/")[1], frame.f_code.co_qualname)
+            # CPU torch refusing a CUDA call, megatron checking for a CUDA tensor type, megatron's name bound
+            # only with Transformer Engine, or gloo's all_to_all_single refusing split sizes given as tensors.
+            if isinstance(error, NameError):
+                if "te_general_gemm" not in str(error):
+                    raise
+            elif isinstance(error, TypeError) and "all_to_all_single" in str(error):
+                site = site + ("split sizes",)
+            elif "Torch not compiled with CUDA enabled" not in str(error) and "torch.cuda." not in str(error) \
+                    and "requires CUDA" not in str(error) \
                     and "cuda" not in traceback.extract_tb(error.__traceback__)[-1].line:
                 raise
-            site = (frame.f_code.co_filename.split("megatron/core/")[1], frame.f_code.co_qualname)
         # Every rank fails at its own first unshimmed site (e.g. both stages allocating a p2p buffer),
         # before the communication that would pair them: agree on what to apply.
         sites_seen = [None] * dist.get_world_size()
@@ -113,38 +138,44 @@ SCRIPT = textwrap.dedent('''
     exit_process(0)  # not a plain exit (it can abort in gloo's threads): see megarl.distributed.lifetime
 ''')
 
-# (layout, processes, the shims it must need). The multi-rank layouts start with every other shim
+MOE_SHIMS = {name for name in cpu_shims.SHIMS if name.startswith("moe_")}
+# (model, layout, processes, the shims it must need). The multi-rank layouts start with every other shim
 # applied: a forward-pass failure on the first pipeline stage would leave the last one blocked in
-# its receive, and those shims are already proven by the one-process layout.
+# its receive, and those shims are already proven by the one-process layout. The mixture-of-experts run
+# (two ranks, each holding 2 of the 4 experts) needs the five MoE shims and none applied beforehand: every
+# MoE failure happens on both ranks before the collective that would pair them.
 LAYOUTS = [
-    ({}, 1, set(cpu_shims.SHIMS) - {"p2p", "tied_embedding_sync", "distributed_optimizer", "distributed_optimizer_load"}),
-    ({"pp": 2}, 2, {"p2p", "tied_embedding_sync"}),
-    ({"dp": 2, "use_distributed_optimizer": True}, 2, {"distributed_optimizer"}),
+    ("qwen2", {}, 1, set(cpu_shims.SHIMS) - {"p2p", "tied_embedding_sync", "distributed_optimizer",
+                                              "distributed_optimizer_load"} - MOE_SHIMS),
+    ("qwen2", {"pp": 2}, 2, {"p2p", "tied_embedding_sync"}),
+    ("qwen2", {"dp": 2, "use_distributed_optimizer": True}, 2, {"distributed_optimizer"}),
+    ("mixtral", {"dp": 2, "ep": 2}, 2, MOE_SHIMS),
 ]
 
 
-def _needed_shims(tmp_path, layout: dict, nproc: int, preapplied: list[str]) -> list[str]:
+def _needed_shims(tmp_path, layout: dict, nproc: int, preapplied: list[str], kind: str = "qwen2") -> list[str]:
     sites = json.dumps({"|".join(k): v for k, v in SITES.items()})
     script = tmp_path / "shim_run.py"
     script.write_text(SCRIPT)
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*launcher, str(script), str(tmp_path), sites, json.dumps(layout), json.dumps(preapplied)],
+    proc = subprocess.run([*launcher, str(script), str(tmp_path), sites, json.dumps(layout), json.dumps(preapplied), kind],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("NEEDED "))[7:])
 
 
-@pytest.mark.parametrize("layout, nproc, expected", LAYOUTS, ids=["tp1", "pp2", "dp2_distributed_optimizer"])
-def test_each_shim_is_needed_and_sufficient(tmp_path, layout, nproc, expected):
-    preapplied = [] if nproc == 1 else sorted(set(cpu_shims.SHIMS) - expected)
-    assert set(_needed_shims(tmp_path, layout, nproc, preapplied)) == expected
+@pytest.mark.parametrize("kind, layout, nproc, expected", LAYOUTS,
+                         ids=["tp1", "pp2", "dp2_distributed_optimizer", "moe_ep2"])
+def test_each_shim_is_needed_and_sufficient(tmp_path, kind, layout, nproc, expected):
+    preapplied = sorted(set(cpu_shims.SHIMS) - expected - (MOE_SHIMS if nproc == 1 else set()))
+    assert set(_needed_shims(tmp_path, layout, nproc, preapplied, kind)) == expected
 
 
 def test_every_shim_is_covered_by_a_layout():
     # distributed_optimizer_load is needed by loading a checkpoint, not by a training step (below).
-    covered = set().union(*(expected for _, _, expected in LAYOUTS)) | {"distributed_optimizer_load"}
+    covered = set().union(*(expected for _, _, _, expected in LAYOUTS)) | {"distributed_optimizer_load"}
     assert covered == set(cpu_shims.SHIMS)
 
 

@@ -169,3 +169,35 @@ def test_scaled_inv_freq_is_hfs(tmp_path, kind):
     ours = convert.scaled_inv_freq(plain, convert.rope_scaling(cfg))
     assert not torch.allclose(ours, plain)  # the scaling changes something at this base
     assert torch.allclose(ours, hf_model.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model_type": "qwen2_moe", "shared_expert_intermediate_size": 64},
+     "unsupported MoE model 'qwen2_moe' \\(shared_expert_intermediate_size\\)"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [1]},
+     "mlp_only_layers"),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 2},
+     "decoder_sparse_step=2"),
+    ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.1},
+     "router_jitter_noise"),
+    ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok"),
+])
+def test_moe_configs_megarl_cannot_convert_exactly_are_refused_naming_the_field(config, message):
+    with pytest.raises(ValueError, match=message):
+        convert.check_supported(config)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_moe_round_trip_keeps_every_per_expert_tensor(tmp_path, kind):
+    from safetensors.torch import load_file
+
+    from tests.helpers import save_tiny_moe
+
+    model_dir = save_tiny_moe(tmp_path, kind)
+    cfg, hf = convert.load_pretrained(str(model_dir))
+    mcore = convert.hf_to_mcore(hf, cfg)
+    assert mcore["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"].shape == (
+        2 * (48 if kind == "mixtral" else 24), 32)
+    back = convert.mcore_to_hf(mcore, cfg)
+    saved = load_file(f"{model_dir}/model.safetensors")
+    assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)

@@ -101,10 +101,17 @@ def test_thinking_base_model_has_headroom_a_long_length_tail_and_finds_the_promp
     assert record["greedy_answer_accuracy_by_think_len"] == {str(k): round(v, 4) for k, v in greedy.items()}
 
 
-def test_count_base_model_spells_runs_of_the_prompted_length_but_often_stops_off_the_end(embedded_count_model_dir):
+# (model, its fixture, share of well-formed runs, share of 20+ letter runs generated to within 3 letters): the
+# MoE model's warm start (the dense one's recipe) leaves it a little less exact: measured 0.95 and 0.71 (seed 7).
+@pytest.mark.parametrize("name, fixture, well_formed, long_runs", [
+    ("tiny-qwen2-count", "embedded_count_model_dir", 0.95, 0.75),
+    ("tiny-mixtral-count", "embedded_moe_model_dir", 0.93, 0.65)])
+def test_count_base_model_spells_runs_of_the_prompted_length_but_often_stops_off_the_end(name, fixture, well_formed,
+                                                                                         long_runs, request):
+    embedded_count_model_dir = request.getfixturevalue(fixture)
     model = AutoModelForCausalLM.from_pretrained(embedded_count_model_dir).eval()
     tok = AutoTokenizer.from_pretrained(embedded_count_model_dir)
-    task = tiny.EMBEDDED_MODELS["tiny-qwen2-count"].task
+    task = tiny.EMBEDDED_MODELS[name].task
     prompts = task.sample_prompts(random.Random(7), 300)
     ids = tiny.generate_tokens(model, tok, prompts, temperature=1.0, seed=1, max_new_tokens=tiny.COUNT_MAX_NEW_TOKENS)
     texts = [tok.decode([t for t in i if t != tiny.EOS_ID]) for i in ids]
@@ -113,14 +120,40 @@ def test_count_base_model_spells_runs_of_the_prompted_length_but_often_stops_off
     # Format: the alphabet from the prompt's first letter, then EOS; the length follows the prompt.
     runs = [i[-1] == tiny.EOS_ID and COUNT_ALPHABET.startswith(c, p.meta["start"]) and c != ""
             for p, c, i in zip(prompts, texts, ids)]
-    assert sum(runs) / len(runs) > 0.95, [c for c, ok in zip(texts, runs) if not ok][:10]
+    assert sum(runs) / len(runs) > well_formed, [c for c, ok in zip(texts, runs) if not ok][:10]
     near = sum(abs(len(c) - p.meta["length"]) <= 3 for p, c in zip(prompts, texts)) / len(prompts)
     assert near > 0.8, near
     long = [(p, c) for p, c in zip(prompts, texts) if p.meta["length"] >= 20]  # the tail is generated, not cut
-    assert len(long) >= 10 and sum(len(c) >= p.meta["length"] - 3 for p, c in long) / len(long) > 0.75, long
+    assert len(long) >= 10 and sum(len(c) >= p.meta["length"] - 3 for p, c in long) / len(long) > long_runs, long
     record = json.loads((embedded_count_model_dir / tiny.BUILD_RECORD).read_text())
     assert abs(record["expected_sampled_accuracy"] - sampled_acc) < 0.1, (record, sampled_acc)
     assert record["sampled_lengths"]["p99"] >= 3.0 * record["sampled_lengths"]["mean"], record
+
+
+def test_moe_model_is_a_loadable_hf_mixtral_the_engine_serves_as_transformers_does(embedded_moe_model_dir):
+    """Per-expert names on disk (what samplers load); the built-in engine's log-probs and routes at lag 0
+    are transformers' (routes at every position, the last token's excepted)."""
+    import numpy as np
+
+    from megarl.protocols import GenerationRequest, SamplingParams
+    from megarl.sampler.engine import BuiltinEngine
+    from tests.sampler import hf_logprobs_and_routes
+
+    config = json.loads((embedded_moe_model_dir / "config.json").read_text())
+    assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"]) == ("mixtral", 4, 2)
+    with safe_open(str(embedded_moe_model_dir / "model.safetensors"), "pt") as f:
+        assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in f.keys()
+    tok = AutoTokenizer.from_pretrained(embedded_moe_model_dir)
+    engine = BuiltinEngine.from_pretrained(str(embedded_moe_model_dir), max_running=4, max_seq_len=64)
+    prompts = [tok.encode(p.text) for p in tiny.EMBEDDED_MODELS["tiny-mixtral-count"].task.sample_prompts(
+        random.Random(3), 4)]
+    completions = engine.generate([GenerationRequest(str(i), p, SamplingParams(temperature=1.0, max_new_tokens=20),
+                                                     (tiny.EOS_ID,)) for i, p in enumerate(prompts)])
+    for c in completions:
+        logp, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (embedded_moe_model_dir, None))
+        n = len(c.prompt_ids)
+        assert max(abs(lp - logp[n - 1 + i, t].item()) for i, (lp, t) in enumerate(zip(c.logprobs, c.token_ids))) < 1e-5
+        np.testing.assert_array_equal(c.routes, routes[:-1])
 
 
 def test_expected_accuracy_sums_every_filler_length_exactly():

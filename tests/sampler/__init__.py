@@ -1,8 +1,11 @@
 """Tests of the built-in sampler engine; shared helpers build tiny HF models locally (no hub)."""
 from __future__ import annotations
 
+import functools
+import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=32,
@@ -13,18 +16,23 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
     """Save a tiny randomly initialised HF model to `path` and return it.
 
     "qwen2": GQA, q/k/v biases, tied embeddings.  "llama": GQA, no biases, untied lm_head.
+    "mixtral": GQA, no biases, tied embeddings, 4 experts of width 64, top-2 (every layer an MoE layer).
     initializer_range is raised from HF's 0.02 so next-token distributions are far from uniform
     (greedy decoding has clear winners), but kept at 0.1: at 0.25 the activations grow large enough
     that fp32 rounding alone (HF's own cached decode vs its prefill) reaches 1e-5 in log-prob.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     torch.manual_seed(seed)
-    kw = dict(TINY, initializer_range=0.1, **overrides)
+    moe = dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2) if kind == "mixtral" else {}
+    kw = dict(TINY, initializer_range=0.1, **{**moe, **overrides})
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **kw))
     elif kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **kw))
+    elif kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(tie_word_embeddings=True, **kw))
     else:
         raise ValueError(kind)
     model.save_pretrained(path)
@@ -43,9 +51,49 @@ def dominant_token_weights(weights: dict[str, torch.Tensor], token: int, tied: b
     w = {name: t.clone() for name, t in weights.items()}
     w["model.embed_tokens.weight"][:, 0] = 1.0
     for name in w:
-        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight", ".w2.weight")):
             w[name][0] = 0.0
     head = w["model.embed_tokens.weight"] if tied else w["lm_head.weight"]
     head[:, 0] = 1.0 if tied else 0.0
     head[token, 0] = strength
     return w
+
+
+def save_version(model_dir: Path, weights: dict, out: Path) -> Path:
+    """An HF directory of `weights` (transformers converts the per-expert names only when it loads a directory)."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    shutil.copy(model_dir / "config.json", out / "config.json")
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_model(model_dir: str):
+    """transformers' model of a directory, loaded once per test session (the references only read it)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+def hf_logprobs_and_routes(ids: list[int], *versions: tuple[Path, int | None]) -> tuple[torch.Tensor, np.ndarray]:
+    """transformers' log-probs [len(ids), V] and routes [len(ids), layers, top_k], each (model dir, end) of
+    `versions` computing positions up to `end` (None: to the end) over the KV cache the earlier ones left:
+    what an engine that keeps its cache across an update computed."""
+    chosen, logits, cache, begin = [], [], None, 0
+    for model_dir, end in versions:
+        hf = _hf_model(str(model_dir))
+        hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: chosen.append(out[2]))
+                 for layer in hf.model.layers]
+        end = len(ids) if end is None else end
+        with torch.inference_mode():
+            out = hf(torch.tensor([ids[begin:end]]), cache=cache, use_cache=True)
+        for h in hooks:
+            h.remove()
+        logits.append(out.logits[0].float())
+        cache, begin = out.cache, end
+    # chosen: per forward call, per layer, [tokens, top_k]
+    layers = len(hf.model.layers)
+    per_call = [torch.stack(chosen[i:i + layers], dim=1) for i in range(0, len(chosen), layers)]
+    return torch.log_softmax(torch.cat(logits), -1), torch.cat(per_call).numpy()

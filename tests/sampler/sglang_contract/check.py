@@ -10,6 +10,10 @@ Prints one JSON line {"version", "checked": [...]} when every check passed; rais
   * launch: megarl's `sglang.launch_server` command for every config (the GPU configs included) goes
     through ServerArgs.add_cli_args + ServerArgs.from_cli_args, and the resolved args are what megarl
     relies on (context length, overlap schedule off, radix cache off for retract, ...);
+  * routes (algo.routing_replay=r3): the launch resolves to ServerArgs.enable_return_routed_experts, the
+    /generate body's return_routed_experts is GenerateReqInput's field (and passes the contract gate), and
+    megarl parses routes encoded by SGLang's own detokenizer (base64 of int32 [positions, layers, top_k])
+    under the meta_info key the tokenizer manager writes;
   * sequence: SGLangEngine.update_weights drives SGLang's SchedulerWeightUpdaterManager (the weight
     loading replaced by a recording stub): every call succeeds, the loads are megarl's calls in order,
     the label moves once, the session is closed and generation continued; a load failing halfway
@@ -41,7 +45,9 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 from megarl.config.load import load_config  # noqa: E402
 from megarl.distributed.sglang_publish import plan_update_calls  # noqa: E402
 from megarl.protocols import GenerationRequest, SamplingParams  # noqa: E402
-from megarl.sampler.sglang_engine import SGLangEngine, SGLangError, generate_body, server_command  # noqa: E402
+from megarl.rollout.routes import RouteShape  # noqa: E402
+from megarl.sampler.sglang_engine import (  # noqa: E402
+    ROUTED_EXPERTS_SINCE, SGLangEngine, SGLangError, generate_body, parse_version, routes_from_meta, server_command)
 
 REPO = Path(__file__).resolve().parents[3]
 CONTEXT = 512
@@ -121,6 +127,38 @@ def check_launch(model_dir: str, run_dir: str) -> str:
         assert args.tp_size == cfg.sampler.sglang.tp and args.max_running_requests == cfg.sampler.max_running
         assert not args.allow_auto_truncate
     return f"launch commands ({len(cases)} configs)"
+
+
+# ---------------------------------------------------------------------------------------------- routes
+def check_routes(model_dir: str, run_dir: str) -> str:
+    import inspect
+
+    import numpy as np
+    import pybase64
+
+    assert parse_version(sglang.__version__) >= parse_version(ROUTED_EXPERTS_SINCE), sglang.__version__
+    args = launch_args(server_command(config(run_dir, model_dir, "algo.routing_replay=r3"), model_dir, 30002, seed=1))
+    assert args.enable_return_routed_experts, "r3 launches SGLang with its route capture on"
+    off = launch_args(server_command(config(run_dir, model_dir), model_dir, 30002, seed=1))
+    assert not off.enable_return_routed_experts
+    request = GenerationRequest("r", [7] * 5, SamplingParams(temperature=1.0, max_new_tokens=3), (2,))
+    body = generate_body(request, CONTEXT, routed_experts=True)
+    if importlib.util.find_spec("sglang.srt.entrypoints.api_contract") is not None:  # 0.5.22+
+        error = importlib.import_module("sglang.srt.entrypoints.api_contract").generate_contract_error(body)
+        assert error is None, f"SGLang's contract gate refuses return_routed_experts: {error}"
+    obj = io_struct.GenerateReqInput(**body)
+    assert obj.return_routed_experts is True and obj.routed_experts_start_len == 0  # routes from position 0
+    # The response: with --skip-tokenizer-init (megarl's launch) the tokenizer manager itself base64-encodes the
+    # capturer's int32 [seqlen - 1, layers, top_k] tensor into meta_info (its output handler needs a running
+    # scheduler, so its source is held to that and the encoding is repeated here with SGLang's pybase64).
+    handler = inspect.getsource(TokenizerManager._handle_batch_output)
+    assert 'meta_info["routed_experts"] = val' in handler and "b64encode(val.numpy().tobytes())" in handler
+    shape = RouteShape(layers=3, top_k=2, num_experts=8)
+    rows = torch.randint(0, 8, (5 + 3 - 1, 3, 2), dtype=torch.int32)
+    encoded = pybase64.b64encode(rows.numpy().tobytes()).decode("utf-8")
+    routes = routes_from_meta({"routed_experts": encoded}, request, 3, shape)
+    assert routes.dtype == np.uint8 and (routes == rows.numpy()).all()
+    return "routes (launch flag, request field, response encoding)"
 
 
 # ---------------------------------------------------------------------------------------------- sequence
@@ -239,7 +277,7 @@ def check_sequence(model_dir: str, run_dir: str) -> str:
 
 def main() -> None:
     model_dir, run_dir = sys.argv[1:3]
-    checked = [check(model_dir, run_dir) for check in (check_launch, check_generate, check_sequence)]
+    checked = [check(model_dir, run_dir) for check in (check_launch, check_generate, check_routes, check_sequence)]
     print(json.dumps({"version": sglang.__version__, "checked": checked}))
 
 

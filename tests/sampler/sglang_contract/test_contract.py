@@ -4,7 +4,8 @@ For each release in SUPPORTED_VERSIONS (pinned exactly), sglang_env.install puts
 pure-Python packages its control code imports into ~/.cache/megarl/sglang-contract/ (once), and
 check.py runs in a subprocess on that install: megarl's request bodies through SGLang's request types,
 contract gate and length validation; megarl's launch commands (the GPU configs' included) through
-ServerArgs; megarl's weight-update sequence through SGLang's SchedulerWeightUpdaterManager.  An
+ServerArgs; megarl's routes request and SGLang's encoding of the response (algo.routing_replay=r3); megarl's
+weight-update sequence through SGLang's SchedulerWeightUpdaterManager.  An
 install failure fails the test.
 """
 from __future__ import annotations
@@ -38,4 +39,4 @@ def test_megarls_requests_launch_and_update_sequence_pass_sglangs_own_code(versi
     assert proc.returncode == 0, f"(install {install_s:.0f}s)\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["version"] == version
-    assert len(result["checked"]) == 3, result
+    assert len(result["checked"]) == 4, result

@@ -1,0 +1,183 @@
+"""HF <-> megatron-core weight mapping of mixture-of-experts MLPs (pure functions), and the megatron
+``TransformerConfig`` arguments that make megatron's MoE layer route like the HF model.
+
+Owns the MoE half of megarl.models.convert: which HF MoE layouts megarl takes, the per-expert names
+``save_pretrained`` writes (transformers 5.x fuses experts in memory, but writes one tensor per expert
+and projection on disk: the names SGLang, vLLM and megarl's own engine load), and their megatron names
+under the local layer spec with ``SequentialMLP`` experts
+(``get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)``).
+
+Layouts (HF on disk -> megatron, per decoder layer i, relative to ``decoder.layers.{i}.``):
+  * Mixtral (``model_type: mixtral``): ``block_sparse_moe.gate.weight`` -> ``mlp.router.weight``;
+    expert e ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2`` (down).  Routing: softmax over
+    the top-k logits, which is softmax over all experts renormalised to the top k: megatron's default
+    (top-k, then softmax).
+  * Qwen3-MoE (``model_type: qwen3_moe``): ``mlp.gate.weight``; ``mlp.experts.{e}.gate_proj / up_proj /
+    down_proj``.  ``norm_topk_prob: true`` routes as Mixtral; ``false`` keeps the top-k of the softmax over
+    all experts unnormalised: megatron's ``moe_router_pre_softmax``.  (Its attention's q/k RMSNorm is
+    convert's.)
+  * megatron expert e: ``mlp.experts.local_experts.{e}.linear_fc1.weight`` = cat[gate, up] (SwiGLU, as the
+    dense MLP) and ``...linear_fc2.weight`` = down.  With expert parallelism each EP rank holds
+    ``E / ep`` consecutive experts, numbered locally from 0 (``expert_offset`` below).
+
+Refused (ValueError naming the config field): Qwen2-MoE's gated shared expert
+(``shared_expert_intermediate_size``: megatron's shared expert gate is not the same function in 0.16.1,
+so the conversion would not be exact), Qwen3-MoE with dense layers among the sparse ones
+(``decoder_sparse_step`` / ``mlp_only_layers``), Mixtral's training-time ``router_jitter_noise``.
+"""
+from __future__ import annotations
+
+import torch
+
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# Model types that are mixtures of experts megarl names when it refuses them.
+REFUSED_MOE_TYPES = {"qwen2_moe": "shared_expert_intermediate_size", "olmoe": "model_type",
+                     "deepseek_v3": "model_type", "qwen3_next": "model_type"}
+
+
+def is_moe(cfg: dict) -> bool:
+    return cfg.get("model_type") in MOE_MODEL_TYPES or cfg.get("model_type") in REFUSED_MOE_TYPES
+
+
+def check_moe(cfg: dict) -> None:
+    """ValueError naming the field of an MoE config whose conversion megarl cannot make exact."""
+    model_type = cfg.get("model_type")
+    if model_type in REFUSED_MOE_TYPES:
+        field = REFUSED_MOE_TYPES[model_type]
+        why = ("a gated shared expert next to the routed ones, which megatron-core 0.16.1's shared expert does "
+               "not compute identically" if model_type == "qwen2_moe" else "a layout megarl does not map")
+        raise ValueError(f"unsupported MoE model {model_type!r} ({field}): {why}; supported MoE model types: "
+                         f"{MOE_MODEL_TYPES}")
+    if model_type == "mixtral" and float(cfg.get("router_jitter_noise") or 0.0) != 0.0:
+        raise ValueError(f"unsupported feature router_jitter_noise={cfg['router_jitter_noise']} (random router "
+                         "noise: megatron routes deterministically)")
+    if model_type == "mixtral" and cfg.get("sliding_window"):
+        raise ValueError(f"unsupported feature sliding_window={cfg['sliding_window']}")
+    if model_type == "qwen3_moe":
+        if int(cfg.get("decoder_sparse_step", 1)) != 1:
+            raise ValueError(f"unsupported feature decoder_sparse_step={cfg['decoder_sparse_step']} (dense layers "
+                             "between MoE layers; megarl maps models whose every layer is MoE)")
+        if cfg.get("mlp_only_layers"):
+            raise ValueError(f"unsupported feature mlp_only_layers={cfg['mlp_only_layers']} (dense layers among "
+                             "the MoE layers)")
+    if num_experts(cfg) < 2 or not 1 <= top_k(cfg) <= num_experts(cfg):
+        raise ValueError(f"MoE config needs num_experts >= 2 and 1 <= num_experts_per_tok <= num_experts "
+                         f"(got {num_experts(cfg)}, {top_k(cfg)})")
+
+
+def num_experts(cfg: dict) -> int:
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+
+
+def top_k(cfg: dict) -> int:
+    return int(cfg.get("num_experts_per_tok") or 0)
+
+
+def expert_ffn_size(cfg: dict) -> int:
+    # Mixtral's experts use intermediate_size; Qwen3-MoE's moe_intermediate_size (its intermediate_size
+    # is for dense layers, which megarl refuses).
+    return int(cfg["moe_intermediate_size"] if cfg["model_type"] == "qwen3_moe" else cfg["intermediate_size"])
+
+
+def num_moe_layers(cfg: dict) -> int:
+    """MoE layers of the model (every decoder layer: check_moe refuses dense ones in between)."""
+    return int(cfg["num_hidden_layers"]) if is_moe(cfg) else 0
+
+
+def routes_dtype(cfg: dict):
+    """The integer dtype a sample's routes travel in (MOE_CONTRACT: uint8, int16 past 255 experts); `cfg` is the
+    model's config.json (or just {"num_experts": E})."""
+    import numpy as np
+
+    return np.uint8 if num_experts(cfg) <= 255 else np.int16
+
+
+def transformer_config_kwargs(cfg: dict) -> dict:
+    """megatron TransformerConfig arguments of the MoE layers (none for a dense model)."""
+    if not is_moe(cfg):
+        return {}
+    check_moe(cfg)
+    pre_softmax = cfg["model_type"] == "qwen3_moe" and not cfg.get("norm_topk_prob", False)
+    return dict(
+        num_moe_experts=num_experts(cfg),
+        moe_router_topk=top_k(cfg),
+        moe_ffn_hidden_size=expert_ffn_size(cfg),
+        moe_router_pre_softmax=pre_softmax,
+        moe_router_score_function="softmax",
+        # RL trains the policy's own objective; HF's router aux loss is a pre-training regulariser that
+        # its forward does not compute either (output_router_logits off).
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="alltoall",
+        # fp32 router logits, as HF computes them for the softmax
+        moe_router_dtype="fp32",
+    )
+
+
+def _hf_prefix(cfg: dict, layer: int) -> str:
+    block = "block_sparse_moe" if cfg["model_type"] == "mixtral" else "mlp"
+    return f"model.layers.{layer}.{block}."
+
+
+def hf_expert_names(cfg: dict, layer: int, expert: int) -> tuple[str, str, str]:
+    """HF names of (gate, up, down) of one expert, as save_pretrained writes them."""
+    p = _hf_prefix(cfg, layer) + f"experts.{expert}."
+    if cfg["model_type"] == "mixtral":
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
+def hf_router_name(cfg: dict, layer: int) -> str:
+    return _hf_prefix(cfg, layer) + "gate.weight"
+
+
+def mlp_hf_to_mcore(hf_state: dict, cfg: dict, layer: int) -> dict:
+    """One layer's MoE MLP: HF tensors -> megatron names relative to the layer, all experts."""
+    out = {"mlp.router.weight": hf_state[hf_router_name(cfg, layer)]}
+    for e in range(num_experts(cfg)):
+        gate, up, down = (hf_state[n] for n in hf_expert_names(cfg, layer, e))
+        out[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        out[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down
+    return out
+
+
+def mlp_mcore_to_hf(mcore_layer: dict, cfg: dict, hf_layer_index: int, expert_offset: int = 0) -> dict:
+    """One layer's MoE MLP: megatron names relative to the layer -> HF names with the global layer
+    index.  The experts present are converted (all of them, or one EP rank's, whose local expert j is
+    global expert ``expert_offset + j``); the router is included when present."""
+    out = {}
+    if "mlp.router.weight" in mcore_layer:
+        out[hf_router_name(cfg, hf_layer_index)] = mcore_layer["mlp.router.weight"]
+    prefix = "mlp.experts.local_experts."
+    local = sorted({int(k[len(prefix):].split(".")[0]) for k in mcore_layer if k.startswith(prefix)})
+    for j in local:
+        gate_name, up_name, down_name = hf_expert_names(cfg, hf_layer_index, expert_offset + j)
+        gate, up = mcore_layer[f"{prefix}{j}.linear_fc1.weight"].chunk(2, dim=0)
+        out[gate_name], out[up_name] = gate.contiguous(), up.contiguous()
+        out[down_name] = mcore_layer[f"{prefix}{j}.linear_fc2.weight"]
+    return out
+
+
+def unstack_checkpoint_experts(layer: dict) -> dict:
+    """One layer as megatron's dist checkpoint stores it -> the model's names. SequentialMLP saves every
+    expert's tensor as one ``mlp.experts.experts.<name>`` stacked over the global experts (its
+    sharded_state_dict), which becomes ``mlp.experts.local_experts.{e}.<name>`` per expert."""
+    stacked = "mlp.experts.experts."
+    out = {k: v for k, v in layer.items() if not k.startswith(stacked)}
+    for key, tensor in layer.items():
+        if key.startswith(stacked):
+            for e, expert in enumerate(tensor):
+                out[f"mlp.experts.local_experts.{e}.{key[len(stacked):]}"] = expert
+    return out
+
+
+def global_expert_name(local_name: str, expert_offset: int) -> str:
+    """A megatron parameter name with an EP rank's local expert index replaced by the global one."""
+    marker = "mlp.experts.local_experts."
+    if marker not in local_name or expert_offset == 0:
+        return local_name
+    head, rest = local_name.split(marker, 1)
+    index, tail = rest.split(".", 1)
+    return f"{head}{marker}{int(index) + expert_offset}.{tail}"

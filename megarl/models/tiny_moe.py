@@ -1,0 +1,32 @@
+"""The embedded mixture-of-experts model's architecture: a tiny Mixtral with the embedded tokenizer.
+
+"tiny-mixtral-count" (registered in megarl.models.tiny.EMBEDDED_MODELS, built and warm-started there
+exactly like the dense count model) is what configs/moe.yaml trains and what the MoE tests serve. This
+module owns only its config, so the builders stay one-way (tiny.py imports this, nothing here imports
+back): Mixtral-style routing -- a softmax over `NUM_EXPERTS` router logits, the top `TOP_K` experts,
+their probabilities renormalised to sum to 1 -- in front of SwiGLU experts (`block_sparse_moe.experts.{e}.
+w1/w3/w2` = gate/up/down, `block_sparse_moe.gate` the router, as transformers' save_pretrained writes them).
+
+Sizes: the dense tiny Qwen2's attention (hidden 64, 4 heads, 2 KV heads, no q/k/v bias: Mixtral has none)
+and 4 experts of width 96, 2 per token: a token runs the dense model's MLP width (2 x 96 = 192) but the
+weights are twice as many, so routing decides something.
+"""
+from __future__ import annotations
+
+NUM_EXPERTS = 4
+TOP_K = 2
+
+
+def build_moe_config(vocab_size: int, eos_id: int, pad_id: int, **overrides):
+    """The tiny Mixtral config (`overrides` replace keys, as megarl.models.tiny.build_config's)."""
+    from transformers import MixtralConfig
+
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        num_local_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, router_jitter_noise=0.0,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id, torch_dtype="float32",
+    )
+    kwargs.update(overrides)
+    return MixtralConfig(**kwargs)

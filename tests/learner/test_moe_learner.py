@@ -1,0 +1,249 @@
+"""MegatronLearner on mixture-of-experts models (one gloo rank) against transformers: the forward, the published
+HF names, and rollout routing replay (R3) through megatron-core's RouterReplay.
+
+The "sampler" here is transformers itself in fp32: its routes are the top-k of its router logits
+(``output_router_logits``), its log-probs the behaviour log-probs, so at lag 0 learner and sampler compute the
+same function and every difference is the learner's doing."""
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from megarl.algo.config import LossConfig
+from megarl.protocols import TrainBatch
+from tests.helpers import save_tiny_moe
+
+VOCAB, B, S, PROMPT, TOP_K = 64, 8, 12, 4, 2
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {"mixtral": str(save_tiny_moe(root / "mixtral", "mixtral")),
+            "qwen3_moe": str(save_tiny_moe(root / "qwen3_moe", "qwen3_moe")),
+            "qwen3_moe_norm_topk": str(save_tiny_moe(root / "qwen3_moe_norm", "qwen3_moe", norm_topk_prob=True))}
+
+
+def _learner(model_dir, routing_replay="off", loss_cfg=None, **cfg):
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner.megatron import MegatronLearner
+
+    return MegatronLearner(model_dir, LearnerConfig(**cfg), loss_cfg or LossConfig(), routing_replay=routing_replay)
+
+
+def _hf_forward(model_dir, ids):
+    """(log-probs [B, S] with column 0 = 0, routes [B, S, L, k]) of transformers in fp32."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf(ids, output_router_logits=True)
+    lp = torch.log_softmax(out.logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    routes = torch.stack([logits.reshape(*ids.shape, -1).topk(TOP_K, dim=-1).indices for logits in out.router_logits],
+                         dim=2)
+    return torch.nn.functional.pad(lp, (1, 0)), routes.to(torch.uint8)
+
+
+def _ids(seed=3):
+    return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm_topk"])
+def test_moe_logprobs_match_transformers(moe_dirs, world, kind):
+    learner = _learner(moe_dirs[kind], micro_batch_size=3)
+    ids = _ids()
+    ref, _ = _hf_forward(moe_dirs[kind], ids)
+    assert (learner.logprobs(ids) - ref).abs().max().item() <= 1e-5
+
+
+def test_moe_publishes_the_per_expert_hf_names(moe_dirs, world):
+    """publish_tensors (what samplers receive, and what megarl sft exports) is the save_pretrained state:
+    per-expert names, in the order, shapes and dtypes publish_spec announces."""
+    learner = _learner(moe_dirs["qwen3_moe"])
+    published = dict(learner.publish_tensors())
+    assert learner.publish_spec() == [(n, tuple(t.shape), t.dtype) for n, t in published.items()]
+    saved = load_file(f"{moe_dirs['qwen3_moe']}/model.safetensors")
+    assert set(published) == set(saved)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in published
+    for name, tensor in saved.items():
+        assert torch.equal(published[name], tensor), name
+
+
+def _batch(ids, behaviour, routes):
+    mask = torch.zeros_like(behaviour)
+    mask[:, PROMPT:] = 1.0
+    adv = torch.randn(B, 1, generator=torch.Generator().manual_seed(1)).expand(B, S) * mask
+    return TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour * mask,
+                      versions=torch.where(mask > 0, 0, -1), advantages=adv, learner_version=0, routes=routes)
+
+
+def _perturbed_router_dir(src, dst):
+    """The same model with every router weight moved: another learner router, the same experts."""
+    from safetensors.torch import save_file
+    import shutil
+
+    shutil.copytree(src, dst)
+    weights = load_file(f"{dst}/model.safetensors")
+    g = torch.Generator().manual_seed(7)
+    for name, w in weights.items():
+        if name.endswith("block_sparse_moe.gate.weight"):
+            weights[name] = w + 2.0 * w.std() * torch.randn(w.shape, generator=g)
+    save_file(weights, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_r3_replays_the_sampler_routes_exactly(moe_dirs, world, tmp_path):
+    """Same weights: the learner's own routes agree with the sampler's (agreement 1.0) and the lag-0 log-prob
+    gap is fp32 noise, replay or not. A perturbed learner router: without replay the agreement drops and the gap
+    grows; with r3 every expert call is the sampler's route (counted at the experts), the learner's own router
+    still reports its disagreement, and the router weight still gets a gradient."""
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["mixtral"], ids)
+    batch = _batch(ids, behaviour, routes)
+
+    same = _learner(moe_dirs["mixtral"], routing_replay="r3", micro_batch_size=3)
+    m = same.train_step(batch)
+    assert m["router/agreement"] == 1.0 and m["router/token_diff_frac"] == 0.0
+    assert m["lag0/router_agreement"] == 1.0
+    assert m["lag0/logprob_gap_abs"] < 1e-5
+
+    perturbed = _perturbed_router_dir(moe_dirs["mixtral"], tmp_path / "perturbed")
+    off = _learner(perturbed, micro_batch_size=3).train_step(batch)
+    assert off["router/agreement"] < 0.9 and off["router/token_diff_frac"] > 0.3
+    assert off["lag0/logprob_gap_abs"] > 1e-3
+
+    r3 = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
+    calls = torch.zeros(4, dtype=torch.long)  # tokens each expert of layer 0 computed, over the step's passes
+    experts = r3.gpt.decoder.layers[0].mlp.experts.local_experts
+    for e, expert in enumerate(experts):
+        expert.register_forward_hook(lambda mod, inp, out, e=e: calls.__setitem__(e, calls[e] + inp[0].shape[0]))
+    m = r3.train_step(batch)
+    assert m["router/agreement"] < 0.9  # what its own router would have chosen
+    # Every position of every row went to the replayed experts (rows are trimmed to their length: all S here).
+    assert torch.equal(calls, torch.bincount(routes[:, :, 0].reshape(-1).long(), minlength=4))
+    router = r3.gpt.decoder.layers[0].mlp.router.weight
+    assert router.main_grad.abs().sum() > 0
+
+
+def test_r3_without_routes_stops_the_step(moe_dirs, world):
+    ids = _ids()
+    behaviour, _ = _hf_forward(moe_dirs["mixtral"], ids)
+    learner = _learner(moe_dirs["mixtral"], routing_replay="r3")
+    with pytest.raises(RuntimeError, match="without routes"):
+        learner.train_step(_batch(ids, behaviour, None))
+
+
+def test_micro_batches_are_padded_to_the_expert_parallel_count():
+    """Every EP rank must run the same number of micro-batches (the MoE alltoall pairs them): rows are split
+    first, then filler rows that train nothing are added."""
+    from megarl.learner.step import pad_micro_batches
+
+    def mb(rows):
+        return {"input_ids": torch.arange(rows * 2).reshape(rows, 2), "mask": torch.ones(rows, 2),
+                "advantages": torch.ones(rows, 2)}
+
+    split = pad_micro_batches([mb(3), mb(1)], 3)
+    assert [m["input_ids"].shape[0] for m in split] == [1, 2, 1]
+    assert torch.equal(torch.cat([m["input_ids"] for m in split[:2]]), mb(3)["input_ids"])
+    filled = pad_micro_batches([mb(1)], 3)
+    assert len(filled) == 3 and all(m["mask"].sum() == 0 and m["advantages"].sum() == 0 for m in filled[1:])
+    assert filled[0]["mask"].sum() == 2  # the real row keeps its mask
+
+
+def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads(moe_dirs, world, tmp_path):
+    """megatron saves the experts stacked per layer ([E, ...]); the export unstacks them into per-expert HF names."""
+    from megarl.checkpoint import learner_state
+    from megarl.checkpoint.export import export_hf
+
+    learner = _learner(moe_dirs["qwen3_moe"])
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["qwen3_moe"], ids)
+    learner.train_step(_batch(ids, behaviour, routes))  # weights the HF directory does not have
+    learner_state.save(learner, tmp_path / "ckpt", step=1, keep=1, model_dir=moe_dirs["qwen3_moe"])
+    exported = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    ref, _ = _hf_forward(str(exported), ids)
+    assert (learner.logprobs(ids) - ref).abs().max().item() <= 1e-5
+    assert (ref - behaviour).abs().max().item() > 1e-4  # the trained weights, not the initial ones
+
+
+def test_r3_learner_runs_the_engines_routes_across_an_inflight_update(moe_dirs, world):
+    """End to end in one process: the built-in engine samples under v0, takes the learner's v1 in flight and
+    re-prefills (kv_on_update=recompute), recording routes; the batch packs them (megarl.rollout.routes) and the
+    r3 learner at v1 sends every position of every layer to exactly the recorded experts, its own router agrees
+    with all of them, and the log-probs of the lag-0 tokens are the engine's to fp32 noise."""
+    from megarl.protocols import GenerationRequest, Sample, SamplingParams
+    from megarl.rollout.routes import RouteShape, pack_routes
+    from megarl.sampler.engine import BuiltinEngine
+    from megarl.sampler.model import load_pretrained
+
+    learner = _learner(moe_dirs["mixtral"], routing_replay="r3", micro_batch_size=3)
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["mixtral"], ids)
+    learner.train_step(_batch(ids, behaviour, routes))  # v1: weights the engine does not have yet
+
+    cfg, weights = load_pretrained(moe_dirs["mixtral"])
+    engine = BuiltinEngine(cfg, weights, max_running=4, kv_on_update="recompute")
+    gen = torch.Generator().manual_seed(4)
+    for i in range(4):
+        engine.add_request(GenerationRequest(str(i), torch.randint(0, VOCAB, (5,), generator=gen).tolist(),
+                                             SamplingParams(temperature=1.0, max_new_tokens=7)))
+    done = []
+    for _ in range(3):
+        done += engine.step()
+    engine.stage_weights(dict(learner.publish_tensors()), 1)
+    while engine.num_unfinished:
+        done += engine.step()
+    samples = [Sample(group_id=c.request_id, prompt="", completion="", prompt_ids=c.prompt_ids, token_ids=c.token_ids,
+                      logprobs=c.logprobs, versions=c.versions, reward=0.0, finish_reason=c.finish_reason,
+                      routes=c.routes) for c in done]
+    assert all(0 in s.versions and 1 in s.versions for s in samples)
+    width = max(len(s.prompt_ids) + len(s.token_ids) for s in samples)
+    batch_ids = torch.zeros(len(samples), width, dtype=torch.long)
+    mask, mu, versions = torch.zeros(len(samples), width), torch.zeros(len(samples), width), torch.full(
+        (len(samples), width), -1)
+    for r, s in enumerate(samples):
+        p, n = len(s.prompt_ids), len(s.token_ids)
+        batch_ids[r, :p + n] = torch.tensor(s.prompt_ids + s.token_ids)
+        mask[r, p:p + n], mu[r, p:p + n], versions[r, p:p + n] = 1.0, torch.tensor(s.logprobs), torch.tensor(s.versions)
+    packed = pack_routes(samples, width, RouteShape.of(cfg), required=True)
+
+    calls = torch.zeros(2, 4, dtype=torch.long)  # [layer, expert]: tokens each expert computed in the train pass
+    hooks = [expert.register_forward_hook(lambda mod, inp, out, l=l, e=e: calls[l].__setitem__(e, calls[l, e] + inp[0].shape[0]))
+             for l, layer in enumerate(learner.gpt.decoder.layers) for e, expert in enumerate(layer.mlp.experts.local_experts)]
+    m = learner.train_step(TrainBatch(input_ids=batch_ids, loss_mask=mask, behaviour_logprobs=mu, versions=versions,
+                                      advantages=mask, learner_version=1, routes=packed))
+    for h in hooks:
+        h.remove()
+    lengths = (mask * torch.arange(1, width + 1)).amax(dim=1).long()  # each row is computed up to its last token
+    used = torch.cat([packed[r, :lengths[r]] for r in range(len(samples))])  # [positions, layers, k]
+    assert torch.equal(calls, torch.stack([torch.bincount(used[:, l].reshape(-1).long(), minlength=4) for l in range(2)]))
+    assert m["router/agreement"] == 1.0 and m["lag0/router_agreement"] == 1.0
+    assert m["lag0/token_share"] > 0.3 and m["lag0/logprob_gap_abs"] < 1e-5  # (measured at v1, in the step)
+
+
+def test_r3_under_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+    """A real 2-process torchrun (gloo): PP2 (each stage replays only its own MoE layer) and DP2 x EP2 (each rank
+    holds 2 of the 4 experts; the alltoall sends each token to its replayed experts) give the one-rank r3 learner's
+    log-probs, loss, grad norm and router agreement, and after one step the same whole published weights. The
+    learner's routers are perturbed, so a stage or rank that routed itself would compute another function."""
+    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results, _sources
+
+    perturbed = _perturbed_router_dir(moe_dirs["mixtral"], tmp_path / "perturbed")
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["mixtral"], ids)
+    batch = _batch(ids, behaviour, routes)
+    layouts = {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}}
+    proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
+    learner = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
+    ref_logprobs = learner.logprobs(ids, routes)
+    ref = learner.train_step(batch)
+    ref_published = dict(learner.publish_tensors())
+    for layout, ranks in _layout_results(proc, tmp_path, layouts, nproc=2, timeout=240).items():
+        for rank in ranks:
+            assert _close(rank["logprobs"], ref_logprobs), layout
+            for key in ("loss", "grad_norm", "router/agreement", "router/token_diff_frac"):
+                assert abs(rank["metrics"][key] - ref[key]) <= 1e-5 * max(1.0, abs(ref[key])), (layout, key)
+        published = {}
+        for rank in (_sources(ranks) if layout == "pp2" else ranks[:1]):
+            published.update(rank["published"])
+        assert set(published) == set(ref_published), layout
+        assert all(_close(published[n], t) for n, t in ref_published.items()), layout

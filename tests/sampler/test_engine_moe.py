@@ -1,0 +1,103 @@
+"""BuiltinEngine on a mixture-of-experts model (tiny Mixtral): log-probs and routes equal transformers',
+and across an in-flight update every position's routes are those of the weights that computed it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megarl.protocols import GenerationRequest, SamplingParams
+from megarl.sampler.engine import BuiltinEngine
+from megarl.sampler.model import ModelSpec, load_pretrained
+from tests.sampler import hf_logprobs_and_routes, make_tiny_model, save_version
+
+TOL = 1e-5
+LAYERS, TOP_K, EXPERTS = 2, 2, 4
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("mixtral"), "mixtral")
+    return path, *load_pretrained(str(path))
+
+
+def requests(n, sampling, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(2, 12, (n,), generator=gen).tolist()
+    return [GenerationRequest(str(i), torch.randint(0, 32, (k,), generator=gen).tolist(), sampling)
+            for i, k in enumerate(lens)]
+
+
+def test_spec_parses_mixtral_and_refuses_tensor_parallel(mixtral):
+    _, cfg, _ = mixtral
+    spec = ModelSpec.from_hf_config(cfg)
+    assert (spec.num_experts, spec.top_k, spec.is_moe) == (EXPERTS, TOP_K, True)
+    with pytest.raises(ValueError, match="tensor parallelism .* mixture-of-experts"):
+        spec.shard(2)
+    with pytest.raises(ValueError, match="num_experts_per_tok=5"):
+        ModelSpec.from_hf_config(dict(cfg, num_experts_per_tok=5))
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, max_new_tokens=8),
+                                      SamplingParams(temperature=1.0, max_new_tokens=10)])
+def test_logprobs_and_routes_equal_transformers(mixtral, sampling):
+    path, cfg, weights = mixtral
+    completions = BuiltinEngine(cfg, weights, max_running=4, version=3).generate(requests(6, sampling))
+    for c in completions:
+        n = len(c.prompt_ids)
+        assert c.routes.dtype == np.uint8 and c.routes.shape == (n + len(c.token_ids) - 1, LAYERS, TOP_K)
+        logp, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (path, None))
+        expected = [logp[n - 1 + i, tok].item() for i, tok in enumerate(c.token_ids)]
+        assert max(abs(a - b) for a, b in zip(c.logprobs, expected)) <= TOL
+        np.testing.assert_array_equal(c.routes, routes[:-1])  # the last token is never an input
+        assert c.versions == [3] * len(c.token_ids)
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_routes_across_an_inflight_update_come_from_the_weights_that_computed_them(mixtral, policy, tmp_path):
+    """v1 computes the prompt and the first decode inputs; v2 the rest ("recompute": all of it again)."""
+    path, cfg, weights = mixtral
+    gen = torch.Generator().manual_seed(5)
+    v2 = {k: t + 0.3 * torch.randn(t.shape, generator=gen) if k.endswith("gate.weight") else t.clone()
+          for k, t in weights.items()}  # a different router: the two versions route many tokens differently
+    v2_dir = save_version(path, v2, tmp_path / "v2")
+    engine = BuiltinEngine(cfg, weights, max_running=4, kv_on_update=policy)
+    reqs = requests(4, SamplingParams(temperature=1.0, max_new_tokens=10), seed=1)
+    for r in reqs:
+        engine.add_request(r)
+    done = {}
+    for _ in range(3):  # step 1: prefill (token 1) + decode (token 2); then 2 decodes: positions < n + 3 by v1
+        done.update((c.request_id, c) for c in engine.step())
+    engine.stage_weights(v2, 1)
+    while engine.num_unfinished:
+        done.update((c.request_id, c) for c in engine.step())
+    differ = 0
+    for r in reqs:
+        c = done[r.request_id]
+        n = len(c.prompt_ids)
+        assert c.versions == [0] * 4 + [1] * 6
+        ids = c.prompt_ids + c.token_ids
+        split = n + 3  # v1 computed positions [0, split); v2 the later ones and, under "recompute", all again
+        versions = [(v2_dir, None)] if policy == "recompute" else [(path, split), (v2_dir, None)]
+        _, expected = hf_logprobs_and_routes(ids, *versions)
+        np.testing.assert_array_equal(c.routes, expected[:-1])
+        _, all_v1 = hf_logprobs_and_routes(ids, (path, None))
+        differ += int((all_v1[:-1] != c.routes).any(axis=(1, 2)).sum())
+    assert differ > 0  # the test can tell the versions apart
+
+
+def test_routes_survive_slot_packing(mixtral):
+    """Requests of different lengths finish, survivors move slots: each keeps its own routes."""
+    path, cfg, weights = mixtral
+    reqs = [GenerationRequest(r.request_id, r.prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=2 + i))
+            for i, r in enumerate(requests(6, None, seed=2))]
+    for c in BuiltinEngine(cfg, weights, max_running=3).generate(reqs):
+        _, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (path, None))
+        np.testing.assert_array_equal(c.routes, routes[:-1])
+
+
+def test_dense_models_record_no_routes(tmp_path):
+    path = make_tiny_model(tmp_path, "qwen2")
+    cfg, weights = load_pretrained(str(path))
+    [c] = BuiltinEngine(cfg, weights).generate(requests(1, SamplingParams(temperature=0.0, max_new_tokens=3)))
+    assert c.routes is None
