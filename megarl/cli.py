@@ -51,8 +51,17 @@ def train(args: argparse.Namespace) -> int:
         print("megarl: train launches one node; start multi-node runs with launch/torchrun_multi_node.sh or "
               "launch/slurm_multi_node.sbatch (docs/launch.md)", file=sys.stderr)
         return 2
+    created = not Path(cfg.run.dir).exists()
     if not claim_run_dir(cfg, args.dry_run):
         return 2
+    code = check_and_launch(args, cfg, nodes)
+    if code == 2 and created:  # refused before launch: the directory made only to hold the lock goes again
+        run_lock.release_unused(cfg.run.dir)
+    return code
+
+
+def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
+    """`megarl train` once run.dir is held: the model, task, eval and checkpoint checks, then torchrun."""
     model_dir = checked_model_dir(cfg)
     if model_dir is None:
         return 2

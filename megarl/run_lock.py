@@ -59,6 +59,19 @@ def hold(run_dir: str | Path) -> None:
     _held[run_dir] = lock
 
 
+def release_unused(run_dir: str | Path) -> None:
+    """Let go of a run.dir this process holds and, when nothing but the lock file is in it, remove it: a run
+    refused before launch leaves no directory behind that it created only to hold the lock."""
+    run_dir = Path(run_dir)
+    lock = _held.pop(run_dir, None)
+    if lock is None:
+        return
+    lock.close()
+    if [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:
+        (run_dir / LOCK_NAME).unlink()
+        run_dir.rmdir()
+
+
 def check_free(run_dir: str | Path) -> None:
     """RunDirError if another live run holds run.dir (or it is not a directory); takes nothing, creates nothing."""
     run_dir = _usable(run_dir)

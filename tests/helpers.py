@@ -77,3 +77,12 @@ def save_tiny_moe(path: Path, kind: str, vocab_size: int = 64, **overrides) -> P
                 p.mul_(8.0)
     model.save_pretrained(path)
     return path
+
+
+def train_metrics(run_dir) -> list[dict]:
+    """The per-step records of run_dir/metrics.jsonl (evaluation records left out; [] before the file exists)."""
+    from megarl.observe.jsonl import read_jsonl
+    from megarl.observe.sinks import train_records
+
+    path = Path(run_dir) / "metrics.jsonl"
+    return train_records(read_jsonl(path)) if path.exists() else []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, save_tokenizer
+from tests.helpers import REPO, save_tokenizer, train_metrics
 
 CONFIG = "configs/demo.yaml"
 FAKE = Path(__file__).with_name("fake_slurm.py")
@@ -115,8 +115,8 @@ def test_a_stop_signal_to_the_batch_script_stops_the_run_at_a_step_boundary(tmp_
                             f"model.path={embedded_model_dir}", "run.steps=100000", "algo.prompts_per_step=4",
                             "run.tensorboard=false", "fault.checkpoint_on_signal=true"],
                            env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+    deadline = time.monotonic() + 240
+    while len(train_metrics(run_dir)) < 2:
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
         time.sleep(0.5)
     job.send_signal(signal.SIGTERM)
@@ -126,7 +126,7 @@ def test_a_stop_signal_to_the_batch_script_stops_the_run_at_a_step_boundary(tmp_
         job.kill()
         raise AssertionError("the job did not stop within 90s of SIGTERM")
     assert job.returncode == 128 + signal.SIGTERM, err[-3000:]
-    steps = len(metrics.read_text().splitlines())
+    steps = len(train_metrics(run_dir))
     assert f"megarl: stopped by SIGTERM after {steps} steps" in out
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
     assert not leftovers(run_dir) and not os.path.exists(f"/tmp/megarl-{env['SLURM_JOB_ID']}")
@@ -237,5 +237,5 @@ def test_sbatch_scripts_train_under_a_real_slurm(script, nodes, local_slurm, emb
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=400)
     log = out.read_text() if out.exists() else ""
     assert proc.returncode == 0, proc.stderr + log[-4000:]
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    assert len(train_metrics(run_dir)) == 2
     assert "step 2/2" in log

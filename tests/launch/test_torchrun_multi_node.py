@@ -4,12 +4,11 @@ rendezvous on loopback (one process each: node 0 gets the learner, node 1 the sa
 The two "nodes" get different loopback addresses (127.0.0.2, 127.0.0.3): c10d orders nodes by address,
 so node 0 is group rank 0, and the learner must bind its queue to its node's address for the sampler
 on the other "node" to reach it."""
-import json
 import os
 import socket
 import subprocess
 
-from tests.helpers import REPO
+from tests.helpers import REPO, train_metrics
 
 RUN = ["run.steps=5", "algo.prompts_per_step=4", "algo.group_size=4", "sampling.max_new_tokens=8",
        "learner.micro_batch_size=16", "run.tensorboard=false"]
@@ -44,7 +43,7 @@ def test_two_torchrun_agents_on_loopback_train_with_the_learner_and_sampler_on_d
     # The learner (rank 0) prints the progress line: it ran on node 0 only.
     assert ["step 5/5" in output for output in outputs] == [True, False]
     assert "megarl placement: node 1 (torchrun group rank 1): rank 1 = sampler 0" in outputs[0]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = train_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(5))
     assert metrics[-1]["sampler1/tokens_decoded"] > 0 and metrics[-1]["version"] == 5
     assert "host: 127.0.0.2" in (run_dir / "config.yaml").read_text()  # the queue bound node 0's address

@@ -12,7 +12,7 @@ import pytest
 
 from megarl.observe.sinks import train_records
 
-from tests.helpers import REPO, run_python
+from tests.helpers import REPO, run_python, train_metrics
 
 # The arithmetic demo: the task the embedded think model (embedded_think_model_dir) was built for.
 DEMO = str(REPO / "configs" / "arithmetic.yaml")
@@ -100,7 +100,7 @@ def test_a_killed_sampler_stops_the_run_and_is_named(embedded_think_model_dir, t
     assert "megarl: the run failed: sampler 0 (rank 1) was killed by signal 9 (SIGKILL); " \
            "torchrun stopped every other process" in err
     assert not leftovers(run_dir)
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 2  # what was done is kept
+    assert len(train_metrics(run_dir)) >= 2  # what was done is kept
 
 
 def test_a_hung_sampler_is_named_by_the_learner(embedded_think_model_dir, tmp_path):
@@ -128,7 +128,7 @@ def test_a_hung_sampler_is_named_by_the_learner(embedded_think_model_dir, tmp_pa
 
 
 def _metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return train_metrics(run_dir)
 
 
 def test_with_restart_a_killed_sampler_costs_only_the_steps_since_the_checkpoint(embedded_think_model_dir, tmp_path):
