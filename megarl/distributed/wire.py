@@ -65,6 +65,7 @@ class Field:
     ndim: int = 0  # NDARRAY only
     optional: bool = False  # NDARRAY only: may be None (OPT_STR is always optional)
     min_value: int | None = None  # INT, INT_LIST: the smallest value accepted
+    finite: bool = True  # FLOAT_LIST: refuse NaN and infinities
 
 
 # Sample's schema: every attribute that travels, in one place (docs/security.md#the-wire-format).
@@ -74,7 +75,9 @@ SAMPLE_FIELDS: tuple[Field, ...] = (
     Field("completion", STR),
     Field("prompt_ids", INT_LIST, min_value=0),
     Field("token_ids", INT_LIST, min_value=0),
-    Field("logprobs", FLOAT_LIST),
+    # A diverged policy samples NaN log-probs; they must reach the learner, whose non-finite step rule stops the
+    # run naming the cause (learner.max_nonfinite_in_row): dropped here, the learner would wait for groups forever.
+    Field("logprobs", FLOAT_LIST, finite=False),
     Field("versions", INT_LIST, min_value=-1),  # -1: an environment token
     Field("reward", FLOAT),
     Field("finish_reason", STR),
@@ -233,7 +236,7 @@ def _split_list_column(column: Any, f: Field, n: int, reader: _ArrayReader, wher
         raise WireError(f"{where}: shape {list(data.shape)}, expected [n, 2]")
     if len(data) != sum(column["lengths"]):
         raise WireError(f"{where}: lengths sum to {sum(column['lengths'])}, the data holds {len(data)}")
-    if kind == FLOAT_LIST and not np.isfinite(data).all():
+    if kind == FLOAT_LIST and f.finite and not np.isfinite(data).all():
         raise WireError(f"{where}: holds a non-finite value")
     if f.min_value is not None and len(data) and data.min() < f.min_value:
         raise WireError(f"{where}: holds {data.min()}, below {f.min_value}")

@@ -134,7 +134,6 @@ def test_malformed_metadata_from_a_peer_with_the_secret_is_refused(change, error
 
 @pytest.mark.parametrize("changes, error", [
     (dict(versions=[1, 2, 3]), "differ in length"),
-    (dict(logprobs=[-0.1, math.inf, 0.0, 0.0]), "non-finite"),
     (dict(env_spans=[(3, 5)]), "env_spans"),
     (dict(env_spans=[(2, 2)]), "env_spans"),
     (dict(env_spans=[(2, 3), (0, 1)]), "env_spans"),
@@ -146,6 +145,11 @@ def test_malformed_metadata_from_a_peer_with_the_secret_is_refused(change, error
 def test_inconsistent_samples_are_refused(changes, error):
     with pytest.raises(WireError, match=error):
         roundtrip([sample(**changes)])
+
+
+def test_a_diverged_policys_nan_logprobs_reach_the_learner_whose_nonfinite_rule_stops_the_run():
+    _, [back], _ = roundtrip([sample(logprobs=[-0.1, math.nan, -math.inf, 0.0])])
+    assert math.isnan(back.logprobs[1]) and back.logprobs[2] == -math.inf
 
 
 def test_an_empty_group_is_refused():
