@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megarl.cli import main as cli_main
-from tests.helpers import REPO, run_python
+from tests.helpers import REPO, run_python, train_metrics
 
 SFT = str(REPO / "configs" / "sft.yaml")
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -94,7 +94,7 @@ def test_megatron_two_stages_trains_writes_an_hf_directory_that_megarl_train_tak
     rl = run_python("-m", "megarl.cli", "train", DEMO, f"model.path={out}", "run.steps=2", f"run.dir={tmp_path / 'rl'}",
                     "algo.prompts_per_step=4", "sampling.max_new_tokens=8", "run.tensorboard=false", timeout=300)
     assert rl.returncode == 0, rl.stdout[-2000:] + rl.stderr[-3000:]
-    assert [m["step"] for m in read_jsonl(tmp_path / "rl" / "metrics.jsonl")] == [0, 1]
+    assert [m["step"] for m in train_metrics(tmp_path / "rl")] == [0, 1]
 
 
 def test_deepspeed_zero3_trains_chat_messages_through_the_model_directorys_template(embedded_model_dir, tmp_path):
