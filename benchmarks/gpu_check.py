@@ -463,7 +463,7 @@ def _publish_worker(args, size: Size, rank: int) -> None:
 
     result: dict = {"backend": "gloo", "bucket_mb": 64, "checksum": True, "receiver_device": str(device)}
     for mode, (src_device, dtype) in modes.items():
-        group = publish_group(topo, torch.distributed.PrefixStore(f"gc/{mode}/", store), "gloo", 120)
+        group = publish_group(topo, store.prefixed(f"gc/{mode}"), "gloo", 120)
         recv_dtype = torch.float32 if mode == "host_fp32" else dtype
         gen = torch.Generator().manual_seed(rank)
         weights = {name: (torch.randn(shape, generator=gen) * 0.02).to(dtype).to(src_device if rank == 0 else device)
@@ -471,7 +471,7 @@ def _publish_worker(args, size: Size, rank: int) -> None:
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         applied, stop = [0], threading.Event()
         if rank == 0:
-            publisher = WeightPublisher(group, torch.distributed.PrefixStore(f"gc/{mode}/pub/", store), bucket_mb=64,
+            publisher = WeightPublisher(group, store.prefixed(f"gc/{mode}/pub"), bucket_mb=64,
                                         timeout_s=120, checksum=True)
         else:
             def on_version(version, tensors, extra, mode=mode):
@@ -479,7 +479,7 @@ def _publish_worker(args, size: Size, rank: int) -> None:
                 applied[0] = version
                 receiver_store.set(f"gc/{mode}/recv/{version}", "1")
 
-            receiver = WeightReceiver(group, torch.distributed.PrefixStore(f"gc/{mode}/pub/", receiver_store),
+            receiver = WeightReceiver(group, receiver_store.prefixed(f"gc/{mode}/pub"),
                                       {n: (t.shape, recv_dtype) for n, t in weights.items()}, device,
                                       on_version=on_version, current_version=lambda: applied[0],
                                       should_stop=stop.is_set, timeout_s=120).start()

@@ -174,7 +174,7 @@ class Worker:
     def _receiver(self, prefix: str, weights: dict, on_version, current_version, stop: threading.Event):
         from megarl.distributed.publish import WeightReceiver
 
-        store = torch.distributed.PrefixStore(prefix, self.receiver_store)
+        store = self.receiver_store.prefixed(prefix.rstrip("/"))  # a signed view, as the run's
         spec = {n: (t.shape, t.dtype) for n, t in weights.items()}
         return WeightReceiver(self.group, store, spec, torch.device("cpu"), on_version=on_version,
                               current_version=current_version, should_stop=stop.is_set, timeout_s=120).start()
@@ -182,7 +182,7 @@ class Worker:
     def _publisher(self, prefix: str, checksum: bool):
         from megarl.distributed.publish import WeightPublisher
 
-        store = torch.distributed.PrefixStore(prefix, self.store)
+        store = self.store.prefixed(prefix.rstrip("/"))
         return WeightPublisher(self.group, store, bucket_mb=self.bucket_mb, timeout_s=120, checksum=checksum)
 
     def stall(self, size: int, cfg: dict, weights: dict) -> dict:

@@ -21,7 +21,7 @@ from typing import Callable
 from megarl.eval.score import score_set
 from megarl.eval.sets import EvalSet
 from megarl.protocols import GenerationRequest, SamplingParams
-from megarl.rollout.rewards import score_group
+from megarl.rollout.rewards import is_timeout, score_group
 
 
 class MixedVersionError(RuntimeError):
@@ -72,6 +72,9 @@ def run_share(engine, tokenizer, sets: list[EvalSet], cfg, share: int, shares: i
         between_steps()
     by_name = {s.name: s for s in sets}
     records = []
+    # A reward that hangs would cost every group its budget (64 prompts x 4 s at the demo's settings, twice a run):
+    # once one group's rewards ran out of budget, the rest of this evaluation's fail fast, counted as reward errors.
+    budget_s = cfg.task.reward_group_budget_s
     for (name, i), rids in groups.items():
         prompt, completions = by_name[name].prompts[i], [done[rid] for rid in rids]
         for c in completions:
@@ -80,7 +83,9 @@ def run_share(engine, tokenizer, sets: list[EvalSet], cfg, share: int, shares: i
                 raise MixedVersionError(f"eval request {c.request_id}: {len(wrong)} of its {len(c.versions)} tokens "
                                         f"are of version(s) {sorted(set(wrong))}, not {version}; no score reported")
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        scored = score_group(by_name[name].task, prompt, texts, cfg.task.reward_group_budget_s)
+        scored = score_group(by_name[name].task, prompt, texts, budget_s)
+        if scored.skipped or any(error and is_timeout(error) for _, error in scored.scores):
+            budget_s = 0.0
         for j, (c, text, (reward, error)) in enumerate(zip(completions, texts, scored.scores)):
             records.append({"set": name, "prompt_index": i, "greedy": c.request_id.endswith("/g"),
                             "sample": j, "prompt": prompt.text, "completion": text, "versions": c.versions,
