@@ -26,6 +26,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from megarl.distributed.wire import Envelope, WireError, decode_group, encode_group
+from megarl.observe.ratelimit import RateLimitedLine
 from megarl.protocols import Sample
 
 ADDRESS_KEY = "queue/address"
@@ -64,11 +65,16 @@ class QueueReceiver:
         self.poller.register(self.socket, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.last_sequence: dict[int, int] = {}
-        self.rejected = 0
-        self.disconnects = 0
-        self._next_report: dict[str, float] = {}  # per kind of report: rejected messages, closed connections
-        self._unreported: dict[str, int] = {}
+        self._rejected_line, self._disconnect_line = RateLimitedLine(REPORT_S), RateLimitedLine(REPORT_S)
         store.set(ADDRESS_KEY, json.dumps({"address": self.address, "session": self.session.hex()}))
+
+    @property
+    def rejected(self) -> int:
+        return self._rejected_line.count
+
+    @property
+    def disconnects(self) -> int:
+        return self._disconnect_line.count
 
     def counters(self) -> dict[str, float]:
         """Run totals for metrics.jsonl."""
@@ -114,25 +120,12 @@ class QueueReceiver:
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                self.disconnects += 1
-                self._report("disconnect", f"a sender's connection closed ({self.disconnects} so far): a sampler that exits, or a "
-                             f"message over the limit of {self.max_bytes} bytes (queue.max_message_mb), which is "
-                             f"dropped unread with its connection")
+                self._disconnect_line(f"sample queue at {self.address}: a sender's connection closed: a sampler that "
+                                      f"exits, or a message over the limit of {self.max_bytes} bytes "
+                                      f"(queue.max_message_mb), which is dropped unread with its connection")
 
     def _reject(self, why: str) -> None:
-        self.rejected += 1
-        self._report("rejected", f"dropped a message {why} ({self.rejected} dropped so far)")
-
-    def _report(self, kind: str, line: str) -> None:
-        """One console line of each kind at most every REPORT_S; the ones in between are counted in the next."""
-        now = time.monotonic()
-        if now < self._next_report.get(kind, 0.0):
-            self._unreported[kind] = self._unreported.get(kind, 0) + 1
-            return
-        skipped = self._unreported.pop(kind, 0)
-        more = f"; {skipped} more since the last such line" if skipped else ""
-        print(f"megarl: sample queue at {self.address}: {line[:800]}{more}", flush=True)
-        self._next_report[kind] = now + REPORT_S
+        self._rejected_line(f"sample queue at {self.address}: dropped a message {why}"[:800])
 
     def close(self) -> None:
         self.socket.disable_monitor()

@@ -41,7 +41,8 @@ from http import HTTPStatus
 from typing import Callable, NoReturn
 
 from megarl.protocols import Completion, GenerationRequest, Prompt, SamplingParams
-from megarl.rollout.agent_endpoint import (ChatCompletionsEndpoint, EndpointError, RateLimitedLine, check_request,
+from megarl.observe.ratelimit import RateLimitedLine
+from megarl.rollout.agent_endpoint import (ChatCompletionsEndpoint, EndpointError, check_request,
                                            completion_response, max_request_bytes_for, new_session_token)
 from megarl.rollout.chat import ChatFormatError, ChatTranscript, OverContextError
 from megarl.rollout.episode import Episode, EpisodeLimits, environment_room, turn_room

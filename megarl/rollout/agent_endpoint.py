@@ -33,6 +33,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
+from megarl.observe.ratelimit import RateLimitedLine
+
 log = logging.getLogger(__name__)
 
 _ROUTE = re.compile(r"^/sessions/([^/]+)/v1/(chat/completions|models)$")
@@ -40,7 +42,6 @@ _SESSION_SEGMENT = re.compile(r"/sessions/[^/\s]+")
 _DIGITS = re.compile(r"[0-9]{1,18}")
 READ_TIMEOUT_S = 30.0  # a request's headers and body must arrive within this (a stalled client frees its thread)
 MAX_JSON_DEPTH = 32  # a chat request nests 4 deep ({"messages": [{"content": ...}]}); deeper is refused
-REPORT_EVERY_S = 30.0  # a kind of console line is printed at most this often (each occurrence is counted)
 _DRAIN_BYTES = 64 << 20  # a refused body up to this size is read and discarded so the client sees the answer
 
 
@@ -62,24 +63,6 @@ class EndpointError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
         self.status, self.kind, self.code = status, kind, code
-
-
-class RateLimitedLine:
-    """Console lines of one kind, at most one every REPORT_EVERY_S; every occurrence is counted."""
-
-    def __init__(self, every_s: float = REPORT_EVERY_S):
-        self.every_s, self.count, self._next, self._since = every_s, 0, 0.0, 0
-        self._lock = threading.Lock()
-
-    def __call__(self, text: str) -> None:
-        with self._lock:
-            self.count += 1
-            self._since += 1
-            if time.monotonic() < self._next:
-                return
-            self._next, since, self._since = time.monotonic() + self.every_s, self._since, 0
-        more = f" ({since - 1} more since the last such line)" if since > 1 else ""
-        print(f"megarl: {text}; {self.count} so far{more}", flush=True)
 
 
 class _Server(ThreadingHTTPServer):
