@@ -53,6 +53,26 @@ def test_logprobs_and_routes_equal_transformers(mixtral, sampling):
         assert c.versions == [3] * len(c.token_ids)
 
 
+def test_qwen3_moe_logprobs_and_routes_equal_transformers(tmp_path):
+    """Qwen3-MoE: per-head q/k RMSNorm before RoPE, and the top-k weights not renormalised (norm_topk_prob false;
+    true routes as Mixtral)."""
+    path = make_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe", norm_topk_prob=False)
+    cfg, weights = load_pretrained(str(path))
+    spec = ModelSpec.from_hf_config(cfg)
+    assert (spec.norm_topk, spec.qk_norm, ModelSpec.from_hf_config(dict(cfg, norm_topk_prob=True)).norm_topk) == (
+        False, True, True)
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        ModelSpec.from_hf_config(dict(cfg, mlp_only_layers=[1]))
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in weights
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10)
+    for c in BuiltinEngine(cfg, weights, max_running=4).generate(requests(4, sampling)):
+        n = len(c.prompt_ids)
+        logp, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (path, None))
+        expected = [logp[n - 1 + i, tok].item() for i, tok in enumerate(c.token_ids)]
+        assert max(abs(a - b) for a, b in zip(c.logprobs, expected)) <= TOL
+        np.testing.assert_array_equal(c.routes, routes[:-1])
+
+
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
 def test_routes_across_an_inflight_update_come_from_the_weights_that_computed_them(mixtral, policy, tmp_path):
     """v1 computes the prompt and the first decode inputs; v2 the rest ("recompute": all of it again)."""
