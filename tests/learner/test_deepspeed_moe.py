@@ -61,16 +61,21 @@ def _expert_calls(learner):
 
 
 @pytest.mark.parametrize("kind,zero_stage", [("mixtral", 1), ("qwen3_moe", 3)])
-def test_moe_publishes_the_save_pretrained_state(moe_dirs, world, kind, zero_stage):
-    """transformers fuses the experts in memory; what samplers receive (and the export) is save_pretrained's
-    per-expert state, in the order, shapes and dtypes publish_spec announces (ZeRO-3: gathered per bucket)."""
+def test_moe_publishes_and_exports_the_save_pretrained_state(moe_dirs, world, kind, zero_stage, tmp_path):
+    """transformers fuses the experts in memory; what samplers receive and what a checkpoint exports is
+    save_pretrained's per-expert state, in the order, shapes and dtypes publish_spec announces (ZeRO-3: gathered
+    per bucket)."""
+    from megarl.learner.deepspeed import checkpoint_hf_tensors
+
     learner = _learner(moe_dirs[kind], zero_stage=zero_stage)
     published = {n: t.clone() for n, t in learner.publish_tensors()}
     assert learner.publish_spec() == [(n, tuple(t.shape), t.dtype) for n, t in published.items()]
+    learner.save_shards(tmp_path)
+    exported = dict(checkpoint_hf_tensors(tmp_path, learner.hf_config))
     saved = load_file(f"{moe_dirs[kind]}/model.safetensors")
-    assert set(published) == set(saved)
+    assert set(published) == set(saved) == set(exported)
     for name, tensor in saved.items():
-        assert torch.equal(published[name], tensor), name
+        assert torch.equal(published[name], tensor) and torch.equal(exported[name], tensor), name
 
 
 def test_r3_forces_the_recorded_routes_in_every_pass(moe_dirs, world, tmp_path):
