@@ -294,7 +294,8 @@ class DeepSpeedLearner:
         embedding once, no lm_head), valid until the next step: below ZeRO-3 the parameters themselves
         when they are fp32 on the CPU (a publisher that sends only its share copies nothing it skips),
         else converted copies. Collective: every learner rank iterates it. At ZeRO-3 they are views into
-        `publish_buckets`' flat buffers (contiguous, one bucket's worth per gather)."""
+        `publish_buckets`' flat buffers (contiguous, one bucket's worth per gather). An MoE model's fused
+        experts are yielded as views per expert and projection under save_pretrained's names."""
         for name, tensor in self._in_memory_tensors():
             yield from moe.per_expert_tensors(self.hf_config, name, tensor)
 
@@ -310,9 +311,9 @@ class DeepSpeedLearner:
 
     def publish_spec(self, shards: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """What publish_tensors yields (TP = 1: shards are the same); ZeRO-3 parameters' full shapes."""
-        return [(name, tuple(t.shape), torch.float32)
+        return [(hf_name, tuple(t.shape), torch.float32)
                 for name, p in self.module.named_parameters()
-                for name, t in moe.per_expert_tensors(self.hf_config, name, torch.empty(
+                for hf_name, t in moe.per_expert_tensors(self.hf_config, name, torch.empty(
                     tuple(getattr(p, "ds_shape", p.shape)), device="meta"))]
 
     def publish_buckets(self) -> Iterator[tuple[Bucket, torch.Tensor]]:
