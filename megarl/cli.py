@@ -231,7 +231,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
     if cfg is not None:
         try:
             check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep,
-                         cfg.algo.routing_replay, cfg.learner.backend)
+                         cfg.algo.routing_replay)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
     if not any((model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):

@@ -352,13 +352,13 @@ def _validate_moe(cfg: Config) -> None:
              f"learner.dp={lc.dp} (e.g. learner.dp={lc.ep * max(1, lc.dp // lc.ep)})")
     _require(lc.ep == 1 or lc.backend == "megatron", "learner.ep",
              f"expert parallelism is megatron's; learner.backend={lc.backend} trains the experts data parallel")
-    if cfg.algo.routing_replay == "r3":
-        _require(lc.backend == "megatron", "algo.routing_replay",
-                 f"r3 replays routes through megatron-core's RouterReplay; learner.backend={lc.backend} has no "
-                 "replay (yet): use learner.backend=megatron or algo.routing_replay=off")
+    if cfg.algo.routing_replay == "r3" and lc.backend == "megatron":
+        # (The DeepSpeed learner runs each micro-batch's backward right after its forward, with its routes still
+        # set, so HF gradient checkpointing replays them: megarl/learner/hf_routing_replay.py.)
         _require(lc.recompute_activations != "full", "algo.routing_replay",
-                 "r3 with learner.recompute_activations=full would re-route the recomputed layers in the backward "
-                 "after later micro-batches set their routes; use none or selective")
+                 "r3 with learner.backend=megatron and learner.recompute_activations=full would re-route the "
+                 "recomputed layers in the backward after later micro-batches set their routes; use none or "
+                 "selective (or learner.backend=deepspeed)")
 
 
 def _validate_deepspeed(lc) -> None:

@@ -374,8 +374,7 @@ class MegatronLearner:
             matches = list(flat.split([m.numel() for m in matches]))
             matches = [m.reshape(mb["input_ids"].shape) for m, mb in zip(matches, micro_batches)]
         decisions = moe.num_moe_layers(self.hf_config) * moe.top_k(self.hf_config)
-        return [metrics.router_partials(m, decisions, mb["mask"], mb["versions"], learner_version,
-                                        getattr(self.loss_cfg, "max_lag_bucket", 8)) for m, mb in zip(matches, micro_batches)]
+        return step.router_partials(micro_batches, matches, decisions, learner_version, self.loss_cfg)
 
     def _last_stage_rank(self) -> int:
         group = self.ps.get_pipeline_model_parallel_group()

