@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megarl.algo import metrics as algo_metrics
 from megarl.algo import values
 from megarl.algo.config import CriticConfig
+from megarl.models import convert
 
 
 class ValueModel(torch.nn.Module):
@@ -36,9 +37,16 @@ class ValueModel(torch.nn.Module):
 
     def __init__(self, model_dir: str):
         super().__init__()
-        from transformers import AutoModel
+        from transformers import AutoConfig, AutoModel
 
-        self.trunk = AutoModel.from_pretrained(model_dir, dtype=torch.float32)
+        # Built from its config and loaded here (not from_pretrained): the same safetensors reader as the learner's,
+        # and no progress bar on the run's console.
+        self.trunk = AutoModel.from_config(AutoConfig.from_pretrained(model_dir)).float()
+        prefix = self.trunk.base_model_prefix + "."
+        weights = {k[len(prefix):]: v for k, v in convert.load_pretrained(model_dir)[1].items() if k.startswith(prefix)}
+        missing, _ = self.trunk.load_state_dict(weights, strict=False)  # (the LM head is not the trunk's)
+        if missing:
+            raise RuntimeError(f"algo.critic.model {model_dir}: weights missing for the value model's trunk: {missing}")
         self.head = torch.nn.Linear(self.trunk.config.hidden_size, 1)
         # Zero head: V = 0 everywhere at the start, so the first advantages are the plain (whitened) returns.
         torch.nn.init.zeros_(self.head.weight)

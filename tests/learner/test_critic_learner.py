@@ -42,18 +42,18 @@ def _policy_weights(learner):
 
 def test_critic_learns_and_warmup_trains_only_the_critic(tmp_path, world):
     model_dir = str(save_tiny_qwen2(tmp_path / "m", tie_word_embeddings=True, vocab_size=VOCAB))
-    learner = _learner(model_dir, warmup_steps=2, target="gae", gamma=1.0, lam=1.0)
+    learner = _learner(model_dir, warmup_steps=1, target="gae", gamma=1.0, lam=1.0)
     batch = _batch(learner)
     before = _policy_weights(learner)
     losses = []
-    for i in range(6):
+    for i in range(4):
         m = learner.train_step(batch)
         losses.append(m["critic/value_loss"])
-        assert m["critic/warmup"] == float(i < 2)
-        if i == 1:  # two warm-up steps: the critic moved, the policy did not (and kept its version)
-            assert learner.version == 0 and learner.critic.steps == 2
+        assert m["critic/warmup"] == float(i < 1)
+        if i == 0:  # a warm-up step: the critic moved, the policy did not (and kept its version)
+            assert learner.version == 0 and learner.critic.steps == 1
             assert all(torch.equal(before[k], v) for k, v in _policy_weights(learner).items())
-    assert learner.version == 4 and learner.critic.steps == 6
+    assert learner.version == 3 and learner.critic.steps == 4
     assert any(not torch.equal(before[k], v) for k, v in _policy_weights(learner).items())
     assert losses[-1] < 0.5 * losses[0], losses
     for key in ("critic/explained_var", "lag0/critic_explained_var", "lag1/critic_return_mean", "ratio/mean"):
