@@ -61,9 +61,15 @@ class ValueModel(torch.nn.Module):
 
 
 class Critic:
-    def __init__(self, model_dir: str, cfg: CriticConfig, device: torch.device, dp_group=None, dp: int = 1):
+    def __init__(self, model_dir: str, cfg: CriticConfig, device: torch.device, dp_group=None, dp: int = 1,
+                 policy_vocab_size: int | None = None):
         self.cfg, self.device, self.dp_group, self.dp = cfg, device, dp_group, dp
         self.model = ValueModel(model_dir).to(device)
+        vocab = self.model.trunk.config.vocab_size
+        if policy_vocab_size is not None and vocab < policy_vocab_size:
+            # (the critic reads the policy's token ids: a smaller embedding would index out of range mid-run)
+            raise ValueError(f"algo.critic.model {model_dir}: vocab_size {vocab} < the policy's {policy_vocab_size}; "
+                             f"the critic must share the policy's tokenizer")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.steps = 0  # optimizer steps taken (the warm-up counts these)
 

@@ -157,7 +157,8 @@ class MegatronLearner:
             from megarl.learner.critic import Critic
 
             self.critic = Critic(critic_cfg.model or model_dir, critic_cfg, self.device,
-                                 parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_world_size())
+                                 parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_world_size(),
+                                 policy_vocab_size=self.hf_config["vocab_size"])
         # The schedules run micro-batches under DDP's no_sync and reduce grads once at the end.
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
