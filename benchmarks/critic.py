@@ -4,7 +4,8 @@ the reward over the first and last 10% of steps and the critic's explained varia
 
     python benchmarks/critic.py [--steps N] [--out runs/critic] [--only ARM ...] [key=value ...]
 
-Ends with one JSON line {arm: {reward_first10, reward_last10, explained_var_last10, lag2_explained_var_last10}}.
+Ends with one JSON line {arm: {steps, reward_first10, reward_last10, explained_var_last10, lag3_explained_var_last10,
+heldout_reward_final, step_time_s}}.
 About (steps / 100) minutes per arm on 2 busy CPU cores.
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ ARMS = {
 
 def summary(run_dir: Path) -> dict:
     """Means over the first and last 10% of the run's training steps (eval records left out)."""
-    rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "kind" not in r]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in records if "kind" not in r]
+    evals = [r for r in records if r.get("kind") == "eval"]  # held-out evaluation (docs/eval.md)
     k = max(1, len(rows) // 10)
 
     def mean(key, seg):
@@ -34,7 +37,8 @@ def summary(run_dir: Path) -> dict:
     return {"steps": len(rows), "reward_first10": mean("reward_mean", rows[:k]),
             "reward_last10": mean("reward_mean", rows[-k:]),
             "explained_var_last10": mean("critic/explained_var", rows[-k:]),
-            "lag2_explained_var_last10": mean("lag2/critic_explained_var", rows[-k:]),
+            "lag3_explained_var_last10": mean("lag3/critic_explained_var", rows[-k:]),
+            "heldout_reward_final": evals[-1].get("eval/heldout/reward_mean") if evals else None,
             "step_time_s": mean("step_time_s", rows)}
 
 
