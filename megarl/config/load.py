@@ -229,6 +229,9 @@ def _validate_critic(cfg: Config) -> None:
     _require(not cfg.algo.advantage.filter_zero_variance, "algo.advantage.filter_zero_variance",
              "drops groups by their group-relative signal; with estimator=gae every sample carries a per-token "
              "signal from the critic (set it false)")
+    _require(cfg.algo.mode == "pipeline" or cfg.algo.critic.warmup_steps == 0, "algo.critic.warmup_steps",
+             "sync mode's samplers wait for a new policy version after every batch, and a critic-only warm-up step "
+             "makes none (use algo.mode=pipeline, or 0)")
     critic_dir = cfg.algo.critic.model
     if critic_dir:
         _require((Path(critic_dir) / "config.json").is_file(), "algo.critic.model",

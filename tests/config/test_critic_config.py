@@ -24,6 +24,7 @@ GAE = "algo.advantage.estimator=gae"
     (f"{GAE} algo.critic.grad_clip=0", "algo.critic.grad_clip=0.0: must be finite and > 0"),
     (f"{GAE} learner.backend=deepspeed", "algo.advantage.estimator: gae trains a critic on the megatron learner only"),
     (f"{GAE} algo.advantage.filter_zero_variance=true", "algo.advantage.filter_zero_variance: drops groups"),
+    (f"{GAE} algo.mode=sync algo.critic.warmup_steps=2", "algo.critic.warmup_steps: sync mode's samplers wait"),
     (f"{GAE} algo.critic.model=/nonexistent", "algo.critic.model: '/nonexistent' is not an HF model directory"),
 ])
 def test_bad_critic_settings_name_the_key(override, message):
