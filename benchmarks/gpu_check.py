@@ -24,6 +24,9 @@ JSON with the tail of its log, and the rest still run:
   publish_bandwidth the weight publish path on the device: 2 processes on the GPU (publisher, receiver),
                     `WeightPublisher` -> `WeightReceiver` with CUDA tensors over the gloo publish group a
                     one-GPU run uses, vs one raw broadcast of the same bytes, vs a device-to-device copy
+  critic_step       the learner step of learner_step with the critic of algo.advantage.estimator=gae
+                    (megarl.learner.critic: a replicated fp32 value model, V-trace targets): step time and the
+                    critic's metrics, against learner_step's time
 
 `--dry-run` (CPU): the wheel list's structure, its declared total against the 64 MiB limit (with the
 working tree that travels with it), each wheel's requirements against what the GPU machine has; unless
@@ -147,12 +150,13 @@ def init_single_rank(backend: str, workdir: Path) -> None:
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
-def make_learner(model_dir: Path, size: Size):
-    from megarl.algo.config import LossConfig
+def make_learner(model_dir: Path, size: Size, critic: bool = False):
+    from megarl.algo.config import CriticConfig, LossConfig
     from megarl.config.schema import LearnerConfig
     from megarl.learner.megatron import MegatronLearner
 
-    return MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-6), LossConfig())
+    return MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-6), LossConfig(),
+                           critic_cfg=CriticConfig(target="vtrace", lr=1e-5) if critic else None)
 
 
 def make_engine(model_dir: Path, device, max_running: int, max_seq_len: int):
@@ -197,16 +201,17 @@ def check_env(args, size: Size) -> dict:
     return out
 
 
-def check_learner_step(args, size: Size) -> dict:
+def check_learner_step(args, size: Size, critic: bool = False) -> dict:
     import torch
 
+    from megarl.algo.values import terminal_rewards
     from megarl.protocols import TrainBatch
 
     workdir = Path(args.workdir)
     init_single_rank(args.backend, workdir)
     model_dir = build_model(workdir / "model", size, args.device)
     t0 = time.perf_counter()
-    learner = make_learner(model_dir, size)
+    learner = make_learner(model_dir, size, critic)
     build_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     rows, length, vocab = size.train_rows, size.train_len, size.model["vocab_size"]
@@ -215,11 +220,12 @@ def check_learner_step(args, size: Size) -> dict:
     mask[:, length // 4:] = 1.0
     behaviour = (learner.logprobs(ids) + 0.05 * torch.randn(rows, length, generator=g)) * mask
     advantages = torch.randn(rows, 1, generator=g).expand(rows, length) * mask
+    rewards = terminal_rewards((ids[:, length // 4] % 2).float(), mask) if critic else None
     times, metrics = [], {}
     for i in range(size.train_steps + 1):  # the first is a warm-up
         batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour,
                            versions=torch.where(mask > 0, learner.version, -1), advantages=advantages,
-                           learner_version=learner.version)
+                           learner_version=learner.version, rewards=rewards)
         sync()
         start = time.perf_counter()
         metrics = learner.train_step(batch)
@@ -235,7 +241,13 @@ def check_learner_step(args, size: Size) -> dict:
             "tokens_per_step": rows * length, "train_tok_s": round(rows * length / step_s),
             "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
             "skipped_nonfinite": metrics.get("skipped_nonfinite"), "version": learner.version,
-            "peak_gpu_gib": peak_gib(), "world": dist.get_world_size()}
+            "peak_gpu_gib": peak_gib(), "world": dist.get_world_size(),
+            **{k: v for k, v in metrics.items() if k.startswith("critic/")}}
+
+
+def check_critic_step(args, size: Size) -> dict:
+    """learner_step with the critic (advantage.estimator=gae, V-trace targets): its cost on the device."""
+    return check_learner_step(args, size, critic=True)
 
 
 def random_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -531,7 +543,9 @@ def _publish_worker(args, size: Size, rank: int) -> None:
 CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "engine_vs_hf": (check_engine_vs_hf, 120),
           "logprob_parity": (check_logprob_parity, 120), "moe_replay": (check_moe_replay, 120),
           "e2e_train": (check_e2e_train, 200),
-          "publish_bandwidth": (check_publish_bandwidth, 120)}
+          "publish_bandwidth": (check_publish_bandwidth, 120),
+          # last: the newest, so a budget that runs short skips it rather than an older check
+          "critic_step": (check_critic_step, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU
 
@@ -714,7 +728,7 @@ def main() -> None:
         # learner_step starts with nccl in both modes: on CPU it fails at once, so the dry run exercises the
         # fallbacks below too
         check_backend = "nccl" if name == "learner_step" else backend
-        if name == "logprob_parity" and summary["checks"].get("learner_step", {}).get("ok"):
+        if name in ("logprob_parity", "critic_step") and summary["checks"].get("learner_step", {}).get("ok"):
             check_backend = summary["checks"]["learner_step"]["backend"]
         result = run_check(name, device, args.dry_run, workdir, min(timeout, max(left, 30)), check_backend, log_file)
         if name == "learner_step":

@@ -12,7 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from megarl.algo.config import validate_advantage_config, validate_loss_config
+from megarl.algo.config import validate_advantage_config, validate_critic_config, validate_loss_config
 from megarl.config.schema import Config, PublishConfig
 from megarl.rollout.sandbox import check_config as check_sandbox
 from megarl.rollout.tasks import MULTI_TURN_TASKS
@@ -213,8 +213,29 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     try:
         validate_loss_config(cfg.algo.loss)
         validate_advantage_config(cfg.algo.advantage)
-    except ValueError as exc:  # their messages start with "loss.<field>" / "advantage.<field>"
+        if cfg.algo.advantage.estimator == "gae":
+            validate_critic_config(cfg.algo.critic)
+    except ValueError as exc:  # their messages start with "loss.<field>" / "advantage.<field>" / "critic.<field>"
         raise ConfigError(f"algo.{exc}") from exc
+    if cfg.algo.advantage.estimator == "gae":
+        _validate_critic(cfg)
+
+
+def _validate_critic(cfg: Config) -> None:
+    """What a learned critic (advantage.estimator=gae, megarl.learner.critic) needs of the rest of the run."""
+    _require(cfg.learner.backend == "megatron", "algo.advantage.estimator",
+             "gae trains a critic on the megatron learner only so far; learner.backend=deepspeed has none "
+             "(use learner.backend=megatron, or a group estimator: grpo, drgrpo, rloo)")
+    _require(not cfg.algo.advantage.filter_zero_variance, "algo.advantage.filter_zero_variance",
+             "drops groups by their group-relative signal; with estimator=gae every sample carries a per-token "
+             "signal from the critic (set it false)")
+    _require(cfg.algo.mode == "pipeline" or cfg.algo.critic.warmup_steps == 0, "algo.critic.warmup_steps",
+             "sync mode's samplers wait for a new policy version after every batch, and a critic-only warm-up step "
+             "makes none (use algo.mode=pipeline, or 0)")
+    critic_dir = cfg.algo.critic.model
+    if critic_dir:
+        _require((Path(critic_dir) / "config.json").is_file(), "algo.critic.model",
+                 f"{critic_dir!r} is not an HF model directory (no config.json)")
 
 
 def _validate_vllm(cfg: Config) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megarl.algo.config import AdvantageConfig, LossConfig
+from megarl.algo.config import AdvantageConfig, CriticConfig, LossConfig
 from megarl.rollout.sandbox import SandboxConfig
 
 
@@ -218,6 +218,8 @@ class AlgoConfig:
     routing_replay: str = "off"
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    # The learned critic of advantage.estimator=gae (every field commented in megarl/algo/config.py).
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
 
 @dataclass

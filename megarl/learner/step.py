@@ -36,6 +36,8 @@ def dp_share(batch: TrainBatch, dp: int, dp_rank: int) -> dict[str, torch.Tensor
     fields = {"input_ids": batch.input_ids, "mask": batch.loss_mask.float(),
               "behaviour_logprobs": batch.behaviour_logprobs, "advantages": batch.advantages,
               "versions": batch.versions}
+    if batch.rewards is not None:  # advantage.estimator=gae: per-token rewards for the critic
+        fields["rewards"] = batch.rewards
     if batch.routes is not None:  # MoE: [B, S, L, k] recorded routes, travelling with their rows
         fields["routes"] = batch.routes
     fields = {k: v[rows] for k, v in fields.items()}
