@@ -12,7 +12,8 @@ when `import trl` passed, so a half-built one never looks finished:
                                         torch pinned again so the resolver cannot upgrade it; transformers
                                         pinned to megarl's, so both sides load the model with the same code
 
-About 1-2 minutes on the 2-core CPU machines.
+1.5 GB (TRL 1.16.0 brings accelerate 1.15.0, datasets 5.2.0, pyarrow 26.0.1); it took 9.8 minutes to build here with
+the 2 cores shared by other jobs (load average ~15).
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def ensure_env(directory: Path | None = None) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         shutil.rmtree(directory, ignore_errors=True)  # a stale or other-version env
         pins = [f"{name}=={version}" for name, version in PINS.items()]
-        print(f"vs_trl: building the TRL environment {directory} ({' '.join(pins)}; once per machine, 1-2 minutes)",
+        print(f"vs_trl: building the TRL environment {directory} ({' '.join(pins)}; once per machine, minutes, 1.5 GB)",
               file=sys.stderr, flush=True)
         _run([sys.executable, "-m", "venv", str(partial)], "python -m venv")
         py = str(env_python(partial))

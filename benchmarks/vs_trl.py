@@ -15,7 +15,7 @@ Reported per run: the time to each reward threshold of the rolling 10-step mean 
 the first step's start: megarl's first wait, TRL's on_train_begin) and in wall time (from the moment the command
 was started, start-up included), completion tokens per second of training time, the megarl start-up breakdown
 (megarl/observe/startup.py's marks in the run's timeline), and the learner's per-step phases. Draws
-OUT/vs_trl.png (reward vs training time and vs wall time). Ends with one JSON line:
+OUT/vs_trl.png (reward vs training time and vs wall time) and keeps everything in OUT/results.json. Ends with one JSON line:
 `time_to_target_ratio_vs_trl`, `wall_to_target_ratio_vs_trl`, `tokens_per_s_ratio_vs_trl` (TRL / megarl pipeline:
 > 1 means megarl is faster), and the same for sync.
 """
@@ -304,7 +304,7 @@ def main() -> None:
         from trl_env import env_dir, is_ready
 
         print(f"plan: megarl pipeline, megarl sync, TRL ({args.steps} steps each); TRL environment {env_dir()} "
-              f"{'ready' if is_ready() else 'to be built (1-2 minutes)'}")
+              f"{'ready' if is_ready() else 'to be built (minutes, 1.5 GB)'}")
         print(json.dumps({"dry_run": True, "settings_matched": sum(r[3] for r in rows), "settings": len(rows)}))
         return
     out = ROOT / args.out
@@ -320,6 +320,7 @@ def main() -> None:
                                              grpo_config, args.trl_threads)
         print(f"TRL: {json.dumps(results['TRL GRPOTrainer']['summary'])}", flush=True)
     print_results(results)
+    (out / "results.json").write_text(json.dumps(results))  # curves and all: to re-plot or compare later
     plot(results, out / "vs_trl.png")
     print(f"\npicture: {out / 'vs_trl.png'}")
     line = {}
