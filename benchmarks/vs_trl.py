@@ -40,8 +40,8 @@ DEMO = "configs/demo.yaml"
 MEGARL_OVERRIDES = ("eval.sets=[]", "algo.advantage.eps=1e-4")
 
 
-def trl_settings(cfg, steps: int, seed: int) -> tuple[dict, list[tuple[str, str, str, bool]]]:
-    """(GRPOConfig kwargs, the settings table) for megarl config `cfg`. A table row is (setting, megarl's value,
+def trl_settings(cfg, steps: int, seed: int, trl_threads: int) -> tuple[dict, list[tuple[str, str, str, bool]]]:
+    """(GRPOConfig kwargs, the settings table) for megarl config `cfg` and TRL's torch threads. A table row is (setting, megarl's value,
     TRL's value, whether they match); TRL's value is what the kwargs give, or what TRL does when it has no such
     setting."""
     algo, loss, adv, lc, sp = cfg.algo, cfg.algo.loss, cfg.algo.advantage, cfg.learner, cfg.sampling
@@ -93,8 +93,8 @@ def trl_settings(cfg, steps: int, seed: int) -> tuple[dict, list[tuple[str, str,
          "fixed batch, same process as training", False),
         ("importance ratio denominator", "behaviour log-prob recorded per token", "always 1 (on-policy; "
          "num_iterations=1 reuses the current log-probs)", algo.mode == "sync"),
-        ("cores", f"{lc.threads} learner + {cfg.sampler.threads} x {cfg.sampler.num_engines} sampler threads",
-         "torch threads: --trl-threads", True),
+        ("torch threads", f"{lc.threads} learner + {cfg.sampler.threads} x {cfg.sampler.num_engines} sampler",
+         f"{trl_threads} (--trl-threads)", trl_threads == lc.threads + cfg.sampler.threads * cfg.sampler.num_engines),
     ]
     return kwargs, rows
 
@@ -296,7 +296,7 @@ def main() -> None:
     from megarl.models.tiny import resolve_model_path
 
     cfg = load_config(str(ROOT / DEMO), [*MEGARL_OVERRIDES, *args.overrides])
-    grpo_config, rows = trl_settings(cfg, args.steps, cfg.run.seed)
+    grpo_config, rows = trl_settings(cfg, args.steps, cfg.run.seed, args.trl_threads)
     print(format_settings(rows))
     print(f"\nGRPOConfig({', '.join(f'{k}={v!r}' for k, v in grpo_config.items() if k != 'output_dir')})")
     print(f"megarl overrides of {DEMO}: {' '.join(MEGARL_OVERRIDES)}")

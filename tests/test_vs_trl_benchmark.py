@@ -17,7 +17,7 @@ def demo():
 
 
 def test_the_demo_settings_map_onto_grpo_config_and_the_table_names_what_does_not_match(demo):
-    kwargs, rows = vs_trl.trl_settings(demo, steps=200, seed=0)
+    kwargs, rows = vs_trl.trl_settings(demo, steps=200, seed=0, trl_threads=2)
     # 16 prompts x 8 samples per optimizer step, in micro-batches of 64: one generation per optimizer step
     assert kwargs["num_generations"] == 8
     assert kwargs["per_device_train_batch_size"] * kwargs["gradient_accumulation_steps"] == 128
@@ -36,8 +36,8 @@ def test_the_demo_settings_map_onto_grpo_config_and_the_table_names_what_does_no
 def test_a_setting_trl_cannot_take_is_reported_as_a_mismatch(demo):
     token_mean = load_config(str(vs_trl.ROOT / vs_trl.DEMO), ["algo.loss.aggregation=token_mean",
                                                                "algo.advantage.eps=1e-6"])
-    unmatched = {setting for setting, _, _, ok in vs_trl.trl_settings(token_mean, 200, 0)[1] if not ok}
-    assert {"loss aggregation", "advantage epsilon", "held-out evaluation"} <= unmatched
+    unmatched = {setting for setting, _, _, ok in vs_trl.trl_settings(token_mean, 200, 0, trl_threads=1)[1] if not ok}
+    assert {"loss aggregation", "advantage epsilon", "held-out evaluation", "torch threads"} <= unmatched
 
 
 def test_trl_gets_the_prompts_megarl_sampler_0_draws(demo):
