@@ -42,6 +42,7 @@ from megarl.distributed.secret import run_secret
 from megarl.distributed.topology import Topology, engine_tp_group, publish_groups, publish_stage_store
 from megarl.eval.sampler_side import VersionEvaluator
 from megarl.eval.sets import due_versions
+from megarl.observe import startup
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
 from megarl.roles.learner_main import STOP_KEY, dropped_retired_key
@@ -186,8 +187,10 @@ class SamplerLoop:
         if self.resume_version is not None:
             self.indices, self.started = retired.unretired(), len(retired)
             self.retired = self.started
+        startup.mark("engine, then the learner's announcement")
         if self.cfg.run.timeline:
             self.timeline = Timeline(self.cfg.run.dir, f"sampler{self.topo.rank}")
+            self.timeline.startup(startup.spans())  # what this process did before it generated
         if due_versions(self.cfg, self.resume_version or 0):
             self.evaluator = VersionEvaluator(self.cfg, self.store, self.tokenizer, self.topo.engine_index,
                                               self.topo.num_engines, self.resume_version or 0)

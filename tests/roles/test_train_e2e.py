@@ -64,10 +64,20 @@ def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_count_mo
     tags = set(events.Tags()["scalars"])
     assert {"reward_mean", "lag_mean", "ratio/mean", "ess", "lag0/ratio_mean", "lag0/token_share"} <= tags
     assert len(events.Scalars("reward_mean")) == STEPS
-    from megarl.observe.timeline import load_timeline
+    from megarl.observe.timeline import load_startup, load_timeline
 
     timeline = load_timeline(run_dir)
     assert {e["kind"] for e in timeline["learner0"]} == {"wait", "train", "publish"}
+    # Each process's start-up, part by part, ends before its first step (benchmarks/vs_trl.py's breakdown).
+    startup = load_startup(run_dir)
+    assert [e["kind"] for e in startup["learner0"]] == [f"startup:{part}" for part in (
+        "python, imports", "config", "store (rendezvous)", "model path", "role imports", "learner group",
+        "publish groups", "model build", "intake, tokenizer")]
+    assert startup["sampler1"][-1]["kind"] == "startup:engine, then the learner's announcement"
+    for name, first_event in (("learner0", timeline["learner0"][0]), ("sampler1", timeline["sampler1"][0])):
+        spans = startup[name]
+        assert all(a["end"] == b["start"] and a["start"] <= a["end"] for a, b in zip(spans, spans[1:]))
+        assert spans[-1]["end"] <= first_event["start"]
     assert len([e for e in timeline["learner0"] if e["kind"] == "train"]) == STEPS
     assert sum(e["tokens"] for e in timeline["sampler1"]) >= sum(len(r["token_ids"]) for r in read_jsonl(
         run_dir / "rollouts.jsonl"))  # the sampler decoded at least every trained token
