@@ -96,3 +96,24 @@ def layer_adapters(layer: nn.Module, tensor) -> dict[str, tuple[torch.Tensor, to
         if linear is not None and hasattr(linear, "lora"):
             out[fused] = (tensor(linear.lora.lora_A), tensor(linear.lora.lora_B))
     return out
+
+
+def merge_layer(layer: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:
+    """A decoder layer's megatron tensors (names relative to the layer, as a checkpoint holds them) with every
+    adapter merged into its linear (W + factor * B @ A, in W's dtype) and the adapter tensors dropped."""
+    out = {k: v for k, v in layer.items() if ".lora." not in k}
+    for name in [k for k in layer if k.endswith(".lora.lora_A")]:
+        linear = name[:-len(".lora.lora_A")]
+        w = out[f"{linear}.weight"]
+        out[f"{linear}.weight"] = torch.addmm(w.float(), layer[f"{linear}.lora.lora_B"].float(),
+                                              layer[name].float(), alpha=factor).to(w.dtype)
+    return out
+
+
+def checkpoint_adapters(layer: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """megatron linear name -> (A, B) of a checkpoint's decoder layer (names relative to the layer)."""
+    out = {}
+    for name in (k for k in layer if k.endswith(".lora.lora_A")):
+        linear = name[:-len(".lora.lora_A")]
+        out[linear.rsplit(".", 1)[-1]] = (layer[name], layer[f"{linear}.lora.lora_B"])
+    return out

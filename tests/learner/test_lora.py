@@ -86,3 +86,53 @@ def test_only_the_adapter_trains(model_dir, world):
     assert all(after[n].abs().sum() > 0 for n in trainable if n.endswith("lora_B"))  # B left zero
     state = learner.optimizer.state_dict()["state"]
     assert len(state) == len(trainable)  # Adam moments for the adapter only
+
+
+def _train_batch(learner, seed):
+    g = torch.Generator().manual_seed(seed)
+    b, s = 16, 12
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    mask = torch.zeros(b, s)
+    mask[:, 4:] = 1.0
+    return TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=learner.logprobs(ids) * mask,
+                      versions=torch.where(mask > 0, learner.version, -1),
+                      advantages=torch.randn(b, 1, generator=g).expand(b, s) * mask, learner_version=learner.version)
+
+
+def test_checkpoint_resumes_the_adapter_and_exports_merged_and_peft(model_dir, world, tmp_path):
+    """Save after 2 steps; a fresh learner loads it and its third step equals the saved learner's; the export is
+    the merged HF model and a PEFT adapter, both giving the learner's log-probs; a run without LoRA is refused."""
+    from peft import PeftModel
+
+    from megarl.checkpoint import learner_state
+    from megarl.checkpoint.export import ADAPTER_DIR, export_hf
+    from megarl.checkpoint.storage import CheckpointError
+
+    saved = _learner(model_dir, lr=1e-2)
+    for seed in (3, 4):
+        saved.train_step(_train_batch(saved, seed))
+    learner_state.save(saved, tmp_path / "ckpt", 2, keep=2, model_dir=model_dir)
+    resumed = _learner(model_dir, lr=1e-2)
+    assert learner_state.load(resumed, tmp_path / "ckpt")["version"] == 2
+    batch = _train_batch(saved, 5)
+    assert saved.train_step(batch)["loss"] == resumed.train_step(batch)["loss"]  # Adam moments came back too
+    assert all(torch.equal(a, b) for a, b in zip(dict(saved.publish_tensors()).values(),
+                                                 dict(resumed.publish_tensors()).values()))
+    with pytest.raises(CheckpointError, match="learner.lora"):
+        from megarl.learner.megatron import MegatronLearner
+
+        learner_state.load(MegatronLearner(model_dir, LearnerConfig(), LossConfig()), tmp_path / "ckpt")
+
+    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(6))
+    learner = _learner(model_dir)
+    learner_state.load(learner, tmp_path / "ckpt")
+    ours = learner.logprobs(ids)
+    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    with torch.no_grad():
+        merged = _logprobs(Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), ids)
+        peft_model = PeftModel.from_pretrained(Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                               str(out / ADAPTER_DIR)).eval()
+        adapted = _logprobs(peft_model, ids)
+        base = _logprobs(Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), ids)
+    assert (ours - base).abs().max() > 1e-3  # two steps moved the adapter: an unmerged export would show
+    assert (merged - ours).abs().max() <= 2e-5 and (adapted - ours).abs().max() <= 2e-5
