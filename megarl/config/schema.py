@@ -184,9 +184,11 @@ class LoraConfig:
     rank: int = 0  # r of every adapter; 0 = LoRA off (full fine-tuning)
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank (peft's lora_alpha)
     dropout: float = 0.0  # on the adapter's input while training (peft's lora_dropout); never at sampling
-    # HF module names of each decoder layer to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj.
+    # HF module names of each decoder layer to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+    # (default: all of them; "LoRA without regret" found attention-only LoRA to lag, MLP LoRA to matter most).
     # megatron fuses q/k/v and gate/up into one linear each: those are adapted together or not at all.
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"])
 
 
 @dataclass
