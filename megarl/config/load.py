@@ -121,6 +121,8 @@ def validate_sft(cfg: Config, world_size: int | None = None, check_files: bool =
     for key in ("on_overlong", "on_bad_row"):
         _require(getattr(sc, key) in ("error", "skip"), f"sft.{key}", f"must be error or skip, got {getattr(sc, key)!r}")
     _require(bool(sc.output_dir), "sft.output_dir", "must name the HF model directory to write")
+    _require(lc.lora.rank == 0, "learner.lora.rank", "megarl sft trains every weight (LoRA SFT is not written yet: "
+                                                     "its output would have to be merged); leave learner.lora.rank=0")
     _require(sc.batch_size >= lc.dp, "learner.dp", f"every DP rank trains its share of a batch's sft.batch_size="
              f"{sc.batch_size} records, so dp={lc.dp} would leave a rank without any")
     if world_size is not None:
