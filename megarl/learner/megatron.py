@@ -240,10 +240,6 @@ class MegatronLearner:
             yield from hf_adapter(layer_adapters(layer, tensor), i + self.layer_offset, self.hf_config,
                                   self.lora.target_modules).items()
 
-    def adapter_state(self) -> dict[str, torch.Tensor]:
-        """This stage's adapter as HF adapter names -> fp32 CPU tensors (what a PEFT directory holds)."""
-        return dict(self._adapter_tensors(_local_copy))
-
     def publish_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This TP rank's slices of the HF-named fp32 tensors of its PP stage, for a direct publish to
         the same TP rank of samplers with the same TP size: exactly
