@@ -18,6 +18,9 @@ JSON with the tail of its log, and the rest still run:
   moe_replay        mixture of experts: the built-in engine (bf16, recording routes) vs the megatron learner on
                     a random Mixtral-style model (8 experts, top-2): router agreement, tokens routed differently
                     and the lag-0 log-prob gap with algo.routing_replay off and r3 (docs/moe.md)
+  lora              learner.lora (rank 32, every projection) on the megatron learner: trainable parameters, step
+                    time, peak memory (vs learner_step's full fine-tuning); adapter-only publish bytes; the engine's
+                    merge-and-stage time; lag-0 gap of the engine's log-probs under the adapter vs the learner's
   e2e_train         `megarl train configs/demo.yaml` for a few steps, learner and sampler on the same GPU.
                     dist.backend=gloo: NCCL refuses two ranks on one GPU, so the publish group (and the
                     1-rank learner group) use gloo, which moves CUDA tensors through host memory
@@ -110,6 +113,7 @@ class Size:
         self.publish_reps = 1 if tiny else 2
         self.moe_model = TINY_MOE if tiny else MOE
         self.moe_rows, self.moe_tokens = (4, 8) if tiny else (32, 96)
+        self.lora_rank = 4 if tiny else 32
 
 
 def device_of(args) -> "torch.device":
@@ -393,6 +397,85 @@ def check_moe_replay(args, size: Size) -> dict:
             "peak_gpu_gib": peak_gib()}
 
 
+def check_lora(args, size: Size) -> dict:
+    """learner.lora at the check's model shape (docs/lora.md): the megatron learner with a rank-`lora_rank` adapter on
+    every projection (trainable parameters, step time, peak GPU memory: compare learner_step's full fine-tuning), the
+    adapter-only publish (bytes vs the full model's), the built-in engine's merge-and-stage of it (AdapterStager), and
+    the lag-0 gap between the engine's behaviour log-probs under the adapter and the learner's."""
+    import torch
+
+    from megarl.algo.config import LossConfig
+    from megarl.config.schema import LearnerConfig, LoraConfig
+    from megarl.learner.megatron import MegatronLearner
+    from megarl.models.convert import load_pretrained
+    from megarl.protocols import GenerationRequest, SamplingParams, TrainBatch
+    from megarl.sampler.lora import AdapterStager
+
+    workdir = Path(args.workdir)
+    device = device_of(args)
+    init_single_rank(args.backend, workdir)
+    model_dir = build_model(workdir / "model", size, args.device)
+    lora_cfg = LoraConfig(rank=size.lora_rank)
+    learner = MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-3, lora=lora_cfg),
+                              LossConfig())
+    params = sum(p.numel() for p in learner.gpt.parameters())
+    trainable = sum(p.numel() for p in learner.gpt.parameters() if p.requires_grad)
+    g = torch.Generator().manual_seed(0)
+    rows, length, vocab = size.train_rows, size.train_len, size.model["vocab_size"]
+    ids = torch.randint(0, vocab, (rows, length), generator=g)
+    mask = torch.zeros(rows, length)
+    mask[:, length // 4:] = 1.0
+    behaviour = (learner.logprobs(ids) + 0.05 * torch.randn(rows, length, generator=g)) * mask
+    advantages = torch.randn(rows, 1, generator=g).expand(rows, length) * mask
+    times = []
+    for i in range(size.train_steps + 1):  # the first is a warm-up
+        batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour,
+                           versions=torch.where(mask > 0, learner.version, -1), advantages=advantages,
+                           learner_version=learner.version)
+        sync()
+        start = time.perf_counter()
+        learner.train_step(batch)
+        sync()
+        if i:
+            times.append(time.perf_counter() - start)
+    learner_peak = peak_gib()
+    start = time.perf_counter()
+    adapter = dict(learner.publish_tensors())
+    adapter_s = time.perf_counter() - start
+    hf_config, base = load_pretrained(str(model_dir))
+    full_fp32_bytes = sum(t.numel() for t in base.values()) * 4
+    prompts = random_prompts(size.parity_rows, vocab, seed=1)
+    engine = make_engine(model_dir, device, max_running=len(prompts), max_seq_len=max(map(len, prompts)) + size.parity_tokens)
+    stager = AdapterStager(engine, base, hf_config, lora_cfg)
+    del base
+    sync()
+    start = time.perf_counter()
+    stager.stage(adapter, learner.version)
+    sync()
+    stage_s = time.perf_counter() - start
+    engine.apply_staged()
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=size.parity_tokens)
+    done = engine.generate([GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)])
+    width = max(len(c.prompt_ids) + len(c.token_ids) for c in done)
+    seqs = torch.zeros((len(done), width), dtype=torch.long)
+    gen_mask = torch.zeros((len(done), width), dtype=torch.bool)
+    recorded = torch.zeros((len(done), width))
+    for r, c in enumerate(done):
+        seqs[r, :len(c.prompt_ids) + len(c.token_ids)] = torch.tensor(c.prompt_ids + c.token_ids)
+        gen_mask[r, len(c.prompt_ids):len(c.prompt_ids) + len(c.token_ids)] = True
+        recorded[r, len(c.prompt_ids):len(c.prompt_ids) + len(c.token_ids)] = torch.tensor(c.logprobs)
+    gap = (recorded - learner.logprobs(seqs))[gen_mask].abs()
+    out = {"rank": lora_cfg.rank, "targets": len(lora_cfg.target_modules), "params": params, "trainable": trainable,
+           "median_step_s": round(sorted(times)[len(times) // 2], 4), "learner_peak_gpu_gib": learner_peak,
+           "adapter_bytes_fp32": sum(t.numel() for t in adapter.values()) * 4, "full_bytes_fp32": full_fp32_bytes,
+           "adapter_tensors_s": round(adapter_s, 4), "engine_merge_stage_s": round(stage_s, 4),
+           "lag0_gap": {"max_abs": round(float(gap.max()), 4), "mean_abs": round(float(gap.mean()), 5)},
+           "engine_dtype": str(engine._weights.dtype), "peak_gpu_gib": peak_gib()}
+    if not torch.isfinite(gap).all():
+        raise RuntimeError(f"non-finite log-probs: {out}")
+    return out
+
+
 def check_e2e_train(args, size: Size) -> dict:
     run_dir = Path(args.workdir) / "e2e"
     cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", f"run.dir={run_dir}",
@@ -544,8 +627,8 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "logprob_parity": (check_logprob_parity, 120), "moe_replay": (check_moe_replay, 120),
           "e2e_train": (check_e2e_train, 200),
           "publish_bandwidth": (check_publish_bandwidth, 120),
-          # last: the newest, so a budget that runs short skips it rather than an older check
-          "critic_step": (check_critic_step, 120)}
+          # last: the newest, so a budget that runs short skips them rather than an older check
+          "lora": (check_lora, 120), "critic_step": (check_critic_step, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU
 

@@ -234,6 +234,12 @@ def check_model_dir(model_dir, cfg=None) -> None:
                          cfg.algo.routing_replay)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
+        from megarl.models.lora import check as check_lora
+
+        try:
+            check_lora(hf_config, cfg.learner.lora)  # target modules the model has, ranks its dimensions allow
+        except ValueError as exc:
+            raise ValueError(f"{config}: {exc}") from exc
     if not any((model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
         raise ValueError(f"model directory {str(model_dir)!r} has no weights (model.safetensors or "
                          f"model.safetensors.index.json)")

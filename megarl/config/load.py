@@ -121,6 +121,8 @@ def validate_sft(cfg: Config, world_size: int | None = None, check_files: bool =
     for key in ("on_overlong", "on_bad_row"):
         _require(getattr(sc, key) in ("error", "skip"), f"sft.{key}", f"must be error or skip, got {getattr(sc, key)!r}")
     _require(bool(sc.output_dir), "sft.output_dir", "must name the HF model directory to write")
+    _require(lc.lora.rank == 0, "learner.lora.rank", "megarl sft trains every weight (LoRA SFT is not written yet: "
+                                                     "its output would have to be merged); leave learner.lora.rank=0")
     _require(sc.batch_size >= lc.dp, "learner.dp", f"every DP rank trains its share of a batch's sft.batch_size="
              f"{sc.batch_size} records, so dp={lc.dp} would leave a rank without any")
     if world_size is not None:
@@ -143,6 +145,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
              f"unknown backend {lc.backend!r}; known: megatron, deepspeed")
     _validate_deepspeed(lc)
     _validate_moe(cfg)
+    _validate_lora(cfg)
     _require(cfg.sampler.engine in ("builtin", "sglang", "vllm"), "sampler.engine",
              f"unknown engine {cfg.sampler.engine!r}; known: builtin, sglang, vllm")
     if cfg.sampler.engine == "sglang":
@@ -380,6 +383,41 @@ def _validate_moe(cfg: Config) -> None:
                  "r3 with learner.backend=megatron and learner.recompute_activations=full would re-route the "
                  "recomputed layers in the backward after later micro-batches set their routes; use none or "
                  "selective (or learner.backend=deepspeed)")
+
+
+def _validate_lora(cfg: Config) -> None:
+    """learner.lora.*: the adapter's own keys, and the learners, layouts and engines that can take one (the
+    model's modules and dimensions are checked against config.json by megarl.models.lora.check)."""
+    from megarl.models.lora import FUSED_GROUPS, TARGETS
+
+    lora, lc = cfg.learner.lora, cfg.learner
+    _require(lora.rank >= 0, "learner.lora.rank", f"must be >= 0 (0 = no LoRA, full fine-tuning), got {lora.rank}")
+    if lora.rank == 0:
+        return
+    _require(lora.alpha > 0, "learner.lora.alpha", f"must be > 0, got {lora.alpha}")
+    _require(0.0 <= lora.dropout < 1.0, "learner.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+    targets = list(lora.target_modules)
+    _require(bool(targets), "learner.lora.target_modules", f"must name at least one of {', '.join(TARGETS)}")
+    unknown = [t for t in targets if t not in TARGETS]
+    _require(not unknown, "learner.lora.target_modules",
+             f"unknown module(s) {unknown}; a decoder layer's adaptable projections are {', '.join(TARGETS)}")
+    _require(len(set(targets)) == len(targets), "learner.lora.target_modules", f"names a module twice: {targets}")
+    for fused, group in FUSED_GROUPS.items():
+        chosen = [t for t in group if t in targets]
+        _require(not chosen or len(chosen) == len(group), "learner.lora.target_modules",
+                 f"{'/'.join(group)} are one fused linear on the megatron learner ({fused}), adapted together or "
+                 f"not at all: add {[t for t in group if t not in chosen]} or drop {chosen}")
+    _require(lc.backend == "megatron", "learner.backend",
+             f"learner.lora is implemented on the megatron learner only so far (learner.backend={lc.backend}: "
+             "its peft integration is not written yet); use learner.backend=megatron")
+    _require(lc.tp == 1, "learner.tp",
+             f"learner.lora adapts megatron's linears at tensor-parallel size 1 only so far (got {lc.tp}): the "
+             "adapter is not split over TP ranks yet; use learner.dp / learner.pp to spread the learner")
+    _require(lc.ep == 1, "learner.ep", f"learner.lora is not tried with expert parallelism yet (got {lc.ep})")
+    _require(cfg.sampler.engine == "builtin", "sampler.engine",
+             f"learner.lora publishes only the adapter, which the built-in engine applies in flight; "
+             f"sampler.engine={cfg.sampler.engine} has no in-flight adapter path in megarl yet (its servers load "
+             "adapters by name, pinned per request: docs/lora.md); use sampler.engine=builtin")
 
 
 def _validate_deepspeed(lc) -> None:

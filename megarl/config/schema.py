@@ -176,6 +176,22 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class LoraConfig:
+    """learner.lora: train a low-rank adapter on the frozen base model instead of every weight (docs/lora.md).
+    Only the adapter gets gradients and optimizer state; each version publishes only the adapter, and the
+    built-in engine applies it (W = W_base + alpha / rank * B @ A) at a step boundary like full weights."""
+
+    rank: int = 0  # r of every adapter; 0 = LoRA off (full fine-tuning)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank (peft's lora_alpha)
+    dropout: float = 0.0  # on the adapter's input while training (peft's lora_dropout); never at sampling
+    # HF module names of each decoder layer to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+    # (default: all of them; "LoRA without regret" found attention-only LoRA to lag, MLP LoRA to matter most).
+    # megatron fuses q/k/v and gate/up into one linear each: those are adapted together or not at all.
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"])
+
+
+@dataclass
 class LearnerConfig:
     backend: str = "megatron"  # megatron | deepspeed (any HF causal LM through transformers)
     tp: int = 1
@@ -199,6 +215,7 @@ class LearnerConfig:
     seed: int = 1234
     threads: int = 1
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -121,6 +121,14 @@ class MegatronLearner:
             return gpt, (Float16Module(self.config, gpt) if self.on_gpu else gpt)
 
         self.gpt, module = build()
+        # learner.lora: the base is frozen where it was loaded; only the adapters train (megarl/learner/lora.py).
+        self.lora = cfg.lora if cfg.lora.rank > 0 else None
+        if self.lora is not None:
+            from megarl.learner import lora as lora_adapters
+            from megarl.models import lora as lora_names
+
+            lora_names.check(self.hf_config, self.lora)
+            lora_adapters.attach(self.gpt, self.lora, self.layer_offset, cfg.seed)
         replay = routing_replay == "r3"
         self._replayers = {}  # id(model passed to _run) -> its RouteReplayer (MoE models)
         # KL penalty: a frozen copy of the initial weights, same sharding, no grads, no optimizer
@@ -227,7 +235,18 @@ class MegatronLearner:
         stage the embedding, the last the final norm (and lm_head when untied); no rank ever holds
         the whole model.
         """
+        if self.lora is not None:  # only the adapter travels; the samplers hold the frozen base
+            yield from self._adapter_tensors(_local_copy)
+            return
         yield from self._hf_tensors(self._tp_gather, tp_size=1)
+
+    def _adapter_tensors(self, tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's adapter tensors under HF adapter names (megarl.models.lora), built from tensor(param)."""
+        from megarl.learner.lora import hf_adapter, layer_adapters
+
+        for i, layer in enumerate(self.gpt.decoder.layers):
+            yield from hf_adapter(layer_adapters(layer, tensor), i + self.layer_offset, self.hf_config,
+                                  self.lora.target_modules).items()
 
     def publish_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This TP rank's slices of the HF-named fp32 tensors of its PP stage, for a direct publish to
@@ -238,6 +257,8 @@ class MegatronLearner:
         vocab-parallel embedding and output layer hold the same vocab rows as the layout), so unlike
         publish_tensors this is not collective. Same PP behaviour as publish_tensors.
         """
+        if self.lora is not None:
+            raise NotImplementedError("learner.lora publishes whole adapters (learner.tp = sampler.tp = 1)")
         yield from self._hf_tensors(lambda name, param: _local_copy(param), tp_size=self.cfg.tp)
 
     def publish_spec(self, shards: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -249,6 +270,9 @@ class MegatronLearner:
                 shape[self._tp_dim[name]] *= self.cfg.tp
             return torch.empty(shape, dtype=torch.float32, device="meta")
 
+        if self.lora is not None:
+            return [(name, tuple(t.shape), t.dtype)
+                    for name, t in self._adapter_tensors(lambda p: torch.empty(p.shape, device="meta"))]
         return [(name, tuple(t.shape), t.dtype)
                 for name, t in self._hf_tensors(meta, tp_size=self.cfg.tp if shards else 1)]
 

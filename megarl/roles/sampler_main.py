@@ -88,7 +88,9 @@ def builtin_engine(cfg: Config, topo: Topology, model_dir: Path, tp_group):
 
 def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, should_stop) -> StagedReceiver:
     """The receiver of this sampler rank's part of every version: one group per learner pipeline stage
-    (one at PP=1), of this rank's TP rank; a version is applied once every stage's part arrived."""
+    (one at PP=1), of this rank's TP rank; a version is applied once every stage's part arrived. `engine`
+    tells what a version carries (weight_spec), where it lands (device) and which version runs (version):
+    the engine itself, or its AdapterStager under learner.lora."""
     groups = publish_groups(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
     return StagedReceiver([(groups[part], publish_stage_store(store, *part)) for part in sorted(groups)],
                           engine.weight_spec(), engine.device, on_version=on_version,
@@ -119,6 +121,12 @@ class SamplerLoop:
                                        cfg.dist.timeout_s)
         else:
             self.engine = builtin_engine(cfg, topo, model_dir, None)
+        # learner.lora: versions carry only the adapter, merged into the base here (megarl/sampler/lora.py).
+        self.adapters = None
+        if cfg.learner.lora.rank > 0:
+            from megarl.sampler.lora import AdapterStager
+
+            self.adapters = AdapterStager.from_pretrained(self.engine, model_dir, cfg.learner.lora)
         # Sandboxed code (a python_output program, a tool call, a sandboxed reward) must not read the answers.
         hide_from_sandboxes(cfg.run.dir, cfg.task.path, cfg.checkpoint.dir)
         # MoE models: every sample's routes are checked here, where the sample is assembled (None: dense).
@@ -165,7 +173,10 @@ class SamplerLoop:
         self.evaluator: VersionEvaluator | None = None  # eval.sets: this engine's share of each due version (run())
 
     def _on_version(self, version: int, tensors: dict, extra: dict) -> None:
-        self.engine.stage_weights(tensors, version)
+        if self.adapters is not None:
+            self.adapters.stage(tensors, version)
+        else:
+            self.engine.stage_weights(tensors, version)
         self._on_published(version, extra)
 
     def _on_published(self, version: int, extra: dict) -> None:
@@ -179,7 +190,8 @@ class SamplerLoop:
             return SGLangWeightFollower.from_config(self.engine, self.store, self.cfg, self.topo,
                                                     on_published=self._on_published,
                                                     should_stop=lambda: self.stopped).start()
-        return weight_receiver(self.cfg, self.topo, self.store, self.engine, self._on_version, lambda: self.stopped)
+        return weight_receiver(self.cfg, self.topo, self.store, self.adapters or self.engine, self._on_version,
+                               lambda: self.stopped)
 
     def run(self) -> None:
         self.resume_version, retired = wait_for_announcement(self.store, self.cfg, self.topo.role_rank,

@@ -214,3 +214,48 @@ def test_an_impossible_layout_is_refused_before_any_process_starts_and_in_a_raw_
 def test_multi_turn_keys_are_checked_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(DEMO, overrides.split())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("learner.lora.rank=-1", "learner.lora.rank: must be >= 0"),
+    ("learner.lora.rank=8 learner.lora.alpha=0", "learner.lora.alpha: must be > 0"),
+    ("learner.lora.rank=8 learner.lora.dropout=1.0", "learner.lora.dropout: must be in [0, 1)"),
+    ("learner.lora.rank=8 learner.lora.target_modules=[q_proj,k_proj,v_proj,qkv]",
+     "learner.lora.target_modules: unknown module(s) ['qkv']"),
+    ("learner.lora.rank=8 learner.lora.target_modules=[]", "learner.lora.target_modules: must name at least one"),
+    ("learner.lora.rank=8 learner.lora.target_modules=[q_proj,v_proj]",
+     "learner.lora.target_modules: q_proj/k_proj/v_proj are one fused linear on the megatron learner"),
+    ("learner.lora.rank=8 learner.lora.target_modules=[up_proj]",
+     "learner.lora.target_modules: gate_proj/up_proj are one fused linear"),
+    ("learner.lora.rank=8 learner.backend=deepspeed", "learner.backend: learner.lora is implemented on the megatron"),
+    ("learner.lora.rank=8 learner.tp=2", "learner.tp: learner.lora adapts megatron's linears at tensor-parallel size 1"),
+    ("learner.lora.rank=8 sampler.engine=vllm", "sampler.engine: learner.lora publishes only the adapter"),
+    ("learner.lora.rank=8 sampler.engine=sglang", "sampler.engine: learner.lora publishes only the adapter"),
+])
+def test_lora_keys_and_what_cannot_take_an_adapter_are_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        load_config(DEMO, overrides.split())
+
+
+def test_lora_keys_load():
+    cfg = load_config(DEMO, ["learner.lora.rank=8", "learner.lora.target_modules=[o_proj,down_proj]"])
+    assert cfg.learner.lora.rank == 8 and cfg.learner.lora.target_modules == ["o_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("lora, model, message", [
+    ({"rank": 40}, {}, "learner.lora.rank=40 is larger than q_proj's dimensions 32 x 32"),
+    ({"rank": 8, "target_modules": ["down_proj"]}, MIXTRAL_6, "learner.lora.target_modules: 'mixtral' layers have no "
+                                                              "'down_proj'"),
+    ({"rank": 32, "target_modules": ["o_proj"]}, {}, None),
+])
+def test_lora_the_model_cannot_take_is_refused_naming_the_key(lora, model, message):
+    from megarl.config.schema import LoraConfig
+    from megarl.models.lora import check
+
+    hf_config = {**TINY, "hidden_size": 32, **model}
+    if message is None:
+        check(hf_config, LoraConfig(**lora))
+        return
+    with pytest.raises(ValueError, match=message):
+        check(hf_config, LoraConfig(**lora))
