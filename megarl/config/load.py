@@ -318,6 +318,17 @@ def _validate_eval(cfg: Config, check_files: bool) -> None:
     _require(ec.max_new_tokens < cfg.sampler.max_seq_len, "eval.max_new_tokens",
              f"({ec.max_new_tokens}) must be smaller than sampler.max_seq_len ({cfg.sampler.max_seq_len})")
     _require(ec.timeout_s > 0, "eval.timeout_s", f"must be > 0, got {ec.timeout_s}")
+    _require(0 < ec.heldout_fraction < 1, "eval.heldout_fraction", f"must be in (0, 1), got {ec.heldout_fraction}")
+    if ec.sets:  # what no engine can pin yet (docs/eval.md, "Not done yet")
+        _require(cfg.sampler.engine != "builtin" or cfg.sampler.tp == 1, "eval.sets",
+                 f"the built-in engine at sampler.tp={cfg.sampler.tp} cannot evaluate a version exactly (the pin is "
+                 f"a second engine over the sampler's weights, which a TP engine's followers do not mirror); "
+                 f"set eval.sets=[] to train without evaluating, and score checkpoints with `megarl eval` at "
+                 f"sampler.tp=1")
+        _require(cfg.task.name not in MULTI_TURN_TASKS and not cfg.task.agent, "eval.sets",
+                 f"multi-turn and agent tasks (task.name={cfg.task.name}"
+                 f"{', task.agent=' + cfg.task.agent if cfg.task.agent else ''}) are not evaluated yet: an eval "
+                 f"sample is one completion, not an episode; set eval.sets=[]")
     names = [sc.name for sc in ec.sets]
     for i, sc in enumerate(ec.sets):
         key = f"eval.sets[{i}]"

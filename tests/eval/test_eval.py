@@ -98,8 +98,8 @@ def test_a_run_starts_its_evaluations_at_its_resumed_version(model_dir, tmp_path
     assert due_versions(sync) == {0, 4, 6}  # a step publishes 2 versions later
     assert due_versions(config(model_dir, tmp_path, "eval.at_start=false", "eval.at_end=false",
                                "eval.every_steps=0")) == set()
-    # Engines that cannot pin a version train without evaluating (said at launch).
-    assert due_versions(config(model_dir, tmp_path, "sampler.engine=sglang")) == set()
+    # HTTP engines evaluate: the thread that updates their server holds the due version (test_eval_sglang.py).
+    assert due_versions(config(model_dir, tmp_path, "sampler.engine=sglang")) == {0, 1, 2, 3, 4}
 
 
 @pytest.mark.parametrize("override, message", [
@@ -110,10 +110,15 @@ def test_a_run_starts_its_evaluations_at_its_resumed_version(model_dir, tmp_path
     ("eval.sets=[{path: /nonexistent.jsonl}]", "eval.sets[0].path: file not found: /nonexistent.jsonl"),
     ("eval.sets=[{reward_fn: 'not a path:x'}]", "eval.sets[0].reward_fn: 'not a path:x' is not of the form"),
     ("eval.max_new_tokens=24", "eval.max_new_tokens: (24) must be smaller than sampler.max_seq_len (24)"),
+    ("eval.heldout_fraction=1", "eval.heldout_fraction: must be in (0, 1), got 1"),
+    # What no engine can pin yet is refused before launch, not trained without evaluating.
+    (("learner.tp=2", "sampler.tp=2"), "eval.sets: the built-in engine at sampler.tp=2 cannot evaluate a version exactly"),
+    ("task.name=tool_arith", "eval.sets: multi-turn and agent tasks (task.name=tool_arith) are not evaluated yet"),
+    ("task.agent=tool_agent:run", "eval.sets: multi-turn and agent tasks (task.name=count, task.agent=tool_agent:run)"),
 ])
 def test_bad_eval_config_is_refused_naming_the_key(model_dir, tmp_path, override, message):
     with pytest.raises(ConfigError) as err:
-        config(model_dir, tmp_path, override)
+        config(model_dir, tmp_path, *((override,) if isinstance(override, str) else override))
     assert message in str(err.value)
 
 
