@@ -164,3 +164,29 @@ def test_megarl_eval_writes_the_json_result(model_dir, tmp_path):
     with pytest.raises(SystemExit) as refused:
         main(["eval", DEMO, f"model.path={model_dir}", "eval.sets=[]"])
     assert refused.value.code == 2
+
+
+@pytest.mark.parametrize("task", ["count", "arithmetic", "python_output"])
+def test_built_in_sets_draw_only_held_out_prompts_and_training_never_does(model_dir, tmp_path, task):
+    import random
+
+    from megarl.rollout.heldout import TrainingSplit, is_heldout
+    from megarl.rollout.tasks import task_from_config
+
+    cfg = config(model_dir, tmp_path, f"task.name={task}", "eval.sets=[{name: heldout, prompts: 64}]")
+    heldout = {p.text for p in build_sets(cfg)[0].prompts}
+    assert all(is_heldout(text, 0.1) for text in heldout) and len(heldout) > 10
+    training = TrainingSplit(task_from_config(cfg.task), cfg.eval.heldout_fraction)
+    drawn = {p.text for p in training.sample_prompts(random.Random(0), 3000)}
+    assert not drawn & heldout and not any(is_heldout(text, 0.1) for text in drawn)
+    # The split follows the text only: the task's own draws fall on both sides, about 1 in 10 held out.
+    own = task_from_config(cfg.task).sample_prompts(random.Random(0), 3000)
+    assert 0.05 < sum(is_heldout(p.text, 0.1) for p in own) / 3000 < 0.15
+
+
+def test_a_dataset_with_no_prompt_on_one_side_of_the_split_is_refused_before_launch(model_dir, tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"prompt": "a-c=", "answer": "abc"}) + "\n")
+    cfg = config(model_dir, tmp_path, "task.name=jsonl", f"task.path={path}")
+    with pytest.raises(ValueError, match="none of them a (held-out|training) prompt: the task has too few distinct"):
+        check_sets(cfg, model_dir)
