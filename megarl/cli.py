@@ -71,11 +71,7 @@ def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
     except (OSError, ImportError, ValueError) as exc:
         print(f"megarl: task: {exc}", file=sys.stderr)
         return 2
-    from megarl.eval.sets import not_evaluated_because
-
-    if (reason := not_evaluated_because(cfg)) is not None:
-        print(f"megarl: {reason}")
-    elif not print_eval_check(cfg, model_dir):
+    if not print_eval_check(cfg, model_dir):
         return 2
     from megarl.checkpoint.learner_state import check_resumable, read_manifest
     from megarl.checkpoint.resume import check_export_target, find_checkpoint, prepare_run_dir

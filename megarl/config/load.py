@@ -166,7 +166,6 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
                  "sync mode generates exactly one batch per version, so dropped groups could not be replaced")
     _require(cfg.dist.backend in ("auto", "gloo", "nccl"), "dist.backend", "must be auto, gloo or nccl")
     _validate_task(cfg, check_files)
-    _validate_eval(cfg, check_files)
     _validate_checkpoint(cfg)
     _require(cfg.algo.max_lag >= 0, "algo.max_lag", "must be >= 0")
     _require(cfg.algo.group_size >= 2, "algo.group_size", "group advantages need at least 2 samples per prompt")
@@ -208,6 +207,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(lc.pp == 1 or cfg.sampler.engine != "sglang", "learner.pp",
              "sampler.engine=sglang takes weights from one learner source; with learner.pp > 1 each stage publishes "
              "its own layers, which only the built-in engine receives so far")
+    _validate_eval(cfg, check_files)  # after sampler.tp: it refuses what no engine can evaluate
     if world_size is not None:
         need, samplers = world_size_for(cfg), cfg.sampler.num_engines * cfg.sampler.tp
         _require(world_size == need, "sampler.num_engines",
@@ -342,6 +342,17 @@ def _validate_eval(cfg: Config, check_files: bool) -> None:
     _require(ec.max_new_tokens < cfg.sampler.max_seq_len, "eval.max_new_tokens",
              f"({ec.max_new_tokens}) must be smaller than sampler.max_seq_len ({cfg.sampler.max_seq_len})")
     _require(ec.timeout_s > 0, "eval.timeout_s", f"must be > 0, got {ec.timeout_s}")
+    _require(0 < ec.heldout_fraction < 1, "eval.heldout_fraction", f"must be in (0, 1), got {ec.heldout_fraction}")
+    if ec.sets:  # what no engine can pin yet (docs/eval.md, "Not done yet")
+        _require(cfg.sampler.tp == 1, "eval.sets",
+                 f"the built-in engine at sampler.tp={cfg.sampler.tp} cannot evaluate a version exactly (the pin is "
+                 f"a second engine over the sampler's weights, which a TP engine's followers do not mirror); "
+                 f"set eval.sets=[] to train without evaluating, and score checkpoints with `megarl eval` at "
+                 f"sampler.tp=1")
+        _require(cfg.task.name not in MULTI_TURN_TASKS and not cfg.task.agent, "eval.sets",
+                 f"multi-turn and agent tasks (task.name={cfg.task.name}"
+                 f"{', task.agent=' + cfg.task.agent if cfg.task.agent else ''}) are not evaluated yet: an eval "
+                 f"sample is one completion, not an episode; set eval.sets=[]")
     names = [sc.name for sc in ec.sets]
     for i, sc in enumerate(ec.sets):
         key = f"eval.sets[{i}]"

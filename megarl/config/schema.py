@@ -331,9 +331,9 @@ class EvalSetConfig:
     """One held-out set (docs/eval.md)."""
 
     name: str = "heldout"  # the metric prefix: eval/<name>/pass@1, ...
-    # "" = prompts of the training task (task.*), drawn with eval.seed from their own stream (see
-    # docs/eval.md: the built-in synthetic tasks have no disjoint split); else a .jsonl file of
-    # {"prompt", "answer"} rows (task.prompt_field / task.answer_field), scored like task.name=jsonl.
+    # "" = held-out prompts of the training task (task.*; eval.heldout_fraction of them, never trained
+    # on), drawn with eval.seed from their own stream; else a .jsonl file of {"prompt", "answer"} rows
+    # (task.prompt_field / task.answer_field), scored like task.name=jsonl.
     path: str = ""
     prompts: int = 64  # prompts in the set (a file: its first rows; 0 = all of them)
     reward_fn: str = ""  # "" = task.reward_fn (or the task's own reward); else "package.module:function"
@@ -354,6 +354,9 @@ class EvalConfig:
     at_start: bool = True  # the version training starts from (the base model: version 0; a resumed run's)
     at_end: bool = True  # the last version (published by step run.steps)
     seed: int = 0  # draws the sets' prompts and seeds the eval sampling (the same in `megarl eval`)
+    # The share of the training task's prompts (by a hash of the text: megarl/rollout/heldout.py) held out:
+    # sets with an empty path draw only these, and a run with such a set never trains on them.
+    heldout_fraction: float = 0.1
     max_running: int = 0  # sequences decoded at once in an evaluation; 0 = sampler.max_running
     timeout_s: float = 600.0  # at the end, how long the learner waits for the last evaluations' results
 

@@ -70,7 +70,7 @@ from megarl.distributed.sglang_publish import GROUP_KEY, SPEC_KEY, load_spec, up
 from megarl.models import moe
 from megarl.protocols import Completion, GenerationRequest
 from megarl.rollout.routes import RouteShape
-from megarl.sampler.request_pool import RequestPool
+from megarl.sampler.request_pool import RequestPool, pinned_view
 
 # The SGLang releases megarl drives correctly, oldest and newest (bounds explained in docs/sglang.md;
 # tests/sampler/sglang_contract/ runs megarl's requests through both releases' own code).
@@ -509,6 +509,11 @@ class SGLangEngine:
             self.server.check_alive()
         return self.requests.finished()
 
+    def pinned(self, *, max_running: int, seed: int) -> "SGLangEngine":
+        """An evaluation's view (request_pool.pinned_view). `seed` is not sent: the server samples with its own
+        generator, so a score here is of one version but not the sample-for-sample twin of `megarl eval`'s."""
+        return pinned_view(self, max_running)
+
     def stage_weights(self, named_tensors, version: int) -> None:
         raise TypeError("SGLangEngine receives weights on the server, over SGLang's weight-update group "
                         "(SGLangWeightFollower), not through the sampler process")
@@ -598,18 +603,22 @@ class SGLangWeightFollower:
 
     Same surface as the built-in receivers (`start()`, `join()`, `error`), so the sampler loop treats both alike."""
 
-    def __init__(self, engine: SGLangEngine, store, rank_offset: int, on_published, should_stop):
+    def __init__(self, engine: SGLangEngine, store, rank_offset: int, on_published, should_stop,
+                 before_update=lambda version: None):
         self.engine, self.store, self.rank_offset = engine, store, rank_offset
         self.on_published, self.should_stop = on_published, should_stop
+        # Called with the server's version before each update leaves it: evaluation holds a due version there.
+        self.before_update = before_update
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="megarl-sglang-weights", daemon=True)
 
     @classmethod
-    def from_config(cls, engine: SGLangEngine, store, cfg, topo, on_published, should_stop) -> "SGLangWeightFollower":
+    def from_config(cls, engine: SGLangEngine, store, cfg, topo, on_published, should_stop,
+                    before_update=lambda version: None) -> "SGLangWeightFollower":
         from megarl.distributed.topology import sglang_group_layout
 
         _, offsets = sglang_group_layout(topo.num_samplers, cfg.sampler.sglang.tp)
-        return cls(engine, store, offsets[topo.role_rank], on_published, should_stop)
+        return cls(engine, store, offsets[topo.role_rank], on_published, should_stop, before_update)
 
     def start(self) -> "SGLangWeightFollower":
         self.thread.start()
@@ -636,6 +645,7 @@ class SGLangWeightFollower:
                 header = json.loads(self.store.get(header_key(index)))
                 if calls is None:
                     weight_format, calls = load_spec(self.store.get(SPEC_KEY))
+                self.before_update(self.engine.version)
                 self.engine.update_weights(header["version"], weight_format, calls)
                 self.on_published(header["version"], header.get("extra", {}))
                 index += 1

@@ -49,7 +49,7 @@ import torch
 
 from megarl.protocols import Completion, GenerationRequest
 from megarl.sampler import sglang_engine
-from megarl.sampler.request_pool import RequestPool
+from megarl.sampler.request_pool import RequestPool, pinned_view
 from megarl.sampler.vllm_ext import megarl_vllm_worker as ext
 
 EXT_DIR = Path(__file__).resolve().parent / "vllm_ext"
@@ -282,6 +282,11 @@ class VLLMEngine:
 
     def stats(self) -> dict:
         return dict(self._stats, **self.requests.stats(), version=self._version)
+
+    def pinned(self, *, max_running: int, seed: int) -> "VLLMEngine":
+        """An evaluation's view (request_pool.pinned_view): its requests' versions come from the update records
+        it shares with this engine. `seed` is not sent: the server samples with its own generator."""
+        return pinned_view(self, max_running)
 
     def generate(self, requests: list[GenerationRequest], timeout_s: float = 600.0) -> list[Completion]:
         """Run the given requests to the end; completions in request order (tests, benchmarks)."""

@@ -154,7 +154,7 @@ MIXTRAL_6 = {"model_type": "mixtral", "num_local_experts": 6, "num_experts_per_t
     ("learner.pp=4", {}, "learner.pp=4: pipeline parallel size 4 does not divide num_hidden_layers=2"),
     ("learner.tp=3", {}, "learner.tp=3: tensor parallel size 3 does not divide num_attention_heads=4"),
     ("learner.tp=4", {}, "learner.tp=4: tensor parallel size 4 does not divide num_key_value_heads=2"),
-    ("learner.tp=2 sampler.tp=2", {"num_key_value_heads": 1},
+    ("learner.tp=2 sampler.tp=2 eval.sets=[]", {"num_key_value_heads": 1},
      "learner.tp/sampler.tp=2: tensor parallel size 2 does not divide num_key_value_heads=1"),
     ("learner.tp=2", {"num_key_value_heads": None, "num_attention_heads": 5},  # KV heads default to the heads
      "learner.tp=2: tensor parallel size 2 does not divide num_attention_heads=5"),
@@ -173,7 +173,7 @@ MIXTRAL_6 = {"model_type": "mixtral", "num_local_experts": 6, "num_experts_per_t
                                 "only with sequence parallelism"),
     ("learner.ep=2 learner.dp=2 learner.pp=2 algo.routing_replay=r3", MIXTRAL_6, None),
     ("learner.backend=deepspeed algo.routing_replay=r3 learner.recompute_activations=full", MIXTRAL_6, None),
-    ("learner.tp=2 sampler.tp=2", {}, None),
+    ("learner.tp=2 sampler.tp=2 eval.sets=[]", {}, None),
 ])
 def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overrides, model, message):
     from megarl.models.layout import check_layout
