@@ -89,10 +89,13 @@ def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, shou
     """The receiver of this sampler rank's part of every version: one group per learner pipeline stage
     (one at PP=1), of this rank's TP rank; a version is applied once every stage's part arrived."""
     groups = publish_groups(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
+    # The built-in engine (and its TP lead) offers the storage each version will run from: received into
+    # directly, a version costs one copy of the weights (SGLang and vLLM take tensors from staging sets).
     return StagedReceiver([(groups[part], publish_stage_store(store, *part)) for part in sorted(groups)],
                           engine.weight_spec(), engine.device, on_version=on_version,
                           current_version=lambda: engine.version, should_stop=should_stop,
-                          timeout_s=cfg.publish.timeout_s).start()
+                          timeout_s=cfg.publish.timeout_s,
+                          destination=getattr(engine, "staging_buffers", None)).start()
 
 
 class SamplerLoop:
