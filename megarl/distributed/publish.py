@@ -493,16 +493,19 @@ class WeightReceiver:
         posted: collections.deque = collections.deque()
         got, ahead = [], 0
         for i, bucket in enumerate(self.buckets):
-            while ahead < count and (direct[ahead] or free or not posted):
+            while ahead < count:
                 later = self.buckets[ahead]
                 nbytes = later.numel * later.dtype.itemsize
+                fits = bool(free) and free[-1].numel() >= nbytes
                 if direct[ahead]:
                     target, scratch = dest[later.slots[0].name].view(-1), None
-                else:  # a lone non-contiguous tensor larger than the scratch gets a buffer of its own
-                    scratch = free.pop() if free and free[-1].numel() >= nbytes else None
-                    target = (scratch if scratch is not None else torch.empty(nbytes, dtype=torch.uint8,
-                                                                              device=self._device))
+                elif fits or not posted:
+                    # A lone non-contiguous tensor larger than the scratch gets a buffer of its own, one at a time.
+                    scratch = free.pop() if fits else None
+                    target = (scratch if fits else torch.empty(nbytes, dtype=torch.uint8, device=self._device))
                     target = target[:nbytes].view(later.dtype)
+                else:
+                    break  # no buffer free: unpack the oldest first
                 posted.append((target, scratch, _Broadcast(self.group, target, self.timeout,
                                                             f"receive version {version} bucket {ahead + 1}/{count}")))
                 ahead += 1
