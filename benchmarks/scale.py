@@ -28,7 +28,8 @@ so that each has the machine's memory to itself:
   publish   WeightPublisher -> WeightReceiver (checksums on, the default) vs one raw gloo broadcast of the
             same bytes, back to back per round, receivers idle (the version handed over = done); 1 and 2
             receivers. On 1 receiver also the swap stall of a decoding sampler (weight_publish.py's
-            measurement, reused: a real engine decoding batch 8 while versions arrive), and its RSS.
+            measurement, reused: a real engine decoding batch 8 while versions arrive into its
+            `staging_buffers`, as a sampler's receiver writes them), and its RSS.
 
 Prints a table, writes docs/img/scale_time.png and docs/img/scale_memory.png (--plots DIR), and ends with
 one JSON line: params, publish_vs_raw, delta_bytes_frac, sampler_rss_over_weights,
