@@ -28,7 +28,8 @@ so that each has the machine's memory to itself:
   publish   WeightPublisher -> WeightReceiver (checksums on, the default) vs one raw gloo broadcast of the
             same bytes, back to back per round, receivers idle (the version handed over = done); 1 and 2
             receivers. On 1 receiver also the swap stall of a decoding sampler (weight_publish.py's
-            measurement, reused: a real engine decoding batch 8 while versions arrive), and its RSS.
+            measurement, reused: a real engine decoding batch 8 while versions arrive into its
+            `staging_buffers`, as a sampler's receiver writes them), and its RSS.
 
 Prints a table, writes docs/img/scale_time.png and docs/img/scale_memory.png (--plots DIR), and ends with
 one JSON line: params, publish_vs_raw, delta_bytes_frac, sampler_rss_over_weights,
@@ -255,8 +256,8 @@ def engine_part(args) -> dict:
     del cache
     gc.collect()
     out["weights"] = held - out["kv_cache"]
-    # The next version as a receiver hands it over: views into its buffers (one flat set here), of which
-    # the engine stacks q/k/v and gate/up into copies of its own and keeps the rest as views.
+    # The next version as a caller of stage_weights hands it over (one flat set here): the engine copies it
+    # into a weight arena of its own (the replaced version's, once there is one) and lets go of the tensors.
     before = rss()
     flat, second = flat_weights(cfg, dtype, seed=1)
     out["staging_buffers"] = rss() - before
@@ -545,7 +546,8 @@ def summarise(parts: list[Part], results: dict[str, dict]) -> dict:
             key = f"{part.info['role']} {part.shape}"
             head["learner_step_s"][key] = round(step, 2)
             head["learner_rss_over_weights"][key] = round(peak / weights, 2)
-            head["learner_bytes_per_param"][key] = {"measured": round(peak / p, 2), "minimum": part.info["minimum_bpp"]}
+            head["learner_bytes_per_param"][key] = {"measured": round(peak / p, 2), "minimum": part.info["minimum_bpp"],
+                                                    "components": learner_components(r, p)}
             rows.append([part.info["role"], part.shape, f"{p / 1e6:.0f}M",
                          f"step {step:.2f} s (build {max(rank['build_s'] for rank in r):.0f} s)",
                          f"{peak / GB:.2f} GB/rank (built {max(rank['built'] for rank in r) / GB:.2f})",
@@ -606,6 +608,21 @@ def summarise(parts: list[Part], results: dict[str, dict]) -> dict:
                              f"weight dict)", f"{net / p:.1f} B/param", ""])
     head["rows"] = rows
     return head
+
+
+def learner_components(ranks: list[dict], params: int) -> dict:
+    """The step peak of the rank that peaks highest, in bytes per parameter of the whole model, split into
+    what the theory's 16 B/param (fp32 params 4, gradients 4, Adam m and v 8) names, each with its
+    theoretical share (divided by the ranks that divide it): the parameters (4 B per local parameter, exact),
+    the rest of what building the learner allocated (megatron: DDP's gradient buffer; DeepSpeed ZeRO-1: its
+    fp32 master copy, the gradients come later), what the first step added for good (Adam's m and v;
+    DeepSpeed: + its gradients) and the step's transients on top (activations, logits, optimizer temporaries)."""
+    rank = max(ranks, key=lambda r: r["step_peak"])
+    local, share = rank["local_params"], rank["local_params"] / params
+    measured = {"params": 4 * local, "built_rest": rank["built"] - 4 * local,
+                "optimizer_state": rank["after_step"] - rank["built"], "step_transients": rank["step_peak"] - rank["after_step"]}
+    theory = {"params": 4 * share, "built_rest": 4 * share, "optimizer_state": 8 * share, "step_transients": 0.0}
+    return {name: {"measured": round(measured[name] / params, 2), "theory": round(theory[name], 2)} for name in measured}
 
 
 def print_table(rows: list[list[str]]) -> None:

@@ -171,13 +171,15 @@ class Worker:
 
         return self._receiver(prefix, weights, use, lambda: applied[0], stop)
 
-    def _receiver(self, prefix: str, weights: dict, on_version, current_version, stop: threading.Event):
+    def _receiver(self, prefix: str, weights: dict, on_version, current_version, stop: threading.Event,
+                  destination=None):
         from megarl.distributed.publish import WeightReceiver
 
         store = self.receiver_store.prefixed(prefix.rstrip("/"))  # a signed view, as the run's
         spec = {n: (t.shape, t.dtype) for n, t in weights.items()}
         return WeightReceiver(self.group, store, spec, torch.device("cpu"), on_version=on_version,
-                              current_version=current_version, should_stop=stop.is_set, timeout_s=120).start()
+                              current_version=current_version, should_stop=stop.is_set, timeout_s=120,
+                              destination=destination).start()
 
     def _publisher(self, prefix: str, checksum: bool):
         from megarl.distributed.publish import WeightPublisher
@@ -214,8 +216,9 @@ class Worker:
         engine = BuiltinEngine(cfg, weights, max_running=DECODE_BATCH, max_seq_len=512)
         sampling = SamplingParams(temperature=0.0, max_new_tokens=504)
         stop = threading.Event()
+        # As a sampler's receiver (megarl.roles.sampler_main.weight_receiver): into the engine's staging buffers.
         receiver = self._receiver(f"bench/{tag}/", weights, lambda version, tensors, extra: engine.stage_weights(
-            tensors, version), lambda: engine.version, stop)
+            tensors, version), lambda: engine.version, stop, destination=engine.staging_buffers)
         # (start, end, admitted, swapped, swap_s, decode-thread CPU at start / end, process CPU at start / end)
         steps = []
         announced, swapped_versions = False, set()

@@ -27,6 +27,12 @@ def test_the_tiny_shape_runs_learner_engine_and_publish_and_ends_with_the_headli
     assert set(head["sampler_rss_over_weights"]) == {"engine tiny fp32", "engine tiny bf16",
                                                      "receiving sampler tiny fp32 r1"}
     assert set(head["learner_rss_over_weights"]) == {"megatron TP1 tiny"}
+    # the learner's peak named per component of the theory's 16 B/param, and they add up to it
+    learner = head["learner_bytes_per_param"]["megatron TP1 tiny"]
+    parts = learner["components"]
+    assert {name: part["theory"] for name, part in parts.items()} == {
+        "params": 4.0, "built_rest": 4.0, "optimizer_state": 8.0, "step_transients": 0.0}
+    assert abs(sum(part["measured"] for part in parts.values()) - learner["measured"]) < 0.05
     assert all(set(tok_s) == {"1", "4", "16"} and min(tok_s.values()) > 0 for tok_s in head["engine_tok_s"].values())
     stall = head["swap_stall"]["receiving sampler tiny fp32 r1"]
     assert stall["baseline_step_ms"] > 0 and stall["swap_ms"] >= 0

@@ -11,6 +11,10 @@ Protocol (publish group rank 0 = learner source, ranks 1.. = samplers):
      sums each bucket as it lands, compares with the source's sums and hands the tensors (views into
      the staging buffers) to a callback;
      the engine swaps them in at its next step boundary, so decoding overlaps the transfer.
+     With `destination` (an engine's `staging_buffers`), the receiver has no staging sets: it writes
+     every tensor straight into the storage the engine will run the version from (a bucket of one
+     tensor is received into it, packed buckets through a few bucket-sized scratch buffers), and hands
+     over those same views.
 With publish.senders = k, k learner DP replicas publish, each over its own group (its own header,
 spec and checksums): sender d sends buckets d, d + k, d + 2k, ... of the plan over the whole spec
 (`sender_share`), so k broadcasts run at once; a receiver merges the parts (StagedReceiver).
@@ -40,6 +44,7 @@ import torch
 
 SPEC_KEY = "publish/spec"
 HEADER_POLL_S = 0.002
+SCRATCH_BUCKETS = 3  # packed buckets on their way into a `destination` at once (posted receives ahead)
 CHECKSUM_CHUNK_WORDS = 8192  # 64 KiB: the granularity at which the second sum sees a misplaced chunk
 
 
@@ -359,12 +364,14 @@ class WeightReceiver:
     ones arrive. When the wire carries another dtype than the engine's (publish.dtype) or deltas
     (publish.delta), buckets land in one set of wire buffers that keeps the last version's words (the
     base a delta patches), are checked there, and are cast into the engine's staging set.
+    `destination(version)`, when given, replaces the staging sets: HF name -> the writable view the
+    version's tensor must land in (the engine's `staging_buffers`; the same views reach `on_version`).
     """
 
     def __init__(self, group, store, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
                  current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float,
-                 partial: bool = False):
+                 partial: bool = False, destination: Callable[[int], dict[str, torch.Tensor]] | None = None):
         self.group, self.store = group, store
         self.on_version, self.current_version, self.should_stop = on_version, current_version, should_stop
         self.timeout = timedelta(seconds=timeout_s)
@@ -373,6 +380,8 @@ class WeightReceiver:
         self.error: BaseException | None = None
         self._expected, self._device = expected, device
         self.partial = partial  # one stage of several (StagedReceiver): the spec covers part of `expected`
+        self.destination = destination
+        self.scratch: list[torch.Tensor] = []  # with a destination: SCRATCH_BUCKETS byte buffers for packed buckets
         self.buckets: list[Bucket] | None = None
         self.buffer_sets: list[list[torch.Tensor]] = []
         self.wire: list[torch.Tensor] | None = None  # the last version's words as sent (see the class docstring)
@@ -389,6 +398,14 @@ class WeightReceiver:
         check_spec(spec, self._expected, partial=self.partial)
         self.buckets = plan_buckets(spec, raw["bucket_bytes"])
         engine_dtypes = [self._expected[b.slots[0].name][1] for b in self.buckets]
+        if raw.get("delta") or any(self._expected[slot.name][1] != b.dtype for b in self.buckets for slot in b.slots):
+            self.wire = [torch.zeros(b.numel, dtype=b.dtype, device=self._device) for b in self.buckets]
+        if self.destination is not None:  # tensors are copied (cast) one by one into their destinations
+            if self.wire is None:
+                packed = [b.numel * b.dtype.itemsize for b in self.buckets if len(b.slots) > 1]
+                self.scratch = [torch.empty(max(packed), dtype=torch.uint8, device=self._device)
+                                for _ in range(SCRATCH_BUCKETS)] if packed else []
+            return
         for bucket, dtype in zip(self.buckets, engine_dtypes):
             mixed = [slot.name for slot in bucket.slots if self._expected[slot.name][1] != dtype]
             if mixed:  # a staging bucket is one flat tensor: one dtype
@@ -396,8 +413,6 @@ class WeightReceiver:
                                  f"{bucket.slots[0].name} ({dtype}), but they travel in one bucket")
         self.buffer_sets = [[torch.empty(b.numel, dtype=d, device=self._device)
                              for b, d in zip(self.buckets, engine_dtypes)] for _ in range(2)]
-        if raw.get("delta") or any(b.dtype != d for b, d in zip(self.buckets, engine_dtypes)):
-            self.wire = [torch.zeros(b.numel, dtype=b.dtype, device=self._device) for b in self.buckets]
 
     def _wait_key(self, key: str) -> None:
         """Poll until the key exists, noticing a stop request; no overall limit (a learner step may be
@@ -421,11 +436,13 @@ class WeightReceiver:
 
     def _receive(self, index: int, header: dict) -> None:
         set_index = index % 2
-        version, buffers = header["version"], self.buffer_sets[set_index]
+        version = header["version"]
         deadline = time.monotonic() + self.timeout.total_seconds()
         # The engine may still run on, or not yet have applied, the weights this set last received (a
         # staged version is views into its buffers, and a TP engine applies exactly the version its
-        # lead plans, not always the newest); the set is free once the engine has moved past it.
+        # lead plans, not always the newest); the set is free once the engine has moved past it.  With a
+        # destination the same wait keeps the engine at two versions' storage: the one it runs and the
+        # one arriving (the storage of the version it moved past is what `destination` hands out).
         held = self.held_versions[set_index]
         while held is not None and self.current_version() <= held:
             if self.should_stop():
@@ -436,17 +453,22 @@ class WeightReceiver:
                                    f"version {version})")
             time.sleep(0.001)
         self.held_versions[set_index] = version
-        got = self._receive_buckets(version, buffers, header) if self.wire is None else \
-            self._receive_wire(version, buffers, header)
+        if self.destination is not None:
+            dest = self.destination(version)
+            got = self._receive_into(version, dest, header) if self.wire is None else \
+                self._receive_wire(version, header, lambda i, wire: _unpack(wire, self.buckets[i], dest))
+            tensors = {slot.name: dest[slot.name] for bucket in self.buckets for slot in bucket.slots}
+        else:
+            buffers = self.buffer_sets[set_index]
+            got = self._receive_buckets(version, buffers, header) if self.wire is None else \
+                self._receive_wire(version, header, lambda i, wire: buffers[i].copy_(wire))
+            tensors = {slot.name: buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                       for bucket, buffer in zip(self.buckets, buffers) for slot in bucket.slots}
         if header["checksum"]:
             sent = self._sent_checksums(index, deadline)
             if got != sent:
                 bad = [i for i, (a, b) in enumerate(zip(got, sent)) if a != b]
                 raise RuntimeError(f"weight publish: checksum mismatch for version {version} in buckets {bad}")
-        tensors = {}
-        for bucket, buffer in zip(self.buckets, buffers):
-            for slot in bucket.slots:
-                tensors[slot.name] = buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self.on_version(version, tensors, header.get("extra", {}))
 
 
@@ -461,12 +483,49 @@ class WeightReceiver:
                 got.append(bucket_checksum(buffer))
         return got
 
-    def _receive_wire(self, version: int, buffers: list[torch.Tensor], header: dict) -> list[list[int]]:
+    def _receive_into(self, version: int, dest: dict[str, torch.Tensor], header: dict) -> list[list[int]]:
+        """Every bucket into `dest` (wire = engine dtype, no deltas): a bucket of one tensor whose
+        destination is contiguous is received straight into it, the others into the scratch ring and
+        unpacked while the later ones arrive (receives are posted as far ahead as buffers allow, in
+        bucket order: the order the source sends); their checksums."""
+        count, free = len(self.buckets), list(self.scratch)
+        direct = [len(b.slots) == 1 and dest[b.slots[0].name].is_contiguous() for b in self.buckets]
+        posted: collections.deque = collections.deque()
+        got, ahead = [], 0
+        for i, bucket in enumerate(self.buckets):
+            while ahead < count:
+                later = self.buckets[ahead]
+                nbytes = later.numel * later.dtype.itemsize
+                fits = bool(free) and free[-1].numel() >= nbytes
+                if direct[ahead]:
+                    target, scratch = dest[later.slots[0].name].view(-1), None
+                elif fits or not posted:
+                    # A lone non-contiguous tensor larger than the scratch gets a buffer of its own, one at a time.
+                    scratch = free.pop() if fits else None
+                    target = (scratch if fits else torch.empty(nbytes, dtype=torch.uint8, device=self._device))
+                    target = target[:nbytes].view(later.dtype)
+                else:
+                    break  # no buffer free: unpack the oldest first
+                posted.append((target, scratch, _Broadcast(self.group, target, self.timeout,
+                                                            f"receive version {version} bucket {ahead + 1}/{count}")))
+                ahead += 1
+            target, scratch, receive = posted.popleft()
+            receive.wait()
+            if header["checksum"]:
+                got.append(bucket_checksum(target))
+            if not direct[i]:
+                _unpack(target, bucket, dest)
+            if scratch is not None:
+                free.append(scratch)
+        return got
+
+    def _receive_wire(self, version: int, header: dict, deliver: Callable[[int, torch.Tensor], None]) -> list[list[int]]:
         """Every bucket into the wire buffers (whole, or a delta patching the previous version's words),
-        checksummed there and cast into the staging set; their checksums."""
+        checksummed there and handed to `deliver(bucket index, words)` (which casts them into the staging
+        set or the destination); their checksums."""
         got = []
-        for i, (wire, buffer) in enumerate(zip(self.wire, buffers)):
-            what = f"receive version {version} bucket {i + 1}/{len(buffers)}"
+        for i, wire in enumerate(self.wire):
+            what = f"receive version {version} bucket {i + 1}/{len(self.wire)}"
             encoding, count = WHOLE, 0
             if header.get("delta"):
                 delta_header = torch.empty(2, dtype=torch.int64)
@@ -481,7 +540,7 @@ class WeightReceiver:
                 apply_delta(wire, encoding, count, payload)
             if header["checksum"]:
                 got.append(bucket_checksum(wire))
-            buffer.copy_(wire)
+            deliver(i, wire)
         return got
 
     def _sent_checksums(self, index: int, deadline: float) -> list[list[int]]:
@@ -497,6 +556,12 @@ class WeightReceiver:
 
 class _Stopped(Exception):
     pass
+
+
+def _unpack(flat: torch.Tensor, bucket: Bucket, dest: dict[str, torch.Tensor]) -> None:
+    """Copy (cast) each tensor of a received flat bucket into its destination view."""
+    for slot in bucket.slots:
+        dest[slot.name].copy_(flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
 
 
 def check_spec(spec: list[tuple[str, tuple[int, ...], torch.dtype]],
@@ -528,7 +593,8 @@ class StagedReceiver:
 
     def __init__(self, stages: list, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
-                 current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float):
+                 current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float,
+                 destination: Callable[[int], dict[str, torch.Tensor]] | None = None):
         self.expected, self.on_version = expected, on_version
         self.parts: dict[int, dict[int, tuple[dict, dict]]] = {}  # version -> stage -> (tensors, extra)
         self.lock = threading.Lock()
@@ -537,7 +603,7 @@ class StagedReceiver:
             WeightReceiver(group, store, expected, device,
                            on_version=lambda v, t, e, stage=stage: self._on_part(stage, v, t, e),
                            current_version=current_version, should_stop=should_stop, timeout_s=timeout_s,
-                           partial=True)
+                           partial=True, destination=destination)
             for stage, (group, store) in enumerate(stages)]
 
     def start(self) -> "StagedReceiver":

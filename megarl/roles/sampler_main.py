@@ -94,10 +94,13 @@ def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, shou
     tells what a version carries (weight_spec), where it lands (device) and which version runs (version):
     the engine itself, or its AdapterStager under learner.lora."""
     groups = publish_groups(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
+    # The built-in engine (and its TP lead) offers the storage each version will run from: received into
+    # directly, a version costs one copy of the weights (SGLang and vLLM take tensors from staging sets).
     return StagedReceiver([(groups[part], publish_stage_store(store, *part)) for part in sorted(groups)],
                           engine.weight_spec(), engine.device, on_version=on_version,
                           current_version=lambda: engine.version, should_stop=should_stop,
-                          timeout_s=cfg.publish.timeout_s).start()
+                          timeout_s=cfg.publish.timeout_s,
+                          destination=getattr(engine, "staging_buffers", None)).start()
 
 
 class SamplerLoop:

@@ -55,9 +55,9 @@ from megarl.sampler.model import (
     KVCache,
     ModelSpec,
     RuntimeWeights,
+    WeightArena,
     forward,
     load_pretrained,
-    prepare_weights,
     forward_tables,
 )
 
@@ -65,6 +65,9 @@ KV_POLICIES = ("keep", "recompute")
 # Staged versions held at once: under tensor parallelism a rank's receiver can stage v+1 before the
 # group applies v, so v must survive it; a third drops the oldest (each is a full copy of the weights).
 MAX_STAGED = 2
+# Arenas of replaced versions kept for the next ones (see BuiltinEngine._spare): one is what a receiver
+# that waits for the engine to move past a version before it reuses that version's storage needs.
+SPARE_ARENAS = 1
 
 
 def sample_tokens(
@@ -187,12 +190,15 @@ class BuiltinEngine:
         self.tp_group = tp_group if self.tp_size > 1 else None  # a group of one: the plain forward
         self.spec = ModelSpec.from_hf_config(hf_config).shard(self.tp_size)  # this rank's heads and MLP width
         self.device = torch.device(device)
-        weights = {name: t.to(self.device) for name, t in weights.items()}
         self.kv_on_update = kv_on_update
 
-        self._weights = prepare_weights(self.spec, weights)  # checks names and (this rank's) shapes
+        self.spec.check_weights(weights)  # names and (this rank's) shapes
         # What stage_weights validates against: every HF name with its (this rank's) shape and dtype.
         self._hf_meta = {name: (t.shape, t.dtype) for name, t in weights.items()}
+        arena = self._new_arena()  # the engine's own copy, on its device
+        with torch.no_grad():
+            arena.write(weights)
+            self._weights = arena.finalize()
         self._version = version
         self._init_state(max_running, max_seq_len, seed)
 
@@ -234,12 +240,19 @@ class BuiltinEngine:
             self._decode_routes = torch.zeros(slots, 1, *route_shape, dtype=dtype, device=self.device)
             self._slot_index = torch.arange(slots, device=self.device)
 
-        # Guards _staged and _retired, the only state another thread touches; notified when a version is staged.
+        # Guards _staged, _filling, _spare and _retired, the only state other threads touch; notified when a
+        # version is staged.
         self._lock = threading.Condition(threading.Lock())
         self._staged: dict[int, RuntimeWeights] = {}  # version -> weights, at most MAX_STAGED
-        # The weights a swap replaced (and staged versions it skipped), released by the next `stage_weights`
-        # call rather than at the swap: freeing a version's buffers costs milliseconds per 100 MB, which
-        # belongs on the staging thread.
+        # Arenas handed out by `staging_buffers`, by version, being filled until `stage_weights` takes them.
+        self._filling: dict[int, WeightArena] = {}
+        # The arena of the version a swap replaced, kept (at most SPARE_ARENAS) for the next version to be
+        # written into: an engine that keeps receiving versions holds two arenas (current + next), never
+        # allocates (page faults on the receiving thread) and never frees on the decode thread.
+        self._spare: list[WeightArena] = []
+        # Replaced weights beyond the spare (skipped versions, a pinned one), released by the next
+        # `stage_weights` call rather than at the swap: freeing a version's buffers costs milliseconds
+        # per 100 MB, which belongs on the staging thread.
         self._retired: list[RuntimeWeights] = []
         self._stats = {"tokens_decoded": 0, "decode_steps": 0, "prefill_tokens": 0, "requests_finished": 0,
                        "requests_cancelled": 0, "swaps": 0, "swap_time_s": 0.0, "decode_time_s": 0.0}
@@ -251,9 +264,8 @@ class BuiltinEngine:
         cfg, weights = load_pretrained(model_dir)
         if tp_group is not None and tp_group.size() > 1:
             ModelSpec.from_hf_config(cfg).shard(tp_group.size())  # a clear error before cutting anything
-            shards = tp_shard.shard_state_dict(weights, tp_group.size(), tp_group.rank())
-            # Copy the split slices: a view would keep the whole tensor alive.
-            weights = {name: t if tp_shard.split_kind(name) == "whole" else t.clone() for name, t in shards.items()}
+            # Views of the whole tensors: the engine copies its slices into its own arena.
+            weights = tp_shard.shard_state_dict(weights, tp_group.size(), tp_group.rank())
         return cls(cfg, weights, tp_group=tp_group, **kw)
 
     def pinned(self, *, max_running: int, seed: int) -> "BuiltinEngine":
@@ -266,6 +278,8 @@ class BuiltinEngine:
             raise ValueError("pinned: a tensor-parallel engine cannot pin a version (its followers do not mirror it)")
         if max_running < 1:
             raise ValueError(f"pinned: max_running={max_running} must be >= 1")
+        with self._lock:  # the pinned engine runs on this version's arena as long as it lives: never recycle it
+            self._weights.arena = None
         twin = object.__new__(BuiltinEngine)
         twin.tp_size, twin.tp_group, twin.spec, twin.device = 1, None, self.spec, self.device
         twin.kv_on_update = self.kv_on_update
@@ -317,15 +331,29 @@ class BuiltinEngine:
                 finished += self._decode()
         return finished
 
+    def staging_buffers(self, version: int) -> dict[str, torch.Tensor]:
+        """HF name -> a writable view (HF shape, this rank's slices) of the storage `version` will run
+        from.  A receiver writes the version's tensors there and hands these views (the same tensor
+        objects) to `stage_weights`, which then turns them into the forward's layout in place instead of
+        copying them (`WeightArena`).  The storage is the replaced version's when there is one, so an
+        engine that receives every version this way holds two versions, not three.  Safe from any
+        thread; every call for the same version (one per publish part) gets the same views, until it
+        is staged."""
+        with self._lock:
+            arena = self._filling.get(version)
+            if arena is None:
+                arena = self._filling[version] = self._spare.pop() if self._spare else self._new_arena()
+            return dict(arena.views)
+
     def stage_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Validate and stage a full HF-named weight set (this TP rank's slices); it becomes current at
         the next step boundary that applies it (`step()` applies the newest).
 
-        Safe to call from another thread.  Validation, device transfer and `prepare_weights` (which
-        stacks q/k/v and gate/up) happen here, on the caller's thread, so the decode thread's swap is a
-        reference assignment.  The engine takes ownership of the tensors: the caller must not modify
-        them afterwards.  Staging the same version again replaces it; a version older than the current
-        or a staged one is refused; beyond MAX_STAGED versions the oldest staged one is dropped.
+        Safe to call from another thread.  Validation, the copy into a weight arena (skipped when the
+        tensors are that version's `staging_buffers`) and its transformation into the forward's layout
+        happen here, on the caller's thread, so the decode thread's swap is a reference assignment.
+        Staging the same version again replaces it; a version older than the current or a staged one is
+        refused; beyond MAX_STAGED versions the oldest staged one is dropped.
         """
         for name, t in named_tensors.items():
             if name not in self._hf_meta:
@@ -338,18 +366,43 @@ class BuiltinEngine:
             if name not in named_tensors:
                 raise ValueError(f"stage_weights: missing tensor {name!r}")
         with self._lock:
+            self._check_newer(version)
             retired, self._retired = self._retired, []
+            arena = self._filling.pop(version, None)
+            in_place = arena is not None and all(named_tensors[name] is view for name, view in arena.views.items())
+            if arena is None and self._spare:
+                arena = self._spare.pop()
         del retired  # freed here, on the staging thread
-        with torch.inference_mode():
-            staged = prepare_weights(self.spec, {name: t.to(self.device) for name, t in named_tensors.items()})
+        if arena is None:
+            arena = self._new_arena()
+        with torch.no_grad():
+            if not in_place:
+                arena.write(named_tensors)
+            staged = arena.finalize()
         with self._lock:
-            newest = max([self._version, *self._staged])
-            if version < newest:
-                raise ValueError(f"stage_weights: version {version} is older than {newest}")
+            self._check_newer(version)
+            if version in self._staged:
+                self._recycle([self._staged[version]])
             self._staged[version] = staged
             while len(self._staged) > MAX_STAGED:
-                del self._staged[min(self._staged)]
+                self._recycle([self._staged.pop(min(self._staged))])
             self._lock.notify_all()
+
+    def _new_arena(self) -> WeightArena:
+        return WeightArena(self.spec, {name: dtype for name, (_, dtype) in self._hf_meta.items()}, self.device)
+
+    def _check_newer(self, version: int) -> None:
+        newest = max([self._version, *self._staged])
+        if version < newest:
+            raise ValueError(f"stage_weights: version {version} is older than {newest}")
+
+    def _recycle(self, replaced: list[RuntimeWeights]) -> None:
+        """Keep the arenas of replaced weights as spares (up to SPARE_ARENAS), retire the rest (under _lock)."""
+        for weights in replaced:
+            if weights.arena is not None and len(self._spare) < SPARE_ARENAS:
+                self._spare.append(weights.arena)
+            else:
+                self._retired.append(weights)
 
     def staged_versions(self) -> list[int]:
         """The versions staged and not yet applied, oldest first."""
@@ -383,7 +436,7 @@ class BuiltinEngine:
                                f"current: {self._version})")
             weights = self._staged.pop(version)
             skipped = [self._staged.pop(v) for v in [v for v in self._staged if v < version]]
-            self._retired += [self._weights, *skipped]
+            self._recycle([self._weights, *skipped])
         start = time.perf_counter()
         self._weights, self._version = weights, version
         # Every running request's next token is the new version's (a step that swaps always decodes,

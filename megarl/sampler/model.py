@@ -4,7 +4,8 @@ This module owns the model math and the KV-cache layout; it owns no scheduling (
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
 ``Qwen2ForCausalLM.save_pretrained`` / ``LlamaForCausalLM`` write to ``model.safetensors`` (tied
 embeddings -> no ``lm_head.weight``).  `prepare_weights` turns that dict into the forward's
-`RuntimeWeights` (q/k/v and gate/up stacked, norm weights folded in, RoPE pairs interleaved); the
+`RuntimeWeights` (q/k/v and gate/up stacked, norm weights folded in, RoPE pairs interleaved) in a
+`WeightArena`, the storage of one version, which a weight receiver can also fill directly; the
 forward is a function over it, so swapping weights is replacing one reference: no nn.Module, no
 parameter copying on the decode thread.
 
@@ -39,7 +40,7 @@ logits' vocab slices and runs everything else replicated, so every rank of g end
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -319,18 +320,21 @@ class LayerWeights:
 
 @dataclass
 class RuntimeWeights:
-    """The forward's view of one weight version, built from an HF-named state dict by `prepare_weights`.
+    """The forward's view of one weight version: views of the `WeightArena` that holds it.
 
     q/k/v and gate/up are stacked so a layer runs 4 matmuls instead of 7: on CPU at small batch the
-    decode step is bound by the number of kernels, not by FLOPs.  Building it copies the stacked
-    matrices (and the small ones, see SMALL_MATRIX) once per version, which is why the engine does it
-    on the thread that stages the weights; everything else is a view of the tensors it was given.
+    decode step is bound by the number of kernels, not by FLOPs.  Building a version writes every tensor
+    into its arena once and transforms the arena in place (`WeightArena.finalize`), which is why the
+    engine does it on the thread that stages the weights.
     """
 
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor  # the final RMSNorm weight (not folded: the lm_head may be the embedding itself)
     lm_head: torch.Tensor  # [hidden, vocab]
+    # The storage these tensors view; None once it is shared beyond its engine (a pinned engine), so it
+    # is never written again for another version (megarl.sampler.engine recycles arenas).
+    arena: "WeightArena | None" = field(default=None, repr=False, compare=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -352,65 +356,138 @@ def _mm_operand(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous() if weight.numel() <= SMALL_MATRIX else weight.t()
 
 
-def prepare_weights(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> RuntimeWeights:
-    """Check an HF-named state dict against the spec and build the forward's RuntimeWeights."""
-    spec.check_weights(weights)
-    w, hd = weights, spec.head_dim
+@dataclass
+class _LayerBuffers:
+    """One layer's storage in a WeightArena ([out, in] HF orientation; see LayerWeights for the stacking)."""
 
-    def stacked(parts: list[torch.Tensor], norm: str) -> torch.Tensor:
-        """The [out, in] matrices stacked along out, the RMSNorm weight `norm` (of their input) folded in."""
-        return _mm_operand(torch.cat(parts).mul_(w[norm]))
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # dense: down_proj [hidden, intermediate]; MoE: the w2s as [experts * intermediate, hidden]
+    down_bias: torch.Tensor | None
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    rope_rows: list[tuple[str, int]]  # (HF name, heads) of the q/k weights and biases whose rows RoPE pairs
+    q_norm: torch.Tensor | None = None  # Qwen3: the per-head q/k RMSNorm weights [head_dim]
+    k_norm: torch.Tensor | None = None
 
-    def qkv_parts(prefix: str, kind: str) -> list[torch.Tensor]:
-        return [_interleave_rope_pairs(w[f"{prefix}q_proj.{kind}"], spec.num_heads, hd),
-                _interleave_rope_pairs(w[f"{prefix}k_proj.{kind}"], spec.num_kv_heads, hd),
-                w[f"{prefix}v_proj.{kind}"]]
 
-    def bias(*names: str) -> torch.Tensor | None:
-        return torch.cat([w[n] for n in names]) if names[0] in w else None
+class WeightArena:
+    """The storage of one weight version in the forward's layout, written through HF-shaped views.
 
-    def moe_parts(layer: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """([router, gate_0, up_0, gate_1, up_1, ...] as [out, in] parts, the stacked downs as [E * i, hidden])."""
-        names = [moe.hf_expert_names(spec._hf_config, layer, e) for e in range(spec.num_experts)]
-        gate_up = [w[n] for gate, up, _ in names for n in (gate, up)]
-        down = torch.cat([w[down] for _, _, down in names], dim=1).t().contiguous()
-        return [w[moe.hf_router_name(spec._hf_config, layer)], *gate_up], down
+    `views[name]` is a writable view, of the HF tensor's shape, of where tensor `name` lives: the q/k/v of
+    a layer are row ranges of one [q_out + 2 * kv_out, hidden] buffer, its gate/up (an MoE layer's router
+    and the experts' w1/w3) row ranges of another, an MoE layer's w2s column blocks of its stacked down
+    matrix (a transposed view); every other tensor has a buffer of its own.  Once every view holds its
+    HF tensor (`write`, or a weight receiver writing straight into them), `finalize()` turns the buffers
+    into the forward's layout in place (q/k rows RoPE-interleaved, the RMSNorm weights folded into the
+    stacked matrices) and returns the RuntimeWeights that view them.  A version thus costs one copy of the
+    weights and nothing more (only matrices under SMALL_MATRIX get a second, transposed copy), and an
+    engine can reuse a replaced version's arena for the next one.  After `finalize` the views hold the
+    forward's layout, not the HF tensors: the next version must write every view again.
+    """
 
-    def qk_norm(attn: str) -> torch.Tensor | None:
+    def __init__(self, spec: ModelSpec, dtypes: dict[str, torch.dtype], device="cpu"):
+        shapes = spec.weight_shapes()
+        self.spec, self.views = spec, {}
+
+        def stack(names: list[str]) -> torch.Tensor:
+            """One buffer holding the tensors `names` as consecutive row ranges (dtype of the first)."""
+            rows = [shapes[n][0] for n in names]
+            buffer = torch.empty((sum(rows), *shapes[names[0]][1:]), dtype=dtypes[names[0]], device=device)
+            for name, start, count in zip(names, [sum(rows[:i]) for i in range(len(rows))], rows):
+                self.views[name] = buffer[start:start + count]
+            return buffer
+
+        def own(name: str) -> torch.Tensor | None:
+            if name not in shapes:
+                return None
+            self.views[name] = torch.empty(shapes[name], dtype=dtypes[name], device=device)
+            return self.views[name]
+
+        self.layers: list[_LayerBuffers] = []
+        for layer in range(spec.num_layers):
+            p = f"model.layers.{layer}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            qkv = [attn + f"{x}_proj.weight" for x in "qkv"]
+            qkv_bias = [attn + f"{x}_proj.bias" for x in "qkv"] if spec.qkv_bias else []
+            if spec.is_moe:  # Mixtral's or Qwen3-MoE's expert names (models/moe.py)
+                experts = [moe.hf_expert_names(spec._hf_config, layer, e) for e in range(spec.num_experts)]
+                gate_up = stack([moe.hf_router_name(spec._hf_config, layer)]
+                                + [name for gate, up, _ in experts for name in (gate, up)])
+                i = spec.intermediate_size
+                down = torch.empty((spec.num_experts * i, spec.hidden_size), dtype=dtypes[experts[0][2]],
+                                   device=device)
+                for e, (_, _, down_name) in enumerate(experts):
+                    # down_e [hidden, i] is rows e*i.. of the stacked [E * i, hidden], transposed
+                    self.views[down_name] = down[e * i:(e + 1) * i].t()
+            else:
+                gate_up = stack([mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+                down = own(mlp + "down_proj.weight")
+            self.layers.append(_LayerBuffers(
+                qkv=stack(qkv), qkv_bias=stack(qkv_bias) if qkv_bias else None,
+                o_proj=own(attn + "o_proj.weight"), o_bias=own(attn + "o_proj.bias"),
+                gate_up=gate_up,
+                gate_up_bias=stack([mlp + "gate_proj.bias", mlp + "up_proj.bias"]) if spec.mlp_bias and not spec.is_moe
+                else None,
+                down=down, down_bias=own(mlp + "down_proj.bias"),
+                input_norm=own(p + "input_layernorm.weight"), post_norm=own(p + "post_attention_layernorm.weight"),
+                rope_rows=[(name, heads) for name, heads in zip([qkv[0], qkv[1], *qkv_bias[:2]],
+                                                                [spec.num_heads, spec.num_kv_heads] * 2)],
+                q_norm=own(attn + "q_norm.weight") if spec.qk_norm else None,
+                k_norm=own(attn + "k_norm.weight") if spec.qk_norm else None))
+        for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            own(name)
+        missing = set(shapes) - set(self.views)
+        if missing:  # a tensor of the spec this layout does not place: a model type added without its arena
+            raise ValueError(f"WeightArena: no place for {sorted(missing)[:3]} ({spec.model_type})")
+
+    def write(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy an HF-named state dict (every tensor of the spec, any device; cast to the arena's dtypes)
+        into the views."""
+        for name, tensor in weights.items():
+            self.views[name].copy_(tensor)
+
+    def _qk_norm(self, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
         """[heads + kv_heads, head_dim]: q_norm's weight for every query head, k_norm's for every key head, in
-        the RoPE-interleaved order of their rows (an RMSNorm's mean is unchanged by the permutation)."""
-        if not spec.qk_norm:
-            return None
-        q, k = (_interleave_rope_pairs(w[f"{attn}{n}.weight"], 1, hd) for n in ("q_norm", "k_norm"))
+        the RoPE-interleaved order of their rows (an RMSNorm's mean is unchanged by the permutation); small,
+        so a tensor of its own rather than a view."""
+        spec, hd = self.spec, self.spec.head_dim
+        q, k = (_interleave_rope_pairs(n, 1, hd) for n in (q_norm, k_norm))
         return torch.cat([q.expand(spec.num_heads, hd), k.expand(spec.num_kv_heads, hd)])
 
-    layers = []
-    for layer in range(spec.num_layers):
-        p = f"model.layers.{layer}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        if spec.is_moe:
-            gate_up_parts, down = moe_parts(layer)
-        else:
-            gate_up_parts = [w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]
-            down = _mm_operand(w[mlp + "down_proj.weight"])
-        layers.append(LayerWeights(
-            qkv=stacked(qkv_parts(attn, "weight"), p + "input_layernorm.weight"),
-            qkv_bias=torch.cat(qkv_parts(attn, "bias")) if spec.qkv_bias else None,
-            o_proj=_mm_operand(w[attn + "o_proj.weight"]),
-            o_bias=w.get(attn + "o_proj.bias"),
-            gate_up=stacked(gate_up_parts, p + "post_attention_layernorm.weight"),
-            gate_up_bias=bias(mlp + "gate_proj.bias", mlp + "up_proj.bias"),
-            down=down,
-            down_bias=w.get(mlp + "down_proj.bias"),
-            qk_norm=qk_norm(attn),
-        ))
-    embed = w["model.embed_tokens.weight"]
-    return RuntimeWeights(
-        embed=embed,
-        layers=layers,
-        norm=w["model.norm.weight"],
-        lm_head=_mm_operand(embed if spec.tie_word_embeddings else w["lm_head.weight"]),
-    )
+    def finalize(self) -> RuntimeWeights:
+        """The forward's RuntimeWeights, made in place from the HF tensors the views hold (see the class)."""
+        spec, hd = self.spec, self.spec.head_dim
+        layers = []
+        for b in self.layers:
+            for name, heads in b.rope_rows:
+                view = self.views[name]
+                view.copy_(_interleave_rope_pairs(view.clone(), heads, hd))  # a permutation: from a copy
+            b.qkv.mul_(b.input_norm)  # (w * x_hat) @ W = x_hat @ (diag(w) W): the norm's weight rides in W
+            b.gate_up.mul_(b.post_norm)
+            layers.append(LayerWeights(
+                qkv=_mm_operand(b.qkv), qkv_bias=b.qkv_bias, o_proj=_mm_operand(b.o_proj), o_bias=b.o_bias,
+                gate_up=_mm_operand(b.gate_up), gate_up_bias=b.gate_up_bias,
+                down=b.down if spec.is_moe else _mm_operand(b.down), down_bias=b.down_bias,
+                qk_norm=None if b.q_norm is None else self._qk_norm(b.q_norm, b.k_norm)))
+        embed = self.views["model.embed_tokens.weight"]
+        return RuntimeWeights(embed=embed, layers=layers, norm=self.views["model.norm.weight"],
+                              lm_head=_mm_operand(embed if spec.tie_word_embeddings else self.views["lm_head.weight"]),
+                              arena=self)
+
+
+def prepare_weights(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> RuntimeWeights:
+    """Check an HF-named state dict against the spec and build the forward's RuntimeWeights (a copy, in a
+    new WeightArena on the tensors' device)."""
+    spec.check_weights(weights)
+    arena = WeightArena(spec, {name: t.dtype for name, t in weights.items()},
+                        weights["model.embed_tokens.weight"].device)
+    arena.write(weights)
+    return arena.finalize()
 
 
 def _rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:

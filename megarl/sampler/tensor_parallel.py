@@ -120,6 +120,9 @@ class TPLeadEngine:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def staging_buffers(self, version: int) -> dict[str, torch.Tensor]:
+        return self.engine.staging_buffers(version)
+
     def stage_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         self.engine.stage_weights(named_tensors, version)
 

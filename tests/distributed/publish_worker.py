@@ -1,7 +1,8 @@
 """torchrun worker for tests/distributed/test_publish.py: rank 0 publishes, the others receive.
 
 Usage: publish_worker.py OUT_DIR MODE   (MODE: ok | corrupt | senders | delta)
-Each receiver writes, per version, the received tensors' checksums to OUT_DIR/rank{r}.json; the
+Each receiver writes, per version, the received tensors' checksums to OUT_DIR/rank{r}.json (the last
+receiver receives into a `destination` of its own, the others into the receiver's staging sets); the
 publisher writes what it sent to OUT_DIR/sent.json. `corrupt` makes the header's checksums wrong.
 `senders`: ranks 0 and 1 are two DP replicas holding the same weights, each publishing its share
 (publish.senders=2) over its own group; the receivers merge the parts (StagedReceiver), as a run does.
@@ -87,10 +88,15 @@ else:
             done.set()
 
     spec = {n: (t.shape, t.dtype) for n, t in weights(0).items()}
+    # The last receiver writes every version into storage of its own, as a built-in engine's
+    # `staging_buffers` (two sets, by version parity; "e" a transposed, non-contiguous view).
+    own_sets = [{n: torch.empty(t.shape[::-1]).t() if n == "e.weight" else torch.empty(t.shape)
+                 for n, t in weights(0).items()} for _ in range(2)]
     recv = pub.StagedReceiver([(groups[part], publish_stage_store(store, *part)) for part in sorted(groups)],
                               spec, torch.device("cpu"), on_version=on_version,
                               current_version=lambda: engine_version[0], should_stop=done.is_set,
-                              timeout_s=60).start()
+                              timeout_s=60,
+                              destination=(lambda v: own_sets[v % 2]) if rank == world - 1 else None).start()
     recv.join(60)
     result = {"received": received, "error": repr(recv.error) if recv.error else None}
     (out / f"rank{rank}.json").write_text(json.dumps(result))

@@ -246,6 +246,46 @@ def test_staged_versions_are_kept_by_version_and_applied_on_request(qwen):
     assert done.versions == [1, 1, 2, 5] and engine.staged_versions() == [] and engine.stats()["swaps"] == 2
 
 
+def test_a_version_received_into_its_staging_buffers_runs_as_if_staged_from_a_dict_in_the_replaced_versions_storage(model):
+    """staging_buffers(v): views a receiver writes v into; staged as they are (no copy), v generates
+    exactly what the same weights staged as a dict generate, and the storage is the arena of the version
+    the last swap replaced (two versions' storage in all, never a third); a pinned version's is never reused."""
+    _, _, cfg, weights = model
+    new = {name: t * 1.5 if t.dim() == 2 else t for name, t in weights.items()}
+    reference = BuiltinEngine(cfg, weights)
+    reference.stage_weights(new, 1)
+    engine = BuiltinEngine(cfg, weights)
+    v0_storage = engine._weights.embed.data_ptr()
+    engine.stage_weights(weights, 1)  # a copy, as before: the v0 arena becomes the spare at the swap
+    engine.step()
+    views = engine.staging_buffers(2)
+    assert views["model.embed_tokens.weight"].data_ptr() == v0_storage  # the replaced version's storage
+    assert engine.staging_buffers(2)["model.embed_tokens.weight"] is views["model.embed_tokens.weight"]
+    for name, t in new.items():
+        views[name].copy_(t)
+    engine.stage_weights(views, 2)
+    assert engine._staged[2].embed.data_ptr() == v0_storage  # finalized in place, not copied
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    reference.add_request(req("a", [1, 2, 3], sampling))
+    engine.add_request(req("a", [1, 2, 3], sampling))
+    engine._generator.manual_seed(0), reference._generator.manual_seed(0)
+    (want,), (got,) = _run(reference), _run(engine)
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs and got.versions == [2] * 6
+    v1_storage = engine.staging_buffers(3)["model.embed_tokens.weight"].data_ptr()  # v1's arena, replaced by v2
+    pinned = engine.pinned(max_running=1, seed=0)  # pins v2: its arena must outlive the next swap
+    engine.stage_weights(weights, 3)
+    engine.step()
+    fresh = engine.staging_buffers(4)["model.embed_tokens.weight"].data_ptr()
+    assert fresh not in (v1_storage, pinned._weights.embed.data_ptr())  # v2's arena stays with the pinned engine
+
+
+def _run(engine):
+    done = []
+    while engine.num_unfinished:
+        done += engine.step()
+    return done
+
+
 def test_wait_staged_is_bounded(qwen):
     _, cfg, weights = qwen
     engine = BuiltinEngine(cfg, weights)
