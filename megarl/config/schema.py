@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megarl.algo.config import AdvantageConfig, LossConfig
+from megarl.algo.distill import DistillConfig
 from megarl.rollout.sandbox import SandboxConfig
 
 
@@ -218,6 +219,9 @@ class AlgoConfig:
     routing_replay: str = "off"
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    # On-policy distillation from a frozen teacher (teacher, coef, reward_weight; megarl/algo/distill.py): the
+    # teacher scores every sampled token on the learner ranks; docs/algorithms.md#on-policy-distillation.
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass

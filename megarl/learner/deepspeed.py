@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megarl.algo.config import LossConfig
+from megarl.algo.distill import DistillConfig
 from megarl.config.schema import LearnerConfig
 from megarl.distributed.publish import Bucket, plan_buckets
 from megarl.learner import step
@@ -111,7 +112,7 @@ def _launcher_world_is_learner_group():
 
 class DeepSpeedLearner:
     def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig, temperature: float = 1.0,
-                 publish_bucket_mb: float = 16.0):
+                 publish_bucket_mb: float = 16.0, distill: DistillConfig | None = None):
         try:
             import deepspeed
         except ImportError as exc:
@@ -162,6 +163,11 @@ class DeepSpeedLearner:
                     ref = deepspeed.initialize(model=ref, config=deepspeed_config(cfg, self.on_gpu, with_optimizer=False))[0]
             self.ref_model = ref.to(self.device) if self.zero_stage < 3 else ref
             self.ref_model.eval()
+        self.distill, self.teacher = distill, None  # on-policy distillation's frozen teacher
+        if distill is not None:
+            from megarl.learner.teacher import Teacher
+
+            self.teacher = Teacher(distill.teacher, self.device, temperature)
 
     @property
     def version(self) -> int:
@@ -213,6 +219,8 @@ class DeepSpeedLearner:
         micro = self._aligned(real)
         step.attach_extra_logprobs(micro, {"proximal_logprobs": self.engine if self.loss_cfg.decoupled else None,
                                            "ref_logprobs": self.ref_model}, self._forward_logprobs)
+        if self.teacher is not None:
+            self.teacher.attach(micro)
         self.engine.train()
         stats_list, losses = [], []
         for i, mb in enumerate(micro):
@@ -220,7 +228,8 @@ class DeepSpeedLearner:
             logits = self._logits(self.engine, mb["input_ids"])
             logprobs = token_logprobs(logits, mb["input_ids"], self.temperature)
             entropy = token_entropy(logits, self.temperature) if self.loss_cfg.entropy_coef > 0 else None
-            loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy)
+            loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy,
+                                                self.distill)
             if i < len(real):
                 stats_list.append(stats)
                 losses.append(loss.detach())
