@@ -219,8 +219,7 @@ class DeepSpeedLearner:
         micro = self._aligned(real)
         step.attach_extra_logprobs(micro, {"proximal_logprobs": self.engine if self.loss_cfg.decoupled else None,
                                            "ref_logprobs": self.ref_model}, self._forward_logprobs)
-        if self.teacher is not None:
-            self.teacher.attach(micro)
+        teacher_s = self.teacher.attach(micro) if self.teacher is not None else None
         self.engine.train()
         stats_list, losses = [], []
         for i, mb in enumerate(micro):
@@ -252,6 +251,8 @@ class DeepSpeedLearner:
             "padding_frac": step.padding_frac(fields, real),
             "step_time_s": time.perf_counter() - start, "skipped_nonfinite": float(skipped),
         }
+        if teacher_s is not None:
+            metrics["distill/teacher_s"] = teacher_s
         metrics.update(step.dp_merged_stats(stats_list, dp))
         return metrics
 

@@ -442,8 +442,7 @@ class MegatronLearner:
             micro_batches = step.pad_micro_batches(micro_batches, int(count))
         step.attach_extra_logprobs(micro_batches, {"proximal_logprobs": self.model if self.loss_cfg.decoupled else None,
                                                    "ref_logprobs": self.ref_model}, self._forward_logprobs)
-        if self.teacher is not None:
-            self.teacher.attach(micro_batches)
+        teacher_s = self.teacher.attach(micro_batches) if self.teacher is not None else None
         # policy_loss returns each micro-batch's share of the batch loss (global normalisers), so
         # the batch gradient is the plain SUM over micro-batches and DP ranks.  Megatron instead
         # divides each micro-batch loss by num_microbatches (schedules.forward_step_calc_loss,
@@ -488,6 +487,8 @@ class MegatronLearner:
             "padding_frac": step.padding_frac(fields, micro_batches),
             "step_time_s": time.perf_counter() - start, "skipped_nonfinite": float(skipped),
         }
+        if teacher_s is not None:
+            metrics["distill/teacher_s"] = teacher_s
         if self.post_process:  # only the last PP stage computes losses
             metrics.update(step.dp_merged_stats(stats_list, self.cfg.dp, self.ps.get_data_parallel_group()))
         if self.cfg.pp > 1:  # every stage reports the loss statistics (rank 0, the logger, is the first)

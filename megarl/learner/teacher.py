@@ -11,6 +11,7 @@ activation memory; at learner.tp > 1 every TP rank repeats the same forward (doc
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -28,16 +29,19 @@ class Teacher:
         self.device, self.temperature = device, temperature
 
     @torch.no_grad()
-    def attach(self, micro: list[dict[str, torch.Tensor]]) -> None:
+    def attach(self, micro: list[dict[str, torch.Tensor]]) -> float:
         """Store in each micro-batch its rows' teacher log-probs [B, S] (fp32, CPU; column 0 is 0) under
-        `teacher_logprobs`, at the sampling temperature the student's log-probs use. Rows are right-padded,
-        so causal attention without a mask leaves every real position's score exact."""
+        `teacher_logprobs`, at the sampling temperature the student's log-probs use; return the seconds it took
+        (the teacher's cost per step, reported as distill/teacher_s). Rows are right-padded, so causal attention
+        without a mask leaves every real position's score exact."""
         from megarl.learner.deepspeed import token_logprobs
 
+        start = time.perf_counter()
         for mb in micro:
             ids = mb["input_ids"].to(self.device)
             logits = self.model(input_ids=ids, use_cache=False).logits
             mb["teacher_logprobs"] = token_logprobs(logits, ids, self.temperature).cpu()
+        return time.perf_counter() - start
 
 
 def check_teacher(teacher_dir: str | Path, student_dir: str | Path, max_seq_len: int) -> None:
