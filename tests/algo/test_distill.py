@@ -110,3 +110,19 @@ def test_missing_teacher_logprobs_is_a_clear_error():
 def test_validate_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^distill\.{field}="):
         validate_distill_config(replace(DistillConfig(teacher="t"), **{field: value}))
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["algo.distill.teacher=x", "algo.distill.coef=-1"], "algo.distill.coef"),
+    (["algo.distill.teacher=x", "algo.distill.coef=0"], "algo.distill.coef"),
+    (["algo.distill.teacher=x", "algo.advantage.filter_zero_variance=true"], "algo.advantage.filter_zero_variance"),
+])
+def test_the_run_config_refuses_naming_the_key(overrides, key):
+    from megarl.config.load import ConfigError, load_config
+    from tests.helpers import REPO
+
+    with pytest.raises(ConfigError, match=rf"^{key}"):
+        load_config(REPO / "configs" / "demo.yaml", overrides)
+    # Mixed with the reward, dropping zero-variance groups is the user's call (it drops teacher signal too): allowed.
+    load_config(REPO / "configs" / "demo.yaml", ["algo.distill.teacher=x", "algo.distill.reward_weight=1",
+                                                  "algo.advantage.filter_zero_variance=true"])
