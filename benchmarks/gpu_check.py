@@ -21,6 +21,9 @@ JSON with the tail of its log, and the rest still run:
   lora              learner.lora (rank 32, every projection) on the megatron learner: trainable parameters, step
                     time, peak memory (vs learner_step's full fine-tuning); adapter-only publish bytes; the engine's
                     merge-and-stage time; lag-0 gap of the engine's log-probs under the adapter vs the learner's
+  distill           on-policy distillation: learner_step's bf16 step with a frozen HF teacher (the same
+                    random weights) on the learner rank: teacher seconds per step against the step, peak
+                    GPU memory, and the step-0 teacher KL (megatron vs transformers bf16 on one model)
   e2e_train         `megarl train configs/demo.yaml` for a few steps, learner and sampler on the same GPU.
                     dist.backend=gloo: NCCL refuses two ranks on one GPU, so the publish group (and the
                     1-rank learner group) use gloo, which moves CUDA tensors through host memory
@@ -206,10 +209,7 @@ def check_env(args, size: Size) -> dict:
 
 
 def check_learner_step(args, size: Size, critic: bool = False) -> dict:
-    import torch
-
-    from megarl.algo.values import terminal_rewards
-    from megarl.protocols import TrainBatch
+    import torch.distributed as dist
 
     workdir = Path(args.workdir)
     init_single_rank(args.backend, workdir)
@@ -217,28 +217,10 @@ def check_learner_step(args, size: Size, critic: bool = False) -> dict:
     t0 = time.perf_counter()
     learner = make_learner(model_dir, size, critic)
     build_s = time.perf_counter() - t0
-    g = torch.Generator().manual_seed(0)
-    rows, length, vocab = size.train_rows, size.train_len, size.model["vocab_size"]
-    ids = torch.randint(0, vocab, (rows, length), generator=g)
-    mask = torch.zeros(rows, length)
-    mask[:, length // 4:] = 1.0
-    behaviour = (learner.logprobs(ids) + 0.05 * torch.randn(rows, length, generator=g)) * mask
-    advantages = torch.randn(rows, 1, generator=g).expand(rows, length) * mask
-    rewards = terminal_rewards((ids[:, length // 4] % 2).float(), mask) if critic else None
-    times, metrics = [], {}
-    for i in range(size.train_steps + 1):  # the first is a warm-up
-        batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour,
-                           versions=torch.where(mask > 0, learner.version, -1), advantages=advantages,
-                           learner_version=learner.version, rewards=rewards)
-        sync()
-        start = time.perf_counter()
-        metrics = learner.train_step(batch)
-        sync()
-        if i:
-            times.append(time.perf_counter() - start)
+    times, steps = timed_steps(learner, size, critic)
+    metrics = steps[-1]
     step_s = sorted(times)[len(times) // 2] if times else float("nan")
-    import torch.distributed as dist
-
+    rows, length = size.train_rows, size.train_len
     params = sum(p.numel() for p in learner.gpt.parameters())
     return {"backend": args.backend, "params": params, "dtype": str(next(learner.gpt.parameters()).dtype),
             "build_s": round(build_s, 2), "step_s": [round(t, 4) for t in times], "median_step_s": round(step_s, 4),
@@ -252,6 +234,64 @@ def check_learner_step(args, size: Size, critic: bool = False) -> dict:
 def check_critic_step(args, size: Size) -> dict:
     """learner_step with the critic (advantage.estimator=gae, V-trace targets): its cost on the device."""
     return check_learner_step(args, size, critic=True)
+
+
+def timed_steps(learner, size: Size, critic: bool = False) -> tuple[list[float], list[dict]]:
+    """size.train_steps timed learner steps after one warm-up, on a random batch: their times, and the metrics of
+    every step (the warm-up's first). `critic`: the batch carries terminal rewards for the critic's targets."""
+    import torch
+
+    from megarl.algo.values import terminal_rewards
+    from megarl.protocols import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    rows, length, vocab = size.train_rows, size.train_len, size.model["vocab_size"]
+    ids = torch.randint(0, vocab, (rows, length), generator=g)
+    mask = torch.zeros(rows, length)
+    mask[:, length // 4:] = 1.0
+    behaviour = (learner.logprobs(ids) + 0.05 * torch.randn(rows, length, generator=g)) * mask
+    advantages = torch.randn(rows, 1, generator=g).expand(rows, length) * mask
+    rewards = terminal_rewards((ids[:, length // 4] % 2).float(), mask) if critic else None
+    times, steps = [], []
+    for i in range(size.train_steps + 1):  # the first is a warm-up
+        batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour,
+                           versions=torch.where(mask > 0, learner.version, -1), advantages=advantages,
+                           learner_version=learner.version, rewards=rewards)
+        sync()
+        start = time.perf_counter()
+        steps.append(learner.train_step(batch))
+        sync()
+        if i:
+            times.append(time.perf_counter() - start)
+    return times, steps
+
+
+def check_distill(args, size: Size) -> dict:
+    """On-policy distillation's cost on the learner (docs/algorithms.md#on-policy-distillation): learner_step's
+    bf16 megatron step with a frozen HF teacher on the same rank. The teacher is the student's own random
+    weights, so the first step's teacher KL is the bf16 mismatch of megatron and transformers on one model
+    (near 0: a misaligned teacher shows as a KL of nats)."""
+    from megarl.algo.config import LossConfig
+    from megarl.algo.distill import DistillConfig
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner.megatron import MegatronLearner
+
+    workdir = Path(args.workdir)
+    init_single_rank(args.backend, workdir)
+    model_dir = build_model(workdir / "model", size, args.device)
+    learner = MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-6), LossConfig(),
+                              distill=DistillConfig(teacher=str(model_dir)))
+    times, steps = timed_steps(learner, size)  # the warm-up step trains version 0: the teacher's own weights
+    step_s = sorted(times)[len(times) // 2] if times else float("nan")
+    teacher_s = sorted(m["distill/teacher_s"] for m in steps[1:])[len(times) // 2] if times else float("nan")
+    kl0 = steps[0]["distill/teacher_kl"]
+    out = {"backend": args.backend, "median_step_s": round(step_s, 4), "median_teacher_s": round(teacher_s, 4),
+           "teacher_share_of_step": round(teacher_s / step_s, 3), "teacher_kl_step0": kl0,
+           "teacher_kl_last": steps[-1]["distill/teacher_kl"], "tokens_per_step": size.train_rows * size.train_len,
+           "peak_gpu_gib": peak_gib()}
+    if not abs(kl0) < 0.05:
+        raise RuntimeError(f"the teacher is the student's own weights, yet their KL at step 0 is {kl0}: {out}")
+    return out
 
 
 def random_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -625,6 +665,7 @@ def _publish_worker(args, size: Size, rank: int) -> None:
 
 CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "engine_vs_hf": (check_engine_vs_hf, 120),
           "logprob_parity": (check_logprob_parity, 120), "moe_replay": (check_moe_replay, 120),
+          "distill": (check_distill, 120),
           "e2e_train": (check_e2e_train, 200),
           "publish_bandwidth": (check_publish_bandwidth, 120),
           # last: the newest, so a budget that runs short skips them rather than an older check

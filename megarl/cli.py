@@ -63,7 +63,7 @@ def train(args: argparse.Namespace) -> int:
 def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
     """`megarl train` once run.dir is held: the model, task, eval and checkpoint checks, then torchrun."""
     model_dir = checked_model_dir(cfg)
-    if model_dir is None:
+    if model_dir is None or not teacher_fits(cfg, model_dir):
         return 2
     try:
         for line in check_task(cfg):
@@ -203,6 +203,27 @@ def checked_model_dir(cfg) -> Path | None:
         print(f"megarl: model.path: {exc}", file=sys.stderr)
         return None
     return model_dir
+
+
+def teacher_fits(cfg, model_dir) -> bool:
+    """algo.distill.teacher (when set) resolved, built if embedded, and checked against the student
+    (megarl.learner.teacher.check_teacher); False after printing why not, naming both paths."""
+    if not cfg.algo.distill.teacher:
+        return True
+    from megarl.learner.teacher import check_teacher
+    from megarl.models.tiny import resolve_model_path
+
+    try:
+        teacher_dir = resolve_model_path(cfg.algo.distill.teacher, cfg.model.cache_dir)
+        check_teacher(teacher_dir, model_dir, cfg.sampler.max_seq_len)
+    except FileNotFoundError as exc:
+        print(f"megarl: algo.distill.teacher: {exc}", file=sys.stderr)
+        return False
+    except ValueError as exc:
+        print(f"megarl: {exc}", file=sys.stderr)
+        return False
+    print(f"megarl: distillation teacher {teacher_dir} (runs on the learner ranks)")
+    return True
 
 
 def check_model_dir(model_dir, cfg=None) -> None:

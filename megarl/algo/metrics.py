@@ -162,6 +162,39 @@ def router_partials(matches: Tensor, decisions: int, mask: Tensor, versions: Ten
     return partials
 
 
+def teacher_partials(learner_logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor, versions: Tensor,
+                     learner_version: int, max_lag_bucket: int) -> dict[str, Tensor]:
+    """Partial statistics of the student's divergence from a distillation teacher on one micro-batch (merged like
+    token_partials'): per trained token the sampled-token reverse-KL estimate k1 = log pi - log pi_T (what the
+    distillation advantage negates) and k3 = pi_T/pi - 1 - log(pi_T/pi) (>= 0), overall and by lag."""
+    on = mask > 0
+    log_ratio = (learner_logprobs.detach().double() - teacher_logprobs.double())[on]
+    k3 = torch.expm1((-log_ratio).clamp(max=MAX_LOG_RATIO)) + log_ratio
+    lag = token_lag(versions, learner_version, mask)[on]
+    values = torch.stack([torch.ones_like(log_ratio), log_ratio, k3])
+    per_lag = values @ torch.nn.functional.one_hot(lag.clamp(max=max_lag_bucket), max_lag_bucket + 1).double()
+    partials = {"sum/teacher/tokens": values[0].sum(), "sum/teacher/kl": values[1].sum(),
+                "sum/teacher/k3": values[2].sum()}
+    for k, name in enumerate(lag_bucket_names(max_lag_bucket)):
+        for i, q in enumerate(("tokens", "kl", "k3")):
+            partials[f"sum/teacher/{name}/{q}"] = per_lag[i, k]
+    return partials
+
+
+def _teacher_metrics(p: dict[str, float]) -> dict[str, float]:
+    """distill/teacher_kl (k1) and distill/teacher_kl_k3, token means overall, and lag{k}/teacher_kl by lag."""
+    out = {}
+    n = p.get("sum/teacher/tokens", 0.0)
+    if n > 0:
+        out["distill/teacher_kl"] = p["sum/teacher/kl"] / n
+        out["distill/teacher_kl_k3"] = p["sum/teacher/k3"] / n
+    for key, n in p.items():
+        if key.startswith("sum/teacher/lag") and key.endswith("/tokens") and n > 0:
+            lag = key[len("sum/teacher/"):-len("/tokens")]
+            out[f"{lag}/teacher_kl"] = p[f"sum/teacher/{lag}/kl"] / n
+    return out
+
+
 def _router_metrics(p: dict[str, float]) -> dict[str, float]:
     """router/agreement (share of routing decisions the learner's router made as the sampler's did) and
     router/token_diff_frac (share of trained tokens with any MoE layer routed differently), overall and by
@@ -205,6 +238,7 @@ def finalize(partials: dict[str, Tensor]) -> dict[str, float]:
     tokens = p.get("sum/tokens", 0.0)
     out = {"mask/tokens": tokens, "mask/seqs": p.get("sum/seqs", 0.0)}
     out.update(_router_metrics(p))
+    out.update(_teacher_metrics(p))
     out.update({key[len("sum/"):]: value for key, value in p.items() if key.startswith("sum/loss/")})
     if tokens <= 0 or "max/ratio" not in p:  # (the supervised loss has no ratios: megarl.algo.losses.nll_loss)
         return out

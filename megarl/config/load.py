@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from megarl.algo.config import validate_advantage_config, validate_critic_config, validate_loss_config
+from megarl.algo.distill import validate_distill_config
 from megarl.config.schema import Config, PublishConfig
 from megarl.rollout.sandbox import check_config as check_sandbox
 from megarl.rollout.tasks import MULTI_TURN_TASKS
@@ -167,6 +168,10 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(cfg.dist.backend in ("auto", "gloo", "nccl"), "dist.backend", "must be auto, gloo or nccl")
     _validate_task(cfg, check_files)
     _validate_checkpoint(cfg)
+    _require(not (cfg.algo.distill.teacher and cfg.algo.distill.reward_weight == 0.0
+                  and cfg.algo.advantage.filter_zero_variance), "algo.advantage.filter_zero_variance",
+             "drops groups whose rewards are all equal, but pure distillation (algo.distill.reward_weight=0) learns "
+             "from the teacher on every sample, rewards or not; set it to false")
     _require(cfg.algo.max_lag >= 0, "algo.max_lag", "must be >= 0")
     _require(cfg.algo.group_size >= 2, "algo.group_size", "group advantages need at least 2 samples per prompt")
     _require(0.0 < cfg.sampling.top_p <= 1.0, "sampling.top_p", "must be in (0, 1]")
@@ -218,7 +223,8 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
         validate_advantage_config(cfg.algo.advantage)
         if cfg.algo.advantage.estimator == "gae":
             validate_critic_config(cfg.algo.critic)
-    except ValueError as exc:  # their messages start with "loss.<field>" / "advantage.<field>" / "critic.<field>"
+        validate_distill_config(cfg.algo.distill)
+    except ValueError as exc:  # their messages start with "loss." / "advantage." / "critic." / "distill.<field>"
         raise ConfigError(f"algo.{exc}") from exc
     if cfg.algo.advantage.estimator == "gae":
         _validate_critic(cfg)

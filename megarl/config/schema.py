@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megarl.algo.config import AdvantageConfig, CriticConfig, LossConfig
+from megarl.algo.distill import DistillConfig
 from megarl.rollout.sandbox import SandboxConfig
 
 
@@ -237,6 +238,9 @@ class AlgoConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     # The learned critic of advantage.estimator=gae (every field commented in megarl/algo/config.py).
     critic: CriticConfig = field(default_factory=CriticConfig)
+    # On-policy distillation from a frozen teacher (teacher, coef, reward_weight; megarl/algo/distill.py): the
+    # teacher scores every sampled token on the learner ranks; docs/algorithms.md#on-policy-distillation.
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass

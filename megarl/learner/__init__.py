@@ -10,16 +10,31 @@ def build_learner(model_dir: str, cfg, loss_cfg=None, temperature: float | None 
     """The learner of `cfg.learner.backend` for the HF model directory `model_dir` (cfg: megarl Config).
 
     `loss_cfg` / `temperature` default to the RL run's (cfg.algo.loss, cfg.sampling.temperature);
-    megarl sft passes megarl.algo.config.NLLConfig() and 1.0."""
+    megarl sft passes megarl.algo.config.NLLConfig() and 1.0. An RL run with algo.distill.teacher gets its
+    teacher checked (again: a raw torchrun launch skipped `megarl train`'s check) and loaded by the learner."""
+    distill = _distill(model_dir, cfg) if loss_cfg is None and cfg.algo.distill.teacher else None
     loss_cfg = cfg.algo.loss if loss_cfg is None else loss_cfg
     temperature = (cfg.sampling.temperature or 1.0) if temperature is None else temperature
     if cfg.learner.backend == "deepspeed":
         from megarl.learner.deepspeed import DeepSpeedLearner
 
         return DeepSpeedLearner(model_dir, cfg.learner, loss_cfg, temperature=temperature,
-                                publish_bucket_mb=cfg.publish.bucket_mb, routing_replay=cfg.algo.routing_replay)
+                                publish_bucket_mb=cfg.publish.bucket_mb, routing_replay=cfg.algo.routing_replay,
+                                distill=distill)
     from megarl.learner.megatron import MegatronLearner
 
     return MegatronLearner(model_dir, cfg.learner, loss_cfg, temperature=temperature,
-                           routing_replay=cfg.algo.routing_replay,
+                           routing_replay=cfg.algo.routing_replay, distill=distill,
                            critic_cfg=cfg.algo.critic if cfg.algo.advantage.estimator == "gae" else None)
+
+
+def _distill(model_dir: str, cfg):
+    """cfg.algo.distill with its teacher resolved to a checked HF directory (an embedded one built if needed)."""
+    from dataclasses import replace
+
+    from megarl.learner.teacher import check_teacher
+    from megarl.models.tiny import resolve_model_path
+
+    teacher_dir = resolve_model_path(cfg.algo.distill.teacher, cfg.model.cache_dir)
+    check_teacher(teacher_dir, model_dir, cfg.sampler.max_seq_len)
+    return replace(cfg.algo.distill, teacher=str(teacher_dir))

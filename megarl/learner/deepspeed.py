@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from megarl.algo import metrics as algo_metrics
 from megarl.algo.config import LossConfig
+from megarl.algo.distill import DistillConfig
 from megarl.config.schema import LearnerConfig
 from megarl.distributed.publish import Bucket, plan_buckets
 from megarl.learner import step
@@ -120,7 +121,8 @@ def _launcher_world_is_learner_group():
 
 class DeepSpeedLearner:
     def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig, temperature: float = 1.0,
-                 publish_bucket_mb: float = 16.0, routing_replay: str = "off"):
+                 publish_bucket_mb: float = 16.0, routing_replay: str = "off",
+                 distill: DistillConfig | None = None):
         try:
             import deepspeed
         except ImportError as exc:
@@ -186,6 +188,11 @@ class DeepSpeedLearner:
             self.ref_model.eval()
             if ref_replayer is not None:
                 self._replayers[id(self.ref_model)] = ref_replayer
+        self.distill, self.teacher = distill, None  # on-policy distillation's frozen teacher
+        if distill is not None:
+            from megarl.learner.teacher import Teacher
+
+            self.teacher = Teacher(distill.teacher, self.device, temperature)
 
     @property
     def version(self) -> int:
@@ -245,6 +252,7 @@ class DeepSpeedLearner:
         micro = self._aligned(real)
         step.attach_extra_logprobs(micro, {"proximal_logprobs": self.engine if self.loss_cfg.decoupled else None,
                                            "ref_logprobs": self.ref_model}, self._forward_logprobs)
+        teacher_s = self.teacher.attach(micro) if self.teacher is not None else None
         self.engine.train()
         stats_list, losses = [], []
         replayer = self._replayers.get(id(self.engine))
@@ -256,7 +264,8 @@ class DeepSpeedLearner:
                 own_routes.append(replayer.own_choice())
             logprobs = token_logprobs(logits, mb["input_ids"], self.temperature)
             entropy = token_entropy(logits, self.temperature) if self.loss_cfg.entropy_coef > 0 else None
-            loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy)
+            loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy,
+                                                self.distill)
             if i < len(real):
                 stats_list.append(stats)
                 losses.append(loss.detach())
@@ -284,6 +293,8 @@ class DeepSpeedLearner:
             "padding_frac": step.padding_frac(fields, real),
             "step_time_s": time.perf_counter() - start, "skipped_nonfinite": float(skipped),
         }
+        if teacher_s is not None:
+            metrics["distill/teacher_s"] = teacher_s
         metrics.update(step.dp_merged_stats(stats_list, dp))
         return metrics
 

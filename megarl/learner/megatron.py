@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo.config import CriticConfig, LossConfig
+from megarl.algo.distill import DistillConfig
 from megarl.config.schema import LearnerConfig
 from megarl.learner import step
 from megarl.learner.routing_replay import RouteReplayer
@@ -40,7 +41,8 @@ from megarl.protocols import TrainBatch
 
 class MegatronLearner:
     def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig,
-                 temperature: float = 1.0, routing_replay: str = "off", critic_cfg: CriticConfig | None = None):
+                 temperature: float = 1.0, routing_replay: str = "off", critic_cfg: CriticConfig | None = None,
+                 distill: DistillConfig | None = None):
         # megatron is imported here, not at module top: importing it costs ~9 s and the package's
         # other roles never need it.
         from megatron.core import parallel_state, tensor_parallel
@@ -140,6 +142,12 @@ class MegatronLearner:
             if self.is_moe:
                 self._replayers[id(self.ref_model)] = RouteReplayer(ref_gpt, self.layer_offset, replay)
         del hf_weights
+        # On-policy distillation: the frozen teacher, where the loss is computed (the last pipeline stage).
+        self.distill, self.teacher = distill, None
+        if distill is not None and self.post_process:
+            from megarl.learner.teacher import Teacher
+
+            self.teacher = Teacher(distill.teacher, self.device, temperature)
         self.model = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
@@ -470,6 +478,7 @@ class MegatronLearner:
         if self.critic is not None:  # GAE advantages (replacing the batch's) and value targets, per micro-batch
             self.critic.prepare(micro_batches)
         critic_only = self.critic is not None and self.critic.warming_up
+        teacher_s = self.teacher.attach(micro_batches) if self.teacher is not None else None
         # policy_loss returns each micro-batch's share of the batch loss (global normalisers), so
         # the batch gradient is the plain SUM over micro-batches and DP ranks.  Megatron instead
         # divides each micro-batch loss by num_microbatches (schedules.forward_step_calc_loss,
@@ -482,7 +491,8 @@ class MegatronLearner:
             mb = {k: v.to(self.device) for k, v in mb.items()}
             logprobs = self._token_logprobs(logits, mb["input_ids"])
             entropy = self._token_entropy(logits) if self.loss_cfg.entropy_coef > 0 else None
-            loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy)
+            loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy,
+                                                self.distill)
             stats_list.append(stats)
             losses.append(loss.detach())
             return loss * megatron_scale, {}
@@ -518,6 +528,8 @@ class MegatronLearner:
             "padding_frac": step.padding_frac(fields, micro_batches),
             "step_time_s": time.perf_counter() - start, "skipped_nonfinite": float(skipped),
         }
+        if teacher_s is not None:
+            metrics["distill/teacher_s"] = teacher_s
         if self.post_process:  # only the last PP stage computes losses
             metrics.update(step.dp_merged_stats(stats_list, self.cfg.dp, self.ps.get_data_parallel_group()))
         if self.cfg.pp > 1:  # every stage reports the loss statistics (rank 0, the logger, is the first)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megarl.algo import metrics
 from megarl.algo.config import LossConfig, NLLConfig
+from megarl.algo.distill import DistillConfig, distill_advantages
 from megarl.algo.losses import LossInputs, merge_stats, nll_loss, policy_loss
 from megarl.protocols import TrainBatch
 
@@ -99,23 +101,34 @@ def pad_micro_batches(micro: list[dict[str, torch.Tensor]], count: int) -> list[
 
 def micro_batch_loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor], learner_version: int,
                      totals: tuple[float, float], loss_cfg: LossConfig,
-                     entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                     entropy: torch.Tensor | None = None,
+                     distill: DistillConfig | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's share of the batch loss (global normalisers: the shares of a step, over all
     micro-batches and DP ranks, add up to the batch loss) and its partial statistics.
 
     `mb` holds the FIELDS on the logits' device, plus `proximal_logprobs` / `ref_logprobs` when the
-    objective needs them (no-grad passes before the step). With `NLLConfig` (megarl sft) the loss is the
-    supervised one, `nll_loss`, on the same masks and normalisers."""
+    objective needs them (no-grad passes before the step), and `teacher_logprobs` under on-policy distillation
+    (`distill`: the advantages become megarl.algo.distill's, the teacher-KL partials join the statistics).
+    With `NLLConfig` (megarl sft) the loss is the supervised one, `nll_loss`, on the same masks and normalisers."""
     if isinstance(loss_cfg, NLLConfig):
         return nll_loss(logprobs, mb["mask"], totals[0])
+    advantages, teacher_stats = mb["advantages"], {}
+    if distill is not None:
+        if "teacher_logprobs" not in mb:
+            raise ValueError("on-policy distillation needs each micro-batch's teacher_logprobs (the learner attaches "
+                             "them before the step: megarl.learner.teacher.Teacher.attach)")
+        advantages = distill_advantages(logprobs, mb["teacher_logprobs"], advantages, mb["mask"], distill)
+        teacher_stats = metrics.teacher_partials(logprobs, mb["teacher_logprobs"], mb["mask"], mb["versions"],
+                                                 learner_version, loss_cfg.max_lag_bucket)
     inputs = LossInputs(
-        behaviour_logprobs=mb["behaviour_logprobs"], advantages=mb["advantages"], mask=mb["mask"],
+        behaviour_logprobs=mb["behaviour_logprobs"], advantages=advantages, mask=mb["mask"],
         versions=mb["versions"], learner_version=learner_version,
         total_tokens=totals[0], total_seqs=totals[1],
         proximal_logprobs=mb.get("proximal_logprobs"), ref_logprobs=mb.get("ref_logprobs"),
         entropy=entropy,
     )
-    return policy_loss(logprobs, inputs, loss_cfg)
+    loss, stats = policy_loss(logprobs, inputs, loss_cfg)
+    return loss, {**stats, **teacher_stats}
 
 
 def dp_merged_stats(stats_list: list[dict[str, torch.Tensor]], dp: int, group=None) -> dict[str, float]:

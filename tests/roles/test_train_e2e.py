@@ -147,11 +147,20 @@ def test_groups_dropped_for_zero_variance_free_the_samplers_budget_before_the_ne
 
 
 def test_raw_torchrun_command_from_the_readme_works(embedded_count_model_dir, tmp_path):
+    """...and on-policy distillation rides along (no launch of its own): a raw launch checks the teacher on the
+    learner rank (megarl.learner.build_learner) and scores every batch with it. The teacher is the student's own
+    starting weights, so at step 0 (every token lag 0, sampled by those weights) the reverse KL is exactly 0."""
     run_dir = tmp_path / "raw"
     proc = run_torchrun("megarl.roles.worker", 2, DEMO, f"run.dir={run_dir}", "run.steps=3",
-                        f"model.path={embedded_count_model_dir}", module=True, timeout=300)
+                        f"model.path={embedded_count_model_dir}", f"algo.distill.teacher={embedded_count_model_dir}",
+                        module=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert len(train_records(read_jsonl(run_dir / "metrics.jsonl"))) == 3
+    metrics = train_records(read_jsonl(run_dir / "metrics.jsonl"))
+    assert len(metrics) == 3
+    assert metrics[0]["lag0/token_share"] == 1.0 and abs(metrics[0]["lag0/teacher_kl"]) < 1e-5
+    assert abs(metrics[0]["distill/teacher_kl_k3"]) < 1e-5
+    assert all(math.isfinite(m["distill/teacher_kl"]) and math.isfinite(m["loss"]) and m["distill/teacher_s"] > 0
+               for m in metrics)
 
 
 def test_sync_baseline_generates_one_batch_per_version_and_trains_k_epochs(embedded_count_model_dir, tmp_path):

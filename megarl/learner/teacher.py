@@ -1,0 +1,100 @@
+"""The frozen teacher of on-policy distillation (`algo.distill`, megarl.algo.distill): an HF causal LM that
+scores the student's sampled tokens on the learner ranks, and the checks that refuse, before launch, a
+teacher the student cannot be distilled from.
+
+The teacher runs whole (no tensor or pipeline parallelism) through transformers on every learner rank that
+computes a loss, in eval mode, without gradients or optimizer state, on exactly the micro-batches of the step
+(so it works unchanged under both learner backends and any student layout). Cost per learner rank: one copy of
+the teacher's weights (bf16 on GPU, fp32 on CPU) and one forward per micro-batch per step, plus its logits'
+activation memory; at learner.tp > 1 every TP rank repeats the same forward (docs/algorithms.md#on-policy-distillation).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+KEY = "algo.distill.teacher"
+
+
+class Teacher:
+    def __init__(self, model_dir: str | Path, device: torch.device, temperature: float = 1.0):
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+        self.model.requires_grad_(False).eval()
+        self.device, self.temperature = device, temperature
+
+    @torch.no_grad()
+    def attach(self, micro: list[dict[str, torch.Tensor]]) -> float:
+        """Store in each micro-batch its rows' teacher log-probs [B, S] (fp32, CPU; column 0 is 0) under
+        `teacher_logprobs`, at the sampling temperature the student's log-probs use; return the seconds it took
+        (the teacher's cost per step, reported as distill/teacher_s). Rows are right-padded, so causal attention
+        without a mask leaves every real position's score exact."""
+        from megarl.learner.deepspeed import token_logprobs
+
+        start = time.perf_counter()
+        for mb in micro:
+            ids = mb["input_ids"].to(self.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits
+            mb["teacher_logprobs"] = token_logprobs(logits, ids, self.temperature).cpu()
+        return time.perf_counter() - start
+
+
+def check_teacher(teacher_dir: str | Path, student_dir: str | Path, max_seq_len: int) -> None:
+    """ValueError naming algo.distill.teacher (and both directories) if the teacher cannot score the student's
+    samples: not a causal LM transformers loads, no weights, a tokenizer that differs from the student's
+    (vocabulary or special tokens), a vocabulary too small for the student's token ids, or a context shorter
+    than sampler.max_seq_len."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    teacher_dir, student_dir = Path(teacher_dir), Path(student_dir)
+    where = f"{KEY} ({teacher_dir})"
+    try:
+        teacher_cfg = json.loads((teacher_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{where}: config.json does not load: {exc}") from exc
+    student_cfg = json.loads((student_dir / "config.json").read_text())
+    model_type = teacher_cfg.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{where}: model_type {model_type!r} is not a causal LM transformers can load "
+                         f"(AutoModelForCausalLM); the teacher runs through transformers on the learner ranks")
+    if not any((teacher_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise ValueError(f"{where}: no weights (model.safetensors or model.safetensors.index.json)")
+    teacher_vocab, student_vocab = teacher_cfg.get("vocab_size"), student_cfg.get("vocab_size")
+    if not isinstance(teacher_vocab, int) or teacher_vocab < student_vocab:
+        raise ValueError(f"{where}: vocab_size {teacher_vocab!r} is smaller than the student's ({student_dir}: "
+                         f"{student_vocab}): token ids the student samples would fall outside the teacher's vocabulary")
+    context = teacher_cfg.get("max_position_embeddings")
+    if isinstance(context, int) and context < max_seq_len:
+        raise ValueError(f"{where}: max_position_embeddings={context} is shorter than sampler.max_seq_len={max_seq_len}, "
+                         f"the longest sequence the teacher must score")
+    try:
+        teacher_tok = AutoTokenizer.from_pretrained(teacher_dir)
+    except Exception as exc:  # noqa: BLE001 - whatever a broken tokenizer file raises
+        raise ValueError(f"{where}: the tokenizer does not load: {type(exc).__name__}: {str(exc)[:300]}") from exc
+    difference = tokenizer_difference(AutoTokenizer.from_pretrained(student_dir), teacher_tok)
+    if difference:
+        raise ValueError(f"{where}: its tokenizer differs from the student's (model.path, {student_dir}): {difference}; "
+                         f"the teacher scores the student's token ids, so both must share one tokenizer")
+
+
+def tokenizer_difference(student, teacher) -> str:
+    """'' if the two tokenizers map every token to the same id and name the same special tokens, else the
+    first difference, in words."""
+    s_vocab, t_vocab = student.get_vocab(), teacher.get_vocab()
+    if s_vocab != t_vocab:
+        only_s = sorted(set(s_vocab.items()) - set(t_vocab.items()), key=lambda kv: kv[1])[:3]
+        only_t = sorted(set(t_vocab.items()) - set(s_vocab.items()), key=lambda kv: kv[1])[:3]
+        return (f"vocabularies differ ({len(s_vocab)} vs {len(t_vocab)} tokens; token -> id only in the student's: "
+                f"{only_s}, only in the teacher's: {only_t})")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        if getattr(student, name) != getattr(teacher, name):
+            return f"{name} {getattr(student, name)!r} vs {getattr(teacher, name)!r}"
+    if sorted(student.all_special_tokens) != sorted(teacher.all_special_tokens):
+        return f"special tokens {sorted(student.all_special_tokens)} vs {sorted(teacher.all_special_tokens)}"
+    return ""
