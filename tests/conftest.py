@@ -1,14 +1,39 @@
 """Session-wide fixtures shared by several test packages."""
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parent.parent
+# What an embedded model's build depends on beyond its registry entry (whose hash names its directory): the
+# builders (megarl/models), the tasks, tools and rewards they train and evaluate on, and the libraries that run them.
+BUILD_SOURCES = ("megarl/protocols.py", "megarl/rollout/tasks.py", "megarl/rollout/environment.py",
+                 "megarl/rollout/rewards.py", "megarl/rollout/sandbox.py")
+
+
+def builder_fingerprint() -> str:
+    import torch
+    import transformers
+
+    digest = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    for source in sorted((REPO / "megarl" / "models").glob("*.py")) + [REPO / s for s in BUILD_SOURCES]:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:12]
+
 
 @pytest.fixture(scope="session")
 def embedded_cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("megarl_models")
+    """Where the test session's embedded models live. Their builds cost ~5 min of CPU together, so they are kept
+    between sessions, in a directory named by the builder's fingerprint (the builder's and tasks' source, torch and
+    transformers versions): a change to how models are built rebuilds them, and the tests that check what a build
+    produces (tests/models/test_tiny.py) check the current builder's output. MEGARL_TEST_FRESH_MODELS=1 builds them
+    afresh into the session's temporary directory instead."""
+    if os.environ.get("MEGARL_TEST_FRESH_MODELS") == "1":
+        return tmp_path_factory.mktemp("megarl_models")
+    return Path("~/.cache/megarl/test-models").expanduser() / builder_fingerprint()
 
 
 @pytest.fixture(scope="session")
