@@ -17,10 +17,9 @@ BUILD_SOURCES = ("megarl/models/tiny.py", "megarl/models/tiny_chat.py", "megarl/
 
 
 def builder_fingerprint() -> str:
-    import torch
-    import transformers
+    from importlib.metadata import version  # the installed versions, without importing the packages
 
-    digest = hashlib.sha256(f"torch {torch.__version__} transformers {transformers.__version__}".encode())
+    digest = hashlib.sha256(f"torch {version('torch')} transformers {version('transformers')}".encode())
     for source in BUILD_SOURCES:
         digest.update((REPO / source).read_bytes())
     return digest.hexdigest()[:12]
