@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
+
 # What an embedded model's build runs beyond its registry entry (whose hash names its directory): the builders, the
 # tasks, chat transcripts, tools and rewards they train and evaluate on; and the libraries that run them. Only these:
 # a change elsewhere (the converters, say) keeps the built models.
