@@ -18,12 +18,18 @@ JSON with the tail of its log, and the rest still run:
   moe_replay        mixture of experts: the built-in engine (bf16, recording routes) vs the megatron learner on
                     a random Mixtral-style model (8 experts, top-2): router agreement, tokens routed differently
                     and the lag-0 log-prob gap with algo.routing_replay off and r3 (docs/moe.md)
+  lora              learner.lora (rank 32, every projection) on the megatron learner: trainable parameters, step
+                    time, peak memory (vs learner_step's full fine-tuning); adapter-only publish bytes; the engine's
+                    merge-and-stage time; lag-0 gap of the engine's log-probs under the adapter vs the learner's
   e2e_train         `megarl train configs/demo.yaml` for a few steps, learner and sampler on the same GPU.
                     dist.backend=gloo: NCCL refuses two ranks on one GPU, so the publish group (and the
                     1-rank learner group) use gloo, which moves CUDA tensors through host memory
   publish_bandwidth the weight publish path on the device: 2 processes on the GPU (publisher, receiver),
                     `WeightPublisher` -> `WeightReceiver` with CUDA tensors over the gloo publish group a
                     one-GPU run uses, vs one raw broadcast of the same bytes, vs a device-to-device copy
+  critic_step       the learner step of learner_step with the critic of algo.advantage.estimator=gae
+                    (megarl.learner.critic: a replicated fp32 value model, V-trace targets): step time and the
+                    critic's metrics, against learner_step's time
 
 `--dry-run` (CPU): the wheel list's structure, its declared total against the 64 MiB limit (with the
 working tree that travels with it), each wheel's requirements against what the GPU machine has; unless
@@ -107,6 +113,7 @@ class Size:
         self.publish_reps = 1 if tiny else 2
         self.moe_model = TINY_MOE if tiny else MOE
         self.moe_rows, self.moe_tokens = (4, 8) if tiny else (32, 96)
+        self.lora_rank = 4 if tiny else 32
 
 
 def device_of(args) -> "torch.device":
@@ -147,12 +154,13 @@ def init_single_rank(backend: str, workdir: Path) -> None:
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
-def make_learner(model_dir: Path, size: Size):
-    from megarl.algo.config import LossConfig
+def make_learner(model_dir: Path, size: Size, critic: bool = False):
+    from megarl.algo.config import CriticConfig, LossConfig
     from megarl.config.schema import LearnerConfig
     from megarl.learner.megatron import MegatronLearner
 
-    return MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-6), LossConfig())
+    return MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-6), LossConfig(),
+                           critic_cfg=CriticConfig(target="vtrace", lr=1e-5) if critic else None)
 
 
 def make_engine(model_dir: Path, device, max_running: int, max_seq_len: int):
@@ -197,16 +205,17 @@ def check_env(args, size: Size) -> dict:
     return out
 
 
-def check_learner_step(args, size: Size) -> dict:
+def check_learner_step(args, size: Size, critic: bool = False) -> dict:
     import torch
 
+    from megarl.algo.values import terminal_rewards
     from megarl.protocols import TrainBatch
 
     workdir = Path(args.workdir)
     init_single_rank(args.backend, workdir)
     model_dir = build_model(workdir / "model", size, args.device)
     t0 = time.perf_counter()
-    learner = make_learner(model_dir, size)
+    learner = make_learner(model_dir, size, critic)
     build_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     rows, length, vocab = size.train_rows, size.train_len, size.model["vocab_size"]
@@ -215,11 +224,12 @@ def check_learner_step(args, size: Size) -> dict:
     mask[:, length // 4:] = 1.0
     behaviour = (learner.logprobs(ids) + 0.05 * torch.randn(rows, length, generator=g)) * mask
     advantages = torch.randn(rows, 1, generator=g).expand(rows, length) * mask
+    rewards = terminal_rewards((ids[:, length // 4] % 2).float(), mask) if critic else None
     times, metrics = [], {}
     for i in range(size.train_steps + 1):  # the first is a warm-up
         batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour,
                            versions=torch.where(mask > 0, learner.version, -1), advantages=advantages,
-                           learner_version=learner.version)
+                           learner_version=learner.version, rewards=rewards)
         sync()
         start = time.perf_counter()
         metrics = learner.train_step(batch)
@@ -235,7 +245,13 @@ def check_learner_step(args, size: Size) -> dict:
             "tokens_per_step": rows * length, "train_tok_s": round(rows * length / step_s),
             "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
             "skipped_nonfinite": metrics.get("skipped_nonfinite"), "version": learner.version,
-            "peak_gpu_gib": peak_gib(), "world": dist.get_world_size()}
+            "peak_gpu_gib": peak_gib(), "world": dist.get_world_size(),
+            **{k: v for k, v in metrics.items() if k.startswith("critic/")}}
+
+
+def check_critic_step(args, size: Size) -> dict:
+    """learner_step with the critic (advantage.estimator=gae, V-trace targets): its cost on the device."""
+    return check_learner_step(args, size, critic=True)
 
 
 def random_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -379,6 +395,85 @@ def check_moe_replay(args, size: Size) -> dict:
     engine_dtype = "bfloat16" if args.device == "cuda" else "float32"
     return {**measure(model_dir, engine_dtype, size.moe_rows, size.moe_tokens, device=args.device),
             "peak_gpu_gib": peak_gib()}
+
+
+def check_lora(args, size: Size) -> dict:
+    """learner.lora at the check's model shape (docs/lora.md): the megatron learner with a rank-`lora_rank` adapter on
+    every projection (trainable parameters, step time, peak GPU memory: compare learner_step's full fine-tuning), the
+    adapter-only publish (bytes vs the full model's), the built-in engine's merge-and-stage of it (AdapterStager), and
+    the lag-0 gap between the engine's behaviour log-probs under the adapter and the learner's."""
+    import torch
+
+    from megarl.algo.config import LossConfig
+    from megarl.config.schema import LearnerConfig, LoraConfig
+    from megarl.learner.megatron import MegatronLearner
+    from megarl.models.convert import load_pretrained
+    from megarl.protocols import GenerationRequest, SamplingParams, TrainBatch
+    from megarl.sampler.lora import AdapterStager
+
+    workdir = Path(args.workdir)
+    device = device_of(args)
+    init_single_rank(args.backend, workdir)
+    model_dir = build_model(workdir / "model", size, args.device)
+    lora_cfg = LoraConfig(rank=size.lora_rank)
+    learner = MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-3, lora=lora_cfg),
+                              LossConfig())
+    params = sum(p.numel() for p in learner.gpt.parameters())
+    trainable = sum(p.numel() for p in learner.gpt.parameters() if p.requires_grad)
+    g = torch.Generator().manual_seed(0)
+    rows, length, vocab = size.train_rows, size.train_len, size.model["vocab_size"]
+    ids = torch.randint(0, vocab, (rows, length), generator=g)
+    mask = torch.zeros(rows, length)
+    mask[:, length // 4:] = 1.0
+    behaviour = (learner.logprobs(ids) + 0.05 * torch.randn(rows, length, generator=g)) * mask
+    advantages = torch.randn(rows, 1, generator=g).expand(rows, length) * mask
+    times = []
+    for i in range(size.train_steps + 1):  # the first is a warm-up
+        batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour,
+                           versions=torch.where(mask > 0, learner.version, -1), advantages=advantages,
+                           learner_version=learner.version)
+        sync()
+        start = time.perf_counter()
+        learner.train_step(batch)
+        sync()
+        if i:
+            times.append(time.perf_counter() - start)
+    learner_peak = peak_gib()
+    start = time.perf_counter()
+    adapter = dict(learner.publish_tensors())
+    adapter_s = time.perf_counter() - start
+    hf_config, base = load_pretrained(str(model_dir))
+    full_fp32_bytes = sum(t.numel() for t in base.values()) * 4
+    prompts = random_prompts(size.parity_rows, vocab, seed=1)
+    engine = make_engine(model_dir, device, max_running=len(prompts), max_seq_len=max(map(len, prompts)) + size.parity_tokens)
+    stager = AdapterStager(engine, base, hf_config, lora_cfg)
+    del base
+    sync()
+    start = time.perf_counter()
+    stager.stage(adapter, learner.version)
+    sync()
+    stage_s = time.perf_counter() - start
+    engine.apply_staged()
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=size.parity_tokens)
+    done = engine.generate([GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)])
+    width = max(len(c.prompt_ids) + len(c.token_ids) for c in done)
+    seqs = torch.zeros((len(done), width), dtype=torch.long)
+    gen_mask = torch.zeros((len(done), width), dtype=torch.bool)
+    recorded = torch.zeros((len(done), width))
+    for r, c in enumerate(done):
+        seqs[r, :len(c.prompt_ids) + len(c.token_ids)] = torch.tensor(c.prompt_ids + c.token_ids)
+        gen_mask[r, len(c.prompt_ids):len(c.prompt_ids) + len(c.token_ids)] = True
+        recorded[r, len(c.prompt_ids):len(c.prompt_ids) + len(c.token_ids)] = torch.tensor(c.logprobs)
+    gap = (recorded - learner.logprobs(seqs))[gen_mask].abs()
+    out = {"rank": lora_cfg.rank, "targets": len(lora_cfg.target_modules), "params": params, "trainable": trainable,
+           "median_step_s": round(sorted(times)[len(times) // 2], 4), "learner_peak_gpu_gib": learner_peak,
+           "adapter_bytes_fp32": sum(t.numel() for t in adapter.values()) * 4, "full_bytes_fp32": full_fp32_bytes,
+           "adapter_tensors_s": round(adapter_s, 4), "engine_merge_stage_s": round(stage_s, 4),
+           "lag0_gap": {"max_abs": round(float(gap.max()), 4), "mean_abs": round(float(gap.mean()), 5)},
+           "engine_dtype": str(engine._weights.dtype), "peak_gpu_gib": peak_gib()}
+    if not torch.isfinite(gap).all():
+        raise RuntimeError(f"non-finite log-probs: {out}")
+    return out
 
 
 def check_e2e_train(args, size: Size) -> dict:
@@ -531,7 +626,9 @@ def _publish_worker(args, size: Size, rank: int) -> None:
 CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "engine_vs_hf": (check_engine_vs_hf, 120),
           "logprob_parity": (check_logprob_parity, 120), "moe_replay": (check_moe_replay, 120),
           "e2e_train": (check_e2e_train, 200),
-          "publish_bandwidth": (check_publish_bandwidth, 120)}
+          "publish_bandwidth": (check_publish_bandwidth, 120),
+          # last: the newest, so a budget that runs short skips them rather than an older check
+          "lora": (check_lora, 120), "critic_step": (check_critic_step, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU
 
@@ -714,7 +811,7 @@ def main() -> None:
         # learner_step starts with nccl in both modes: on CPU it fails at once, so the dry run exercises the
         # fallbacks below too
         check_backend = "nccl" if name == "learner_step" else backend
-        if name == "logprob_parity" and summary["checks"].get("learner_step", {}).get("ok"):
+        if name in ("logprob_parity", "critic_step") and summary["checks"].get("learner_step", {}).get("ok"):
             check_backend = summary["checks"]["learner_step"]["backend"]
         result = run_check(name, device, args.dry_run, workdir, min(timeout, max(left, 30)), check_backend, log_file)
         if name == "learner_step":

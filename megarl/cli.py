@@ -71,11 +71,7 @@ def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
     except (OSError, ImportError, ValueError) as exc:
         print(f"megarl: task: {exc}", file=sys.stderr)
         return 2
-    from megarl.eval.sets import not_evaluated_because
-
-    if (reason := not_evaluated_because(cfg)) is not None:
-        print(f"megarl: {reason}")
-    elif not print_eval_check(cfg, model_dir):
+    if not print_eval_check(cfg, model_dir):
         return 2
     from megarl.checkpoint.learner_state import check_resumable, read_manifest
     from megarl.checkpoint.resume import check_export_target, find_checkpoint, prepare_run_dir
@@ -231,7 +227,13 @@ def check_model_dir(model_dir, cfg=None) -> None:
     if cfg is not None:
         try:
             check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep,
-                         cfg.algo.routing_replay, cfg.learner.backend)
+                         cfg.algo.routing_replay)
+        except ValueError as exc:
+            raise ValueError(f"{config}: {exc}") from exc
+        from megarl.models.lora import check as check_lora
+
+        try:
+            check_lora(hf_config, cfg.learner.lora)  # target modules the model has, ranks its dimensions allow
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
     if not any((model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):

@@ -128,6 +128,9 @@ class TrainBatch:
     # MoE models: uint8/int16 [B, S, L_moe, top_k], the experts the engine routed input token [b, t] to in
     # each MoE layer (megarl.rollout.routes); None for dense models or when routes were not recorded.
     routes: torch.Tensor | None = None
+    # advantage.estimator=gae: float [B, S], each sample's reward on its last model token (megarl.algo.values
+    # .terminal_rewards); the learner's critic turns them into per-token GAE advantages. None otherwise.
+    rewards: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -79,7 +79,7 @@ def test_a_run_dir_that_is_a_file_is_refused_before_launch(tmp_path):
 def test_a_model_that_the_tensor_parallel_size_does_not_split_is_named(tmp_path):
     config = {**QWEN2, "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 64}
     path = model_dir(tmp_path / "model", config)
-    proc = train(f"model.path={path}", "learner.tp=2", "sampler.tp=2")
+    proc = train(f"model.path={path}", "learner.tp=2", "sampler.tp=2", "eval.sets=[]")
     assert proc.returncode == 2
     assert "learner.tp/sampler.tp=2: tensor parallel size 2 does not divide num_key_value_heads=1" in proc.stderr
 
@@ -122,7 +122,7 @@ def test_placement_prints_each_node_and_refuses_an_uneven_split():
         "node 0 (torchrun group rank 0): rank 0 = learner 0 (publishes weights, binds the queue at queue.host, "
         "writes run.dir); rank 1 = learner 1",
         "node 1 (torchrun group rank 1): rank 2 = sampler 0; rank 3 = sampler 1"]
-    proc = run_python("-m", "megarl.cli", "placement", DEMO, "learner.tp=2", "sampler.tp=2", "--nnodes", "2")
+    proc = run_python("-m", "megarl.cli", "placement", DEMO, "learner.tp=2", "sampler.tp=2", "eval.sets=[]", "--nnodes", "2")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == ("node 1 (torchrun group rank 1): rank 2 = sampler 0 (engine 0 TP rank 0); "
                                             "rank 3 = sampler 1 (engine 0 TP rank 1)")

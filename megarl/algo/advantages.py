@@ -10,6 +10,7 @@ group, so no value network is needed:
                                                      too-easy / too-hard prompts, so drop it
     rloo   A_i = R_i - mean_{j != i} R_j             = G/(G-1) (R_i - mean_g), leave-one-out
 
+(`gae` is not a group estimator: its advantages are per token, from a learned critic on the learner.)
 A group of one sample has no baseline: its advantage is 0.  `filter_groups` decides which samples
 are trained on (DAPO's dynamic sampling and overlong filtering) and counts what it drops; the
 advantage of a kept sample is computed over its whole group, dropped samples included.
@@ -35,6 +36,8 @@ def compute_advantages(rewards: Tensor, group_index: Tensor, cfg: AdvantageConfi
     validate_advantage_config(cfg)
     dtype = torch.promote_types(rewards.dtype, torch.float32)
     rewards = rewards.to(dtype)
+    if cfg.estimator == "gae":  # per token, by the learner's critic (TrainBatch.rewards, megarl.algo.values)
+        return torch.zeros_like(rewards)
     size, mean, std = _group_stats(rewards, group_index)
     centred = rewards - mean
     if cfg.estimator == "rloo":

@@ -19,7 +19,8 @@ from typing import Optional
 RATIO_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "rloo")
+ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "rloo", "gae")
+VALUE_TARGETS = ("gae", "vtrace")
 
 
 @dataclass
@@ -68,6 +69,8 @@ class AdvantageConfig:
     # "grpo": reward minus the group mean, divided by the group std when `std_normalize`.
     # "drgrpo": reward minus the group mean (Dr.GRPO: no std, `std_normalize` ignored).
     # "rloo": reward minus the mean of the *other* samples of its group (`std_normalize` ignored).
+    # "gae": per-token GAE with a learned critic (`algo.critic`, megarl.algo.values); the group
+    # baseline is not used (`std_normalize` ignored; `algo.critic.whiten` normalises instead).
     estimator: str = "grpo"
     std_normalize: bool = True
     eps: float = 1e-6
@@ -75,6 +78,34 @@ class AdvantageConfig:
     filter_zero_variance: bool = False
     # DAPO overlong filtering: samples cut off by the length limit get zero weight.
     drop_truncated: bool = False
+
+
+@dataclass
+class CriticConfig:
+    """The learned critic of `advantage.estimator=gae` (megarl.learner.critic, docs/algorithms.md#ppo-with-a-critic)."""
+
+    # HF model directory of the value model's trunk ("" = the policy's model.path); a linear value head
+    # (zero-initialised) is put on its last hidden state. It must share the policy's tokenizer.
+    model: str = ""
+    # Discount and GAE lambda per model token (environment tokens are not steps: megarl.algo.values).
+    gamma: float = 1.0
+    lam: float = 0.95
+    # The value target: "gae" (the GAE return A + V with the current critic, as the peers do) or
+    # "vtrace" (V-trace, per-token truncated importance weights against each token's behaviour log-prob).
+    target: str = "gae"
+    # V-trace truncation levels: c_t = lam * min(c_bar, pi/mu) (trace), rho_t = min(rho_bar, pi/mu) (TD error).
+    c_bar: float = 1.0
+    rho_bar: float = 1.0
+    # The critic's own AdamW optimizer (a separate model: a loss coefficient would only rescale its lr).
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    # PPO value clip: V is clipped to old_V +- value_clip in the loss (None = off).
+    value_clip: Optional[float] = None
+    # The first `warmup_steps` optimizer steps train only the critic (the policy is not updated).
+    warmup_steps: int = 0
+    # Normalise the batch's GAE advantages to mean 0, std 1 over its model tokens (verl/OpenRLHF's whitening).
+    whiten: bool = True
 
 
 @dataclass(frozen=True)
@@ -147,3 +178,32 @@ def validate_advantage_config(cfg: AdvantageConfig) -> None:
     _check_choice("advantage.estimator", cfg.estimator, ADVANTAGE_ESTIMATORS)
     if not 0.0 <= cfg.eps < math.inf:
         _fail("advantage.eps", cfg.eps, "must be finite and >= 0")
+
+
+def validate_critic_config(cfg: CriticConfig) -> None:
+    """Raise ValueError naming the field if `cfg` cannot describe a critic; warn (ObjectiveWarning) when
+    gamma = lam = 1 on terminal rewards makes GAE the plain reward-minus-value baseline."""
+    _check_choice("critic.target", cfg.target, VALUE_TARGETS)
+    for name in ("gamma", "lam"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            _fail(f"critic.{name}", getattr(cfg, name), "must be in [0, 1]")
+    for name in ("c_bar", "rho_bar", "lr"):
+        if not getattr(cfg, name) > 0.0:
+            _fail(f"critic.{name}", getattr(cfg, name), "must be > 0 (math.inf = untruncated for c_bar/rho_bar)")
+    # V-trace's fixed point is the value of the policy min(rho_bar mu, pi) normalised: rho_bar < c_bar
+    # would make the trace cut less than the TD error is truncated (Espeholt et al. 2018, sec. 4.1).
+    if cfg.target == "vtrace" and cfg.c_bar > cfg.rho_bar:
+        _fail("critic.c_bar", cfg.c_bar, f"must be <= critic.rho_bar ({cfg.rho_bar}) (V-trace assumes c_bar <= rho_bar)")
+    if cfg.value_clip is not None and not cfg.value_clip > 0.0:
+        _fail("critic.value_clip", cfg.value_clip, "must be > 0 (None = off)")
+    if not 0.0 <= cfg.weight_decay < math.inf:
+        _fail("critic.weight_decay", cfg.weight_decay, "must be finite and >= 0")
+    if not 0.0 < cfg.grad_clip < math.inf:
+        _fail("critic.grad_clip", cfg.grad_clip, "must be finite and > 0")
+    if cfg.warmup_steps < 0:
+        _fail("critic.warmup_steps", cfg.warmup_steps, "must be >= 0")
+    if cfg.gamma == 1.0 and cfg.lam == 1.0:
+        warnings.warn("algo.critic.gamma=1 and algo.critic.lam=1 with terminal rewards (every megarl task): GAE "
+                      "reduces to A_t = R - V(s_t), the sample reward minus a learned per-token baseline, and the "
+                      "value target is R for every token (docs/algorithms.md#ppo-with-a-critic)",
+                      ObjectiveWarning, stacklevel=2)

@@ -6,6 +6,8 @@ first axis), converted to HF names by megarl.models.convert, and written in the 
 trained in (fp32 on CPU, bf16 on GPU) into safetensors files of at most `max_shard_bytes` (with
 ``model.safetensors.index.json`` when there is more than one), so memory holds one layer plus one
 output shard.  The result is what ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+A LoRA checkpoint (learner.lora) exports the base with the adapter merged, and the adapter alone in PEFT
+format under ``adapter/`` (adapter_config.json + adapter_model.safetensors, for peft onto the base model).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from megarl.checkpoint.storage import CheckpointError, resolve
 from megarl.models import convert, moe
 
 LAYER_PREFIX = "decoder.layers."
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's export: the PEFT adapter directory inside the merged model's
 # megatron's local layer spec saves its two norms under TransformerEngine's names (its
 # sharded_state_dict_keys_map), so local- and TE-spec checkpoints are interchangeable.
 _SAVED_AS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -74,9 +77,13 @@ def _read(checkpoint: Path, key: str, shape: torch.Size, dtype: torch.dtype, lay
     return target if layer is None else target[0]
 
 
-def hf_tensors(checkpoint: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's weights as (HF name, tensor), in save_pretrained order, one layer at a time."""
+def hf_tensors(checkpoint: str | Path, adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's weights as (HF name, tensor), in save_pretrained order, one layer at a time. A LoRA
+    checkpoint (learner.lora) gives the base with its adapter merged, or with `adapter_only` the adapter alone
+    under HF adapter names (megarl.models.lora)."""
     from torch.distributed.checkpoint import FileSystemReader
+
+    from megarl.learner import lora as lora_layers
 
     checkpoint = resolve(checkpoint)
     manifest = read_manifest(checkpoint)
@@ -100,9 +107,20 @@ def hf_tensors(checkpoint: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     def read(key, layer=None):
         return _read(checkpoint, key, keys[key], dtype, layer)
 
+    lora = manifest["layout"].get("lora")
+    if adapter_only:
+        if lora is None:
+            raise CheckpointError(f"{checkpoint} holds no LoRA adapter (it was not saved with learner.lora)")
+        for i in range(hf_config["num_hidden_layers"]):
+            layer = {name: read(key, layer=i) for name, key in layer_keys.items() if ".lora." in name}
+            yield from lora_layers.hf_adapter(lora_layers.checkpoint_adapters(layer), i, hf_config,
+                                              lora["target_modules"]).items()
+        return
     yield "model.embed_tokens.weight", read("embedding.word_embeddings.weight")
     for i in range(hf_config["num_hidden_layers"]):
         layer = {_SAVED_AS.get(name, name): read(key, layer=i) for name, key in layer_keys.items()}
+        if lora is not None:
+            layer = lora_layers.merge_layer(layer, lora["alpha"] / lora["rank"])
         layer = moe.unstack_checkpoint_experts(layer)  # (MoE layers; a dense layer is unchanged)
         yield from convert.mcore_layer_to_hf(layer, i, hf_config).items()
     yield "model.norm.weight", read("decoder.final_layernorm.weight")
@@ -188,6 +206,13 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_bytes: int 
         # The dtype the weights are stored in (transformers >= 5 writes "dtype", older "torch_dtype").
         config["dtype" if "dtype" in config else "torch_dtype"] = str(dtype).removeprefix("torch.")
         (temp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        lora = read_manifest(checkpoint)["layout"].get("lora")
+        if lora is not None:  # the merged model above, and the adapter alone for peft on the base model
+            from megarl.config.schema import LoraConfig
+            from megarl.models.lora import save_peft
+
+            save_peft(temp / ADAPTER_DIR, dict(hf_tensors(checkpoint, adapter_only=True)), LoraConfig(**lora),
+                      read_manifest(checkpoint)["model_dir"])
         if out_dir.exists():
             out_dir.rmdir()
         os.rename(temp, out_dir)

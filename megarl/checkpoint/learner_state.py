@@ -107,6 +107,10 @@ def layout_of(learner_cfg) -> dict:
     layout = {"tp": learner_cfg.tp, "pp": learner_cfg.pp, "dp": learner_cfg.dp}
     if learner_cfg.backend == "deepspeed":  # DeepSpeed's own checkpoint (megarl.learner.deepspeed)
         layout.update(backend="deepspeed", zero_stage=learner_cfg.deepspeed.zero_stage)
+    if learner_cfg.lora.rank > 0:  # the adapter's shape and scale: export merges and writes it with these
+        lora = learner_cfg.lora
+        layout["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
+                          "target_modules": sorted(lora.target_modules)}
     return layout
 
 
@@ -116,6 +120,10 @@ def check_resumable(path: Path, manifest: dict, learner_cfg) -> None:
     stage; megatron's distributed checkpoint reshards to any layout). Pure: `megarl train` runs it
     before launching anything, the learner again when it loads."""
     saved, ours = manifest["layout"], layout_of(learner_cfg)
+    if saved.get("lora") != ours.get("lora"):
+        raise CheckpointError(f"{path} was saved with learner.lora={saved.get('lora') or 'off'}, this run has "
+                              f"learner.lora={ours.get('lora') or 'off'}: resume with the adapter it was saved with "
+                              f"(or `megarl export` it and start a new run from the merged HF directory)")
     if "deepspeed" not in (saved.get("backend"), ours.get("backend")):
         return
     if saved.get("backend", "megatron") != ours.get("backend", "megatron"):
@@ -291,6 +299,7 @@ def load(learner, checkpoint: str | Path) -> dict:
     check_architecture(manifest, learner.hf_config, str(path))
     if "deepspeed" in (learner.cfg.backend, manifest["layout"].get("backend")):
         return _load_deepspeed(learner, path, manifest)
+    check_resumable(path, manifest, learner.cfg)  # (megatron: the adapter, if any, must be this run's)
     check_optimizer(manifest, learner.cfg.use_distributed_optimizer, str(path))
     state = learner.sharded_state_dict(with_optimizer=manifest["version"] > 0, is_loading=True)
     same_layout = manifest["layout"] == _layout(learner)

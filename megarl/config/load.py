@@ -12,7 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from megarl.algo.config import validate_advantage_config, validate_loss_config
+from megarl.algo.config import validate_advantage_config, validate_critic_config, validate_loss_config
 from megarl.config.schema import Config, PublishConfig
 from megarl.rollout.sandbox import check_config as check_sandbox
 from megarl.rollout.tasks import MULTI_TURN_TASKS
@@ -121,6 +121,8 @@ def validate_sft(cfg: Config, world_size: int | None = None, check_files: bool =
     for key in ("on_overlong", "on_bad_row"):
         _require(getattr(sc, key) in ("error", "skip"), f"sft.{key}", f"must be error or skip, got {getattr(sc, key)!r}")
     _require(bool(sc.output_dir), "sft.output_dir", "must name the HF model directory to write")
+    _require(lc.lora.rank == 0, "learner.lora.rank", "megarl sft trains every weight (LoRA SFT is not written yet: "
+                                                     "its output would have to be merged); leave learner.lora.rank=0")
     _require(sc.batch_size >= lc.dp, "learner.dp", f"every DP rank trains its share of a batch's sft.batch_size="
              f"{sc.batch_size} records, so dp={lc.dp} would leave a rank without any")
     if world_size is not None:
@@ -143,6 +145,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
              f"unknown backend {lc.backend!r}; known: megatron, deepspeed")
     _validate_deepspeed(lc)
     _validate_moe(cfg)
+    _validate_lora(cfg)
     _require(cfg.sampler.engine in ("builtin", "sglang", "vllm"), "sampler.engine",
              f"unknown engine {cfg.sampler.engine!r}; known: builtin, sglang, vllm")
     if cfg.sampler.engine == "sglang":
@@ -163,7 +166,6 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
                  "sync mode generates exactly one batch per version, so dropped groups could not be replaced")
     _require(cfg.dist.backend in ("auto", "gloo", "nccl"), "dist.backend", "must be auto, gloo or nccl")
     _validate_task(cfg, check_files)
-    _validate_eval(cfg, check_files)
     _validate_checkpoint(cfg)
     _require(cfg.algo.max_lag >= 0, "algo.max_lag", "must be >= 0")
     _require(cfg.algo.group_size >= 2, "algo.group_size", "group advantages need at least 2 samples per prompt")
@@ -205,6 +207,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(lc.pp == 1 or cfg.sampler.engine != "sglang", "learner.pp",
              "sampler.engine=sglang takes weights from one learner source; with learner.pp > 1 each stage publishes "
              "its own layers, which only the built-in engine receives so far")
+    _validate_eval(cfg, check_files)  # after sampler.tp: it refuses what no engine can evaluate
     if world_size is not None:
         need, samplers = world_size_for(cfg), cfg.sampler.num_engines * cfg.sampler.tp
         _require(world_size == need, "sampler.num_engines",
@@ -213,8 +216,29 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     try:
         validate_loss_config(cfg.algo.loss)
         validate_advantage_config(cfg.algo.advantage)
-    except ValueError as exc:  # their messages start with "loss.<field>" / "advantage.<field>"
+        if cfg.algo.advantage.estimator == "gae":
+            validate_critic_config(cfg.algo.critic)
+    except ValueError as exc:  # their messages start with "loss.<field>" / "advantage.<field>" / "critic.<field>"
         raise ConfigError(f"algo.{exc}") from exc
+    if cfg.algo.advantage.estimator == "gae":
+        _validate_critic(cfg)
+
+
+def _validate_critic(cfg: Config) -> None:
+    """What a learned critic (advantage.estimator=gae, megarl.learner.critic) needs of the rest of the run."""
+    _require(cfg.learner.backend == "megatron", "algo.advantage.estimator",
+             "gae trains a critic on the megatron learner only so far; learner.backend=deepspeed has none "
+             "(use learner.backend=megatron, or a group estimator: grpo, drgrpo, rloo)")
+    _require(not cfg.algo.advantage.filter_zero_variance, "algo.advantage.filter_zero_variance",
+             "drops groups by their group-relative signal; with estimator=gae every sample carries a per-token "
+             "signal from the critic (set it false)")
+    _require(cfg.algo.mode == "pipeline" or cfg.algo.critic.warmup_steps == 0, "algo.critic.warmup_steps",
+             "sync mode's samplers wait for a new policy version after every batch, and a critic-only warm-up step "
+             "makes none (use algo.mode=pipeline, or 0)")
+    critic_dir = cfg.algo.critic.model
+    if critic_dir:
+        _require((Path(critic_dir) / "config.json").is_file(), "algo.critic.model",
+                 f"{critic_dir!r} is not an HF model directory (no config.json)")
 
 
 def _validate_vllm(cfg: Config) -> None:
@@ -318,6 +342,17 @@ def _validate_eval(cfg: Config, check_files: bool) -> None:
     _require(ec.max_new_tokens < cfg.sampler.max_seq_len, "eval.max_new_tokens",
              f"({ec.max_new_tokens}) must be smaller than sampler.max_seq_len ({cfg.sampler.max_seq_len})")
     _require(ec.timeout_s > 0, "eval.timeout_s", f"must be > 0, got {ec.timeout_s}")
+    _require(0 < ec.heldout_fraction < 1, "eval.heldout_fraction", f"must be in (0, 1), got {ec.heldout_fraction}")
+    if ec.sets:  # what no engine can pin yet (docs/eval.md, "Not done yet")
+        _require(cfg.sampler.tp == 1, "eval.sets",
+                 f"the built-in engine at sampler.tp={cfg.sampler.tp} cannot evaluate a version exactly (the pin is "
+                 f"a second engine over the sampler's weights, which a TP engine's followers do not mirror); "
+                 f"set eval.sets=[] to train without evaluating, and score checkpoints with `megarl eval` at "
+                 f"sampler.tp=1")
+        _require(cfg.task.name not in MULTI_TURN_TASKS and not cfg.task.agent, "eval.sets",
+                 f"multi-turn and agent tasks (task.name={cfg.task.name}"
+                 f"{', task.agent=' + cfg.task.agent if cfg.task.agent else ''}) are not evaluated yet: an eval "
+                 f"sample is one completion, not an episode; set eval.sets=[]")
     names = [sc.name for sc in ec.sets]
     for i, sc in enumerate(ec.sets):
         key = f"eval.sets[{i}]"
@@ -352,13 +387,48 @@ def _validate_moe(cfg: Config) -> None:
              f"learner.dp={lc.dp} (e.g. learner.dp={lc.ep * max(1, lc.dp // lc.ep)})")
     _require(lc.ep == 1 or lc.backend == "megatron", "learner.ep",
              f"expert parallelism is megatron's; learner.backend={lc.backend} trains the experts data parallel")
-    if cfg.algo.routing_replay == "r3":
-        _require(lc.backend == "megatron", "algo.routing_replay",
-                 f"r3 replays routes through megatron-core's RouterReplay; learner.backend={lc.backend} has no "
-                 "replay (yet): use learner.backend=megatron or algo.routing_replay=off")
+    if cfg.algo.routing_replay == "r3" and lc.backend == "megatron":
+        # (The DeepSpeed learner runs each micro-batch's backward right after its forward, with its routes still
+        # set, so HF gradient checkpointing replays them: megarl/learner/hf_routing_replay.py.)
         _require(lc.recompute_activations != "full", "algo.routing_replay",
-                 "r3 with learner.recompute_activations=full would re-route the recomputed layers in the backward "
-                 "after later micro-batches set their routes; use none or selective")
+                 "r3 with learner.backend=megatron and learner.recompute_activations=full would re-route the "
+                 "recomputed layers in the backward after later micro-batches set their routes; use none or "
+                 "selective (or learner.backend=deepspeed)")
+
+
+def _validate_lora(cfg: Config) -> None:
+    """learner.lora.*: the adapter's own keys, and the learners, layouts and engines that can take one (the
+    model's modules and dimensions are checked against config.json by megarl.models.lora.check)."""
+    from megarl.models.lora import FUSED_GROUPS, TARGETS
+
+    lora, lc = cfg.learner.lora, cfg.learner
+    _require(lora.rank >= 0, "learner.lora.rank", f"must be >= 0 (0 = no LoRA, full fine-tuning), got {lora.rank}")
+    if lora.rank == 0:
+        return
+    _require(lora.alpha > 0, "learner.lora.alpha", f"must be > 0, got {lora.alpha}")
+    _require(0.0 <= lora.dropout < 1.0, "learner.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+    targets = list(lora.target_modules)
+    _require(bool(targets), "learner.lora.target_modules", f"must name at least one of {', '.join(TARGETS)}")
+    unknown = [t for t in targets if t not in TARGETS]
+    _require(not unknown, "learner.lora.target_modules",
+             f"unknown module(s) {unknown}; a decoder layer's adaptable projections are {', '.join(TARGETS)}")
+    _require(len(set(targets)) == len(targets), "learner.lora.target_modules", f"names a module twice: {targets}")
+    for fused, group in FUSED_GROUPS.items():
+        chosen = [t for t in group if t in targets]
+        _require(not chosen or len(chosen) == len(group), "learner.lora.target_modules",
+                 f"{'/'.join(group)} are one fused linear on the megatron learner ({fused}), adapted together or "
+                 f"not at all: add {[t for t in group if t not in chosen]} or drop {chosen}")
+    _require(lc.backend == "megatron", "learner.backend",
+             f"learner.lora is implemented on the megatron learner only so far (learner.backend={lc.backend}: "
+             "its peft integration is not written yet); use learner.backend=megatron")
+    _require(lc.tp == 1, "learner.tp",
+             f"learner.lora adapts megatron's linears at tensor-parallel size 1 only so far (got {lc.tp}): the "
+             "adapter is not split over TP ranks yet; use learner.dp / learner.pp to spread the learner")
+    _require(lc.ep == 1, "learner.ep", f"learner.lora is not tried with expert parallelism yet (got {lc.ep})")
+    _require(cfg.sampler.engine == "builtin", "sampler.engine",
+             f"learner.lora publishes only the adapter, which the built-in engine applies in flight; "
+             f"sampler.engine={cfg.sampler.engine} has no in-flight adapter path in megarl yet (its servers load "
+             "adapters by name, pinned per request: docs/lora.md); use sampler.engine=builtin")
 
 
 def _validate_deepspeed(lc) -> None:

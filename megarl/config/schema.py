@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megarl.algo.config import AdvantageConfig, LossConfig
+from megarl.algo.config import AdvantageConfig, CriticConfig, LossConfig
 from megarl.rollout.sandbox import SandboxConfig
 
 
@@ -176,6 +176,22 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class LoraConfig:
+    """learner.lora: train a low-rank adapter on the frozen base model instead of every weight (docs/lora.md).
+    Only the adapter gets gradients and optimizer state; each version publishes only the adapter, and the
+    built-in engine applies it (W = W_base + alpha / rank * B @ A) at a step boundary like full weights."""
+
+    rank: int = 0  # r of every adapter; 0 = LoRA off (full fine-tuning)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank (peft's lora_alpha)
+    dropout: float = 0.0  # on the adapter's input while training (peft's lora_dropout); never at sampling
+    # HF module names of each decoder layer to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
+    # (default: all of them; "LoRA without regret" found attention-only LoRA to lag, MLP LoRA to matter most).
+    # megatron fuses q/k/v and gate/up into one linear each: those are adapted together or not at all.
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"])
+
+
+@dataclass
 class LearnerConfig:
     backend: str = "megatron"  # megatron | deepspeed (any HF causal LM through transformers)
     tp: int = 1
@@ -199,6 +215,7 @@ class LearnerConfig:
     seed: int = 1234
     threads: int = 1
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -218,6 +235,8 @@ class AlgoConfig:
     routing_replay: str = "off"
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    # The learned critic of advantage.estimator=gae (every field commented in megarl/algo/config.py).
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
 
 @dataclass
@@ -312,9 +331,9 @@ class EvalSetConfig:
     """One held-out set (docs/eval.md)."""
 
     name: str = "heldout"  # the metric prefix: eval/<name>/pass@1, ...
-    # "" = prompts of the training task (task.*), drawn with eval.seed from their own stream (see
-    # docs/eval.md: the built-in synthetic tasks have no disjoint split); else a .jsonl file of
-    # {"prompt", "answer"} rows (task.prompt_field / task.answer_field), scored like task.name=jsonl.
+    # "" = held-out prompts of the training task (task.*; eval.heldout_fraction of them, never trained
+    # on), drawn with eval.seed from their own stream; else a .jsonl file of {"prompt", "answer"} rows
+    # (task.prompt_field / task.answer_field), scored like task.name=jsonl.
     path: str = ""
     prompts: int = 64  # prompts in the set (a file: its first rows; 0 = all of them)
     reward_fn: str = ""  # "" = task.reward_fn (or the task's own reward); else "package.module:function"
@@ -335,6 +354,9 @@ class EvalConfig:
     at_start: bool = True  # the version training starts from (the base model: version 0; a resumed run's)
     at_end: bool = True  # the last version (published by step run.steps)
     seed: int = 0  # draws the sets' prompts and seeds the eval sampling (the same in `megarl eval`)
+    # The share of the training task's prompts (by a hash of the text: megarl/rollout/heldout.py) held out:
+    # sets with an empty path draw only these, and a run with such a set never trains on them.
+    heldout_fraction: float = 0.1
     max_running: int = 0  # sequences decoded at once in an evaluation; 0 = sampler.max_running
     timeout_s: float = 600.0  # at the end, how long the learner waits for the last evaluations' results
 

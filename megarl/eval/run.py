@@ -6,7 +6,7 @@ KV cache and a generator seeded by `eval_seed(cfg, share)`), so nothing it gener
 another version; `run_share` still checks every token's recorded version and raises rather than report
 a mixed score. `megarl eval` runs the same function on an engine loaded from a model directory with the
 same seed and batch size, which is why the score of version 0 in a run equals `megarl eval` on the base
-model (tests/eval/test_eval_e2e.py).
+model (tests/roles/test_train_e2e.py).
 
 Prompt i of a set goes to share i % shares (each sampler engine evaluates one share). Each prompt gets
 eval.samples sampled completions (eval.temperature) and, with eval.greedy, one greedy completion; all

@@ -1,22 +1,32 @@
 """When a sampler rank evaluates, and where its results go (the sampler loop calls `before_step`).
 
-Exactness by construction: at a step boundary, when the engine's current version is due (or a due
-version is staged: it is applied first, exactly that one), the sampler runs its eval share to completion
-on an engine pinned to that version (BuiltinEngine.pinned: shared weights, its own KV cache) before it
-steps its own engine again. Versions that arrive meanwhile stay staged and the training requests keep
-their slots; they continue, under the staged newest version, once the evaluation is done. The cost is
-the evaluation's duration of this sampler's generation (measured: docs/eval.md).
+Exactness by construction: at a step boundary, when the engine's current version is due, the sampler runs
+its eval share to completion on an engine pinned to that version before it steps its own engine again.
+How the version is held depends on how the engine receives versions:
 
-While evaluation is on, versions are applied here, from one snapshot of what is staged, rather than by
-the engine's step, so a due version staged between two looks is never skipped over. A due version this
-engine never ran (the staging buffer, which keeps two, dropped it while a step or an evaluation ran) is
-reported as missed, never scored with other weights. Results travel through the run's store
-(`result_key`): the learner's lead collects every share (megarl/eval/learner_side.py); the per-sample
-records, with every token's version, go to run.dir/eval_samples.jsonl.
+- the built-in engine stages them (`staged`): the pin is a second engine over the same weight tensors
+  (BuiltinEngine.pinned: its own KV cache and seeded generator); versions that arrive meanwhile stay
+  staged and the training requests keep their slots, continuing under the newest staged version once
+  the evaluation is done. With evaluation on, versions are applied here, from one snapshot of what is
+  staged (a due one is applied first, exactly that one), rather than by the engine's step, so a due
+  version staged between two looks is never skipped over; a due version this engine never ran (the
+  staging buffer, which keeps two, dropped it while a step or an evaluation ran) is reported as missed,
+  never scored with other weights.
+- an HTTP engine (SGLang, vLLM) has its server updated by another thread (the weight follower or
+  receiver), which calls `hold_update` first: while the server's version is due and not yet evaluated,
+  that thread waits, so the server cannot leave the version while eval requests run on it (a view of
+  the engine with its own request threads: request_pool.pinned_view). The learner's publish waits with
+  it (the update is a collective with the learner's broadcast): that is the cost (docs/eval.md).
+
+Either way `run_share` checks every token's recorded version and raises rather than report a mixed score.
+Results travel through the run's store (`result_key`): the learner's lead collects every share
+(megarl/eval/learner_side.py); the per-sample records, with every token's version, go to
+run.dir/eval_samples.jsonl.
 """
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +35,7 @@ from megarl.eval.sets import build_sets, due_versions
 from megarl.observe.jsonl import JsonlAppender
 
 SAMPLES_FILE = "eval_samples.jsonl"
+HOLD_POLL_S = 0.2  # how often a held update looks at should_stop
 
 
 def result_key(version: int, share: int) -> str:
@@ -34,18 +45,22 @@ def result_key(version: int, share: int) -> str:
 class VersionEvaluator:
     """One engine lead's evaluations: share `share` of `shares` of every due version."""
 
-    def __init__(self, cfg, store, tokenizer, share: int, shares: int, first_version: int):
+    def __init__(self, cfg, store, tokenizer, share: int, shares: int, first_version: int, staged: bool = True):
         self.cfg, self.store, self.tokenizer, self.share, self.shares = cfg, store, tokenizer, share, shares
+        self.staged = staged  # the engine stages versions (built-in); else another thread updates its server
         self.sets = build_sets(cfg)
-        self.pending = sorted(due_versions(cfg, first_version))
+        self.pending = sorted(due_versions(cfg, first_version))  # changed under `evaluated`, read by hold_update
+        self.evaluated = threading.Condition()
+        self.held = 0  # updates that waited in hold_update for the version being evaluated
         self.samples = JsonlAppender(Path(cfg.run.dir) / SAMPLES_FILE)
 
     def before_step(self, engine, between_steps: Callable[[], None]) -> None:
         """At a step boundary, on the stepping thread: apply what is staged (the oldest due version among
         them, else the newest, from one snapshot, so a due version staged meanwhile is seen next time rather
         than skipped), then evaluate the current version if it is due. The caller's next step must not
-        apply staged versions itself: `engine.step(apply_staged=False)`."""
-        staged = engine.staged_versions()
+        apply staged versions itself: `engine.step(apply_staged=False)`. An HTTP engine's version is the
+        server's, held by `hold_update` while it is due."""
+        staged = engine.staged_versions() if self.staged else []
         if staged:
             due = [v for v in staged if v in self.pending]
             before = engine.version
@@ -57,13 +72,30 @@ class VersionEvaluator:
         if engine.version in self.pending:
             self._evaluate(engine, between_steps)
 
+    def hold_update(self, version_now: int, should_stop: Callable[[], bool]) -> None:
+        """HTTP engines, on the thread that updates the server, before an update leaves `version_now`: wait
+        while that version is due and not yet evaluated (or until `should_stop`). No-op for staged engines."""
+        if self.staged:
+            return
+        with self.evaluated:
+            if version_now not in self.pending:
+                return
+            self.held += 1
+            while version_now in self.pending and not should_stop():
+                self.evaluated.wait(HOLD_POLL_S)
+
     def _evaluate(self, engine, between_steps) -> None:
         version = engine.version
-        before = set(engine.staged_versions())
+        before = set(engine.staged_versions()) if self.staged else set()
         pinned = engine.pinned(max_running=eval_batch(self.cfg), seed=eval_seed(self.cfg.eval.seed, self.share))
-        result = run_share(pinned, self.tokenizer, self.sets, self.cfg, self.share, self.shares, between_steps)
-        # Versions published while it ran stayed staged: the evidence that the pin held under live publishes.
-        result["publishes_during"] = len(set(engine.staged_versions()) - before)
+        try:
+            result = run_share(pinned, self.tokenizer, self.sets, self.cfg, self.share, self.shares, between_steps)
+        finally:
+            pinned.close()  # an HTTP view's request threads (a built-in pin holds nothing to release)
+        # Versions published while it ran stayed staged, or waited in hold_update: the evidence that the pin
+        # held under live publishes.
+        with self.evaluated:
+            result["publishes_during"] = len(set(engine.staged_versions()) - before) if self.staged else self.held
         self.samples.append(*({"eval_version": version, "share": self.share, **r} for r in result["records"]))
         compact = [{k: r[k] for k in ("set", "prompt_index", "greedy", "reward", "reward_error", "tokens",
                                       "finish_reason")} for r in result["records"]]
@@ -71,7 +103,10 @@ class VersionEvaluator:
 
     def _post(self, version: int, payload: dict) -> None:
         self.store.set(result_key(version, self.share), json.dumps(payload))
-        self.pending.remove(version)
+        with self.evaluated:
+            self.pending.remove(version)
+            self.held = 0
+            self.evaluated.notify_all()
 
     def close(self) -> None:
         self.samples.close()

@@ -1,9 +1,10 @@
 """What an evaluation scores and when: the held-out sets a config names, and the policy versions it evaluates.
 
-A set is a fixed list of prompts and the reward that scores them. `eval.sets[i].path` empty: prompts of
-the training task drawn with eval.seed from a stream of their own (`eval_rng`), so every process and
-`megarl eval` draw the same ones; a path: the file's rows, read as task.name=jsonl reads a dataset (a
-malformed row stops the launch naming FILE:LINE). The reward is the set's reward_fn, else task.reward_fn,
+A set is a fixed list of prompts and the reward that scores them. `eval.sets[i].path` empty: held-out
+prompts of the training task (megarl/rollout/heldout.py: eval.heldout_fraction of them, which such a run
+never trains on: `heldout_fraction`), drawn with eval.seed from a stream of their own (`eval_rng`), so
+every process and `megarl eval` draw the same ones; a path: the file's rows, read as task.name=jsonl
+reads a dataset (a malformed row stops the launch naming FILE:LINE). The reward is the set's reward_fn, else task.reward_fn,
 else the task's own (exact match for files).
 
 Versions: version v is the policy after v optimizer steps (run.steps batches publish run.steps *
@@ -17,7 +18,8 @@ import random
 from dataclasses import dataclass, replace
 
 from megarl.protocols import Prompt, Task
-from megarl.rollout.tasks import MULTI_TURN_TASKS, task_from_config
+from megarl.rollout.heldout import TrainingSplit, draw_heldout
+from megarl.rollout.tasks import task_from_config
 
 
 @dataclass(frozen=True)
@@ -44,25 +46,15 @@ def build_sets(cfg) -> list[EvalSet]:
             prompts = rows[:sc.prompts] if sc.prompts else rows
         else:
             task = task_from_config(replace(cfg.task, reward_fn=reward_fn))
-            prompts = task.sample_prompts(eval_rng(cfg.eval.seed, sc.name), sc.prompts)
+            prompts = draw_heldout(task, eval_rng(cfg.eval.seed, sc.name), sc.prompts, cfg.eval.heldout_fraction)
         sets.append(EvalSet(sc.name, tuple(prompts), task))
     return sets
 
 
-def not_evaluated_because(cfg) -> str | None:
-    """Why a run with eval.sets cannot evaluate while training (then it trains without, saying this at launch),
-    or None. The pin needs a second engine over the sampler's weights in the sampler process: the built-in
-    engine at sampler.tp=1 (docs/eval.md: what the HTTP engines would need); an eval sample is one completion."""
-    if not cfg.eval.sets:
-        return None
-    if cfg.sampler.engine != "builtin" or cfg.sampler.tp != 1:
-        return (f"eval.sets: not evaluated in this run: evaluation during training pins a version on a second built-in "
-                f"engine, so it needs sampler.engine=builtin and sampler.tp=1 (got {cfg.sampler.engine}, tp "
-                f"{cfg.sampler.tp}); score checkpoints with `megarl eval` (docs/eval.md)")
-    if cfg.task.name in MULTI_TURN_TASKS or cfg.task.agent:
-        return (f"eval.sets: not evaluated in this run: multi-turn and agent tasks (task.name={cfg.task.name}) are not "
-                f"evaluated yet, an eval sample is one completion (docs/eval.md)")
-    return None
+def heldout_fraction(cfg) -> float | None:
+    """The share of the training task's prompts a run must not train on: eval.heldout_fraction when a set
+    draws from the training task (an empty path), else None (files are held out by being other files)."""
+    return cfg.eval.heldout_fraction if any(not sc.path for sc in cfg.eval.sets) else None
 
 
 def due_versions(cfg, first_version: int = 0) -> set[int]:
@@ -70,7 +62,7 @@ def due_versions(cfg, first_version: int = 0) -> set[int]:
     version steps * algo.sync_epochs (sync mode trains K epochs per batch; pipeline mode: K = 1)."""
     ec, per_step = cfg.eval, cfg.algo.sync_epochs
     last = cfg.run.steps * per_step
-    if not ec.sets or not_evaluated_because(cfg):
+    if not ec.sets:
         return set()
     every = ec.every_steps * per_step
     due = set(range(every, last, every)) if every else set()
@@ -84,13 +76,16 @@ def due_versions(cfg, first_version: int = 0) -> set[int]:
 def check_sets(cfg, model_dir) -> list[str]:
     """Build every set as the samplers will and say what it holds: its prompts and how many do not fit
     sampler.max_seq_len with one new token (skipped and counted in every evaluation); a user reward
-    function is called on a few real prompts. Raises ValueError (FILE:LINE of a bad row, a reward that
+    function is called on a few real prompts; the training side of the held-out split is drawn from once.
+    Raises ValueError (FILE:LINE of a bad row, a reward that
     raises) before anything starts."""
     from transformers import AutoTokenizer
 
     from megarl.rollout.rewards import check_reward
 
     sets = build_sets(cfg)
+    if (fraction := heldout_fraction(cfg)) is not None:  # what the samplers will train on: not empty either
+        TrainingSplit(task_from_config(cfg.task), fraction).sample_prompts(random.Random(0), 1)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exceptions; the model check

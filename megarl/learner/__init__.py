@@ -17,8 +17,9 @@ def build_learner(model_dir: str, cfg, loss_cfg=None, temperature: float | None 
         from megarl.learner.deepspeed import DeepSpeedLearner
 
         return DeepSpeedLearner(model_dir, cfg.learner, loss_cfg, temperature=temperature,
-                                publish_bucket_mb=cfg.publish.bucket_mb)
+                                publish_bucket_mb=cfg.publish.bucket_mb, routing_replay=cfg.algo.routing_replay)
     from megarl.learner.megatron import MegatronLearner
 
     return MegatronLearner(model_dir, cfg.learner, loss_cfg, temperature=temperature,
-                           routing_replay=cfg.algo.routing_replay)
+                           routing_replay=cfg.algo.routing_replay,
+                           critic_cfg=cfg.algo.critic if cfg.algo.advantage.estimator == "gae" else None)

@@ -8,6 +8,12 @@ reference model of the KL penalty, the HF-named tensors the weight publisher bro
 gathered one publish bucket at a time), and DeepSpeed's own checkpoint of engine and optimizer.
 The loss, advantages and metrics are megarl.learner.step's (the megatron learner's too).
 
+Mixture-of-experts models (Mixtral, Qwen3-MoE) train as transformers runs them, every expert data parallel:
+transformers 5.x holds a layer's experts fused in memory, so what is published and exported is converted to
+the per-expert names save_pretrained writes (megarl.models.moe.per_expert_tensors), and
+``algo.routing_replay=r3`` forces the sampler's recorded routes at every router in every forward of the step,
+the extra log-prob passes included (megarl.learner.hf_routing_replay).
+
 Process contract (the megatron learner's): construct it after ``torch.distributed`` is initialised
 with a default process group that contains ONLY the learner ranks (world size = learner.dp). Every
 learner rank receives the same whole ``TrainBatch`` and trains its contiguous share of the rows.
@@ -27,10 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.algo import metrics as algo_metrics
 from megarl.algo.config import LossConfig
 from megarl.config.schema import LearnerConfig
 from megarl.distributed.publish import Bucket, plan_buckets
 from megarl.learner import step
+from megarl.learner.hf_routing_replay import HFRouteReplayer
+from megarl.models import moe
 from megarl.protocols import TrainBatch
 
 CHECKPOINT_TAG = "deepspeed"  # the sub-directory DeepSpeed's save_checkpoint writes in a megarl step dir
@@ -111,7 +120,7 @@ def _launcher_world_is_learner_group():
 
 class DeepSpeedLearner:
     def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig, temperature: float = 1.0,
-                 publish_bucket_mb: float = 16.0):
+                 publish_bucket_mb: float = 16.0, routing_replay: str = "off"):
         try:
             import deepspeed
         except ImportError as exc:
@@ -138,6 +147,13 @@ class DeepSpeedLearner:
         self.zero_stage = cfg.deepspeed.zero_stage
         with open(os.path.join(model_dir, "config.json")) as f:
             self.hf_config = json.load(f)
+        self.is_moe = moe.is_moe(self.hf_config)
+        if self.is_moe:
+            moe.check_moe(self.hf_config)
+        elif routing_replay == "r3":
+            raise ValueError(f"algo.routing_replay=r3 needs a mixture-of-experts model; "
+                             f"{self.hf_config.get('model_type')!r} is dense")
+        replay = routing_replay == "r3"
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
 
         def load():
@@ -146,22 +162,30 @@ class DeepSpeedLearner:
             return model
 
         model = load()
+        self._replayers = {}  # id(model passed to _logits) -> its HFRouteReplayer (MoE models)
+        if self.is_moe:
+            replayer = HFRouteReplayer(model, self.hf_config, replay)
         if cfg.recompute_activations == "full":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         with _launcher_world_is_learner_group():
             self.engine, self.optimizer, _, _ = deepspeed.initialize(
                 model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                 config=deepspeed_config(cfg, self.on_gpu))
+        if self.is_moe:
+            self._replayers[id(self.engine)] = replayer
         # KL penalty: a frozen copy of the initial weights (docs/learner.md#deepspeed): partitioned like
         # the policy at stage 3 (an engine without optimizer), a plain replica below.
         self.ref_model = None
         if loss_cfg.kl_coef > 0:
             ref = load().requires_grad_(False).eval()
+            ref_replayer = HFRouteReplayer(ref, self.hf_config, replay) if self.is_moe else None
             if self.zero_stage == 3:
                 with _launcher_world_is_learner_group():
                     ref = deepspeed.initialize(model=ref, config=deepspeed_config(cfg, self.on_gpu, with_optimizer=False))[0]
             self.ref_model = ref.to(self.device) if self.zero_stage < 3 else ref
             self.ref_model.eval()
+            if ref_replayer is not None:
+                self._replayers[id(self.ref_model)] = ref_replayer
 
     @property
     def version(self) -> int:
@@ -174,8 +198,12 @@ class DeepSpeedLearner:
 
     # ------------------------------------------------------------------ forward
 
-    def _logits(self, model, input_ids: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=input_ids.to(self.device), use_cache=False).logits
+    def _logits(self, model, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits of the micro-batch's input_ids; an MoE model's routers are fed its `routes` first (replay)."""
+        replayer = self._replayers.get(id(model))
+        if replayer is not None:
+            replayer.before_forward(mb["input_ids"], mb.get("routes"))
+        return model(input_ids=mb["input_ids"].to(self.device), use_cache=False).logits
 
     def _aligned(self, micro: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """The micro-batches, padded to the most any DP rank has: ZeRO gathers parameters in every forward
@@ -189,17 +217,21 @@ class DeepSpeedLearner:
 
     @torch.no_grad()
     def _forward_logprobs(self, model, micro: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Per-token log-probs (fp32, CPU) of `model` on each micro-batch's input_ids, forward only: the
-        same micro-batch shapes as the training pass, so identical weights give identical log-probs."""
-        return [token_logprobs(self._logits(model, mb["input_ids"]), mb["input_ids"].to(self.device),
+        """Per-token log-probs (fp32, CPU) of `model` on each micro-batch's input_ids (with its `routes`
+        replayed under routing replay), forward only: the same micro-batch shapes as the training pass, so
+        identical weights give identical log-probs."""
+        return [token_logprobs(self._logits(model, mb), mb["input_ids"].to(self.device),
                                self.temperature).cpu() for mb in micro]
 
-    def logprobs(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, input_ids: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token log-probs [B, S] (fp32, CPU) of the whole batch under the current weights (every
-        rank the whole batch, in the same micro-batches: collective at stage 3)."""
+        rank the whole batch, in the same micro-batches: collective at stage 3; routes [B, S, L, k]:
+        replayed under algo.routing_replay=r3)."""
         self.engine.eval()
-        return torch.cat(self._forward_logprobs(
-            self.engine, [{"input_ids": x} for x in input_ids.split(self.cfg.micro_batch_size)]))
+        rows = torch.arange(input_ids.shape[0]).split(self.cfg.micro_batch_size)
+        return torch.cat(self._forward_logprobs(self.engine, [
+            {"input_ids": input_ids[idx], **({"routes": routes[idx]} if routes is not None else {})}
+            for idx in rows]))
 
     # ------------------------------------------------------------------ the step
 
@@ -215,9 +247,13 @@ class DeepSpeedLearner:
                                            "ref_logprobs": self.ref_model}, self._forward_logprobs)
         self.engine.train()
         stats_list, losses = [], []
+        replayer = self._replayers.get(id(self.engine))
+        own_routes = [] if replayer is not None and "routes" in micro[0] else None
         for i, mb in enumerate(micro):
             mb = {k: v.to(self.device) for k, v in mb.items()}
-            logits = self._logits(self.engine, mb["input_ids"])
+            logits = self._logits(self.engine, mb)
+            if own_routes is not None and i < len(real):
+                own_routes.append(replayer.own_choice())
             logprobs = token_logprobs(logits, mb["input_ids"], self.temperature)
             entropy = token_entropy(logits, self.temperature) if self.loss_cfg.entropy_coef > 0 else None
             loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy)
@@ -229,6 +265,11 @@ class DeepSpeedLearner:
             # DP ranks, which the factor dp undoes.
             self.engine.backward(loss * dp, scale_wrt_gas=False)
         self.engine.step()  # the one optimizer update (ZeRO skips it on a non-finite gradient norm)
+        if own_routes is not None:
+            matches = [algo_metrics.route_matches(mb["routes"], own) for mb, own in zip(real, own_routes)]
+            decisions = moe.num_moe_layers(self.hf_config) * moe.top_k(self.hf_config)
+            router = step.router_partials(real, matches, decisions, batch.learner_version, self.loss_cfg)
+            stats_list = [{**st, **rp} for st, rp in zip(stats_list, router)]
 
         loss = torch.stack(losses).sum().double().cpu()
         dist.all_reduce(loss)
@@ -253,7 +294,13 @@ class DeepSpeedLearner:
         embedding once, no lm_head), valid until the next step: below ZeRO-3 the parameters themselves
         when they are fp32 on the CPU (a publisher that sends only its share copies nothing it skips),
         else converted copies. Collective: every learner rank iterates it. At ZeRO-3 they are views into
-        `publish_buckets`' flat buffers (contiguous, one bucket's worth per gather)."""
+        `publish_buckets`' flat buffers (contiguous, one bucket's worth per gather). An MoE model's fused
+        experts are yielded as views per expert and projection under save_pretrained's names."""
+        for name, tensor in self._in_memory_tensors():
+            yield from moe.per_expert_tensors(self.hf_config, name, tensor)
+
+    def _in_memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """publish_tensors before an MoE model's fused experts are split into save_pretrained's names."""
         if self.zero_stage < 3:
             for name, param in self.module.named_parameters():
                 yield name, param.detach().to(device="cpu", dtype=torch.float32)
@@ -264,8 +311,10 @@ class DeepSpeedLearner:
 
     def publish_spec(self, shards: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """What publish_tensors yields (TP = 1: shards are the same); ZeRO-3 parameters' full shapes."""
-        return [(name, tuple(getattr(p, "ds_shape", p.shape)), torch.float32)
-                for name, p in self.module.named_parameters()]
+        return [(hf_name, tuple(t.shape), torch.float32)
+                for name, p in self.module.named_parameters()
+                for hf_name, t in moe.per_expert_tensors(self.hf_config, name, torch.empty(
+                    tuple(getattr(p, "ds_shape", p.shape)), device="meta"))]
 
     def publish_buckets(self) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """ZeRO-3: the weight publisher's own bucket plan over `publish.bucket_mb` (megarl.distributed.
@@ -318,5 +367,7 @@ def checkpoint_hf_tensors(checkpoint: Path, hf_config: dict) -> Iterator[tuple[s
     tied = hf_config.get("tie_word_embeddings", False)
     for name, lazy in state.items():
         if not (tied and name == "lm_head.weight"):
-            yield name, lazy.contiguous()
+            # An MoE model's fused experts (one tensor per layer in memory) as save_pretrained's per-expert ones.
+            for hf_name, tensor in moe.per_expert_tensors(hf_config, name, lazy.contiguous()):
+                yield hf_name, tensor.contiguous()
 

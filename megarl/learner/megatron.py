@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.algo.config import LossConfig
+from megarl.algo.config import CriticConfig, LossConfig
 from megarl.config.schema import LearnerConfig
 from megarl.learner import step
 from megarl.learner.routing_replay import RouteReplayer
@@ -40,7 +40,7 @@ from megarl.protocols import TrainBatch
 
 class MegatronLearner:
     def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig,
-                 temperature: float = 1.0, routing_replay: str = "off"):
+                 temperature: float = 1.0, routing_replay: str = "off", critic_cfg: CriticConfig | None = None):
         # megatron is imported here, not at module top: importing it costs ~9 s and the package's
         # other roles never need it.
         from megatron.core import parallel_state, tensor_parallel
@@ -121,6 +121,14 @@ class MegatronLearner:
             return gpt, (Float16Module(self.config, gpt) if self.on_gpu else gpt)
 
         self.gpt, module = build()
+        # learner.lora: the base is frozen where it was loaded; only the adapters train (megarl/learner/lora.py).
+        self.lora = cfg.lora if cfg.lora.rank > 0 else None
+        if self.lora is not None:
+            from megarl.learner import lora as lora_adapters
+            from megarl.models import lora as lora_names
+
+            lora_names.check(self.hf_config, self.lora)
+            lora_adapters.attach(self.gpt, self.lora, self.layer_offset, cfg.seed)
         replay = routing_replay == "r3"
         self._replayers = {}  # id(model passed to _run) -> its RouteReplayer (MoE models)
         # KL penalty: a frozen copy of the initial weights, same sharding, no grads, no optimizer
@@ -151,6 +159,14 @@ class MegatronLearner:
         )
         if self.is_moe:
             self._replayers[id(self.model)] = RouteReplayer(self.gpt, self.layer_offset, replay)
+        # advantage.estimator=gae: a separate value model with its own optimizer (megarl.learner.critic).
+        self.critic = None
+        if critic_cfg is not None:
+            from megarl.learner.critic import Critic
+
+            self.critic = Critic(critic_cfg.model or model_dir, critic_cfg, self.device,
+                                 parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_world_size(),
+                                 policy_vocab_size=self.hf_config["vocab_size"])
         # The schedules run micro-batches under DDP's no_sync and reduce grads once at the end.
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -219,7 +235,18 @@ class MegatronLearner:
         stage the embedding, the last the final norm (and lm_head when untied); no rank ever holds
         the whole model.
         """
+        if self.lora is not None:  # only the adapter travels; the samplers hold the frozen base
+            yield from self._adapter_tensors(_local_copy)
+            return
         yield from self._hf_tensors(self._tp_gather, tp_size=1)
+
+    def _adapter_tensors(self, tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's adapter tensors under HF adapter names (megarl.models.lora), built from tensor(param)."""
+        from megarl.learner.lora import hf_adapter, layer_adapters
+
+        for i, layer in enumerate(self.gpt.decoder.layers):
+            yield from hf_adapter(layer_adapters(layer, tensor), i + self.layer_offset, self.hf_config,
+                                  self.lora.target_modules).items()
 
     def publish_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This TP rank's slices of the HF-named fp32 tensors of its PP stage, for a direct publish to
@@ -230,6 +257,8 @@ class MegatronLearner:
         vocab-parallel embedding and output layer hold the same vocab rows as the layout), so unlike
         publish_tensors this is not collective. Same PP behaviour as publish_tensors.
         """
+        if self.lora is not None:
+            raise NotImplementedError("learner.lora publishes whole adapters (learner.tp = sampler.tp = 1)")
         yield from self._hf_tensors(lambda name, param: _local_copy(param), tp_size=self.cfg.tp)
 
     def publish_spec(self, shards: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -241,6 +270,9 @@ class MegatronLearner:
                 shape[self._tp_dim[name]] *= self.cfg.tp
             return torch.empty(shape, dtype=torch.float32, device="meta")
 
+        if self.lora is not None:
+            return [(name, tuple(t.shape), t.dtype)
+                    for name, t in self._adapter_tensors(lambda p: torch.empty(p.shape, device="meta"))]
         return [(name, tuple(t.shape), t.dtype)
                 for name, t in self._hf_tensors(meta, tp_size=self.cfg.tp if shards else 1)]
 
@@ -374,8 +406,7 @@ class MegatronLearner:
             matches = list(flat.split([m.numel() for m in matches]))
             matches = [m.reshape(mb["input_ids"].shape) for m, mb in zip(matches, micro_batches)]
         decisions = moe.num_moe_layers(self.hf_config) * moe.top_k(self.hf_config)
-        return [metrics.router_partials(m, decisions, mb["mask"], mb["versions"], learner_version,
-                                        getattr(self.loss_cfg, "max_lag_bucket", 8)) for m, mb in zip(matches, micro_batches)]
+        return step.router_partials(micro_batches, matches, decisions, learner_version, self.loss_cfg)
 
     def _last_stage_rank(self) -> int:
         group = self.ps.get_pipeline_model_parallel_group()
@@ -433,8 +464,12 @@ class MegatronLearner:
             count = torch.tensor(len(micro_batches))
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ps.get_expert_model_parallel_group())
             micro_batches = step.pad_micro_batches(micro_batches, int(count))
-        step.attach_extra_logprobs(micro_batches, {"proximal_logprobs": self.model if self.loss_cfg.decoupled else None,
+        needs_pi = self.loss_cfg.decoupled or (self.critic is not None and self.critic.needs_policy_logprobs)
+        step.attach_extra_logprobs(micro_batches, {"proximal_logprobs": self.model if needs_pi else None,
                                                    "ref_logprobs": self.ref_model}, self._forward_logprobs)
+        if self.critic is not None:  # GAE advantages (replacing the batch's) and value targets, per micro-batch
+            self.critic.prepare(micro_batches)
+        critic_only = self.critic is not None and self.critic.warming_up
         # policy_loss returns each micro-batch's share of the batch loss (global normalisers), so
         # the batch gradient is the plain SUM over micro-batches and DP ranks.  Megatron instead
         # divides each micro-batch loss by num_microbatches (schedules.forward_step_calc_loss,
@@ -470,9 +505,14 @@ class MegatronLearner:
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if not skipped:
+        if not skipped and not critic_only:  # (critic warm-up: the policy's gradients are computed, not applied)
             self.optimizer.step()
             self._version += 1
+        critic_metrics = {}
+        if self.critic is not None:
+            critic_metrics = self.critic.train(micro_batches, totals[0], batch.learner_version,
+                                               self.loss_cfg.max_lag_bucket)
+            critic_metrics["critic/warmup"] = float(critic_only)
         metrics = {
             "loss": loss, "grad_norm": grad_norm, "lr": self.cfg.lr, "num_tokens": totals[0],
             "padding_frac": step.padding_frac(fields, micro_batches),
@@ -485,7 +525,7 @@ class MegatronLearner:
             dist.broadcast_object_list(box, src=self._last_stage_rank(),
                                        group=self.ps.get_pipeline_model_parallel_group())
             metrics = {**box[0], "step_time_s": metrics["step_time_s"]}
-        return metrics
+        return {**metrics, **critic_metrics}
 
     # ------------------------------------------------------------------ checkpoint state (megarl/checkpoint)
 
@@ -494,8 +534,9 @@ class MegatronLearner:
         by its place in the full TP=1/PP=1 tensor, so what one tp/pp/dp layout saves another loads.
         The optimizer has no state to save before its first applied step."""
         model = self.gpt.sharded_state_dict()
+        critic = {"critic": self._critic_object(is_loading)} if self.critic is not None else {}
         if not with_optimizer:
-            return {"model": model}
+            return {"model": model, **critic}
         # fully_reshardable: the distributed optimizer's state in the same model-space form as the
         # plain optimizer's (which ignores these options); gathered over gloo on CPU (the other path
         # gathers on the GPU).
@@ -507,13 +548,23 @@ class MegatronLearner:
             for opt in self.optimizer.chained_optimizers:
                 if len(opt.optimizer.state) == 0:
                     opt._init_optimizer_states_with_dummy_values()
-        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(
+        return {"model": model, **critic, "optimizer": self.optimizer.sharded_state_dict(
             model, is_loading=is_loading, metadata=metadata)}
+
+    def _critic_object(self, is_loading: bool):
+        """The critic's weights, Adam state and step count as one ShardedObject: every learner rank holds the same
+        replica (megarl.learner.critic), so global rank 0 writes it and every rank reads it, under any layout."""
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        return ShardedObject("megarl/critic", None if is_loading else self.critic.state_dict(), global_shape=(1,),
+                             global_offset=(0,), replica_id=dist.get_rank())
 
     def load_state(self, state: dict, version: int) -> None:
         """Take what `sharded_state_dict` saved, as dist_checkpointing.load returns it.  Weights, Adam
         moments and step come from the checkpoint; lr, betas and weight decay stay this run's config."""
         self.gpt.load_state_dict(state["model"])
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
         if "optimizer" in state:
             # (Apex/TE's FusedAdam keeps its step count in the param groups: that one is state.)
             hyper = [{k: v for k, v in group.items() if k not in ("params", "step")}

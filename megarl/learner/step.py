@@ -36,6 +36,8 @@ def dp_share(batch: TrainBatch, dp: int, dp_rank: int) -> dict[str, torch.Tensor
     fields = {"input_ids": batch.input_ids, "mask": batch.loss_mask.float(),
               "behaviour_logprobs": batch.behaviour_logprobs, "advantages": batch.advantages,
               "versions": batch.versions}
+    if batch.rewards is not None:  # advantage.estimator=gae: per-token rewards for the critic
+        fields["rewards"] = batch.rewards
     if batch.routes is not None:  # MoE: [B, S, L, k] recorded routes, travelling with their rows
         fields["routes"] = batch.routes
     fields = {k: v[rows] for k, v in fields.items()}
@@ -61,6 +63,17 @@ def attach_extra_logprobs(micro: list[dict[str, torch.Tensor]], passes: dict, fo
             model.eval()
             for mb, lp in zip(micro, forward_logprobs(model, micro)):
                 mb[key] = lp
+
+
+def router_partials(micro: list[dict[str, torch.Tensor]], matches: list[torch.Tensor], decisions: int,
+                    learner_version: int, loss_cfg: LossConfig) -> list[dict[str, torch.Tensor]]:
+    """Per micro-batch, the router-agreement partials of its trained tokens (megarl.algo.metrics.router_partials)
+    from `matches` ([B, S] per micro-batch: megarl.algo.metrics.route_matches of the sampler's recorded routes
+    and the learner's own top-k, over every MoE layer); `decisions` = MoE layers * top_k."""
+    from megarl.algo import metrics
+
+    return [metrics.router_partials(m, decisions, mb["mask"], mb["versions"], learner_version,
+                                    getattr(loss_cfg, "max_lag_bucket", 8)) for m, mb in zip(matches, micro)]
 
 
 def pad_micro_batches(micro: list[dict[str, torch.Tensor]], count: int) -> list[dict[str, torch.Tensor]]:

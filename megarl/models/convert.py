@@ -251,24 +251,16 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     MoE layers convert the experts the layer holds (megarl.models.moe.mlp_mcore_to_hf; ``expert_offset``:
     the global index of an EP rank's first local expert)."""
     cfg = check_supported(hf_config)
-    _, heads, groups, head_dim = _dims(cfg)
-    q_per_group = heads // groups
-    if groups % tp_size:
-        raise ValueError(f"tensor parallel size {tp_size} does not divide num_key_value_heads={groups}")
-    groups //= tp_size
     hf = f"model.layers.{hf_layer_index}."
     out = {
         hf + "input_layernorm.weight": mcore_layer["input_layernorm.weight"],
         hf + "post_attention_layernorm.weight": mcore_layer["pre_mlp_layernorm.weight"],
     }
     for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
-        qkv = mcore_layer[f"self_attention.linear_qkv.{kind}"]
-        rest = qkv.shape[1:]
-        qkv = qkv.reshape(groups, (q_per_group + 2) * head_dim, *rest)
-        q, k, v = qkv.split([q_per_group * head_dim, head_dim, head_dim], dim=1)
-        out[hf + f"self_attn.q_proj.{kind}"] = q.reshape(-1, *rest).contiguous()
-        out[hf + f"self_attn.k_proj.{kind}"] = k.reshape(-1, *rest).contiguous()
-        out[hf + f"self_attn.v_proj.{kind}"] = v.reshape(-1, *rest).contiguous()
+        q, k, v = split_qkv_rows(mcore_layer[f"self_attention.linear_qkv.{kind}"], cfg, tp_size)
+        out[hf + f"self_attn.q_proj.{kind}"] = q
+        out[hf + f"self_attn.k_proj.{kind}"] = k
+        out[hf + f"self_attn.v_proj.{kind}"] = v
     out[hf + "self_attn.o_proj.weight"] = mcore_layer["self_attention.linear_proj.weight"]
     if _has_qk_norm(cfg):
         out[hf + "self_attn.q_norm.weight"] = mcore_layer["self_attention.q_layernorm.weight"]
@@ -281,6 +273,21 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     out[hf + "mlp.up_proj.weight"] = up.contiguous()
     out[hf + "mlp.down_proj.weight"] = mcore_layer["mlp.linear_fc2.weight"]
     return out
+
+
+def split_qkv_rows(qkv: torch.Tensor, hf_config, tp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron's fused linear_qkv rows (grouped per query group: that group's q heads, its k, its v) ->
+    HF's q_proj, k_proj, v_proj rows; any trailing dims (a weight's columns, a LoRA B's rank) ride along.
+    With tp_size > 1, `qkv` is one TP rank's shard (whole query groups)."""
+    cfg = check_supported(hf_config)
+    _, heads, groups, head_dim = _dims(cfg)
+    q_per_group = heads // groups
+    if groups % tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} does not divide num_key_value_heads={groups}")
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups // tp_size, (q_per_group + 2) * head_dim, *rest)
+    q, k, v = grouped.split([q_per_group * head_dim, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous()
 
 
 def mcore_to_hf(mcore_state: dict, hf_config) -> dict:

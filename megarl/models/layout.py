@@ -25,9 +25,6 @@ where each rule comes from:
               An MoE model with learner.tp > 1: megatron 0.16.1's MoE layer refuses training under TP
               without sequence parallelism (moe_layer.py), which megarl's learner does not use.
   algo.routing_replay=r3  a mixture-of-experts model.
-  learner.backend  deepspeed trains dense models only: transformers 5.x holds an MoE model's experts fused in
-              memory (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.gate``), so the DeepSpeed learner would
-              publish and export names no engine loads (they load save_pretrained's per-expert names).
 Rules that need no model (a batch smaller than learner.dp, sampler.tp not 1 or learner.tp, learner.ep not
 dividing learner.dp) are in megarl.config.load.validate.
 """
@@ -41,7 +38,7 @@ def _divisors(n: int) -> str:
 
 
 def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, sampler_tp: int = 1,
-                 learner_ep: int = 1, routing_replay: str = "off", learner_backend: str = "megatron") -> None:
+                 learner_ep: int = 1, routing_replay: str = "off") -> None:
     """ValueError naming the config key and the model dimension it does not divide; a dimension the
     check needs but config.json lacks is named too."""
 
@@ -66,10 +63,6 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
             raise ValueError(f"algo.routing_replay={routing_replay}: routing replay needs a mixture-of-experts "
                              f"model; model_type {hf_config.get('model_type')!r} is dense")
     else:
-        if learner_backend != "megatron":
-            raise ValueError(f"learner.backend={learner_backend}: mixture-of-experts models train on the megatron "
-                             "learner only (transformers holds the experts fused in memory, so the DeepSpeed learner "
-                             "would publish names no engine loads); use learner.backend=megatron")
         experts = moe.num_experts(hf_config)
         if experts % learner_ep:
             raise ValueError(f"learner.ep={learner_ep}: expert parallel size {learner_ep} does not divide "

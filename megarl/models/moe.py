@@ -27,6 +27,9 @@ so the conversion would not be exact), Qwen3-MoE with dense layers among the spa
 """
 from __future__ import annotations
 
+import re
+from typing import Iterator
+
 import torch
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
@@ -131,6 +134,34 @@ def hf_expert_names(cfg: dict, layer: int, expert: int) -> tuple[str, str, str]:
 
 def hf_router_name(cfg: dict, layer: int) -> str:
     return _hf_prefix(cfg, layer) + "gate.weight"
+
+
+# transformers 5.x's in-memory names of a layer's MoE MLP (both layouts: the sparse block is ``mlp``, its experts
+# fused [E, 2I, H] gate-then-up and [E, H, I] down, as the experts' forward chunks and applies them).
+_IN_MEMORY = re.compile(r"model\.layers\.(\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
+
+
+def per_expert_tensors(cfg: dict, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One parameter of a transformers model in memory -> the (name, tensor) pairs save_pretrained writes for it:
+    a fused expert tensor becomes one view per expert and projection, the router gets its on-disk name
+    (Mixtral's ``mlp.gate`` is ``block_sparse_moe.gate`` on disk); anything else passes through. Pure; views of
+    `tensor` (works on meta tensors too, for a publish spec)."""
+    match = _IN_MEMORY.match(name) if is_moe(cfg) else None
+    if match is None:
+        yield name, tensor
+        return
+    layer, part = int(match.group(1)), match.group(2)
+    if part == "gate.weight":
+        yield hf_router_name(cfg, layer), tensor
+        return
+    for e in range(tensor.shape[0]):
+        gate_name, up_name, down_name = hf_expert_names(cfg, layer, e)
+        if part == "experts.down_proj":
+            yield down_name, tensor[e]
+        else:
+            gate, up = tensor[e].chunk(2, dim=0)
+            yield gate_name, gate
+            yield up_name, up
 
 
 def mlp_hf_to_mcore(hf_state: dict, cfg: dict, layer: int) -> dict:

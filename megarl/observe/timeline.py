@@ -5,7 +5,10 @@ time (`time.time()`, comparable across the processes of one node):
   * learners write spans: {"kind": "wait" | "train" | "publish", "start": t0, "end": t1}
   * samplers write decode slices: {"kind": "decode", "start": t0, "end": t1, "tokens": n}, one per
     `slice_s` of wall time in which the engine produced tokens.
-`load_timeline(run_dir)` reads them back for plotting (benchmarks/plot_timeline.py). Records are
+  * both write, once, what they did before their first step: {"kind": "startup:<part>", "start", "end"}
+    (megarl/observe/startup.py).
+`load_timeline(run_dir)` reads them back for plotting (benchmarks/plot_timeline.py), without the start-up spans;
+`load_startup(run_dir)` reads those (benchmarks/vs_trl.py). Records are
 buffered (a sampler writes ~20 a second) and written whole (megarl/observe/jsonl.py), so a killed
 process leaves complete lines.
 """
@@ -14,6 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from megarl.observe.jsonl import JsonlAppender, read_jsonl
+
+STARTUP = "startup:"
 
 
 class Timeline:
@@ -28,6 +33,11 @@ class Timeline:
 
     def span(self, kind: str, start: float, end: float) -> None:
         self.file.append({"kind": kind, "start": start, "end": end})
+
+    def startup(self, spans: list[tuple[str, float, float]]) -> None:
+        """The process's start-up parts, (part, start, end) each (megarl.observe.startup.spans())."""
+        for part, start, end in spans:
+            self.span(STARTUP + part, start, end)
 
     def tokens(self, n: int, start: float, end: float) -> None:
         """Count the tokens of one engine step (wall-clock start/end) into the current slice. A slice
@@ -54,5 +64,14 @@ class Timeline:
 
 
 def load_timeline(run_dir: str | Path) -> dict[str, list[dict]]:
-    """{process name: its events}, e.g. {"learner0": [...], "sampler1": [...]}."""
+    """{process name: its events}, e.g. {"learner0": [...], "sampler1": [...]}; start-up spans left out."""
+    return {name: [e for e in events if not e["kind"].startswith(STARTUP)] for name, events in _read(run_dir).items()}
+
+
+def load_startup(run_dir: str | Path) -> dict[str, list[dict]]:
+    """{process name: its start-up spans, kind "startup:<part>", in order}."""
+    return {name: [e for e in events if e["kind"].startswith(STARTUP)] for name, events in _read(run_dir).items()}
+
+
+def _read(run_dir: str | Path) -> dict[str, list[dict]]:
     return {path.stem: read_jsonl(path) for path in sorted((Path(run_dir) / "timeline").glob("*.jsonl"))}

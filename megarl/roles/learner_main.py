@@ -34,6 +34,7 @@ from megarl.eval.learner_side import EvalCollector
 from megarl.eval.sets import due_versions
 from megarl.learner.nonfinite import NonfiniteSteps
 from megarl.models.layout import check_layout
+from megarl.observe import startup
 from megarl.observe.console import Console
 from megarl.observe.sinks import MetricsSink, RolloutSink
 from megarl.observe.timeline import Timeline
@@ -206,6 +207,8 @@ class RunOutputs:
         self.console = Console(cfg.run.steps, cfg.run.progress, cfg.run.dir)
         self.timeline = Timeline(cfg.run.dir, f"learner{rank}") if cfg.run.timeline else None
         self.recovery = recovery  # restarts / redone_steps, when this run resumed after a failure
+        if self.timeline is not None:  # what this process did before its first step
+            self.timeline.startup(startup.spans())
         self.last = time.perf_counter()
 
     def record(self, step: int, batch: TrainBatch, metrics: dict, wall: list[float], published: dict,
@@ -249,11 +252,12 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     torch.set_num_threads(cfg.learner.threads)
     # A raw torchrun launch skipped `megarl train`'s check: refuse the layout naming its key, before megatron asserts.
     check_layout(json.loads((Path(model_dir) / "config.json").read_text()), cfg.learner.tp, cfg.learner.pp,
-                 cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay, cfg.learner.backend)
+                 cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay)
     if cfg.sampler.engine == "sglang":  # before any NCCL communicator: NCCL reads these once
         from megarl.distributed.sglang_publish import set_publish_nccl_env
         set_publish_nccl_env()
     init_learner_group(topo, store, cfg.dist.backend, cfg.dist.timeout_s)
+    startup.mark("learner group")
     lead = topo.rank == 0  # owns the queue, the publish source and the run outputs
     resume_from = learner_resume_point(cfg, store, lead)  # the lead also tells the samplers
     sglang = cfg.sampler.engine == "sglang"  # then weights go to the samplers' servers, not to sampler ranks
@@ -268,7 +272,9 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                                     cfg.publish.timeout_s, cfg.publish.checksum, sender=part[2],
                                     senders=topo.publish_senders, wire_dtype=getattr(torch, cfg.publish.dtype),
                                     delta=cfg.publish.delta)
+    startup.mark("publish groups")
     learner = build_learner(str(model_dir), cfg)  # learner.backend: megatron | deepspeed
+    startup.mark("model build")
     resumed = learner_state.load(learner, resume_from) if resume_from is not None else None
     start_step = resumed["step"] if resumed else 0
     schedule = Schedule(cfg, start_step)
@@ -290,6 +296,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             from megarl.distributed.sglang_publish import SGLangPublisher
 
             publisher = SGLangPublisher.from_config(cfg, store, topo.num_samplers)  # waits for every server
+        startup.mark("intake, tokenizer")
         outputs = RunOutputs(cfg, topo.rank, recovery)
         if due_versions(cfg, learner.version):
             collector = EvalCollector(cfg, store, topo.num_engines, learner.version, start_step, outputs.record_eval,
@@ -318,7 +325,10 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 stopped = batch
                 break
             wall.append(time.time())
+            cpu = time.thread_time()
             metrics = train_on(learner, batch, cfg, step, nonfinite)
+            # The step's CPU time on this thread: against train_s, what the step lost waiting for a core.
+            metrics["train_cpu_s"] = time.thread_time() - cpu
             wall.append(time.time())
             published = {"bytes": 0, "seconds": 0.0}
             if learner.version != version:  # a skipped (non-finite) step changed nothing to publish

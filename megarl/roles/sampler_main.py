@@ -13,7 +13,8 @@ share of one batch and then waits, generating nothing, until the learner publish
 
 Evaluation (eval.sets): at the step boundary where a due version is current or staged, the sampler
 runs its share of the held-out sets to completion on an engine pinned to that version before its own
-engine steps again (megarl/eval/sampler_side.py); versions published meanwhile wait staged.
+engine steps again (megarl/eval/sampler_side.py); versions published meanwhile wait staged (built-in
+engine) or the thread that updates an HTTP engine's server waits before it (hold_update).
 
 Staleness budget (pipeline mode): a sampler may have at most ceil((max_lag + 1) * prompts_per_step / samplers)
 groups outstanding (started, not yet trained or dropped by the learner, which reports what it
@@ -41,13 +42,15 @@ from megarl.distributed.queue import QueueSender
 from megarl.distributed.secret import run_secret
 from megarl.distributed.topology import Topology, engine_tp_group, publish_groups, publish_stage_store
 from megarl.eval.sampler_side import VersionEvaluator
-from megarl.eval.sets import due_versions
+from megarl.eval.sets import due_versions, heldout_fraction
+from megarl.observe import startup
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
 from megarl.roles.learner_main import STOP_KEY, dropped_retired_key
 from megarl.rollout.agent import AgentRunner
 from megarl.rollout.environment import is_multi_turn
 from megarl.rollout.episode import Episode, EpisodeLimits, EpisodeRunner
+from megarl.rollout.heldout import TrainingSplit
 from megarl.rollout.rewards import check_reward, score_group
 from megarl.rollout.sandbox import hide_from_sandboxes
 from megarl.rollout.routes import RouteShape, check_routes
@@ -87,7 +90,9 @@ def builtin_engine(cfg: Config, topo: Topology, model_dir: Path, tp_group):
 
 def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, should_stop) -> StagedReceiver:
     """The receiver of this sampler rank's part of every version: one group per learner pipeline stage
-    (one at PP=1), of this rank's TP rank; a version is applied once every stage's part arrived."""
+    (one at PP=1), of this rank's TP rank; a version is applied once every stage's part arrived. `engine`
+    tells what a version carries (weight_spec), where it lands (device) and which version runs (version):
+    the engine itself, or its AdapterStager under learner.lora."""
     groups = publish_groups(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
     return StagedReceiver([(groups[part], publish_stage_store(store, *part)) for part in sorted(groups)],
                           engine.weight_spec(), engine.device, on_version=on_version,
@@ -118,11 +123,19 @@ class SamplerLoop:
                                        cfg.dist.timeout_s)
         else:
             self.engine = builtin_engine(cfg, topo, model_dir, None)
+        # learner.lora: versions carry only the adapter, merged into the base here (megarl/sampler/lora.py).
+        self.adapters = None
+        if cfg.learner.lora.rank > 0:
+            from megarl.sampler.lora import AdapterStager
+
+            self.adapters = AdapterStager.from_pretrained(self.engine, model_dir, cfg.learner.lora)
         # Sandboxed code (a python_output program, a tool call, a sandboxed reward) must not read the answers.
         hide_from_sandboxes(cfg.run.dir, cfg.task.path, cfg.checkpoint.dir)
         # MoE models: every sample's routes are checked here, where the sample is assembled (None: dense).
         self.route_shape = RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text()))
         self.task = task_from_config(cfg.task)
+        if (fraction := heldout_fraction(cfg)) is not None:  # eval.sets draws the held-out prompts: never trained on
+            self.task = TrainingSplit(self.task, fraction)
         if ":" in cfg.task.reward_fn and topo.role_rank == 0:  # `megarl train` checked it; a raw torchrun did not
             print(f"megarl: {check_reward(self.task, cfg.task.reward_fn)}", flush=True)
         # Group k of this sampler draws its prompt from prompt_rng(seed, role rank, k); a resumed run
@@ -164,7 +177,11 @@ class SamplerLoop:
         self.evaluator: VersionEvaluator | None = None  # eval.sets: this engine's share of each due version (run())
 
     def _on_version(self, version: int, tensors: dict, extra: dict) -> None:
-        self.engine.stage_weights(tensors, version)
+        self._hold_update(self.engine.version)  # vLLM applies it on the server now: not while a due version is evaluated
+        if self.adapters is not None:
+            self.adapters.stage(tensors, version)
+        else:
+            self.engine.stage_weights(tensors, version)
         self._on_published(version, extra)
 
     def _on_published(self, version: int, extra: dict) -> None:
@@ -177,8 +194,14 @@ class SamplerLoop:
 
             return SGLangWeightFollower.from_config(self.engine, self.store, self.cfg, self.topo,
                                                     on_published=self._on_published,
-                                                    should_stop=lambda: self.stopped).start()
-        return weight_receiver(self.cfg, self.topo, self.store, self.engine, self._on_version, lambda: self.stopped)
+                                                    should_stop=lambda: self.stopped,
+                                                    before_update=self._hold_update).start()
+        return weight_receiver(self.cfg, self.topo, self.store, self.adapters or self.engine, self._on_version,
+                               lambda: self.stopped)
+
+    def _hold_update(self, version_now: int) -> None:
+        if self.evaluator is not None:
+            self.evaluator.hold_update(version_now, lambda: self.stopped)
 
     def run(self) -> None:
         self.resume_version, retired = wait_for_announcement(self.store, self.cfg, self.topo.role_rank,
@@ -186,11 +209,14 @@ class SamplerLoop:
         if self.resume_version is not None:
             self.indices, self.started = retired.unretired(), len(retired)
             self.retired = self.started
+        startup.mark("engine, then the learner's announcement")
         if self.cfg.run.timeline:
             self.timeline = Timeline(self.cfg.run.dir, f"sampler{self.topo.rank}")
+            self.timeline.startup(startup.spans())  # what this process did before it generated
         if due_versions(self.cfg, self.resume_version or 0):
             self.evaluator = VersionEvaluator(self.cfg, self.store, self.tokenizer, self.topo.engine_index,
-                                              self.topo.num_engines, self.resume_version or 0)
+                                              self.topo.num_engines, self.resume_version or 0,
+                                              staged=self.cfg.sampler.engine == "builtin")
         receiver = self._start_weight_receiver()
         sender = QueueSender(self.store, self.cfg.queue.timeout_s, run_secret(), self.topo.rank)
         heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s)
@@ -219,7 +245,8 @@ class SamplerLoop:
                     self.evaluator.before_step(self.engine, heartbeat.beat)
                 had_work = self.engine.num_unfinished > 0
                 start, decoded = time.time(), self.engine.stats()["tokens_decoded"]
-                finished = self.engine.step() if self.evaluator is None else self.engine.step(apply_staged=False)
+                evaluator_stages = self.evaluator is not None and self.evaluator.staged  # it applied them above
+                finished = self.engine.step(apply_staged=False) if evaluator_stages else self.engine.step()
                 if had_work:
                     end = time.time()
                     self.busy_s += end - start

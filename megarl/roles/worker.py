@@ -17,10 +17,12 @@ from megarl.config.load import load_config, save_config
 from megarl.distributed.lifetime import install_stop_handlers, run_then_exit
 from megarl.distributed.topology import connect_store, topology_from_env
 from megarl.models.tiny import resolve_model_path
+from megarl.observe import startup
 from megarl.observe.quiet import silence_known_library_warnings
 
 
 def main(argv: list[str] | None = None) -> None:
+    startup.mark("python, imports")  # torch and megarl's config, topology, lifetime modules
     silence_known_library_warnings()  # megatron-core's import-time fallback notices (megarl.observe.quiet)
     install_stop_handlers()  # SIGTERM/SIGINT/SIGHUP end the run at a step boundary (megarl.distributed.lifetime)
     argv = sys.argv[1:] if argv is None else argv
@@ -28,8 +30,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: torchrun ... -m megarl.roles.worker CONFIG [key=value ...]")
     cfg = load_config(argv[0], argv[1:])
     topo = topology_from_env(cfg)
+    startup.mark("config")
     store = connect_store(topo, cfg.dist.timeout_s)
+    startup.mark("store (rendezvous)")
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    startup.mark("model path")
     if topo.rank == 0:  # the rank that writes run.dir holds it (a raw torchrun launch), or its launcher does
         try:
             run_lock.hold(cfg.run.dir)
@@ -43,10 +48,12 @@ def main(argv: list[str] | None = None) -> None:
     if topo.role == "learner":
         from megarl.roles.learner_main import run_learner
 
+        startup.mark("role imports")
         run_learner(cfg, topo, store, model_dir)
     else:
         from megarl.roles.sampler_main import run_sampler
 
+        startup.mark("role imports")
         run_sampler(cfg, topo, store, model_dir)
 
 

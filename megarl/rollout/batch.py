@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from megarl.algo.advantages import compute_advantages, filter_groups
+from megarl.algo.values import terminal_rewards
 from megarl.algo.config import AdvantageConfig
 from megarl.protocols import Sample, TrainBatch
 from megarl.rollout.routes import RouteShape, pack_routes
@@ -60,5 +61,6 @@ def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id:
         adv[i, p:p + c] = advantages[i]
     batch = TrainBatch(input_ids=input_ids, loss_mask=loss_mask, behaviour_logprobs=behaviour,
                        versions=versions, advantages=adv, learner_version=learner_version, samples=samples,
-                       routes=pack_routes(samples, width, route_shape, routes_required))
+                       routes=pack_routes(samples, width, route_shape, routes_required),
+                       rewards=terminal_rewards(rewards, loss_mask) if adv_cfg.estimator == "gae" else None)
     return batch, counts

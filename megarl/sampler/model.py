@@ -1,4 +1,4 @@
-"""Pure-torch forward pass of a Qwen2/Llama-family decoder (and Mixtral-style MoE), for the built-in sampler engine.
+"""Pure-torch forward pass of a Qwen2/Llama-family decoder (and Mixtral / Qwen3-MoE), for the built-in sampler engine.
 
 This module owns the model math and the KV-cache layout; it owns no scheduling (that is
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
@@ -20,9 +20,11 @@ memory they touch, not by FLOPs; the layout choices (documented where they are m
 docs/sampler.md) remove kernels.  Numerics follow transformers' (RoPE and RMSNorm in fp32, HF's
 ``rotate_half`` pairing, same attention scale): fp32 log-probs agree with HF to ~2e-6.
 
-Mixture of experts (``model_type: mixtral``): every layer's MLP is a router and `num_experts` SwiGLU
-experts.  The router is Mixtral's: softmax over the router logits in fp32, the top-k probabilities
-renormalised to sum to 1, each chosen expert's output weighted by its share.  The forward computes all
+Mixture of experts (``model_type: mixtral`` or ``qwen3_moe``): every layer's MLP is a router and `num_experts`
+SwiGLU experts.  The router is transformers': softmax over the router logits in fp32, the top-k probabilities
+(renormalised to sum to 1 for Mixtral, and for Qwen3-MoE with ``norm_topk_prob``), each chosen expert's output
+weighted by its share.  Qwen3-MoE's attention also RMS-normalises every query and key head (``q_norm`` /
+``k_norm``, over head_dim, before RoPE).  The forward computes all
 experts of a layer in two matmuls and combines them with a [tokens, experts] weight that is zero off
 the chosen k (the same sum transformers' per-expert loop makes, in another order): at the sizes this CPU
 engine serves, a decode step is bound by kernel count, not FLOPs (E / k times the expert FLOPs is the
@@ -43,10 +45,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarl.models import convert, tp_shard
+from megarl.models import convert, moe, tp_shard
 from megarl.models.convert import load_pretrained  # noqa: F401 - the engine's loader, shared with the learner
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mixtral")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mixtral", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,10 @@ class ModelSpec:
     # experts per token; `intermediate_size` is then one expert's width.
     num_experts: int = 0
     top_k: int = 0
+    # Whether the router renormalises its top-k probabilities (Mixtral always; Qwen3-MoE's norm_topk_prob).
+    norm_topk: bool = True
+    # Per-head RMSNorm of queries and keys before RoPE (Qwen3's q_norm / k_norm).
+    qk_norm: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -114,16 +120,18 @@ class ModelSpec:
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         # Qwen2 always has q/k/v biases and none on o_proj; Llama's attention_bias covers q/k/v/o.
         attention_bias = bool(cfg.get("attention_bias", False))
-        num_experts = int(cfg.get("num_local_experts") or 0) if model_type == "mixtral" else 0
-        top_k = int(cfg.get("num_experts_per_tok") or 0) if model_type == "mixtral" else 0
-        if model_type == "mixtral" and not (num_experts >= 2 and 1 <= top_k <= num_experts):
-            raise ValueError(f"num_local_experts={num_experts}, num_experts_per_tok={top_k}: a mixture of experts "
+        is_moe = model_type in moe.MOE_MODEL_TYPES
+        num_experts, top_k = (moe.num_experts(cfg), moe.top_k(cfg)) if is_moe else (0, 0)
+        if is_moe and not (num_experts >= 2 and 1 <= top_k <= num_experts):
+            raise ValueError(f"num_experts={num_experts}, num_experts_per_tok={top_k}: a mixture of experts "
                              f"needs >= 2 experts and 1 <= experts per token <= experts")
+        if is_moe:
+            moe.check_moe(cfg)  # the layouts megarl maps exactly (dense layers in between, router noise: named)
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=moe.expert_ffn_size(cfg) if is_moe else int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -137,6 +145,8 @@ class ModelSpec:
             rope_scaling=rope_scaling,
             num_experts=num_experts,
             top_k=top_k,
+            norm_topk=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+            qk_norm=model_type == "qwen3_moe",
         )
 
     def shard(self, tp_size: int) -> "ModelSpec":
@@ -155,6 +165,11 @@ class ModelSpec:
                                  tp_size)
         return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
                        intermediate_size=self.intermediate_size // tp_size, tp_size=tp_size)
+
+    @property
+    def _hf_config(self) -> dict:
+        """What megarl.models.moe needs to name this model's MoE tensors."""
+        return {"model_type": self.model_type}
 
     @property
     def shard_vocab(self) -> int:
@@ -178,11 +193,13 @@ class ModelSpec:
             shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)
+            if self.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (d,)
             if self.is_moe:
-                shapes[p + "block_sparse_moe.gate.weight"] = (self.num_experts, h)
+                shapes[moe.hf_router_name(self._hf_config, layer)] = (self.num_experts, h)
                 for e in range(self.num_experts):
-                    for name, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i))):
-                        shapes[p + f"block_sparse_moe.experts.{e}.{name}.weight"] = shape
+                    for name, shape in zip(moe.hf_expert_names(self._hf_config, layer, e), ((i, h), (i, h), (h, i))):
+                        shapes[name] = shape
                 continue
             for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
                 shapes[p + f"mlp.{name}.weight"] = shape
@@ -297,6 +314,7 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # MoE: [experts * intermediate, hidden], every expert's w2 stacked along its input
     down_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None = None  # Qwen3: [heads + kv_heads, head_dim] per-head RMSNorm weights (RoPE order)
 
 
 @dataclass
@@ -351,19 +369,27 @@ def prepare_weights(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Runtim
     def bias(*names: str) -> torch.Tensor | None:
         return torch.cat([w[n] for n in names]) if names[0] in w else None
 
-    def moe_parts(moe: str) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """([router, w1_0, w3_0, w1_1, w3_1, ...] as [out, in] parts, the stacked w2s as [E * i, hidden])."""
-        experts = range(spec.num_experts)
-        gate_up = [t for e in experts for t in (w[f"{moe}experts.{e}.w1.weight"], w[f"{moe}experts.{e}.w3.weight"])]
-        down = torch.cat([w[f"{moe}experts.{e}.w2.weight"] for e in experts], dim=1).t().contiguous()
-        return [w[moe + "gate.weight"], *gate_up], down
+    def moe_parts(layer: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """([router, gate_0, up_0, gate_1, up_1, ...] as [out, in] parts, the stacked downs as [E * i, hidden])."""
+        names = [moe.hf_expert_names(spec._hf_config, layer, e) for e in range(spec.num_experts)]
+        gate_up = [w[n] for gate, up, _ in names for n in (gate, up)]
+        down = torch.cat([w[down] for _, _, down in names], dim=1).t().contiguous()
+        return [w[moe.hf_router_name(spec._hf_config, layer)], *gate_up], down
+
+    def qk_norm(attn: str) -> torch.Tensor | None:
+        """[heads + kv_heads, head_dim]: q_norm's weight for every query head, k_norm's for every key head, in
+        the RoPE-interleaved order of their rows (an RMSNorm's mean is unchanged by the permutation)."""
+        if not spec.qk_norm:
+            return None
+        q, k = (_interleave_rope_pairs(w[f"{attn}{n}.weight"], 1, hd) for n in ("q_norm", "k_norm"))
+        return torch.cat([q.expand(spec.num_heads, hd), k.expand(spec.num_kv_heads, hd)])
 
     layers = []
     for layer in range(spec.num_layers):
         p = f"model.layers.{layer}."
         attn, mlp = p + "self_attn.", p + "mlp."
         if spec.is_moe:
-            gate_up_parts, down = moe_parts(p + "block_sparse_moe.")
+            gate_up_parts, down = moe_parts(layer)
         else:
             gate_up_parts = [w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]
             down = _mm_operand(w[mlp + "down_proj.weight"])
@@ -376,6 +402,7 @@ def prepare_weights(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Runtim
             gate_up_bias=bias(mlp + "gate_proj.bias", mlp + "up_proj.bias"),
             down=down,
             down_bias=w.get(mlp + "down_proj.bias"),
+            qk_norm=qk_norm(attn),
         ))
     embed = w["model.embed_tokens.weight"]
     return RuntimeWeights(
@@ -403,6 +430,14 @@ def _rms_norm(x: torch.Tensor, tables: ForwardTables) -> torch.Tensor:
     mean_sq = torch.addcdiv(tables.norm_eps, (h * h).sum(-1, keepdim=True), tables.norm_dim)  # eps + sum / dim
     out = h * mean_sq.rsqrt_()
     return out if fp32 else out.to(x.dtype)
+
+
+def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, tables: ForwardTables) -> torch.Tensor:
+    """Qwen3's per-head q/k RMSNorm of x [N, heads, head_dim] as transformers computes it: normalised in fp32,
+    cast back, times the weight [heads, head_dim]."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + tables.norm_eps)
+    return weight * h.to(x.dtype)
 
 
 def _linear(h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -511,7 +546,10 @@ def forward(
     for layer, lw in enumerate(weights.layers):
         h = _rms_norm(x, tables)
         qkv = _linear(h, lw.qkv, lw.qkv_bias).view(tokens, nh + 2 * nkv, hd)
-        qk = _rotate(qkv[:, : nh + nkv], rot)
+        qk = qkv[:, : nh + nkv]
+        if lw.qk_norm is not None:
+            qk = _head_rms_norm(qk, lw.qk_norm, tables)
+        qk = _rotate(qk, rot)
         k_cache, v_cache = cache.k[layer, slots], cache.v[layer, slots]  # views: writes land in the cache
         k_cache.scatter_(3, k_idx, qk[:, nh:].view(bsz, seq, nkv, hd).permute(0, 2, 3, 1))
         v_cache.scatter_(2, v_idx, qkv[:, nh + nkv:].view(bsz, seq, nkv, hd).transpose(1, 2))
@@ -542,16 +580,19 @@ def forward(
 
 
 def _moe_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral's routing over one layer's fused projection [N, E + E * 2 * i] (router logits, then each
+    """The routing over one layer's fused projection [N, E + E * 2 * i] (router logits, then each
     expert's gate and up).  Returns (the chosen experts [N, k] in top-k order, the weighted expert
-    activations [N, E * i], the input of the stacked w2s).
+    activations [N, E * i], the input of the stacked downs).
 
-    As transformers' MixtralTopKRouter: softmax over the logits in fp32, top-k of the probabilities,
-    renormalised over the k; an expert's SwiGLU activation is scaled by its share (zero off the k)."""
+    As transformers' MixtralTopKRouter / Qwen3MoeTopKRouter: softmax over the logits in fp32, top-k of the
+    probabilities, renormalised over the k (Mixtral; Qwen3-MoE with norm_topk_prob); an expert's SwiGLU
+    activation is scaled by its share (zero off the k)."""
     experts, tokens = spec.num_experts, projected.shape[0]
     probs = torch.softmax(projected[:, :experts].float(), dim=-1)
     top_probs, chosen = torch.topk(probs, spec.top_k, dim=-1)
-    share = torch.zeros_like(probs).scatter_(1, chosen, top_probs / top_probs.sum(dim=-1, keepdim=True))
+    if spec.norm_topk:
+        top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
+    share = torch.zeros_like(probs).scatter_(1, chosen, top_probs)
     gate_up = projected[:, experts:].view(tokens, experts, 2, spec.intermediate_size)
     act = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * share.to(projected.dtype)[:, :, None]
     return chosen, act.view(tokens, experts * spec.intermediate_size)

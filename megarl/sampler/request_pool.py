@@ -3,9 +3,13 @@
 Each request runs `generate(request) -> Completion` (one streaming HTTP call) on a thread of its own for
 its whole stream, so the pool's size caps the requests in flight at the server; the rest wait in the
 pool's queue. `finished()` hands back what ended since the last call, re-raising a request's error.
+
+`pinned_view` is an evaluation's view of such an engine (megarl/eval/sampler_side.py): the same server, a
+pool of its own, so the sampler's evaluation and its training requests never collect each other's completions.
 """
 from __future__ import annotations
 
+import copy
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -52,3 +56,15 @@ class RequestPool:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def pinned_view(engine, max_running: int):
+    """The engine `engine` (SGLangEngine, VLLMEngine) as an evaluation sees it: the same server, client and
+    update records, its own request threads, its version fixed at the engine's now. Nothing pins the server
+    itself: the sampler holds the next update until the evaluation is done (VersionEvaluator.hold_update),
+    and every token's version, read as for any request (the server's labels; vLLM's update counts, shared
+    with the engine), is checked against the fixed one. Closing the view stops its threads, not the server."""
+    view = copy.copy(engine)
+    view.requests = RequestPool(max_running, "eval")
+    view.server = None
+    return view

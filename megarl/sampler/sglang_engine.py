@@ -54,6 +54,7 @@ import http.client
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -69,7 +70,7 @@ from megarl.distributed.sglang_publish import GROUP_KEY, SPEC_KEY, load_spec, up
 from megarl.models import moe
 from megarl.protocols import Completion, GenerationRequest
 from megarl.rollout.routes import RouteShape
-from megarl.sampler.request_pool import RequestPool
+from megarl.sampler.request_pool import RequestPool, pinned_view
 
 # The SGLang releases megarl drives correctly, oldest and newest (bounds explained in docs/sglang.md;
 # tests/sampler/sglang_contract/ runs megarl's requests through both releases' own code).
@@ -230,11 +231,13 @@ def server_env(env: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- process
-def server_command(cfg, model_dir: str | Path, port: int, seed: int) -> list[str]:
+def server_command(cfg, model_dir: str | Path, port: int, seed: int, secret_args: Path | None = None) -> list[str]:
     """The launch command of one sampler's server: SGLang's launch_server flags, with megarl's extras for
-    the built-in server (its context length, slots and KV policy follow the sampler config)."""
+    the built-in server (its context length, slots and KV policy follow the sampler config). `secret_args`:
+    the file of flags nobody else may read (write_secret_args), passed as SGLang's `--config`."""
     sc = cfg.sampler.sglang
-    common = ["--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--random-seed", str(seed),
+    common = [*(["--config", str(secret_args)] if secret_args is not None else []),
+              "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--random-seed", str(seed),
               "--weight-version", "0", "--skip-tokenizer-init",
               "--max-running-requests", str(cfg.sampler.max_running),
               # The length budget of every request is computed against this (new_token_budget).
@@ -255,6 +258,17 @@ def server_command(cfg, model_dir: str | Path, port: int, seed: int) -> list[str
     return [sys.executable, "-m", "sglang.launch_server", *common, "--tp-size", str(sc.tp), *sc.server_args]
 
 
+def write_secret_args(path: Path, api_key: str) -> Path:
+    """The server's `--api-key` in a YAML flags file only this user can read (a command line is visible to
+    every user of the machine in /proc); created fresh, never over an existing file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"api-key: {json.dumps(api_key)}\n")
+    return path
+
+
 _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform == "linux" else None
 
 
@@ -273,7 +287,8 @@ class ServerProcess:
     def __init__(self, cmd: list[str], env: dict, log_path: Path, url: str):
         self.cmd, self.url, self.log_path = cmd, url, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
+        # Owner-only: servers log their arguments at start-up, and the log names the run's requests.
+        with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
             # Its own session: stop() ends the server and everything it spawned (SGLang's scheduler and
             # detokenizer processes) with one killpg, without touching this process's group.
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -324,9 +339,12 @@ class ServerProcess:
 class HTTPClient:
     """JSON over HTTP to one server; every call has a timeout and failures name the route and server."""
 
-    def __init__(self, host: str, port: int, timeout_s: float, describe=lambda: ""):
+    def __init__(self, host: str, port: int, timeout_s: float, describe=lambda: "", api_key: str | None = None):
         self.host, self.port, self.timeout_s, self.describe = host, port, timeout_s, describe
         self.url = f"http://{host}:{port}"
+        self.headers = {"Content-Type": "application/json"}
+        if api_key is not None:  # the server's --api-key: every call but /health needs it
+            self.headers["Authorization"] = f"Bearer {api_key}"
 
     def error(self, route: str, why: str) -> SGLangError:
         tail = self.describe()
@@ -336,7 +354,7 @@ class HTTPClient:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
         try:
             payload = None if body is None else json.dumps(body).encode()
-            conn.request(method, route, body=payload, headers={"Content-Type": "application/json"})
+            conn.request(method, route, body=payload, headers=self.headers)
             return conn, conn.getresponse()
         except TimeoutError:
             conn.close()
@@ -437,12 +455,19 @@ class SGLangEngine:
         route_shape = None
         if cfg.algo.routing_replay == "r3":
             route_shape = RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text()))
-        cmd = server_command(cfg, model_dir, port, seed=cfg.run.seed * 1000 + topo.rank)
+        # A key of this server's own: any local process can reach 127.0.0.1, and the server's routes pause
+        # generation and load weights (docs/security.md).
+        api_key = secrets.token_urlsafe(32)
+        secret_args = write_secret_args(Path(cfg.run.dir) / "sglang" / f"sampler{topo.role_rank}.secret.yaml", api_key)
+        cmd = server_command(cfg, model_dir, port, seed=cfg.run.seed * 1000 + topo.rank, secret_args=secret_args)
         server = ServerProcess(cmd, env, Path(cfg.run.dir) / "sglang" / f"sampler{topo.role_rank}.log",
                                f"http://127.0.0.1:{port}")
-        client = HTTPClient("127.0.0.1", port, sc.request_timeout_s, describe=server.log_tail)
+        client = HTTPClient("127.0.0.1", port, sc.request_timeout_s, describe=server.log_tail, api_key=api_key)
         try:
-            server.wait_healthy(client, sc.startup_timeout_s)
+            try:
+                server.wait_healthy(client, sc.startup_timeout_s)
+            finally:
+                secret_args.unlink(missing_ok=True)  # read at start-up; healthy (or dead) means it was read
             info = client.get("/server_info")  # both supported releases serve it (/get_server_info: deprecated)
             if info[0] != 200:
                 raise client.error("/server_info", f"HTTP {info[0]}: {info[1][:2000].decode(errors='replace')}")
@@ -483,6 +508,11 @@ class SGLangEngine:
         if self.server is not None:
             self.server.check_alive()
         return self.requests.finished()
+
+    def pinned(self, *, max_running: int, seed: int) -> "SGLangEngine":
+        """An evaluation's view (request_pool.pinned_view). `seed` is not sent: the server samples with its own
+        generator, so a score here is of one version but not the sample-for-sample twin of `megarl eval`'s."""
+        return pinned_view(self, max_running)
 
     def stage_weights(self, named_tensors, version: int) -> None:
         raise TypeError("SGLangEngine receives weights on the server, over SGLang's weight-update group "
@@ -573,18 +603,22 @@ class SGLangWeightFollower:
 
     Same surface as the built-in receivers (`start()`, `join()`, `error`), so the sampler loop treats both alike."""
 
-    def __init__(self, engine: SGLangEngine, store, rank_offset: int, on_published, should_stop):
+    def __init__(self, engine: SGLangEngine, store, rank_offset: int, on_published, should_stop,
+                 before_update=lambda version: None):
         self.engine, self.store, self.rank_offset = engine, store, rank_offset
         self.on_published, self.should_stop = on_published, should_stop
+        # Called with the server's version before each update leaves it: evaluation holds a due version there.
+        self.before_update = before_update
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="megarl-sglang-weights", daemon=True)
 
     @classmethod
-    def from_config(cls, engine: SGLangEngine, store, cfg, topo, on_published, should_stop) -> "SGLangWeightFollower":
+    def from_config(cls, engine: SGLangEngine, store, cfg, topo, on_published, should_stop,
+                    before_update=lambda version: None) -> "SGLangWeightFollower":
         from megarl.distributed.topology import sglang_group_layout
 
         _, offsets = sglang_group_layout(topo.num_samplers, cfg.sampler.sglang.tp)
-        return cls(engine, store, offsets[topo.role_rank], on_published, should_stop)
+        return cls(engine, store, offsets[topo.role_rank], on_published, should_stop, before_update)
 
     def start(self) -> "SGLangWeightFollower":
         self.thread.start()
@@ -611,6 +645,7 @@ class SGLangWeightFollower:
                 header = json.loads(self.store.get(header_key(index)))
                 if calls is None:
                     weight_format, calls = load_spec(self.store.get(SPEC_KEY))
+                self.before_update(self.engine.version)
                 self.engine.update_weights(header["version"], weight_format, calls)
                 self.on_published(header["version"], header.get("extra", {}))
                 index += 1

@@ -35,6 +35,11 @@ the int32 [seqlen - 1 - routed_experts_start_len, num_hidden_layers, top_k] rout
 model, the field is absent, as SGLang's (no capturer); a start outside [0, prompt tokens] is refused
 with SGLang's message.
 
+Authentication, as SGLang's `--api-key` (utils/auth.py, no admin key): with a key, every route but
+/health*, /ready* and /metrics* needs `Authorization: Bearer <key>`, else 401 {"error": "Unauthorized"}
+before the body is read. `--config FILE` reads flags from a YAML mapping as SGLang does (command-line flags
+win), which is how megarl passes the key: a command line is readable by every user of the machine.
+
 Streams are SGLang's default (non-incremental) ones: a chunk every `--stream-interval` tokens (or the
 request's sampling param `stream_interval`; the first token always), each cumulative — `output_ids`,
 `meta_info.output_token_logprobs` and `text` (none with --skip-tokenizer-init) hold every token so far,
@@ -67,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hmac
 import json
 import logging
 import os
@@ -81,6 +87,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterator
 
+import yaml
+
 log = logging.getLogger("megarl.sglang_server")
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT default
@@ -92,6 +100,8 @@ SAMPLING_PARAMS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_toke
                    "stream_interval"}
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 IMITATES = "0.5.23"  # the SGLang release whose behaviour this server reproduces (docs/sglang.md)
+# Routes SGLang serves without its --api-key (probes and Prometheus), matched by prefix as it does.
+UNAUTHENTICATED_PREFIXES = ("/health", "/ready", "/metrics")
 
 
 class BadRequest(ValueError):
@@ -409,6 +419,7 @@ class Server:
 
     def __init__(self, args):
         self.args = args
+        self.api_key = args.api_key
         self.loop = EngineLoop(args, args.model_path)
         self.tokenizer = None
         if not args.skip_tokenizer_init:
@@ -645,12 +656,16 @@ def make_handler(server: Server):
             log.debug("%s " + fmt, self.address_string(), *args)
 
         def do_GET(self):
+            if not self._authorized():
+                return
             handler = server.get_routes.get(self._route())
             if handler is None:
                 return self._send(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
             self._call(handler, None)
 
         def do_POST(self):
+            if not self._authorized():
+                return
             route = self._route()
             if route not in server.post_routes:
                 return self._send(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
@@ -665,6 +680,19 @@ def make_handler(server: Server):
 
         def _route(self) -> str:
             return self.path.split("?", 1)[0]
+
+        def _authorized(self) -> bool:
+            """SGLang's --api-key rule (utils/auth.py decide_request_auth, no admin key: every route megarl
+            calls is NORMAL or ADMIN_OPTIONAL there): with a key, every route but /health*, /ready* and /metrics*
+            needs `Authorization: Bearer <key>`, checked before the body is read; 401 {"error": "Unauthorized"}."""
+            if server.api_key is None or self._route().startswith(UNAUTHENTICATED_PREFIXES):
+                return True
+            scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+            if scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), server.api_key.encode()):
+                return True
+            self.close_connection = True  # the body, if any, stays unread
+            self._send(HTTPStatus.UNAUTHORIZED, {"error": "Unauthorized"})
+            return False
 
         def _call(self, handler, body):
             try:
@@ -714,6 +742,27 @@ def make_handler(server: Server):
     return Handler
 
 
+def config_file_args(argv: list[str]) -> list[str]:
+    """SGLang's `--config FILE` (utils/server_args_config_parser.py): the YAML mapping's keys become flags put
+    before the command line's (which therefore win); true -> the bare flag, false -> left out."""
+    if "--config" not in argv:
+        return argv
+    i = argv.index("--config")
+    if i == len(argv) - 1:
+        raise SystemExit("--config needs a YAML file")
+    with open(argv[i + 1]) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"--config {argv[i + 1]}: not a YAML mapping")
+    flags = []
+    for key, value in data.items():
+        if value is True:
+            flags.append(f"--{key}")
+        elif value is not False:
+            flags += [f"--{key}", str(value)]
+    return flags + argv[:i] + argv[i + 2:]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megarl.sampler.sglang_server",
                                 description="SGLang-compatible HTTP server around megarl's built-in engine")
@@ -731,6 +780,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds; weight-update group and broadcasts")
     p.add_argument("--device", default="cpu")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--api-key", default=None,
+                   help="every route but /health, /ready, /metrics needs `Authorization: Bearer KEY` (pass it in "
+                        "a --config file: a command line is readable by every user of the machine)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="required: this server's spans are exact, as SGLang's are only without the overlap scheduler")
     p.add_argument("--disable-radix-cache", action="store_true",
@@ -746,7 +798,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the engine's KV policy on a weight update: keep = pause mode in_place, recompute = retract")
     p.add_argument("--debug-hang-on-update", action="store_true",
                    help="fault injection: /update_weights_from_distributed never returns (tests of client timeouts)")
-    args = p.parse_args(argv)
+    args = p.parse_args(config_file_args(sys.argv[1:] if argv is None else list(argv)))
     if args.stream_interval < 1:
         p.error(f"--stream-interval {args.stream_interval} must be >= 1")
     if not args.disable_overlap_schedule:

@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ import torch
 
 from megarl.protocols import Completion, GenerationRequest
 from megarl.sampler import sglang_engine
-from megarl.sampler.request_pool import RequestPool
+from megarl.sampler.request_pool import RequestPool, pinned_view
 from megarl.sampler.vllm_ext import megarl_vllm_worker as ext
 
 EXT_DIR = Path(__file__).resolve().parent / "vllm_ext"
@@ -231,8 +232,12 @@ class VLLMEngine:
     def start(cls, cmd, env, log_path: Path, port: int, *, model_dir, max_running: int, context_length: int,
               startup_timeout_s: float, request_timeout_s: float, update_timeout_s: float = 120.0,
               bucket_mb: float = 16.0, kv_on_update: str = "keep") -> "VLLMEngine":
-        server = _Server(cmd, env, Path(log_path), f"http://127.0.0.1:{port}")
-        client = _Client("127.0.0.1", port, request_timeout_s, describe=server.log_tail)
+        # A key of this server's own, in its environment (readable by this user only, unlike its command line).
+        # vLLM 0.32 checks it on /v1, /v2, /inference and /cohere only: the dev-mode routes megarl updates
+        # weights through (/pause, /collective_rpc, /resume) stay open to local processes (docs/security.md).
+        api_key = secrets.token_urlsafe(32)
+        server = _Server(cmd, {**env, "VLLM_API_KEY": api_key}, Path(log_path), f"http://127.0.0.1:{port}")
+        client = _Client("127.0.0.1", port, request_timeout_s, describe=server.log_tail, api_key=api_key)
         try:
             server.wait_healthy(client, startup_timeout_s)
             engine = cls(client, model_dir=model_dir, max_running=max_running, context_length=context_length,
@@ -277,6 +282,11 @@ class VLLMEngine:
 
     def stats(self) -> dict:
         return dict(self._stats, **self.requests.stats(), version=self._version)
+
+    def pinned(self, *, max_running: int, seed: int) -> "VLLMEngine":
+        """An evaluation's view (request_pool.pinned_view): its requests' versions come from the update records
+        it shares with this engine. `seed` is not sent: the server samples with its own generator."""
+        return pinned_view(self, max_running)
 
     def generate(self, requests: list[GenerationRequest], timeout_s: float = 600.0) -> list[Completion]:
         """Run the given requests to the end; completions in request order (tests, benchmarks)."""

@@ -1,14 +1,17 @@
 """End to end: `megarl train` saves checkpoints, a second `megarl train run.resume=true` continues the
-run (steps, versions, data position, samplers on the resumed weights), and `megarl export` gives an
-HF model whose log-probs are the samplers' behaviour log-probs."""
+run (steps, versions, data position, samplers on the resumed weights), `megarl export` gives an
+HF model whose log-probs are the samplers' behaviour log-probs, and `megarl eval --checkpoint` scores a
+checkpoint exactly as the run evaluated that version."""
 import json
+
+import pytest
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from megarl.checkpoint import storage
 from megarl.checkpoint.position import RetiredIndices
-from megarl.observe.sinks import train_records
+from megarl.observe.sinks import eval_records, train_records
 from tests.helpers import REPO, run_python
 
 DEMO = str(REPO / "configs" / "demo.yaml")
@@ -76,3 +79,21 @@ def test_train_stop_resume_and_export(embedded_think_model_dir, tmp_path):
             got = logp[p - 1:].gather(1, ids[0, p:, None]).squeeze(1)
             worst = max(worst, (got - torch.tensor(r["behaviour_logprobs"], dtype=torch.float64)).abs().max().item())
     assert worst < 1e-4
+
+    # `megarl eval --checkpoint`: the run's last checkpoint scored without training equals the run's own evaluation
+    # of that version (the demo evaluates the last one), sample for sample: the same weights (fp32, published vs
+    # checkpointed), sets, seeds and batch size.
+    from megarl.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["eval", DEMO, "run.steps=10", *small, "--checkpoint", str(ckpt), "--out", str(tmp_path / "ckpt_eval.json")])
+    assert done.value.code == 0
+    result = json.loads((tmp_path / "ckpt_eval.json").read_text())
+    assert result["version"] == 10 and result["model"] == str(ckpt / "step_00000010")
+    in_run = [{k: v for k, v in r.items() if k not in ("eval_version", "share")}
+              for r in read_jsonl(run_dir / "eval_samples.jsonl") if r["eval_version"] == 10]
+    assert in_run and result["records"] == in_run
+    run_metrics = [e for e in eval_records(read_jsonl(run_dir / "metrics.jsonl")) if e["eval_version"] == 10]
+    assert len(run_metrics) == 1
+    assert {k: v for k, v in result["metrics"].items() if k != "eval_s"} == \
+        {k: v for k, v in run_metrics[0].items() if k.startswith("eval/") and k != "eval/publishes_during"}

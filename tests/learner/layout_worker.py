@@ -1,7 +1,7 @@
 """One torchrun rank of the cross-layout tests: for each layout, log-probs, one step, published weights.
 
-argv: model_dir batch.pt out_dir layouts.json (a layout's "routing_replay" key goes to the learner, the rest to
-LearnerConfig; the batch's routes, if any, are replayed in the log-probs too).  Every rank writes `{layout}.rank{r}.pt` with the
+argv: model_dir batch.pt out_dir layouts.json (a layout's "routing_replay" key goes to the learner, its "critic"
+key to a CriticConfig (advantage.estimator=gae), the rest to LearnerConfig; the batch's routes, if any, are replayed in the log-probs too).  Every rank writes `{layout}.rank{r}.pt` with the
 log-probs and metrics it saw, its (tp, pp, dp) ranks, the whole HF-named tensors it publishes
 (`publish_tensors`; the weight publisher's source per stage is its TP/DP rank 0, so the test can
 rebuild the full model from those), and its TP slices of them (`publish_shards`) with their bytes.
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megarl.algo.config import LossConfig
+from megarl.algo.config import CriticConfig, LossConfig
 from megarl.config.schema import LearnerConfig
 from megarl.distributed.lifetime import exit_process
 from megarl.learner.megatron import MegatronLearner, publish_bytes
@@ -24,7 +24,9 @@ dist.init_process_group("gloo")
 for name, layout in layouts.items():
     layout = dict(layout)
     replay = layout.pop("routing_replay", "off")
-    learner = MegatronLearner(model_dir, LearnerConfig(**layout), LossConfig(), routing_replay=replay)
+    critic = layout.pop("critic", None)
+    learner = MegatronLearner(model_dir, LearnerConfig(**layout), LossConfig(), routing_replay=replay,
+                              critic_cfg=CriticConfig(**critic) if critic is not None else None)
     logprobs = learner.logprobs(batch.input_ids, batch.routes)
     metrics = learner.train_step(batch)
     published = dict(learner.publish_tensors())  # both are collective over TP: every rank iterates

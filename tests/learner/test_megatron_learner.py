@@ -198,6 +198,11 @@ LAYOUTS = {
     "tp2_distributed_optimizer_recompute": {"tp": 2, "micro_batch_size": 16, "use_distributed_optimizer": True,
                                             "recompute_activations": "full"},
 }
+# advantage.estimator=gae: the replicated critic (megarl.learner.critic) over DP2 (rows split, grads and whitening
+# statistics summed) and PP2 (every stage computes the same advantages), against its own TP1 reference.
+CRITIC = {"target": "vtrace", "lr": 1e-2, "value_clip": 0.2, "gamma": 0.9, "lam": 0.95}
+CRITIC_LAYOUTS = {"dp2_critic": {"dp": 2, "micro_batch_size": 16, "critic": CRITIC},
+                  "pp2_critic": {"pp": 2, "micro_batch_size": 16, "critic": CRITIC}}
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> bool:
@@ -236,9 +241,21 @@ def _sources(ranks: list[dict]) -> list[dict]:
 def test_every_layout_matches_tp1(model_dir, world, tmp_path):
     """Real 2-process torchruns (gloo): TP2, DP2, PP2 (fixed rows and token-budget micro-batches) and the
     distributed optimizer give the TP1 per-token log-probs, loss and grad norm, and one optimizer step
-    gives the same full weights, all to 1e-5 relative.  Every layout's publish_shards are its TP slices."""
+    gives the same full weights, all to 1e-5 relative.  Every layout's publish_shards are its TP slices. The critic
+    (advantage.estimator=gae) gives the TP1 critic's metrics and the policy loss over DP2 and PP2."""
+    from dataclasses import replace
+
+    from megarl.algo.config import CriticConfig
+    from megarl.algo.values import terminal_rewards
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner.megatron import MegatronLearner
+
     batch = _batch(_hf(model_dir), seed=5)
-    proc = _launch_layouts(model_dir, batch, tmp_path, LAYOUTS, nproc=2)
+    batch = replace(batch, rewards=terminal_rewards(batch.input_ids[:, PROMPT].float() % 3, batch.loss_mask))
+    proc = _launch_layouts(model_dir, batch, tmp_path, {**LAYOUTS, **CRITIC_LAYOUTS}, nproc=2)
+
+    critic_ref = MegatronLearner(model_dir, LearnerConfig(micro_batch_size=16), LossConfig(),
+                                 critic_cfg=CriticConfig(**CRITIC)).train_step(batch)
 
     # The TP=1 reference, computed here while the two ranks start up.
     learner = _learner(model_dir, micro_batch_size=16)
@@ -247,7 +264,12 @@ def test_every_layout_matches_tp1(model_dir, world, tmp_path):
     ref_published = dict(learner.publish_tensors())
     assert_publish_shards_are_tp_slices(ref_published, [{"tp_rank": 0, "shards": dict(learner.publish_shards())}], 1)
 
-    results = _layout_results(proc, tmp_path, LAYOUTS, nproc=2, timeout=240)
+    results = _layout_results(proc, tmp_path, {**LAYOUTS, **CRITIC_LAYOUTS}, nproc=2, timeout=300)
+    for layout in CRITIC_LAYOUTS:
+        for rank in results.pop(layout):
+            for key in ("loss", "grad_norm", "critic/value_loss", "critic/grad_norm", "critic/explained_var",
+                        "lag0/critic_return_mean"):
+                assert abs(rank["metrics"][key] - critic_ref[key]) <= 1e-5 * max(1.0, abs(critic_ref[key])), (layout, key)
     for layout, ranks in results.items():
         for rank in ranks:  # every rank (each PP stage too) sees the same log-probs and loss
             assert _close(rank["logprobs"], ref_logprobs), layout

@@ -1,5 +1,5 @@
 """The timeline recorder: spans and decode slices round-trip through the run directory."""
-from megarl.observe.timeline import Timeline, load_timeline
+from megarl.observe.timeline import Timeline, load_startup, load_timeline
 
 
 def test_spans_and_token_slices_round_trip(tmp_path):
@@ -16,3 +16,14 @@ def test_spans_and_token_slices_round_trip(tmp_path):
     slices = [(s["start"], s["end"], s["tokens"]) for s in events["sampler1"]]
     # A slice closes once it covers slice_s, or where work stopped before a gap; nothing is lost.
     assert slices == [(0.0, 1.2, 15), (1.2, 1.5, 7), (5.0, 5.1, 1)]
+
+
+def test_startup_spans_are_kept_apart_from_the_run_spans(tmp_path):
+    learner = Timeline(tmp_path, "learner0")
+    learner.startup([("python, imports", 1.0, 3.0), ("model build", 3.0, 7.5)])
+    learner.span("wait", 8.0, 9.0)
+    learner.close()
+    # Readers of the run's spans (busy fractions, the plots' time origin) never see the start-up.
+    assert load_timeline(tmp_path)["learner0"] == [{"kind": "wait", "start": 8.0, "end": 9.0}]
+    assert load_startup(tmp_path)["learner0"] == [{"kind": "startup:python, imports", "start": 1.0, "end": 3.0},
+                                                  {"kind": "startup:model build", "start": 3.0, "end": 7.5}]

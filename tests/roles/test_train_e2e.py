@@ -64,10 +64,20 @@ def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_count_mo
     tags = set(events.Tags()["scalars"])
     assert {"reward_mean", "lag_mean", "ratio/mean", "ess", "lag0/ratio_mean", "lag0/token_share"} <= tags
     assert len(events.Scalars("reward_mean")) == STEPS
-    from megarl.observe.timeline import load_timeline
+    from megarl.observe.timeline import load_startup, load_timeline
 
     timeline = load_timeline(run_dir)
     assert {e["kind"] for e in timeline["learner0"]} == {"wait", "train", "publish"}
+    # Each process's start-up, part by part, ends before its first step (benchmarks/vs_trl.py's breakdown).
+    startup = load_startup(run_dir)
+    assert [e["kind"] for e in startup["learner0"]] == [f"startup:{part}" for part in (
+        "python, imports", "config", "store (rendezvous)", "model path", "role imports", "learner group",
+        "publish groups", "model build", "intake, tokenizer")]
+    assert startup["sampler1"][-1]["kind"] == "startup:engine, then the learner's announcement"
+    for name, first_event in (("learner0", timeline["learner0"][0]), ("sampler1", timeline["sampler1"][0])):
+        spans = startup[name]
+        assert all(a["end"] == b["start"] and a["start"] <= a["end"] for a, b in zip(spans, spans[1:]))
+        assert spans[-1]["end"] <= first_event["start"]
     assert len([e for e in timeline["learner0"] if e["kind"] == "train"]) == STEPS
     assert sum(e["tokens"] for e in timeline["sampler1"]) >= sum(len(r["token_ids"]) for r in read_jsonl(
         run_dir / "rollouts.jsonl"))  # the sampler decoded at least every trained token
@@ -109,6 +119,8 @@ def check_evaluations(run_dir: Path, model_dir: Path, events) -> None:
     for r in samples:
         assert r["versions"] and set(r["versions"]) == {r["eval_version"]}, (r["eval_version"], r["versions"])
     assert {"eval/heldout/pass@4", "eval/heldout/greedy"} <= set(events.Tags()["scalars"])
+    # The held-out split: no eval prompt was ever a training prompt (megarl/rollout/heldout.py).
+    assert not {r["prompt"] for r in samples} & {r["prompt"] for r in read_jsonl(run_dir / "rollouts.jsonl")}
     standalone = evaluate_model(load_config(DEMO, [f"model.path={model_dir}"]), model_dir)
     in_run = [{k: v for k, v in r.items() if k not in ("eval_version", "share")} for r in samples
               if r["eval_version"] == 0]
@@ -173,7 +185,9 @@ def check_samplers_ran_the_published_weights(metrics: list[dict]) -> None:
 
 
 # The default layout (learner.tp=1) is checked by test_raw_torchrun_command_from_the_readme_works's run.
-@pytest.mark.parametrize("layout", ["learner.tp=2", "learner.dp=2", "learner.pp=2", "learner.tp=2 sampler.tp=2"])
+@pytest.mark.parametrize("layout", ["learner.tp=2", "learner.dp=2", "learner.pp=2",
+                                    "learner.tp=2 sampler.tp=2 eval.sets=[]",  # a TP engine cannot evaluate
+                                    "learner.lora.rank=8"])
 def test_samplers_run_exactly_the_weights_the_learner_published(embedded_count_model_dir, tmp_path, layout):
     run_dir = tmp_path / "parallel"
     proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=4", "algo.max_lag=0",
@@ -189,3 +203,10 @@ def test_samplers_run_exactly_the_weights_the_learner_published(embedded_count_m
         link = sum(shard(name, t, 2, 0).numel() * 4 for name, t in weights.items())
         whole = sum(t.numel() * 4 for t in weights.values())
         assert link < whole and {m["publish_bytes"] for m in metrics} == {link}
+    if "lora" in layout:  # only the adapter travelled, and the engine ran base + adapter (the lag-0 gap above)
+        from megarl.config.schema import LoraConfig
+        from megarl.models.lora import adapter_spec
+
+        hf_config = json.loads((embedded_count_model_dir / "config.json").read_text())
+        adapter = sum(math.prod(shape) * 4 for _, shape, _ in adapter_spec(hf_config, LoraConfig(rank=8)))
+        assert {m["publish_bytes"] for m in metrics} == {adapter}

@@ -17,15 +17,18 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
 
     "qwen2": GQA, q/k/v biases, tied embeddings.  "llama": GQA, no biases, untied lm_head.
     "mixtral": GQA, no biases, tied embeddings, 4 experts of width 64, top-2 (every layer an MoE layer).
+    "qwen3_moe": the same experts (unnormalised top-k unless norm_topk_prob=True), per-head q/k RMSNorm weights
+    drawn away from 1 (so an engine that skipped them would show).
     initializer_range is raised from HF's 0.02 so next-token distributions are far from uniform
     (greedy decoding has clear winners), but kept at 0.1: at 0.25 the activations grow large enough
     that fp32 rounding alone (HF's own cached decode vs its prefill) reaches 1e-5 in log-prob.
     """
     from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+                              Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
-    moe = dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2) if kind == "mixtral" else {}
+    moe = {"mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+           "qwen3_moe": dict(moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)}.get(kind, {})
     kw = dict(TINY, initializer_range=0.1, **{**moe, **overrides})
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **kw))
@@ -33,6 +36,12 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **kw))
     elif kind == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(tie_word_embeddings=True, **kw))
+    elif kind == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(tie_word_embeddings=True, **kw))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
     else:
         raise ValueError(kind)
     model.save_pretrained(path)

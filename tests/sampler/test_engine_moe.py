@@ -53,6 +53,26 @@ def test_logprobs_and_routes_equal_transformers(mixtral, sampling):
         assert c.versions == [3] * len(c.token_ids)
 
 
+def test_qwen3_moe_logprobs_and_routes_equal_transformers(tmp_path):
+    """Qwen3-MoE: per-head q/k RMSNorm before RoPE, and the top-k weights not renormalised (norm_topk_prob false;
+    true routes as Mixtral)."""
+    path = make_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe", norm_topk_prob=False)
+    cfg, weights = load_pretrained(str(path))
+    spec = ModelSpec.from_hf_config(cfg)
+    assert (spec.norm_topk, spec.qk_norm, ModelSpec.from_hf_config(dict(cfg, norm_topk_prob=True)).norm_topk) == (
+        False, True, True)
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        ModelSpec.from_hf_config(dict(cfg, mlp_only_layers=[1]))
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in weights
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10)
+    for c in BuiltinEngine(cfg, weights, max_running=4).generate(requests(4, sampling)):
+        n = len(c.prompt_ids)
+        logp, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (path, None))
+        expected = [logp[n - 1 + i, tok].item() for i, tok in enumerate(c.token_ids)]
+        assert max(abs(a - b) for a, b in zip(c.logprobs, expected)) <= TOL
+        np.testing.assert_array_equal(c.routes, routes[:-1])
+
+
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
 def test_routes_across_an_inflight_update_come_from_the_weights_that_computed_them(mixtral, policy, tmp_path):
     """v1 computes the prompt and the first decode inputs; v2 the rest ("recompute": all of it again)."""
@@ -101,3 +121,42 @@ def test_dense_models_record_no_routes(tmp_path):
     cfg, weights = load_pretrained(str(path))
     [c] = BuiltinEngine(cfg, weights).generate(requests(1, SamplingParams(temperature=0.0, max_new_tokens=3)))
     assert c.routes is None
+
+
+def test_a_multi_turn_episodes_routes_come_from_the_prefill_that_computed_them(tmp_path):
+    """A tool-style episode on the real chat tokenizer: a model turn under v1, an environment turn, an in-flight
+    update to v2 (routers moved), a second model turn. The second turn's request carries the whole episode, so its
+    prefill computed the environment tokens (and recomputed turn 1) under v2: the sample's routes are transformers'
+    v2 routes of the episode, which differ from v1's, and the positions after the last input are the filler."""
+    from megarl.models.tiny_chat import build_chat_tokenizer
+    from megarl.protocols import Prompt
+    from megarl.rollout.chat import ChatTranscript
+    from megarl.rollout.episode import Episode
+
+    tokenizer = build_chat_tokenizer()
+    path = make_tiny_model(tmp_path / "v1", "mixtral", vocab_size=len(tokenizer))
+    cfg, weights = load_pretrained(str(path))
+    v2 = {n: (t + 0.5 * torch.randn_like(t) if n.endswith("gate.weight") else t) for n, t in weights.items()}
+    v2_dir = save_version(path, v2, tmp_path / "v2")
+    engine = BuiltinEngine(cfg, weights, max_running=1)
+    stop = (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    chat = ChatTranscript(tokenizer, [{"role": "user", "content": "what is 6*7?"}])
+    episode = Episode(key="g/0", prompt=Prompt("what is 6*7?", "42"), chat=chat, prompt_len=len(chat.ids))
+
+    first = engine.generate([GenerationRequest("t1", list(chat.ids), sampling, stop)])[0]
+    episode.add_model_turn(first, stop)
+    episode.add_environment_turn(chat.prepare([{"role": "tool", "content": "42"}]))
+    env_start, env_end = (episode.prompt_len + i for i in episode.env_spans[0])
+    engine.stage_weights(v2, 1)
+    second = engine.generate([GenerationRequest("t2", list(chat.ids), sampling, stop)])[0]
+    assert second.versions == [1] * len(second.token_ids)
+    episode.add_model_turn(second, stop)
+
+    routes = episode.sample_routes()
+    computed = len(second.prompt_ids) + len(second.token_ids) - 1
+    _, v2_routes = hf_logprobs_and_routes(chat.ids, (v2_dir, None))
+    _, v1_routes = hf_logprobs_and_routes(chat.ids, (path, None))
+    np.testing.assert_array_equal(routes[:computed], v2_routes[:computed])
+    assert (v1_routes[env_start:env_end] != v2_routes[env_start:env_end]).any()  # the test tells v1 from v2
+    assert routes.shape[0] == len(chat.ids) - 1 and (routes[computed:] == np.arange(TOP_K)).all()

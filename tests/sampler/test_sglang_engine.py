@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -26,7 +27,7 @@ from megarl.sampler.model import load_pretrained
 from megarl.sampler.sglang_engine import (
     SUPPORTED_VERSIONS, HTTPClient, SGLangEngine, SGLangError, SGLangWeightFollower, ServerProcess,
     check_server_version, completion_from_chunks, generate_body, server_command, server_env, versions_from_spans,
-    versions_from_stamps)
+    versions_from_stamps, write_secret_args)
 from tests.helpers import REPO, run_python
 from tests.sampler import make_tiny_model
 from tests.sampler.sglang_support import ENV, hf_logprobs, start_learner, token_logprobs
@@ -177,6 +178,11 @@ def test_request_body_and_server_commands(tmp_path):
     for flag, value in [("--port", "1234"), ("--host", "127.0.0.1"), ("--tp-size", "2"), ("--weight-version", "0"),
                         ("--context-length", str(CONTEXT))]:
         assert real[real.index(flag) + 1] == value
+    # The api key travels in an owner-only flags file, never on the command line (readable by every user).
+    secret = write_secret_args(tmp_path / "s" / "secret.yaml", "the-key")
+    assert os.stat(secret).st_mode & 0o777 == 0o600 and secret.read_text() == 'api-key: "the-key"\n'
+    with_key = server_command(cfg, "/m", 1234, seed=7, secret_args=secret)
+    assert with_key[with_key.index("--config") + 1] == str(secret) and "the-key" not in " ".join(with_key)
 
 
 def test_per_tensor_updates_come_in_calls_no_bigger_than_a_bucket():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import secrets
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 
 from megarl.distributed.sglang_publish import GROUP_NAME, free_port, plan_update_calls, update_body
 from megarl.sampler.model import load_pretrained
-from megarl.sampler.sglang_engine import HTTPClient, ServerProcess, versions_from_spans
+from megarl.sampler.sglang_engine import HTTPClient, ServerProcess, versions_from_spans, write_secret_args
 from megarl.sampler.sglang_server import IMITATES
 from tests.helpers import run_python
 from tests.sampler import make_tiny_model
@@ -34,13 +35,15 @@ class Server:
 
     def __init__(self, model_dir: Path, log: Path, kv_on_update: str):
         self.model_dir, self.port = model_dir, free_port("127.0.0.1")
-        cmd = [sys.executable, "-m", "megarl.sampler.sglang_server", "--model-path", str(model_dir),
+        self.api_key = secrets.token_urlsafe(32)  # as megarl launches it: the key in a --config file
+        cmd = [sys.executable, "-m", "megarl.sampler.sglang_server",
+               "--config", str(write_secret_args(log.parent / "secret.yaml", self.api_key)), "--model-path", str(model_dir),
                "--port", str(self.port), "--skip-tokenizer-init", "--context-length", str(CONTEXT),
                "--max-running-requests", "8", "--weight-version", "0", "--kv-on-update", kv_on_update,
                "--dist-timeout", "60", "--disable-overlap-schedule"]
         cmd += ["--disable-radix-cache"] if kv_on_update == "recompute" else []
         self.process = ServerProcess(cmd, ENV, log, f"http://127.0.0.1:{self.port}")
-        self.http = HTTPClient("127.0.0.1", self.port, 60, describe=self.process.log_tail)
+        self.http = HTTPClient("127.0.0.1", self.port, 60, describe=self.process.log_tail, api_key=self.api_key)
         self.process.wait_healthy(self.http, 120)
         self.weights = load_pretrained(str(model_dir))[1]
         self.version = 0
@@ -67,7 +70,7 @@ def server(model_dir, tmp_path_factory):
 
 def post(server: Server, route: str, body: dict) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", route, json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", route, json.dumps(body), server.http.headers)
     resp = conn.getresponse()
     return resp.status, resp.read()
 
@@ -79,7 +82,7 @@ def generate(server: Server, body: dict) -> tuple[int, dict]:
 
 def open_stream(server: Server, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", "/generate", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    conn.request("POST", "/generate", json.dumps({**body, "stream": True}), server.http.headers)
     resp = conn.getresponse()
     assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
     return conn, resp
@@ -302,6 +305,24 @@ def test_info_and_health_routes(server):
     info = json.loads(server.http.get("/server_info")[1])
     assert info["version"] == IMITATES and info["megarl_builtin"] is True
     assert server.http.get("/get_weight_version")[0] == 404  # gone since SGLang 0.5.21
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", "Basic {key}", "bearer  {key}", "{key}"])
+def test_with_an_api_key_every_route_but_the_probes_needs_the_bearer_token(server, authorization):
+    """SGLang's --api-key (utils/auth.py): 401 {"error": "Unauthorized"} on every route megarl calls without
+    `Bearer <key>`, /generate and the weight-update routes included; /health stays open for probes."""
+    headers = {} if authorization is None else {"Authorization": authorization.format(key=server.api_key)}
+    for method, route in [("POST", "/generate"), ("POST", "/pause_generation"), ("POST", "/update_weights_from_distributed"),
+                          ("POST", "/init_weights_update_group"), ("GET", "/server_info"), ("GET", "/flush_cache"),
+                          ("POST", "/nonexistent")]:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request(method, route, json.dumps({"input_ids": [1, 2]}) if method == "POST" else None, headers)
+        resp = conn.getresponse()
+        assert (resp.status, json.loads(resp.read())) == (401, {"error": "Unauthorized"}), (route, authorization)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("GET", "/health", headers=headers)
+    assert conn.getresponse().status == 200
+    assert server.http.get("/server_info")[0] == 200  # megarl's client sends the key
 
 
 def test_abort_ends_running_requests_with_their_output_so_far_and_flush_needs_an_idle_server(server):

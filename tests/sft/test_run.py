@@ -145,6 +145,7 @@ REFUSALS = {
                           "learner.backend=deepspeed is data parallel only"),
     "tp not dividing the heads": (["learner.tp=3"], "tensor parallel size 3 does not divide num_attention_heads=4"),
     "batch smaller than dp": (["sft.batch_size=1", "learner.dp=2"], "megarl: config error: learner.dp: every DP rank"),
+    "lora": (["learner.lora.rank=8"], "megarl: config error: learner.lora.rank: megarl sft trains every weight"),
     "bad on_overlong": (["sft.on_overlong=truncate"], "megarl: config error: sft.on_overlong: must be error or skip"),
     "data not found": (["sft.data=/nonexistent.jsonl"], "megarl: config error: sft.data: file not found: /nonexistent.jsonl"),
     "bad line": (["sft.data=BAD"], "megarl: sft data: BAD:2: not valid JSON"),

@@ -8,8 +8,10 @@ Prints one JSON line {"version", "checked": [...]} when every check passed; rais
     where the release has it) and the tokenizer manager's length validation (_validate_one_request)
     for prompts up to the whole context;
   * launch: megarl's `sglang.launch_server` command for every config (the GPU configs included) goes
-    through ServerArgs.add_cli_args + ServerArgs.from_cli_args, and the resolved args are what megarl
-    relies on (context length, overlap schedule off, radix cache off for retract, ...);
+    through SGLang's prepare_server_args (its `--config` file included), and the resolved args are what
+    megarl relies on (context length, overlap schedule off, radix cache off for retract, the api key, ...);
+  * auth: every route megarl calls, under SGLang's own decide_request_auth at the auth level its
+    http_server.py gives the route, is allowed with the header megarl sends and refused without it;
   * routes (algo.routing_replay=r3): the launch resolves to ServerArgs.enable_return_routed_experts, the
     /generate body's return_routed_experts is GenerateReqInput's field (and passes the contract gate), and
     megarl parses routes encoded by SGLang's own detokenizer (base64 of int32 [positions, layers, top_k])
@@ -21,8 +23,9 @@ Prints one JSON line {"version", "checked": [...]} when every check passed; rais
 """
 from __future__ import annotations
 
-import argparse
+import ast
 import dataclasses
+import functools
 import importlib
 import json
 import sys
@@ -40,16 +43,18 @@ import torch.distributed as dist  # noqa: E402
 from sglang.srt.managers import io_struct  # noqa: E402
 from sglang.srt.managers.scheduler_components import weight_updater  # noqa: E402
 from sglang.srt.managers.tokenizer_manager import TokenizerManager  # noqa: E402
-from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 from megarl.config.load import load_config  # noqa: E402
 from megarl.distributed.sglang_publish import plan_update_calls  # noqa: E402
 from megarl.protocols import GenerationRequest, SamplingParams  # noqa: E402
 from megarl.rollout.routes import RouteShape  # noqa: E402
 from megarl.sampler.sglang_engine import (  # noqa: E402
-    ROUTED_EXPERTS_SINCE, SGLangEngine, SGLangError, generate_body, parse_version, routes_from_meta, server_command)
+    ROUTED_EXPERTS_SINCE, HTTPClient, SGLangEngine, SGLangError, generate_body, parse_version, routes_from_meta,
+    server_command, write_secret_args)
 
 REPO = Path(__file__).resolve().parents[3]
+API_KEY = "k3y-of-this-check_0123456789abcdefghij"  # token_urlsafe's alphabet, as megarl's keys
 CONTEXT = 512
 # Each route megarl calls -> SGLang's request type of its body (entrypoints/http_server.py).
 ROUTE_TYPES = {"/pause_generation": io_struct.PauseGenerationReqInput,
@@ -58,6 +63,8 @@ ROUTE_TYPES = {"/pause_generation": io_struct.PauseGenerationReqInput,
                "/end_weight_update": io_struct.EndWeightUpdateReqInput,
                "/init_weights_update_group": io_struct.InitWeightsUpdateGroupReqInput,
                "/update_weights_from_distributed": io_struct.UpdateWeightsFromDistributedReqInput}
+# Every route megarl's SGLang client calls (sglang_engine.py).
+MEGARL_ROUTES = [*ROUTE_TYPES, "/generate", "/flush_cache", "/server_info", "/health"]
 
 
 def parse(route: str, body: dict):
@@ -104,11 +111,11 @@ def config(run_dir: str, model_dir: str, *overrides: str, path: str | None = Non
     return load_config(path, [*base, *overrides])
 
 
-def launch_args(cmd: list[str]) -> ServerArgs:
+def launch_args(cmd: list[str]):
+    """The ServerArgs `sglang.launch_server` resolves from megarl's command (its own prepare_server_args, which
+    reads `--config`)."""
     assert cmd[1:3] == ["-m", "sglang.launch_server"], cmd
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    return ServerArgs.from_cli_args(parser.parse_args(cmd[3:]))
+    return prepare_server_args(cmd[3:])
 
 
 def check_launch(model_dir: str, run_dir: str) -> str:
@@ -118,8 +125,10 @@ def check_launch(model_dir: str, run_dir: str) -> str:
     data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     gpu = sorted((REPO / "configs").glob("gpu_*sglang*.yaml"))
     cases += [(config(run_dir, model_dir, f"task.path={data}", path=str(p)), None) for p in gpu]
+    secret_args = write_secret_args(Path(run_dir) / "secret.yaml", API_KEY)
     for cfg, _ in cases:
-        args = launch_args(server_command(cfg, model_dir, 30001, seed=5))
+        args = launch_args(server_command(cfg, model_dir, 30001, seed=5, secret_args=secret_args))
+        assert args.api_key == API_KEY and args.admin_api_key is None  # the key from the owner-only file
         assert args.context_length == cfg.sampler.max_seq_len, (args.context_length, cfg.sampler.max_seq_len)
         assert args.disable_overlap_schedule, "exact spans need the overlap scheduler off"
         assert args.disable_radix_cache == (cfg.sampler.kv_on_update == "recompute")
@@ -127,6 +136,48 @@ def check_launch(model_dir: str, run_dir: str) -> str:
         assert args.tp_size == cfg.sampler.sglang.tp and args.max_running_requests == cfg.sampler.max_running
         assert not args.allow_auto_truncate
     return f"launch commands ({len(cases)} configs)"
+
+
+# ---------------------------------------------------------------------------------------------- auth
+def route_auth_levels(http_server_source: str) -> dict[str, str]:
+    """Route -> the AuthLevel name of its endpoint in SGLang's http_server.py (`@auth_level(AuthLevel.X)`
+    beside `@app.get/post/api_route(route)`; NORMAL without one), read from the source: importing the
+    module needs the FastAPI stack this environment does not install."""
+    levels = {}
+    for node in ast.walk(ast.parse(http_server_source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        routes, level = [], "NORMAL"
+        for dec in node.decorator_list:
+            if not isinstance(dec, ast.Call):
+                continue
+            if isinstance(dec.func, ast.Attribute) and dec.func.attr in ("get", "post", "put", "api_route"):
+                routes += [a.value for a in dec.args[:1] if isinstance(a, ast.Constant)]
+            elif isinstance(dec.func, ast.Name) and dec.func.id == "auth_level":
+                level = dec.args[0].attr
+        levels.update(dict.fromkeys(routes, level))
+    return levels
+
+
+def check_auth(model_dir: str, run_dir: str) -> str:
+    """Every route megarl calls, under SGLang's own auth decision (utils/auth.py decide_request_auth) with the
+    api_key megarl launches it with and no admin key: allowed with the header megarl's client sends, refused
+    without it or with another key (the probes excepted), and none is ADMIN_FORCE (403 whatever the key)."""
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
+    levels = route_auth_levels((Path(sglang.__file__).parent / "srt/entrypoints/http_server.py").read_text())
+    header = HTTPClient("127.0.0.1", 1, 1.0, api_key=API_KEY).headers["Authorization"]
+    for route in MEGARL_ROUTES:
+        assert route in levels, f"SGLang {sglang.__version__} serves no {route}"
+        level = AuthLevel[levels[route]]
+        assert level != AuthLevel.ADMIN_FORCE, route
+        decide = functools.partial(decide_request_auth, method="POST", path=route, api_key=API_KEY,
+                                   admin_api_key=None, auth_level=level)
+        assert decide(authorization_header=header).allowed, route
+        open_probe = route.startswith(("/health", "/ready", "/metrics"))
+        for other in (None, "Bearer " + API_KEY[::-1], API_KEY):
+            assert decide(authorization_header=other).allowed == open_probe, (route, other)
+    return f"auth ({len(MEGARL_ROUTES)} routes, api_key)"
 
 
 # ---------------------------------------------------------------------------------------------- routes
@@ -277,7 +328,8 @@ def check_sequence(model_dir: str, run_dir: str) -> str:
 
 def main() -> None:
     model_dir, run_dir = sys.argv[1:3]
-    checked = [check(model_dir, run_dir) for check in (check_launch, check_generate, check_routes, check_sequence)]
+    checked = [check(model_dir, run_dir)
+               for check in (check_launch, check_auth, check_generate, check_routes, check_sequence)]
     print(json.dumps({"version": sglang.__version__, "checked": checked}))
 
 

@@ -39,4 +39,4 @@ def test_megarls_requests_launch_and_update_sequence_pass_sglangs_own_code(versi
     assert proc.returncode == 0, f"(install {install_s:.0f}s)\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["version"] == version
-    assert len(result["checked"]) == 4, result
+    assert len(result["checked"]) == 5, result

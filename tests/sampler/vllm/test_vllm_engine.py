@@ -103,6 +103,22 @@ def test_generation_and_lag0_logprobs_match_transformers(engine, hf):
     assert max(raw_gaps) > 1e-2  # the mode matters: un-tempered log-probs would be wrong
 
 
+def test_the_server_refuses_generation_without_megarls_key(engine):
+    """The server runs with a key of its own (VLLM_API_KEY, not on its command line): a local process without it
+    gets 401 on /v1 (vLLM 0.32 guards /v1, /v2, /inference and /cohere only; docs/security.md names the rest)."""
+    import http.client
+    import json
+
+    body = json.dumps({"model": "megarl", "prompt": [1, 2], "max_tokens": 1})
+    for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+        conn = http.client.HTTPConnection(engine.client.host, engine.client.port, timeout=30)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", **headers})
+        assert conn.getresponse().status == 401
+    with open(f"/proc/{engine.server.proc.pid}/cmdline", "rb") as f:
+        assert engine.client.headers["Authorization"].split()[1].encode() not in f.read()
+    assert engine.client.get("/health")[0] == 200
+
+
 def _perturbed(model, scale=0.5, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return {name: (t + scale * t.std() * torch.randn(t.shape, generator=gen)).contiguous()

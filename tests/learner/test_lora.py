@@ -1,0 +1,138 @@
+"""LoRA on the megatron learner (one gloo rank) against peft's LoraLayer on the same HF weights."""
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from megarl.algo.config import LossConfig
+from megarl.config.schema import LearnerConfig, LoraConfig
+from megarl.models import lora
+from megarl.protocols import TrainBatch
+from tests.helpers import save_tiny_qwen2
+
+VOCAB = 64
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2_lora"), tie_word_embeddings=True, vocab_size=VOCAB))
+
+
+def _learner(model_dir, targets=ALL, **cfg):
+    from megarl.learner.megatron import MegatronLearner
+
+    lora_cfg = LoraConfig(rank=4, alpha=8.0, target_modules=list(targets))
+    return MegatronLearner(model_dir, LearnerConfig(lora=lora_cfg, **cfg), LossConfig())
+
+
+def _logprobs(model, ids):
+    logp = torch.log_softmax(model(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    return torch.nn.functional.pad(logp, (1, 0))
+
+
+def _randomise_b(learner, seed=1):
+    """A trained adapter's B is non-zero; draw one so the adapter's output shows in the log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in learner.gpt.named_parameters():
+            if name.endswith("lora_B"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def test_adapter_equals_peft_and_the_merged_weights(model_dir, world, tmp_path):
+    from peft import PeftModel
+
+    learner = _learner(model_dir)
+    _randomise_b(learner)
+    ids = torch.randint(0, VOCAB, (6, 12), generator=torch.Generator().manual_seed(0))
+    ours = learner.logprobs(ids)
+    adapter = dict(learner.publish_tensors())
+    assert learner.publish_spec() == [(n, tuple(t.shape), t.dtype) for n, t in adapter.items()]
+    assert learner.publish_spec() == lora.adapter_spec(learner.hf_config, learner.lora)
+    # peft's LoraLayer on the HF base, loaded from the PEFT directory megarl writes.
+    lora.save_peft(tmp_path / "adapter", adapter, learner.lora, model_dir)
+    peft_model = PeftModel.from_pretrained(Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                           str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        theirs = _logprobs(peft_model, ids)
+        base = _logprobs(Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), ids)
+    assert (ours - base).abs().max() > 1e-2  # the adapter does show
+    assert (ours - theirs).abs().max() <= 2e-5
+    # W + alpha / r * B @ A (what the engine applies) is peft's merge.
+    merged = lora.merge(dict(Qwen2ForCausalLM.from_pretrained(model_dir).state_dict()), adapter, lora.scale(learner.lora))
+    hf = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.load_state_dict(merged, strict=False)
+    with torch.no_grad():
+        assert (_logprobs(hf, ids) - theirs).abs().max() <= 2e-5
+
+
+def test_only_the_adapter_trains(model_dir, world):
+    learner = _learner(model_dir, targets=["q_proj", "k_proj", "v_proj", "o_proj"], lr=1e-2)
+    trainable = {n for n, p in learner.gpt.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
+    base = {n: p.detach().clone() for n, p in learner.gpt.named_parameters() if not p.requires_grad}
+    g = torch.Generator().manual_seed(2)
+    b, s = 16, 12
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    mask = torch.zeros(b, s)
+    mask[:, 4:] = 1.0
+    batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=learner.logprobs(ids) * mask,
+                       versions=torch.where(mask > 0, 0, -1),
+                       advantages=torch.randn(b, 1, generator=g).expand(b, s) * mask, learner_version=0)
+    metrics = learner.train_step(batch)
+    assert metrics["skipped_nonfinite"] == 0.0 and learner.version == 1
+    after = dict(learner.gpt.named_parameters())
+    assert all(torch.equal(base[n], after[n]) for n in base)  # the frozen base never moves
+    assert all(after[n].abs().sum() > 0 for n in trainable if n.endswith("lora_B"))  # B left zero
+    state = learner.optimizer.state_dict()["state"]
+    assert len(state) == len(trainable)  # Adam moments for the adapter only
+
+
+def _train_batch(learner, seed):
+    g = torch.Generator().manual_seed(seed)
+    b, s = 16, 12
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    mask = torch.zeros(b, s)
+    mask[:, 4:] = 1.0
+    return TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=learner.logprobs(ids) * mask,
+                      versions=torch.where(mask > 0, learner.version, -1),
+                      advantages=torch.randn(b, 1, generator=g).expand(b, s) * mask, learner_version=learner.version)
+
+
+def test_checkpoint_resumes_the_adapter_and_exports_merged_and_peft(model_dir, world, tmp_path):
+    """Save after 2 steps; a fresh learner loads it and its third step equals the saved learner's; the export is
+    the merged HF model and a PEFT adapter, both giving the learner's log-probs; a run without LoRA is refused."""
+    from peft import PeftModel
+
+    from megarl.checkpoint import learner_state
+    from megarl.checkpoint.export import ADAPTER_DIR, export_hf
+    from megarl.checkpoint.storage import CheckpointError
+
+    saved = _learner(model_dir, lr=1e-2)
+    for seed in (3, 4):
+        saved.train_step(_train_batch(saved, seed))
+    learner_state.save(saved, tmp_path / "ckpt", 2, keep=2, model_dir=model_dir)
+    resumed = _learner(model_dir, lr=1e-2)
+    assert learner_state.load(resumed, tmp_path / "ckpt")["version"] == 2
+    batch = _train_batch(saved, 5)
+    assert saved.train_step(batch)["loss"] == resumed.train_step(batch)["loss"]  # Adam moments came back too
+    assert all(torch.equal(a, b) for a, b in zip(dict(saved.publish_tensors()).values(),
+                                                 dict(resumed.publish_tensors()).values()))
+    with pytest.raises(CheckpointError, match="learner.lora"):
+        from megarl.learner.megatron import MegatronLearner
+
+        learner_state.load(MegatronLearner(model_dir, LearnerConfig(), LossConfig()), tmp_path / "ckpt")
+
+    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(6))
+    learner = _learner(model_dir)
+    learner_state.load(learner, tmp_path / "ckpt")
+    ours = learner.logprobs(ids)
+    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    with torch.no_grad():
+        merged = _logprobs(Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), ids)
+        peft_model = PeftModel.from_pretrained(Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                               str(out / ADAPTER_DIR)).eval()
+        adapted = _logprobs(peft_model, ids)
+        base = _logprobs(Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), ids)
+    assert (ours - base).abs().max() > 1e-3  # two steps moved the adapter: an unmerged export would show
+    assert (merged - ours).abs().max() <= 2e-5 and (adapted - ours).abs().max() <= 2e-5
