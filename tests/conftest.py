@@ -1,20 +1,47 @@
 """Session-wide fixtures shared by several test packages."""
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPO
+
+# What an embedded model's build runs beyond its registry entry (whose hash names its directory): the builders, the
+# tasks, chat transcripts, tools and rewards they train and evaluate on; and the libraries that run them. Only these:
+# a change elsewhere (the converters, say) keeps the built models.
+BUILD_SOURCES = ("megarl/models/tiny.py", "megarl/models/tiny_chat.py", "megarl/models/tiny_moe.py",
+                 "megarl/rollout/tasks.py", "megarl/rollout/chat.py", "megarl/rollout/environment.py",
+                 "megarl/rollout/rewards.py", "megarl/rollout/sandbox.py")
+
+
+def builder_fingerprint() -> str:
+    from importlib.metadata import version  # the installed versions, without importing the packages
+
+    digest = hashlib.sha256(f"torch {version('torch')} transformers {version('transformers')}".encode())
+    for source in BUILD_SOURCES:
+        digest.update((REPO / source).read_bytes())
+    return digest.hexdigest()[:12]
+
 
 @pytest.fixture(scope="session")
 def embedded_cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("megarl_models")
+    """Where the test session's embedded models live. Their builds cost ~5 min of CPU together, so they are kept
+    between sessions, in a directory named by the builder's fingerprint (the builder's and tasks' source, torch and
+    transformers versions): a change to how models are built rebuilds them, and the tests that check what a build
+    produces (tests/models/test_tiny.py) check the current builder's output. MEGARL_TEST_FRESH_MODELS=1 builds them
+    afresh into the session's temporary directory instead."""
+    if os.environ.get("MEGARL_TEST_FRESH_MODELS") == "1":
+        return tmp_path_factory.mktemp("megarl_models")
+    return Path("~/.cache/megarl/test-models").expanduser() / builder_fingerprint()
 
 
 @pytest.fixture(scope="session")
 def embedded_model_dir(embedded_cache_dir) -> Path:
     """The no-thinking embedded model (`tiny-qwen2-arith`, ~3-token completions), built on first
-    request, once per test session (~30-45 s on one core). Request it only where it is needed."""
+    request (kept: see embedded_cache_dir; ~30-45 s on one core). Request it only where it is needed."""
     from megarl.models.tiny import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-arith", cache_dir=embedded_cache_dir)
@@ -23,7 +50,7 @@ def embedded_model_dir(embedded_cache_dir) -> Path:
 @pytest.fixture(scope="session")
 def embedded_think_model_dir(embedded_cache_dir) -> Path:
     """The thinking embedded model (`tiny-qwen2-arith-think`: "12+7=" -> "..........19<eos>" with a
-    long-tailed filler run), built on first request, once per test session (~45-60 s on one core)."""
+    long-tailed filler run), built on first request (kept: see embedded_cache_dir; ~45-60 s on one core)."""
     from megarl.models.tiny import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-arith-think", cache_dir=embedded_cache_dir)
@@ -32,7 +59,7 @@ def embedded_think_model_dir(embedded_cache_dir) -> Path:
 @pytest.fixture(scope="session")
 def embedded_count_model_dir(embedded_cache_dir) -> Path:
     """The demo's model (`tiny-qwen2-count`: "d-k=" -> "defghijk<eos>", run lengths set by the prompt),
-    built on first request, once per test session (~40 s on one core)."""
+    built on first request (kept: see embedded_cache_dir; ~40 s on one core)."""
     from megarl.models.tiny import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-count", cache_dir=embedded_cache_dir)
@@ -41,7 +68,7 @@ def embedded_count_model_dir(embedded_cache_dir) -> Path:
 @pytest.fixture(scope="session")
 def embedded_moe_model_dir(embedded_cache_dir) -> Path:
     """The MoE demo's model (`tiny-mixtral-count`: a tiny Mixtral, 4 experts top-2, on the count task),
-    built on first request, once per test session (~75 s of CPU on one core)."""
+    built on first request (kept: see embedded_cache_dir; ~75 s of CPU on one core)."""
     from megarl.models.tiny import ensure_embedded_model
 
     return ensure_embedded_model("tiny-mixtral-count", cache_dir=embedded_cache_dir)
@@ -50,7 +77,7 @@ def embedded_moe_model_dir(embedded_cache_dir) -> Path:
 @pytest.fixture(scope="session")
 def embedded_tool_model_dir(embedded_cache_dir) -> Path:
     """The multi-turn demo's chat model (`tiny-qwen2-tool`: "37*43" -> ">>> 37*43", the tool's "1591",
-    "1591"), built on first request, once per test session (~80 s on one core)."""
+    "1591"), built on first request (kept: see embedded_cache_dir; ~80 s on one core)."""
     from megarl.models.tiny import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-tool", cache_dir=embedded_cache_dir)
