@@ -293,7 +293,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from megarl.config.load import load_config
-    from megarl.models.tiny import resolve_model_path
+    from megarl.models.embedded import resolve_model_path
 
     cfg = load_config(str(ROOT / DEMO), [*MEGARL_OVERRIDES, *args.overrides])
     grpo_config, rows = trl_settings(cfg, args.steps, cfg.run.seed, args.trl_threads)

@@ -71,11 +71,11 @@ def _empty_string(schema, override: str) -> str:
 
 def _pick_vllm_model(cfg: Config) -> None:
     """sampler.engine=vllm with an embedded model vLLM cannot run (head_dim < 32 on CPU): use its variant with
-    head_dim 32 (megarl.models.tiny.VLLM_VARIANTS), so `megarl train configs/demo.yaml sampler.engine=vllm`
+    head_dim 32 (megarl.models.embedded.VLLM_VARIANTS), so `megarl train configs/demo.yaml sampler.engine=vllm`
     works as typed. The resolved config (saved with the run) shows the model actually used."""
     if cfg.sampler.engine != "vllm" or not cfg.model.path.startswith("embedded:"):
         return
-    from megarl.models.tiny import VLLM_VARIANTS
+    from megarl.models.embedded import VLLM_VARIANTS
 
     name = cfg.model.path.split(":", 1)[1]
     if name in VLLM_VARIANTS:

@@ -21,29 +21,20 @@ generation_config.json, tokenizer files) that every other component loads like a
   "..........19<eos>": a geometric run of "." thinking filler with mean 10, then the answer; run
   it with max_new_tokens=THINK_MAX_NEW_TOKENS=48 and `build_task("arithmetic", think_mean=10)`).
 
-`ensure_embedded_model` builds atomically under a file lock; `resolve_model_path` turns a config's
-model path ("embedded:<name>" or a directory) into a checked directory.
+The registry of the embedded models, their builds and the on-disk cache live in megarl/models/embedded.py;
+this module is the part every builder shares (tiny_chat.py and tiny_moe.py build on it, never the reverse).
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
 import random
-import shutil
-import sys
-import tempfile
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from megarl.filelock import exclusive
 from megarl.protocols import Prompt
-from megarl.rollout.tasks import THINK_CHAR, ArithmeticTask, CountTask, ToolArithmeticTask
+from megarl.rollout.tasks import THINK_CHAR, ArithmeticTask, CountTask
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -374,211 +365,3 @@ def length_stats(token_lists: list[list[int]], max_new_tokens: int) -> dict:
     return {"mean": round(t.mean().item(), 2), "median": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": max(lengths),
             "frac_at_cap": round(sum(n >= max_new_tokens and EOS_ID not in ids for n, ids in zip(lengths, token_lists))
                                  / len(lengths), 4)}
-
-
-# ---------------------------------------------------------------------------------------------
-# The registry and the on-disk cache
-# ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class EmbeddedSpec:
-    task: ArithmeticTask | CountTask | ToolArithmeticTask
-    recipe: WarmStartRecipe
-    # Completion-token budget the build's evaluation samples with (EOS included), like a sampler's
-    # max_new_tokens; for the thinking model some T=1 completions are cut here while still thinking.
-    max_new_tokens: int = 4
-    # build_config overrides as (key, value) pairs; () = the default tiny config (and its hash).
-    config: tuple = ()
-    # The Mixtral-style mixture-of-experts variant (megarl/models/tiny_moe.py) instead of the dense Qwen2.
-    moe: bool = False
-
-    def model_config(self):
-        """The HF config this spec builds (the MoE one from tiny_moe, else build_config)."""
-        if self.moe:
-            from megarl.models.tiny_moe import build_moe_config
-
-            return build_moe_config(VOCAB_SIZE, EOS_ID, PAD_ID, **dict(self.config))
-        return build_config(**dict(self.config))
-
-
-# vLLM's CPU attention needs head_dim >= 32; the default config has 64 / 4 = 16. These variants have
-# 2 query heads and 1 KV head of 32 (still GQA, same hidden size and parameter count).
-HEAD_DIM_32 = (("num_attention_heads", 2), ("num_key_value_heads", 1))
-# sampler.engine=vllm swaps an embedded model for its head_dim >= 32 variant (megarl.config.load).
-VLLM_VARIANTS = {"tiny-qwen2-count": "tiny-qwen2-count-hd32", "tiny-qwen2-tool": "tiny-qwen2-tool-hd32"}
-
-
-# Completion budget to run the thinking model with (filler + answer + EOS); ~1-2% of T=1 samples hit it.
-THINK_MAX_NEW_TOKENS = 48
-# Forced filler lengths the thinking model's greedy answer is evaluated after (see greedy_answer_accuracy).
-GREEDY_THINK_LENS = (0, 10, 25, 40)
-
-# Completion budget to run the count model with: the longest run (48 letters) + EOS.
-COUNT_MAX_NEW_TOKENS = 49
-# Prompts the count model is evaluated on in its build: drawn like RL draws them (seed fixed).
-COUNT_EVAL_PROMPTS = 400
-
-EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
-    "tiny-qwen2-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
-                                     max_new_tokens=COUNT_MAX_NEW_TOKENS),
-    # The demo's model for sampler.engine=vllm (head_dim 32, see HEAD_DIM_32), same task and recipe.
-    "tiny-qwen2-count-hd32": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
-                                          max_new_tokens=COUNT_MAX_NEW_TOKENS, config=HEAD_DIM_32),
-    "tiny-qwen2-arith": EmbeddedSpec(task=ArithmeticTask(), recipe=WarmStartRecipe()),
-    # The mixture-of-experts demo's model (configs/moe.yaml, docs/moe.md): a tiny Mixtral, same task and recipe.
-    "tiny-mixtral-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
-                                       max_new_tokens=COUNT_MAX_NEW_TOKENS, moe=True),
-    # The multi-turn demo's chat model (megarl/models/tiny_chat.py): tool calls, episodes of ~75 tokens.
-    "tiny-qwen2-tool": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
-                                    max_new_tokens=16, config=(("max_position_embeddings", 256),)),
-    "tiny-qwen2-tool-hd32": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
-                                         max_new_tokens=16, config=(("max_position_embeddings", 256),) + HEAD_DIM_32),
-    "tiny-qwen2-arith-think": EmbeddedSpec(task=ArithmeticTask(think_mean=10.0),
-                                           recipe=WarmStartRecipe(short_steps=400, noisy_steps=120),
-                                           max_new_tokens=THINK_MAX_NEW_TOKENS),
-}
-
-
-def _spec_hash(spec: EmbeddedSpec) -> str:
-    # The directory name carries a hash of everything that shapes the model (and the transformers
-    # major version, which owns the file format), so changing the recipe builds a new directory
-    # instead of silently reusing a stale one.
-    import transformers
-
-    config = spec.model_config().to_dict()
-    blob = json.dumps({"task": asdict(spec.task), "recipe": asdict(spec.recipe), "config": config,
-                       "max_new_tokens": spec.max_new_tokens,
-                       "transformers_major": transformers.__version__.split(".")[0]}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:10]
-
-
-def build_embedded_model(name: str, out_dir: str | Path) -> dict:
-    """Create, warm-start, evaluate and save the named model into out_dir; returns the build record."""
-    from transformers import GenerationConfig, MixtralForCausalLM, Qwen2ForCausalLM
-
-    spec = EMBEDDED_MODELS[name]
-    out_dir = Path(out_dir)
-    if isinstance(spec.task, ToolArithmeticTask):
-        return _build_tool_model(name, spec, out_dir)
-    t0 = time.perf_counter()
-    tokenizer = build_tokenizer()
-    # fork_rng: building must not disturb the caller's global torch RNG stream. One thread: a model
-    # this small gains nothing from more, and a fixed thread count makes the build bit-reproducible
-    # on machines with different core counts (reduction order depends on it).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.recipe.seed)
-            model = (MixtralForCausalLM if spec.moe else Qwen2ForCausalLM)(spec.model_config())
-            warm_start(model, tokenizer, spec.task, spec.recipe)
-        train_s = time.perf_counter() - t0
-        if isinstance(spec.task, CountTask):
-            prompts = spec.task.sample_prompts(random.Random(1), COUNT_EVAL_PROMPTS)
-        else:
-            prompts = spec.task.all_prompts()
-        if isinstance(spec.task, ArithmeticTask) and spec.task.think_mean > 0:
-            greedy_by_len = {k: greedy_answer_accuracy(model, tokenizer, spec.task, prompts, k) for k in GREEDY_THINK_LENS}
-            greedy_acc = greedy_by_len[min(GREEDY_THINK_LENS, key=lambda k: abs(k - spec.task.think_mean))]
-        else:
-            greedy = generate(model, tokenizer, prompts, temperature=0.0, max_new_tokens=spec.max_new_tokens)
-            greedy_acc, greedy_by_len = sum(spec.task.reward(p, c) for p, c in zip(prompts, greedy)) / len(prompts), None
-        sampled_ids = generate_tokens(model, tokenizer, prompts, temperature=1.0, seed=0, max_new_tokens=spec.max_new_tokens)
-        sampled = [tokenizer.decode([t for t in ids if t != EOS_ID]) for ids in sampled_ids]
-        # A count completion has no filler: P(reward 1) is P(run + EOS), one teacher-forced pass.
-        expected = expected_accuracy(model, tokenizer, prompts,
-                                     None if isinstance(spec.task, CountTask) else spec.max_new_tokens)
-    finally:
-        torch.set_num_threads(threads)
-    record = {
-        "name": name,
-        "task": asdict(spec.task),
-        "recipe": asdict(spec.recipe),
-        "warm_start_seconds": round(train_s, 1),
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        # Over every distinct prompt of the task: exact P(reward 1) at T=1 within max_new_tokens
-        # (P(answer+EOS) for the non-thinking model), and greedy exact match -- for the thinking
-        # model, of the greedy answer after a forced filler run of the length nearest think_mean,
-        # and by forced length (plain greedy never stops thinking).
-        "max_new_tokens": spec.max_new_tokens,
-        "expected_sampled_accuracy": round(expected, 4),
-        "greedy_accuracy": round(greedy_acc, 4),
-        # One T=1 sample per prompt (seed 0): its accuracy and completion lengths in tokens, EOS included.
-        "sampled_accuracy": round(sum(spec.task.reward(p, c) for p, c in zip(prompts, sampled)) / len(prompts), 4),
-        "sampled_lengths": length_stats(sampled_ids, spec.max_new_tokens),
-        "eval_seconds": round(time.perf_counter() - t0 - train_s, 1),
-    }
-    if greedy_by_len is not None:
-        record["greedy_answer_accuracy_by_think_len"] = {str(k): round(v, 4) for k, v in greedy_by_len.items()}
-    model.generation_config = GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-    return record
-
-
-def _build_tool_model(name: str, spec: EmbeddedSpec, out_dir: Path) -> dict:
-    from megarl.models.tiny_chat import build_tool_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as build_embedded_model: bit-reproducible whatever the core count
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.recipe.seed)
-            fields = build_tool_model(spec, out_dir)
-    finally:
-        torch.set_num_threads(threads)
-    record = {"name": name, "task": asdict(spec.task), "recipe": asdict(spec.recipe), **fields,
-              # The accuracy of sampled episodes (the tool runs in them); greedy is not measured.
-              "expected_sampled_accuracy": fields["sampled_accuracy"]}
-    (out_dir / BUILD_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-    return record
-
-
-def ensure_embedded_model(name: str = "tiny-qwen2-arith", cache_dir: str | Path = "~/.cache/megarl/models") -> Path:
-    """The directory of the named embedded model, building it on first use.
-
-    Safe under concurrency (every rank of a launch may call it): the build runs under an exclusive
-    fcntl lock, in a temporary directory next to the final one, and is published with one atomic
-    os.rename; so the final directory, when it exists, is always complete."""
-    if name not in EMBEDDED_MODELS:
-        raise ValueError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
-    cache_dir = Path(cache_dir).expanduser()
-    final = cache_dir / f"{name}-{_spec_hash(EMBEDDED_MODELS[name])}"
-    if final.is_dir():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with exclusive(cache_dir / f".{final.name}.lock"):
-        if final.is_dir():  # another process built it while we waited for the lock
-            return final
-        # Leftovers of a crashed build: nobody else can be building, we hold the lock.
-        for stale in cache_dir.glob(f".{final.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
-        try:
-            print(f"megarl: building embedded model {name} (once per machine, about a minute on one CPU core)...",
-                  file=sys.stderr, flush=True)
-            record = build_embedded_model(name, tmp)
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    greedy = f", greedy {record['greedy_accuracy']:.2f}" if "greedy_accuracy" in record else ""
-    print(f"megarl: built {name} -> {final} in {record['warm_start_seconds']}s "
-          f"({record['num_parameters']} params; base accuracy: sampled T=1 {record['expected_sampled_accuracy']:.2f}{greedy})",
-          file=sys.stderr, flush=True)
-    return final
-
-
-def resolve_model_path(path: str, cache_dir: str | Path = "~/.cache/megarl/models") -> Path:
-    """"embedded:<name>" -> the built embedded model; anything else must be an HF-format model directory."""
-    if path.startswith("embedded:"):
-        return ensure_embedded_model(path.split(":", 1)[1], cache_dir)
-    directory = Path(path).expanduser()
-    if not directory.is_dir():
-        raise FileNotFoundError(f"model path {str(directory)!r} is not a directory (expected an HF-format model "
-                                f"directory with config.json, or 'embedded:<name>' with name in {sorted(EMBEDDED_MODELS)})")
-    if not (directory / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {str(directory)!r} has no config.json; it is not an HF-format "
-                                f"model directory")
-    return directory

@@ -137,7 +137,7 @@ def _sample(model, context: list[int], stop_id: int, max_new: int, gen: torch.Ge
 
 
 def build_tool_model(spec, out_dir) -> dict:
-    """Create, warm-start, evaluate and save the tool model (megarl.models.tiny.build_embedded_model's part for
+    """Create, warm-start, evaluate and save the tool model (megarl.models.embedded.build_embedded_model's part for
     a ToolArithmeticTask spec); returns the build record's fields."""
     import time
 

@@ -16,7 +16,7 @@ from megarl import run_lock
 from megarl.config.load import load_config, save_config
 from megarl.distributed.lifetime import install_stop_handlers, run_then_exit
 from megarl.distributed.topology import connect_store, topology_from_env
-from megarl.models.tiny import resolve_model_path
+from megarl.models.embedded import resolve_model_path
 from megarl.observe import startup
 from megarl.observe.quiet import silence_known_library_warnings
 

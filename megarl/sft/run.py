@@ -312,7 +312,7 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
     from megarl.distributed.topology import Topology, connect_store, init_learner_group
     from megarl.learner import build_learner
     from megarl.models.layout import check_layout
-    from megarl.models.tiny import resolve_model_path
+    from megarl.models.embedded import resolve_model_path
     from megarl.observe.sinks import MetricsSink
 
     lc = cfg.learner

@@ -10,12 +10,12 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megarl.models import tiny
+from megarl.models import embedded, tiny
 from megarl.rollout.tasks import COUNT_ALPHABET, ArithmeticTask
 
 # A cheap registry entry (a few optimizer steps) for the tests of the cache mechanics.
 SMOKE = "tiny-qwen2-arith-smoke"
-SMOKE_SPEC = tiny.EmbeddedSpec(ArithmeticTask(max_operand=4), tiny.WarmStartRecipe(clean_steps=3, noisy_steps=3))
+SMOKE_SPEC = embedded.EmbeddedSpec(ArithmeticTask(max_operand=4), tiny.WarmStartRecipe(clean_steps=3, noisy_steps=3))
 
 
 def test_tokenizer_is_one_token_per_character_with_nothing_added(tmp_path):
@@ -74,10 +74,10 @@ def test_thinking_base_model_has_headroom_a_long_length_tail_and_finds_the_promp
     d = embedded_think_model_dir
     model = AutoModelForCausalLM.from_pretrained(d).eval()
     tok = AutoTokenizer.from_pretrained(d)
-    task = tiny.EMBEDDED_MODELS["tiny-qwen2-arith-think"].task
+    task = embedded.EMBEDDED_MODELS["tiny-qwen2-arith-think"].task
     assert task.think_mean == 10.0
     prompts = task.all_prompts()
-    cap = tiny.THINK_MAX_NEW_TOKENS
+    cap = embedded.THINK_MAX_NEW_TOKENS
     ids = tiny.generate_tokens(model, tok, prompts, temperature=1.0, seed=1, max_new_tokens=cap)
     texts = [tok.decode([t for t in i if t != tiny.EOS_ID]) for i in ids]
     sampled_acc = sum(task.reward(p, c) for p, c in zip(prompts, texts)) / len(prompts)
@@ -92,7 +92,7 @@ def test_thinking_base_model_has_headroom_a_long_length_tail_and_finds_the_promp
     assert stats["frac_at_cap"] < 0.03, stats
     # The answer's mode is right (greedy answer well above sampled), also after a long filler run:
     # the model still attends back to the prompt across it.
-    greedy = {k: tiny.greedy_answer_accuracy(model, tok, task, prompts, k) for k in tiny.GREEDY_THINK_LENS}
+    greedy = {k: tiny.greedy_answer_accuracy(model, tok, task, prompts, k) for k in embedded.GREEDY_THINK_LENS}
     assert greedy[10] > sampled_acc + 0.15, (greedy, sampled_acc)
     assert min(greedy.values()) > sampled_acc + 0.1, (greedy, sampled_acc)
     record = json.loads((d / tiny.BUILD_RECORD).read_text())
@@ -111,9 +111,9 @@ def test_count_base_model_spells_runs_of_the_prompted_length_but_often_stops_off
     embedded_count_model_dir = request.getfixturevalue(fixture)
     model = AutoModelForCausalLM.from_pretrained(embedded_count_model_dir).eval()
     tok = AutoTokenizer.from_pretrained(embedded_count_model_dir)
-    task = tiny.EMBEDDED_MODELS[name].task
+    task = embedded.EMBEDDED_MODELS[name].task
     prompts = task.sample_prompts(random.Random(7), 300)
-    ids = tiny.generate_tokens(model, tok, prompts, temperature=1.0, seed=1, max_new_tokens=tiny.COUNT_MAX_NEW_TOKENS)
+    ids = tiny.generate_tokens(model, tok, prompts, temperature=1.0, seed=1, max_new_tokens=embedded.COUNT_MAX_NEW_TOKENS)
     texts = [tok.decode([t for t in i if t != tiny.EOS_ID]) for i in ids]
     sampled_acc = sum(task.reward(p, c) for p, c in zip(prompts, texts)) / len(prompts)
     assert 0.15 < sampled_acc < 0.5, sampled_acc  # partly right: RL has headroom
@@ -145,7 +145,7 @@ def test_moe_model_is_a_loadable_hf_mixtral_the_engine_serves_as_transformers_do
         assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in f.keys()
     tok = AutoTokenizer.from_pretrained(embedded_moe_model_dir)
     engine = BuiltinEngine.from_pretrained(str(embedded_moe_model_dir), max_running=4, max_seq_len=64)
-    prompts = [tok.encode(p.text) for p in tiny.EMBEDDED_MODELS["tiny-mixtral-count"].task.sample_prompts(
+    prompts = [tok.encode(p.text) for p in embedded.EMBEDDED_MODELS["tiny-mixtral-count"].task.sample_prompts(
         random.Random(3), 4)]
     completions = engine.generate([GenerationRequest(str(i), p, SamplingParams(temperature=1.0, max_new_tokens=20),
                                                      (tiny.EOS_ID,)) for i, p in enumerate(prompts)])
@@ -197,24 +197,24 @@ def test_ensure_reuses_the_built_dir(embedded_think_model_dir):
     embedded_model_dir, name = embedded_think_model_dir, "tiny-qwen2-arith-think"
     mtimes = {p.name: p.stat().st_mtime_ns for p in embedded_model_dir.iterdir()}
     t0 = time.perf_counter()
-    again = tiny.ensure_embedded_model(name, cache_dir=embedded_model_dir.parent)
+    again = embedded.ensure_embedded_model(name, cache_dir=embedded_model_dir.parent)
     assert again == embedded_model_dir and time.perf_counter() - t0 < 2.0
     assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == mtimes
-    assert tiny.resolve_model_path(f"embedded:{name}", embedded_model_dir.parent) == embedded_model_dir
-    assert tiny.resolve_model_path(str(embedded_model_dir)) == embedded_model_dir
+    assert embedded.resolve_model_path(f"embedded:{name}", embedded_model_dir.parent) == embedded_model_dir
+    assert embedded.resolve_model_path(str(embedded_model_dir)) == embedded_model_dir
 
 
 def _ensure_smoke_in_child(cache_dir: str, barrier, results) -> None:
     torch.set_num_threads(1)
-    tiny.EMBEDDED_MODELS[SMOKE] = SMOKE_SPEC  # a spawned child starts from the module's own registry
+    embedded.EMBEDDED_MODELS[SMOKE] = SMOKE_SPEC  # a spawned child starts from the module's own registry
     barrier.wait()  # start both builds at the same moment
-    results.put(str(tiny.ensure_embedded_model(SMOKE, cache_dir)))
+    results.put(str(embedded.ensure_embedded_model(SMOKE, cache_dir)))
 
 
 def test_concurrent_processes_get_one_consistent_dir(tmp_path, monkeypatch):
-    monkeypatch.setitem(tiny.EMBEDDED_MODELS, SMOKE, SMOKE_SPEC)
+    monkeypatch.setitem(embedded.EMBEDDED_MODELS, SMOKE, SMOKE_SPEC)
     # A crashed build's leftover must neither be used nor survive.
-    stale = tmp_path / f".{SMOKE}-{tiny._spec_hash(SMOKE_SPEC)}.tmp-crashed"
+    stale = tmp_path / f".{SMOKE}-{embedded._spec_hash(SMOKE_SPEC)}.tmp-crashed"
     stale.mkdir()
     (stale / "config.json").write_text("{half written")
     ctx = multiprocessing.get_context("spawn")  # fork after torch has started threads can deadlock
@@ -230,19 +230,19 @@ def test_concurrent_processes_get_one_consistent_dir(tmp_path, monkeypatch):
     built = Path(paths.pop())
     assert [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == [built]
     AutoModelForCausalLM.from_pretrained(built)
-    assert tiny.ensure_embedded_model(SMOKE, tmp_path) == built
+    assert embedded.ensure_embedded_model(SMOKE, tmp_path) == built
 
 
 def test_bad_names_and_paths_fail_clearly(tmp_path):
     with pytest.raises(ValueError, match="unknown embedded model 'gpt5'.*tiny-qwen2-arith"):
-        tiny.ensure_embedded_model("gpt5", tmp_path)
+        embedded.ensure_embedded_model("gpt5", tmp_path)
     with pytest.raises(ValueError, match="unknown embedded model 'nope'"):
-        tiny.resolve_model_path("embedded:nope", tmp_path)
+        embedded.resolve_model_path("embedded:nope", tmp_path)
     missing = tmp_path / "no_such_model"
     with pytest.raises(FileNotFoundError, match=re.escape(str(missing)) + ".*not a directory"):
-        tiny.resolve_model_path(str(missing), tmp_path)
+        embedded.resolve_model_path(str(missing), tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match=re.escape(str(empty)) + ".*no config.json"):
-        tiny.resolve_model_path(str(empty), tmp_path)
+        embedded.resolve_model_path(str(empty), tmp_path)
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # errors built nothing

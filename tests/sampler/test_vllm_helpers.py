@@ -74,12 +74,12 @@ def test_config_picks_the_vllm_variant_and_refuses_truncation():
 
 
 def test_vllm_variant_has_head_dim_32():
-    from megarl.models import tiny
+    from megarl.models import embedded, tiny
 
-    spec = tiny.EMBEDDED_MODELS["tiny-qwen2-count-hd32"]
+    spec = embedded.EMBEDDED_MODELS["tiny-qwen2-count-hd32"]
     cfg = tiny.build_config(**dict(spec.config))
     assert cfg.hidden_size // cfg.num_attention_heads == 32
     # its own directory (the hash covers the config), same task and recipe as the demo's model
-    demo = tiny.EMBEDDED_MODELS["tiny-qwen2-count"]
-    assert tiny._spec_hash(spec) != tiny._spec_hash(demo)
+    demo = embedded.EMBEDDED_MODELS["tiny-qwen2-count"]
+    assert embedded._spec_hash(spec) != embedded._spec_hash(demo)
     assert (spec.task, spec.recipe, spec.max_new_tokens) == (demo.task, demo.recipe, demo.max_new_tokens)
