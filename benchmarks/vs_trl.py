@@ -301,10 +301,10 @@ def main() -> None:
     print(f"\nGRPOConfig({', '.join(f'{k}={v!r}' for k, v in grpo_config.items() if k != 'output_dir')})")
     print(f"megarl overrides of {DEMO}: {' '.join(MEGARL_OVERRIDES)}")
     if args.dry_run:
-        from trl_env import env_dir, is_ready
+        from trl_env import ENV
 
-        print(f"plan: megarl pipeline, megarl sync, TRL ({args.steps} steps each); TRL environment {env_dir()} "
-              f"{'ready' if is_ready() else 'to be built (minutes, 1.5 GB)'}")
+        print(f"plan: megarl pipeline, megarl sync, TRL ({args.steps} steps each); TRL environment {ENV.directory()} "
+              f"{'ready' if ENV.is_ready() else 'to be built (minutes, 1.5 GB)'}")
         print(json.dumps({"dry_run": True, "settings_matched": sum(r[3] for r in rows), "settings": len(rows)}))
         return
     out = ROOT / args.out
