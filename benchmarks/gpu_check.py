@@ -448,7 +448,7 @@ def check_lora(args, size: Size) -> dict:
     from megarl.config.schema import LearnerConfig, LoraConfig
     from megarl.learner.megatron import MegatronLearner
     from megarl.models.convert import load_pretrained
-    from megarl.protocols import GenerationRequest, SamplingParams, TrainBatch
+    from megarl.protocols import GenerationRequest, SamplingParams
     from megarl.sampler.lora import AdapterStager
 
     workdir = Path(args.workdir)
@@ -460,24 +460,8 @@ def check_lora(args, size: Size) -> dict:
                               LossConfig())
     params = sum(p.numel() for p in learner.gpt.parameters())
     trainable = sum(p.numel() for p in learner.gpt.parameters() if p.requires_grad)
-    g = torch.Generator().manual_seed(0)
-    rows, length, vocab = size.train_rows, size.train_len, size.model["vocab_size"]
-    ids = torch.randint(0, vocab, (rows, length), generator=g)
-    mask = torch.zeros(rows, length)
-    mask[:, length // 4:] = 1.0
-    behaviour = (learner.logprobs(ids) + 0.05 * torch.randn(rows, length, generator=g)) * mask
-    advantages = torch.randn(rows, 1, generator=g).expand(rows, length) * mask
-    times = []
-    for i in range(size.train_steps + 1):  # the first is a warm-up
-        batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour,
-                           versions=torch.where(mask > 0, learner.version, -1), advantages=advantages,
-                           learner_version=learner.version)
-        sync()
-        start = time.perf_counter()
-        learner.train_step(batch)
-        sync()
-        if i:
-            times.append(time.perf_counter() - start)
+    times, _ = timed_steps(learner, size)
+    vocab = size.model["vocab_size"]
     learner_peak = peak_gib()
     start = time.perf_counter()
     adapter = dict(learner.publish_tensors())
