@@ -10,11 +10,10 @@ About (steps / 100) minutes per arm on 2 busy CPU cores.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from demo_arms import run_arms
 
 ARMS = {
     "grpo": [],
@@ -43,27 +42,8 @@ def summary(run_dir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=None, help="override run.steps")
-    parser.add_argument("--out", default="runs/critic")
-    parser.add_argument("--only", nargs="*", default=None, help="arm names to run")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    results = {}
-    for name, extra in ARMS.items():
-        if args.only and name not in args.only:
-            continue
-        run_dir = Path(args.out) / name
-        cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", f"run.dir={run_dir}",
-               "run.overwrite=true", "run.progress=false", *extra, *args.overrides,
-               *([f"run.steps={args.steps}"] if args.steps else [])]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"{name}: FAILED\n{proc.stderr[-2000:]}", flush=True)
-            results[name] = None
-            continue
-        results[name] = summary(run_dir)
-        print(f"{name:12s} {results[name]}", flush=True)
+    results = run_arms(ARMS, summary, lambda name, _, result: print(f"{name:12s} {result}", flush=True),
+                       default_out="runs/critic")
     print(json.dumps(results))
 
 

@@ -8,11 +8,10 @@ on 2 CPU cores.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from demo_arms import run_arms
 
 OBJECTIVES = {
     "ppo_clip_higher": [],
@@ -35,31 +34,12 @@ def reward_summary(run_dir: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=None, help="override run.steps")
-    parser.add_argument("--out", default="runs/objectives")
-    parser.add_argument("--only", nargs="*", default=None, help="objective names to run")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    results = {}
-    for name, extra in OBJECTIVES.items():
-        if args.only and name not in args.only:
-            continue
-        run_dir = Path(args.out) / name
-        cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", f"run.dir={run_dir}",
-               "run.overwrite=true", "run.progress=false", *extra, *args.overrides]
-        if args.steps:
-            cmd.append(f"run.steps={args.steps}")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"{name}: FAILED\n{proc.stderr[-2000:]}")
-            results[name] = None
-            continue
-        s = reward_summary(run_dir)
-        results[name] = round(s["last10"], 3)
+    def report(name: str, extra: list, s: dict) -> None:
         print(f"{name:24s} reward first10% {s['first10']:.3f}  last10% {s['last10']:.3f}  "
               f"multi-version rollouts {s['multi_version_frac']:.3f}  ({' '.join(extra) or 'defaults'})", flush=True)
-    print(json.dumps(results))
+
+    results = run_arms(OBJECTIVES, reward_summary, report, default_out="runs/objectives")
+    print(json.dumps({name: None if s is None else round(s["last10"], 3) for name, s in results.items()}))
 
 
 if __name__ == "__main__":
