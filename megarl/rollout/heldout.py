@@ -38,7 +38,8 @@ def draw(task: Task, rng: random.Random, n: int, keep: Callable[[Prompt], bool],
                 break
         else:
             raise ValueError(f"{MAX_DRAWS} prompts drawn in a row, none of them a {side} prompt: the task has too few "
-                             f"distinct prompts for eval.heldout_fraction (docs/eval.md)")
+                             f"distinct prompts for eval.heldout_fraction; change it, give the eval set prompts of its "
+                             f"own (eval.sets[].path) or evaluate nothing (eval.sets=[]) (docs/eval.md)")
     return prompts
 
 
