@@ -258,6 +258,13 @@ def server_command(cfg, model_dir: str | Path, port: int, seed: int, secret_args
     return [sys.executable, "-m", "sglang.launch_server", *common, "--tp-size", str(sc.tp), *sc.server_args]
 
 
+def new_api_key() -> str:
+    """A server's key: 256 random bits in hex. Not token_urlsafe: its alphabet has "-", and SGLang's `--config`
+    turns `api-key: -x...` into the arguments `--api-key -x...`, which argparse reads as a missing value (seen
+    once in CI: 1 launch in 64)."""
+    return secrets.token_hex(32)
+
+
 def write_secret_args(path: Path, api_key: str) -> Path:
     """The server's `--api-key` in a YAML flags file only this user can read (a command line is visible to
     every user of the machine in /proc); created fresh, never over an existing file."""
@@ -457,7 +464,7 @@ class SGLangEngine:
             route_shape = RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text()))
         # A key of this server's own: any local process can reach 127.0.0.1, and the server's routes pause
         # generation and load weights (docs/security.md).
-        api_key = secrets.token_urlsafe(32)
+        api_key = new_api_key()
         secret_args = write_secret_args(Path(cfg.run.dir) / "sglang" / f"sampler{topo.role_rank}.secret.yaml", api_key)
         cmd = server_command(cfg, model_dir, port, seed=cfg.run.seed * 1000 + topo.rank, secret_args=secret_args)
         server = ServerProcess(cmd, env, Path(cfg.run.dir) / "sglang" / f"sampler{topo.role_rank}.log",

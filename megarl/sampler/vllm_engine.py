@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import threading
 import time
 from pathlib import Path
@@ -235,7 +234,7 @@ class VLLMEngine:
         # A key of this server's own, in its environment (readable by this user only, unlike its command line).
         # vLLM 0.32 checks it on /v1, /v2, /inference and /cohere only: the dev-mode routes megarl updates
         # weights through (/pause, /collective_rpc, /resume) stay open to local processes (docs/security.md).
-        api_key = secrets.token_urlsafe(32)
+        api_key = sglang_engine.new_api_key()
         server = _Server(cmd, {**env, "VLLM_API_KEY": api_key}, Path(log_path), f"http://127.0.0.1:{port}")
         client = _Client("127.0.0.1", port, request_timeout_s, describe=server.log_tail, api_key=api_key)
         try:

@@ -27,7 +27,7 @@ from megarl.sampler.model import load_pretrained
 from megarl.sampler.sglang_engine import (
     SUPPORTED_VERSIONS, HTTPClient, SGLangEngine, SGLangError, SGLangWeightFollower, ServerProcess,
     check_server_version, completion_from_chunks, generate_body, server_command, server_env, versions_from_spans,
-    versions_from_stamps, write_secret_args)
+    versions_from_stamps, new_api_key, write_secret_args)
 from tests.helpers import REPO, run_python
 from tests.sampler import make_tiny_model
 from tests.sampler.sglang_support import ENV, hf_logprobs, start_learner, token_logprobs
@@ -178,7 +178,9 @@ def test_request_body_and_server_commands(tmp_path):
     for flag, value in [("--port", "1234"), ("--host", "127.0.0.1"), ("--tp-size", "2"), ("--weight-version", "0"),
                         ("--context-length", str(CONTEXT))]:
         assert real[real.index(flag) + 1] == value
-    # The api key travels in an owner-only flags file, never on the command line (readable by every user).
+    # The api key travels in an owner-only flags file, never on the command line (readable by every user); hex,
+    # since SGLang's --config would make a key starting with "-" a missing value.
+    assert all(len(k) == 64 and set(k) <= set("0123456789abcdef") for k in (new_api_key() for _ in range(100)))
     secret = write_secret_args(tmp_path / "s" / "secret.yaml", "the-key")
     assert os.stat(secret).st_mode & 0o777 == 0o600 and secret.read_text() == 'api-key: "the-key"\n'
     with_key = server_command(cfg, "/m", 1234, seed=7, secret_args=secret)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import secrets
 import sys
 import threading
 import time
@@ -19,7 +18,7 @@ from safetensors.torch import load_file
 
 from megarl.distributed.sglang_publish import GROUP_NAME, free_port, plan_update_calls, update_body
 from megarl.sampler.model import load_pretrained
-from megarl.sampler.sglang_engine import HTTPClient, ServerProcess, versions_from_spans, write_secret_args
+from megarl.sampler.sglang_engine import HTTPClient, ServerProcess, versions_from_spans, new_api_key, write_secret_args
 from megarl.sampler.sglang_server import IMITATES
 from tests.helpers import run_python
 from tests.sampler import make_tiny_model
@@ -35,7 +34,7 @@ class Server:
 
     def __init__(self, model_dir: Path, log: Path, kv_on_update: str):
         self.model_dir, self.port = model_dir, free_port("127.0.0.1")
-        self.api_key = secrets.token_urlsafe(32)  # as megarl launches it: the key in a --config file
+        self.api_key = new_api_key()  # as megarl launches it: the key in a --config file
         cmd = [sys.executable, "-m", "megarl.sampler.sglang_server",
                "--config", str(write_secret_args(log.parent / "secret.yaml", self.api_key)), "--model-path", str(model_dir),
                "--port", str(self.port), "--skip-tokenizer-init", "--context-length", str(CONTEXT),

@@ -54,7 +54,7 @@ from megarl.sampler.sglang_engine import (  # noqa: E402
     server_command, write_secret_args)
 
 REPO = Path(__file__).resolve().parents[3]
-API_KEY = "k3y-of-this-check_0123456789abcdefghij"  # token_urlsafe's alphabet, as megarl's keys
+API_KEY = "0123456789abcdef" * 4  # hex, as megarl's keys (sglang_engine.new_api_key)
 CONTEXT = 512
 # Each route megarl calls -> SGLang's request type of its body (entrypoints/http_server.py).
 ROUTE_TYPES = {"/pause_generation": io_struct.PauseGenerationReqInput,
