@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from megarl.observe.sinks import train_records
+
 pytestmark = pytest.mark.vllm
 
 
@@ -111,7 +113,7 @@ def test_killed_vllm_server_with_restart_resumes_from_the_last_checkpoint(vllm_p
         run_dir, ["run.steps=30", "fault.on_failure=restart", "checkpoint.every_steps=4"], after_steps=9, timeout_s=600)
     assert rc == 0, out[-4000:]
     assert "megarl: resumed from" in out and "restart 1" in out, out[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    rows = train_records([json.loads(line) for line in (run_dir / "metrics.jsonl").open()])  # eval records left out
     assert [row["step"] for row in rows] == list(range(30))  # the redone steps replaced, none missing
     assert rows[-1]["restarts"] == 1.0
 
@@ -130,5 +132,5 @@ def test_multiturn_demo_trains_with_vllm(vllm_python, tmp_path):
     for r in rollouts:
         check_episode(r)
     assert sum(r["turns"] >= 2 for r in rollouts) > len(rollouts) / 2
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    rows = train_records([json.loads(line) for line in (run_dir / "metrics.jsonl").open()])
     assert rows[0]["lag0/token_share"] == 1.0 and rows[0]["lag0/logprob_gap_abs"] < 1e-4
