@@ -251,7 +251,10 @@ def check_model_dir(model_dir, cfg=None) -> None:
                          cfg.algo.routing_replay)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
-        from megarl.models.lora import check as check_lora
+        if cfg.learner.backend == "deepspeed":
+            from megarl.learner.hf_lora import check as check_lora
+        else:
+            from megarl.models.lora import check as check_lora
 
         try:
             check_lora(hf_config, cfg.learner.lora)  # target modules the model has, ranks its dimensions allow

@@ -88,10 +88,13 @@ def hf_tensors(checkpoint: str | Path, adapter_only: bool = False) -> Iterator[t
     checkpoint = resolve(checkpoint)
     manifest = read_manifest(checkpoint)
     hf_config = manifest["hf_config"]
-    if manifest["layout"].get("backend") == "deepspeed":  # DeepSpeed's ZeRO files, already HF-named
+    lora = manifest["layout"].get("lora")
+    if adapter_only and lora is None:
+        raise CheckpointError(f"{checkpoint} holds no LoRA adapter (it was not saved with learner.lora)")
+    if manifest["layout"].get("backend") == "deepspeed":  # DeepSpeed's ZeRO files, HF-named (peft-named: LoRA)
         from megarl.learner.deepspeed import checkpoint_hf_tensors
 
-        yield from checkpoint_hf_tensors(checkpoint, hf_config)
+        yield from checkpoint_hf_tensors(checkpoint, hf_config, lora, adapter_only)
         return
     metadata = FileSystemReader(checkpoint).read_metadata()
     keys = _model_keys(metadata)
@@ -107,10 +110,7 @@ def hf_tensors(checkpoint: str | Path, adapter_only: bool = False) -> Iterator[t
     def read(key, layer=None):
         return _read(checkpoint, key, keys[key], dtype, layer)
 
-    lora = manifest["layout"].get("lora")
     if adapter_only:
-        if lora is None:
-            raise CheckpointError(f"{checkpoint} holds no LoRA adapter (it was not saved with learner.lora)")
         for i in range(hf_config["num_hidden_layers"]):
             layer = {name: read(key, layer=i) for name, key in layer_keys.items() if ".lora." in name}
             yield from lora_layers.hf_adapter(lora_layers.checkpoint_adapters(layer), i, hf_config,

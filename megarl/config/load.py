@@ -419,14 +419,12 @@ def _validate_lora(cfg: Config) -> None:
     _require(not unknown, "learner.lora.target_modules",
              f"unknown module(s) {unknown}; a decoder layer's adaptable projections are {', '.join(TARGETS)}")
     _require(len(set(targets)) == len(targets), "learner.lora.target_modules", f"names a module twice: {targets}")
-    for fused, group in FUSED_GROUPS.items():
+    for fused, group in FUSED_GROUPS.items():  # (peft adapts each HF projection of the DeepSpeed learner alone)
         chosen = [t for t in group if t in targets]
-        _require(not chosen or len(chosen) == len(group), "learner.lora.target_modules",
+        _require(lc.backend == "deepspeed" or not chosen or len(chosen) == len(group), "learner.lora.target_modules",
                  f"{'/'.join(group)} are one fused linear on the megatron learner ({fused}), adapted together or "
-                 f"not at all: add {[t for t in group if t not in chosen]} or drop {chosen}")
-    _require(lc.backend == "megatron", "learner.backend",
-             f"learner.lora is implemented on the megatron learner only so far (learner.backend={lc.backend}: "
-             "its peft integration is not written yet); use learner.backend=megatron")
+                 f"not at all: add {[t for t in group if t not in chosen]} or drop {chosen} "
+                 "(or learner.backend=deepspeed, whose peft adapts each projection alone)")
     _require(lc.tp == 1, "learner.tp",
              f"learner.lora adapts megatron's linears at tensor-parallel size 1 only so far (got {lc.tp}): the "
              "adapter is not split over TP ranks yet; use learner.dp / learner.pp to spread the learner")

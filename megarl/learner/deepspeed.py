@@ -14,6 +14,11 @@ the per-expert names save_pretrained writes (megarl.models.moe.per_expert_tensor
 ``algo.routing_replay=r3`` forces the sampler's recorded routes at every router in every forward of the step,
 the extra log-prob passes included (megarl.learner.hf_routing_replay).
 
+``learner.lora.rank > 0`` trains a LoRA adapter through peft on the frozen base (megarl.learner.hf_lora): only the
+adapter has gradients and Adam state, a version publishes only the adapter (under the names the megatron learner
+publishes, which the built-in engine's AdapterStager merges into its own copy of the base), the KL reference is the
+base itself (the adapter switched off), and an export writes the merged model plus the PEFT adapter.
+
 Process contract (the megatron learner's): construct it after ``torch.distributed`` is initialised
 with a default process group that contains ONLY the learner ranks (world size = learner.dp). Every
 learner rank receives the same whole ``TrainBatch`` and trains its contiguous share of the rows.
@@ -36,11 +41,11 @@ import torch.nn.functional as F
 from megarl.algo import metrics as algo_metrics
 from megarl.algo.config import LossConfig
 from megarl.algo.distill import DistillConfig
-from megarl.config.schema import LearnerConfig
+from megarl.config.schema import LearnerConfig, LoraConfig
 from megarl.distributed.publish import Bucket, plan_buckets
-from megarl.learner import step
+from megarl.learner import hf_lora, step
 from megarl.learner.hf_routing_replay import HFRouteReplayer
-from megarl.models import moe
+from megarl.models import lora, moe
 from megarl.protocols import TrainBatch
 
 CHECKPOINT_TAG = "deepspeed"  # the sub-directory DeepSpeed's save_checkpoint writes in a megarl step dir
@@ -119,6 +124,22 @@ def _launcher_world_is_learner_group():
             os.environ["WORLD_SIZE"] = saved
 
 
+class _AdapterDisabled:
+    """The policy engine with its LoRA adapter switched off (peft's disable_adapter), called like a model: the
+    frozen base, the KL penalty's reference under learner.lora."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def eval(self):
+        self.engine.eval()
+        return self
+
+    def __call__(self, **inputs):
+        with self.engine.module.disable_adapter():
+            return self.engine(**inputs)
+
+
 class DeepSpeedLearner:
     def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig, temperature: float = 1.0,
                  publish_bucket_mb: float = 16.0, routing_replay: str = "off",
@@ -156,6 +177,7 @@ class DeepSpeedLearner:
             raise ValueError(f"algo.routing_replay=r3 needs a mixture-of-experts model; "
                              f"{self.hf_config.get('model_type')!r} is dense")
         replay = routing_replay == "r3"
+        self.lora = cfg.lora if cfg.lora.rank > 0 else None
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
 
         def load():
@@ -169,6 +191,8 @@ class DeepSpeedLearner:
             replayer = HFRouteReplayer(model, self.hf_config, replay)
         if cfg.recompute_activations == "full":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora is not None:  # the base frozen where it was loaded; only the adapter reaches the optimizer
+            model = hf_lora.wrap(model, self.hf_config, self.lora)
         with _launcher_world_is_learner_group():
             self.engine, self.optimizer, _, _ = deepspeed.initialize(
                 model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -178,7 +202,11 @@ class DeepSpeedLearner:
         # KL penalty: a frozen copy of the initial weights (docs/learner.md#deepspeed): partitioned like
         # the policy at stage 3 (an engine without optimizer), a plain replica below.
         self.ref_model = None
-        if loss_cfg.kl_coef > 0:
+        if loss_cfg.kl_coef > 0 and self.lora is not None:
+            # The base is the initial policy (B starts at zero) and is frozen: the adapter switched off is the
+            # reference, with no second copy of the base.
+            self.ref_model = _AdapterDisabled(self.engine)
+        elif loss_cfg.kl_coef > 0:
             ref = load().requires_grad_(False).eval()
             ref_replayer = HFRouteReplayer(ref, self.hf_config, replay) if self.is_moe else None
             if self.zero_stage == 3:
@@ -200,7 +228,8 @@ class DeepSpeedLearner:
 
     @property
     def module(self):
-        """The HF model inside the engine (parameters named as in the HF checkpoint)."""
+        """The HF model inside the engine (parameters named as in the HF checkpoint; under learner.lora the peft
+        model around it, whose keys megarl.learner.hf_lora translates)."""
         return self.engine.module
 
     # ------------------------------------------------------------------ forward
@@ -301,7 +330,8 @@ class DeepSpeedLearner:
     # ------------------------------------------------------------------ weights out
 
     def publish_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named fp32 CPU tensors of the full weights, in the HF model's parameter order (tied: the
+        """HF-named fp32 CPU tensors of the full weights (under learner.lora: of the adapter, see
+        _published_parameters), in the HF model's parameter order (tied: the
         embedding once, no lm_head), valid until the next step: below ZeRO-3 the parameters themselves
         when they are fp32 on the CPU (a publisher that sends only its share copies nothing it skips),
         else converted copies. Collective: every learner rank iterates it. At ZeRO-3 they are views into
@@ -310,10 +340,17 @@ class DeepSpeedLearner:
         for name, tensor in self._in_memory_tensors():
             yield from moe.per_expert_tensors(self.hf_config, name, tensor)
 
+    def _published_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(published name, parameter) of what a version carries: every HF parameter, or under learner.lora the
+        adapter's only, under megarl.models.lora's names in adapter_spec's order (the samplers hold the base)."""
+        if self.lora is not None:
+            return hf_lora.adapter_parameters(self.module, self.hf_config, self.lora)
+        return list(self.module.named_parameters())
+
     def _in_memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """publish_tensors before an MoE model's fused experts are split into save_pretrained's names."""
         if self.zero_stage < 3:
-            for name, param in self.module.named_parameters():
+            for name, param in self._published_parameters():
                 yield name, param.detach().to(device="cpu", dtype=torch.float32)
             return
         for bucket, flat in self.publish_buckets():
@@ -323,7 +360,7 @@ class DeepSpeedLearner:
     def publish_spec(self, shards: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """What publish_tensors yields (TP = 1: shards are the same); ZeRO-3 parameters' full shapes."""
         return [(hf_name, tuple(t.shape), torch.float32)
-                for name, p in self.module.named_parameters()
+                for name, p in self._published_parameters()
                 for hf_name, t in moe.per_expert_tensors(self.hf_config, name, torch.empty(
                     tuple(getattr(p, "ds_shape", p.shape)), device="meta"))]
 
@@ -334,7 +371,7 @@ class DeepSpeedLearner:
         bucket beyond its partition. Collective over the learner ranks."""
         import deepspeed
 
-        named = list(self.module.named_parameters())
+        named = self._published_parameters()
         params = dict(named)
         spec = [(name, tuple(p.ds_shape), torch.float32) for name, p in named]
         for bucket in plan_buckets(spec, self.bucket_bytes):
@@ -368,17 +405,52 @@ class DeepSpeedLearner:
         self._version = version
 
 
-def checkpoint_hf_tensors(checkpoint: Path, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_hf_tensors(checkpoint: Path, hf_config: dict, lora_layout: dict | None = None,
+                          adapter_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The full fp32 weights of a `save_shards` checkpoint as (HF name, tensor), merged from the ZeRO
     partitions of every rank one tensor at a time (DeepSpeed's zero_to_fp32, lazy mode; no process
-    group). Tied embeddings: the embedding only, as HF saves it."""
+    group). Tied embeddings: the embedding only, as HF saves it. A LoRA checkpoint (`lora_layout`: the
+    manifest's layout["lora"]) gives the base with its adapter merged (W + alpha / r * B @ A), or with
+    `adapter_only` the adapter alone under megarl.models.lora's names (in adapter_spec's order)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=CHECKPOINT_TAG, lazy_mode=True)
+    if lora_layout is not None:
+        yield from _lora_checkpoint_tensors(checkpoint, state, hf_config, lora_layout, adapter_only)
+    else:
+        yield from _hf_named(state, hf_config)
+
+
+def _hf_named(state: dict, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's HF-keyed (lazy) tensors as save_pretrained writes them: a tied lm_head dropped, an MoE
+    model's fused experts (one tensor per layer in memory) as per-expert ones."""
     tied = hf_config.get("tie_word_embeddings", False)
     for name, lazy in state.items():
         if not (tied and name == "lm_head.weight"):
-            # An MoE model's fused experts (one tensor per layer in memory) as save_pretrained's per-expert ones.
             for hf_name, tensor in moe.per_expert_tensors(hf_config, name, lazy.contiguous()):
                 yield hf_name, tensor.contiguous()
 
+
+def _lora_checkpoint_tensors(checkpoint: Path, state: dict, hf_config: dict, lora_layout: dict,
+                             adapter_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """checkpoint_hf_tensors of a peft model's checkpoint. zero_to_fp32 holds the adapter (the optimizer's fp32
+    partitions) and, from ZeRO-2 on, the frozen base (DeepSpeed saves frozen parameters' fragments only when it
+    partitions gradients); at ZeRO-1 the base comes from the module state, which DeepSpeed saves whole there."""
+    lora_cfg = LoraConfig(**lora_layout)
+    if adapter_only:
+        adapter = hf_lora.split_state(state)[1]
+        for name, _, _ in lora.adapter_spec(hf_config, lora_cfg):
+            yield name, adapter[name].contiguous()
+        return
+    module_file = Path(checkpoint) / CHECKPOINT_TAG / "mp_rank_00_model_states.pt"
+    module = torch.load(module_file, map_location="cpu", mmap=True, weights_only=False)["module"]
+    base, adapter = hf_lora.split_state({k: state[k] if k in state else module[k]
+                                         for k in [*module, *(k for k in state if k not in module)]})
+    factor = lora.scale(lora_cfg)
+    for name, tensor in _hf_named(base, hf_config):
+        a_name = name[:-len(".weight")] + ".lora_A.weight"
+        if a_name in adapter:
+            b_name = a_name[:-len("lora_A.weight")] + "lora_B.weight"
+            tensor = lora.merge({name: tensor}, {a_name: adapter[a_name].contiguous(),
+                                                 b_name: adapter[b_name].contiguous()}, factor)[name]
+        yield name, tensor

@@ -227,7 +227,6 @@ def test_multi_turn_keys_are_checked_naming_the_key(overrides, message):
      "learner.lora.target_modules: q_proj/k_proj/v_proj are one fused linear on the megatron learner"),
     ("learner.lora.rank=8 learner.lora.target_modules=[up_proj]",
      "learner.lora.target_modules: gate_proj/up_proj are one fused linear"),
-    ("learner.lora.rank=8 learner.backend=deepspeed", "learner.backend: learner.lora is implemented on the megatron"),
     ("learner.lora.rank=8 learner.tp=2", "learner.tp: learner.lora adapts megatron's linears at tensor-parallel size 1"),
     ("learner.lora.rank=8 sampler.engine=vllm", "sampler.engine: learner.lora publishes only the adapter"),
     ("learner.lora.rank=8 sampler.engine=sglang", "sampler.engine: learner.lora publishes only the adapter"),
@@ -241,6 +240,9 @@ def test_lora_keys_and_what_cannot_take_an_adapter_are_refused_naming_the_key(ov
 def test_lora_keys_load():
     cfg = load_config(DEMO, ["learner.lora.rank=8", "learner.lora.target_modules=[o_proj,down_proj]"])
     assert cfg.learner.lora.rank == 8 and cfg.learner.lora.target_modules == ["o_proj", "down_proj"]
+    # peft adapts each HF projection alone: half of megatron's fused q/k/v is the DeepSpeed learner's to take
+    cfg = load_config(DEMO, ["learner.backend=deepspeed", "learner.lora.rank=8", "learner.lora.target_modules=[q_proj,v_proj]"])
+    assert cfg.learner.lora.target_modules == ["q_proj", "v_proj"]
 
 
 @pytest.mark.parametrize("lora, model, message", [
@@ -248,10 +250,16 @@ def test_lora_keys_load():
     ({"rank": 8, "target_modules": ["down_proj"]}, MIXTRAL_6, "learner.lora.target_modules: 'mixtral' layers have no "
                                                               "'down_proj'"),
     ({"rank": 32, "target_modules": ["o_proj"]}, {}, None),
+    ({"rank": 8, "target_modules": ["q_proj"], "backend": "deepspeed"}, MIXTRAL_6,
+     "learner.lora.rank=8 with learner.backend=deepspeed: a mixture-of-experts model"),
 ])
 def test_lora_the_model_cannot_take_is_refused_naming_the_key(lora, model, message):
     from megarl.config.schema import LoraConfig
-    from megarl.models.lora import check
+    from megarl.learner import hf_lora
+    from megarl.models import lora as lora_names
+
+    check = hf_lora.check if lora.get("backend") == "deepspeed" else lora_names.check
+    lora = {k: v for k, v in lora.items() if k != "backend"}
 
     hf_config = {**TINY, "hidden_size": 32, **model}
     if message is None:
