@@ -435,15 +435,17 @@ def _lora_checkpoint_tensors(checkpoint: Path, state: dict, hf_config: dict, lor
                              adapter_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """checkpoint_hf_tensors of a peft model's checkpoint. zero_to_fp32 holds the adapter (the optimizer's fp32
     partitions) and, from ZeRO-2 on, the frozen base (DeepSpeed saves frozen parameters' fragments only when it
-    partitions gradients); at ZeRO-1 the base comes from the module state, which DeepSpeed saves whole there."""
+    partitions gradients); at ZeRO-1 the base comes from the module state, which DeepSpeed saves whole below
+    ZeRO-3 (in the module's parameter order, which the export keeps)."""
     lora_cfg = LoraConfig(**lora_layout)
     if adapter_only:
         adapter = hf_lora.split_state(state)[1]
         for name, _, _ in lora.adapter_spec(hf_config, lora_cfg):
             yield name, adapter[name].contiguous()
         return
-    module_file = Path(checkpoint) / CHECKPOINT_TAG / "mp_rank_00_model_states.pt"
-    module = torch.load(module_file, map_location="cpu", mmap=True, weights_only=False)["module"]
+    module_file = Path(checkpoint) / CHECKPOINT_TAG / "mp_rank_00_model_states.pt"  # (below ZeRO-3 only)
+    module = torch.load(module_file, map_location="cpu", mmap=True, weights_only=False)["module"] \
+        if module_file.is_file() else {}
     base, adapter = hf_lora.split_state({k: state[k] if k in state else module[k]
                                          for k in [*module, *(k for k in state if k not in module)]})
     factor = lora.scale(lora_cfg)

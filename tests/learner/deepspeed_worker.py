@@ -1,7 +1,7 @@
 """One torchrun rank of the DeepSpeed learner tests: for each case, the whole learner life cycle.
 
 argv: out_dir batches.pt cases.json.  Each case {name, model_dir, learner: LearnerConfig kwargs (with
-`deepspeed` as a dict), loss: LossConfig kwargs}: publish before any step, log-probs, step 1,
+`deepspeed` and `lora` as dicts), loss: LossConfig kwargs}: publish before any step, log-probs, step 1,
 checkpoint (megarl's learner_state, DeepSpeed's files), step 2; then a second learner resumed from the
 checkpoint redoes step 2; rank 0 exports the checkpoint to an HF directory; last, a non-finite step.
 Every rank writes `{name}.rank{r}.pt` with what it saw.
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megarl.algo.config import LossConfig
 from megarl.checkpoint import learner_state
 from megarl.checkpoint.export import export_hf
-from megarl.config.schema import DeepSpeedConfig, LearnerConfig
+from megarl.config.schema import DeepSpeedConfig, LearnerConfig, LoraConfig
 from megarl.distributed.lifetime import exit_process
 from megarl.learner.deepspeed import DeepSpeedLearner
 
@@ -32,7 +32,8 @@ out_dir, batches, cases = Path(sys.argv[1]), torch.load(sys.argv[2], weights_onl
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 for case in cases:
-    learner_kwargs = dict(case["learner"], deepspeed=DeepSpeedConfig(**case["learner"].get("deepspeed", {})))
+    learner_kwargs = dict(case["learner"], deepspeed=DeepSpeedConfig(**case["learner"].get("deepspeed", {})),
+                          lora=LoraConfig(**case["learner"].get("lora", {})))
     cfg, loss_cfg = LearnerConfig(backend="deepspeed", **learner_kwargs), LossConfig(**case["loss"])
 
     def build():
@@ -41,8 +42,15 @@ for case in cases:
     learner = build()
     record = {"initial": snapshot(learner), "logprobs": learner.logprobs(batches[0].input_ids),
               "spec": learner.publish_spec()}
+    frozen = {n: getattr(p, "ds_tensor", p).detach().clone()  # (ZeRO-3: this rank's partition)
+              for n, p in learner.module.named_parameters() if not p.requires_grad}
     record["step1"] = learner.train_step(batches[0])
     record["after_step1"] = snapshot(learner)
+    if learner.lora is not None:  # the frozen base did not move; the log-probs the export must reproduce
+        record["base_moved"] = [n for n, p in learner.module.named_parameters()
+                                if n in frozen and not torch.equal(getattr(p, "ds_tensor", p).detach(), frozen[n])]
+        record["trainable"] = sorted(n for n, p in learner.module.named_parameters() if p.requires_grad)
+        record["logprobs_after_step1"] = learner.logprobs(batches[0].input_ids)
     root = out_dir / f"{case['name']}.ckpt"
     learner_state.save(learner, root, step=1, keep=2, model_dir=case["model_dir"])
     record["step2"] = learner.train_step(replace(batches[1], learner_version=learner.version))

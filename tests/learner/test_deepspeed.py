@@ -2,6 +2,7 @@
 (Qwen2 with tied embeddings, Llama untied), against independent references: the HF checkpoint files,
 a transformers forward, and the megatron learner's first step on the same weights and batch."""
 import json
+import math
 import os
 import re
 import subprocess
@@ -44,6 +45,13 @@ CASES = {
     "llama_zero3_offload": ("llama", {"micro_batch_size": 16, "deepspeed": {
         "zero_stage": 3, "offload_optimizer": True, "offload_params": True}}, {}),
 }
+# LoRA (peft) rides in the same launch: ZeRO-3 (the frozen base and the adapter partitioned, the adapter gathered
+# to publish, frozen fragments in the checkpoint) with the KL penalty, whose reference is the base (adapter off).
+LORA_CASES = {"qwen_zero3_lora_kl": ("qwen", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 3},
+                                              "lora": {"rank": 4, "alpha": 8.0, "target_modules": [
+                                                  "q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}},
+                                     {"kl_coef": 0.1})}
+ALL_CASES = {**CASES, **LORA_CASES}
 BUCKET_MB = 0.01  # 10 KiB: two or three of the tiny models' tensors per publish bucket
 
 
@@ -65,7 +73,7 @@ def runs(models, world, tmp_path_factory):
     batches = [_batch(_hf(models["qwen"]), seed=5), _batch(_hf(models["qwen"]), seed=6)]
     torch.save(batches, out / "batches.pt")
     cases = [{"name": name, "model_dir": models[model], "learner": {"dp": 2, "lr": 1e-2, **learner},
-              "loss": loss, "bucket_mb": BUCKET_MB} for name, (model, learner, loss) in CASES.items()]
+              "loss": loss, "bucket_mb": BUCKET_MB} for name, (model, learner, loss) in ALL_CASES.items()]
     extensions = out / "torch_extensions"  # where DeepSpeed would JIT-compile ops: nothing may land there
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(extensions))
     proc = subprocess.Popen(
@@ -79,7 +87,8 @@ def runs(models, world, tmp_path_factory):
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-6000:]
     assert not extensions.exists() or not any(extensions.iterdir()), "a DeepSpeed op was JIT-compiled on CPU"
-    records = {name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)] for name in CASES}
+    records = {name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)]
+               for name in ALL_CASES}
     return batches, records, megatron, out
 
 
@@ -95,12 +104,12 @@ def test_publish_before_any_step_is_bitwise_the_hf_checkpoint(runs, models, case
             assert published[name].dtype == torch.float32 and torch.equal(published[name], tensor), (case, name)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_logprobs_equal_a_transformers_forward(runs, models, case):
     batches, records, _, _ = runs
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(models[CASES[case][0]], dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(models[ALL_CASES[case][0]], dtype=torch.float32).eval()
     with torch.no_grad():
         ref = _hf_logprobs(hf, batches[0].input_ids)
     for rank in records[case]:
@@ -134,7 +143,7 @@ def test_token_budget_case_has_uneven_micro_batch_counts(runs):
     assert counts[0] != counts[1], counts
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_every_rank_publishes_the_same_updated_weights(runs, case):
     first, second = runs[1][case]
     assert set(first["after_step1"]) == set(first["initial"])
@@ -143,7 +152,7 @@ def test_every_rank_publishes_the_same_updated_weights(runs, case):
         assert torch.equal(tensor, second["after_step2"][name]), (case, name)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_resume_from_checkpoint_is_exact(runs, case):
     """A second learner loaded from the checkpoint after step 1 redoes step 2 bit for bit: weights, Adam
     moments and step came back (lr and the rest are the run's config)."""
@@ -168,12 +177,78 @@ def test_export_is_the_checkpointed_weights(runs, case):
     assert torch.equal(model.get_input_embeddings().weight, after_step1["model.embed_tokens.weight"])
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_nonfinite_step_is_skipped(runs, case):
     for rank in runs[1][case]:
         assert rank["nonfinite"]["skipped_nonfinite"] == 1.0 and rank["version_after_nonfinite"] == 2
         for name, tensor in rank["resumed_after_step2"].items():
             assert torch.equal(rank["after_nonfinite"][name], tensor), (case, name)
+
+
+@pytest.mark.parametrize("case", LORA_CASES)
+def test_lora_publishes_and_trains_only_the_adapter(runs, models, case):
+    """Every version is the adapter alone, in megarl.models.lora's names (the megatron learner's, which the
+    engine's AdapterStager takes) and adapter_spec's order; B starts at zero (the base is the initial policy),
+    only the adapter requires gradients, the frozen base does not move, and the KL reference stays the base."""
+    from megarl.config.schema import LoraConfig
+    from megarl.models.lora import adapter_spec
+
+    lora_cfg = LoraConfig(**LORA_CASES[case][1]["lora"])
+    hf_config = json.loads((Path(models[LORA_CASES[case][0]]) / "config.json").read_text())
+    spec = adapter_spec(hf_config, lora_cfg)
+    for rank in runs[1][case]:
+        assert rank["spec"] == spec and [(n, tuple(t.shape), t.dtype) for n, t in rank["initial"].items()] == spec
+        assert all(not t.any() for n, t in rank["initial"].items() if n.endswith("lora_B.weight"))
+        assert all(t.any() for n, t in rank["after_step1"].items() if n.endswith("lora_B.weight"))
+        assert rank["trainable"] and all(".lora_A.default." in n or ".lora_B.default." in n for n in rank["trainable"])
+        assert len(rank["trainable"]) == len(spec) and rank["base_moved"] == []
+        assert rank["step1"]["kl_ref/mean"] == 0.0 and rank["step2"]["kl_ref/mean"] != 0.0
+
+
+@pytest.mark.parametrize("case", LORA_CASES)
+def test_lora_export_is_the_merged_model_and_the_peft_adapter(runs, models, case):
+    """The export of the checkpoint after step 1 (merged from both ranks' ZeRO-3 partitions, frozen base
+    included): the merged HF model and peft's PeftModel on the original base (from adapter/) both give the
+    learner's log-probs after step 1; the adapter files are the published adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megarl.checkpoint.export import ADAPTER_DIR
+    from megarl.models.lora import ADAPTER_WEIGHTS, PEFT_PREFIX
+
+    export, model_dir = runs[3] / f"{case}.export", models[LORA_CASES[case][0]]
+    rank0 = runs[1][case][0]
+    ids = runs[0][0].input_ids
+    with torch.no_grad():
+        merged = _hf_logprobs(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval(), ids)
+        peft = _hf_logprobs(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                                      str(export / ADAPTER_DIR)).eval(), ids)
+        base = _hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), ids)
+    ours = rank0["logprobs_after_step1"]
+    assert (ours - base).abs().max() > 1e-3  # one step moved the adapter: an unmerged export would show
+    assert (merged - ours).abs().max() <= 1e-5 and (peft - ours).abs().max() <= 1e-5
+    saved = load_file(export / ADAPTER_DIR / ADAPTER_WEIGHTS)
+    assert saved.keys() == {PEFT_PREFIX + n for n in rank0["after_step1"]}
+    assert all(torch.equal(saved[PEFT_PREFIX + n], t) for n, t in rank0["after_step1"].items())
+
+
+def test_lora_resume_with_another_adapter_is_refused_naming_it(runs):
+    from megarl.checkpoint.learner_state import _load_deepspeed
+    from megarl.checkpoint.storage import CheckpointError, resolve
+    from megarl.config.schema import DeepSpeedConfig, LearnerConfig, LoraConfig
+
+    path = resolve(runs[3] / "qwen_zero3_lora_kl.ckpt")
+    manifest = json.loads((path / "megarl.json").read_text())
+
+    class Learner:  # the refusal comes before anything is loaded: only the config is read
+        cfg = LearnerConfig(backend="deepspeed", dp=2, deepspeed=DeepSpeedConfig(zero_stage=3),
+                            lora=LoraConfig(rank=8, target_modules=["q_proj"]))
+
+    with pytest.raises(CheckpointError, match=r"saved with learner\.lora=.*'rank': 4.*this run has learner\.lora=.*'rank': 8"):
+        _load_deepspeed(Learner(), path, manifest)
+    Learner.cfg = LearnerConfig(backend="deepspeed", dp=2, deepspeed=DeepSpeedConfig(zero_stage=3))
+    with pytest.raises(CheckpointError, match=r"this run has learner\.lora=off"):
+        _load_deepspeed(Learner(), path, manifest)
 
 
 def test_resume_under_another_layout_is_refused_naming_the_keys(runs):
@@ -233,17 +308,20 @@ def test_config_refuses_deepspeed_flags_on_megatron():
     load_config(REPO / "configs" / "demo.yaml", ["learner.backend=deepspeed", "learner.dp=2"])  # accepted
 
 
-@pytest.mark.parametrize("zero_stage, senders", [(3, 2), (1, 1)])
-def test_megarl_train_runs_the_published_weights(embedded_think_model_dir, tmp_path, zero_stage, senders):
+@pytest.mark.parametrize("zero_stage, senders, lora", [(3, 2, False), (1, 1, False), (2, 1, True)],
+                         ids=["zero3_two_senders", "zero1", "lora"])
+def test_megarl_train_runs_the_published_weights(embedded_think_model_dir, tmp_path, zero_stage, senders, lora):
     """End to end at dp=2 and max_lag=0: ZeRO-3 with both DP ranks publishing (publish.senders=2, each
     every other bucket), ZeRO-1 with one (its parameters sent as they are): every trained token was
     generated by the version the learner is at, i.e. by weights that went through the publish, and the
-    learner's log-probs equal the built-in engine's behaviour log-probs."""
+    learner's log-probs equal the built-in engine's behaviour log-probs. LoRA (ZeRO-2, dp=1: two processes):
+    each version is the peft adapter alone, which the engine's AdapterStager merges into its base."""
     run_dir = tmp_path / "run"
+    layout = ["learner.dp=1", "learner.lora.rank=8"] if lora else ["learner.dp=2", f"publish.senders={senders}"]
     proc = run_python("-m", "megarl.cli", "train", str(REPO / "configs" / "demo.yaml"), f"run.dir={run_dir}",
                       "run.steps=4", "algo.max_lag=0", "learner.backend=deepspeed",
-                      f"learner.deepspeed.zero_stage={zero_stage}", "learner.dp=2", "publish.bucket_mb=0.25",
-                      f"publish.senders={senders}", f"model.path={embedded_think_model_dir}", timeout=400)
+                      f"learner.deepspeed.zero_stage={zero_stage}", "publish.bucket_mb=0.25", *layout,
+                      f"model.path={embedded_think_model_dir}", timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = train_records([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
     assert [m["version"] for m in metrics] == [1, 2, 3, 4]
@@ -251,5 +329,13 @@ def test_megarl_train_runs_the_published_weights(embedded_think_model_dir, tmp_p
     for m in metrics:
         assert m["lag0/token_share"] == 1.0
         assert m["lag0/logprob_gap_abs"] < 1e-4, (m["step"], m["lag0/logprob_gap_abs"])
+        if lora:  # exactly the adapter's bytes (every projection of every layer at rank 8)
+            from megarl.config.schema import LoraConfig
+            from megarl.models.lora import adapter_spec
+
+            hf_config = json.loads((Path(embedded_think_model_dir) / "config.json").read_text())
+            assert m["publish_bytes"] == sum(math.prod(shape) * 4 for _, shape, _ in
+                                             adapter_spec(hf_config, LoraConfig(rank=8))) < model_bytes
+            continue
         share = m["publish_bytes"] / model_bytes  # the lead's link: its share with two senders
         assert 0.2 < share < 0.8 if senders == 2 else share == 1.0, share

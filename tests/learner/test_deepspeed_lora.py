@@ -74,14 +74,20 @@ def test_published_adapter_in_the_engine_is_peft_merged(model_dir, world, tmp_pa
         assert (learner.logprobs(ids)[0, n:] - want).abs().max() <= 1e-5  # the learner: peft, unmerged
 
 
-def test_only_the_adapter_trains_and_the_kl_reference_is_the_base(model_dir, world):  # noqa: F811
+@pytest.fixture(scope="module")
+def trained(model_dir, world):  # noqa: F811
+    """A ZeRO-1 learner with the KL penalty after one step: (learner, the frozen base before it, batch, metrics)."""
     learner = _learner(model_dir, LossConfig(kl_coef=0.1), lr=1e-2)
+    frozen = {n: p.detach().clone() for n, p in learner.module.named_parameters() if not p.requires_grad}
+    batch = _train_batch(learner, 3)
+    return learner, frozen, batch, learner.train_step(batch)
+
+
+def test_only_the_adapter_trains_and_the_kl_reference_is_the_base(trained, model_dir):
+    learner, frozen, batch, metrics = trained
     trainable = {n for n, p in learner.module.named_parameters() if p.requires_grad}
     assert trainable == {n for n in dict(learner.module.named_parameters()) if ".lora_" in n}
     assert len(trainable) == 2 * len(LORA.target_modules) * learner.hf_config["num_hidden_layers"]
-    frozen = {n: p.detach().clone() for n, p in learner.module.named_parameters() if not p.requires_grad}
-    batch = _train_batch(learner, 3)
-    metrics = learner.train_step(batch)
     assert metrics["skipped_nonfinite"] == 0.0 and learner.version == 1
     assert metrics["kl_ref/mean"] == 0.0  # B starts at zero: the first step's policy is the base
     after = dict(learner.module.named_parameters())
@@ -95,3 +101,23 @@ def test_only_the_adapter_trains_and_the_kl_reference_is_the_base(model_dir, wor
         base = _logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), batch.input_ids)
     ref = learner._forward_logprobs(learner.ref_model, [{"input_ids": batch.input_ids}])[0]
     assert (ref - base).abs().max() <= 1e-5 and (learner.logprobs(batch.input_ids) - base).abs().max() > 1e-3
+
+
+def test_zero1_checkpoint_exports_the_merged_model_and_the_peft_adapter(trained, model_dir, tmp_path):
+    """Below ZeRO-2 DeepSpeed keeps no frozen fragments: the export takes the base from the module state. The
+    merged HF model and peft on the original base (from adapter/) both give the learner's log-probs."""
+    from peft import PeftModel
+
+    from megarl.checkpoint import learner_state
+    from megarl.checkpoint.export import ADAPTER_DIR, export_hf
+
+    learner, _, batch, _ = trained
+    learner_state.save(learner, tmp_path / "ckpt", 1, keep=1, model_dir=model_dir)
+    out = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    ids = batch.input_ids
+    with torch.no_grad():
+        merged = _logprobs(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), ids)
+        peft = _logprobs(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                                   str(out / ADAPTER_DIR)).eval(), ids)
+    ours = learner.logprobs(ids)
+    assert (merged - ours).abs().max() <= 1e-5 and (peft - ours).abs().max() <= 1e-5
