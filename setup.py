@@ -34,6 +34,8 @@ setup(
         # keep the DeepSpeed they built for their CUDA (`pip install deepspeed` when they want it).
         "cpu": ["torch==2.13.0", "deepspeed==0.19.8"],
         "gpu": [],
+        # peft: learner.lora on the DeepSpeed learner (its adapters are peft's; the megatron learner needs no peft).
+        "lora": ["peft>=0.21"],
         # The `openai` client, for agents that train through a sampler's /v1/chat/completions (task.agent).
         "agent": ["openai>=1.40"],
         # pyarrow / datasets: the Parquet and save_to_disk dataset readers are optional for users, tested in CI;

@@ -31,9 +31,12 @@ def wrap(model: nn.Module, hf_config: dict, lora_cfg) -> nn.Module:
     """`model` as a peft LoRA model of `lora_cfg` (rank, alpha, dropout, target modules; A Kaiming-uniform, B zero,
     so the wrapped model starts as the base): only the adapter parameters require gradients. Refuses (naming the
     key) a target the model lacks or a rank above a target's dimensions, before peft does anything."""
-    from peft import LoraConfig, get_peft_model
-
     check(hf_config, lora_cfg)
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise ImportError("learner.lora with learner.backend=deepspeed needs peft: `pip install -e \".[lora]\"` "
+                          "(or `pip install \"peft>=0.21\"`)") from exc
     config = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                         target_modules=list(lora_cfg.target_modules), bias="none", use_rslora=False)
     return get_peft_model(model, config, adapter_name=ADAPTER_NAME)
