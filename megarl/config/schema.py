@@ -180,14 +180,16 @@ class DeepSpeedConfig:
 class LoraConfig:
     """learner.lora: train a low-rank adapter on the frozen base model instead of every weight (docs/lora.md).
     Only the adapter gets gradients and optimizer state; each version publishes only the adapter, and the
-    built-in engine applies it (W = W_base + alpha / rank * B @ A) at a step boundary like full weights."""
+    built-in engine applies it (W = W_base + alpha / rank * B @ A) at a step boundary like full weights.
+    Megatron learner: megarl's own adapter on its linears; DeepSpeed learner: peft's (pip install ".[lora]")."""
 
     rank: int = 0  # r of every adapter; 0 = LoRA off (full fine-tuning)
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank (peft's lora_alpha)
     dropout: float = 0.0  # on the adapter's input while training (peft's lora_dropout); never at sampling
     # HF module names of each decoder layer to adapt: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
     # (default: all of them; "LoRA without regret" found attention-only LoRA to lag, MLP LoRA to matter most).
-    # megatron fuses q/k/v and gate/up into one linear each: those are adapted together or not at all.
+    # megatron fuses q/k/v and gate/up into one linear each: those are adapted together or not at all there
+    # (peft on the DeepSpeed learner adapts any subset).
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                "up_proj", "down_proj"])
 

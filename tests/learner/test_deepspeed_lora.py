@@ -1,7 +1,7 @@
 """LoRA on the DeepSpeed learner through peft (one gloo rank, in this process): what it publishes is what the
 built-in engine's AdapterStager takes, and base + that adapter in the engine is peft's merged model; only the
 adapter trains; the KL reference is the base. (The 2-rank checkpoint / resume / export run is
-tests/learner/test_deepspeed.py's `qwen_zero2_lora` case; the run through the publish path is its
+tests/learner/test_deepspeed.py's `qwen_zero3_lora_kl` case; the run through the publish path is its
 test_megarl_train_runs_the_published_weights[lora].)"""
 import pytest
 import torch
