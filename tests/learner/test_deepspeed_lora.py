@@ -76,8 +76,9 @@ def test_published_adapter_in_the_engine_is_peft_merged(model_dir, world, tmp_pa
 
 @pytest.fixture(scope="module")
 def trained(model_dir, world):  # noqa: F811
-    """A ZeRO-1 learner with the KL penalty after one step: (learner, the frozen base before it, batch, metrics)."""
-    learner = _learner(model_dir, LossConfig(kl_coef=0.1), lr=1e-2)
+    """A ZeRO-1 learner with the KL penalty and HF gradient checkpointing (through peft's frozen base) after one
+    step: (learner, the frozen base before it, batch, metrics)."""
+    learner = _learner(model_dir, LossConfig(kl_coef=0.1), lr=1e-2, recompute_activations="full")
     frozen = {n: p.detach().clone() for n, p in learner.module.named_parameters() if not p.requires_grad}
     batch = _train_batch(learner, 3)
     return learner, frozen, batch, learner.train_step(batch)
