@@ -23,8 +23,9 @@ def check(hf_config: dict, lora_cfg) -> None:
     checks, and a mixture-of-experts model (its router replay and per-expert publish are not tried under peft)."""
     lora.check(hf_config, lora_cfg)
     if lora_cfg.rank > 0 and moe.is_moe(hf_config):
-        raise ValueError(f"learner.lora.rank={lora_cfg.rank} with learner.backend=deepspeed: a mixture-of-experts model "
-                         f"({hf_config.get('model_type')!r}) under peft is not tried yet; use learner.backend=megatron")
+        raise ValueError(f"learner.lora.rank={lora_cfg.rank} with learner.backend=deepspeed: a mixture-of-experts "
+                         f"model ({hf_config.get('model_type')!r}) under peft is not tried yet; use "
+                         "learner.backend=megatron")
 
 
 def wrap(model: nn.Module, hf_config: dict, lora_cfg) -> nn.Module:

@@ -241,7 +241,8 @@ def test_lora_keys_load():
     cfg = load_config(DEMO, ["learner.lora.rank=8", "learner.lora.target_modules=[o_proj,down_proj]"])
     assert cfg.learner.lora.rank == 8 and cfg.learner.lora.target_modules == ["o_proj", "down_proj"]
     # peft adapts each HF projection alone: half of megatron's fused q/k/v is the DeepSpeed learner's to take
-    cfg = load_config(DEMO, ["learner.backend=deepspeed", "learner.lora.rank=8", "learner.lora.target_modules=[q_proj,v_proj]"])
+    cfg = load_config(DEMO, ["learner.backend=deepspeed", "learner.lora.rank=8",
+                             "learner.lora.target_modules=[q_proj,v_proj]"])
     assert cfg.learner.lora.target_modules == ["q_proj", "v_proj"]
 
 

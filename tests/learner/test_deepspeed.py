@@ -221,8 +221,8 @@ def test_lora_export_is_the_merged_model_and_the_peft_adapter(runs, models, case
     ids = runs[0][0].input_ids
     with torch.no_grad():
         merged = _hf_logprobs(AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval(), ids)
-        peft = _hf_logprobs(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                                      str(export / ADAPTER_DIR)).eval(), ids)
+        base_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        peft = _hf_logprobs(PeftModel.from_pretrained(base_model, str(export / ADAPTER_DIR)).eval(), ids)
         base = _hf_logprobs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), ids)
     ours = rank0["logprobs_after_step1"]
     assert (ours - base).abs().max() > 1e-3  # one step moved the adapter: an unmerged export would show
@@ -244,7 +244,8 @@ def test_lora_resume_with_another_adapter_is_refused_naming_it(runs):
         cfg = LearnerConfig(backend="deepspeed", dp=2, deepspeed=DeepSpeedConfig(zero_stage=3),
                             lora=LoraConfig(rank=8, target_modules=["q_proj"]))
 
-    with pytest.raises(CheckpointError, match=r"saved with learner\.lora=.*'rank': 4.*this run has learner\.lora=.*'rank': 8"):
+    with pytest.raises(CheckpointError,
+                       match=r"saved with learner\.lora=.*'rank': 4.*this run has learner\.lora=.*'rank': 8"):
         _load_deepspeed(Learner(), path, manifest)
     Learner.cfg = LearnerConfig(backend="deepspeed", dp=2, deepspeed=DeepSpeedConfig(zero_stage=3))
     with pytest.raises(CheckpointError, match=r"this run has learner\.lora=off"):

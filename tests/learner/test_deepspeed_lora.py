@@ -12,7 +12,7 @@ from megarl.config.schema import DeepSpeedConfig, LearnerConfig, LoraConfig
 from megarl.models import lora
 from megarl.protocols import GenerationRequest, SamplingParams
 from tests.helpers import save_tiny_qwen2
-from tests.learner.test_deepspeed_moe import world  # noqa: F401  (a gloo group of one, LOCAL_RANK set, no megatron)
+from tests.learner.test_deepspeed_moe import world  # noqa: F401 (a gloo group of one, LOCAL_RANK set; no megatron)
 from tests.learner.test_lora import VOCAB, _logprobs, _train_batch
 
 # Half of megatron's fused q/k/v and gate/up: peft adapts each HF projection alone.
