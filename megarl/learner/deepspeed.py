@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megarl.algo import metrics as algo_metrics
-from megarl.algo.config import LossConfig
+from megarl.algo.config import CriticConfig, LossConfig
 from megarl.algo.distill import DistillConfig
 from megarl.config.schema import LearnerConfig
 from megarl.distributed.publish import Bucket, plan_buckets
@@ -122,7 +122,7 @@ def _launcher_world_is_learner_group():
 class DeepSpeedLearner:
     def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig, temperature: float = 1.0,
                  publish_bucket_mb: float = 16.0, routing_replay: str = "off",
-                 distill: DistillConfig | None = None):
+                 distill: DistillConfig | None = None, critic_cfg: CriticConfig | None = None):
         try:
             import deepspeed
         except ImportError as exc:
@@ -193,6 +193,13 @@ class DeepSpeedLearner:
             from megarl.learner.teacher import Teacher
 
             self.teacher = Teacher(distill.teacher, self.device, temperature)
+        # advantage.estimator=gae: the megatron learner's critic (megarl.learner.critic), replicated on every
+        # learner rank with its own torch AdamW, outside ZeRO: the learner group is the DP group.
+        self.critic = None
+        if critic_cfg is not None:
+            from megarl.learner.critic import Critic
+
+            self.critic = Critic(critic_cfg, model_dir, self.device, None, cfg.dp)
 
     @property
     def version(self) -> int:
@@ -250,8 +257,14 @@ class DeepSpeedLearner:
         fields = step.dp_share(batch, dp, dp_rank)
         real = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
         micro = self._aligned(real)
-        step.attach_extra_logprobs(micro, {"proximal_logprobs": self.engine if self.loss_cfg.decoupled else None,
+        needs_pi = step.needs_proximal_logprobs(self.loss_cfg, self.critic)
+        step.attach_extra_logprobs(micro, {"proximal_logprobs": self.engine if needs_pi else None,
                                            "ref_logprobs": self.ref_model}, self._forward_logprobs)
+        if self.critic is not None:  # GAE advantages (replacing the batch's) and value targets of the real rows
+            self.critic.prepare(real)
+        # Critic warm-up: the policy's loss and metrics from a forward pass only; no backward and no engine step
+        # (DeepSpeed has no way to drop reduced ZeRO gradients short of stepping), so its version does not move.
+        critic_only = self.critic is not None and self.critic.warming_up
         teacher_s = self.teacher.attach(micro) if self.teacher is not None else None
         self.engine.train()
         stats_list, losses = [], []
@@ -259,7 +272,8 @@ class DeepSpeedLearner:
         own_routes = [] if replayer is not None and "routes" in micro[0] else None
         for i, mb in enumerate(micro):
             mb = {k: v.to(self.device) for k, v in mb.items()}
-            logits = self._logits(self.engine, mb)
+            with torch.set_grad_enabled(not critic_only):
+                logits = self._logits(self.engine, mb)
             if own_routes is not None and i < len(real):
                 own_routes.append(replayer.own_choice())
             logprobs = token_logprobs(logits, mb["input_ids"], self.temperature)
@@ -272,8 +286,10 @@ class DeepSpeedLearner:
             # The micro-batch losses (global normalisers) add up to the batch loss over all micro-batches
             # and ranks, so the batch gradient is their plain SUM; DeepSpeed averages gradients over the
             # DP ranks, which the factor dp undoes.
-            self.engine.backward(loss * dp, scale_wrt_gas=False)
-        self.engine.step()  # the one optimizer update (ZeRO skips it on a non-finite gradient norm)
+            if not critic_only:
+                self.engine.backward(loss * dp, scale_wrt_gas=False)
+        if not critic_only:
+            self.engine.step()  # the one optimizer update (ZeRO skips it on a non-finite gradient norm)
         if own_routes is not None:
             matches = [algo_metrics.route_matches(mb["routes"], own) for mb, own in zip(real, own_routes)]
             decisions = moe.num_moe_layers(self.hf_config) * moe.top_k(self.hf_config)
@@ -283,19 +299,21 @@ class DeepSpeedLearner:
         loss = torch.stack(losses).sum().double().cpu()
         dist.all_reduce(loss)
         loss = float(loss)
-        grad_norm = self.engine.get_global_grad_norm()
-        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm) and self.engine.was_step_applied())
-        if not skipped:
-            self._version += 1
-        metrics = {
-            "loss": loss, "grad_norm": grad_norm, "lr": self.cfg.lr, "num_tokens": totals[0],
-            "padding_frac": step.padding_frac(fields, real),
-            "step_time_s": time.perf_counter() - start, "skipped_nonfinite": float(skipped),
-        }
+        metrics = {"loss": loss, "lr": self.cfg.lr, "num_tokens": totals[0], "padding_frac": step.padding_frac(fields, real)}
+        if critic_only:  # (no backward: no policy gradient norm to report)
+            skipped = not math.isfinite(loss)
+        else:
+            grad_norm = self.engine.get_global_grad_norm()
+            metrics["grad_norm"] = grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            skipped = not (math.isfinite(loss) and math.isfinite(grad_norm) and self.engine.was_step_applied())
+            if not skipped:
+                self._version += 1
         if teacher_s is not None:
             metrics["distill/teacher_s"] = teacher_s
         metrics.update(step.dp_merged_stats(stats_list, dp))
+        if self.critic is not None:
+            metrics.update(self.critic.train(real, totals[0], batch.learner_version, self.loss_cfg.max_lag_bucket))
+        metrics.update(step_time_s=time.perf_counter() - start, skipped_nonfinite=float(skipped))
         return metrics
 
     # ------------------------------------------------------------------ weights out
