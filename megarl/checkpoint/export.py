@@ -181,6 +181,11 @@ class _ShardWriter:
         (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+# Files of the policy's directory that describe the policy, not its tokenizer: not copied to the critic's export
+# (its config is its own; a generation config or megarl's build / warm-start records would describe the policy).
+_NOT_THE_CRITICS = ("config.json", "generation_config.json", "megarl_embedded.json", "megarl_sft.json")
+
+
 def _export_critic(checkpoint: Path, out: Path) -> None:
     """A checkpoint with a learned critic (advantage.estimator=gae) exports it under `out`/critic/: the value
     model as the checkpoint holds it (transformers' token-classification class with one label: config.json +
@@ -194,7 +199,7 @@ def _export_critic(checkpoint: Path, out: Path) -> None:
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(source / name, out / CHECKPOINT_DIR / name)
     for path in sorted((checkpoint / HF_META_DIR).iterdir()):
-        if path.name not in ("config.json", "generation_config.json"):
+        if path.name not in _NOT_THE_CRITICS:
             shutil.copyfile(path, out / CHECKPOINT_DIR / path.name)
 
 
