@@ -4,8 +4,9 @@ parallel over every learner rank with ZeRO stage 1, 2 or 3, one optimizer step p
 Owns: the DeepSpeed engine and its config (ZeRO stage, CPU offload of the optimizer state and, at
 stage 3, of the parameters; HF gradient checkpointing; fp32 on CPU, bf16 on GPU), per-token log-probs
 from the full-vocabulary logits, the step's gradient accumulation over micro-batches, the frozen
-reference model of the KL penalty, where the learned critic (megarl.learner.critic) joins the step, the HF-named tensors the weight publisher broadcasts (at ZeRO-3
-gathered one publish bucket at a time), and DeepSpeed's own checkpoint of engine and optimizer.
+reference model of the KL penalty, where the learned critic (megarl.learner.critic) joins the step, the
+HF-named tensors the weight publisher broadcasts (at ZeRO-3 gathered one publish bucket at a time), and
+DeepSpeed's own checkpoint of engine and optimizer.
 The loss, advantages and metrics are megarl.learner.step's (the megatron learner's too).
 
 Mixture-of-experts models (Mixtral, Qwen3-MoE) train as transformers runs them, every expert data parallel:
@@ -193,8 +194,8 @@ class DeepSpeedLearner:
             from megarl.learner.teacher import Teacher
 
             self.teacher = Teacher(distill.teacher, self.device, temperature)
-        # advantage.estimator=gae: the megatron learner's critic (megarl.learner.critic), replicated on every
-        # learner rank with its own torch AdamW, outside ZeRO: the learner group is the DP group.
+        # advantage.estimator=gae: the same critic as the megatron learner's (megarl.learner.critic), replicated on
+        # every learner rank with its own torch AdamW, outside ZeRO; the learner group is its DP group.
         self.critic = None
         if critic_cfg is not None:
             from megarl.learner.critic import Critic
