@@ -63,7 +63,7 @@ def train(args: argparse.Namespace) -> int:
 def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
     """`megarl train` once run.dir is held: the model, task, eval and checkpoint checks, then torchrun."""
     model_dir = checked_model_dir(cfg)
-    if model_dir is None or not teacher_fits(cfg, model_dir):
+    if model_dir is None or not teacher_fits(cfg, model_dir) or not critic_fits(cfg, model_dir):
         return 2
     try:
         for line in check_task(cfg):
@@ -223,6 +223,21 @@ def teacher_fits(cfg, model_dir) -> bool:
         print(f"megarl: {exc}", file=sys.stderr)
         return False
     print(f"megarl: distillation teacher {teacher_dir} (runs on the learner ranks)")
+    return True
+
+
+def critic_fits(cfg, model_dir) -> bool:
+    """advantage.estimator=gae: the critic's model (algo.critic.model, default the policy's) checked against the
+    policy (megarl.learner.critic.check_critic); False after printing why not, naming the key."""
+    if cfg.algo.advantage.estimator != "gae":
+        return True
+    from megarl.learner.critic import check_critic
+
+    try:
+        check_critic(cfg.algo.critic.model or model_dir, model_dir)
+    except ValueError as exc:
+        print(f"megarl: {exc}", file=sys.stderr)
+        return False
     return True
 
 

@@ -85,7 +85,8 @@ class CriticConfig:
     """The learned critic of `advantage.estimator=gae` (megarl.learner.critic, docs/algorithms.md#ppo-with-a-critic)."""
 
     # HF model directory of the value model's trunk ("" = the policy's model.path); a linear value head
-    # (zero-initialised) is put on its last hidden state. It must share the policy's tokenizer.
+    # (zero-initialised) is put on its last hidden state, or kept from a critic directory a run exported
+    # (`<export>/critic/`, transformers' token-classification format). It must share the policy's tokenizer.
     model: str = ""
     # Discount and GAE lambda per model token (environment tokens are not steps: megarl.algo.values).
     gamma: float = 1.0

@@ -8,6 +8,8 @@ trained in (fp32 on CPU, bf16 on GPU) into safetensors files of at most `max_sha
 output shard.  The result is what ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 A LoRA checkpoint (learner.lora) exports the base with the adapter merged, and the adapter alone in PEFT
 format under ``adapter/`` (adapter_config.json + adapter_model.safetensors, for peft onto the base model).
+A checkpoint with a learned critic (advantage.estimator=gae) exports it under ``critic/``: an HF directory that
+``transformers.AutoModelForTokenClassification.from_pretrained`` loads (one label: the value per token).
 """
 from __future__ import annotations
 
@@ -179,6 +181,28 @@ class _ShardWriter:
         (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+# Files of the policy's directory that describe the policy, not its tokenizer: not copied to the critic's export
+# (its config is its own; a generation config or megarl's build / warm-start records would describe the policy).
+_NOT_THE_CRITICS = ("config.json", "generation_config.json", "megarl_embedded.json", "megarl_sft.json")
+
+
+def _export_critic(checkpoint: Path, out: Path) -> None:
+    """A checkpoint with a learned critic (advantage.estimator=gae) exports it under `out`/critic/: the value
+    model as the checkpoint holds it (transformers' token-classification class with one label: config.json +
+    model.safetensors, megarl.learner.critic) plus the policy's tokenizer files (the critic reads its token ids)."""
+    from megarl.learner.critic import CHECKPOINT_DIR
+
+    source = checkpoint / CHECKPOINT_DIR
+    if not source.is_dir():
+        return
+    (out / CHECKPOINT_DIR).mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(source / name, out / CHECKPOINT_DIR / name)
+    for path in sorted((checkpoint / HF_META_DIR).iterdir()):
+        if path.name not in _NOT_THE_CRITICS:
+            shutil.copyfile(path, out / CHECKPOINT_DIR / path.name)
+
+
 def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write the checkpoint (a step dir, or a checkpoint root: its `latest`) as an HF model directory.
 
@@ -213,6 +237,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_bytes: int 
 
             save_peft(temp / ADAPTER_DIR, dict(hf_tensors(checkpoint, adapter_only=True)), LoraConfig(**lora),
                       read_manifest(checkpoint)["model_dir"])
+        _export_critic(checkpoint, temp)
         if out_dir.exists():
             out_dir.rmdir()
         os.rename(temp, out_dir)

@@ -8,6 +8,8 @@ A checkpoint directory (docs/checkpoint.md) holds
     tp/pp/dp layout loads under any other: megatron's ``dist_checkpointing.load`` reshards;
   * every rank's RNG states (python, numpy, torch CPU, CUDA, megatron's model-parallel tracker), one
     ShardedObject per (pp, tp, dp) coordinate; restored only under the layout that wrote them;
+  * ``critic/`` (advantage.estimator=gae, either backend): the learned critic's value model as an HF
+    token-classification directory plus its Adam state (megarl.learner.critic), written by rank 0;
   * ``megarl.json`` (the manifest; written last): step, policy version, layout, HF config, the
     caller's run records (the data position) and the model directory; ``hf/``: the model's config and
     tokenizer files, so an export needs nothing outside the checkpoint.
@@ -248,6 +250,8 @@ def save(learner, root: str | Path, step: int, keep: int, model_dir: str | Path,
 
         def finish():
             if rank0:
+                if getattr(learner, "critic", None) is not None:  # every learner rank holds the same replica
+                    learner.critic.save(temp, _fsynced_write)
                 _copy_hf_meta(Path(model_dir), temp / HF_META_DIR)
                 _fsynced_write(temp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
                 return commit(root, temp, step, keep)
@@ -311,7 +315,15 @@ def load(learner, checkpoint: str | Path) -> dict:
     learner.load_state(loaded, manifest["version"])
     if rng is not None:
         restore_rng(learner, rng)
+    _load_critic(learner, path)
     return {**manifest, "path": str(path), "rng_restored": same_layout}
+
+
+def _load_critic(learner, path: Path) -> None:
+    """The critic's replica (advantage.estimator=gae: megarl.learner.critic), read by every learner rank from
+    the files one rank saved, under any layout and either backend."""
+    if getattr(learner, "critic", None) is not None:
+        _agree(lambda: learner.critic.load(path), f"loading the critic from {path}")
 
 
 def _load_deepspeed(learner, path: Path, manifest: dict) -> dict:
@@ -320,4 +332,5 @@ def _load_deepspeed(learner, path: Path, manifest: dict) -> dict:
     check_resumable(path, manifest, learner.cfg)
     _agree(lambda: learner.load_shards(path, manifest["version"], with_optimizer=manifest["version"] > 0),
            f"loading {path}")
+    _load_critic(learner, path)
     return {**manifest, "path": str(path), "rng_restored": False}

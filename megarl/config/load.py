@@ -231,10 +231,9 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
 
 
 def _validate_critic(cfg: Config) -> None:
-    """What a learned critic (advantage.estimator=gae, megarl.learner.critic) needs of the rest of the run."""
-    _require(cfg.learner.backend == "megatron", "algo.advantage.estimator",
-             "gae trains a critic on the megatron learner only so far; learner.backend=deepspeed has none "
-             "(use learner.backend=megatron, or a group estimator: grpo, drgrpo, rloo)")
+    """What a learned critic (advantage.estimator=gae, megarl.learner.critic; either learner backend) needs of the
+    rest of the run. Its model is checked against the policy's by `megarl train` (megarl.learner.critic.check_critic:
+    it needs the resolved model.path) and again on the learner ranks."""
     _require(not cfg.algo.advantage.filter_zero_variance, "algo.advantage.filter_zero_variance",
              "drops groups by their group-relative signal; with estimator=gae every sample carries a per-token "
              "signal from the critic (set it false)")

@@ -13,6 +13,7 @@ def build_learner(model_dir: str, cfg, loss_cfg=None, temperature: float | None 
     megarl sft passes megarl.algo.config.NLLConfig() and 1.0. An RL run with algo.distill.teacher gets its
     teacher checked (again: a raw torchrun launch skipped `megarl train`'s check) and loaded by the learner."""
     distill = _distill(model_dir, cfg) if loss_cfg is None and cfg.algo.distill.teacher else None
+    critic_cfg = cfg.algo.critic if loss_cfg is None and cfg.algo.advantage.estimator == "gae" else None
     loss_cfg = cfg.algo.loss if loss_cfg is None else loss_cfg
     temperature = (cfg.sampling.temperature or 1.0) if temperature is None else temperature
     if cfg.learner.backend == "deepspeed":
@@ -20,12 +21,12 @@ def build_learner(model_dir: str, cfg, loss_cfg=None, temperature: float | None 
 
         return DeepSpeedLearner(model_dir, cfg.learner, loss_cfg, temperature=temperature,
                                 publish_bucket_mb=cfg.publish.bucket_mb, routing_replay=cfg.algo.routing_replay,
-                                distill=distill)
+                                distill=distill, critic_cfg=critic_cfg)
     from megarl.learner.megatron import MegatronLearner
 
     return MegatronLearner(model_dir, cfg.learner, loss_cfg, temperature=temperature,
                            routing_replay=cfg.algo.routing_replay, distill=distill,
-                           critic_cfg=cfg.algo.critic if cfg.algo.advantage.estimator == "gae" else None)
+                           critic_cfg=critic_cfg)
 
 
 def _distill(model_dir: str, cfg):

@@ -4,8 +4,9 @@ parallel over every learner rank with ZeRO stage 1, 2 or 3, one optimizer step p
 Owns: the DeepSpeed engine and its config (ZeRO stage, CPU offload of the optimizer state and, at
 stage 3, of the parameters; HF gradient checkpointing; fp32 on CPU, bf16 on GPU), per-token log-probs
 from the full-vocabulary logits, the step's gradient accumulation over micro-batches, the frozen
-reference model of the KL penalty, the HF-named tensors the weight publisher broadcasts (at ZeRO-3
-gathered one publish bucket at a time), and DeepSpeed's own checkpoint of engine and optimizer.
+reference model of the KL penalty, where the learned critic (megarl.learner.critic) joins the step, the
+HF-named tensors the weight publisher broadcasts (at ZeRO-3 gathered one publish bucket at a time), and
+DeepSpeed's own checkpoint of engine and optimizer.
 The loss, advantages and metrics are megarl.learner.step's (the megatron learner's too).
 
 Mixture-of-experts models (Mixtral, Qwen3-MoE) train as transformers runs them, every expert data parallel:
@@ -39,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megarl.algo import metrics as algo_metrics
-from megarl.algo.config import LossConfig
+from megarl.algo.config import CriticConfig, LossConfig
 from megarl.algo.distill import DistillConfig
 from megarl.config.schema import LearnerConfig, LoraConfig
 from megarl.distributed.publish import Bucket, plan_buckets
@@ -143,7 +144,7 @@ class _AdapterDisabled:
 class DeepSpeedLearner:
     def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig, temperature: float = 1.0,
                  publish_bucket_mb: float = 16.0, routing_replay: str = "off",
-                 distill: DistillConfig | None = None):
+                 distill: DistillConfig | None = None, critic_cfg: CriticConfig | None = None):
         try:
             import deepspeed
         except ImportError as exc:
@@ -221,6 +222,13 @@ class DeepSpeedLearner:
             from megarl.learner.teacher import Teacher
 
             self.teacher = Teacher(distill.teacher, self.device, temperature)
+        # advantage.estimator=gae: the same critic as the megatron learner's (megarl.learner.critic), replicated on
+        # every learner rank with its own torch AdamW, outside ZeRO; the learner group is its DP group.
+        self.critic = None
+        if critic_cfg is not None:
+            from megarl.learner.critic import Critic
+
+            self.critic = Critic(critic_cfg, model_dir, self.device, None, cfg.dp)
 
     @property
     def version(self) -> int:
@@ -279,8 +287,14 @@ class DeepSpeedLearner:
         fields = step.dp_share(batch, dp, dp_rank)
         real = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
         micro = self._aligned(real)
-        step.attach_extra_logprobs(micro, {"proximal_logprobs": self.engine if self.loss_cfg.decoupled else None,
+        needs_pi = step.needs_proximal_logprobs(self.loss_cfg, self.critic)
+        step.attach_extra_logprobs(micro, {"proximal_logprobs": self.engine if needs_pi else None,
                                            "ref_logprobs": self.ref_model}, self._forward_logprobs)
+        if self.critic is not None:  # GAE advantages (replacing the batch's) and value targets of the real rows
+            self.critic.prepare(real)
+        # Critic warm-up: the policy's loss and metrics from a forward pass only; no backward and no engine step
+        # (DeepSpeed has no way to drop reduced ZeRO gradients short of stepping), so its version does not move.
+        critic_only = self.critic is not None and self.critic.warming_up
         teacher_s = self.teacher.attach(micro) if self.teacher is not None else None
         self.engine.train()
         stats_list, losses = [], []
@@ -288,7 +302,8 @@ class DeepSpeedLearner:
         own_routes = [] if replayer is not None and "routes" in micro[0] else None
         for i, mb in enumerate(micro):
             mb = {k: v.to(self.device) for k, v in mb.items()}
-            logits = self._logits(self.engine, mb)
+            with torch.set_grad_enabled(not critic_only):
+                logits = self._logits(self.engine, mb)
             if own_routes is not None and i < len(real):
                 own_routes.append(replayer.own_choice())
             logprobs = token_logprobs(logits, mb["input_ids"], self.temperature)
@@ -301,8 +316,10 @@ class DeepSpeedLearner:
             # The micro-batch losses (global normalisers) add up to the batch loss over all micro-batches
             # and ranks, so the batch gradient is their plain SUM; DeepSpeed averages gradients over the
             # DP ranks, which the factor dp undoes.
-            self.engine.backward(loss * dp, scale_wrt_gas=False)
-        self.engine.step()  # the one optimizer update (ZeRO skips it on a non-finite gradient norm)
+            if not critic_only:
+                self.engine.backward(loss * dp, scale_wrt_gas=False)
+        if not critic_only:
+            self.engine.step()  # the one optimizer update (ZeRO skips it on a non-finite gradient norm)
         if own_routes is not None:
             matches = [algo_metrics.route_matches(mb["routes"], own) for mb, own in zip(real, own_routes)]
             decisions = moe.num_moe_layers(self.hf_config) * moe.top_k(self.hf_config)
@@ -312,19 +329,21 @@ class DeepSpeedLearner:
         loss = torch.stack(losses).sum().double().cpu()
         dist.all_reduce(loss)
         loss = float(loss)
-        grad_norm = self.engine.get_global_grad_norm()
-        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm) and self.engine.was_step_applied())
-        if not skipped:
-            self._version += 1
-        metrics = {
-            "loss": loss, "grad_norm": grad_norm, "lr": self.cfg.lr, "num_tokens": totals[0],
-            "padding_frac": step.padding_frac(fields, real),
-            "step_time_s": time.perf_counter() - start, "skipped_nonfinite": float(skipped),
-        }
+        metrics = {"loss": loss, "lr": self.cfg.lr, "num_tokens": totals[0], "padding_frac": step.padding_frac(fields, real)}
+        if critic_only:  # (no backward: no policy gradient norm to report)
+            skipped = not math.isfinite(loss)
+        else:
+            grad_norm = self.engine.get_global_grad_norm()
+            metrics["grad_norm"] = grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            skipped = not (math.isfinite(loss) and math.isfinite(grad_norm) and self.engine.was_step_applied())
+            if not skipped:
+                self._version += 1
         if teacher_s is not None:
             metrics["distill/teacher_s"] = teacher_s
         metrics.update(step.dp_merged_stats(stats_list, dp))
+        if self.critic is not None:
+            metrics.update(self.critic.train(real, totals[0], batch.learner_version, self.loss_cfg.max_lag_bucket))
+        metrics.update(step_time_s=time.perf_counter() - start, skipped_nonfinite=float(skipped))
         return metrics
 
     # ------------------------------------------------------------------ weights out

@@ -172,9 +172,8 @@ class MegatronLearner:
         if critic_cfg is not None:
             from megarl.learner.critic import Critic
 
-            self.critic = Critic(critic_cfg.model or model_dir, critic_cfg, self.device,
-                                 parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_world_size(),
-                                 policy_vocab_size=self.hf_config["vocab_size"])
+            self.critic = Critic(critic_cfg, model_dir, self.device, parallel_state.get_data_parallel_group(),
+                                 parallel_state.get_data_parallel_world_size())
         # The schedules run micro-batches under DDP's no_sync and reduce grads once at the end.
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -472,7 +471,7 @@ class MegatronLearner:
             count = torch.tensor(len(micro_batches))
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ps.get_expert_model_parallel_group())
             micro_batches = step.pad_micro_batches(micro_batches, int(count))
-        needs_pi = self.loss_cfg.decoupled or (self.critic is not None and self.critic.needs_policy_logprobs)
+        needs_pi = step.needs_proximal_logprobs(self.loss_cfg, self.critic)
         step.attach_extra_logprobs(micro_batches, {"proximal_logprobs": self.model if needs_pi else None,
                                                    "ref_logprobs": self.ref_model}, self._forward_logprobs)
         if self.critic is not None:  # GAE advantages (replacing the batch's) and value targets, per micro-batch
@@ -522,7 +521,6 @@ class MegatronLearner:
         if self.critic is not None:
             critic_metrics = self.critic.train(micro_batches, totals[0], batch.learner_version,
                                                self.loss_cfg.max_lag_bucket)
-            critic_metrics["critic/warmup"] = float(critic_only)
         metrics = {
             "loss": loss, "grad_norm": grad_norm, "lr": self.cfg.lr, "num_tokens": totals[0],
             "padding_frac": step.padding_frac(fields, micro_batches),
@@ -546,9 +544,8 @@ class MegatronLearner:
         by its place in the full TP=1/PP=1 tensor, so what one tp/pp/dp layout saves another loads.
         The optimizer has no state to save before its first applied step."""
         model = self.gpt.sharded_state_dict()
-        critic = {"critic": self._critic_object(is_loading)} if self.critic is not None else {}
         if not with_optimizer:
-            return {"model": model, **critic}
+            return {"model": model}
         # fully_reshardable: the distributed optimizer's state in the same model-space form as the
         # plain optimizer's (which ignores these options); gathered over gloo on CPU (the other path
         # gathers on the GPU).
@@ -560,23 +557,13 @@ class MegatronLearner:
             for opt in self.optimizer.chained_optimizers:
                 if len(opt.optimizer.state) == 0:
                     opt._init_optimizer_states_with_dummy_values()
-        return {"model": model, **critic, "optimizer": self.optimizer.sharded_state_dict(
+        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(
             model, is_loading=is_loading, metadata=metadata)}
-
-    def _critic_object(self, is_loading: bool):
-        """The critic's weights, Adam state and step count as one ShardedObject: every learner rank holds the same
-        replica (megarl.learner.critic), so global rank 0 writes it and every rank reads it, under any layout."""
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-        return ShardedObject("megarl/critic", None if is_loading else self.critic.state_dict(), global_shape=(1,),
-                             global_offset=(0,), replica_id=dist.get_rank())
 
     def load_state(self, state: dict, version: int) -> None:
         """Take what `sharded_state_dict` saved, as dist_checkpointing.load returns it.  Weights, Adam
         moments and step come from the checkpoint; lr, betas and weight decay stay this run's config."""
         self.gpt.load_state_dict(state["model"])
-        if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
         if "optimizer" in state:
             # (Apex/TE's FusedAdam keeps its step count in the param groups: that one is state.)
             hyper = [{k: v for k, v in group.items() if k not in ("params", "step")}

@@ -26,7 +26,8 @@ class NonfiniteSteps:
         self.steps += 1
         self.skipped += skipped
         self.in_row = self.in_row + 1 if skipped else 0
-        values = f"(last: loss={metrics['loss']}, grad_norm={metrics['grad_norm']})"
+        # (a DeepSpeed critic warm-up step runs no policy backward: it has no grad_norm)
+        values = f"(last: loss={metrics['loss']}, grad_norm={metrics.get('grad_norm')})"
         if self.in_row >= self.max_in_row:
             raise RuntimeError(
                 f"{self.who}: {self.in_row} optimizer steps in a row had a non-finite loss or grad norm {values} and "

@@ -54,6 +54,12 @@ def micro_batches(fields: dict[str, torch.Tensor], max_rows: int, max_tokens: in
             for idx in micro_batch_rows(lengths, max_rows, max_tokens)]
 
 
+def needs_proximal_logprobs(loss_cfg: LossConfig, critic=None) -> bool:
+    """Whether a step needs the policy's no-grad log-probs at its start (`proximal_logprobs`): the decoupled
+    objective's pi_prox, and the V-trace value targets' pi (a critic with target=vtrace: megarl.learner.critic)."""
+    return loss_cfg.decoupled or (critic is not None and critic.needs_policy_logprobs)
+
+
 def attach_extra_logprobs(micro: list[dict[str, torch.Tensor]], passes: dict, forward_logprobs) -> None:
     """No-grad log-probs of each micro-batch's rows under each model of `passes` (key -> model or None),
     stored in the micro-batch under that key, before the step: the decoupled objective's proximal policy

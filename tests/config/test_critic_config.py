@@ -22,7 +22,6 @@ GAE = "algo.advantage.estimator=gae"
     (f"{GAE} algo.critic.value_clip=0", "algo.critic.value_clip=0.0: must be > 0"),
     (f"{GAE} algo.critic.warmup_steps=-1", "algo.critic.warmup_steps=-1: must be >= 0"),
     (f"{GAE} algo.critic.grad_clip=0", "algo.critic.grad_clip=0.0: must be finite and > 0"),
-    (f"{GAE} learner.backend=deepspeed", "algo.advantage.estimator: gae trains a critic on the megatron learner only"),
     (f"{GAE} algo.advantage.filter_zero_variance=true", "algo.advantage.filter_zero_variance: drops groups"),
     (f"{GAE} algo.mode=sync algo.critic.warmup_steps=2", "algo.critic.warmup_steps: sync mode's samplers wait"),
     (f"{GAE} algo.critic.model=/nonexistent", "algo.critic.model: '/nonexistent' is not an HF model directory"),
@@ -31,6 +30,11 @@ def test_bad_critic_settings_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
                        .replace("[", r"\[").replace("]", r"\]")):
         load_config(DEMO, override.split())
+
+
+def test_gae_is_accepted_on_the_deepspeed_learner():
+    cfg = load_config(DEMO, [GAE, "learner.backend=deepspeed", "algo.critic.warmup_steps=2"])
+    assert cfg.learner.backend == "deepspeed" and cfg.algo.critic.warmup_steps == 2
 
 
 def test_gamma_lambda_one_warns_what_gae_reduces_to():

@@ -1,9 +1,9 @@
 """One torchrun rank of the DeepSpeed learner tests: for each case, the whole learner life cycle.
 
 argv: out_dir batches.pt cases.json.  Each case {name, model_dir, learner: LearnerConfig kwargs (with
-`deepspeed` and `lora` as dicts), loss: LossConfig kwargs}: publish before any step, log-probs, step 1,
-checkpoint (megarl's learner_state, DeepSpeed's files), step 2; then a second learner resumed from the
-checkpoint redoes step 2; rank 0 exports the checkpoint to an HF directory; last, a non-finite step.
+`deepspeed` and `lora` as dicts), loss: LossConfig kwargs, critic: CriticConfig kwargs or None}: publish before any
+step, log-probs, step 1, checkpoint (megarl's learner_state, DeepSpeed's files), step 2; then a second learner
+resumed from the checkpoint redoes step 2; rank 0 exports the checkpoint to an HF directory; last, a non-finite step.
 Every rank writes `{name}.rank{r}.pt` with what it saw.
 """
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.algo.config import LossConfig
+from megarl.algo.config import CriticConfig, LossConfig
 from megarl.checkpoint import learner_state
 from megarl.checkpoint.export import export_hf
 from megarl.config.schema import DeepSpeedConfig, LearnerConfig, LoraConfig
@@ -35,9 +35,11 @@ for case in cases:
     learner_kwargs = dict(case["learner"], deepspeed=DeepSpeedConfig(**case["learner"].get("deepspeed", {})),
                           lora=LoraConfig(**case["learner"].get("lora", {})))
     cfg, loss_cfg = LearnerConfig(backend="deepspeed", **learner_kwargs), LossConfig(**case["loss"])
+    critic_cfg = CriticConfig(**case["critic"]) if case.get("critic") else None
 
     def build():
-        return DeepSpeedLearner(case["model_dir"], cfg, loss_cfg, publish_bucket_mb=case.get("bucket_mb", 16.0))
+        return DeepSpeedLearner(case["model_dir"], cfg, loss_cfg, publish_bucket_mb=case.get("bucket_mb", 16.0),
+                                critic_cfg=critic_cfg)
 
     learner = build()
     record = {"initial": snapshot(learner), "logprobs": learner.logprobs(batches[0].input_ids),
@@ -53,6 +55,9 @@ for case in cases:
         record["logprobs_after_step1"] = learner.logprobs(batches[0].input_ids)
     root = out_dir / f"{case['name']}.ckpt"
     learner_state.save(learner, root, step=1, keep=2, model_dir=case["model_dir"])
+    if critic_cfg is not None:  # the values the exported critic must give
+        with torch.no_grad():
+            record["critic_values_step1"] = learner.critic.model(batches[1].input_ids).cpu()
     record["step2"] = learner.train_step(replace(batches[1], learner_version=learner.version))
     record["after_step2"] = snapshot(learner)
     del learner
@@ -60,12 +65,15 @@ for case in cases:
     resumed = build()
     manifest = learner_state.load(resumed, root)
     record["resumed_version"] = resumed.version
+    if critic_cfg is not None:
+        record["resumed_critic_steps"] = resumed.critic.steps
     record["resumed_step2"] = resumed.train_step(replace(batches[1], learner_version=resumed.version))
     record["resumed_after_step2"] = snapshot(resumed)
     if rank == 0:
         export_hf(root, out_dir / f"{case['name']}.export")
     dist.barrier()
     nan = replace(batches[1], advantages=torch.full_like(batches[1].advantages, float("nan")),
+                  rewards=torch.full_like(batches[1].rewards, float("nan")) if batches[1].rewards is not None else None,
                   learner_version=resumed.version)
     record["nonfinite"] = resumed.train_step(nan)
     record["version_after_nonfinite"] = resumed.version

@@ -7,17 +7,19 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from megarl.algo.config import LossConfig
+from megarl.algo import values
+from megarl.algo.config import CriticConfig, LossConfig
 from megarl.config.load import ConfigError, load_config
 from megarl.observe.sinks import train_records
 from tests.helpers import REPO, run_python, save_tiny_qwen2
-from tests.learner.test_megatron_learner import _batch, _hf, _hf_logprobs
+from tests.learner.test_megatron_learner import CRITIC, _batch, _hf, _hf_logprobs
 
 VOCAB = 64
 
@@ -35,7 +37,8 @@ def save_tiny_llama(path: Path) -> Path:
 
 # name -> (model, learner kwargs, loss kwargs). Between them: every ZeRO stage, fixed-row and token-budget
 # micro-batches (whose counts differ between the two ranks), activation checkpointing, the KL reference
-# model, CPU offload of optimizer state and parameters, publish buckets of several tensors each.
+# model, CPU offload of optimizer state and parameters, publish buckets of several tensors each, and the learned
+# critic of advantage.estimator=gae (CRITIC_CASES: V-trace targets, value clip; trained, checkpointed, resumed, exported).
 CASES = {
     "qwen_zero1": ("qwen", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 1}}, {}),
     "qwen_zero2_token_budget_recompute": ("qwen", {"micro_batch_size": 64, "micro_batch_tokens": 60,
@@ -44,6 +47,7 @@ CASES = {
     "qwen_zero3_kl": ("qwen", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 3}}, {"kl_coef": 0.1}),
     "llama_zero3_offload": ("llama", {"micro_batch_size": 16, "deepspeed": {
         "zero_stage": 3, "offload_optimizer": True, "offload_params": True}}, {}),
+    "qwen_zero2_critic": ("qwen", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),
 }
 # LoRA (peft) rides in the same launch: ZeRO-3 (the frozen base and the adapter partitioned, the adapter gathered
 # to publish, frozen fragments in the checkpoint) with the KL penalty, whose reference is the base (adapter off).
@@ -52,6 +56,7 @@ LORA_CASES = {"qwen_zero3_lora_kl": ("qwen", {"micro_batch_size": 16, "deepspeed
                                                   "q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}},
                                      {"kl_coef": 0.1})}
 ALL_CASES = {**CASES, **LORA_CASES}
+CRITIC_CASES = {"qwen_zero2_critic": CRITIC}
 BUCKET_MB = 0.01  # 10 KiB: two or three of the tiny models' tensors per publish bucket
 
 
@@ -71,9 +76,13 @@ def runs(models, world, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("ds_runs")
     batches = [_batch(_hf(models["qwen"]), seed=5), _batch(_hf(models["qwen"]), seed=6)]
+    # Per-token rewards: what the critic cases train on (the group-advantage cases ignore them).
+    batches = [replace(b, rewards=values.terminal_rewards(b.input_ids[:, 1].remainder(2).float(), b.loss_mask))
+               for b in batches]
     torch.save(batches, out / "batches.pt")
     cases = [{"name": name, "model_dir": models[model], "learner": {"dp": 2, "lr": 1e-2, **learner},
-              "loss": loss, "bucket_mb": BUCKET_MB} for name, (model, learner, loss) in ALL_CASES.items()]
+              "loss": loss, "bucket_mb": BUCKET_MB, "critic": CRITIC_CASES.get(name)}
+             for name, (model, learner, loss) in ALL_CASES.items()]
     extensions = out / "torch_extensions"  # where DeepSpeed would JIT-compile ops: nothing may land there
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(extensions))
     proc = subprocess.Popen(
@@ -82,7 +91,9 @@ def runs(models, world, tmp_path_factory):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     megatron = {}
     for name, (model, _, loss) in CASES.items():
-        learner = MegatronLearner(models[model], LearnerConfig(micro_batch_size=16, lr=1e-2), LossConfig(**loss))
+        critic = CriticConfig(**CRITIC_CASES[name]) if name in CRITIC_CASES else None
+        learner = MegatronLearner(models[model], LearnerConfig(micro_batch_size=16, lr=1e-2), LossConfig(**loss),
+                                  critic_cfg=critic)
         megatron[name] = learner.train_step(batches[0])
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-6000:]
@@ -126,7 +137,8 @@ def test_first_step_equals_the_megatron_learner(runs, case):
     for rank in records[case]:
         got = rank["step1"]
         assert got["skipped_nonfinite"] == 0.0
-        for key in ("loss", "grad_norm", "ratio/mean", "ess"):
+        critic_keys = ("critic/value_loss", "critic/grad_norm", "critic/explained_var") if case in CRITIC_CASES else ()
+        for key in ("loss", "grad_norm", "ratio/mean", "ess", *critic_keys):
             assert abs(got[key] - ref[key]) <= 1e-5 * max(1e-3, abs(ref[key])), (case, key, got[key], ref[key])
         if "kl_coef" in CASES[case][2]:
             assert got["kl_ref/mean"] == 0.0 == ref["kl_ref/mean"]  # the reference is the initial policy
@@ -175,12 +187,31 @@ def test_export_is_the_checkpointed_weights(runs, case):
         assert torch.equal(exported[name], tensor), (case, name)
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)  # a loadable HF directory
     assert torch.equal(model.get_input_embeddings().weight, after_step1["model.embed_tokens.weight"])
+    assert (export / "critic").is_dir() == (case in CRITIC_CASES)
+
+
+@pytest.mark.parametrize("case", CRITIC_CASES)
+def test_exported_critic_gives_the_learners_values(runs, case):
+    """The critic saved with the checkpoint after step 1 (rank 0 wrote it; both ranks' replicas agree), exported
+    next to the policy, loads as transformers' token-classification model and gives the learner's values."""
+    from transformers import AutoModelForTokenClassification
+
+    batches, records, _, out = runs
+    first, second = records[case]
+    assert torch.equal(first["critic_values_step1"], second["critic_values_step1"])  # replicas in step
+    assert first["resumed_critic_steps"] == 1 and first["step2"]["critic/warmup"] == 0.0
+    hf = AutoModelForTokenClassification.from_pretrained(out / f"{case}.export" / "critic").eval()
+    with torch.no_grad():
+        logits = hf(input_ids=batches[1].input_ids).logits[..., 0]
+    torch.testing.assert_close(logits[:, :-1], first["critic_values_step1"][:, 1:], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_nonfinite_step_is_skipped(runs, case):
     for rank in runs[1][case]:
         assert rank["nonfinite"]["skipped_nonfinite"] == 1.0 and rank["version_after_nonfinite"] == 2
+        if case in CRITIC_CASES:  # (NaN rewards: the critic's step is skipped too)
+            assert rank["nonfinite"]["critic/skipped_nonfinite"] == 1.0
         for name, tensor in rank["resumed_after_step2"].items():
             assert torch.equal(rank["after_nonfinite"][name], tensor), (case, name)
 

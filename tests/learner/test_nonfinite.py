@@ -34,3 +34,11 @@ def test_skipped_steps_in_a_row_stop_at_the_limit_and_a_run_that_trained_ends_no
     rule = run([SKIPPED, FINITE, SKIPPED, SKIPPED])  # one step trained: not every step skipped
     assert (rule.steps, rule.skipped, rule.in_row) == (4, 3, 2)
     run([FINITE])
+
+
+def test_a_critic_warmup_step_without_a_policy_grad_norm_counts():
+    """The DeepSpeed learner's critic warm-up steps run no policy backward, so their metrics have no grad_norm
+    (megarl.learner.deepspeed); the rule must count them, not fail on the missing key."""
+    warmup = {"skipped_nonfinite": 0.0, "loss": 0.5, "critic/warmup": 1.0}
+    rule = run([warmup, FINITE])
+    assert (rule.steps, rule.skipped) == (2, 0)
