@@ -325,12 +325,19 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, onerror=make_writable_and_retry)
 
 
+# A FunctionWorker child's start-up: a Python process and one import, seconds even on a loaded machine; a minute
+# means the import itself hangs.
+START_TIMEOUT_S = 60.0
+
+
 class FunctionWorker:
     """`fn(*args)` in one persistent, unisolated child process, with a deadline per call.
 
     For trusted functions that must still not stall the caller (a user reward that hangs on some
     input): the child imports the function once, so a call costs a pipe round trip, not a process.
     A call that overruns `timeout_s` kills the child (TimeoutError); the next call starts a new one.
+    A new child's start-up (Python, importing the function) has its own deadline, START_TIMEOUT_S: it
+    is not the function's time, and a loaded machine must not fail the first call after a restart.
     The child leads its own process group, and the group -- with every process the function started --
     is killed when the worker is closed, when its stdin closes, and when its parent dies however it
     exits (PR_SET_PDEATHSIG with SIGTERM, on which the worker kills its group; the signal fires when
@@ -359,6 +366,8 @@ class FunctionWorker:
         self.result_r, self.buffer = result_r, b""
         self.proc.stdin.write((json.dumps(spec) + "\n").encode())
         self.proc.stdin.flush()
+        self._read_record(START_TIMEOUT_S, f"its worker process did not import {self.fn_path} within "
+                                           f"{START_TIMEOUT_S:g}s")  # {"ready": true}, or the import's error
 
     def __call__(self, *args):
         if self.proc is None or self.proc.poll() is not None:
@@ -368,14 +377,17 @@ class FunctionWorker:
             self.proc.stdin.write((json.dumps(list(args)) + "\n").encode())
             self.proc.stdin.flush()
         except BrokenPipeError:
-            pass  # the child died (e.g. importing the function failed); reading below reports it
-        deadline = time.monotonic() + self.timeout_s
+            pass  # the child died; reading below reports it
+        return self._read_record(self.timeout_s, f"{self.fn_path} did not return within {self.timeout_s:g}s")["value"]
+
+    def _read_record(self, timeout_s: float, overrun: str) -> dict:
+        """The child's next result line, within timeout_s (else the child is killed: TimeoutError(overrun))."""
+        deadline = time.monotonic() + timeout_s
         while b"\n" not in self.buffer:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not _wait_readable(self.result_r, remaining):
                 self.close()
-                raise TimeoutError(f"{self.fn_path} did not return within {self.timeout_s:g}s "
-                                   f"(its worker process was killed; the next call starts a new one)")
+                raise TimeoutError(f"{overrun} (its worker process was killed; the next call starts a new one)")
             chunk = os.read(self.result_r, 65536)
             if not chunk:
                 rc = self.proc.wait()
@@ -386,7 +398,7 @@ class FunctionWorker:
         record = json.loads(line)
         if "error" in record:
             raise SandboxError(record["error"])
-        return record["value"]
+        return record
 
     def close(self) -> None:
         if self.proc is not None:
@@ -710,6 +722,7 @@ def _serve(spec: dict, out) -> None:
     except ValueError as exc:
         out.write(json.dumps({"error": f"ValueError: {exc}"}) + "\n")
         return
+    out.write(json.dumps({"ready": True}) + "\n")  # the calls' deadlines start after this (FunctionWorker)
     try:
         for line in sys.stdin:
             try:

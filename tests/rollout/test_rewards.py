@@ -90,11 +90,12 @@ def test_a_user_reward_runs_by_dotted_path_in_a_worker_process():
 
 def test_a_hanging_user_reward_fails_within_its_timeout_and_scoring_goes_on():
     task = task_with(reward_fn=f"{FNS}:hang_on_nine", reward_timeout_s=0.5)
+    assert score(task, Prompt("1+1=", "2"), "2") == (1.0, None)  # the worker started
     start = time.monotonic()
     value, error = score(task, Prompt("9+9=", "18"), "18")
     assert value == 0.0 and error.startswith(f"TimeoutError: {FNS}:hang_on_nine did not return within 0.5s")
     assert time.monotonic() - start < 2.0
-    assert score(task, Prompt("1+2=", "3"), "3") == (1.0, None)  # a fresh worker
+    assert score(task, Prompt("1+2=", "3"), "3") == (1.0, None)  # a fresh worker (its start-up is not the call's)
 
 
 @pytest.mark.parametrize("fn, error", [

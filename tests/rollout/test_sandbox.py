@@ -152,6 +152,15 @@ def test_without_user_namespaces_it_refuses_and_as_root_it_refuses_the_fallback_
     assert "require_namespaces=false is refused for uid 0" in fallback_refused
 
 
+def test_a_worker_s_start_up_is_not_counted_against_its_calls_deadline():
+    """Importing the function (1 s here) is the worker's start-up, not the call: a 0.5 s deadline still holds it."""
+    worker = FunctionWorker("tests.rollout.slow_import_reward:exact", timeout_s=0.5)
+    try:
+        assert worker("1+1=", "2", "2", {}) == 1.0
+    finally:
+        worker.close()
+
+
 def test_worker_survives_hangs_and_crashes_within_its_deadline():
     worker = FunctionWorker(f"{FNS}:hang_on_nine", timeout_s=1.0)
     try:
