@@ -50,7 +50,7 @@ def test_merged_weights_are_w_plus_scaled_b_a_in_the_base_order_and_dtype():
     (lambda a: a.update({"model.layers.1.self_attn.q_proj.lora_A.weight": torch.zeros(2, 6),
                          "model.layers.1.self_attn.q_proj.lora_B.weight": torch.zeros(8, 2)}),
      "adapts 'model.layers.1.self_attn.q_proj.weight', which the base model does not have"),
-])
+], ids=["no-B", "not-lora", "shape", "no-such-weight"])
 def test_an_adapter_that_cannot_merge_is_refused_naming_the_tensor(change, message):
     adapter = _adapter()
     change(adapter)
