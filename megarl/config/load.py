@@ -428,10 +428,10 @@ def _validate_lora(cfg: Config) -> None:
              f"learner.lora adapts megatron's linears at tensor-parallel size 1 only so far (got {lc.tp}): the "
              "adapter is not split over TP ranks yet; use learner.dp / learner.pp to spread the learner")
     _require(lc.ep == 1, "learner.ep", f"learner.lora is not tried with expert parallelism yet (got {lc.ep})")
-    _require(cfg.sampler.engine == "builtin", "sampler.engine",
-             f"learner.lora publishes only the adapter, which the built-in engine applies in flight; "
-             f"sampler.engine={cfg.sampler.engine} has no in-flight adapter path in megarl yet (its servers load "
-             "adapters by name, pinned per request: docs/lora.md); use sampler.engine=builtin")
+    _require(cfg.sampler.engine in ("builtin", "vllm"), "sampler.engine",
+             f"learner.lora publishes only the adapter, which the built-in engine and vLLM apply in flight; "
+             f"sampler.engine={cfg.sampler.engine} has no in-flight adapter path in megarl yet (its server loads "
+             "adapters by name, pinned per request: docs/lora.md); use sampler.engine=builtin or vllm")
 
 
 def _validate_deepspeed(lc) -> None:

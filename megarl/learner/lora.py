@@ -20,6 +20,7 @@ from torch import nn
 
 from megarl.models import convert
 from megarl.models.lora import FUSED_GROUPS, TARGETS, adapter_names
+from megarl.portable.lora_merge import merge_one
 
 
 class LoraAdapter(nn.Module):
@@ -105,8 +106,7 @@ def merge_layer(layer: dict[str, torch.Tensor], factor: float) -> dict[str, torc
     for name in [k for k in layer if k.endswith(".lora.lora_A")]:
         linear = name[:-len(".lora.lora_A")]
         w = out[f"{linear}.weight"]
-        out[f"{linear}.weight"] = torch.addmm(w.float(), layer[f"{linear}.lora.lora_B"].float(),
-                                              layer[name].float(), alpha=factor).to(w.dtype)
+        out[f"{linear}.weight"] = merge_one(w, layer[name], layer[f"{linear}.lora.lora_B"], factor)
     return out
 
 

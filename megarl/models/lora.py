@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from megarl.models import moe
+from megarl.portable import lora_merge
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -90,16 +91,9 @@ def adapter_spec(hf_config: dict, lora_cfg, layers: range | None = None) -> list
 
 def merge(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:
     """Full HF weights with the adapter merged: W + factor * B @ A for every adapted weight (new tensors, in
-    W's dtype, computed in fp32); every other weight is `base`'s own tensor (shared, not copied)."""
-    merged = dict(base)
-    for name in adapter:
-        if not name.endswith(".lora_A.weight"):
-            continue
-        weight = name[:-len(".lora_A.weight")] + ".weight"
-        a, b = adapter[name].float(), adapter[name[:-len("lora_A.weight")] + "lora_B.weight"].float()
-        w = base[weight]
-        merged[weight] = torch.addmm(w.float(), b, a, alpha=factor).to(w.dtype)
-    return merged
+    W's dtype, computed in fp32); every other weight is `base`'s own tensor (shared, not copied). The math is
+    megarl.portable.lora_merge's, which megarl's vLLM worker runs too."""
+    return dict(lora_merge.merged_weights(base, adapter, factor))
 
 
 def peft_config(lora_cfg, base_model: str) -> dict:

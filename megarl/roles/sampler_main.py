@@ -116,8 +116,8 @@ class SamplerLoop:
         elif cfg.sampler.engine == "vllm":
             from megarl.sampler.vllm_engine import VLLMEngine
 
-            # Starts this rank's vLLM server; weights come through weight_receiver, then stage_weights applies
-            # them on the server in flight.
+            # Starts this rank's vLLM server; weights (or, under learner.lora, adapters) come through
+            # weight_receiver, then stage_weights applies them on the server in flight.
             self.engine = VLLMEngine.from_config(cfg, topo, model_dir)
         elif tp_group is not None:  # this rank leads an engine spanning sampler.tp ranks
             from megarl.sampler.tensor_parallel import TPLeadEngine
@@ -126,9 +126,10 @@ class SamplerLoop:
                                        cfg.dist.timeout_s)
         else:
             self.engine = builtin_engine(cfg, topo, model_dir, None)
-        # learner.lora: versions carry only the adapter, merged into the base here (megarl/sampler/lora.py).
+        # learner.lora: versions carry only the adapter, merged into the base here (megarl/sampler/lora.py); a
+        # vLLM engine takes the adapter itself and its server's worker merges it (VLLMEngine.take_adapters).
         self.adapters = None
-        if cfg.learner.lora.rank > 0:
+        if cfg.learner.lora.rank > 0 and cfg.sampler.engine == "builtin":
             from megarl.sampler.lora import AdapterStager
 
             self.adapters = AdapterStager.from_pretrained(self.engine, model_dir, cfg.learner.lora)

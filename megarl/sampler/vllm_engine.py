@@ -31,6 +31,11 @@ update, the first `count` tokens of a request are older than it, the rest newer.
 kept before /resume, so a token sampled by the new weights can never be assigned before its update is known.
 The argument that this is exact is in docs/vllm.md; tests/sampler/vllm/ checks it against recomputation.
 
+LoRA (learner.lora, `take_adapters`): a version is then the adapter tensors only (megarl.models.lora's names). The
+same pause -> megarl_update -> resume carries them to the worker, which merges them into the frozen base it holds
+(megarl_lora_base) and reloads: vLLM serves the merged model without `enable_lora`, so nothing is keyed by an
+adapter name and versions and KV policy are exactly those of full weights (docs/lora.md says why not vLLM's LoRA).
+
 Every HTTP call and every wait has a timeout; every error is a VLLMError naming the server URL and the call,
 with the tail of the server's log.
 """
@@ -52,6 +57,7 @@ from megarl.sampler.request_pool import RequestPool, pinned_view
 from megarl.sampler.vllm_ext import megarl_vllm_worker as ext
 
 EXT_DIR = Path(__file__).resolve().parent / "vllm_ext"
+PORTABLE_DIR = Path(__file__).resolve().parent.parent / "portable"  # torch-only modules the worker shares with megarl
 WORKER_EXTENSION = "megarl_vllm_worker.MegarlWorkerExtension"
 SERVED_NAME = "megarl"
 # sampler.kv_on_update -> /pause's clear_cache (vLLM 0.32, v1/engine/core.py: `_finish_pause(clear_cache)` calls
@@ -93,10 +99,11 @@ def check_model(hf_config: dict, path: str = "") -> None:
 
 def server_env(env: dict, cfg_vllm, threads: int) -> dict:
     """The server's environment: the sampler's without torchrun's variables, plus vLLM dev mode and megarl's
-    worker extension on PYTHONPATH (nothing else of megarl: the server runs in the vLLM environment)."""
+    worker extension and the torch-only modules it uses on PYTHONPATH (nothing else of megarl: the server runs in
+    the vLLM environment)."""
     out = sglang_engine.server_env(env)
     out.pop("PYTHONPATH", None)  # megarl's environment's paths must not leak into vLLM's
-    out.update({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(EXT_DIR),
+    out.update({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": os.pathsep.join((str(EXT_DIR), str(PORTABLE_DIR))),
                 "VLLM_CPU_KVCACHE_SPACE": str(cfg_vllm.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 "OMP_NUM_THREADS": str(threads), "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"})
     return out
@@ -192,6 +199,7 @@ class VLLMEngine:
         self.kv_on_update = kv_on_update
         self.context_length, self.max_running = context_length, max_running
         self.update_timeout_s, self.bucket_bytes = update_timeout_s, int(bucket_mb * 2 ** 20)
+        self.model_dir = Path(model_dir)
         self._spec = weight_spec(model_dir)
         self.device = torch.device("cpu")
         self._version = version
@@ -225,12 +233,13 @@ class VLLMEngine:
                          max_running=cfg.sampler.max_running, context_length=cfg.sampler.max_seq_len,
                          startup_timeout_s=vc.startup_timeout_s, request_timeout_s=vc.request_timeout_s,
                          update_timeout_s=cfg.publish.timeout_s, bucket_mb=cfg.publish.bucket_mb,
-                         kv_on_update=cfg.sampler.kv_on_update)
+                         kv_on_update=cfg.sampler.kv_on_update,
+                         lora=cfg.learner.lora if cfg.learner.lora.rank > 0 else None)
 
     @classmethod
     def start(cls, cmd, env, log_path: Path, port: int, *, model_dir, max_running: int, context_length: int,
               startup_timeout_s: float, request_timeout_s: float, update_timeout_s: float = 120.0,
-              bucket_mb: float = 16.0, kv_on_update: str = "keep") -> "VLLMEngine":
+              bucket_mb: float = 16.0, kv_on_update: str = "keep", lora=None) -> "VLLMEngine":
         # A key of this server's own, in its environment (readable by this user only, unlike its command line).
         # vLLM 0.32 checks it on /v1, /v2, /inference and /cohere only: the dev-mode routes megarl updates
         # weights through (/pause, /collective_rpc, /resume) stay open to local processes (docs/security.md).
@@ -243,6 +252,8 @@ class VLLMEngine:
                          server=server, update_timeout_s=update_timeout_s, bucket_mb=bucket_mb,
                          kv_on_update=kv_on_update)
             engine.join_weight_group()
+            if lora is not None:
+                engine.take_adapters(lora)
         except BaseException:
             server.stop()
             raise
@@ -258,7 +269,8 @@ class VLLMEngine:
         return self.requests.unfinished
 
     def weight_spec(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """HF name -> (shape, dtype) of every tensor `stage_weights` takes (the model directory's)."""
+        """HF name -> (shape, dtype) of every tensor `stage_weights` takes (the model directory's; the adapter's
+        after `take_adapters`)."""
         return dict(self._spec)
 
     def add_request(self, request: GenerationRequest) -> None:
@@ -389,6 +401,19 @@ class VLLMEngine:
         self._with_group("megarl_join", {"host": "127.0.0.1", "port": self._store.port, "rank": 1, "world_size": 2,
                                          "timeout_s": timeout}, timeout, local)
         self._group = holder["group"]
+
+    def take_adapters(self, lora_cfg) -> dict:
+        """From now on every version is an adapter of `lora_cfg`'s shape (learner.lora): `weight_spec()` becomes
+        the adapter's (megarl.models.lora.adapter_spec) and the worker keeps the frozen base, read from the
+        checkpoint the server loaded, and merges each adapter into it (megarl_lora_base). Returns the worker's
+        reply (the base's tensor count and bytes)."""
+        from megarl.models import lora
+
+        hf_config = json.loads((self.model_dir / "config.json").read_text())
+        lora.check(hf_config, lora_cfg)
+        reply = self._rpc("megarl_lora_base", {"factor": lora.scale(lora_cfg)}, self.update_timeout_s)
+        self._spec = {name: (torch.Size(shape), dtype) for name, shape, dtype in lora.adapter_spec(hf_config, lora_cfg)}
+        return reply
 
     def stage_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Apply `version` on the server now, in flight (pause keep with this engine's clear_cache -> load ->

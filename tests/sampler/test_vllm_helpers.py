@@ -43,12 +43,30 @@ def test_server_env_and_command():
     env = vllm_engine.server_env({"RANK": "1", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": "1",
                                   "PYTHONPATH": "/megarl", "HOME": "/root"}, VLLMConfig(), threads=2)
     assert "RANK" not in env and "TORCHELASTIC_USE_AGENT_STORE" not in env and "MASTER_PORT" not in env
-    assert env["PYTHONPATH"] == str(vllm_engine.EXT_DIR) and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["PYTHONPATH"].split(":") == [str(vllm_engine.EXT_DIR), str(vllm_engine.PORTABLE_DIR)]
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["OMP_NUM_THREADS"] == "2" and env["HOME"] == "/root"
     cmd = vllm_engine.server_command("/env/python", "/m", 1234, 0, max_model_len=64, max_num_seqs=8)
     assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert cmd[cmd.index("--worker-extension-cls") + 1] == vllm_engine.WORKER_EXTENSION
+
+
+def test_the_worker_extension_imports_without_megarl():
+    """The server's python finds the worker extension and the LoRA merge it runs on the PYTHONPATH megarl gives it,
+    with megarl itself unimportable (it is not installed in the vLLM environment)."""
+    import os
+    import subprocess
+    import sys
+
+    from megarl.config.schema import VLLMConfig
+
+    env = vllm_engine.server_env(dict(os.environ), VLLMConfig(), threads=1)
+    code = ("import sys; sys.modules['megarl'] = None\n"  # any `import megarl...` now raises ImportError
+            "import megarl_vllm_worker as w; print(w.lora_merge.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(vllm_engine.PORTABLE_DIR / "lora_merge.py")
 
 
 def test_check_model_head_dim():

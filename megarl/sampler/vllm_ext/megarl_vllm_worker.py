@@ -15,6 +15,11 @@ sides must agree on (`make_group`, `bucket_plan`, `unpack`).
   between two engine steps and runs no step while it lasts, so every token counted was sampled by the old
   weights and every later token by the new ones: the counts are the exact per-request version boundary
   (the argument is in docs/vllm.md).
+* `megarl_lora_base` (learner.lora): the worker loads the frozen base from its own checkpoint once; from then on
+  every `megarl_update` carries only an adapter, which the worker merges into that base
+  (W + alpha / r * B @ A, `lora_merge`, the merge megarl's built-in engine runs too) and loads through the same
+  reload, counts and all. vLLM serves the merged weights as a plain model (no `enable_lora`), so an adapter
+  version is applied exactly as a full-weight version is.
 """
 from __future__ import annotations
 
@@ -24,6 +29,11 @@ import time
 
 import torch
 import torch.distributed as dist
+
+try:  # the vLLM server: megarl/portable is on its PYTHONPATH (megarl.sampler.vllm_engine.server_env)
+    import lora_merge
+except ImportError:  # megarl's sampler process, which imports this module for the helpers both sides share
+    from megarl.portable import lora_merge
 
 def _linear_without_onednn() -> None:
     """vLLM 0.32's CPU linear layers run through oneDNN handles created from the weights at load time
@@ -140,6 +150,21 @@ class MegarlWorkerExtension:
         counts.update({rid: len(state.output_token_ids) for rid, state in self.model_runner.requests.items()})
         return counts
 
+    def megarl_lora_base(self, args: str) -> dict:
+        """learner.lora: keep the frozen base (the checkpoint vLLM loaded, read again through vLLM's own loader,
+        on the model's device) and the adapter's scale alpha / r; every later update is an adapter."""
+        from vllm.model_executor.model_loader import get_model_loader
+
+        a = json.loads(args)
+        runner = self.model_runner
+        model = runner.get_model()
+        device = next(model.parameters()).device
+        loader = get_model_loader(runner.vllm_config.load_config)
+        base = {name: t.to(device, copy=True)
+                for name, t in loader.get_all_weights(runner.vllm_config.model_config, model)}
+        self._megarl_lora = {"factor": float(a["factor"]), "base": base}
+        return {"tensors": len(base), "bytes": sum(t.numel() * t.element_size() for t in base.values())}
+
     def megarl_update(self, args: str) -> dict:
         a = json.loads(args)
         start = time.perf_counter()
@@ -154,8 +179,15 @@ class MegarlWorkerExtension:
                     received.append(name)
                     yield name, tensor
 
+        lora = getattr(self, "_megarl_lora", None)
+        if lora is None:
+            tensors = weights()
+        else:  # an adapter (megabytes): all of it first, checked, so a bad one is refused before any layer reloads
+            adapter = dict(weights())
+            lora_merge.check(lora["base"], adapter)
+            tensors = lora_merge.merged_weights(lora["base"], adapter, lora["factor"])
         with torch.no_grad():
-            self.model_runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+            self.model_runner.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
         if len(received) != sum(len(b["tensors"]) for b in a["buckets"]):
             raise RuntimeError(f"megarl_update: vLLM's reload consumed {len(received)} of "
                                f"{sum(len(b['tensors']) for b in a['buckets'])} tensors")

@@ -132,8 +132,39 @@ def _names(model):
         return set(f.keys())
 
 
-@pytest.mark.parametrize("policy", ["keep", "recompute"])
-def test_update_mid_rollout_versions_and_kv_policy_exact(engine, hf, served, policy):
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+def _adapter_version(model, engine, directory):
+    """learner.lora: switch the module's server to adapter versions (VLLMEngine.take_adapters: the worker keeps the
+    checkpoint's frozen base) and draw an adapter whose update is about half each weight's spread, as `_perturbed`
+    is. Returns (the adapter, the model it makes as *peft* merges it onto the checkpoint's base): the expected
+    weights come from peft, not from megarl's merge, and from the base, not from what the server ran before."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megarl.config.schema import LoraConfig
+    from megarl.models import lora
+
+    cfg = LoraConfig(**LORA)
+    engine.take_adapters(cfg)
+    spec = lora.adapter_spec(model.config.to_dict(), cfg)
+    assert {name: tuple(shape) for name, shape, _ in spec} == {n: tuple(s) for n, (s, _) in engine.weight_spec().items()}
+    gen, base, adapter = torch.Generator().manual_seed(7), model.state_dict(), {}
+    for name, shape, _ in spec:
+        adapter[name] = torch.randn(shape, generator=gen)
+        if name.endswith("lora_B.weight"):
+            a = adapter[name.replace("lora_B", "lora_A")]
+            w = base[name.replace(".lora_B.weight", ".weight")]
+            adapter[name] *= 0.5 * w.std() / (lora.scale(cfg) * (adapter[name] @ a).std())
+    lora.save_peft(directory, adapter, cfg, model.name_or_path)
+    base_model = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32)
+    return adapter, PeftModel.from_pretrained(base_model, str(directory)).merge_and_unload().eval()
+
+
+@pytest.mark.parametrize("policy, adapter", [("keep", False), ("recompute", False), ("keep", True)],
+                         ids=["keep", "recompute", "keep-lora"])
+def test_update_mid_rollout_versions_and_kv_policy_exact(engine, hf, served, policy, adapter, tmp_path):
     """Requests running across an in-flight update (pause keep with the policy's clear_cache -> load over gloo ->
     resume):
     * the KV the requests continue over is the configured policy's: the tokens after the update have the
@@ -145,21 +176,29 @@ def test_update_mid_rollout_versions_and_kv_policy_exact(engine, hf, served, pol
       assigned version's recomputation and not the other's -- and the requests finish whole. This is the check
       that catches AReaL #1569 (versions mislabelled when an update lands during an HTTP call): with the boundary
       one token off either way, or the client's own token count at the pause used instead of the worker's, the
-      assertions on `assigned` fail."""
+      assertions on `assigned` fail.
+    keep-lora (learner.lora, last: the server then stays on adapters): the version is an adapter only, merged by
+    megarl's vLLM worker into the checkpoint's base; the same checks hold against peft's merge of it, and the
+    requests after it match that merge at fp32 noise (the lag-0 gap)."""
     from transformers import AutoModelForCausalLM
 
     model, tok = hf
     engine.kv_on_update = policy  # one server serves both: clear_cache is a per-pause argument
-    new_weights = _perturbed(model, seed=engine.version + 1)
-    assert set(new_weights) == set(engine.weight_spec())
-    new_model = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32).eval()
-    new_model.load_state_dict(new_weights, strict=False)
-    new_model.tie_weights()
+    if adapter:
+        staged, new_model = _adapter_version(model, engine, tmp_path / "adapter")
+        new_weights = new_model.state_dict()
+    else:
+        new_weights = staged = _perturbed(model, seed=engine.version + 1)
+        assert set(new_weights) == set(engine.weight_spec())
+        new_model = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32).eval()
+        new_model.load_state_dict(new_weights, strict=False)
+        new_model.tie_weights()
     old_model = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32).eval()
     old_model.load_state_dict(served["weights"], strict=False)
     old_model.tie_weights()
 
-    requests = _requests(tok, ["a-z=", "b-y=", "c-x="], 8, max_new_tokens=60, tag=f"{policy}-u")
+    case = f"{policy}-lora" if adapter else policy
+    requests = _requests(tok, ["a-z=", "b-y=", "c-x="], 8, max_new_tokens=60, tag=f"{case}-u")
     version = engine.version + 1
     for r in requests:
         engine.add_request(r)
@@ -167,7 +206,7 @@ def test_update_mid_rollout_versions_and_kv_policy_exact(engine, hf, served, pol
     while not any(t.received >= 3 for t in list(engine._running.values())):  # some are mid-rollout
         assert time.monotonic() < deadline
         time.sleep(0.002)
-    engine.stage_weights({k: v.clone() for k, v in new_weights.items()}, version)
+    engine.stage_weights({k: v.clone() for k, v in staged.items()}, version)
     served["weights"] = new_weights
     assert engine.version == version
     done = {}
@@ -218,17 +257,20 @@ def test_update_mid_rollout_versions_and_kv_policy_exact(engine, hf, served, pol
         assert abs(t[0] - t[theirs]) > 1e-3 - 1e-4, (policy, t)
     gap_mine = max(abs(t[0] - t[mine]) for t in after_update)
     gap_theirs = min(abs(t[0] - t[theirs]) for t in telling)
-    print(f"\n{policy}: {straddling} of {len(requests)} requests straddle the update; {len(after_update)} tokens "
+    print(f"\n{case}: {straddling} of {len(requests)} requests straddle the update; {len(after_update)} tokens "
           f"after it: |engine - {policy}| <= {gap_mine:.1e}, |engine - other policy| >= {gap_theirs:.1e} "
           f"({len(telling)} telling); {discriminating} of {total} tokens have log-probs > 1e-3 apart under the "
           f"two versions; a one-off boundary caught in {shifted_caught}; swap {engine.stats()['swap_time_s']:.3f}s")
 
     # Later requests run entirely on the new weights.
-    later = engine.generate(_requests(tok, ["e-j="], 2, tag=f"{policy}-after"))
+    later = engine.generate(_requests(tok, ["e-j="], 2, tag=f"{case}-after"))
+    lag0_gap = 0.0
     for c in later:
         assert set(c.versions) == {version}
         new_lp, _ = _hf_logprobs(new_model, c.prompt_ids, c.token_ids, TEMPERATURE)
-        assert (torch.tensor(c.logprobs) - new_lp).abs().max() < 1e-4
+        lag0_gap = max(lag0_gap, (torch.tensor(c.logprobs) - new_lp).abs().max().item())
+    print(f"{case}: requests after the update vs transformers with the new weights: max |gap| {lag0_gap:.1e}")
+    assert lag0_gap < 1e-4
 
 
 def test_hung_then_killed_server_is_reported(engine, hf):
