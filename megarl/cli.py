@@ -387,37 +387,58 @@ def sft(args: argparse.Namespace) -> int:
         return 2
     if not claim_run_dir(cfg, args.dry_run):
         return 2
+    from megarl.distributed.supervisor import GatedStart
+    from megarl.sft.run import CHECKED_ENV
+
+    nproc = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
+    cmd = [*LOCAL_TORCHRUN, f"--nproc-per-node={nproc}", "--max-restarts=0", f"--shutdown-timeout={cfg.fault.stop_timeout_s}", "-m", "megarl.sft.run",
+           args.config, *args.overrides]
+    env = {**torchrun_env(cfg), CHECKED_ENV: "1"}
+    gated = None if args.dry_run else GatedStart(cmd, env)  # as `megarl train`: its start-up overlaps the checks
+    try:
+        model_dir = checked_sft_inputs(cfg)
+        if model_dir is None:
+            return 2
+        print(f"megarl: model {model_dir}; run dir {cfg.run.dir}; model out {cfg.sft.output_dir}")
+        print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
+        if args.dry_run:
+            return 0
+        return run_sft(cmd, env, cfg, gated)
+    finally:
+        if gated is not None:
+            gated.cancel()
+
+
+def checked_sft_inputs(cfg) -> Path | None:
+    """`megarl sft`'s model, data and output checks (the data's summary printed): the model directory, or None
+    after printing why not."""
     model_dir = checked_model_dir(cfg)
     if model_dir is None:
-        return 2
+        return None
     from megarl.sft.data import SFTDataError
-    from megarl.sft.run import CHECKED_ENV, SFTOutputError, check_outputs, load_data
+    from megarl.sft.run import SFTOutputError, check_outputs, load_data
 
     try:
         data = load_data(cfg, model_dir)
     except (SFTDataError, ValueError, OSError) as exc:  # BadRecord is a ValueError
         print(f"megarl: sft data: {exc}", file=sys.stderr)
-        return 2
+        return None
     try:
         check_outputs(cfg, model_dir)
     except SFTOutputError as exc:
         print(f"megarl: sft: {exc}", file=sys.stderr)
-        return 2
+        return None
     for line in data.lines():
         print(f"megarl: sft: {line}")
-    nproc = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
-    cmd = [*LOCAL_TORCHRUN, f"--nproc-per-node={nproc}", "--max-restarts=0", f"--shutdown-timeout={cfg.fault.stop_timeout_s}", "-m", "megarl.sft.run",
-           args.config, *args.overrides]
-    print(f"megarl: model {model_dir}; run dir {cfg.run.dir}; model out {cfg.sft.output_dir}")
-    print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
-    if args.dry_run:
-        return 0
+    return model_dir
+
+
+def run_sft(cmd: list[str], env: dict, cfg, gated) -> int:
+    """Run the sft torchrun (let `gated` go), saying how it ended when not well."""
     from megarl.distributed.lifetime import exit_status
     from megarl.distributed.supervisor import TorchrunRun
 
-    env = {**os.environ, CHECKED_ENV: "1", **run_lock.launcher_env(cfg.run.dir)}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    run = TorchrunRun(cmd, env, cfg.fault.stop_timeout_s)
+    run = TorchrunRun(cmd, env, cfg.fault.stop_timeout_s, gated)
     code = run.wait()
     stopped = run.signalled if run.signalled is not None else run.killed_by
     if stopped is not None:
