@@ -61,18 +61,46 @@ def train(args: argparse.Namespace) -> int:
 
 
 def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
-    """`megarl train` once run.dir is held: the model, task, eval and checkpoint checks, then torchrun."""
+    """`megarl train` once run.dir is held: the model, task, eval and checkpoint checks, then torchrun. torchrun
+    starts gated before the checks, so its own start-up (Python, torch: ~2 s) overlaps them; it launches
+    nothing until run_torchrun lets it go, and a refusal kills it (megarl.distributed.supervisor.GatedStart)."""
+    from megarl.distributed.supervisor import GatedStart
+
+    restarts = cfg.fault.max_restarts if cfg.fault.on_failure == "restart" else 0
+    cmd = torchrun_command(args.config, args.overrides, world_size_for(cfg), restarts, cfg.fault.stop_timeout_s)
+    env = torchrun_env(cfg)
+    gated = None if args.dry_run else GatedStart(cmd, env)
+    try:
+        model_dir = checked_for_launch(cfg)
+        if model_dir is None:
+            return 2
+        print(f"megarl: model {model_dir}; run dir {cfg.run.dir}")
+        if args.nnodes > 1:
+            print(f"megarl: processes per node: {len(nodes[0])} ({args.nnodes} nodes)")
+        else:
+            print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
+        if args.dry_run:
+            return 0
+        return run_torchrun(cmd, env, cfg, gated)
+    finally:
+        if gated is not None:
+            gated.cancel()  # refused (or interrupted) before the launch; nothing once run_torchrun let it go
+
+
+def checked_for_launch(cfg) -> Path | None:
+    """The model, task, eval and checkpoint checks of `megarl train`, run.dir prepared: the model directory,
+    or None after printing why not."""
     model_dir = checked_model_dir(cfg)
     if model_dir is None or not teacher_fits(cfg, model_dir) or not critic_fits(cfg, model_dir):
-        return 2
+        return None
     try:
         for line in check_task(cfg):
             print(f"megarl: {line}")
     except (OSError, ImportError, ValueError) as exc:
         print(f"megarl: task: {exc}", file=sys.stderr)
-        return 2
+        return None
     if not print_eval_check(cfg, model_dir):
-        return 2
+        return None
     from megarl.checkpoint.learner_state import check_resumable, read_manifest
     from megarl.checkpoint.resume import check_export_target, find_checkpoint, prepare_run_dir
     from megarl.checkpoint.storage import CheckpointError
@@ -85,21 +113,17 @@ def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
         prepare_run_dir(cfg, resume_from, clear=False)  # with run.overwrite the learner clears, once launched
     except CheckpointError as exc:
         print(f"megarl: checkpoint: {exc}", file=sys.stderr)
-        return 2
+        return None
     if resume_from is not None:
         print(f"megarl: resuming from {resume_from}")
-    restarts = cfg.fault.max_restarts if cfg.fault.on_failure == "restart" else 0
-    cmd = torchrun_command(args.config, args.overrides, world_size_for(cfg), restarts, cfg.fault.stop_timeout_s)
-    print(f"megarl: model {model_dir}; run dir {cfg.run.dir}")
-    if args.nnodes > 1:
-        print(f"megarl: processes per node: {len(nodes[0])} ({args.nnodes} nodes)")
-    else:
-        print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
-    if args.dry_run:
-        return 0
+    return model_dir
+
+
+def torchrun_env(cfg) -> dict:
+    """The environment of a local torchrun: this process's, the run.dir hold (megarl/run_lock.py), one thread."""
     env = {**os.environ, **run_lock.launcher_env(cfg.run.dir)}
     env.setdefault("OMP_NUM_THREADS", "1")
-    return run_torchrun(cmd, env, cfg)
+    return env
 
 
 def claim_run_dir(cfg, dry_run: bool) -> bool:
@@ -114,14 +138,15 @@ def claim_run_dir(cfg, dry_run: bool) -> bool:
     return True
 
 
-def run_torchrun(cmd: list[str], env: dict, cfg) -> int:
-    """Run torchrun (megarl.distributed.supervisor); a stop signal to this process stops the whole run and
-    exits 128 + its number, saying how to resume; if the run fails, say which rank and role failed first."""
+def run_torchrun(cmd: list[str], env: dict, cfg, gated=None) -> int:
+    """Run torchrun (megarl.distributed.supervisor; `gated`: the GatedStart of `cmd` to let go); a stop signal
+    to this process stops the whole run and exits 128 + its number, saying how to resume; if the run fails,
+    say which rank and role failed first."""
     from megarl.checkpoint.storage import CheckpointError, find_latest
     from megarl.distributed.lifetime import exit_status
     from megarl.distributed.supervisor import TorchrunRun
 
-    run = TorchrunRun(cmd, env, cfg.fault.stop_timeout_s)
+    run = TorchrunRun(cmd, env, cfg.fault.stop_timeout_s, gated)
     code = run.wait()
     if run.signalled is not None:
         try:
@@ -380,37 +405,58 @@ def sft(args: argparse.Namespace) -> int:
         return 2
     if not claim_run_dir(cfg, args.dry_run):
         return 2
+    from megarl.distributed.supervisor import GatedStart
+    from megarl.sft.run import CHECKED_ENV
+
+    nproc = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
+    cmd = [*LOCAL_TORCHRUN, f"--nproc-per-node={nproc}", "--max-restarts=0", f"--shutdown-timeout={cfg.fault.stop_timeout_s}", "-m", "megarl.sft.run",
+           args.config, *args.overrides]
+    env = {**torchrun_env(cfg), CHECKED_ENV: "1"}
+    gated = None if args.dry_run else GatedStart(cmd, env)  # as `megarl train`: its start-up overlaps the checks
+    try:
+        model_dir = checked_sft_inputs(cfg)
+        if model_dir is None:
+            return 2
+        print(f"megarl: model {model_dir}; run dir {cfg.run.dir}; model out {cfg.sft.output_dir}")
+        print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
+        if args.dry_run:
+            return 0
+        return run_sft(cmd, env, cfg, gated)
+    finally:
+        if gated is not None:
+            gated.cancel()
+
+
+def checked_sft_inputs(cfg) -> Path | None:
+    """`megarl sft`'s model, data and output checks (the data's summary printed): the model directory, or None
+    after printing why not."""
     model_dir = checked_model_dir(cfg)
     if model_dir is None:
-        return 2
+        return None
     from megarl.sft.data import SFTDataError
-    from megarl.sft.run import CHECKED_ENV, SFTOutputError, check_outputs, load_data
+    from megarl.sft.run import SFTOutputError, check_outputs, load_data
 
     try:
         data = load_data(cfg, model_dir)
     except (SFTDataError, ValueError, OSError) as exc:  # BadRecord is a ValueError
         print(f"megarl: sft data: {exc}", file=sys.stderr)
-        return 2
+        return None
     try:
         check_outputs(cfg, model_dir)
     except SFTOutputError as exc:
         print(f"megarl: sft: {exc}", file=sys.stderr)
-        return 2
+        return None
     for line in data.lines():
         print(f"megarl: sft: {line}")
-    nproc = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
-    cmd = [*LOCAL_TORCHRUN, f"--nproc-per-node={nproc}", "--max-restarts=0", f"--shutdown-timeout={cfg.fault.stop_timeout_s}", "-m", "megarl.sft.run",
-           args.config, *args.overrides]
-    print(f"megarl: model {model_dir}; run dir {cfg.run.dir}; model out {cfg.sft.output_dir}")
-    print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
-    if args.dry_run:
-        return 0
+    return model_dir
+
+
+def run_sft(cmd: list[str], env: dict, cfg, gated) -> int:
+    """Run the sft torchrun (let `gated` go), saying how it ended when not well."""
     from megarl.distributed.lifetime import exit_status
     from megarl.distributed.supervisor import TorchrunRun
 
-    env = {**os.environ, CHECKED_ENV: "1", **run_lock.launcher_env(cfg.run.dir)}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    run = TorchrunRun(cmd, env, cfg.fault.stop_timeout_s)
+    run = TorchrunRun(cmd, env, cfg.fault.stop_timeout_s, gated)
     code = run.wait()
     stopped = run.signalled if run.signalled is not None else run.killed_by
     if stopped is not None:

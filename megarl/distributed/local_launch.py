@@ -10,7 +10,8 @@ in-process with a rendezvous backend of one node whose single store (rendezvous 
 alike, as torchrun shares them) listens on 127.0.0.1 only (megarl.distributed.store_server).
 
 MEGARL_RUN_SECRET is generated here when the environment does not set one (megarl.distributed.secret);
-every rank inherits it. Multi-node launches use torchrun's c10d backend (launch/torchrun_multi_node.sh),
+every rank inherits it. Started gated (megarl.distributed.supervisor.GatedStart: `megarl train` starts it
+before its checks), it imports what it needs, then launches only once the go arrives on the gate. Multi-node launches use torchrun's c10d backend (launch/torchrun_multi_node.sh),
 whose store must stay on a private network (docs/security.md).
 """
 from __future__ import annotations
@@ -23,8 +24,11 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousInfo, RendezvousParameters,
                                                   RendezvousStoreInfo, rendezvous_handler_registry)
 
+from torch.distributed.run import main as torchrun_main
+
 from megarl.distributed.secret import ENV, new_secret
 from megarl.distributed.store_server import tcp_store_server
+from megarl.distributed.supervisor import GATE_ENV
 
 BACKEND = "megarl-loopback"
 HOST = "127.0.0.1"
@@ -75,11 +79,14 @@ def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    gate = os.environ.pop(GATE_ENV, None)  # popped: the workers do not inherit it
+    if gate is not None:
+        with os.fdopen(int(gate), "rb") as go:
+            if go.read(2) != b"go":  # closed without a go: the run was refused, launch nothing
+                return
     if not os.environ.get(ENV):
         os.environ[ENV] = new_secret()
     rendezvous_handler_registry.register(BACKEND, _create_handler)
-    from torch.distributed.run import main as torchrun_main
-
     torchrun_main(["--nnodes=1", f"--rdzv-backend={BACKEND}", f"--rdzv-endpoint={HOST}:0",
                    f"--rdzv-id=megarl-{os.getpid()}", *argv])
 

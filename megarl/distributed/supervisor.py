@@ -14,6 +14,9 @@ Why each piece:
   * this process is a child subreaper: workers whose torchrun was killed are re-parented here instead
     of to init, so they can be found and stopped (their store died with torchrun: they cannot go on),
     and their C++ store errors are not echoed: a one-line summary says what happened.
+  * torchrun may be started gated (`GatedStart`) before the caller's own checks: its Python start and
+    torch import (~2 s) then overlap them, and it launches nothing until `TorchrunRun` opens the gate;
+    a check that refuses the run kills it first.
 """
 from __future__ import annotations
 
@@ -33,6 +36,9 @@ from megarl.distributed.lifetime import STOP_SIGNALS
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 KILL_MARGIN_S = 15.0  # past torchrun's own shutdown timeout, before everything is killed
 HOLD_S = 0.5  # how late torchrun's stderr is echoed (see TorchrunRun._echo)
+# Set in a gated torchrun's environment (GatedStart): the descriptor it reads its go from
+# (megarl.distributed.local_launch waits on it after its imports, before it launches anything).
+GATE_ENV = "MEGARL_LAUNCH_GATE_FD"
 
 
 def _prctl(option: int, value: int) -> None:
@@ -74,12 +80,49 @@ def _is_signal_traceback(block: list[str]) -> bool:
     return bool(block) and "SignalException" in block[-1]
 
 
+def _start(cmd: list[str], env: dict, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
+                            start_new_session=True, preexec_fn=_die_with_parent, pass_fds=pass_fds)
+
+
+class GatedStart:
+    """torchrun (`megarl.distributed.local_launch`) started now, held after its imports until `open()`:
+    `TorchrunRun(..., gated=this)` opens it; `cancel()` (the caller refused the run) kills it, which is
+    safe as it has launched nothing. Started like TorchrunRun starts it (own session, dies with this
+    process), so a Ctrl-C during the caller's checks reaches only the caller."""
+
+    def __init__(self, cmd: list[str], env: dict):
+        self.cmd = cmd
+        read_end, self._go = os.pipe()
+        try:
+            self.proc = _start(cmd, {**env, GATE_ENV: str(read_end)}, pass_fds=(read_end,))
+        finally:
+            os.close(read_end)
+
+    def open(self) -> subprocess.Popen:
+        os.write(self._go, b"go")
+        os.close(self._go)
+        self._go = None
+        return self.proc
+
+    def cancel(self) -> None:
+        """Kill it if the gate is still closed (else it is TorchrunRun's)."""
+        if self._go is None:
+            return
+        os.close(self._go)
+        self._go = None
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stderr.close()
+
+
 class TorchrunRun:
     """One torchrun process under `megarl train`. `wait()` returns its exit status; afterwards `signalled`
     is the stop signal this process forwarded (or None), `killed_by` the signal that killed torchrun
-    when nobody here sent one, and `tail` the last lines of its stderr."""
+    when nobody here sent one, and `tail` the last lines of its stderr. With `gated` (a GatedStart of the
+    same `cmd`), the torchrun started earlier is let go instead of a new one started."""
 
-    def __init__(self, cmd: list[str], env: dict, stop_timeout_s: float):
+    def __init__(self, cmd: list[str], env: dict, stop_timeout_s: float, gated: GatedStart | None = None):
         self.stop_timeout_s = stop_timeout_s
         self.signalled: int | None = None
         self.killed_by: int | None = None
@@ -87,8 +130,9 @@ class TorchrunRun:
         self.muted = False
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
-        self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+        if gated is not None and gated.cmd != cmd:
+            raise ValueError(f"the gated torchrun runs {gated.cmd}, not {cmd}")
+        self.proc = gated.open() if gated is not None else _start(cmd, env)
         self.held: queue.Queue = queue.Queue()
         self.reader = threading.Thread(target=self._pass_through, name="torchrun-stderr", daemon=True)
         self.echo = threading.Thread(target=self._echo, name="torchrun-echo", daemon=True)

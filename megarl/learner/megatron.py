@@ -43,17 +43,20 @@ class MegatronLearner:
     def __init__(self, model_dir: str, cfg: LearnerConfig, loss_cfg: LossConfig,
                  temperature: float = 1.0, routing_replay: str = "off", critic_cfg: CriticConfig | None = None,
                  distill: DistillConfig | None = None):
-        # megatron is imported here, not at module top: importing it costs ~9 s and the package's
-        # other roles never need it.
-        from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.transformer import TransformerConfig
-        from megatron.core.transformer.module import Float16Module
-        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+        # megatron is imported here, not at module top: importing it costs seconds and the package's
+        # other roles never need it; its torch.compile decorations compile (and import dynamo) at first call.
+        from megarl.learner.deferred_compile import deferred_compile
+
+        with deferred_compile():
+            from megatron.core import parallel_state, tensor_parallel
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+            from megatron.core.distributed import finalize_model_grads
+            from megatron.core.models.gpt import GPTModel
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+            from megatron.core.transformer import TransformerConfig
+            from megatron.core.transformer.module import Float16Module
+            from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         if not dist.is_initialized():
             raise RuntimeError("MegatronLearner needs torch.distributed initialised over the learner ranks")
