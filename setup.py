@@ -41,7 +41,8 @@ setup(
         # pyarrow / datasets: the Parquet and save_to_disk dataset readers are optional for users, tested in CI;
         # openai: the agent tests drive the endpoint with the real client.
         # peft: the LoRA tests check megarl's adapters and PEFT export against peft's own LoraLayer.
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "pyarrow>=14", "datasets>=2.18", "openai>=1.40", "peft>=0.21"],
+        # pytest-xdist: the README's test command runs the suite on both cores (`-n 2`, one file per worker).
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "pyarrow>=14", "datasets>=2.18", "openai>=1.40", "peft>=0.21"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

@@ -23,7 +23,7 @@ def _readme(*blocks: str, after: str = "## Next\n\n```bash\nmegarl export x\n```
 def test_the_readme_opens_with_a_main_run_and_the_test_suite():
     commands = quickstart.quickstart_commands((REPO / "README.md").read_text())
     assert commands["main"].startswith("pip install -e ") and " && megarl train configs/" in commands["main"]
-    assert commands["test"].startswith("pip install -e ") and "python -m pytest -q tests" in commands["test"]
+    assert commands["test"].startswith("pip install -e ") and "python -m pytest -q -n 2 tests" in commands["test"]
 
 
 def test_cli_prints_each_command_as_the_readme_has_it():
