@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from megarl.algo.config import LossConfig
 from megarl.config.schema import DeepSpeedConfig, LearnerConfig
 from tests.helpers import save_tiny_moe
+from tests.learner.conftest import destroy_world
 from tests.learner.test_moe_learner import B, S, _batch, _hf_forward, _ids, _perturbed_router_dir
 
 
@@ -27,7 +28,7 @@ def world(tmp_path_factory):
     store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    destroy_world()
     if saved is None:
         del os.environ["LOCAL_RANK"]
     else:
