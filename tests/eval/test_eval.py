@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megarl.config.load import ConfigError, load_config
 from megarl.eval.learner_side import EvalCollector
-from megarl.eval.run import run_share
+from megarl.eval.run import eval_seed, run_share
 from megarl.eval.sampler_side import VersionEvaluator, result_key
 from megarl.eval.sets import build_sets, check_sets, due_versions
 from megarl.models.convert import load_pretrained
@@ -209,7 +209,7 @@ def test_multi_turn_eval_episodes_are_of_one_version_while_publishes_land_and_re
     model = str(embedded_tool_model_dir)
     cfg = load_config(str(REPO / "configs" / "multiturn_demo.yaml"), [
         f"model.path={model}", f"run.dir={tmp_path}", "run.steps=2", "eval.sets=[{name: heldout, prompts: 4}]",
-        "eval.samples=2", "eval.k=2", "eval.every_steps=1"])
+        "eval.samples=2", "eval.k=2", "eval.every_steps=1", "eval.max_running=8"])
     torch.set_num_threads(cfg.sampler.threads)  # as the sampler and evaluate_model run it
     tokenizer = AutoTokenizer.from_pretrained(model)
     _, weights = load_pretrained(model)
@@ -237,8 +237,11 @@ def test_multi_turn_eval_episodes_are_of_one_version_while_publishes_land_and_re
     two_turns = [r for r in samples if r["turns"] >= 2]
     assert two_turns and all("<|im_start|>tool\n" in r["completion"] and -1 in r["versions"] for r in two_turns)
     assert any(r["reward"] == 1.0 for r in samples)  # the warm-started model calls the tool and copies its answer
-    # The same share without publishes and the tool's timing aside: the same episodes, the same scores.
+    # The same episodes, the same scores, whatever the tool's timing: again with every tool output memoised (the
+    # same sets: answers at once, while other turns still decode), and by `megarl eval` (fresh sets and tool).
+    in_run = [{k: v for k, v in r.items() if k not in ("eval_version", "share")} for r in samples]
+    again = run_share(engine.pinned(max_running=8, seed=eval_seed(0, 0)), tokenizer, evaluator.sets, cfg, 0, 1)
+    assert again["records"] == in_run
     standalone = evaluate_model(cfg, model)
-    assert standalone["records"] == [{k: v for k, v in r.items() if k not in ("eval_version", "share")}
-                                     for r in samples]
+    assert standalone["records"] == in_run
     assert standalone["metrics"]["eval/heldout/turns_mean"] >= 1.5
