@@ -77,8 +77,8 @@ def run_share(engine, tokenizer, sets: list[EvalSet], cfg, share: int, shares: i
     greedy = SamplingParams(0.0, 1.0, 0, max_new)
     stop = (tokenizer.eos_token_id,)
     limits = EpisodeLimits.of(cfg.task, cfg.sampler.max_seq_len, 1)
-    runners = {s.name: EpisodeRunner(s.task, tokenizer, engine.add_request, sampled, limits, stop, cfg.task.env_workers)
-               for s in sets if is_multi_turn(s.task)}
+    runners = {s.name: EpisodeRunner(s.task, tokenizer, engine.add_request, sampled, limits, stop,
+                                     cfg.task.env_workers) for s in sets if is_multi_turn(s.task)}
     groups: dict[tuple[str, int], list[str]] = {}  # (set, prompt index) -> sample keys, in sample order
     skipped = {s.name: 0 for s in sets}
     done: dict[str, Completion | Episode] = {}
@@ -140,13 +140,14 @@ def run_share(engine, tokenizer, sets: list[EvalSet], cfg, share: int, shares: i
             if scored.skipped or any(error and is_timeout(error) for _, error in scored.scores):
                 budget_s = 0.0
             scores = scored.scores
+        episodes = name in runners
         for j, (key, sample, text, (reward, error)) in enumerate(zip(keys, samples, texts, scores)):
             # An episode's length is its model tokens (what training's completion_len_mean counts), not the tool's.
-            turns = {"turns": sample.turns, "tokens": sum(v != -1 for v in sample.versions)} if name in runners else {}
+            tokens = sum(v != -1 for v in sample.versions) if episodes else len(sample.token_ids)
             records.append({"set": name, "prompt_index": i, "greedy": key.endswith("/g"), "sample": j,
                             "prompt": prompt.text, "completion": text, "versions": sample.versions, "reward": reward,
-                            "reward_error": error, "tokens": len(sample.token_ids),
-                            "finish_reason": sample.finish_reason, **turns})
+                            "reward_error": error, "tokens": tokens, "finish_reason": sample.finish_reason,
+                            **({"turns": sample.turns} if episodes else {})})
     return {"version": version, "seconds": time.perf_counter() - start, "records": records,
             "skipped_overlong": skipped}
 
