@@ -354,10 +354,14 @@ def _validate_eval(cfg: Config, check_files: bool) -> None:
                  f"a second engine over the sampler's weights, which a TP engine's followers do not mirror); "
                  f"set eval.sets=[] to train without evaluating, and score checkpoints with `megarl eval` at "
                  f"sampler.tp=1")
-        _require(cfg.task.name not in MULTI_TURN_TASKS and not cfg.task.agent, "eval.sets",
-                 f"multi-turn and agent tasks (task.name={cfg.task.name}"
-                 f"{', task.agent=' + cfg.task.agent if cfg.task.agent else ''}) are not evaluated yet: an eval "
-                 f"sample is one completion, not an episode; set eval.sets=[]")
+        _require(not cfg.task.agent, "eval.sets",
+                 f"agent tasks (task.agent={cfg.task.agent}) are not evaluated yet: an eval episode runs on an "
+                 f"engine pinned to one version, which the agent's endpoint does not serve; set eval.sets=[]")
+        _require(cfg.task.name not in MULTI_TURN_TASKS or cfg.sampler.engine == "builtin"
+                 or all(sc.path for sc in ec.sets), "eval.sets",
+                 f"multi-turn episodes (task.name={cfg.task.name}) are evaluated on sampler.engine=builtin only, "
+                 f"not yet on sampler.engine={cfg.sampler.engine}; set eval.sets=[] to train without evaluating, "
+                 f"and score checkpoints with `megarl eval CONFIG sampler.engine=builtin`")
     names = [sc.name for sc in ec.sets]
     for i, sc in enumerate(ec.sets):
         key = f"eval.sets[{i}]"

@@ -348,14 +348,15 @@ class EvalSetConfig:
 @dataclass
 class EvalConfig:
     """Held-out evaluation while training, every score of exactly one policy version (docs/eval.md);
-    `megarl eval CONFIG` scores a model with the same keys."""
+    `megarl eval CONFIG` scores a model with the same keys. A multi-turn task's (task.name=tool_arith) eval
+    samples are whole episodes (task.max_turns etc. apply), scored by the episode's final reward."""
 
     sets: list[EvalSetConfig] = field(default_factory=list)  # empty: no evaluation
     samples: int = 4  # sampled completions per prompt (n of pass@k)
     k: int = 4  # pass@1 and pass@k are reported; k <= samples
     temperature: float = 1.0  # of the sampled completions (top_p 1, top_k off)
     greedy: bool = True  # one greedy (temperature 0) completion per prompt too: the "greedy" score
-    max_new_tokens: int = 0  # 0 = sampling.max_new_tokens
+    max_new_tokens: int = 0  # per completion (an episode: per model turn); 0 = sampling.max_new_tokens
     every_steps: int = 0  # evaluate the version published every this many steps; 0 = never in between
     at_start: bool = True  # the version training starts from (the base model: version 0; a resumed run's)
     at_end: bool = True  # the last version (published by step run.steps)

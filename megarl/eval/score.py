@@ -32,9 +32,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def score_set(records: Iterable[dict], k: int) -> dict[str, float]:
     """Per-set metrics from the set's sample records (keys: prompt_index, greedy, reward, reward_error,
-    tokens, finish_reason): mean reward and pass@1 / pass@k over the sampled ones (a prompt's pass@k
-    averaged over prompts), the greedy samples' mean reward, the mean completion length, the share
-    truncated by length, and the count of failed rewards (scored 0)."""
+    tokens, finish_reason; an episode's also turns): mean reward and pass@1 / pass@k over the sampled
+    ones (a prompt's pass@k averaged over prompts), the greedy samples' mean reward, the mean completion
+    length, the share truncated by length, the count of failed rewards (scored 0) and, for episodes, the
+    mean model turns."""
     sampled: dict[int, list[dict]] = defaultdict(list)
     greedy: list[dict] = []
     every = []
@@ -54,4 +55,6 @@ def score_set(records: Iterable[dict], k: int) -> dict[str, float]:
         out["completion_len_mean"] = sum(r["tokens"] for r in every) / len(every)
         out["truncated_frac"] = sum(r["finish_reason"] == "length" for r in every) / len(every)
         out["reward_errors"] = float(sum(r["reward_error"] is not None for r in every))
+    if every and "turns" in every[0]:  # a multi-turn set's episodes
+        out["turns_mean"] = sum(r["turns"] for r in every) / len(every)
     return out

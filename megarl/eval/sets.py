@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, replace
 
 from megarl.protocols import Prompt, Task
-from megarl.rollout.heldout import TrainingSplit, draw_heldout
+from megarl.rollout.heldout import draw_heldout, training_split
 from megarl.rollout.tasks import task_from_config
 
 
@@ -85,7 +85,7 @@ def check_sets(cfg, model_dir) -> list[str]:
 
     sets = build_sets(cfg)
     if (fraction := heldout_fraction(cfg)) is not None:  # what the samplers will train on: not empty either
-        TrainingSplit(task_from_config(cfg.task), fraction).sample_prompts(random.Random(0), 1)
+        training_split(task_from_config(cfg.task), fraction).sample_prompts(random.Random(0), 1)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exceptions; the model check

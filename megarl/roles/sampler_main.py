@@ -50,7 +50,7 @@ from megarl.roles.learner_main import STOP_KEY, dropped_retired_key
 from megarl.rollout.agent import AgentRunner
 from megarl.rollout.environment import is_multi_turn
 from megarl.rollout.episode import Episode, EpisodeLimits, EpisodeRunner
-from megarl.rollout.heldout import TrainingSplit
+from megarl.rollout.heldout import training_split
 from megarl.rollout.rewards import check_reward, score_group
 from megarl.rollout.sandbox import hide_from_sandboxes
 from megarl.rollout.routes import RouteShape, check_routes
@@ -139,7 +139,7 @@ class SamplerLoop:
         self.route_shape = RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text()))
         self.task = task_from_config(cfg.task)
         if (fraction := heldout_fraction(cfg)) is not None:  # eval.sets draws the held-out prompts: never trained on
-            self.task = TrainingSplit(self.task, fraction)
+            self.task = training_split(self.task, fraction)
         if ":" in cfg.task.reward_fn and topo.role_rank == 0:  # `megarl train` checked it; a raw torchrun did not
             print(f"megarl: {check_reward(self.task, cfg.task.reward_fn)}", flush=True)
         # Group k of this sampler draws its prompt from prompt_rng(seed, role rank, k); a resumed run
@@ -152,7 +152,7 @@ class SamplerLoop:
         self.room = cfg.sampler.sglang.min_new_tokens if cfg.sampler.engine == "sglang" else 1
         self.episodes: EpisodeRunner | AgentRunner | None = None
         tc = cfg.task
-        limits = EpisodeLimits(tc.max_turns, tc.max_episode_tokens, cfg.sampler.max_seq_len, self.room, tc.env_timeout_s)
+        limits = EpisodeLimits.of(tc, cfg.sampler.max_seq_len, self.room)
         if tc.agent:  # episodes are agent programs talking to this sampler's chat-completions endpoint
             self.episodes = AgentRunner(tc.agent, self.tokenizer, self.engine.add_request, self.sampling, limits,
                                         stop_token_ids=(self.tokenizer.eos_token_id,), workers=tc.env_workers,

@@ -52,6 +52,7 @@ class Episode:
     # MoE models: the routes of the latest model turn's request, which (re)computed every position before
     # its last token: the turn's prompt is the whole episode so far, prefilled anew (docs/moe.md).
     routes: np.ndarray | None = None
+    sampling: SamplingParams | None = None  # its turns' sampling, else the runner's (an evaluation's greedy episodes)
     finish_reason: str = "stop"
     reward: float = 0.0
     error: str | None = None
@@ -110,6 +111,12 @@ class EpisodeLimits:
     min_new_tokens: int = 1  # room a turn needs (SGLang refuses a request that leaves less)
     env_timeout_s: float = 10.0
 
+    @classmethod
+    def of(cls, task_config, max_seq_len: int, min_new_tokens: int) -> "EpisodeLimits":
+        """The limits task.* sets (task_config: the TaskConfig) on an engine of context `max_seq_len`."""
+        tc = task_config
+        return cls(tc.max_turns, tc.max_episode_tokens, max_seq_len, min_new_tokens, tc.env_timeout_s)
+
 
 def turn_room(episode: Episode, limits: EpisodeLimits) -> int | None:
     """The most tokens the episode's next model turn may take, None when a limit leaves it no turn."""
@@ -152,9 +159,10 @@ class EpisodeRunner:
     def opening(self, prompt: Prompt) -> ChatTranscript:
         return ChatTranscript(self.tokenizer, self.task.opening_messages(prompt))
 
-    def start(self, key: str, prompt: Prompt, chat: ChatTranscript) -> None:
-        """Begin an episode whose opening (from `opening`) the caller has checked fits the context."""
-        episode = Episode(key, prompt, chat, len(chat.ids), self.task.environment(prompt))
+    def start(self, key: str, prompt: Prompt, chat: ChatTranscript, sampling: SamplingParams | None = None) -> None:
+        """Begin an episode whose opening (from `opening`) the caller has checked fits the context; its turns
+        sample with `sampling`, else the runner's."""
+        episode = Episode(key, prompt, chat, len(chat.ids), self.task.environment(prompt), sampling=sampling)
         self.episodes[key] = episode
         self._next_turn(episode)
 
@@ -165,7 +173,8 @@ class EpisodeRunner:
         if room is None:
             episode.end(0.0, "length")
             return self._finished(episode)
-        sampling = replace(self.sampling, max_new_tokens=min(self.sampling.max_new_tokens, room))
+        base = episode.sampling or self.sampling
+        sampling = replace(base, max_new_tokens=min(base.max_new_tokens, room))
         self.submit(GenerationRequest(f"{episode.key}/{episode.turns}", list(episode.chat.ids), sampling,
                                       stop_token_ids=self.stop_token_ids))
         return None
@@ -192,14 +201,24 @@ class EpisodeRunner:
                 self.env_s += time.monotonic() - start
             self.ready.set()
 
+    def _settled(self, key: str, now: float) -> bool:
+        """Whether episode `key`'s environment step finished or ran past task.env_timeout_s."""
+        with self._lock:
+            started = self.step_started.get(key)
+        return self.stepping[key].done() or (started is not None and now - started >= self.limits.env_timeout_s)
+
+    def all_settled(self) -> bool:
+        """Every environment step in flight finished or overdue: the next `poll` applies them all, in the order
+        their model turns finished (an evaluation waits for this, so its turns follow one order every time)."""
+        now = time.monotonic()
+        return all(self._settled(key, now) for key in list(self.stepping))
+
     def poll(self) -> list[Episode]:
         """Apply finished (or overdue) environment steps; returns the episodes that ended."""
         self.ready.clear()
         ended, now = [], time.monotonic()
         for key, future in list(self.stepping.items()):
-            with self._lock:
-                started = self.step_started.get(key)
-            if not future.done() and (started is None or now - started < self.limits.env_timeout_s):
+            if not self._settled(key, now):
                 continue
             del self.stepping[key]
             with self._lock:

@@ -4,9 +4,10 @@ A prompt is held out when the SHA-256 of its text falls in the first `fraction` 
 function of the text, the same in every process and in `megarl eval`, for every task (the built-in
 generators and task.name=jsonl datasets alike), with no list of prompts to store. A run with a set drawn
 from its training task (eval.sets[i].path empty) trains only on the other prompts (`TrainingSplit`,
-what the sampler draws from) and evaluates only on held-out ones (`draw_heldout`), so no eval prompt is
-ever a training prompt. Both draw from the task's own distribution and keep what falls on their side, so
-each side's prompts follow the task's distribution restricted to that side.
+what the sampler draws from; `training_split` keeps a multi-turn task's episodes) and evaluates only on
+held-out ones (`draw_heldout`), so no eval prompt is ever a training prompt. Both draw from the task's
+own distribution and keep what falls on their side, so each side's prompts follow the task's
+distribution restricted to that side.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megarl.protocols import Prompt, Task
+from megarl.rollout.environment import is_multi_turn
 
 MAX_DRAWS = 10_000  # draws in a row that may fall on the other side before the task is called too small
 
@@ -59,3 +61,19 @@ class TrainingSplit:
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         return self.task.reward(prompt, completion)
+
+
+@dataclass(frozen=True)
+class MultiTurnTrainingSplit(TrainingSplit):
+    """The training side of a multi-turn task: its episodes open and step as the task's do."""
+
+    def opening_messages(self, prompt: Prompt) -> list[dict]:
+        return self.task.opening_messages(prompt)
+
+    def environment(self, prompt: Prompt):
+        return self.task.environment(prompt)
+
+
+def training_split(task: Task, fraction: float) -> TrainingSplit:
+    """`task` without its held-out prompts, multi-turn when `task` is."""
+    return (MultiTurnTrainingSplit if is_multi_turn(task) else TrainingSplit)(task, fraction)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megarl.config.load import ConfigError, load_config
 from megarl.eval.learner_side import EvalCollector
-from megarl.eval.run import run_share
+from megarl.eval.run import eval_seed, run_share
 from megarl.eval.sampler_side import VersionEvaluator, result_key
 from megarl.eval.sets import build_sets, check_sets, due_versions
 from megarl.models.convert import load_pretrained
@@ -113,8 +114,9 @@ def test_a_run_starts_its_evaluations_at_its_resumed_version(model_dir, tmp_path
     ("eval.heldout_fraction=1", "eval.heldout_fraction: must be in (0, 1), got 1"),
     # What no engine can pin yet is refused before launch, not trained without evaluating.
     (("learner.tp=2", "sampler.tp=2"), "eval.sets: the built-in engine at sampler.tp=2 cannot evaluate a version exactly"),
-    ("task.name=tool_arith", "eval.sets: multi-turn and agent tasks (task.name=tool_arith) are not evaluated yet"),
-    ("task.agent=tool_agent:run", "eval.sets: multi-turn and agent tasks (task.name=count, task.agent=tool_agent:run)"),
+    (("task.name=tool_arith", "sampler.engine=sglang"),
+     "eval.sets: multi-turn episodes (task.name=tool_arith) are evaluated on sampler.engine=builtin only"),
+    ("task.agent=tool_agent:run", "eval.sets: agent tasks (task.agent=tool_agent:run) are not evaluated yet"),
 ])
 def test_bad_eval_config_is_refused_naming_the_key(model_dir, tmp_path, override, message):
     with pytest.raises(ConfigError) as err:
@@ -166,19 +168,22 @@ def test_megarl_eval_writes_the_json_result(model_dir, tmp_path):
     assert refused.value.code == 2
 
 
-@pytest.mark.parametrize("task", ["count", "arithmetic", "python_output"])
+@pytest.mark.parametrize("task", ["count", "arithmetic", "python_output", "tool_arith"])
 def test_built_in_sets_draw_only_held_out_prompts_and_training_never_does(model_dir, tmp_path, task):
     import random
 
-    from megarl.rollout.heldout import TrainingSplit, is_heldout
+    from megarl.rollout.environment import is_multi_turn
+    from megarl.rollout.heldout import is_heldout, training_split
     from megarl.rollout.tasks import task_from_config
 
     cfg = config(model_dir, tmp_path, f"task.name={task}", "eval.sets=[{name: heldout, prompts: 64}]")
     heldout = {p.text for p in build_sets(cfg)[0].prompts}
     assert all(is_heldout(text, 0.1) for text in heldout) and len(heldout) > 10
-    training = TrainingSplit(task_from_config(cfg.task), cfg.eval.heldout_fraction)
+    training = training_split(task_from_config(cfg.task), cfg.eval.heldout_fraction)
     drawn = {p.text for p in training.sample_prompts(random.Random(0), 3000)}
     assert not drawn & heldout and not any(is_heldout(text, 0.1) for text in drawn)
+    # The training side of a multi-turn task still runs episodes (the sampler checks is_multi_turn).
+    assert is_multi_turn(training) == (task == "tool_arith")
     # The split follows the text only: the task's own draws fall on both sides, about 1 in 10 held out.
     own = task_from_config(cfg.task).sample_prompts(random.Random(0), 3000)
     assert 0.05 < sum(is_heldout(p.text, 0.1) for p in own) / 3000 < 0.15
@@ -190,3 +195,53 @@ def test_a_dataset_with_no_prompt_on_one_side_of_the_split_is_refused_before_lau
     cfg = config(model_dir, tmp_path, "task.name=jsonl", f"task.path={path}")
     with pytest.raises(ValueError, match="none of them a (held-out|training) prompt: the task has too few distinct"):
         check_sets(cfg, model_dir)
+
+
+def test_multi_turn_eval_episodes_are_of_one_version_while_publishes_land_and_reproducible(embedded_tool_model_dir,
+                                                                                           tmp_path):
+    """tool_arith: an eval sample is a whole episode (model turns, the tool's turn between them); every model token
+    is of the evaluated version while versions are published during the evaluation, the environment's tokens
+    carry -1, the reward is the episode's, and `megarl eval` (evaluate_model) reproduces it sample for sample."""
+    from transformers import AutoTokenizer
+
+    from megarl.eval.standalone import evaluate_model
+
+    model = str(embedded_tool_model_dir)
+    cfg = load_config(str(REPO / "configs" / "multiturn_demo.yaml"), [
+        f"model.path={model}", f"run.dir={tmp_path}", "run.steps=2", "eval.sets=[{name: heldout, prompts: 4}]",
+        "eval.samples=2", "eval.k=2", "eval.every_steps=1", "eval.max_running=8"])
+    torch.set_num_threads(cfg.sampler.threads)  # as the sampler and evaluate_model run it
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    _, weights = load_pretrained(model)
+    engine = BuiltinEngine.from_pretrained(model, max_running=8, max_seq_len=cfg.sampler.max_seq_len, seed=1)
+    store = dist.HashStore()
+    evaluator = VersionEvaluator(cfg, store, tokenizer, share=0, shares=1, first_version=0)
+    publishes = iter([1])
+
+    def publish_during_eval():  # version 1 arrives while version 0 is evaluated: it waits staged
+        version = next(publishes, None)
+        if version is not None:
+            engine.stage_weights(scaled(weights, 0.5), version)
+
+    evaluator.before_step(engine, publish_during_eval)
+    evaluator.close()
+    assert engine.version == 0 and engine.staged_versions() == [1]
+    result = json.loads(store.get(result_key(0, 0)))
+    assert result["publishes_during"] == 1 and len(result["records"]) == 4 * (2 + 1)
+
+    samples = read_jsonl(tmp_path / "eval_samples.jsonl")
+    assert len(samples) == 4 * (2 + 1) and {r["eval_version"] for r in samples} == {0}
+    for r in samples:  # per token, from the records: the model's of version 0, the tool's -1
+        assert set(r["versions"]) <= {0, -1} and 0 in r["versions"]
+        assert r["tokens"] == r["versions"].count(0) and r["finish_reason"] in ("stop", "length")
+    two_turns = [r for r in samples if r["turns"] >= 2]
+    assert two_turns and all("<|im_start|>tool\n" in r["completion"] and -1 in r["versions"] for r in two_turns)
+    assert any(r["reward"] == 1.0 for r in samples)  # the warm-started model calls the tool and copies its answer
+    # The same episodes, the same scores, whatever the tool's timing: again with every tool output memoised (the
+    # same sets: answers at once, while other turns still decode), and by `megarl eval` (fresh sets and tool).
+    in_run = [{k: v for k, v in r.items() if k not in ("eval_version", "share")} for r in samples]
+    again = run_share(engine.pinned(max_running=8, seed=eval_seed(0, 0)), tokenizer, evaluator.sets, cfg, 0, 1)
+    assert again["records"] == in_run
+    standalone = evaluate_model(cfg, model)
+    assert standalone["records"] == in_run
+    assert standalone["metrics"]["eval/heldout/turns_mean"] >= 1.5

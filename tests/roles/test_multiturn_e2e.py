@@ -1,26 +1,30 @@
 """End to end, multi-turn: `megarl train configs/multiturn_demo.yaml` runs tool-using episodes through the
 whole data path (built-in engine, the Python tool in the sandbox, queue, megatron learner, in-flight
-publishes) and rollouts.jsonl shows every episode's turns, versions and untrained environment spans; an
-agent written against the `openai` client does the same through the sampler's endpoint."""
+publishes) and rollouts.jsonl shows every episode's turns, versions and untrained environment spans, and
+its held-out evaluations are whole episodes of one version each; an agent written against the `openai`
+client does the same through the sampler's endpoint."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from megarl.observe.sinks import eval_records, train_records
 from tests.helpers import REPO
 
 DEMO = str(REPO / "configs" / "multiturn_demo.yaml")
+EVAL_EVERY, EVAL_PROMPTS = 3, 8
 
 
-def train(run_dir: Path, model_dir: Path, *overrides: str) -> list[dict]:
+def train(run_dir: Path, model_dir: Path, *overrides: str) -> tuple[list[dict], str]:
+    """The run's rollouts and its console output."""
     # docs/examples/agent on the path: the shipped agent is importable as tool_agent, as docs/multiturn.md runs it.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "docs" / "examples" / "agent")])}
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}",
                            f"model.path={model_dir}", *overrides], capture_output=True, text=True, timeout=400,
                           env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()], proc.stdout
 
 
 def check_episode(r: dict) -> None:
@@ -40,8 +44,11 @@ def check_episode(r: dict) -> None:
 
 def test_pipeline_episodes_span_versions_across_turns_with_environment_tokens_masked(embedded_tool_model_dir,
                                                                                      tmp_path):
-    rollouts = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=6")
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # The demo's held-out evaluation, smaller and more often: versions 0, 3 and 6 (check_evaluations).
+    rollouts, out = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=6", f"eval.every_steps={EVAL_EVERY}",
+                          f"eval.sets=[{{name: heldout, prompts: {EVAL_PROMPTS}}}]")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = train_records(records)
     assert len(rollouts) == 6 * 64
     for r in rollouts:
         check_episode(r)
@@ -55,13 +62,42 @@ def test_pipeline_episodes_span_versions_across_turns_with_environment_tokens_ma
     # The learner scores the same tokens the engine sampled, environment tokens included in the context.
     assert metrics[0]["lag0/token_share"] == 1.0 and metrics[0]["lag0/logprob_gap_abs"] < 1e-4
     assert all(m["sampler1/env_failures"] == 0 for m in metrics) and metrics[-1]["turns_mean"] >= 1.5
+    check_evaluations(tmp_path / "run", embedded_tool_model_dir, eval_records(records), rollouts, out)
+
+
+def check_evaluations(run_dir: Path, model_dir: Path, evals: list[dict], rollouts: list[dict], out: str) -> None:
+    """Multi-turn evaluation: one eval record per due version, its console line and summary; every model token of
+    every eval episode of the version its score is labelled with (publishes landed meanwhile: they stayed staged),
+    the tool's tokens -1; no eval prompt trained on; version 0 equals `megarl eval` on the base model."""
+    from megarl.config.load import load_config
+    from megarl.eval.standalone import evaluate_model
+
+    assert [(e["eval_version"], e["step"]) for e in evals] == [(0, 0), (3, 3), (6, 6)]
+    assert "megarl: eval version 3 (step 3" in out and "megarl: eval heldout: pass@1" in out
+    for e in evals:
+        assert 0 <= e["eval/heldout/pass@1"] <= e["eval/heldout/pass@4"] <= 1
+        assert e["eval/heldout/prompts"] == EVAL_PROMPTS and e["eval/heldout/turns_mean"] >= 1.5
+    samples = [json.loads(line) for line in (run_dir / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * EVAL_PROMPTS * (4 + 1)
+    for r in samples:  # per token, from the records
+        model_versions = {v for v in r["versions"] if v != -1}
+        assert model_versions == {r["eval_version"]}, (r["eval_version"], r["versions"])
+        assert (-1 in r["versions"]) == (r["turns"] >= 2)  # the tool's turn between model turns, never a version
+    assert sum(r["turns"] >= 2 for r in samples) > len(samples) / 2 and any(r["reward"] == 1.0 for r in samples)
+    assert not {r["prompt"] for r in samples} & {r["prompt"] for r in rollouts}  # the held-out split
+    cfg = load_config(DEMO, [f"model.path={model_dir}", f"eval.sets=[{{name: heldout, prompts: {EVAL_PROMPTS}}}]"])
+    standalone = evaluate_model(cfg, model_dir)
+    assert standalone["records"] == [{k: v for k, v in r.items() if k not in ("eval_version", "share")}
+                                     for r in samples if r["eval_version"] == 0]
+    assert {k: v for k, v in standalone["metrics"].items() if k != "eval_s"} == \
+        {k: v for k, v in evals[0].items() if k.startswith("eval/") and k != "eval/publishes_during"}
 
 
 def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode(embedded_tool_model_dir, tmp_path):
     """The shipped agent (docs/examples/agent/tool_agent.py) drives every episode; sync mode, so each episode runs
     under the one version its batch was generated for."""
-    rollouts = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=2", "algo.mode=sync", "algo.max_lag=0",
-                     "task.agent=tool_agent:run")
+    rollouts, _ = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=2", "algo.mode=sync", "algo.max_lag=0",
+                        "task.agent=tool_agent:run", "eval.sets=[]")  # agents are not evaluated yet (docs/eval.md)
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rollouts) == 2 * 64
     for r in rollouts:

@@ -6,7 +6,7 @@ server and returns the episode's reward. It is the agent-side twin of the built-
 environment: the model asks for a tool call by answering ">>> <code>"; the agent runs the code
 (in megarl's sandbox here; any tool an agent has would do) and sends the output back as a "tool" message.
 
-    PYTHONPATH=docs/examples/agent megarl train configs/multiturn_demo.yaml task.agent=tool_agent:run
+    PYTHONPATH=docs/examples/agent megarl train configs/multiturn_demo.yaml task.agent=tool_agent:run 'eval.sets=[]'
 
 Run alone against a live session (a base_url megarl handed to an agent) to see one conversation:
 

@@ -124,7 +124,8 @@ def test_multiturn_demo_trains_with_vllm(vllm_python, tmp_path):
 
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", "configs/multiturn_demo.yaml",
-                           "sampler.engine=vllm", "run.steps=6", f"run.dir={run_dir}", "run.progress=false"],
+                           "sampler.engine=vllm", "run.steps=6", f"run.dir={run_dir}", "run.progress=false",
+                           "eval.sets=[]"],  # multi-turn episodes are evaluated on the built-in engine only
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "tiny-qwen2-tool-hd32" in (run_dir / "config.yaml").read_text()
