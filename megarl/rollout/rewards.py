@@ -96,7 +96,8 @@ class GroupScores:
 def score_group(task: Task, prompt: Prompt, completions: Sequence[str], budget_s: float) -> GroupScores:
     """`score` of each completion, one after another, until the calls together took `budget_s`; the rest
     fail fast (0.0, "TimeoutError: ..."). A call started within the budget may still run to its own
-    timeout, so the group takes at most budget_s + task.reward_timeout_s."""
+    timeout, so the group takes at most budget_s + task.reward_timeout_s, plus the start-up of a new reward
+    worker where a timeout killed the last one (bounded by megarl.rollout.sandbox.START_TIMEOUT_S)."""
     start, scores, skipped = time.monotonic(), [], 0
     for completion in completions:
         spent = time.monotonic() - start
