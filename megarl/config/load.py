@@ -428,9 +428,9 @@ def _validate_lora(cfg: Config) -> None:
                  f"{'/'.join(group)} are one fused linear on the megatron learner ({fused}), adapted together or "
                  f"not at all: add {[t for t in group if t not in chosen]} or drop {chosen} "
                  "(or learner.backend=deepspeed, whose peft adapts each projection alone)")
-    _require(lc.tp == 1, "learner.tp",
-             f"learner.lora adapts megatron's linears at tensor-parallel size 1 only so far (got {lc.tp}): the "
-             "adapter is not split over TP ranks yet; use learner.dp / learner.pp to spread the learner")
+    _require(cfg.sampler.tp == 1, "sampler.tp",
+             f"learner.lora publishes whole adapters, which a sampler.tp=1 engine takes (got sampler.tp="
+             f"{cfg.sampler.tp}): the built-in engine's shard-to-shard publish does not split adapters yet")
     _require(lc.ep == 1, "learner.ep", f"learner.lora is not tried with expert parallelism yet (got {lc.ep})")
     _require(cfg.sampler.engine in ("builtin", "vllm"), "sampler.engine",
              f"learner.lora publishes only the adapter, which the built-in engine and vLLM apply in flight; "

@@ -9,7 +9,8 @@ LoraLayer's (tests/learner/test_lora.py compares the two on the same weights).
 
 One adapter on a fused linear is, in HF names, one adapter per projection sharing A with B's rows split the way
 megarl.models.convert splits the weight's (`hf_adapter`): that is what the learner publishes and exports.
-Tensor-parallel size 1 only (megarl/config/load.py refuses learner.tp > 1 with LoRA).
+Over tensor parallelism each adapter is split the way its linear is (`LoraAdapter`); the learner publishes and
+exports the whole (TP=1) tensors.
 """
 from __future__ import annotations
 
@@ -23,21 +24,59 @@ from megarl.models.lora import FUSED_GROUPS, TARGETS, adapter_names
 from megarl.portable.lora_merge import merge_one
 
 
-class LoraAdapter(nn.Module):
-    """alpha / r * B(A(dropout(x))): A [r, in] initialised as peft does (Kaiming-uniform, a=sqrt(5)), B [out, r]
-    zero, so a fresh adapter changes nothing."""
+ROW_PARALLEL = ("linear_proj", "linear_fc2")  # megatron's RowParallelLinear: input split over TP; the rest column
+PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
 
-    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float,
-                 generator: torch.Generator, dtype: torch.dtype):
+
+class LoraAdapter(nn.Module):
+    """alpha / r * B(A(dropout(x))) on one TP rank's share of a megatron linear. At TP size 1 A is [r, in] and
+    B [out, r]. Over TP it is split the way the linear is: on a column-parallel linear (output rows split) A is
+    whole and B holds this rank's output rows; on a row-parallel one (input columns split) A holds this rank's
+    input columns and B is whole. Its `tp_region` is megatron's differentiable TP collective on the [.., r] hidden:
+    copy_to_tensor_model_parallel_region for column-parallel (identity forward; the backward sums the ranks'
+    partial gradients of A and x) and reduce_from_tensor_model_parallel_region for row-parallel (sums the ranks'
+    partial x_shard @ A_shard^T; its output is then added after the linear's own all-reduce). Both are the
+    identity at TP size 1. The parameters are created empty; `attach` fills them."""
+
+    def __init__(self, a_shape: tuple[int, int], b_shape: tuple[int, int], alpha: float, dropout: float,
+                 dtype: torch.dtype, row_parallel: bool, gate_up_rows: bool):
+        from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                                   reduce_from_tensor_model_parallel_region)
+
         super().__init__()
-        bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) of an [r, in] matrix
-        self.lora_A = nn.Parameter((torch.rand(rank, in_features, generator=generator) * 2 - 1).mul_(bound).to(dtype))
-        self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=dtype))
+        self.lora_A = nn.Parameter(torch.empty(a_shape, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.empty(b_shape, dtype=dtype))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.scale = alpha / rank
+        self.scale = alpha / a_shape[0]
+        self.row_parallel = row_parallel
+        self.tp_region = (reduce_from_tensor_model_parallel_region if row_parallel
+                          else copy_to_tensor_model_parallel_region)
+        self.gate_up_rows = gate_up_rows  # linear_fc1: B's rows are [gate rows; up rows] on every TP rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.dropout(x) @ self.lora_A.t()) @ self.lora_B.t() * self.scale
+        return self.tp_region(self.dropout(x) @ self.lora_A.t()) @ self.lora_B.t() * self.scale
+
+    def sharded_state_dict(self, prefix: str, sharded_offsets: tuple, metadata: dict | None) -> dict:
+        """A and B as megatron ShardedTensors named by their place in the TP=1 tensors (B of linear_fc1 in the
+        [gate; up] order its weight is saved in), so a checkpoint of one TP size loads at another."""
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axis = {"lora_A": 1} if self.row_parallel else {"lora_B": 0}
+        out = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axis,
+                                                  sharded_offsets)
+        if self.gate_up_rows:
+            out[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(
+                out[f"{prefix}lora_B"], sharded_offsets, (metadata or {}).get("singleton_local_shards", False))
+        return out
+
+
+def initial_adapter(in_features: int, out_features: int, rank: int,
+                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole (TP=1) fp32 A [r, in], initialised as peft does (Kaiming-uniform, a=sqrt(5)), and B [out, r],
+    zero, so a fresh adapter changes nothing."""
+    bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) of an [r, in] matrix
+    return (torch.rand(rank, in_features, generator=generator) * 2 - 1).mul_(bound), torch.zeros(out_features, rank)
 
 
 def _add_adapter_output(linear: nn.Module, args: tuple, output):
@@ -46,10 +85,25 @@ def _add_adapter_output(linear: nn.Module, args: tuple, output):
     return out + linear.lora(args[0]), bias
 
 
-def attach(gpt, lora_cfg, layer_offset: int, seed: int) -> list[nn.Parameter]:
+def _with_adapter_sharded_state(linear: nn.Module) -> None:
+    """Make the linear's sharded_state_dict give its adapter's TP-split ShardedTensors (megatron's linears save
+    every tensor but their weight and bias as replicated)."""
+    own = linear.sharded_state_dict
+
+    def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
+        out = own(prefix, sharded_offsets, metadata)
+        out.update(linear.lora.sharded_state_dict(f"{prefix}lora.", sharded_offsets, metadata))
+        return out
+
+    linear.sharded_state_dict = sharded_state_dict
+
+
+def attach(gpt, lora_cfg, layer_offset: int, seed: int, tp_size: int, tp_slice) -> list[nn.Parameter]:
     """Freeze every weight of `gpt` and hang an adapter on the targeted linears of its decoder layers; return the
-    adapter parameters (the only ones left trainable). A is drawn from a generator seeded by `seed` and the
-    layer's global index, so every layout and every DP rank starts from the same adapter."""
+    adapter parameters (the only ones left trainable). The whole A is drawn from a generator seeded by `seed` and
+    the layer's global index, so every layout and every DP rank starts from the same adapter; each TP rank keeps
+    `tp_slice(name, local_param, whole)` of it (the learner's own weight slicing, which also marks a split
+    parameter tensor-parallel for the grad norm)."""
     gpt.requires_grad_(False)
     dtype = next(gpt.parameters()).dtype
     params = []
@@ -57,13 +111,20 @@ def attach(gpt, lora_cfg, layer_offset: int, seed: int) -> list[nn.Parameter]:
         for k, (fused, group) in enumerate(FUSED_GROUPS.items()):
             if group[0] not in lora_cfg.target_modules:
                 continue
-            parent = layer.self_attention if fused in ("linear_qkv", "linear_proj") else layer.mlp
-            linear = getattr(parent, fused)
-            out_features, in_features = linear.weight.shape
+            linear = getattr(getattr(layer, PARENT[fused]), fused)
+            out_local, in_local = linear.weight.shape
+            row = fused in ROW_PARALLEL
+            in_features, out_features = (in_local * tp_size, out_local) if row else (in_local, out_local * tp_size)
             generator = torch.Generator().manual_seed(seed * 1_000_003 + (local + layer_offset) * len(FUSED_GROUPS) + k)
-            linear.lora = LoraAdapter(in_features, out_features, lora_cfg.rank, lora_cfg.alpha, lora_cfg.dropout,
-                                      generator, dtype).to(linear.weight.device)
+            whole = initial_adapter(in_features, out_features, lora_cfg.rank, generator)
+            adapter = LoraAdapter((lora_cfg.rank, in_local), (out_local, lora_cfg.rank), lora_cfg.alpha,
+                                  lora_cfg.dropout, dtype, row_parallel=row, gate_up_rows=fused == "linear_fc1")
+            with torch.no_grad():
+                for (part, param), full in zip(adapter.named_parameters(), whole):
+                    param.copy_(tp_slice(f"decoder.layers.{local}.{PARENT[fused]}.{fused}.lora.{part}", param, full))
+            linear.lora = adapter.to(linear.weight.device)
             linear.register_forward_hook(_add_adapter_output)
+            _with_adapter_sharded_state(linear)
             params += [linear.lora.lora_A, linear.lora.lora_B]
     return params
 
@@ -89,13 +150,14 @@ def hf_adapter(fused: dict[str, tuple[torch.Tensor, torch.Tensor]], layer: int, 
 
 
 def layer_adapters(layer: nn.Module, tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """megatron linear name -> (tensor(A), tensor(B)) of a decoder layer's adapted linears."""
+    """megatron linear name -> (tensor(name, A), tensor(name, B)) of a decoder layer's adapted linears, each
+    parameter named relative to the layer (`self_attention.linear_qkv.lora.lora_A`)."""
     out = {}
     for fused in FUSED_GROUPS:
-        parent = layer.self_attention if fused in ("linear_qkv", "linear_proj") else layer.mlp
-        linear = getattr(parent, fused, None)
+        linear = getattr(getattr(layer, PARENT[fused]), fused, None)
         if linear is not None and hasattr(linear, "lora"):
-            out[fused] = (tensor(linear.lora.lora_A), tensor(linear.lora.lora_B))
+            out[fused] = tuple(tensor(f"{PARENT[fused]}.{fused}.lora.{part}", param)
+                               for part, param in linear.lora.named_parameters())
     return out
 
 

@@ -114,6 +114,10 @@ class MegatronLearner:
                               // cfg.ep if self.is_moe else 0)
         hf_weights = convert.hf_to_mcore(convert.load_pretrained(model_dir)[1], self.hf_config)  # single or sharded
 
+        # parameter name -> TP-split dim (None: replicated), filled by _tp_slice: the model's weights (the KL
+        # reference's are the same names) and the LoRA adapters'
+        self._tp_dim: dict[str, int | None] = {}
+
         def build():  # this rank's shard of the HF model, as a GPTModel (Float16Module-wrapped on GPU)
             gpt = GPTModel(
                 config=self.config,
@@ -133,7 +137,7 @@ class MegatronLearner:
             from megarl.models import lora as lora_names
 
             lora_names.check(self.hf_config, self.lora)
-            lora_adapters.attach(self.gpt, self.lora, self.layer_offset, cfg.seed)
+            lora_adapters.attach(self.gpt, self.lora, self.layer_offset, cfg.seed, cfg.tp, self._tp_slice)
         replay = routing_replay == "r3"
         self._replayers = {}  # id(model passed to _run) -> its RouteReplayer (MoE models)
         # KL penalty: a frozen copy of the initial weights, same sharding, no grads, no optimizer
@@ -186,7 +190,6 @@ class MegatronLearner:
     def _load_hf_weights(self, gpt, full: dict[str, torch.Tensor]) -> None:
         """Load this rank's shard (its PP stage's layers, its TP slice) of the full megatron-named weights."""
         params = dict(gpt.named_parameters())
-        self._tp_dim: dict[str, int | None] = {}  # parameter name -> TP-split dim (None: replicated)
         shard = {}
         for name, param in params.items():
             source = self._global_name(name)
@@ -217,7 +220,7 @@ class MegatronLearner:
         # ... and the grad norm needs it to count each TP shard once (not as a TP duplicate).
         if not hasattr(param, "tensor_model_parallel"):
             self.tensor_parallel.set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
-        if name.endswith("mlp.linear_fc1.weight"):
+        if _gate_up_rows(name):
             # Fused SwiGLU: each TP rank holds cat[its gate rows, its up rows], not a contiguous slice.
             gate, up = full.chunk(2, dim=0)
             return torch.cat([gate.chunk(self.cfg.tp, 0)[rank], up.chunk(self.cfg.tp, 0)[rank]])
@@ -232,7 +235,7 @@ class MegatronLearner:
         parts = [torch.empty_like(local) for _ in range(self.cfg.tp)]
         dist.all_gather(parts, local.contiguous(), group=self.ps.get_tensor_model_parallel_group())
         parts = [p.cpu() for p in parts]
-        if name.endswith("mlp.linear_fc1.weight"):
+        if _gate_up_rows(name):
             gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
             return torch.cat(list(gates) + list(ups))
         return torch.cat(parts, dim=self._tp_dim[name])
@@ -245,18 +248,19 @@ class MegatronLearner:
         stage the embedding, the last the final norm (and lm_head when untied); no rank ever holds
         the whole model.
         """
-        if self.lora is not None:  # only the adapter travels; the samplers hold the frozen base
-            yield from self._adapter_tensors(_local_copy)
+        if self.lora is not None:  # only the adapter travels (whole: gathered over TP); the samplers hold the base
+            yield from self._adapter_tensors(self._tp_gather)
             return
         yield from self._hf_tensors(self._tp_gather, tp_size=1)
 
     def _adapter_tensors(self, tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """This stage's adapter tensors under HF adapter names (megarl.models.lora), built from tensor(param)."""
+        """This stage's adapter tensors under HF adapter names (megarl.models.lora), built from the whole
+        tensor(name, param) of each adapter parameter."""
         from megarl.learner.lora import hf_adapter, layer_adapters
 
         for i, layer in enumerate(self.gpt.decoder.layers):
-            yield from hf_adapter(layer_adapters(layer, tensor), i + self.layer_offset, self.hf_config,
-                                  self.lora.target_modules).items()
+            adapters = layer_adapters(layer, lambda name, param: tensor(f"decoder.layers.{i}.{name}", param))
+            yield from hf_adapter(adapters, i + self.layer_offset, self.hf_config, self.lora.target_modules).items()
 
     def publish_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This TP rank's slices of the HF-named fp32 tensors of its PP stage, for a direct publish to
@@ -268,7 +272,7 @@ class MegatronLearner:
         publish_tensors this is not collective. Same PP behaviour as publish_tensors.
         """
         if self.lora is not None:
-            raise NotImplementedError("learner.lora publishes whole adapters (learner.tp = sampler.tp = 1)")
+            raise NotImplementedError("learner.lora publishes whole adapters (sampler.tp = 1)")
         yield from self._hf_tensors(lambda name, param: _local_copy(param), tp_size=self.cfg.tp)
 
     def publish_spec(self, shards: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -281,8 +285,10 @@ class MegatronLearner:
             return torch.empty(shape, dtype=torch.float32, device="meta")
 
         if self.lora is not None:
+            if shards:
+                raise NotImplementedError("learner.lora publishes whole adapters (sampler.tp = 1)")
             return [(name, tuple(t.shape), t.dtype)
-                    for name, t in self._adapter_tensors(lambda p: torch.empty(p.shape, device="meta"))]
+                    for name, t in self._adapter_tensors(meta)]
         return [(name, tuple(t.shape), t.dtype)
                 for name, t in self._hf_tensors(meta, tp_size=self.cfg.tp if shards else 1)]
 
@@ -582,6 +588,12 @@ class MegatronLearner:
                         if "step" in param_state:
                             param_state["step"] = param_state["step"].clone()
         self._version = version
+
+
+def _gate_up_rows(name: str) -> bool:
+    """Whether a parameter's rows are a fused SwiGLU's [gate; up] (linear_fc1's weight, and its adapter's B): each
+    TP rank holds cat[its gate rows, its up rows]."""
+    return name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.lora.lora_B"))
 
 
 def _local_copy(param: torch.Tensor) -> torch.Tensor:

@@ -227,7 +227,7 @@ def test_multi_turn_keys_are_checked_naming_the_key(overrides, message):
      "learner.lora.target_modules: q_proj/k_proj/v_proj are one fused linear on the megatron learner"),
     ("learner.lora.rank=8 learner.lora.target_modules=[up_proj]",
      "learner.lora.target_modules: gate_proj/up_proj are one fused linear"),
-    ("learner.lora.rank=8 learner.tp=2", "learner.tp: learner.lora adapts megatron's linears at tensor-parallel size 1"),
+    ("learner.lora.rank=8 learner.tp=2 sampler.tp=2", "sampler.tp: learner.lora publishes whole adapters"),
     ("learner.lora.rank=8 sampler.engine=sglang", "sampler.engine: learner.lora publishes only the adapter"),
 ])
 def test_lora_keys_and_what_cannot_take_an_adapter_are_refused_naming_the_key(overrides, message):
@@ -244,6 +244,7 @@ def test_lora_keys_load():
                              "learner.lora.target_modules=[q_proj,v_proj]"])
     assert cfg.learner.lora.target_modules == ["q_proj", "v_proj"]
     assert load_config(DEMO, ["learner.lora.rank=8", "sampler.engine=vllm"]).sampler.engine == "vllm"
+    assert load_config(DEMO, ["learner.lora.rank=8", "learner.tp=2"]).learner.tp == 2  # sampler.tp stays 1
 
 
 @pytest.mark.parametrize("lora, model, message", [

@@ -1,10 +1,13 @@
 """One torchrun rank of the cross-layout tests: for each layout, log-probs, one step, published weights.
 
 argv: model_dir batch.pt out_dir layouts.json (a layout's "routing_replay" key goes to the learner, its "critic"
-key to a CriticConfig (advantage.estimator=gae), the rest to LearnerConfig; the batch's routes, if any, are replayed in the log-probs too).  Every rank writes `{layout}.rank{r}.pt` with the
+key to a CriticConfig (advantage.estimator=gae), its "lora" key to a LoraConfig, the rest to LearnerConfig; the batch's routes, if any, are replayed in the log-probs too).  Every rank writes `{layout}.rank{r}.pt` with the
 log-probs and metrics it saw, its (tp, pp, dp) ranks, the whole HF-named tensors it publishes
 (`publish_tensors`; the weight publisher's source per stage is its TP/DP rank 0, so the test can
 rebuild the full model from those), and its TP slices of them (`publish_shards`) with their bytes.
+A LoRA layout publishes whole adapters only (no shards): it trains two steps on the batch (the first moves only B,
+from zero; the second trains A through the TP collectives too), records the second's metrics and the log-probs
+after it, and saves a checkpoint `{layout}.ckpt` (megarl.checkpoint.learner_state).
 """
 import json
 import sys
@@ -14,7 +17,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megarl.algo.config import CriticConfig, LossConfig
-from megarl.config.schema import LearnerConfig
+from megarl.checkpoint import learner_state
+from megarl.config.schema import LearnerConfig, LoraConfig
 from megarl.distributed.lifetime import exit_process
 from megarl.learner.megatron import MegatronLearner, publish_bytes
 
@@ -25,14 +29,22 @@ for name, layout in layouts.items():
     layout = dict(layout)
     replay = layout.pop("routing_replay", "off")
     critic = layout.pop("critic", None)
-    learner = MegatronLearner(model_dir, LearnerConfig(**layout), LossConfig(), routing_replay=replay,
-                              critic_cfg=CriticConfig(**critic) if critic is not None else None)
-    logprobs = learner.logprobs(batch.input_ids, batch.routes)
-    metrics = learner.train_step(batch)
+    lora = layout.pop("lora", None)
+    learner = MegatronLearner(model_dir, LearnerConfig(**layout, lora=LoraConfig(**(lora or {}))), LossConfig(),
+                              routing_replay=replay, critic_cfg=CriticConfig(**critic) if critic is not None else None)
+    if lora is None:
+        logprobs = learner.logprobs(batch.input_ids, batch.routes)
+        metrics = learner.train_step(batch)
+    else:
+        learner.train_step(batch)
+        metrics = learner.train_step(batch)
+        logprobs = learner.logprobs(batch.input_ids)
+        learner_state.save(learner, f"{out_dir}/{name}.ckpt", 2, keep=1, model_dir=model_dir)
     published = dict(learner.publish_tensors())  # both are collective over TP: every rank iterates
-    shards = dict(learner.publish_shards())
+    shards = dict(learner.publish_shards()) if lora is None else {}  # (LoRA publishes whole adapters only)
     torch.save({"logprobs": logprobs, "metrics": metrics, "published": published, "shards": shards,
-                "spec": learner.publish_spec(), "shard_spec": learner.publish_spec(shards=True),
+                "spec": learner.publish_spec(),
+                "shard_spec": learner.publish_spec(shards=True) if lora is None else [],
                 "shard_bytes": publish_bytes({n: tuple(t.shape) for n, t in shards.items()}),
                 "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
                 "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),

@@ -203,6 +203,10 @@ LAYOUTS = {
 CRITIC = {"target": "vtrace", "lr": 1e-2, "value_clip": 0.2, "gamma": 0.9, "lam": 0.95}
 CRITIC_LAYOUTS = {"dp2_critic": {"dp": 2, "micro_batch_size": 16, "critic": CRITIC},
                   "pp2_critic": {"pp": 2, "micro_batch_size": 16, "critic": CRITIC}}
+# learner.lora over TP2 (every projection: column- and row-parallel linears, the fused q/k/v and gate/up), two steps
+# (the first moves only B; the second trains A through the TP collectives), against its own TP1 reference.
+LORA = {"rank": 4, "alpha": 8.0}
+LORA_LAYOUTS = {"tp2_lora": {"tp": 2, "micro_batch_size": 16, "lr": 1e-2, "lora": LORA}}
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> bool:
@@ -242,17 +246,21 @@ def test_every_layout_matches_tp1(model_dir, world, tmp_path):
     """Real 2-process torchruns (gloo): TP2, DP2, PP2 (fixed rows and token-budget micro-batches) and the
     distributed optimizer give the TP1 per-token log-probs, loss and grad norm, and one optimizer step
     gives the same full weights, all to 1e-5 relative.  Every layout's publish_shards are its TP slices. The critic
-    (advantage.estimator=gae) gives the TP1 critic's metrics and the policy loss over DP2 and PP2."""
+    (advantage.estimator=gae) gives the TP1 critic's metrics and the policy loss over DP2 and PP2. LoRA over TP2
+    gives the TP1 adapter's second step, log-probs and whole published adapter; its checkpoint (TP-split adapter and
+    Adam moments) exports the TP1 adapter and resumes on a TP1 learner to the TP1 run's third step."""
     from dataclasses import replace
 
     from megarl.algo.config import CriticConfig
     from megarl.algo.values import terminal_rewards
-    from megarl.config.schema import LearnerConfig
+    from megarl.checkpoint import export, learner_state
+    from megarl.config.schema import LearnerConfig, LoraConfig
     from megarl.learner.megatron import MegatronLearner
 
     batch = _batch(_hf(model_dir), seed=5)
     batch = replace(batch, rewards=terminal_rewards(batch.input_ids[:, PROMPT].float() % 3, batch.loss_mask))
-    proc = _launch_layouts(model_dir, batch, tmp_path, {**LAYOUTS, **CRITIC_LAYOUTS}, nproc=2)
+    every = {**LAYOUTS, **CRITIC_LAYOUTS, **LORA_LAYOUTS}
+    proc = _launch_layouts(model_dir, batch, tmp_path, every, nproc=2)
 
     critic_ref = MegatronLearner(model_dir, LearnerConfig(micro_batch_size=16), LossConfig(),
                                  critic_cfg=CriticConfig(**CRITIC)).train_step(batch)
@@ -264,7 +272,30 @@ def test_every_layout_matches_tp1(model_dir, world, tmp_path):
     ref_published = dict(learner.publish_tensors())
     assert_publish_shards_are_tp_slices(ref_published, [{"tp_rank": 0, "shards": dict(learner.publish_shards())}], 1)
 
-    results = _layout_results(proc, tmp_path, {**LAYOUTS, **CRITIC_LAYOUTS}, nproc=2, timeout=300)
+    def lora_learner():
+        return MegatronLearner(model_dir, LearnerConfig(micro_batch_size=16, lr=1e-2, lora=LoraConfig(**LORA)),
+                               LossConfig())
+
+    lora_ref = lora_learner()
+    lora_ref.train_step(batch)
+    lora_step = lora_ref.train_step(batch)
+    lora_logprobs, lora_published = lora_ref.logprobs(batch.input_ids), dict(lora_ref.publish_tensors())
+    assert (lora_logprobs - ref_logprobs).abs().max() > 1e-2  # the adapter moved: B and A both matter below
+
+    results = _layout_results(proc, tmp_path, every, nproc=2, timeout=300)
+    for layout in LORA_LAYOUTS:
+        for rank in results.pop(layout):
+            assert _close(rank["logprobs"], lora_logprobs), layout
+            for key in ("loss", "grad_norm"):
+                assert abs(rank["metrics"][key] - lora_step[key]) <= 1e-5 * abs(lora_step[key]), (layout, key)
+            assert rank["spec"] == lora_ref.publish_spec() and set(rank["published"]) == set(lora_published)
+            assert all(_close(rank["published"][n], t) for n, t in lora_published.items()), layout
+        exported = dict(export.hf_tensors(tmp_path / f"{layout}.ckpt", adapter_only=True))
+        assert all(_close(exported[n], t) for n, t in lora_published.items()) and set(exported) == set(lora_published)
+        resumed = lora_learner()
+        learner_state.load(resumed, tmp_path / f"{layout}.ckpt")
+        third = lora_ref.train_step(batch)["loss"]
+        assert abs(resumed.train_step(batch)["loss"] - third) <= 1e-5 * abs(third), layout  # Adam moments too
     for layout in CRITIC_LAYOUTS:
         for rank in results.pop(layout):
             for key in ("loss", "grad_norm", "critic/value_loss", "critic/grad_norm", "critic/explained_var",
