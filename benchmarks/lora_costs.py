@@ -4,7 +4,8 @@
     python benchmarks/lora_costs.py --tiny      # scale.py's tiny shape, rank 4: every code path in seconds (the test)
 
 One torchrun launch of 2 processes (scale.py's driver: timeout, process group, memory check), three arms one after
-another in it, each with the same megatron learner (fp32, TP1, on the CPU, or the GPU when there is one), the same
+another in it, each with the same megatron learner (fp32, TP1; on the CPU: it takes the GPU when there is one,
+never tried), the same
 2 x 64-token batches (scale.py's `train_batch`, lr 1e-6) and the real publish path: rank 0 trains and publishes
 every version through `WeightPublisher` (checksums on, 16 MB buckets, `learner.publish_spec` streaming, as the
 learner role does) to rank 1's `WeightReceiver` over a gloo publish group (weight_publish.py's `Worker`):
@@ -16,11 +17,13 @@ learner role does) to rank 1's `WeightReceiver` over a gloo publish group (weigh
   full_delta  full fine-tuning with publish.dtype=bfloat16 publish.delta=true: the first version is the whole
               model in bf16, every later one the changed bf16 words (fp32 deltas would change nearly every word).
 
-Per arm, on the learner process: resident memory (RSS) over the RSS before the arm (built; peak over the steps and
-publishes), median step time and median publish time (publish start until the receiver has the version; the
-first step and the first publish are left out as warm-ups) and bytes per publish (the first one and the later
-ones). Each arm frees its learner before the next (allocations over 64 KiB are unmapped when freed, as in
-scale.py, so RSS follows live tensors). Ends with one JSON line.
+Per arm, on the learner process: resident memory (RSS) over the RSS before the arm (built; the build's peak, while
+the checkpoint is loaded beside the model; the peak over the steps and publishes), median step time, median publish
+time (publish start until the receiver has the version; the publisher's own time too) with the first step and the
+first publish left out as warm-ups, and bytes per publish (the first one and the later ones). Each arm frees its
+learner before the next (allocations over 64 KiB are unmapped when freed, as in scale.py, so RSS follows live
+tensors). On rank 1 (LoRA): the median merge-and-stage. Ends with one JSON line; the measured table is in
+docs/lora.md.
 """
 from __future__ import annotations
 
@@ -84,13 +87,14 @@ class ArmsWorker(Worker):
         spec, vocab = ARMS[arm], self.cfg["vocab_size"]
         lora = LoraConfig(rank=self.args.rank if spec["lora"] else 0)
         base = rss()
-        with PeakRSS() as peak:
+        with PeakRSS() as build_peak:  # loading the checkpoint holds it beside the model for a while
             start = time.perf_counter()
             learner = MegatronLearner(self.args.model_dir, LearnerConfig(micro_batch_size=ROWS, lr=LR, lora=lora),
                                       LossConfig())
             build_s = time.perf_counter() - start
-            gc.collect()
-            built = rss() - base
+        gc.collect()
+        built = rss() - base
+        with PeakRSS() as peak:
             publisher = WeightPublisher(self.group, self.store.prefixed(f"bench/lora_costs/{arm}"), bucket_mb=BUCKET_MB,
                                         timeout_s=self.args.timeout, checksum=True, wire_dtype=spec["wire"],
                                         delta=spec["delta"])
@@ -113,7 +117,8 @@ class ArmsWorker(Worker):
         after = rss() - base
         del learner, publisher
         return {"params": params, "trainable": trainable, "build_s": round(build_s, 2), "built": built,
-                "after_steps": after, "peak": peak.peak - base, "step_s": [round(s, 3) for s in steps],
+                "build_peak": build_peak.peak - base, "after_steps": after, "peak": peak.peak - base,
+                "step_s": [round(s, 3) for s in steps],
                 "publishes": publishes, "loss": metrics["loss"], "load": load()}
 
     def receiver_arm(self, arm: str) -> dict:
@@ -131,15 +136,17 @@ class ArmsWorker(Worker):
             del weights
             expected = stager.weight_spec()
         else:
-            expected = {n: (torch.Size(s), torch.float32) for n, s in ModelSpec.from_hf_config(self.cfg).weight_shapes().items()}
+            shapes = ModelSpec.from_hf_config(self.cfg).weight_shapes()
+            expected = {n: (torch.Size(s), torch.float32) for n, s in shapes.items()}
 
         def on_version(version, tensors, extra):  # on the receiver thread, as a sampler's receiver
+            # Received = done for the publish time (as in scale.py); LoRA's merge-and-stage is timed on its own.
+            self.receiver_store.set(f"bench/{arm}/{version}/done/{self.rank}", "1")
             if stager is not None:
                 start = time.perf_counter()
                 stager.stage(tensors, version)
                 stager.engine.apply_staged()  # no decode loop here: the step boundary's swap, so the next can stage
                 stage_s.append(time.perf_counter() - start)
-            self.receiver_store.set(f"bench/{arm}/{version}/done/{self.rank}", "1")
 
         metas = {n: torch.empty(shape, dtype=dtype, device="meta") for n, (shape, dtype) in expected.items()}
         receiver = self._bandwidth_receiver(f"bench/lora_costs/{arm}/", metas, on_version, stop)
@@ -165,12 +172,16 @@ def summarise(result: dict, shape: str, rank: int) -> dict:
     for arm, r in result["learner"].items():
         later = r["publishes"][1:] or r["publishes"]
         arms[arm] = {"trainable": r["trainable"], "built_gb": round(r["built"] / GB, 3),
-                     "peak_gb": round(r["peak"] / GB, 3), "peak_bytes_per_param": round(r["peak"] / params, 2),
+                     "build_peak_gb": round(r["build_peak"] / GB, 3), "peak_gb": round(r["peak"] / GB, 3),
+                     "peak_bytes_per_param": round(r["peak"] / params, 2),
                      "step_s": round(statistics.median(r["step_s"][1:] or r["step_s"]), 3),
                      "publish_bytes": statistics.median(p["bytes"] for p in later),
                      "first_publish_bytes": r["publishes"][0]["bytes"],
                      "publish_s": round(statistics.median(p["s"] for p in later), 4),
-                     "first_publish_s": r["publishes"][0]["s"], "wire": "bf16" if ARMS[arm]["wire"] == torch.bfloat16 else "fp32"}
+                     "publisher_s": round(statistics.median(p["send_s"] for p in later), 4),
+                     "optimizer_state_gb": round((r["after_steps"] - r["built"]) / GB, 3),
+                     "first_publish_s": r["publishes"][0]["s"],
+                     "wire": "bf16" if ARMS[arm]["wire"] == torch.bfloat16 else "fp32"}
         stage = result["receiver"][arm]["merge_stage_s"]
         if stage:
             arms[arm]["engine_merge_stage_s"] = round(statistics.median(stage[1:] or stage), 4)
@@ -179,9 +190,11 @@ def summarise(result: dict, shape: str, rank: int) -> dict:
 
 
 def print_table(head: dict) -> None:
-    header = ["arm", "trainable", "learner peak (built)", "B/param", "step", "publish bytes (first)", "publish time (first)",
+    header = ["arm", "trainable", "learner step peak (built; build peak)", "B/param", "step", "publish bytes (first)",
+              "publish time (first)",
               "merge+stage"]
-    rows = [[arm, f"{a['trainable'] / 1e6:.1f}M", f"{a['peak_gb']:.2f} GB ({a['built_gb']:.2f})",
+    rows = [[arm, f"{a['trainable'] / 1e6:.1f}M",
+             f"{a['peak_gb']:.2f} GB ({a['built_gb']:.2f}; {a['build_peak_gb']:.2f})",
              f"{a['peak_bytes_per_param']:.1f}", f"{a['step_s']:.2f} s",
              f"{a['publish_bytes'] / 1e6:.2f} MB ({a['first_publish_bytes'] / 1e6:.2f}), {a['wire']}",
              f"{a['publish_s']:.3f} s ({a['first_publish_s']:.3f})",

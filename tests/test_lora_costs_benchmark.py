@@ -1,4 +1,4 @@
-"""benchmarks/lora_costs.py (docs/lora.md#measured-cost-at-the-qwen25-05b-shape): its one 2-process launch on
+"""benchmarks/lora_costs.py (docs/lora.md, its cost table): its one 2-process launch on
 scale.py's tiny shape through the same code as on the real one (megatron learner steps, WeightPublisher ->
 WeightReceiver over gloo, the engine's merge-and-stage), so that a change that breaks the benchmark is found in CI."""
 import math
