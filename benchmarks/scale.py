@@ -438,17 +438,18 @@ def publish_worker(args) -> None:
 # ------------------------------------------------------------------------------------------ driver
 class Part:
     """One measurement: a command run under a timeout in its own process group (a timeout kills the whole
-    group: torchrun and its workers), its memory need checked against MemAvailable first."""
+    group: torchrun and its workers), its memory need checked against MemAvailable first. `script`: the
+    benchmark whose `--part kind` runs it (this one, or one that reuses this driver, e.g. lora_costs.py)."""
 
     def __init__(self, name: str, kind: str, shape: str, argv: list[str], nproc: int, need_gb: float,
-                 timeout_s: float, **info):
+                 timeout_s: float, script: Path = Path(__file__).resolve(), **info):
         self.name, self.kind, self.shape, self.argv, self.nproc = name, kind, shape, argv, nproc
-        self.need_gb, self.timeout_s, self.info = need_gb, timeout_s, info
+        self.need_gb, self.timeout_s, self.script, self.info = need_gb, timeout_s, script, info
 
     def command(self, result: Path) -> list[str]:
         launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.nproc}"]
                     if self.nproc > 1 or self.kind in ("learner", "publish") else [sys.executable])
-        return [*launcher, str(Path(__file__).resolve()), "--part", self.kind, "--shape", self.shape,
+        return [*launcher, str(self.script), "--part", self.kind, "--shape", self.shape,
                 "--result", str(result), *self.argv]
 
 
