@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 from statistics import median
 
@@ -22,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from vs_trl import DEMO, startup_breakdown  # noqa: E402
+from vs_trl import DEMO, startup_breakdown, timed_megarl  # noqa: E402
 
 FIRST_STEP = "until the end of the first step"
 
@@ -33,15 +31,7 @@ def run_once(run_dir: Path, overrides: list[str]) -> dict[str, float]:
 
     cmd = [sys.executable, "-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=3",
            "run.progress=false", "run.overwrite=true", *overrides]
-    launch = time.time()
-    launched_torchrun, output = None, []
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:  # timestamp the CLI's "launching: torchrun" line as it arrives
-        output.append(line)
-        if launched_torchrun is None and "launching: torchrun" in line:
-            launched_torchrun = time.time()
-    if proc.wait() != 0:
-        sys.exit(f"megarl run failed:\n{''.join(output)[-4000:]}")
+    launch, launched_torchrun = timed_megarl(cmd, "megarl run")
     parts = startup_breakdown(run_dir, launch, launched_torchrun)
     for name, marks in load_startup(run_dir).items():
         if name.startswith("sampler"):

@@ -202,10 +202,9 @@ def learner_phases(run_dir: Path, skip: int = 5) -> dict:
             if rows and all(key in r for r in rows)}
 
 
-def run_megarl(mode: str, out: Path, steps: int, overrides: list[str]) -> dict:
-    run_dir = out / f"megarl_{mode}"
-    cmd = [sys.executable, "-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", f"run.steps={steps}",
-           "run.progress=false", "run.overwrite=true", f"algo.mode={mode}", *MEGARL_OVERRIDES, *overrides]
+def timed_megarl(cmd: list[str], what: str) -> tuple[float, float | None]:
+    """Run a `megarl` command to its end: (its launch time, when its 'launching: torchrun' line arrived); exits
+    naming `what` and the output's tail if it fails."""
     launch = time.time()
     launched_torchrun, output = None, []
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -214,7 +213,15 @@ def run_megarl(mode: str, out: Path, steps: int, overrides: list[str]) -> dict:
         if launched_torchrun is None and "launching: torchrun" in line:
             launched_torchrun = time.time()
     if proc.wait() != 0:
-        sys.exit(f"megarl {mode} run failed:\n{''.join(output)[-4000:]}")
+        sys.exit(f"{what} failed:\n{''.join(output)[-4000:]}")
+    return launch, launched_torchrun
+
+
+def run_megarl(mode: str, out: Path, steps: int, overrides: list[str]) -> dict:
+    run_dir = out / f"megarl_{mode}"
+    cmd = [sys.executable, "-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", f"run.steps={steps}",
+           "run.progress=false", "run.overwrite=true", f"algo.mode={mode}", *MEGARL_OVERRIDES, *overrides]
+    launch, launched_torchrun = timed_megarl(cmd, f"megarl {mode} run")
     curve = megarl_curve(run_dir, launch)
     return {"curve": curve, "summary": curve_summary(curve), "command": " ".join(cmd[1:]),
             "startup": startup_breakdown(run_dir, launch, launched_torchrun), "phases": learner_phases(run_dir)}
