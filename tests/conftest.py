@@ -81,3 +81,22 @@ def embedded_tool_model_dir(embedded_cache_dir) -> Path:
     from megarl.models.embedded import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-tool", cache_dir=embedded_cache_dir)
+
+
+# The files whose tests run whole training jobs, launches or benchmarks (minutes each on 2 cores), longest first.
+# The README's `-n 2 --dist loadfile` hands files to the two workers in collection order: collected first, these
+# fill both workers from the start, and the many short files even out the end instead of one worker finishing a
+# long file alone while the other idles.
+LONG_FILES = (
+    "tests/learner/test_deepspeed.py", "tests/roles/test_train_e2e.py", "tests/roles/test_faults.py",
+    "tests/test_gpu_check.py", "tests/eval/test_eval.py", "tests/sampler/test_sglang_engine.py",
+    "tests/roles/test_multiturn_e2e.py", "tests/sft/test_run.py", "tests/models/test_tiny.py",
+    "tests/rollout/test_rewards.py", "tests/launch/test_slurm.py", "tests/checkpoint/test_train_resume_export.py",
+    "tests/test_cli.py", "tests/config/test_load.py", "tests/rollout/test_datasets.py",
+    "tests/checkpoint/test_learner_state.py", "tests/distributed/test_publish.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    order = {path: i for i, path in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: order.get(item.nodeid.split("::")[0], len(LONG_FILES)))  # stable: the rest keep theirs
