@@ -19,6 +19,7 @@ import re
 import shlex
 import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from megarl import run_lock
@@ -60,17 +61,28 @@ def train(args: argparse.Namespace) -> int:
     return code
 
 
-def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
-    """`megarl train` once run.dir is held: the model, task, eval and checkpoint checks, then torchrun. torchrun
-    starts gated before the checks, so its own start-up (Python, torch: ~2 s) overlaps them; it launches
-    nothing until run_torchrun lets it go, and a refusal kills it (megarl.distributed.supervisor.GatedStart)."""
+@contextmanager
+def gated_torchrun(cmd: list[str], env: dict, dry_run: bool):
+    """torchrun started gated before the CLI's checks, so its own start-up (Python, torch: ~2 s) overlaps them:
+    it launches nothing until the run lets it go, and leaving the block without that (a refusal, Ctrl-C) kills it
+    (megarl.distributed.supervisor.GatedStart). None under --dry-run, which starts nothing."""
     from megarl.distributed.supervisor import GatedStart
 
+    gated = None if dry_run else GatedStart(cmd, env)
+    try:
+        yield gated
+    finally:
+        if gated is not None:
+            gated.cancel()  # nothing once the run let it go
+
+
+def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
+    """`megarl train` once run.dir is held: the model, task, eval and checkpoint checks, then torchrun (started
+    gated before the checks: gated_torchrun)."""
     restarts = cfg.fault.max_restarts if cfg.fault.on_failure == "restart" else 0
     cmd = torchrun_command(args.config, args.overrides, world_size_for(cfg), restarts, cfg.fault.stop_timeout_s)
     env = torchrun_env(cfg)
-    gated = None if args.dry_run else GatedStart(cmd, env)
-    try:
+    with gated_torchrun(cmd, env, args.dry_run) as gated:
         model_dir = checked_for_launch(cfg)
         if model_dir is None:
             return 2
@@ -82,9 +94,6 @@ def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
         if args.dry_run:
             return 0
         return run_torchrun(cmd, env, cfg, gated)
-    finally:
-        if gated is not None:
-            gated.cancel()  # refused (or interrupted) before the launch; nothing once run_torchrun let it go
 
 
 def checked_for_launch(cfg) -> Path | None:
@@ -271,7 +280,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
     (and, given the run config, split over its learner.tp/pp and sampler.tp: megarl/models/layout.py)."""
     from pathlib import Path
 
-    from megarl.models.convert import check_supported
+    from megarl.models.convert import check_supported, has_weights
     from megarl.models.layout import check_layout
 
     model_dir = Path(model_dir)
@@ -300,7 +309,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
             check_lora(hf_config, cfg.learner.lora)  # target modules the model has, ranks its dimensions allow
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
-    if not any((model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+    if not has_weights(model_dir):
         raise ValueError(f"model directory {str(model_dir)!r} has no weights (model.safetensors or "
                          f"model.safetensors.index.json)")
     present = [files for files in TOKENIZER_FILES if all((model_dir / name).is_file() for name in files)]
@@ -405,15 +414,13 @@ def sft(args: argparse.Namespace) -> int:
         return 2
     if not claim_run_dir(cfg, args.dry_run):
         return 2
-    from megarl.distributed.supervisor import GatedStart
     from megarl.sft.run import CHECKED_ENV
 
     nproc = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
     cmd = [*LOCAL_TORCHRUN, f"--nproc-per-node={nproc}", "--max-restarts=0", f"--shutdown-timeout={cfg.fault.stop_timeout_s}", "-m", "megarl.sft.run",
            args.config, *args.overrides]
     env = {**torchrun_env(cfg), CHECKED_ENV: "1"}
-    gated = None if args.dry_run else GatedStart(cmd, env)  # as `megarl train`: its start-up overlaps the checks
-    try:
+    with gated_torchrun(cmd, env, args.dry_run) as gated:
         model_dir = checked_sft_inputs(cfg)
         if model_dir is None:
             return 2
@@ -422,9 +429,6 @@ def sft(args: argparse.Namespace) -> int:
         if args.dry_run:
             return 0
         return run_sft(cmd, env, cfg, gated)
-    finally:
-        if gated is not None:
-            gated.cancel()
 
 
 def checked_sft_inputs(cfg) -> Path | None:

@@ -62,16 +62,13 @@ def check_critic(critic_dir: str | Path, policy_dir: str | Path) -> None:
 
     critic_dir, policy_dir = Path(critic_dir), Path(policy_dir)
     where = f"{KEY} ({critic_dir})"
-    try:
-        critic_cfg = json.loads((critic_dir / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{where}: config.json does not load: {exc}") from exc
+    critic_cfg = convert.read_config(critic_dir, where)
     model_type = critic_cfg.get("model_type")
     if model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
         raise ValueError(f"{where}: model_type {model_type!r} has no token-classification class in transformers "
                          f"(AutoModelForTokenClassification), which the value model is; set {KEY} to a model "
                          f"directory of a type that has one (e.g. qwen2, llama, mixtral)")
-    if not any((critic_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+    if not convert.has_weights(critic_dir):
         raise ValueError(f"{where}: no weights (model.safetensors or model.safetensors.index.json)")
     vocab = critic_cfg.get("vocab_size")
     policy_vocab = json.loads((policy_dir / "config.json").read_text()).get("vocab_size")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from megarl.models import convert
+
 KEY = "algo.distill.teacher"
 
 
@@ -54,16 +56,13 @@ def check_teacher(teacher_dir: str | Path, student_dir: str | Path, max_seq_len:
 
     teacher_dir, student_dir = Path(teacher_dir), Path(student_dir)
     where = f"{KEY} ({teacher_dir})"
-    try:
-        teacher_cfg = json.loads((teacher_dir / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{where}: config.json does not load: {exc}") from exc
+    teacher_cfg = convert.read_config(teacher_dir, where)
     student_cfg = json.loads((student_dir / "config.json").read_text())
     model_type = teacher_cfg.get("model_type")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"{where}: model_type {model_type!r} is not a causal LM transformers can load "
                          f"(AutoModelForCausalLM); the teacher runs through transformers on the learner ranks")
-    if not any((teacher_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+    if not convert.has_weights(teacher_dir):
         raise ValueError(f"{where}: no weights (model.safetensors or model.safetensors.index.json)")
     teacher_vocab, student_vocab = teacher_cfg.get("vocab_size"), student_cfg.get("vocab_size")
     if not isinstance(teacher_vocab, int) or teacher_vocab < student_vocab:

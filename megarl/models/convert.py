@@ -308,6 +308,23 @@ def mcore_to_hf(mcore_state: dict, hf_config) -> dict:
     return out
 
 
+# The weights load_pretrained reads: one file, or an index of shards.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def has_weights(model_dir) -> bool:
+    return any(os.path.isfile(os.path.join(model_dir, name)) for name in WEIGHT_FILES)
+
+
+def read_config(model_dir, where: str) -> dict:
+    """model_dir's config.json as a dict; ValueError '{where}: config.json does not load: ...' otherwise."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{where}: config.json does not load: {exc}") from exc
+
+
 def load_pretrained(model_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config dict, HF-named weights) from an HF model directory (single or sharded safetensors)."""
     from safetensors.torch import load_file
