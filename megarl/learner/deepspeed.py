@@ -463,7 +463,7 @@ def _lora_checkpoint_tensors(checkpoint: Path, state: dict, hf_config: dict, lor
             yield name, adapter[name].contiguous()
         return
     module_file = Path(checkpoint) / CHECKPOINT_TAG / "mp_rank_00_model_states.pt"  # (below ZeRO-3 only)
-    module = torch.load(module_file, map_location="cpu", mmap=True, weights_only=False)["module"] \
+    module = torch.load(module_file, map_location="cpu", mmap=True, weights_only=True)["module"] \
         if module_file.is_file() else {}
     base, adapter = hf_lora.split_state({k: state[k] if k in state else module[k]
                                          for k in [*module, *(k for k in state if k not in module)]})
