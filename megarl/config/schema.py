@@ -203,8 +203,8 @@ class LearnerConfig:
     # Expert parallelism (mixture-of-experts models): each expert-parallel rank holds num_experts / ep
     # experts; the ep ranks are carved out of the data-parallel ones (dp must be a multiple of ep).
     ep: int = 1
-    micro_batch_size: int = 16  # rows per micro-batch (an upper bound when micro_batch_tokens > 0)
-    micro_batch_tokens: int = 0  # token budget per micro-batch (rows * longest row); 0 = fixed rows
+    micro_batch_size: int = 16  # most rows per micro-batch (rows are cut where least work: docs/learner.md)
+    micro_batch_tokens: int = 0  # token budget per micro-batch (rows * longest row); 0 = none
     recompute_activations: str = "none"  # none | full | selective (megatron activation recomputation)
     lr: float = 1e-3
     weight_decay: float = 0.0

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from megarl.algo.config import LossConfig
 from megarl.config.schema import DeepSpeedConfig, LearnerConfig
+from megarl.learner.step import micro_batch_rows
 from tests.helpers import save_tiny_moe
 from tests.learner.conftest import destroy_world
 from tests.learner.test_moe_learner import B, S, _batch, _hf_forward, _ids, _perturbed_router_dir
@@ -104,13 +105,17 @@ def test_r3_forces_the_recorded_routes_in_every_pass(moe_dirs, world, tmp_path):
     before = router.detach().clone()
     m = r3.train_step(batch)
     assert m["router/agreement"] < 0.9  # what its own router would have chosen
-    # The micro-batches (rows 0-2, 3-5, 6-7) in the order of the forwards: the proximal pass, the reference's,
-    # then each training forward followed by its recomputation in the backward.
+    # Every row has the same length, so the rows keep their order and the micro-batches are consecutive runs
+    # of at most 3 (megarl.learner.step.micro_batch_rows: 8 equal rows -> 3 runs), in the order of the
+    # forwards: the proximal pass, the reference's, then each training forward followed by its recomputation.
+    runs = [(int(g[0]), int(g[-1]) + 1) for g in micro_batch_rows(torch.full((B,), S), 3)]
+    assert len(runs) == 3 and runs[0][0] == 0 and runs[-1][1] == B
     chunks = [0, 1, 2] + [0, 1, 2] + [0, 0, 1, 1, 2, 2]
     for layer, seen in enumerate(calls):
         assert len(seen) == len(chunks), layer
         for call, chunk in zip(seen, chunks):
-            expected = routes[3 * chunk:3 * chunk + 3, :, layer].reshape(-1, routes.shape[-1]).long()
+            lo, hi = runs[chunk]
+            expected = routes[lo:hi, :, layer].reshape(-1, routes.shape[-1]).long()
             assert torch.equal(call, expected), (layer, chunk)
     assert not torch.equal(router.detach(), before)  # (weight_decay 0: moved by its gradient alone)
 

@@ -388,15 +388,46 @@ def test_tp2_pp2_publish_shards(model_dir, llama_dir, tmp_path):
     assert all(r["shards"]["lm_head.weight"].shape == (VOCAB // 2, 32) for r in last)  # vocab rows, not gathered
 
 
-def test_token_budget_micro_batches():
+def _cheapest_cuts(lengths: list[int], max_rows: int, max_tokens: int, cost: int) -> float:
+    """Brute force over every way to cut the sorted rows into consecutive runs (the reference)."""
+    n, best = len(lengths), float("inf")
+    for mask in range(1 << (n - 1)):
+        cuts = [0] + [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]
+        runs = [(a, b) for a, b in zip(cuts, cuts[1:])]
+        if all(b - a <= max_rows and (b - a == 1 or max_tokens <= 0 or (b - a) * lengths[a] <= max_tokens)
+               for a, b in runs):
+            best = min(best, sum((b - a) * lengths[a] + cost for a, b in runs))
+    return best
+
+
+def test_micro_batches_are_cut_where_the_work_is_least():
     from megarl.learner.step import micro_batch_rows
 
-    lengths = torch.tensor([10, 8, 5, 5, 4, 2, 2, 1])  # sorted longest first
-    assert [g.tolist() for g in micro_batch_rows(lengths, max_rows=3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
-    # rows * longest row <= 20: [10, 8] -> 20, [5, 5, 4, 2] -> 20, [2, 2, 1] -> 6 (capped by max_rows=4)
-    groups = micro_batch_rows(lengths, max_rows=4, max_tokens=20)
-    assert [g.tolist() for g in groups] == [[0, 1], [2, 3, 4, 5], [6, 7]]
-    # a row longer than the budget still gets a micro-batch of its own
+    def work(groups, lengths, cost):
+        return sum(len(g) * lengths[int(g[0])] + cost for g in groups)
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        n = int(torch.randint(1, 11, (1,), generator=gen))
+        lengths = torch.randint(1, 40, (n,), generator=gen).sort(descending=True).values
+        max_rows, cost = int(torch.randint(1, 6, (1,), generator=gen)), [0, 8, 64, 512][trial % 4]
+        max_tokens = [0, 40, 80][trial % 3]
+        groups = micro_batch_rows(lengths, max_rows, max_tokens, cost)
+        assert torch.equal(torch.cat(groups), torch.arange(n))  # every row once, in order
+        assert all(len(g) <= max_rows for g in groups)
+        assert all(len(g) == 1 or max_tokens == 0 or len(g) * lengths[int(g[0])] <= max_tokens for g in groups)
+        assert work(groups, lengths.tolist(), cost) == _cheapest_cuts(lengths.tolist(), max_rows, max_tokens, cost)
+
+
+def test_long_tail_rows_are_cut_off_and_equal_rows_are_not():
+    from megarl.learner.step import micro_batch_rows
+
+    # Two long rows and many short ones: the long ones travel alone instead of widening 64 rows.
+    lengths = torch.tensor([40, 38] + [8] * 62)
+    assert [len(g) for g in micro_batch_rows(lengths, max_rows=64)] == [2, 62]
+    # Rows of one length: only as many micro-batches as max_rows forces.
+    assert sorted(len(g) for g in micro_batch_rows(torch.full((10,), 5), max_rows=4)) == [2, 4, 4]
+    # A row longer than the token budget still gets a micro-batch of its own.
     assert [g.tolist() for g in micro_batch_rows(torch.tensor([30, 3]), 8, 20)] == [[0], [1]]
 
 
