@@ -193,9 +193,10 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
              "restart resumes from the last checkpoint: set checkpoint.every_steps > 0")
     _require(cfg.fault.sampler_timeout_s > cfg.fault.heartbeat_s, "fault.sampler_timeout_s",
              f"must exceed fault.heartbeat_s ({cfg.fault.heartbeat_s})")
-    _require(cfg.sampler.tp == 1 or (cfg.sampler.engine == "builtin" and cfg.sampler.tp == lc.tp), "sampler.tp",
-             f"the built-in engine runs on sampler.tp ranks with weights published shard to shard, so it must be 1 "
-             f"or equal learner.tp={lc.tp} (got {cfg.sampler.tp}); SGLang servers take sampler.sglang.tp")
+    _require(cfg.sampler.tp == 1 or (cfg.sampler.engine == "builtin" and lc.tp in (1, cfg.sampler.tp)), "sampler.tp",
+             f"the built-in engine runs on sampler.tp ranks with weights published shard to shard from the same "
+             f"number of learner TP ranks, or whole from a learner at learner.tp=1 (each engine rank keeps its slices), "
+             f"so it must be 1 or equal learner.tp={lc.tp} (got {cfg.sampler.tp}); SGLang servers take sampler.sglang.tp")
     _require(cfg.publish.senders <= lc.dp, "publish.senders",
              f"each sender is a learner DP replica: at most learner.dp={lc.dp}, got {cfg.publish.senders}")
     # Engines whose weights reach the sampler ranks through megarl's publish groups (vLLM: then the server).

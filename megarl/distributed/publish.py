@@ -15,6 +15,9 @@ Protocol (publish group rank 0 = learner source, ranks 1.. = samplers):
      every tensor straight into the storage the engine will run the version from (a bucket of one
      tensor is received into it, packed buckets through a few bucket-sized scratch buffers), and hands
      over those same views.
+     With `narrow` (a tensor-parallel engine under a learner of TP 1: megarl.distributed.topology's
+     slices_on_arrival), whole tensors arrive and the receiver keeps `narrow(name, whole)` of each, its
+     TP rank's slice (megarl.models.tp_shard), unpacked from the scratch buffers into the destination.
 With publish.senders = k, k learner DP replicas publish, each over its own group (its own header,
 spec and checksums): sender d sends buckets d, d + k, d + 2k, ... of the plan over the whole spec
 (`sender_share`), so k broadcasts run at once; a receiver merges the parts (StagedReceiver).
@@ -366,12 +369,15 @@ class WeightReceiver:
     base a delta patches), are checked there, and are cast into the engine's staging set.
     `destination(version)`, when given, replaces the staging sets: HF name -> the writable view the
     version's tensor must land in (the engine's `staging_buffers`; the same views reach `on_version`).
+    `narrow(name, tensor)`, when given, is the part of each arriving tensor the engine keeps (`expected`
+    then names the arriving, whole shapes; the destination holds the narrowed ones).
     """
 
     def __init__(self, group, store, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
                  current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float,
-                 partial: bool = False, destination: Callable[[int], dict[str, torch.Tensor]] | None = None):
+                 partial: bool = False, destination: Callable[[int], dict[str, torch.Tensor]] | None = None,
+                 narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
         self.group, self.store = group, store
         self.on_version, self.current_version, self.should_stop = on_version, current_version, should_stop
         self.timeout = timedelta(seconds=timeout_s)
@@ -380,7 +386,8 @@ class WeightReceiver:
         self.error: BaseException | None = None
         self._expected, self._device = expected, device
         self.partial = partial  # one stage of several (StagedReceiver): the spec covers part of `expected`
-        self.destination = destination
+        self.destination, self.narrow = destination, narrow or _whole
+        self.narrows = narrow is not None
         self.scratch: list[torch.Tensor] = []  # with a destination: SCRATCH_BUCKETS byte buffers for packed buckets
         self.buckets: list[Bucket] | None = None
         self.buffer_sets: list[list[torch.Tensor]] = []
@@ -402,7 +409,8 @@ class WeightReceiver:
             self.wire = [torch.zeros(b.numel, dtype=b.dtype, device=self._device) for b in self.buckets]
         if self.destination is not None:  # tensors are copied (cast) one by one into their destinations
             if self.wire is None:
-                packed = [b.numel * b.dtype.itemsize for b in self.buckets if len(b.slots) > 1]
+                # A narrowed tensor is unpacked (sliced) from the scratch like a packed bucket.
+                packed = [b.numel * b.dtype.itemsize for b in self.buckets if len(b.slots) > 1 or self.narrows]
                 self.scratch = [torch.empty(max(packed), dtype=torch.uint8, device=self._device)
                                 for _ in range(SCRATCH_BUCKETS)] if packed else []
             return
@@ -456,13 +464,13 @@ class WeightReceiver:
         if self.destination is not None:
             dest = self.destination(version)
             got = self._receive_into(version, dest, header) if self.wire is None else \
-                self._receive_wire(version, header, lambda i, wire: _unpack(wire, self.buckets[i], dest))
+                self._receive_wire(version, header, lambda i, wire: _unpack(wire, self.buckets[i], dest, self.narrow))
             tensors = {slot.name: dest[slot.name] for bucket in self.buckets for slot in bucket.slots}
         else:
             buffers = self.buffer_sets[set_index]
             got = self._receive_buckets(version, buffers, header) if self.wire is None else \
                 self._receive_wire(version, header, lambda i, wire: buffers[i].copy_(wire))
-            tensors = {slot.name: buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            tensors = {slot.name: self.narrow(slot.name, buffer[slot.offset:slot.offset + slot.numel].view(slot.shape))
                        for bucket, buffer in zip(self.buckets, buffers) for slot in bucket.slots}
         if header["checksum"]:
             sent = self._sent_checksums(index, deadline)
@@ -489,7 +497,8 @@ class WeightReceiver:
         unpacked while the later ones arrive (receives are posted as far ahead as buffers allow, in
         bucket order: the order the source sends); their checksums."""
         count, free = len(self.buckets), list(self.scratch)
-        direct = [len(b.slots) == 1 and dest[b.slots[0].name].is_contiguous() for b in self.buckets]
+        direct = [len(b.slots) == 1 and not self.narrows and dest[b.slots[0].name].is_contiguous()
+                  for b in self.buckets]
         posted: collections.deque = collections.deque()
         got, ahead = [], 0
         for i, bucket in enumerate(self.buckets):
@@ -514,7 +523,7 @@ class WeightReceiver:
             if header["checksum"]:
                 got.append(bucket_checksum(target))
             if not direct[i]:
-                _unpack(target, bucket, dest)
+                _unpack(target, bucket, dest, self.narrow)
             if scratch is not None:
                 free.append(scratch)
         return got
@@ -558,10 +567,15 @@ class _Stopped(Exception):
     pass
 
 
-def _unpack(flat: torch.Tensor, bucket: Bucket, dest: dict[str, torch.Tensor]) -> None:
-    """Copy (cast) each tensor of a received flat bucket into its destination view."""
+def _whole(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _unpack(flat: torch.Tensor, bucket: Bucket, dest: dict[str, torch.Tensor],
+            narrow: Callable[[str, torch.Tensor], torch.Tensor] = _whole) -> None:
+    """Copy (cast) each tensor of a received flat bucket (its `narrow`ed part) into its destination view."""
     for slot in bucket.slots:
-        dest[slot.name].copy_(flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+        dest[slot.name].copy_(narrow(slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape)))
 
 
 def check_spec(spec: list[tuple[str, tuple[int, ...], torch.dtype]],
@@ -594,7 +608,8 @@ class StagedReceiver:
     def __init__(self, stages: list, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
                  current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float,
-                 destination: Callable[[int], dict[str, torch.Tensor]] | None = None):
+                 destination: Callable[[int], dict[str, torch.Tensor]] | None = None,
+                 narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
         self.expected, self.on_version = expected, on_version
         self.parts: dict[int, dict[int, tuple[dict, dict]]] = {}  # version -> stage -> (tensors, extra)
         self.lock = threading.Lock()
@@ -603,7 +618,7 @@ class StagedReceiver:
             WeightReceiver(group, store, expected, device,
                            on_version=lambda v, t, e, stage=stage: self._on_part(stage, v, t, e),
                            current_version=current_version, should_stop=should_stop, timeout_s=timeout_s,
-                           partial=True, destination=destination)
+                           partial=True, destination=destination, narrow=narrow)
             for stage, (group, store) in enumerate(stages)]
 
     def start(self) -> "StagedReceiver":

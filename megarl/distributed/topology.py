@@ -12,7 +12,9 @@ Groups:
   * publish: a standalone group (not registered with torch.distributed, like the weight-update
     groups SGLang and vLLM create) per publish part: the publishing learner rank (group rank 0) and
     every engine (group ranks 1..E). A part is (pipeline stage, TP rank, sender): one per pipeline
-    stage; with sampler_tp > 1 one per stage and TP rank (shard to shard); with publish.senders = k > 1
+    stage; with sampler_tp = learner_tp > 1 one per stage and TP rank (shard to shard; with learner_tp 1
+    and sampler_tp > 1 the stage's one group holds every TP rank of every engine, each keeping its
+    slices of the whole tensors); with publish.senders = k > 1
     one per stage and DP replica 0..k-1, each sending its share of the stage's buckets
     (publish.sender_share). Standalone because it spans roles whose default groups differ, and because
     an external engine (SGLang) can join such a group without being part of the torchrun world.
@@ -52,11 +54,23 @@ class Topology:
     # so stage s holds learner ranks [s * this, (s + 1) * this)). 0 = one stage of all learners.
     learners_per_stage: int = 0
     # Ranks per built-in sampler engine (sampler.tp). Above 1 it equals learner.tp and the publish is
-    # shard to shard: learner TP rank r (of each stage's first DP replica) -> TP rank r of every engine.
+    # shard to shard: learner TP rank r (of each stage's first DP replica) -> TP rank r of every engine;
+    # or learner.tp is 1 and every TP rank receives the whole tensors and keeps its slices (`slices_on_arrival`).
     sampler_tp: int = 1
     learner_tp: int = 1  # a stage's DP replica d starts at offset d * learner_tp
     # DP replicas of each stage that publish (publish.senders), replica d sending share d of the buckets.
     publish_senders: int = 1
+
+    @property
+    def shard_to_shard(self) -> bool:
+        """Learner TP rank r publishes its own slices to TP rank r of every engine (sampler_tp = learner_tp > 1)."""
+        return self.sampler_tp > 1 and self.learner_tp == self.sampler_tp
+
+    @property
+    def slices_on_arrival(self) -> bool:
+        """A TP engine under a learner of TP 1 (an MoE model: the megatron learner refuses TP for it, the
+        DeepSpeed learner has none): whole tensors go to every sampler rank, each keeps its tp_shard slices."""
+        return self.sampler_tp > 1 and self.learner_tp == 1
 
     @property
     def num_stages(self) -> int:
@@ -93,24 +107,33 @@ class Topology:
     @property
     def publish_parts(self) -> list[tuple[int, int, int]]:
         """(pipeline stage, TP rank, sender) of every publish group this rank is in. A source learner rank
-        is in its own: its stage's first rank, or with sampler_tp > 1 each TP rank of the stage's first DP
+        is in its own: its stage's first rank, or shard to shard each TP rank of the stage's first DP
         replica, or with publish_senders = k the first rank of each of the stage's first k DP replicas.
-        A sampler rank is in every group of its TP rank; other learner ranks are in none."""
+        A sampler rank is in every group of its TP rank (of TP rank 0 when slices_on_arrival); other
+        learner ranks are in none."""
         if self.role == "sampler":
-            return [(stage, self.engine_tp_rank, sender)
+            tp_rank = self.engine_tp_rank if self.shard_to_shard else 0
+            return [(stage, tp_rank, sender)
                     for stage in range(self.num_stages) for sender in range(self.publish_senders)]
         stage, offset = divmod(self.rank, self.learners_per_stage or self.num_learners)
-        if self.sampler_tp > 1:
+        if self.shard_to_shard:
             return [(stage, offset, 0)] if offset < self.sampler_tp else []
         replica, tp_rank = divmod(offset, self.learner_tp)
         return [(stage, 0, replica)] if tp_rank == 0 and replica < self.publish_senders else []
 
     @property
     def publish_rank(self) -> int | None:
-        """Rank in the publish group(s): 0 for a source, 1 + engine index for a sampler, else None."""
+        """Rank in the publish group(s): 0 for a source, 1 + engine index for a sampler (1 + sampler index
+        when slices_on_arrival: every TP rank is a member), else None."""
         if self.role == "sampler":
-            return 1 + self.engine_index
+            return 1 + (self.role_rank if self.slices_on_arrival else self.engine_index)
         return 0 if self.publish_parts else None
+
+    @property
+    def publish_group_size(self) -> int:
+        """Members of each publish group: the source and one receiver per engine (per sampler rank when
+        slices_on_arrival)."""
+        return 1 + (self.num_samplers if self.slices_on_arrival else self.num_engines)
 
 
 def topology_from_env(cfg: Config) -> Topology:
@@ -223,7 +246,8 @@ def publish_groups(topo: Topology, store: SignedStore, backend: str,
 def publish_group(topo: Topology, store: SignedStore, backend: str, timeout_s: float, stage: int = 0,
                   tp_rank: int = 0, sender: int = 0):
     """The standalone learner->engines weight broadcast group of publish part (stage, TP rank, sender):
-    the source learner rank is group rank 0, engine i's TP rank `tp_rank` is group rank 1 + i."""
+    the source learner rank is group rank 0, engine i's TP rank `tp_rank` is group rank 1 + i (sampler
+    rank i when slices_on_arrival)."""
     rank = topo.publish_rank
     if rank is None:
         return None
@@ -232,8 +256,8 @@ def publish_group(topo: Topology, store: SignedStore, backend: str, timeout_s: f
     if resolve_backend(backend) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(sub, rank, 1 + topo.num_engines, opts)
-    return dist.ProcessGroupGloo(sub, rank, 1 + topo.num_engines, timeout)
+        return dist.ProcessGroupNCCL(sub, rank, topo.publish_group_size, opts)
+    return dist.ProcessGroupGloo(sub, rank, topo.publish_group_size, timeout)
 
 
 def engine_tp_group(topo: Topology, store: SignedStore, backend: str, timeout_s: float):

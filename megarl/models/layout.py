@@ -13,11 +13,13 @@ where each rule comes from:
               num_key_value_heads % tp == 0: megatron also admits tp % kv_heads == 0 (replicated KV
               heads), but megarl's converters and tp_shard split whole KV heads per rank.
               intermediate_size % tp == 0: ColumnParallelLinear (fc1) and RowParallelLinear (fc2)
-              `divide` it by the TP size (an AssertionError).
+              `divide` it by the TP size (an AssertionError); of an MoE model, one expert's width
+              (Qwen3-MoE: moe_intermediate_size), which the built-in engine splits per expert.
               vocab_size % tp == 0: VocabParallelEmbedding and the vocab-parallel output layer
               `divide` it (megarl does not pad the vocabulary).
-  sampler.tp  the same four TP rules: the built-in engine runs on tp_shard slices (sampler.tp is 1 or
-              learner.tp, megarl.config.load checks that).
+  sampler.tp  the same four TP rules: the built-in engine runs on tp_shard slices (sampler.tp is 1,
+              learner.tp, or any size at learner.tp=1; megarl.config.load checks that).  An MoE model's
+              router stays whole on every rank, its experts split like the dense MLP.
   learner.dp  no model rule: with learner.use_distributed_optimizer megatron pads every gradient bucket
               to a multiple of dp (param_and_grad_buffer._pad_end_of_bucket_if_needed), so any dp shards.
   learner.ep  a mixture-of-experts model only; num_experts % ep == 0: megatron's MoE layer asserts
@@ -73,9 +75,10 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
                              "shard the experts with learner.ep (and learner.pp / learner.dp)")
     tp = max(learner_tp, sampler_tp)
     if tp > 1:
-        keys = "learner.tp/sampler.tp" if sampler_tp > 1 else "learner.tp"
+        keys = "/".join(key for key, size in (("learner.tp", learner_tp), ("sampler.tp", sampler_tp)) if size > 1)
+        mlp = moe.expert_ffn_field(hf_config) if moe.is_moe(hf_config) else "intermediate_size"
         for name, default_from in (("num_attention_heads", None), ("num_key_value_heads", "num_attention_heads"),
-                                   ("intermediate_size", None), ("vocab_size", None)):
+                                   (mlp, None), ("vocab_size", None)):
             n = dim(name, default_from)
             if n % tp:
                 raise ValueError(f"{keys}={tp}: tensor parallel size {tp} does not divide {name}={n} "

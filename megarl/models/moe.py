@@ -77,10 +77,14 @@ def top_k(cfg: dict) -> int:
     return int(cfg.get("num_experts_per_tok") or 0)
 
 
+def expert_ffn_field(cfg: dict) -> str:
+    """The config field of one expert's width: Mixtral's experts use intermediate_size; Qwen3-MoE's
+    moe_intermediate_size (its intermediate_size is for dense layers, which megarl refuses)."""
+    return "moe_intermediate_size" if cfg["model_type"] == "qwen3_moe" else "intermediate_size"
+
+
 def expert_ffn_size(cfg: dict) -> int:
-    # Mixtral's experts use intermediate_size; Qwen3-MoE's moe_intermediate_size (its intermediate_size
-    # is for dense layers, which megarl refuses).
-    return int(cfg["moe_intermediate_size"] if cfg["model_type"] == "qwen3_moe" else cfg["intermediate_size"])
+    return int(cfg[expert_ffn_field(cfg)])
 
 
 def num_moe_layers(cfg: dict) -> int:

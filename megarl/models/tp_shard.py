@@ -13,20 +13,29 @@ The split is megatron's (and SGLang's) for a Llama/Qwen2 decoder:
     every rank holds them whole and adds them once, after the all-reduce of the partial outputs;
   * the norms whole on every rank.
 So a link carries 1/t of every matrix; nothing needs gathering on the learner side.
+
+Mixture-of-experts layers split every expert as the dense MLP (expert tensor parallelism, as SGLang's and
+vLLM's fused-MoE TP does): each expert's gate/up (Mixtral's w1/w3, Qwen3-MoE's gate_proj/up_proj) by rows,
+its down (w2/down_proj) by columns, so rank r holds rows [r*I/t, (r+1)*I/t) of every expert's intermediate
+width I.  The router (``gate``) stays whole on every rank: every rank then routes the same hidden state with
+the same weights and picks the same experts, and the layer's partial outputs are summed once, like the
+dense MLP's.  Qwen3-MoE's q_norm / k_norm act per head_dim and stay whole.
 """
 from __future__ import annotations
 
 import torch
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
-ROW_PARALLEL = ("o_proj", "down_proj")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head",
+                   "w1", "w3")  # Mixtral experts' gate, up
+ROW_PARALLEL = ("o_proj", "down_proj", "w2")  # w2: a Mixtral expert's down
 
 
 def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
-                    tp_size: int) -> None:
-    """ValueError naming the dimension that tp_size does not divide."""
+                    tp_size: int, intermediate_name: str = "intermediate_size") -> None:
+    """ValueError naming the dimension that tp_size does not divide (`intermediate_name`: the config field of
+    the MLP width that is split: an MoE expert's, e.g. Qwen3-MoE's moe_intermediate_size)."""
     for what, n in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads),
-                    ("intermediate_size", intermediate_size), ("vocab_size", vocab_size)):
+                    (intermediate_name, intermediate_size), ("vocab_size", vocab_size)):
         if n % tp_size:
             raise ValueError(f"tensor parallel size {tp_size} does not divide {what}={n}")
 
@@ -55,6 +64,16 @@ def shard(name: str, tensor: torch.Tensor, tp_size: int, tp_rank: int) -> torch.
         raise ValueError(f"{name} {list(tensor.shape)}: tensor parallel size {tp_size} does not divide "
                          f"dimension {dim}")
     return tensor.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def whole_shape(name: str, shape: tuple[int, ...], tp_size: int) -> tuple[int, ...]:
+    """The HF tensor `name`'s whole shape from the shape of one of `tp_size` ranks' slices (the inverse of
+    `shard` on shapes)."""
+    kind = split_kind(name)
+    if kind == "whole":
+        return tuple(shape)
+    dim = 0 if kind == "column" else 1
+    return tuple(n * tp_size if d == dim else n for d, n in enumerate(shape))
 
 
 def shard_state_dict(weights: dict[str, torch.Tensor], tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:

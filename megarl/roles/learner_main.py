@@ -264,7 +264,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     # One broadcast group per pipeline stage (per stage and TP rank shard to shard, per stage and sender
     # with publish.senders > 1); this rank is in the group it is the source of, if any.
     groups = {} if sglang else publish_groups(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
-    shards = topo.sampler_tp > 1
+    shards = topo.shard_to_shard  # else whole tensors (at sampler.tp > 1 each engine TP rank keeps its slices)
     publisher = None
     if groups:
         part, group = next(iter(groups.items()))

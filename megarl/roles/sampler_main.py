@@ -23,6 +23,7 @@ queued cannot grow without bound when the learner slows down.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -43,6 +44,7 @@ from megarl.distributed.secret import run_secret
 from megarl.distributed.topology import Topology, engine_tp_group, publish_groups, publish_stage_store
 from megarl.eval.sampler_side import VersionEvaluator
 from megarl.eval.sets import due_versions, heldout_fraction
+from megarl.models import tp_shard
 from megarl.observe import startup
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
@@ -90,17 +92,23 @@ def builtin_engine(cfg: Config, topo: Topology, model_dir: Path, tp_group):
 
 def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, should_stop) -> StagedReceiver:
     """The receiver of this sampler rank's part of every version: one group per learner pipeline stage
-    (one at PP=1), of this rank's TP rank; a version is applied once every stage's part arrived. `engine`
+    (one at PP=1), of this rank's TP rank (or whole tensors cut to this TP rank's slices on arrival, at
+    learner.tp=1); a version is applied once every stage's part arrived. `engine`
     tells what a version carries (weight_spec), where it lands (device) and which version runs (version):
     the engine itself, or its AdapterStager under learner.lora."""
     groups = publish_groups(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
+    expected, narrow = engine.weight_spec(), None
+    if topo.slices_on_arrival:  # learner.tp=1: whole tensors arrive, this TP rank keeps its slices
+        expected = {name: (torch.Size(tp_shard.whole_shape(name, shape, topo.sampler_tp)), dtype)
+                    for name, (shape, dtype) in expected.items()}
+        narrow = functools.partial(tp_shard.shard, tp_size=topo.sampler_tp, tp_rank=topo.engine_tp_rank)
     # The built-in engine (and its TP lead) offers the storage each version will run from: received into
     # directly, a version costs one copy of the weights (SGLang and vLLM take tensors from staging sets).
     return StagedReceiver([(groups[part], publish_stage_store(store, *part)) for part in sorted(groups)],
-                          engine.weight_spec(), engine.device, on_version=on_version,
+                          expected, engine.device, on_version=on_version,
                           current_version=lambda: engine.version, should_stop=should_stop,
                           timeout_s=cfg.publish.timeout_s,
-                          destination=getattr(engine, "staging_buffers", None)).start()
+                          destination=getattr(engine, "staging_buffers", None), narrow=narrow).start()
 
 
 class SamplerLoop:

@@ -34,9 +34,10 @@ router's top-k order, into `buf` (the engine's route records, docs/moe.md).
 
 Tensor parallelism: `ModelSpec.shard(t)` is the spec of one TP rank, whose weights are that rank's
 slices in the layout of `megarl.models.tp_shard` (whole heads of q/k/v, rows of gate/up, columns of
-o_proj/down_proj, vocab rows of the embedding and lm_head; norms whole).  `forward(..., tp_group=g)`
-sums the embedding lookups and the partial outputs of o_proj and down_proj over g, gathers the
-logits' vocab slices and runs everything else replicated, so every rank of g ends with the same logits.
+o_proj/down_proj, vocab rows of the embedding and lm_head; norms whole; an MoE layer's router whole and
+every expert's gate/up rows and down columns).  `forward(..., tp_group=g)` sums the embedding lookups and
+the partial outputs of o_proj and down_proj (an MoE layer's stacked downs) over g, gathers the logits' vocab
+slices and runs everything else replicated, so every rank of g ends with the same logits (and routes).
 """
 from __future__ import annotations
 
@@ -151,19 +152,17 @@ class ModelSpec:
         )
 
     def shard(self, tp_size: int) -> "ModelSpec":
-        """The spec of one of `tp_size` tensor-parallel ranks: its heads, KV heads and MLP width are
-        1/tp_size of the model's (hidden size and head_dim unchanged; `vocab_size` stays the model's,
-        its embedding and lm_head rows are `shard_vocab`), so `weight_shapes` gives the shapes of that
-        rank's `tp_shard` slices.  ValueError naming the dimension tp_size does not divide."""
+        """The spec of one of `tp_size` tensor-parallel ranks: its heads, KV heads and MLP width (an MoE
+        model's: every expert's) are 1/tp_size of the model's (hidden size, head_dim and the experts and
+        their router unchanged; `vocab_size` stays the model's, its embedding and lm_head rows are
+        `shard_vocab`), so `weight_shapes` gives the shapes of that rank's `tp_shard` slices.  ValueError
+        naming the dimension tp_size does not divide."""
         if self.tp_size != 1:
             raise ValueError(f"this spec is already one of {self.tp_size} tensor-parallel shards")
         if tp_size < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {tp_size}")
-        if self.is_moe and tp_size > 1:
-            raise ValueError(f"tensor parallelism (tp={tp_size}) is not supported for mixture-of-experts models "
-                             f"({self.model_type}) in the built-in engine; run it with tp=1")
         tp_shard.check_divisible(self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size,
-                                 tp_size)
+                                 tp_size, moe.expert_ffn_field(self._hf_config) if self.is_moe else "intermediate_size")
         return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
                        intermediate_size=self.intermediate_size // tp_size, tp_size=tp_size)
 
@@ -642,7 +641,12 @@ def forward(
             chosen, act = _moe_experts(spec, _linear(h, lw.gate_up, None))
             if routes is not None:
                 routes[:, :, layer] = chosen.view(bsz, seq, spec.top_k)
-            x = _add_linear(x, act, lw.down, None)
+            # Under TP each rank holds 1/t of every expert's width and the whole router (the same routes on
+            # every rank): its stacked downs give a partial sum of the layer's output, summed once as the dense MLP's.
+            if tp_group is None:
+                x = _add_linear(x, act, lw.down, None)
+            else:
+                x = _add_row_parallel(x, act, lw.down, None, tp_group)
             continue
         gate, up = _linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
         if tp_group is None:

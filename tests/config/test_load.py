@@ -30,8 +30,10 @@ def test_demo_config_loads_with_overrides():
     ("algo.mode=sync sampler.num_engines=3", "algo.prompts_per_step"),
     ("algo.group_size=1", "algo.group_size"),
     ("algo.loss.eps_low=-0.1", "algo.loss"),
-    ("sampler.tp=2", "sampler.tp: the built-in engine runs on sampler.tp ranks with weights published shard to "
-                     "shard, so it must be 1 or equal learner.tp=1 (got 2)"),
+    ("sampler.tp=4 learner.tp=2", "sampler.tp: the built-in engine runs on sampler.tp ranks with weights published "
+                                  "shard to shard from the same number of learner TP ranks, or whole from a learner "
+                                  "at learner.tp=1 (each engine rank keeps its slices), so it must be 1 or equal "
+                                  "learner.tp=2 (got 4)"),
     ("sampler.tp=2 learner.tp=2 sampler.engine=sglang", "sampler.tp: "),
     ("algo.prompts_per_step=2 algo.group_size=2 learner.dp=5", "learner.dp: every DP rank trains its share of a batch's 4 rows"),
     ("steps", "is not of the form key=value"),
@@ -174,6 +176,13 @@ MIXTRAL_6 = {"model_type": "mixtral", "num_local_experts": 6, "num_experts_per_t
     ("learner.ep=2 learner.dp=2 learner.pp=2 algo.routing_replay=r3", MIXTRAL_6, None),
     ("learner.backend=deepspeed algo.routing_replay=r3 learner.recompute_activations=full", MIXTRAL_6, None),
     ("learner.tp=2 sampler.tp=2 eval.sets=[]", {}, None),
+    ("sampler.tp=2 eval.sets=[]", {}, None),  # learner.tp=1: whole tensors published, each engine rank slices them
+    # MoE engines split every expert's width, not the router: sampler.tp at learner.tp=1
+    ("sampler.tp=2 eval.sets=[]", MIXTRAL_6, None),
+    ("sampler.tp=2 eval.sets=[]", {**MIXTRAL_6, "intermediate_size": 95},
+     "sampler.tp=2: tensor parallel size 2 does not divide intermediate_size=95"),
+    ("sampler.tp=2 eval.sets=[]", {**MIXTRAL_6, "model_type": "qwen3_moe", "moe_intermediate_size": 33},
+     "sampler.tp=2: tensor parallel size 2 does not divide moe_intermediate_size=33"),
 ])
 def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overrides, model, message):
     from megarl.models.layout import check_layout

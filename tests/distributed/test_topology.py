@@ -1,6 +1,7 @@
-"""Who is in which publish group: whole tensors from each stage's first rank, or shard to shard from
-each TP rank of the stage's first DP replica to the same TP rank of every sampler engine, or with
-publish.senders = k from the first rank of each of the stage's first k DP replicas."""
+"""Who is in which publish group: whole tensors from each stage's first rank (at learner TP 1 to every TP rank
+of a TP engine, each keeping its slices), or shard to shard from each TP rank of the stage's first DP replica to
+the same TP rank of every sampler engine, or with publish.senders = k from the first rank of each of the stage's
+first k DP replicas."""
 from megarl.distributed.topology import Topology
 
 
@@ -35,6 +36,16 @@ def test_shard_to_shard_pairs_learner_tp_rank_r_with_tp_rank_r_of_every_engine()
     assert ranks[0].engine_leads == [8, 10]
     assert [(t.engine_index, t.engine_tp_rank) for t in ranks[8:]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert ranks[2].publish_parts == [] and ranks[2].publish_rank is None  # DP replica 1 sends nothing
+
+
+def test_at_learner_tp_1_every_tp_rank_of_every_engine_receives_the_whole_tensors():
+    # tp1 dp2 pp2 learner (stage 0 = ranks 0-1, stage 1 = 2-3), two engines of 2 ranks: 4-5, 6-7 (an MoE model).
+    ranks = world(1, 2, 2, engines=2, sampler_tp=2)
+    assert members(ranks) == {(0, 0, 0): [(0, 0), (1, 4), (2, 5), (3, 6), (4, 7)],
+                              (1, 0, 0): [(0, 2), (1, 4), (2, 5), (3, 6), (4, 7)]}
+    assert {t.publish_group_size for t in ranks} == {5}
+    assert all(t.slices_on_arrival and not t.shard_to_shard for t in ranks)
+    assert [(t.engine_index, t.engine_tp_rank) for t in ranks[4:]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_several_senders_are_the_first_rank_of_each_of_the_first_k_dp_replicas_of_every_stage():

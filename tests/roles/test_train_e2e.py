@@ -220,3 +220,23 @@ def test_samplers_run_exactly_the_weights_the_learner_published(embedded_count_m
         hf_config = json.loads((embedded_count_model_dir / "config.json").read_text())
         adapter = sum(math.prod(shape) * 4 for _, shape, _ in adapter_spec(hf_config, LoraConfig(rank=8)))
         assert {m["publish_bytes"] for m in metrics} == {adapter}
+
+
+def test_a_tp2_engine_serves_the_moe_model_the_learner_publishes_whole(embedded_moe_model_dir, tmp_path):
+    """configs/moe.yaml at sampler.tp=2 under a learner of TP 1 (megatron refuses TP for MoE): the learner
+    publishes whole tensors, both engine ranks receive them and keep their slices (half of every expert's width,
+    the router whole). At max_lag=0 the engine's log-probs are the learner's, and the routes its rank 0 recorded
+    (sent with the samples, replayed by r3) are the ones the learner's own router chooses."""
+    from megarl.models.convert import load_pretrained
+
+    run_dir = tmp_path / "moe_tp2"
+    proc = run_python("-m", "megarl.cli", "train", str(REPO / "configs" / "moe.yaml"), f"run.dir={run_dir}",
+                      "run.steps=4", "algo.max_lag=0", "sampler.tp=2", "algo.prompts_per_step=8",
+                      f"model.path={embedded_moe_model_dir}", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = train_records(read_jsonl(run_dir / "metrics.jsonl"))
+    check_samplers_ran_the_published_weights(metrics)
+    for m in metrics:
+        assert m["lag0/router_agreement"] == 1.0 and m["router/token_diff_frac"] == 0.0, m["step"]
+    _, weights = load_pretrained(str(embedded_moe_model_dir))
+    assert {m["publish_bytes"] for m in metrics} == {sum(t.numel() * 4 for t in weights.values())}

@@ -28,12 +28,13 @@ def requests(n, sampling, seed=0):
             for i, k in enumerate(lens)]
 
 
-def test_spec_parses_mixtral_and_refuses_tensor_parallel(mixtral):
+def test_spec_parses_mixtral(mixtral):
+    """(Its tensor-parallel shards: tests/sampler/test_tensor_parallel.py.)"""
     _, cfg, _ = mixtral
     spec = ModelSpec.from_hf_config(cfg)
     assert (spec.num_experts, spec.top_k, spec.is_moe) == (EXPERTS, TOP_K, True)
-    with pytest.raises(ValueError, match="tensor parallelism .* mixture-of-experts"):
-        spec.shard(2)
+    with pytest.raises(ValueError, match="tensor parallel size 3 does not divide num_attention_heads=4"):
+        spec.shard(3)
     with pytest.raises(ValueError, match="num_experts_per_tok=5"):
         ModelSpec.from_hf_config(dict(cfg, num_experts_per_tok=5))
 

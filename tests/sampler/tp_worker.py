@@ -1,17 +1,22 @@
 """Worker of tests/sampler/test_tensor_parallel.py: one rank of a two-rank tensor-parallel built-in engine.
 
-    torchrun --nproc-per-node=2 tests/sampler/tp_worker.py EMBEDDED_DIR BIASED_LLAMA_DIR QWEN_DIR OUT_DIR
+    torchrun --nproc-per-node=2 tests/sampler/tp_worker.py EMBEDDED_DIR BIASED_LLAMA_DIR QWEN_DIR MOE_DIR \
+        QWEN3_MOE_DIR OUT_DIR
 
 Runs the scenarios in order over one gloo TP group and writes what each rank saw to OUT_DIR/rank{r}.pt:
-  forward   - TP2 and TP1 logits of the same prefill + decode steps (two models: the embedded Qwen2, and
-              a Llama with non-zero o_proj/down_proj biases, which TP adds once after the all-reduce);
+  forward   - TP2 and TP1 logits of the same prefill + decode steps (four models: the embedded Qwen2, a
+              Llama with non-zero o_proj/down_proj biases, which TP adds once after the all-reduce, the
+              embedded tiny Mixtral (MOE_DIR) and a tiny Qwen3-MoE with q/k norms (QWEN3_MOE_DIR); the MoE
+              models' routes too);
   generate  - rank 0 drives a TPLeadEngine, rank 1 runs run_follower; sampled requests, some added
               mid-run, on a random tiny Qwen2 (QWEN_DIR: high-entropy next tokens, unlike the embedded
               model on random prompts); both ranks' completions;
   swap      - the same, with kv_on_update="recompute" and versions 2 and 3 staged on the two ranks at
               different times (the follower's v2 arrives 0.5 s after the lead plans it, its v3 right
               after its v2, usually before the lead plans it);
-  missing   - the lead plans version 2, which the follower's receiver never stages: the follower's error.
+  missing   - the lead plans version 2, which the follower's receiver never stages: the follower's error;
+  moe_swap_keep, moe_swap_recompute - the swap schedule on the embedded tiny Mixtral under each
+              kv_on_update policy, versions 2 and 3 with their routers' rows rolled (`rerouted`): routes move.
 The schedule (`drive`) and the weights (`perturbed`) are shared with the test's TP1 reference.
 """
 from __future__ import annotations
@@ -43,6 +48,13 @@ def perturbed(weights: dict[str, torch.Tensor], seed: int, scale: float = 0.02) 
     """A different weight set of the same shapes (version `seed`), biases included."""
     gen = torch.Generator().manual_seed(seed)
     return {name: t + scale * torch.randn(t.shape, generator=gen) for name, t in weights.items()}
+
+
+def rerouted(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """`perturbed`, and every MoE router's expert rows rolled by `seed`: the new version routes most tokens
+    elsewhere, so routes recorded under it are told apart from the old version's."""
+    return {name: torch.roll(t, seed, dims=0) if name.endswith(".gate.weight") else t
+            for name, t in perturbed(weights, seed).items()}
 
 
 def shard(weights: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
@@ -92,7 +104,8 @@ class Recording:
 
 
 def forward_logits(model_dir: str, rank: int, group) -> dict:
-    """Prefill 3 right-padded rows, then 2 decode steps, at TP2 (this rank's shard) and TP1."""
+    """Prefill 3 right-padded rows, then 2 decode steps, at TP2 (this rank's shard) and TP1 (an MoE model's
+    routes of every position under "<tp>_routes")."""
     cfg, weights = load_pretrained(model_dir)
     weights = perturbed(weights, seed=5)  # non-zero biases everywhere
     full = ModelSpec.from_hf_config(cfg)
@@ -102,14 +115,39 @@ def forward_logits(model_dir: str, rank: int, group) -> dict:
     for tp, spec, w in (("tp1", full, weights), ("tp2", full.shard(2), shard(weights, rank))):
         group_arg = group if tp == "tp2" else None
         rw, tables, cache = prepare_weights(spec, w), forward_tables(spec, 16), KVCache(spec, 3, 16, torch.float32)
+        routes = torch.zeros((3, 9, spec.num_layers, spec.top_k), dtype=torch.long) if spec.is_moe else None
         with torch.inference_mode():
-            logits = [forward(spec, rw, tables, cache, ids, torch.arange(7).expand(3, 7), tp_group=group_arg)]
+            logits = [forward(spec, rw, tables, cache, ids, torch.arange(7).expand(3, 7), tp_group=group_arg,
+                              routes=None if routes is None else routes[:, :7])]
             for pos in (7, 8):
                 tok = logits[-1][:, -1].argmax(-1, keepdim=True)
                 logits.append(forward(spec, rw, tables, cache, tok, torch.full((3, 1), pos), attn_len=pos + 1,
-                                      tp_group=group_arg))
+                                      tp_group=group_arg, routes=None if routes is None else routes[:, pos:pos + 1]))
         out[tp] = [t.clone() for t in logits]
+        if routes is not None:
+            out[tp + "_routes"] = routes
     return out
+
+
+def swap_pair(model_dir: str, rank: int, group, kv_on_update: str, versions_of) -> dict:
+    """The swap scenario on `model_dir`: the lead stages v2 before step 3 and v3 before step 6; the follower's
+    receiver stages v2 only after 0.5 s (the follower waits for it) and v3 right after (usually ahead of the
+    lead).  `versions_of(full, version)` makes each version's whole weights."""
+    cfg, full = load_pretrained(model_dir)
+    versions = {v: shard(versions_of(full, v), rank) for v in SWAP_STAGES.values()}
+    engine = BuiltinEngine(cfg, shard(full, rank), tp_group=group, max_running=4, max_seq_len=32, seed=SEED,
+                           version=1, kv_on_update=kv_on_update)
+
+    def stage_lead(step):
+        if step in SWAP_STAGES:
+            engine.stage_weights(versions[SWAP_STAGES[step]], SWAP_STAGES[step])
+
+    def follower_stager():
+        time.sleep(0.5)
+        for v in sorted(versions):
+            engine.stage_weights(versions[v], v)
+
+    return run_pair(rank, group, engine, stage_lead, follower_stager)
 
 
 def run_pair(rank: int, group, engine: BuiltinEngine, stage_lead, follower_stager=None) -> dict:
@@ -130,39 +168,30 @@ def run_pair(rank: int, group, engine: BuiltinEngine, stage_lead, follower_stage
 
 
 def main() -> None:
-    embedded_dir, llama_dir, qwen_dir, out = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
+    embedded_dir, llama_dir, qwen_dir, moe_dir, qwen3_moe_dir = sys.argv[1:6]
+    out = Path(sys.argv[6])
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     rank = dist.get_rank()
     group = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
     torch.set_num_threads(1)
     results = {"forward": {"embedded": forward_logits(embedded_dir, rank, group),
-                           "llama_biased": forward_logits(llama_dir, rank, group)}}
+                           "llama_biased": forward_logits(llama_dir, rank, group),
+                           "moe": forward_logits(moe_dir, rank, group),
+                           "qwen3_moe": forward_logits(qwen3_moe_dir, rank, group)}}
 
     # generate: sampled, continuous batching (4 slots for 10 requests), no swap.
     engine = BuiltinEngine.from_pretrained(qwen_dir, tp_group=group, max_running=4, max_seq_len=32,
                                            seed=SEED, version=1)
     results["generate"] = run_pair(rank, group, engine, stage_lead=lambda step: None)
 
-    # swap: the lead stages v2 before step 3 and v3 before step 6; the follower's receiver stages v2
-    # only after 0.5 s (the follower waits for it) and v3 right after (usually ahead of the lead).
-    cfg, full = load_pretrained(qwen_dir)
-    versions = {v: shard(perturbed(full, seed=v), rank) for v in SWAP_STAGES.values()}
-    engine = BuiltinEngine(cfg, shard(full, rank), tp_group=group, max_running=4, max_seq_len=32, seed=SEED,
-                           version=1, kv_on_update="recompute")
-
-    def stage_lead(step):
-        if step in SWAP_STAGES:
-            engine.stage_weights(versions[SWAP_STAGES[step]], SWAP_STAGES[step])
-
-    def follower_stager():
-        time.sleep(0.5)
-        for v in sorted(versions):
-            engine.stage_weights(versions[v], v)
-
-    results["swap"] = run_pair(rank, group, engine, stage_lead, follower_stager)
+    results["swap"] = swap_pair(qwen_dir, rank, group, "recompute", lambda full, v: perturbed(full, seed=v))
+    for policy in ("keep", "recompute"):
+        results[f"moe_swap_{policy}"] = swap_pair(moe_dir, rank, group, policy, lambda full, v: rerouted(full, v))
 
     # missing: the lead, idle, applies a v2 that the follower never receives (the lead's step runs no
     # forward, so it does not wait; it sends no stop, the follower has left).
+    cfg, full = load_pretrained(qwen_dir)
+    versions = {2: shard(perturbed(full, seed=2), rank)}
     engine = BuiltinEngine(cfg, shard(full, rank), tp_group=group, version=1)
     if rank == 0:
         engine.stage_weights(versions[2], 2)
