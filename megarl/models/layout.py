@@ -22,8 +22,10 @@ where each rule comes from:
               to a multiple of dp (param_and_grad_buffer._pad_end_of_bucket_if_needed), so any dp shards.
   learner.ep  a mixture-of-experts model only; num_experts % ep == 0: megatron's MoE layer asserts
               "num_moe_experts must be divisible by expert_model_parallel_size" (each EP rank holds E / ep).
-              An MoE model with learner.tp > 1: megatron 0.16.1's MoE layer refuses training under TP
-              without sequence parallelism (moe_layer.py), which megarl's learner does not use.
+              An MoE model at learner.tp > 1 trains with sequence parallelism and whole experts per TP rank
+              (megarl.learner.sequence_parallel): intermediate_size (the experts' width) is not split, so
+              the TP rule on it does not apply; (tp * dp) % ep == 0 is megarl.config.load's.
+  sampler.tp  > 1 is refused for an MoE model: the built-in engine has no TP for MoE layers (ModelSpec.shard).
   algo.routing_replay=r3  a mixture-of-experts model.
 Rules that need no model (a batch smaller than learner.dp, sampler.tp not 1 or learner.tp, learner.ep not
 dividing learner.dp) are in megarl.config.load.validate.
@@ -67,15 +69,17 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
         if experts % learner_ep:
             raise ValueError(f"learner.ep={learner_ep}: expert parallel size {learner_ep} does not divide "
                              f"num_experts={experts} (this model allows learner.ep in {_divisors(experts)})")
-        if learner_tp > 1:
-            raise ValueError(f"learner.tp={learner_tp}: megatron-core 0.16.1 trains an MoE layer under tensor "
-                             "parallelism only with sequence parallelism, which megarl's learner does not use; "
-                             "shard the experts with learner.ep (and learner.pp / learner.dp)")
+        if sampler_tp > 1:
+            raise ValueError(f"sampler.tp={sampler_tp}: the built-in engine has no tensor parallelism for "
+                             f"mixture-of-experts models; use sampler.tp=1 (learner.tp may be > 1)")
     tp = max(learner_tp, sampler_tp)
     if tp > 1:
         keys = "learner.tp/sampler.tp" if sampler_tp > 1 else "learner.tp"
-        for name, default_from in (("num_attention_heads", None), ("num_key_value_heads", "num_attention_heads"),
-                                   ("intermediate_size", None), ("vocab_size", None)):
+        split = ("num_attention_heads", "num_key_value_heads", "vocab_size")
+        if not moe.is_moe(hf_config):  # (an MoE learner keeps every expert whole on each TP rank)
+            split += ("intermediate_size",)
+        for name in split:
+            default_from = "num_attention_heads" if name == "num_key_value_heads" else None
             n = dim(name, default_from)
             if n % tp:
                 raise ValueError(f"{keys}={tp}: tensor parallel size {tp} does not divide {name}={n} "
