@@ -9,9 +9,10 @@ shard-to-shard publish: megarl.models.tp_shard).
 
 Mixture-of-experts models (Mixtral, Qwen3-MoE: megarl.models.moe) train with megatron's MoE layer
 (SequentialMLP experts, alltoall dispatcher) and expert parallelism ``learner.ep``: each EP rank holds
-E / ep experts, carved out of the data-parallel ranks (megatron's expert_model_parallel_size), and the
-published / exported tensors gather every expert. ``algo.routing_replay=r3`` forces the sampler's recorded
-routes in every forward of the step (megarl.learner.routing_replay).
+E / ep whole experts, carved out of the TP x DP ranks (megatron's expert_model_parallel_size, with an expert
+TP size of 1), and the published / exported tensors gather every expert. At ``learner.tp > 1`` they train
+with megatron's sequence parallelism (megarl.learner.sequence_parallel). ``algo.routing_replay=r3`` forces
+the sampler's recorded routes in every forward of the step (megarl.learner.routing_replay).
 
 Process contract: construct it after ``torch.distributed`` is initialised with a default process
 group that contains ONLY the learner ranks (world size = tp * pp * dp).  Every learner rank receives
