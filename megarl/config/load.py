@@ -392,9 +392,10 @@ def _validate_moe(cfg: Config) -> None:
     lc = cfg.learner
     _require(cfg.algo.routing_replay in ("off", "r3"), "algo.routing_replay",
              f"must be off or r3, got {cfg.algo.routing_replay!r}")
-    _require(lc.ep == 1 or lc.dp % lc.ep == 0, "learner.ep",
-             f"expert-parallel ranks are carved out of the data-parallel ones: learner.ep={lc.ep} must divide "
-             f"learner.dp={lc.dp} (e.g. learner.dp={lc.ep * max(1, lc.dp // lc.ep)})")
+    # (megatron's expert_tensor_parallel_size=1, megarl's: the experts are whole on every TP rank)
+    _require(lc.ep == 1 or (lc.tp * lc.dp) % lc.ep == 0, "learner.ep",
+             f"expert-parallel ranks are carved out of the tensor- and data-parallel ones: learner.ep={lc.ep} must "
+             f"divide learner.tp={lc.tp} times learner.dp={lc.dp} (e.g. learner.dp={lc.ep * max(1, lc.dp // lc.ep)})")
     _require(lc.ep == 1 or lc.backend == "megatron", "learner.ep",
              f"expert parallelism is megatron's; learner.backend={lc.backend} trains the experts data parallel")
     if cfg.algo.routing_replay == "r3" and lc.backend == "megatron":

@@ -213,7 +213,7 @@ def _shim_distributed_optimizer_load() -> None:
              [("for key in dst_tensors:", "for key in tensors:")])
 
 
-# ---- MoE (megatron-core 0.16.1, local spec, SequentialMLP, alltoall dispatcher): six more CUDA assumptions.
+# ---- MoE (megatron-core 0.16.1, local spec, SequentialMLP, alltoall dispatcher; sequence parallelism at TP > 1).
 
 def _shim_moe_router_device() -> None:
     # transformer/moe/router.py, Router.gating (every MoE layer's forward):
@@ -277,6 +277,17 @@ def _shim_moe_split_sizes() -> None:
              [("if torch.is_tensor(tensor) and tensor.is_cuda:", "if torch.is_tensor(tensor):")])
 
 
+def _shim_moe_sequence_parallel() -> None:
+    # tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication.backward: under sequence parallelism
+    # (which megarl runs for MoE models at learner.tp > 1: megarl.learner.sequence_parallel) every column-parallel
+    # linear's backward allocates the reduce-scattered input gradient with device=torch.cuda.current_device().
+    # (gloo itself has reduce_scatter_tensor and all_gather_into_tensor in torch 2.13: no collective is replaced.)
+    from megatron.core.tensor_parallel import layers
+
+    _rewrite(layers.LinearWithGradAccumulationAndAsyncCommunication, "backward",
+             [("device=torch.cuda.current_device()", "device=input.device")])
+
+
 SHIMS: dict[str, Callable[[], None]] = {
     "schedule_token_count": _shim_schedule_token_count,
     "memory_buffer": _shim_memory_buffer,
@@ -295,6 +306,7 @@ SHIMS: dict[str, Callable[[], None]] = {
     "moe_dispatcher_streams": _shim_moe_dispatcher_streams,
     "moe_collectives_device": _shim_moe_collectives_device,
     "moe_split_sizes": _shim_moe_split_sizes,
+    "moe_sequence_parallel": _shim_moe_sequence_parallel,
 }
 
 

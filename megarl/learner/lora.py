@@ -36,12 +36,19 @@ class LoraAdapter(nn.Module):
     copy_to_tensor_model_parallel_region for column-parallel (identity forward; the backward sums the ranks'
     partial gradients of A and x) and reduce_from_tensor_model_parallel_region for row-parallel (sums the ranks'
     partial x_shard @ A_shard^T; its output is then added after the linear's own all-reduce). Both are the
-    identity at TP size 1. The parameters are created empty; `attach` fills them."""
+    identity at TP size 1. Under sequence parallelism (an MoE model at TP > 1: megarl.learner.sequence_parallel) a
+    column-parallel linear's input is this rank's positions and a row-parallel one's output must be, so the
+    collectives are gather_from_sequence_parallel_region and reduce_scatter_to_sequence_parallel_region, and the
+    factor every rank holds whole (A of column-parallel, B of row-parallel) gets gradients from this rank's positions
+    only: it is marked `sequence_parallel`, which megatron's finalize_model_grads sums over TP (as for the norms).
+    The parameters are created empty; `attach` fills them."""
 
     def __init__(self, a_shape: tuple[int, int], b_shape: tuple[int, int], alpha: float, dropout: float,
-                 dtype: torch.dtype, row_parallel: bool, gate_up_rows: bool):
+                 dtype: torch.dtype, row_parallel: bool, gate_up_rows: bool, sequence_parallel: bool = False):
         from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
-                                                   reduce_from_tensor_model_parallel_region)
+                                                   gather_from_sequence_parallel_region,
+                                                   reduce_from_tensor_model_parallel_region,
+                                                   reduce_scatter_to_sequence_parallel_region)
 
         super().__init__()
         self.lora_A = nn.Parameter(torch.empty(a_shape, dtype=dtype))
@@ -49,8 +56,13 @@ class LoraAdapter(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scale = alpha / a_shape[0]
         self.row_parallel = row_parallel
-        self.tp_region = (reduce_from_tensor_model_parallel_region if row_parallel
-                          else copy_to_tensor_model_parallel_region)
+        if sequence_parallel:
+            self.tp_region = (reduce_scatter_to_sequence_parallel_region if row_parallel
+                              else gather_from_sequence_parallel_region)
+            (self.lora_B if row_parallel else self.lora_A).sequence_parallel = True
+        else:
+            self.tp_region = (reduce_from_tensor_model_parallel_region if row_parallel
+                              else copy_to_tensor_model_parallel_region)
         self.gate_up_rows = gate_up_rows  # linear_fc1: B's rows are [gate rows; up rows] on every TP rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +110,8 @@ def _with_adapter_sharded_state(linear: nn.Module) -> None:
     linear.sharded_state_dict = sharded_state_dict
 
 
-def attach(gpt, lora_cfg, layer_offset: int, seed: int, tp_size: int, tp_slice) -> list[nn.Parameter]:
+def attach(gpt, lora_cfg, layer_offset: int, seed: int, tp_size: int, tp_slice,
+           sequence_parallel: bool = False) -> list[nn.Parameter]:
     """Freeze every weight of `gpt` and hang an adapter on the targeted linears of its decoder layers; return the
     adapter parameters (the only ones left trainable). The whole A is drawn from a generator seeded by `seed` and
     the layer's global index, so every layout and every DP rank starts from the same adapter; each TP rank keeps
@@ -118,7 +131,8 @@ def attach(gpt, lora_cfg, layer_offset: int, seed: int, tp_size: int, tp_slice) 
             generator = torch.Generator().manual_seed(seed * 1_000_003 + (local + layer_offset) * len(FUSED_GROUPS) + k)
             whole = initial_adapter(in_features, out_features, lora_cfg.rank, generator)
             adapter = LoraAdapter((lora_cfg.rank, in_local), (out_local, lora_cfg.rank), lora_cfg.alpha,
-                                  lora_cfg.dropout, dtype, row_parallel=row, gate_up_rows=fused == "linear_fc1")
+                                  lora_cfg.dropout, dtype, row_parallel=row, gate_up_rows=fused == "linear_fc1",
+                                  sequence_parallel=sequence_parallel)
             with torch.no_grad():
                 for (part, param), full in zip(adapter.named_parameters(), whole):
                     param.copy_(tp_slice(f"decoder.layers.{local}.{PARENT[fused]}.{fused}.lora.{part}", param, full))

@@ -9,9 +9,10 @@ shard-to-shard publish: megarl.models.tp_shard).
 
 Mixture-of-experts models (Mixtral, Qwen3-MoE: megarl.models.moe) train with megatron's MoE layer
 (SequentialMLP experts, alltoall dispatcher) and expert parallelism ``learner.ep``: each EP rank holds
-E / ep experts, carved out of the data-parallel ranks (megatron's expert_model_parallel_size), and the
-published / exported tensors gather every expert. ``algo.routing_replay=r3`` forces the sampler's recorded
-routes in every forward of the step (megarl.learner.routing_replay).
+E / ep whole experts, carved out of the TP x DP ranks (megatron's expert_model_parallel_size, with an expert
+TP size of 1), and the published / exported tensors gather every expert. At ``learner.tp > 1`` they train
+with megatron's sequence parallelism (megarl.learner.sequence_parallel). ``algo.routing_replay=r3`` forces
+the sampler's recorded routes in every forward of the step (megarl.learner.routing_replay).
 
 Process contract: construct it after ``torch.distributed`` is initialised with a default process
 group that contains ONLY the learner ranks (world size = tp * pp * dp).  Every learner rank receives
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from megarl.algo.config import CriticConfig, LossConfig
 from megarl.algo.distill import DistillConfig
 from megarl.config.schema import LearnerConfig
-from megarl.learner import step
+from megarl.learner import sequence_parallel, step
 from megarl.learner.routing_replay import RouteReplayer
 from megarl.models import convert, moe
 from megarl.protocols import TrainBatch
@@ -74,11 +75,15 @@ class MegatronLearner:
             apply_cpu_shims()
 
         self.ps, self.tensor_parallel = parallel_state, tensor_parallel
+        # Experts are never TP-split (expert_tensor_parallel_size=1): each TP rank runs whole experts on its own
+        # sequence-parallel tokens (megarl.learner.sequence_parallel), so EP ranks come out of TP x DP.
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(cfg.tp, cfg.pp, expert_model_parallel_size=cfg.ep)
+            parallel_state.initialize_model_parallel(cfg.tp, cfg.pp, expert_model_parallel_size=cfg.ep,
+                                                     expert_tensor_parallel_size=1)
         elif (parallel_state.get_tensor_model_parallel_world_size(),
               parallel_state.get_pipeline_model_parallel_world_size(),
-              parallel_state.get_expert_model_parallel_world_size()) != (cfg.tp, cfg.pp, cfg.ep):
+              parallel_state.get_expert_model_parallel_world_size(),
+              parallel_state.get_expert_tensor_parallel_world_size()) != (cfg.tp, cfg.pp, cfg.ep, 1):
             raise RuntimeError("megatron parallel_state is already initialised with another tp/pp/ep")
         torch.manual_seed(cfg.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
@@ -86,6 +91,9 @@ class MegatronLearner:
         with open(os.path.join(model_dir, "config.json")) as f:
             self.hf_config = convert.check_supported(json.load(f))
         self.is_moe = moe.is_moe(self.hf_config)
+        # megatron trains an MoE layer under TP only with sequence parallelism (megarl.learner.sequence_parallel);
+        # dense models keep plain TP.
+        self.sequence_parallel = self.is_moe and cfg.tp > 1
         if routing_replay == "r3" and not self.is_moe:
             raise ValueError(f"algo.routing_replay=r3 needs a mixture-of-experts model; "
                              f"{self.hf_config['model_type']!r} is dense")
@@ -100,7 +108,8 @@ class MegatronLearner:
             # (config validation refuses variable lengths with the default MoE dispatcher even for a
             # dense model; the dense layers never use it)
             **{"moe_token_dispatcher_type": "alltoall", **convert.transformer_config_kwargs(self.hf_config)},
-            expert_model_parallel_size=cfg.ep,
+            expert_model_parallel_size=cfg.ep, expert_tensor_parallel_size=1,
+            sequence_parallel=self.sequence_parallel,
             moe_enable_routing_replay=self.is_moe,
             **_recompute_kwargs(cfg.recompute_activations),
             use_cpu_initialization=True,
@@ -118,14 +127,20 @@ class MegatronLearner:
         # reference's are the same names) and the LoRA adapters'
         self._tp_dim: dict[str, int | None] = {}
 
+        layer_spec = get_gpt_layer_local_spec(**convert.layer_spec_kwargs(self.hf_config))
+        if self.sequence_parallel:
+            layer_spec = sequence_parallel.block_spec(layer_spec, self.config)
+
         def build():  # this rank's shard of the HF model, as a GPTModel (Float16Module-wrapped on GPU)
             gpt = GPTModel(
                 config=self.config,
-                transformer_layer_spec=get_gpt_layer_local_spec(**convert.layer_spec_kwargs(self.hf_config)),
+                transformer_layer_spec=layer_spec,
                 pre_process=self.pre_process, post_process=self.post_process,
                 **convert.gpt_model_kwargs(self.hf_config),
             )
             self._load_hf_weights(gpt, hf_weights)
+            if self.sequence_parallel:
+                sequence_parallel.mark_whole_experts(gpt, cfg.ep)
             gpt = gpt.to(self.device)
             return gpt, (Float16Module(self.config, gpt) if self.on_gpu else gpt)
 
@@ -137,8 +152,11 @@ class MegatronLearner:
             from megarl.models import lora as lora_names
 
             lora_names.check(self.hf_config, self.lora)
-            lora_adapters.attach(self.gpt, self.lora, self.layer_offset, cfg.seed, cfg.tp, self._tp_slice)
+            lora_adapters.attach(self.gpt, self.lora, self.layer_offset, cfg.seed, cfg.tp, self._tp_slice,
+                                 self.sequence_parallel)
         replay = routing_replay == "r3"
+        # (sequence parallelism: each TP rank's routers see its slice of the positions)
+        seq_group = parallel_state.get_tensor_model_parallel_group() if self.sequence_parallel else None
         self._replayers = {}  # id(model passed to _run) -> its RouteReplayer (MoE models)
         # KL penalty: a frozen copy of the initial weights, same sharding, no grads, no optimizer
         # state, always in eval mode (docs/learner.md: one extra copy of the weights per rank).
@@ -147,7 +165,7 @@ class MegatronLearner:
             ref_gpt, self.ref_model = build()
             self.ref_model.requires_grad_(False).eval()
             if self.is_moe:
-                self._replayers[id(self.ref_model)] = RouteReplayer(ref_gpt, self.layer_offset, replay)
+                self._replayers[id(self.ref_model)] = RouteReplayer(ref_gpt, self.layer_offset, replay, seq_group)
         del hf_weights
         # On-policy distillation: the frozen teacher, where the loss is computed (the last pipeline stage).
         self.distill, self.teacher = distill, None
@@ -173,7 +191,7 @@ class MegatronLearner:
             [self.model],
         )
         if self.is_moe:
-            self._replayers[id(self.model)] = RouteReplayer(self.gpt, self.layer_offset, replay)
+            self._replayers[id(self.model)] = RouteReplayer(self.gpt, self.layer_offset, replay, seq_group)
         # advantage.estimator=gae: a separate value model with its own optimizer (megarl.learner.critic).
         self.critic = None
         if critic_cfg is not None:
@@ -271,9 +289,15 @@ class MegatronLearner:
         vocab-parallel embedding and output layer hold the same vocab rows as the layout), so unlike
         publish_tensors this is not collective. Same PP behaviour as publish_tensors.
         """
+        self._check_shards_publishable()
+        yield from self._hf_tensors(lambda name, param: _local_copy(param), tp_size=self.cfg.tp)
+
+    def _check_shards_publishable(self) -> None:
         if self.lora is not None:
             raise NotImplementedError("learner.lora publishes whole adapters (sampler.tp = 1)")
-        yield from self._hf_tensors(lambda name, param: _local_copy(param), tp_size=self.cfg.tp)
+        if self.sequence_parallel:  # (its experts are whole on every TP rank, not tp_shard slices)
+            raise NotImplementedError("an MoE model at learner.tp > 1 publishes whole tensors: the built-in engine "
+                                      "runs MoE models at sampler.tp = 1")
 
     def publish_spec(self, shards: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """What publish_tensors / publish_shards yield, from the same conversion run on meta tensors of the
@@ -284,9 +308,9 @@ class MegatronLearner:
                 shape[self._tp_dim[name]] *= self.cfg.tp
             return torch.empty(shape, dtype=torch.float32, device="meta")
 
+        if shards:
+            self._check_shards_publishable()
         if self.lora is not None:
-            if shards:
-                raise NotImplementedError("learner.lora publishes whole adapters (sampler.tp = 1)")
             return [(name, tuple(t.shape), t.dtype)
                     for name, t in self._adapter_tensors(meta)]
         return [(name, tuple(t.shape), t.dtype)
@@ -384,19 +408,26 @@ class MegatronLearner:
 
         replayer = self._replayers.get(id(model))
 
+        multiple = self.cfg.tp if self.sequence_parallel else 1
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            input_ids, position_ids, mask = self._model_inputs(mb["input_ids"])
+            # Sequence parallelism splits the positions over TP: the width is padded to a multiple of tp, and the
+            # logits (and the routers' own choices) are cut back to the real width before anything reads them.
+            width = mb["input_ids"].shape[1]
+            ids, routes = sequence_parallel.pad_micro_batch(mb["input_ids"], mb.get("routes"), multiple)
+            input_ids, position_ids, mask = self._model_inputs(ids)
             if replayer is not None:
-                replayer.before_forward(mb["input_ids"], mb.get("routes"))
+                replayer.before_forward(ids, routes)
             output = model(input_ids, position_ids, mask)
             if own_routes is not None and replayer is not None:
-                own_routes.append(replayer.own_choice())
-            return output, lambda logits: loss_fn(logits, mb)
+                own_routes.append(replayer.own_choice()[:, :width])
+            return output, lambda logits: loss_fn(logits[:, :width], mb)
 
         # With variable_seq_lengths (PP>1) the stages send each shape along; these two only size
         # megatron's default receive shape.
-        b, s = (max(mb["input_ids"].shape[i] for mb in micro_batches) for i in (0, 1))
+        b = max(mb["input_ids"].shape[0] for mb in micro_batches)
+        s = max(-(-mb["input_ids"].shape[1] // multiple) * multiple for mb in micro_batches)
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],

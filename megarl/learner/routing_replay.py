@@ -20,10 +20,16 @@ model in the process, the KL reference, would share) that also records the route
 
 Token order: megatron's MoE layer sees hidden states [S, B, H] and routes them flattened s-major, so the
 target of micro-batch routes [B, S, L, k] for layer l is ``routes[:, :, l].transpose(0, 1).reshape(-1, k)``.
+Under sequence parallelism (an MoE model at learner.tp > 1: megarl.learner.sequence_parallel) a TP rank's MoE
+layers see only its positions [start, end) of the (padded) micro-batch, [S/tp, B, H]: its routers get that slice
+of the routes, and what they chose themselves is gathered over the TP group back into the whole micro-batch.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+from megarl.learner.sequence_parallel import local_positions
 
 
 def _replay_class():
@@ -48,9 +54,10 @@ class RouteReplayer:
     """The routers of one megatron model (this pipeline stage's MoE layers, global index
     ``layer_offset + j``), fed before each micro-batch's forward."""
 
-    def __init__(self, gpt, layer_offset: int, replay: bool):
+    def __init__(self, gpt, layer_offset: int, replay: bool, seq_group=None):
         replay_cls, base, self._action = _replay_class()
         self.layer_offset, self.replay = layer_offset, replay
+        self.seq_group = seq_group  # the TP group under sequence parallelism (None: every rank sees every position)
         self.routers = [layer.mlp.router for layer in gpt.decoder.layers if hasattr(layer.mlp, "router")]
         for router in self.routers:
             if router.router_replay is not None:  # built by megatron: taken out of its process-wide list
@@ -59,9 +66,16 @@ class RouteReplayer:
             base.global_router_replay_instances.remove(router.router_replay)
         self._shape: tuple[int, int] | None = None
 
+    def _positions(self, width: int) -> slice:
+        if self.seq_group is None:
+            return slice(0, width)
+        return local_positions(width, self.seq_group.size(), self.seq_group.rank())
+
     def before_forward(self, input_ids: torch.Tensor, routes: torch.Tensor | None) -> None:
-        """Set this micro-batch's targets (replay) or let the routers choose (off)."""
+        """Set this micro-batch's targets (replay) or let the routers choose (off); under sequence parallelism
+        input_ids and routes are the padded micro-batch, of which this rank's routers see their positions."""
         self._shape = tuple(input_ids.shape)
+        positions = self._positions(input_ids.shape[1])
         for j, router in enumerate(self.routers):
             replay = router.router_replay
             replay.clear_indices()
@@ -70,17 +84,24 @@ class RouteReplayer:
                 continue
             if routes is None:
                 raise RuntimeError("algo.routing_replay=r3: a micro-batch reached the learner without routes")
-            layer = routes[:, :, self.layer_offset + j]  # [B, S, k]
+            layer = routes[:, positions, self.layer_offset + j]  # [B, S (this rank's), k]
             replay.set_target_indices(layer.transpose(0, 1).reshape(-1, layer.shape[-1]).long())
             replay.set_router_replay_action(self._action.REPLAY_FORWARD)
 
     def own_choice(self) -> torch.Tensor | None:
-        """[B, S, L_stage, k] the top-k each of this stage's routers computed itself in the last forward."""
+        """[B, S, L_stage, k] the top-k each of this stage's routers computed itself in the last forward (under
+        sequence parallelism gathered from every TP rank's positions: collective over the TP group)."""
         if not self.routers or self._shape is None:
             return None
         b, s = self._shape
-        own = [r.router_replay.get_recorded_indices() for r in self.routers]
-        return torch.stack([o.reshape(s, b, -1).transpose(0, 1) for o in own], dim=2).cpu()
+        local = self._positions(s)
+        own = torch.stack([r.router_replay.get_recorded_indices().reshape(local.stop - local.start, b, -1)
+                           for r in self.routers], dim=2)  # [S (this rank's), B, L_stage, k]
+        if self.seq_group is not None:
+            parts = [torch.empty_like(own) for _ in range(self.seq_group.size())]
+            dist.all_gather(parts, own.contiguous(), group=self.seq_group)
+            own = torch.cat(parts)  # the ranks hold consecutive positions
+        return own.transpose(0, 1).cpu()
 
     def clear(self) -> None:
         """Drop the held indices (megatron's REPLAY_BACKWARD list grows with every target set)."""

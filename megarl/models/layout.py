@@ -24,8 +24,11 @@ where each rule comes from:
               to a multiple of dp (param_and_grad_buffer._pad_end_of_bucket_if_needed), so any dp shards.
   learner.ep  a mixture-of-experts model only; num_experts % ep == 0: megatron's MoE layer asserts
               "num_moe_experts must be divisible by expert_model_parallel_size" (each EP rank holds E / ep).
-              An MoE model with learner.tp > 1: megatron 0.16.1's MoE layer refuses training under TP
-              without sequence parallelism (moe_layer.py), which megarl's learner does not use.
+              An MoE model at learner.tp > 1 trains with sequence parallelism and whole experts per TP rank
+              (megarl.learner.sequence_parallel): intermediate_size (the experts' width) is not split, so
+              the TP rule on it does not apply; (tp * dp) % ep == 0 is megarl.config.load's.
+  sampler.tp  of an MoE model: > 1 only at learner.tp=1 (the learner's whole experts per TP rank are not the
+              engine's per-expert slices); the experts' width divisible by sampler.tp.
   algo.routing_replay=r3  a mixture-of-experts model.
 Rules that need no model (a batch smaller than learner.dp, sampler.tp not 1 or learner.tp, learner.ep not
 dividing learner.dp) are in megarl.config.load.validate.
@@ -69,16 +72,25 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
         if experts % learner_ep:
             raise ValueError(f"learner.ep={learner_ep}: expert parallel size {learner_ep} does not divide "
                              f"num_experts={experts} (this model allows learner.ep in {_divisors(experts)})")
-        if learner_tp > 1:
-            raise ValueError(f"learner.tp={learner_tp}: megatron-core 0.16.1 trains an MoE layer under tensor "
-                             "parallelism only with sequence parallelism, which megarl's learner does not use; "
-                             "shard the experts with learner.ep (and learner.pp / learner.dp)")
+        if sampler_tp > 1 and learner_tp > 1:
+            raise ValueError(f"sampler.tp={sampler_tp}: at learner.tp={learner_tp} an MoE learner keeps every expert "
+                             f"whole on each TP rank (megarl.learner.sequence_parallel), which is not the built-in "
+                             f"engine's per-expert split, so no shard-to-shard publish; use learner.tp=1 with "
+                             f"sampler.tp > 1 (whole tensors, each engine rank keeps its slices) or sampler.tp=1")
+        if sampler_tp > 1:  # the engine splits every expert like the dense MLP; the learner keeps them whole
+            ffn = moe.expert_ffn_field(hf_config)
+            width = dim(ffn)
+            if width % sampler_tp:
+                raise ValueError(f"sampler.tp={sampler_tp}: tensor parallel size {sampler_tp} does not divide "
+                                 f"{ffn}={width} (each TP rank holds an equal share of every expert; {ffn}={width} "
+                                 f"allows tp in {_divisors(width)})")
     tp = max(learner_tp, sampler_tp)
     if tp > 1:
         keys = "/".join(key for key, size in (("learner.tp", learner_tp), ("sampler.tp", sampler_tp)) if size > 1)
-        mlp = moe.expert_ffn_field(hf_config) if moe.is_moe(hf_config) else "intermediate_size"
-        for name, default_from in (("num_attention_heads", None), ("num_key_value_heads", "num_attention_heads"),
-                                   (mlp, None), ("vocab_size", None)):
+        split = [("num_attention_heads", None), ("num_key_value_heads", "num_attention_heads"), ("vocab_size", None)]
+        if not moe.is_moe(hf_config):
+            split.append(("intermediate_size", None))
+        for name, default_from in split:
             n = dim(name, default_from)
             if n % tp:
                 raise ValueError(f"{keys}={tp}: tensor parallel size {tp} does not divide {name}={n} "

@@ -53,8 +53,10 @@ def test_demo_config_loads_with_overrides():
     ("publish.senders=0", "publish.senders: must be > 0"),
     ("algo.routing_replay=r2", "algo.routing_replay: must be off or r3, got 'r2'"),
     ("learner.ep=0", "learner.ep: must be > 0"),
-    ("learner.ep=2", "learner.ep: expert-parallel ranks are carved out of the data-parallel ones: learner.ep=2 must "
-                     "divide learner.dp=1"),
+    ("learner.ep=2", "learner.ep: expert-parallel ranks are carved out of the tensor- and data-parallel ones: "
+                     "learner.ep=2 must divide learner.tp=1 times learner.dp=1"),
+    ("learner.ep=4 learner.tp=2", "learner.ep: expert-parallel ranks are carved out of the tensor- and "
+                                  "data-parallel ones: learner.ep=4 must divide learner.tp=2 times learner.dp=1"),
     ("learner.ep=2 learner.dp=2 learner.backend=deepspeed", "learner.ep: expert parallelism is megatron's"),
     ("algo.routing_replay=r3 learner.recompute_activations=full", "algo.routing_replay: r3 with "
                                                                   "learner.backend=megatron and "
@@ -171,8 +173,14 @@ MIXTRAL_6 = {"model_type": "mixtral", "num_local_experts": 6, "num_experts_per_t
     ("algo.routing_replay=r3", {}, "algo.routing_replay=r3: routing replay needs a mixture-of-experts model"),
     ("learner.ep=4 learner.dp=4", MIXTRAL_6, "learner.ep=4: expert parallel size 4 does not divide num_experts=6 "
                                              "(this model allows learner.ep in 1, 2, 3, 6)"),
-    ("learner.tp=2", MIXTRAL_6, "learner.tp=2: megatron-core 0.16.1 trains an MoE layer under tensor parallelism "
-                                "only with sequence parallelism"),
+    # An MoE learner at TP > 1 (sequence parallelism) splits the attention and the vocabulary, never an expert.
+    ("learner.tp=2 learner.ep=2 algo.routing_replay=r3", {**MIXTRAL_6, "intermediate_size": 191}, None),
+    ("learner.tp=3", MIXTRAL_6, "learner.tp=3: tensor parallel size 3 does not divide num_attention_heads=4"),
+    ("learner.tp=2", {**MIXTRAL_6, "vocab_size": 263}, "learner.tp=2: tensor parallel size 2 does not divide "
+                                                       "vocab_size=263"),
+    # ...whose TP shards (whole experts) are not the engine's per-expert slices: no shard-to-shard publish.
+    ("learner.tp=2 sampler.tp=2 eval.sets=[]", MIXTRAL_6, "sampler.tp=2: at learner.tp=2 an MoE learner keeps "
+                                                          "every expert whole on each TP rank"),
     ("learner.ep=2 learner.dp=2 learner.pp=2 algo.routing_replay=r3", MIXTRAL_6, None),
     ("learner.backend=deepspeed algo.routing_replay=r3 learner.recompute_activations=full", MIXTRAL_6, None),
     ("learner.tp=2 sampler.tp=2 eval.sets=[]", {}, None),

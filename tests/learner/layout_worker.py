@@ -7,7 +7,9 @@ log-probs and metrics it saw, its (tp, pp, dp) ranks, the whole HF-named tensors
 rebuild the full model from those), and its TP slices of them (`publish_shards`) with their bytes.
 A LoRA layout publishes whole adapters only (no shards): it trains two steps on the batch (the first moves only B,
 from zero; the second trains A through the TP collectives too), records the second's metrics and the log-probs
-after it, and saves a checkpoint `{layout}.ckpt` (megarl.checkpoint.learner_state).
+after it, and saves a checkpoint `{layout}.ckpt` (megarl.checkpoint.learner_state); so does a layout with
+"save": true after its step. An MoE model publishes no shards at learner.tp > 1 (whole tensors only), and every
+rank also records `expert_tokens` {(global layer, global expert): tokens its experts computed in the step}.
 """
 import json
 import sys
@@ -30,21 +32,35 @@ for name, layout in layouts.items():
     replay = layout.pop("routing_replay", "off")
     critic = layout.pop("critic", None)
     lora = layout.pop("lora", None)
+    save = layout.pop("save", False)
     learner = MegatronLearner(model_dir, LearnerConfig(**layout, lora=LoraConfig(**(lora or {}))), LossConfig(),
                               routing_replay=replay, critic_cfg=CriticConfig(**critic) if critic is not None else None)
+    expert_tokens = {}
     if lora is None:
         logprobs = learner.logprobs(batch.input_ids, batch.routes)
+        hooks = []
+        for i, decoder_layer in enumerate(learner.gpt.decoder.layers if learner.is_moe else []):
+            for j, expert in enumerate(decoder_layer.mlp.experts.local_experts):
+                key = (learner.layer_offset + i, learner.expert_offset + j)
+                expert_tokens[key] = 0
+                hooks.append(expert.register_forward_hook(lambda mod, inp, out, key=key: expert_tokens.__setitem__(
+                    key, expert_tokens[key] + inp[0].shape[0])))
         metrics = learner.train_step(batch)
+        for hook in hooks:
+            hook.remove()
+        if save:
+            learner_state.save(learner, f"{out_dir}/{name}.ckpt", 1, keep=1, model_dir=model_dir)
     else:
         learner.train_step(batch)
         metrics = learner.train_step(batch)
         logprobs = learner.logprobs(batch.input_ids)
         learner_state.save(learner, f"{out_dir}/{name}.ckpt", 2, keep=1, model_dir=model_dir)
     published = dict(learner.publish_tensors())  # both are collective over TP: every rank iterates
-    shards = dict(learner.publish_shards()) if lora is None else {}  # (LoRA publishes whole adapters only)
+    whole_only = lora is not None or learner.sequence_parallel  # (LoRA: whole adapters; MoE at TP > 1: whole)
+    shards = dict(learner.publish_shards()) if not whole_only else {}
     torch.save({"logprobs": logprobs, "metrics": metrics, "published": published, "shards": shards,
-                "spec": learner.publish_spec(),
-                "shard_spec": learner.publish_spec(shards=True) if lora is None else [],
+                "spec": learner.publish_spec(), "expert_tokens": expert_tokens,
+                "shard_spec": learner.publish_spec(shards=True) if not whole_only else [],
                 "shard_bytes": publish_bytes({n: tuple(t.shape) for n, t in shards.items()}),
                 "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
                 "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),

@@ -52,6 +52,7 @@ SITES = {
     # all_to_all_single refusing the split sizes maybe_move_tensor_to_cpu left as tensors (a TypeError
     # raised in torch under mappings.all_to_all: told apart by its message, see SCRIPT)
     ("tensor_parallel/mappings.py", "all_to_all", "split sizes"): "moe_split_sizes",
+    ("tensor_parallel/layers.py", "LinearWithGradAccumulationAndAsyncCommunication.backward"): "moe_sequence_parallel",
 }
 
 SCRIPT = textwrap.dedent('''
@@ -76,7 +77,7 @@ SCRIPT = textwrap.dedent('''
         torch.manual_seed(0)
         if kind == "mixtral":  # mixture of experts: megatron's MoE layer, alltoall dispatcher
             MixtralForCausalLM(MixtralConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                             num_key_value_heads=1, intermediate_size=32, vocab_size=32,
+                                             num_key_value_heads=2, intermediate_size=32, vocab_size=32,
                                              num_local_experts=4, num_experts_per_tok=2)).save_pretrained(model_dir)
         else:
             Qwen2ForCausalLM(Qwen2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -142,14 +143,15 @@ MOE_SHIMS = {name for name in cpu_shims.SHIMS if name.startswith("moe_")}
 # (model, layout, processes, the shims it must need). The multi-rank layouts start with every other shim
 # applied: a forward-pass failure on the first pipeline stage would leave the last one blocked in
 # its receive, and those shims are already proven by the one-process layout. The mixture-of-experts run
-# (two ranks, each holding 2 of the 4 experts) needs the five MoE shims and none applied beforehand: every
-# MoE failure happens on both ranks before the collective that would pair them.
+# (two ranks at learner.tp=2, so sequence parallel, each holding 2 of the 4 experts) needs the six MoE shims and
+# none of them applied beforehand: every MoE failure happens on both ranks before the collective that would pair
+# them.
 LAYOUTS = [
     ("qwen2", {}, 1, set(cpu_shims.SHIMS) - {"p2p", "tied_embedding_sync", "distributed_optimizer",
                                               "distributed_optimizer_load"} - MOE_SHIMS),
     ("qwen2", {"pp": 2}, 2, {"p2p", "tied_embedding_sync"}),
     ("qwen2", {"dp": 2, "use_distributed_optimizer": True}, 2, {"distributed_optimizer"}),
-    ("mixtral", {"dp": 2, "ep": 2}, 2, MOE_SHIMS),
+    ("mixtral", {"tp": 2, "ep": 2}, 2, MOE_SHIMS),
 ]
 
 
@@ -167,7 +169,7 @@ def _needed_shims(tmp_path, layout: dict, nproc: int, preapplied: list[str], kin
 
 
 @pytest.mark.parametrize("kind, layout, nproc, expected", LAYOUTS,
-                         ids=["tp1", "pp2", "dp2_distributed_optimizer", "moe_ep2"])
+                         ids=["tp1", "pp2", "dp2_distributed_optimizer", "moe_tp2_ep2"])
 def test_each_shim_is_needed_and_sufficient(tmp_path, kind, layout, nproc, expected):
     preapplied = sorted(set(cpu_shims.SHIMS) - expected - (MOE_SHIMS if nproc == 1 else set()))
     assert set(_needed_shims(tmp_path, layout, nproc, preapplied, kind)) == expected

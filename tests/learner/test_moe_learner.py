@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from megarl.algo.config import LossConfig
+from megarl.models.lora import ATTENTION_TARGETS as ATTENTION
 from megarl.protocols import TrainBatch
 from tests.helpers import save_tiny_moe
 
@@ -67,9 +68,14 @@ def test_moe_publishes_the_per_expert_hf_names(moe_dirs, world):
         assert torch.equal(published[name], tensor), name
 
 
-def _batch(ids, behaviour, routes):
+def _batch(ids, behaviour, routes, short_rows=False):
+    """Every row trained from PROMPT on: to its end, or (short_rows) to S, S-1 and S-2 in turn, so micro-batches
+    of 3 rows have odd widths too."""
     mask = torch.zeros_like(behaviour)
     mask[:, PROMPT:] = 1.0
+    if short_rows:
+        for r in range(B):
+            mask[r, S - r % 3:] = 0.0
     adv = torch.randn(B, 1, generator=torch.Generator().manual_seed(1)).expand(B, S) * mask
     return TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour * mask,
                       versions=torch.where(mask > 0, 0, -1), advantages=adv, learner_version=0, routes=routes)
@@ -219,31 +225,95 @@ def test_r3_learner_runs_the_engines_routes_across_an_inflight_update(moe_dirs, 
     assert m["lag0/token_share"] > 0.3 and m["lag0/logprob_gap_abs"] < 1e-5  # (measured at v1, in the step)
 
 
-def test_r3_under_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
-    """A real 2-process torchrun (gloo): PP2 (each stage replays only its own MoE layer) and DP2 x EP2 (each rank
-    holds 2 of the 4 experts; the alltoall sends each token to its replayed experts) give the one-rank r3 learner's
-    log-probs, loss, grad norm and router agreement, and after one step the same whole published weights. The
-    learner's routers are perturbed, so a stage or rank that routed itself would compute another function."""
+def _expected_expert_tokens(batch, micro_batch_size: int, tp: int) -> dict[tuple[int, int], int]:
+    """{(layer, expert): tokens} if every position a one-DP-rank learner computes in a step goes to exactly its
+    recorded experts: each micro-batch is its rows up to its longest, its width padded to a multiple of tp under
+    sequence parallelism (padded positions: experts 0..k-1)."""
+    from megarl.learner import sequence_parallel, step
+
+    micro = step.micro_batches(step.dp_share(batch, 1, 0), micro_batch_size)
+    used = torch.cat([sequence_parallel.pad_micro_batch(mb["input_ids"], mb["routes"], tp)[1].flatten(0, 1)
+                      for mb in micro])  # [positions, layers, k]
+    return {(layer, e): int(n) for layer in range(used.shape[1])
+            for e, n in enumerate(torch.bincount(used[:, layer].reshape(-1).long(), minlength=4))}
+
+
+def _summed(ranks: list[dict], key: str) -> dict:
+    out = {}
+    for rank in ranks:
+        for k, v in rank[key].items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+# learner.lora on an MoE model (its attention: the experts have no gate/up/down projections of their own to adapt).
+# lr 1e-3: this batch's gradients are tiny (loss ~3e-4), and Adam turns their fp32 noise into update noise of
+# ~1e-3 lr (one rank with 3- vs 8-row micro-batches: 1.5e-5 apart at lr 1e-2 after two steps).
+LORA_MOE = {"micro_batch_size": 3, "lr": 1e-3, "lora": {"rank": 4, "alpha": 8.0, "target_modules": list(ATTENTION)}}
+
+
+def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+    """A real 2-process torchrun (gloo): PP2 (each stage replays only its own MoE layer), DP2 x EP2 (each rank
+    holds 2 of the 4 experts; the alltoall sends each token to its replayed experts), TP2 (sequence parallelism:
+    each TP rank's routers get its half of the positions, micro-batch widths padded to even) and TP2 x EP2 (the
+    experts split over the two TP ranks) give the one-rank r3 learner's log-probs, loss, grad norm and router
+    agreement, and after one step the same whole published weights. The learner's routers are perturbed, so a
+    stage or rank that routed itself would compute another function; under TP every position of every layer goes
+    to exactly its recorded experts (counted at the experts, over both ranks). TP2 with replay off gives the
+    one-rank learner's own routing (log-probs, loss, grad norm, agreement). The TP2 r3 learner's checkpoint resumes
+    on one rank: the same weights, and its next two steps are the one-rank learner's (Adam moments included).
+    LoRA on the attention at TP2 (the adapters' collectives over the sequence-parallel positions) gives the
+    one-rank adapter's second step, log-probs and published adapter."""
+    from megarl.checkpoint import learner_state
+    from megarl.config.schema import LoraConfig
     from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results, _sources
 
     perturbed = _perturbed_router_dir(moe_dirs["mixtral"], tmp_path / "perturbed")
     ids = _ids()
     behaviour, routes = _hf_forward(moe_dirs["mixtral"], ids)
-    batch = _batch(ids, behaviour, routes)
+    batch = _batch(ids, behaviour, routes, short_rows=True)
     layouts = {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}}
+               "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", "save": True},
+               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "tp2_off": {"tp": 2, "micro_batch_size": 3},
+               "tp2_lora": {"tp": 2, **LORA_MOE}}
     proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
-    learner = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
-    ref_logprobs = learner.logprobs(ids, routes)
-    ref = learner.train_step(batch)
-    ref_published = dict(learner.publish_tensors())
-    for layout, ranks in _layout_results(proc, tmp_path, layouts, nproc=2, timeout=240).items():
+    refs = {}
+    for replay in ("r3", "off"):
+        learner = _learner(perturbed, routing_replay=replay, micro_batch_size=3)
+        refs[replay] = (learner, learner.logprobs(ids, routes), learner.train_step(batch), dict(learner.publish_tensors()))
+    lora_ref = _learner(perturbed, **{**LORA_MOE, "lora": LoraConfig(**LORA_MOE["lora"])})
+    lora_ref.train_step(batch)
+    lora_step, lora_logprobs = lora_ref.train_step(batch), lora_ref.logprobs(ids)
+    lora_published = dict(lora_ref.publish_tensors())
+    assert min(float(t.abs().max()) for n, t in lora_published.items() if "lora_B" in n) > 1e-3  # every B moved
+    results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=300)
+    for rank in results.pop("tp2_lora"):  # (layout_worker: two steps, then the log-probs; whole adapters)
+        assert _close(rank["logprobs"], lora_logprobs)
+        for key in ("loss", "grad_norm"):
+            assert abs(rank["metrics"][key] - lora_step[key]) <= 1e-5 * abs(lora_step[key]), key
+        assert set(rank["published"]) == set(lora_published)
+        assert all(_close(rank["published"][n], t) for n, t in lora_published.items())
+    assert refs["off"][2]["router/agreement"] < 0.9  # (the perturbed routers disagree: replay shows)
+    for layout, ranks in results.items():
+        _, ref_logprobs, ref, ref_published = refs[layouts[layout].get("routing_replay", "off")]
         for rank in ranks:
             assert _close(rank["logprobs"], ref_logprobs), layout
-            for key in ("loss", "grad_norm", "router/agreement", "router/token_diff_frac"):
+            for key in ("loss", "grad_norm", "router/agreement", "router/token_diff_frac", "lag0/logprob_gap_abs"):
                 assert abs(rank["metrics"][key] - ref[key]) <= 1e-5 * max(1.0, abs(ref[key])), (layout, key)
         published = {}
         for rank in (_sources(ranks) if layout == "pp2" else ranks[:1]):
             published.update(rank["published"])
         assert set(published) == set(ref_published), layout
         assert all(_close(published[n], t) for n, t in ref_published.items()), layout
+        if layout in ("pp2", "tp2", "tp2_ep2"):  # (one DP rank: the micro-batches are the batch's)
+            tp = layouts[layout].get("tp", 1)
+            assert _summed(ranks, "expert_tokens") == _expected_expert_tokens(batch, 3, tp), layout
+    ref_learner = refs["r3"][0]
+    resumed = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
+    learner_state.load(resumed, tmp_path / "tp2.ckpt")
+    assert _close(resumed.logprobs(ids, routes), ref_learner.logprobs(ids, routes))
+    for _ in range(2):  # the second step's loss is of weights the first moved with the resumed Adam moments
+        want = ref_learner.train_step(batch)["loss"]
+        assert abs(resumed.train_step(batch)["loss"] - want) <= 1e-5 * abs(want)
