@@ -21,8 +21,7 @@ import torch
 
 from megarl.models.lora import scale
 from megarl.portable import lora_merge
-
-Spec = list[tuple[str, tuple[int, ...], torch.dtype]]
+from megarl.portable.lora_merge import Spec
 
 
 class MergedLoraSource:
@@ -35,14 +34,15 @@ class MergedLoraSource:
     def __init__(self, learner, lora_cfg, keep: bool):
         self.learner, self.factor = learner, scale(lora_cfg)
         self.spec: Spec = lora_merge.merged_spec(learner.publish_spec())
-        base = learner.adapted_base_tensors()
-        self.base = {name: tensor for name, tensor in base} if keep else None
-        if keep and [(n, tuple(t.shape)) for n, t in self.base.items()] != [(n, s) for n, s, _ in self.spec]:
-            raise RuntimeError(f"the learner's adapted base weights {[(n, tuple(t.shape)) for n, t in self.base.items()]}"
-                               f" are not the adapter's targets {[(n, s) for n, s, _ in self.spec]}")
+        self.base: dict[str, torch.Tensor] | None = None
         if not keep:
-            for _ in base:  # the collectives, nothing kept
+            for _ in learner.adapted_base_tensors():  # its collectives; nothing kept
                 pass
+            return
+        self.base = dict(learner.adapted_base_tensors())
+        got, want = [(n, tuple(t.shape)) for n, t in self.base.items()], [(n, s) for n, s, _ in self.spec]
+        if got != want:
+            raise RuntimeError(f"the learner's adapted base weights {got} are not its adapter's targets {want}")
 
     @property
     def version(self) -> int:

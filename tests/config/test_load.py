@@ -244,7 +244,7 @@ def test_lora_keys_load():
     assert cfg.learner.lora.target_modules == ["q_proj", "v_proj"]
     assert load_config(DEMO, ["learner.lora.rank=8", "sampler.engine=vllm"]).sampler.engine == "vllm"
     # SGLang takes merged weights (megarl/learner/lora_publish.py), whole, so its own TP shards them
-    assert load_config(DEMO, ["learner.lora.rank=8", "sampler.engine=sglang",
+    assert load_config(DEMO, ["learner.lora.rank=8", "sampler.engine=sglang", "sampler.sglang.server=sglang",
                               "sampler.sglang.tp=2"]).sampler.engine == "sglang"
     assert load_config(DEMO, ["learner.lora.rank=8", "learner.tp=2"]).learner.tp == 2  # sampler.tp stays 1
 
