@@ -5,7 +5,8 @@ key to a CriticConfig (advantage.estimator=gae), its "lora" key to a LoraConfig,
 log-probs and metrics it saw, its (tp, pp, dp) ranks, the whole HF-named tensors it publishes
 (`publish_tensors`; the weight publisher's source per stage is its TP/DP rank 0, so the test can
 rebuild the full model from those), and its TP slices of them (`publish_shards`) with their bytes.
-A LoRA layout publishes whole adapters only (no shards): it trains two steps on the batch (the first moves only B,
+A LoRA layout publishes whole adapters only (no shards), and records its SGLang publish (`merged`: the adapted
+weights merged over the base it gathers over TP): it trains two steps on the batch (the first moves only B,
 from zero; the second trains A through the TP collectives too), records the second's metrics and the log-probs
 after it, and saves a checkpoint `{layout}.ckpt` (megarl.checkpoint.learner_state).
 """
@@ -20,6 +21,7 @@ from megarl.algo.config import CriticConfig, LossConfig
 from megarl.checkpoint import learner_state
 from megarl.config.schema import LearnerConfig, LoraConfig
 from megarl.distributed.lifetime import exit_process
+from megarl.learner.lora_publish import MergedLoraSource
 from megarl.learner.megatron import MegatronLearner, publish_bytes
 
 model_dir, batch_path, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
@@ -42,7 +44,9 @@ for name, layout in layouts.items():
         learner_state.save(learner, f"{out_dir}/{name}.ckpt", 2, keep=1, model_dir=model_dir)
     published = dict(learner.publish_tensors())  # both are collective over TP: every rank iterates
     shards = dict(learner.publish_shards()) if lora is None else {}  # (LoRA publishes whole adapters only)
-    torch.save({"logprobs": logprobs, "metrics": metrics, "published": published, "shards": shards,
+    # LoRA on SGLang: the adapted weights merged, the base gathered over TP (collective; every rank keeps it here)
+    merged = dict(MergedLoraSource(learner, learner.lora, keep=True).publish_tensors()) if lora is not None else {}
+    torch.save({"logprobs": logprobs, "metrics": metrics, "published": published, "shards": shards, "merged": merged,
                 "spec": learner.publish_spec(),
                 "shard_spec": learner.publish_spec(shards=True) if lora is None else [],
                 "shard_bytes": publish_bytes({n: tuple(t.shape) for n, t in shards.items()}),
