@@ -23,6 +23,7 @@ from torch.distributed import HashStore, TCPStore
 
 from megarl.distributed.sglang_publish import SGLangPublisher
 from megarl.sampler.model import load_pretrained
+from tests.helpers import draw_adapter
 
 LORA = {"rank": 4, "alpha": 8.0}
 
@@ -53,12 +54,7 @@ def lora_version(model_dir: str, out: str, version: int):
 
     cfg = LoraConfig(**LORA)
     hf_config, base = load_pretrained(model_dir)
-    gen, adapter = torch.Generator().manual_seed(version), {}
-    for name, shape, _ in lora.adapter_spec(hf_config, cfg):
-        adapter[name] = torch.randn(shape, generator=gen)
-        if name.endswith("lora_B.weight"):
-            a, w = adapter[name.replace("lora_B", "lora_A")], base[name.replace(".lora_B.weight", ".weight")]
-            adapter[name] *= 0.5 * w.std() / (lora.scale(cfg) * (adapter[name] @ a).std())
+    adapter = draw_adapter(base, hf_config, cfg, seed=version)
     lora.save_peft(out + ".tmp", adapter, cfg, model_dir)
     Path(out + ".tmp").rename(out)
     return MergedLoraSource(AdapterLearner(base, adapter, version), cfg, keep=True)
