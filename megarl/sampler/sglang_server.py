@@ -508,8 +508,17 @@ class Server:
         return HTTPStatus.OK, {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def destroy_group(self, body):
-        if self.loop.groups.pop(body.get("group_name", "weight_update_group"), None) is None:
+        """SGLang's destroy_weights_update_group: the process group itself goes too, so its name can be joined again."""
+        import torch.distributed as dist
+
+        group = self.loop.groups.pop(body.get("group_name", "weight_update_group"), None)
+        if group is None:
             return HTTPStatus.BAD_REQUEST, {"success": False, "message": "The group to be destroyed does not exist."}
+        try:
+            dist.destroy_process_group(group)
+        except Exception as exc:  # noqa: BLE001 - SGLang reports any failure in the body
+            return HTTPStatus.BAD_REQUEST, {"success": False,
+                                            "message": f"Failed to destroy custom process group: {exc}."}
         return HTTPStatus.OK, {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def begin_update(self, body=None):
