@@ -1,5 +1,6 @@
-"""megarl.portable.lora_merge: the one LoRA merge (the built-in engine's AdapterStager, megarl's vLLM worker and the
-learner's merged publish to SGLang all run it); checked against the formula and, for whole models, against peft in tests/learner/test_lora.py."""
+"""megarl.portable.lora_merge: the one LoRA merge (the built-in engine's AdapterStager, megarl's vLLM worker and
+the learner's merged publish to SGLang all run it); checked against the formula and, for whole models, against
+peft in tests/learner/test_lora.py."""
 from __future__ import annotations
 
 import pytest

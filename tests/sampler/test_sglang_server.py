@@ -215,8 +215,9 @@ def test_a_lora_version_is_a_partial_update_of_merged_weights_landing_in_flight(
 
 
 def check_spanning_in_place(server: Server, final: dict, old: dict, new: dict) -> None:
-    """The long request crossed the update paused in place: versions [0]*k + [1]*(n-k), the old weights' log-probs
-    before, the new weights' over the old weights' KV after (and neither the old weights' nor a recomputed KV's)."""
+    """The long request crossed the update to version v paused in place: versions [v-1]*k + [v]*(n-k), the old
+    weights' log-probs before, the new weights' over the old weights' KV after (and neither the old weights' nor a
+    recomputed KV's)."""
     meta = final["meta_info"]
     n = len(final["output_ids"])
     assert meta["finish_reason"] == {"type": "length", "length": 450} and meta["completion_tokens"] == n == 450
