@@ -20,7 +20,8 @@ JSON with the tail of its log, and the rest still run:
                     and the lag-0 log-prob gap with algo.routing_replay off and r3 (docs/moe.md)
   lora              learner.lora (rank 32, every projection) on the megatron learner: trainable parameters, step
                     time, peak memory (vs learner_step's full fine-tuning); adapter-only publish bytes; the engine's
-                    merge-and-stage time; lag-0 gap of the engine's log-probs under the adapter vs the learner's
+                    merge-and-stage time; lag-0 gap of the engine's log-probs under the adapter vs the learner's;
+                    sampler.engine=sglang's merged publish on the learner: bytes, kept base, gather and merge time
   distill           on-policy distillation: learner_step's bf16 step with a frozen HF teacher (the same
                     random weights) on the learner rank: teacher seconds per step against the step, peak
                     GPU memory, and the step-0 teacher KL (megatron vs transformers bf16 on one model)
@@ -441,11 +442,13 @@ def check_lora(args, size: Size) -> dict:
     """learner.lora at the check's model shape (docs/lora.md): the megatron learner with a rank-`lora_rank` adapter on
     every projection (trainable parameters, step time, peak GPU memory: compare learner_step's full fine-tuning), the
     adapter-only publish (bytes vs the full model's), the built-in engine's merge-and-stage of it (AdapterStager), and
-    the lag-0 gap between the engine's behaviour log-probs under the adapter and the learner's."""
+    the lag-0 gap between the engine's behaviour log-probs under the adapter and the learner's; and what a version
+    costs the learner under sampler.engine=sglang (MergedLoraSource: merged bytes, kept base, base gather, merge)."""
     import torch
 
     from megarl.algo.config import LossConfig
     from megarl.config.schema import LearnerConfig, LoraConfig
+    from megarl.learner.lora_publish import MergedLoraSource
     from megarl.learner.megatron import MegatronLearner
     from megarl.models.convert import load_pretrained
     from megarl.protocols import GenerationRequest, SamplingParams
@@ -466,6 +469,16 @@ def check_lora(args, size: Size) -> dict:
     start = time.perf_counter()
     adapter = dict(learner.publish_tensors())
     adapter_s = time.perf_counter() - start
+    # sampler.engine=sglang: a version is the adapted weights merged on the learner (MergedLoraSource), over the
+    # adapted base it gathers once and keeps on the host.
+    start = time.perf_counter()
+    source = MergedLoraSource(learner, lora_cfg, keep=True)
+    base_s = time.perf_counter() - start
+    start = time.perf_counter()
+    merged_bytes = sum(t.numel() * t.element_size() for _, t in source.publish_tensors())
+    sglang = {"merged_bytes_fp32": merged_bytes, "base_kept_bytes": source.base_bytes,
+              "base_gather_s": round(base_s, 4), "merge_s": round(time.perf_counter() - start, 4)}
+    del source
     hf_config, base = load_pretrained(str(model_dir))
     full_fp32_bytes = sum(t.numel() for t in base.values()) * 4
     prompts = random_prompts(size.parity_rows, vocab, seed=1)
@@ -492,7 +505,7 @@ def check_lora(args, size: Size) -> dict:
     out = {"rank": lora_cfg.rank, "targets": len(lora_cfg.target_modules), "params": params, "trainable": trainable,
            "median_step_s": round(sorted(times)[len(times) // 2], 4), "learner_peak_gpu_gib": learner_peak,
            "adapter_bytes_fp32": sum(t.numel() for t in adapter.values()) * 4, "full_bytes_fp32": full_fp32_bytes,
-           "adapter_tensors_s": round(adapter_s, 4), "engine_merge_stage_s": round(stage_s, 4),
+           "adapter_tensors_s": round(adapter_s, 4), "engine_merge_stage_s": round(stage_s, 4), "sglang": sglang,
            "lag0_gap": {"max_abs": round(float(gap.max()), 4), "mean_abs": round(float(gap.mean()), 5)},
            "engine_dtype": str(engine._weights.dtype), "peak_gpu_gib": peak_gib()}
     if not torch.isfinite(gap).all():

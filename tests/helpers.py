@@ -86,3 +86,19 @@ def train_metrics(run_dir) -> list[dict]:
 
     path = Path(run_dir) / "metrics.jsonl"
     return train_records(read_jsonl(path)) if path.exists() else []
+
+
+def draw_adapter(base: dict, hf_config: dict, lora_cfg, seed: int) -> dict:
+    """A random adapter of `lora_cfg` (megarl.models.lora's names) whose update, alpha / r * B @ A, is about half
+    each adapted weight's spread in `base`: a version whose tokens tell it from the base at a glance."""
+    import torch
+
+    from megarl.models import lora
+
+    gen, adapter = torch.Generator().manual_seed(seed), {}
+    for name, shape, _ in lora.adapter_spec(hf_config, lora_cfg):
+        adapter[name] = torch.randn(shape, generator=gen)
+        if name.endswith("lora_B.weight"):
+            a, w = adapter[name.replace("lora_B", "lora_A")], base[name.replace(".lora_B.weight", ".weight")]
+            adapter[name] *= 0.5 * w.std() / (lora.scale(lora_cfg) * (adapter[name] @ a).std())
+    return adapter

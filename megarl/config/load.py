@@ -434,10 +434,6 @@ def _validate_lora(cfg: Config) -> None:
              f"learner.lora publishes whole adapters, which a sampler.tp=1 engine takes (got sampler.tp="
              f"{cfg.sampler.tp}): the built-in engine's shard-to-shard publish does not split adapters yet")
     _require(lc.ep == 1, "learner.ep", f"learner.lora is not tried with expert parallelism yet (got {lc.ep})")
-    _require(cfg.sampler.engine in ("builtin", "vllm"), "sampler.engine",
-             f"learner.lora publishes only the adapter, which the built-in engine and vLLM apply in flight; "
-             f"sampler.engine={cfg.sampler.engine} has no in-flight adapter path in megarl yet (its server loads "
-             "adapters by name, pinned per request: docs/lora.md); use sampler.engine=builtin or vllm")
 
 
 def _validate_deepspeed(lc) -> None:

@@ -366,13 +366,22 @@ class DeepSpeedLearner:
             return hf_lora.adapter_parameters(self.module, self.hf_config, self.lora)
         return list(self.module.named_parameters())
 
-    def _in_memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """publish_tensors before an MoE model's fused experts are split into save_pretrained's names."""
+    def adapted_base_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """learner.lora: the frozen base of every weight the adapter adapts (peft's ``base_layer`` weights), HF-named,
+        whole fp32 CPU tensors in adapter_spec's order (megarl/learner/lora_publish.py keeps them to publish merged
+        weights); collective as publish_tensors (ZeRO-3 gathers them a bucket at a time)."""
+        yield from self._in_memory_tensors(hf_lora.base_parameters(self.module, self.hf_config, self.lora))
+
+    def _in_memory_tensors(self, named: list[tuple[str, torch.nn.Parameter]] | None = None
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """publish_tensors before an MoE model's fused experts are split into save_pretrained's names (or the
+        tensors of other `named` parameters)."""
+        named = self._published_parameters() if named is None else named
         if self.zero_stage < 3:
-            for name, param in self._published_parameters():
+            for name, param in named:
                 yield name, param.detach().to(device="cpu", dtype=torch.float32)
             return
-        for bucket, flat in self.publish_buckets():
+        for bucket, flat in self.publish_buckets(named):
             for slot in bucket.slots:
                 yield slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
@@ -383,14 +392,16 @@ class DeepSpeedLearner:
                 for hf_name, t in moe.per_expert_tensors(self.hf_config, name, torch.empty(
                     tuple(getattr(p, "ds_shape", p.shape)), device="meta"))]
 
-    def publish_buckets(self) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    def publish_buckets(self, named: list[tuple[str, torch.nn.Parameter]] | None = None
+                        ) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """ZeRO-3: the weight publisher's own bucket plan over `publish.bucket_mb` (megarl.distributed.
         publish.plan_buckets), each bucket's parameters gathered with ONE GatheredParameters over all of
         them and copied straight into a fresh flat fp32 CPU buffer; the device holds at most one gathered
-        bucket beyond its partition. Collective over the learner ranks."""
+        bucket beyond its partition. Collective over the learner ranks. `named`: other (name, parameter)s than
+        what a version publishes."""
         import deepspeed
 
-        named = self._published_parameters()
+        named = self._published_parameters() if named is None else named
         params = dict(named)
         spec = [(name, tuple(p.ds_shape), torch.float32) for name, p in named]
         for bucket in plan_buckets(spec, self.bucket_bytes):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from megarl.models import lora, moe
+from megarl.portable import lora_merge
 
 ADAPTER_NAME = "default"  # peft's name of the one adapter megarl trains
 
@@ -54,6 +55,14 @@ def adapter_parameters(peft_model: nn.Module, hf_config: dict, lora_cfg) -> list
     (what the engine's AdapterStager checks a version against)."""
     params = dict(peft_model.named_parameters())
     return [(name, params[peft_key(name)]) for name, _, _ in lora.adapter_spec(hf_config, lora_cfg)]
+
+
+def base_parameters(peft_model: nn.Module, hf_config: dict, lora_cfg) -> list[tuple[str, nn.Parameter]]:
+    """(HF weight name, peft's frozen ``base_layer`` parameter) of every weight the adapter adapts, in adapter_spec's
+    order of their A tensors."""
+    params = dict(peft_model.named_parameters())
+    return [(name, params[f"{lora.PEFT_PREFIX}{name[:-len('.weight')]}.base_layer.weight"])
+            for name, _, _ in lora_merge.merged_spec(lora.adapter_spec(hf_config, lora_cfg))]
 
 
 def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -303,10 +303,7 @@ class MegatronLearner:
         """What publish_tensors / publish_shards yield, from the same conversion run on meta tensors of the
         shapes they would have (whole: the TP-split dim times tp); local, nothing is gathered."""
         def meta(name: str, param: torch.Tensor) -> torch.Tensor:
-            shape = list(param.shape)
-            if not shards and self._tp_dim[name] is not None:
-                shape[self._tp_dim[name]] *= self.cfg.tp
-            return torch.empty(shape, dtype=torch.float32, device="meta")
+            return self._meta(name, param, whole=not shards)
 
         if shards:
             self._check_shards_publishable()
@@ -315,6 +312,34 @@ class MegatronLearner:
                     for name, t in self._adapter_tensors(meta)]
         return [(name, tuple(t.shape), t.dtype)
                 for name, t in self._hf_tensors(meta, tp_size=self.cfg.tp if shards else 1)]
+
+    def _meta(self, name: str, param: torch.Tensor, whole: bool = True) -> torch.Tensor:
+        """A meta fp32 tensor of a parameter's whole (TP=1) shape (the TP-split dim times tp), or its local one."""
+        shape = list(param.shape)
+        if whole and self._tp_dim[name] is not None:
+            shape[self._tp_dim[name]] *= self.cfg.tp
+        return torch.empty(shape, dtype=torch.float32, device="meta")
+
+    def adapted_base_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """learner.lora: the frozen base of every weight this stage's adapter adapts, HF-named, whole fp32 CPU tensors
+        in adapter_spec's order (megarl/learner/lora_publish.py keeps them to publish merged weights). Only the
+        adapted linears' weights are gathered (collective over TP, as publish_tensors); the rest of the conversion
+        runs on meta tensors."""
+        from megarl.models.lora import FUSED_GROUPS
+        from megarl.portable.lora_merge import merged_spec
+
+        adapted = {fused for fused, group in FUSED_GROUPS.items() if group[0] in self.lora.target_modules}
+
+        def tensor(name: str, param: torch.Tensor) -> torch.Tensor:
+            linear = name.rsplit(".", 2)  # (a LoRA parameter ends in .lora.lora_A / .lora.lora_B)
+            if linear[-1] == "weight" and linear[-2] in adapted:
+                return self._tp_gather(name, param)
+            return self._meta(name, param)
+
+        targets = {name for name, _, _ in merged_spec(self.publish_spec())}
+        for name, t in self._hf_tensors(tensor, tp_size=1):
+            if name in targets:
+                yield name, t
 
     def _hf_tensors(self, megatron_tensor, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
         """This stage's HF-named tensors, built from megatron_tensor(name, param) of each parameter: the

@@ -2,8 +2,9 @@
 
 The one definition of the merge. The built-in engine's AdapterStager uses it through `megarl.models.lora.merge`;
 megarl's vLLM worker extension runs it inside the vLLM server (which is why it imports only torch: see
-megarl/portable/__init__.py). Adapter tensors are named as PEFT names them without its ``base_model.model.``
-prefix: ``<weight name minus .weight>.lora_A.weight`` [rank, in] and ``...lora_B.weight`` [out, rank].
+megarl/portable/__init__.py); the learner runs it to publish merged weights to SGLang (megarl/learner/lora_publish.py).
+Adapter tensors are named as PEFT names them without its ``base_model.model.`` prefix: ``<weight name minus
+.weight>.lora_A.weight`` [rank, in] and ``...lora_B.weight`` [out, rank].
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 LORA_A = ".lora_A.weight"
 LORA_B = ".lora_B.weight"
+Spec = list[tuple[str, tuple[int, ...], torch.dtype]]  # (name, shape, dtype) of each tensor, in order
 
 
 def adapted_weight(a_name: str) -> str:
@@ -57,3 +59,11 @@ def merged_weights(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tenso
             yield name, w
             continue
         yield name, merge_one(w, adapter[a_name], adapter[name.removesuffix(".weight") + LORA_B], factor)
+
+
+def merged_spec(adapter_spec: Spec) -> Spec:
+    """(weight name, (out, in), dtype) of every weight an adapter with this (name, shape, dtype) spec adapts, in the
+    order of its A tensors: what a version carries when it is published merged (megarl/learner/lora_publish.py)."""
+    shapes = {name: shape for name, shape, _ in adapter_spec}
+    return [(adapted_weight(name), (shapes[name[:-len(LORA_A)] + LORA_B][0], shape[1]), dtype)
+            for name, shape, dtype in adapter_spec if name.endswith(LORA_A)]

@@ -149,7 +149,8 @@ def publish_weights(learner, publisher, extra: dict, heartbeats: HeartbeatMonito
     come), so no rank holds a second copy of the model.
 
     A broadcast that times out is usually a sampler that stopped receiving: the source says which
-    samplers' heartbeats went quiet (it observes them before every publish, so it knows for how long)."""
+    samplers' heartbeats went quiet (it observes them before every publish, so it knows for how long).
+    `learner` is the learner, or what stands in for it here (lora_publish.MergedLoraSource)."""
     tensors = learner.publish_shards() if shards else learner.publish_tensors()
     if publisher is not None:
         if heartbeats is not None:
@@ -276,6 +277,14 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     learner = build_learner(str(model_dir), cfg)  # learner.backend: megatron | deepspeed
     startup.mark("model build")
     resumed = learner_state.load(learner, resume_from) if resume_from is not None else None
+    source = learner  # what a version publishes
+    if sglang and cfg.learner.lora.rank > 0:  # SGLang takes the adapted weights merged (megarl/learner/lora_publish.py)
+        from megarl.learner.lora_publish import MergedLoraSource
+
+        source = MergedLoraSource(learner, cfg.learner.lora, keep=lead)
+        if lead:
+            print(f"megarl: learner.lora with sampler.engine=sglang: publishing {len(source.spec)} merged weights; "
+                  f"their base held for it: {source.base_bytes / 2**20:.1f} MiB", flush=True)
     start_step = resumed["step"] if resumed else 0
     schedule = Schedule(cfg, start_step)
     intake, outputs, collector = None, None, None
@@ -306,7 +315,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     note = outputs.console.note if lead else print  # messages never glued onto the progress line
     try:
         if resumed:  # the samplers generate nothing before they run the resumed weights
-            publish_weights(learner, publisher, intake.header() if lead else {}, heartbeats, topo.num_learners,
+            publish_weights(source, publisher, intake.header() if lead else {}, heartbeats, topo.num_learners,
                             shards)
         nonfinite = NonfiniteSteps(cfg.learner.max_nonfinite_in_row, "learner",
                                    "Lower learner.lr or check the rewards and data.")
@@ -333,7 +342,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             published = {"bytes": 0, "seconds": 0.0}
             if learner.version != version:  # a skipped (non-finite) step changed nothing to publish
                 # The lead's header also carries the bookkeeping.
-                published = publish_weights(learner, publisher, intake.header() if lead else {}, heartbeats,
+                published = publish_weights(source, publisher, intake.header() if lead else {}, heartbeats,
                                             topo.num_learners, shards)
             wall.append(time.time())
             if lead:

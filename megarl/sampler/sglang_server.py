@@ -14,7 +14,9 @@ POST /generate (input_ids; sampling_params; return_logprob; return_routed_expert
 stream as SSE `data: {...}` + `data: [DONE]`),
 /pause_generation {mode: abort|in_place|retract}, /continue_generation, /flush_cache,
 /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed (per tensor, or
-load_format "flattened_bucket"), /end_weight_update, /destroy_weights_update_group.
+load_format "flattened_bucket"), /end_weight_update, /destroy_weights_update_group. An update may name any
+subset of the model's weights, as SGLang's loaders take one (learner.lora's merged adapted weights); the weights
+it does not name keep their values.
 
 What it enforces as SGLang IMITATES does (tests/sampler/sglang_contract/ checks megarl against that
 release's own code): an update outside a begin/end_weight_update session fails (HTTP 400,
@@ -66,7 +68,9 @@ Where it differs from SGLang:
   * a client that hangs up is noticed within DISCONNECT_POLL_S (or at the next chunk write) and its
     request aborted at the next step boundary (SGLang aborts it 2 s after the response ends,
     TokenizerManager.create_abort_task); the abort of a queued request has no special message;
-  * there is no prefix cache: /flush_cache only reports whether SGLang would have flushed (idle or not).
+  * there is no prefix cache: /flush_cache only reports whether SGLang would have flushed (idle or not);
+  * an update naming a weight the model does not have is refused (HTTP 400); SGLang's Qwen2 loader skips it with a
+    warning.
 """
 from __future__ import annotations
 
@@ -504,8 +508,17 @@ class Server:
         return HTTPStatus.OK, {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def destroy_group(self, body):
-        if self.loop.groups.pop(body.get("group_name", "weight_update_group"), None) is None:
+        """SGLang's destroy_weights_update_group: the process group itself goes too, so its name can be joined again."""
+        import torch.distributed as dist
+
+        group = self.loop.groups.pop(body.get("group_name", "weight_update_group"), None)
+        if group is None:
             return HTTPStatus.BAD_REQUEST, {"success": False, "message": "The group to be destroyed does not exist."}
+        try:
+            dist.destroy_process_group(group)
+        except Exception as exc:  # noqa: BLE001 - SGLang reports any failure in the body
+            return HTTPStatus.BAD_REQUEST, {"success": False,
+                                            "message": f"Failed to destroy custom process group: {exc}."}
         return HTTPStatus.OK, {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def begin_update(self, body=None):

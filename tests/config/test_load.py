@@ -245,7 +245,6 @@ def test_multi_turn_keys_are_checked_naming_the_key(overrides, message):
     ("learner.lora.rank=8 learner.lora.target_modules=[up_proj]",
      "learner.lora.target_modules: gate_proj/up_proj are one fused linear"),
     ("learner.lora.rank=8 learner.tp=2 sampler.tp=2", "sampler.tp: learner.lora publishes whole adapters"),
-    ("learner.lora.rank=8 sampler.engine=sglang", "sampler.engine: learner.lora publishes only the adapter"),
 ])
 def test_lora_keys_and_what_cannot_take_an_adapter_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")
@@ -261,6 +260,9 @@ def test_lora_keys_load():
                              "learner.lora.target_modules=[q_proj,v_proj]"])
     assert cfg.learner.lora.target_modules == ["q_proj", "v_proj"]
     assert load_config(DEMO, ["learner.lora.rank=8", "sampler.engine=vllm"]).sampler.engine == "vllm"
+    # SGLang takes merged weights (megarl/learner/lora_publish.py), whole, so its own TP shards them
+    assert load_config(DEMO, ["learner.lora.rank=8", "sampler.engine=sglang", "sampler.sglang.server=sglang",
+                              "sampler.sglang.tp=2"]).sampler.engine == "sglang"
     assert load_config(DEMO, ["learner.lora.rank=8", "learner.tp=2"]).learner.tp == 2  # sampler.tp stays 1
 
 

@@ -20,6 +20,7 @@ from megarl.checkpoint.export import export_hf
 from megarl.config.schema import DeepSpeedConfig, LearnerConfig, LoraConfig
 from megarl.distributed.lifetime import exit_process
 from megarl.learner.deepspeed import DeepSpeedLearner
+from megarl.learner.lora_publish import MergedLoraSource
 
 
 
@@ -53,6 +54,8 @@ for case in cases:
                                 if n in frozen and not torch.equal(getattr(p, "ds_tensor", p).detach(), frozen[n])]
         record["trainable"] = sorted(n for n, p in learner.module.named_parameters() if p.requires_grad)
         record["logprobs_after_step1"] = learner.logprobs(batches[0].input_ids)
+        # What a version is on SGLang: the adapted weights merged, the base gathered from the ZeRO-3 partitions.
+        record["merged_after_step1"] = dict(MergedLoraSource(learner, cfg.lora, keep=True).publish_tensors())
     root = out_dir / f"{case['name']}.ckpt"
     learner_state.save(learner, root, step=1, keep=2, model_dir=case["model_dir"])
     if critic_cfg is not None:  # the values the exported critic must give

@@ -5,7 +5,8 @@ key to a CriticConfig (advantage.estimator=gae), its "lora" key to a LoraConfig,
 log-probs and metrics it saw, its (tp, pp, dp) ranks, the whole HF-named tensors it publishes
 (`publish_tensors`; the weight publisher's source per stage is its TP/DP rank 0, so the test can
 rebuild the full model from those), and its TP slices of them (`publish_shards`) with their bytes.
-A LoRA layout publishes whole adapters only (no shards): it trains two steps on the batch (the first moves only B,
+A LoRA layout publishes whole adapters only (no shards), and records its SGLang publish (`merged`: the adapted
+weights merged over the base it gathers over TP): it trains two steps on the batch (the first moves only B,
 from zero; the second trains A through the TP collectives too), records the second's metrics and the log-probs
 after it, and saves a checkpoint `{layout}.ckpt` (megarl.checkpoint.learner_state); so does a layout with
 "save": true after its step. An MoE model publishes no shards at learner.tp > 1 (whole tensors only), and every
@@ -22,6 +23,7 @@ from megarl.algo.config import CriticConfig, LossConfig
 from megarl.checkpoint import learner_state
 from megarl.config.schema import LearnerConfig, LoraConfig
 from megarl.distributed.lifetime import exit_process
+from megarl.learner.lora_publish import MergedLoraSource
 from megarl.learner.megatron import MegatronLearner, publish_bytes
 
 model_dir, batch_path, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
@@ -58,7 +60,9 @@ for name, layout in layouts.items():
     published = dict(learner.publish_tensors())  # both are collective over TP: every rank iterates
     whole_only = lora is not None or learner.sequence_parallel  # (LoRA: whole adapters; MoE at TP > 1: whole)
     shards = dict(learner.publish_shards()) if not whole_only else {}
-    torch.save({"logprobs": logprobs, "metrics": metrics, "published": published, "shards": shards,
+    # LoRA on SGLang: the adapted weights merged, the base gathered over TP (collective; every rank keeps it here)
+    merged = dict(MergedLoraSource(learner, learner.lora, keep=True).publish_tensors()) if lora is not None else {}
+    torch.save({"logprobs": logprobs, "metrics": metrics, "published": published, "shards": shards, "merged": merged,
                 "spec": learner.publish_spec(), "expert_tokens": expert_tokens,
                 "shard_spec": learner.publish_spec(shards=True) if not whole_only else [],
                 "shard_bytes": publish_bytes({n: tuple(t.shape) for n, t in shards.items()}),

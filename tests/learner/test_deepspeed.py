@@ -220,12 +220,15 @@ def test_nonfinite_step_is_skipped(runs, case):
 def test_lora_publishes_and_trains_only_the_adapter(runs, models, case):
     """Every version is the adapter alone, in megarl.models.lora's names (the megatron learner's, which the
     engine's AdapterStager takes) and adapter_spec's order; B starts at zero (the base is the initial policy),
-    only the adapter requires gradients, the frozen base does not move, and the KL reference stays the base."""
+    only the adapter requires gradients, the frozen base does not move, and the KL reference stays the base. On
+    SGLang a version is the adapted weights merged, over the base gathered from the ZeRO-3 partitions."""
     from megarl.config.schema import LoraConfig
-    from megarl.models.lora import adapter_spec
+    from megarl.models.convert import load_pretrained
+    from megarl.models.lora import adapter_spec, merge, scale
+    from megarl.portable.lora_merge import merged_spec
 
     lora_cfg = LoraConfig(**LORA_CASES[case][1]["lora"])
-    hf_config = json.loads((Path(models[LORA_CASES[case][0]]) / "config.json").read_text())
+    hf_config, base = load_pretrained(models[LORA_CASES[case][0]])
     spec = adapter_spec(hf_config, lora_cfg)
     for rank in runs[1][case]:
         assert rank["spec"] == spec and [(n, tuple(t.shape), t.dtype) for n, t in rank["initial"].items()] == spec
@@ -234,6 +237,10 @@ def test_lora_publishes_and_trains_only_the_adapter(runs, models, case):
         assert rank["trainable"] and all(".lora_A.default." in n or ".lora_B.default." in n for n in rank["trainable"])
         assert len(rank["trainable"]) == len(spec) and rank["base_moved"] == []
         assert rank["step1"]["kl_ref/mean"] == 0.0 and rank["step2"]["kl_ref/mean"] != 0.0
+        # On SGLang (lora_publish.MergedLoraSource): the adapted weights only, the checkpoint's base + the adapter
+        merged = merge(base, rank["after_step1"], scale(lora_cfg))
+        assert list(rank["merged_after_step1"]) == [n for n, _, _ in merged_spec(spec)]
+        assert all((t - merged[n]).abs().max() <= 1e-6 for n, t in rank["merged_after_step1"].items())
 
 
 @pytest.mark.parametrize("case", LORA_CASES)

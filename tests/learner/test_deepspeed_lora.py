@@ -72,6 +72,16 @@ def test_published_adapter_in_the_engine_is_peft_merged(model_dir, world, tmp_pa
             assert (want - _logprobs(base, ids)[0, n:]).abs().max() > 1e-2  # the adapter does show
         assert (torch.tensor(c.logprobs) - want).abs().max() <= 1e-5  # the engine: base + published adapter
         assert (learner.logprobs(ids)[0, n:] - want).abs().max() <= 1e-5  # the learner: peft, unmerged
+    # What a version is on SGLang (MergedLoraSource): only the adapted weights, merged into peft's frozen base
+    # layers; each is peft's merge.
+    from megarl.learner.lora_publish import MergedLoraSource
+
+    source = MergedLoraSource(learner, LORA, keep=True)
+    sent = dict(source.publish_tensors())
+    assert list(sent) == [n.replace(".lora_A.weight", ".weight") for n in adapter if n.endswith(".lora_A.weight")]
+    theirs = merged.state_dict()
+    assert all((t - theirs[n]).abs().max() <= 1e-6 for n, t in sent.items())
+    assert any((t - base.state_dict()[n]).abs().max() > 1e-2 for n, t in sent.items())
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,20 @@ def test_adapter_equals_peft_and_the_merged_weights(model_dir, world, tmp_path):
     hf.load_state_dict(merged, strict=False)
     with torch.no_grad():
         assert (_logprobs(hf, ids) - theirs).abs().max() <= 2e-5
+    # What a version is on SGLang (MergedLoraSource): only the adapted weights, merged into the base the learner
+    # gathered from itself, which is the checkpoint's.
+    from megarl.learner.lora_publish import MergedLoraSource
+
+    source = MergedLoraSource(learner, learner.lora, keep=True)
+    checkpoint = dict(Qwen2ForCausalLM.from_pretrained(model_dir).state_dict())
+    targets = [n.replace(".lora_A.weight", ".weight") for n, _, _ in learner.publish_spec() if "lora_A" in n]
+    assert list(source.base) == targets and all(torch.equal(source.base[n], checkpoint[n]) for n in targets)
+    sent = dict(source.publish_tensors())
+    assert source.publish_spec() == [(n, tuple(t.shape), torch.float32) for n, t in sent.items()]
+    assert list(sent) == targets and source.base_bytes == sum(t.numel() * 4 for t in sent.values())
+    hf.load_state_dict({**checkpoint, **sent}, strict=False)
+    with torch.no_grad():
+        assert (_logprobs(hf, ids) - theirs).abs().max() <= 2e-5
 
 
 def test_only_the_adapter_trains(model_dir, world):

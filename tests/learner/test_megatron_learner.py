@@ -247,8 +247,9 @@ def test_every_layout_matches_tp1(model_dir, world, tmp_path):
     distributed optimizer give the TP1 per-token log-probs, loss and grad norm, and one optimizer step
     gives the same full weights, all to 1e-5 relative.  Every layout's publish_shards are its TP slices. The critic
     (advantage.estimator=gae) gives the TP1 critic's metrics and the policy loss over DP2 and PP2. LoRA over TP2
-    gives the TP1 adapter's second step, log-probs and whole published adapter; its checkpoint (TP-split adapter and
-    Adam moments) exports the TP1 adapter and resumes on a TP1 learner to the TP1 run's third step."""
+    gives the TP1 adapter's second step, log-probs and whole published adapter, and its SGLang publish (the adapted
+    weights merged over the base gathered over TP) is the checkpoint's base + that adapter; its checkpoint (TP-split
+    adapter and Adam moments) exports the TP1 adapter and resumes on a TP1 learner to the TP1 run's third step."""
     from dataclasses import replace
 
     from megarl.algo.config import CriticConfig
@@ -256,6 +257,8 @@ def test_every_layout_matches_tp1(model_dir, world, tmp_path):
     from megarl.checkpoint import export, learner_state
     from megarl.config.schema import LearnerConfig, LoraConfig
     from megarl.learner.megatron import MegatronLearner
+    from megarl.models import convert, lora
+    from megarl.portable.lora_merge import merged_spec
 
     batch = _batch(_hf(model_dir), seed=5)
     batch = replace(batch, rewards=terminal_rewards(batch.input_ids[:, PROMPT].float() % 3, batch.loss_mask))
@@ -281,6 +284,9 @@ def test_every_layout_matches_tp1(model_dir, world, tmp_path):
     lora_step = lora_ref.train_step(batch)
     lora_logprobs, lora_published = lora_ref.logprobs(batch.input_ids), dict(lora_ref.publish_tensors())
     assert (lora_logprobs - ref_logprobs).abs().max() > 1e-2  # the adapter moved: B and A both matter below
+    # On SGLang a version is the adapted weights merged: the checkpoint's base + the TP1 adapter.
+    lora_merged = lora.merge(convert.load_pretrained(model_dir)[1], lora_published, lora.scale(lora_ref.lora))
+    lora_merged = {n: lora_merged[n] for n, _, _ in merged_spec(lora_ref.publish_spec())}
 
     results = _layout_results(proc, tmp_path, every, nproc=2, timeout=300)
     for layout in LORA_LAYOUTS:
@@ -290,6 +296,8 @@ def test_every_layout_matches_tp1(model_dir, world, tmp_path):
                 assert abs(rank["metrics"][key] - lora_step[key]) <= 1e-5 * abs(lora_step[key]), (layout, key)
             assert rank["spec"] == lora_ref.publish_spec() and set(rank["published"]) == set(lora_published)
             assert all(_close(rank["published"][n], t) for n, t in lora_published.items()), layout
+            assert list(rank["merged"]) == list(lora_merged), layout
+            assert all(_close(rank["merged"][n], t) for n, t in lora_merged.items()), layout
         exported = dict(export.hf_tensors(tmp_path / f"{layout}.ckpt", adapter_only=True))
         assert all(_close(exported[n], t) for n, t in lora_published.items()) and set(exported) == set(lora_published)
         resumed = lora_learner()

@@ -1,5 +1,6 @@
-"""megarl.portable.lora_merge: the one LoRA merge (the built-in engine's AdapterStager and megarl's vLLM worker both
-run it); checked against the formula and, for whole models, against peft in tests/learner/test_lora.py."""
+"""megarl.portable.lora_merge: the one LoRA merge (the built-in engine's AdapterStager, megarl's vLLM worker and
+the learner's merged publish to SGLang all run it); checked against the formula and, for whole models, against
+peft in tests/learner/test_lora.py."""
 from __future__ import annotations
 
 import pytest
@@ -56,3 +57,11 @@ def test_an_adapter_that_cannot_merge_is_refused_naming_the_tensor(change, messa
     change(adapter)
     with pytest.raises(ValueError, match=message):
         lora_merge.check(_base(), adapter)
+
+
+def test_merged_spec_names_each_adapted_weight_with_its_shape_in_the_adapters_order():
+    """What a merged publish (SGLang) carries: one weight per A/B pair, [B's rows, A's columns], A order."""
+    adapter = _adapter(rank=3)
+    spec = [(name, tuple(t.shape), t.dtype) for name, t in reversed(adapter.items())]  # B before A too
+    assert lora_merge.merged_spec(spec) == [("model.layers.0.mlp.down_proj.weight", (6, 4), torch.float32),
+                                            ("model.layers.0.self_attn.q_proj.weight", (8, 6), torch.float32)]

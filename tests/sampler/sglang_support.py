@@ -15,10 +15,10 @@ LEARNER = Path(__file__).parent / "sglang_learner.py"
 
 
 def start_learner(model_dir: Path, weights_out: Path, port: int, world_size: int, weight_format: str, version: int,
-                  store_port: int | None = None) -> subprocess.Popen:
+                  store_port: int | None = None, lora: bool = False) -> subprocess.Popen:
     """tests/sampler/sglang_learner.py as a separate process (see its docstring)."""
     args = [str(model_dir), str(weights_out), str(port), str(world_size), weight_format, str(version)]
-    args += [] if store_port is None else [str(store_port)]
+    args += ([] if store_port is None else [str(store_port)]) + (["--lora"] if lora else [])
     return subprocess.Popen([sys.executable, str(LEARNER), *args], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 

@@ -435,14 +435,31 @@ def test_megarl_train_with_sglang_samplers_runs_pipeline_rl_end_to_end(embedded_
     assert "init weights update group" in (run_dir / "sglang" / "sampler0.log").read_text()
 
 
-def test_sync_mode_with_retract_and_cache_flush(embedded_think_model_dir, tmp_path):
-    """The baseline on SGLang samplers: the sampler is idle at every update, so each flush happens."""
+def test_sync_mode_with_retract_cache_flush_and_a_lora_policy(embedded_think_model_dir, tmp_path):
+    """The baseline on SGLang samplers (one epoch per batch): the sampler is idle at every update, so each flush
+    happens. The policy is a
+    LoRA adapter (learner.lora): every version is only the adapted weights, merged by the learner
+    (lora_publish.MergedLoraSource), and the server's log-probs of the tokens it sampled at the learner's version are
+    the learner's to fp32 noise (the lag-0 gap), so what it runs is base + the learner's adapter."""
+    from megarl.config.schema import LoraConfig
+    from megarl.models.lora import adapter_spec
+    from megarl.portable.lora_merge import merged_spec
+
     run_dir = tmp_path / "sync"
     proc = run_python("-m", "megarl.cli", "train", ARITHMETIC, "sampler.engine=sglang", f"run.dir={run_dir}", "run.steps=3",
-                      "algo.mode=sync", "algo.sync_epochs=2", "sampler.kv_on_update=recompute",
-                      "sampler.sglang.cache_on_update=flush", f"model.path={embedded_think_model_dir}", timeout=400)
+                      "algo.mode=sync", "algo.sync_epochs=1", "sampler.kv_on_update=recompute",
+                      "sampler.sglang.cache_on_update=flush", "learner.lora.rank=8",
+                      f"model.path={embedded_think_model_dir}", timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert [m["version"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [2, 4, 6]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == [1, 2, 3]
+    hf_config, weights = load_pretrained(str(embedded_think_model_dir))
+    merged = sum(math.prod(shape) * 4 for _, shape, _ in merged_spec(adapter_spec(hf_config, LoraConfig(rank=8))))
+    assert merged < sum(t.numel() * 4 for t in weights.values())
+    assert {m["publish_bytes"] for m in metrics} == {merged}  # the adapted weights, nothing else
+    # One epoch per batch: every token is trained at the version that sampled it (0, then merged versions 1 and 2).
+    assert all(m["lag0/token_share"] == 1.0 for m in metrics)
+    assert max(m["lag0/logprob_gap_abs"] for m in metrics) < 1e-4, [m["lag0/logprob_gap_abs"] for m in metrics]
     for r in read_jsonl(run_dir / "rollouts.jsonl"):
         assert set(r["versions"]) == {r["trained_at_step"]}
     log = (run_dir / "sglang" / "sampler0.log").read_text()

@@ -27,6 +27,7 @@ from tests.sampler.sglang_support import ENV, hf_logprobs, start_learner, token_
 CONTEXT = 512
 BUCKET_BYTES = int(0.01 * 2**20)  # the learner's bucket_mb=0.01
 TOL = 1e-4
+LEARNER_LORA = {"rank": 4, "alpha": 8.0}  # the stand-in learner's (tests/sampler/sglang_learner.py LORA)
 
 
 class Server:
@@ -115,12 +116,32 @@ def start_long_request(server: Server, max_new_tokens: int = 450) -> tuple[threa
     return thread, result
 
 
-def publish_in_flight(server: Server, tmp_path: Path, pause_mode: str, weight_format: str):
+def lora_version(server: Server, adapter_dir: Path) -> tuple[dict, dict]:
+    """learner.lora: (what the version sends: the adapted weights as *peft* merges the stand-in learner's adapter
+    onto the checkpoint's base, in the learner's publish order; the weights the server then runs: those, and every
+    other weight as it was)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megarl.config.schema import LoraConfig
+    from megarl.models.lora import adapter_spec
+    from megarl.portable.lora_merge import merged_spec
+
+    base = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload().state_dict()
+    spec = merged_spec(adapter_spec(load_pretrained(str(server.model_dir))[0], LoraConfig(**LEARNER_LORA)))
+    sent = {name: merged[name] for name, _, _ in spec}
+    return sent, {**server.weights, **sent}
+
+
+def publish_in_flight(server: Server, tmp_path: Path, pause_mode: str, weight_format: str, lora: bool = False):
     """A learner process publishes version+1 while a long request runs: pause -> begin -> update(s) -> end
-    -> continue, with SGLang's refusals checked on the way.  Returns (the long request's final chunk, old
-    weights, new weights)."""
-    port, out, version = free_port("127.0.0.1"), tmp_path / "new_weights.safetensors", server.version + 1
-    learner = start_learner(server.model_dir, out, port, 2, weight_format, version)
+    -> continue, with SGLang's refusals checked on the way.  With `lora` the version is the stand-in learner's
+    merged adapted weights only (a partial update).  Returns (the long request's final chunk, old weights, new
+    weights, the calls' names)."""
+    port, version = free_port("127.0.0.1"), server.version + 1
+    out = tmp_path / ("adapter" if lora else "new_weights.safetensors")
+    learner = start_learner(server.model_dir, out, port, 2, weight_format, version, lora=lora)
     try:
         reply = server.http.post("/init_weights_update_group", {
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
@@ -131,8 +152,8 @@ def publish_in_flight(server: Server, tmp_path: Path, pause_mode: str, weight_fo
         paused_at = server.decoded()
         # SGLang's flush while paused ignores waiting requests: a retract emptied the running batch.
         assert server.http.get("/flush_cache")[0] == (200 if pause_mode == "retract" else 400)
-        new = load_file(out)  # written before the learner joined the group
-        calls = plan_update_calls([(n, tuple(t.shape), t.dtype) for n, t in new.items()], weight_format, BUCKET_BYTES)
+        sent, new = lora_version(server, out) if lora else (load_file(out),) * 2  # written before the learner joined
+        calls = plan_update_calls([(n, tuple(t.shape), t.dtype) for n, t in sent.items()], weight_format, BUCKET_BYTES)
         # SGLang >= 0.5.21: no update outside a begin/end_weight_update session, one session at a time.
         status, reply = post(server, "/update_weights_from_distributed", update_body(calls[0], weight_format,
                                                                                     GROUP_NAME, None))
@@ -155,19 +176,55 @@ def publish_in_flight(server: Server, tmp_path: Path, pause_mode: str, weight_fo
     finally:
         learner.kill()
     old, server.weights, server.version = server.weights, new, version
-    return result["chunks"][-1], old, new
+    return result["chunks"][-1], old, new, [n for call in calls for n, _, _ in call]
 
 
 def test_request_spanning_an_update_finishes_with_both_versions_and_new_weights_logprobs(server, tmp_path):
     """pause in_place: the running request keeps its KV cache and continues under the new weights."""
-    final, old, new = publish_in_flight(server, tmp_path, "in_place", "flattened_bucket")
+    final, old, new, _ = publish_in_flight(server, tmp_path, "in_place", "flattened_bucket")
+    check_spanning_in_place(server, final, old, new)
+
+
+def test_a_lora_version_is_a_partial_update_of_merged_weights_landing_in_flight(server, tmp_path):
+    """learner.lora on SGLang: the version carries only the adapted weights, merged by the learner's own code
+    (lora_publish.MergedLoraSource, in the stand-in learner). The server takes the partial name list, keeps every
+    other weight, and the request spanning the update has exact per-token versions against *peft's* merge of the
+    adapter (before: the old weights; after: the merged ones over the kept KV). A request after the update runs
+    the merged weights to fp32 noise (the lag-0 gap)."""
+    from megarl.config.schema import LoraConfig
+    from megarl.models.lora import adapter_spec
+
+    final, old, new, names = publish_in_flight(server, tmp_path, "in_place", "flattened_bucket", lora=True)
+    hf_config = load_pretrained(str(server.model_dir))[0]
+    adapted = [n for n, _, _ in adapter_spec(hf_config, LoraConfig(**LEARNER_LORA)) if n.endswith(".lora_A.weight")]
+    assert names == [n.replace(".lora_A.weight", ".weight") for n in adapted]  # only the targets, in publish order
+    sent_bytes = sum(new[n].numel() * 4 for n in names)
+    full_bytes = sum(t.numel() * 4 for t in new.values())
+    assert sent_bytes < full_bytes
+    assert any((new[n] - old[n]).abs().max() > 1e-2 for n in names)
+    check_spanning_in_place(server, final, old, new)
+    status, out = generate(server, {"rid": "after-lora", "input_ids": [3, 8, 1], "return_logprob": True,
+                                    "sampling_params": {"temperature": 1.0, "max_new_tokens": 40, "ignore_eos": True}})
+    assert status == 200 and out["meta_info"]["weight_version"] == str(server.version)
+    ids = [3, 8, 1] + out["output_ids"]
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
+    gap = (token_logprobs(hf_logprobs(server.model_dir, new, ids)[0], ids, 3) - got).abs().max().item()
+    print(f"\nlora on sglang: {len(names)} merged weights, {sent_bytes} B per publish (full model {full_bytes} B); "
+          f"lag-0 gap {gap:.1e}")
+    assert gap < TOL
+
+
+def check_spanning_in_place(server: Server, final: dict, old: dict, new: dict) -> None:
+    """The long request crossed the update to version v paused in place: versions [v-1]*k + [v]*(n-k), the old
+    weights' log-probs before, the new weights' over the old weights' KV after (and neither the old weights' nor a
+    recomputed KV's)."""
     meta = final["meta_info"]
     n = len(final["output_ids"])
     assert meta["finish_reason"] == {"type": "length", "length": 450} and meta["completion_tokens"] == n == 450
     versions = versions_from_spans(meta["weight_versions"], n)
-    k = versions.count(0)
-    assert 0 < k < n and versions == [0] * k + [1] * (n - k), meta["weight_versions"]
-    assert meta["weight_version"] == "1"
+    k = versions.count(server.version - 1)
+    assert 0 < k < n and versions == [server.version - 1] * k + [server.version] * (n - k), meta["weight_versions"]
+    assert meta["weight_version"] == str(server.version)
 
     prompt, tokens = [1, 5, 9, 2], final["output_ids"]
     logprobs = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]], dtype=torch.float64)
@@ -193,7 +250,7 @@ def test_retract_recomputes_the_running_requests_kv_under_the_new_weights(model_
     try:
         status, body = post(server, "/pause_generation", {"mode": "in_place"})
         assert status == 400 and b"--kv-on-update keep" in body  # one KV policy per launch
-        final, _, new = publish_in_flight(server, tmp_path, "retract", "per_tensor")
+        final, _, new, _ = publish_in_flight(server, tmp_path, "retract", "per_tensor")
     finally:
         server.process.stop()
     meta = final["meta_info"]

@@ -19,7 +19,12 @@ Prints one JSON line {"version", "checked": [...]} when every check passed; rais
   * sequence: SGLangEngine.update_weights drives SGLang's SchedulerWeightUpdaterManager (the weight
     loading replaced by a recording stub): every call succeeds, the loads are megarl's calls in order,
     the label moves once, the session is closed and generation continued; a load failing halfway
-    still leaves no open session and no pause.
+    still leaves no open session and no pause. The same for learner.lora's partial update (only the merged
+    adapted weights: megarl/learner/lora_publish.py);
+  * partial load: those merged weights through SGLang's Qwen2ForCausalLM.load_weights land each in its fused
+    parameter's shard, and nothing else is loaded;
+  * LoRA route: /load_lora_adapter's fields, and SGLang's LoRARegistry pinning a running request to one adapter
+    id (why megarl publishes merged weights instead; docs/lora.md).
 """
 from __future__ import annotations
 
@@ -289,13 +294,28 @@ class SchedulerRoutes:
         raise AssertionError(f"megarl sent GET {route} during a weight update (cache_on_update=keep)")
 
 
+def lora_merged_spec(model_dir: str):
+    """learner.lora on SGLang: what a version carries, the merged adapted weights of every projection
+    (megarl/learner/lora_publish.py), for the contract model."""
+    from megarl.config.schema import LoraConfig
+    from megarl.models.lora import adapter_spec
+    from megarl.portable.lora_merge import merged_spec
+
+    return merged_spec(adapter_spec(json.loads((Path(model_dir) / "config.json").read_text()), LoraConfig(rank=4)))
+
+
 def check_sequence(model_dir: str, run_dir: str) -> str:
+    """Full weights, and learner.lora's partial update (the merged adapted weights only): the manager takes a
+    partial name list exactly as a full one (nothing in it checks that every weight came)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
-    spec = [("model.embed_tokens.weight", (1000, 64), torch.float32), ("model.norm.weight", (64,), torch.float32),
+    full = [("model.embed_tokens.weight", (1000, 64), torch.float32), ("model.norm.weight", (64,), torch.float32),
             ("lm_head.weight", (1000, 64), torch.bfloat16)]
+    lora = lora_merged_spec(model_dir)
+    lora_bytes = sum(torch.Size(s).numel() * 4 for _, s, _ in lora)
     checked = 0
-    for weight_format in ("flattened_bucket", "per_tensor"):
-        calls = plan_update_calls(spec, weight_format, bucket_bytes=300_000)
+    for weight_format, spec, bucket_bytes in [(f, *case) for f in ("flattened_bucket", "per_tensor")
+                                              for case in ((full, 300_000), (lora, lora_bytes // 3))]:
+        calls = plan_update_calls(spec, weight_format, bucket_bytes=bucket_bytes)
         assert len(calls) > 1, "several calls per version: the session must span them all"
         worker = RecordingWorker()
         routes = SchedulerRoutes(worker, dist.group.WORLD)
@@ -323,13 +343,109 @@ def check_sequence(model_dir: str, run_dir: str) -> str:
         assert failing.calls[-2:] == ["/end_weight_update", "/continue_generation"], failing.calls
         checked += 1
     dist.destroy_process_group()
-    return f"weight-update sequences ({checked} formats, SchedulerWeightUpdaterManager)"
+    return f"weight-update sequences ({checked} cases: 2 formats x full / LoRA-merged, SchedulerWeightUpdaterManager)"
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+def check_partial_load(model_dir: str, run_dir: str) -> str:
+    """learner.lora: SGLang's Qwen2 loader takes the merged adapted weights alone. Qwen2ForCausalLM.load_weights
+    (its default, legacy path: SGLANG_ENABLE_WEIGHT_LOADER_V2 is off) loads name by name: each HF projection goes
+    to its shard of SGLang's fused parameter (q/k/v -> qkv_proj "q"/"k"/"v", gate/up -> gate_up_proj 0/1) or to
+    its own (o_proj, down_proj), and no parameter it was not given is touched. Run on a Qwen2ForCausalLM holding
+    SGLang's parameter names, whose weight_loaders record their calls, in place of its layers (SGLang's real layers
+    need its GPU runtime to build)."""
+    from sglang.srt.environ import envs
+    from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+
+    assert not envs.SGLANG_ENABLE_WEIGHT_LOADER_V2.get(), "re-check the partial update against the v2 loader"
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    fused = {"q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
+             "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", None),
+             "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+             "down_proj": ("mlp.down_proj", None)}
+    calls = []
+
+    class Served(Qwen2ForCausalLM):  # SGLang's loader methods over its parameter names, without its layers
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.model = torch.nn.Module()  # (no start_layer: one pipeline stage)
+            self.config = types.SimpleNamespace(tie_word_embeddings=hf_config.get("tie_word_embeddings", False))
+            names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+            for i in range(hf_config["num_hidden_layers"]):
+                names += [f"model.layers.{i}.{m}.weight" for m in ("input_layernorm", "post_attention_layernorm",
+                                                                   "self_attn.qkv_proj", "self_attn.o_proj",
+                                                                   "mlp.gate_up_proj", "mlp.down_proj")]
+                names.append(f"model.layers.{i}.self_attn.qkv_proj.bias")
+            self.params = torch.nn.ParameterDict()
+            for name in names:
+                param = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+                param.weight_loader = functools.partial(lambda n, p, w, shard=None: calls.append((n, shard, w)), name)
+                self.params[name.replace(".", "/")] = param
+
+        def named_parameters(self, *args, **kwargs):
+            return [(k.replace("/", "."), p) for k, p in self.params.items()]
+
+    merged = [(name, torch.full(shape, float(i))) for i, (name, shape, _) in enumerate(lora_merged_spec(model_dir))]
+    Served().load_weights(merged)
+    expected = []
+    for name, tensor in merged:
+        layer, target = name.split(".")[2], name.split(".")[-2]
+        expected.append((f"model.layers.{layer}.{fused[target][0]}.weight", fused[target][1], tensor))
+    assert [(n, s) for n, s, _ in calls] == [(n, s) for n, s, _ in expected], calls
+    assert all(got is sent for (_, _, got), (_, _, sent) in zip(calls, expected))  # what megarl sent, as sent
+    return f"partial update ({len(merged)} merged weights through Qwen2ForCausalLM.load_weights; nothing else loaded)"
+
+
+def check_lora_route(model_dir: str, run_dir: str) -> str:
+    """Why megarl does not use SGLang's own adapters for learner.lora (docs/lora.md), held to SGLang's code:
+    /load_lora_adapter (LoadLoRAAdapterReqInput) loads an adapter from a path under a name; a request names one
+    (GenerateReqInput.lora_path) and TokenizerManager._resolve_lora_path pins it for its whole life to that name's
+    adapter id (LoRARegistry.acquire, released when it finishes); a second load under a live name is refused,
+    unloading waits for the requests pinned to it, and a reloaded name gets a new id, which Req concatenates into
+    the radix cache's extra_key. So a running request cannot move to the next version, as Pipeline RL needs."""
+    import asyncio
+    import inspect
+
+    import msgspec
+    from sglang.srt.lora.lora_registry import LoRARef, LoRARegistry
+    from sglang.srt.managers.schedule_batch import Req
+
+    route = {f.name: f.required for f in msgspec.structs.fields(io_struct.LoadLoRAAdapterReqInput)}
+    assert route.get("lora_name") and route.get("lora_path") and not route.get("pinned", True), route
+    assert "lora_path" in {f.name for f in dataclasses.fields(io_struct.GenerateReqInput)}
+    assert "obj.lora_id = await self.lora_registry.acquire(obj.lora_path)" in inspect.getsource(
+        TokenizerManager._resolve_lora_path)
+    assert "+ lora_id" in inspect.getsource(Req.__init__)  # the adapter id keys the radix cache
+
+    async def reload_under_one_name():
+        registry = LoRARegistry()
+        v1 = LoRARef(lora_name="policy", lora_path="/adapters/v1")
+        await registry.register(v1)
+        running = await registry.acquire("policy")  # a request in flight on version 1
+        assert running == v1.lora_id
+        try:
+            await registry.register(LoRARef(lora_name="policy", lora_path="/adapters/v2"))
+            raise AssertionError("a second adapter under a live name was accepted")
+        except ValueError as exc:
+            assert "already exists" in str(exc)
+        unload = asyncio.ensure_future(registry.wait_for_unload(await registry.unregister("policy")))
+        await asyncio.sleep(0.05)
+        assert not unload.done(), "version 1 went away under a running request"
+        v2 = LoRARef(lora_name="policy", lora_path="/adapters/v2")
+        await registry.register(v2)
+        assert await registry.acquire("policy") == v2.lora_id != running  # new requests only; a new cache key
+        await registry.release(running)
+        await asyncio.wait_for(unload, 5)
+
+    asyncio.run(reload_under_one_name())
+    return "LoRA route (load_lora_adapter fields; a request pinned to one adapter id)"
 
 
 def main() -> None:
     model_dir, run_dir = sys.argv[1:3]
     checked = [check(model_dir, run_dir)
-               for check in (check_launch, check_auth, check_generate, check_routes, check_sequence)]
+               for check in (check_launch, check_auth, check_generate, check_routes, check_sequence,
+                             check_partial_load, check_lora_route)]
     print(json.dumps({"version": sglang.__version__, "checked": checked}))
 
 

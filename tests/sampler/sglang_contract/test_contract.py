@@ -5,7 +5,9 @@ pure-Python packages its control code imports into ~/.cache/megarl/sglang-contra
 check.py runs in a subprocess on that install: megarl's request bodies through SGLang's request types,
 contract gate and length validation; megarl's launch commands (the GPU configs' included) through
 ServerArgs; megarl's routes request and SGLang's encoding of the response (algo.routing_replay=r3); megarl's
-weight-update sequence through SGLang's SchedulerWeightUpdaterManager.  An
+weight-update sequence through SGLang's SchedulerWeightUpdaterManager, full and learner.lora's partial one (the
+merged adapted weights), and the latter through SGLang's Qwen2 loader; SGLang's own adapter route and the
+per-request pinning that keeps megarl off it.  An
 install failure fails the test.
 """
 from __future__ import annotations
@@ -39,4 +41,4 @@ def test_megarls_requests_launch_and_update_sequence_pass_sglangs_own_code(versi
     assert proc.returncode == 0, f"(install {install_s:.0f}s)\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["version"] == version
-    assert len(result["checked"]) == 5, result
+    assert len(result["checked"]) == 7, result

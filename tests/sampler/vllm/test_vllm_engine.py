@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megarl.protocols import GenerationRequest, SamplingParams
+from tests.helpers import draw_adapter
 
 from .conftest import start_engine
 
@@ -150,13 +151,7 @@ def _adapter_version(model, engine, directory):
     engine.take_adapters(cfg)
     spec = lora.adapter_spec(model.config.to_dict(), cfg)
     assert {name: tuple(shape) for name, shape, _ in spec} == {n: tuple(s) for n, (s, _) in engine.weight_spec().items()}
-    gen, base, adapter = torch.Generator().manual_seed(7), model.state_dict(), {}
-    for name, shape, _ in spec:
-        adapter[name] = torch.randn(shape, generator=gen)
-        if name.endswith("lora_B.weight"):
-            a = adapter[name.replace("lora_B", "lora_A")]
-            w = base[name.replace(".lora_B.weight", ".weight")]
-            adapter[name] *= 0.5 * w.std() / (lora.scale(cfg) * (adapter[name] @ a).std())
+    adapter = draw_adapter(model.state_dict(), model.config.to_dict(), cfg, seed=7)
     lora.save_peft(directory, adapter, cfg, model.name_or_path)
     base_model = AutoModelForCausalLM.from_pretrained(model.name_or_path, dtype=torch.float32)
     return adapter, PeftModel.from_pretrained(base_model, str(directory)).merge_and_unload().eval()
