@@ -19,17 +19,21 @@ class MetricsSink:
         self.file = JsonlAppender(self.run_dir / "metrics.jsonl")  # one whole line per step
         self.writer = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.writer import FileWriter
 
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self.writer = FileWriter(str(self.run_dir / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         self.file.append(record)
         if self.writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self.writer.add_scalar(key, value, step)
+            # All of a step's scalars in one event (SummaryWriter.add_scalar writes one event each: ~60 per step
+            # cost the learner ~10 ms of its step loop; this costs < 1 ms). TensorBoard reads both the same.
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            self.writer.add_summary(Summary(value=[
+                Summary.Value(tag=key, simple_value=float(value)) for key, value in metrics.items()
+                if isinstance(value, (int, float)) and math.isfinite(value)]), step)
 
     def close(self) -> None:
         self.file.close()

@@ -63,3 +63,49 @@ def test_an_episode_s_environment_tokens_are_context_not_trained_and_do_not_coun
     assert batch.versions[0].tolist() == [-1, -1, 4, 4, -1, -1, -1, 6]
     advantage = batch.advantages[0, 2].item()
     assert advantage > 0 and batch.advantages[0, 7].item() == advantage  # one advantage for every model turn
+
+
+def test_every_sample_lands_in_its_own_row_whatever_the_lengths():
+    # Groups of random prompt / completion lengths (some completions empty, some cut and dropped, some multi-turn),
+    # written one sample at a time as the reference: each row holds exactly its sample, padding elsewhere.
+    import random
+
+    rng = random.Random(0)
+    groups = []
+    for g in range(6):
+        group = []
+        for _ in range(4):
+            p, c = rng.randint(1, 7), rng.randint(0, 12)
+            s = sample([rng.randint(3, 99) for _ in range(p)], [rng.randint(3, 99) for _ in range(c)],
+                       [rng.randint(0, 5) for _ in range(c)], float(rng.random() < 0.5))
+            if c >= 4 and rng.random() < 0.3:
+                s.env_spans, s.versions[1:3] = [(1, 3)], [-1, -1]
+            s.finish_reason = "length" if rng.random() < 0.2 else "stop"
+            group.append(s)
+        groups.append(group)
+    cfg = AdvantageConfig(drop_truncated=True)
+    b, _ = assemble_batch(groups, cfg, pad_id=0, learner_version=5)
+    samples = [s for g in groups for s in g]
+    for i, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.token_ids)
+        kept = not (s.finish_reason == "length")
+        assert b.input_ids[i].tolist() == s.prompt_ids + s.token_ids + [0] * (b.input_ids.shape[1] - p - c)
+        assert b.versions[i, p:p + c].tolist() == s.versions and (b.versions[i, :p] == -1).all()
+        assert (b.versions[i, p + c:] == -1).all()
+        assert b.behaviour_logprobs[i, p:p + c].tolist() == torch.tensor(s.logprobs).tolist()
+        assert b.behaviour_logprobs[i, :p].abs().sum() == 0 and b.behaviour_logprobs[i, p + c:].abs().sum() == 0
+        assert b.loss_mask[i].tolist() == [0.0] * p + [float(kept and m) for m in s.model_token_mask()] + \
+            [0.0] * (b.input_ids.shape[1] - p - c)
+        assert (b.advantages[i, p:p + c] == b.advantages[i, p]).all() if c else True
+        assert b.advantages[i, :p].abs().sum() == 0 and b.advantages[i, p + c:].abs().sum() == 0
+
+
+def test_a_sample_with_fewer_logprobs_than_tokens_is_refused():
+    short = sample([1], [2, 3], [0, 0], 1.0)
+    short.logprobs = [-0.1]
+    try:
+        assemble_batch([[short, sample([1], [2], [0], 0.0)]], AdvantageConfig(), pad_id=0, learner_version=0)
+    except ValueError as e:
+        assert "2 tokens but 1 log-probs" in str(e)
+    else:
+        raise AssertionError("a short log-prob record was assembled")
