@@ -7,8 +7,9 @@ kwargs}, "threads", "out": per-step JSONL path, "launch_time": time.time() when 
 The reward is megarl's own `CountTask.reward` (megarl's tree is put on sys.path; the task module imports
 nothing the TRL environment lacks), so both sides score completions with the same
 code. One JSON object per optimizer step goes to `out`: step, time (time.time() at the step's log), reward
-(TRL's batch mean), completion_tokens (the batch's generated tokens), and once, kind "startup", the seconds of
-each start-up part.
+(TRL's batch mean), completion_tokens (the batch's generated tokens), generate_s (seconds in TRL's `_generate`
+since the previous step's log: its HF generate over the batch), and once, kind "startup", the seconds of each
+start-up part.
 """
 from __future__ import annotations
 
@@ -39,6 +40,18 @@ def main(spec_path: str) -> None:
         task = CountTask()
         return [task.reward(Prompt(text=p, answer=a), c) for p, c, a in zip(prompts, completions, answer)]
 
+    generating = {"s": 0.0}  # seconds in `_generate` since the last step's log
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer timing its generation (`_generate`: HF generate over one batch of prompts)."""
+
+        def _generate(self, prompts):
+            start = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                generating["s"] += time.perf_counter() - start
+
     class StepLog(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             marks["train_begin"] = time.time()
@@ -49,15 +62,17 @@ def main(spec_path: str) -> None:
             if logs and "reward" in logs:
                 batch = args.generation_batch_size
                 out.write(json.dumps({"step": state.global_step, "time": time.time(), "reward": logs["reward"],
-                                      "completion_tokens": logs["completions/mean_length"] * batch}) + "\n")
+                                      "completion_tokens": logs["completions/mean_length"] * batch,
+                                      "generate_s": round(generating["s"], 4)}) + "\n")
+                generating["s"] = 0.0
                 out.flush()
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     marks["model_loaded"] = time.time()
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=GRPOConfig(**spec["grpo_config"]),
-                          train_dataset=Dataset.from_list(spec["prompts"]), processing_class=tokenizer,
-                          callbacks=[StepLog()])
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=[reward], args=GRPOConfig(**spec["grpo_config"]),
+                               train_dataset=Dataset.from_list(spec["prompts"]), processing_class=tokenizer,
+                               callbacks=[StepLog()])
     marks["trainer_built"] = time.time()
     trainer.train()
     out.close()

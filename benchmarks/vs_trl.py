@@ -2,6 +2,7 @@
 
     python benchmarks/vs_trl.py [--steps 200] [--out runs/vs_trl] [--trl-threads 2] [key=value ...]
     python benchmarks/vs_trl.py --dry-run      # the settings table and the plan; runs nothing
+    python benchmarks/vs_trl.py --out runs/vs_trl_wide model.path=embedded:tiny-qwen2-count-wide   # 7x larger model
 
 Runs, one after the other: `megarl train configs/demo.yaml` in pipeline mode, the same in sync mode, and TRL
 1.16.0's GRPOTrainer in its own cached environment (benchmarks/trl_env.py, built once: TRL is never installed
@@ -17,7 +18,8 @@ was started, start-up included), completion tokens per second of training time, 
 (megarl/observe/startup.py's marks in the run's timeline), and the learner's per-step phases. Draws
 OUT/vs_trl.png (reward vs training time and vs wall time) and keeps everything in OUT/results.json. Ends with one JSON line:
 `time_to_target_ratio_vs_trl`, `wall_to_target_ratio_vs_trl`, `tokens_per_s_ratio_vs_trl` (TRL / megarl pipeline:
-> 1 means megarl is faster), and the same for sync.
+> 1 means megarl is faster), and the same for sync. Where each side's training time went is in the summaries: TRL's
+share spent generating (`generate_frac`, its `_generate` timed), megarl's learner and sampler busy shares.
 """
 from __future__ import annotations
 
@@ -131,9 +133,17 @@ def curve_summary(curve: dict) -> dict:
         i = next((i for i, r in enumerate(smooth) if i + 1 >= WINDOW and r >= threshold), None)
         reached[str(threshold)] = None if i is None else {"step": i + 1, "train_s": round(curve["train_s"][i], 2),
                                                           "wall_s": round(curve["wall_s"][i], 2)}
-    return {"steps": len(smooth), "reached": reached, "final_reward": round(smooth[-1], 3) if smooth else None,
-            "tokens_per_s": round(sum(curve["tokens"]) / curve["train_s"][-1], 1) if smooth else None,
-            "train_s": round(curve["train_s"][-1], 2) if smooth else None}
+    summary = {"steps": len(smooth), "reached": reached, "final_reward": round(smooth[-1], 3) if smooth else None,
+               "tokens_per_s": round(sum(curve["tokens"]) / curve["train_s"][-1], 1) if smooth else None,
+               "train_s": round(curve["train_s"][-1], 2) if smooth else None}
+    # Where the training time went: the share of it spent generating (TRL: one process, so generation and
+    # training take turns) or each role's busy share (megarl: sampler and learner run at once).
+    for share, key in (("generate_frac", "generate_s"), ("learner_busy_frac", "learner_s")):
+        if smooth and curve.get(key):
+            summary[share] = round(sum(curve[key]) / curve["train_s"][-1], 3)
+    if smooth and curve.get("sampler_busy_frac") and curve["sampler_busy_frac"][-1] is not None:
+        summary["sampler_busy_frac"] = round(curve["sampler_busy_frac"][-1], 3)
+    return summary
 
 
 def ratios(megarl: dict, trl: dict, target: float = TARGET) -> dict:
@@ -153,15 +163,21 @@ def megarl_curve(run_dir: Path, launch_time: float) -> dict:
 
     rows = train_records([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
     first_start = rows[0]["time"] - rows[0]["num_tokens"] / rows[0]["tokens_per_s"]
-    return {"train_s": [r["time"] - first_start for r in rows], "wall_s": [r["time"] - launch_time for r in rows],
-            "reward": [r["reward_mean"] for r in rows], "tokens": [r["num_tokens"] for r in rows]}
+    train_s = [r["time"] - first_start for r in rows]
+    busy = [[v for k, v in r.items() if k.endswith("/busy_frac")] for r in rows]  # each sampler's, per step
+    return {"train_s": train_s, "wall_s": [r["time"] - launch_time for r in rows],
+            "reward": [r["reward_mean"] for r in rows], "tokens": [r["num_tokens"] for r in rows],
+            "learner_s": [r["train_s"] for r in rows],
+            # the samplers' mean share of their time spent decoding, since each started (a running count)
+            "sampler_busy_frac": [sum(b) / len(b) if b else None for b in busy]}
 
 
 def trl_curve(log: list[dict], launch_time: float) -> dict:
     steps = [r for r in log if "step" in r]
     begin = next(r for r in log if r.get("kind") == "startup")["train_begin"] + launch_time
     return {"train_s": [r["time"] - begin for r in steps], "wall_s": [r["time"] - launch_time for r in steps],
-            "reward": [r["reward"] for r in steps], "tokens": [r["completion_tokens"] for r in steps]}
+            "reward": [r["reward"] for r in steps], "tokens": [r["completion_tokens"] for r in steps],
+            "generate_s": [r.get("generate_s", 0.0) for r in steps]}
 
 
 def startup_breakdown(run_dir: Path, launch_time: float, launched_torchrun: float | None) -> dict:
@@ -250,7 +266,7 @@ def run_trl(out: Path, model_dir: Path, prompts: list[dict], grpo_config: dict, 
     return {"curve": curve, "summary": curve_summary(curve), "startup": {k: v for k, v in startup.items() if k != "kind"}}
 
 
-def plot(results: dict, out_png: Path) -> None:
+def plot(results: dict, out_png: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -267,8 +283,9 @@ def plot(results: dict, out_png: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"reward, rolling {WINDOW}-step mean")
     axes[0].legend(loc="lower right")
-    axes[0].set_title("same model, task, reward and hyperparameters; same cores")
-    axes[1].set_title(f"dashed: the target {TARGET}")
+    fig.suptitle(f"megarl vs TRL's GRPOTrainer on {model}: same model, task, reward and hyperparameters; same cores")
+    axes[0].set_title("against training time")
+    axes[1].set_title(f"against wall time (dashed: the target {TARGET})")
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
@@ -280,7 +297,9 @@ def print_results(results: dict) -> None:
         s = result["summary"]
         cells = [f"{t}: " + ("never" if r is None else f"{r['train_s']:.1f} s / {r['wall_s']:.1f} s (step {r['step']})")
                  for t, r in s["reached"].items()]
-        print(f"  {name:<16} " + "; ".join(cells) + f"; {s['tokens_per_s']:,.0f} tok/s; final {s['final_reward']}")
+        shares = "; ".join(f"{k} {s[k]}" for k in ("generate_frac", "learner_busy_frac", "sampler_busy_frac") if k in s)
+        print(f"  {name:<16} " + "; ".join(cells) + f"; {s['tokens_per_s']:,.0f} tok/s; final {s['final_reward']}"
+              + (f"; {shares}" if shares else ""))
     for name, result in results.items():
         print(f"\nstart-up, {name} (s):")
         for part, seconds in result["startup"].items():
@@ -328,7 +347,7 @@ def main() -> None:
         print(f"TRL: {json.dumps(results['TRL GRPOTrainer']['summary'])}", flush=True)
     print_results(results)
     (out / "results.json").write_text(json.dumps(results))  # curves and all: to re-plot or compare later
-    plot(results, out / "vs_trl.png")
+    plot(results, out / "vs_trl.png", cfg.model.path)
     print(f"\npicture: {out / 'vs_trl.png'}")
     line = {}
     if "TRL GRPOTrainer" in results:

@@ -65,3 +65,16 @@ def test_time_to_threshold_and_the_json_ratios():
                                               "tokens_per_s_ratio_vs_trl": 2.0}
     never = vs_trl.curve_summary({**curve, "reward": [0.5] * 30})
     assert never["reached"]["0.9"] is None and vs_trl.ratios(summary, never)["time_to_target_ratio_vs_trl"] is None
+
+
+def test_where_the_training_time_went():
+    # TRL: 10 steps of 2 s, 1.5 s of each generating; megarl: the learner trains 0.5 s of each 1 s step, and the
+    # samplers' running busy share ends at 0.4.
+    trl = vs_trl.curve_summary({"train_s": [2.0 * (i + 1) for i in range(10)], "wall_s": [0.0] * 10,
+                                "reward": [0.0] * 10, "tokens": [1] * 10, "generate_s": [1.5] * 10})
+    assert trl["generate_frac"] == 0.75 and "learner_busy_frac" not in trl
+    megarl = vs_trl.curve_summary({"train_s": [i + 1.0 for i in range(10)], "wall_s": [0.0] * 10,
+                                   "reward": [0.0] * 10, "tokens": [1] * 10, "learner_s": [0.5] * 10,
+                                   "sampler_busy_frac": [0.9] * 9 + [0.4]})
+    assert megarl["learner_busy_frac"] == 0.5 and megarl["sampler_busy_frac"] == 0.4
+    assert "generate_frac" not in megarl

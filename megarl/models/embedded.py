@@ -55,6 +55,10 @@ HEAD_DIM_32 = (("num_attention_heads", 2), ("num_key_value_heads", 1))
 VLLM_VARIANTS = {"tiny-qwen2-count": "tiny-qwen2-count-hd32", "tiny-qwen2-tool": "tiny-qwen2-tool-hd32"}
 
 
+# A wider, deeper variant of the tiny config (head_dim 32, so vLLM's CPU attention takes it too).
+WIDE = (("hidden_size", 128), ("intermediate_size", 384), ("num_hidden_layers", 4), ("max_window_layers", 4),
+        ("num_attention_heads", 4), ("num_key_value_heads", 2))
+
 # Completion budget to run the thinking model with (filler + answer + EOS); ~1-2% of T=1 samples hit it.
 THINK_MAX_NEW_TOKENS = 48
 # Forced filler lengths the thinking model's greedy answer is evaluated after (see greedy_answer_accuracy).
@@ -71,6 +75,10 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     # The demo's model for sampler.engine=vllm (head_dim 32, see HEAD_DIM_32), same task and recipe.
     "tiny-qwen2-count-hd32": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                           max_new_tokens=COUNT_MAX_NEW_TOKENS, config=HEAD_DIM_32),
+    # The demo task on a model 7x the demo's (hidden 128, 4 layers, head_dim 32): benchmarks/vs_trl.py's second
+    # comparison, where a step's matmuls, not per-op overheads, set both sides' costs (docs/benchmarks.md).
+    "tiny-qwen2-count-wide": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
+                                          max_new_tokens=COUNT_MAX_NEW_TOKENS, config=WIDE),
     "tiny-qwen2-arith": EmbeddedSpec(task=ArithmeticTask(), recipe=WarmStartRecipe()),
     # The mixture-of-experts demo's model (configs/moe.yaml, docs/moe.md): a tiny Mixtral, same task and recipe.
     "tiny-mixtral-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
