@@ -398,17 +398,22 @@ def test_swap_while_admitting_and_packing(qwen):
 
 
 def test_stage_from_another_thread_while_stepping(qwen):
-    """A publisher thread stages 30 versions while the main thread keeps decoding."""
+    """A publisher thread stages 30 versions while the main thread keeps decoding. Each version is staged after
+    the decode loop took another step (whenever in that step the scheduler lets the thread run), so versions
+    land between and during steps on a busy machine too, never all within one step."""
     _, cfg, weights = qwen
     engine = BuiltinEngine(cfg, weights, max_running=4, max_seq_len=40)
     published, errors, done = [], [], {}
+    stepped = threading.Event()
 
     def publisher():
         try:
             for v in range(1, 31):
+                if not stepped.wait(timeout=60):
+                    raise TimeoutError(f"the decode loop took no step in 60 s before version {v}")
+                stepped.clear()
                 engine.stage_weights({k: t.clone() for k, t in weights.items()}, v)
                 published.append(v)
-                time.sleep(0.002)
         except Exception as exc:  # surfaced by the assertion below
             errors.append(exc)
 
@@ -421,6 +426,7 @@ def test_stage_from_another_thread_while_stepping(qwen):
                 engine.add_request(req(f"{batch}-{i}", p, SamplingParams(temperature=1.0, max_new_tokens=20)))
             batch += 1
         done.update((c.request_id, c) for c in engine.step())
+        stepped.set()
     thread.join()
     engine.step()  # applies whatever was staged last
     assert not errors and len(done) == 6 * batch
