@@ -19,9 +19,10 @@ class MetricsSink:
         self.file = JsonlAppender(self.run_dir / "metrics.jsonl")  # one whole line per step
         self.writer = None
         if tensorboard:
+            from tensorboard.compat.proto.summary_pb2 import Summary
             from torch.utils.tensorboard.writer import FileWriter
 
-            self.writer = FileWriter(str(self.run_dir / "tensorboard"))
+            self.writer, self.summary = FileWriter(str(self.run_dir / "tensorboard")), Summary
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
@@ -29,10 +30,8 @@ class MetricsSink:
         if self.writer is not None:
             # All of a step's scalars in one event (SummaryWriter.add_scalar writes one event each: ~60 per step
             # cost the learner ~10 ms of its step loop; this costs < 1 ms). TensorBoard reads both the same.
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
-            self.writer.add_summary(Summary(value=[
-                Summary.Value(tag=key, simple_value=float(value)) for key, value in metrics.items()
+            self.writer.add_summary(self.summary(value=[
+                self.summary.Value(tag=key, simple_value=float(value)) for key, value in metrics.items()
                 if isinstance(value, (int, float)) and math.isfinite(value)]), step)
 
     def close(self) -> None:

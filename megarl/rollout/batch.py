@@ -9,6 +9,7 @@ import torch
 from megarl.algo.advantages import compute_advantages, filter_groups
 from megarl.algo.values import terminal_rewards
 from megarl.algo.config import AdvantageConfig
+from megarl.distributed.wire import check_sample
 from megarl.protocols import Sample, TrainBatch
 from megarl.rollout.routes import RouteShape, pack_routes
 
@@ -45,10 +46,8 @@ def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id:
     group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
     advantages = compute_advantages(rewards, group_index, adv_cfg).to(torch.float32)
     keep, counts = filter_groups(rewards, group_index, [s.finish_reason for s in samples], adv_cfg)
-    for s in samples:  # (the wire checks this too; one short record would shift every later sample's tokens here)
-        if not len(s.token_ids) == len(s.logprobs) == len(s.versions):
-            raise ValueError(f"a sample of sampler {s.sampler_rank} has {len(s.token_ids)} tokens but "
-                             f"{len(s.logprobs)} log-probs and {len(s.versions)} versions")
+    for s in samples:  # the wire's invariants: one short per-token record would shift every later sample's tokens
+        check_sample(s, f"a sample of sampler {s.sampler_rank}")
     # Every sample's tokens land with one indexed write per field, not a handful of small tensors per sample
     # (128 samples cost ~14 ms on the learner's critical path that way).
     prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples])

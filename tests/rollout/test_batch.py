@@ -72,7 +72,7 @@ def test_every_sample_lands_in_its_own_row_whatever_the_lengths():
 
     rng = random.Random(0)
     groups = []
-    for g in range(6):
+    for _ in range(6):
         group = []
         for _ in range(4):
             p, c = rng.randint(1, 7), rng.randint(0, 12)
@@ -106,6 +106,6 @@ def test_a_sample_with_fewer_logprobs_than_tokens_is_refused():
     try:
         assemble_batch([[short, sample([1], [2], [0], 0.0)]], AdvantageConfig(), pad_id=0, learner_version=0)
     except ValueError as e:
-        assert "2 tokens but 1 log-probs" in str(e)
+        assert "token_ids, logprobs and versions differ in length (2, 1, 2)" in str(e)
     else:
         raise AssertionError("a short log-prob record was assembled")
