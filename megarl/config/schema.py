@@ -206,6 +206,9 @@ class LearnerConfig:
     ep: int = 1
     micro_batch_size: int = 16  # most rows per micro-batch (rows are cut where least work: docs/learner.md)
     micro_batch_tokens: int = 0  # token budget per micro-batch (rows * longest row); 0 = none
+    # Pack several rows into one row of the longest row's width (first-fit decreasing, a mask keeps each row to
+    # itself): micro_batch_size then bounds the packed rows. Cuts the padding the model computes (docs/learner.md).
+    pack_sequences: bool = True
     recompute_activations: str = "none"  # none | full | selective (megatron activation recomputation)
     lr: float = 1e-3
     weight_decay: float = 0.0

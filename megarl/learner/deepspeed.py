@@ -44,7 +44,7 @@ from megarl.algo.config import CriticConfig, LossConfig
 from megarl.algo.distill import DistillConfig
 from megarl.config.schema import LearnerConfig, LoraConfig
 from megarl.distributed.publish import Bucket, plan_buckets
-from megarl.learner import hf_lora, step
+from megarl.learner import hf_lora, packing, step
 from megarl.learner.hf_routing_replay import HFRouteReplayer
 from megarl.models import lora, moe
 from megarl.protocols import TrainBatch
@@ -243,11 +243,25 @@ class DeepSpeedLearner:
     # ------------------------------------------------------------------ forward
 
     def _logits(self, model, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits of the micro-batch's input_ids; an MoE model's routers are fed its `routes` first (replay)."""
+        """Logits [B, S, V] of the micro-batch's input_ids; an MoE model's routers are fed its `routes` first
+        (replay). A packed micro-batch (megarl.learner.packing) runs as its packed rows, each row with its own
+        position ids and a 4D mask keeping it to itself, and its logits are read back in the rows' layout."""
         replayer = self._replayers.get(id(model))
+        packed = "unpack_index" in mb
+        ids = mb["packed_ids" if packed else "input_ids"].to(self.device)
         if replayer is not None:
-            replayer.before_forward(mb["input_ids"], mb.get("routes"))
-        return model(input_ids=mb["input_ids"].to(self.device), use_cache=False).logits
+            replayer.before_forward(ids, mb.get("packed_routes" if packed else "routes"))
+        if not packed:
+            return model(input_ids=ids, use_cache=False).logits
+        mask = packing.additive_attention_mask(mb["packed_segments"].to(self.device), self.module.dtype)
+        logits = model(input_ids=ids, position_ids=mb["packed_positions"].to(self.device), attention_mask=mask,
+                       use_cache=False).logits
+        return packing.unpack(logits, mb["unpack_index"].to(self.device))
+
+    def _own_routes(self, replayer, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, S, L, k] the top-k the routers chose themselves in the micro-batch's last forward, in its rows' layout."""
+        own = replayer.own_choice()
+        return packing.unpack(own, mb["unpack_index"].to(own.device)) if "unpack_index" in mb else own
 
     def _aligned(self, micro: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """The micro-batches, padded to the most any DP rank has: ZeRO gathers parameters in every forward
@@ -255,7 +269,7 @@ class DeepSpeedLearner:
         micro-batch is a one-row copy with nothing trained (loss 0, gradient 0, no statistics)."""
         count = torch.tensor([len(micro)])
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        pad = {k: v[:1].clone() for k, v in micro[-1].items()}
+        pad = {k: v[:1].clone() for k, v in packing.unpacked(micro[-1]).items()}
         pad["mask"] = torch.zeros_like(pad["mask"])
         return micro + [pad] * (int(count) - len(micro))
 
@@ -285,7 +299,8 @@ class DeepSpeedLearner:
         dp, dp_rank = self.cfg.dp, dist.get_rank()
         totals = step.batch_totals(batch)
         fields = step.dp_share(batch, dp, dp_rank)
-        real = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
+        real = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens,
+                                  pack=self.cfg.pack_sequences)
         micro = self._aligned(real)
         needs_pi = step.needs_proximal_logprobs(self.loss_cfg, self.critic)
         step.attach_extra_logprobs(micro, {"proximal_logprobs": self.engine if needs_pi else None,
@@ -305,7 +320,7 @@ class DeepSpeedLearner:
             with torch.set_grad_enabled(not critic_only):
                 logits = self._logits(self.engine, mb)
             if own_routes is not None and i < len(real):
-                own_routes.append(replayer.own_choice())
+                own_routes.append(self._own_routes(replayer, mb))
             logprobs = token_logprobs(logits, mb["input_ids"], self.temperature)
             entropy = token_entropy(logits, self.temperature) if self.loss_cfg.entropy_coef > 0 else None
             loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy,

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megarl.algo.config import CriticConfig, LossConfig
 from megarl.algo.distill import DistillConfig
 from megarl.config.schema import LearnerConfig
-from megarl.learner import sequence_parallel, step
+from megarl.learner import packing, sequence_parallel, step
 from megarl.learner.routing_replay import RouteReplayer
 from megarl.models import convert, moe
 from megarl.protocols import TrainBatch
@@ -390,10 +390,15 @@ class MegatronLearner:
     def version(self) -> int:
         return self._version
 
-    def _model_inputs(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _model_inputs(self, input_ids: torch.Tensor,
+                      segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, position_ids, attention mask) of a micro-batch; packed rows (`segments`: which row each
+        position holds) get a mask that keeps each row to its own positions (megarl.learner.packing)."""
         input_ids = input_ids.to(self.device)
         b, s = input_ids.shape
         position_ids = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
+        if segments is not None:
+            return input_ids, position_ids, packing.attention_mask(segments.to(self.device))
         # An explicit causal mask (True = masked): megatron's default one is built with device="cuda".
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)
         return input_ids, position_ids, causal.view(1, 1, s, s)
@@ -437,24 +442,36 @@ class MegatronLearner:
 
         multiple = self.cfg.tp if self.sequence_parallel else 1
 
+        def model_rows(mb: dict) -> torch.Tensor:  # what the model runs on: the packed rows, or the rows
+            return mb.get("packed_ids", mb["input_ids"])
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            packed = "unpack_index" in mb
+
+            def rows(out: torch.Tensor) -> torch.Tensor:  # [B', S', ...] model output -> the rows' own layout
+                out = out[:, :width]
+                return packing.unpack(out, mb["unpack_index"].to(out.device)) if packed else out
+
             # Sequence parallelism splits the positions over TP: the width is padded to a multiple of tp, and the
             # logits (and the routers' own choices) are cut back to the real width before anything reads them.
-            width = mb["input_ids"].shape[1]
-            ids, routes = sequence_parallel.pad_micro_batch(mb["input_ids"], mb.get("routes"), multiple)
-            input_ids, position_ids, mask = self._model_inputs(ids)
+            width = model_rows(mb).shape[1]
+            ids, routes = sequence_parallel.pad_micro_batch(
+                model_rows(mb), mb.get("packed_routes" if packed else "routes"), multiple)
+            segments = (torch.nn.functional.pad(mb["packed_segments"], (0, ids.shape[1] - width), value=-1)
+                        if packed else None)
+            input_ids, position_ids, mask = self._model_inputs(ids, segments)
             if replayer is not None:
                 replayer.before_forward(ids, routes)
             output = model(input_ids, position_ids, mask)
             if own_routes is not None and replayer is not None:
-                own_routes.append(replayer.own_choice()[:, :width])
-            return output, lambda logits: loss_fn(logits[:, :width], mb)
+                own_routes.append(rows(replayer.own_choice()))
+            return output, lambda logits: loss_fn(rows(logits), mb)
 
         # With variable_seq_lengths (PP>1) the stages send each shape along; these two only size
         # megatron's default receive shape.
-        b = max(mb["input_ids"].shape[0] for mb in micro_batches)
-        s = max(-(-mb["input_ids"].shape[1] // multiple) * multiple for mb in micro_batches)
+        b = max(model_rows(mb).shape[0] for mb in micro_batches)
+        s = max(-(-model_rows(mb).shape[1] // multiple) * multiple for mb in micro_batches)
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
@@ -502,7 +519,8 @@ class MegatronLearner:
         pass, so identical weights give bit-identical log-probs. Every rank of the PP group gets them.
         """
         micro_inputs = [mb["input_ids"] for mb in micro]
-        out = self._run(model, [{k: mb[k] for k in ("input_ids", "routes") if k in mb} for mb in micro],
+        model_keys = ("input_ids", "routes", *packing.PACK_KEYS)
+        out = self._run(model, [{k: mb[k] for k in model_keys if k in mb} for mb in micro],
                         forward_only=True,
                         loss_fn=lambda logits, mb: (torch.zeros((), device=self.device),
                                                     self._token_logprobs(logits, mb["input_ids"].to(self.device))))
@@ -532,7 +550,8 @@ class MegatronLearner:
         start = time.perf_counter()
         totals = step.batch_totals(batch)
         fields = step.dp_share(batch, self.cfg.dp, self.ps.get_data_parallel_rank())
-        micro_batches = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
+        micro_batches = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens,
+                                           pack=self.cfg.pack_sequences)
         if self.cfg.ep > 1:
             # Every MoE layer's alltoall pairs the EP ranks micro-batch by micro-batch: same count on all.
             count = torch.tensor(len(micro_batches))

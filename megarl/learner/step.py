@@ -15,6 +15,7 @@ from megarl.algo import metrics
 from megarl.algo.config import LossConfig, NLLConfig
 from megarl.algo.distill import DistillConfig, distill_advantages
 from megarl.algo.losses import LossInputs, merge_stats, nll_loss, policy_loss
+from megarl.learner import packing
 from megarl.protocols import TrainBatch
 
 # The per-token tensors of a batch a micro-batch carries (keys of the `fields` dicts below).
@@ -48,12 +49,31 @@ def dp_share(batch: TrainBatch, dp: int, dp_rank: int) -> dict[str, torch.Tensor
     return {k: v[order] for k, v in fields.items()}
 
 
-def micro_batches(fields: dict[str, torch.Tensor], max_rows: int, max_tokens: int = 0) -> list[dict[str, torch.Tensor]]:
-    """Split rows (sorted longest first) into micro-batches (`micro_batch_rows`), each cut to its own longest
-    row."""
+def micro_batches(fields: dict[str, torch.Tensor], max_rows: int, max_tokens: int = 0,
+                  pack: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Split rows (sorted longest first) into micro-batches, each cut to its own longest row.
+
+    Unpacked: `micro_batch_rows` cuts where the work is least. Packed (megarl.learner.packing): every row goes
+    first-fit decreasing into packed rows as wide as the longest row, and consecutive packed rows form the
+    micro-batches: at most `max_rows` packed rows each (and, with max_tokens > 0, packed rows * width <=
+    max_tokens), so a packed micro-batch is never larger than the unpacked bound."""
     lengths = sequence_lengths(fields["mask"])
-    return [{k: v[idx, :int(lengths[idx].max())] for k, v in fields.items()}
-            for idx in micro_batch_rows(lengths, max_rows, max_tokens)]
+
+    def rows_of(idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: v[idx, :int(lengths[idx].max())] for k, v in fields.items()}
+
+    if not pack:
+        return [rows_of(idx) for idx in micro_batch_rows(lengths, max_rows, max_tokens)]
+    width = int(lengths.max())
+    per_micro = max(1, min(max_rows, max_tokens // width if max_tokens > 0 else max_rows))
+    bins = packing.first_fit_decreasing(lengths.tolist(), width)
+    micro = []
+    for start in range(0, len(bins), per_micro):
+        group = bins[start:start + per_micro]
+        idx = torch.tensor(sorted(i for b in group for i in b))
+        local = {int(row): j for j, row in enumerate(idx)}
+        micro.append(packing.pack(rows_of(idx), lengths[idx], [[local[i] for i in b] for b in group]))
+    return micro
 
 
 def needs_proximal_logprobs(loss_cfg: LossConfig, critic=None) -> bool:
@@ -91,6 +111,9 @@ def pad_micro_batches(micro: list[dict[str, torch.Tensor]], count: int) -> list[
     pair the ranks micro-batch by micro-batch (expert parallelism's alltoall): the micro-batch with the
     most rows is split in two while one has more than a row; past that, one-row micro-batches repeating
     the first row with nothing trained (mask, advantages 0: no loss, no gradient) are appended."""
+    if "unpack_index" in micro[0]:  # packed: split the rows, then pack each part again
+        return [packing.pack(mb, sequence_lengths(mb["mask"]))
+                for mb in pad_micro_batches([packing.unpacked(mb) for mb in micro], count)]
     micro = list(micro)
     while len(micro) < count:
         widest = max(range(len(micro)), key=lambda i: micro[i]["input_ids"].shape[0])
@@ -150,8 +173,8 @@ def dp_merged_stats(stats_list: list[dict[str, torch.Tensor]], dp: int, group=No
 
 
 def padding_frac(fields: dict[str, torch.Tensor], micro: list[dict[str, torch.Tensor]]) -> float:
-    """Share of the computed positions that are padding (the micro-batches' trimmed shapes)."""
-    computed = sum(mb["input_ids"].numel() for mb in micro)
+    """Share of the computed positions that are padding (the micro-batches' trimmed or packed shapes)."""
+    computed = sum(mb.get("packed_ids", mb["input_ids"]).numel() for mb in micro)
     return 1.0 - float(sequence_lengths(fields["mask"]).sum()) / computed
 
 

@@ -99,7 +99,10 @@ def test_r3_forces_the_recorded_routes_in_every_pass(moe_dirs, world, tmp_path):
     assert off["router/agreement"] < 0.9 and off["lag0/logprob_gap_abs"] > 1e-3
 
     loss_cfg = LossConfig(decoupled=True, kl_coef=0.1)
-    r3 = _learner(perturbed, routing_replay="r3", micro_batch_size=3, recompute_activations="full", loss_cfg=loss_cfg)
+    # Unpacked rows, so each forward's routes are a run of the batch's rows (packed micro-batches are checked
+    # end to end above: `same` packs by default, and its learner routes exactly as the sampler did).
+    r3 = _learner(perturbed, routing_replay="r3", micro_batch_size=3, recompute_activations="full", loss_cfg=loss_cfg,
+                  pack_sequences=False)
     calls = _expert_calls(r3)
     router = r3.module.model.layers[0].mlp.gate.weight
     before = router.detach().clone()
