@@ -1,6 +1,7 @@
 """megarl vs Hugging Face TRL's GRPOTrainer: the same model, task, reward and hyperparameters on the same cores.
 
-    python benchmarks/vs_trl.py [--steps 200] [--out runs/vs_trl] [--trl-threads 2] [key=value ...]
+    python benchmarks/vs_trl.py [--steps 200] [--out runs/vs_trl] [--repeats 1] [--trl-threads 2] [key=value ...]
+    python benchmarks/vs_trl.py --repeats 3     # three rounds (seeds 0, 1, 2): the median ratios and each round's
     python benchmarks/vs_trl.py --dry-run      # the settings table and the plan; runs nothing
     python benchmarks/vs_trl.py --out runs/vs_trl_wide model.path=embedded:tiny-qwen2-count-wide   # 7x larger model
 
@@ -20,11 +21,15 @@ OUT/vs_trl.png (reward vs training time and vs wall time) and keeps everything i
 `time_to_target_ratio_vs_trl`, `wall_to_target_ratio_vs_trl`, `tokens_per_s_ratio_vs_trl` (TRL / megarl pipeline:
 > 1 means megarl is faster), and the same for sync. Where each side's training time went is in the summaries: TRL's
 share spent generating (`generate_frac`, its `_generate` timed), megarl's learner and sampler busy shares.
+One run of each moves by tens of percent from seed to seed (the steps to the target vary): `--repeats N` runs N
+rounds, round i with run seed run.seed + i on both sides (megarl's run.seed, TRL's seed and the prompt stream), into
+OUT/round{i}, and the JSON line then holds each ratio's median over the rounds, its range, and every round.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -308,38 +313,21 @@ def print_results(results: dict) -> None:
             print(f"  learner per step after warm-up (median): {result['phases']}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--out", default="runs/vs_trl")
-    parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["pipeline", "sync", "trl"])
-    parser.add_argument("--dry-run", action="store_true", help="print the settings and the plan; run nothing")
-    parser.add_argument("overrides", nargs="*", help="megarl key=value overrides (both megarl runs)")
-    args = parser.parse_args()
-
+def run_round(args, out: Path, seed: int) -> dict:
+    """megarl pipeline, megarl sync and TRL one after the other, all with run seed `seed` (megarl's run.seed; TRL's
+    seed and the prompt stream both sides draw): their results, printed, kept in OUT/results.json and drawn."""
     from megarl.config.load import load_config
     from megarl.models.embedded import resolve_model_path
 
-    cfg = load_config(str(ROOT / DEMO), [*MEGARL_OVERRIDES, *args.overrides])
-    grpo_config, rows = trl_settings(cfg, args.steps, cfg.run.seed, args.trl_threads)
-    print(format_settings(rows))
-    print(f"\nGRPOConfig({', '.join(f'{k}={v!r}' for k, v in grpo_config.items() if k != 'output_dir')})")
-    print(f"megarl overrides of {DEMO}: {' '.join(MEGARL_OVERRIDES)}")
-    if args.dry_run:
-        from trl_env import ENV
-
-        print(f"plan: megarl pipeline, megarl sync, TRL ({args.steps} steps each); TRL environment {ENV.directory()} "
-              f"{'ready' if ENV.is_ready() else 'to be built (minutes, 1.5 GB)'}")
-        print(json.dumps({"dry_run": True, "settings_matched": sum(r[3] for r in rows), "settings": len(rows)}))
-        return
-    out = ROOT / args.out
+    overrides = [*args.overrides, f"run.seed={seed}"]
+    cfg = load_config(str(ROOT / DEMO), [*MEGARL_OVERRIDES, *overrides])
+    grpo_config, _ = trl_settings(cfg, args.steps, cfg.run.seed, args.trl_threads)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     results = {}
     for mode in ("pipeline", "sync"):
         if mode not in args.skip:
-            results[f"megarl {mode}"] = run_megarl(mode, out, args.steps, args.overrides)
+            results[f"megarl {mode}"] = run_megarl(mode, out, args.steps, overrides)
             print(f"megarl {mode}: {json.dumps(results[f'megarl {mode}']['summary'])}", flush=True)
     if "trl" not in args.skip:
         results["TRL GRPOTrainer"] = run_trl(out, model_dir, demo_prompts(cfg, args.steps * cfg.algo.prompts_per_step),
@@ -349,6 +337,11 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps(results))  # curves and all: to re-plot or compare later
     plot(results, out / "vs_trl.png", cfg.model.path)
     print(f"\npicture: {out / 'vs_trl.png'}")
+    return results
+
+
+def round_ratios(results: dict) -> dict:
+    """The JSON line's ratios of one round (TRL / megarl: > 1 means megarl is faster), pipeline and `_sync`."""
     line = {}
     if "TRL GRPOTrainer" in results:
         trl = results["TRL GRPOTrainer"]["summary"]
@@ -356,8 +349,66 @@ def main() -> None:
             if f"megarl {mode}" in results:
                 r = ratios(results[f"megarl {mode}"]["summary"], trl)
                 line.update(r if mode == "pipeline" else {f"{k}_sync": v for k, v in r.items()})
-    line["summaries"] = {name: r["summary"] for name, r in results.items()}
-    print(json.dumps(line))
+    return line
+
+
+def median_ratios(rounds: list[dict]) -> dict:
+    """Per ratio, the median over the rounds that reached the target (None: none did), and its range."""
+    out = {}
+    for key in rounds[0]:
+        values = sorted(r[key] for r in rounds if r.get(key) is not None)
+        out[key] = round(statistics.median(values), 3) if values else None
+        out[f"{key}_range"] = [values[0], values[-1]] if values else None
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out", default="runs/vs_trl")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds, each with the next run seed (run.seed, then +1, ...); the JSON line holds the "
+                             "median ratios and each round's")
+    parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["pipeline", "sync", "trl"])
+    parser.add_argument("--dry-run", action="store_true", help="print the settings and the plan; run nothing")
+    parser.add_argument("overrides", nargs="*", help="megarl key=value overrides (both megarl runs)")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+
+    from megarl.config.load import load_config
+
+    cfg = load_config(str(ROOT / DEMO), [*MEGARL_OVERRIDES, *args.overrides])
+    grpo_config, rows = trl_settings(cfg, args.steps, cfg.run.seed, args.trl_threads)
+    print(format_settings(rows))
+    print(f"\nGRPOConfig({', '.join(f'{k}={v!r}' for k, v in grpo_config.items() if k != 'output_dir')})")
+    print(f"megarl overrides of {DEMO}: {' '.join(MEGARL_OVERRIDES)}")
+    if args.dry_run:
+        from trl_env import ENV
+
+        print(f"plan: {args.repeats} x (megarl pipeline, megarl sync, TRL; {args.steps} steps each); TRL environment "
+              f"{ENV.directory()} {'ready' if ENV.is_ready() else 'to be built (minutes, 1.5 GB)'}")
+        print(json.dumps({"dry_run": True, "settings_matched": sum(r[3] for r in rows), "settings": len(rows)}))
+        return
+    out = ROOT / args.out
+    if args.repeats == 1:
+        results = run_round(args, out, cfg.run.seed)
+        print(json.dumps({**round_ratios(results), "summaries": {name: r["summary"] for name, r in results.items()}}))
+        return
+    rounds = []
+    for i in range(args.repeats):
+        seed = cfg.run.seed + i
+        print(f"\n=== round {i + 1} of {args.repeats} (run.seed={seed}) ===", flush=True)
+        results = run_round(args, out / f"round{i}", seed)
+        rounds.append({"seed": seed, **round_ratios(results),
+                       "summaries": {name: r["summary"] for name, r in results.items()}})
+    ratio_rows = [{k: v for k, v in r.items() if k not in ("seed", "summaries")} for r in rounds]
+    print("\nratios per round (TRL / megarl pipeline; training time, wall time, tokens/s):")
+    for r in rounds:
+        print(f"  seed {r['seed']}: " + ", ".join(f"{r.get(k)}" for k in (
+            "time_to_target_ratio_vs_trl", "wall_to_target_ratio_vs_trl", "tokens_per_s_ratio_vs_trl")))
+    print(json.dumps({**median_ratios(ratio_rows), "rounds": rounds}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """benchmarks/vs_trl.py's pieces, without TRL: the demo's settings mapped onto GRPOConfig and the table that says
-what matches, the shared prompt stream, the time-to-threshold read-out and the JSON line's ratios."""
+what matches, the shared prompt stream, the time-to-threshold read-out and the JSON line's ratios (one round's, and
+the median over repeated rounds)."""
 import sys
 from pathlib import Path
 
@@ -65,6 +66,18 @@ def test_time_to_threshold_and_the_json_ratios():
                                               "tokens_per_s_ratio_vs_trl": 2.0}
     never = vs_trl.curve_summary({**curve, "reward": [0.5] * 30})
     assert never["reached"]["0.9"] is None and vs_trl.ratios(summary, never)["time_to_target_ratio_vs_trl"] is None
+
+
+def test_repeated_rounds_report_the_median_ratio_and_its_range():
+    rounds = [{"time_to_target_ratio_vs_trl": 2.0, "wall_to_target_ratio_vs_trl": 1.5},
+              {"time_to_target_ratio_vs_trl": 3.0, "wall_to_target_ratio_vs_trl": None},  # TRL never got there
+              {"time_to_target_ratio_vs_trl": 2.5, "wall_to_target_ratio_vs_trl": 1.7}]
+    assert vs_trl.median_ratios(rounds) == {"time_to_target_ratio_vs_trl": 2.5,
+                                            "time_to_target_ratio_vs_trl_range": [2.0, 3.0],
+                                            "wall_to_target_ratio_vs_trl": 1.6,
+                                            "wall_to_target_ratio_vs_trl_range": [1.5, 1.7]}
+    assert vs_trl.median_ratios([{"time_to_target_ratio_vs_trl": None}]) == {
+        "time_to_target_ratio_vs_trl": None, "time_to_target_ratio_vs_trl_range": None}
 
 
 def test_where_the_training_time_went():

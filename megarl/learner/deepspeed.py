@@ -243,20 +243,24 @@ class DeepSpeedLearner:
     # ------------------------------------------------------------------ forward
 
     def _logits(self, model, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits [B, S, V] of the micro-batch's input_ids; an MoE model's routers are fed its `routes` first
-        (replay). A packed micro-batch (megarl.learner.packing) runs as its packed rows, each row with its own
-        position ids and a 4D mask keeping it to itself, and its logits are read back in the rows' layout."""
+        """Logits [B', S', V] of what the model runs on (packing.model_input_ids); an MoE model's routers are fed
+        its routes first (replay). A packed micro-batch (megarl.learner.packing) runs as its packed rows, each row
+        with its own position ids and a 4D mask keeping it to itself."""
         replayer = self._replayers.get(id(model))
         packed = "unpack_index" in mb
-        ids = mb["packed_ids" if packed else "input_ids"].to(self.device)
+        ids = packing.model_input_ids(mb).to(self.device)
         if replayer is not None:
             replayer.before_forward(ids, mb.get("packed_routes" if packed else "routes"))
         if not packed:
             return model(input_ids=ids, use_cache=False).logits
         mask = packing.additive_attention_mask(mb["packed_segments"].to(self.device), self.module.dtype)
-        logits = model(input_ids=ids, position_ids=mb["packed_positions"].to(self.device), attention_mask=mask,
-                       use_cache=False).logits
-        return packing.unpack(logits, mb["unpack_index"].to(self.device))
+        return model(input_ids=ids, position_ids=mb["packed_positions"].to(self.device), attention_mask=mask,
+                     use_cache=False).logits
+
+    def _row_logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, S] log-probs of the micro-batch's rows from `_logits` (packed: computed on the packed positions)."""
+        ids = packing.model_input_ids(mb).to(logits.device)
+        return packing.next_token_values(token_logprobs(logits, ids, self.temperature), mb)
 
     def _own_routes(self, replayer, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, S, L, k] the top-k the routers chose themselves in the micro-batch's last forward, in its rows' layout."""
@@ -278,8 +282,7 @@ class DeepSpeedLearner:
         """Per-token log-probs (fp32, CPU) of `model` on each micro-batch's input_ids (with its `routes`
         replayed under routing replay), forward only: the same micro-batch shapes as the training pass, so
         identical weights give identical log-probs."""
-        return [token_logprobs(self._logits(model, mb), mb["input_ids"].to(self.device),
-                               self.temperature).cpu() for mb in micro]
+        return [self._row_logprobs(self._logits(model, mb), mb).cpu() for mb in micro]
 
     def logprobs(self, input_ids: torch.Tensor, routes: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token log-probs [B, S] (fp32, CPU) of the whole batch under the current weights (every
@@ -321,8 +324,9 @@ class DeepSpeedLearner:
                 logits = self._logits(self.engine, mb)
             if own_routes is not None and i < len(real):
                 own_routes.append(self._own_routes(replayer, mb))
-            logprobs = token_logprobs(logits, mb["input_ids"], self.temperature)
-            entropy = token_entropy(logits, self.temperature) if self.loss_cfg.entropy_coef > 0 else None
+            logprobs = self._row_logprobs(logits, mb)
+            entropy = (packing.next_token_values(token_entropy(logits, self.temperature), mb)
+                       if self.loss_cfg.entropy_coef > 0 else None)
             loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy,
                                                 self.distill)
             if i < len(real):

@@ -403,6 +403,12 @@ class MegatronLearner:
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)
         return input_ids, position_ids, causal.view(1, 1, s, s)
 
+    def _row_logprobs(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
+        """[B, S] log-probs of the micro-batch's rows from the model's logits over what it ran on (packed rows
+        when packed: computed on the packed positions, then read back per row)."""
+        ids = packing.model_input_ids(mb).to(logits.device)
+        return packing.next_token_values(self._token_logprobs(logits, ids), mb)
+
     def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, S] log-probs of input_ids[:, t] from logits[:, t-1] / T; column 0 is 0.
 
@@ -442,22 +448,14 @@ class MegatronLearner:
 
         multiple = self.cfg.tp if self.sequence_parallel else 1
 
-        def model_rows(mb: dict) -> torch.Tensor:  # what the model runs on: the packed rows, or the rows
-            return mb.get("packed_ids", mb["input_ids"])
-
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             packed = "unpack_index" in mb
-
-            def rows(out: torch.Tensor) -> torch.Tensor:  # [B', S', ...] model output -> the rows' own layout
-                out = out[:, :width]
-                return packing.unpack(out, mb["unpack_index"].to(out.device)) if packed else out
-
             # Sequence parallelism splits the positions over TP: the width is padded to a multiple of tp, and the
             # logits (and the routers' own choices) are cut back to the real width before anything reads them.
-            width = model_rows(mb).shape[1]
+            width = packing.model_input_ids(mb).shape[1]
             ids, routes = sequence_parallel.pad_micro_batch(
-                model_rows(mb), mb.get("packed_routes" if packed else "routes"), multiple)
+                packing.model_input_ids(mb), mb.get("packed_routes" if packed else "routes"), multiple)
             segments = (torch.nn.functional.pad(mb["packed_segments"], (0, ids.shape[1] - width), value=-1)
                         if packed else None)
             input_ids, position_ids, mask = self._model_inputs(ids, segments)
@@ -465,13 +463,14 @@ class MegatronLearner:
                 replayer.before_forward(ids, routes)
             output = model(input_ids, position_ids, mask)
             if own_routes is not None and replayer is not None:
-                own_routes.append(rows(replayer.own_choice()))
-            return output, lambda logits: loss_fn(rows(logits), mb)
+                own = replayer.own_choice()[:, :width]
+                own_routes.append(packing.unpack(own, mb["unpack_index"]) if packed else own)
+            return output, lambda logits: loss_fn(logits[:, :width], mb)
 
         # With variable_seq_lengths (PP>1) the stages send each shape along; these two only size
         # megatron's default receive shape.
-        b = max(model_rows(mb).shape[0] for mb in micro_batches)
-        s = max(-(-model_rows(mb).shape[1] // multiple) * multiple for mb in micro_batches)
+        b = max(packing.model_input_ids(mb).shape[0] for mb in micro_batches)
+        s = max(-(-packing.model_input_ids(mb).shape[1] // multiple) * multiple for mb in micro_batches)
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
@@ -522,8 +521,7 @@ class MegatronLearner:
         model_keys = ("input_ids", "routes", *packing.PACK_KEYS)
         out = self._run(model, [{k: mb[k] for k in model_keys if k in mb} for mb in micro],
                         forward_only=True,
-                        loss_fn=lambda logits, mb: (torch.zeros((), device=self.device),
-                                                    self._token_logprobs(logits, mb["input_ids"].to(self.device))))
+                        loss_fn=lambda logits, mb: (torch.zeros((), device=self.device), self._row_logprobs(logits, mb)))
         if self.cfg.pp == 1:
             return [o.cpu() for o in out]
         # PP: only the last stage computed them; one broadcast of all micro-batches padded to the widest.
@@ -574,8 +572,9 @@ class MegatronLearner:
 
         def loss_fn(logits, mb):
             mb = {k: v.to(self.device) for k, v in mb.items()}
-            logprobs = self._token_logprobs(logits, mb["input_ids"])
-            entropy = self._token_entropy(logits) if self.loss_cfg.entropy_coef > 0 else None
+            logprobs = self._row_logprobs(logits, mb)
+            entropy = (packing.next_token_values(self._token_entropy(logits), mb) if self.loss_cfg.entropy_coef > 0
+                       else None)
             loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy,
                                                 self.distill)
             stats_list.append(stats)

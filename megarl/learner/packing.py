@@ -5,9 +5,10 @@ A learner step's rows are long-tailed (a few long completions, many short ones).
 micro-batches of similar length (megarl.learner.step.micro_batch_rows) still leaves a fifth to a third of the
 computed positions padding on the demo. Packing puts several rows into one *packed row* of at most `capacity`
 positions (first-fit decreasing), and an attention mask keeps each row to its own positions, causally. The
-model runs on the packed rows; its outputs (logits, the routers' own choices) are gathered back into the
-micro-batch's [rows, width] layout by `unpack`, so everything after the forward (log-probs, the loss, metrics,
-router agreement) is the same code on the same layout as without packing.
+model runs on the packed rows and the per-token log-probs (and entropies) are computed there, on the packed
+positions only; they and the routers' own choices are gathered back into the micro-batch's [rows, width] layout
+(`next_token_values`, `unpack`), so everything after them (the loss, metrics, router agreement) is the same code
+on the same layout as without packing.
 
 The capacity is the micro-batch's longest row, so a packed row is never wider than an unpacked one: activation
 memory per micro-batch stays within its unpacked bound, and a row placed at an offset sees rotary angles of
@@ -95,6 +96,21 @@ def pack(mb: dict[str, torch.Tensor], lengths: torch.Tensor, bins: list[list[int
 def unpacked(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`mb` without its PACK_KEYS (the rows alone)."""
     return {k: v for k, v in mb.items() if k not in PACK_KEYS}
+
+
+def model_input_ids(mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What the model runs on: the packed rows of a packed micro-batch, else its rows."""
+    return mb.get("packed_ids", mb["input_ids"])
+
+
+def next_token_values(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, S] per-token values of the micro-batch's rows (log-probs, entropies: position t's from the model's
+    output at t-1; column 0 is 0) from those computed on what the model ran on (`model_input_ids`). Packed,
+    a row's first position read the end of the row before it: it is set to 0 like an unpacked row's."""
+    if "unpack_index" not in mb:
+        return values
+    rows = unpack(values, mb["unpack_index"].to(values.device))
+    return torch.cat([torch.zeros_like(rows[:, :1]), rows[:, 1:]], dim=1)
 
 
 def unpack(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
