@@ -37,7 +37,6 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megarl.algo import metrics as algo_metrics
 from megarl.algo.config import CriticConfig, LossConfig
@@ -84,19 +83,6 @@ def deepspeed_config(cfg: LearnerConfig, on_gpu: bool, with_optimizer: bool = Tr
             "lr": cfg.lr, "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": 1e-8,
             "weight_decay": cfg.weight_decay, "torch_adam": not on_gpu}}
     return config
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, S] log-probs of input_ids[:, t] from logits[:, t-1] / T over the full vocabulary; column 0 is 0."""
-    shifted = logits[:, :-1].float() / temperature
-    nll = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none")
-    return F.pad(-nll.view(input_ids.shape[0], -1), (1, 0))
-
-
-def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, S] entropy of the predictive distribution for input_ids[:, t] (column 0 is 0)."""
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    return F.pad(-(logp.exp() * logp).sum(-1), (1, 0))
 
 
 def _skip_shm_comm_build() -> None:
@@ -260,7 +246,7 @@ class DeepSpeedLearner:
     def _row_logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, S] log-probs of the micro-batch's rows from `_logits` (packed: computed on the packed positions)."""
         ids = packing.model_input_ids(mb).to(logits.device)
-        return packing.next_token_values(token_logprobs(logits, ids, self.temperature), mb)
+        return packing.next_token_values(step.token_logprobs(logits, ids, self.temperature), mb)
 
     def _own_routes(self, replayer, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, S, L, k] the top-k the routers chose themselves in the micro-batch's last forward, in its rows' layout."""
@@ -325,7 +311,7 @@ class DeepSpeedLearner:
             if own_routes is not None and i < len(real):
                 own_routes.append(self._own_routes(replayer, mb))
             logprobs = self._row_logprobs(logits, mb)
-            entropy = (packing.next_token_values(token_entropy(logits, self.temperature), mb)
+            entropy = (packing.next_token_values(step.token_entropy(logits, self.temperature), mb)
                        if self.loss_cfg.entropy_coef > 0 else None)
             loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy,
                                                 self.distill)

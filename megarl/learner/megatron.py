@@ -413,8 +413,11 @@ class MegatronLearner:
         """[B, S] log-probs of input_ids[:, t] from logits[:, t-1] / T; column 0 is 0.
 
         logits are this TP rank's vocab shard [B, S, V/tp]; vocab-parallel cross-entropy does the
-        softmax across the shards (it works in place on its input, a fresh tensor here).
+        softmax across the shards (it works in place on its input, a fresh tensor here). At TP=1 the whole
+        vocabulary is here: plain cross-entropy, without megatron's three all-reduces over a group of one.
         """
+        if self.cfg.tp == 1:
+            return step.token_logprobs(logits, input_ids, self.temperature)
         shifted = (logits[:, :-1].float() / self.temperature).transpose(0, 1).contiguous()
         target = input_ids[:, 1:].transpose(0, 1).contiguous()
         nll = self.tensor_parallel.vocab_parallel_cross_entropy(shifted, target)  # [S-1, B]

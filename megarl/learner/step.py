@@ -22,6 +22,20 @@ from megarl.protocols import TrainBatch
 FIELDS = ("input_ids", "mask", "behaviour_logprobs", "advantages", "versions")
 
 
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, S] log-probs of input_ids[:, t] from logits[:, t-1] / T over the full vocabulary; column 0 is 0."""
+    shifted = logits[:, :-1].float() / temperature
+    nll = torch.nn.functional.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), input_ids[:, 1:].reshape(-1),
+                                            reduction="none")
+    return torch.nn.functional.pad(-nll.view(input_ids.shape[0], -1), (1, 0))
+
+
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, S] entropy of the predictive distribution for input_ids[:, t] (column 0 is 0)."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+
+
 def batch_totals(batch: TrainBatch) -> tuple[float, float]:
     """(masked tokens, sequences with >= 1 masked token) of the WHOLE batch: the loss's normalisers."""
     mask = batch.loss_mask.float()

@@ -36,7 +36,7 @@ class Teacher:
         `teacher_logprobs`, at the sampling temperature the student's log-probs use; return the seconds it took
         (the teacher's cost per step, reported as distill/teacher_s). Rows are right-padded, so causal attention
         without a mask leaves every real position's score exact."""
-        from megarl.learner.deepspeed import token_logprobs
+        from megarl.learner.step import token_logprobs
 
         start = time.perf_counter()
         for mb in micro:
