@@ -158,12 +158,13 @@ def init_single_rank(backend: str, workdir: Path) -> None:
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
-def make_learner(model_dir: Path, size: Size, critic: bool = False):
+def make_learner(model_dir: Path, size: Size, critic: bool = False, pack: bool = True):
     from megarl.algo.config import CriticConfig, LossConfig
     from megarl.config.schema import LearnerConfig
     from megarl.learner.megatron import MegatronLearner
 
-    return MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-6), LossConfig(),
+    return MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-6,
+                                                         pack_sequences=pack), LossConfig(),
                            critic_cfg=CriticConfig(target="vtrace", lr=1e-5) if critic else None)
 
 
@@ -265,6 +266,55 @@ def timed_steps(learner, size: Size, critic: bool = False) -> tuple[list[float],
         if i:
             times.append(time.perf_counter() - start)
     return times, steps
+
+
+def check_packing(args, size: Size) -> dict:
+    """learner.pack_sequences on the device: the same long-tailed batch (a few long rows, many short: an RL batch's
+    lengths) stepped by a packing and a non-packing learner, one after the other; step time, padding and peak
+    memory of each (docs/learner.md, "Sequence packing": the dense [R, 1, W, W] mask is what may cost on a GPU)."""
+    import random
+
+    import torch
+
+    from megarl.protocols import TrainBatch
+
+    workdir = Path(args.workdir)
+    init_single_rank(args.backend, workdir)
+    model_dir = build_model(workdir / "model", size, args.device)
+    rows, length, vocab = size.train_rows, size.train_len, size.model["vocab_size"]
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+    prompt = length // 8
+    ends = [min(length, prompt + 1 + int(rng.expovariate(4 / length))) for _ in range(rows)]
+    ids = torch.randint(0, vocab, (rows, length), generator=g)
+    mask = torch.zeros(rows, length)
+    for r, end in enumerate(ends):
+        mask[r, prompt:end] = 1.0
+    advantages = torch.randn(rows, 1, generator=g).expand(rows, length) * mask
+    out = {"rows": rows, "max_len": length, "real_tokens": int(sum(ends))}
+    for pack in (True, False):
+        learner = make_learner(model_dir, size, pack=pack)
+        behaviour = learner.logprobs(ids) * mask
+        times = []
+        for i in range(size.train_steps + 1):  # the first is a warm-up
+            batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=behaviour,
+                               versions=torch.where(mask > 0, learner.version, -1), advantages=advantages,
+                               learner_version=learner.version)
+            sync()
+            start = time.perf_counter()
+            metrics = learner.train_step(batch)
+            sync()
+            if i:
+                times.append(time.perf_counter() - start)
+        name = "packed" if pack else "unpacked"
+        out[name] = {"median_step_s": round(sorted(times)[len(times) // 2], 4), "padding_frac":
+                     round(metrics["padding_frac"], 3), "lag0_gap": metrics.get("lag0/logprob_gap_abs"),
+                     "peak_gpu_gib": peak_gib()}
+        del learner
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    out["speedup"] = round(out["unpacked"]["median_step_s"] / out["packed"]["median_step_s"], 3)
+    return out
 
 
 def check_distill(args, size: Size) -> dict:
@@ -666,7 +716,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "e2e_train": (check_e2e_train, 200),
           "publish_bandwidth": (check_publish_bandwidth, 120),
           # last: the newest, so a budget that runs short skips them rather than an older check
-          "lora": (check_lora, 120), "critic_step": (check_critic_step, 120)}
+          "lora": (check_lora, 120), "critic_step": (check_critic_step, 120), "packing": (check_packing, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU
 

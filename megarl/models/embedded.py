@@ -100,11 +100,51 @@ def _spec_hash(spec: EmbeddedSpec) -> str:
     # instead of silently reusing a stale one.
     import transformers
 
-    config = spec.model_config().to_dict()
+    config = spec.model_config().to_dict()  # (transformers' config: its defaults shape the model too)
     blob = json.dumps({"task": asdict(spec.task), "recipe": asdict(spec.recipe), "config": config,
                        "max_new_tokens": spec.max_new_tokens,
                        "transformers_major": transformers.__version__.split(".")[0]}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+# The modules whose code makes an EmbeddedSpec's HF config (build_config, build_moe_config).
+_CONFIG_SOURCES = ("tiny.py", "tiny_moe.py")
+
+
+def _memo_key(spec: EmbeddedSpec) -> str:
+    """What `_spec_hash` depends on, without importing transformers: the spec, the installed transformers version
+    and the source of the config builders."""
+    from importlib.metadata import version
+
+    here = Path(__file__).parent
+    blob = repr(spec) + version("transformers") + "".join((here / name).read_text() for name in _CONFIG_SOURCES)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def spec_hash(spec: EmbeddedSpec, cache_dir: Path) -> str:
+    """`_spec_hash(spec)`, remembered in cache_dir/.spec-hashes.json under `_memo_key(spec)`: computing it imports
+    transformers (~0.6 s), which a learner rank otherwise never needs, and every rank resolves the model at start.
+    A lost or unreadable memo only costs the import again (concurrent writers: the last rename wins)."""
+    memo_path = cache_dir / ".spec-hashes.json"
+    key = _memo_key(spec)
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if not isinstance(memo, dict):
+        memo = {}
+    if isinstance(memo.get(key), str):
+        return memo[key]
+    memo[key] = _spec_hash(spec)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".spec-hashes.", dir=cache_dir)
+        with os.fdopen(fd, "w") as f:
+            json.dump(memo, f)
+        os.replace(tmp, memo_path)
+    except OSError:
+        pass  # a read-only cache: the hash is still right, only not remembered
+    return memo[key]
 
 
 def build_embedded_model(name: str, out_dir: str | Path) -> dict:
@@ -199,7 +239,7 @@ def ensure_embedded_model(name: str = "tiny-qwen2-arith", cache_dir: str | Path 
     if name not in EMBEDDED_MODELS:
         raise ValueError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
     cache_dir = Path(cache_dir).expanduser()
-    final = cache_dir / f"{name}-{_spec_hash(EMBEDDED_MODELS[name])}"
+    final = cache_dir / f"{name}-{spec_hash(EMBEDDED_MODELS[name], cache_dir)}"
     if final.is_dir():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -245,9 +245,13 @@ class RunOutputs:
         self.console.close()  # the summary, once every step ran
 
 
-def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
-    from transformers import AutoTokenizer
+# What fills a batch row past its end: any valid token id. Those positions are never trained and causal attention
+# keeps them out of every real position's output, so the learner needs no tokenizer for it (loading one costs its
+# start-up the transformers import, ~0.6 s) and a tokenizer without a pad token (Llama's) works as well.
+BATCH_PAD_ID = 0
 
+
+def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     from megarl.learner import build_learner
 
     torch.set_num_threads(cfg.learner.threads)
@@ -289,7 +293,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     schedule = Schedule(cfg, start_step)
     intake, outputs, collector = None, None, None
     if lead:
-        intake = Intake(cfg, store, AutoTokenizer.from_pretrained(model_dir).pad_token_id, topo,
+        intake = Intake(cfg, store, BATCH_PAD_ID, topo,
                         RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text())))
         recovery = {}
         if resumed:
@@ -305,7 +309,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             from megarl.distributed.sglang_publish import SGLangPublisher
 
             publisher = SGLangPublisher.from_config(cfg, store, topo.num_samplers)  # waits for every server
-        startup.mark("intake, tokenizer")
+        startup.mark("intake")
         outputs = RunOutputs(cfg, topo.rank, recovery)
         if due_versions(cfg, learner.version):
             collector = EvalCollector(cfg, store, topo.num_engines, learner.version, start_step, outputs.record_eval,

@@ -90,13 +90,13 @@ def builtin_engine(cfg: Config, topo: Topology, model_dir: Path, tp_group):
         tp_group=tp_group)
 
 
-def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, should_stop) -> StagedReceiver:
-    """The receiver of this sampler rank's part of every version: one group per learner pipeline stage
-    (one at PP=1), of this rank's TP rank (or whole tensors cut to this TP rank's slices on arrival, at
-    learner.tp=1); a version is applied once every stage's part arrived. `engine`
+def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, should_stop,
+                    groups: dict) -> StagedReceiver:
+    """The receiver of this sampler rank's part of every version over its publish `groups` (publish_groups):
+    one group per learner pipeline stage (one at PP=1), of this rank's TP rank (or whole tensors cut to this TP
+    rank's slices on arrival, at learner.tp=1); a version is applied once every stage's part arrived. `engine`
     tells what a version carries (weight_spec), where it lands (device) and which version runs (version):
     the engine itself, or its AdapterStager under learner.lora."""
-    groups = publish_groups(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
     expected, narrow = engine.weight_spec(), None
     if topo.slices_on_arrival:  # learner.tp=1: whole tensors arrive, this TP rank keeps its slices
         expected = {name: (torch.Size(tp_shard.whole_shape(name, shape, topo.sampler_tp)), dtype)
@@ -112,10 +112,11 @@ def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, shou
 
 
 class SamplerLoop:
-    def __init__(self, cfg: Config, topo: Topology, store, model_dir: Path, tp_group=None):
+    def __init__(self, cfg: Config, topo: Topology, store, model_dir: Path, tp_group=None, groups: dict | None = None):
         from transformers import AutoTokenizer
 
         self.cfg, self.topo, self.store = cfg, topo, store
+        self.groups = groups  # the publish groups (run_sampler); None with SGLang, whose server receives
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if cfg.sampler.engine == "sglang":
             from megarl.sampler.sglang_engine import SGLangEngine
@@ -209,7 +210,7 @@ class SamplerLoop:
                                                     should_stop=lambda: self.stopped,
                                                     before_update=self._hold_update).start()
         return weight_receiver(self.cfg, self.topo, self.store, self.adapters or self.engine, self._on_version,
-                               lambda: self.stopped)
+                               lambda: self.stopped, self.groups)
 
     def _hold_update(self, version_now: int) -> None:
         if self.evaluator is not None:
@@ -415,15 +416,21 @@ class SamplerLoop:
 def run_sampler(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     torch.set_num_threads(cfg.sampler.threads)
     tp_group = engine_tp_group(topo, store, cfg.dist.backend, cfg.dist.timeout_s)
+    # The publish groups first, before the tokenizer and the engine: the learner creates them early in its own
+    # start-up (before its model build), so it does not wait here for this rank's engine, and each side then
+    # builds what it runs at the same time (SGLang's server receives the weights itself: no groups).
+    groups = None if cfg.sampler.engine == "sglang" else publish_groups(topo, store, cfg.dist.backend,
+                                                                      cfg.publish.timeout_s)
+    startup.mark("publish groups")
     if topo.engine_tp_rank == 0:
-        SamplerLoop(cfg, topo, store, model_dir, tp_group).run()
+        SamplerLoop(cfg, topo, store, model_dir, tp_group, groups).run()
     else:
-        run_engine_follower(cfg, topo, store, model_dir, tp_group)
+        run_engine_follower(cfg, topo, store, model_dir, tp_group, groups)
     if stop_signal() is not None:
         raise SystemExit(exit_status(stop_signal()))
 
 
-def run_engine_follower(cfg: Config, topo: Topology, store, model_dir: Path, tp_group) -> None:
+def run_engine_follower(cfg: Config, topo: Topology, store, model_dir: Path, tp_group, groups: dict) -> None:
     """A TP rank > 0 of an engine: receives its weight shards and mirrors every step its lead plans
     (megarl.sampler.tensor_parallel); the lead does the scheduling, rewards and queue, and sends the
     stop when its loop ends."""
@@ -432,7 +439,7 @@ def run_engine_follower(cfg: Config, topo: Topology, store, model_dir: Path, tp_
     engine = builtin_engine(cfg, topo, model_dir, tp_group)
     stopped = threading.Event()
     receiver = weight_receiver(cfg, topo, store, engine, lambda version, tensors, extra: engine.stage_weights(
-        tensors, version), stopped.is_set)
+        tensors, version), stopped.is_set, groups)
     try:
         run_follower(engine, tp_group, run_secret(), should_stop=lambda: receiver.error is not None, timeout_s=cfg.dist.timeout_s)
         if receiver.error is not None:

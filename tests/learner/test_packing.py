@@ -189,3 +189,18 @@ def test_a_packed_step_is_the_unpacked_step(model_dirs, world, local_rank, backe
     after = dict(unpacked.publish_tensors())
     for name, tensor in packed.publish_tensors():
         assert float((tensor - after[name]).abs().max()) <= 0.1 * 1e-2, name
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_what_fills_a_row_past_its_end_changes_nothing(model_dirs, world, pack):
+    """The learner pads batch rows with token 0, not the tokenizer's pad token (megarl.roles.learner_main): positions
+    past a row's end are never trained, and causal attention (or packing, which leaves them out) keeps them out of
+    every real position, so any fill gives the same step."""
+    from dataclasses import replace
+
+    batch, _ = _batch(model_dirs["qwen2"])
+    past_end = torch.arange(S) >= step.sequence_lengths(batch.loss_mask)[:, None]
+    steps = [_learner(model_dirs["qwen2"], "megatron", pack).train_step(
+        replace(batch, input_ids=batch.input_ids.masked_fill(past_end, fill))) for fill in (0, VOCAB - 1)]
+    for key in ("loss", "grad_norm", "ratio/mean"):
+        assert steps[0][key] == steps[1][key], key

@@ -246,3 +246,30 @@ def test_bad_names_and_paths_fail_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape(str(empty)) + ".*no config.json"):
         embedded.resolve_model_path(str(empty), tmp_path)
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # errors built nothing
+
+
+def test_the_directory_hash_is_remembered_so_a_rank_resolving_it_needs_no_transformers(tmp_path):
+    """Every rank resolves an embedded model at start; the directory's hash covers transformers' config, so computing
+    it imports transformers (~0.6 s), which a learner rank never needs otherwise. The hash is remembered per spec,
+    transformers version and config-builder source: a process that finds it imports nothing of transformers, and a
+    corrupt memo is recomputed to the same hash."""
+    import subprocess
+    import sys
+
+    spec = embedded.EMBEDDED_MODELS["tiny-qwen2-count"]
+    want = embedded._spec_hash(spec)
+    child = ("import sys; from pathlib import Path; from megarl.models import embedded; "
+             f"h = embedded.spec_hash(embedded.EMBEDDED_MODELS['tiny-qwen2-count'], Path({str(tmp_path)!r})); "
+             "print(h, 'transformers' in sys.modules)")
+
+    def run() -> list[str]:
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()
+
+    assert run() == [want, "True"]  # first: computed (transformers imported), remembered
+    assert run() == [want, "False"]  # then: remembered, no transformers
+    (tmp_path / ".spec-hashes.json").write_text("{not json")
+    assert embedded.spec_hash(spec, tmp_path) == want and run() == [want, "False"]
+    other = embedded.EmbeddedSpec(ArithmeticTask(max_operand=4), tiny.WarmStartRecipe(clean_steps=3, noisy_steps=3))
+    assert embedded.spec_hash(other, tmp_path) == embedded._spec_hash(other) != want
