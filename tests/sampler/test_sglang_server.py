@@ -24,7 +24,10 @@ from tests.helpers import run_python
 from tests.sampler import make_tiny_model
 from tests.sampler.sglang_support import ENV, hf_logprobs, start_learner, token_logprobs
 
-CONTEXT = 512
+CONTEXT = 1024
+# The long request that publishes and pauses land on: long enough that it is still decoding when they do, even with
+# the test's own process descheduled for a while (at 450 tokens it once ended first in a loaded suite run).
+LONG = 1000
 BUCKET_BYTES = int(0.01 * 2**20)  # the learner's bucket_mb=0.01
 TOL = 1e-4
 LEARNER_LORA = {"rank": 4, "alpha": 8.0}  # the stand-in learner's (tests/sampler/sglang_learner.py LORA)
@@ -105,7 +108,7 @@ def wait_for(condition, what: str, timeout_s: float = 30) -> None:
         time.sleep(0.002)
 
 
-def start_long_request(server: Server, max_new_tokens: int = 450) -> tuple[threading.Thread, dict]:
+def start_long_request(server: Server, max_new_tokens: int = LONG) -> tuple[threading.Thread, dict]:
     """A sampled request of max_new_tokens streaming on a thread; returns once it has produced tokens."""
     result, before = {}, server.decoded()
     body = {"rid": f"long-{time.time()}", "input_ids": [1, 5, 9, 2], "return_logprob": True, "stream": True,
@@ -220,7 +223,7 @@ def check_spanning_in_place(server: Server, final: dict, old: dict, new: dict) -
     recomputed KV's)."""
     meta = final["meta_info"]
     n = len(final["output_ids"])
-    assert meta["finish_reason"] == {"type": "length", "length": 450} and meta["completion_tokens"] == n == 450
+    assert meta["finish_reason"] == {"type": "length", "length": LONG} and meta["completion_tokens"] == n == LONG
     versions = versions_from_spans(meta["weight_versions"], n)
     k = versions.count(server.version - 1)
     assert 0 < k < n and versions == [server.version - 1] * k + [server.version] * (n - k), meta["weight_versions"]
@@ -335,13 +338,13 @@ def test_a_client_hanging_up_aborts_its_request(server):
     is aborted, not run to its end."""
     before = server.stats()
     conn, resp = open_stream(server, {"input_ids": [1, 5, 9, 2], "sampling_params": {
-        "temperature": 1.0, "max_new_tokens": 450, "ignore_eos": True}})
+        "temperature": 1.0, "max_new_tokens": LONG, "ignore_eos": True}})
     assert resp.readline().startswith(b"data: {")  # it is streaming
     resp.close()  # the last reference to the socket: the connection closes
     conn.close()
     wait_for(lambda: server.stats()["requests_cancelled"] == before["requests_cancelled"] + 1, "the abort", 10)
     stats = server.stats()
-    assert stats["running"] == 0 and stats["tokens_decoded"] - before["tokens_decoded"] < 450
+    assert stats["running"] == 0 and stats["tokens_decoded"] - before["tokens_decoded"] < LONG
 
 
 def test_bad_requests_get_http_400_with_a_message(server):
@@ -396,7 +399,7 @@ def test_abort_ends_running_requests_with_their_output_so_far_and_flush_needs_an
     queued.join(10)
     *earlier, final = result["chunks"]
     meta, tokens = final["meta_info"], final["output_ids"]
-    assert meta["finish_reason"]["type"] == "abort" and len(tokens) == meta["completion_tokens"] == produced < 450
+    assert meta["finish_reason"]["type"] == "abort" and len(tokens) == meta["completion_tokens"] == produced < LONG
     assert tokens[:len(earlier[-1]["output_ids"])] == earlier[-1]["output_ids"]  # cumulative to the end
     assert [t for _, t, _ in meta["output_token_logprobs"]] == tokens
     assert versions_from_spans(meta["weight_versions"], produced) == [server.version] * produced
