@@ -91,3 +91,11 @@ def test_where_the_training_time_went():
                                    "sampler_busy_frac": [0.9] * 9 + [0.4]})
     assert megarl["learner_busy_frac"] == 0.5 and megarl["sampler_busy_frac"] == 0.4
     assert "generate_frac" not in megarl
+
+
+def test_a_repeat_count_below_one_is_refused_naming_the_flag():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(vs_trl.ROOT / "benchmarks" / "vs_trl.py"), "--repeats", "0", "--dry-run"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--repeats must be at least 1, got 0" in proc.stderr

@@ -233,11 +233,10 @@ class DeepSpeedLearner:
         its routes first (replay). A packed micro-batch (megarl.learner.packing) runs as its packed rows, each row
         with its own position ids and a 4D mask keeping it to itself."""
         replayer = self._replayers.get(id(model))
-        packed = "unpack_index" in mb
         ids = packing.model_input_ids(mb).to(self.device)
         if replayer is not None:
-            replayer.before_forward(ids, mb.get("packed_routes" if packed else "routes"))
-        if not packed:
+            replayer.before_forward(ids, packing.model_routes(mb))
+        if "unpack_index" not in mb:
             return model(input_ids=ids, use_cache=False).logits
         mask = packing.additive_attention_mask(mb["packed_segments"].to(self.device), self.module.dtype)
         return model(input_ids=ids, position_ids=mb["packed_positions"].to(self.device), attention_mask=mask,
@@ -247,11 +246,6 @@ class DeepSpeedLearner:
         """[B, S] log-probs of the micro-batch's rows from `_logits` (packed: computed on the packed positions)."""
         ids = packing.model_input_ids(mb).to(logits.device)
         return packing.next_token_values(step.token_logprobs(logits, ids, self.temperature), mb)
-
-    def _own_routes(self, replayer, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[B, S, L, k] the top-k the routers chose themselves in the micro-batch's last forward, in its rows' layout."""
-        own = replayer.own_choice()
-        return packing.unpack(own, mb["unpack_index"].to(own.device)) if "unpack_index" in mb else own
 
     def _aligned(self, micro: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """The micro-batches, padded to the most any DP rank has: ZeRO gathers parameters in every forward
@@ -309,7 +303,7 @@ class DeepSpeedLearner:
             with torch.set_grad_enabled(not critic_only):
                 logits = self._logits(self.engine, mb)
             if own_routes is not None and i < len(real):
-                own_routes.append(self._own_routes(replayer, mb))
+                own_routes.append(packing.rows_layout(replayer.own_choice(), mb))
             logprobs = self._row_logprobs(logits, mb)
             entropy = (packing.next_token_values(step.token_entropy(logits, self.temperature), mb)
                        if self.loss_cfg.entropy_coef > 0 else None)

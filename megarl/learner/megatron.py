@@ -453,21 +453,19 @@ class MegatronLearner:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            packed = "unpack_index" in mb
             # Sequence parallelism splits the positions over TP: the width is padded to a multiple of tp, and the
             # logits (and the routers' own choices) are cut back to the real width before anything reads them.
-            width = packing.model_input_ids(mb).shape[1]
-            ids, routes = sequence_parallel.pad_micro_batch(
-                packing.model_input_ids(mb), mb.get("packed_routes" if packed else "routes"), multiple)
+            model_ids = packing.model_input_ids(mb)
+            width = model_ids.shape[1]
+            ids, routes = sequence_parallel.pad_micro_batch(model_ids, packing.model_routes(mb), multiple)
             segments = (torch.nn.functional.pad(mb["packed_segments"], (0, ids.shape[1] - width), value=-1)
-                        if packed else None)
+                        if "packed_segments" in mb else None)
             input_ids, position_ids, mask = self._model_inputs(ids, segments)
             if replayer is not None:
                 replayer.before_forward(ids, routes)
             output = model(input_ids, position_ids, mask)
             if own_routes is not None and replayer is not None:
-                own = replayer.own_choice()[:, :width]
-                own_routes.append(packing.unpack(own, mb["unpack_index"]) if packed else own)
+                own_routes.append(packing.rows_layout(replayer.own_choice()[:, :width], mb))
             return output, lambda logits: loss_fn(logits[:, :width], mb)
 
         # With variable_seq_lengths (PP>1) the stages send each shape along; these two only size

@@ -103,13 +103,23 @@ def model_input_ids(mb: dict[str, torch.Tensor]) -> torch.Tensor:
     return mb.get("packed_ids", mb["input_ids"])
 
 
+def model_routes(mb: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The recorded routes laid out as `model_input_ids` (None: the micro-batch carries none)."""
+    return mb.get("packed_routes" if "unpack_index" in mb else "routes")
+
+
+def rows_layout(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B, S, ...] per-position values (the routers' own choices) of what the model ran on, in the rows' layout."""
+    return unpack(values, mb["unpack_index"].to(values.device)) if "unpack_index" in mb else values
+
+
 def next_token_values(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     """[B, S] per-token values of the micro-batch's rows (log-probs, entropies: position t's from the model's
     output at t-1; column 0 is 0) from those computed on what the model ran on (`model_input_ids`). Packed,
     a row's first position read the end of the row before it: it is set to 0 like an unpacked row's."""
     if "unpack_index" not in mb:
         return values
-    rows = unpack(values, mb["unpack_index"].to(values.device))
+    rows = rows_layout(values, mb)
     return torch.cat([torch.zeros_like(rows[:, :1]), rows[:, 1:]], dim=1)
 
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -133,8 +134,8 @@ def spec_hash(spec: EmbeddedSpec, cache_dir: Path) -> str:
         memo = {}
     if not isinstance(memo, dict):
         memo = {}
-    if isinstance(memo.get(key), str):
-        return memo[key]
+    if isinstance(memo.get(key), str) and re.fullmatch(r"[0-9a-f]{10}", memo[key]):  # a directory name's part:
+        return memo[key]  # nothing else is taken from a file others may have written
     memo[key] = _spec_hash(spec)
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)

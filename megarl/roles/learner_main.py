@@ -75,12 +75,18 @@ def sampler_heartbeats(cfg: Config, store, topo: Topology) -> HeartbeatMonitor:
     return HeartbeatMonitor(store, topo.engine_leads, cfg.fault.sampler_timeout_s)
 
 
+# What fills a batch row past its end: any valid token id. Those positions are never trained and causal attention
+# keeps them out of every real position's output, so the learner needs no tokenizer for it (loading one costs its
+# start-up the transformers import, ~0.6 s) and a tokenizer without a pad token (Llama's) works as well.
+BATCH_PAD_ID = 0
+
+
 class Intake:
     """Learner rank 0's side of the queue: collects usable groups, assembles batches, and keeps the
     per-sampler count of retired groups that every publish header reports back."""
 
-    def __init__(self, cfg: Config, store, pad_id: int, topo: Topology, route_shape: RouteShape | None = None):
-        self.cfg, self.pad_id, self.num_learners, self.store = cfg, pad_id, topo.num_learners, store
+    def __init__(self, cfg: Config, store, topo: Topology, route_shape: RouteShape | None = None):
+        self.cfg, self.num_learners, self.store = cfg, topo.num_learners, store
         self.route_shape = route_shape  # MoE models: the routes every sample carries
         route_bytes = 0 if route_shape is None else route_shape.layers * route_shape.top_k * route_shape.dtype.itemsize
         self.queue = QueueReceiver(store, cfg.queue.host, run_secret(),
@@ -98,7 +104,7 @@ class Intake:
         groups, dropped, wait_s = _collect_groups(self.queue, self.cfg, version, self.drop, self.sampler_stats,
                                                   on_wait=self._on_wait)
         self.dropped_totals.update(dropped)
-        batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, self.pad_id, learner_version=version,
+        batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, BATCH_PAD_ID, learner_version=version,
                                         route_shape=self.route_shape,
                                         routes_required=self.cfg.algo.routing_replay == "r3")
         for group in groups:
@@ -245,12 +251,6 @@ class RunOutputs:
         self.console.close()  # the summary, once every step ran
 
 
-# What fills a batch row past its end: any valid token id. Those positions are never trained and causal attention
-# keeps them out of every real position's output, so the learner needs no tokenizer for it (loading one costs its
-# start-up the transformers import, ~0.6 s) and a tokenizer without a pad token (Llama's) works as well.
-BATCH_PAD_ID = 0
-
-
 def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     from megarl.learner import build_learner
 
@@ -293,8 +293,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     schedule = Schedule(cfg, start_step)
     intake, outputs, collector = None, None, None
     if lead:
-        intake = Intake(cfg, store, BATCH_PAD_ID, topo,
-                        RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text())))
+        intake = Intake(cfg, store, topo, RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text())))
         recovery = {}
         if resumed:
             intake.resume(resumed["run"]["data_position"])

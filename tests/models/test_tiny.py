@@ -253,7 +253,7 @@ def test_the_directory_hash_is_remembered_so_a_rank_resolving_it_needs_no_transf
     """Every rank resolves an embedded model at start; the directory's hash covers transformers' config, so computing
     it imports transformers (~0.6 s), which a learner rank never needs otherwise. The hash is remembered per spec,
     transformers version and config-builder source: a process that finds it imports nothing of transformers, and a
-    corrupt memo is recomputed to the same hash."""
+    corrupt or forged memo is recomputed to the same hash."""
     import subprocess
     import sys
 
@@ -271,6 +271,9 @@ def test_the_directory_hash_is_remembered_so_a_rank_resolving_it_needs_no_transf
     assert run() == [want, "True"]  # first: computed (transformers imported), remembered
     assert run() == [want, "False"]  # then: remembered, no transformers
     (tmp_path / ".spec-hashes.json").write_text("{not json")
+    assert embedded.spec_hash(spec, tmp_path) == want and run() == [want, "False"]
+    # A memo naming anything but a hash (a path out of the cache) is not taken: the hash is computed again.
+    (tmp_path / ".spec-hashes.json").write_text(json.dumps({embedded._memo_key(spec): "../../elsewhere"}))
     assert embedded.spec_hash(spec, tmp_path) == want and run() == [want, "False"]
     other = embedded.EmbeddedSpec(ArithmeticTask(max_operand=4), tiny.WarmStartRecipe(clean_steps=3, noisy_steps=3))
     assert embedded.spec_hash(other, tmp_path) == embedded._spec_hash(other) != want
