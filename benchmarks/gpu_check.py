@@ -323,7 +323,7 @@ def check_distill(args, size: Size) -> dict:
     weights, so the first step's teacher KL is the bf16 mismatch of megatron and transformers on one model
     (near 0: a misaligned teacher shows as a KL of nats)."""
     from megarl.algo.config import LossConfig
-    from megarl.algo.distill import DistillConfig
+    from megarl.algo.config import DistillConfig
     from megarl.config.schema import LearnerConfig
     from megarl.learner.megatron import MegatronLearner
 

@@ -187,26 +187,25 @@ def trl_curve(log: list[dict], launch_time: float) -> dict:
 
 def startup_breakdown(run_dir: Path, launch_time: float, launched_torchrun: float | None) -> dict:
     """Seconds of each part from `megarl train` to the end of the first step, from the learner's timeline: the
-    CLI's checks (to its 'launching: torchrun' line), torchrun until the learner process exists, the learner's
-    start-up marks (megarl/observe/startup.py), then the first step's wait (the samplers' start-up and first
-    batch), train and publish."""
+    command until the learner process exists (the CLI reads the config and starts torchrun, which starts the
+    ranks while the CLI checks the run: megarl.distributed.launch_gate), the learner's start-up marks
+    (megarl/observe/startup.py; "launch gate" is its wait for the CLI's verdict), then the first step's wait (the
+    samplers' start-up and first batch), train and publish. "cli: checks passed" (when its 'launching: torchrun'
+    line came, after the command's start) overlaps the learner's parts and is not one of the sequence."""
     from megarl.observe.timeline import STARTUP, load_startup, load_timeline
 
     events = load_timeline(run_dir)["learner0"]
     marks = load_startup(run_dir)["learner0"]
     first = {kind: next(e for e in events if e["kind"] == kind) for kind in ("wait", "train", "publish")}
-    parts = {}
-    if launched_torchrun is not None:
-        parts["cli: config check, model resolve"] = launched_torchrun - launch_time
-        parts["torchrun: until the learner process started"] = marks[0]["start"] - launched_torchrun
-    else:
-        parts["cli + torchrun: until the learner process started"] = marks[0]["start"] - launch_time
+    parts = {"cli + torchrun: until the learner process started": marks[0]["start"] - launch_time}
     for e in marks:
         parts[f"learner: {e['kind'][len(STARTUP):]}"] = e["end"] - e["start"]
     parts["gap to the first step"] = first["wait"]["start"] - marks[-1]["end"]
     parts["first step: wait for the first batch"] = first["wait"]["end"] - first["wait"]["start"]
     parts["first step: train"] = first["train"]["end"] - first["train"]["start"]
     parts["first step: publish"] = first["publish"]["end"] - first["publish"]["start"]
+    if launched_torchrun is not None:
+        parts["(overlapping) cli: checks passed, after the command's start"] = launched_torchrun - launch_time
     return {k: round(v, 3) for k, v in parts.items()}
 
 
@@ -308,7 +307,7 @@ def print_results(results: dict) -> None:
     for name, result in results.items():
         print(f"\nstart-up, {name} (s):")
         for part, seconds in result["startup"].items():
-            print(f"  {part:<48} {seconds:8.3f}")
+            print(f"  {part:<60} {seconds:8.3f}")
         if "phases" in result:
             print(f"  learner per step after warm-up (median): {result['phases']}")
 

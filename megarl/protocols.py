@@ -24,10 +24,12 @@ Per-token conventions (used everywhere):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # annotations only: the CLI reads the config and checks the task without importing torch
+    import torch
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Configuration of the RL objective: which ratio, clipping, advantages and aggregation the learner uses.
 
-Both dataclasses are OmegaConf structured configs (they sit under `algo.loss` / `algo.advantage` of
-the run config), so every field has a plain type and a default.  Defaults reproduce the spine
+Every dataclass here is an OmegaConf structured config (under `algo.loss`, `algo.advantage`, `algo.critic`,
+`algo.distill` of the run config), so every field has a plain type and a default.  Defaults reproduce the spine
 behaviour: PPO clip with clip-higher (eps 0.2 / 0.28) against the per-token behaviour log-prob,
 token-level mean, GRPO advantages with std normalisation, nothing filtered.
 
@@ -208,3 +208,24 @@ def validate_critic_config(cfg: CriticConfig) -> None:
                       "reduces to A_t = R - V(s_t), the sample reward minus a learned per-token baseline, and the "
                       "value target is R for every token (docs/algorithms.md#ppo-with-a-critic)",
                       ObjectiveWarning, stacklevel=2)
+
+
+@dataclass
+class DistillConfig:
+    # The frozen teacher: "" = no distillation; an HF-format model directory or "embedded:<name>". It must share
+    # the student's tokenizer (vocabulary and special tokens): refused before launch otherwise.
+    teacher: str = ""
+    # Weight of the per-token reverse-KL advantage -(log pi_student - log pi_teacher) of every sampled token.
+    coef: float = 1.0
+    # Weight of the task's group advantage (algo.advantage) mixed in: 0 = pure distillation, 1 = RL + distillation.
+    reward_weight: float = 0.0
+
+
+def validate_distill_config(cfg: DistillConfig) -> None:
+    """ValueError naming the field (`distill.<field>`) if `cfg` cannot describe a distillation objective."""
+    if not 0.0 <= cfg.coef < math.inf:
+        raise ValueError(f"distill.coef={cfg.coef!r}: must be finite and >= 0")
+    if not 0.0 <= cfg.reward_weight < math.inf:
+        raise ValueError(f"distill.reward_weight={cfg.reward_weight!r}: must be finite and >= 0")
+    if cfg.teacher and cfg.coef == 0.0 and cfg.reward_weight == 0.0:
+        raise ValueError("distill.coef=0.0: with distill.reward_weight=0.0 every advantage is 0 and nothing trains")

@@ -14,32 +14,10 @@ behaviour log-prob) and why the sampled-token estimate rather than the full-voca
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-
-@dataclass
-class DistillConfig:
-    # The frozen teacher: "" = no distillation; an HF-format model directory or "embedded:<name>". It must share
-    # the student's tokenizer (vocabulary and special tokens): refused before launch otherwise.
-    teacher: str = ""
-    # Weight of the per-token reverse-KL advantage -(log pi_student - log pi_teacher) of every sampled token.
-    coef: float = 1.0
-    # Weight of the task's group advantage (algo.advantage) mixed in: 0 = pure distillation, 1 = RL + distillation.
-    reward_weight: float = 0.0
-
-
-def validate_distill_config(cfg: DistillConfig) -> None:
-    """ValueError naming the field (`distill.<field>`) if `cfg` cannot describe a distillation objective."""
-    if not 0.0 <= cfg.coef < math.inf:
-        raise ValueError(f"distill.coef={cfg.coef!r}: must be finite and >= 0")
-    if not 0.0 <= cfg.reward_weight < math.inf:
-        raise ValueError(f"distill.reward_weight={cfg.reward_weight!r}: must be finite and >= 0")
-    if cfg.teacher and cfg.coef == 0.0 and cfg.reward_weight == 0.0:
-        raise ValueError("distill.coef=0.0: with distill.reward_weight=0.0 every advantage is 0 and nothing trains")
+from megarl.algo.config import DistillConfig
 
 
 def distill_advantages(learner_logprobs: Tensor, teacher_logprobs: Tensor, rl_advantages: Tensor, mask: Tensor,

@@ -12,8 +12,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from megarl.algo.config import validate_advantage_config, validate_critic_config, validate_loss_config
-from megarl.algo.distill import validate_distill_config
+from megarl.algo.config import (validate_advantage_config, validate_critic_config, validate_distill_config,
+                                validate_loss_config)
 from megarl.config.schema import Config, PublishConfig
 from megarl.rollout.sandbox import check_config as check_sandbox
 from megarl.rollout.tasks import MULTI_TURN_TASKS

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megarl.algo.config import AdvantageConfig, CriticConfig, LossConfig
-from megarl.algo.distill import DistillConfig
+from megarl.algo.config import AdvantageConfig, CriticConfig, DistillConfig, LossConfig
 from megarl.rollout.sandbox import SandboxConfig
 
 

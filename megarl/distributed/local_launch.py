@@ -11,8 +11,10 @@ alike, as torchrun shares them) listens on 127.0.0.1 only (megarl.distributed.st
 
 MEGARL_RUN_SECRET is generated here when the environment does not set one (megarl.distributed.secret);
 every rank inherits it. Started gated (megarl.distributed.supervisor.GatedStart: `megarl train` starts it
-before its checks), it imports what it needs, then launches only once the go arrives on the gate. Multi-node launches use torchrun's c10d backend (launch/torchrun_multi_node.sh),
-whose store must stay on a private network (docs/security.md).
+before its checks), it launches the ranks at once and relays the checks' verdict into its store, where the ranks
+wait for it once they have imported what their role needs (megarl.distributed.launch_gate). Multi-node launches
+use torchrun's c10d backend (launch/torchrun_multi_node.sh), whose store must stay on a private network
+(docs/security.md).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousI
 
 from torch.distributed.run import main as torchrun_main
 
+from megarl.distributed import launch_gate
 from megarl.distributed.secret import ENV, new_secret
 from megarl.distributed.store_server import tcp_store_server
 from megarl.distributed.supervisor import GATE_ENV
@@ -38,9 +41,10 @@ STORE_TIMEOUT = timedelta(seconds=600)
 class LoopbackRendezvous(RendezvousHandler):
     """One node, rank 0 of a world of 1, its store on loopback; the same store for every restart."""
 
-    def __init__(self, run_id: str):
+    def __init__(self, run_id: str, verdict: launch_gate.Verdict | None = None):
         self.run_id = run_id
         self._store: dist.TCPStore | None = None
+        self._verdict = verdict  # the CLI's, relayed into the store once it exists
 
     def get_backend(self) -> str:
         return BACKEND
@@ -52,6 +56,8 @@ class LoopbackRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         if self._store is None:
             self._store = tcp_store_server(HOST, 0, STORE_TIMEOUT, multi_tenant=True)
+            if self._verdict is not None:
+                self._verdict.relay(self._store)
         return RendezvousInfo(dist.PrefixStore(self.run_id, self._store), 0, 1,
                               RendezvousStoreInfo(HOST, self._store.port))
 
@@ -71,22 +77,26 @@ class LoopbackRendezvous(RendezvousHandler):
         return True
 
 
-def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    if params.max_nodes != 1:
-        raise ValueError(f"{BACKEND} is a single-node rendezvous, got --nnodes {params.max_nodes}")
-    return LoopbackRendezvous(params.run_id)
+def _handler_factory(verdict: launch_gate.Verdict | None):
+    def create(params: RendezvousParameters) -> RendezvousHandler:
+        if params.max_nodes != 1:
+            raise ValueError(f"{BACKEND} is a single-node rendezvous, got --nnodes {params.max_nodes}")
+        return LoopbackRendezvous(params.run_id, verdict)
+
+    return create
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    gate = os.environ.pop(GATE_ENV, None)  # popped: the workers do not inherit it
-    if gate is not None:
-        with os.fdopen(int(gate), "rb") as go:
-            if go.read(2) != b"go":  # closed without a go: the run was refused, launch nothing
-                return
+    gate = os.environ.pop(GATE_ENV, None)  # popped: the ranks do not inherit the pipe, they wait in the store
+    verdict = None if gate is None else launch_gate.Verdict(int(gate))
+    if verdict is not None:
+        if verdict.known_refused():  # refused while this process imported: launch nothing
+            return
+        os.environ[launch_gate.ENV] = "1"
     if not os.environ.get(ENV):
         os.environ[ENV] = new_secret()
-    rendezvous_handler_registry.register(BACKEND, _create_handler)
+    rendezvous_handler_registry.register(BACKEND, _handler_factory(verdict))
     torchrun_main(["--nnodes=1", f"--rdzv-backend={BACKEND}", f"--rdzv-endpoint={HOST}:0",
                    f"--rdzv-id=megarl-{os.getpid()}", *argv])
 

@@ -36,9 +36,10 @@ from megarl.distributed.lifetime import STOP_SIGNALS
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 KILL_MARGIN_S = 15.0  # past torchrun's own shutdown timeout, before everything is killed
 HOLD_S = 0.5  # how late torchrun's stderr is echoed (see TorchrunRun._echo)
-# Set in a gated torchrun's environment (GatedStart): the descriptor it reads its go from
-# (megarl.distributed.local_launch waits on it after its imports, before it launches anything).
+# Set in a gated torchrun's environment (GatedStart): the descriptor it reads the checks' verdict from
+# (megarl.distributed.launch_gate: its ranks import, then wait for the verdict before they act).
 GATE_ENV = "MEGARL_LAUNCH_GATE_FD"
+REFUSED_EXIT_S = 30.0  # how long a refused launch may take to wind down (its ranks finish importing) before a kill
 
 
 def _prctl(option: int, value: int) -> None:
@@ -86,10 +87,11 @@ def _start(cmd: list[str], env: dict, pass_fds: tuple[int, ...] = ()) -> subproc
 
 
 class GatedStart:
-    """torchrun (`megarl.distributed.local_launch`) started now, held after its imports until `open()`:
-    `TorchrunRun(..., gated=this)` opens it; `cancel()` (the caller refused the run) kills it, which is
-    safe as it has launched nothing. Started like TorchrunRun starts it (own session, dies with this
-    process), so a Ctrl-C during the caller's checks reaches only the caller."""
+    """torchrun (`megarl.distributed.local_launch`) started now, its ranks held after their imports until `open()`
+    (megarl.distributed.launch_gate): `TorchrunRun(..., gated=this)` opens it; `cancel()` (the caller refused the
+    run) closes it, and the ranks, having done nothing, exit; whatever is still running after REFUSED_EXIT_S is
+    killed. Started like TorchrunRun starts it (own session, dies with this process), so a Ctrl-C during the
+    caller's checks reaches only the caller."""
 
     def __init__(self, cmd: list[str], env: dict):
         self.cmd = cmd
@@ -106,14 +108,24 @@ class GatedStart:
         return self.proc
 
     def cancel(self) -> None:
-        """Kill it if the gate is still closed (else it is TorchrunRun's)."""
+        """Refuse the run if the gate is still closed (else it is TorchrunRun's); returns once every process of
+        the launch has exited."""
         if self._go is None:
             return
         os.close(self._go)
         self._go = None
-        self.proc.kill()
-        self.proc.wait()
-        self.proc.stderr.close()
+        drain = threading.Thread(target=self.proc.stderr.read, daemon=True)  # a full pipe must not hold it up
+        drain.start()
+        try:
+            self.proc.wait(REFUSED_EXIT_S)
+        except subprocess.TimeoutExpired:
+            for pid in [*descendants(self.proc.pid), self.proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self.proc.wait()
+        drain.join(1.0)
 
 
 class TorchrunRun:

@@ -29,6 +29,21 @@ def build_learner(model_dir: str, cfg, loss_cfg=None, temperature: float | None 
                            critic_cfg=critic_cfg)
 
 
+def import_backend(backend: str) -> None:
+    """Import learner.backend's framework ahead of building it: a rank started behind the launch gate does this
+    while `megarl train` still checks the run (megarl.distributed.launch_gate). Building imports what it needs
+    either way; this only moves the seconds."""
+    import torch._dynamo  # noqa: F401 - torch.optim's optimizers import it at construction (~0.4 s)
+
+    if backend == "deepspeed":
+        import deepspeed  # noqa: F401
+        from transformers import AutoModelForCausalLM  # noqa: F401
+    else:
+        from megarl.learner.megatron import import_framework
+
+        import_framework()
+
+
 def _distill(model_dir: str, cfg):
     """cfg.algo.distill with its teacher resolved to a checked HF directory (an embedded one built if needed)."""
     from dataclasses import replace

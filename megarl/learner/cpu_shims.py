@@ -72,7 +72,8 @@ def _shim_schedule_token_count() -> None:
 def _shim_memory_buffer() -> None:
     # core/utils.py, GlobalMemoryBuffer.get_tensor:
     #     torch.empty(required_len, dtype=dtype, device=torch.cuda.current_device(), ...)
-    # dot_product_attention.py takes its attention-score buffer from here on every forward.
+    # Sequence parallelism's all-gathers (tensor_parallel/mappings.py, layers.py) take their buffers from here
+    # (megatron's unfused attention did too; megarl attends through SDPA: megarl/learner/sdpa_attention.py).
     from megatron.core import utils
 
     _rewrite(utils.GlobalMemoryBuffer, "get_tensor",

@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo import metrics as algo_metrics
-from megarl.algo.config import CriticConfig, LossConfig
-from megarl.algo.distill import DistillConfig
+from megarl.algo.config import CriticConfig, DistillConfig, LossConfig
 from megarl.config.schema import LearnerConfig, LoraConfig
 from megarl.distributed.publish import Bucket, plan_buckets
 from megarl.learner import hf_lora, packing, step

@@ -31,13 +31,22 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.algo.config import CriticConfig, LossConfig
-from megarl.algo.distill import DistillConfig
+from megarl.algo.config import CriticConfig, DistillConfig, LossConfig
 from megarl.config.schema import LearnerConfig
 from megarl.learner import packing, sequence_parallel, step
 from megarl.learner.routing_replay import RouteReplayer
 from megarl.models import convert, moe
 from megarl.protocols import TrainBatch
+
+
+def import_framework() -> None:
+    """megatron-core's modules MegatronLearner builds from, imported as it imports them (deferred_compile)."""
+    from megarl.learner.deferred_compile import deferred_compile
+
+    with deferred_compile():
+        import megatron.core.distributed  # noqa: F401
+        import megatron.core.models.gpt  # noqa: F401
+        import megatron.core.optimizer  # noqa: F401
 
 
 class MegatronLearner:
@@ -47,13 +56,13 @@ class MegatronLearner:
         # megatron is imported here, not at module top: importing it costs seconds and the package's
         # other roles never need it; its torch.compile decorations compile (and import dynamo) at first call.
         from megarl.learner.deferred_compile import deferred_compile
+        from megarl.learner.layer_spec import layer_spec
 
         with deferred_compile():
             from megatron.core import parallel_state, tensor_parallel
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.distributed import finalize_model_grads
             from megatron.core.models.gpt import GPTModel
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
             from megatron.core.transformer import TransformerConfig
             from megatron.core.transformer.module import Float16Module
@@ -128,14 +137,12 @@ class MegatronLearner:
         # reference's are the same names) and the LoRA adapters'
         self._tp_dim: dict[str, int | None] = {}
 
-        layer_spec = get_gpt_layer_local_spec(**convert.layer_spec_kwargs(self.hf_config))
-        if self.sequence_parallel:
-            layer_spec = sequence_parallel.block_spec(layer_spec, self.config)
+        spec = layer_spec(self.hf_config, self.config, self.sequence_parallel)  # megarl.learner.layer_spec
 
         def build():  # this rank's shard of the HF model, as a GPTModel (Float16Module-wrapped on GPU)
             gpt = GPTModel(
                 config=self.config,
-                transformer_layer_spec=layer_spec,
+                transformer_layer_spec=spec,
                 pre_process=self.pre_process, post_process=self.post_process,
                 **convert.gpt_model_kwargs(self.hf_config),
             )

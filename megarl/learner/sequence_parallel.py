@@ -37,8 +37,6 @@ Owns what megarl adds around megatron for it:
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 
@@ -57,17 +55,11 @@ def block_spec(layer_spec, config):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    def replaced(spec):
-        if spec is WrappedTorchNorm:
-            return RMSNorm
-        if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-            return dataclasses.replace(spec, **{f.name: replaced(getattr(spec, f.name))
-                                                for f in dataclasses.fields(spec) if f.init})
-        return spec
+    from megarl.learner.layer_spec import replace_modules
 
     if config.normalization != "RMSNorm":
         raise ValueError(f"sequence parallelism here replaces RMSNorm only, not {config.normalization}")
-    return TransformerBlockSubmodules(layer_specs=[replaced(layer_spec)] * get_num_layers_to_build(config),
+    return TransformerBlockSubmodules(layer_specs=[replace_modules(layer_spec, {WrappedTorchNorm: RMSNorm})] * get_num_layers_to_build(config),
                                       layer_norm=RMSNorm)
 
 

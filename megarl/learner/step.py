@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo import metrics
-from megarl.algo.config import LossConfig, NLLConfig
-from megarl.algo.distill import DistillConfig, distill_advantages
+from megarl.algo.config import DistillConfig, LossConfig, NLLConfig
+from megarl.algo.distill import distill_advantages
 from megarl.algo.losses import LossInputs, merge_stats, nll_loss, policy_loss
 from megarl.learner import packing
 from megarl.protocols import TrainBatch
@@ -23,11 +23,16 @@ FIELDS = ("input_ids", "mask", "behaviour_logprobs", "advantages", "versions")
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, S] log-probs of input_ids[:, t] from logits[:, t-1] / T over the full vocabulary; column 0 is 0."""
-    shifted = logits[:, :-1].float() / temperature
-    nll = torch.nn.functional.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), input_ids[:, 1:].reshape(-1),
-                                            reduction="none")
-    return torch.nn.functional.pad(-nll.view(input_ids.shape[0], -1), (1, 0))
+    """[B, S] log-probs of input_ids[:, t] from logits[:, t-1] / T over the full vocabulary; column 0 is 0.
+
+    Cross-entropy runs over every position, each scored against the next column's token (the last against
+    column 0, then discarded), so the [B, S, V] logits are read in place: slicing off the last position first
+    would copy them, and so would dividing by a temperature of 1."""
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
+    targets = torch.roll(input_ids, -1, dims=1)
+    nll = torch.nn.functional.cross_entropy(scaled.reshape(-1, scaled.shape[-1]), targets.reshape(-1),
+                                            reduction="none").view(input_ids.shape)
+    return torch.nn.functional.pad(-nll[:, :-1], (1, 0))
 
 
 def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:

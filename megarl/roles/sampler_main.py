@@ -79,6 +79,15 @@ def check_sample_routes(samples: list[Sample], shape: RouteShape | None, routing
             raise ValueError(f"megarl: routes from sampler.engine={engine}: {exc}") from None
 
 
+def import_engine(engine: str) -> None:
+    """Import what a sampler of sampler.engine builds from (its tokenizer's library, the built-in engine) ahead
+    of building it: a rank started behind the launch gate does this while `megarl train` checks the run."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+    if engine == "builtin":
+        import megarl.sampler.engine  # noqa: F401
+
+
 def builtin_engine(cfg: Config, topo: Topology, model_dir: Path, tp_group):
     """This rank's built-in engine: the whole model, or its TP shard of an engine spanning sampler.tp ranks
     (every TP rank of an engine seeds alike: identical logits then sample identical tokens)."""

@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc-per-node N -m megarl.roles.worker CONFIG [key=value ...]
 
-`megarl train` runs exactly this command for you after checking the config.
+`megarl train` runs exactly this command for you, started while it checks the run: each rank imports what its role
+needs, then waits for the checks' verdict before it touches anything (megarl.distributed.launch_gate).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from megarl import run_lock
 from megarl.config.load import load_config, save_config
+from megarl.distributed import launch_gate
 from megarl.distributed.lifetime import install_stop_handlers, run_then_exit
 from megarl.distributed.topology import connect_store, topology_from_env
 from megarl.models.embedded import resolve_model_path
@@ -24,7 +26,6 @@ from megarl.observe.quiet import silence_known_library_warnings
 def main(argv: list[str] | None = None) -> None:
     startup.mark("python, imports")  # torch and megarl's config, topology, lifetime modules
     silence_known_library_warnings()  # megatron-core's import-time fallback notices (megarl.observe.quiet)
-    install_stop_handlers()  # SIGTERM/SIGINT/SIGHUP end the run at a step boundary (megarl.distributed.lifetime)
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         sys.exit("usage: torchrun ... -m megarl.roles.worker CONFIG [key=value ...]")
@@ -33,6 +34,13 @@ def main(argv: list[str] | None = None) -> None:
     startup.mark("config")
     store = connect_store(topo, cfg.dist.timeout_s)
     startup.mark("store (rendezvous)")
+    run_role = role_entry(cfg, topo.role)
+    startup.mark("role imports")
+    if launch_gate.gated():  # `megarl train` may still be checking the run: act only once it lets the run go
+        if not launch_gate.wait_for_go(store, cfg.dist.timeout_s, topo.rank):
+            return  # refused: nothing was done
+        startup.mark("launch gate (the CLI's checks)")
+    install_stop_handlers()  # SIGTERM/SIGINT/SIGHUP end the run at a step boundary (megarl.distributed.lifetime)
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     startup.mark("model path")
     if topo.rank == 0:  # the rank that writes run.dir holds it (a raw torchrun launch), or its launcher does
@@ -45,16 +53,22 @@ def main(argv: list[str] | None = None) -> None:
         # One GPU per learner rank and per built-in engine: the node-local rank's (SGLang samplers
         # leave theirs to the server they start, megarl.distributed.topology.sglang_gpu_slice).
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    if topo.role == "learner":
+    run_role(cfg, topo, store, model_dir)
+
+
+def role_entry(cfg, role: str):
+    """The function that runs `role` (run_learner / run_sampler), its modules and the libraries it will build
+    from imported: no side effects, so a gated rank does it while `megarl train` checks the run."""
+    if role == "learner":
+        from megarl.learner import import_backend
         from megarl.roles.learner_main import run_learner
 
-        startup.mark("role imports")
-        run_learner(cfg, topo, store, model_dir)
-    else:
-        from megarl.roles.sampler_main import run_sampler
+        import_backend(cfg.learner.backend)
+        return run_learner
+    from megarl.roles.sampler_main import import_engine, run_sampler
 
-        startup.mark("role imports")
-        run_sampler(cfg, topo, store, model_dir)
+    import_engine(cfg.sampler.engine)
+    return run_sampler
 
 
 if __name__ == "__main__":

@@ -308,9 +308,10 @@ def _any_rank_stopped() -> int:
 def run_sft(cfg: Config, rank: int, world: int) -> None:
     from megarl.algo.config import NLLConfig
     from megarl.config.load import ConfigError, save_config
-    from megarl.distributed.lifetime import exit_status
+    from megarl.distributed import launch_gate
+    from megarl.distributed.lifetime import exit_status, install_stop_handlers
     from megarl.distributed.topology import Topology, connect_store, init_learner_group
-    from megarl.learner import build_learner
+    from megarl.learner import build_learner, import_backend
     from megarl.models.layout import check_layout
     from megarl.models.embedded import resolve_model_path
     from megarl.observe.sinks import MetricsSink
@@ -320,6 +321,11 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
     topo = Topology(rank=rank, world_size=world, num_learners=world, num_samplers=0,
                     learners_per_stage=lc.tp * lc.dp, learner_tp=lc.tp)
     store = connect_store(topo, cfg.dist.timeout_s)
+    if launch_gate.gated():  # `megarl sft` may still be checking: import ahead, act only once it lets the run go
+        import_backend(lc.backend)
+        if not launch_gate.wait_for_go(store, cfg.dist.timeout_s, rank):
+            return  # refused: nothing was done
+    install_stop_handlers()  # a stop signal ends the run at the next step boundary, on every rank
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     try:  # a raw torchrun launch skipped `megarl sft`'s checks: refuse the layout naming its key
         check_layout(json.loads((model_dir / "config.json").read_text()), lc.tp, lc.pp, 1)
@@ -403,11 +409,9 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from megarl.config.load import load_config, validate_sft
-    from megarl.distributed.lifetime import install_stop_handlers
     from megarl.observe.quiet import silence_known_library_warnings
 
     silence_known_library_warnings()
-    install_stop_handlers()  # a stop signal ends the run at the next step boundary, on every rank
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         sys.exit("usage: torchrun ... -m megarl.sft.run CONFIG [key=value ...]")

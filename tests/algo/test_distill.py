@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megarl.algo.config import LossConfig
-from megarl.algo.distill import DistillConfig, validate_distill_config
+from megarl.algo.config import DistillConfig, validate_distill_config
 from megarl.algo.losses import merge_stats
 from megarl.learner.step import micro_batch_loss
 from tests.algo import LEARNER_VERSION, make_batch

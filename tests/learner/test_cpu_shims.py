@@ -143,15 +143,16 @@ MOE_SHIMS = {name for name in cpu_shims.SHIMS if name.startswith("moe_")}
 # (model, layout, processes, the shims it must need). The multi-rank layouts start with every other shim
 # applied: a forward-pass failure on the first pipeline stage would leave the last one blocked in
 # its receive, and those shims are already proven by the one-process layout. The mixture-of-experts run
-# (two ranks at learner.tp=2, so sequence parallel, each holding 2 of the 4 experts) needs the six MoE shims and
+# (two ranks at learner.tp=2, so sequence parallel, each holding 2 of the 4 experts) needs the six MoE shims and the
+# memory buffer's (its all-gathers), and
 # none of them applied beforehand: every MoE failure happens on both ranks before the collective that would pair
 # them.
 LAYOUTS = [
     ("qwen2", {}, 1, set(cpu_shims.SHIMS) - {"p2p", "tied_embedding_sync", "distributed_optimizer",
-                                              "distributed_optimizer_load"} - MOE_SHIMS),
+                                              "distributed_optimizer_load", "memory_buffer"} - MOE_SHIMS),
     ("qwen2", {"pp": 2}, 2, {"p2p", "tied_embedding_sync"}),
     ("qwen2", {"dp": 2, "use_distributed_optimizer": True}, 2, {"distributed_optimizer"}),
-    ("mixtral", {"tp": 2, "ep": 2}, 2, MOE_SHIMS),
+    ("mixtral", {"tp": 2, "ep": 2}, 2, MOE_SHIMS | {"memory_buffer"}),  # sequence parallelism's all-gather buffers
 ]
 
 

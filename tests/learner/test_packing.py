@@ -1,7 +1,8 @@
 """Sequence packing (megarl/learner/packing.py): a micro-batch's rows placed end to end in fewer rows, each row kept
 to its own positions by the attention mask and read back in the rows' layout. On both learner backends (one gloo
 rank, in this process) a packed forward gives transformers' own per-row log-probs, and a packed step the unpacked
-step's loss, grad norm and weights; an MoE model under routing replay gets each row's recorded routes."""
+step's loss, grad norm and weights; an MoE model under routing replay gets each row's recorded routes. The megatron
+learner's fused attention (SDPA) computes what megatron's own does under both masks."""
 import random
 
 import pytest
@@ -204,3 +205,34 @@ def test_what_fills_a_row_past_its_end_changes_nothing(model_dirs, world, pack):
         replace(batch, input_ids=batch.input_ids.masked_fill(past_end, fill))) for fill in (0, VOCAB - 1)]
     for key in ("loss", "grad_norm", "ratio/mean"):
         assert steps[0][key] == steps[1][key], key
+
+
+def test_the_megatron_learner_attends_through_sdpa_exactly_as_megatron_does(model_dirs, world):
+    # megarl.learner.sdpa_attention: every layer's core attention is SDPAttention, and its fused forward and
+    # backward give what megatron's own DotProductAttention gives, under the causal mask and the packed rows' one.
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megarl.learner.sdpa_attention import SDPAttention
+
+    learner = _learner(model_dirs["qwen2"], "megatron", True)
+    cores = [m for m in learner.gpt.modules() if isinstance(m, DotProductAttention)]
+    assert cores and all(type(m) is SDPAttention for m in cores)
+    core, width, rows = cores[0], 10, 3
+    assert core.num_attention_heads_per_partition > core.num_query_groups_per_partition  # grouped-query attention
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(width, rows, heads, core.hidden_size_per_attention_head) for heads in
+              (core.num_attention_heads_per_partition, core.num_query_groups_per_partition,
+               core.num_query_groups_per_partition)]
+    causal = torch.ones(width, width, dtype=torch.bool).triu(1).view(1, 1, width, width)
+    segments = torch.tensor([[0] * 4 + [1] * 5 + [-1], [0] * 10, [0] * 3 + [1] * 3 + [2] * 4])
+    for mask in (causal, packing.attention_mask(segments)):
+        outputs, grads = [], []
+        for forward in (core.forward, lambda *a: DotProductAttention.forward(core, *a)):
+            qkv = [torch.randn(s, generator=torch.Generator().manual_seed(i)).requires_grad_() for i, s in enumerate(shapes)]
+            out = forward(*qkv, mask)
+            out.backward(torch.randn(out.shape, generator=gen.manual_seed(9)))
+            outputs.append(out.detach())
+            grads.append([t.grad for t in qkv])
+        torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+        for fused, megatron in zip(*grads):
+            torch.testing.assert_close(fused, megatron, atol=1e-5, rtol=1e-5)

@@ -71,8 +71,9 @@ def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_count_mo
     # Each process's start-up, part by part, ends before its first step (benchmarks/vs_trl.py's breakdown).
     startup = load_startup(run_dir)
     assert [e["kind"] for e in startup["learner0"]] == [f"startup:{part}" for part in (
-        "python, imports", "config", "store (rendezvous)", "model path", "role imports", "learner group",
-        "publish groups", "model build", "intake")]
+        # the ranks import their roles' libraries while `megarl train` checks, then wait for its go
+        "python, imports", "config", "store (rendezvous)", "role imports", "launch gate (the CLI's checks)",
+        "model path", "learner group", "publish groups", "model build", "intake")]
     assert startup["sampler1"][-1]["kind"] == "startup:engine, then the learner's announcement"
     for name, first_event in (("learner0", timeline["learner0"][0]), ("sampler1", timeline["sampler1"][0])):
         spans = startup[name]
