@@ -574,7 +574,7 @@ def checked_config(args: argparse.Namespace, check_files: bool = True):
         return cfg, None
     if args.command == "eval":  # one process scores the model: no placement to check
         return cfg, None
-    from megarl.distributed.topology import placement  # imports torch: after the quick checks
+    from megarl.distributed.ranks import placement
 
     return cfg, placement(cfg, args.nnodes, getattr(args, "nproc_per_node", None))
 

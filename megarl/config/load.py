@@ -410,12 +410,12 @@ def _validate_moe(cfg: Config) -> None:
 def _validate_lora(cfg: Config) -> None:
     """learner.lora.*: the adapter's own keys, and the learners, layouts and engines that can take one (the
     model's modules and dimensions are checked against config.json by megarl.models.lora.check)."""
-    from megarl.models.lora import FUSED_GROUPS, TARGETS
-
     lora, lc = cfg.learner.lora, cfg.learner
     _require(lora.rank >= 0, "learner.lora.rank", f"must be >= 0 (0 = no LoRA, full fine-tuning), got {lora.rank}")
     if lora.rank == 0:
         return
+    from megarl.models.lora import FUSED_GROUPS, TARGETS  # (imports torch: not for the runs without an adapter)
+
     _require(lora.alpha > 0, "learner.lora.alpha", f"must be > 0, got {lora.alpha}")
     _require(0.0 <= lora.dropout < 1.0, "learner.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
     targets = list(lora.target_modules)
