@@ -22,7 +22,6 @@ import os
 import select
 import threading
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -32,6 +31,7 @@ from megarl.distributed.signed_store import SignedStore
 ENV = "MEGARL_LAUNCH_GATED"  # set by the launcher for its ranks: wait for the verdict before acting
 KEY = "megarl/launch_gate"  # unprefixed by the restart attempt: one verdict for the whole launch
 GO, REFUSED = b"go", b"refused"
+POLL_S = 0.01  # a rank's look at the store while it waits: one loopback round trip
 
 
 def gated() -> bool:
@@ -83,10 +83,6 @@ def wait_for_go(store: SignedStore, timeout_s: float, rank: int) -> bool:
     while time.monotonic() < deadline:
         if gate.check([KEY]):  # a forged verdict counts as none: the genuine one overwrites it
             return gate.get(KEY) == GO
-        try:
-            gate.raw.wait([KEY], timedelta(seconds=min(1.0, max(0.01, deadline - time.monotonic()))))
-        except dist.DistStoreError:  # not there yet
-            continue
-        time.sleep(0.01)  # there but not genuine: poll until it is overwritten
+        time.sleep(POLL_S)  # (a store wait's timeout would print torch's socket warnings every time)
     raise RuntimeError(f"rank {rank}: the launcher's checks gave no verdict within dist.timeout_s={timeout_s:.0f}s "
                        f"(waited for {KEY!r} in the rendezvous store; is `megarl train` still running?)")

@@ -1,5 +1,5 @@
 """Under a gated megarl.distributed.local_launch: each rank reaches the launch gate as megarl's ranks do
-(megarl.roles.worker), then writes OUT.RANK with what it was told: "go" or "refused". With a third argument (a
+(megarl.roles.worker), marks OUT.RANK.waiting, then writes OUT.RANK with what it was told: "go" or "refused". With a third argument (a
 path), rank 0 first writes a forged verdict into the store (a process without the run secret) and marks that path."""
 import os
 import sys
@@ -14,5 +14,6 @@ if rank == 0 and len(sys.argv) > 2:
     store.raw.underlying_store.set(launch_gate.KEY, b"go" + bytes(32))  # the right shape, the wrong tag
     Path(sys.argv[2]).write_text("forged")
 assert launch_gate.gated(), "the launcher did not tell its ranks they are gated"
+Path(f"{sys.argv[1]}.{rank}.waiting").touch()
 verdict = launch_gate.wait_for_go(store, 60, rank)
 Path(f"{sys.argv[1]}.{rank}").write_text("go" if verdict else "refused")

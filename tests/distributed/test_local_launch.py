@@ -63,7 +63,7 @@ def test_started_ranks_wait_for_the_verdict_and_a_forged_one_does_not_count(tmp_
     proc, gate = _gated_launch(tmp_path, str(tmp_path / "verdict"), str(tmp_path / "forged"))
     _wait_for(tmp_path / "forged", proc)
     time.sleep(1.0)
-    assert not list(tmp_path.glob("verdict*")), "a rank acted on a forged verdict"
+    assert not list(tmp_path.glob("verdict.?")), "a rank acted on a forged verdict"
     os.write(gate, b"go")
     os.close(gate)
     out, err = proc.communicate(timeout=120)
@@ -72,9 +72,12 @@ def test_started_ranks_wait_for_the_verdict_and_a_forged_one_does_not_count(tmp_
 
 
 def test_started_ranks_told_refused_exit_having_done_nothing(tmp_path):
-    proc, gate = _gated_launch(tmp_path, str(tmp_path / "verdict"), str(tmp_path / "forged"))
-    _wait_for(tmp_path / "forged", proc)  # the ranks are up and waiting
+    proc, gate = _gated_launch(tmp_path, str(tmp_path / "verdict"))
+    for rank in (0, 1):
+        _wait_for(tmp_path / f"verdict.{rank}.waiting", proc)  # the ranks are up and waiting
+    time.sleep(0.5)
     os.close(gate)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert [(tmp_path / f"verdict.{rank}").read_text() for rank in (0, 1)] == ["refused", "refused"]
+    assert "timed out" not in err  # waiting prints nothing
