@@ -102,7 +102,10 @@ class GatedStart:
             os.close(read_end)
 
     def open(self) -> subprocess.Popen:
-        os.write(self._go, b"go")
+        try:
+            os.write(self._go, b"go")
+        except BrokenPipeError:  # the launch already ended (a rank failed before the gate): its own error says why
+            pass
         os.close(self._go)
         self._go = None
         return self.proc

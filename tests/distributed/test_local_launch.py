@@ -81,3 +81,18 @@ def test_started_ranks_told_refused_exit_having_done_nothing(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert [(tmp_path / f"verdict.{rank}").read_text() for rank in (0, 1)] == ["refused", "refused"]
     assert "timed out" not in err  # waiting prints nothing
+
+
+def test_a_launch_that_failed_before_the_go_reports_its_own_failure(tmp_path):
+    # The ranks start during the CLI's checks, so one can fail (a broken install) before the CLI lets the run go:
+    # the go then finds the launch ended, and the run reports the ranks' failure, not a broken pipe.
+    from megarl.distributed.supervisor import GatedStart, TorchrunRun
+
+    cmd = [sys.executable, "-m", "megarl.distributed.local_launch", "--nproc-per-node=2",
+           str(REPO / "tests" / "distributed" / "failing_worker.py")]
+    env = {"PATH": "/usr/sbin:/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    gated = GatedStart(cmd, env)
+    os.waitid(os.P_PID, gated.proc.pid, os.WEXITED | os.WNOWAIT)  # the checks took longer than the ranks' failure
+    run = TorchrunRun(cmd, env, stop_timeout_s=10, gated=gated)
+    assert run.wait() != 0
+    assert "failing_worker: this rank cannot start" in "".join(run.tail)
