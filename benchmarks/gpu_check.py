@@ -317,13 +317,63 @@ def check_packing(args, size: Size) -> dict:
     return out
 
 
+def check_attention(args, size: Size) -> dict:
+    """The megatron learner's core attention (docs/learner.md, "Attention through SDPA"): its SDPA forward +
+    backward against megatron-core's own unfused DotProductAttention on the same layer, q/k/v and mask (causal and
+    the packed rows' block-diagonal one) at the learner's dtype: median time and peak memory of each, and the
+    largest difference of outputs and gradients."""
+    import torch
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megarl.learner import packing
+
+    workdir = Path(args.workdir)
+    init_single_rank(args.backend, workdir)
+    learner = make_learner(build_model(workdir / "model", size, args.device), size)
+    core = next(m for m in learner.gpt.modules() if isinstance(m, DotProductAttention))
+    rows, width, dtype = size.train_rows, size.train_len, next(learner.gpt.parameters()).dtype
+    device = next(learner.gpt.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    heads = (core.num_attention_heads_per_partition, core.num_query_groups_per_partition,
+             core.num_query_groups_per_partition)
+    qkv = [torch.randn(width, rows, h, core.hidden_size_per_attention_head, generator=g).to(device, dtype)
+           for h in heads]
+    grad_out = torch.randn(width, rows, core.hidden_size_per_partition, generator=g).to(device, dtype)
+    segments = torch.tensor([[i * 4 // width for i in range(width)]] * rows, device=device)  # 4 rows per packed row
+    masks = {"causal": torch.ones(width, width, dtype=torch.bool, device=device).triu(1).view(1, 1, width, width),
+             "packed": packing.attention_mask(segments)}
+    out = {"rows": rows, "width": width, "dtype": str(dtype).removeprefix("torch.")}
+    for mask_name, mask in masks.items():
+        results = {}
+        for name, forward in (("sdpa", core.forward), ("megatron", lambda *a: DotProductAttention.forward(core, *a))):
+            times = []
+            for i in range(size.train_steps + 3):
+                inputs = [t.detach().requires_grad_() for t in qkv]
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+                sync()
+                start = time.perf_counter()
+                context = forward(*inputs, mask)
+                context.backward(grad_out)
+                sync()
+                times.append(time.perf_counter() - start)
+            results[name] = (context.detach().float(), [t.grad.float() for t in inputs])
+            out[f"{mask_name}_{name}"] = {"median_fwd_bwd_s": round(sorted(times[1:])[len(times[1:]) // 2], 5),
+                                          "peak_gpu_gib": peak_gib()}
+        (sdpa_out, sdpa_grads), (ref_out, ref_grads) = results["sdpa"], results["megatron"]
+        out[f"{mask_name}_max_abs_diff"] = max([(sdpa_out - ref_out).abs().max().item()] +
+                                               [(a - b).abs().max().item() for a, b in zip(sdpa_grads, ref_grads)])
+        out[f"{mask_name}_speedup"] = round(out[f"{mask_name}_megatron"]["median_fwd_bwd_s"] /
+                                            out[f"{mask_name}_sdpa"]["median_fwd_bwd_s"], 3)
+    return out
+
+
 def check_distill(args, size: Size) -> dict:
     """On-policy distillation's cost on the learner (docs/algorithms.md#on-policy-distillation): learner_step's
     bf16 megatron step with a frozen HF teacher on the same rank. The teacher is the student's own random
     weights, so the first step's teacher KL is the bf16 mismatch of megatron and transformers on one model
     (near 0: a misaligned teacher shows as a KL of nats)."""
-    from megarl.algo.config import LossConfig
-    from megarl.algo.config import DistillConfig
+    from megarl.algo.config import DistillConfig, LossConfig
     from megarl.config.schema import LearnerConfig
     from megarl.learner.megatron import MegatronLearner
 
@@ -716,7 +766,8 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "e2e_train": (check_e2e_train, 200),
           "publish_bandwidth": (check_publish_bandwidth, 120),
           # last: the newest, so a budget that runs short skips them rather than an older check
-          "lora": (check_lora, 120), "critic_step": (check_critic_step, 120), "packing": (check_packing, 120)}
+          "lora": (check_lora, 120), "critic_step": (check_critic_step, 120), "packing": (check_packing, 120),
+          "attention": (check_attention, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU
 

@@ -3,7 +3,8 @@
 # bf16 megatron learner step, built-in engine vs HF generate, learner-vs-engine log-prob parity, MoE routing
 # replay (router agreement, log-prob gap, off vs r3), LoRA (adapter-only publish, engine merge, lag-0 gap), a short
 # `megarl train` with learner and sampler on the one GPU, publish bandwidth on the device, sequence packing on
-# and off on a long-tailed batch (step time, padding, peak memory). Prints one JSON
+# and off on a long-tailed batch (step time, padding, peak memory), the learner's SDPA attention against
+# megatron's unfused one (time, memory, difference). Prints one JSON
 # line at the end (also $OUT/gpu_check.json when $OUT is set). docs/benchmarks.md#the-gpu-check.
 #
 #   bash benchmarks/gpu_check.sh --print-wheels       # here: the wheels it needs and the pip download line
