@@ -122,11 +122,7 @@ class GatedStart:
         try:
             self.proc.wait(REFUSED_EXIT_S)
         except subprocess.TimeoutExpired:
-            for pid in [*descendants(self.proc.pid), self.proc.pid]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _kill([*descendants(self.proc.pid), self.proc.pid])
             self.proc.wait()
         drain.join(1.0)
 

@@ -15,13 +15,26 @@ def layer_spec(hf_config: dict, config, sequence_parallel: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megarl.learner import sequence_parallel as sp
     from megarl.learner.sdpa_attention import SDPAttention
     from megarl.models import convert
 
     spec = replace_modules(get_gpt_layer_local_spec(**convert.layer_spec_kwargs(hf_config)),
                            {DotProductAttention: SDPAttention})
-    return sp.block_spec(spec, config) if sequence_parallel else spec
+    return _sequence_parallel_block(spec, config) if sequence_parallel else spec
+
+
+def _sequence_parallel_block(spec, config):
+    """megatron TransformerBlockSubmodules of this pipeline stage: `spec` for each of its layers with every torch
+    norm replaced by megarl.learner.sequence_parallel.RMSNorm, which is also the final norm."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megarl.learner.sequence_parallel import RMSNorm
+
+    if config.normalization != "RMSNorm":
+        raise ValueError(f"sequence parallelism here replaces RMSNorm only, not {config.normalization}")
+    layer = replace_modules(spec, {WrappedTorchNorm: RMSNorm})
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
 
 
 def replace_modules(spec, replacements: dict):

@@ -16,7 +16,7 @@ Owns what megarl adds around megatron for it:
     torch LayerNorm"; it only lacks the ``sequence_parallel`` mark on its weight, by which megatron's
     ``finalize_model_grads`` sums a replicated weight's gradient over the TP ranks' token slices
     (``_allreduce_non_tensor_model_parallel_grads``; megatron's router weight carries the same mark).
-  * ``block_spec``: the layer spec with every norm (input, pre-MLP, q/k, the final one) replaced by it.
+    megarl.learner.layer_spec puts it in place of every norm (input, pre-MLP, q/k, the final one).
   * ``mark_whole_experts``, for the two places megatron would miscount whole experts on TP ranks:
     at learner.ep == 1 megatron-core 0.16.1 takes the experts for dense parameters (their ``allreduce`` attribute
     is ``not expert_parallel``, and ``expert_parallel`` is ``expert_model_parallel_size > 1``:
@@ -47,20 +47,6 @@ class RMSNorm(torch.nn.RMSNorm):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = config.sequence_parallel
-
-
-def block_spec(layer_spec, config):
-    """megatron TransformerBlockSubmodules of this pipeline stage: `layer_spec` (get_gpt_layer_local_spec's) for
-    each of its layers with every torch norm replaced by `RMSNorm`, and `RMSNorm` as the final norm."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-    from megarl.learner.layer_spec import replace_modules
-
-    if config.normalization != "RMSNorm":
-        raise ValueError(f"sequence parallelism here replaces RMSNorm only, not {config.normalization}")
-    return TransformerBlockSubmodules(layer_specs=[replace_modules(layer_spec, {WrappedTorchNorm: RMSNorm})] * get_num_layers_to_build(config),
-                                      layer_norm=RMSNorm)
 
 
 def mark_whole_experts(gpt, expert_parallel: int) -> None:
