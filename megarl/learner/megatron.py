@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megarl.algo.config import CriticConfig, DistillConfig, LossConfig
 from megarl.config.schema import LearnerConfig
-from megarl.learner import packing, sequence_parallel, step
+from megarl.learner import packing, plain_linear, sequence_parallel, step
 from megarl.learner.routing_replay import RouteReplayer
 from megarl.models import convert, moe
 from megarl.protocols import TrainBatch
@@ -147,6 +147,7 @@ class MegatronLearner:
                 **convert.gpt_model_kwargs(self.hf_config),
             )
             self._load_hf_weights(gpt, hf_weights)
+            plain_linear.use_plain_linears(gpt, cfg.tp)
             if self.sequence_parallel:
                 sequence_parallel.mark_whole_experts(gpt, cfg.ep)
             gpt = gpt.to(self.device)
@@ -198,6 +199,12 @@ class MegatronLearner:
             ),
             [self.model],
         )
+        # On CPU megatron steps torch's AdamW, which there defaults to one chain of small kernels per parameter; its
+        # foreach form runs the same arithmetic over all of them at once (GPUs default to it already).
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if type(opt.optimizer) is torch.optim.AdamW:
+                for group in opt.optimizer.param_groups:
+                    group["foreach"] = True
         if self.is_moe:
             self._replayers[id(self.model)] = RouteReplayer(self.gpt, self.layer_offset, replay, seq_group)
         # advantage.estimator=gae: a separate value model with its own optimizer (megarl.learner.critic).

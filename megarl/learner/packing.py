@@ -62,25 +62,28 @@ def pack(mb: dict[str, torch.Tensor], lengths: torch.Tensor, bins: list[list[int
     placed = sorted(i for b in bins for i in b)
     if placed != list(range(n)):
         raise ValueError(f"a packing must place each of the {n} rows exactly once, got rows {placed}")
-    packed_row = torch.empty(n, dtype=torch.long)
-    offset = torch.empty(n, dtype=torch.long)
-    fill = []
+    # Each row's packed row and offset there, in plain Python (a few tensor ops per packed row cost more).
+    row_length = lengths.tolist()
+    packed_row, offset, fill = [0] * n, [0] * n, []
     for r, rows in enumerate(bins):
-        packed_row[rows] = r
-        row_lengths = lengths[rows]
-        offset[rows] = torch.cumsum(row_lengths, 0) - row_lengths
-        fill.append(int(row_lengths.sum()))
+        at = 0
+        for i in rows:
+            packed_row[i], offset[i] = r, at
+            at += row_length[i]
+        fill.append(at)
     width = max(fill)
     positions = torch.arange(w).expand(n, w)
     real = positions < lengths[:, None]
-    flat = packed_row[:, None] * width + offset[:, None] + positions  # [n, w] where each position lands
+    start = torch.tensor(packed_row) * width + torch.tensor(offset)
+    flat = start[:, None] + positions  # [n, w] where each position lands
     unpack_index = torch.where(real, flat, flat[:, :1])
+    dest = flat[real]
     packed_ids = torch.zeros(len(bins) * width, dtype=ids.dtype)
-    packed_ids[flat[real]] = ids[real]
+    packed_ids[dest] = ids[real]
     segments = torch.full((len(bins) * width,), -1, dtype=torch.long)
-    segments[flat[real]] = torch.arange(n)[:, None].expand(n, w)[real]
+    segments[dest] = torch.arange(n)[:, None].expand(n, w)[real]
     row_positions = torch.zeros(len(bins) * width, dtype=torch.long)
-    row_positions[flat[real]] = positions[real]
+    row_positions[dest] = positions[real]
     out = {**mb, "packed_ids": packed_ids.view(len(bins), width),
            "packed_segments": segments.view(len(bins), width),
            "packed_positions": row_positions.view(len(bins), width), "unpack_index": unpack_index}
@@ -88,7 +91,7 @@ def pack(mb: dict[str, torch.Tensor], lengths: torch.Tensor, bins: list[list[int
         routes = mb["routes"]
         layers, k = routes.shape[2:]
         packed = torch.arange(k, dtype=routes.dtype).repeat(len(bins) * width, layers, 1)
-        packed[flat[real]] = routes[real]
+        packed[dest] = routes[real]
         out["packed_routes"] = packed.view(len(bins), width, layers, k)
     return out
 
