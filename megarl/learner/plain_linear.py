@@ -6,8 +6,9 @@ tensors, the optional all-gather of sequence parallelism, wgrad deferral, reshap
 parallel linear also passes its input through ``copy_to_tensor_model_parallel_region``, another Python autograd
 Function that is the identity over a tensor-parallel group of one. When a call has no all-reduce of the input
 gradient, no sequence parallelism, no gradient-accumulation fusion and no deferred weight gradient, that Function
-computes ``x @ W.T + b``, which torch's own autograd differentiates in C++ (the same matmuls). A tiny model pays the difference per call: on the demo's learner step (9 linears per micro-batch,
-one core) it is ~4-6% of the step (docs/learner.md, "Plain linears").
+computes ``x @ W.T + b``, which torch's own autograd differentiates in C++ (the same matmuls). A tiny model pays
+the difference on every call: on the demo's learner step (9 linears per micro-batch, one core) it was ~4-8% of the
+step (docs/learner.md, "Plain linears").
 
 `use_plain_linears(model)` points each megatron linear's ``_forward_impl`` (the one place megatron routes the
 matmul through, trainable and frozen weights alike) at `plain_linear`, which checks every call's arguments and
@@ -38,15 +39,12 @@ def plain_linear(megatron_impl, input, weight, bias=None, gradient_accumulation_
     return out.view(*input.shape[:-1], weight.shape[0])
 
 
-def use_plain_linears(model, tp_size: int) -> int:
-    """Route every megatron linear of `model` through `plain_linear`; returns how many it routed."""
+def use_plain_linears(model, tp_size: int) -> None:
+    """Route every megatron linear of `model` through `plain_linear`."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    count = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module._forward_impl = functools.partial(plain_linear, module._forward_impl)
             if tp_size == 1 and isinstance(module, ColumnParallelLinear):
                 module.disable_grad_reduce = True
-            count += 1
-    return count
