@@ -675,7 +675,8 @@ def _publish_worker(args, size: Size, rank: int) -> None:
     import torch
 
     from megarl.distributed.publish import WeightPublisher, WeightReceiver
-    from megarl.distributed.topology import Topology, connect_store, publish_group
+    from megarl.distributed.ranks import Topology
+    from megarl.distributed.topology import connect_store, publish_group
     from megarl.sampler.model import ModelSpec
 
     world = int(os.environ["WORLD_SIZE"])

@@ -82,7 +82,8 @@ class Worker:
     """One process of the torchrun launch: rank 0 publishes, the others receive."""
 
     def __init__(self, out: Path, sizes: list[int], reps: int, bucket_mb: float):
-        from megarl.distributed.topology import Topology, connect_store, publish_group
+        from megarl.distributed.ranks import Topology
+        from megarl.distributed.topology import connect_store, publish_group
 
         self.out, self.sizes, self.reps, self.bucket_mb = out, sizes, reps, bucket_mb
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

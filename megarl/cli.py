@@ -190,7 +190,7 @@ def failure_summary(torchrun_stderr: str, cfg) -> str:
     for a process that ignored the SIGTERM (a hung one: "Unable to shutdown process PID"). A learner
     that stopped the run because a sampler's heartbeat went quiet names that sampler as the cause.
     """
-    from megarl.distributed.topology import Topology
+    from megarl.distributed.ranks import Topology
 
     report = torchrun_stderr[torchrun_stderr.rfind("Failures:"):]
     failures = [(int(rank), int(code), int(pid)) for rank, code, pid in

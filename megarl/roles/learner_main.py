@@ -29,7 +29,8 @@ from megarl.distributed.lifetime import StopRequested, exit_status, raise_if_sto
 from megarl.distributed.publish import WeightPublisher
 from megarl.distributed.queue import QueueReceiver, max_message_bytes
 from megarl.distributed.secret import run_secret
-from megarl.distributed.topology import Topology, init_learner_group, publish_groups, publish_stage_store
+from megarl.distributed.ranks import Topology
+from megarl.distributed.topology import init_learner_group, publish_groups, publish_stage_store
 from megarl.eval.learner_side import EvalCollector
 from megarl.eval.sets import due_versions
 from megarl.learner.nonfinite import NonfiniteSteps

@@ -310,7 +310,8 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
     from megarl.config.load import ConfigError, save_config
     from megarl.distributed import launch_gate
     from megarl.distributed.lifetime import exit_status, install_stop_handlers
-    from megarl.distributed.topology import Topology, connect_store, init_learner_group
+    from megarl.distributed.ranks import Topology
+    from megarl.distributed.topology import connect_store, init_learner_group
     from megarl.learner import build_learner, import_backend
     from megarl.models.layout import check_layout
     from megarl.models.embedded import resolve_model_path

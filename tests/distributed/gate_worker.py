@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 from megarl.distributed import launch_gate
-from megarl.distributed.topology import Topology, connect_store
+from megarl.distributed.ranks import Topology
+from megarl.distributed.topology import connect_store
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 store = connect_store(Topology(rank=rank, world_size=world, num_learners=world, num_samplers=0), 60)

@@ -21,7 +21,8 @@ import torch
 from megarl.config.schema import Config
 from megarl.distributed import publish as pub
 from megarl.distributed.lifetime import exit_process
-from megarl.distributed.topology import Topology, connect_store, publish_groups, publish_stage_store
+from megarl.distributed.ranks import Topology
+from megarl.distributed.topology import connect_store, publish_groups, publish_stage_store
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -2,7 +2,7 @@
 of a TP engine, each keeping its slices), or shard to shard from each TP rank of the stage's first DP replica to
 the same TP rank of every sampler engine, or with publish.senders = k from the first rank of each of the stage's
 first k DP replicas."""
-from megarl.distributed.topology import Topology
+from megarl.distributed.ranks import Topology
 
 
 def world(tp: int, dp: int, pp: int, engines: int, sampler_tp: int = 1, senders: int = 1) -> list[Topology]:

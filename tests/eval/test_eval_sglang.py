@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megarl.config.load import load_config
 from megarl.distributed.sglang_publish import free_port
-from megarl.distributed.topology import Topology
+from megarl.distributed.ranks import Topology
 from megarl.eval.sampler_side import VersionEvaluator, result_key
 from megarl.observe.jsonl import read_jsonl
 from megarl.protocols import GenerationRequest, SamplingParams

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from megarl.config.load import load_config
 from megarl.distributed.sglang_publish import free_port
-from megarl.distributed.topology import Topology
+from megarl.distributed.ranks import Topology
 from megarl.protocols import Engine, GenerationRequest, SamplingParams
 from megarl.sampler.model import load_pretrained
 from megarl.sampler.sglang_engine import (

@@ -13,7 +13,7 @@ from megarl.rollout.routes import RouteShape
 from megarl.sampler.sglang_engine import (
     SUPPORTED_VERSIONS, SGLangEngine, SGLangError, check_routed_experts, generate_body, routes_from_meta,
     server_command)
-from megarl.distributed.topology import Topology
+from megarl.distributed.ranks import Topology
 from tests.sampler import hf_logprobs_and_routes, make_tiny_model
 
 CONTEXT = 64
