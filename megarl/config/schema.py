@@ -208,6 +208,10 @@ class LearnerConfig:
     # Pack several rows into one row of the longest row's width (first-fit decreasing, a mask keeps each row to
     # itself): micro_batch_size then bounds the packed rows. Cuts the padding the model computes (docs/learner.md).
     pack_sequences: bool = True
+    # With packing: rows that begin with the same tokens (a group's prompt, often its first completion tokens)
+    # share those positions, computed once; each row still gets its own log-probs (docs/learner.md, "Prefix
+    # sharing"). Not under algo.routing_replay=r3 (rows replay their own routes).
+    share_prefixes: bool = True
     recompute_activations: str = "none"  # none | full | selective (megatron activation recomputation)
     lr: float = 1e-3
     weight_decay: float = 0.0

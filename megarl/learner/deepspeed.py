@@ -237,14 +237,16 @@ class DeepSpeedLearner:
             replayer.before_forward(ids, packing.model_routes(mb))
         if "unpack_index" not in mb:
             return model(input_ids=ids, use_cache=False).logits
-        mask = packing.additive_attention_mask(mb["packed_segments"].to(self.device), self.module.dtype)
+        mask = packing.additive_attention_mask(mb, self.module.dtype).to(self.device)
         return model(input_ids=ids, position_ids=mb["packed_positions"].to(self.device), attention_mask=mask,
                      use_cache=False).logits
 
     def _row_logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[B, S] log-probs of the micro-batch's rows from `_logits` (packed: computed on the packed positions)."""
-        ids = packing.model_input_ids(mb).to(logits.device)
-        return packing.next_token_values(step.token_logprobs(logits, ids, self.temperature), mb)
+        """[B, S] log-probs of the micro-batch's rows from `_logits` (packed: computed on the packed positions,
+        read per row token)."""
+        if "unpack_index" in mb:
+            return packing.token_logprobs(logits, mb, self.temperature)
+        return step.token_logprobs(logits, mb["input_ids"].to(logits.device), self.temperature)
 
     def _aligned(self, micro: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """The micro-batches, padded to the most any DP rank has: ZeRO gathers parameters in every forward
@@ -282,7 +284,7 @@ class DeepSpeedLearner:
         totals = step.batch_totals(batch)
         fields = step.dp_share(batch, dp, dp_rank)
         real = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens,
-                                  pack=self.cfg.pack_sequences)
+                                  pack=self.cfg.pack_sequences, share_prefixes=self.cfg.share_prefixes)
         micro = self._aligned(real)
         needs_pi = step.needs_proximal_logprobs(self.loss_cfg, self.critic)
         step.attach_extra_logprobs(micro, {"proximal_logprobs": self.engine if needs_pi else None,
@@ -304,7 +306,7 @@ class DeepSpeedLearner:
             if own_routes is not None and i < len(real):
                 own_routes.append(packing.rows_layout(replayer.own_choice(), mb))
             logprobs = self._row_logprobs(logits, mb)
-            entropy = (packing.next_token_values(step.token_entropy(logits, self.temperature), mb)
+            entropy = (packing.next_token_values(step.position_entropy(logits, self.temperature), mb)
                        if self.loss_cfg.entropy_coef > 0 else None)
             loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy,
                                                 self.distill)
@@ -327,7 +329,7 @@ class DeepSpeedLearner:
         loss = torch.stack(losses).sum().double().cpu()
         dist.all_reduce(loss)
         loss = float(loss)
-        metrics = {"loss": loss, "lr": self.cfg.lr, "num_tokens": totals[0], "padding_frac": step.padding_frac(fields, real)}
+        metrics = {"loss": loss, "lr": self.cfg.lr, "num_tokens": totals[0], **step.position_metrics(fields, real)}
         if critic_only:  # (no backward: no policy gradient norm to report)
             skipped = not math.isfinite(loss)
         else:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megarl.algo.config import CriticConfig, DistillConfig, LossConfig
 from megarl.config.schema import LearnerConfig
-from megarl.learner import packing, plain_linear, sequence_parallel, step
+from megarl.learner import packing, plain_linear, rotary_positions, sequence_parallel, step
 from megarl.learner.routing_replay import RouteReplayer
 from megarl.models import convert, moe
 from megarl.protocols import TrainBatch
@@ -148,6 +148,7 @@ class MegatronLearner:
             )
             self._load_hf_weights(gpt, hf_weights)
             plain_linear.use_plain_linears(gpt, cfg.tp)
+            rotary_positions.use_position_ids(gpt)
             if self.sequence_parallel:
                 sequence_parallel.mark_whole_experts(gpt, cfg.ep)
             gpt = gpt.to(self.device)
@@ -405,51 +406,57 @@ class MegatronLearner:
         return self._version
 
     def _model_inputs(self, input_ids: torch.Tensor,
-                      segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids, position_ids, attention mask) of a micro-batch; packed rows (`segments`: which row each
-        position holds) get a mask that keeps each row to its own positions (megarl.learner.packing)."""
+                      mb: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, position_ids, attention mask) of a micro-batch's rows, or of its packed rows (`mb`, whose
+        positions take their own rows' position ids and attend to their own paths: megarl.learner.packing),
+        widened to input_ids' width (sequence parallelism pads it)."""
         input_ids = input_ids.to(self.device)
         b, s = input_ids.shape
+        if mb is not None:
+            positions = mb["packed_positions"]
+            positions = torch.nn.functional.pad(positions, (0, s - positions.shape[1])).to(self.device)
+            return input_ids, positions, packing.attention_mask(mb, s).to(self.device)
         position_ids = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
-        if segments is not None:
-            return input_ids, position_ids, packing.attention_mask(segments.to(self.device))
         # An explicit causal mask (True = masked): megatron's default one is built with device="cuda".
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)
         return input_ids, position_ids, causal.view(1, 1, s, s)
 
     def _row_logprobs(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
-        """[B, S] log-probs of the micro-batch's rows from the model's logits over what it ran on (packed rows
-        when packed: computed on the packed positions, then read back per row)."""
-        ids = packing.model_input_ids(mb).to(logits.device)
-        return packing.next_token_values(self._token_logprobs(logits, ids), mb)
+        """[B, S] log-probs of input_ids[:, t] of the micro-batch's rows from logits / T of the position predicting
+        it (packed rows: computed on the packed positions, read per row token); column 0 is 0.
 
-    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, S] log-probs of input_ids[:, t] from logits[:, t-1] / T; column 0 is 0.
-
-        logits are this TP rank's vocab shard [B, S, V/tp]; vocab-parallel cross-entropy does the
+        logits are this TP rank's vocab shard [B', S', V/tp]; vocab-parallel cross-entropy does the
         softmax across the shards (it works in place on its input, a fresh tensor here). At TP=1 the whole
         vocabulary is here: plain cross-entropy, without megatron's three all-reduces over a group of one.
         """
+        packed = "unpack_index" in mb
         if self.cfg.tp == 1:
-            return step.token_logprobs(logits, input_ids, self.temperature)
-        shifted = (logits[:, :-1].float() / self.temperature).transpose(0, 1).contiguous()
-        target = input_ids[:, 1:].transpose(0, 1).contiguous()
+            if packed:
+                return packing.token_logprobs(logits, mb, self.temperature)
+            return step.token_logprobs(logits, mb["input_ids"].to(logits.device), self.temperature)
+        if packed:  # each row token's predicting position, gathered into the rows' layout
+            flat = logits.reshape(-1, logits.shape[-1])
+            predicting = flat[packing.predicting_positions(mb, logits.device)]
+        else:
+            predicting = logits[:, :-1]
+        shifted = (predicting.float() / self.temperature).transpose(0, 1).contiguous()
+        target = mb["input_ids"][:, 1:].to(logits.device).transpose(0, 1).contiguous()
         nll = self.tensor_parallel.vocab_parallel_cross_entropy(shifted, target)  # [S-1, B]
         return torch.nn.functional.pad(-nll.transpose(0, 1), (1, 0))
 
-    def _token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """[B, S] entropy of the predictive distribution for input_ids[:, t] (column 0 is 0)."""
+    def _position_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B', S'] entropy of the predictive distribution at each position (packing.next_token_values reads it
+        per row token)."""
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-        z = logits[:, :-1].float() / self.temperature
+        z = logits.float() / self.temperature
         zmax = z.detach().max(dim=-1, keepdim=True).values
         if self.cfg.tp > 1:
             dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=self.ps.get_tensor_model_parallel_group())
         e = (z - zmax).exp()
         sum_e = reduce_from_tensor_model_parallel_region(e.sum(-1))
         sum_ez = reduce_from_tensor_model_parallel_region((e * z).sum(-1))
-        entropy = zmax.squeeze(-1) + sum_e.log() - sum_ez / sum_e
-        return torch.nn.functional.pad(entropy, (1, 0))
+        return zmax.squeeze(-1) + sum_e.log() - sum_ez / sum_e
 
     def _run(self, model, micro_batches: list[dict], forward_only: bool, loss_fn,
              own_routes: list | None = None) -> list:
@@ -472,9 +479,7 @@ class MegatronLearner:
             model_ids = packing.model_input_ids(mb)
             width = model_ids.shape[1]
             ids, routes = sequence_parallel.pad_micro_batch(model_ids, packing.model_routes(mb), multiple)
-            segments = (torch.nn.functional.pad(mb["packed_segments"], (0, ids.shape[1] - width), value=-1)
-                        if "packed_segments" in mb else None)
-            input_ids, position_ids, mask = self._model_inputs(ids, segments)
+            input_ids, position_ids, mask = self._model_inputs(ids, mb if "unpack_index" in mb else None)
             if replayer is not None:
                 replayer.before_forward(ids, routes)
             output = model(input_ids, position_ids, mask)
@@ -564,12 +569,12 @@ class MegatronLearner:
         totals = step.batch_totals(batch)
         fields = step.dp_share(batch, self.cfg.dp, self.ps.get_data_parallel_rank())
         micro_batches = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens,
-                                           pack=self.cfg.pack_sequences)
+                                           pack=self.cfg.pack_sequences, share_prefixes=self.cfg.share_prefixes)
         if self.cfg.ep > 1:
             # Every MoE layer's alltoall pairs the EP ranks micro-batch by micro-batch: same count on all.
             count = torch.tensor(len(micro_batches))
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.ps.get_expert_model_parallel_group())
-            micro_batches = step.pad_micro_batches(micro_batches, int(count))
+            micro_batches = step.pad_micro_batches(micro_batches, int(count), self.cfg.share_prefixes)
         needs_pi = step.needs_proximal_logprobs(self.loss_cfg, self.critic)
         step.attach_extra_logprobs(micro_batches, {"proximal_logprobs": self.model if needs_pi else None,
                                                    "ref_logprobs": self.ref_model}, self._forward_logprobs)
@@ -588,7 +593,7 @@ class MegatronLearner:
         def loss_fn(logits, mb):
             mb = {k: v.to(self.device) for k, v in mb.items()}
             logprobs = self._row_logprobs(logits, mb)
-            entropy = (packing.next_token_values(self._token_entropy(logits), mb) if self.loss_cfg.entropy_coef > 0
+            entropy = (packing.next_token_values(self._position_entropy(logits), mb) if self.loss_cfg.entropy_coef > 0
                        else None)
             loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy,
                                                 self.distill)
@@ -623,7 +628,7 @@ class MegatronLearner:
                                                self.loss_cfg.max_lag_bucket)
         metrics = {
             "loss": loss, "grad_norm": grad_norm, "lr": self.cfg.lr, "num_tokens": totals[0],
-            "padding_frac": step.padding_frac(fields, micro_batches),
+            **step.position_metrics(fields, micro_batches),
             "step_time_s": time.perf_counter() - start, "skipped_nonfinite": float(skipped),
         }
         if teacher_s is not None:

@@ -1,33 +1,43 @@
 """Sequence packing: a micro-batch's rows laid end to end in fewer rows, so the model computes almost no
-padding, and what it computes read back in the rows' own layout.
+padding, and what it computes read back in the rows' own layout; rows that begin alike share those positions.
 
 A learner step's rows are long-tailed (a few long completions, many short ones). Cutting them into
 micro-batches of similar length (megarl.learner.step.micro_batch_rows) still leaves a fifth to a third of the
 computed positions padding on the demo. Packing puts several rows into one *packed row* of at most `capacity`
-positions (first-fit decreasing), and an attention mask keeps each row to its own positions, causally. The
-model runs on the packed rows and the per-token log-probs (and entropies) are computed there, on the packed
-positions only; they and the routers' own choices are gathered back into the micro-batch's [rows, width] layout
-(`next_token_values`, `unpack`), so everything after them (the loss, metrics, router agreement) is the same code
-on the same layout as without packing.
+positions, and an attention mask keeps each row to its own positions, causally.
+
+Prefix sharing (`share_prefixes`, the default): a group's samples all begin with the same prompt, and often with
+the same first completion tokens. The model's output at a position depends only on the tokens up to it and their
+position ids, so two rows that agree on their first k tokens need those k positions computed once. Rows are laid
+out in lexicographic order; each one reuses the positions of its common prefix with the row before it in its
+packed row and appends only the rest, whose tokens attend to the shared prefix and to their own earlier tokens
+(each packed position attends exactly to its path from the row's start: the mask), at their own row's position
+ids. A packed row is a prefix tree of the rows it holds. Rows whose first tokens differ share nothing and pack as
+plain first-fit packing would. Not under routing replay (each row replays its own recorded routes, which two rows
+need not agree on).
+
+The model runs on the packed rows; per-token log-probs are computed on the packed positions and each row token's
+is read from the position that predicts it (the packed position of the row's previous token: `token_logprobs`),
+as are entropies (`next_token_values`) and the routers' choices (`rows_layout`). Everything after them (the loss,
+metrics, router agreement) is the same code on the same [rows, width] layout as without packing.
 
 The capacity is the micro-batch's longest row, so a packed row is never wider than an unpacked one: activation
-memory per micro-batch stays within its unpacked bound, and a row placed at an offset sees rotary angles of
-positions the model also sees unpacked. RoPE attention depends only on the distance between two positions,
-so a row's scores do not change with its offset (up to float rounding: docs/learner.md, "Sequence packing").
-Learned absolute position embeddings would need per-row position ids; megarl's megatron models are rotary.
+memory per micro-batch stays within its unpacked bound. Every position gets its own row's position id
+(`packed_positions`: megatron's rotary embedding reads them through megarl.learner.rotary_positions, HF models
+take them as position_ids), so a shared or offset row sees exactly the rotary angles it sees unpacked.
 
 A packed micro-batch carries, besides its own fields, the keys of PACK_KEYS:
-``packed_ids`` [R, W] the packed tokens (0 where nothing is placed), ``packed_segments`` [R, W] which row of
-the micro-batch each position holds (-1: nothing), ``packed_positions`` [R, W] each position's index within its
-own row (the position ids of models that take them: HF's), ``unpack_index`` [B, S] where each row position's output
-lies in the flattened packed [R * W] (positions past a row's end point at the row's first position: they
-are never trained), and ``packed_routes`` [R, W, L, k] under MoE routing replay.
+``packed_ids`` [R, W] the packed tokens (0 where nothing is placed), ``packed_mask`` [R, W, W] bool, True where
+a position may not attend (it attends to its own path; an unplaced position to itself alone), ``packed_positions``
+[R, W] each position's index within its rows (the position ids), ``unpack_index`` [B, S] where each row position
+lies in the flattened packed [R * W] (positions past a row's end point at the row's first position: they are never
+trained), and ``packed_routes`` [R, W, L, k] under MoE routing replay.
 """
 from __future__ import annotations
 
 import torch
 
-PACK_KEYS = ("packed_ids", "packed_segments", "packed_positions", "unpack_index", "packed_routes")
+PACK_KEYS = ("packed_ids", "packed_mask", "packed_positions", "unpack_index", "packed_routes")
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -50,49 +60,96 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def pack(mb: dict[str, torch.Tensor], lengths: torch.Tensor, bins: list[list[int]] | None = None) -> dict:
+def prefix_sharing_bins(rows: list[list[int]], capacity: int) -> list[list[int]]:
+    """Row indices per packed row when rows share prefixes. In lexicographic order rows with a common prefix are
+    neighbours: each run of neighbours sharing one (each adding only its positions past its common prefix with
+    the row before it) becomes one item while it fits `capacity`; the items go first-fit decreasing into packed
+    rows, so rows that share nothing pack as plain first-fit packing would. A row longer than `capacity` is
+    refused."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i])
+    items: list[list[int]] = []
+    sizes: list[int] = []
+    for i in order:
+        if len(rows[i]) > capacity:
+            raise ValueError(f"row {i} of {len(rows[i])} positions does not fit a packed row of {capacity}")
+        shared = common_prefix(rows[items[-1][-1]], rows[i]) if items else 0
+        if shared and sizes[-1] + len(rows[i]) - shared <= capacity:
+            items[-1].append(i)
+            sizes[-1] += len(rows[i]) - shared
+        else:
+            items.append([i])
+            sizes.append(len(rows[i]))
+    return [[i for item in packed_row for i in items[item]] for packed_row in first_fit_decreasing(sizes, capacity)]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens `a` and `b` have in common."""
+    n = min(len(a), len(b))
+    for t in range(n):
+        if a[t] != b[t]:
+            return t
+    return n
+
+
+def pack(mb: dict[str, torch.Tensor], lengths: torch.Tensor, bins: list[list[int]] | None = None,
+         share_prefixes: bool = False) -> dict:
     """`mb` with the PACK_KEYS added: its rows (row i's first lengths[i] positions) placed by `bins` (row
-    indices per packed row; default first-fit decreasing into packed rows as wide as the longest row).
-    The packed width is the fullest packed row's."""
+    indices per packed row, laid out in that order; default: `prefix_sharing_bins` when sharing, else
+    first-fit decreasing, into packed rows as wide as the longest row). With `share_prefixes` (ignored when
+    `mb` carries routes) a row reuses the positions of its common prefix with the row before it in its packed
+    row. The packed width is the fullest packed row's."""
     ids = mb["input_ids"]
     n, w = ids.shape
-    lengths = lengths.long()
+    row_length = lengths.long().tolist()
+    share = share_prefixes and "routes" not in mb
+    rows = [r[:length] for r, length in zip(ids.tolist(), row_length)] if share else None
     if bins is None:
-        bins = first_fit_decreasing(lengths.tolist(), int(lengths.max()))
+        capacity = max(row_length)
+        bins = prefix_sharing_bins(rows, capacity) if share else first_fit_decreasing(row_length, capacity)
     placed = sorted(i for b in bins for i in b)
     if placed != list(range(n)):
         raise ValueError(f"a packing must place each of the {n} rows exactly once, got rows {placed}")
-    # Each row's packed row and offset there, in plain Python (a few tensor ops per packed row cost more).
-    row_length = lengths.tolist()
-    packed_row, offset, fill = [0] * n, [0] * n, []
-    for r, rows in enumerate(bins):
-        at = 0
-        for i in rows:
-            packed_row[i], offset[i] = r, at
-            at += row_length[i]
+    # Each row position's column in its packed row, in plain Python (tensor ops per row cost more): a shared
+    # prefix's columns are the row before's, the rest appended. `owners`: (row, depth) of each new position.
+    columns: list[list[int]] = [[] for _ in range(n)]
+    packed_row, fill, owners = [0] * n, [], []
+    for r, members in enumerate(bins):
+        at, before = 0, None
+        for i in members:
+            shared = common_prefix(rows[before], rows[i]) if share and before is not None else 0
+            new = row_length[i] - shared
+            columns[i] = columns[before][:shared] + list(range(at, at + new)) if shared else list(range(at, at + new))
+            owners.extend((i, shared + j) for j in range(new))
+            packed_row[i], at, before = r, at + new, i
         fill.append(at)
-    width = max(fill)
-    positions = torch.arange(w).expand(n, w)
-    real = positions < lengths[:, None]
-    start = torch.tensor(packed_row) * width + torch.tensor(offset)
-    flat = start[:, None] + positions  # [n, w] where each position lands
-    unpack_index = torch.where(real, flat, flat[:, :1])
-    dest = flat[real]
-    packed_ids = torch.zeros(len(bins) * width, dtype=ids.dtype)
+    width, count = max(fill), len(bins)
+    # Positions past a row's end point at its first position (never trained).
+    cols = torch.tensor([c + [c[0]] * (w - len(c)) for c in columns])
+    unpack_index = torch.tensor(packed_row)[:, None] * width + cols
+    real = torch.arange(w).expand(n, w) < lengths.long()[:, None]
+    dest = unpack_index[real]
+    packed_ids = torch.zeros(count * width, dtype=ids.dtype)
     packed_ids[dest] = ids[real]
-    segments = torch.full((len(bins) * width,), -1, dtype=torch.long)
-    segments[dest] = torch.arange(n)[:, None].expand(n, w)[real]
-    row_positions = torch.zeros(len(bins) * width, dtype=torch.long)
-    row_positions[dest] = positions[real]
-    out = {**mb, "packed_ids": packed_ids.view(len(bins), width),
-           "packed_segments": segments.view(len(bins), width),
-           "packed_positions": row_positions.view(len(bins), width), "unpack_index": unpack_index}
+    packed_positions = torch.zeros(count * width, dtype=torch.long)
+    packed_positions[dest] = torch.arange(w).expand(n, w)[real]
+    # Each new position attends to its path: its owner row's columns up to its depth; every position to itself.
+    owner, depth = torch.tensor(owners).T
+    path = cols[owner]
+    on_path = torch.arange(w)[None, :] <= depth[:, None]
+    here = unpack_index[owner, depth]  # the new position's own flat index
+    query = (here // width * width * width + here % width * width)[:, None].expand_as(path)
+    allowed = torch.zeros(count * width * width, dtype=torch.bool)
+    allowed[(query + path)[on_path]] = True
+    allowed = allowed.view(count, width, width)
+    allowed.diagonal(dim1=1, dim2=2).fill_(True)
+    out = {**mb, "packed_ids": packed_ids.view(count, width), "packed_mask": ~allowed,
+           "packed_positions": packed_positions.view(count, width), "unpack_index": unpack_index}
     if "routes" in mb:  # [n, w, L, k]: unplaced positions get experts 0..k-1, as the batch's own padding
         routes = mb["routes"]
         layers, k = routes.shape[2:]
-        packed = torch.arange(k, dtype=routes.dtype).repeat(len(bins) * width, layers, 1)
+        packed = torch.arange(k, dtype=routes.dtype).repeat(count * width, layers, 1)
         packed[dest] = routes[real]
-        out["packed_routes"] = packed.view(len(bins), width, layers, k)
+        out["packed_routes"] = packed.view(count, width, layers, k)
     return out
 
 
@@ -116,14 +173,29 @@ def rows_layout(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tens
     return unpack(values, mb["unpack_index"].to(values.device)) if "unpack_index" in mb else values
 
 
+def predicting_positions(mb: dict[str, torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """[B, S - 1] where in the flattened packed rows each row token t >= 1 is predicted: its previous token's
+    position (shared by the rows whose prefixes agree)."""
+    return mb["unpack_index"][:, :-1].to(device)
+
+
 def next_token_values(values: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[B, S] per-token values of the micro-batch's rows (log-probs, entropies: position t's from the model's
-    output at t-1; column 0 is 0) from those computed on what the model ran on (`model_input_ids`). Packed,
-    a row's first position read the end of the row before it: it is set to 0 like an unpacked row's."""
+    """[B, S] per-token values of the micro-batch's rows (entropies: token t's from the model's output at the
+    position that predicts it; column 0 is 0) from per-position values [B', S'] of what the model ran on
+    (`model_input_ids`)."""
     if "unpack_index" not in mb:
-        return values
-    rows = rows_layout(values, mb)
-    return torch.cat([torch.zeros_like(rows[:, :1]), rows[:, 1:]], dim=1)
+        return torch.nn.functional.pad(values[:, :-1], (1, 0))
+    return torch.nn.functional.pad(values.reshape(-1)[predicting_positions(mb, values.device)], (1, 0))
+
+
+def token_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """[B, S] log-probs of a packed micro-batch's row tokens from the packed rows' logits [R, W, V] / T: token t's
+    from the log-softmax at the position that predicts it; column 0 is 0. The log-softmax runs once per packed
+    position (fewer than the rows' positions), then one value per row token is gathered."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    logp = torch.log_softmax(flat if temperature == 1.0 else flat / temperature, dim=-1)
+    target = mb["input_ids"][:, 1:].to(logits.device)
+    return torch.nn.functional.pad(logp[predicting_positions(mb, logits.device), target], (1, 0))
 
 
 def unpack(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
@@ -133,17 +205,20 @@ def unpack(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
     return flat[unpack_index.reshape(-1)].reshape(*unpack_index.shape, *packed.shape[2:])
 
 
-def attention_mask(segments: torch.Tensor) -> torch.Tensor:
-    """[R, 1, W, W] bool, True = masked: a position attends to earlier-or-same positions of its own row only.
-    Unplaced positions (segment -1) attend among themselves, so no softmax row is empty."""
-    width = segments.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=segments.device).triu(1)
-    other_row = segments[:, :, None] != segments[:, None, :]
-    return (other_row | causal).unsqueeze(1)
+def attention_mask(mb: dict[str, torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """[R, 1, W', W'] bool, True = masked: each packed position attends to its own path (`packed_mask`), the
+    packed rows widened to `width` positions (sequence parallelism pads them to a multiple of TP) whose added
+    positions attend to themselves alone, so no softmax row is empty."""
+    masked = mb["packed_mask"]
+    extra = (width or masked.shape[-1]) - masked.shape[-1]
+    if extra > 0:
+        masked = torch.nn.functional.pad(masked, (0, extra, 0, extra), value=True)
+        masked.diagonal(dim1=1, dim2=2)[:, -extra:] = False
+    return masked.unsqueeze(1)
 
 
-def additive_attention_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive_attention_mask(mb: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """`attention_mask` as HF transformers takes a ready 4D mask: 0 where attended, the dtype's lowest where
     not (added to the scores by its eager attention, passed on by its SDPA one)."""
-    masked = attention_mask(segments)
-    return torch.zeros(masked.shape, dtype=dtype, device=segments.device).masked_fill(masked, torch.finfo(dtype).min)
+    masked = attention_mask(mb)
+    return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill(masked, torch.finfo(dtype).min)

@@ -35,10 +35,11 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return torch.nn.functional.pad(-nll[:, :-1], (1, 0))
 
 
-def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, S] entropy of the predictive distribution for input_ids[:, t] (column 0 is 0)."""
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    return torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+def position_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, S] entropy of the predictive distribution at each position (of the token after it:
+    packing.next_token_values reads it per row token)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def batch_totals(batch: TrainBatch) -> tuple[float, float]:
@@ -69,13 +70,14 @@ def dp_share(batch: TrainBatch, dp: int, dp_rank: int) -> dict[str, torch.Tensor
 
 
 def micro_batches(fields: dict[str, torch.Tensor], max_rows: int, max_tokens: int = 0,
-                  pack: bool = False) -> list[dict[str, torch.Tensor]]:
+                  pack: bool = False, share_prefixes: bool = False) -> list[dict[str, torch.Tensor]]:
     """Split rows (sorted longest first) into micro-batches, each cut to its own longest row.
 
     Unpacked: `micro_batch_rows` cuts where the work is least. Packed (megarl.learner.packing): every row goes
-    first-fit decreasing into packed rows as wide as the longest row, and consecutive packed rows form the
-    micro-batches: at most `max_rows` packed rows each (and, with max_tokens > 0, packed rows * width <=
-    max_tokens), so a packed micro-batch is never larger than the unpacked bound."""
+    into packed rows as wide as the longest row (first-fit decreasing; with share_prefixes, in lexicographic
+    order reusing the positions of common prefixes), and consecutive packed rows form the micro-batches: at most
+    `max_rows` packed rows each (and, with max_tokens > 0, packed rows * width <= max_tokens), so a packed
+    micro-batch is never larger than the unpacked bound."""
     lengths = sequence_lengths(fields["mask"])
 
     def rows_of(idx: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -85,13 +87,18 @@ def micro_batches(fields: dict[str, torch.Tensor], max_rows: int, max_tokens: in
         return [rows_of(idx) for idx in micro_batch_rows(lengths, max_rows, max_tokens)]
     width = int(lengths.max())
     per_micro = max(1, min(max_rows, max_tokens // width if max_tokens > 0 else max_rows))
-    bins = packing.first_fit_decreasing(lengths.tolist(), width)
+    share = share_prefixes and "routes" not in fields
+    if share:
+        ids = fields["input_ids"].tolist()
+        bins = packing.prefix_sharing_bins([row[:n] for row, n in zip(ids, lengths.tolist())], width)
+    else:
+        bins = packing.first_fit_decreasing(lengths.tolist(), width)
     micro = []
     for start in range(0, len(bins), per_micro):
         group = bins[start:start + per_micro]
         idx = torch.tensor(sorted(i for b in group for i in b))
         local = {int(row): j for j, row in enumerate(idx)}
-        micro.append(packing.pack(rows_of(idx), lengths[idx], [[local[i] for i in b] for b in group]))
+        micro.append(packing.pack(rows_of(idx), lengths[idx], [[local[i] for i in b] for b in group], share))
     return micro
 
 
@@ -125,13 +132,14 @@ def router_partials(micro: list[dict[str, torch.Tensor]], matches: list[torch.Te
                                     getattr(loss_cfg, "max_lag_bucket", 8)) for m, mb in zip(matches, micro)]
 
 
-def pad_micro_batches(micro: list[dict[str, torch.Tensor]], count: int) -> list[dict[str, torch.Tensor]]:
+def pad_micro_batches(micro: list[dict[str, torch.Tensor]], count: int,
+                      share_prefixes: bool = False) -> list[dict[str, torch.Tensor]]:
     """The same rows in exactly `count` micro-batches (count >= len(micro)), for layers whose collectives
     pair the ranks micro-batch by micro-batch (expert parallelism's alltoall): the micro-batch with the
     most rows is split in two while one has more than a row; past that, one-row micro-batches repeating
     the first row with nothing trained (mask, advantages 0: no loss, no gradient) are appended."""
     if "unpack_index" in micro[0]:  # packed: split the rows, then pack each part again
-        return [packing.pack(mb, sequence_lengths(mb["mask"]))
+        return [packing.pack(mb, sequence_lengths(mb["mask"]), share_prefixes=share_prefixes)
                 for mb in pad_micro_batches([packing.unpacked(mb) for mb in micro], count)]
     micro = list(micro)
     while len(micro) < count:
@@ -191,10 +199,20 @@ def dp_merged_stats(stats_list: list[dict[str, torch.Tensor]], dp: int, group=No
     return merge_stats(stats_list)
 
 
-def padding_frac(fields: dict[str, torch.Tensor], micro: list[dict[str, torch.Tensor]]) -> float:
-    """Share of the computed positions that are padding (the micro-batches' trimmed or packed shapes)."""
+def position_metrics(fields: dict[str, torch.Tensor], micro: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """`padding_frac`: the share of the computed positions (the micro-batches' trimmed or packed shapes) that hold
+    no row's token; `shared_frac`: the share of the rows' positions computed once for several rows (packed rows
+    sharing prefixes)."""
     computed = sum(mb.get("packed_ids", mb["input_ids"]).numel() for mb in micro)
-    return 1.0 - float(sequence_lengths(fields["mask"]).sum()) / computed
+    positions = float(sequence_lengths(fields["mask"]).sum())
+    placed = 0.0
+    for mb in micro:
+        if "unpack_index" not in mb:
+            placed += float(sequence_lengths(mb["mask"]).sum())
+            continue
+        real = torch.arange(mb["input_ids"].shape[1]) < sequence_lengths(mb["mask"])[:, None]
+        placed += torch.unique(mb["unpack_index"][real]).numel()
+    return {"padding_frac": 1.0 - placed / computed, "shared_frac": 1.0 - placed / positions}
 
 
 # What one more micro-batch costs, in computed positions: besides its per-position work a micro-batch's

@@ -1,0 +1,33 @@
+"""Rotary angles by position id: megatron-core's GPT model rotates every row by the column index (its rotary
+embedding takes a sequence length, not position ids), which a packed row whose rows share prefixes cannot use: a
+row's own tokens sit after other rows' (megarl.learner.packing). `use_position_ids(gpt)` makes the model's
+rotary embedding return, for the position ids of the call (what megarl passes as GPTModel's `position_ids`:
+each packed position's index within its own row), the angles of those positions, [S, B, 1, dim] instead of
+[S, 1, 1, dim]; megatron's rotary application broadcasts either over the heads. Position ids 0..S-1 on every row
+give exactly megatron's own angles (the same table, gathered).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def use_position_ids(gpt) -> None:
+    """Route `gpt`'s rotary embedding through the position ids of each forward call (no-op without one)."""
+    rotary = getattr(gpt, "rotary_pos_emb", None)
+    if rotary is None:
+        return
+    table = rotary.forward  # megatron's: the angles of positions 0..n-1, [n, 1, 1, dim]
+    call = {"position_ids": None}
+
+    def remember(module, args, kwargs):
+        call["position_ids"] = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+
+    def by_position_ids(max_seq_len: int, *args, **kwargs) -> torch.Tensor:
+        positions = call["position_ids"]
+        if positions is None:
+            return table(max_seq_len, *args, **kwargs)
+        angles = table(max(max_seq_len, int(positions.max()) + 1), *args, **kwargs)
+        return angles[:, 0, 0][positions.t()].unsqueeze(2)  # [S, B, 1, dim]
+
+    gpt.register_forward_pre_hook(remember, with_kwargs=True)
+    rotary.forward = by_position_ids
