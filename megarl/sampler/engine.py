@@ -540,9 +540,23 @@ class BuiltinEngine:
         return self._slot["routes"][rows, :width] if self.spec.is_moe else None
 
     def _admit(self) -> list[Completion]:
+        """Prefill the waiting requests that fit and sample their first tokens. Requests with the same prompt (a
+        group's samples) are prefilled once: the first of each computes it, the others copy its cache slot and its
+        last position's logits (each still samples its own token)."""
         start = len(self._running)
         count = min(len(self._waiting), self.max_running - start)
-        requests = [self._waiting.popleft() for _ in range(count)]
+        taken = [self._waiting.popleft() for _ in range(count)]
+        computed_row: dict[tuple[int, ...], int] = {}  # prompt -> the row that computes it
+        computed, copies, copied_from = [], [], []
+        for request in taken:
+            row = computed_row.setdefault(tuple(request.prompt_ids), len(computed))
+            if row == len(computed):
+                computed.append(request)
+            else:
+                copies.append(request)
+                copied_from.append(row)
+        requests = computed + copies  # the computed prompts take the first slots, each copy one after them
+        copied_from = torch.tensor(copied_from, dtype=torch.long, device=self.device)
         lens = [len(r.prompt_ids) for r in requests]
         width = max(lens)
         rows = slice(start, start + count)
@@ -563,13 +577,20 @@ class BuiltinEngine:
                      base=n + 1 - self._decode_count, version_starts=[(0, self._version)])
             for r, n in zip(requests, lens)]
         self._refresh_running_flags()
-        positions = torch.arange(width, device=self.device).expand(count, width)
-        logits = forward(self.spec, self._weights, self._tables, self._cache, ids, positions, slot_start=start,
-                         attn_len=width, logit_index=prompt_lens - 1, tp_group=self.tp_group,
-                         routes=self._routes(rows, width))
+        n_computed = len(computed)
+        positions = torch.arange(width, device=self.device).expand(n_computed, width)
+        logits = forward(self.spec, self._weights, self._tables, self._cache, ids[:n_computed], positions,
+                         slot_start=start, attn_len=width, logit_index=prompt_lens[:n_computed] - 1,
+                         tp_group=self.tp_group, routes=self._routes(slice(start, start + n_computed), width))
+        if copies:
+            copy_slots = torch.arange(start + n_computed, start + count, device=self.device)
+            self._cache.move_slots(start + copied_from, copy_slots, width)
+            if self.spec.is_moe:
+                s["routes"][copy_slots, :width] = s["routes"][start + copied_from, :width]
+            logits = torch.cat([logits, logits[copied_from]])
         tokens = self._sample_and_append(rows, logits)
         self._max_len = max(self._max_len, width + 1)
-        self._stats["prefill_tokens"] += sum(lens)
+        self._stats["prefill_tokens"] += sum(lens[:n_computed])
         return self._collect_finished(rows, tokens)
 
     def _set_stop_ids(self, rows: slice, requests: list[GenerationRequest]) -> None:

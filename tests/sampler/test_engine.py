@@ -114,6 +114,29 @@ def test_behaviour_logprobs_equal_hf(model, sampling):
         assert c.versions == [7] * len(c.token_ids)
 
 
+def test_requests_with_one_prompt_are_prefilled_once_and_each_samples_its_own_completion(model):
+    """A group's requests (one prompt, sampled G times) are prefilled once: the prompt's tokens count once in
+    prefill_tokens, the others copy its cache slot; every completion's log-probs are still HF's on its own tokens,
+    and the copies do not repeat one another's samples."""
+    from transformers import AutoModelForCausalLM
+
+    _, path, cfg, weights = model
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    group, other = prompts(2, lo=6, seed=3)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10)
+    requests = [req(f"g{j}", group, sampling) for j in range(6)] + [req("o", other, sampling)]
+    engine = BuiltinEngine(cfg, weights, max_running=8, seed=0)
+    completions = engine.generate(requests)
+    assert engine.stats()["prefill_tokens"] == len(group) + len(other)
+    assert len({tuple(c.token_ids) for c in completions[:6]}) > 1
+    for c in completions:
+        ids = torch.tensor([c.prompt_ids + c.token_ids])
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(ids).logits[0].float(), -1)
+        n = len(c.prompt_ids)
+        assert max(abs(c.logprobs[i] - ref[n - 1 + i, tok].item()) for i, tok in enumerate(c.token_ids)) <= TOL
+
+
 def test_seeded_sampling_is_reproducible(qwen):
     _, cfg, weights = qwen
     requests = [req(i, p, SamplingParams(temperature=1.0, max_new_tokens=12)) for i, p in enumerate(prompts(5))]

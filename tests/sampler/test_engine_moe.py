@@ -54,6 +54,22 @@ def test_logprobs_and_routes_equal_transformers(mixtral, sampling):
         assert c.versions == [3] * len(c.token_ids)
 
 
+def test_a_prompt_prefilled_once_gives_every_request_its_routes(mixtral):
+    """Requests with one prompt are prefilled once (megarl.sampler.engine: the others copy its cache slot and, on
+    an MoE model, its routes): every completion's routes and log-probs are transformers' on its own tokens."""
+    path, cfg, weights = mixtral
+    prompt = requests(1, None, seed=5)[0].prompt_ids
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
+    engine = BuiltinEngine(cfg, weights, max_running=4, version=1)
+    completions = engine.generate([GenerationRequest(str(i), prompt, sampling) for i in range(4)])
+    assert engine.stats()["prefill_tokens"] == len(prompt)
+    for c in completions:
+        n = len(c.prompt_ids)
+        logp, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (path, None))
+        assert max(abs(c.logprobs[i] - logp[n - 1 + i, tok].item()) for i, tok in enumerate(c.token_ids)) <= TOL
+        np.testing.assert_array_equal(c.routes, routes[:-1])
+
+
 def test_qwen3_moe_logprobs_and_routes_equal_transformers(tmp_path):
     """Qwen3-MoE: per-head q/k RMSNorm before RoPE, and the top-k weights not renormalised (norm_topk_prob false;
     true routes as Mixtral)."""
