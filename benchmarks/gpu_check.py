@@ -158,13 +158,13 @@ def init_single_rank(backend: str, workdir: Path) -> None:
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
-def make_learner(model_dir: Path, size: Size, critic: bool = False, pack: bool = True):
+def make_learner(model_dir: Path, size: Size, critic: bool = False, pack: bool = True, share: bool = True):
     from megarl.algo.config import CriticConfig, LossConfig
     from megarl.config.schema import LearnerConfig
     from megarl.learner.megatron import MegatronLearner
 
     return MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-6,
-                                                         pack_sequences=pack), LossConfig(),
+                                                         pack_sequences=pack, share_prefixes=share), LossConfig(),
                            critic_cfg=CriticConfig(target="vtrace", lr=1e-5) if critic else None)
 
 
@@ -269,9 +269,11 @@ def timed_steps(learner, size: Size, critic: bool = False) -> tuple[list[float],
 
 
 def check_packing(args, size: Size) -> dict:
-    """learner.pack_sequences on the device: the same long-tailed batch (a few long rows, many short: an RL batch's
-    lengths) stepped by a packing and a non-packing learner, one after the other; step time, padding and peak
-    memory of each (docs/learner.md, "Sequence packing": the dense [R, 1, W, W] mask is what may cost on a GPU)."""
+    """learner.pack_sequences and learner.share_prefixes on the device: the same long-tailed batch (a few long rows,
+    many short: an RL batch's lengths; groups of 8 rows with one prompt, each row following its group's first for a
+    random stretch of its completion) stepped by an unpacked, a packed and a prefix-sharing learner, one after the
+    other; step time, padding, shared share, peak memory and lag-0 gap of each (docs/learner.md, "Sequence packing":
+    the dense [R, 1, W, W] mask is what may cost on a GPU)."""
     import random
 
     import torch
@@ -286,13 +288,18 @@ def check_packing(args, size: Size) -> dict:
     prompt = length // 8
     ends = [min(length, prompt + 1 + int(rng.expovariate(4 / length))) for _ in range(rows)]
     ids = torch.randint(0, vocab, (rows, length), generator=g)
+    for r in range(rows):  # a group's rows: its first row's prompt, and its first completion tokens for a while
+        lead = r - r % 8
+        if r != lead:
+            follow = prompt + rng.randint(0, length - prompt)
+            ids[r, :follow] = ids[lead, :follow]
     mask = torch.zeros(rows, length)
     for r, end in enumerate(ends):
         mask[r, prompt:end] = 1.0
     advantages = torch.randn(rows, 1, generator=g).expand(rows, length) * mask
     out = {"rows": rows, "max_len": length, "real_tokens": int(sum(ends))}
-    for pack in (True, False):
-        learner = make_learner(model_dir, size, pack=pack)
+    for name, pack, share in (("packed", True, False), ("unpacked", False, False), ("shared", True, True)):
+        learner = make_learner(model_dir, size, pack=pack, share=share)
         behaviour = learner.logprobs(ids) * mask
         times = []
         for i in range(size.train_steps + 1):  # the first is a warm-up
@@ -305,15 +312,15 @@ def check_packing(args, size: Size) -> dict:
             sync()
             if i:
                 times.append(time.perf_counter() - start)
-        name = "packed" if pack else "unpacked"
         out[name] = {"median_step_s": round(sorted(times)[len(times) // 2], 4), "padding_frac":
-                     round(metrics["padding_frac"], 3), "lag0_gap": metrics.get("lag0/logprob_gap_abs"),
-                     "peak_gpu_gib": peak_gib()}
+                     round(metrics["padding_frac"], 3), "shared_frac": round(metrics["shared_frac"], 3),
+                     "lag0_gap": metrics.get("lag0/logprob_gap_abs"), "peak_gpu_gib": peak_gib()}
         del learner
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     out["speedup"] = round(out["unpacked"]["median_step_s"] / out["packed"]["median_step_s"], 3)
+    out["shared_speedup"] = round(out["unpacked"]["median_step_s"] / out["shared"]["median_step_s"], 3)
     return out
 
 
@@ -339,9 +346,11 @@ def check_attention(args, size: Size) -> dict:
     qkv = [torch.randn(width, rows, h, core.hidden_size_per_attention_head, generator=g).to(device, dtype)
            for h in heads]
     grad_out = torch.randn(width, rows, core.hidden_size_per_partition, generator=g).to(device, dtype)
-    segments = torch.tensor([[i * 4 // width for i in range(width)]] * rows, device=device)  # 4 rows per packed row
+    quarter = width // 4  # 4 rows per packed row
+    four = {"input_ids": torch.randint(0, 8, (4 * rows, quarter), generator=g), "mask": torch.zeros(4 * rows, quarter)}
+    packed = packing.pack(four, torch.full((4 * rows,), quarter), bins=[[4 * r + j for j in range(4)] for r in range(rows)])
     masks = {"causal": torch.ones(width, width, dtype=torch.bool, device=device).triu(1).view(1, 1, width, width),
-             "packed": packing.attention_mask(segments)}
+             "packed": packing.attention_mask(packed, width).to(device)}
     out = {"rows": rows, "width": width, "dtype": str(dtype).removeprefix("torch.")}
     for mask_name, mask in masks.items():
         results = {}

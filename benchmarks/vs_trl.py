@@ -98,8 +98,12 @@ def trl_settings(cfg, steps: int, seed: int, trl_threads: int) -> tuple[dict, li
          not cfg.eval.sets),
         ("generation", f"{algo.mode}: built-in engine, continuous batching, own process", "HF generate over one "
          "fixed batch, same process as training", False),
-        ("importance ratio denominator", "behaviour log-prob recorded per token", "always 1 (on-policy; "
-         "num_iterations=1 reuses the current log-probs)", algo.mode == "sync"),
+        ("importance ratio denominator", "behaviour log-prob recorded per token" + (
+            f" (tokens up to max_lag {algo.max_lag} versions old)" if algo.mode == "pipeline" else ""),
+         "always 1 (on-policy; num_iterations=1 reuses the current log-probs)", algo.mode == "sync"),
+        ("positions the learner computes", "packed rows, " + ("each distinct prefix once (a group's prompt and "
+         "common tokens)" if lc.share_prefixes else "each row's own") if lc.pack_sequences else "rows, cut by length",
+         "every row, padded to the batch's longest", False),
         ("torch threads", f"{lc.threads} learner + {cfg.sampler.threads} x {cfg.sampler.num_engines} sampler",
          f"{trl_threads} (--trl-threads)", trl_threads == lc.threads + cfg.sampler.threads * cfg.sampler.num_engines),
     ]

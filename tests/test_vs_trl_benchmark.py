@@ -28,10 +28,10 @@ def test_the_demo_settings_map_onto_grpo_config_and_the_table_names_what_does_no
     assert (kwargs["epsilon"], kwargs["epsilon_high"], kwargs["loss_type"]) == (0.2, 0.28, "grpo")
     assert (kwargs["bf16"], kwargs["fp16"], kwargs["max_grad_norm"]) == (False, False, 0.0)
     unmatched = {setting for setting, _, _, ok in rows if not ok}
-    assert unmatched == {"generation", "importance ratio denominator"}
+    assert unmatched == {"generation", "importance ratio denominator", "positions the learner computes"}
     table = vs_trl.format_settings(rows)
     assert table.splitlines()[0].split() == ["setting", "megarl", "TRL", "GRPOTrainer", "match"]
-    assert len(table.splitlines()) == len(rows) + 1 and table.count(" NO") == 2
+    assert len(table.splitlines()) == len(rows) + 1 and table.count(" NO") == 3
 
 
 def test_a_setting_trl_cannot_take_is_reported_as_a_mismatch(demo):
