@@ -237,7 +237,7 @@ class DeepSpeedLearner:
             replayer.before_forward(ids, packing.model_routes(mb))
         if "unpack_index" not in mb:
             return model(input_ids=ids, use_cache=False).logits
-        mask = packing.additive_attention_mask(mb, self.module.dtype).to(self.device)
+        mask = packing.additive_attention_mask(mb, self.module.dtype, self.device)
         return model(input_ids=ids, position_ids=mb["packed_positions"].to(self.device), attention_mask=mask,
                      use_cache=False).logits
 

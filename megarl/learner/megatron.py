@@ -415,7 +415,7 @@ class MegatronLearner:
         if mb is not None:
             positions = mb["packed_positions"]
             positions = torch.nn.functional.pad(positions, (0, s - positions.shape[1])).to(self.device)
-            return input_ids, positions, packing.attention_mask(mb, s).to(self.device)
+            return input_ids, positions, packing.attention_mask(mb, s, self.device)
         position_ids = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
         # An explicit causal mask (True = masked): megatron's default one is built with device="cuda".
         causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)

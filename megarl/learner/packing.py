@@ -27,17 +27,18 @@ memory per micro-batch stays within its unpacked bound. Every position gets its 
 take them as position_ids), so a shared or offset row sees exactly the rotary angles it sees unpacked.
 
 A packed micro-batch carries, besides its own fields, the keys of PACK_KEYS:
-``packed_ids`` [R, W] the packed tokens (0 where nothing is placed), ``packed_mask`` [R, W, W] bool, True where
-a position may not attend (it attends to its own path; an unplaced position to itself alone), ``packed_positions``
-[R, W] each position's index within its rows (the position ids), ``unpack_index`` [B, S] where each row position
-lies in the flattened packed [R * W] (positions past a row's end point at the row's first position: they are never
-trained), and ``packed_routes`` [R, W, L, k] under MoE routing replay.
+``packed_ids`` [R, W] the packed tokens (0 where nothing is placed), ``packed_owner`` [R, W] which row of the
+micro-batch placed each position (-1: nothing; the position attends to that row's positions up to it: the mask,
+built per forward by `attention_mask`), ``packed_positions`` [R, W] each position's index within its rows (the
+position ids), ``unpack_index`` [B, S] where each row position lies in the flattened packed [R * W] (positions past
+a row's end point at the row's first position: they are never trained), and ``packed_routes`` [R, W, L, k] under
+MoE routing replay.
 """
 from __future__ import annotations
 
 import torch
 
-PACK_KEYS = ("packed_ids", "packed_mask", "packed_positions", "unpack_index", "packed_routes")
+PACK_KEYS = ("packed_ids", "packed_owner", "packed_positions", "unpack_index", "packed_routes")
 
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -132,17 +133,11 @@ def pack(mb: dict[str, torch.Tensor], lengths: torch.Tensor, bins: list[list[int
     packed_ids[dest] = ids[real]
     packed_positions = torch.zeros(count * width, dtype=torch.long)
     packed_positions[dest] = torch.arange(w).expand(n, w)[real]
-    # Each new position attends to its path: its owner row's columns up to its depth; every position to itself.
+    # Which row placed each position (its path is that row's, up to the position's depth: `attention_mask`).
     owner, depth = torch.tensor(owners).T
-    path = cols[owner]
-    on_path = torch.arange(w)[None, :] <= depth[:, None]
-    here = unpack_index[owner, depth]  # the new position's own flat index
-    query = (here // width * width * width + here % width * width)[:, None].expand_as(path)
-    allowed = torch.zeros(count * width * width, dtype=torch.bool)
-    allowed[(query + path)[on_path]] = True
-    allowed = allowed.view(count, width, width)
-    allowed.diagonal(dim1=1, dim2=2).fill_(True)
-    out = {**mb, "packed_ids": packed_ids.view(count, width), "packed_mask": ~allowed,
+    packed_owner = torch.full((count * width,), -1, dtype=torch.long)
+    packed_owner[unpack_index[owner, depth]] = owner
+    out = {**mb, "packed_ids": packed_ids.view(count, width), "packed_owner": packed_owner.view(count, width),
            "packed_positions": packed_positions.view(count, width), "unpack_index": unpack_index}
     if "routes" in mb:  # [n, w, L, k]: unplaced positions get experts 0..k-1, as the batch's own padding
         routes = mb["routes"]
@@ -205,20 +200,31 @@ def unpack(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
     return flat[unpack_index.reshape(-1)].reshape(*unpack_index.shape, *packed.shape[2:])
 
 
-def attention_mask(mb: dict[str, torch.Tensor], width: int | None = None) -> torch.Tensor:
-    """[R, 1, W', W'] bool, True = masked: each packed position attends to its own path (`packed_mask`), the
-    packed rows widened to `width` positions (sequence parallelism pads them to a multiple of TP) whose added
-    positions attend to themselves alone, so no softmax row is empty."""
-    masked = mb["packed_mask"]
-    extra = (width or masked.shape[-1]) - masked.shape[-1]
-    if extra > 0:
-        masked = torch.nn.functional.pad(masked, (0, extra, 0, extra), value=True)
-        masked.diagonal(dim1=1, dim2=2)[:, -extra:] = False
-    return masked.unsqueeze(1)
+def attention_mask(mb: dict[str, torch.Tensor], width: int | None = None,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """[R, 1, W', W'] bool on `device`, True = masked: each packed position attends to its own path (the columns of
+    the row that placed it, up to its depth), built there from the packed micro-batch's compact fields (the mask is
+    R x W^2: it is never kept); the packed rows widened to `width` positions (sequence parallelism pads them to a
+    multiple of TP). Unplaced and added positions attend to themselves alone, so no softmax row is empty."""
+    owner = mb["packed_owner"].to(device)
+    count, packed = owner.shape
+    width = width or packed
+    depth = mb["packed_positions"].to(device).reshape(-1)
+    columns = mb["unpack_index"].to(device) % packed  # [B, S] each row position's column in its packed row
+    placed = torch.nonzero(owner.reshape(-1) >= 0)[:, 0]
+    path = columns[owner.reshape(-1)[placed]]  # [N, S] the placing row's columns
+    on_path = torch.arange(path.shape[1], device=owner.device)[None, :] <= depth[placed][:, None]
+    query = (placed // packed * width * width + placed % packed * width)[:, None].expand_as(path)
+    allowed = torch.zeros(count * width * width, dtype=torch.bool, device=owner.device)
+    allowed[(query + path)[on_path]] = True
+    allowed = allowed.view(count, width, width)
+    allowed.diagonal(dim1=1, dim2=2).fill_(True)
+    return ~allowed.unsqueeze(1)
 
 
-def additive_attention_mask(mb: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+def additive_attention_mask(mb: dict[str, torch.Tensor], dtype: torch.dtype,
+                            device: torch.device | str | None = None) -> torch.Tensor:
     """`attention_mask` as HF transformers takes a ready 4D mask: 0 where attended, the dtype's lowest where
     not (added to the scores by its eager attention, passed on by its SDPA one)."""
-    masked = attention_mask(mb)
+    masked = attention_mask(mb, device=device)
     return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill(masked, torch.finfo(dtype).min)

@@ -48,7 +48,7 @@ def _attended(p, b, t):
     """The flat packed positions that row b's position t attends to (its packed row's mask)."""
     width = p["packed_ids"].shape[1]
     q = int(p["unpack_index"][b, t])
-    allowed = ~p["packed_mask"][q // width, q % width]
+    allowed = ~packing.attention_mask(p)[q // width, 0, q % width]
     return {q // width * width + int(c) for c in torch.nonzero(allowed)[:, 0]}
 
 
@@ -85,7 +85,7 @@ def test_pack_places_each_row_and_unpack_reads_it_back():
     assert torch.equal(p["packed_routes"].view(rows * width, 2, 2)[empty],
                        torch.arange(2, dtype=torch.uint8).expand(int(empty.sum()), 2, 2))
     for q in torch.nonzero(empty)[:, 0].tolist():
-        assert torch.nonzero(~p["packed_mask"][q // width, q % width])[:, 0].tolist() == [q % width]
+        assert torch.nonzero(~packing.attention_mask(p)[q // width, 0, q % width])[:, 0].tolist() == [q % width]
     assert set(packing.unpacked(p)) == set(mb)
     with pytest.raises(ValueError, match="exactly once"):
         packing.pack(mb, lengths, [[0, 1], [1]])
