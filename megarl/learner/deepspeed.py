@@ -244,9 +244,7 @@ class DeepSpeedLearner:
     def _row_logprobs(self, logits: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, S] log-probs of the micro-batch's rows from `_logits` (packed: computed on the packed positions,
         read per row token)."""
-        if "unpack_index" in mb:
-            return packing.token_logprobs(logits, mb, self.temperature)
-        return step.token_logprobs(logits, mb["input_ids"].to(logits.device), self.temperature)
+        return step.row_logprobs(logits, mb, self.temperature)
 
     def _aligned(self, micro: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """The micro-batches, padded to the most any DP rank has: ZeRO gathers parameters in every forward

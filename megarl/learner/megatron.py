@@ -429,12 +429,9 @@ class MegatronLearner:
         softmax across the shards (it works in place on its input, a fresh tensor here). At TP=1 the whole
         vocabulary is here: plain cross-entropy, without megatron's three all-reduces over a group of one.
         """
-        packed = "unpack_index" in mb
         if self.cfg.tp == 1:
-            if packed:
-                return packing.token_logprobs(logits, mb, self.temperature)
-            return step.token_logprobs(logits, mb["input_ids"].to(logits.device), self.temperature)
-        if packed:  # each row token's predicting position, gathered into the rows' layout
+            return step.row_logprobs(logits, mb, self.temperature)
+        if "unpack_index" in mb:  # each row token's predicting position, gathered into the rows' layout
             flat = logits.reshape(-1, logits.shape[-1])
             predicting = flat[packing.predicting_positions(mb, logits.device)]
         else:

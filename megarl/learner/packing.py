@@ -92,6 +92,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def shares_prefixes(mb: dict[str, torch.Tensor], share_prefixes: bool) -> bool:
+    """Whether `mb`'s rows are laid out sharing prefixes: asked for, and no routes to replay (each row replays its
+    own recorded routes, which two rows need not agree on at a shared position)."""
+    return share_prefixes and "routes" not in mb
+
+
+def plan_bins(ids: torch.Tensor, lengths: list[int], capacity: int, share: bool) -> list[list[int]]:
+    """Row indices per packed row for rows ids[i, :lengths[i]]: `prefix_sharing_bins` when sharing, else
+    first-fit decreasing."""
+    if not share:
+        return first_fit_decreasing(lengths, capacity)
+    return prefix_sharing_bins([row[:n] for row, n in zip(ids.tolist(), lengths)], capacity)
+
+
 def pack(mb: dict[str, torch.Tensor], lengths: torch.Tensor, bins: list[list[int]] | None = None,
          share_prefixes: bool = False) -> dict:
     """`mb` with the PACK_KEYS added: its rows (row i's first lengths[i] positions) placed by `bins` (row
@@ -102,11 +116,10 @@ def pack(mb: dict[str, torch.Tensor], lengths: torch.Tensor, bins: list[list[int
     ids = mb["input_ids"]
     n, w = ids.shape
     row_length = lengths.long().tolist()
-    share = share_prefixes and "routes" not in mb
+    share = shares_prefixes(mb, share_prefixes)
     rows = [r[:length] for r, length in zip(ids.tolist(), row_length)] if share else None
     if bins is None:
-        capacity = max(row_length)
-        bins = prefix_sharing_bins(rows, capacity) if share else first_fit_decreasing(row_length, capacity)
+        bins = plan_bins(ids, row_length, max(row_length), share)
     placed = sorted(i for b in bins for i in b)
     if placed != list(range(n)):
         raise ValueError(f"a packing must place each of the {n} rows exactly once, got rows {placed}")

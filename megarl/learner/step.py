@@ -35,6 +35,14 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return torch.nn.functional.pad(-nll[:, :-1], (1, 0))
 
 
+def row_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    """[B, S] log-probs of the micro-batch's row tokens from the logits of what the model ran on (packed rows:
+    read from each token's predicting position, megarl.learner.packing.token_logprobs); column 0 is 0."""
+    if "unpack_index" in mb:
+        return packing.token_logprobs(logits, mb, temperature)
+    return token_logprobs(logits, mb["input_ids"].to(logits.device), temperature)
+
+
 def position_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """[B, S] entropy of the predictive distribution at each position (of the token after it:
     packing.next_token_values reads it per row token)."""
@@ -87,12 +95,8 @@ def micro_batches(fields: dict[str, torch.Tensor], max_rows: int, max_tokens: in
         return [rows_of(idx) for idx in micro_batch_rows(lengths, max_rows, max_tokens)]
     width = int(lengths.max())
     per_micro = max(1, min(max_rows, max_tokens // width if max_tokens > 0 else max_rows))
-    share = share_prefixes and "routes" not in fields
-    if share:
-        ids = fields["input_ids"].tolist()
-        bins = packing.prefix_sharing_bins([row[:n] for row, n in zip(ids, lengths.tolist())], width)
-    else:
-        bins = packing.first_fit_decreasing(lengths.tolist(), width)
+    share = packing.shares_prefixes(fields, share_prefixes)
+    bins = packing.plan_bins(fields["input_ids"], lengths.tolist(), width, share)
     micro = []
     for start in range(0, len(bins), per_micro):
         group = bins[start:start + per_micro]
@@ -205,13 +209,8 @@ def position_metrics(fields: dict[str, torch.Tensor], micro: list[dict[str, torc
     sharing prefixes)."""
     computed = sum(mb.get("packed_ids", mb["input_ids"]).numel() for mb in micro)
     positions = float(sequence_lengths(fields["mask"]).sum())
-    placed = 0.0
-    for mb in micro:
-        if "unpack_index" not in mb:
-            placed += float(sequence_lengths(mb["mask"]).sum())
-            continue
-        real = torch.arange(mb["input_ids"].shape[1]) < sequence_lengths(mb["mask"])[:, None]
-        placed += torch.unique(mb["unpack_index"][real]).numel()
+    placed = sum(float((mb["packed_owner"] >= 0).sum()) if "packed_owner" in mb  # each placed position, once
+                 else float(sequence_lengths(mb["mask"]).sum()) for mb in micro)
     return {"padding_frac": 1.0 - placed / computed, "shared_frac": 1.0 - placed / positions}
 
 
