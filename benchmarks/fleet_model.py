@@ -8,7 +8,8 @@ model in megarl/observe/fleet_model.py, and checked against a measured megarl ru
    the same fleet split into samplers and learners under Pipeline RL. OUT/fleet_sync_8gpu.png,
    OUT/fleet_pipeline_8gpu.png.
 2. Scaling: 8, 16, 64, 256 and 1024 GPUs at a fixed global batch, sync vs pipeline with
-   sampler:learner splits 1:1, 3:1, 7:1; the best split per size; what max_lag changes on 256 GPUs.
+   sampler:learner splits 1:1, 3:1, 7:1; the best split per size; what max_lag and the order samplers send
+   finished groups in (algo.queue_order) change on 256 GPUs.
    OUT/fleet_scaling.png.
 3. With --calibrate-from: the parameters a measured sync run implies (decode step time vs batch,
    train time per token, publish time, hand-off latencies, output lengths), the same two-process
@@ -33,6 +34,7 @@ import numpy as np  # noqa: E402
 from megarl.observe.fleet_model import (  # noqa: E402
     EngineModel, FleetParams, LogNormalLengths, SimResult, calibrate, engine_rates, measured_summary, simulate,
     summarise, train_seconds_per_token)
+from megarl.rollout.send_order import ORDERS  # noqa: E402
 
 # An H100 SXM (80 GB, 3.35 TB/s HBM3, 989 dense bf16 TFLOPS) per sampler engine or learner rank, a 7B
 # dense model (Qwen2.5-7B-like: 7.6B parameters, 15.2 GB in bf16), long reasoning rollouts. The
@@ -187,8 +189,18 @@ def scaling(out: Path, seed: int) -> dict:
         print(f"   max_lag {lag:2d}: {s['samples_per_s']:7.1f} samples/s ({s['samples_per_s'] / sync:.2f}x sync), "
               f"sampler token util {s['sampler_token_util']:.2f}, lag mean {s['lag_mean']:.1f}, "
               f"dropped {100 * s['dropped_frac']:.1f}%")
+    print(f"== {gpus} GPUs, {samplers}+{learners}: the order samplers send finished groups in (algo.queue_order)")
+    orders = {}
+    for lag in (4, 8):
+        for order in ORDERS:
+            s = run_pipeline(dataclasses.replace(params, max_lag=lag, queue_order=order), samplers, learners, seed)
+            orders[f"max_lag {lag} {order}"] = s["samples_per_s"] / sync
+            print(f"   max_lag {lag:2d}, {order:8s}: {s['samples_per_s']:7.1f} samples/s ({s['samples_per_s'] / sync:.2f}x "
+                  f"sync), sampler token util {s['sampler_token_util']:.2f}, lag mean {s['lag_mean']:.1f}, "
+                  f"dropped {100 * s['dropped_frac']:.1f}%")
     plot_scaling(rows, out / "fleet_scaling.png")
-    return {str(g): {"best_split": f["best"], "speedup": f["splits"][f["best"]]["speedup"]} for g, f in rows.items()}
+    return {**{str(g): {"best_split": f["best"], "speedup": f["splits"][f["best"]]["speedup"]} for g, f in rows.items()},
+            "queue_order_256": orders}
 
 
 def plot_scaling(rows: dict[int, dict], out_png: Path) -> None:

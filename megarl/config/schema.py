@@ -240,6 +240,12 @@ class AlgoConfig:
     prompts_per_step: int = 8  # groups per learner batch
     # A sample whose oldest token is more than max_lag versions behind the learner is dropped.
     max_lag: int = 4
+    # The order in which a sampler sends its scored groups to the learner (megarl/rollout/send_order.py).
+    # "deadline": as they finish, except that a group does not go ahead of an older, unfinished one that
+    # would then reach the learner more than max_lag versions old; "start": in the order they were started;
+    # "finish": as they finish (short groups overtake long ones, which may then be dropped as stale: the
+    # trained batches lean towards short completions, benchmarks/stale_bias.py).
+    queue_order: str = "deadline"
     # Mixture-of-experts models: "r3" (rollout routing replay) makes the learner route every token to the
     # experts the sampler's engine chose for it (recorded per token and layer); "off" lets it route itself.
     routing_replay: str = "off"

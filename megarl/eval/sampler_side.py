@@ -60,17 +60,22 @@ class VersionEvaluator:
         than skipped), then evaluate the current version if it is due. The caller's next step must not
         apply staged versions itself: `engine.step(apply_staged=False)`. An HTTP engine's version is the
         server's, held by `hold_update` while it is due."""
-        staged = engine.staged_versions() if self.staged else []
-        if staged:
-            due = [v for v in staged if v in self.pending]
+        if self.staged and engine.staged_versions():
             before = engine.version
-            engine.apply_staged(due[0] if due else staged[-1])
+            engine.apply_staged(self.next_version(engine))
             for version in [v for v in self.pending if v < engine.version]:
                 self._post(version, {"missed": f"sampler engine {self.share} never ran version {version}: it went "
                                                f"from {before} to {engine.version} (the staging buffer keeps two "
                                                f"versions; more arrived while a step or an evaluation ran)"})
         if engine.version in self.pending:
             self._evaluate(engine, between_steps)
+
+    def next_version(self, engine) -> int:
+        """The version the engine's next step decodes under: what `before_step` applies (the oldest due
+        version staged, else the newest staged), else the current one."""
+        staged = engine.staged_versions() if self.staged else []
+        due = [v for v in staged if v in self.pending]
+        return due[0] if due else staged[-1] if staged else engine.version
 
     def hold_update(self, version_now: int, should_stop: Callable[[], bool]) -> None:
         """HTTP engines, on the thread that updates the server, before an update leaves `version_now`: wait

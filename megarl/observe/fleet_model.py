@@ -24,8 +24,10 @@ The model
     for the last group, trains `epochs` optimizer steps on it, publishes v+1; then the next batch.
   * pipeline: each sampler keeps starting groups while it has fewer than
     ceil((max_lag + 1) * (B / G) / S) outstanding (started, not yet retired by the learner: megarl's
-    staleness budget, reported back with every publish); the learner takes finished groups first come
-    first served, drops a group whose oldest token is more than max_lag versions old, trains one step
+    staleness budget, reported back with every publish); each sampler sends its finished groups in
+    megarl's algo.queue_order (megarl/rollout/send_order.py: "deadline", "start" or "finish", decided by
+    the same function from what the engine knows: its version and its groups retired); the learner takes
+    them first come first served, drops a group whose oldest token is more than max_lag versions old, trains one step
     per B samples and publishes; each engine finishes its current decode step, stalls swap_stall_s
     and goes on with its requests in flight under the new version.
   * Every random draw (output lengths, train-time jitter) comes from one numpy Generator seeded by
@@ -44,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from megarl.observe.timeline import load_timeline
+from megarl.rollout.send_order import ORDERS, Unsent, groups_to_send
 from megarl.observe.sinks import train_records
 
 Z99 = 2.3263478740408408  # standard normal 99th percentile
@@ -113,12 +116,15 @@ class FleetParams:
     train_jitter: tuple[float, ...] = ()
     epochs: int = 1  # sync: optimizer steps on each generated batch (K)
     max_lag: int = 4  # pipeline: a group whose oldest token is more versions old is dropped
+    queue_order: str = "deadline"  # pipeline: which finished groups a sampler sends when (send_order.ORDERS)
 
     def __post_init__(self):
         if self.batch_samples % self.group_size:
             raise ValueError(f"batch_samples={self.batch_samples} is not a multiple of group_size={self.group_size}")
         if self.epochs < 1 or self.max_lag < 0 or self.engine.max_running < 1:
             raise ValueError(f"need epochs >= 1, max_lag >= 0, max_running >= 1: {self}")
+        if self.queue_order not in ORDERS:
+            raise ValueError(f"queue_order={self.queue_order!r} must be one of {ORDERS}")
 
     def train_s(self, tokens: float, learners: int, epochs: int = 1) -> float:
         return epochs * (self.train_step_s + self.train_token_s * tokens / learners)
@@ -155,7 +161,7 @@ class SimResult:
 
 
 class _Engine:
-    __slots__ = ("t", "steps", "running", "waiting", "fresh", "version", "token", "started", "retired")
+    __slots__ = ("t", "steps", "running", "waiting", "fresh", "version", "token", "started", "retired", "sent")
 
     def __init__(self):
         self.t = 0.0  # the engine's state is exact at this time (a step boundary)
@@ -165,8 +171,9 @@ class _Engine:
         self.fresh = 0  # requests admitted since the last step: their prefill token comes with it
         self.version = 0
         self.token = 0  # bumped on every reschedule: older heap entries of this engine are void
-        self.started = 0  # groups started / retired by the learner (pipeline budget)
+        self.started = 0  # groups started / retired by the learner (pipeline budget) / sent to it
         self.retired = 0
+        self.sent = 0
 
 
 class _Fleet:
@@ -191,6 +198,8 @@ class _Fleet:
         self.learner_busy = False
         self.learner_free_at = 0.0
         self.queue: deque[int] = deque()  # finished groups, first come first served
+        self.unsent: list[list[int]] = [[] for _ in range(samplers)]  # per engine: groups started, not sent
+        self.g_finished: list[bool] = []
         self.collected: list[int] = []
         self.cycle_groups: list[int] = []  # sync: the groups of the batch being generated
         self.cycle_left = 0
@@ -211,6 +220,7 @@ class _Fleet:
         self.g_left.append(self.p.group_size)
         self.g_version.append(-1)
         self.g_engine.append(ei)
+        self.g_finished.append(False)
         total = 0
         waiting = self.engines[ei].waiting
         for _ in range(self.p.group_size):
@@ -255,7 +265,7 @@ class _Fleet:
     def _refill(self, ei: int, e: _Engine) -> None:
         if self.mode == "pipeline":
             while e.started - e.retired < self.budget:
-                self._start_group(ei)
+                self.unsent[ei].append(self._start_group(ei))
                 e.started += 1
 
     def _on_engine(self, ei: int) -> None:
@@ -282,6 +292,7 @@ class _Fleet:
         e.version = self.version
         e.retired += self.pending_retired[ei]
         self.pending_retired[ei] = 0
+        self._send_due(ei)  # a new version and retired groups: held groups may be due
         self._refill(ei, e)
         self._admit(e)
         self._schedule(ei, e)
@@ -293,8 +304,22 @@ class _Fleet:
             if self.cycle_left == 0:
                 self._train(now, self.cycle_groups, self.p.epochs)
         else:
-            self.queue.append(g)
+            self.g_finished[g] = True
+            self._send_due(self.g_engine[g])
             self._try_train(now)
+
+    def _send_due(self, ei: int) -> None:
+        """Engine `ei` sends the finished groups its queue order lets go now (a group not yet admitted
+        will be at the engine's version or later)."""
+        e, unsent = self.engines[ei], self.unsent[ei]
+        due = groups_to_send([Unsent(self.g_finished[g], self.g_version[g] if self.g_version[g] >= 0 else e.version)
+                              for g in unsent], self.p.queue_order, e.sent - e.retired, e.version,
+                             self.group_count / self.S, self.p.max_lag)
+        if due:
+            self.queue.extend(unsent[i] for i in due)
+            sent = set(due)
+            self.unsent[ei] = [g for i, g in enumerate(unsent) if i not in sent]
+            e.sent += len(due)
 
     def _try_train(self, now: float) -> None:
         if self.learner_busy:
@@ -619,7 +644,7 @@ def calibrate(run_dir: str | Path) -> Calibration:
         swap_stall_s=float(np.mean(swap_stall)) if swap_stall else 0.0,
         ingest_s=float(np.mean(ingest)), log_s=float(np.mean(log_s)) if log_s else 0.0,
         resume_s=max(0.0, float(np.mean(resume))) if resume else 0.0,
-        epochs=epochs, max_lag=algo["max_lag"])
+        epochs=epochs, max_lag=algo["max_lag"], queue_order=algo.get("queue_order", "finish"))  # older runs: finish
     report = {"phases_used": phases_used, "phases_skipped": phases_skipped, "slices": len(batch),
               "step_base_ms": a * 1e3, "step_per_seq_ms": c * 1e3,
               "tokens_per_s_at_max_running": params.engine.tokens_per_s(sampler_cfg["max_running"]),

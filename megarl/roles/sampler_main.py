@@ -19,7 +19,9 @@ engine) or the thread that updates an HTTP engine's server waits before it (hold
 Staleness budget (pipeline mode): a sampler may have at most ceil((max_lag + 1) * prompts_per_step / samplers)
 groups outstanding (started, not yet trained or dropped by the learner, which reports what it
 retired in every publish header, and what it dropped as soon as it drops it), so the age of what is
-queued cannot grow without bound when the learner slows down.
+queued cannot grow without bound when the learner slows down. Scored groups go to the learner in
+algo.queue_order (megarl/rollout/send_order.py): by default a group does not overtake an older, still
+running one that would then reach the learner stale.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ from megarl.rollout.heldout import training_split
 from megarl.rollout.rewards import check_reward, score_group
 from megarl.rollout.sandbox import hide_from_sandboxes
 from megarl.rollout.routes import RouteShape, check_routes
+from megarl.rollout.send_order import Unsent, groups_to_send
 from megarl.rollout.tasks import prompt_rng, task_from_config
 
 STOP_POLL_S = 0.2
@@ -180,12 +183,15 @@ class SamplerLoop:
         elif is_multi_turn(self.task):
             self.episodes = EpisodeRunner(self.task, self.tokenizer, self.engine.add_request, self.sampling, limits,
                                           stop_token_ids=(self.tokenizer.eos_token_id,), workers=tc.env_workers)
-        share = cfg.algo.prompts_per_step / topo.num_engines
-        self.budget = math.ceil((cfg.algo.max_lag + 1) * share)
-        self.sync_share = int(share)
+        self.share = cfg.algo.prompts_per_step / topo.num_engines
+        self.budget = math.ceil((cfg.algo.max_lag + 1) * self.share)
+        self.sync_share = int(self.share)
         self.sync_admitted_version: int | None = None
         self.started = 0
         self.retired = 0
+        self.sent = 0  # groups sent to the learner; those not retired yet are ahead in its queue (send_order)
+        self.held = 0  # groups scored and not sent yet (algo.queue_order held them back)
+        self.learner_version = 0  # the version whose publish header reported `retired` (set before it)
         self.skipped_overlong = 0
         self.pending: dict[str, dict] = {}
         self.new_version = threading.Event()
@@ -208,6 +214,7 @@ class SamplerLoop:
         self._on_published(version, extra)
 
     def _on_published(self, version: int, extra: dict) -> None:
+        self.learner_version = version  # before `retired`: _send_due reads them the other way round
         self.retired = extra.get("retired", {}).get(str(self.topo.rank), self.retired)
         self.new_version.set()
 
@@ -231,7 +238,8 @@ class SamplerLoop:
                                                              self.cfg.dist.timeout_s)
         if self.resume_version is not None:
             self.indices, self.started = retired.unretired(), len(retired)
-            self.retired = self.started
+            self.retired = self.sent = self.started
+            self.learner_version = self.resume_version
         startup.mark("engine, then the learner's announcement")
         if self.cfg.run.timeline:
             self.timeline = Timeline(self.cfg.run.dir, f"sampler{self.topo.rank}")
@@ -277,11 +285,12 @@ class SamplerLoop:
                         self.timeline.tokens(self.engine.stats()["tokens_decoded"] - decoded, start, end)
                 if self.episodes is None:
                     for completion in finished:
-                        self._finish(completion, sender)
+                        self._finish(completion)
                 else:
                     ended = [e for e in map(self.episodes.on_completion, finished) if e is not None]
                     for episode in ended + self.episodes.poll():
-                        self._finish_episode(episode, sender)
+                        self._finish_episode(episode)
+                self._send_due(sender)
         finally:
             self.stopped = True
             if self.episodes is not None:
@@ -345,7 +354,11 @@ class SamplerLoop:
             raise ValueError(f"{MAX_CONSECUTIVE_SKIPS} prompts in a row do not fit sampler.max_seq_len="
                              f"{self.cfg.sampler.max_seq_len}; raise it or shorten the task's prompts")
         group_id = make_group_id(self.topo.role_rank, index)
-        self.pending[group_id] = {"prompt": prompt, "done": []}
+        # Its first token comes from the version the engine's next step decodes under (the newest staged, unless
+        # an evaluation holds an older due one) or a later one: send_order's deadline counts from there.
+        start_version = (self.evaluator.next_version(self.engine) if self.evaluator is not None
+                         else max(self.engine.version, self.learner_version))
+        self.pending[group_id] = {"prompt": prompt, "done": [], "start_version": start_version}
         self.started += 1
         for j in range(self.cfg.algo.group_size):
             if self.episodes is not None:  # each episode its own (transcript of the same) opening
@@ -361,9 +374,26 @@ class SamplerLoop:
         entry["done"].append(finished)
         if len(entry["done"]) < self.cfg.algo.group_size:
             return None
-        return group_id, self.pending.pop(group_id)
+        return group_id, entry
 
-    def _finish(self, completion: Completion, sender: QueueSender) -> None:
+    def _send_due(self, sender: QueueSender) -> None:
+        """Send the scored groups algo.queue_order lets go now (megarl/rollout/send_order.py); `pending`
+        holds the unsent groups in start order. Called after every step: a group held back may become due
+        when an older one is scored, the learner retires groups, or a version arrives."""
+        if not self.held:
+            return
+        in_pipe = self.sent - self.retired  # retired first: the receiver thread sets the version before it
+        ids = list(self.pending)
+        due = groups_to_send([Unsent("samples" in self.pending[g], self.pending[g]["start_version"]) for g in ids],
+                             self.cfg.algo.queue_order, in_pipe, self.learner_version, self.share,
+                             self.cfg.algo.max_lag)
+        for i in due:
+            samples = self.pending.pop(ids[i])["samples"]
+            self.held -= 1
+            sender.send_group(samples, self._stats())
+            self.sent += 1
+
+    def _finish(self, completion: Completion) -> None:
         if (complete := self._group_complete(completion.request_id, completion)) is None:
             return
         group_id, entry = complete
@@ -387,9 +417,10 @@ class SamplerLoop:
                                   finish_reason=c.finish_reason, sampler_rank=self.topo.rank, reward_error=error,
                                   routes=c.routes))
         self._check_routes(samples)
-        sender.send_group(samples, self._stats())
+        entry["samples"] = samples
+        self.held += 1
 
-    def _finish_episode(self, episode: Episode, sender: QueueSender) -> None:
+    def _finish_episode(self, episode: Episode) -> None:
         if (complete := self._group_complete(episode.key, episode)) is None:
             return
         group_id, entry = complete
@@ -404,7 +435,8 @@ class SamplerLoop:
             self.next_reward_report = time.monotonic() + REWARD_REPORT_S
             print(f"megarl: sampler {self.topo.role_rank}: an episode failed, scored 0 ({failed}); "
                   f"{self.episodes.env_failures} environment failure(s) so far", flush=True)
-        sender.send_group(samples, self._stats())
+        entry["samples"] = samples
+        self.held += 1
 
     def _check_routes(self, samples: list[Sample]) -> None:
         check_sample_routes(samples, self.route_shape, self.cfg.algo.routing_replay, self.cfg.sampler.engine)
@@ -414,7 +446,7 @@ class SamplerLoop:
         engine = self.engine.stats()
         wall = time.time() - self.started_at
         return {"busy_frac": self.busy_s / wall, "tokens_per_s": engine["tokens_decoded"] / wall,
-                "tokens_decoded": engine["tokens_decoded"], "swaps": engine["swaps"],
+                "held_groups": self.held, "tokens_decoded": engine["tokens_decoded"], "swaps": engine["swaps"],
                 "swap_time_s": engine["swap_time_s"], "version": engine["version"],
                 "skipped_overlong_prompts": self.skipped_overlong, "reward_s": self.reward_s,
                 "reward_budget_spent": self.reward_budget_spent,

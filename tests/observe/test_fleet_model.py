@@ -102,11 +102,27 @@ def test_every_generated_token_belongs_to_a_request(mode):
 
 
 def test_pipeline_staleness_never_exceeds_max_lag():
-    tight = simulate(dataclasses.replace(LONG_TAIL, max_lag=1), "pipeline", 8, 1, steps=20, seed=1)
+    finish = dataclasses.replace(LONG_TAIL, queue_order="finish")
+    tight = simulate(dataclasses.replace(finish, max_lag=1), "pipeline", 8, 1, steps=20, seed=1)
     assert max(r.lag_max for r in tight.steps) <= 1
     assert tight.drops  # the long tail did go stale: the bound was enforced, not idle
-    loose = simulate(dataclasses.replace(LONG_TAIL, max_lag=50), "pipeline", 8, 1, steps=20, seed=1)
+    loose = simulate(dataclasses.replace(finish, max_lag=50), "pipeline", 8, 1, steps=20, seed=1)
     assert not loose.drops and max(r.lag_max for r in loose.steps) > 1
+
+
+def test_groups_sent_by_deadline_or_start_order_are_not_overtaken_into_staleness():
+    """One sampler, a long tail of lengths: sent as they finish, short groups overtake long ones, which
+    reach the learner more than max_lag versions old and are dropped; sent in start order or by deadline
+    (megarl/rollout/send_order.py), the staleness budget bounds every group's age by max_lag and none is
+    dropped, and the same steps train more tokens (the long completions are in them)."""
+    runs = {order: simulate(dataclasses.replace(LONG_TAIL, max_lag=1, queue_order=order), "pipeline", 1, 1,
+                            steps=30, seed=2) for order in ("finish", "start", "deadline")}
+    assert runs["finish"].drops and not runs["start"].drops and not runs["deadline"].drops
+    for order in ("start", "deadline"):
+        assert max(r.lag_max for r in runs[order].steps) <= 1
+        assert sum(r.completion_tokens for r in runs[order].steps) > sum(r.completion_tokens for r in runs["finish"].steps)
+    with pytest.raises(ValueError, match="queue_order"):
+        dataclasses.replace(LONG_TAIL, queue_order="random")
 
 
 def test_lag_counts_from_a_groups_oldest_token():

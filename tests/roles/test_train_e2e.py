@@ -57,6 +57,10 @@ def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_count_mo
         assert max(r["versions"]) <= r["trained_at_step"]
         assert r["reward"] in (0.0, 1.0) and r["prompt"] and isinstance(r["completion"], str)
     assert sorted({r["trained_at_step"] for r in rollouts}) == list(range(STEPS))
+    # algo.queue_order=deadline (the default): no group overtakes an older one that would then arrive stale, so
+    # none is dropped (with "finish" the demo drops groups from its fourth step on), evaluations included.
+    assert metrics[-1]["dropped/stale_groups_total"] == 0
+    assert all(m["sampler1/held_groups"] >= 0 for m in metrics)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tensorboard"))
@@ -134,11 +138,12 @@ def test_groups_dropped_for_zero_variance_free_the_samplers_budget_before_the_ne
         embedded_count_model_dir, tmp_path):
     """With advantage.filter_zero_variance, 7 groups in 8 are dropped: more than the staleness budget
     holds. The sampler learns of each drop at once and starts replacements (it used to hear of drops only
-    with the next publish, which needed those groups: the run stood still until queue.timeout_s)."""
+    with the next publish, which needed those groups: the run stood still until queue.timeout_s). With
+    algo.queue_order=finish: each group is sent as soon as it is scored."""
     run_dir = tmp_path / "filtered"
     proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=3",
                       f"model.path={embedded_count_model_dir}", "algo.advantage.filter_zero_variance=true",
-                      "algo.prompts_per_step=4", "algo.max_lag=1", "queue.timeout_s=60",
+                      "algo.prompts_per_step=4", "algo.max_lag=1", "queue.timeout_s=60", "algo.queue_order=finish",
                       "task.reward_fn=tests.rollout.reward_fns:varies_on_one_prompt_in_eight", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = train_records(read_jsonl(run_dir / "metrics.jsonl"))
