@@ -640,7 +640,10 @@ def check_e2e_train(args, size: Size) -> dict:
     rows = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()) if "kind" not in r]  # eval records: docs/eval.md
     keep = ("reward_mean", "tokens_per_s", "lag_mean", "multi_version_frac", "loss")
     out.update(steps=len(rows), first={k: rows[0].get(k) for k in keep}, last={k: rows[-1].get(k) for k in keep},
-               sampler={k: v for k, v in rows[-1].items() if k.startswith("sampler") and k.endswith(("tokens_per_s", "busy_frac", "swap_time_s"))},
+               sampler={k: v for k, v in rows[-1].items()
+                        if k.startswith("sampler") and k.endswith(("tokens_per_s", "busy_frac", "swap_time_s", "held_groups"))},
+               # algo.queue_order=deadline: none dropped as stale while the sampler keeps pace (docs/architecture.md)
+               stale_groups_dropped=rows[-1].get("dropped/stale_groups_total"),
                timings={k: v for k, v in rows[-1].items() if "time" in k and not k.startswith("sampler")})
     if len(rows) != size.e2e_steps:
         raise RuntimeError(f"{len(rows)} of {size.e2e_steps} steps in metrics.jsonl: {out}")

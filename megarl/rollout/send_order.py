@@ -12,9 +12,9 @@ the demo's groups dropped, nearly all long). Three orders:
               budget, no group of a sampler that keeps its share of the learner's pace goes stale, but
               every group waits for the stragglers before it, so the trained tokens are older on average.
   "deadline"  a scored group goes ahead of older, unfinished ones only while each of those can still reach
-              the learner in time: at the earliest it lands in batch version + (sent before it) // share, and
-              it must land by its own deadline, start version + max_lag. No group that could be trained in
-              time is pushed past its deadline, and no scored group waits when no older one needs it to.
+              the learner in time: at the earliest it lands in batch version + (groups ahead of it) // share,
+              and it must land by its own deadline, start version + max_lag. No group that could be trained
+              in time is pushed past its deadline, and no scored group waits when no older one needs it to.
 
 Pure: `groups_to_send` sees the unsent groups in start order and what the sampler knows of the learner.
 """
