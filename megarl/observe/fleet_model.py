@@ -26,9 +26,9 @@ The model
     ceil((max_lag + 1) * (B / G) / S) outstanding (started, not yet retired by the learner: megarl's
     staleness budget, reported back with every publish); each sampler sends its finished groups in
     megarl's algo.queue_order (megarl/rollout/send_order.py: "deadline", "start" or "finish", decided by
-    the same function from what the engine knows: its version and its groups retired); the learner takes
-    them first come first served, drops a group whose oldest token is more than max_lag versions old, trains one step
-    per B samples and publishes; each engine finishes its current decode step, stalls swap_stall_s
+    the same function from what the engine knows: its version and its groups retired); the learner
+    takes them first come first served, drops a group whose oldest token is more than max_lag versions
+    old, trains one step per B samples and publishes; each engine finishes its current decode step, stalls swap_stall_s
     and goes on with its requests in flight under the new version.
   * Every random draw (output lengths, train-time jitter) comes from one numpy Generator seeded by
     `seed`: a run is a pure function of its parameters and seed.
@@ -45,9 +45,9 @@ from pathlib import Path
 
 import numpy as np
 
+from megarl.observe.sinks import train_records
 from megarl.observe.timeline import load_timeline
 from megarl.rollout.send_order import ORDERS, Unsent, groups_to_send
-from megarl.observe.sinks import train_records
 
 Z99 = 2.3263478740408408  # standard normal 99th percentile
 
@@ -199,7 +199,6 @@ class _Fleet:
         self.learner_free_at = 0.0
         self.queue: deque[int] = deque()  # finished groups, first come first served
         self.unsent: list[list[int]] = [[] for _ in range(samplers)]  # per engine: groups started, not sent
-        self.g_finished: list[bool] = []
         self.collected: list[int] = []
         self.cycle_groups: list[int] = []  # sync: the groups of the batch being generated
         self.cycle_left = 0
@@ -220,7 +219,6 @@ class _Fleet:
         self.g_left.append(self.p.group_size)
         self.g_version.append(-1)
         self.g_engine.append(ei)
-        self.g_finished.append(False)
         total = 0
         waiting = self.engines[ei].waiting
         for _ in range(self.p.group_size):
@@ -304,7 +302,6 @@ class _Fleet:
             if self.cycle_left == 0:
                 self._train(now, self.cycle_groups, self.p.epochs)
         else:
-            self.g_finished[g] = True
             self._send_due(self.g_engine[g])
             self._try_train(now)
 
@@ -312,7 +309,7 @@ class _Fleet:
         """Engine `ei` sends the finished groups its queue order lets go now (a group not yet admitted
         will be at the engine's version or later)."""
         e, unsent = self.engines[ei], self.unsent[ei]
-        due = groups_to_send([Unsent(self.g_finished[g], self.g_version[g] if self.g_version[g] >= 0 else e.version)
+        due = groups_to_send([Unsent(self.g_left[g] == 0, self.g_version[g] if self.g_version[g] >= 0 else e.version)
                               for g in unsent], self.p.queue_order, e.sent - e.retired, e.version,
                              self.group_count / self.S, self.p.max_lag)
         if due:
