@@ -190,7 +190,6 @@ class SamplerLoop:
         self.started = 0
         self.retired = 0
         self.sent = 0  # groups sent to the learner; those not retired yet are ahead in its queue (send_order)
-        self.held = 0  # groups scored and not sent yet (algo.queue_order held them back)
         self.learner_version = 0  # the version whose publish header reported `retired` (set before it)
         self.skipped_overlong = 0
         self.pending: dict[str, dict] = {}
@@ -380,7 +379,7 @@ class SamplerLoop:
         """Send the scored groups algo.queue_order lets go now (megarl/rollout/send_order.py); `pending`
         holds the unsent groups in start order. Called after every step: a group held back may become due
         when an older one is scored, the learner retires groups, or a version arrives."""
-        if not self.held:
+        if not self._held():
             return
         in_pipe = self.sent - self.retired  # retired first: the receiver thread sets the version before it
         ids = list(self.pending)
@@ -389,9 +388,12 @@ class SamplerLoop:
                              self.cfg.algo.max_lag)
         for i in due:
             samples = self.pending.pop(ids[i])["samples"]
-            self.held -= 1
             sender.send_group(samples, self._stats())
             self.sent += 1
+
+    def _held(self) -> int:
+        """Groups scored and not sent yet (algo.queue_order holds them back)."""
+        return sum("samples" in entry for entry in self.pending.values())
 
     def _finish(self, completion: Completion) -> None:
         if (complete := self._group_complete(completion.request_id, completion)) is None:
@@ -418,7 +420,6 @@ class SamplerLoop:
                                   routes=c.routes))
         self._check_routes(samples)
         entry["samples"] = samples
-        self.held += 1
 
     def _finish_episode(self, episode: Episode) -> None:
         if (complete := self._group_complete(episode.key, episode)) is None:
@@ -436,7 +437,6 @@ class SamplerLoop:
             print(f"megarl: sampler {self.topo.role_rank}: an episode failed, scored 0 ({failed}); "
                   f"{self.episodes.env_failures} environment failure(s) so far", flush=True)
         entry["samples"] = samples
-        self.held += 1
 
     def _check_routes(self, samples: list[Sample]) -> None:
         check_sample_routes(samples, self.route_shape, self.cfg.algo.routing_replay, self.cfg.sampler.engine)
@@ -446,7 +446,7 @@ class SamplerLoop:
         engine = self.engine.stats()
         wall = time.time() - self.started_at
         return {"busy_frac": self.busy_s / wall, "tokens_per_s": engine["tokens_decoded"] / wall,
-                "held_groups": self.held, "tokens_decoded": engine["tokens_decoded"], "swaps": engine["swaps"],
+                "held_groups": self._held(), "tokens_decoded": engine["tokens_decoded"], "swaps": engine["swaps"],
                 "swap_time_s": engine["swap_time_s"], "version": engine["version"],
                 "skipped_overlong_prompts": self.skipped_overlong, "reward_s": self.reward_s,
                 "reward_budget_spent": self.reward_budget_spent,
