@@ -14,7 +14,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from megarl.algo.config import (validate_advantage_config, validate_critic_config, validate_distill_config,
                                 validate_loss_config)
-from megarl.config.schema import Config, PublishConfig
+from megarl.config.schema import STALE_POLICIES, Config, PublishConfig
 from megarl.rollout import send_order
 from megarl.rollout.sandbox import check_config as check_sandbox
 from megarl.rollout.tasks import MULTI_TURN_TASKS
@@ -158,6 +158,8 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(cfg.algo.mode in ("pipeline", "sync"), "algo.mode", f"must be 'pipeline' or 'sync', got {cfg.algo.mode!r}")
     _require(cfg.algo.queue_order in send_order.ORDERS, "algo.queue_order",
              f"must be one of {', '.join(send_order.ORDERS)}; got {cfg.algo.queue_order!r}")
+    _require(cfg.algo.stale in STALE_POLICIES, "algo.stale",
+             f"must be one of {', '.join(STALE_POLICIES)}; got {cfg.algo.stale!r}")
     if cfg.algo.mode == "pipeline":
         _require(cfg.algo.sync_epochs == 1, "algo.sync_epochs",
                  "epochs over one batch are a sync-mode setting; in pipeline mode every batch gets exactly one "

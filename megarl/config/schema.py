@@ -228,6 +228,10 @@ class LearnerConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
+# algo.stale: what the learner does with tokens more than algo.max_lag versions old (megarl/rollout/batch.py).
+STALE_POLICIES = ("drop_group", "mask_tokens")
+
+
 @dataclass
 class AlgoConfig:
     # "pipeline": samplers never stop; one optimizer step per batch; weights applied in flight.
@@ -238,8 +242,14 @@ class AlgoConfig:
     sync_epochs: int = 1
     group_size: int = 8  # samples per prompt (G)
     prompts_per_step: int = 8  # groups per learner batch
-    # A sample whose oldest token is more than max_lag versions behind the learner is dropped.
+    # A token sampled by a version more than max_lag versions behind the learner is stale.
     max_lag: int = 4
+    # What the learner does with stale tokens (megarl/rollout/batch.py). "drop_group": drops every group holding
+    # one, whole (a group's advantages are relative to each other; the sampler starts a replacement).
+    # "mask_tokens": trains the group and leaves its stale tokens out of the loss (in the context, their reward in
+    # the baseline); only a group with no fresh token left is dropped. A long rollout spans many versions, so under
+    # drop_group the longest ones are the ones lost; under mask_tokens they lose their oldest tokens, the beginning.
+    stale: str = "drop_group"
     # The order in which a sampler sends its scored groups to the learner (megarl/rollout/send_order.py).
     # "deadline": as they finish, except that a group does not go ahead of an older, unfinished one that
     # would then reach the learner more than max_lag versions old; "start": in the order they were started;

@@ -46,6 +46,7 @@ class Console:
         self.last_step = 0
         self.evals: list[tuple[int, dict[str, float]]] = []  # (version, metrics) of every evaluation reported
         self.router: dict[str, list[float]] = {}  # MoE: router agreement metrics of every step, by name
+        self.stale_tokens = [0.0, 0.0]  # algo.stale=mask_tokens: model tokens masked as stale, of all sampled
 
     def update(self, step: int, metrics: dict[str, float], version_counts: list[int]) -> None:
         """Step `step` (1-based) is trained; `version_counts`: distinct versions of each of its rollouts."""
@@ -56,6 +57,9 @@ class Console:
         for key, value in metrics.items():
             if key.startswith("router/") or key.endswith("/router_agreement"):
                 self.router.setdefault(key, []).append(value)
+        if "stale_tokens_masked" in metrics:
+            masked = metrics["stale_tokens_masked"]
+            self.stale_tokens = [self.stale_tokens[0] + masked, self.stale_tokens[1] + masked + metrics["num_tokens"]]
         if self.first_update is None:
             self.first_update = (now, step)
         if not self.enabled:
@@ -66,7 +70,7 @@ class Console:
         line = (f"step {step}/{self.total}  reward {metrics.get('reward_mean', float('nan')):.3f}  "
                 f"multi-version {self.share(2):.0%}  lag {metrics.get('lag_mean', float('nan')):.1f}/"
                 f"{metrics.get('lag_max', 0):.0f}  tok/s {metrics.get('tokens_per_s', 0):.0f}  "
-                f"stale {metrics.get('dropped/stale_groups_total', 0):.0f}  {eta}")
+                f"stale {metrics.get('dropped/stale_groups_total', 0):.0f}{self._masked()}  {eta}")
         errors = metrics.get("reward_errors", 0)
         if errors and version_counts:
             line += f"  reward errors {errors / len(version_counts):.0%}"
@@ -110,12 +114,25 @@ class Console:
             f"(mean of the first -> last 10% of steps)",
             f"megarl: {n} rollouts trained; {self.share(2):.1%} hold tokens of >= 2 policy versions, "
             f"{self.share(3):.1%} of >= 3; {sum(self.version_counts) / max(1, n):.2f} versions per rollout",
+            *self._stale_summary(),
             *self._router_summary(),
             f"megarl: outputs in {self.run_dir}/ (metrics.jsonl, rollouts.jsonl, tensorboard/, timeline/)",
             f"megarl: draw them: python benchmarks/plot_rollouts.py {self.run_dir}   (rollouts coloured by version)",
             f"megarl:            python benchmarks/plot_timeline.py {self.run_dir}   (generated tokens/s over time)",
             *evals,
         ])
+
+    def _masked(self) -> str:
+        """algo.stale=mask_tokens: the share of sampled model tokens masked as stale so far, for the progress line."""
+        masked, total = self.stale_tokens
+        return f" (masked {masked / total:.1%})" if total else ""
+
+    def _stale_summary(self) -> list[str]:
+        masked, total = self.stale_tokens
+        if not total:
+            return []
+        return [f"megarl: {masked:.0f} stale tokens masked out of the loss ({masked / total:.1%} of the model tokens "
+                f"trained on or masked; algo.stale=mask_tokens, algo.max_lag)"]
 
     def _router_summary(self) -> list[str]:
         """MoE runs: how often the learner's router chose the sampler's experts (mean over steps)."""

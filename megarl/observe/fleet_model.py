@@ -28,13 +28,15 @@ The model
     megarl's algo.queue_order (megarl/rollout/send_order.py: "deadline", "start" or "finish", decided by
     the same function from what the engine knows: its version and its groups retired); the learner
     takes them first come first served, drops a group whose oldest token is more than max_lag versions
-    old, trains one step per B samples and publishes; each engine finishes its current decode step, stalls swap_stall_s
+    old (algo.stale "drop_group"; under "mask_tokens" it trains the group and counts those tokens masked,
+    dropping only a group whose every token is that old), trains one step per B samples and publishes; each engine finishes its current decode step, stalls swap_stall_s
     and goes on with its requests in flight under the new version.
   * Every random draw (output lengths, train-time jitter) comes from one numpy Generator seeded by
     `seed`: a run is a pure function of its parameters and seed.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import json
@@ -45,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megarl.config.schema import STALE_POLICIES
 from megarl.observe.sinks import train_records
 from megarl.observe.timeline import load_timeline
 from megarl.rollout.send_order import ORDERS, Unsent, groups_to_send
@@ -115,8 +118,9 @@ class FleetParams:
     # It matters where the staleness budget is tight: a slow step lets the samplers run out of budget.
     train_jitter: tuple[float, ...] = ()
     epochs: int = 1  # sync: optimizer steps on each generated batch (K)
-    max_lag: int = 4  # pipeline: a group whose oldest token is more versions old is dropped
+    max_lag: int = 4  # pipeline: a token more versions old is stale
     queue_order: str = "deadline"  # pipeline: which finished groups a sampler sends when (send_order.ORDERS)
+    stale: str = "drop_group"  # pipeline: what the learner does with stale tokens (megarl's algo.stale)
 
     def __post_init__(self):
         if self.batch_samples % self.group_size:
@@ -125,6 +129,8 @@ class FleetParams:
             raise ValueError(f"need epochs >= 1, max_lag >= 0, max_running >= 1: {self}")
         if self.queue_order not in ORDERS:
             raise ValueError(f"queue_order={self.queue_order!r} must be one of {ORDERS}")
+        if self.stale not in STALE_POLICIES:
+            raise ValueError(f"stale={self.stale!r} must be one of {STALE_POLICIES}")
 
     def train_s(self, tokens: float, learners: int, epochs: int = 1) -> float:
         return epochs * (self.train_step_s + self.train_token_s * tokens / learners)
@@ -140,8 +146,9 @@ class StepRecord:
     end: float  # publish end: the new version is out
     samples: int
     completion_tokens: int
-    lag_max: int  # versions between the learner and the oldest token of a trained group
+    lag_max: int  # versions between the learner and the oldest trained token of a trained group
     lag_mean: float
+    masked_tokens: int = 0  # stale completion tokens left out of the loss (stale="mask_tokens")
 
 
 @dataclass
@@ -161,7 +168,8 @@ class SimResult:
 
 
 class _Engine:
-    __slots__ = ("t", "steps", "running", "waiting", "fresh", "version", "token", "started", "retired", "sent")
+    __slots__ = ("t", "steps", "running", "waiting", "fresh", "version", "token", "started", "retired", "sent",
+                 "swap_steps", "swap_versions")
 
     def __init__(self):
         self.t = 0.0  # the engine's state is exact at this time (a step boundary)
@@ -174,6 +182,8 @@ class _Engine:
         self.started = 0  # groups started / retired by the learner (pipeline budget) / sent to it
         self.retired = 0
         self.sent = 0
+        # The steps after swap_steps[i] (steps done then) ran swap_versions[i]; both grow.
+        self.swap_steps, self.swap_versions = [0], [0]
 
 
 class _Fleet:
@@ -188,6 +198,7 @@ class _Fleet:
         self.req_group: list[int] = []
         self.req_start: list[int] = []  # engine step at admission
         self.g_left: list[int] = []  # requests of the group still unfinished
+        self.g_first: list[int] = []  # its first request (its requests are consecutive)
         self.g_version: list[int] = []  # version of its oldest token; -1 before its first admission
         self.g_tokens: list[int] = []
         self.g_engine: list[int] = []
@@ -217,6 +228,7 @@ class _Fleet:
     def _start_group(self, ei: int) -> int:
         g = len(self.g_left)
         self.g_left.append(self.p.group_size)
+        self.g_first.append(len(self.req_len))
         self.g_version.append(-1)
         self.g_engine.append(ei)
         total = 0
@@ -288,6 +300,8 @@ class _Fleet:
         else:
             e.t = max(e.t, now)
         e.version = self.version
+        e.swap_steps.append(e.steps)
+        e.swap_versions.append(self.version)
         e.retired += self.pending_retired[ei]
         self.pending_retired[ei] = 0
         self._send_due(ei)  # a new version and retired groups: held groups may be due
@@ -323,7 +337,8 @@ class _Fleet:
             return
         while self.queue and len(self.collected) < self.group_count:
             g = self.queue.popleft()
-            if self.version - self.g_version[g] > self.p.max_lag:
+            if self.version - self.g_version[g] > self.p.max_lag and (
+                    self.p.stale == "drop_group" or self._stale_tokens(g) == self.g_tokens[g]):
                 self.drops.append(now)
                 self.pending_retired[self.g_engine[g]] += 1
             else:
@@ -331,6 +346,17 @@ class _Fleet:
         if len(self.collected) == self.group_count:
             batch, self.collected = self.collected, []
             self._train(max(now, self.learner_free_at), batch, 1)
+
+    def _stale_tokens(self, g: int) -> int:
+        """Tokens of group `g` sampled more than max_lag versions before the learner's version. Token i of a
+        request admitted when its engine had done s0 steps comes with step s0 + max(i, 1) (its prefill token
+        with the first), and step j runs the version its engine held after j - 1 steps."""
+        e = self.engines[self.g_engine[g]]
+        fresh_from = bisect.bisect_left(e.swap_versions, self.version - self.p.max_lag)
+        cut = e.swap_steps[fresh_from] if fresh_from < len(e.swap_steps) else math.inf  # steps up to it: stale
+        first = self.g_first[g]
+        return sum(0 if cut <= self.req_start[r] else min(self.req_len[r], cut - self.req_start[r] + 1)
+                   for r in range(first, first + self.p.group_size))
 
     def _train(self, now: float, batch: list[int], epochs: int) -> None:
         completion = sum(self.g_tokens[g] for g in batch)
@@ -342,7 +368,11 @@ class _Fleet:
         published = start + trained + self.p.publish_s(self.S)
         self.spans += [("train", start, start + trained), ("publish", start + trained, published)]
         lags = [self.version - self.g_version[g] for g in batch]
-        self.records.append(StepRecord(published, samples, completion, max(lags), sum(lags) / len(lags)))
+        masked = 0
+        if self.p.stale == "mask_tokens" and max(lags) > self.p.max_lag:
+            masked = sum(self._stale_tokens(g) for g in batch)
+            lags = [min(lag, self.p.max_lag) for lag in lags]  # the oldest token trained
+        self.records.append(StepRecord(published, samples, completion, max(lags), sum(lags) / len(lags), masked))
         for g in batch:
             self.pending_retired[self.g_engine[g]] += 1
         self.learner_busy = True
@@ -439,7 +469,8 @@ def summarise(result: SimResult, skip_steps: int = 0) -> dict[str, float]:
     learner_busy: share of the learner's time training or publishing (megarl's timeline definition);
     gpu_busy: the fleet's GPU-seconds doing either; sampler_token_util: generated tokens against every
     sampler decoding at max_running all the time; dropped_frac: samples dropped as too stale against
-    dropped + trained, in the same window."""
+    dropped + trained, in the same window; masked_token_frac: trained groups' completion tokens masked as
+    stale (stale="mask_tokens") against all of them."""
     if not 0 <= skip_steps < len(result.steps):
         raise ValueError(f"skip_steps={skip_steps} must leave at least one of {len(result.steps)} steps")
     t0 = result.steps[skip_steps - 1].end if skip_steps else 0.0
@@ -458,7 +489,7 @@ def summarise(result: SimResult, skip_steps: int = 0) -> dict[str, float]:
         "steps_per_s": len(steps) / wall,
         "step_s": wall / len(steps),
         "samples_per_s": sum(r.samples for r in steps) / wall,
-        "trained_tokens_per_s": sum(r.completion_tokens for r in steps) / wall,
+        "trained_tokens_per_s": sum(r.completion_tokens - r.masked_tokens for r in steps) / wall,
         "generated_tokens_per_s": generated / wall,
         "sampler_busy": sampler_gpu_s / (result.samplers * wall),
         "learner_busy": learner / wall,
@@ -468,6 +499,7 @@ def summarise(result: SimResult, skip_steps: int = 0) -> dict[str, float]:
         "lag_mean": float(np.mean([r.lag_mean for r in steps])),
         "lag_max": float(max(r.lag_max for r in steps)),
         "dropped_frac": dropped / (dropped + trained),
+        "masked_token_frac": sum(r.masked_tokens for r in steps) / max(1, sum(r.completion_tokens for r in steps)),
     }
 
 

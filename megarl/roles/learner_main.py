@@ -107,7 +107,9 @@ class Intake:
         self.dropped_totals.update(dropped)
         batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, BATCH_PAD_ID, learner_version=version,
                                         route_shape=self.route_shape,
-                                        routes_required=self.cfg.algo.routing_replay == "r3")
+                                        routes_required=self.cfg.algo.routing_replay == "r3",
+                                        mask_older_than=(version - self.cfg.algo.max_lag
+                                                         if self.cfg.algo.stale == "mask_tokens" else None))
         for group in groups:
             self.retire(group)
         metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
@@ -389,7 +391,8 @@ def stop_on_signal(learner, cfg: Config, step: int, schedule: Schedule, model_di
 def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, drop: Callable[[list[Sample]], None],
                     sampler_stats: dict[int, dict[str, float]],
                     on_wait=None) -> tuple[list[list[Sample]], Counter, float]:
-    """The next `prompts_per_step` usable groups. Stale groups (older than max_lag) and, with
+    """The next `prompts_per_step` usable groups. Stale groups (algo.stale: holding a token, or under mask_tokens
+    holding only tokens, more than max_lag versions old) and, with
     advantage.filter_zero_variance, groups whose rewards are all equal are dropped, counted by
     reason and handed to `drop` (retired: the sampler may start replacements at once)."""
     start = time.perf_counter()
@@ -400,7 +403,7 @@ def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, dro
             on_wait()
         sampler_stats[group[0].sampler_rank] = stats
         reason = None
-        if is_stale(group, learner_version, cfg.algo.max_lag):
+        if is_stale(group, learner_version, cfg.algo.max_lag, cfg.algo.stale):
             reason = "stale_groups"
         elif cfg.algo.advantage.filter_zero_variance and is_zero_variance(group):
             reason = "zero_variance_groups"

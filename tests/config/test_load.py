@@ -53,6 +53,7 @@ def test_demo_config_loads_with_overrides():
     ("publish.senders=0", "publish.senders: must be > 0"),
     ("algo.routing_replay=r2", "algo.routing_replay: must be off or r3, got 'r2'"),
     ("algo.queue_order=fifo", "algo.queue_order: must be one of deadline, start, finish; got 'fifo'"),
+    ("algo.stale=mask", "algo.stale: must be one of drop_group, mask_tokens; got 'mask'"),
     ("learner.ep=0", "learner.ep: must be > 0"),
     ("learner.ep=2", "learner.ep: expert-parallel ranks are carved out of the tensor- and data-parallel ones: "
                      "learner.ep=2 must divide learner.tp=1 times learner.dp=1"),
