@@ -31,6 +31,8 @@ JSON with the tail of its log, and the rest still run:
   publish_bandwidth the weight publish path on the device: 2 processes on the GPU (publisher, receiver),
                     `WeightPublisher` -> `WeightReceiver` with CUDA tensors over the gloo publish group a
                     one-GPU run uses, vs one raw broadcast of the same bytes, vs a device-to-device copy
+  stale_mask        e2e_train with algo.stale=mask_tokens (groups sent as they finish, max_lag 1): no group dropped
+                    as stale, the share of tokens masked out of the loss instead (megarl/rollout/batch.py)
   critic_step       the learner step of learner_step with the critic of algo.advantage.estimator=gae
                     (megarl.learner.critic: a replicated fp32 value model, V-trace targets): step time and the
                     critic's metrics, against learner_step's time
@@ -623,9 +625,25 @@ def check_lora(args, size: Size) -> dict:
 
 
 def check_e2e_train(args, size: Size) -> dict:
-    run_dir = Path(args.workdir) / "e2e"
+    return run_demo(args, size, "e2e", [])[0]
+
+
+def check_stale_mask(args, size: Size) -> dict:
+    """The demo with algo.stale=mask_tokens, groups sent as they finish at max_lag 1 (where drop_group drops some):
+    no group dropped as stale, the share of tokens masked instead, reward and tokens/s beside e2e_train's."""
+    out, rows = run_demo(args, size, "stale_mask", ["algo.stale=mask_tokens", "algo.queue_order=finish", "algo.max_lag=1"])
+    if rows:
+        masked = sum(r["stale_tokens_masked"] for r in rows)
+        out.update(stale_tokens_masked=masked, masked_token_frac=masked / max(1, masked + sum(r["num_tokens"] for r in rows)))
+    return out
+
+
+def run_demo(args, size: Size, name: str, overrides: list[str]) -> tuple[dict, list[dict]]:
+    """`megarl train configs/demo.yaml` with `overrides` for size.e2e_steps steps (on CPU: --dry-run): what it did,
+    and its metrics.jsonl step records (none on CPU)."""
+    run_dir = Path(args.workdir) / name
     cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", f"run.dir={run_dir}",
-           f"run.steps={size.e2e_steps}", "dist.backend=gloo", "run.overwrite=true", "run.tensorboard=false"]
+           f"run.steps={size.e2e_steps}", "dist.backend=gloo", "run.overwrite=true", "run.tensorboard=false", *overrides]
     if size.tiny:
         cmd.append("--dry-run")  # on CPU: the config and topology checks, the model build; no worker starts
     start = time.perf_counter()
@@ -636,18 +654,18 @@ def check_e2e_train(args, size: Size) -> dict:
     out = {"dist_backend": "gloo", "wall_s": round(wall, 1), "command": " ".join(cmd[1:])}
     if size.tiny:
         out["dry_run"] = proc.stdout.strip().splitlines()[-1:]
-        return out
+        return out, []
     rows = [r for r in (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()) if "kind" not in r]  # eval records: docs/eval.md
     keep = ("reward_mean", "tokens_per_s", "lag_mean", "multi_version_frac", "loss")
     out.update(steps=len(rows), first={k: rows[0].get(k) for k in keep}, last={k: rows[-1].get(k) for k in keep},
                sampler={k: v for k, v in rows[-1].items()
                         if k.startswith("sampler") and k.endswith(("tokens_per_s", "busy_frac", "swap_time_s", "held_groups"))},
-               # algo.queue_order=deadline: none dropped as stale while the sampler keeps pace (docs/architecture.md)
+               # under algo.queue_order=deadline (the default) none is dropped as stale while the sampler keeps pace
                stale_groups_dropped=rows[-1].get("dropped/stale_groups_total"),
                timings={k: v for k, v in rows[-1].items() if "time" in k and not k.startswith("sampler")})
     if len(rows) != size.e2e_steps:
         raise RuntimeError(f"{len(rows)} of {size.e2e_steps} steps in metrics.jsonl: {out}")
-    return out
+    return out, rows
 
 
 def check_publish_bandwidth(args, size: Size) -> dict:
@@ -780,7 +798,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "publish_bandwidth": (check_publish_bandwidth, 120),
           # last: the newest, so a budget that runs short skips them rather than an older check
           "lora": (check_lora, 120), "critic_step": (check_critic_step, 120), "packing": (check_packing, 120),
-          "attention": (check_attention, 120)}
+          "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU
 

@@ -59,6 +59,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), check_fi
     if cfg.algo.routing_replay == "False":
         cfg.algo.routing_replay = "off"
     _pick_vllm_model(cfg)
+    _bound_stale_tokens(cfg)
     validate(cfg, check_files=check_files)
     return cfg
 
@@ -81,6 +82,16 @@ def _pick_vllm_model(cfg: Config) -> None:
     name = cfg.model.path.split(":", 1)[1]
     if name in VLLM_VARIANTS:
         cfg.model.path = f"embedded:{VLLM_VARIANTS[name]}"
+
+
+def _bound_stale_tokens(cfg: Config) -> None:
+    """algo.stale=mask_tokens (pipeline mode) keeps a group that holds stale tokens (megarl.rollout.batch.is_stale);
+    the loss's lag bound keeps those tokens from the policy gradient: loss.max_token_lag becomes max_lag, or stays
+    where it is when set lower. The resolved config (saved with the run) shows the bound in force."""
+    if cfg.algo.stale != "mask_tokens" or cfg.algo.mode != "pipeline":
+        return
+    bound = cfg.algo.loss.max_token_lag
+    cfg.algo.loss.max_token_lag = cfg.algo.max_lag if bound is None else min(bound, cfg.algo.max_lag)
 
 
 def _describe(exc: OmegaConfBaseException) -> str:

@@ -244,11 +244,12 @@ class AlgoConfig:
     prompts_per_step: int = 8  # groups per learner batch
     # A token sampled by a version more than max_lag versions behind the learner is stale.
     max_lag: int = 4
-    # What the learner does with stale tokens (megarl/rollout/batch.py). "drop_group": drops every group holding
-    # one, whole (a group's advantages are relative to each other; the sampler starts a replacement).
-    # "mask_tokens": trains the group and leaves its stale tokens out of the loss (in the context, their reward in
-    # the baseline); only a group with no fresh token left is dropped. A long rollout spans many versions, so under
-    # drop_group the longest ones are the ones lost; under mask_tokens they lose their oldest tokens, the beginning.
+    # What the learner does with stale tokens (pipeline mode; megarl/rollout/batch.py). "drop_group": drops every
+    # group holding one, whole (a group's advantages are relative to each other; the sampler starts a replacement).
+    # "mask_tokens": trains the group, its stale tokens given no policy gradient (loss.max_token_lag is set to
+    # max_lag: they stay in the context and the normalisers, their reward in the group's baseline); only a group
+    # with no fresh token is dropped. A long rollout spans many versions, so under drop_group the longest ones are
+    # the ones lost; under mask_tokens they lose their oldest tokens, the beginning.
     stale: str = "drop_group"
     # The order in which a sampler sends its scored groups to the learner (megarl/rollout/send_order.py).
     # "deadline": as they finish, except that a group does not go ahead of an older, unfinished one that

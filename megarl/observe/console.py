@@ -46,7 +46,7 @@ class Console:
         self.last_step = 0
         self.evals: list[tuple[int, dict[str, float]]] = []  # (version, metrics) of every evaluation reported
         self.router: dict[str, list[float]] = {}  # MoE: router agreement metrics of every step, by name
-        self.stale_tokens = [0.0, 0.0]  # algo.stale=mask_tokens: model tokens masked as stale, of all sampled
+        self.lag_masked = [0.0, 0.0]  # tokens the loss's lag bound gave no policy gradient, of all trained
 
     def update(self, step: int, metrics: dict[str, float], version_counts: list[int]) -> None:
         """Step `step` (1-based) is trained; `version_counts`: distinct versions of each of its rollouts."""
@@ -57,9 +57,9 @@ class Console:
         for key, value in metrics.items():
             if key.startswith("router/") or key.endswith("/router_agreement"):
                 self.router.setdefault(key, []).append(value)
-        if "stale_tokens_masked" in metrics:
-            masked = metrics["stale_tokens_masked"]
-            self.stale_tokens = [self.stale_tokens[0] + masked, self.stale_tokens[1] + masked + metrics["num_tokens"]]
+        if "mask/lag_frac" in metrics:  # loss.max_token_lag is set (algo.stale=mask_tokens sets it)
+            tokens = metrics["mask/tokens"]
+            self.lag_masked = [self.lag_masked[0] + metrics["mask/lag_frac"] * tokens, self.lag_masked[1] + tokens]
         if self.first_update is None:
             self.first_update = (now, step)
         if not self.enabled:
@@ -123,16 +123,16 @@ class Console:
         ])
 
     def _masked(self) -> str:
-        """algo.stale=mask_tokens: the share of sampled model tokens masked as stale so far, for the progress line."""
-        masked, total = self.stale_tokens
+        """With a lag bound: the share of trained tokens it masked so far (no policy gradient), for the progress line."""
+        masked, total = self.lag_masked
         return f" (masked {masked / total:.1%})" if total else ""
 
     def _stale_summary(self) -> list[str]:
-        masked, total = self.stale_tokens
+        masked, total = self.lag_masked
         if not total:
             return []
-        return [f"megarl: {masked:.0f} stale tokens masked out of the loss ({masked / total:.1%} of the model tokens "
-                f"trained on or masked; algo.stale=mask_tokens, algo.max_lag)"]
+        return [f"megarl: {masked:.0f} tokens older than loss.max_token_lag given no policy gradient ({masked / total:.1%} "
+                f"of the trained tokens; algo.stale=mask_tokens sets the bound to algo.max_lag)"]
 
     def _router_summary(self) -> list[str]:
         """MoE runs: how often the learner's router chose the sampler's experts (mean over steps)."""

@@ -107,9 +107,7 @@ class Intake:
         self.dropped_totals.update(dropped)
         batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, BATCH_PAD_ID, learner_version=version,
                                         route_shape=self.route_shape,
-                                        routes_required=self.cfg.algo.routing_replay == "r3",
-                                        mask_older_than=(version - self.cfg.algo.max_lag
-                                                         if self.cfg.algo.stale == "mask_tokens" else None))
+                                        routes_required=self.cfg.algo.routing_replay == "r3")
         for group in groups:
             self.retire(group)
         metrics.update({f"dropped/{k}": v for k, v in dropped.items()})

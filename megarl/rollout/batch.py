@@ -1,10 +1,10 @@
 """Batch assembly: scored groups from the queue -> staleness filter -> group advantages -> TrainBatch.
 
 Staleness (`algo.max_lag`, `algo.stale`): a token is stale when the version that sampled it is more than max_lag
-versions behind the learner. "drop_group" drops a group holding any stale token, whole; "mask_tokens" trains the
-group and leaves its stale tokens out of the loss (they stay in the context, the reward in the group's baseline),
-dropping only a group with no token left to train. Versions only grow along a rollout (a publish lands in flight),
-so what a long rollout loses under mask_tokens is its oldest tokens, the beginning; its recent tokens still train.
+versions behind the learner. "drop_group" drops a group holding any stale token, whole; "mask_tokens" keeps a group
+that holds a fresh token (its stale ones get no policy gradient: the loss's lag bound, loss.max_token_lag, which
+megarl.config.load sets to max_lag) and drops only a group with none. Versions only grow along a rollout (a publish
+lands in flight), so what a long rollout loses under mask_tokens is its oldest tokens, the beginning.
 
 Pure functions: no I/O, no process groups; the learner loop calls them.
 """
@@ -44,13 +44,11 @@ def is_zero_variance(group: list[Sample]) -> bool:
 
 def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id: int,
                    learner_version: int, route_shape: RouteShape | None = None,
-                   routes_required: bool = False, mask_older_than: int | None = None) -> tuple[TrainBatch, dict[str, float]]:
+                   routes_required: bool = False) -> tuple[TrainBatch, dict[str, float]]:
     """The TrainBatch of these groups, and counts of what the advantage filters left out.
 
     Samples a filter drops (e.g. truncated ones with advantage.drop_truncated) stay in the batch
-    with loss_mask 0: their rewards still count in their group's baseline. With `mask_older_than` (algo.stale
-    mask_tokens: the oldest version still trained, learner_version - max_lag) tokens sampled by an older version
-    get loss_mask 0 as well, counted in "stale_tokens_masked". A multi-turn episode's
+    with loss_mask 0: their rewards still count in their group's baseline. A multi-turn episode's
     environment tokens are in input_ids (the model saw them) with loss_mask 0 (it did not choose them);
     its advantage covers every model token of every turn. For an MoE model (route_shape) the samples'
     recorded routes are packed (megarl.rollout.routes); with routes_required (routing replay) a sample
@@ -81,11 +79,6 @@ def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id:
     behaviour[rows, cols] = torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float32)
     versions = torch.full((n, width), -1, dtype=torch.long)
     versions[rows, cols] = torch.tensor([v for s in samples for v in s.versions], dtype=torch.long)
-    if mask_older_than is not None:  # environment tokens (-1) are off the mask already
-        stale = (versions < mask_older_than) & (loss_mask > 0)
-        counts["stale_tokens_masked"] = int(stale.sum())
-        counts["stale_tokens_masked_frac"] = counts["stale_tokens_masked"] / max(1, int((loss_mask > 0).sum()))
-        loss_mask[stale] = 0.0
     adv = torch.zeros(n, width)
     adv[rows, cols] = advantages[rows]
     batch = TrainBatch(input_ids=input_ids, loss_mask=loss_mask, behaviour_logprobs=behaviour,

@@ -290,3 +290,14 @@ def test_lora_the_model_cannot_take_is_refused_naming_the_key(lora, model, messa
         return
     with pytest.raises(ValueError, match=message):
         check(hf_config, LoraConfig(**lora))
+
+
+def test_mask_tokens_bounds_the_loss_at_max_lag_in_pipeline_mode_only():
+    """algo.stale=mask_tokens keeps groups holding stale tokens; the loss's lag bound gives those tokens no policy
+    gradient: loss.max_token_lag becomes max_lag unless set lower. Sync mode (no intake by lag) is left alone."""
+    assert load_config(DEMO, ["algo.max_lag=3"]).algo.loss.max_token_lag is None
+    assert load_config(DEMO, ["algo.max_lag=3", "algo.stale=mask_tokens"]).algo.loss.max_token_lag == 3
+    for bound, expected in ((1, 1), (5, 3)):
+        cfg = load_config(DEMO, ["algo.max_lag=3", "algo.stale=mask_tokens", f"algo.loss.max_token_lag={bound}"])
+        assert cfg.algo.loss.max_token_lag == expected
+    assert load_config(DEMO, ["algo.mode=sync", "algo.stale=mask_tokens"]).algo.loss.max_token_lag is None

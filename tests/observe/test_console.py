@@ -50,17 +50,17 @@ def test_summary_gives_reward_first_to_last_tenth_shares_outputs_and_the_plot_co
     assert "python benchmarks/plot_rollouts.py runs/demo" in summary and "plot_timeline.py runs/demo" in summary
 
 
-def test_masked_stale_tokens_show_on_the_progress_line_and_in_the_summary_only_when_masking():
+def test_tokens_the_lag_bound_masked_show_on_the_progress_line_and_in_the_summary_only_with_a_bound():
     out = io.StringIO()
     console = Console(2, True, "runs/x", stream=out)
-    console.update(1, {**step_metrics(0.5), "stale_tokens_masked": 10, "num_tokens": 90}, [1])
-    console.update(2, {**step_metrics(0.5), "stale_tokens_masked": 0, "num_tokens": 100}, [1])
+    console.update(1, {**step_metrics(0.5), "mask/lag_frac": 0.1, "mask/tokens": 100}, [1])
+    console.update(2, {**step_metrics(0.5), "mask/lag_frac": 0.0, "mask/tokens": 100}, [1])
     console.close()
     lines = out.getvalue().splitlines()
     assert "stale 3 (masked 10.0%)" in lines[0] and "stale 3 (masked 5.0%)" in lines[1]
-    assert "10 stale tokens masked out of the loss (5.0% of the model tokens" in out.getvalue()
+    assert "10 tokens older than loss.max_token_lag given no policy gradient (5.0% of the trained tokens" in out.getvalue()
     out = io.StringIO()
-    console = Console(1, True, "runs/x", stream=out)  # algo.stale=drop_group: no stale_tokens_masked metric
+    console = Console(1, True, "runs/x", stream=out)  # no lag bound (algo.stale=drop_group): no mask/lag_frac
     console.update(1, step_metrics(0.5), [1])
     console.close()
     assert "masked" not in out.getvalue()

@@ -152,26 +152,29 @@ def test_groups_dropped_for_zero_variance_free_the_samplers_budget_before_the_ne
     assert metrics[-1]["dropped/zero_variance_groups_total"] > 8
 
 
-def test_mask_tokens_trains_groups_with_stale_tokens_and_leaves_those_tokens_out_of_the_loss(
+def test_mask_tokens_trains_groups_holding_stale_tokens_without_their_policy_gradient(
         embedded_count_model_dir, tmp_path):
     """algo.stale=mask_tokens at max_lag 1, groups sent as they finish: short groups overtake long ones, which reach
     the learner holding tokens 2 versions old (under drop_group this run drops ~9 groups in 12 steps). Each such
-    group is trained, not dropped; the loss sees only its tokens at most 1 version old (the lag metrics are
-    computed over the trained tokens) and the count of the masked ones is reported."""
+    group is trained, not dropped; the loss gives exactly its tokens more than 1 version old no policy gradient
+    (loss.max_token_lag, set to max_lag), and the console says how many."""
     run_dir = tmp_path / "masked"
     proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=12", "eval.sets=[]",
                       f"model.path={embedded_count_model_dir}", "algo.max_lag=1", "algo.queue_order=finish",
                       "algo.stale=mask_tokens", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert OmegaConf.load(run_dir / "config.yaml").algo.loss.max_token_lag == 1
     metrics = train_records(read_jsonl(run_dir / "metrics.jsonl"))
     assert len(metrics) == 12 and metrics[-1]["dropped/stale_groups_total"] == 0
-    assert all(m["lag_max"] <= 1 for m in metrics)
-    masked = sum(m["stale_tokens_masked"] for m in metrics)
     rollouts = read_jsonl(run_dir / "rollouts.jsonl")
     assert len(rollouts) == 12 * 128  # every group trained
+    for m in metrics:  # the loss's view: every token of lag 2 and above, and no other, got no gradient
+        lags = [k for k in range(8) if m.get(f"lag{k}/token_share", 0) > 0]
+        assert all(m[f"lag{k}/dropped_frac"] == (1.0 if k > 1 else 0.0) for k in lags), m
+    masked = sum(m["mask/lag_frac"] * m["mask/tokens"] for m in metrics)
     stale = sum(r["trained_at_step"] - v > 1 for r in rollouts for v in r["versions"])
-    assert masked == stale > 0  # every token more than max_lag versions old, and only those
-    assert "stale tokens masked out of the loss" in proc.stdout
+    assert stale > 0 and masked == pytest.approx(stale, abs=1e-6)
+    assert f"{stale} tokens older than loss.max_token_lag given no policy gradient" in proc.stdout
 
 
 def test_raw_torchrun_command_from_the_readme_works(embedded_count_model_dir, tmp_path):

@@ -34,20 +34,6 @@ def test_mask_tokens_drops_a_group_only_when_none_of_its_tokens_is_within_max_la
         is_stale(group, learner_version=8, max_lag=2, policy="keep")
 
 
-def test_mask_older_than_takes_stale_tokens_out_of_the_loss_and_counts_them():
-    episode = sample([1], [2, 9, 3, 4], [3, -1, 4, 6], 1.0)  # token 9 is the environment's
-    episode.env_spans = [(1, 2)]
-    groups = [[episode, sample([1], [5, 6], [5, 6], 0.0)]]
-    plain, _ = assemble_batch(groups, AdvantageConfig(), pad_id=0, learner_version=6)
-    masked, counts = assemble_batch(groups, AdvantageConfig(), pad_id=0, learner_version=6, mask_older_than=5)
-    assert plain.loss_mask.tolist() == [[0, 1, 0, 1, 1], [0, 1, 1, 0, 0]]
-    # Versions 3 and 4 are older than 5: out of the loss, still in the context; the rest unchanged.
-    assert masked.loss_mask.tolist() == [[0, 0, 0, 0, 1], [0, 1, 1, 0, 0]]
-    assert torch.equal(masked.input_ids, plain.input_ids) and torch.equal(masked.advantages, plain.advantages)
-    assert counts["stale_tokens_masked"] == 2 and counts["stale_tokens_masked_frac"] == 2 / 5
-    assert "stale_tokens_masked" not in assemble_batch(groups, AdvantageConfig(), pad_id=0, learner_version=6)[1]
-
-
 def test_assembled_tensors_align_with_input_ids():
     groups = [[sample([1, 2], [3, 4, 5], [0, 0, 1], 1.0), sample([1, 2], [6], [1], 0.0)]]
     b, counts = assemble_batch(groups, AdvantageConfig(), pad_id=0, learner_version=2)
