@@ -3,10 +3,10 @@ training window reweighted to the prompts the sampler draws.
 
     python benchmarks/stale_bias.py RUN_DIR [RUN_DIR ...]      # vs_trl.py outputs (OUT or OUT/roundK)
 
-A group whose oldest token is more than `max_lag` versions old is dropped at the learner's intake. Long completions
-take longest, so the groups dropped are mostly long-prompt ones (the count task: the prompt sets the run's length),
-and the trained batches hold fewer hard prompts than the sampler drew: their mean reward, which `vs_trl.py` times,
-can run ahead of the policy's. Here each rolling 10-step window's reward is taken per prompt-length bucket and
+A group whose oldest token is more than `max_lag` versions old is dropped at the learner's intake
+(`algo.stale=drop_group`, the default). Long completions take longest, so the groups dropped are mostly long-prompt
+ones (the count task: the prompt sets the run's length), and the trained batches hold fewer hard prompts than the
+sampler drew: their mean reward, which `vs_trl.py` times, can run ahead of the policy's. Here each rolling 10-step window's reward is taken per prompt-length bucket and
 weighted by the buckets' shares in the prompt stream itself (200,000 prompts drawn as the sampler draws them), and
 the step and training time at which that reaches the target are set beside the plain ones, with TRL's time (it
 trains on every prompt it draws) over each. Also the share of groups dropped as stale and the mean prompt length
