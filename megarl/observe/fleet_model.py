@@ -673,7 +673,8 @@ def calibrate(run_dir: str | Path) -> Calibration:
         swap_stall_s=float(np.mean(swap_stall)) if swap_stall else 0.0,
         ingest_s=float(np.mean(ingest)), log_s=float(np.mean(log_s)) if log_s else 0.0,
         resume_s=max(0.0, float(np.mean(resume))) if resume else 0.0,
-        epochs=epochs, max_lag=algo["max_lag"], queue_order=algo.get("queue_order", "finish"))  # older runs: finish
+        epochs=epochs, max_lag=algo["max_lag"], queue_order=algo.get("queue_order", "finish"),  # older runs: finish
+        stale=algo.get("stale", "drop_group"))
     report = {"phases_used": phases_used, "phases_skipped": phases_skipped, "slices": len(batch),
               "step_base_ms": a * 1e3, "step_per_seq_ms": c * 1e3,
               "tokens_per_s_at_max_running": params.engine.tokens_per_s(sampler_cfg["max_running"]),
