@@ -29,8 +29,9 @@ The model
     the same function from what the engine knows: its version and its groups retired); the learner
     takes them first come first served, drops a group whose oldest token is more than max_lag versions
     old (algo.stale "drop_group"; under "mask_tokens" it trains the group and counts those tokens masked,
-    dropping only a group whose every token is that old), trains one step per B samples and publishes; each engine finishes its current decode step, stalls swap_stall_s
-    and goes on with its requests in flight under the new version.
+    dropping only a group whose every token is that old), trains one step per B samples and publishes;
+    each engine finishes its current decode step, stalls swap_stall_s and goes on with its requests in
+    flight under the new version.
   * Every random draw (output lengths, train-time jitter) comes from one numpy Generator seeded by
     `seed`: a run is a pure function of its parameters and seed.
 """
@@ -148,7 +149,7 @@ class StepRecord:
     completion_tokens: int
     lag_max: int  # versions between the learner and the oldest trained token of a trained group
     lag_mean: float
-    masked_tokens: int = 0  # stale completion tokens left out of the loss (stale="mask_tokens")
+    masked_tokens: int = 0  # stale completion tokens given no policy gradient (stale="mask_tokens")
 
 
 @dataclass
