@@ -6,8 +6,9 @@ training window reweighted to the prompts the sampler draws.
 A group whose oldest token is more than `max_lag` versions old is dropped at the learner's intake
 (`algo.stale=drop_group`, the default). Long completions take longest, so the groups dropped are mostly long-prompt
 ones (the count task: the prompt sets the run's length), and the trained batches hold fewer hard prompts than the
-sampler drew: their mean reward, which `vs_trl.py` times, can run ahead of the policy's. Here each rolling 10-step window's reward is taken per prompt-length bucket and
-weighted by the buckets' shares in the prompt stream itself (200,000 prompts drawn as the sampler draws them), and
+sampler drew: their mean reward, which `vs_trl.py` times, can run ahead of the policy's. Here each rolling 10-step
+window's reward is taken per prompt-length bucket and weighted by the buckets' shares in the prompt stream itself
+(200,000 prompts drawn as the sampler draws them, from the runs' own task.length_mean and task.max_length), and
 the step and training time at which that reaches the target are set beside the plain ones, with TRL's time (it
 trains on every prompt it draws) over each. Also the share of groups dropped as stale and the mean prompt length
 trained against the stream's. Ends with one JSON line.
@@ -21,6 +22,8 @@ import random
 import statistics
 import sys
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megarl.rollout.tasks import COUNT_ALPHABET, CountTask  # noqa: E402
@@ -38,8 +41,14 @@ def run_length(prompt: str) -> int:
     return COUNT_ALPHABET.index(prompt[2]) - COUNT_ALPHABET.index(prompt[0]) + 1
 
 
-def stream_shares(draws: int = 200_000) -> dict[int, float]:
-    counts = collections.Counter(bucket(p.meta["length"]) for p in CountTask().sample_prompts(random.Random(0), draws))
+def run_task(run: Path) -> CountTask:
+    """The count task the run drew its prompts from (its saved config's task.length_mean / max_length)."""
+    task = yaml.safe_load((run / "megarl_pipeline" / "config.yaml").read_text())["task"]
+    return CountTask(length_mean=task["length_mean"], max_length=task["max_length"])
+
+
+def stream_shares(task: CountTask, draws: int = 200_000) -> dict[int, float]:
+    counts = collections.Counter(bucket(p.meta["length"]) for p in task.sample_prompts(random.Random(0), draws))
     return {b: c / draws for b, c in counts.items()}
 
 
@@ -86,9 +95,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="vs_trl.py output directories (each with results.json)")
     args = parser.parse_args()
-    shares = stream_shares()
-    stream_mean = statistics.mean(p.meta["length"] for p in CountTask().sample_prompts(random.Random(1), 50_000))
-    print(f"prompt stream: letters mean {stream_mean:.2f}; bucket shares "
+    tasks = {run: run_task(run) for run in args.runs}
+    if len(set(tasks.values())) > 1:
+        parser.error(f"the runs drew from different prompt streams: {sorted(set(map(str, tasks.values())))}")
+    task = tasks[args.runs[0]]
+    shares = stream_shares(task)
+    stream_mean = statistics.mean(p.meta["length"] for p in task.sample_prompts(random.Random(1), 50_000))
+    print(f"prompt stream ({task}): letters mean {stream_mean:.2f}; bucket shares "
           + ", ".join(f"<= {EDGES[b] if EDGES[b] < 10**9 else 'inf'}: {s:.3f}" for b, s in sorted(shares.items())))
     rows = [analyse(run, shares) for run in args.runs]
     for row in rows:
