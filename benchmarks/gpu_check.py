@@ -32,7 +32,7 @@ JSON with the tail of its log, and the rest still run:
                     `WeightPublisher` -> `WeightReceiver` with CUDA tensors over the gloo publish group a
                     one-GPU run uses, vs one raw broadcast of the same bytes, vs a device-to-device copy
   stale_mask        e2e_train with algo.stale=mask_tokens (groups sent as they finish, max_lag 1): no group dropped
-                    as stale, the share of tokens masked out of the loss instead (megarl/rollout/batch.py)
+                    as stale, the share of tokens given no policy gradient instead (megarl/rollout/batch.py)
   critic_step       the learner step of learner_step with the critic of algo.advantage.estimator=gae
                     (megarl.learner.critic: a replicated fp32 value model, V-trace targets): step time and the
                     critic's metrics, against learner_step's time
@@ -633,9 +633,14 @@ def check_stale_mask(args, size: Size) -> dict:
     no group dropped as stale, the share of tokens masked instead, reward and tokens/s beside e2e_train's."""
     out, rows = run_demo(args, size, "stale_mask", ["algo.stale=mask_tokens", "algo.queue_order=finish", "algo.max_lag=1"])
     if rows:
-        masked = sum(r["stale_tokens_masked"] for r in rows)
-        out.update(stale_tokens_masked=masked, masked_token_frac=masked / max(1, masked + sum(r["num_tokens"] for r in rows)))
+        out["masked_token_frac"] = masked_token_frac(rows)
     return out
+
+
+def masked_token_frac(rows: list[dict]) -> float:
+    """The share of a run's trained tokens the loss's lag bound (loss.max_token_lag) gave no policy gradient."""
+    tokens = sum(r["mask/tokens"] for r in rows)
+    return sum(r["mask/lag_frac"] * r["mask/tokens"] for r in rows) / max(1.0, tokens)
 
 
 def run_demo(args, size: Size, name: str, overrides: list[str]) -> tuple[dict, list[dict]]:

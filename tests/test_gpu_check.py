@@ -47,3 +47,8 @@ def test_the_wheel_list_names_each_package_once_for_cpython_312_with_the_downloa
     command = proc.stdout.strip().splitlines()[-1]
     assert "-m pip download --no-deps --only-binary=:all: --python-version 3.12" in command
     assert "--platform manylinux_2_28_x86_64" in command and "megatron-core==0.16.1" in command
+
+
+def test_stale_mask_reads_the_masked_share_from_the_loss_metrics_a_run_writes():
+    rows = [{"mask/tokens": 100.0, "mask/lag_frac": 0.25}, {"mask/tokens": 300.0, "mask/lag_frac": 0.0}]
+    assert gpu_check.masked_token_frac(rows) == 25 / 400
