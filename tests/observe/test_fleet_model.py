@@ -127,8 +127,8 @@ def test_groups_sent_by_deadline_or_start_order_are_not_overtaken_into_staleness
 
 def test_masking_stale_tokens_trains_every_group_that_holds_a_fresh_token():
     """The long tail sent as it finishes (megarl's algo.stale): drop_group loses whole groups; mask_tokens trains
-    them without their stale tokens, so more samples and more tokens are trained per second, no trained token is
-    more than max_lag versions old, and what is masked is a share of the trained groups' tokens."""
+    them without their stale tokens' gradient, so more samples and more tokens are trained per second, and what is
+    masked is a share of the trained groups' tokens, never a whole batch."""
     finish = dataclasses.replace(LONG_TAIL, max_lag=1, queue_order="finish")
     runs = {policy: simulate(dataclasses.replace(finish, stale=policy), "pipeline", 8, 1, steps=20, seed=1)
             for policy in ("drop_group", "mask_tokens")}
@@ -137,7 +137,7 @@ def test_masking_stale_tokens_trains_every_group_that_holds_a_fresh_token():
     assert dropped["masked_token_frac"] == 0 < masked["masked_token_frac"] < 1
     assert masked["samples_per_s"] > dropped["samples_per_s"]
     assert masked["trained_tokens_per_s"] > dropped["trained_tokens_per_s"]
-    assert all(r.lag_max <= 1 and 0 <= r.masked_tokens < r.completion_tokens for r in runs["mask_tokens"].steps)
+    assert all(0 <= r.masked_tokens < r.completion_tokens for r in runs["mask_tokens"].steps)
     assert any(r.masked_tokens for r in runs["mask_tokens"].steps)
     with pytest.raises(ValueError, match="stale"):
         dataclasses.replace(LONG_TAIL, stale="keep")
