@@ -192,27 +192,29 @@ def scaling(out: Path, seed: int) -> dict:
               f"dropped {100 * s['dropped_frac']:.1f}%")
     print(f"== {gpus} GPUs, {samplers}+{learners}: the order samplers send finished groups in (algo.queue_order)")
     orders = {}
-    for lag in (4, 8):
-        for order in ORDERS:
-            s = run_pipeline(dataclasses.replace(params, max_lag=lag, queue_order=order), samplers, learners, seed)
-            orders[f"max_lag {lag} {order}"] = s["samples_per_s"] / sync
-            print(f"   max_lag {lag:2d}, {order:8s}: {s['samples_per_s']:7.1f} samples/s ({s['samples_per_s'] / sync:.2f}x "
-                  f"sync), sampler token util {s['sampler_token_util']:.2f}, lag mean {s['lag_mean']:.1f}, "
-                  f"dropped {100 * s['dropped_frac']:.1f}%")
+    for (lag, order), s in lag_sweep(params, "queue_order", ORDERS, samplers, learners, seed).items():
+        orders[f"max_lag {lag} {order}"] = s["samples_per_s"] / sync
+        print(f"   max_lag {lag:2d}, {order:8s}: {s['samples_per_s']:7.1f} samples/s ({s['samples_per_s'] / sync:.2f}x "
+              f"sync), sampler token util {s['sampler_token_util']:.2f}, lag mean {s['lag_mean']:.1f}, "
+              f"dropped {100 * s['dropped_frac']:.1f}%")
     print(f"== {gpus} GPUs, {samplers}+{learners}: what the learner does with stale tokens (algo.stale)")
     stale = {}
-    for lag in (4, 8):
-        for policy in STALE_POLICIES:
-            s = run_pipeline(dataclasses.replace(params, max_lag=lag, stale=policy), samplers, learners, seed)
-            stale[f"max_lag {lag} {policy}"] = {"samples_vs_sync": s["samples_per_s"] / sync,
-                                                "trained_tokens_per_s": s["trained_tokens_per_s"],
-                                                "dropped_frac": s["dropped_frac"], "masked_token_frac": s["masked_token_frac"]}
-            print(f"   max_lag {lag:2d}, {policy:11s}: {s['samples_per_s']:7.1f} samples/s ({s['samples_per_s'] / sync:.2f}x "
-                  f"sync), {s['trained_tokens_per_s']:8.0f} trained tokens/s, lag mean {s['lag_mean']:.1f}, "
-                  f"dropped {100 * s['dropped_frac']:.1f}% of samples, masked {100 * s['masked_token_frac']:.1f}% of tokens")
+    for (lag, policy), s in lag_sweep(params, "stale", STALE_POLICIES, samplers, learners, seed).items():
+        stale[f"max_lag {lag} {policy}"] = {"samples_vs_sync": s["samples_per_s"] / sync,
+                                            "trained_tokens_per_s": s["trained_tokens_per_s"],
+                                            "dropped_frac": s["dropped_frac"], "masked_token_frac": s["masked_token_frac"]}
+        print(f"   max_lag {lag:2d}, {policy:11s}: {s['samples_per_s']:7.1f} samples/s ({s['samples_per_s'] / sync:.2f}x "
+              f"sync), {s['trained_tokens_per_s']:8.0f} trained tokens/s, lag mean {s['lag_mean']:.1f}, "
+              f"dropped {100 * s['dropped_frac']:.1f}% of samples, masked {100 * s['masked_token_frac']:.1f}% of tokens")
     plot_scaling(rows, out / "fleet_scaling.png")
     return {**{str(g): {"best_split": f["best"], "speedup": f["splits"][f["best"]]["speedup"]} for g, f in rows.items()},
             "queue_order_256": orders, "stale_256": stale}
+
+
+def lag_sweep(params: FleetParams, field: str, values, samplers: int, learners: int, seed: int) -> dict:
+    """{(max_lag, value): the pipeline's summary} with FleetParams.`field` set to each value, at max_lag 4 and 8."""
+    return {(lag, value): run_pipeline(dataclasses.replace(params, max_lag=lag, **{field: value}), samplers, learners, seed)
+            for lag in (4, 8) for value in values}
 
 
 def plot_scaling(rows: dict[int, dict], out_png: Path) -> None:

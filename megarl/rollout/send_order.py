@@ -1,7 +1,8 @@
 """Which finished groups a sampler sends to the learner now: algo.queue_order.
 
 The learner trains the groups in the order they reach it, `prompts_per_step` per step, and drops a group
-whose oldest token is more than `max_lag` versions old. A sampler starts groups while its staleness budget
+whose oldest token is more than `max_lag` versions old (algo.stale=drop_group, the default; under mask_tokens
+those tokens get no gradient instead). A sampler starts groups while its staleness budget
 allows ((max_lag + 1) batches outstanding); if it sent each group as soon as it was scored, short groups
 would overtake long ones started before them, and the long ones would reach the learner stale and be
 dropped: the trained batches would lean towards short completions (benchmarks/stale_bias.py measured 13% of
