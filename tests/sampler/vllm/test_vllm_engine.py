@@ -182,9 +182,9 @@ def test_update_mid_rollout_versions_and_kv_policy_exact(engine, hf, served, pol
     case = f"{policy}-lora" if adapter else policy
     # The update has to land while a request runs. The wait below sees a request mid-rollout, but on a loaded
     # machine every request can end before the wait sees one, or the pause can arrive after the few running ones
-    # finished (CI saw both: every request ended whole on one side of it), or land only where the model is so sure of its next tokens that both versions give them the same
-    # log-prob, so a boundary one token off would not show (CI saw that too): then the round is repeated with new
-    # requests and a new version, up to five times.
+    # finished (CI saw both: every request ended whole on one side of it), or land only where the model is so sure
+    # of its next tokens that both versions give them the same log-prob, so a boundary one token off would not show
+    # (CI saw that too): then the round is repeated with new requests and a new version, up to five times.
     def boundary_tells(c, b):  # token b-1 relabelled new and token b old would both fail the `assigned` check
         got = torch.tensor(c.logprobs)
         old_lp, _ = _hf_logprobs(old_model, c.prompt_ids, c.token_ids, TEMPERATURE)
