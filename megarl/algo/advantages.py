@@ -11,7 +11,8 @@ group, so no value network is needed:
     rloo   A_i = R_i - mean_{j != i} R_j             = G/(G-1) (R_i - mean_g), leave-one-out
 
 (`gae` is not a group estimator: its advantages are per token, from a learned critic on the learner.)
-A group of one sample has no baseline: its advantage is 0.  `filter_groups` decides which samples
+A group of one sample has no baseline: its advantage is 0.  `overlong_penalty` shapes a reward by the sample's
+length before any of this (DAPO's soft overlong punishment).  `filter_groups` decides which samples
 are trained on (DAPO's dynamic sampling and overlong filtering) and counts what it drops; the
 advantage of a kept sample is computed over its whole group, dropped samples included.
 """
@@ -46,6 +47,18 @@ def compute_advantages(rewards: Tensor, group_index: Tensor, cfg: AdvantageConfi
     if cfg.estimator == "grpo" and cfg.std_normalize:
         return centred / (std + cfg.eps)
     return centred
+
+
+def overlong_penalty(lengths: Tensor, limits: Tensor, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), per sample, <= 0: 0 while the length stays at or
+    below limit - buffer, then falling linearly to -penalty at the limit (a truncated sample). A request whose
+    limit was below `buffer` (a long prompt left less room) ramps over its whole limit, so reaching the limit
+    costs the whole penalty whatever the prompt. buffer 0 = off (all zeros)."""
+    lengths, limits = lengths.to(torch.float64), limits.to(torch.float64)
+    if buffer == 0:
+        return torch.zeros_like(lengths)
+    start = (limits - buffer).clamp(min=0)
+    return -penalty * ((lengths - start) / (limits - start).clamp(min=1)).clamp(0, 1)
 
 
 def filter_groups(

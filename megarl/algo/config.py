@@ -78,6 +78,11 @@ class AdvantageConfig:
     filter_zero_variance: bool = False
     # DAPO overlong filtering: samples cut off by the length limit get zero weight.
     drop_truncated: bool = False
+    # DAPO soft overlong punishment: a sample whose length L (tokens after the prompt) comes within
+    # `overlong_buffer` tokens of its limit L_max gets overlong_penalty * (L - (L_max - buffer)) / buffer taken
+    # off its reward before the group baseline (a sample at its limit, the whole penalty). 0 = off.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass
@@ -179,6 +184,10 @@ def validate_advantage_config(cfg: AdvantageConfig) -> None:
     _check_choice("advantage.estimator", cfg.estimator, ADVANTAGE_ESTIMATORS)
     if not 0.0 <= cfg.eps < math.inf:
         _fail("advantage.eps", cfg.eps, "must be finite and >= 0")
+    if cfg.overlong_buffer < 0:
+        _fail("advantage.overlong_buffer", cfg.overlong_buffer, "must be >= 0 (tokens; 0 = off)")
+    if not 0.0 <= cfg.overlong_penalty < math.inf:
+        _fail("advantage.overlong_penalty", cfg.overlong_penalty, "must be finite and >= 0")
 
 
 def validate_critic_config(cfg: CriticConfig) -> None:

@@ -17,7 +17,7 @@ from megarl.algo.config import (validate_advantage_config, validate_critic_confi
 from megarl.config.schema import STALE_POLICIES, Config, PublishConfig
 from megarl.rollout import send_order
 from megarl.rollout.sandbox import check_config as check_sandbox
-from megarl.rollout.tasks import MULTI_TURN_TASKS
+from megarl.rollout.tasks import MULTI_TURN_TASKS, LengthLimit
 
 
 class ConfigError(ValueError):
@@ -194,6 +194,10 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(cfg.sampling.temperature >= 0.0, "sampling.temperature", "must be >= 0")
     _require(cfg.sampling.max_new_tokens < cfg.sampler.max_seq_len, "sampling.max_new_tokens",
              f"({cfg.sampling.max_new_tokens}) must be smaller than sampler.max_seq_len ({cfg.sampler.max_seq_len})")
+    limit = LengthLimit.of(cfg)
+    _require(cfg.algo.advantage.overlong_buffer <= limit.longest, "algo.advantage.overlong_buffer",
+             f"({cfg.algo.advantage.overlong_buffer} tokens) must not exceed the longest a sample may be "
+             f"({limit.cap_key}={limit.longest}): every sample would be penalised from its first token")
     _require(lc.recompute_activations in ("none", "full", "selective"), "learner.recompute_activations",
              f"must be none, full or selective, got {lc.recompute_activations!r}")
     _require(lc.micro_batch_tokens >= 0, "learner.micro_batch_tokens", "must be >= 0 (0 = fixed micro_batch_size rows)")

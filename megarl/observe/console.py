@@ -47,6 +47,7 @@ class Console:
         self.evals: list[tuple[int, dict[str, float]]] = []  # (version, metrics) of every evaluation reported
         self.router: dict[str, list[float]] = {}  # MoE: router agreement metrics of every step, by name
         self.lag_masked = [0.0, 0.0]  # tokens the loss's lag bound gave no policy gradient, of all trained
+        self.overlong = [0.0, 0.0, 0]  # advantage.overlong_buffer: samples penalised, penalty sum, samples trained
 
     def update(self, step: int, metrics: dict[str, float], version_counts: list[int]) -> None:
         """Step `step` (1-based) is trained; `version_counts`: distinct versions of each of its rollouts."""
@@ -60,6 +61,10 @@ class Console:
         if "mask/lag_frac" in metrics:  # loss.max_token_lag is set (algo.stale=mask_tokens sets it)
             tokens = metrics["mask/tokens"]
             self.lag_masked = [self.lag_masked[0] + metrics["mask/lag_frac"] * tokens, self.lag_masked[1] + tokens]
+        if "samples/overlong_penalised" in metrics and version_counts:
+            n = len(version_counts)
+            self.overlong = [self.overlong[0] + metrics["samples/overlong_penalised"],
+                             self.overlong[1] + metrics["reward/overlong_penalty_mean"] * n, self.overlong[2] + n]
         if self.first_update is None:
             self.first_update = (now, step)
         if not self.enabled:
@@ -115,6 +120,7 @@ class Console:
             f"megarl: {n} rollouts trained; {self.share(2):.1%} hold tokens of >= 2 policy versions, "
             f"{self.share(3):.1%} of >= 3; {sum(self.version_counts) / max(1, n):.2f} versions per rollout",
             *self._stale_summary(),
+            *self._overlong_summary(),
             *self._router_summary(),
             f"megarl: outputs in {self.run_dir}/ (metrics.jsonl, rollouts.jsonl, tensorboard/, timeline/)",
             f"megarl: draw them: python benchmarks/plot_rollouts.py {self.run_dir}   (rollouts coloured by version)",
@@ -133,6 +139,14 @@ class Console:
             return []
         return [f"megarl: {masked:.0f} tokens older than loss.max_token_lag given no policy gradient ({masked / total:.1%} "
                 f"of the trained tokens; algo.stale=mask_tokens sets the bound to algo.max_lag)"]
+
+    def _overlong_summary(self) -> list[str]:
+        penalised, penalty, samples = self.overlong
+        if not samples:
+            return []
+        return [f"megarl: {penalised:.0f} of {samples} trained samples came within algo.advantage.overlong_buffer of "
+                f"their length limit and lost reward for it (mean penalty {penalty / samples:.3f} per sample; the "
+                f"rewards above are the task's)"]
 
     def _router_summary(self) -> list[str]:
         """MoE runs: how often the learner's router chose the sampler's experts (mean over steps)."""

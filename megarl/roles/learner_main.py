@@ -43,6 +43,7 @@ from megarl.protocols import Sample, TrainBatch
 from megarl.rollout.batch import assemble_batch, is_stale, is_zero_variance
 from megarl.rollout.routes import RouteShape
 from megarl.rollout.rewards import RewardErrorWindow
+from megarl.rollout.tasks import LengthLimit
 
 STOP_KEY = "stop"
 
@@ -107,7 +108,8 @@ class Intake:
         self.dropped_totals.update(dropped)
         batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, BATCH_PAD_ID, learner_version=version,
                                         route_shape=self.route_shape,
-                                        routes_required=self.cfg.algo.routing_replay == "r3")
+                                        routes_required=self.cfg.algo.routing_replay == "r3",
+                                        length_limit=LengthLimit.of(self.cfg))
         for group in groups:
             self.retire(group)
         metrics.update({f"dropped/{k}": v for k, v in dropped.items()})
@@ -403,7 +405,8 @@ def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, dro
         reason = None
         if is_stale(group, learner_version, cfg.algo.max_lag, cfg.algo.stale):
             reason = "stale_groups"
-        elif cfg.algo.advantage.filter_zero_variance and is_zero_variance(group):
+        elif cfg.algo.advantage.filter_zero_variance and is_zero_variance(group, cfg.algo.advantage,
+                                                                          LengthLimit.of(cfg)):
             reason = "zero_variance_groups"
         if reason is not None:
             dropped[reason] += 1

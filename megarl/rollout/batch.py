@@ -12,13 +12,29 @@ from __future__ import annotations
 
 import torch
 
-from megarl.algo.advantages import compute_advantages, filter_groups
+from megarl.algo.advantages import compute_advantages, filter_groups, overlong_penalty
 from megarl.algo.values import terminal_rewards
 from megarl.algo.config import AdvantageConfig
 from megarl.config.schema import STALE_POLICIES
 from megarl.distributed.wire import check_sample
 from megarl.protocols import Sample, TrainBatch
 from megarl.rollout.routes import RouteShape, pack_routes
+from megarl.rollout.tasks import LengthLimit
+
+
+def shaped_rewards(samples: list[Sample], adv_cfg: AdvantageConfig,
+                   length_limit: LengthLimit | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rewards the advantages are computed from (float64 [N]) and the length penalty in them: the task's reward
+    plus advantage.overlong_buffer's soft overlong punishment (zeros when it is off)."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    if adv_cfg.overlong_buffer == 0:
+        return rewards, torch.zeros_like(rewards)
+    if length_limit is None:
+        raise ValueError("advantage.overlong_buffer > 0 needs each sample's length limit (a LengthLimit)")
+    lengths = torch.tensor([len(s.token_ids) for s in samples])
+    limits = torch.tensor([length_limit.of_prompt(len(s.prompt_ids)) for s in samples])
+    penalty = overlong_penalty(lengths, limits, adv_cfg.overlong_buffer, adv_cfg.overlong_penalty)
+    return rewards + penalty, penalty
 
 
 def group_lag(group: list[Sample], learner_version: int) -> int:
@@ -37,14 +53,16 @@ def is_stale(group: list[Sample], learner_version: int, max_lag: int, policy: st
     return learner_version - newest > max_lag
 
 
-def is_zero_variance(group: list[Sample]) -> bool:
-    """All rewards equal: every advantage is 0 and the group teaches nothing (DAPO dynamic sampling)."""
-    return len({s.reward for s in group}) == 1
+def is_zero_variance(group: list[Sample], adv_cfg: AdvantageConfig, length_limit: LengthLimit | None = None) -> bool:
+    """All rewards equal, as the advantages see them (length-shaped when overlong_buffer is set): every advantage
+    is 0 and the group teaches nothing (DAPO dynamic sampling)."""
+    return len(set(shaped_rewards(group, adv_cfg, length_limit)[0].tolist())) == 1
 
 
 def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id: int,
                    learner_version: int, route_shape: RouteShape | None = None,
-                   routes_required: bool = False) -> tuple[TrainBatch, dict[str, float]]:
+                   routes_required: bool = False,
+                   length_limit: LengthLimit | None = None) -> tuple[TrainBatch, dict[str, float]]:
     """The TrainBatch of these groups, and counts of what the advantage filters left out.
 
     Samples a filter drops (e.g. truncated ones with advantage.drop_truncated) stay in the batch
@@ -52,13 +70,17 @@ def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id:
     environment tokens are in input_ids (the model saw them) with loss_mask 0 (it did not choose them);
     its advantage covers every model token of every turn. For an MoE model (route_shape) the samples'
     recorded routes are packed (megarl.rollout.routes); with routes_required (routing replay) a sample
-    without valid routes raises ValueError naming its sampler rank.
+    without valid routes raises ValueError naming its sampler rank. With advantage.overlong_buffer the rewards are
+    length-shaped first (`shaped_rewards`, each sample's limit from `length_limit`).
     """
     samples = [s for g in groups for s in g]
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    rewards, penalty = shaped_rewards(samples, adv_cfg, length_limit)
     group_index = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
     advantages = compute_advantages(rewards, group_index, adv_cfg).to(torch.float32)
     keep, counts = filter_groups(rewards, group_index, [s.finish_reason for s in samples], adv_cfg)
+    if adv_cfg.overlong_buffer:
+        counts["reward/overlong_penalty_mean"] = penalty.mean().item()
+        counts["samples/overlong_penalised"] = float((penalty < 0).sum())
     for s in samples:  # the wire's invariants: one short per-token record would shift every later sample's tokens
         check_sample(s, f"a sample of sampler {s.sampler_rank}")
     # Every sample's tokens land with one indexed write per field, not a handful of small tensors per sample

@@ -6,7 +6,7 @@ import statistics
 import pytest
 import torch
 
-from megarl.algo.advantages import compute_advantages, filter_groups, group_index_of
+from megarl.algo.advantages import compute_advantages, filter_groups, group_index_of, overlong_penalty
 from megarl.algo.config import AdvantageConfig, validate_advantage_config
 
 
@@ -118,7 +118,33 @@ def test_group_index_of_strings():
     assert group_index_of(["b", "a", "b", "c", "a"]).tolist() == [0, 1, 0, 2, 1]
 
 
-@pytest.mark.parametrize("field,value", [("estimator", "ppo"), ("eps", -1.0)])
+@pytest.mark.parametrize("field,value", [("estimator", "ppo"), ("eps", -1.0), ("overlong_buffer", -1),
+                                         ("overlong_penalty", -0.5), ("overlong_penalty", float("inf"))])
 def test_validate_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"advantage.{field}="):
         validate_advantage_config(AdvantageConfig(**{field: value}))
+
+
+def dapo_length_reward(length: int, max_len: int, cache: int) -> float:
+    """DAPO (Yu et al. 2025), eq. 13, as printed: R_length(y) for |y| = length, L_max = max_len, L_cache = cache."""
+    if length <= max_len - cache:
+        return 0.0
+    if length <= max_len:
+        return ((max_len - cache) - length) / cache
+    return -1.0
+
+
+def test_overlong_penalty_is_dapo_s_soft_overlong_punishment_scaled_by_the_penalty():
+    lengths = torch.arange(0, 21)
+    got = overlong_penalty(lengths, torch.full_like(lengths, 20), buffer=8, penalty=0.5)
+    assert got.dtype == torch.float64
+    assert got.tolist() == pytest.approx([0.5 * dapo_length_reward(n, 20, 8) for n in range(21)])
+    assert got[12] == 0 and got[16] == -0.25 and got[20] == -0.5  # the ramp: from limit - buffer to the limit
+    assert overlong_penalty(lengths, torch.full_like(lengths, 20), buffer=0, penalty=0.5).abs().sum() == 0
+
+
+def test_a_limit_below_the_buffer_ramps_over_the_whole_limit():
+    """A long prompt left the request 4 tokens of room: reaching them costs the whole penalty, as at a full limit."""
+    limits = torch.tensor([4, 4, 4, 20])
+    got = overlong_penalty(torch.tensor([0, 2, 4, 20]), limits, buffer=8, penalty=1.0)
+    assert got.tolist() == [0.0, -0.5, -1.0, -1.0]

@@ -54,6 +54,13 @@ def test_demo_config_loads_with_overrides():
     ("algo.routing_replay=r2", "algo.routing_replay: must be off or r3, got 'r2'"),
     ("algo.queue_order=fifo", "algo.queue_order: must be one of deadline, start, finish; got 'fifo'"),
     ("algo.stale=mask", "algo.stale: must be one of drop_group, mask_tokens; got 'mask'"),
+    ("algo.advantage.overlong_buffer=50", "algo.advantage.overlong_buffer: (50 tokens) must not exceed the longest a "
+                                          "sample may be (sampling.max_new_tokens=49): every sample would be penalised"),
+    ("algo.advantage.overlong_buffer=-1", "algo.advantage.overlong_buffer=-1: must be >= 0"),
+    ("algo.advantage.overlong_buffer=8 algo.advantage.overlong_penalty=-1",
+     "algo.advantage.overlong_penalty=-1.0: must be finite and >= 0"),
+    ("task.name=tool_arith task.max_episode_tokens=40 algo.advantage.overlong_buffer=41",
+     "(task.max_episode_tokens=40)"),
     ("learner.ep=0", "learner.ep: must be > 0"),
     ("learner.ep=2", "learner.ep: expert-parallel ranks are carved out of the tensor- and data-parallel ones: "
                      "learner.ep=2 must divide learner.tp=1 times learner.dp=1"),

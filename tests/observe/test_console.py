@@ -66,6 +66,23 @@ def test_tokens_the_lag_bound_masked_show_on_the_progress_line_and_in_the_summar
     assert "masked" not in out.getvalue()
 
 
+def test_the_summary_counts_the_samples_overlong_shaping_penalised_only_when_it_is_on():
+    out = io.StringIO()
+    console = Console(2, True, "runs/x", stream=out)
+    console.update(1, {**step_metrics(0.5), "samples/overlong_penalised": 1, "reward/overlong_penalty_mean": -0.1},
+                   [1, 1, 1, 1])
+    console.update(2, {**step_metrics(0.5), "samples/overlong_penalised": 2, "reward/overlong_penalty_mean": -0.3},
+                   [1, 1, 1, 1])
+    console.close()
+    assert ("3 of 8 trained samples came within algo.advantage.overlong_buffer of their length limit and lost reward "
+            "for it (mean penalty -0.200 per sample; the rewards above are the task's)") in out.getvalue()
+    out = io.StringIO()
+    console = Console(1, True, "runs/x", stream=out)
+    console.update(1, step_metrics(0.5), [1])
+    console.close()
+    assert "overlong" not in out.getvalue()
+
+
 def test_no_summary_for_a_run_that_stopped_early_or_a_disabled_console():
     for total, enabled in [(5, True), (2, False)]:
         out = io.StringIO()

@@ -177,6 +177,34 @@ def test_mask_tokens_trains_groups_holding_stale_tokens_without_their_policy_gra
     assert f"{stale} tokens older than loss.max_token_lag given no policy gradient" in proc.stdout
 
 
+def test_overlong_shaping_penalises_exactly_the_samples_near_their_limit(embedded_count_model_dir, tmp_path):
+    """algo.advantage.overlong_buffer on the real demo: at every step, the penalty the learner took off the rewards
+    it trained is DAPO's soft overlong punishment recomputed from rollouts.jsonl (each sample's length, its limit
+    from its prompt and the run's config); reward_mean stays the task's reward, and the summary counts them."""
+    from tests.algo.test_advantages import dapo_length_reward
+
+    run_dir, buffer, penalty = tmp_path / "overlong", 44, 0.5  # the demo's limit is 49: a ramp from 5 tokens
+    proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=4", "eval.sets=[]",
+                      f"model.path={embedded_count_model_dir}", f"algo.advantage.overlong_buffer={buffer}",
+                      f"algo.advantage.overlong_penalty={penalty}", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    metrics, rollouts = train_records(read_jsonl(run_dir / "metrics.jsonl")), read_jsonl(run_dir / "rollouts.jsonl")
+    assert len(metrics) == 4
+    penalised = 0
+    for m in metrics:
+        trained = [r for r in rollouts if r["trained_at_step"] == m["step"]]
+        limits = [min(cfg.sampling.max_new_tokens, cfg.sampler.max_seq_len - len(r["prompt_ids"])) for r in trained]
+        assert min(limits) >= buffer  # the ramp DAPO prints: from limit - buffer to the limit
+        expected = [penalty * dapo_length_reward(len(r["token_ids"]), limit, buffer) for r, limit in zip(trained, limits)]
+        assert m["reward/overlong_penalty_mean"] == pytest.approx(sum(expected) / len(expected), abs=1e-9)
+        assert m["samples/overlong_penalised"] == sum(p < 0 for p in expected)
+        assert m["reward_mean"] == pytest.approx(sum(r["reward"] for r in trained) / len(trained))
+        penalised += m["samples/overlong_penalised"]
+    assert penalised > 0
+    assert f"{penalised:.0f} of {len(rollouts)} trained samples came within algo.advantage.overlong_buffer" in proc.stdout
+
+
 def test_raw_torchrun_command_from_the_readme_works(embedded_count_model_dir, tmp_path):
     """...and on-policy distillation rides along (no launch of its own): a raw launch checks the teacher on the
     learner rank (megarl.learner.build_learner) and scores every batch with it. The teacher is the student's own

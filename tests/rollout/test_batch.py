@@ -4,7 +4,10 @@ import torch
 
 from megarl.algo.config import AdvantageConfig
 from megarl.protocols import Sample
-from megarl.rollout.batch import assemble_batch, group_lag, is_stale, is_zero_variance
+from megarl.algo.advantages import compute_advantages
+from megarl.config.load import load_config
+from megarl.rollout.batch import assemble_batch, group_lag, is_stale, is_zero_variance, shaped_rewards
+from megarl.rollout.tasks import LengthLimit
 
 
 def sample(prompt_ids, token_ids, versions, reward):
@@ -61,8 +64,42 @@ def test_truncated_samples_are_zero_weighted_but_keep_their_place_in_the_baselin
 
 
 def test_zero_variance_groups_are_recognised():
-    assert is_zero_variance([sample([1], [2], [0], 1.0)] * 3)
-    assert not is_zero_variance([sample([1], [2], [0], 1.0), sample([1], [2], [0], 0.0)])
+    assert is_zero_variance([sample([1], [2], [0], 1.0)] * 3, AdvantageConfig())
+    assert not is_zero_variance([sample([1], [2], [0], 1.0), sample([1], [2], [0], 0.0)], AdvantageConfig())
+
+
+def test_overlong_shaping_takes_the_penalty_off_the_reward_before_the_group_baseline():
+    """advantage.overlong_buffer: each sample's limit is min(max_new_tokens, max_seq_len - prompt); within `buffer`
+    tokens of it the reward falls linearly, by the whole penalty at the limit. The advantages are the estimator's
+    on the shaped rewards; a group of equal rewards but different lengths is no longer zero-variance."""
+    cfg = AdvantageConfig(overlong_buffer=4, overlong_penalty=0.5)
+    limit = LengthLimit(max_seq_len=12, cap=8, cap_key="sampling.max_new_tokens")
+    short, near, cut = (sample([1, 2], [3] * n, [0] * n, 1.0) for n in (4, 6, 8))  # limit 8: ramp from 4
+    long_prompt = sample([1] * 7, [3] * 5, [0] * 5, 1.0)  # max_seq_len 12 leaves it 5 tokens: ramp from 1
+    group = [short, near, cut, long_prompt]
+    rewards, penalty = shaped_rewards(group, cfg, limit)
+    assert penalty.tolist() == [0.0, -0.25, -0.5, -0.5] and rewards.tolist() == [1.0, 0.75, 0.5, 0.5]
+    b, counts = assemble_batch([group], cfg, pad_id=0, learner_version=0, length_limit=limit)
+    expected = compute_advantages(torch.tensor([1.0, 0.75, 0.5, 0.5], dtype=torch.float64), torch.zeros(4).long(), cfg)
+    first = [b.advantages[i, len(s.prompt_ids)].item() for i, s in enumerate(group)]  # on every completion token
+    assert first == pytest.approx(expected.tolist())
+    assert counts["samples/overlong_penalised"] == 3 and counts["reward/overlong_penalty_mean"] == -0.3125
+    assert is_zero_variance(group, AdvantageConfig()) and not is_zero_variance(group, cfg, limit)
+    assert "reward/overlong_penalty_mean" not in assemble_batch([group], AdvantageConfig(), 0, 0)[1]
+    with pytest.raises(ValueError, match="overlong_buffer > 0 needs each sample's length limit"):
+        assemble_batch([group], cfg, pad_id=0, learner_version=0)
+
+
+def test_the_length_limit_is_the_task_s_max_new_tokens_or_an_episode_s_token_budget():
+    single = LengthLimit.of(load_config(None, ["sampling.max_new_tokens=40", "sampler.max_seq_len=64"],
+                                        check_files=False))
+    assert (single.cap, single.cap_key, single.of_prompt(10), single.of_prompt(30)) == (
+        40, "sampling.max_new_tokens", 40, 34)
+    budget = LengthLimit.of(load_config(None, ["task.name=tool_arith", "task.max_episode_tokens=50",
+                                               "sampler.max_seq_len=96"], check_files=False))
+    assert (budget.cap_key, budget.of_prompt(20), budget.of_prompt(60)) == ("task.max_episode_tokens", 50, 36)
+    context = LengthLimit.of(load_config(None, ["task.name=tool_arith", "sampler.max_seq_len=96"], check_files=False))
+    assert (context.cap, context.cap_key, context.of_prompt(20)) == (None, "sampler.max_seq_len", 76)
 
 
 def test_an_episode_s_environment_tokens_are_context_not_trained_and_do_not_count_for_staleness():
