@@ -575,7 +575,12 @@ def checked_config(args: argparse.Namespace, check_files: bool = True):
     if args.command == "eval":  # one process scores the model: no placement to check
         return cfg, None
     from megarl.distributed.ranks import placement
+    from megarl.learner import with_decay_steps
 
+    try:  # learner.lr_decay_steps=0 spans the run (the learner resolves it the same way)
+        with_decay_steps(cfg.learner, cfg.run.steps * cfg.algo.sync_epochs)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     return cfg, placement(cfg, args.nnodes, getattr(args, "nproc_per_node", None))
 
 

@@ -76,6 +76,15 @@ def test_a_run_dir_that_is_a_file_is_refused_before_launch(tmp_path):
     assert proc.stderr == f"megarl: run.dir {tmp_path / 'f'} is a file, not a directory; set run.dir to a directory\n"
 
 
+def test_an_lr_decay_that_would_end_before_its_warmup_is_refused_before_launch():
+    """learner.lr_decay_steps=0 spans the run's optimizer steps (run.steps * algo.sync_epochs): 3 * 2 = 6 here."""
+    proc = train("run.steps=3", "algo.mode=sync", "algo.sync_epochs=2", "learner.lr_decay=cosine",
+                 "learner.lr_warmup_steps=6")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert proc.stderr == ("megarl: config error: learner.lr_decay=cosine needs learner.lr_decay_steps (0: the run's 6 "
+                           "optimizer steps) > learner.lr_warmup_steps (6): the decay starts where the warm-up ends\n")
+
+
 def test_a_model_that_the_tensor_parallel_size_does_not_split_is_named(tmp_path):
     config = {**QWEN2, "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 64}
     path = model_dir(tmp_path / "model", config)

@@ -15,6 +15,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from megarl.algo.config import (validate_advantage_config, validate_critic_config, validate_distill_config,
                                 validate_loss_config)
 from megarl.config.schema import STALE_POLICIES, Config, PublishConfig
+from megarl.learner.lr_schedule import LR_DECAYS
 from megarl.rollout import send_order
 from megarl.rollout.sandbox import check_config as check_sandbox
 from megarl.rollout.tasks import MULTI_TURN_TASKS, LengthLimit
@@ -201,6 +202,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(lc.recompute_activations in ("none", "full", "selective"), "learner.recompute_activations",
              f"must be none, full or selective, got {lc.recompute_activations!r}")
     _require(lc.micro_batch_tokens >= 0, "learner.micro_batch_tokens", "must be >= 0 (0 = fixed micro_batch_size rows)")
+    _validate_lr_schedule(lc)
     rows = cfg.algo.prompts_per_step * cfg.algo.group_size
     _require(rows >= lc.dp, "learner.dp", f"every DP rank trains its share of a batch's {rows} rows "
              f"(algo.prompts_per_step*algo.group_size), so dp={lc.dp} would leave a rank without any")
@@ -249,6 +251,18 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
         raise ConfigError(f"algo.{exc}") from exc
     if cfg.algo.advantage.estimator == "gae":
         _validate_critic(cfg)
+
+
+def _validate_lr_schedule(lc) -> None:
+    """learner.lr_* (megarl.learner.lr_schedule). lr_decay_steps=0 is resolved where the run's length is known
+    (megarl.learner.build_learner: run.steps * algo.sync_epochs, or megarl sft's steps)."""
+    _require(lc.lr_decay in LR_DECAYS, "learner.lr_decay", f"must be one of {', '.join(LR_DECAYS)}; got {lc.lr_decay!r}")
+    for key in ("lr_warmup_steps", "lr_decay_steps"):
+        _require(getattr(lc, key) >= 0, f"learner.{key}", f"must be >= 0, got {getattr(lc, key)}")
+    _require(0.0 <= lc.lr_min_ratio <= 1.0, "learner.lr_min_ratio", f"must be in [0, 1], got {lc.lr_min_ratio}")
+    _require(lc.lr_decay == "constant" or lc.lr_decay_steps == 0 or lc.lr_decay_steps > lc.lr_warmup_steps,
+             "learner.lr_decay_steps", f"({lc.lr_decay_steps}) must exceed learner.lr_warmup_steps "
+             f"({lc.lr_warmup_steps}): the decay runs from the end of the warm-up to lr_decay_steps")
 
 
 def _validate_critic(cfg: Config) -> None:

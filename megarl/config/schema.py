@@ -214,6 +214,13 @@ class LearnerConfig:
     share_prefixes: bool = True
     recompute_activations: str = "none"  # none | full | selective (megatron activation recomputation)
     lr: float = 1e-3
+    # The learning rate per optimizer step (megarl/learner/lr_schedule.py): a linear warm-up over lr_warmup_steps,
+    # then lr_decay (constant | linear | cosine) down to lr * lr_min_ratio at lr_decay_steps (0 = the run's
+    # optimizer steps: run.steps * algo.sync_epochs; megarl sft: its steps). The critic keeps algo.critic.lr.
+    lr_warmup_steps: int = 0
+    lr_decay: str = "constant"
+    lr_decay_steps: int = 0
+    lr_min_ratio: float = 0.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -347,7 +354,7 @@ class SFTConfig:
     epochs: float = 1.0  # passes over the training records: steps = ceil(epochs * records / batch_size)
     steps: int = 0  # optimizer steps; > 0 replaces `epochs`
     batch_size: int = 32  # records per optimizer step; the loss is the token mean over the batch's trained tokens
-    lr: float = 1e-4  # constant (learner.lr is RL's and is not used by megarl sft)
+    lr: float = 1e-4  # the peak lr (learner.lr is RL's); learner.lr_* schedule it, decaying over the SFT steps
     max_seq_len: int = 0  # tokens per record (prompt + completion); 0 = the model's max_position_embeddings
     # A record longer than max_seq_len: "error" (stops before training, naming file:line) or "skip" (counted).
     on_overlong: str = "error"

@@ -5,6 +5,8 @@ Importing this package is cheap: each backend imports its framework only when it
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 
 def build_learner(model_dir: str, cfg, loss_cfg=None, temperature: float | None = None):
     """The learner of `cfg.learner.backend` for the HF model directory `model_dir` (cfg: megarl Config).
@@ -12,6 +14,8 @@ def build_learner(model_dir: str, cfg, loss_cfg=None, temperature: float | None 
     `loss_cfg` / `temperature` default to the RL run's (cfg.algo.loss, cfg.sampling.temperature);
     megarl sft passes megarl.algo.config.NLLConfig() and 1.0. An RL run with algo.distill.teacher gets its
     teacher checked (again: a raw torchrun launch skipped `megarl train`'s check) and loaded by the learner."""
+    if loss_cfg is None:  # an RL run: the lr schedule's decay, unless set, spans its optimizer steps
+        cfg = replace(cfg, learner=with_decay_steps(cfg.learner, cfg.run.steps * cfg.algo.sync_epochs))
     distill = _distill(model_dir, cfg) if loss_cfg is None and cfg.algo.distill.teacher else None
     critic_cfg = cfg.algo.critic if loss_cfg is None and cfg.algo.advantage.estimator == "gae" else None
     loss_cfg = cfg.algo.loss if loss_cfg is None else loss_cfg
@@ -27,6 +31,17 @@ def build_learner(model_dir: str, cfg, loss_cfg=None, temperature: float | None 
     return MegatronLearner(model_dir, cfg.learner, loss_cfg, temperature=temperature,
                            routing_replay=cfg.algo.routing_replay, distill=distill,
                            critic_cfg=critic_cfg)
+
+
+def with_decay_steps(learner_cfg, total_steps: int):
+    """learner_cfg with lr_decay_steps=0 resolved to the run's `total_steps` optimizer steps (megarl.learner.
+    lr_schedule); a decay that would end before its warm-up does is refused, naming both keys."""
+    lc = learner_cfg if learner_cfg.lr_decay_steps else replace(learner_cfg, lr_decay_steps=total_steps)
+    if lc.lr_decay != "constant" and lc.lr_decay_steps <= lc.lr_warmup_steps:
+        steps = f"{lc.lr_decay_steps}" if learner_cfg.lr_decay_steps else f"0: the run's {total_steps} optimizer steps"
+        raise ValueError(f"learner.lr_decay={lc.lr_decay} needs learner.lr_decay_steps ({steps}) > "
+                         f"learner.lr_warmup_steps ({lc.lr_warmup_steps}): the decay starts where the warm-up ends")
+    return lc
 
 
 def import_backend(backend: str) -> None:

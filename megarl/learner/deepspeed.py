@@ -44,6 +44,7 @@ from megarl.config.schema import LearnerConfig, LoraConfig
 from megarl.distributed.publish import Bucket, plan_buckets
 from megarl.learner import hf_lora, packing, step
 from megarl.learner.hf_routing_replay import HFRouteReplayer
+from megarl.learner.lr_schedule import lr_at
 from megarl.models import lora, moe
 from megarl.protocols import TrainBatch
 
@@ -316,7 +317,10 @@ class DeepSpeedLearner:
             # DP ranks, which the factor dp undoes.
             if not critic_only:
                 self.engine.backward(loss * dp, scale_wrt_gas=False)
+        lr = lr_at(self._version, self.cfg)
         if not critic_only:
+            for group in self.optimizer.param_groups:  # (DeepSpeed runs no scheduler of its own here)
+                group["lr"] = lr
             self.engine.step()  # the one optimizer update (ZeRO skips it on a non-finite gradient norm)
         if own_routes is not None:
             matches = [algo_metrics.route_matches(mb["routes"], own) for mb, own in zip(real, own_routes)]
@@ -327,7 +331,7 @@ class DeepSpeedLearner:
         loss = torch.stack(losses).sum().double().cpu()
         dist.all_reduce(loss)
         loss = float(loss)
-        metrics = {"loss": loss, "lr": self.cfg.lr, "num_tokens": totals[0], **step.position_metrics(fields, real)}
+        metrics = {"loss": loss, "lr": lr, "num_tokens": totals[0], **step.position_metrics(fields, real)}
         if critic_only:  # (no backward: no policy gradient norm to report)
             skipped = not math.isfinite(loss)
         else:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megarl.algo.config import CriticConfig, DistillConfig, LossConfig
 from megarl.config.schema import LearnerConfig
 from megarl.learner import packing, plain_linear, rotary_positions, sequence_parallel, step
+from megarl.learner.lr_schedule import lr_at
 from megarl.learner.routing_replay import RouteReplayer
 from megarl.models import convert, moe
 from megarl.protocols import TrainBatch
@@ -616,7 +617,10 @@ class MegatronLearner:
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        lr = lr_at(self._version, self.cfg)
         if not skipped and not critic_only:  # (critic warm-up: the policy's gradients are computed, not applied)
+            for group in self.optimizer.param_groups:  # (megarl runs no megatron OptimizerParamScheduler)
+                group["lr"] = lr
             self.optimizer.step()
             self._version += 1
         critic_metrics = {}
@@ -624,7 +628,7 @@ class MegatronLearner:
             critic_metrics = self.critic.train(micro_batches, totals[0], batch.learner_version,
                                                self.loss_cfg.max_lag_bucket)
         metrics = {
-            "loss": loss, "grad_norm": grad_norm, "lr": self.cfg.lr, "num_tokens": totals[0],
+            "loss": loss, "grad_norm": grad_norm, "lr": lr, "num_tokens": totals[0],
             **step.position_metrics(fields, micro_batches),
             "step_time_s": time.perf_counter() - start, "skipped_nonfinite": float(skipped),
         }

@@ -312,7 +312,7 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
     from megarl.distributed.lifetime import exit_status, install_stop_handlers
     from megarl.distributed.ranks import Topology
     from megarl.distributed.topology import connect_store, init_learner_group
-    from megarl.learner import build_learner, import_backend
+    from megarl.learner import build_learner, import_backend, with_decay_steps
     from megarl.models.layout import check_layout
     from megarl.models.embedded import resolve_model_path
     from megarl.observe.sinks import MetricsSink
@@ -343,8 +343,13 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     init_learner_group(topo, store, cfg.dist.backend, cfg.dist.timeout_s)
-    # megarl sft's lr is sft.lr; every other optimizer and layout key is learner.*'s.
-    learner = build_learner(str(model_dir), replace(cfg, learner=replace(lc, lr=cfg.sft.lr)), NLLConfig(), 1.0)
+    # megarl sft's lr is sft.lr; every other optimizer and layout key is learner.*'s (the lr schedule's decay spans
+    # the SFT steps unless learner.lr_decay_steps is set).
+    try:
+        sft_learner = with_decay_steps(replace(lc, lr=cfg.sft.lr), data.steps)
+    except ValueError as exc:
+        sys.exit(f"megarl sft: {exc}")
+    learner = build_learner(str(model_dir), replace(cfg, learner=sft_learner), NLLConfig(), 1.0)
     sc = cfg.sft
     console = SFTConsole(data.steps, cfg.run.progress)
     sink = None

@@ -61,6 +61,12 @@ def test_demo_config_loads_with_overrides():
      "algo.advantage.overlong_penalty=-1.0: must be finite and >= 0"),
     ("task.name=tool_arith task.max_episode_tokens=40 algo.advantage.overlong_buffer=41",
      "(task.max_episode_tokens=40)"),
+    ("learner.lr_decay=step", "learner.lr_decay: must be one of constant, linear, cosine; got 'step'"),
+    ("learner.lr_warmup_steps=-1", "learner.lr_warmup_steps: must be >= 0, got -1"),
+    ("learner.lr_min_ratio=1.5", "learner.lr_min_ratio: must be in .0, 1., got 1.5"),
+    ("learner.lr_decay=linear learner.lr_warmup_steps=10 learner.lr_decay_steps=10",
+     "learner.lr_decay_steps: (10) must exceed learner.lr_warmup_steps (10): the decay runs from the end of the "
+     "warm-up to lr_decay_steps"),
     ("learner.ep=0", "learner.ep: must be > 0"),
     ("learner.ep=2", "learner.ep: expert-parallel ranks are carved out of the tensor- and data-parallel ones: "
                      "learner.ep=2 must divide learner.tp=1 times learner.dp=1"),

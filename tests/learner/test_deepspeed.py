@@ -40,7 +40,8 @@ def save_tiny_llama(path: Path) -> Path:
 # model, CPU offload of optimizer state and parameters, publish buckets of several tensors each, and the learned
 # critic of advantage.estimator=gae (CRITIC_CASES: V-trace targets, value clip; trained, checkpointed, resumed, exported).
 CASES = {
-    "qwen_zero1": ("qwen", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 1}}, {}),
+    "qwen_zero1": ("qwen", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 1},  # with an lr schedule
+                            "lr_warmup_steps": 2, "lr_decay": "linear", "lr_decay_steps": 4, "lr_min_ratio": 0.5}, {}),
     "qwen_zero2_token_budget_recompute": ("qwen", {"micro_batch_size": 64, "micro_batch_tokens": 60,
                                                    "recompute_activations": "full",
                                                    "deepspeed": {"zero_stage": 2}}, {}),
@@ -165,9 +166,25 @@ def test_every_rank_publishes_the_same_updated_weights(runs, case):
 
 
 @pytest.mark.parametrize("case", ALL_CASES)
+def test_the_first_step_runs_at_the_scheduled_lr(runs, case):
+    """Adam's first step moves every weight with a gradient by lr * g / (|g| + eps): the largest move is the lr the
+    optimizer ran at, which is the schedule's (qwen_zero1 warms up: half the lr) and the one the step reports."""
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner.lr_schedule import lr_at
+
+    learner = {k: v for k, v in ALL_CASES[case][1].items() if k.startswith("lr")}
+    expected = lr_at(0, LearnerConfig(lr=1e-2, **learner))
+    for rank in runs[1][case]:
+        moved = max((rank["after_step1"][n] - rank["initial"][n]).abs().max().item() for n in rank["initial"])
+        assert moved == pytest.approx(expected, rel=1e-3), case
+        assert rank["step1"]["lr"] == expected and rank["step2"]["lr"] == lr_at(1, LearnerConfig(lr=1e-2, **learner))
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_resume_from_checkpoint_is_exact(runs, case):
     """A second learner loaded from the checkpoint after step 1 redoes step 2 bit for bit: weights, Adam
-    moments and step came back (lr and the rest are the run's config)."""
+    moments and step came back, and the lr schedule continues from the checkpoint's version (qwen_zero1: step 2
+    at the full lr after step 1's half); lr and the rest are the run's config."""
     for rank in runs[1][case]:
         assert rank["resumed_version"] == 1
         assert rank["resumed_step2"] == {**rank["step2"], "step_time_s": rank["resumed_step2"]["step_time_s"]}

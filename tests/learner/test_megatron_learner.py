@@ -1,5 +1,6 @@
 """MegatronLearner on one gloo rank against an independent reference (HF transformers + hand-written PPO-clip)."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -105,6 +106,24 @@ def test_train_step_matches_reference(model_dir, world, micro_batch_size):
     assert abs(metrics["grad_norm"] - ref_grad_norm) <= 1e-5 * max(1.0, ref_grad_norm)
     after = dict(learner.publish_tensors())
     assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_each_step_trains_at_the_scheduled_lr(model_dir, world):
+    """learner.lr_warmup_steps / lr_decay reach the optimizer: Adam's first step moves every weight with a
+    gradient by lr * g / (|g| + eps), so the largest move is the lr the step ran at (here lr / 4, warming up);
+    each step reports the schedule's lr (megarl.learner.lr_schedule)."""
+    from megarl.learner.lr_schedule import lr_at
+
+    learner = _learner(model_dir, lr=1e-2, lr_warmup_steps=4, lr_decay="cosine", lr_decay_steps=6, lr_min_ratio=0.1)
+    hf = _hf(model_dir)
+    before = dict(learner.publish_tensors())
+    metrics = [learner.train_step(_batch(hf, seed=0))]
+    moved = max((after - before[name]).abs().max().item() for name, after in learner.publish_tensors())
+    assert moved == pytest.approx(1e-2 / 4, rel=1e-3)
+    for seed in range(1, 7):
+        metrics.append(learner.train_step(replace(_batch(hf, seed=seed), learner_version=learner.version)))
+    assert [m["lr"] for m in metrics] == [lr_at(s, learner.cfg) for s in range(7)]
+    assert [round(m["lr"], 6) for m in metrics] == [0.0025, 0.005, 0.0075, 0.01, 0.01, 0.0055, 0.001]
 
 
 def test_nonfinite_step_is_skipped(model_dir, world):

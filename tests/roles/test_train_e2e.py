@@ -226,12 +226,16 @@ def test_raw_torchrun_command_from_the_readme_works(embedded_count_model_dir, tm
 
 
 def test_sync_baseline_generates_one_batch_per_version_and_trains_k_epochs(embedded_count_model_dir, tmp_path):
+    """...and the lr schedule runs over optimizer steps: 3 batches of 2 epochs are 6 (learner.lr_decay_steps=0)."""
     run_dir = tmp_path / "sync"
     proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=3", "algo.mode=sync",
-                      "algo.sync_epochs=2", f"model.path={embedded_count_model_dir}", timeout=400)
+                      "algo.sync_epochs=2", f"model.path={embedded_count_model_dir}", "learner.lr_warmup_steps=2",
+                      "learner.lr_decay=linear", timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = train_records(read_jsonl(run_dir / "metrics.jsonl"))
     assert [m["version"] for m in metrics] == [2, 4, 6]  # K=2 optimizer steps per batch
+    # A step's record is its last epoch's: optimizer steps 1, 3, 5 of 6 (warm-up 2, then linear to 0).
+    assert [m["lr"] for m in metrics] == pytest.approx([5e-4, 3.75e-4, 1.25e-4])
     rollouts = read_jsonl(run_dir / "rollouts.jsonl")
     for r in rollouts:
         # every token of a sync batch comes from the one version the batch was generated under

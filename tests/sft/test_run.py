@@ -105,12 +105,15 @@ def test_deepspeed_zero3_trains_chat_messages_through_the_model_directorys_templ
     run_dir, out = tmp_path / "run", tmp_path / "model"
     proc = sft(f"model.path={model}", f"sft.data={data}", "sft.eval_data=''", "sft.eval_fraction=0.2", "sft.steps=6", "sft.batch_size=16",
                "sft.lr=0.003", f"run.dir={run_dir}", f"sft.output_dir={out}", "learner.backend=deepspeed",
-               "learner.dp=2", "learner.deepspeed.zero_stage=3")
+               "learner.dp=2", "learner.deepspeed.zero_stage=3", "learner.lr_warmup_steps=2", "learner.lr_decay=cosine")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "128 training records, 32 held-out records (sft.eval_fraction of sft.data)" in proc.stdout
     assert "(160 messages)" in proc.stdout and "learner.backend deepspeed, 2 learner ranks" in proc.stdout
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert len(metrics) == 7 and metrics[6]["heldout_loss"] < metrics[0]["heldout_loss"]
+    # sft.lr is the peak of learner.lr_*'s schedule, whose decay spans the 6 SFT steps (learner.lr_decay_steps=0).
+    decay = [0.003 * (1 + math.cos(math.pi * p)) / 2 for p in (0, 0.25, 0.5, 0.75)]
+    assert [m["lr"] for m in metrics[:6]] == pytest.approx([0.0015, 0.003, *decay])
     assert (out / "model.safetensors").is_file()
     from transformers import AutoTokenizer
 
