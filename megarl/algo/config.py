@@ -60,6 +60,9 @@ class LossConfig:
     kl_estimator: str = "k3"
     # Entropy bonus (LossInputs.entropy): loss -= entropy_coef * mean entropy.
     entropy_coef: float = 0.0
+    # Report the policy's mean entropy over the trained tokens (entropy/mean) even without the bonus: a collapsing
+    # entropy is RL's usual early warning. Computed without gradient, in slices of positions (its cost: docs/learner.md).
+    entropy_metric: bool = True
     # Metrics are broken down by token lag 0..max_lag_bucket-1, plus one bucket "lag{max}+".
     max_lag_bucket: int = 8
 
@@ -124,6 +127,7 @@ class NLLConfig:
     decoupled: bool = False
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    entropy_metric: bool = False
 
 
 class ObjectiveWarning(UserWarning):

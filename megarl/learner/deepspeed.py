@@ -305,8 +305,8 @@ class DeepSpeedLearner:
             if own_routes is not None and i < len(real):
                 own_routes.append(packing.rows_layout(replayer.own_choice(), mb))
             logprobs = self._row_logprobs(logits, mb)
-            entropy = (packing.next_token_values(step.position_entropy(logits, self.temperature), mb)
-                       if self.loss_cfg.entropy_coef > 0 else None)
+            entropy = step.token_entropy(lambda z: step.position_entropy(z, self.temperature), logits, mb,
+                                         self.loss_cfg)
             loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy,
                                                 self.distill)
             if i < len(real):

@@ -591,8 +591,7 @@ class MegatronLearner:
         def loss_fn(logits, mb):
             mb = {k: v.to(self.device) for k, v in mb.items()}
             logprobs = self._row_logprobs(logits, mb)
-            entropy = (packing.next_token_values(self._position_entropy(logits), mb) if self.loss_cfg.entropy_coef > 0
-                       else None)
+            entropy = step.token_entropy(self._position_entropy, logits, mb, self.loss_cfg)
             loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy,
                                                 self.distill)
             stats_list.append(stats)

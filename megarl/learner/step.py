@@ -50,6 +50,29 @@ def position_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+# Positions x vocabulary entries whose entropy one no-grad slice computes at a time (a reported entropy of a long
+# micro-batch must not hold a second full-size float copy of its logits).
+ENTROPY_SLICE_ELEMENTS = 2**26
+
+
+def token_entropy(position_entropy, logits: torch.Tensor, mb: dict[str, torch.Tensor],
+                  loss_cfg) -> torch.Tensor | None:
+    """The policy's entropy at each row token of the micro-batch (packing.next_token_values of
+    `position_entropy(logits)`, the backend's [B, S] per-position entropy): with gradient for the entropy bonus
+    (loss.entropy_coef > 0), without (slices of positions, no graph) when it is only reported (loss.entropy_metric),
+    else None."""
+    if loss_cfg.entropy_coef > 0:
+        return packing.next_token_values(position_entropy(logits), mb)
+    if not loss_cfg.entropy_metric:
+        return None
+    positions = max(1, ENTROPY_SLICE_ELEMENTS // max(1, logits.shape[0] * logits.shape[-1]))
+    with torch.no_grad():
+        detached = logits.detach()
+        per_position = torch.cat([position_entropy(detached[:, i:i + positions])
+                                  for i in range(0, detached.shape[1], positions)], dim=1)
+    return packing.next_token_values(per_position, mb)
+
+
 def batch_totals(batch: TrainBatch) -> tuple[float, float]:
     """(masked tokens, sequences with >= 1 masked token) of the WHOLE batch: the loss's normalisers."""
     mask = batch.loss_mask.float()

@@ -40,6 +40,7 @@ class Console:
         self.stream = sys.stdout if stream is None else stream
         self.tty = self.stream.isatty()
         self.rewards: list[float] = []
+        self.entropies: list[float] = []  # the policy's mean entropy over each step's trained tokens
         self.version_counts: list[int] = []  # distinct policy versions in each trained rollout
         self.first_update: tuple[float, int] | None = None  # (time, step) of the first step seen
         self.line = ""
@@ -53,6 +54,8 @@ class Console:
         """Step `step` (1-based) is trained; `version_counts`: distinct versions of each of its rollouts."""
         now = time.monotonic()
         self.rewards.append(metrics.get("reward_mean", float("nan")))
+        if "entropy/mean" in metrics:  # (loss.entropy_metric, on by default)
+            self.entropies.append(metrics["entropy/mean"])
         self.version_counts.extend(version_counts)
         self.last_step = step
         for key, value in metrics.items():
@@ -119,6 +122,7 @@ class Console:
             f"(mean of the first -> last 10% of steps)",
             f"megarl: {n} rollouts trained; {self.share(2):.1%} hold tokens of >= 2 policy versions, "
             f"{self.share(3):.1%} of >= 3; {sum(self.version_counts) / max(1, n):.2f} versions per rollout",
+            *self._entropy_summary(),
             *self._stale_summary(),
             *self._overlong_summary(),
             *self._router_summary(),
@@ -139,6 +143,13 @@ class Console:
             return []
         return [f"megarl: {masked:.0f} tokens older than loss.max_token_lag given no policy gradient ({masked / total:.1%} "
                 f"of the trained tokens; algo.stale=mask_tokens sets the bound to algo.max_lag)"]
+
+    def _entropy_summary(self) -> list[str]:
+        if not self.entropies:
+            return []
+        first, last = tenth_means(self.entropies)
+        return [f"megarl: policy entropy {first:.3f} -> {last:.3f} nats per trained token (first -> last 10% of steps; "
+                f"a collapse towards 0 ends exploration: docs/algorithms.md)"]
 
     def _overlong_summary(self) -> list[str]:
         penalised, penalty, samples = self.overlong

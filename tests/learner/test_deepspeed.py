@@ -139,7 +139,7 @@ def test_first_step_equals_the_megatron_learner(runs, case):
         got = rank["step1"]
         assert got["skipped_nonfinite"] == 0.0
         critic_keys = ("critic/value_loss", "critic/grad_norm", "critic/explained_var") if case in CRITIC_CASES else ()
-        for key in ("loss", "grad_norm", "ratio/mean", "ess", *critic_keys):
+        for key in ("loss", "grad_norm", "ratio/mean", "ess", "entropy/mean", *critic_keys):
             assert abs(got[key] - ref[key]) <= 1e-5 * max(1e-3, abs(ref[key])), (case, key, got[key], ref[key])
         if "kl_coef" in CASES[case][2]:
             assert got["kl_ref/mean"] == 0.0 == ref["kl_ref/mean"]  # the reference is the initial policy

@@ -106,6 +106,30 @@ def test_train_step_matches_reference(model_dir, world, micro_batch_size):
     assert abs(metrics["grad_norm"] - ref_grad_norm) <= 1e-5 * max(1.0, ref_grad_norm)
     after = dict(learner.publish_tensors())
     assert any(not torch.equal(before[n], after[n]) for n in before)
+    # The policy's entropy (loss.entropy_metric, on by default): the mean over trained tokens of the entropy of
+    # softmax(logits / T) at the position predicting each, from the transformers forward.
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(batch.input_ids).logits.double(), -1)[:, :-1]
+        entropy = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+    ref_entropy = ((entropy * batch.loss_mask).sum() / batch.loss_mask.sum()).item()
+    assert metrics["entropy/mean"] == pytest.approx(ref_entropy, rel=1e-5)
+
+
+def test_a_reported_entropy_is_computed_in_slices_without_gradient_and_can_be_turned_off(model_dir, world,
+                                                                                       monkeypatch):
+    """Slices of 3 positions (the module's bound, lowered) give the whole-tensor entropy, and the step's loss and
+    gradient are those of a step that does not report it (loss.entropy_metric=false: no entropy/mean)."""
+    from megarl.learner import step
+
+    hf = _hf(model_dir)
+    batch = _batch(hf)
+    whole = _learner(model_dir, lr=1e-2).train_step(batch)
+    monkeypatch.setattr(step, "ENTROPY_SLICE_ELEMENTS", 3 * B * VOCAB)
+    sliced = _learner(model_dir, lr=1e-2).train_step(batch)
+    off = _learner(model_dir, lr=1e-2, loss_cfg=LossConfig(entropy_metric=False)).train_step(batch)
+    assert sliced["entropy/mean"] == pytest.approx(whole["entropy/mean"], rel=1e-6) and "entropy/mean" not in off
+    for key in ("loss", "grad_norm"):
+        assert sliced[key] == whole[key] == off[key], key
 
 
 def test_each_step_trains_at_the_scheduled_lr(model_dir, world):
@@ -334,6 +358,8 @@ def test_every_layout_matches_tp1(model_dir, world, tmp_path):
             assert abs(rank["metrics"]["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), layout
             assert abs(rank["metrics"]["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], layout
             assert abs(rank["metrics"]["ratio/mean"] - ref["ratio/mean"]) <= 1e-5, layout
+            # the reported entropy: over the vocab shards at TP2 (collectives per slice), per stage at PP2
+            assert abs(rank["metrics"]["entropy/mean"] - ref["entropy/mean"]) <= 1e-5 * ref["entropy/mean"], layout
         published = {}
         for rank in _sources(ranks):
             assert not set(rank["published"]) & set(published), f"{layout}: a tensor published twice"

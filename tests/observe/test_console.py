@@ -66,6 +66,20 @@ def test_tokens_the_lag_bound_masked_show_on_the_progress_line_and_in_the_summar
     assert "masked" not in out.getvalue()
 
 
+def test_the_summary_gives_the_policy_entropy_first_to_last_tenth_when_the_learner_reports_it():
+    out = io.StringIO()
+    console = Console(20, True, "runs/x", stream=out)
+    for step in range(1, 21):
+        console.update(step, {**step_metrics(0.5), "entropy/mean": 1.0 - 0.04 * step}, [1])
+    console.close()
+    assert "megarl: policy entropy 0.940 -> 0.220 nats per trained token (first -> last 10% of steps" in out.getvalue()
+    out = io.StringIO()
+    console = Console(1, True, "runs/x", stream=out)
+    console.update(1, step_metrics(0.5), [1])  # loss.entropy_metric=false
+    console.close()
+    assert "entropy" not in out.getvalue()
+
+
 def test_the_summary_counts_the_samples_overlong_shaping_penalised_only_when_it_is_on():
     out = io.StringIO()
     console = Console(2, True, "runs/x", stream=out)

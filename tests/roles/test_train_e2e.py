@@ -27,6 +27,7 @@ def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_count_mo
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert f"step {STEPS}/{STEPS}" in proc.stdout  # the console progress line
     assert "megarl: eval version 0 (step 0" in proc.stdout and "megarl: eval heldout: pass@1" in proc.stdout
+    assert "megarl: policy entropy " in proc.stdout  # the summary's first -> last tenth of entropy/mean
 
     cfg = OmegaConf.load(run_dir / "config.yaml")
     assert cfg.run.steps == STEPS and cfg.model.path == str(embedded_count_model_dir)
@@ -36,7 +37,7 @@ def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_count_mo
     assert [m["step"] for m in metrics] == list(range(STEPS))
     assert [m["version"] for m in metrics] == list(range(1, STEPS + 1))  # one optimizer step per batch
     for m in metrics:
-        for key in ("reward_mean", "lag_mean", "lag_max", "tokens_per_s", "loss", "ratio/mean", "ess"):
+        for key in ("reward_mean", "lag_mean", "lag_max", "tokens_per_s", "loss", "ratio/mean", "ess", "entropy/mean"):
             assert math.isfinite(m[key]), key
         assert 0 <= m["lag_mean"] <= m["lag_max"] <= max_lag
         assert 0 < m["sampler1/busy_frac"] <= 1 and m["sampler1/tokens_decoded"] > 0  # sampler rank 1's counters
