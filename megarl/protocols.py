@@ -87,6 +87,8 @@ class Sample:
     # MoE models: the routes of every position (module docstring), as the sampler's engine recorded them;
     # None for a dense model or an engine that did not record them.
     routes: np.ndarray | None = None
+    # The prompt's data source (a dataset row's task.source_field), for per-source metrics; "" when it has none.
+    source: str = ""
 
     @property
     def policy_versions(self) -> set[int]:

@@ -57,6 +57,9 @@ class TaskConfig:
     path: str = ""
     prompt_field: str = "prompt"
     answer_field: str = "answer"
+    # A dataset row's source (verl's convention: "data_source"): samples carry it, and the learner reports each
+    # source's reward (reward/source/<name>) and rollouts.jsonl records it; a row without the field has none.
+    source_field: str = "data_source"
     on_bad_row: str = "error"  # a malformed row or one missing a field: "error" (names file:line) or "skip" (counted)
     # The reward: "" = the task's own; "python_output" = run the completion as a Python program in the
     # sandbox and compare its stdout with the answer; "package.module:function" = a user function

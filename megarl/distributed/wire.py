@@ -85,6 +85,7 @@ SAMPLE_FIELDS: tuple[Field, ...] = (
     Field("reward_error", OPT_STR),
     Field("env_spans", SPAN_LIST),
     Field("turns", INT, min_value=1),
+    Field("source", STR),
     # MoE: [positions, moe_layers, top_k] expert indices (megarl.rollout.routes checks the shape against the model)
     Field("routes", NDARRAY, dtypes=("uint8", "int16"), ndim=3, optional=True),
 )

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 WIDTH = 110  # the progress line is padded to this, so a shorter line fully covers a longer one
+SOURCE_PREFIX = "reward/source/"  # the learner's per-source rewards (megarl.roles.learner_main.source_rewards)
+SOURCES_SHOWN = 8
 
 
 def tenth_means(values: list[float]) -> tuple[float, float]:
@@ -41,6 +43,7 @@ class Console:
         self.tty = self.stream.isatty()
         self.rewards: list[float] = []
         self.entropies: list[float] = []  # the policy's mean entropy over each step's trained tokens
+        self.source_rewards: dict[str, list[float]] = {}  # reward/source/<name> of the steps whose batch held it
         self.version_counts: list[int] = []  # distinct policy versions in each trained rollout
         self.first_update: tuple[float, int] | None = None  # (time, step) of the first step seen
         self.line = ""
@@ -56,6 +59,9 @@ class Console:
         self.rewards.append(metrics.get("reward_mean", float("nan")))
         if "entropy/mean" in metrics:  # (loss.entropy_metric, on by default)
             self.entropies.append(metrics["entropy/mean"])
+        for key, value in metrics.items():
+            if key.startswith(SOURCE_PREFIX):
+                self.source_rewards.setdefault(key[len(SOURCE_PREFIX):], []).append(value)
         self.version_counts.extend(version_counts)
         self.last_step = step
         for key, value in metrics.items():
@@ -122,6 +128,7 @@ class Console:
             f"(mean of the first -> last 10% of steps)",
             f"megarl: {n} rollouts trained; {self.share(2):.1%} hold tokens of >= 2 policy versions, "
             f"{self.share(3):.1%} of >= 3; {sum(self.version_counts) / max(1, n):.2f} versions per rollout",
+            *self._source_summary(),
             *self._entropy_summary(),
             *self._stale_summary(),
             *self._overlong_summary(),
@@ -143,6 +150,17 @@ class Console:
             return []
         return [f"megarl: {masked:.0f} tokens older than loss.max_token_lag given no policy gradient ({masked / total:.1%} "
                 f"of the trained tokens; algo.stale=mask_tokens sets the bound to algo.max_lag)"]
+
+    def _source_summary(self) -> list[str]:
+        """Datasets with a source column (task.source_field): each source's reward, first -> last tenth of the steps
+        whose batch held it; the first SOURCES_SHOWN sources by name, the rest counted."""
+        if not self.source_rewards:
+            return []
+        names = sorted(self.source_rewards)
+        shown = ", ".join("{} {:.3f} -> {:.3f}".format(name, *tenth_means(self.source_rewards[name]))
+                          for name in names[:SOURCES_SHOWN])
+        more = f" (+{len(names) - SOURCES_SHOWN} more in metrics.jsonl)" if len(names) > SOURCES_SHOWN else ""
+        return [f"megarl: reward by source: {shown}{more} (first -> last 10% of the steps holding the source)"]
 
     def _entropy_summary(self) -> list[str]:
         if not self.entropies:

@@ -65,7 +65,7 @@ class RolloutSink:
             "completion": s.completion, "prompt_ids": s.prompt_ids, "token_ids": s.token_ids,
             "behaviour_logprobs": s.logprobs, "versions": s.versions, "reward": s.reward,
             "finish_reason": s.finish_reason, "sampler_rank": s.sampler_rank,
-            "reward_error": s.reward_error, "turns": s.turns,
+            "reward_error": s.reward_error, "turns": s.turns, "source": s.source,
             "spans": [list(span) for span in s.spans()]} for s in samples))
 
     def close(self) -> None:

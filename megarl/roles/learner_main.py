@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import replace
 from collections import Counter
@@ -51,6 +52,32 @@ STOP_KEY = "stop"
 def dropped_retired_key(sampler_rank: int) -> str:
     """Where the lead posts a sampler's retired-group count as soon as it drops one of its groups."""
     return f"retired/{sampler_rank}"
+
+
+class SourceNames:
+    """The metric name of each data source (Sample.source): reward/source/<name>, the name made tag-safe. The first
+    MAX_SOURCES distinct sources keep theirs; later ones are reported together as "other" (a dataset whose rows
+    each name their own source must not add a metric per row)."""
+
+    MAX_SOURCES = 32
+
+    def __init__(self):
+        self.names: dict[str, str] = {}
+
+    def __call__(self, source: str) -> str:
+        if source not in self.names:
+            tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", source)[:64] or "_"
+            self.names[source] = tag if len(self.names) < self.MAX_SOURCES else "other"
+        return self.names[source]
+
+
+def source_rewards(samples: list[Sample], name_of: SourceNames) -> dict[str, float]:
+    """reward/source/<name>: the mean reward of the batch's samples of each data source (none without sources)."""
+    by_source: dict[str, list[float]] = {}
+    for s in samples:
+        if s.source:
+            by_source.setdefault(name_of(s.source), []).append(s.reward)
+    return {f"reward/source/{name}": sum(rewards) / len(rewards) for name, rewards in sorted(by_source.items())}
 
 
 def batch_metrics(batch: TrainBatch) -> dict[str, float]:
@@ -217,6 +244,7 @@ class RunOutputs:
         self.console = Console(cfg.run.steps, cfg.run.progress, cfg.run.dir)
         self.timeline = Timeline(cfg.run.dir, f"learner{rank}") if cfg.run.timeline else None
         self.recovery = recovery  # restarts / redone_steps, when this run resumed after a failure
+        self.source_names = SourceNames()
         if self.timeline is not None:  # what this process did before its first step
             self.timeline.startup(startup.spans())
         self.last = time.perf_counter()
@@ -228,7 +256,8 @@ class RunOutputs:
             for kind, start, end in zip(("wait", "train", "publish"), wall, wall[1:]):
                 self.timeline.span(kind, start, end)
         now = time.perf_counter()
-        metrics = {**metrics, **batch_metrics(batch), **self.recovery,
+        metrics = {**metrics, **batch_metrics(batch), **source_rewards(batch.samples, self.source_names),
+                   **self.recovery,
                    "tokens_per_s": batch.num_tokens / (now - self.last), "train_s": wall[2] - wall[1],
                    "publish_s": published["seconds"], "publish_bytes": published["bytes"], "time": time.time()}
         if published.get("full_bytes"):  # what a full publish of the same part would have sent

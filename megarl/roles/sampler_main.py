@@ -53,6 +53,7 @@ from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
 from megarl.roles.learner_main import STOP_KEY, dropped_retired_key
 from megarl.rollout.agent import AgentRunner
+from megarl.rollout.datasets import source_of
 from megarl.rollout.environment import is_multi_turn
 from megarl.rollout.episode import Episode, EpisodeLimits, EpisodeRunner
 from megarl.rollout.heldout import training_split
@@ -417,7 +418,7 @@ class SamplerLoop:
             samples.append(Sample(group_id=group_id, prompt=prompt.text, completion=text, prompt_ids=c.prompt_ids,
                                   token_ids=c.token_ids, logprobs=c.logprobs, versions=c.versions, reward=reward,
                                   finish_reason=c.finish_reason, sampler_rank=self.topo.rank, reward_error=error,
-                                  routes=c.routes))
+                                  routes=c.routes, source=source_of(prompt, self.cfg.task.source_field)))
         self._check_routes(samples)
         entry["samples"] = samples
 
@@ -428,7 +429,8 @@ class SamplerLoop:
         samples = [Sample(group_id=group_id, prompt=e.prompt.text, completion=self.tokenizer.decode(e.token_ids),
                           prompt_ids=e.prompt_ids, token_ids=e.token_ids, logprobs=e.logprobs, versions=e.versions,
                           reward=e.reward, finish_reason=e.finish_reason, sampler_rank=self.topo.rank,
-                          reward_error=e.error, env_spans=e.env_spans, turns=e.turns, routes=e.sample_routes())
+                          reward_error=e.error, env_spans=e.env_spans, turns=e.turns, routes=e.sample_routes(),
+                          source=source_of(e.prompt, self.cfg.task.source_field))
                    for e in sorted(entry["done"], key=lambda e: int(e.key.rsplit("/", 1)[1]))]
         self._check_routes(samples)
         failed = next((s.reward_error for s in samples if s.reward_error is not None), None)

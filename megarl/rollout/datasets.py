@@ -28,6 +28,12 @@ from megarl.protocols import Prompt
 from megarl.rollout.tasks import exact_match
 
 
+def source_of(prompt: Prompt, source_field: str) -> str:
+    """The prompt's data source: its row's `source_field` column (task.source_field) as text, "" without one."""
+    value = prompt.meta.get(source_field) if source_field else None
+    return "" if value is None else str(value)
+
+
 class BadRow(ValueError):
     """One row that cannot be a prompt; the message says what is wrong with it."""
 

@@ -31,7 +31,8 @@ def roundtrip(group, stats=None, key=KEY):
 
 
 def test_a_group_and_its_stats_round_trip_exactly():
-    group = [sample(), sample(reward_error="boom", env_spans=[], turns=1, token_ids=[], logprobs=[], versions=[])]
+    group = [sample(source="gsm8k/é"),
+             sample(reward_error="boom", env_spans=[], turns=1, token_ids=[], logprobs=[], versions=[])]
     envelope, back, stats = roundtrip(group, {"tokens_per_s": 12.5, "swaps": 3})
     assert back == group
     assert stats == {"tokens_per_s": 12.5, "swaps": 3.0}

@@ -66,6 +66,17 @@ def test_tokens_the_lag_bound_masked_show_on_the_progress_line_and_in_the_summar
     assert "masked" not in out.getvalue()
 
 
+def test_the_summary_gives_each_source_s_reward_first_to_last_tenth_of_the_steps_holding_it():
+    out = io.StringIO()
+    console = Console(10, True, "runs/x", stream=out)
+    for step in range(1, 11):
+        sources = {"reward/source/gsm8k": 0.1 * step, **({"reward/source/math": 0.5} if step % 2 else {})}
+        console.update(step, {**step_metrics(0.5), **sources}, [1])
+    console.close()
+    assert ("megarl: reward by source: gsm8k 0.100 -> 1.000, math 0.500 -> 0.500 (first -> last 10% of the steps "
+            "holding the source)") in out.getvalue()
+
+
 def test_the_summary_gives_the_policy_entropy_first_to_last_tenth_when_the_learner_reports_it():
     out = io.StringIO()
     console = Console(20, True, "runs/x", stream=out)

@@ -124,7 +124,7 @@ def test_a_run_trains_on_dataset_prompts_skips_overlong_ones_and_survives_a_hang
         embedded_model_dir, tmp_path):
     dataset = dataset_with_overlong_prompts(tmp_path)
     proc = train_on(dataset, embedded_model_dir, tmp_path / "run", "task.reward_fn=tests.rollout.reward_fns:hang_on_nine",
-                    "task.reward_timeout_s=0.5",
+                    "task.reward_timeout_s=0.5", "task.source_field=level",  # each row's "level" is its source
                     "task.max_reward_error_frac=1")  # a third of the prompts hang: this run must survive them
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     metrics = train_records([json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()])
@@ -136,6 +136,15 @@ def test_a_run_trains_on_dataset_prompts_skips_overlong_ones_and_survives_a_hang
     assert hung and all(r["reward"] == 0.0 and "did not return within 0.5s" in r["reward_error"] for r in hung)
     assert sum(m["reward_errors"] for m in metrics) == len(hung)
     assert all(r["reward_error"] is None for r in rollouts if "9" not in r["prompt"])
+    # Per source: the samples carry their row's source; each step reports every source's mean reward.
+    level = {r["prompt"]: str(r["level"]) for r in ROWS}
+    assert all(r["source"] == level[r["prompt"]] for r in rollouts)
+    for m in metrics:
+        trained = [r for r in rollouts if r["trained_at_step"] == m["step"]]
+        expected = {f"reward/source/{s}": sum(r["reward"] for r in trained if r["source"] == s)
+                    / sum(r["source"] == s for r in trained) for s in {r["source"] for r in trained}}
+        assert {k: v for k, v in m.items() if k.startswith("reward/source/")} == pytest.approx(expected)
+    assert "megarl: reward by source: 0 " in proc.stdout  # the summary, per source
 
 
 def test_a_run_refuses_overlong_dataset_prompts_when_configured(embedded_model_dir, tmp_path):
@@ -143,3 +152,13 @@ def test_a_run_refuses_overlong_dataset_prompts_when_configured(embedded_model_d
                     "task.skip_overlong_prompts=false")
     assert proc.returncode != 0
     assert "does not fit sampler.max_seq_len=64" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_prompt_s_source_is_its_row_s_source_field_as_text_or_none(tmp_path):
+    from megarl.rollout.datasets import source_of
+
+    rows = [{"prompt": "1+1=", "answer": 2, "data_source": "gsm8k"}, {"prompt": "2+2=", "answer": 4, "level": 3},
+            {"prompt": "3+3=", "answer": 6}]
+    prompts = build_task("jsonl", path=str(write_jsonl(tmp_path / "d.jsonl", rows))).prompts
+    assert [source_of(p, "data_source") for p in prompts] == ["gsm8k", "", ""]
+    assert [source_of(p, "level") for p in prompts] == ["", "3", ""] and source_of(prompts[0], "") == ""
