@@ -29,7 +29,9 @@ from typing import Callable
 
 from megarl.eval.score import score_set
 from megarl.eval.sets import EvalSet
+from megarl.observe.sources import SourceNames
 from megarl.protocols import Completion, GenerationRequest, SamplingParams
+from megarl.rollout.datasets import source_of
 from megarl.rollout.environment import is_multi_turn
 from megarl.rollout.episode import Episode, EpisodeLimits, EpisodeRunner
 from megarl.rollout.rewards import is_timeout, score_group
@@ -147,18 +149,27 @@ def run_share(engine, tokenizer, sets: list[EvalSet], cfg, share: int, shares: i
             records.append({"set": name, "prompt_index": i, "greedy": key.endswith("/g"), "sample": j,
                             "prompt": prompt.text, "completion": text, "versions": sample.versions, "reward": reward,
                             "reward_error": error, "tokens": tokens, "finish_reason": sample.finish_reason,
+                            "source": source_of(prompt, cfg.task.source_field),
                             **({"turns": sample.turns} if episodes else {})})
     return {"version": version, "seconds": time.perf_counter() - start, "records": records,
             "skipped_overlong": skipped}
 
 
 def summarise(shares: list[dict], set_names: list[str], k: int) -> dict[str, float]:
-    """The metrics of one evaluation from all its shares: eval/<set>/<metric> (megarl/eval/score.py), plus
-    eval/<set>/skipped_overlong and eval_s (the slowest share's seconds)."""
+    """The metrics of one evaluation from all its shares: eval/<set>/<metric> (megarl/eval/score.py), the same per
+    data source of a set whose prompts have one (eval/<set>/source/<name>/<metric>), plus eval/<set>/skipped_overlong
+    and eval_s (the slowest share's seconds)."""
     metrics: dict[str, float] = {"eval_s": max(s["seconds"] for s in shares)}
     for name in set_names:
         records = [r for s in shares for r in s["records"] if r["set"] == name]
         for key, value in score_set(records, k).items():
             metrics[f"eval/{name}/{key}"] = value
+        source_names, by_source = SourceNames(), {}
+        for r in records:
+            if r.get("source"):
+                by_source.setdefault(source_names(r["source"]), []).append(r)
+        for source, source_records in sorted(by_source.items()):
+            for key, value in score_set(source_records, k).items():
+                metrics[f"eval/{name}/source/{source}/{key}"] = value
         metrics[f"eval/{name}/skipped_overlong"] = float(sum(s["skipped_overlong"][name] for s in shares))
     return metrics

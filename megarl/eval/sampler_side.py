@@ -103,7 +103,7 @@ class VersionEvaluator:
             result["publishes_during"] = len(set(engine.staged_versions()) - before) if self.staged else self.held
         self.samples.append(*({"eval_version": version, "share": self.share, **r} for r in result["records"]))
         compact = [{k: r[k] for k in ("set", "prompt_index", "greedy", "reward", "reward_error", "tokens",
-                                      "finish_reason", "turns") if k in r} for r in result["records"]]
+                                      "finish_reason", "turns", "source") if k in r} for r in result["records"]]
         self._post(version, {**result, "records": compact})
 
     def _post(self, version: int, payload: dict) -> None:

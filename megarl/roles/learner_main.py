@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from dataclasses import replace
 from collections import Counter
@@ -39,6 +38,7 @@ from megarl.models.layout import check_layout
 from megarl.observe import startup
 from megarl.observe.console import Console
 from megarl.observe.sinks import MetricsSink, RolloutSink
+from megarl.observe.sources import SourceNames, source_rewards
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Sample, TrainBatch
 from megarl.rollout.batch import assemble_batch, is_stale, is_zero_variance
@@ -52,32 +52,6 @@ STOP_KEY = "stop"
 def dropped_retired_key(sampler_rank: int) -> str:
     """Where the lead posts a sampler's retired-group count as soon as it drops one of its groups."""
     return f"retired/{sampler_rank}"
-
-
-class SourceNames:
-    """The metric name of each data source (Sample.source): reward/source/<name>, the name made tag-safe. The first
-    MAX_SOURCES distinct sources keep theirs; later ones are reported together as "other" (a dataset whose rows
-    each name their own source must not add a metric per row)."""
-
-    MAX_SOURCES = 32
-
-    def __init__(self):
-        self.names: dict[str, str] = {}
-
-    def __call__(self, source: str) -> str:
-        if source not in self.names:
-            tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", source)[:64] or "_"
-            self.names[source] = tag if len(self.names) < self.MAX_SOURCES else "other"
-        return self.names[source]
-
-
-def source_rewards(samples: list[Sample], name_of: SourceNames) -> dict[str, float]:
-    """reward/source/<name>: the mean reward of the batch's samples of each data source (none without sources)."""
-    by_source: dict[str, list[float]] = {}
-    for s in samples:
-        if s.source:
-            by_source.setdefault(name_of(s.source), []).append(s.reward)
-    return {f"reward/source/{name}": sum(rewards) / len(rewards) for name, rewards in sorted(by_source.items())}
 
 
 def batch_metrics(batch: TrainBatch) -> dict[str, float]:

@@ -168,6 +168,28 @@ def test_megarl_eval_writes_the_json_result(model_dir, tmp_path):
     assert refused.value.code == 2
 
 
+def test_a_set_whose_prompts_name_their_source_is_scored_per_source_too(model_dir, tmp_path):
+    """eval/<set>/source/<name>/<metric>: score_set over that source's records; each record says its source."""
+    from megarl.cli import main
+    from megarl.eval.score import score_set
+
+    path, out = tmp_path / "held.jsonl", tmp_path / "result.json"
+    rows = [{"prompt": p, "answer": a, "data_source": s} for p, a, s in
+            [("a-c=", "abc", "short"), ("b-d=", "bcd", "short"), ("c-m=", "cdefghijklm", "long run")]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit) as done:
+        main(["eval", DEMO, f"model.path={model_dir}", f"eval.sets=[{{name: file, path: {path}, prompts: 0}}]",
+              "sampler.max_seq_len=24", "sampling.max_new_tokens=6", "--out", str(out)])
+    assert done.value.code == 0
+    result = json.loads(out.read_text())
+    assert {r["source"] for r in result["records"]} == {"short", "long run"}
+    for source, tag in (("short", "short"), ("long run", "long_run")):
+        expected = score_set([r for r in result["records"] if r["source"] == source], 4)
+        assert {k.rsplit("/", 1)[1]: v for k, v in result["metrics"].items()
+                if k.startswith(f"eval/file/source/{tag}/")} == expected
+    assert result["metrics"]["eval/file/source/short/prompts"] == 2
+
+
 @pytest.mark.parametrize("task", ["count", "arithmetic", "python_output", "tool_arith"])
 def test_built_in_sets_draw_only_held_out_prompts_and_training_never_does(model_dir, tmp_path, task):
     import random
