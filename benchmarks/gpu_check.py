@@ -160,14 +160,15 @@ def init_single_rank(backend: str, workdir: Path) -> None:
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
-def make_learner(model_dir: Path, size: Size, critic: bool = False, pack: bool = True, share: bool = True):
+def make_learner(model_dir: Path, size: Size, critic: bool = False, pack: bool = True, share: bool = True,
+                 loss_cfg=None):
     from megarl.algo.config import CriticConfig, LossConfig
     from megarl.config.schema import LearnerConfig
     from megarl.learner.megatron import MegatronLearner
 
     return MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-6,
-                                                         pack_sequences=pack, share_prefixes=share), LossConfig(),
-                           critic_cfg=CriticConfig(target="vtrace", lr=1e-5) if critic else None)
+                                                         pack_sequences=pack, share_prefixes=share),
+                           loss_cfg or LossConfig(), critic_cfg=CriticConfig(target="vtrace", lr=1e-5) if critic else None)
 
 
 def make_engine(model_dir: Path, device, max_running: int, max_seq_len: int):
@@ -238,6 +239,38 @@ def check_learner_step(args, size: Size, critic: bool = False) -> dict:
 def check_critic_step(args, size: Size) -> dict:
     """learner_step with the critic (advantage.estimator=gae, V-trace targets): its cost on the device."""
     return check_learner_step(args, size, critic=True)
+
+
+def check_entropy_metric(args, size: Size) -> dict:
+    """algo.loss.entropy_metric's cost on the device (on by default since session 18): learner_step's step without
+    and with the policy's entropy reported (no gradient, in slices of positions, over the 0.5B shape's 151,936-token
+    vocabulary): median step times, their ratio, the peak GPU memory of each, the reported entropy (random
+    weights: near log(vocab) = 11.9 nats)."""
+    import gc
+
+    import torch
+
+    from megarl.algo.config import LossConfig
+
+    workdir = Path(args.workdir)
+    init_single_rank(args.backend, workdir)
+    model_dir = build_model(workdir / "model", size, args.device)
+    out: dict = {}
+    for name, on in (("off", False), ("on", True)):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        learner = make_learner(model_dir, size, loss_cfg=LossConfig(entropy_metric=on))
+        times, steps = timed_steps(learner, size)
+        out[f"median_step_s_{name}"] = round(sorted(times)[len(times) // 2], 4) if times else float("nan")
+        out[f"peak_gpu_gib_{name}"] = peak_gib()
+        if on:
+            out["entropy_mean"] = steps[-1].get("entropy/mean")
+        del learner, steps
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    out["on_over_off"] = round(out["median_step_s_on"] / out["median_step_s_off"], 3)
+    return out
 
 
 def timed_steps(learner, size: Size, critic: bool = False) -> tuple[list[float], list[dict]]:
@@ -803,7 +836,8 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "publish_bandwidth": (check_publish_bandwidth, 120),
           # last: the newest, so a budget that runs short skips them rather than an older check
           "lora": (check_lora, 120), "critic_step": (check_critic_step, 120), "packing": (check_packing, 120),
-          "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120)}
+          "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120),
+          "entropy_metric": (check_entropy_metric, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU
 
