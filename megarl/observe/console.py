@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 WIDTH = 110  # the progress line is padded to this, so a shorter line fully covers a longer one
-SOURCE_PREFIX = "reward/source/"  # the learner's per-source rewards (megarl.roles.learner_main.source_rewards)
+SOURCE_PREFIX = "reward/source/"  # the learner's per-source rewards (megarl.observe.sources.source_rewards)
 SOURCES_SHOWN = 8
 
 

@@ -9,9 +9,8 @@ from megarl.protocols import Sample
 
 class SourceNames:
     """The metric name of each data source (reward/source/<name>, eval/<set>/source/<name>/...): the source made
-    tag-safe. The first
-    MAX_SOURCES distinct sources keep theirs; later ones are reported together as "other" (a dataset whose rows
-    each name their own source must not add a metric per row)."""
+    tag-safe. The first MAX_SOURCES distinct sources keep theirs; later ones are reported together as "other" (a
+    dataset whose rows each name their own source must not add a metric per row)."""
 
     MAX_SOURCES = 32
 
