@@ -444,16 +444,18 @@ class MegatronLearner:
 
     def _position_entropy(self, logits: torch.Tensor) -> torch.Tensor:
         """[B', S'] entropy of the predictive distribution at each position (packing.next_token_values reads it
-        per row token)."""
+        per row token): over the vocab shards of the TP ranks (the whole vocabulary at TP=1)."""
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+        if self.cfg.tp == 1:
+            return step.position_entropy(logits, self.temperature)
+        group = self.ps.get_tensor_model_parallel_group()
         z = logits.float() / self.temperature
         zmax = z.detach().max(dim=-1, keepdim=True).values
-        if self.cfg.tp > 1:
-            dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=self.ps.get_tensor_model_parallel_group())
+        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
         e = (z - zmax).exp()
-        sum_e = reduce_from_tensor_model_parallel_region(e.sum(-1))
-        sum_ez = reduce_from_tensor_model_parallel_region((e * z).sum(-1))
+        sum_e = reduce_from_tensor_model_parallel_region(e.sum(-1), group)
+        sum_ez = reduce_from_tensor_model_parallel_region((e * z).sum(-1), group)
         return zmax.squeeze(-1) + sum_e.log() - sum_ez / sum_e
 
     def _run(self, model, micro_batches: list[dict], forward_only: bool, loss_fn,
