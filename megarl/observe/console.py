@@ -166,8 +166,7 @@ class Console:
         if not self.entropies:
             return []
         first, last = tenth_means(self.entropies)
-        return [f"megarl: policy entropy {first:.3f} -> {last:.3f} nats per trained token (first -> last 10% of steps; "
-                f"a collapse towards 0 ends exploration: docs/algorithms.md)"]
+        return [f"megarl: policy entropy {first:.3f} -> {last:.3f} nats per trained token (first -> last 10% of steps)"]
 
     def _overlong_summary(self) -> list[str]:
         penalised, penalty, samples = self.overlong
