@@ -187,16 +187,12 @@ def scaling(out: Path, seed: int) -> dict:
     print(f"== {gpus} GPUs, {samplers}+{learners}: max_lag against dropped (too stale) groups and speed")
     for lag in (4, 8, 16, 32):
         s = run_pipeline(dataclasses.replace(params, max_lag=lag), samplers, learners, seed)
-        print(f"   max_lag {lag:2d}: {s['samples_per_s']:7.1f} samples/s ({s['samples_per_s'] / sync:.2f}x sync), "
-              f"sampler token util {s['sampler_token_util']:.2f}, lag mean {s['lag_mean']:.1f}, "
-              f"dropped {100 * s['dropped_frac']:.1f}%")
+        print(f"   max_lag {lag:2d}: {speed_line(s, sync)}")
     print(f"== {gpus} GPUs, {samplers}+{learners}: the order samplers send finished groups in (algo.queue_order)")
     orders = {}
     for (lag, order), s in lag_sweep(params, "queue_order", ORDERS, samplers, learners, seed).items():
         orders[f"max_lag {lag} {order}"] = s["samples_per_s"] / sync
-        print(f"   max_lag {lag:2d}, {order:8s}: {s['samples_per_s']:7.1f} samples/s ({s['samples_per_s'] / sync:.2f}x "
-              f"sync), sampler token util {s['sampler_token_util']:.2f}, lag mean {s['lag_mean']:.1f}, "
-              f"dropped {100 * s['dropped_frac']:.1f}%")
+        print(f"   max_lag {lag:2d}, {order:8s}: {speed_line(s, sync)}")
     print(f"== {gpus} GPUs, {samplers}+{learners}: what the learner does with stale tokens (algo.stale)")
     stale = {}
     for (lag, policy), s in lag_sweep(params, "stale", STALE_POLICIES, samplers, learners, seed).items():
@@ -209,6 +205,12 @@ def scaling(out: Path, seed: int) -> dict:
     plot_scaling(rows, out / "fleet_scaling.png")
     return {**{str(g): {"best_split": f["best"], "speedup": f["splits"][f["best"]]["speedup"]} for g, f in rows.items()},
             "queue_order_256": orders, "stale_256": stale}
+
+
+def speed_line(s: dict, sync: float) -> str:
+    """A pipeline run's speed against sync's, its sampler use, lag and drops: the max_lag and queue-order tables."""
+    return (f"{s['samples_per_s']:7.1f} samples/s ({s['samples_per_s'] / sync:.2f}x sync), sampler token util "
+            f"{s['sampler_token_util']:.2f}, lag mean {s['lag_mean']:.1f}, dropped {100 * s['dropped_frac']:.1f}%")
 
 
 def lag_sweep(params: FleetParams, field: str, values, samplers: int, learners: int, seed: int) -> dict:

@@ -186,6 +186,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def median(values) -> float:
+    """The middle value (the upper one of an even count), nan for none: the timed steps' median in every check."""
+    values = sorted(values)
+    return values[len(values) // 2] if values else float("nan")
+
+
 def peak_gib() -> float | None:
     import torch
 
@@ -224,7 +230,7 @@ def check_learner_step(args, size: Size, critic: bool = False) -> dict:
     build_s = time.perf_counter() - t0
     times, steps = timed_steps(learner, size, critic)
     metrics = steps[-1]
-    step_s = sorted(times)[len(times) // 2] if times else float("nan")
+    step_s = median(times)
     rows, length = size.train_rows, size.train_len
     params = sum(p.numel() for p in learner.gpt.parameters())
     return {"backend": args.backend, "params": params, "dtype": str(next(learner.gpt.parameters()).dtype),
@@ -261,7 +267,7 @@ def check_entropy_metric(args, size: Size) -> dict:
             torch.cuda.reset_peak_memory_stats()
         learner = make_learner(model_dir, size, loss_cfg=LossConfig(entropy_metric=on))
         times, steps = timed_steps(learner, size)
-        out[f"median_step_s_{name}"] = round(sorted(times)[len(times) // 2], 4) if times else float("nan")
+        out[f"median_step_s_{name}"] = round(median(times), 4)
         out[f"peak_gpu_gib_{name}"] = peak_gib()
         if on:
             out["entropy_mean"] = steps[-1].get("entropy/mean")
@@ -347,7 +353,7 @@ def check_packing(args, size: Size) -> dict:
             sync()
             if i:
                 times.append(time.perf_counter() - start)
-        out[name] = {"median_step_s": round(sorted(times)[len(times) // 2], 4), "padding_frac":
+        out[name] = {"median_step_s": round(median(times), 4), "padding_frac":
                      round(metrics["padding_frac"], 3), "shared_frac": round(metrics["shared_frac"], 3),
                      "lag0_gap": metrics.get("lag0/logprob_gap_abs"), "peak_gpu_gib": peak_gib()}
         del learner
@@ -402,7 +408,7 @@ def check_attention(args, size: Size) -> dict:
                 sync()
                 times.append(time.perf_counter() - start)
             results[name] = (context.detach().float(), [t.grad.float() for t in inputs])
-            out[f"{mask_name}_{name}"] = {"median_fwd_bwd_s": round(sorted(times[1:])[len(times[1:]) // 2], 5),
+            out[f"{mask_name}_{name}"] = {"median_fwd_bwd_s": round(median(times[1:]), 5),
                                           "peak_gpu_gib": peak_gib()}
         (sdpa_out, sdpa_grads), (ref_out, ref_grads) = results["sdpa"], results["megatron"]
         out[f"{mask_name}_max_abs_diff"] = max([(sdpa_out - ref_out).abs().max().item()] +
@@ -427,8 +433,8 @@ def check_distill(args, size: Size) -> dict:
     learner = MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-6), LossConfig(),
                               distill=DistillConfig(teacher=str(model_dir)))
     times, steps = timed_steps(learner, size)  # the warm-up step trains version 0: the teacher's own weights
-    step_s = sorted(times)[len(times) // 2] if times else float("nan")
-    teacher_s = sorted(m["distill/teacher_s"] for m in steps[1:])[len(times) // 2] if times else float("nan")
+    step_s = median(times)
+    teacher_s = median(m["distill/teacher_s"] for m in steps[1:])
     kl0 = steps[0]["distill/teacher_kl"]
     out = {"backend": args.backend, "median_step_s": round(step_s, 4), "median_teacher_s": round(teacher_s, 4),
            "teacher_share_of_step": round(teacher_s / step_s, 3), "teacher_kl_step0": kl0,
@@ -647,7 +653,7 @@ def check_lora(args, size: Size) -> dict:
         recorded[r, len(c.prompt_ids):len(c.prompt_ids) + len(c.token_ids)] = torch.tensor(c.logprobs)
     gap = (recorded - learner.logprobs(seqs))[gen_mask].abs()
     out = {"rank": lora_cfg.rank, "targets": len(lora_cfg.target_modules), "params": params, "trainable": trainable,
-           "median_step_s": round(sorted(times)[len(times) // 2], 4), "learner_peak_gpu_gib": learner_peak,
+           "median_step_s": round(median(times), 4), "learner_peak_gpu_gib": learner_peak,
            "adapter_bytes_fp32": sum(t.numel() for t in adapter.values()) * 4, "full_bytes_fp32": full_fp32_bytes,
            "adapter_tensors_s": round(adapter_s, 4), "engine_merge_stage_s": round(stage_s, 4), "sglang": sglang,
            "lag0_gap": {"max_abs": round(float(gap.max()), 4), "mean_abs": round(float(gap.mean()), 5)},

@@ -400,6 +400,7 @@ def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, dro
     reason and handed to `drop` (retired: the sampler may start replacements at once)."""
     start = time.perf_counter()
     groups, dropped = [], Counter({"stale_groups": 0})
+    length_limit = LengthLimit.of(cfg)  # what filter_zero_variance's shaped rewards need (overlong_buffer)
     while len(groups) < cfg.algo.prompts_per_step:
         group, stats = queue.recv_group(cfg.queue.timeout_s, on_wait=on_wait)
         if on_wait is not None:  # also while groups flow: one sampler may hang while another feeds us
@@ -408,8 +409,7 @@ def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, dro
         reason = None
         if is_stale(group, learner_version, cfg.algo.max_lag, cfg.algo.stale):
             reason = "stale_groups"
-        elif cfg.algo.advantage.filter_zero_variance and is_zero_variance(group, cfg.algo.advantage,
-                                                                          LengthLimit.of(cfg)):
+        elif cfg.algo.advantage.filter_zero_variance and is_zero_variance(group, cfg.algo.advantage, length_limit):
             reason = "zero_variance_groups"
         if reason is not None:
             dropped[reason] += 1
