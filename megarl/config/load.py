@@ -8,6 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import dataclasses
+import math
+
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -153,8 +156,13 @@ def _require(ok: bool, key: str, why: str) -> None:
 def validate(cfg: Config, world_size: int | None = None, check_files: bool = True) -> None:
     """Cross-field rules. `world_size`, when known (inside torchrun), must match the topology; `check_files`:
     that task.path exists (a check of a command before its data is made turns it off)."""
+    _check_finite(cfg)
     _check_positive(cfg)
     lc = cfg.learner
+    for key in ("run.seed", "learner.seed", "eval.seed"):
+        section, name = key.split(".")
+        _require(getattr(getattr(cfg, section), name) >= 0, key, f"must be >= 0, got {getattr(getattr(cfg, section), name)}")
+    _require(lc.grad_clip >= 0, "learner.grad_clip", f"must be >= 0 (0 = no clipping), got {lc.grad_clip}")
     _require(lc.backend in ("megatron", "deepspeed"), "learner.backend",
              f"unknown backend {lc.backend!r}; known: megatron, deepspeed")
     _validate_deepspeed(lc)
@@ -491,6 +499,20 @@ def _validate_deepspeed(lc) -> None:
     _require(lc.recompute_activations in ("none", "full"), "learner.recompute_activations",
              f"learner.backend=deepspeed recomputes whole layers (HF gradient checkpointing): none or full, "
              f"got {lc.recompute_activations!r}")
+
+
+def _check_finite(node, prefix: str = "") -> None:
+    """No float key may be nan or inf (YAML reads `.nan`, `inf` and `1e999` as floats): a comparison with nan is
+    always false, so `lr=nan` would pass every range check and turn the weights into NaN at the first step.
+    Walks the whole config tree, so a new float key is covered without being listed."""
+    items = ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) \
+        else enumerate(node) if isinstance(node, list) else ()
+    for name, value in items:
+        key = f"{prefix}[{name}]" if isinstance(name, int) else f"{prefix}.{name}".lstrip(".")
+        if isinstance(value, float):
+            _require(math.isfinite(value), key, f"must be a finite number, got {value}")
+        else:
+            _check_finite(value, key)
 
 
 def _check_positive(cfg: Config) -> None:
