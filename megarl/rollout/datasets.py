@@ -114,9 +114,29 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
             if not line.strip():
                 continue
             try:
-                yield where, json.loads(line.strip())
+                yield where, parse_json_row(line.strip())
             except ValueError as exc:
-                yield where, BadRow(f"not valid JSON ({exc})")
+                yield where, BadRow(str(exc))
+
+
+def parse_json_row(line: str) -> object:
+    """One JSONL row's value; ValueError saying why it is not a usable row. Beyond invalid JSON that means a row
+    nested deeper than Python's recursion limit (json raises RecursionError) and a string holding a lone
+    surrogate (`"\\ud800"` is valid JSON but no text: it would pass here and fail when first tokenized or
+    logged, mid-run)."""
+    try:
+        value = json.loads(line)
+    except RecursionError:
+        raise ValueError("nested too deep to read (more levels than Python's recursion limit)") from None
+    except ValueError as exc:
+        raise ValueError(f"not valid JSON ({exc})") from None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holds a lone surrogate ({exc.object[exc.start:exc.end]!r}), which is not text") from None
+    except RecursionError:
+        raise ValueError("nested too deep to read (more levels than Python's recursion limit)") from None
+    return value
 
 
 def _table_rows(path: Path, rows: list[dict]) -> Iterator[tuple[str, object]]:

@@ -23,7 +23,6 @@ than the context (``sft.max_seq_len``) is overlong (``sft.on_overlong``: the sam
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 from collections import Counter
@@ -31,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from megarl.rollout.datasets import parse_json_row
 
 
 class BadRecord(ValueError):
@@ -205,9 +206,9 @@ def _parse(raw: bytes):
     if not line.strip():
         raise BadRecord("empty line")
     try:
-        return json.loads(line)
+        return parse_json_row(line)
     except ValueError as exc:
-        raise BadRecord(f"not valid JSON ({exc})") from None
+        raise BadRecord(str(exc)) from None
 
 
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:

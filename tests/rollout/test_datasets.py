@@ -55,10 +55,16 @@ BAD_ROWS = [
     ('{"prompt": 11, "answer": 2}', "field 'prompt' must be a non-empty string, got int 11"),
     ('{"prompt": "1+1=", "answer": null}', "field 'answer' must be a string or a number, got NoneType None"),
     ('{"prompt": "1+1=", "answer": true}', "field 'answer' must be a string or a number, got bool True"),
+    ('{"prompt": "1+1=\\ud800", "answer": 2}', "holds a lone surrogate ('\\ud800'), which is not text"),
+    ('{"prompt": "1+1=", "answer": 2, "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     "nested too deep to read (more levels than Python's recursion limit)"),
+    ('{"prompt": "1+1=", "answer": ' + "9" * 4301 + "}",
+     "not valid JSON (Exceeds the limit (4300 digits) for integer string conversion: value has 4301 digits; use "
+     "sys.set_int_max_str_digits() to increase the limit)"),
 ]
 
 
-@pytest.mark.parametrize("line, problem", BAD_ROWS)
+@pytest.mark.parametrize("line, problem", BAD_ROWS, ids=[problem[:40] for _, problem in BAD_ROWS])
 def test_a_bad_row_is_named_by_file_and_line(line, problem, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS[:2] + ["", line] + ROWS[2:])
     with pytest.raises(BadRow) as info:

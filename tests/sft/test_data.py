@@ -101,6 +101,8 @@ def test_a_template_that_rewrites_earlier_turns_is_a_bad_record(tmp_path):
 BAD_LINES = [
     ("", "empty line"),
     ("{not json", "not valid JSON"),
+    ('{"prompt": "ab<\\udfff", "completion": "ba"}', "holds a lone surrogate"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deep to read"),
     ("[1, 2]", "expected a JSON object with 'prompt' and 'completion', or 'messages'; got list"),
     ({"prompt": "ab<", "answer": "ba"}, "missing key 'completion': expected 'prompt' and 'completion', or 'messages' "
                                         "(the record has ['answer', 'prompt'])"),
