@@ -36,17 +36,23 @@ def compute_advantages(rewards: Tensor, group_index: Tensor, cfg: AdvantageConfi
     """Per-sample advantages [N] (float32, or the rewards' float dtype if wider)."""
     validate_advantage_config(cfg)
     dtype = torch.promote_types(rewards.dtype, torch.float32)
-    rewards = rewards.to(dtype)
     if cfg.estimator == "gae":  # per token, by the learner's critic (TrainBatch.rewards, megarl.algo.values)
-        return torch.zeros_like(rewards)
+        return torch.zeros_like(rewards, dtype=dtype)
+    # The statistics run in float64 over each reward's distance from its group's smallest: a group of equal
+    # rewards is then exactly 0 everywhere (in float32, eight equal rewards of 3e38 gave advantages of 0.9).
+    inverse, n_groups = _groups(group_index)
+    rewards = rewards.to(torch.float64)
+    rewards = rewards - _group_reduce(rewards, inverse, n_groups, "amin")[inverse]
     size, mean, std = _group_stats(rewards, group_index)
     centred = rewards - mean
     if cfg.estimator == "rloo":
         # R_i - (G mean - R_i)/(G-1) = G/(G-1) (R_i - mean); singleton groups -> 0.
-        return torch.where(size > 1, centred * size / (size - 1).clamp(min=1), 0.0)
-    if cfg.estimator == "grpo" and cfg.std_normalize:
-        return centred / (std + cfg.eps)
-    return centred
+        advantages = torch.where(size > 1, centred * size / (size - 1).clamp(min=1), 0.0)
+    elif cfg.estimator == "grpo" and cfg.std_normalize:
+        advantages = centred / (std + cfg.eps)
+    else:
+        advantages = centred
+    return advantages.to(dtype)
 
 
 def overlong_penalty(lengths: Tensor, limits: Tensor, buffer: int, penalty: float) -> Tensor:

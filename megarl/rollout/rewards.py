@@ -1,7 +1,7 @@
 """Safe reward evaluation: one bad reward call must never stop (or stall) a run.
 
 `score` wraps `task.reward`. A reward that raises, overruns its deadline, breaks a sandbox limit, or
-returns something that is not a finite real number (None, a string, NaN, inf, beyond float32's range: 1e308)
+returns something that is not a real number within +-REWARD_BOUND (None, a string, NaN, inf, 1e308, 3e38)
 yields reward 0.0 and
 an error string; the caller records the string on the Sample (`Sample.reward_error`) and the learner
 counts it (`reward_errors`), so a buggy user reward shows up in the metrics instead of as a crashed or
@@ -65,18 +65,19 @@ def score(task: Task, prompt: Prompt, completion: str) -> tuple[float, str | Non
     return value, None
 
 
-# float32's largest finite value (torch.finfo(torch.float32).max): advantages and the loss are float32.
-FLOAT32_MAX = 3.4028234663852886e38
+# The documented range of a reward (docs/rewards.md). NaN and inf turn every group advantage they touch into NaN,
+# and so does a value float64 holds but float32 does not (1e308); a finite float32 value near its limit (3e38)
+# overflows the group statistics and the metrics (a batch mean of 2e36), and at any magnitude far beyond the
+# others' it drowns every other reward's signal. 1e6 leaves room for any scale a reward is written in.
+REWARD_BOUND = 1e6
 
 
 def bad_reward_value(value: float) -> str | None:
-    """Why a real number cannot be a reward, or None. NaN and inf turn every group advantage they touch into
-    NaN; so does a value float64 holds but float32 does not (1e308 is inf in training), and then every step
-    that trains on it is skipped as non-finite."""
+    """Why a real number cannot be a reward, or None."""
     if not math.isfinite(value):
         return f"reward must be finite, got {value}"
-    if abs(value) > FLOAT32_MAX:
-        return f"reward must be finite in float32 (|reward| <= 3.4e38), as training holds it, got {value}"
+    if abs(value) > REWARD_BOUND:
+        return f"reward must be within +-{REWARD_BOUND:.0e} (docs/rewards.md), got {value}"
     return None
 
 

@@ -65,6 +65,16 @@ def test_constant_group_has_zero_advantage(cfg):
     assert got[3] > 0 > got[4]
 
 
+@pytest.mark.parametrize("cfg", ESTIMATORS, ids=lambda c: f"{c.estimator}-std{c.std_normalize}-eps{c.eps}")
+@pytest.mark.parametrize("level", [3e38, -1e6, 1e6 + 0.5, 0.1])
+def test_equal_rewards_give_exactly_zero_at_any_magnitude(cfg, level):
+    """A float32 mean of equal values is not always the value (8 x 3e38 overflows; 0.1 sums inexactly), so a
+    group of equal rewards would train on rounding noise scaled by 1/(std + eps) -- up to 0.9 -- if computed there."""
+    rewards = torch.tensor([level] * 8 + [level, 0.0], dtype=torch.float32)
+    got = compute_advantages(rewards, torch.tensor([1] * 8 + [2, 2]), cfg)
+    assert got[:8].tolist() == [0.0] * 8 and torch.isfinite(got).all()
+
+
 def test_advantages_sum_to_zero_per_group_and_float32_out():
     rewards, ids = random_groups(3)
     for cfg in ESTIMATORS:
