@@ -316,20 +316,45 @@ def check_model_dir(model_dir, cfg=None) -> None:
     if not present:
         raise ValueError(f"model directory {str(model_dir)!r} has no tokenizer files (one of: "
                          f"{'; '.join(' + '.join(files) for files in TOKENIZER_FILES)})")
-    check_tokenizer(model_dir, present[0])
+    check_tokenizer(model_dir, present[0], hf_config.get("vocab_size"))
 
 
-def check_tokenizer(model_dir: Path, files: tuple[str, ...]) -> None:
-    """Load the tokenizer as every worker will (transformers' AutoTokenizer, about a second): a corrupt
-    tokenizer file is named here rather than in a sampler's traceback after the launch."""
+def check_tokenizer(model_dir: Path, files: tuple[str, ...], vocab_size: int | None = None) -> None:
+    """Load the tokenizer as every worker will (transformers' AutoTokenizer, about a second) and round-trip it
+    against the model: a corrupt tokenizer file, ids the embedding has no row for, or a tokenizer that maps
+    every token to one id are named here rather than in a sampler's traceback after the launch (or a run that
+    trains silently at reward 0)."""
     from transformers import AutoTokenizer
 
+    names = " + ".join(str(model_dir / name) for name in files)
     try:
-        AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except Exception as exc:  # noqa: BLE001 - whatever a broken file raises (KeyError, JSON, Rust parse errors)
-        names = " + ".join(str(model_dir / name) for name in files)
         raise ValueError(f"{names}: the tokenizer does not load (transformers AutoTokenizer, as the workers load it): "
                          f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+    if (why := tokenizer_mismatch(tokenizer, vocab_size)) is not None:
+        raise ValueError(f"{names}: {why}")
+
+
+def tokenizer_mismatch(tokenizer, vocab_size: int | None) -> str | None:
+    """Why a loaded tokenizer cannot serve a model whose embedding has `vocab_size` rows (None: not checked),
+    or None. Every id the tokenizer can produce must have a row; and its tokens, decoded one by one and encoded
+    again, must give more than one id (a tokenizer that maps everything to one id loads, samples and trains,
+    on text that is all the same token)."""
+    vocab = tokenizer.get_vocab()
+    highest = max(vocab.values(), default=-1)
+    if vocab_size is not None and highest >= vocab_size:
+        token = next(t for t, i in vocab.items() if i == highest)
+        return (f"the tokenizer has ids up to {highest} ({token!r}) but config.json's vocab_size={vocab_size}: the "
+                f"model has no embedding row for them (a tokenizer from another model?)")
+    special = set(tokenizer.all_special_tokens)
+    ordinary = [token for token in vocab if token not in special]
+    ids = sorted({vocab[token] for token in ordinary})[:256]  # (256 round trips: milliseconds)
+    encoded = {i for token_id in ids for i in tokenizer.encode(tokenizer.decode([token_id]), add_special_tokens=False)}
+    if len(ordinary) >= 2 and len(encoded) < 2:
+        return (f"the tokenizer is degenerate: its {len(ordinary)} tokens, decoded and encoded again, all become "
+                f"{sorted(encoded)}; every text would be one repeated token")
+    return None
 
 
 def check_task(cfg) -> list[str]:

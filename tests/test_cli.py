@@ -68,6 +68,24 @@ def test_a_broken_model_directory_is_named_before_any_worker_starts(case, tmp_pa
     assert proc.stderr.startswith("megarl: model.path: ") and message in proc.stderr and str(path) in proc.stderr
 
 
+def test_tokenizers_that_load_but_do_not_fit_the_model_are_named(tmp_path):
+    """Ids beyond the embedding failed after the launch; a tokenizer mapping every token to one id trained
+    silently at reward 0."""
+    short = model_dir(tmp_path / "short", {**QWEN2, "vocab_size": 100})
+    proc = train(f"model.path={short}")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert proc.stderr.startswith(f"megarl: model.path: {short}/tokenizer.json: the tokenizer has ids up to 263 "
+                                  f"('<|reserved_5|>') but config.json's vocab_size=100"), proc.stderr
+    one_id = model_dir(tmp_path / "one_id")
+    tokenizer = json.loads((one_id / "tokenizer.json").read_text())
+    tokenizer["model"].update(vocab={token: 5 for token in tokenizer["model"]["vocab"]}, merges=[])
+    (one_id / "tokenizer.json").write_text(json.dumps(tokenizer))
+    proc = train(f"model.path={one_id}")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert proc.stderr.startswith(f"megarl: model.path: {one_id}/tokenizer.json: the tokenizer is degenerate: its "
+                                  f"256 tokens, decoded and encoded again, all become [5]"), proc.stderr
+
+
 def test_a_run_dir_that_is_a_file_is_refused_before_launch(tmp_path):
     # It used to pass the checks; inside torchrun: FileExistsError, a 30 s shutdown wait, exit 1.
     (tmp_path / "f").write_text("x")
