@@ -49,8 +49,9 @@ from megarl.rollout.tasks import LengthLimit
 STOP_KEY = "stop"
 
 
-def dropped_retired_key(sampler_rank: int) -> str:
-    """Where the lead posts a sampler's retired-group count as soon as it drops one of its groups."""
+def retired_key(sampler_rank: int) -> str:
+    """Where the lead posts a sampler's retired-group count between publishes: as soon as it drops one of its
+    groups, and after a skipped (non-finite) step, which publishes nothing."""
     return f"retired/{sampler_rank}"
 
 
@@ -142,7 +143,15 @@ class Intake:
         dropped would otherwise wait for a publish that needs its groups (a deadlock)."""
         self.retire(group)
         rank = group[0].sampler_rank
-        self.store.set(dropped_retired_key(rank), str(self.retired[rank]))
+        self.store.set(retired_key(rank), str(self.retired[rank]))
+
+    def announce_retired(self) -> None:
+        """Every sampler's retired count, posted outside a publish: a skipped (non-finite) step trained its
+        groups but publishes no version, and samplers whose staleness budget those groups held would wait for
+        a publish that never comes -- the run would stall until queue.timeout_s instead of stopping at
+        learner.max_nonfinite_in_row, naming the cause."""
+        for rank, retired in self.retired.items():
+            self.store.set(retired_key(rank), str(retired))
 
     def resume(self, position: dict) -> None:
         """Continue from a checkpoint's data position (the samplers re-issue what it had not retired)."""
@@ -353,6 +362,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 # The lead's header also carries the bookkeeping.
                 published = publish_weights(source, publisher, intake.header() if lead else {}, heartbeats,
                                             topo.num_learners, shards)
+            elif lead:
+                intake.announce_retired()
             wall.append(time.time())
             if lead:
                 outputs.record(step, batch, {**metrics, **intake_metrics, "version": learner.version}, wall,

@@ -51,7 +51,7 @@ from megarl.models import tp_shard
 from megarl.observe import startup
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
-from megarl.roles.learner_main import STOP_KEY, dropped_retired_key
+from megarl.roles.learner_main import STOP_KEY, retired_key
 from megarl.rollout.agent import AgentRunner
 from megarl.rollout.datasets import source_of
 from megarl.rollout.environment import is_multi_turn
@@ -260,7 +260,7 @@ class SamplerLoop:
                         break
                     if stop_signal() is not None and self._stop_signalled():
                         break
-                    self._read_dropped()
+                    self._read_retired()
                     next_stop_check = time.monotonic() + STOP_POLL_S
                 if receiver.error is not None:
                     raise RuntimeError(f"sampler {self.topo.role_rank}: weight receiver failed") from receiver.error
@@ -305,9 +305,10 @@ class SamplerLoop:
             if self.evaluator is not None:
                 self.evaluator.close()
 
-    def _read_dropped(self) -> None:
-        """Groups the learner dropped free budget before its next publish says so (learner_main.Intake.drop)."""
-        key = dropped_retired_key(self.topo.rank)
+    def _read_retired(self) -> None:
+        """Groups the learner dropped, or trained in a skipped step, free budget before (or without) a publish
+        saying so (learner_main.Intake.drop, announce_retired)."""
+        key = retired_key(self.topo.rank)
         if self.store.check([key]):
             self.retired = max(self.retired, int(self.store.get(key)))
 

@@ -77,14 +77,16 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str, float]:
 
 def test_nonfinite_steps_in_a_row_stop_the_run(embedded_think_model_dir, tmp_path):
     # lr=1e30: the first step is finite but blows the weights up; every later loss is inf/NaN, so
-    # steps are skipped (no update, counted) until max_nonfinite_in_row stops the run.
+    # steps are skipped (no update, counted) until max_nonfinite_in_row stops the run. 4 in a row outlast the
+    # samplers' staleness budget (algo.max_lag + 1 = 2 batches): the skipped steps publish nothing, so only the
+    # learner's retired counts let the samplers go on (else the run stalls until queue.timeout_s).
     run_dir = tmp_path / "nan"
     proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=50", "learner.lr=1e30",
-                      "learner.max_nonfinite_in_row=2", "algo.prompts_per_step=4",
-                      f"model.path={embedded_think_model_dir}", timeout=300)
+                      "learner.max_nonfinite_in_row=4", "algo.prompts_per_step=4", "algo.max_lag=1",
+                      "queue.timeout_s=120", f"model.path={embedded_think_model_dir}", timeout=300)
     assert proc.returncode != 0
-    assert "2 optimizer steps in a row had a non-finite loss or grad norm" in proc.stderr
-    assert "learner.max_nonfinite_in_row=2" in proc.stderr
+    assert "4 optimizer steps in a row had a non-finite loss or grad norm" in proc.stderr, proc.stderr[-3000:]
+    assert "learner.max_nonfinite_in_row=4" in proc.stderr
     assert "megarl: the run failed: learner 0 (rank 0) exited with code 1" in proc.stderr
     assert "megarl: done" not in proc.stdout
     assert not leftovers(run_dir)
