@@ -309,6 +309,11 @@ def check_model_dir(model_dir, cfg=None) -> None:
             check_lora(hf_config, cfg.learner.lora)  # target modules the model has, ranks its dimensions allow
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
+        if cfg.sampler.engine == "builtin":
+            try:
+                check_kv_cache(hf_config, cfg.sampler.max_running, cfg.sampler.max_seq_len, _memory_bytes())
+            except ValueError as exc:
+                raise ValueError(f"{config}: {exc}") from exc
     if not has_weights(model_dir):
         raise ValueError(f"model directory {str(model_dir)!r} has no weights (model.safetensors or "
                          f"model.safetensors.index.json)")
@@ -317,6 +322,25 @@ def check_model_dir(model_dir, cfg=None) -> None:
         raise ValueError(f"model directory {str(model_dir)!r} has no tokenizer files (one of: "
                          f"{'; '.join(' + '.join(files) for files in TOKENIZER_FILES)})")
     check_tokenizer(model_dir, present[0], hf_config.get("vocab_size"))
+
+
+def check_kv_cache(hf_config: dict, max_running: int, max_seq_len: int, memory: int) -> None:
+    """The built-in engine allocates its whole KV cache at start (megarl.sampler.model.KVCache: K and V for
+    sampler.max_running requests of sampler.max_seq_len positions, float32 on CPU); one that could not fit in
+    `memory` bytes even alone is refused here, naming the keys, rather than failing after the launch."""
+    heads = hf_config.get("num_attention_heads") or 1
+    head_dim = hf_config.get("head_dim") or (hf_config.get("hidden_size") or 0) // heads
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    need = 2 * 4 * (hf_config.get("num_hidden_layers") or 0) * kv_heads * head_dim * max_running * max_seq_len
+    if need > memory:
+        raise ValueError(f"sampler.max_seq_len={max_seq_len}: the built-in engine's KV cache for "
+                         f"sampler.max_running={max_running} requests of that length would take {need / 2**30:,.1f} "
+                         f"GiB, more than this machine's {memory / 2**30:,.1f} GiB of memory; lower "
+                         f"sampler.max_seq_len or sampler.max_running")
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_tokenizer(model_dir: Path, files: tuple[str, ...], vocab_size: int | None = None) -> None:

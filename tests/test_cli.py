@@ -86,6 +86,19 @@ def test_tokenizers_that_load_but_do_not_fit_the_model_are_named(tmp_path):
                                   f"256 tokens, decoded and encoded again, all become [5]"), proc.stderr
 
 
+def test_a_kv_cache_larger_than_the_machine_is_refused_before_launch(tmp_path):
+    """It failed after the launch, asking for 32 TB."""
+    config = {**QWEN2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
+    path = model_dir(tmp_path / "model", config)
+    proc = train(f"model.path={path}", "sampler.max_seq_len=1000000000", "sampler.max_running=8",
+                 "sampling.max_new_tokens=8")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    # 2 (K, V) x 4 bytes x 2 layers x 2 KV heads x 16 head dims x 8 requests x 1e9 positions = 3,814.7 GiB
+    assert proc.stderr.startswith(f"megarl: model.path: {path}/config.json: sampler.max_seq_len=1000000000: the "
+                                  f"built-in engine's KV cache for sampler.max_running=8 requests of that length "
+                                  f"would take 3,814.7 GiB, more than this machine's "), proc.stderr
+
+
 def test_a_run_dir_that_is_a_file_is_refused_before_launch(tmp_path):
     # It used to pass the checks; inside torchrun: FileExistsError, a 30 s shutdown wait, exit 1.
     (tmp_path / "f").write_text("x")
