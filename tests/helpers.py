@@ -102,3 +102,27 @@ def draw_adapter(base: dict, hf_config: dict, lora_cfg, seed: int) -> dict:
             a, w = adapter[name.replace("lora_B", "lora_A")], base[name.replace(".lora_B.weight", ".weight")]
             adapter[name] *= 0.5 * w.std() / (lora.scale(lora_cfg) * (adapter[name] @ a).std())
     return adapter
+
+
+FP32_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def fp32_logprob_tol(config: dict, max_logprob: float, max_seq_len: int = 256) -> float:
+    """How far two float32 evaluations of the same decoder's log-probs may differ when they differ only in the
+    order of their reductions (one prefill vs token-by-token decode, batched vs alone, merged vs unmerged
+    adapters, a matmul split over TP ranks), derived from the computation rather than measured.
+
+    A float32 dot product of K terms carries a rounding error of about sqrt(K) units of roundoff u = 2^-24
+    relative to its magnitude (the probabilistic bound of Higham & Mary 2019, which holds with overwhelming
+    probability for independent roundings; the worst case, K u, is never approached in practice). A token's
+    log-prob passes every matmul of every layer on its way (q, k, v, o over hidden; q.k over head_dim; p.v over
+    at most max_seq_len positions; gate, up over hidden; down over the MLP width), then the LM head (hidden) and
+    the log-sum-exp (vocab); the errors of those stages add, each relative to the log-prob's scale (bounded by
+    `max_logprob`, the largest |log-prob| the test sees); two evaluations double it. For the tests' tiny models
+    (hidden 64, MLP 128, 2 layers, vocab 32, |log-prob| <= 8) this is ~1.6e-4: ten times what the engines
+    are seen to differ by, and an order of magnitude below the 1e-3 gaps that tell two versions apart."""
+    hidden, width = config["hidden_size"], config.get("moe_intermediate_size") or config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    per_layer = 6 * hidden ** 0.5 + head_dim ** 0.5 + max_seq_len ** 0.5 + width ** 0.5
+    path = config["num_hidden_layers"] * per_layer + hidden ** 0.5 + config["vocab_size"] ** 0.5
+    return 2 * FP32_UNIT_ROUNDOFF * path * max_logprob

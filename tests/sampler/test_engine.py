@@ -10,9 +10,8 @@ import torch
 from megarl.protocols import Engine, GenerationRequest, SamplingParams
 from megarl.sampler.engine import BuiltinEngine, sample_tokens
 from megarl.sampler.model import KVCache, ModelSpec, forward, load_pretrained, prepare_weights, forward_tables
-from tests.sampler import dominant_token_weights, make_tiny_model
+from tests.sampler import TOL, dominant_token_weights, make_tiny_model
 
-TOL = 1e-5
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 
 

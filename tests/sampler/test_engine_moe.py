@@ -9,9 +9,8 @@ import torch
 from megarl.protocols import GenerationRequest, SamplingParams
 from megarl.sampler.engine import BuiltinEngine
 from megarl.sampler.model import ModelSpec, load_pretrained
-from tests.sampler import hf_logprobs_and_routes, make_tiny_model, save_version
+from tests.sampler import TOL, hf_logprobs_and_routes, make_tiny_model, save_version
 
-TOL = 1e-5
 LAYERS, TOP_K, EXPERTS = 2, 2, 4
 
 

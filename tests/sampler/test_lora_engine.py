@@ -11,9 +11,9 @@ from megarl.protocols import GenerationRequest, SamplingParams
 from megarl.sampler.engine import BuiltinEngine
 from megarl.sampler.lora import AdapterStager
 from megarl.sampler.model import KVCache, ModelSpec, forward, forward_tables, load_pretrained, prepare_weights
-from tests.sampler import make_tiny_model
+from tests.helpers import fp32_logprob_tol
+from tests.sampler import TINY, make_tiny_model
 
-TOL = 1e-5
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                      "down_proj"])
 
@@ -84,7 +84,8 @@ def test_adapter_update_mid_rollout_keeps_per_token_versions_exact(qwen, policy)
             ref = torch.cat([_prefill(spec, merged[1], ids)[:n + 3], _prefill(spec, merged[2], ids)[n + 3:]])
         got = torch.tensor(c.logprobs)
         want = torch.stack([ref[n - 1 + i, t] for i, t in enumerate(c.token_ids)])
-        assert (got - want).abs().max() <= TOL
+        # the adapters (0.3-scale, times alpha/rank = 2) widen the log-probs: the bound follows the reference's
+        assert (got - want).abs().max() <= fp32_logprob_tol(TINY, float(ref.abs().max()))
         if policy != "keep" or r is not requests[0]:
             continue
         # ... and the other version would have given other log-probs: the versions are told apart.

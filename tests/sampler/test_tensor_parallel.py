@@ -17,10 +17,9 @@ from megarl.models.tp_shard import shard_state_dict
 from megarl.sampler.engine import BuiltinEngine
 from megarl.sampler.model import KVCache, ModelSpec, forward, forward_tables, load_pretrained, prepare_weights
 from tests.helpers import run_torchrun
-from tests.sampler import make_tiny_model
+from tests.sampler import TOL, make_tiny_model
 from tests.sampler.tp_worker import SEED, SWAP_STAGES, batches, drive, perturbed, rerouted
 
-TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
