@@ -33,6 +33,12 @@ def save_tokenizer(model_dir: Path) -> None:
     build_tokenizer().save_pretrained(model_dir)
 
 
+# The learner tests' tiny models (save_tiny_qwen2, save_tiny_moe: their experts are no wider); vocab_size is the
+# largest any of them uses (the embedded tokenizer's 264), which only loosens the bound below.
+LEARNER_TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=48, vocab_size=264, max_position_embeddings=64)
+
+
 def save_tiny_qwen2(path: Path, tie_word_embeddings: bool, vocab_size: int = 64, tokenizer: bool = False) -> Path:
     """A real HF Qwen2 directory small enough for multi-process learner tests: GQA (4 heads, 2 KV heads),
     2 layers, and q/k/v biases drawn non-zero so that a converter that dropped them would show."""
@@ -40,9 +46,8 @@ def save_tiny_qwen2(path: Path, tie_word_embeddings: bool, vocab_size: int = 64,
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
-        vocab_size=vocab_size, max_position_embeddings=64, tie_word_embeddings=tie_word_embeddings))
+    model = Qwen2ForCausalLM(Qwen2Config(**{**LEARNER_TINY, "vocab_size": vocab_size},
+                                         tie_word_embeddings=tie_word_embeddings))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -126,3 +131,8 @@ def fp32_logprob_tol(config: dict, max_logprob: float, max_seq_len: int = 256) -
     per_layer = 6 * hidden ** 0.5 + head_dim ** 0.5 + max_seq_len ** 0.5 + width ** 0.5
     path = config["num_hidden_layers"] * per_layer + hidden ** 0.5 + config["vocab_size"] ** 0.5
     return 2 * FP32_UNIT_ROUNDOFF * path * max_logprob
+
+
+# |log-prob| <= 8 on the learner tests' tiny models (random weights, vocabularies of 64-264: log 264 = 5.6 plus
+# the logits' spread).
+LEARNER_TOL = fp32_logprob_tol(LEARNER_TINY, max_logprob=8.0, max_seq_len=64)
