@@ -1,7 +1,8 @@
 """What a person watching a run sees: one progress line per learner step, notes, and a closing summary.
 
-On a terminal the progress line overwrites itself ("\\r"); anywhere else (logs, CI, a pipe) every
-step is a plain line. The line carries the step, reward, the run's share of trained rollouts that
+On a terminal the progress line overwrites itself ("\\r"); anywhere else (logs, CI, a pipe) it is a
+plain line every ceil(run.steps / 100) steps and at the last, so a log holds about 100 of them whatever the
+run's length (as `megarl sft`'s). The line carries the step, reward, the run's share of trained rollouts that
 hold tokens of two or more policy versions (what Pipeline RL's in-flight updates produce), the
 token lag, throughput and an ETA, and -- only on steps where some rewards failed -- the share of
 the batch whose reward raised. `note(text)` prints a message (a checkpoint, an export) on its own
@@ -13,6 +14,7 @@ set's pass@k and greedy score, first -> last evaluation.
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -41,6 +43,7 @@ class Console:
         self.total, self.enabled, self.run_dir = total_steps, enabled, Path(run_dir)
         self.stream = sys.stdout if stream is None else stream
         self.tty = self.stream.isatty()
+        self.every = 1 if self.tty else max(1, math.ceil(total_steps / 100))  # (a log's lines: about 100)
         self.rewards: list[float] = []
         self.entropies: list[float] = []  # the policy's mean entropy over each step's trained tokens
         self.source_rewards: dict[str, list[float]] = {}  # reward/source/<name> of the steps whose batch held it
@@ -89,7 +92,8 @@ class Console:
         if errors and version_counts:
             line += f"  reward errors {errors / len(version_counts):.0%}"
         self.line = line
-        self._draw(end=step == self.total)
+        if self.tty or step % self.every == 0 or step == self.total:
+            self._draw(end=step == self.total)
 
     def evaluated(self, version: int, steps_trained: int, metrics: dict[str, float]) -> None:
         """One line per evaluation: each set's scores of policy `version` (megarl/eval/)."""

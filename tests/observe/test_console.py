@@ -31,10 +31,19 @@ def test_plain_lines_carry_multi_version_share_eta_and_reward_errors_only_when_s
     console.update(1, step_metrics(0.25), [1, 1, 2, 3])
     console.update(2, step_metrics(0.5, errors=1.0), [1, 2, 1, 1])
     lines = out.getvalue().splitlines()
-    assert len(lines) == 2 and "\r" not in out.getvalue()  # not a terminal: one plain line per step
+    assert len(lines) == 2 and "\r" not in out.getvalue()  # not a terminal: plain lines (a short run: every step)
     assert lines[0].startswith("step 1/4  reward 0.250  multi-version 50%  lag 1.5/2") and "eta --" in lines[0]
     assert re.search(r"multi-version 38%.* eta \d+:\d\d  reward errors 25%$", lines[1]), lines[1]
     assert "reward errors" not in lines[0]
+
+
+def test_a_long_run_s_log_holds_about_a_hundred_progress_lines_and_the_last_step():
+    out = io.StringIO()
+    console = Console(1500, True, "runs/x", stream=out)
+    for step in range(1, 1501):
+        console.update(step, step_metrics(0.5), [1])
+    steps = [int(line.split()[1].split("/")[0]) for line in out.getvalue().splitlines() if line.startswith("step ")]
+    assert steps == list(range(15, 1501, 15))  # every ceil(1500 / 100) = 15 steps, the last among them
 
 
 def test_summary_gives_reward_first_to_last_tenth_shares_outputs_and_the_plot_commands():
