@@ -584,9 +584,22 @@ def checked_config(args: argparse.Namespace, check_files: bool = True):
     return cfg, placement(cfg, args.nnodes, getattr(args, "nproc_per_node", None))
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line; key=value overrides are taken anywhere, also after an option (`megarl eval CONFIG
+    --checkpoint DIR eval.samples=8`), in the order given. argparse alone gives a positional list only the words
+    before the first option."""
+    args, extra = parser.parse_known_args(argv)
+    overrides = [word for word in extra if "=" in word and not word.startswith("-")]
+    if len(overrides) != len(extra) or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     try:
         sys.exit(args.func(args))
     except KeyboardInterrupt:  # Ctrl-C before the run started (checks, model build): nothing to stop yet

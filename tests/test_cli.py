@@ -212,3 +212,16 @@ def test_the_failure_summary_tells_torchruns_own_stops_from_the_cause(stderr, na
     from megarl.config.load import load_config
 
     assert failure_summary(stderr, load_config(DEMO, [])).startswith(named)
+
+
+def test_key_value_overrides_are_taken_anywhere_also_after_an_option():
+    from megarl.cli import build_parser, parse_command_line
+
+    parser = build_parser()
+    args = parse_command_line(parser, ["eval", "c.yaml", "a=1", "--checkpoint", "runs/x", "b=2", "--out", "o.json",
+                                       "c=3"])
+    assert (args.overrides, args.checkpoint, args.out) == (["a=1", "b=2", "c=3"], "runs/x", "o.json")
+    assert parse_command_line(parser, ["train", "c.yaml", "--dry-run", "a=1"]).overrides == ["a=1"]
+    for argv in (["eval", "c.yaml", "--checkpoint", "x", "stray"], ["export", "--checkpoint", "x", "--out", "y", "a=1"]):
+        with pytest.raises(SystemExit):
+            parse_command_line(parser, argv)
