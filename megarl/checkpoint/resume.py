@@ -49,7 +49,8 @@ def find_checkpoint(cfg) -> Path | None:
     mode, root = resume_mode(cfg), Path(cfg.checkpoint.dir)
     latest = find_latest(root) if root.is_dir() else None
     if mode == "true" and latest is None:
-        raise CheckpointError(f"run.resume=true but checkpoint.dir {root} holds no checkpoint (no `latest` there)")
+        raise CheckpointError(f"run.resume=true but checkpoint.dir {root} holds no checkpoint (no `latest` there): "
+                              f"the run to continue saves checkpoints only with checkpoint.every_steps=N")
     if mode == "false":
         if latest is not None and writes_checkpoints(cfg):
             raise CheckpointError(
