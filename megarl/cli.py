@@ -399,7 +399,9 @@ def evaluate(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a checkpoint's sets are read after its export: a bad row names FILE:LINE here
         print(f"megarl: eval.sets: {exc}", file=sys.stderr)
         return 2
-    Console(0, True, cfg.run.dir).evaluated(result["version"], result["version"], result["metrics"])
+    what = (f"of checkpoint {result['model']} (version {result['version']})" if args.checkpoint else
+            f"of the model at {result['model']} (model.path)")
+    Console(0, True, cfg.run.dir).evaluated(result["version"], result["version"], result["metrics"], what)
     print(f"megarl: wrote {write_result(result, args.out)}")
     return 0
 

@@ -3,16 +3,18 @@
 On a terminal the progress line overwrites itself ("\\r"); anywhere else (logs, CI, a pipe) every
 step is a plain line. The line carries the step, reward, the run's share of trained rollouts that
 hold tokens of two or more policy versions (what Pipeline RL's in-flight updates produce), the
-token lag, throughput and an ETA, and -- only on steps where some rewards failed -- the share of
+token lag, throughput (over the last THROUGHPUT_STEPS steps) and an ETA, and -- only on steps where some rewards failed -- the share of
 the batch whose reward raised. `note(text)` prints a message (a checkpoint, an export) on its own
 line: on a terminal it clears the progress line first, so the message is never glued onto it, and
 redraws the line below. `close()` prints the summary of a finished run: reward first -> last 10% of
 steps, the multi-version shares, versions per rollout, where the outputs are and how to draw them.
 `evaluated` prints one line per held-out evaluation (megarl/eval/); the summary then also gives each
-set's pass@k and greedy score, first -> last evaluation.
+set's pass@k (a share of prompts answered correctly) and greedy mean reward, first -> last evaluation, and the
+count of failed episodes (agents, environments) where there were some.
 """
 from __future__ import annotations
 
+import collections
 import sys
 import time
 from pathlib import Path
@@ -20,6 +22,14 @@ from pathlib import Path
 WIDTH = 110  # the progress line is padded to this, so a shorter line fully covers a longer one
 SOURCE_PREFIX = "reward/source/"  # the learner's per-source rewards (megarl.observe.sources.source_rewards)
 SOURCES_SHOWN = 8
+# The progress line's tok/s: the tokens of the last THROUGHPUT_STEPS steps over their wall time. One step's rate swings
+# by 100x (a step whose batch was waiting in the queue takes milliseconds; one that waited for generation, seconds).
+THROUGHPUT_STEPS = 10
+# How the eval scores read on the console: pass@k is a share of prompts answered correctly (megarl.eval.score), the
+# greedy score a mean reward like reward_mean: the labels say which is which.
+SCORE_LABELS = {"pass@1": "pass@1 (share correct)", "greedy": "greedy reward_mean"}
+# The samplers' running counts of failed episodes (each sampler sends its counts with every group).
+FAILURE_COUNTS = ("env_failures", "dropped_samples", "failed_groups")
 
 
 def tenth_means(values: list[float]) -> tuple[float, float]:
@@ -52,6 +62,8 @@ class Console:
         self.router: dict[str, list[float]] = {}  # MoE: router agreement metrics of every step, by name
         self.lag_masked = [0.0, 0.0]  # tokens the loss's lag bound gave no policy gradient, of all trained
         self.overlong = [0.0, 0.0, 0]  # advantage.overlong_buffer: samples penalised, penalty sum, samples trained
+        self.throughput: collections.deque = collections.deque(maxlen=THROUGHPUT_STEPS)  # (tokens, seconds) per step
+        self.sampler_counts: dict[str, float] = {}  # the latest running count per sampler{rank}/<name> (FAILURE_COUNTS)
 
     def update(self, step: int, metrics: dict[str, float], version_counts: list[int]) -> None:
         """Step `step` (1-based) is trained; `version_counts`: distinct versions of each of its rollouts."""
@@ -65,6 +77,8 @@ class Console:
         self.version_counts.extend(version_counts)
         self.last_step = step
         for key, value in metrics.items():
+            if key.startswith("sampler") and key.split("/", 1)[-1] in FAILURE_COUNTS:
+                self.sampler_counts[key] = value
             if key.startswith("router/") or key.endswith("/router_agreement"):
                 self.router.setdefault(key, []).append(value)
         if "mask/lag_frac" in metrics:  # loss.max_token_lag is set (algo.stale=mask_tokens sets it)
@@ -74,6 +88,8 @@ class Console:
             n = len(version_counts)
             self.overlong = [self.overlong[0] + metrics["samples/overlong_penalised"],
                              self.overlong[1] + metrics["reward/overlong_penalty_mean"] * n, self.overlong[2] + n]
+        if metrics.get("step_s", 0) > 0:
+            self.throughput.append((metrics.get("tokens_per_s", 0) * metrics["step_s"], metrics["step_s"]))
         if self.first_update is None:
             self.first_update = (now, step)
         if not self.enabled:
@@ -83,7 +99,7 @@ class Console:
                if step > first else "eta --")
         line = (f"step {step}/{self.total}  reward {metrics.get('reward_mean', float('nan')):.3f}  "
                 f"multi-version {self.share(2):.0%}  lag {metrics.get('lag_mean', float('nan')):.1f}/"
-                f"{metrics.get('lag_max', 0):.0f}  tok/s {metrics.get('tokens_per_s', 0):.0f}  "
+                f"{metrics.get('lag_max', 0):.0f}  tok/s {self._tokens_per_s(metrics)}  "
                 f"stale {metrics.get('dropped/stale_groups_total', 0):.0f}{self._masked()}  {eta}")
         errors = metrics.get("reward_errors", 0)
         if errors and version_counts:
@@ -91,10 +107,13 @@ class Console:
         self.line = line
         self._draw(end=step == self.total)
 
-    def evaluated(self, version: int, steps_trained: int, metrics: dict[str, float]) -> None:
-        """One line per evaluation: each set's scores of policy `version` (megarl/eval/)."""
+    def evaluated(self, version: int, steps_trained: int, metrics: dict[str, float], what: str = "") -> None:
+        """One line per evaluation: each set's scores of policy `version` (megarl/eval/); `what` names a model
+        evaluated outside a run (`megarl eval`) in the version's place."""
         self.evals.append((version, metrics))
-        self.note(f"megarl: eval version {version} (step {steps_trained}, {metrics.get('eval_s', 0):.1f}s): "
+        seconds = f"{metrics.get('eval_s', 0):.1f}s"
+        where = f"{what} ({seconds})" if what else f"version {version} (step {steps_trained}, {seconds})"
+        self.note(f"megarl: eval {where}: "
                   + "; ".join(f"{name} {_scores(metrics, name)}" for name in eval_set_names(metrics)))
 
     def note(self, text: str) -> None:
@@ -119,8 +138,8 @@ class Console:
         if self.evals:
             (v0, m0), (v1, m1) = self.evals[0], self.evals[-1]
             for name in eval_set_names(m1):
-                changes = ", ".join(f"{key} {m0.get(f'eval/{name}/{key}', float('nan')):.3f} -> {m1[f'eval/{name}/{key}']:.3f}"
-                                    for key in _score_keys(m1, name))
+                changes = ", ".join(f"{SCORE_LABELS.get(key, key)} {m0.get(f'eval/{name}/{key}', float('nan')):.3f} -> "
+                                    f"{m1[f'eval/{name}/{key}']:.3f}" for key in _score_keys(m1, name))
                 evals.append(f"megarl: eval {name}: {changes} (version {v0} -> {v1})")
             evals.append(f"megarl:            python benchmarks/plot_eval.py {self.run_dir}   (eval curves vs step and time)")
         return "\n".join([
@@ -133,11 +152,19 @@ class Console:
             *self._stale_summary(),
             *self._overlong_summary(),
             *self._router_summary(),
+            *self._failure_summary(),
             f"megarl: outputs in {self.run_dir}/ (metrics.jsonl, rollouts.jsonl, tensorboard/, timeline/)",
             f"megarl: draw them: python benchmarks/plot_rollouts.py {self.run_dir}   (rollouts coloured by version)",
             f"megarl:            python benchmarks/plot_timeline.py {self.run_dir}   (generated tokens/s over time)",
             *evals,
         ])
+
+    def _tokens_per_s(self, metrics: dict[str, float]) -> str:
+        """Trained tokens per second over the last THROUGHPUT_STEPS steps (the step's own rate without step_s)."""
+        seconds = sum(s for _, s in self.throughput)
+        if not seconds:
+            return f"{metrics.get('tokens_per_s', 0):.0f}"
+        return f"{sum(t for t, _ in self.throughput) / seconds:.0f} ({len(self.throughput)}-step mean)"
 
     def _masked(self) -> str:
         """With a lag bound: the share of trained tokens it masked so far (no policy gradient), for the progress line."""
@@ -186,6 +213,16 @@ class Console:
                 f"({by_lag}); {mean.get('router/token_diff_frac', 0.0):.1%} of trained tokens routed differently in "
                 f"some layer (with routing replay: what the learner's router would have chosen)"]
 
+    def _failure_summary(self) -> list[str]:
+        """Episodes that failed (environment steps, agents): scored 0 and trained, or -- with no model turn, so nothing
+        to train -- dropped on the sampler; a group left with no sample is replaced by a new one."""
+        total = {name: sum(v for k, v in self.sampler_counts.items() if k.endswith("/" + name)) for name in FAILURE_COUNTS}
+        if not any(total.values()):
+            return []
+        return [f"megarl: {total['env_failures']:.0f} episodes failed (environment or agent errors, scored 0); "
+                f"{total['dropped_samples']:.0f} episodes without a model turn dropped before sending, "
+                f"{total['failed_groups']:.0f} groups left empty and replaced (sampler{{rank}}/... in metrics.jsonl)"]
+
     def close(self) -> None:
         """The summary, once the run reached its last step (a failed run ends with its error instead)."""
         if self.enabled and self.rewards and self.last_step == self.total:
@@ -212,7 +249,8 @@ def _score_keys(metrics: dict[str, float], name: str) -> list[str]:
 
 def _scores(metrics: dict[str, float], name: str) -> str:
     p = f"eval/{name}/"
-    parts = [f"{key} {metrics[p + key]:.3f}" for key in ["reward_mean", *_score_keys(metrics, name)] if p + key in metrics]
+    parts = [f"{SCORE_LABELS.get(key, key)} {metrics[p + key]:.3f}" for key in ["reward_mean", *_score_keys(metrics, name)]
+             if p + key in metrics]
     parts.append(f"len {metrics.get(p + 'completion_len_mean', 0):.1f}")
     parts.append(f"truncated {metrics.get(p + 'truncated_frac', 0):.0%}")
     for key in ("reward_errors", "skipped_overlong"):
