@@ -240,7 +240,8 @@ class RunOutputs:
         now = time.perf_counter()
         metrics = {**metrics, **batch_metrics(batch), **source_rewards(batch.samples, self.source_names),
                    **self.recovery,
-                   "tokens_per_s": batch.num_tokens / (now - self.last), "train_s": wall[2] - wall[1],
+                   "tokens_per_s": batch.num_tokens / (now - self.last), "step_s": now - self.last,
+                   "train_s": wall[2] - wall[1],
                    "publish_s": published["seconds"], "publish_bytes": published["bytes"], "time": time.time()}
         if published.get("full_bytes"):  # what a full publish of the same part would have sent
             metrics["publish_bytes_frac"] = published["bytes"] / published["full_bytes"]
