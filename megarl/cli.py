@@ -89,11 +89,29 @@ def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
         print(f"megarl: model {model_dir}; run dir {cfg.run.dir}")
         if args.nnodes > 1:
             print(f"megarl: processes per node: {len(nodes[0])} ({args.nnodes} nodes)")
+            if args.dry_run:
+                print_resolved_config(cfg)
         else:
-            print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
+            print_launch(cmd, cfg, args.dry_run)
         if args.dry_run:
             return 0
         return run_torchrun(cmd, env, cfg, gated)
+
+
+def print_launch(cmd: list[str], cfg, dry_run: bool) -> None:
+    """The torchrun command being launched; under --dry-run the resolved config (every key, defaults and overrides
+    applied: what the workers will run) and the command that a run would launch."""
+    if not dry_run:
+        print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
+        return
+    print_resolved_config(cfg)
+    print("megarl: dry run, would launch: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
+
+
+def print_resolved_config(cfg) -> None:
+    from omegaconf import OmegaConf
+
+    print("megarl: dry run; the resolved config:\n" + OmegaConf.to_yaml(OmegaConf.structured(cfg)).rstrip())
 
 
 def checked_for_launch(cfg) -> Path | None:
@@ -427,7 +445,7 @@ def sft(args: argparse.Namespace) -> int:
         if model_dir is None:
             return 2
         print(f"megarl: model {model_dir}; run dir {cfg.run.dir}; model out {cfg.sft.output_dir}")
-        print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
+        print_launch(cmd, cfg, args.dry_run)
         if args.dry_run:
             return 0
         return run_sft(cmd, env, cfg, gated)
@@ -525,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. run.steps=20 sampler.num_engines=2")
     p.add_argument("--dry-run", action="store_true",
-                   help="check the config and print the torchrun command (give it before CONFIG)")
+                   help="check the config, print it resolved and the torchrun command; launch nothing")
     p.add_argument("--nnodes", type=int, default=1,
                    help="with --dry-run: also check that the world spreads over this many nodes (launch scripts)")
     p.set_defaults(func=train)

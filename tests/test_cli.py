@@ -97,7 +97,16 @@ def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):
     path = model_dir(tmp_path / "model", files=("model.safetensors", "vocab.json", "merges.txt"))
     proc = train(f"model.path={path}")
     assert proc.returncode == 0, proc.stderr
-    assert f"megarl: model {path}; run dir {EMPTY_RUN_DIR}" in proc.stdout and "launching: torchrun" in proc.stdout
+    assert f"megarl: model {path}; run dir {EMPTY_RUN_DIR}" in proc.stdout and "would launch: torchrun" in proc.stdout
+
+
+def test_a_dry_run_prints_the_resolved_config_and_launches_nothing():
+    proc = train("run.steps=7", "algo.group_size=4")
+    assert proc.returncode == 0, proc.stderr
+    assert "megarl: dry run; the resolved config:\nrun:\n" in proc.stdout
+    assert "\n  steps: 7\n" in proc.stdout and "\n  group_size: 4\n" in proc.stdout and "\n  lr: " in proc.stdout
+    assert "megarl: launching" not in proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("megarl: dry run, would launch: torchrun ")
 
 
 @pytest.mark.parametrize("overrides, message", [
