@@ -28,6 +28,9 @@ THROUGHPUT_STEPS = 10
 # How the eval scores read on the console: pass@k is a share of prompts answered correctly (megarl.eval.score), the
 # greedy score a mean reward like reward_mean: the labels say which is which.
 SCORE_LABELS = {"pass@1": "pass@1 (share correct)", "greedy": "greedy reward_mean"}
+# Per-step metrics whose first -> last tenth the summary gives where a run reports them: a critic's (algo.advantage
+# estimator gae) and a distillation teacher's.
+TRACKED = ("critic/explained_var", "critic/value_loss", "distill/teacher_kl")
 # The samplers' running counts of failed episodes (each sampler sends its counts with every group).
 FAILURE_COUNTS = ("env_failures", "dropped_samples", "failed_groups")
 
@@ -53,6 +56,7 @@ class Console:
         self.tty = self.stream.isatty()
         self.rewards: list[float] = []
         self.entropies: list[float] = []  # the policy's mean entropy over each step's trained tokens
+        self.tracked: dict[str, list[float]] = {}  # TRACKED metrics of every step that reported them, by name
         self.source_rewards: dict[str, list[float]] = {}  # reward/source/<name> of the steps whose batch held it
         self.version_counts: list[int] = []  # distinct policy versions in each trained rollout
         self.first_update: tuple[float, int] | None = None  # (time, step) of the first step seen
@@ -71,6 +75,9 @@ class Console:
         self.rewards.append(metrics.get("reward_mean", float("nan")))
         if "entropy/mean" in metrics:  # (loss.entropy_metric, on by default)
             self.entropies.append(metrics["entropy/mean"])
+        for key in TRACKED:
+            if key in metrics:
+                self.tracked.setdefault(key, []).append(metrics[key])
         for key, value in metrics.items():
             if key.startswith(SOURCE_PREFIX):
                 self.source_rewards.setdefault(key[len(SOURCE_PREFIX):], []).append(value)
@@ -79,7 +86,7 @@ class Console:
         for key, value in metrics.items():
             if key.startswith("sampler") and key.split("/", 1)[-1] in FAILURE_COUNTS:
                 self.sampler_counts[key] = value
-            if key.startswith("router/") or key.endswith("/router_agreement"):
+            if key.startswith("router/") or key.endswith(("/router_agreement", "/router_tokens")):
                 self.router.setdefault(key, []).append(value)
         if "mask/lag_frac" in metrics:  # loss.max_token_lag is set (algo.stale=mask_tokens sets it)
             tokens = metrics["mask/tokens"]
@@ -149,6 +156,7 @@ class Console:
             f"{self.share(3):.1%} of >= 3; {sum(self.version_counts) / max(1, n):.2f} versions per rollout",
             *self._source_summary(),
             *self._entropy_summary(),
+            *self._critic_summary(),
             *self._stale_summary(),
             *self._overlong_summary(),
             *self._router_summary(),
@@ -195,6 +203,22 @@ class Console:
         first, last = tenth_means(self.entropies)
         return [f"megarl: policy entropy {first:.3f} -> {last:.3f} nats per trained token (first -> last 10% of steps)"]
 
+    def _critic_summary(self) -> list[str]:
+        """The critic's explained variance and value loss (GAE runs) and the student's KL from a distillation
+        teacher, first -> last tenth of the steps that reported them."""
+        def change(key: str) -> str:
+            return "{:.3f} -> {:.3f}".format(*tenth_means(self.tracked[key]))
+
+        lines = []
+        if "critic/explained_var" in self.tracked or "critic/value_loss" in self.tracked:
+            parts = [f"explained variance {change('critic/explained_var')}" if "critic/explained_var" in self.tracked
+                     else "", f"value loss {change('critic/value_loss')}" if "critic/value_loss" in self.tracked else ""]
+            lines.append(f"megarl: critic {', '.join(p for p in parts if p)} (first -> last 10% of steps)")
+        if "distill/teacher_kl" in self.tracked:
+            lines.append(f"megarl: KL from the teacher {change('distill/teacher_kl')} nats per trained token "
+                         f"(log pi - log pi_teacher of the sampled tokens; first -> last 10% of steps)")
+        return lines
+
     def _overlong_summary(self) -> list[str]:
         penalised, penalty, samples = self.overlong
         if not samples:
@@ -208,10 +232,17 @@ class Console:
         if "router/agreement" not in self.router:
             return []
         mean = {k: sum(v) / len(v) for k, v in self.router.items()}
-        by_lag = ", ".join(f"{k.split('/')[0]} {v:.1%}" for k, v in sorted(mean.items()) if k.endswith("/router_agreement"))
-        return [f"megarl: router agreement sampler vs learner {mean['router/agreement']:.1%} of routing decisions "
-                f"({by_lag}); {mean.get('router/token_diff_frac', 0.0):.1%} of trained tokens routed differently in "
-                f"some layer (with routing replay: what the learner's router would have chosen)"]
+        tokens = {"" if k == "router/tokens" else k.split("/")[0] + "/": sum(v) for k, v in self.router.items()
+                  if k == "router/tokens" or k.endswith("/router_tokens")}  # the trained tokens: "" overall, "lag0/"...
+
+        def over(scope: str) -> str:
+            return f" over {tokens[scope]:.0f} tokens" if scope in tokens else ""
+
+        by_lag = ", ".join(f"{k.split('/')[0]} {v:.1%}{over(k.split('/')[0] + '/')}" for k, v in sorted(mean.items())
+                           if k.endswith("/router_agreement"))
+        return [f"megarl: router agreement sampler vs learner {mean['router/agreement']:.1%} of routing decisions"
+                f"{over('')} ({by_lag}); {mean.get('router/token_diff_frac', 0.0):.1%} of trained tokens routed "
+                f"differently in some layer (with routing replay: what the learner's router would have chosen)"]
 
     def _failure_summary(self) -> list[str]:
         """Episodes that failed (environment steps, agents): scored 0 and trained, or -- with no model turn, so nothing

@@ -184,3 +184,21 @@ def test_eval_lines_say_what_was_scored_and_label_the_greedy_mean_reward_apart_f
     assert "version 0" not in first
     assert second.startswith("megarl: eval version 3 (step 3, 1.0s): ")
     assert "pass@1 (share correct) 0.500 pass@4 0.750 greedy reward_mean 0.625" in first
+
+
+def test_the_summary_gives_the_critic_the_teacher_kl_and_the_tokens_router_agreement_rests_on():
+    console = Console(10, True, "runs/x", stream=io.StringIO())
+    for step in range(1, 11):
+        console.update(step, {**step_metrics(0.5), "critic/explained_var": step / 10, "critic/value_loss": 1 / step,
+                              "distill/teacher_kl": 0.2 / step, "router/agreement": 0.99, "router/tokens": 100.0,
+                              "router/token_diff_frac": 0.01, "lag0/router_agreement": 1.0,
+                              "lag0/router_tokens": 40.0}, [1])
+    summary = console.summary()
+    assert "megarl: critic explained variance 0.100 -> 1.000, value loss 1.000 -> 0.100 (first -> last 10% of steps)" \
+        in summary
+    assert "megarl: KL from the teacher 0.200 -> 0.020 nats per trained token" in summary
+    assert "router agreement sampler vs learner 99.0% of routing decisions over 1000 tokens (lag0 100.0% over 400 " \
+           "tokens)" in summary
+    plain = Console(1, True, "runs/x", stream=io.StringIO())
+    plain.update(1, step_metrics(0.5), [1])
+    assert "critic" not in plain.summary() and "teacher" not in plain.summary()
