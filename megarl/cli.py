@@ -89,11 +89,29 @@ def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
         print(f"megarl: model {model_dir}; run dir {cfg.run.dir}")
         if args.nnodes > 1:
             print(f"megarl: processes per node: {len(nodes[0])} ({args.nnodes} nodes)")
+            if args.dry_run:
+                print_resolved_config(cfg)
         else:
-            print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
+            print_launch(cmd, cfg, args.dry_run)
         if args.dry_run:
             return 0
         return run_torchrun(cmd, env, cfg, gated)
+
+
+def print_launch(cmd: list[str], cfg, dry_run: bool) -> None:
+    """The torchrun command being launched; under --dry-run the resolved config (every key, defaults and overrides
+    applied: what the workers will run) and the command that a run would launch."""
+    if not dry_run:
+        print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
+        return
+    print_resolved_config(cfg)
+    print("megarl: dry run, would launch: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
+
+
+def print_resolved_config(cfg) -> None:
+    from omegaconf import OmegaConf
+
+    print("megarl: dry run; the resolved config:\n" + OmegaConf.to_yaml(OmegaConf.structured(cfg)).rstrip())
 
 
 def checked_for_launch(cfg) -> Path | None:
@@ -448,7 +466,9 @@ def evaluate(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a checkpoint's sets are read after its export: a bad row names FILE:LINE here
         print(f"megarl: eval.sets: {exc}", file=sys.stderr)
         return 2
-    Console(0, True, cfg.run.dir).evaluated(result["version"], result["version"], result["metrics"])
+    what = (f"of checkpoint {result['model']} (version {result['version']})" if args.checkpoint else
+            f"of the model at {result['model']} (model.path)")
+    Console(0, True, cfg.run.dir).evaluated(result["version"], result["version"], result["metrics"], what)
     print(f"megarl: wrote {write_result(result, args.out)}")
     return 0
 
@@ -474,7 +494,7 @@ def sft(args: argparse.Namespace) -> int:
         if model_dir is None:
             return 2
         print(f"megarl: model {model_dir}; run dir {cfg.run.dir}; model out {cfg.sft.output_dir}")
-        print("megarl: launching: torchrun " + shlex.join(cmd[3:]) + LOCAL_NOTE, flush=True)
+        print_launch(cmd, cfg, args.dry_run)
         if args.dry_run:
             return 0
         return run_sft(cmd, env, cfg, gated)
@@ -572,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. run.steps=20 sampler.num_engines=2")
     p.add_argument("--dry-run", action="store_true",
-                   help="check the config and print the torchrun command (give it before CONFIG)")
+                   help="check the config, print it resolved and the torchrun command; launch nothing")
     p.add_argument("--nnodes", type=int, default=1,
                    help="with --dry-run: also check that the world spreads over this many nodes (launch scripts)")
     p.set_defaults(func=train)
@@ -633,9 +653,22 @@ def checked_config(args: argparse.Namespace, check_files: bool = True):
     return cfg, placement(cfg, args.nnodes, getattr(args, "nproc_per_node", None))
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line; key=value overrides are taken anywhere, also after an option (`megarl eval CONFIG
+    --checkpoint DIR eval.samples=8`), in the order given. argparse alone gives a positional list only the words
+    before the first option."""
+    args, extra = parser.parse_known_args(argv)
+    overrides = [word for word in extra if "=" in word and not word.startswith("-")]
+    if len(overrides) != len(extra) or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     try:
         sys.exit(args.func(args))
     except KeyboardInterrupt:  # Ctrl-C before the run started (checks, model build): nothing to stop yet

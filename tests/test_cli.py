@@ -128,7 +128,16 @@ def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):
     path = model_dir(tmp_path / "model", files=("model.safetensors", "vocab.json", "merges.txt"))
     proc = train(f"model.path={path}")
     assert proc.returncode == 0, proc.stderr
-    assert f"megarl: model {path}; run dir {EMPTY_RUN_DIR}" in proc.stdout and "launching: torchrun" in proc.stdout
+    assert f"megarl: model {path}; run dir {EMPTY_RUN_DIR}" in proc.stdout and "would launch: torchrun" in proc.stdout
+
+
+def test_a_dry_run_prints_the_resolved_config_and_launches_nothing():
+    proc = train("run.steps=7", "algo.group_size=4")
+    assert proc.returncode == 0, proc.stderr
+    assert "megarl: dry run; the resolved config:\nrun:\n" in proc.stdout
+    assert "\n  steps: 7\n" in proc.stdout and "\n  group_size: 4\n" in proc.stdout and "\n  lr: " in proc.stdout
+    assert "megarl: launching" not in proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("megarl: dry run, would launch: torchrun ")
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -243,3 +252,16 @@ def test_the_failure_summary_tells_torchruns_own_stops_from_the_cause(stderr, na
     from megarl.config.load import load_config
 
     assert failure_summary(stderr, load_config(DEMO, [])).startswith(named)
+
+
+def test_key_value_overrides_are_taken_anywhere_also_after_an_option():
+    from megarl.cli import build_parser, parse_command_line
+
+    parser = build_parser()
+    args = parse_command_line(parser, ["eval", "c.yaml", "a=1", "--checkpoint", "runs/x", "b=2", "--out", "o.json",
+                                       "c=3"])
+    assert (args.overrides, args.checkpoint, args.out) == (["a=1", "b=2", "c=3"], "runs/x", "o.json")
+    assert parse_command_line(parser, ["train", "c.yaml", "--dry-run", "a=1"]).overrides == ["a=1"]
+    for argv in (["eval", "c.yaml", "--checkpoint", "x", "stray"], ["export", "--checkpoint", "x", "--out", "y", "a=1"]):
+        with pytest.raises(SystemExit):
+            parse_command_line(parser, argv)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.cli import build_parser, checked_config
+from megarl.cli import build_parser, checked_config, parse_command_line
 from megarl.config.load import load_config
 from tests.helpers import REPO
 
@@ -90,7 +90,7 @@ def check_megarl_command(kind: str, argv: list[str]) -> None:
         load_config(argv[0], argv[1:], check_files=False)  # data files are made by a command of the docs
         return
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_command_line(build_parser(), argv)
     except SystemExit as exc:
         raise AssertionError(f"megarl's argument parser refused {shlex.join(argv)} (exit {exc.code})") from None
     if args.command != "export":  # export reads only a checkpoint
@@ -119,6 +119,67 @@ def test_every_shell_block_parses_in_a_posix_shell(where, script):
 def test_every_megarl_command_in_the_docs_passes_megarls_config_checks(where, kind, argv, monkeypatch):
     monkeypatch.chdir(REPO)  # the docs' paths are relative to the repository root
     check_megarl_command(kind, argv)
+
+
+def checkpoint_dead_ends(commands: list[tuple[str, list[str]]]) -> list[str]:
+    """What reads a checkpoint no earlier command of the sequence wrote: `megarl export|eval --checkpoint DIR` and
+    `run.resume=true` need a run before them that saves into DIR (checkpoint.every_steps > 0), and a continuation
+    that saves nothing leaves DIR's latest checkpoint behind it (a later export would miss its steps). Resolved
+    from each command's real config, so a run.dir or checkpoint.dir override counts."""
+    saved: dict[str, bool] = {}  # checkpoint.dir -> whether its latest checkpoint is the last run's
+    problems = []
+    for kind, argv in commands:
+        if kind == "cli" and argv[0] in ("export", "eval"):
+            args = parse_command_line(build_parser(), argv)
+            wanted = str(Path(args.checkpoint)) if args.checkpoint else None
+            if wanted is not None and not saved.get(wanted):
+                problems.append(f"{shlex.join(argv)}: no earlier command saves checkpoints into {wanted}"
+                                if wanted not in saved else
+                                f"{shlex.join(argv)}: the run before it continued without saving (checkpoint.every_steps)")
+            continue
+        if kind == "cli" and argv[0] != "train":
+            continue
+        config_argv = argv[1:] if kind == "cli" else argv
+        cfg = checked_config(parse_command_line(build_parser(), ["train", *config_argv]), check_files=False)[0] \
+            if kind == "cli" else load_config(argv[0], argv[1:], check_files=False)
+        root, resumes = str(Path(cfg.checkpoint.dir)), str(cfg.run.resume).lower() == "true"
+        if resumes and root not in saved:
+            problems.append(f"{shlex.join(argv)}: run.resume=true, but no earlier command saves into {root}")
+        if cfg.checkpoint.every_steps > 0:
+            saved[root] = True
+        elif resumes or str(cfg.run.resume).lower() == "auto":
+            saved[root] = False
+    return problems
+
+
+def doc_sequences() -> dict[str, list[tuple[str, list[str]]]]:
+    """Each doc's megarl commands in document order (a sequence a reader types top to bottom)."""
+    sequences: dict[str, list] = {}
+    for where, kind, argv in COMMANDS:
+        sequences.setdefault(where.split(":")[0], []).append((kind, argv))
+    return sequences
+
+
+@pytest.mark.parametrize("doc", sorted(doc_sequences()))
+def test_no_doc_reads_a_checkpoint_its_commands_do_not_write(doc, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert checkpoint_dead_ends(doc_sequences()[doc]) == []
+
+
+def test_a_checkpoint_dead_end_is_found(monkeypatch):
+    monkeypatch.chdir(REPO)
+    demo = ["train", "configs/demo.yaml"]
+    export = ["export", "--checkpoint", "runs/demo/checkpoints", "--out", "hf"]
+    evaluate = ["eval", "configs/demo.yaml", "--checkpoint", "runs/demo/checkpoints"]
+    assert checkpoint_dead_ends([("cli", demo), ("cli", evaluate)]) == [
+        f"{shlex.join(evaluate)}: no earlier command saves checkpoints into runs/demo/checkpoints"]
+    saving = [*demo, "checkpoint.every_steps=50"]
+    assert checkpoint_dead_ends([("cli", saving), ("cli", export), ("cli", evaluate)]) == []
+    resume = [*demo, "run.resume=true"]
+    assert "continued without saving" in checkpoint_dead_ends([("cli", saving), ("cli", resume), ("cli", export)])[0]
+    assert "run.resume=true, but no earlier command" in checkpoint_dead_ends([("cli", resume)])[0]
+    other_dir = [*saving, "run.dir=runs/other"]
+    assert len(checkpoint_dead_ends([("cli", other_dir), ("cli", export)])) == 1
 
 
 def test_what_the_checks_catch(monkeypatch):

@@ -31,7 +31,7 @@ def test_the_dry_run_runs_every_check_on_cpu_and_ends_with_one_json_line(tmp_pat
     # the learner check starts with nccl (unavailable on CPU) and falls back: the fallback code ran too
     assert summary["checks"]["learner_step"]["backend"] == "gloo"
     assert set(summary["checks"]["learner_step"]["failed_backends"]) == {"nccl", "cpu:gloo,cuda:nccl"}
-    assert summary["checks"]["e2e_train"]["dry_run"][0].startswith("megarl: launching: torchrun")
+    assert summary["checks"]["e2e_train"]["dry_run"][0].startswith("megarl: dry run, would launch: torchrun")
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == {"gpu_check": summary}
     assert "===== publish_bandwidth" in (tmp_path / "gpu_check.log").read_text()
 

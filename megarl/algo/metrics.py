@@ -196,9 +196,10 @@ def _teacher_metrics(p: dict[str, float]) -> dict[str, float]:
 
 
 def _router_metrics(p: dict[str, float]) -> dict[str, float]:
-    """router/agreement (share of routing decisions the learner's router made as the sampler's did) and
-    router/token_diff_frac (share of trained tokens with any MoE layer routed differently), overall and by
-    lag; with routing replay on, what the learner's router would have chosen, had it not replayed."""
+    """router/agreement (share of routing decisions the learner's router made as the sampler's did),
+    router/token_diff_frac (share of trained tokens with any MoE layer routed differently) and router/tokens (the
+    trained tokens they rest on), overall and by lag (lag{k}/router_...); with routing replay on, what the learner's
+    router would have chosen, had it not replayed."""
     out = {}
     for scope in ["", *sorted({k.split("/")[2] for k in p if k.startswith("sum/router/lag")})]:
         key = f"sum/router/{scope + '/' if scope else ''}"
@@ -207,6 +208,7 @@ def _router_metrics(p: dict[str, float]) -> dict[str, float]:
             prefix = f"{scope}/" if scope else ""
             out[f"{prefix}router_agreement" if scope else "router/agreement"] = p[key + "agree"] / n
             out[f"{prefix}router_token_diff_frac" if scope else "router/token_diff_frac"] = p[key + "differ"] / n
+            out[f"{prefix}router_tokens" if scope else "router/tokens"] = n
     return out
 
 

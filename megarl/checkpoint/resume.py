@@ -49,7 +49,8 @@ def find_checkpoint(cfg) -> Path | None:
     mode, root = resume_mode(cfg), Path(cfg.checkpoint.dir)
     latest = find_latest(root) if root.is_dir() else None
     if mode == "true" and latest is None:
-        raise CheckpointError(f"run.resume=true but checkpoint.dir {root} holds no checkpoint (no `latest` there)")
+        raise CheckpointError(f"run.resume=true but checkpoint.dir {root} holds no checkpoint (no `latest` there): "
+                              f"the run to continue saves checkpoints only with checkpoint.every_steps=N")
     if mode == "false":
         if latest is not None and writes_checkpoints(cfg):
             raise CheckpointError(
@@ -158,22 +159,23 @@ def wait_for_announcement(store, cfg, stream: int, timeout_s: float) -> tuple[in
     return info["version"], RetiredIndices.from_dict(record) if record else RetiredIndices()
 
 
-def _rewrite_jsonl(path: Path, keep) -> int:
-    """Keep the records `keep` accepts (atomically: temp file + os.replace); returns how many were dropped."""
+def _rewrite_jsonl(path: Path, keep) -> list[dict | None]:
+    """Keep the records `keep` accepts (atomically: temp file + os.replace); returns those dropped (None: a line
+    cut by a crash)."""
     if not path.is_file():
-        return 0
-    temp, dropped = path.with_name(path.name + ".tmp"), 0
+        return []
+    temp, dropped = path.with_name(path.name + ".tmp"), []
     with open(path) as src, open(temp, "w") as dst:
         for line in src:
             try:
                 record = json.loads(line)
             except ValueError:  # a line cut by the crash
-                dropped += 1
+                dropped.append(None)
                 continue
             if keep(record):
                 dst.write(line if line.endswith("\n") else line + "\n")
             else:
-                dropped += 1
+                dropped.append(record)
         dst.flush()
         os.fsync(dst.fileno())
     os.replace(temp, path)
@@ -182,13 +184,16 @@ def _rewrite_jsonl(path: Path, keep) -> int:
 
 def roll_back_outputs(run_dir: str | Path, manifest: dict) -> dict[str, int]:
     """Drop what the interrupted run logged after its checkpoint, so metrics.jsonl / rollouts.jsonl hold
-    one history: steps < the checkpoint's step, samples trained before its version.  Returns the
-    records dropped per file: the steps (and samples) the resumed run redoes.  (TensorBoard event
+    one history: steps < the checkpoint's step, samples trained before its version, evaluations of the
+    versions before it (the checkpoint's own is evaluated again with eval.at_start).  Returns the records
+    dropped: "metrics" the training steps the resumed run redoes (and lines cut by a crash), "evals" the
+    evaluations, "rollouts" the samples.  A clean stop at the checkpoint redoes no step.  (TensorBoard event
     files are append-only; they keep the extra points.)"""
     run_dir = Path(run_dir)
-    return {"metrics": _rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("step", -1) < manifest["step"]),
-            "rollouts": _rewrite_jsonl(run_dir / "rollouts.jsonl",
-                                       lambda r: r.get("trained_at_step", -1) < manifest["version"])}
+    metrics = _rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: r.get("step", -1) < manifest["step"])
+    rollouts = _rewrite_jsonl(run_dir / "rollouts.jsonl", lambda r: r.get("trained_at_step", -1) < manifest["version"])
+    evals = sum(r is not None and r.get("kind") == "eval" for r in metrics)
+    return {"metrics": len(metrics) - evals, "evals": evals, "rollouts": len(rollouts)}
 
 
 class Schedule:

@@ -131,7 +131,9 @@ def resolve(path: str | Path) -> Path:
     found = find_latest(path) if path.is_dir() else None
     if found is None:
         raise CheckpointError(f"no checkpoint at {path}: expected a checkpoint directory (with {MANIFEST}) "
-                              f"or a checkpoint.dir holding a `{LATEST}` file")
+                              f"or a checkpoint.dir holding a `{LATEST}` file; a run saves checkpoints there only "
+                              f"with checkpoint.every_steps=N (or exports its final model with "
+                              f"checkpoint.export_dir=DIR)")
     return found
 
 

@@ -249,24 +249,40 @@ def _split_list_column(column: Any, f: Field, n: int, reader: _ArrayReader, wher
     return out
 
 
-def check_sample(s: Sample, what: str) -> None:
-    """The invariants across fields the learner relies on (value ranges are the schema's min_value): per-token
-    lists of equal length, env spans ordered inside token_ids, MoE routes one row per input position (their
-    layers, top_k and expert range depend on the model: megarl.rollout.routes checks those)."""
+def sample_problem(s: Sample, ranges: bool = True) -> str | None:
+    """What makes `s` not a valid sample, or None: the one check sender and receiver share. The sampler applies it
+    before sending (a sample failing it is dropped and counted there: megarl.roles.sampler_main), the learner on
+    receipt (decode_group) and before batching. It covers the schema's value ranges (`min_value`, finite floats;
+    `ranges=False` where decode_records checked them already, on whole columns at once: ~0.1 ms per 1,000 tokens
+    here) and the invariants across fields the learner relies on: per-token lists of equal length, env spans
+    ordered inside token_ids, MoE routes one row per input position (their layers, top_k and expert range depend
+    on the model: megarl.rollout.routes checks those)."""
+    for f in SAMPLE_FIELDS if ranges else ():
+        value = getattr(s, f.name)
+        if f.kind == INT and f.min_value is not None and value < f.min_value:
+            return f"{f.name}: {value}, below {f.min_value}"  # e.g. turns 0: an episode that made no model turn
+        if f.kind == INT_LIST and f.min_value is not None and value and min(value) < f.min_value:
+            return f"{f.name}: holds {min(value)}, below {f.min_value}"
+        if f.kind == FLOAT and not math.isfinite(value):
+            return f"{f.name}: {value!r}, not finite"
     n = len(s.token_ids)
     if len(s.logprobs) != n or len(s.versions) != n:
-        raise WireError(f"{what}: token_ids, logprobs and versions differ in length "
-                        f"({n}, {len(s.logprobs)}, {len(s.versions)})")
+        return f"token_ids, logprobs and versions differ in length ({n}, {len(s.logprobs)}, {len(s.versions)})"
     end = 0
     for start, stop in s.env_spans:
         if not end <= start < stop <= n:
-            raise WireError(f"{what}: env_spans {s.env_spans} are not ordered, non-empty spans within "
-                            f"the {n} tokens")
+            return f"env_spans {s.env_spans} are not ordered, non-empty spans within the {n} tokens"
         end = stop
     positions = len(s.prompt_ids) + n - 1  # every input position; the last token is never an input
     if s.routes is not None and s.routes.shape[0] != positions:
-        raise WireError(f"{what}: routes hold {s.routes.shape[0]} positions, the sample has {positions} "
-                        f"(prompt + completion - 1)")
+        return f"routes hold {s.routes.shape[0]} positions, the sample has {positions} (prompt + completion - 1)"
+    return None
+
+
+def check_sample(s: Sample, what: str, ranges: bool = True) -> None:
+    """WireError naming `what` and the problem when `s` is not a valid sample (sample_problem)."""
+    if (problem := sample_problem(s, ranges)) is not None:
+        raise WireError(f"{what}: {problem}")
 
 
 # --------------------------------------------------------------------------------------------- framing
@@ -344,7 +360,7 @@ def decode_group(message: bytes | memoryview, key: bytes) -> tuple[Envelope, lis
         raise WireError("a group must hold at least one sample")
     stats = meta["stats"]
     for i, s in enumerate(group):
-        check_sample(s, f"sample {i}")
+        check_sample(s, f"sample {i}", ranges=False)  # decode_records checked the schema's ranges
         if s.group_id != group[0].group_id or s.sampler_rank != group[0].sampler_rank:
             raise WireError(f"sample {i}: group {s.group_id!r} / sampler rank {s.sampler_rank} differ from the "
                             f"first sample's {group[0].group_id!r} / {group[0].sampler_rank}")

@@ -73,6 +73,13 @@ def due_versions(cfg, first_version: int = 0) -> set[int]:
     return {v for v in due if first_version <= v <= last}
 
 
+def prompt_count(prompts: list) -> str:
+    """"64 prompts", or "64 prompts (29 distinct)" where some repeat (a set drawn with replacement from a small
+    task): its scores rest on the distinct ones."""
+    distinct = len({(p.text, p.answer) for p in prompts})
+    return f"{len(prompts)} prompts" + (f" ({distinct} distinct)" if distinct < len(prompts) else "")
+
+
 def check_sets(cfg, model_dir) -> list[str]:
     """Build every set as the samplers will and say what it holds: its prompts and how many do not fit
     sampler.max_seq_len with one new token (skipped and counted in every evaluation); a user reward
@@ -93,7 +100,7 @@ def check_sets(cfg, model_dir) -> list[str]:
         tokenizer, unloaded = None, f" (lengths not counted here: the tokenizer did not load: {str(exc)[:120]})"
     lines = []
     for sc, s in zip(cfg.eval.sets, sets):
-        line = f"eval set {s.name}: {len(s.prompts)} prompts" + (f" ({sc.path})" if sc.path else "")
+        line = f"eval set {s.name}: {prompt_count(s.prompts)}" + (f" ({sc.path})" if sc.path else "")
         if tokenizer is None:
             line += unloaded
         elif over := sum(len(tokenizer.encode(p.text, add_special_tokens=False)) + 1 > cfg.sampler.max_seq_len

@@ -160,6 +160,14 @@ class Intake:
             self.retired[self.num_learners + stream] = len(retired)
 
 
+def resume_line(path, step: int, version: int, restarts: float, redone: int) -> str:
+    """The console line of a resumed run: the restart and the logged steps redone only where there are any."""
+    line = f"megarl: resumed from {path} (step {step}, version {version})"
+    parts = ([f"restart {restarts:.0f}"] if restarts else []) + \
+        ([f"redoing {redone} logged step{'s' if redone != 1 else ''}"] if redone else [])
+    return line + ("; " + ", ".join(parts) if parts else "")
+
+
 def publish_weights(learner, publisher, extra: dict, heartbeats: HeartbeatMonitor | None = None,
                     num_learners: int = 0, shards: bool = False) -> dict:
     """Every learner rank iterates publish_tensors() (whole tensors, gathered over TP) or, shard to
@@ -241,7 +249,8 @@ class RunOutputs:
         now = time.perf_counter()
         metrics = {**metrics, **batch_metrics(batch), **source_rewards(batch.samples, self.source_names),
                    **self.recovery,
-                   "tokens_per_s": batch.num_tokens / (now - self.last), "train_s": wall[2] - wall[1],
+                   "tokens_per_s": batch.num_tokens / (now - self.last), "step_s": now - self.last,
+                   "train_s": wall[2] - wall[1],
                    "publish_s": published["seconds"], "publish_bytes": published["bytes"], "time": time.time()}
         if published.get("full_bytes"):  # what a full publish of the same part would have sent
             metrics["publish_bytes_frac"] = published["bytes"] / published["full_bytes"]
@@ -317,8 +326,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             # flight are re-issued by the samplers: the data position).
             recovery = {"restarts": float(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
                         "redone_steps": float(dropped["metrics"])}
-            print(f"megarl: resumed from {resumed['path']} (step {start_step}, version {learner.version}); "
-                  f"restart {recovery['restarts']:.0f}, redoing {dropped['metrics']} logged steps", flush=True)
+            print(resume_line(resumed["path"], start_step, learner.version, recovery["restarts"], dropped["metrics"]),
+                  flush=True)
         if sglang:
             from megarl.distributed.sglang_publish import SGLangPublisher
 

@@ -43,12 +43,14 @@ from megarl.distributed.lifetime import SIGNAL_KEY, exit_status, seconds_since_s
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.secret import run_secret
+from megarl.distributed.wire import sample_problem
 from megarl.distributed.ranks import Topology
 from megarl.distributed.topology import engine_tp_group, publish_groups, publish_stage_store
 from megarl.eval.sampler_side import VersionEvaluator
 from megarl.eval.sets import due_versions, heldout_fraction
 from megarl.models import tp_shard
 from megarl.observe import startup
+from megarl.observe.ratelimit import RateLimitedLine
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
 from megarl.roles.learner_main import STOP_KEY, retired_key
@@ -66,6 +68,9 @@ from megarl.rollout.tasks import prompt_rng, task_from_config
 STOP_POLL_S = 0.2
 REWARD_REPORT_S = 30.0  # a spent reward budget is printed at most this often (each one is counted)
 MAX_CONSECUTIVE_SKIPS = 1000
+# Groups in a row whose every sample fails the wire check (sample_problem) before the sampler stops the run: an agent
+# that fails every episode before its first request would otherwise replace its groups forever, training nothing.
+MAX_FAILED_GROUPS_IN_ROW = 100
 
 
 def check_sample_routes(samples: list[Sample], shape: RouteShape | None, routing_replay: str, engine: str) -> None:
@@ -193,6 +198,9 @@ class SamplerLoop:
         self.sent = 0  # groups sent to the learner; those not retired yet are ahead in its queue (send_order)
         self.learner_version = 0  # the version whose publish header reported `retired` (set before it)
         self.skipped_overlong = 0
+        self.dropped_samples = RateLimitedLine()  # samples failing the wire check, never sent (_settle)
+        self.failed_groups = 0  # groups none of whose samples passed it, replaced by a new group
+        self.failed_groups_in_row = 0
         self.pending: dict[str, dict] = {}
         self.new_version = threading.Event()
         self.stopped = False
@@ -421,7 +429,7 @@ class SamplerLoop:
                                   finish_reason=c.finish_reason, sampler_rank=self.topo.rank, reward_error=error,
                                   routes=c.routes, source=source_of(prompt, self.cfg.task.source_field)))
         self._check_routes(samples)
-        entry["samples"] = samples
+        self._settle(group_id, entry, samples)
 
     def _finish_episode(self, episode: Episode) -> None:
         if (complete := self._group_complete(episode.key, episode)) is None:
@@ -439,7 +447,35 @@ class SamplerLoop:
             self.next_reward_report = time.monotonic() + REWARD_REPORT_S
             print(f"megarl: sampler {self.topo.role_rank}: an episode failed, scored 0 ({failed}); "
                   f"{self.episodes.env_failures} environment failure(s) so far", flush=True)
-        entry["samples"] = samples
+        self._settle(group_id, entry, samples)
+
+    def _settle(self, group_id: str, entry: dict, samples: list[Sample]) -> None:
+        """A scored group joins those to send, less the samples the learner would refuse (wire.sample_problem, the
+        check it applies on receipt): an agent episode that failed, or whose first request did not fit the context,
+        before any model turn has no tokens to train. They are dropped and counted (sampler{rank}/dropped_samples;
+        a failure is also in env_failures); a group left with none is counted (failed_groups) and replaced by a new
+        group at once, so the learner still receives its groups (sync mode waits for every one)."""
+        kept = []
+        for s in samples:
+            if (problem := sample_problem(s)) is None:
+                kept.append(s)
+                continue
+            self.dropped_samples(f"sampler {self.topo.role_rank}: dropped an episode the learner would refuse "
+                                 f"({problem}; {s.reward_error or 'finish_reason ' + s.finish_reason})"[:800])
+        if kept:
+            self.failed_groups_in_row = 0
+            entry["samples"] = kept
+            return
+        del self.pending[group_id]
+        self.failed_groups += 1
+        self.failed_groups_in_row += 1
+        if self.failed_groups_in_row >= MAX_FAILED_GROUPS_IN_ROW:
+            raise RuntimeError(f"sampler {self.topo.role_rank}: {MAX_FAILED_GROUPS_IN_ROW} groups in a row had no "
+                               f"sample to train (first problem: {sample_problem(samples[0])}; "
+                               f"{samples[0].reward_error or 'finish_reason ' + samples[0].finish_reason}); fix the "
+                               f"agent (task.agent) or raise sampler.max_seq_len")
+        self.started -= 1  # the replacement takes its place in the budget (pipeline) and in the version's share (sync)
+        self._start_group()
 
     def _check_routes(self, samples: list[Sample]) -> None:
         check_sample_routes(samples, self.route_shape, self.cfg.algo.routing_replay, self.cfg.sampler.engine)
@@ -453,6 +489,7 @@ class SamplerLoop:
                 "swap_time_s": engine["swap_time_s"], "version": engine["version"],
                 "skipped_overlong_prompts": self.skipped_overlong, "reward_s": self.reward_s,
                 "reward_budget_spent": self.reward_budget_spent,
+                "dropped_samples": self.dropped_samples.count, "failed_groups": self.failed_groups,
                 "env_failures": self.episodes.env_failures if self.episodes else 0,
                 "over_context": self.episodes.over_context if self.episodes else 0,
                 "env_s": self.episodes.env_s if self.episodes else 0.0}

@@ -82,7 +82,7 @@ def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id:
         counts["reward/overlong_penalty_mean"] = penalty.mean().item()
         counts["samples/overlong_penalised"] = float((penalty < 0).sum())
     for s in samples:  # the wire's invariants: one short per-token record would shift every later sample's tokens
-        check_sample(s, f"a sample of sampler {s.sampler_rank}")
+        check_sample(s, f"a sample of sampler {s.sampler_rank}", ranges=False)  # decode_group checked the ranges
     # Every sample's tokens land with one indexed write per field, not a handful of small tensors per sample
     # (128 samples cost ~14 ms on the learner's critical path that way).
     prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples])

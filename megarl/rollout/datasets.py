@@ -27,6 +27,8 @@ from typing import Iterator
 from megarl.protocols import Prompt
 from megarl.rollout.tasks import exact_match
 
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")  # any other file that is not .parquet is read as JSONL too
+
 
 def source_of(prompt: Prompt, source_field: str) -> str:
     """The prompt's data source: its row's `source_field` column (task.source_field) as text, "" without one."""
@@ -99,10 +101,13 @@ def _rows(path: Path) -> Iterator[tuple[str, object]]:
     elif path.suffix == ".parquet":
         yield from _table_rows(path, _load_parquet(path))
     else:
-        yield from _jsonl_rows(path)
+        yield from _jsonl_rows(path, "" if path.suffix in JSONL_SUFFIXES else
+                               f"; {path.suffix or 'a file without a suffix'} is read as JSONL: the formats read are "
+                               f"JSONL (one JSON object per line), .parquet and a `datasets` save_to_disk directory")
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
+def _jsonl_rows(path: Path, hint: str = "") -> Iterator[tuple[str, object]]:
+    """`hint`: what a row that is not JSON adds to its error (a file whose suffix says another format)."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             where = f"{path}:{number}"
@@ -116,7 +121,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
             try:
                 yield where, parse_json_row(line.strip())
             except ValueError as exc:
-                yield where, BadRow(str(exc))
+                yield where, BadRow(f"{exc}{hint}")
 
 
 def parse_json_row(line: str) -> object:

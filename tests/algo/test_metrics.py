@@ -169,3 +169,4 @@ def test_router_agreement_counts_sets_per_layer_at_the_position_before_each_trai
     assert m["lag0/router_agreement"] == 1.0 and m["lag0/router_token_diff_frac"] == 0.0
     assert m["lag1/router_agreement"] == pytest.approx(3 / 8) and m["lag1/router_token_diff_frac"] == 1.0
     assert "lag2+/router_agreement" not in m
+    assert m["router/tokens"] == 3 and m["lag0/router_tokens"] == 1 and m["lag1/router_tokens"] == 2

@@ -34,7 +34,8 @@ def test_checkpoint_keys_default_under_the_run_dir_and_are_validated(tmp_path):
 
 def test_which_checkpoint_a_run_resumes_from(tmp_path):
     assert resume.find_checkpoint(config(tmp_path, "run.resume=auto")) is None
-    with pytest.raises(CheckpointError, match="run.resume=true but checkpoint.dir .* holds no checkpoint"):
+    with pytest.raises(CheckpointError, match="run.resume=true but checkpoint.dir .* holds no checkpoint.*"
+                                              "checkpoint.every_steps=N"):
         resume.find_checkpoint(config(tmp_path, "run.resume=true"))
     latest = commit_fake(tmp_path / "checkpoints", 6)
     assert resume.find_checkpoint(config(tmp_path, "run.resume=True")) == latest
@@ -77,12 +78,26 @@ def test_roll_back_keeps_one_history_of_metrics_and_rollouts(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(8)) + '{"step": 8')
     (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps({"trained_at_step": s}) + "\n" for s in range(8)))
     dropped = resume.roll_back_outputs(tmp_path, {"step": 6, "version": 6})
-    assert dropped == {"metrics": 2 + 1, "rollouts": 2}  # steps 6, 7, the line cut by the crash; rollouts of 6, 7
+    assert dropped == {"metrics": 2 + 1, "evals": 0, "rollouts": 2}  # steps 6, 7, the cut line; rollouts of 6, 7
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(6))
     rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
     assert [r["trained_at_step"] for r in rollouts] == list(range(6))
-    assert resume.roll_back_outputs(tmp_path / "nothing_here", {"step": 6, "version": 6}) == {"metrics": 0, "rollouts": 0}
+    assert resume.roll_back_outputs(tmp_path / "nothing_here", {"step": 6, "version": 6}) == {
+        "metrics": 0, "evals": 0, "rollouts": 0}
+
+
+def test_a_clean_resume_redoes_no_step_and_says_none(tmp_path):
+    from megarl.roles.learner_main import resume_line
+
+    # A run that ended at its checkpoint (step 6): steps 0..5 logged, then the evaluation of version 6.
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(6))
+                                            + json.dumps({"step": 6, "kind": "eval", "eval_version": 6}) + "\n")
+    dropped = resume.roll_back_outputs(tmp_path, {"step": 6, "version": 6})
+    assert dropped == {"metrics": 0, "evals": 1, "rollouts": 0}
+    assert resume_line("ck/step_6", 6, 6, 0.0, dropped["metrics"]) == "megarl: resumed from ck/step_6 (step 6, version 6)"
+    assert resume_line("ck", 6, 6, 1.0, 1).endswith("; restart 1, redoing 1 logged step")
+    assert resume_line("ck", 6, 6, 0.0, 3).endswith("(step 6, version 6); redoing 3 logged steps")
 
 
 def test_samplers_learn_what_to_resume_from_through_the_store(tmp_path):

@@ -65,5 +65,6 @@ def test_a_pointer_to_something_incomplete_is_an_error_naming_it(tmp_path):
     (tmp_path / "latest").write_text("step_00000005\n")
     with pytest.raises(CheckpointError, match="step_00000005"):
         storage.find_latest(tmp_path)
-    with pytest.raises(CheckpointError, match="no checkpoint at"):
+    with pytest.raises(CheckpointError, match="no checkpoint at") as refused:
         storage.resolve(tmp_path / "nowhere")
+    assert "checkpoint.every_steps" in str(refused.value) and "checkpoint.export_dir" in str(refused.value)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megarl.distributed import wire
-from megarl.distributed.wire import (GROUP, HEADER, NDARRAY, SAMPLE_FIELDS, Field, WireError, decode_group,
+from megarl.distributed.wire import (GROUP, HEADER, NDARRAY, SAMPLE_FIELDS, Field, WireError, decode_group, sample_problem,
                                      decode_plan, encode_group, encode_plan)
 from megarl.protocols import GenerationRequest, Sample, SamplingParams
 
@@ -146,6 +146,17 @@ def test_malformed_metadata_from_a_peer_with_the_secret_is_refused(change, error
 def test_inconsistent_samples_are_refused(changes, error):
     with pytest.raises(WireError, match=error):
         roundtrip([sample(**changes)])
+    # The sender's check is the receiver's: the sampler drops what the learner would refuse, naming the same thing.
+    assert error in sample_problem(sample(**changes))
+
+
+def test_the_sender_check_passes_what_the_receiver_accepts_and_names_an_agent_episode_without_turns():
+    assert sample_problem(sample()) is None
+    roundtrip([sample()])
+    failed = sample(prompt_ids=[], token_ids=[], logprobs=[], versions=[], turns=0, reward=0.0,
+                    reward_error="agent x:run: RuntimeError: boom")  # raised before its first request
+    assert sample_problem(failed) == "turns: 0, below 1"
+    assert "not finite" in sample_problem(sample(reward=math.inf))
 
 
 def test_a_diverged_policys_nan_logprobs_reach_the_learner_whose_nonfinite_rule_stops_the_run():

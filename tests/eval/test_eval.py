@@ -13,7 +13,7 @@ from megarl.config.load import ConfigError, load_config
 from megarl.eval.learner_side import EvalCollector
 from megarl.eval.run import eval_seed, run_share
 from megarl.eval.sampler_side import VersionEvaluator, result_key
-from megarl.eval.sets import build_sets, check_sets, due_versions
+from megarl.eval.sets import build_sets, check_sets, due_versions, prompt_count
 from megarl.models.convert import load_pretrained
 from megarl.observe.jsonl import read_jsonl
 from megarl.protocols import GenerationRequest, SamplingParams
@@ -267,3 +267,11 @@ def test_multi_turn_eval_episodes_are_of_one_version_while_publishes_land_and_re
     standalone = evaluate_model(cfg, model)
     assert standalone["records"] == in_run
     assert standalone["metrics"]["eval/heldout/turns_mean"] >= 1.5
+
+
+def test_a_set_with_repeated_prompts_says_how_many_are_distinct():
+    from megarl.protocols import Prompt
+
+    drawn = [Prompt(f"{i % 29}+1=", str(i % 29 + 1)) for i in range(64)]  # 64 draws with replacement, 29 prompts
+    assert prompt_count(drawn) == "64 prompts (29 distinct)"
+    assert prompt_count(drawn[:29]) == "29 prompts"

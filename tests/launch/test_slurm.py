@@ -60,7 +60,7 @@ def test_single_node_script_checks_stages_the_model_and_runs_srun_torchrun(tmp_p
     proc = run_batch("slurm_single_node.sbatch", env, CONFIG, f"model.path={fake_model_dir}", "run.steps=3",
                      f"run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "megarl: launching: torchrun" in proc.stdout  # `megarl train --dry-run` checked everything first
+    assert "megarl: dry run, would launch: torchrun" in proc.stdout  # `megarl train --dry-run` checked everything first
     scratch = f"/tmp/megarl-{env['SLURM_JOB_ID']}"
     [torchrun] = calls(log, "torchrun")
     assert torchrun["argv"] == ["--standalone", "--nproc-per-node", "2", "--max-restarts", "0", "--shutdown-timeout", "30",

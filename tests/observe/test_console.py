@@ -152,3 +152,62 @@ def test_on_a_terminal_a_note_clears_the_progress_line_and_the_line_comes_back()
 def test_durations_and_tenths():
     assert format_duration(59.6) == "1:00" and format_duration(3725) == "1:02:05" and format_duration(-3) == "0:00"
     assert tenth_means([0.0] * 5 + [1.0] * 5) == (0.0, 1.0) and tenth_means([0.5]) == (0.5, 0.5)
+
+
+def test_tok_s_is_the_tokens_of_the_last_steps_over_their_time_not_one_steps_rate():
+    out = io.StringIO()
+    console = Console(12, True, "runs/x", stream=out)
+    # Alternating steps: 100 tokens in 0.01 s (a batch that was waiting: 10,000 tok/s), 100 tokens in 1 s (100 tok/s).
+    for step in range(1, 13):
+        fast = step % 2
+        console.update(step, {**step_metrics(0.5), "tokens_per_s": 10_000.0 if fast else 100.0,
+                              "step_s": 0.01 if fast else 1.0}, [1])
+    lines = out.getvalue().splitlines()
+    assert "tok/s 10000 (1-step mean)" in lines[0]
+    assert "tok/s 198 (10-step mean)" in lines[-1]  # 1000 tokens in 5 * 1.01 s
+
+
+def test_the_summary_counts_failed_and_dropped_episodes_only_when_there_were_some():
+    out = io.StringIO()
+    console = Console(2, True, "runs/x", stream=out)
+    console.update(1, {**step_metrics(0.5), "sampler1/env_failures": 2.0, "sampler1/dropped_samples": 1.0,
+                       "sampler1/failed_groups": 0.0, "sampler2/env_failures": 0.0}, [1])
+    console.update(2, {**step_metrics(0.5), "sampler1/env_failures": 6.0, "sampler1/dropped_samples": 6.0,
+                       "sampler1/failed_groups": 1.0, "sampler2/env_failures": 1.0}, [1])  # running counts
+    assert ("megarl: 7 episodes failed (environment or agent errors, scored 0); 6 episodes without a model turn "
+            "dropped before sending, 1 groups left empty and replaced") in console.summary()
+    quiet = Console(1, True, "runs/x", stream=io.StringIO())
+    quiet.update(1, {**step_metrics(0.5), "sampler1/env_failures": 0.0}, [1])
+    assert "episodes failed" not in quiet.summary()
+
+
+def test_eval_lines_say_what_was_scored_and_label_the_greedy_mean_reward_apart_from_pass_at_k():
+    out = io.StringIO()
+    console = Console(0, True, "runs/x", stream=out)
+    metrics = {"eval/heldout/reward_mean": 0.5, "eval/heldout/pass@1": 0.5, "eval/heldout/pass@4": 0.75,
+               "eval/heldout/greedy": 0.625, "eval_s": 1.0}
+    console.evaluated(0, 0, metrics, what="of the model at hf/ (model.path)")
+    console.evaluated(3, 3, metrics)
+    first, second = out.getvalue().splitlines()
+    assert first.startswith("megarl: eval of the model at hf/ (model.path) (1.0s): heldout reward_mean 0.500 ")
+    assert "version 0" not in first
+    assert second.startswith("megarl: eval version 3 (step 3, 1.0s): ")
+    assert "pass@1 (share correct) 0.500 pass@4 0.750 greedy reward_mean 0.625" in first
+
+
+def test_the_summary_gives_the_critic_the_teacher_kl_and_the_tokens_router_agreement_rests_on():
+    console = Console(10, True, "runs/x", stream=io.StringIO())
+    for step in range(1, 11):
+        console.update(step, {**step_metrics(0.5), "critic/explained_var": step / 10, "critic/value_loss": 1 / step,
+                              "distill/teacher_kl": 0.2 / step, "router/agreement": 0.99, "router/tokens": 100.0,
+                              "router/token_diff_frac": 0.01, "lag0/router_agreement": 1.0,
+                              "lag0/router_tokens": 40.0}, [1])
+    summary = console.summary()
+    assert "megarl: critic explained variance 0.100 -> 1.000, value loss 1.000 -> 0.100 (first -> last 10% of steps)" \
+        in summary
+    assert "megarl: KL from the teacher 0.200 -> 0.020 nats per trained token" in summary
+    assert "router agreement sampler vs learner 99.0% of routing decisions over 1000 tokens (lag0 100.0% over 400 " \
+           "tokens)" in summary
+    plain = Console(1, True, "runs/x", stream=io.StringIO())
+    plain.update(1, step_metrics(0.5), [1])
+    assert "critic" not in plain.summary() and "teacher" not in plain.summary()

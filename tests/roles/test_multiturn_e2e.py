@@ -107,3 +107,25 @@ def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode
     assert sum(r["turns"] >= 2 for r in rollouts) > len(rollouts) / 2 and any(r["reward"] == 1.0 for r in rollouts)
     assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)
     assert all(m["sampler1/over_context"] == 0 for m in metrics)  # reported; the shipped agent's turns all fit
+
+
+def test_agent_episodes_failing_before_any_request_are_counted_and_a_sync_run_goes_on(embedded_tool_model_dir,
+                                                                                       tmp_path):
+    """Episodes whose agent raised before its first request have no tokens: the sampler drops them (the learner's
+    wire check would refuse their group) and counts them; the group that lost all of them is replaced, so the sync
+    run, which waits for every group of a step, finishes."""
+    from tests.roles.first_calls_fail_agent import FAILING
+    group_size, groups, steps = 4, 2, 2
+    rollouts, out = train(tmp_path / "run", embedded_tool_model_dir, f"run.steps={steps}", "algo.mode=sync",
+                          "algo.max_lag=0", f"algo.group_size={group_size}", f"algo.prompts_per_step={groups}",
+                          "learner.micro_batch_size=8", "task.env_workers=4",
+                          "task.agent=tests.roles.first_calls_fail_agent:run", "eval.sets=[]", "queue.timeout_s=120")
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == steps
+    # The first group failed whole and was replaced by a full one; the next lost FAILING - group_size episodes.
+    assert len(rollouts) == steps * groups * group_size - (FAILING - group_size)
+    assert metrics[-1]["sampler1/env_failures"] == FAILING and metrics[-1]["sampler1/dropped_samples"] == FAILING
+    assert metrics[-1]["sampler1/failed_groups"] == 1
+    assert f"{FAILING} episodes failed" in out and "1 groups left empty and replaced" in out
+    for r in rollouts:
+        check_episode(r)

@@ -83,6 +83,15 @@ def test_bad_rows_can_be_skipped_and_counted(tmp_path):
         DatasetTask(str(write_jsonl(tmp_path / "e.jsonl", [{"prompt": "x"}])), on_bad_row="skip")
 
 
+def test_a_csv_file_is_refused_naming_the_formats_read(tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_text("prompt,answer\n1+1=,2\n")
+    with pytest.raises(ValueError, match=r"data.csv:1: not valid JSON \(.*\); .csv is read as JSONL: the formats read "
+                                         r"are JSONL \(one JSON object per line\), .parquet and a `datasets` "
+                                         r"save_to_disk directory"):
+        DatasetTask(str(path))
+
+
 def test_missing_files_and_readers_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="dataset not found: .*nope.jsonl"):
         DatasetTask(str(tmp_path / "nope.jsonl"))

@@ -138,7 +138,7 @@ def test_a_good_config_passes_the_checks_and_prints_the_launch(capsys, good, tmp
     code, out, err = cli(capsys, *good)
     assert code == 0, err
     assert "megarl: sft: 19 training records, 1 held-out records (sft.eval_fraction of sft.data); context 128" in out
-    assert "launching: torchrun --nproc-per-node=1 --max-restarts=0" in out and "-m megarl.sft.run" in out
+    assert "would launch: torchrun --nproc-per-node=1 --max-restarts=0" in out and "-m megarl.sft.run" in out
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()  # a dry run writes nothing
 
 
