@@ -37,6 +37,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from megarl.checkpoint.position import parse_group_id
 from megarl.protocols import GenerationRequest, Sample, SamplingParams
 
 MAGIC = b"MRL\x00"
@@ -81,7 +82,7 @@ SAMPLE_FIELDS: tuple[Field, ...] = (
     Field("versions", INT_LIST, min_value=-1),  # -1: an environment token
     Field("reward", FLOAT),
     Field("finish_reason", STR),
-    Field("sampler_rank", INT),
+    Field("sampler_rank", INT, min_value=0),
     Field("reward_error", OPT_STR),
     Field("env_spans", SPAN_LIST),
     Field("turns", INT, min_value=1),
@@ -192,7 +193,9 @@ def decode_records(raw: Any, fields: tuple[Field, ...], reader: _ArrayReader, wh
     if set(columns) != set(names):
         missing, extra = sorted(set(names) - set(columns)), sorted(set(columns) - set(names))
         raise WireError(f"{what}: fields differ from the schema (missing {missing}, unknown {extra})")
-    records: list[dict] = [{} for _ in range(n)]
+    # Every column is checked against `n` before any per-record storage exists: `n` is a number the sender
+    # declares (a ~200-byte message may claim 2**63 records), the columns are what the message holds.
+    by_field: dict[str, list] = {}
     for f in fields:
         column, where = columns[f.name], f"{what}.{f.name}"
         if f.kind in LIST_LAYOUT:
@@ -205,9 +208,8 @@ def decode_records(raw: Any, fields: tuple[Field, ...], reader: _ArrayReader, wh
                       for v in column]
         else:
             values = [_check_scalar(f, v, where) for v in column]
-        for record, value in zip(records, values):
-            record[f.name] = value
-    return records
+        by_field[f.name] = values
+    return [dict(zip(names, row)) for row in zip(*(by_field[name] for name in names))]
 
 
 def _check_scalar(f: Field, value: Any, where: str) -> Any:
@@ -253,6 +255,10 @@ def check_sample(s: Sample, what: str) -> None:
     """The invariants across fields the learner relies on (value ranges are the schema's min_value): per-token
     lists of equal length, env spans ordered inside token_ids, MoE routes one row per input position (their
     layers, top_k and expert range depend on the model: megarl.rollout.routes checks those)."""
+    try:  # the learner's data position parses it (megarl.checkpoint.position)
+        parse_group_id(s.group_id)
+    except ValueError as exc:
+        raise WireError(f"{what}: {exc}"[:300]) from None
     n = len(s.token_ids)
     if len(s.logprobs) != n or len(s.versions) != n:
         raise WireError(f"{what}: token_ids, logprobs and versions differ in length "
