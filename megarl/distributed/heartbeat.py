@@ -4,7 +4,7 @@ A sampler whose process dies is torchrun's to detect (its agent sees the exit wi
 interval and stops or restarts every worker, `fault.on_failure`). A sampler that is alive but stuck
 (a wedged engine step, a reward call that ignores its timeout, a deadlocked server) exits nothing, so
 the learner would only notice at `queue.timeout_s`, with no hint which rank. Each sampler therefore
-bumps a counter `heartbeat/{rank}` from its main loop (at most every `period_s`), and the learner's
+bumps a counter `heartbeat/{rank}/<suffix>` from its main loop (at most every `period_s`), and the learner's
 `HeartbeatMonitor` raises `SamplerHungError` naming the rank once a counter has not moved for
 `timeout_s` *by the learner's own clock* (counters, not timestamps, so node clocks need not agree).
 
