@@ -52,7 +52,8 @@ class HeartbeatMonitor:
     A sampler that has not beaten yet (still loading its model) gets `timeout_s` from the monitor's
     creation, like any other silence."""
 
-    def __init__(self, store: SignedStore, sampler_ranks: list[int], timeout_s: float, check_every_s: float = 1.0):
+    def __init__(self, store: SignedStore, sampler_ranks: list[int], timeout_s: float,
+                 check_every_s: float = 1.0):
         self.store, self.ranks, self.timeout_s, self.check_every_s = store, list(sampler_ranks), timeout_s, check_every_s
         self.keys = {r: heartbeat_key(store, r) for r in self.ranks}
         now = time.monotonic()

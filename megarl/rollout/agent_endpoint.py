@@ -14,7 +14,8 @@ shapes, one console line per dropped connection -- and hands every request of an
 `handle(token, body) -> response dict`, which raises `EndpointError` for an error response. What it
 refuses before anything else runs: a body without a valid Content-Length (411, 400), over
 `max_request_bytes` (413: nothing of it is parsed), a body that does not arrive within the read
-timeout (408), invalid or deeply nested JSON, a huge integer literal or a lone surrogate (400), an unknown session (404, for `/models` too).
+timeout (408), invalid or deeply nested JSON, a huge integer literal or a lone surrogate (400), an
+unknown session (404, for `/models` too).
 Unsupported parameters are refused rather than ignored where ignoring them would change what the agent
 gets (`stream`, `n` > 1, `tools`); sampling parameters (temperature, top_p) are the run's, since the
 behaviour log-probs the learner corrects for must be the run's policy's.
