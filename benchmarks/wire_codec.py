@@ -19,7 +19,7 @@ STATS = {f"stat{i}": float(i) for i in range(11)}  # as many counters as a sampl
 
 def group(prompt_len: int, completion_len: int) -> list[Sample]:
     r = random.Random(0)
-    return [Sample(group_id="0/17", prompt="d-k=", completion="defghijk",
+    return [Sample(group_id="s0-g17", prompt="d-k=", completion="defghijk",
                    prompt_ids=[r.randrange(64) for _ in range(prompt_len)],
                    token_ids=[r.randrange(64) for _ in range(completion_len)],
                    logprobs=[-r.random() for _ in range(completion_len)],

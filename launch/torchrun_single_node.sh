@@ -9,7 +9,8 @@ read -r nproc stop_timeout < <(python -c 'import sys; from megarl.config.load im
 cfg = load_config(sys.argv[1], sys.argv[2:]); print(world_size_for(cfg), cfg.fault.stop_timeout_s)' "$config" "$@")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 restarts=$(python -m megarl.cli placement "$config" "$@" --max-restarts)  # fault.on_failure=restart
-# SIGTERM/SIGINT/SIGHUP to torchrun stop every worker at a step boundary; after fault.stop_timeout_s it kills them.
+# SIGTERM/SIGINT/SIGHUP stop every worker at a step boundary (after fault.stop_timeout_s torchrun kills them), then
+# this exits 128 + the signal (143 for SIGTERM) without a traceback.
 # torchrun runs through megarl.distributed.local_launch: its store listens on 127.0.0.1 only, and it sets a fresh
 # MEGARL_RUN_SECRET unless the environment has one (docs/security.md).
 exec python -m megarl.distributed.local_launch --nproc-per-node "$nproc" --max-restarts "$restarts" \

@@ -13,6 +13,10 @@ Who holds it:
   * a raw `torchrun -m megarl.roles.worker` / `megarl.sft.run` launch: that worker (rank 0) takes it itself
     and holds it until it exits.
 A `--dry-run` only checks that run.dir is free (creating nothing).
+
+run.dir must belong to the user running megarl, and the lock file is opened without following a symlink
+and must be a regular file of that user's: otherwise another user who can write into run.dir could plant
+`.megarl.lock` as a link and have a run (root's, say) truncate the file it points to.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import json
 import os
 import shlex
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -43,7 +48,8 @@ def hold(run_dir: str | Path) -> None:
         return
     launcher = _launcher_holding(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(run_dir / LOCK_NAME, "a+")
+    _check_owner(run_dir)
+    lock = _open_lock(run_dir, create=True)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -76,9 +82,10 @@ def check_free(run_dir: str | Path) -> None:
     """RunDirError if another live run holds run.dir (or it is not a directory); takes nothing, creates nothing."""
     run_dir = _usable(run_dir)
     path = run_dir / LOCK_NAME
-    if run_dir in _held or not path.is_file():
+    if run_dir in _held or not os.path.lexists(path):
         return
-    with open(path, "a+") as lock:
+    _check_owner(run_dir)
+    with _open_lock(run_dir, create=False) as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -99,6 +106,33 @@ def _usable(run_dir: str | Path) -> Path:
                 raise RunDirError(f"run.dir {run_dir}{what} is a file, not a directory; set run.dir to a directory")
             break
     return run_dir
+
+
+def _check_owner(run_dir: Path) -> None:
+    owner, me = run_dir.stat().st_uid, os.geteuid()
+    if owner != me:
+        raise RunDirError(f"run.dir {run_dir} belongs to uid {owner}, not to this user (uid {me}): its owner could "
+                          f"plant files there that this run would write through; use a run.dir of your own, or "
+                          f"chown it to uid {me}")
+
+
+def _open_lock(run_dir: Path, create: bool):
+    """The lock file opened for reading and appending, never through a symlink (O_NOFOLLOW), and only if it
+    is a regular file of this user's with one link (a hard link to another file would be written too)."""
+    path = run_dir / LOCK_NAME
+    flags = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        why = "it is a symlink, which megarl does not follow" if os.path.islink(path) else exc.strerror
+        raise RunDirError(f"run.dir {run_dir}: cannot open {LOCK_NAME} ({why}); remove {path} if no run is "
+                          f"using run.dir") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_nlink != 1:
+        os.close(fd)
+        raise RunDirError(f"run.dir {run_dir}: {path} is not a regular file of this user's with a single link; "
+                          f"remove it if no run is using run.dir")
+    return os.fdopen(fd, "a+")
 
 
 def _launcher_holding(run_dir: Path) -> int | None:

@@ -86,3 +86,26 @@ def test_megarl_sft_refuses_a_held_run_dir_before_launch_naming_the_run(holder):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"megarl: run.dir {run_dir} is in use by the run started "), proc.stderr
     assert f"as pid {first.pid} on " in proc.stderr and "launching" not in proc.stdout
+
+
+def test_a_lock_file_planted_as_a_symlink_is_refused_and_its_target_untouched(tmp_path):
+    target = tmp_path / "precious"
+    target.write_text("root's file\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / run_lock.LOCK_NAME).symlink_to(target)
+    with pytest.raises(run_lock.RunDirError, match="symlink, which megarl does not follow"):
+        run_lock.hold(run_dir)
+    with pytest.raises(run_lock.RunDirError, match="symlink"):
+        run_lock.check_free(run_dir)
+    assert target.read_text() == "root's file\n"
+
+
+def test_a_run_dir_owned_by_another_user_is_refused(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    other = run_dir.stat().st_uid + 1
+    monkeypatch.setattr(run_lock.os, "geteuid", lambda: other)  # this process as another user than run.dir's
+    with pytest.raises(run_lock.RunDirError, match=f"belongs to uid {other - 1}, not to this user \\(uid {other}\\)"):
+        run_lock.hold(run_dir)
+    assert list(run_dir.iterdir()) == []

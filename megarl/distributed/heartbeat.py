@@ -4,17 +4,27 @@ A sampler whose process dies is torchrun's to detect (its agent sees the exit wi
 interval and stops or restarts every worker, `fault.on_failure`). A sampler that is alive but stuck
 (a wedged engine step, a reward call that ignores its timeout, a deadlocked server) exits nothing, so
 the learner would only notice at `queue.timeout_s`, with no hint which rank. Each sampler therefore
-bumps a counter `heartbeat/{rank}` from its main loop (at most every `period_s`), and the learner's
+bumps a counter `heartbeat/{rank}/<suffix>` from its main loop (at most every `period_s`), and the learner's
 `HeartbeatMonitor` raises `SamplerHungError` naming the rank once a counter has not moved for
 `timeout_s` *by the learner's own clock* (counters, not timestamps, so node clocks need not agree).
+
+The store is open to every process that reaches it (docs/security.md#the-rendezvous-store). A counter is
+signed (SignedStore) and lives under a key name derived from the run secret (`SignedStore.unlisted`), so an
+outsider can neither find it to overwrite nor forge a value: a flood of forged writes lands elsewhere and
+a healthy sampler still beats. Should a forged or replayed value reach the counter's key anyway, it is
+counted (`HeartbeatMonitor.forged`) and ignored: only a genuine count above the last one is a beat, and a
+forged value neither ends the run nor counts as silence.
 """
 from __future__ import annotations
 
 import time
+from collections import Counter
+
+from megarl.distributed.signed_store import ForgedStoreValue, SignedStore
 
 
-def heartbeat_key(rank: int) -> str:
-    return f"heartbeat/{rank}"
+def heartbeat_key(store: SignedStore, rank: int) -> str:
+    return store.unlisted(f"heartbeat/{rank}")
 
 
 class SamplerHungError(RuntimeError):
@@ -24,8 +34,8 @@ class SamplerHungError(RuntimeError):
 class Heartbeat:
     """Sampler side: call `beat()` from the main loop; it writes at most once per `period_s`."""
 
-    def __init__(self, store, rank: int, period_s: float = 1.0):
-        self.store, self.key, self.period_s = store, heartbeat_key(rank), period_s
+    def __init__(self, store: SignedStore, rank: int, period_s: float = 1.0):
+        self.store, self.key, self.period_s = store, heartbeat_key(store, rank), period_s
         self.count, self.next_write = 0, 0.0
 
     def beat(self) -> None:
@@ -42,22 +52,39 @@ class HeartbeatMonitor:
     A sampler that has not beaten yet (still loading its model) gets `timeout_s` from the monitor's
     creation, like any other silence."""
 
-    def __init__(self, store, sampler_ranks: list[int], timeout_s: float, check_every_s: float = 1.0):
+    def __init__(self, store: SignedStore, sampler_ranks: list[int], timeout_s: float,
+                 check_every_s: float = 1.0):
         self.store, self.ranks, self.timeout_s, self.check_every_s = store, list(sampler_ranks), timeout_s, check_every_s
+        self.keys = {r: heartbeat_key(store, r) for r in self.ranks}
         now = time.monotonic()
-        self.last_value: dict[int, bytes | None] = {r: None for r in self.ranks}
+        self.last_value: dict[int, int | None] = {r: None for r in self.ranks}  # the last genuine count seen
         self.last_change: dict[int, float] = {r: now for r in self.ranks}
+        self.forged: Counter[int] = Counter()  # per rank: reads that held a forged or non-counter value
         self.next_check = 0.0
+
+    def _read(self, rank: int) -> int | None:
+        """The genuine count under `rank`'s key, or None (absent, or forged: counted, reported the first time)."""
+        key = self.keys[rank]
+        if not self.store.raw.check([key]):  # the raw check: SignedStore.check would print per key itself
+            return None
+        try:
+            return int(self.store.get(key))
+        except (ForgedStoreValue, ValueError) as exc:
+            self.forged[rank] += 1
+            if self.forged[rank] == 1:
+                print(f"megarl: heartbeat of sampler rank {rank}: {exc}; ignored (neither a beat nor silence; "
+                      f"further ones are counted, not printed)", flush=True)
+            return None
 
     def observe(self) -> float:
         """Read every sampler's counter now (returns the time). `silent()` can only say how long a counter
-        has stood still since it was last observed moving, so call this regularly (check() does)."""
+        has stood still since it was last observed moving, so call this regularly (check() does). Only a
+        genuine count above the last one seen moves it: a replayed older one does not."""
         now = time.monotonic()
-        present = [r for r in self.ranks if self.store.check([heartbeat_key(r)])]
-        values = dict(zip(present, self.store.multi_get([heartbeat_key(r) for r in present]))) if present else {}
         for rank in self.ranks:
-            if values.get(rank) != self.last_value[rank]:
-                self.last_value[rank], self.last_change[rank] = values.get(rank), now
+            value = self._read(rank)
+            if value is not None and (self.last_value[rank] is None or value > self.last_value[rank]):
+                self.last_value[rank], self.last_change[rank] = value, now
         return now
 
     def silent(self, num_learners: int = 0, min_s: float = 3.0) -> str:

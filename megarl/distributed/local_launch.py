@@ -15,6 +15,10 @@ before its checks), it launches the ranks at once and relays the checks' verdict
 wait for it once they have imported what their role needs (megarl.distributed.launch_gate). Multi-node launches
 use torchrun's c10d backend (launch/torchrun_multi_node.sh), whose store must stay on a private network
 (docs/security.md).
+
+A stop signal to this process ends the ranks at a step boundary (torchrun forwards it, then kills what is
+left after --shutdown-timeout) and this process exits 128 + the signal (143 for SIGTERM), without
+torchrun's traceback.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import sys
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousInfo, RendezvousParameters,
                                                   RendezvousStoreInfo, rendezvous_handler_registry)
 
@@ -97,8 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     if not os.environ.get(ENV):
         os.environ[ENV] = new_secret()
     rendezvous_handler_registry.register(BACKEND, _handler_factory(verdict))
-    torchrun_main(["--nnodes=1", f"--rdzv-backend={BACKEND}", f"--rdzv-endpoint={HOST}:0",
-                   f"--rdzv-id=megarl-{os.getpid()}", *argv])
+    try:
+        torchrun_main(["--nnodes=1", f"--rdzv-backend={BACKEND}", f"--rdzv-endpoint={HOST}:0",
+                       f"--rdzv-id=megarl-{os.getpid()}", *argv])
+    except SignalException as exc:
+        # A stop signal to the launcher (`kill PID`, a scheduler's preemption): torchrun has already passed it to
+        # the ranks, which stopped at a step boundary, and said so in one line; its re-raise would add a
+        # traceback and exit 1. Exit as a process ended by that signal conventionally does: 128 + its number.
+        sys.exit(128 + int(exc.sigval))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,14 @@ class SignedStore:
                                    f"run's secret (written by a process outside the run?): refused")
         return value
 
+    def unlisted(self, name: str) -> str:
+        """`name` plus a suffix only holders of the secret can compute. torch's store cannot list its keys, so a
+        process outside the run cannot find such a key to overwrite: a record whose writer must not be drowned
+        by a flood of forged writes (a heartbeat) lives under it. ("unlisted:" never starts a value tag's
+        input, which starts with a length, so no genuine tag is a key name.)"""
+        full = (self.prefix + name).encode()
+        return f"{name}/{hmac.new(self._key, b'unlisted:' + full, hashlib.sha256).hexdigest()[:32]}"
+
     def set(self, name: str, value: str | bytes) -> None:
         value = value.encode() if isinstance(value, str) else bytes(value)
         self.raw.set(name, value + self._tag(name, value))

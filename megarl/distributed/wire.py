@@ -37,6 +37,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from megarl.checkpoint.position import parse_group_id
 from megarl.protocols import GenerationRequest, Sample, SamplingParams
 
 MAGIC = b"MRL\x00"
@@ -81,7 +82,7 @@ SAMPLE_FIELDS: tuple[Field, ...] = (
     Field("versions", INT_LIST, min_value=-1),  # -1: an environment token
     Field("reward", FLOAT),
     Field("finish_reason", STR),
-    Field("sampler_rank", INT),
+    Field("sampler_rank", INT, min_value=0),
     Field("reward_error", OPT_STR),
     Field("env_spans", SPAN_LIST),
     Field("turns", INT, min_value=1),
@@ -192,7 +193,9 @@ def decode_records(raw: Any, fields: tuple[Field, ...], reader: _ArrayReader, wh
     if set(columns) != set(names):
         missing, extra = sorted(set(names) - set(columns)), sorted(set(columns) - set(names))
         raise WireError(f"{what}: fields differ from the schema (missing {missing}, unknown {extra})")
-    records: list[dict] = [{} for _ in range(n)]
+    # Every column is checked against `n` before any per-record storage exists: `n` is a number the sender
+    # declares (a ~200-byte message may claim 2**63 records), the columns are what the message holds.
+    by_field: dict[str, list] = {}
     for f in fields:
         column, where = columns[f.name], f"{what}.{f.name}"
         if f.kind in LIST_LAYOUT:
@@ -205,9 +208,8 @@ def decode_records(raw: Any, fields: tuple[Field, ...], reader: _ArrayReader, wh
                       for v in column]
         else:
             values = [_check_scalar(f, v, where) for v in column]
-        for record, value in zip(records, values):
-            record[f.name] = value
-    return records
+        by_field[f.name] = values
+    return [dict(zip(names, row)) for row in zip(*(by_field[name] for name in names))]
 
 
 def _check_scalar(f: Field, value: Any, where: str) -> Any:
@@ -256,7 +258,8 @@ def sample_problem(s: Sample, ranges: bool = True) -> str | None:
     `ranges=False` where decode_records checked them already, on whole columns at once: ~0.1 ms per 1,000 tokens
     here) and the invariants across fields the learner relies on: per-token lists of equal length, env spans
     ordered inside token_ids, MoE routes one row per input position (their layers, top_k and expert range depend
-    on the model: megarl.rollout.routes checks those)."""
+    on the model: megarl.rollout.routes checks those), and a group id the learner's data position parses
+    (`s<sampler>-g<index>`: megarl.checkpoint.position)."""
     for f in SAMPLE_FIELDS if ranges else ():
         value = getattr(s, f.name)
         if f.kind == INT and f.min_value is not None and value < f.min_value:
@@ -265,6 +268,10 @@ def sample_problem(s: Sample, ranges: bool = True) -> str | None:
             return f"{f.name}: holds {min(value)}, below {f.min_value}"
         if f.kind == FLOAT and not math.isfinite(value):
             return f"{f.name}: {value!r}, not finite"
+    try:
+        parse_group_id(s.group_id)
+    except ValueError as exc:
+        return str(exc)[:300]
     n = len(s.token_ids)
     if len(s.logprobs) != n or len(s.versions) != n:
         return f"token_ids, logprobs and versions differ in length ({n}, {len(s.logprobs)}, {len(s.versions)})"

@@ -14,7 +14,8 @@ shapes, one console line per dropped connection -- and hands every request of an
 `handle(token, body) -> response dict`, which raises `EndpointError` for an error response. What it
 refuses before anything else runs: a body without a valid Content-Length (411, 400), over
 `max_request_bytes` (413: nothing of it is parsed), a body that does not arrive within the read
-timeout (408), invalid or deeply nested JSON (400), an unknown session (404, for `/models` too).
+timeout (408), invalid or deeply nested JSON, a huge integer literal or a lone surrogate (400), an
+unknown session (404, for `/models` too).
 Unsupported parameters are refused rather than ignored where ignoring them would change what the agent
 gets (`stream`, `n` > 1, `tools`); sampling parameters (temperature, top_p) are the run's, since the
 behaviour log-probs the learner corrects for must be the run's policy's.
@@ -249,8 +250,8 @@ def parse_json_object(data: bytes) -> dict:
     """A request body as a JSON object; 400 for anything else, including nesting over MAX_JSON_DEPTH."""
     try:
         body = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EndpointError(HTTPStatus.BAD_REQUEST, f"invalid JSON body: {exc}", code="invalid_json") from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, and an int over Python's 4,300-digit limit
+        raise EndpointError(HTTPStatus.BAD_REQUEST, f"invalid JSON body: {exc}"[:300], code="invalid_json") from exc
     except RecursionError as exc:  # the parser's own recursion guard: nesting deeper than Python's stack allows
         raise EndpointError(HTTPStatus.BAD_REQUEST, f"JSON nested deeper than {MAX_JSON_DEPTH} levels",
                             code="invalid_json") from exc
@@ -259,7 +260,28 @@ def parse_json_object(data: bytes) -> dict:
                             code="invalid_json")
     if not isinstance(body, dict):
         raise EndpointError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object", code="invalid_json")
+    _refuse_lone_surrogates(body)
     return body
+
+
+def _refuse_lone_surrogates(value) -> None:
+    """400 for a string (or key) holding a lone UTF-16 surrogate: JSON's `\\ud800` escape parses into one, and
+    no tokenizer or UTF-8 encoder downstream accepts it. Iterative, as json_depth."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise EndpointError(HTTPStatus.BAD_REQUEST, f"a string holds a lone surrogate "
+                                    f"(U+{ord(item[exc.start]):04X} at offset {exc.start}), which is not valid "
+                                    f"Unicode text", code="invalid_json") from None
 
 
 def json_depth(value) -> int:

@@ -1,4 +1,5 @@
-"""Heartbeats through a real TCPStore: a sampler that stops beating is named once the timeout passes."""
+"""Heartbeats through a real TCPStore: a sampler that stops beating is named once the timeout passes; forged
+values neither end the run nor make a beating sampler look hung."""
 import socket
 import time
 from datetime import timedelta
@@ -6,7 +7,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from megarl.distributed.heartbeat import Heartbeat, HeartbeatMonitor, SamplerHungError
+from megarl.distributed.heartbeat import Heartbeat, HeartbeatMonitor, SamplerHungError, heartbeat_key
+from megarl.distributed.signed_store import SignedStore
+
+KEY = b"k" * 32
 
 
 @pytest.fixture
@@ -14,7 +18,7 @@ def store():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10))
+    return SignedStore(dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10)), KEY)
 
 
 def test_beating_samplers_pass_and_a_silent_one_is_named(store):
@@ -46,7 +50,7 @@ def test_beats_are_rate_limited(store):
     beat = Heartbeat(store, 5, period_s=60.0)
     beat.beat()
     beat.beat()
-    assert store.get("heartbeat/5") == b"1"
+    assert store.get(heartbeat_key(store, 5)) == b"1"
 
 
 def test_observed_only_now_and_then_a_quiet_sampler_is_still_named(store):
@@ -92,3 +96,39 @@ def test_a_sampler_that_died_just_before_the_failure_is_named_not_reported_curre
     thread.start()
     assert monitor.silent(num_learners=1, min_s=0.5) == "every sampler's heartbeat kept moving for 0.5s after the failure"
     thread.join()
+
+
+def test_a_forged_value_alternating_with_a_replayed_genuine_one_is_counted_and_ignored(store):
+    """Worst case, an outsider that knows the counter's key: it writes back an older genuine value and a
+    forged one in turn. The monitor neither crashes nor takes either for a beat; the genuine beats still count."""
+    beat = Heartbeat(store, 1, period_s=0.0)
+    monitor = HeartbeatMonitor(store, [1], timeout_s=60, check_every_s=0.0)
+    key = heartbeat_key(store, 1)
+    beat.beat()
+    replay = store.raw.get(key)  # the signed "1"
+    beat.beat()
+    monitor.check()
+    assert monitor.last_value == {1: 2}
+    for _ in range(5):
+        store.raw.set(key, replay)
+        monitor.check()
+        store.raw.set(key, b"1000")
+        monitor.check()
+    assert monitor.last_value == {1: 2} and monitor.forged[1] == 5
+    beat.beat()
+    monitor.check()
+    assert monitor.last_value == {1: 3}
+
+
+def test_a_steady_flood_of_forged_heartbeats_does_not_make_a_beating_sampler_look_hung(store):
+    """An outsider overwrites every heartbeat key it can name right after each genuine beat (a flood that
+    always wins the race): every beat is still recognised at the monitor's next look."""
+    beat = Heartbeat(store, 1, period_s=0.0)
+    monitor = HeartbeatMonitor(store, [1], timeout_s=60, check_every_s=0.0)
+    for count in range(1, 6):
+        beat.beat()
+        for name in ("heartbeat/1", "megarl/heartbeat/1", "heartbeat/1/0"):
+            store.raw.set(name, b"9999")
+        monitor.observe()
+        assert monitor.last_value == {1: count}
+    assert monitor.forged[1] == 0

@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -96,3 +97,18 @@ def test_a_launch_that_failed_before_the_go_reports_its_own_failure(tmp_path):
     run = TorchrunRun(cmd, env, stop_timeout_s=10, gated=gated)
     assert run.wait() != 0
     assert "failing_worker: this rank cannot start" in "".join(run.tail)
+
+
+def test_a_sigterm_to_the_launcher_stops_the_ranks_and_exits_143_without_a_traceback(tmp_path):
+    out = tmp_path / "rank"
+    proc = subprocess.Popen([sys.executable, "-m", "megarl.distributed.local_launch", "--nproc-per-node=2",
+                             str(REPO / "tests" / "distributed" / "stop_worker.py"), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={"PATH": "/usr/sbin:/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    for rank in (0, 1):
+        _wait_for(tmp_path / f"rank.{rank}.up", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert all((tmp_path / f"rank.{rank}.stopped").exists() for rank in (0, 1))  # each rank ran its stop handler

@@ -27,7 +27,7 @@ def free_port() -> int:
 
 
 def sample(i: int, versions: list[int]) -> Sample:
-    return Sample(group_id=f"g{i}", prompt="1+1=", completion="2", prompt_ids=[1, 2, 3, 4], token_ids=[5, 6],
+    return Sample(group_id=f"s0-g{i}", prompt="1+1=", completion="2", prompt_ids=[1, 2, 3, 4], token_ids=[5, 6],
                   logprobs=[-0.5, -0.1], versions=versions, reward=1.0, finish_reason="stop", sampler_rank=1)
 
 
@@ -50,7 +50,7 @@ def test_groups_arrive_whole_and_in_order_from_another_process():
     assert proc.exitcode == 0
     groups = [g for g, _ in messages]
     assert [stats["tokens_decoded"] for _, stats in messages] == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert [g[0].group_id for g in groups] == [f"g{i}" for i in range(5)]
+    assert [g[0].group_id for g in groups] == [f"s0-g{i}" for i in range(5)]
     assert groups[3][0].versions == [3, 4] and groups[3][1].logprobs == [-0.5, -0.1]
     receiver.close()
 
@@ -103,7 +103,7 @@ def test_a_pickle_from_outside_the_run_runs_nothing_and_is_reported(queue, tmp_p
     attack("pickle", receiver, str(marker))
     group = receive_after_attack(receiver, store, expect_rejected=1)
     assert not marker.exists()
-    assert group[0].group_id == "g7"
+    assert group[0].group_id == "s0-g7"
     out = capsys.readouterr().out
     assert "dropped a message from 127.0.0.1" in out and "not a megarl message" in out
 
@@ -119,7 +119,7 @@ def test_a_forged_group_without_the_secret_is_not_delivered(queue, tmp_path, cap
     (tmp_path / "flipped").write_bytes(bytes(flipped))
     attack("send", receiver, str(wrong_key), str(tmp_path / "flipped"))
     group = receive_after_attack(receiver, store, expect_rejected=2)
-    assert [s.group_id for s in group] == ["g7"]
+    assert [s.group_id for s in group] == ["s0-g7"]
     assert receiver.counters()["queue/rejected"] == 2.0
     assert "authentication failed" in capsys.readouterr().out
 
@@ -138,7 +138,7 @@ def test_a_100mb_message_is_refused_unread_and_the_next_group_arrives(queue):
     before = _peak_rss_kb()
     attack("huge", receiver)
     group = receive_after_attack(receiver, store, expect_rejected=0)
-    assert group[0].group_id == "g7"
+    assert group[0].group_id == "s0-g7"
     assert receiver.disconnects >= 1  # libzmq dropped the connection that carried it
     assert _peak_rss_kb() - before < 30_000, "the receiver held the 100 MB message"
 
@@ -150,6 +150,6 @@ def test_a_replayed_group_is_refused(queue):
     sender.sequence = 0  # the same sequence number again: what a recorded message carries
     sender.send_group([sample(2, [0, 0])])
     sender.send_group([sample(3, [0, 0])])
-    assert [receiver.recv_group(timeout_s=20)[0][0].group_id for _ in range(2)] == ["g1", "g3"]
+    assert [receiver.recv_group(timeout_s=20)[0][0].group_id for _ in range(2)] == ["s0-g1", "s0-g3"]
     assert receiver.rejected == 1
     sender.close()

@@ -51,9 +51,10 @@ def test_forged_heartbeats_do_not_keep_a_dead_sampler_alive(stores):
     signed, outsider = stores
     monitor = HeartbeatMonitor(signed, [1, 2], timeout_s=60)
     Heartbeat(signed, 1, period_s=0).beat()
-    outsider.set("megarl/attempt0//heartbeat/2", "1000")
+    outsider.set("megarl/attempt0//" + monitor.keys[2], "1000")
     monitor.observe()
-    assert monitor.last_value == {1: b"1", 2: None}  # the forged counter counts as no heartbeat at all
+    assert monitor.last_value == {1: 1, 2: None}  # the forged counter counts as no heartbeat at all
+    assert monitor.forged[2] == 1
 
 
 def test_a_genuine_value_copied_to_another_key_is_refused(stores):

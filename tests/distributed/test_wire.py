@@ -20,7 +20,7 @@ SESSION = b"s" * 8
 
 
 def sample(**changes) -> Sample:
-    base = Sample(group_id="g1", prompt="2+2=", completion="4 é", prompt_ids=[1, 2, 3], token_ids=[4, 5, 6, 7],
+    base = Sample(group_id="s1-g1", prompt="2+2=", completion="4 é", prompt_ids=[1, 2, 3], token_ids=[4, 5, 6, 7],
                   logprobs=[-0.25, -1e-9, 0.0, -3.5], versions=[2, -1, -1, 3], reward=0.75, finish_reason="stop",
                   sampler_rank=3, reward_error=None, env_spans=[(1, 3)], turns=2)
     return dataclasses.replace(base, **changes)
@@ -71,13 +71,13 @@ def test_ndarray_fields_keep_dtype_and_shape(dtype):
 
 def test_a_group_carries_moe_routes_one_row_per_input_position():
     routes = np.arange(5 * 2 * 2, dtype="uint8").reshape(5, 2, 2)  # 2 prompt + 4 completion tokens: 5 inputs
-    sample = Sample(group_id="g", prompt="p", completion="c", prompt_ids=[1, 2], token_ids=[3, 4, 5, 6],
+    sample = Sample(group_id="s0-g0", prompt="p", completion="c", prompt_ids=[1, 2], token_ids=[3, 4, 5, 6],
                     logprobs=[-0.5] * 4, versions=[0] * 4, reward=1.0, finish_reason="stop", routes=routes)
-    _, [back], _ = decode_group(encode_group([sample], {}, bytes(8), 1, 1, KEY), KEY)
+    _, [back], _ = decode_group(encode_group([sample], {}, bytes(8), 0, 1, KEY), KEY)
     assert back.routes.dtype == np.uint8 and (back.routes == routes).all()
     short = dataclasses.replace(sample, routes=routes[:4])
     with pytest.raises(WireError, match="routes hold 4 positions, the sample has 5"):
-        decode_group(encode_group([short], {}, bytes(8), 1, 1, KEY), KEY)
+        decode_group(encode_group([short], {}, bytes(8), 0, 1, KEY), KEY)
 
 
 def test_a_tp_plan_round_trips():
@@ -171,7 +171,7 @@ def test_an_empty_group_is_refused():
 
 def test_a_group_mixing_groups_or_samplers_is_refused():
     with pytest.raises(WireError, match="differ from the first sample"):
-        roundtrip([sample(), sample(group_id="g2")])
+        roundtrip([sample(), sample(group_id="s1-g2")])
     with pytest.raises(WireError, match="differ from the first sample"):
         roundtrip([sample(), sample(sampler_rank=4)])
 
@@ -198,3 +198,32 @@ def test_framing_errors():
         broken = HEADER.pack(*fields) + b"\xc1"
         decode_group(broken + hmac.new(KEY, broken, hashlib.sha256).digest(), KEY)
     assert struct.calcsize("<4sHBB8sIQI") == HEADER.size == 32
+
+
+@pytest.mark.parametrize("count", [2**63, 30_000_000])
+def test_a_declared_record_count_is_checked_against_the_message_before_any_allocation(count):
+    import tracemalloc
+    message = encode_group([sample()], {}, SESSION, 3, 0, KEY)
+    meta = meta_of(message)
+    meta["samples"]["count"] = count
+    forged = reseal(message, meta)
+    assert len(forged) < 1000
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError, match=f"expected a list of {count} values"):
+            decode_group(forged, KEY)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000  # a record dict per declared count would be gigabytes
+
+
+@pytest.mark.parametrize("changes, error", [
+    (dict(group_id="rt"), "not a megarl group id: 'rt'"),
+    (dict(group_id="s1-g"), "not a megarl group id"),
+    (dict(sampler_rank=-3), "sampler_rank: -3, below 0"),
+])
+def test_fields_the_learner_parses_are_validated_on_the_wire(changes, error):
+    with pytest.raises(WireError, match=error):
+        roundtrip([sample(**changes)])
+

@@ -216,3 +216,20 @@ def test_torchrun_killed_from_outside_is_named_in_one_line_and_its_workers_stopp
                                  f"outside megarl); megarl stopped its workers. Outputs so far are in {run_dir}")
     assert "DistNetworkError" not in err and "Traceback" not in err, err[-3000:]
     assert not leftovers(run_dir)
+
+
+def test_a_sigterm_to_the_raw_single_node_script_stops_the_run_and_it_exits_143_quietly(embedded_think_model_dir,
+                                                                                      tmp_path):
+    # launch/torchrun_single_node.sh execs megarl.distributed.local_launch: the signal reaches torchrun's agent,
+    # which passes it to the ranks (they stop at a step boundary) and then exits as the signal's 128 + 15.
+    run_dir = tmp_path / "raw"
+    proc = subprocess.Popen(["bash", str(REPO / "launch" / "torchrun_single_node.sh"), DEMO, f"run.dir={run_dir}",
+                             f"model.path={embedded_think_model_dir}", "run.steps=100000", "algo.prompts_per_step=4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    _wait_for_steps(run_dir, 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert not leftovers(run_dir)

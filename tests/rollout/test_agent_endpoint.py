@@ -79,6 +79,21 @@ def test_malformed_requests_get_a_4xx_at_once_and_never_reach_the_handler(served
     assert reached == [{}]
 
 
+@pytest.mark.parametrize("body, message", [
+    (b'{"messages": [], "max_tokens": ' + b"9" * 4301 + b"}", "invalid JSON body: Exceeds the limit (4300 digits)"),
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "lone surrogate (U+D800 at offset 1)"),
+    (b'{"messages": [{"\\udfff": "x"}]}', "lone surrogate (U+DFFF at offset 0)"),
+])
+def test_a_huge_integer_or_a_lone_surrogate_is_a_400_not_a_500(served, capfd, body, message):
+    endpoint, token, reached, _ = served
+    status, payload = exchange(endpoint.port, post(token, f"Content-Length: {len(body)}"), body)
+    assert (status, payload["error"]["code"]) == (400, "invalid_json")
+    assert message in payload["error"]["message"]
+    assert reached == []
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err
+
+
 def test_each_client_disconnect_is_one_console_line_at_most_every_30s_not_a_traceback(served, capfd):
     endpoint, token, reached, release = served
     body = b'{"wait": true}'
