@@ -258,8 +258,7 @@ def sample_problem(s: Sample, ranges: bool = True) -> str | None:
     `ranges=False` where decode_records checked them already, on whole columns at once: ~0.1 ms per 1,000 tokens
     here) and the invariants across fields the learner relies on: per-token lists of equal length, env spans
     ordered inside token_ids, MoE routes one row per input position (their layers, top_k and expert range depend
-    on the model: megarl.rollout.routes checks those), and a group id the learner's data position parses
-    (`s<sampler>-g<index>`: megarl.checkpoint.position)."""
+    on the model: megarl.rollout.routes checks those)."""
     for f in SAMPLE_FIELDS if ranges else ():
         value = getattr(s, f.name)
         if f.kind == INT and f.min_value is not None and value < f.min_value:
@@ -268,10 +267,6 @@ def sample_problem(s: Sample, ranges: bool = True) -> str | None:
             return f"{f.name}: holds {min(value)}, below {f.min_value}"
         if f.kind == FLOAT and not math.isfinite(value):
             return f"{f.name}: {value!r}, not finite"
-    try:
-        parse_group_id(s.group_id)
-    except ValueError as exc:
-        return str(exc)[:300]
     n = len(s.token_ids)
     if len(s.logprobs) != n or len(s.versions) != n:
         return f"token_ids, logprobs and versions differ in length ({n}, {len(s.logprobs)}, {len(s.versions)})"
@@ -366,6 +361,10 @@ def decode_group(message: bytes | memoryview, key: bytes) -> tuple[Envelope, lis
     if not group:
         raise WireError("a group must hold at least one sample")
     stats = meta["stats"]
+    try:  # what the learner's data position will parse (megarl.checkpoint.position)
+        parse_group_id(group[0].group_id)
+    except ValueError as exc:
+        raise WireError(f"sample 0: {exc}"[:300]) from None
     for i, s in enumerate(group):
         check_sample(s, f"sample {i}", ranges=False)  # decode_records checked the schema's ranges
         if s.group_id != group[0].group_id or s.sampler_rank != group[0].sampler_rank:
