@@ -242,3 +242,59 @@ def test_a_hidden_path_that_holds_a_rewards_import_path_stays_visible():
             "print(call('tests.rollout.reward_fns:exact', ['1+1=', '2', '2', {}], timeout_s=20))\n")
     proc = as_sampler("namespaced-root", code)
     assert proc.returncode == 0 and proc.stdout == "1.0\n", (proc.stdout, proc.stderr[-3000:])
+
+
+# Sandboxed program: a child that tries to leave the sandbox's process group (setsid) and keeps running, holding the
+# program's stdout, after the program itself has ended.
+ESCAPE = r'''
+import errno, json, os, time
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.setsid()
+        left = "allowed"
+    except OSError as exc:
+        left = errno.errorcode[exc.errno]
+    os.write(w, left.encode())
+    time.sleep(60)
+    os._exit(0)
+print(json.dumps({"child": pid, "setsid": os.read(r, 64).decode()}), flush=True)
+'''
+
+RUN_ESCAPE = r'''
+import json, sys, time
+from megarl.rollout.sandbox import SandboxConfig, run_python
+limits = SandboxConfig(cpu_s=5, memory_mb=256, max_processes=4, require_namespaces=sys.argv[1] == "namespaced")
+result = run_python(sys.argv[2], limits=limits, timeout_s=3)
+
+def alive(pid):  # (a killed orphan is a zombie until init reaps it: dead)
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+child = json.loads(result.stdout)["child"]  # a host pid in the fallback (no pid namespace)
+deadline = time.monotonic() + 10  # SIGKILL is delivered asynchronously
+while sys.argv[1] != "namespaced" and alive(child) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({"error": result.error, "stdout": result.stdout,
+                  "child_alive": sys.argv[1] != "namespaced" and alive(child)}))
+'''
+
+
+@needs_userns
+@pytest.mark.parametrize("mode", ["namespaced-uid1000", "fallback-uid1000"])  # (root: max_processes is 1)
+def test_a_child_that_calls_setsid_is_contained_and_reported_as_what_it_was(mode):
+    proc = as_sampler(mode, RUN_ESCAPE, MODES[mode][1], ESCAPE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    outcome = json.loads(report["stdout"])
+    if mode.startswith("namespaced"):  # setsid is allowed: the pid namespace ends the child with the program
+        assert outcome["setsid"] == "allowed" and report["error"] is None, report
+        return
+    # fallback: seccomp refuses setsid, so the child stays in the group the sandbox kills; the program ended and
+    # its child held the output until the deadline, which the error says
+    assert outcome["setsid"] == "EPERM" and not report["child_alive"], report
+    assert report["error"].startswith("wall-clock limit: the program ended, but a process it started still "
+                                      "held its output after 3s"), report
