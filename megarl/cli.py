@@ -299,6 +299,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
     from pathlib import Path
 
     from megarl.models.convert import check_supported, has_weights
+    from megarl.models.families import MODEL_TYPES
     from megarl.models.layout import check_layout
 
     model_dir = Path(model_dir)
@@ -310,8 +311,8 @@ def check_model_dir(model_dir, cfg=None) -> None:
     try:
         check_supported(hf_config)
     except ValueError as exc:
-        raise ValueError(f"{config}: {exc} (megarl trains Qwen2- and Llama-family models and their MoE "
-                         f"relatives: model_type qwen2, llama, mixtral or qwen3_moe)") from exc
+        raise ValueError(f"{config}: {exc} (megarl trains the model families of docs/models.md: model_type "
+                         f"{', '.join(MODEL_TYPES)})") from exc
     if cfg is not None:
         try:
             check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep,

@@ -60,6 +60,24 @@ def save_tiny_qwen2(path: Path, tie_word_embeddings: bool, vocab_size: int = 64,
     return path
 
 
+def save_tiny_qwen3(path: Path, vocab_size: int = 64) -> Path:
+    """A real HF Qwen3 directory of the learner tests' size: per-head q/k RMSNorm weights drawn away from 1 and
+    heads x head_dim (4 x 16) wider than hidden (32), as Qwen3's are, so a converter that dropped the norms or
+    assumed head_dim = hidden / heads would show."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**{**LEARNER_TINY, "vocab_size": vocab_size}, head_dim=16,
+                                         tie_word_embeddings=True))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
 def save_tiny_moe(path: Path, kind: str, vocab_size: int = 64, **overrides) -> Path:
     """A real HF mixture-of-experts directory (kind: mixtral | qwen3_moe): 2 layers, 4 experts, top-2, GQA;
     Qwen3-MoE with its per-head q/k RMSNorm drawn away from 1 so that a converter that dropped it would show."""

@@ -1,5 +1,6 @@
-"""HF <-> megatron-core weight conversion for Qwen2/Llama-family causal LMs and their mixture-of-experts
-relatives Mixtral and Qwen3-MoE (pure functions; the MoE MLP mapping is megarl.models.moe's), plus
+"""HF <-> megatron-core weight conversion for the causal LMs of megarl.models.families (Qwen2, Llama, Qwen3 and
+their mixture-of-experts relatives Mixtral and Qwen3-MoE; pure functions; the MoE MLP mapping is
+megarl.models.moe's), plus
 `load_pretrained`, the HF-directory reader the learner and the built-in engine share.
 
 Owns the mapping between the HF state dict exactly as ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``
@@ -17,7 +18,7 @@ Layout facts the conversion encodes:
     the k head of g, the v head of g], each head ``head_dim`` rows; the bias follows the weight.
   * megatron's ``linear_fc1`` is the fused SwiGLU input projection: rows = cat[gate, up].
   * tied embeddings: megatron has no ``output_layer.weight`` and HF has no ``lm_head.weight``.
-  * Qwen3-MoE's per-head q/k RMSNorm (``self_attn.q_norm`` / ``k_norm``) is megatron's ``qk_layernorm``
+  * Qwen3's and Qwen3-MoE's per-head q/k RMSNorm (``self_attn.q_norm`` / ``k_norm``) is megatron's ``qk_layernorm``
     (``self_attention.q_layernorm`` / ``k_layernorm``).
 """
 from __future__ import annotations
@@ -28,8 +29,9 @@ import os
 import torch
 
 from megarl.models import moe
+from megarl.models.families import ARCHITECTURES, MODEL_TYPES, family_of
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama") + moe.MOE_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = MODEL_TYPES
 
 
 def _config_dict(hf_config) -> dict:
@@ -100,13 +102,11 @@ def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
 def check_supported(hf_config) -> dict:
     """The config as a dict, or ValueError naming the architecture/feature that is not supported."""
     cfg = _config_dict(hf_config)
-    model_type = cfg.get("model_type")
     if moe.is_moe(cfg):
         moe.check_moe(cfg)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    family_of(cfg)
     for arch in cfg.get("architectures") or ():
-        if arch not in ("Qwen2ForCausalLM", "LlamaForCausalLM") + moe.MOE_ARCHITECTURES:
+        if arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu/SwiGLU)")
@@ -129,11 +129,11 @@ def _dims(cfg: dict) -> tuple[int, int, int, int]:
 
 
 def _has_qkv_bias(cfg: dict) -> bool:
-    return cfg["model_type"] == "qwen2"  # Qwen2 always has q/k/v bias; Llama (attention_bias=False) none
+    return family_of(cfg).qkv_bias  # (a Llama with attention_bias=True is refused: its o_proj has one too)
 
 
 def _has_qk_norm(cfg: dict) -> bool:
-    return cfg["model_type"] == "qwen3_moe"
+    return family_of(cfg).qk_norm
 
 
 def layer_spec_kwargs(hf_config) -> dict:

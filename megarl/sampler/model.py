@@ -1,4 +1,5 @@
-"""Pure-torch forward pass of a Qwen2/Llama-family decoder (and Mixtral / Qwen3-MoE), for the built-in sampler engine.
+"""Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mixtral, Qwen3-MoE), for
+the built-in sampler engine.
 
 This module owns the model math and the KV-cache layout; it owns no scheduling (that is
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
@@ -24,8 +25,8 @@ docs/sampler.md) remove kernels.  Numerics follow transformers' (RoPE and RMSNor
 Mixture of experts (``model_type: mixtral`` or ``qwen3_moe``): every layer's MLP is a router and `num_experts`
 SwiGLU experts.  The router is transformers': softmax over the router logits in fp32, the top-k probabilities
 (renormalised to sum to 1 for Mixtral, and for Qwen3-MoE with ``norm_topk_prob``), each chosen expert's output
-weighted by its share.  Qwen3-MoE's attention also RMS-normalises every query and key head (``q_norm`` /
-``k_norm``, over head_dim, before RoPE).  The forward computes all
+weighted by its share.  Qwen3's and Qwen3-MoE's attention also RMS-normalises every query and key head
+(``q_norm`` / ``k_norm``, over head_dim, before RoPE).  The forward computes all
 experts of a layer in two matmuls and combines them with a [tokens, experts] weight that is zero off
 the chosen k (the same sum transformers' per-expert loop makes, in another order): at the sizes this CPU
 engine serves, a decode step is bound by kernel count, not FLOPs (E / k times the expert FLOPs is the
@@ -49,8 +50,7 @@ import torch.nn.functional as F
 
 from megarl.models import convert, moe, tp_shard
 from megarl.models.convert import load_pretrained  # noqa: F401 - the engine's loader, shared with the learner
-
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mixtral", "qwen3_moe")
+from megarl.models.families import FAMILIES, MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,9 @@ class ModelSpec:
     def from_hf_config(cls, cfg: dict) -> "ModelSpec":
         """Parse an HF config dict; raise ValueError naming the field of anything we cannot run."""
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type={model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})")
+        if model_type not in FAMILIES:
+            raise ValueError(f"model_type={model_type!r} is not supported (supported: {MODEL_TYPES})")
+        family = FAMILIES[model_type]
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
         if cfg.get("use_sliding_window"):
@@ -120,9 +121,9 @@ class ModelSpec:
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        # Qwen2 always has q/k/v biases and none on o_proj; Llama's attention_bias covers q/k/v/o.
+        # Qwen2 always has q/k/v biases and none on o_proj; Llama's and Qwen3's attention_bias covers q/k/v/o.
         attention_bias = bool(cfg.get("attention_bias", False))
-        is_moe = model_type in moe.MOE_MODEL_TYPES
+        is_moe = family.moe
         num_experts, top_k = (moe.num_experts(cfg), moe.top_k(cfg)) if is_moe else (0, 0)
         if is_moe and not (num_experts >= 2 and 1 <= top_k <= num_experts):
             raise ValueError(f"num_experts={num_experts}, num_experts_per_tok={top_k}: a mixture of experts "
@@ -141,14 +142,14 @@ class ModelSpec:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type == "llama" and attention_bias,
+            qkv_bias=family.qkv_bias or attention_bias,
+            o_bias=attention_bias and not family.qkv_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             rope_scaling=rope_scaling,
             num_experts=num_experts,
             top_k=top_k,
             norm_topk=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
-            qk_norm=model_type == "qwen3_moe",
+            qk_norm=family.qk_norm,
         )
 
     def shard(self, tp_size: int) -> "ModelSpec":

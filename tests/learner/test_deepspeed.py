@@ -18,7 +18,7 @@ from megarl.algo import values
 from megarl.algo.config import CriticConfig, LossConfig
 from megarl.config.load import ConfigError, load_config
 from megarl.observe.sinks import train_records
-from tests.helpers import LEARNER_TOL, REPO, run_python, save_tiny_qwen2
+from tests.helpers import LEARNER_TOL, REPO, run_python, save_tiny_qwen2, save_tiny_qwen3
 from tests.learner.test_megatron_learner import CRITIC, _batch, _hf, _hf_logprobs
 
 VOCAB = 64
@@ -49,6 +49,7 @@ CASES = {
     "llama_zero3_offload": ("llama", {"micro_batch_size": 16, "deepspeed": {
         "zero_stage": 3, "offload_optimizer": True, "offload_params": True}}, {}),
     "qwen_zero2_critic": ("qwen", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),
+    "qwen3_zero2": ("qwen3", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),  # dense Qwen3
 }
 # LoRA (peft) rides in the same launch: ZeRO-3 (the frozen base and the adapter partitioned, the adapter gathered
 # to publish, frozen fragments in the checkpoint) with the KL penalty, whose reference is the base (adapter off).
@@ -65,7 +66,8 @@ BUCKET_MB = 0.01  # 10 KiB: two or three of the tiny models' tensors per publish
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_models")
     return {"qwen": str(save_tiny_qwen2(root / "qwen", tie_word_embeddings=True, vocab_size=VOCAB)),
-            "llama": str(save_tiny_llama(root / "llama"))}
+            "llama": str(save_tiny_llama(root / "llama")),
+            "qwen3": str(save_tiny_qwen3(root / "qwen3", vocab_size=VOCAB))}
 
 
 @pytest.fixture(scope="module")

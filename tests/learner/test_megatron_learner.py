@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megarl.algo.config import LossConfig
 from megarl.protocols import TrainBatch
-from tests.helpers import LEARNER_TOL, save_tiny_qwen2
+from tests.helpers import LEARNER_TOL, save_tiny_qwen2, save_tiny_qwen3
 
 VOCAB, B, S, PROMPT = 64, 64, 16, 4
 
@@ -62,6 +62,35 @@ def test_logprobs_match_hf(model_dir, world):
     assert ours.shape == (12, 20) and ours.dtype == torch.float32
     assert torch.all(ours[:, 0] == 0)
     assert (ours - ref).abs().max().item() <= LEARNER_TOL
+
+
+def test_qwen3_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1(world, tmp_path):
+    """Dense Qwen3 (q/k norms, heads wider than hidden / heads): the learner's log-probs are transformers' own, and
+    real 2-process TP2 and PP2 runs give the TP1 log-probs, loss, grad norm and published weights."""
+    from transformers import Qwen3ForCausalLM
+
+    model_dir = str(save_tiny_qwen3(tmp_path / "qwen3", vocab_size=VOCAB))
+    hf = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    batch = _batch(hf, seed=7)
+    layouts = {"tp2": LAYOUTS["tp2"], "pp2": LAYOUTS["pp2"]}
+    proc = _launch_layouts(model_dir, batch, tmp_path, layouts, nproc=2)
+    learner = _learner(model_dir, micro_batch_size=16)
+    ref_logprobs = learner.logprobs(batch.input_ids)
+    with torch.no_grad():
+        assert (ref_logprobs - _hf_logprobs(hf, batch.input_ids)).abs().max().item() <= LEARNER_TOL
+    ref = learner.train_step(batch)
+    ref_published = dict(learner.publish_tensors())
+    assert "model.layers.0.self_attn.q_norm.weight" in ref_published
+    for layout, ranks in _layout_results(proc, tmp_path, layouts, nproc=2, timeout=300).items():
+        published = {}
+        for rank in ranks:
+            assert _close(rank["logprobs"], ref_logprobs), layout
+            for key in ("loss", "grad_norm"):
+                assert abs(rank["metrics"][key] - ref[key]) <= 1e-5 * abs(ref[key]), (layout, key)
+        for rank in _sources(ranks):
+            published.update(rank["published"])
+        assert set(published) == set(ref_published), layout
+        assert all(_close(published[n], t) for n, t in ref_published.items()), layout
 
 
 def spec_of(tensors: dict) -> list:

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from megarl.models import convert
 from tests.helpers import LEARNER_TOL
@@ -24,6 +24,8 @@ def _save(tmp_path, kind):
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True, rope_theta=5000.0))
     elif kind == "llama":  # GQA, no bias, untied
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
+    elif kind == "qwen3":  # GQA, per-head q/k RMSNorm, heads * head_dim (64) wider than hidden (32), as Qwen3's
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=True))
     elif kind == "llama3_rope":  # Llama 3.x frequency scaling
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=LLAMA3))
     else:  # linear position interpolation
@@ -34,6 +36,8 @@ def _save(tmp_path, kind):
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_()
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # away from 1, so a dropped norm would show
+                p.normal_(1.0, 0.3)
             if kind.endswith("_rope") and ("q_proj" in name or "k_proj" in name):
                 p.mul_(30.0)
     path = tmp_path / kind
@@ -41,11 +45,12 @@ def _save(tmp_path, kind):
     return model.eval(), load_file(path / "model.safetensors")
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
 def test_round_trip_is_exact(tmp_path, kind):
     model, hf_state = _save(tmp_path, kind)
     mcore = convert.hf_to_mcore(hf_state, model.config)
     assert ("output_layer.weight" in mcore) == (kind == "llama")
+    assert ("decoder.layers.0.self_attention.q_layernorm.weight" in mcore) == (kind == "qwen3")
     back = convert.mcore_to_hf(mcore, model.config)
     assert set(back) == set(hf_state)
     for name, tensor in hf_state.items():
@@ -75,7 +80,7 @@ def _megatron_tp_shard(name: str, full: torch.Tensor, tp: int, rank: int) -> tor
     return full
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
 @pytest.mark.parametrize("tp", [2, 4])  # 2 KV heads: at tp=4 the layout is refused by name
 def test_layer_shard_converts_to_the_tp_slices(tmp_path, kind, tp):
     """A TP rank's megatron layer shard converts (tp_size=tp) to exactly tp_shard's slices of the HF tensors."""
@@ -129,7 +134,7 @@ def megatron_world(tmp_path_factory):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "llama3_rope", "linear_rope"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "llama3_rope", "linear_rope"])
 def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -143,7 +148,8 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
 
     def megatron_logprobs(**overrides):
-        gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        spec = get_gpt_layer_local_spec(**convert.layer_spec_kwargs(hf_model.config))
+        gpt = GPTModel(config=config, transformer_layer_spec=spec,
                        **{**convert.gpt_model_kwargs(hf_model.config), **overrides})
         missing, unexpected = gpt.load_state_dict(convert.hf_to_mcore(hf_state, hf_model.config), strict=False)
         assert not unexpected and all(k.endswith("_extra_state") for k in missing)

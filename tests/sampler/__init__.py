@@ -20,7 +20,8 @@ TOL = fp32_logprob_tol(TINY, max_logprob=8.0)
 def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides) -> Path:
     """Save a tiny randomly initialised HF model to `path` and return it.
 
-    "qwen2": GQA, q/k/v biases, tied embeddings.  "llama": GQA, no biases, untied lm_head.
+    "qwen2": GQA, q/k/v biases, tied embeddings.  "llama": GQA, no biases, untied lm_head.  "qwen3": GQA, per-head
+    q/k RMSNorm weights drawn away from 1, heads x head_dim (4 x 32) wider than hidden (64), tied embeddings.
     "mixtral": GQA, no biases, tied embeddings, 4 experts of width 64, top-2 (every layer an MoE layer).
     "qwen3_moe": the same experts (unnormalised top-k unless norm_topk_prob=True), per-head q/k RMSNorm weights
     drawn away from 1 (so an engine that skipped them would show).
@@ -29,7 +30,7 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
     that fp32 rounding alone (HF's own cached decode vs its prefill) reaches 1e-5 in log-prob.
     """
     from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
     moe = {"mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
@@ -39,16 +40,19 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **kw))
     elif kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **kw))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=True, **{"head_dim": 32, **kw}))
     elif kind == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(tie_word_embeddings=True, **kw))
     elif kind == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(tie_word_embeddings=True, **kw))
+    else:
+        raise ValueError(kind)
+    if kind.startswith("qwen3"):
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
                 layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
-    else:
-        raise ValueError(kind)
     model.save_pretrained(path)
     return path
 

@@ -16,10 +16,10 @@ LLAMA3_ROPE = {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_fr
                                    "original_max_position_embeddings": 8192, "rope_theta": 1e6}}
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "llama3_rope"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "llama3_rope"])
 def tiny(request, tmp_path_factory):
-    """(kind, HF model, spec, runtime weights) for a Qwen2 (GQA, bias, tied), a Llama (untied) and a
-    Llama with Llama-3 RoPE scaling."""
+    """(kind, HF model, spec, runtime weights) for a Qwen2 (GQA, bias, tied), a Llama (untied), a Qwen3 (q/k norms,
+    wide heads) and a Llama with Llama-3 RoPE scaling."""
     from transformers import AutoModelForCausalLM
 
     kind, overrides = ("llama", LLAMA3_ROPE) if request.param == "llama3_rope" else (request.param, {})
@@ -37,8 +37,8 @@ def hf_logprobs(hf, ids: torch.Tensor) -> torch.Tensor:
 
 def test_spec_reads_hf_config(tiny):
     kind, hf, spec, _ = tiny
-    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 16)
-    assert spec.tie_word_embeddings == (kind == "qwen2")
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 32 if kind == "qwen3" else 16)
+    assert spec.tie_word_embeddings == (kind in ("qwen2", "qwen3")) and spec.qk_norm == (kind == "qwen3")
     assert (spec.rope_scaling is not None) == (kind == "llama3_rope")
     assert spec.qkv_bias == (kind == "qwen2")
     assert spec.rope_theta == hf.config.rope_parameters["rope_theta"]
@@ -98,14 +98,15 @@ def test_batched_decode_with_different_lengths_matches_hf(tiny):
 def test_shard_spec_is_one_tp_ranks_share(tiny):
     """shard(t) divides the heads, KV heads and MLP width; q/k/v/gate/up and the embedding (vocab rows)
     shrink by rows, o/down by columns; hidden, vocab_size and the rest stay; shard(1) is the model itself."""
-    _, _, spec, w = tiny
+    kind, _, spec, w = tiny
+    d = 2 if kind == "qwen3" else 1  # (Qwen3's heads are 32 wide: twice hidden / heads)
     half = spec.shard(2)
     assert spec.shard(1) == spec and half.tp_size == 2
     full_shapes, shapes = spec.weight_shapes(), half.weight_shapes()
     assert shapes.keys() == full_shapes.keys()
     p = "model.layers.0."
-    assert shapes[p + "self_attn.q_proj.weight"] == (32, 64) and shapes[p + "self_attn.k_proj.weight"] == (16, 64)
-    assert shapes[p + "self_attn.o_proj.weight"] == (64, 32) and shapes[p + "mlp.down_proj.weight"] == (64, 64)
+    assert shapes[p + "self_attn.q_proj.weight"] == (32 * d, 64) and shapes[p + "self_attn.k_proj.weight"] == (16 * d, 64)
+    assert shapes[p + "self_attn.o_proj.weight"] == (64, 32 * d) and shapes[p + "mlp.down_proj.weight"] == (64, 64)
     assert shapes[p + "mlp.up_proj.weight"] == (64, 64) and shapes["model.embed_tokens.weight"] == (16, 64)
     assert half.vocab_size == spec.vocab_size == 32 and half.shard_vocab == 16
     with pytest.raises(ValueError, match="tp_size=2 needs a tensor-parallel group of that size, got none"):
