@@ -95,6 +95,11 @@ class Console:
         self.line = line
         self._draw(end=step == self.total)
 
+    def earlier_evaluations(self, records: list[dict]) -> None:
+        """The evaluations a resumed run made before its checkpoint (metrics.jsonl's eval records): the held-out
+        warning and the summary then compare with them too. Nothing is printed."""
+        self.evals = [(int(r["eval_version"]), r) for r in records] + self.evals
+
     def evaluated(self, version: int, steps_trained: int, metrics: dict[str, float]) -> None:
         """One line per evaluation: each set's scores of policy `version` (megarl/eval/)."""
         self.evals.append((version, metrics))

@@ -188,3 +188,12 @@ def test_a_drop_that_is_noise_at_the_sets_size_is_not_warned_about():
     console.evaluated(0, 0, eval_metrics(0.9, prompts=16))
     console.evaluated(50, 50, eval_metrics(0.7, prompts=16))  # 1.5 standard errors of 16 prompts
     assert "warning" not in out.getvalue()
+
+
+def test_a_resumed_run_compares_with_the_evaluations_before_its_checkpoint():
+    out = io.StringIO()
+    console = Console(1, True, "runs/demo", stream=out)
+    console.earlier_evaluations([{"kind": "eval", "eval_version": 450, "step": 450, **eval_metrics(0.977)}])
+    assert out.getvalue() == ""  # nothing printed for them
+    console.evaluated(500, 500, eval_metrics(0.727))
+    assert "heldout pass@1 0.727 (best 0.977 at version 450" in out.getvalue().splitlines()[-1]
