@@ -9,9 +9,11 @@ the batch whose reward raised. `note(text)` prints a message (a checkpoint, an e
 line: on a terminal it clears the progress line first, so the message is never glued onto it, and
 redraws the line below. `close()` prints the summary of a finished run: reward first -> last 10% of
 steps, the multi-version shares, versions per rollout, where the outputs are and how to draw them.
-`evaluated` prints one line per held-out evaluation (megarl/eval/); the summary then also gives each
-set's pass@k (a share of prompts answered correctly) and greedy mean reward, first -> last evaluation, and the
-count of failed episodes (agents, environments) where there were some.
+`evaluated` prints one line per held-out evaluation (megarl/eval/), and a warning when a set's pass@k falls well
+below its best so far (more than WELL_BELOW_SE standard errors at the set's size: megarl.observe.score_drop); the
+summary then also gives each set's pass@k (a share of prompts answered correctly) and greedy mean reward, first ->
+last evaluation, the best where the last is well below it, and the count of failed episodes (agents,
+environments) where there were some.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import math
 import sys
 import time
 from pathlib import Path
+
+from megarl.observe.score_drop import WELL_BELOW_SE, drop_in_standard_errors
 
 WIDTH = 110  # the progress line is padded to this, so a shorter line fully covers a longer one
 SOURCE_PREFIX = "reward/source/"  # the learner's per-source rewards (megarl.observe.sources.source_rewards)
@@ -118,6 +122,11 @@ class Console:
         if self.tty or step % self.every == 0 or step == self.total:
             self._draw(end=step == self.total)
 
+    def earlier_evaluations(self, records: list[dict]) -> None:
+        """The evaluations a resumed run made before its checkpoint (metrics.jsonl's eval records): the held-out
+        warning and the summary then compare with them too. Nothing is printed."""
+        self.evals = [(int(r["eval_version"]), r) for r in records] + self.evals
+
     def evaluated(self, version: int, steps_trained: int, metrics: dict[str, float], what: str = "") -> None:
         """One line per evaluation: each set's scores of policy `version` (megarl/eval/); `what` names a model
         evaluated outside a run (`megarl eval`) in the version's place."""
@@ -126,6 +135,28 @@ class Console:
         where = f"{what} ({seconds})" if what else f"version {version} (step {steps_trained}, {seconds})"
         self.note(f"megarl: eval {where}: "
                   + "; ".join(f"{name} {_scores(metrics, name)}" for name in eval_set_names(metrics)))
+        drops = self._drops()
+        if drops:
+            self.note(f"megarl: warning: held-out scores well below their best: {'; '.join(drops)}. A constant "
+                      f"learning rate over many steps can undo what was learned: learner.lr_decay (docs/checkpoint.md)")
+
+    def _drops(self) -> list[str]:
+        """Each pass@k of the latest evaluation more than WELL_BELOW_SE standard errors below the best evaluation of
+        it so far: "<set> <key> <now> (best <best> at version <v>, <n> standard errors below)"."""
+        version_now, now = self.evals[-1]
+        out = []
+        for name in eval_set_names(now):
+            prompts = int(now.get(f"eval/{name}/prompts", 0))
+            for key in _score_keys(now, name):
+                if not key.startswith("pass@"):  # (greedy is a mean reward, of no known range)
+                    continue
+                full = f"eval/{name}/{key}"
+                best_version, best = max(((v, m[full]) for v, m in self.evals if full in m), key=lambda vm: vm[1])
+                sigmas = drop_in_standard_errors(best, now[full], prompts)
+                if sigmas > WELL_BELOW_SE:
+                    out.append(f"{name} {key} {now[full]:.3f} (best {best:.3f} at version {best_version}, "
+                               f"{sigmas:.1f} standard errors of {prompts} prompts below)")
+        return out
 
     def note(self, text: str) -> None:
         """A message on its own line; on a terminal the progress line is cleared first and redrawn after."""
@@ -152,6 +183,7 @@ class Console:
                 changes = ", ".join(f"{SCORE_LABELS.get(key, key)} {m0.get(f'eval/{name}/{key}', float('nan')):.3f} -> "
                                     f"{m1[f'eval/{name}/{key}']:.3f}" for key in _score_keys(m1, name))
                 evals.append(f"megarl: eval {name}: {changes} (version {v0} -> {v1})")
+            evals += [f"megarl: warning: eval {drop}" for drop in self._drops()]
             evals.append(f"megarl:            python benchmarks/plot_eval.py {self.run_dir}   (eval curves vs step and time)")
         return "\n".join([
             f"megarl: done, {len(self.rewards)} steps. reward {first:.3f} -> {last:.3f} "

@@ -37,7 +37,8 @@ from megarl.learner.nonfinite import NonfiniteSteps
 from megarl.models.layout import check_layout
 from megarl.observe import startup
 from megarl.observe.console import Console
-from megarl.observe.sinks import MetricsSink, RolloutSink
+from megarl.observe.jsonl import read_jsonl
+from megarl.observe.sinks import MetricsSink, RolloutSink, eval_records
 from megarl.observe.sources import SourceNames, source_rewards
 from megarl.observe.timeline import Timeline
 from megarl.protocols import Sample, TrainBatch
@@ -334,6 +335,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             publisher = SGLangPublisher.from_config(cfg, store, topo.num_samplers)  # waits for every server
         startup.mark("intake")
         outputs = RunOutputs(cfg, topo.rank, recovery)
+        if resumed:  # what was learned before the checkpoint counts for the console's held-out warning
+            outputs.console.earlier_evaluations(eval_records(read_jsonl(Path(cfg.run.dir) / "metrics.jsonl")))
         if due_versions(cfg, learner.version):
             collector = EvalCollector(cfg, store, topo.num_engines, learner.version, start_step, outputs.record_eval,
                                       outputs.console.note)

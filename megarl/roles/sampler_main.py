@@ -63,7 +63,7 @@ from megarl.rollout.rewards import check_reward, score_group
 from megarl.rollout.sandbox import hide_from_sandboxes
 from megarl.rollout.routes import RouteShape, check_routes
 from megarl.rollout.send_order import Unsent, groups_to_send
-from megarl.rollout.tasks import prompt_rng, task_from_config
+from megarl.rollout.tasks import prompt_rng, sync_sampling_seed, task_from_config
 
 STOP_POLL_S = 0.2
 REWARD_REPORT_S = 30.0  # a spent reward budget is printed at most this often (each one is counted)
@@ -336,6 +336,12 @@ class SamplerLoop:
             if self.pending or self.sync_admitted_version == self.engine.version:
                 return  # this version's batch is generated (or generating): wait for the next one
             self.sync_admitted_version = self.engine.version
+            # The batch's sampling stream is a function of (run.seed, engine, version): a resumed run, under any
+            # learner layout, samples what the uninterrupted run did. Only the built-in single-process engine
+            # can restart its generator (SGLang, vLLM and a TP engine keep one stream: docs/checkpoint.md).
+            reseed = getattr(self.engine, "reseed", None)
+            if reseed is not None:
+                reseed(sync_sampling_seed(self.cfg.run.seed, self.topo.engine_index, self.engine.version))
             for _ in range(self.sync_share):
                 self._start_group()
             return

@@ -330,3 +330,12 @@ def prompt_rng(seed: int, stream: int, index: int) -> random.Random:
     A pure function of the three (string seeds are hashed with SHA-512, the same in every process), so
     a resumed run can re-issue exactly the prompts that were in flight (megarl/checkpoint/position.py)."""
     return random.Random(f"megarl-prompt/{seed}/{stream}/{index}")
+
+
+def sync_sampling_seed(seed: int, engine: int, version: int) -> int:
+    """The sampling seed of the sync-mode batch that engine `engine` generates under policy `version` in run `seed`.
+
+    A pure function of the three, like prompt_rng: the batch's completions then depend on the weights, the
+    prompts and these numbers only, not on how many batches this process generated before (a resumed run
+    generates the batches the uninterrupted one did) nor on the learner's layout (which moves global ranks)."""
+    return random.Random(f"megarl-sync-sampling/{seed}/{engine}/{version}").getrandbits(63)

@@ -268,6 +268,13 @@ class BuiltinEngine:
             weights = tp_shard.shard_state_dict(weights, tp_group.size(), tp_group.rank())
         return cls(cfg, weights, tp_group=tp_group, **kw)
 
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling generator from `seed` (every TP rank of an engine would have to do it alike: the
+        sampler loop calls it on a single-process engine, before a sync-mode batch, megarl.roles.sampler_main)."""
+        if self.tp_group is not None:
+            raise ValueError("reseed: a tensor-parallel engine's followers do not mirror it")
+        self._generator.manual_seed(seed)
+
     def pinned(self, *, max_running: int, seed: int) -> "BuiltinEngine":
         """An engine over this engine's current weights and version (shared, not copied) with its own KV
         cache, slots and generator seeded with `seed`: every token it generates is of this version, since

@@ -1,11 +1,15 @@
 """The console a person watching a run sees: the progress line, notes that never glue onto it on a real
 terminal (a pty), and the closing summary."""
 import io
+import math
 import os
 import pty
 import re
 
+import pytest
+
 from megarl.observe.console import Console, format_duration, tenth_means
+from megarl.observe.score_drop import drop_in_standard_errors
 
 
 def read_all(fd: int) -> str:
@@ -211,3 +215,53 @@ def test_the_summary_gives_the_critic_the_teacher_kl_and_the_tokens_router_agree
     plain = Console(1, True, "runs/x", stream=io.StringIO())
     plain.update(1, step_metrics(0.5), [1])
     assert "critic" not in plain.summary() and "teacher" not in plain.summary()
+
+
+def eval_metrics(pass1: float, prompts: int = 64) -> dict:
+    return {"eval/heldout/prompts": float(prompts), "eval/heldout/reward_mean": pass1, "eval/heldout/pass@1": pass1,
+            "eval/heldout/pass@4": min(1.0, pass1 + 0.02), "eval/heldout/greedy": 0.0, "eval_s": 0.1}
+
+
+def test_drop_in_standard_errors_is_the_binomial_difference_bound():
+    # best 0.977, now 0.727 over 64 prompts: SE = sqrt((0.977 * 0.023 + 0.727 * 0.273) / 64) = 0.05876
+    assert drop_in_standard_errors(0.977, 0.727, 64) == pytest.approx(0.25 / 0.05876, rel=1e-3)
+    assert drop_in_standard_errors(0.9, 0.95, 64) == 0.0  # no drop
+    assert drop_in_standard_errors(1.0, 0.0, 64) == math.inf  # two exact scores
+    # The same drop is noise on a small set and a signal on a large one.
+    assert drop_in_standard_errors(0.9, 0.8, 16) < 3 < drop_in_standard_errors(0.9, 0.8, 256)
+
+
+def test_a_held_out_score_well_below_its_best_is_warned_about_with_the_key_that_helps():
+    out = io.StringIO()
+    console = Console(3, True, "runs/demo", stream=out)
+    console.evaluated(0, 0, eval_metrics(0.30))
+    console.evaluated(50, 50, eval_metrics(0.977))
+    console.evaluated(100, 100, eval_metrics(0.93))  # 1.3 standard errors below: noise, no warning
+    assert "warning" not in out.getvalue()
+    console.evaluated(150, 150, eval_metrics(0.727))  # 4.3 below
+    warning = out.getvalue().splitlines()[-1]
+    assert warning.startswith("megarl: warning: held-out scores well below their best: heldout pass@1 0.727 "
+                              "(best 0.977 at version 50, 4.3 standard errors of 64 prompts below)")
+    assert "heldout pass@4 0.747 (best 0.997" in warning and "learner.lr_decay" in warning
+    assert "greedy" not in warning  # a mean reward, of no known range: not judged
+    for step in range(1, 4):
+        console.update(step, step_metrics(0.5), [1])
+    console.close()
+    assert "megarl: warning: eval heldout pass@1 0.727 (best 0.977 at version 50" in out.getvalue().split("step 3/3")[1]
+
+
+def test_a_drop_that_is_noise_at_the_sets_size_is_not_warned_about():
+    out = io.StringIO()
+    console = Console(1, True, "runs/demo", stream=out)
+    console.evaluated(0, 0, eval_metrics(0.9, prompts=16))
+    console.evaluated(50, 50, eval_metrics(0.7, prompts=16))  # 1.5 standard errors of 16 prompts
+    assert "warning" not in out.getvalue()
+
+
+def test_a_resumed_run_compares_with_the_evaluations_before_its_checkpoint():
+    out = io.StringIO()
+    console = Console(1, True, "runs/demo", stream=out)
+    console.earlier_evaluations([{"kind": "eval", "eval_version": 450, "step": 450, **eval_metrics(0.977)}])
+    assert out.getvalue() == ""  # nothing printed for them
+    console.evaluated(500, 500, eval_metrics(0.727))
+    assert "heldout pass@1 0.727 (best 0.977 at version 450" in out.getvalue().splitlines()[-1]

@@ -145,6 +145,18 @@ def test_seeded_sampling_is_reproducible(qwen):
     assert tokens[0] == tokens[1] and tokens[0] != tokens[2]
 
 
+def test_reseeding_restarts_the_sampling_stream(qwen):
+    """A sync-mode batch reseeds the engine (megarl.roles.sampler_main): what it samples then does not depend on
+    what the engine sampled before."""
+    _, cfg, weights = qwen
+    requests = [req(i, p, SamplingParams(temperature=1.0, max_new_tokens=12)) for i, p in enumerate(prompts(5))]
+    fresh = BuiltinEngine(cfg, weights, seed=7).generate(requests)
+    used = BuiltinEngine(cfg, weights, seed=1)
+    used.generate(requests)  # moves its generator on
+    used.reseed(7)
+    assert [c.token_ids for c in used.generate(requests)] == [c.token_ids for c in fresh]
+
+
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 2000))
     gen = torch.Generator().manual_seed(0)
