@@ -8,10 +8,13 @@ root). A raw `torchrun -m megarl.roles.worker` without it:
     `/tmp/megarl-<uid>`, refused if another user owns it or can enter it), named by the torchrun agent
     (its run id and pid, which every local rank shares);
   * several nodes: refused, saying how to set it (the nodes share no private file).
+The shared file is removed when the first of the ranks that read it exits (every rank reads it at start,
+and no rank ends before the run does), so secrets of ended runs do not accumulate there.
 The secret is never printed; errors name the variable, not its value.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import stat
@@ -62,11 +65,20 @@ def _shared_local_secret(wait_s: float) -> str:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return path.read_text().strip()
+            value = path.read_text().strip()
+            atexit.register(_remove, path)
+            return value
         except FileNotFoundError:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"megarl: the run secret file {path} did not appear within {wait_s:.0f}s")
             time.sleep(0.05)
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:  # another rank of the run removed it first
+        pass
 
 
 def _private_dir() -> Path:
