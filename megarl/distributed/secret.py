@@ -81,9 +81,16 @@ def _remove(path: Path) -> None:
         pass
 
 
-def _private_dir() -> Path:
+def secret_dirs() -> list[str]:
+    """Every directory this user's shared secret files may be in (the sandbox hides them all; the first is
+    the one used)."""
     base = os.environ.get("XDG_RUNTIME_DIR")
-    directory = Path(base) / "megarl" if base and os.path.isdir(base) else Path(f"/tmp/megarl-{os.getuid()}")
+    own = [str(Path(base) / "megarl")] if base and os.path.isdir(base) else []
+    return [*own, f"/tmp/megarl-{os.getuid()}"]
+
+
+def _private_dir() -> Path:
+    directory = Path(secret_dirs()[0])
     directory.mkdir(mode=0o700, exist_ok=True)
     info = os.lstat(directory)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
