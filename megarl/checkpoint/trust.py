@@ -5,8 +5,9 @@ HF export read it with `pickle.load`) and DeepSpeed's `*.pt` files (`torch.load(
 `check_trusted(path)` runs before any of them is opened:
 
   * ownership: the checkpoint directory and everything in it belong to the user running megarl and are not
-    writable by others, nor by a group other than the user's own memberless one, so no other user (and no sandboxed code, which runs as no user that
-    owns files there) can have planted or can swap a file between this check and the load;
+    writable by others, nor by a group other than the user's own memberless one, so no other user (and no
+    sandboxed code, which runs as no user that owns files there) can have planted or can swap a file between
+    this check and the load;
   * every DCP `.metadata` is read first with `SafeMetadataUnpickler`, which resolves only the classes torch
     writes into it (its metadata dataclasses, `torch.Size`, dtypes, `PosixPath`): any other global (`os.system`,
     `subprocess.Popen`, ...) is refused before it is looked up, so the pickle cannot call it. What passes

@@ -23,7 +23,8 @@ The layers that contain sandboxed code, each applied where the kernel allows (do
               with max_processes == 1 no new task at all (fork, vfork, clone, clone3: threads too -- root
               is exempt from RLIMIT_NPROC, and raw clone(CLONE_THREAD) needs almost no address space);
               no socket() when network is off; without a pid namespace, signals and prlimit only to the
-              sandbox's own process and group, and no setsid/setpgid (leaving the group escapes its kill). Unprivileged, root or not.
+              sandbox's own process and group, and no setsid/setpgid (leaving the group escapes its kill).
+              Unprivileged, root or not.
   namespaces  an unprivileged user namespace with mount, pid, ipc and net namespaces: every mount
               read-only and nodev except a size-capped tmpfs working directory and /dev/null, the
               paths of hide_from_sandboxes() and the run-secret directories (megarl.distributed.secret)
@@ -522,9 +523,9 @@ def _enter_namespaces(workdir: str, limits: dict, hidden: list[str], needed: lis
                       secrets: list[str] = ()) -> list[str] | None:
     """User + mount + pid + ipc (+ net) namespaces with a read-only view of the filesystem and `hidden` and
     `secrets` (the run-secret directories: always, whatever the run named) covered; returns _hide's layer
-    names (for `secrets` only a `visible:` one: whether they exist depends on earlier runs), or None if the kernel refuses an unprivileged user namespace
-    and they are not required. Raises if they are required but refused, or if setting them up
-    half-succeeds: the sandbox fails closed."""
+    names (for `secrets` only a `visible:` one: whether they exist depends on earlier runs), or None if the
+    kernel refuses an unprivileged user namespace and they are not required. Raises if they are required but
+    refused, or if setting them up half-succeeds: the sandbox fails closed."""
     uid, gid = os.geteuid(), os.getegid()
     flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if limits["network"] else CLONE_NEWNET)
     if _libc.unshare(flags) != 0:
