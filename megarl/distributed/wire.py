@@ -251,14 +251,20 @@ def _split_list_column(column: Any, f: Field, n: int, reader: _ArrayReader, wher
     return out
 
 
-def check_sample(s: Sample, what: str) -> None:
+def check_sample(s: Sample, what: str, vocab_size: int | None = None) -> None:
     """The invariants across fields the learner relies on (value ranges are the schema's min_value): per-token
-    lists of equal length, env spans ordered inside token_ids, MoE routes one row per input position (their
-    layers, top_k and expert range depend on the model: megarl.rollout.routes checks those)."""
+    lists of equal length, env spans ordered inside token_ids, token ids below `vocab_size` (when given: the
+    learner's embedding lookup fails on any other), MoE routes one row per input position (their layers, top_k
+    and expert range depend on the model: megarl.rollout.routes checks those)."""
     try:  # the learner's data position parses it (megarl.checkpoint.position)
         parse_group_id(s.group_id)
     except ValueError as exc:
         raise WireError(f"{what}: {exc}"[:300]) from None
+    if vocab_size is not None:
+        for name in ("prompt_ids", "token_ids"):
+            if max(getattr(s, name), default=-1) >= vocab_size:
+                raise WireError(f"{what}: {name} holds {max(getattr(s, name))}, not below the model's vocab_size "
+                                f"{vocab_size}")
     n = len(s.token_ids)
     if len(s.logprobs) != n or len(s.versions) != n:
         raise WireError(f"{what}: token_ids, logprobs and versions differ in length "
@@ -338,9 +344,10 @@ def encode_group(group: list[Sample], stats: dict[str, float], session: bytes, s
     return seal(envelope, meta, arrays, key)
 
 
-def decode_group(message: bytes | memoryview, key: bytes) -> tuple[Envelope, list[Sample], dict[str, float]]:
-    """A validated group: every sample checked (check_sample), one group id and sampler rank; stats a map
-    of finite floats."""
+def decode_group(message: bytes | memoryview, key: bytes,
+                 vocab_size: int | None = None) -> tuple[Envelope, list[Sample], dict[str, float]]:
+    """A validated group: every sample checked (check_sample, with `vocab_size`), one group id and sampler rank;
+    stats a map of finite floats."""
     envelope, meta, reader = open_message(message, key, GROUP)
     if set(meta) != {"samples", "stats"}:
         raise WireError(f"group metadata keys {sorted(meta)}, expected ['samples', 'stats']")
@@ -350,7 +357,7 @@ def decode_group(message: bytes | memoryview, key: bytes) -> tuple[Envelope, lis
         raise WireError("a group must hold at least one sample")
     stats = meta["stats"]
     for i, s in enumerate(group):
-        check_sample(s, f"sample {i}")
+        check_sample(s, f"sample {i}", vocab_size)
         if s.group_id != group[0].group_id or s.sampler_rank != group[0].sampler_rank:
             raise WireError(f"sample {i}: group {s.group_id!r} / sampler rank {s.sampler_rank} differ from the "
                             f"first sample's {group[0].group_id!r} / {group[0].sampler_rank}")
