@@ -20,20 +20,11 @@ sides must agree on (`make_group`, `bucket_plan`, `unpack`).
   (W + alpha / r * B @ A, `lora_merge`, the merge megarl's built-in engine runs too) and loads through the same
   reload, counts and all. vLLM serves the merged weights as a plain model (no `enable_lora`), so an adapter
   version is applied exactly as a full-weight version is.
-
-Every call is signed (`signed_args`): the args are `{"sequence", "payload", "tag"}`, the tag HMAC-SHA256 of the
-run secret (MEGARL_RUN_SECRET, which the server inherits from its sampler) over the method, the sequence and the
-payload; the worker refuses a call whose tag does not match or whose sequence is not above the last one it
-accepted, before acting on it. vLLM's dev-mode routes are open to every local process (its API key does not
-cover them), so without this any local process could join the weight group and load weights of its choosing.
 """
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
 import json
-import os
 import time
 
 import torch
@@ -60,35 +51,6 @@ def _linear_without_onednn() -> None:
 
 
 _linear_without_onednn()
-
-SECRET_ENV = "MEGARL_RUN_SECRET"  # megarl.distributed.secret.ENV (this module imports nothing of megarl)
-
-
-def _tag(key: bytes, method: str, sequence: int, payload: str) -> str:
-    return hmac.new(key, f"{method}\n{sequence}\n{payload}".encode(), hashlib.sha256).hexdigest()
-
-
-def signed_args(key: bytes, method: str, sequence: int, args: dict) -> str:
-    """The collective_rpc argument of a call to `method` (sampler side)."""
-    payload = json.dumps(args)
-    return json.dumps({"sequence": sequence, "payload": payload, "tag": _tag(key, method, sequence, payload)})
-
-
-def open_args(key: bytes, method: str, raw: str, last_sequence: int) -> tuple[int, dict]:
-    """(sequence, args) of a signed call (worker side); PermissionError for anything not signed with `key`,
-    or replayed (sequence not above `last_sequence`)."""
-    try:
-        call = json.loads(raw)
-        sequence, payload, tag = call["sequence"], call["payload"], call["tag"]
-        valid = type(sequence) is int and isinstance(payload, str) and isinstance(tag, str)
-    except (ValueError, TypeError, KeyError):
-        valid = False
-    if not valid or not hmac.compare_digest(_tag(key, method, sequence, payload), tag):
-        raise PermissionError(f"{method}: refused a call not signed with this run's secret")
-    if sequence <= last_sequence:
-        raise PermissionError(f"{method}: refused call sequence {sequence}, not above {last_sequence} (a replay?)")
-    return sequence, json.loads(payload)
-
 
 DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
@@ -172,16 +134,8 @@ class _FinishedCounts(dict):
 class MegarlWorkerExtension:
     """Mixed into vLLM's worker class; the methods run in the worker (see module docstring)."""
 
-    def _megarl_open(self, method: str, args: str) -> dict:
-        key = os.environ.get(SECRET_ENV)
-        if not key:
-            raise PermissionError(f"{method}: the vLLM server has no {SECRET_ENV}, so no call can be authenticated")
-        self._megarl_sequence, opened = open_args(key.encode(), method, args,
-                                                  getattr(self, "_megarl_sequence", -1))
-        return opened
-
     def megarl_join(self, args: str) -> dict:
-        a = self._megarl_open("megarl_join", args)
+        a = json.loads(args)
         if not isinstance(self.model_runner.requests, _FinishedCounts):
             self._megarl_finished = {}
             self.model_runner.requests = _FinishedCounts(self.model_runner.requests, self._megarl_finished)
@@ -189,13 +143,9 @@ class MegarlWorkerExtension:
         self._megarl_timeout_s = a["timeout_s"]
         return {"joined": True, "rank": a["rank"]}
 
-    def megarl_counts(self, args: str) -> dict:
+    def megarl_counts(self, args: str = "{}") -> dict:
         """request id -> output tokens sampled so far, for every request the worker has seen since megarl_join
         (finished ones with their final count); a request absent from it has sampled nothing yet."""
-        self._megarl_open("megarl_counts", args)
-        return self._megarl_counts()
-
-    def _megarl_counts(self) -> dict:
         counts = dict(getattr(self, "_megarl_finished", {}))
         counts.update({rid: len(state.output_token_ids) for rid, state in self.model_runner.requests.items()})
         return counts
@@ -205,7 +155,7 @@ class MegarlWorkerExtension:
         on the model's device) and the adapter's scale alpha / r; every later update is an adapter."""
         from vllm.model_executor.model_loader import get_model_loader
 
-        a = self._megarl_open("megarl_lora_base", args)
+        a = json.loads(args)
         runner = self.model_runner
         model = runner.get_model()
         device = next(model.parameters()).device
@@ -216,9 +166,9 @@ class MegarlWorkerExtension:
         return {"tensors": len(base), "bytes": sum(t.numel() * t.element_size() for t in base.values())}
 
     def megarl_update(self, args: str) -> dict:
-        a = self._megarl_open("megarl_update", args)
+        a = json.loads(args)
         start = time.perf_counter()
-        counts = self._megarl_counts()  # before any new weight is loaded: these tokens are the old version's
+        counts = self.megarl_counts()  # before any new weight is loaded: these tokens are the old version's
         received = []
 
         def weights():

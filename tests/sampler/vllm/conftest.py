@@ -34,9 +34,6 @@ def start_engine(python, model_dir, tmp_path, *, max_running=8, context_length=1
     from megarl.sampler.vllm_engine import VLLMEngine, server_command, server_env
     from megarl.config.schema import VLLMConfig
 
-    from megarl.distributed.secret import ENV, new_secret
-
-    os.environ.setdefault(ENV, new_secret())  # as torchrun's ranks have it: the server and the extension's calls
     port = free_port("127.0.0.1")
     cmd = server_command(python, model_dir, port, seed=0, max_model_len=context_length, max_num_seqs=max_running,
                          extra=list(extra))
