@@ -222,8 +222,6 @@ def _run(job: dict, limits: SandboxConfig, timeout_s: float) -> SandboxResult:
                 proc.wait(max(0.0, start + timeout_s - time.monotonic()))
             except subprocess.TimeoutExpired:
                 stop = "timeout"
-        elif stop == "timeout" and proc.poll() is not None:
-            stop = "outlived"  # the code exited; something it started still held its output open
     finally:
         _kill_group(proc)  # also whatever the code left running in its process group
         proc.wait()
@@ -291,9 +289,6 @@ def _describe_failure(result: SandboxResult, stop: str | None, limits: SandboxCo
                       mode: str, returned: bool) -> str | None:
     if stop == "timeout":
         return f"wall-clock limit: still running after {timeout_s:g}s (killed)"
-    if stop == "outlived":
-        return (f"a process the code started was still running {timeout_s:g}s in, after the code itself had "
-                f"exited (killed with the sandbox's process group)")
     if stop is not None:
         return f"output limit: more than {limits.max_output_kb} KiB on {stop.split(':')[1]} (killed)"
     rc = result.returncode
@@ -449,14 +444,12 @@ _SYSCALLS = {
                             "process_vm_writev": 311, "shmget": 29, "shmat": 30, "msgget": 68, "semget": 64,
                             "memfd_create": 319, "memfd_secret": 447, "kill": 62, "tkill": 200, "tgkill": 234,
                             "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297, "pidfd_open": 434,
-                            "pidfd_send_signal": 424, "pidfd_getfd": 438, "prlimit64": 302, "setsid": 112,
-                            "setpgid": 109}),
+                            "pidfd_send_signal": 424, "pidfd_getfd": 438, "prlimit64": 302}),
     "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435, "socket": 198, "io_uring_setup": 425, "ptrace": 117,
                              "process_vm_readv": 270, "process_vm_writev": 271, "shmget": 194, "shmat": 196,
                              "msgget": 186, "semget": 190, "memfd_create": 279, "memfd_secret": 447, "kill": 129,
                              "tkill": 130, "tgkill": 131, "rt_sigqueueinfo": 138, "rt_tgsigqueueinfo": 240,
-                             "pidfd_open": 434, "pidfd_send_signal": 424, "pidfd_getfd": 438, "prlimit64": 261,
-                             "setsid": 157, "setpgid": 154}),
+                             "pidfd_open": 434, "pidfd_send_signal": 424, "pidfd_getfd": 438, "prlimit64": 261}),
 }
 # Always denied: another process's memory (ptrace, process_vm_*), and memory that outlives or escapes
 # RLIMIT_AS (SysV shared memory and message queues, detached, stay allocated; memfd pages count against
@@ -635,9 +628,7 @@ def _seccomp_program(arch: str, deny_processes: bool, deny_network: bool,
         denied[nr["clone3"]] = enosys  # ENOSYS makes glibc fall back to clone(), denied above
     allowed_first_arg: dict[int, tuple[int, ...]] = {}
     if own_pid is not None:
-        # setsid/setpgid: a process that left the sandbox's process group would outlive its kill.
-        denied.update({nr[name]: eperm for name in ("tkill", "pidfd_open", "pidfd_send_signal", "pidfd_getfd",
-                                                    "setsid", "setpgid")})
+        denied.update({nr[name]: eperm for name in ("tkill", "pidfd_open", "pidfd_send_signal", "pidfd_getfd")})
         group = (0, own_pid, -own_pid & 0xFFFFFFFF)  # kill(0)/kill(-pgid): the own group (pgid == own_pid)
         allowed_first_arg = {nr["kill"]: group, nr["rt_sigqueueinfo"]: group, nr["tgkill"]: (own_pid,),
                              nr["rt_tgsigqueueinfo"]: (own_pid,), nr["prlimit64"]: (0, own_pid)}
