@@ -47,7 +47,7 @@ def hold(run_dir: str | Path) -> None:
     if run_dir in _held:
         return
     launcher = _launcher_holding(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new run.dir is this user's alone
     _check_owner(run_dir)
     lock = _open_lock(run_dir, create=True)
     try:

@@ -23,6 +23,7 @@ import torch
 
 from megarl.checkpoint.learner_state import HF_META_DIR, quiet_dcp, read_manifest
 from megarl.checkpoint.storage import CheckpointError, resolve
+from megarl.checkpoint.trust import check_trusted, read_dcp_metadata
 from megarl.models import convert, moe
 
 LAYER_PREFIX = "decoder.layers."
@@ -83,11 +84,10 @@ def hf_tensors(checkpoint: str | Path, adapter_only: bool = False) -> Iterator[t
     """The checkpoint's weights as (HF name, tensor), in save_pretrained order, one layer at a time. A LoRA
     checkpoint (learner.lora) gives the base with its adapter merged, or with `adapter_only` the adapter alone
     under HF adapter names (megarl.models.lora)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     from megarl.learner import lora as lora_layers
 
     checkpoint = resolve(checkpoint)
+    check_trusted(checkpoint)  # before any pickle in it is read: DCP .metadata, DeepSpeed's .pt files
     manifest = read_manifest(checkpoint)
     hf_config = manifest["hf_config"]
     lora = manifest["layout"].get("lora")
@@ -98,7 +98,7 @@ def hf_tensors(checkpoint: str | Path, adapter_only: bool = False) -> Iterator[t
 
         yield from checkpoint_hf_tensors(checkpoint, hf_config, lora, adapter_only)
         return
-    metadata = FileSystemReader(checkpoint).read_metadata()
+    metadata = read_dcp_metadata(checkpoint / ".metadata")
     keys = _model_keys(metadata)
     dtype = metadata.state_dict_metadata["embedding.word_embeddings.weight"].properties.dtype
     layer_keys = {k[len(LAYER_PREFIX):]: k for k in keys if k.startswith(LAYER_PREFIX)}

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megarl.checkpoint.storage import (
     MANIFEST, CheckpointError, commit, discard, find_latest, prepare_temp, resolve, temp_dir,
 )
+from megarl.checkpoint.trust import check_trusted
 
 FORMAT = 1
 RNG_KEY = "megarl/rng_state"
@@ -299,6 +300,7 @@ def load(learner, checkpoint: str | Path) -> dict:
     from megatron.core import dist_checkpointing
 
     path = resolve(checkpoint)
+    check_trusted(path)  # before megatron or DeepSpeed unpickles anything in it (megarl/checkpoint/trust.py)
     manifest = read_manifest(path)
     check_architecture(manifest, learner.hf_config, str(path))
     if "deepspeed" in (learner.cfg.backend, manifest["layout"].get("backend")):

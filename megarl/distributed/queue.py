@@ -50,8 +50,9 @@ def max_message_bytes(max_message_mb: float, group_size: int, max_seq_len: int, 
 class QueueReceiver:
     """Learner side."""
 
-    def __init__(self, store, host: str, key: bytes, max_bytes: int):
-        self.key, self.max_bytes = key, max_bytes
+    def __init__(self, store, host: str, key: bytes, max_bytes: int, vocab_size: int | None = None):
+        # vocab_size: the model's; a token id at or above it is refused like any malformed message
+        self.key, self.max_bytes, self.vocab_size = key, max_bytes, vocab_size
         self.session = os.urandom(8)
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.PULL)
@@ -96,7 +97,7 @@ class QueueReceiver:
             if self.socket in events:
                 frame = self.socket.recv(copy=False)
                 try:
-                    envelope, group, stats = decode_group(frame.buffer, self.key)
+                    envelope, group, stats = decode_group(frame.buffer, self.key, self.vocab_size)
                     self._check_envelope(envelope)
                     return group, stats
                 except WireError as exc:

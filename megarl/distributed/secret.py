@@ -8,10 +8,13 @@ root). A raw `torchrun -m megarl.roles.worker` without it:
     `/tmp/megarl-<uid>`, refused if another user owns it or can enter it), named by the torchrun agent
     (its run id and pid, which every local rank shares);
   * several nodes: refused, saying how to set it (the nodes share no private file).
+The shared file is removed when the first of the ranks that read it exits (every rank reads it at start,
+and no rank ends before the run does), so secrets of ended runs do not accumulate there.
 The secret is never printed; errors name the variable, not its value.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import stat
@@ -62,16 +65,32 @@ def _shared_local_secret(wait_s: float) -> str:
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return path.read_text().strip()
+            value = path.read_text().strip()
+            atexit.register(_remove, path)
+            return value
         except FileNotFoundError:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"megarl: the run secret file {path} did not appear within {wait_s:.0f}s")
             time.sleep(0.05)
 
 
-def _private_dir() -> Path:
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:  # another rank of the run removed it first
+        pass
+
+
+def secret_dirs() -> list[str]:
+    """Every directory this user's shared secret files may be in (the sandbox hides them all; the first is
+    the one used)."""
     base = os.environ.get("XDG_RUNTIME_DIR")
-    directory = Path(base) / "megarl" if base and os.path.isdir(base) else Path(f"/tmp/megarl-{os.getuid()}")
+    own = [str(Path(base) / "megarl")] if base and os.path.isdir(base) else []
+    return [*own, f"/tmp/megarl-{os.getuid()}"]
+
+
+def _private_dir() -> Path:
+    directory = Path(secret_dirs()[0])
     directory.mkdir(mode=0o700, exist_ok=True)
     info = os.lstat(directory)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:

@@ -350,9 +350,10 @@ def encode_group(group: list[Sample], stats: dict[str, float], session: bytes, s
     return seal(envelope, meta, arrays, key)
 
 
-def decode_group(message: bytes | memoryview, key: bytes) -> tuple[Envelope, list[Sample], dict[str, float]]:
-    """A validated group: every sample checked (check_sample), one group id and sampler rank; stats a map
-    of finite floats."""
+def decode_group(message: bytes | memoryview, key: bytes,
+                 vocab_size: int | None = None) -> tuple[Envelope, list[Sample], dict[str, float]]:
+    """A validated group: every sample checked (check_sample, with `vocab_size`), one group id and sampler rank;
+    stats a map of finite floats."""
     envelope, meta, reader = open_message(message, key, GROUP)
     if set(meta) != {"samples", "stats"}:
         raise WireError(f"group metadata keys {sorted(meta)}, expected ['samples', 'stats']")
@@ -367,6 +368,11 @@ def decode_group(message: bytes | memoryview, key: bytes) -> tuple[Envelope, lis
         raise WireError(f"sample 0: {exc}"[:300]) from None
     for i, s in enumerate(group):
         check_sample(s, f"sample {i}", ranges=False)  # decode_records checked the schema's ranges
+        if vocab_size is not None:  # (the learner's embedding lookup fails on any other id)
+            for name in ("prompt_ids", "token_ids"):
+                if max(getattr(s, name), default=-1) >= vocab_size:
+                    raise WireError(f"sample {i}: {name} holds {max(getattr(s, name))}, not below the model's "
+                                    f"vocab_size {vocab_size}")
         if s.group_id != group[0].group_id or s.sampler_rank != group[0].sampler_rank:
             raise WireError(f"sample {i}: group {s.group_id!r} / sampler rank {s.sampler_rank} differ from the "
                             f"first sample's {group[0].group_id!r} / {group[0].sampler_rank}")

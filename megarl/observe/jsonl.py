@@ -20,7 +20,8 @@ class JsonlAppender:
 
     def __init__(self, path: str | Path, buffer_bytes: int = 0):
         self.path, self.buffer_bytes = Path(path), buffer_bytes
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # 0600: rollouts hold prompts, completions and tool output, none of it for other users of the machine
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self.pending: list[bytes] = []
         self.pending_bytes = 0
 

@@ -15,7 +15,7 @@ from megarl.protocols import Sample
 class MetricsSink:
     def __init__(self, run_dir: str | Path, tensorboard: bool):
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.file = JsonlAppender(self.run_dir / "metrics.jsonl")  # one whole line per step
         self.writer = None
         if tensorboard:

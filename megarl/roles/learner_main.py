@@ -90,13 +90,14 @@ class Intake:
     """Learner rank 0's side of the queue: collects usable groups, assembles batches, and keeps the
     per-sampler count of retired groups that every publish header reports back."""
 
-    def __init__(self, cfg: Config, store, topo: Topology, route_shape: RouteShape | None = None):
+    def __init__(self, cfg: Config, store, topo: Topology, route_shape: RouteShape | None = None,
+                 vocab_size: int | None = None):
         self.cfg, self.num_learners, self.store = cfg, topo.num_learners, store
         self.route_shape = route_shape  # MoE models: the routes every sample carries
         route_bytes = 0 if route_shape is None else route_shape.layers * route_shape.top_k * route_shape.dtype.itemsize
         self.queue = QueueReceiver(store, cfg.queue.host, run_secret(),
                                    max_message_bytes(cfg.queue.max_message_mb, cfg.algo.group_size,
-                                                     cfg.sampler.max_seq_len, route_bytes))
+                                                     cfg.sampler.max_seq_len, route_bytes), vocab_size)
         self.heartbeats = sampler_heartbeats(cfg, store, topo)
         self.retired: Counter[int] = Counter()  # groups per sampler rank that left (trained or dropped)
         self.position = DataPosition()  # which group indices left, per sampler stream (checkpointed)
@@ -318,7 +319,9 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     schedule = Schedule(cfg, start_step)
     intake, outputs, collector = None, None, None
     if lead:
-        intake = Intake(cfg, store, topo, RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text())))
+        hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+        intake = Intake(cfg, store, topo, RouteShape.of(hf_config),
+                        hf_config.get("vocab_size", hf_config.get("text_config", {}).get("vocab_size")))
         recovery = {}
         if resumed:
             intake.resume(resumed["run"]["data_position"])

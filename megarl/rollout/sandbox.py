@@ -23,10 +23,12 @@ The layers that contain sandboxed code, each applied where the kernel allows (do
               with max_processes == 1 no new task at all (fork, vfork, clone, clone3: threads too -- root
               is exempt from RLIMIT_NPROC, and raw clone(CLONE_THREAD) needs almost no address space);
               no socket() when network is off; without a pid namespace, signals and prlimit only to the
-              sandbox's own process and group. Unprivileged, root or not.
+              sandbox's own process and group, and no setsid/setpgid (leaving the group escapes its kill).
+              Unprivileged, root or not.
   namespaces  an unprivileged user namespace with mount, pid, ipc and net namespaces: every mount
               read-only and nodev except a size-capped tmpfs working directory and /dev/null, the
-              paths of hide_from_sandboxes() covered, a fresh /proc that shows only the sandbox, no
+              paths of hide_from_sandboxes() and the run-secret directories (megarl.distributed.secret)
+              covered, a fresh /proc that shows only the sandbox, no
               network interface but a down loopback, all capabilities dropped, and every process the
               code starts dies with it.
 Without user namespaces (kernel.unprivileged_userns_clone=0, an AppArmor userns restriction, docker's
@@ -198,8 +200,10 @@ def _run(job: dict, limits: SandboxConfig, timeout_s: float) -> SandboxResult:
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="megarl-sandbox-")
     result_r, result_w = os.pipe()
+    from megarl.distributed.secret import secret_dirs  # here: the child runs this file before megarl is importable
+
     spec = {**job, "workdir": workdir, "result_fd": result_w, "limits": asdict(limits), "sys_path": _sys_path(),
-            "hidden": _hidden_paths}
+            "hidden": _hidden_paths, "secrets": secret_dirs()}
     try:
         proc = subprocess.Popen(_child_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, cwd=workdir, env=_child_env(workdir),
@@ -515,11 +519,13 @@ def _hide(paths: list[str], needed: list[str]) -> list[str]:
     return layers
 
 
-def _enter_namespaces(workdir: str, limits: dict, hidden: list[str], needed: list[str]) -> list[str] | None:
-    """User + mount + pid + ipc (+ net) namespaces with a read-only view of the filesystem and `hidden`
-    covered; returns _hide's layer names, or None if the kernel refuses an unprivileged user namespace
-    and they are not required. Raises if they are required but refused, or if setting them up
-    half-succeeds: the sandbox fails closed."""
+def _enter_namespaces(workdir: str, limits: dict, hidden: list[str], needed: list[str],
+                      secrets: list[str] = ()) -> list[str] | None:
+    """User + mount + pid + ipc (+ net) namespaces with a read-only view of the filesystem and `hidden` and
+    `secrets` (the run-secret directories: always, whatever the run named) covered; returns _hide's layer
+    names (for `secrets` only a `visible:` one: whether they exist depends on earlier runs), or None if the
+    kernel refuses an unprivileged user namespace and they are not required. Raises if they are required but
+    refused, or if setting them up half-succeeds: the sandbox fails closed."""
     uid, gid = os.geteuid(), os.getegid()
     flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | (0 if limits["network"] else CLONE_NEWNET)
     if _libc.unshare(flags) != 0:
@@ -543,6 +549,7 @@ def _enter_namespaces(workdir: str, limits: dict, hidden: list[str], needed: lis
     _mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits['disk_mb']}m,mode=0700")
     _mount("/dev/null", "/dev/null", None, MS_BIND)  # its own mount, so it survives /dev going nodev
     hide_layers = _hide(hidden, [workdir, *needed])
+    hide_layers += [layer for layer in _hide(list(secrets), [workdir, *needed]) if layer.startswith("visible:")]
     for point in _mount_points():
         if point not in (workdir, "/dev/null"):
             _remount_readonly(point)
@@ -674,7 +681,7 @@ def _isolate(spec: dict) -> list[str]:
     # The interpreter and, for a function, its import path stay visible whatever is hidden.
     needed = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.abspath(__file__))]
     needed += spec["sys_path"] if spec["mode"] == "call" else []
-    hide_layers = _enter_namespaces(workdir, limits, spec["hidden"], needed)
+    hide_layers = _enter_namespaces(workdir, limits, spec["hidden"], needed, spec["secrets"])
     namespaced = hide_layers is not None
     if namespaced:
         _enter_pid_namespace()  # returns in pid 1 of the new namespace

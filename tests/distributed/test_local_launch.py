@@ -112,3 +112,19 @@ def test_a_sigterm_to_the_launcher_stops_the_ranks_and_exits_143_without_a_trace
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
     assert all((tmp_path / f"rank.{rank}.stopped").exists() for rank in (0, 1))  # each rank ran its stop handler
+
+
+def test_a_raw_torchruns_shared_secret_file_is_removed_when_the_run_ends(tmp_path):
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    out = tmp_path / "rank"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(REPO / "tests" / "distributed" / "secret_worker.py"), str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={"PATH": "/usr/sbin:/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                               "XDG_RUNTIME_DIR": str(runtime)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank.{rank}").read_text()) for rank in (0, 1))
+    assert rank0["digest"] == rank1["digest"]  # one secret, shared through the file...
+    assert [name for name in rank0["files"] if name.startswith("run-secret-")]  # ...which existed during the run
+    assert list((runtime / "megarl").iterdir()) == []  # and is gone after it

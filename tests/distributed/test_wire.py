@@ -227,3 +227,13 @@ def test_fields_the_learner_parses_are_validated_on_the_wire(changes, error):
     with pytest.raises(WireError, match=error):
         roundtrip([sample(**changes)])
 
+
+
+def test_token_ids_beyond_the_models_vocabulary_are_refused_when_the_receiver_knows_it():
+    message = encode_group([sample(token_ids=[4, 5, 6, 700])], {}, SESSION, 3, 0, KEY)
+    assert decode_group(message, KEY)[1][0].token_ids == [4, 5, 6, 700]  # no model given: no bound
+    with pytest.raises(WireError, match="token_ids holds 700, not below the model's vocab_size 700"):
+        decode_group(message, KEY, vocab_size=700)
+    with pytest.raises(WireError, match="prompt_ids holds 3, not below the model's vocab_size 3"):
+        decode_group(encode_group([sample(token_ids=[1, 2, 0, 1])], {}, SESSION, 3, 0, KEY), KEY, vocab_size=3)
+    assert decode_group(message, KEY, vocab_size=701)[1][0].token_ids[-1] == 700

@@ -56,3 +56,22 @@ def test_a_torn_last_line_is_left_out_and_damage_inside_the_file_is_named(tmp_pa
         assert str(exc) == f"{path}: line 2 is not JSON: '{{\"st\\n'"
     else:
         raise AssertionError("a damaged line inside the file passed")
+
+
+def test_run_outputs_are_the_users_alone(tmp_path):
+    """Rollouts hold prompts, completions and tool output: 0600 files in a 0700 run.dir, whatever the umask."""
+    from megarl import run_lock
+    from megarl.observe.sinks import MetricsSink, RolloutSink
+
+    run_dir = tmp_path / "run"
+    old = os.umask(0o002)
+    try:
+        run_lock.hold(run_dir)
+        MetricsSink(run_dir, tensorboard=False)
+        RolloutSink(run_dir)
+    finally:
+        os.umask(old)
+        run_lock.release_unused(run_dir)
+    assert oct(run_dir.stat().st_mode & 0o777) == oct(0o700)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in run_dir.glob("*.jsonl")} == {
+        "metrics.jsonl": oct(0o600), "rollouts.jsonl": oct(0o600)}

@@ -141,10 +141,10 @@ MODES = {  # mode -> (uid, require_namespaces)
 }
 
 
-def as_sampler(mode: str, code: str, *args: str) -> subprocess.CompletedProcess:
+def as_sampler(mode: str, code: str, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
     who, _ = MODES[mode]
     prefix = [] if who == "root" else ["-c", AS_UID_1000, who]
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "MEGARL_PLANTED_SECRET": "hunter2"}
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "MEGARL_PLANTED_SECRET": "hunter2", **env_extra}
     return subprocess.run([sys.executable, *prefix, "-c", code, *args], capture_output=True, text=True,
                           timeout=60, env=env, cwd=REPO)
 
@@ -233,6 +233,26 @@ def test_the_answers_and_the_run_directory_are_not_readable(tmp_path):
     status, *read = proc.stdout.splitlines()
     assert status.startswith("None") and f"hidden:{answers}" in status and f"hidden:{run_dir}" in status, status
     assert read == ["PermissionError", "FileNotFoundError"], read  # /dev/null on a nodev mount; an empty tmpfs
+
+
+@needs_userns
+def test_the_run_secret_directory_is_hidden_without_being_named(tmp_path):
+    """A raw torchrun's ranks share the run secret through a file in a directory of this user's; sandboxed code
+    runs as the same uid, so only the mount namespace keeps it out: hidden whether or not the run named it."""
+    runtime = tmp_path / "runtime"
+    (runtime / "megarl").mkdir(parents=True, mode=0o700)
+    secret = runtime / "megarl" / "run-secret-test"
+    secret.write_text("0123456789abcdef" * 4)
+    steal = (f"import os\ntry:\n    print(os.listdir({str(secret.parent)!r}), open({str(secret)!r}).read())\n"
+             "except OSError as exc:\n    print(type(exc).__name__)\n")
+    code = ("import sys\nfrom megarl.rollout.sandbox import run_python\n"
+            "result = run_python(sys.argv[1], timeout_s=20)\nprint(result.error, result.layers)\n"
+            "print(result.stdout, end='')\n")
+    proc = as_sampler("namespaced-root", code, steal, XDG_RUNTIME_DIR=str(runtime))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    status, *read = proc.stdout.splitlines()
+    assert status.startswith("None") and "namespaces" in status and str(secret.parent) not in status, status
+    assert read == ["FileNotFoundError"], read  # an empty tmpfs over the directory
 
 
 @needs_userns
