@@ -248,7 +248,7 @@ def check_critic_step(args, size: Size) -> dict:
 
 
 def check_entropy_metric(args, size: Size) -> dict:
-    """algo.loss.entropy_metric's cost on the device (on by default since session 18): learner_step's step without
+    """algo.loss.entropy_metric's cost on the device (on by default): learner_step's step without
     and with the policy's entropy reported (no gradient, in slices of positions, over the 0.5B shape's 151,936-token
     vocabulary): median step times, their ratio, the peak GPU memory of each, the reported entropy (random
     weights: near log(vocab) = 11.9 nats)."""

@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.sh, the script a session lent a GPU runs once, checked here on CPU so that a typo is
-found in CI and not in the 15 minutes of a GPU loan (docs/benchmarks.md#the-gpu-check).
+found in CI and not in the 15 minutes of a GPU loan (docs/benchmarks.md#the-gpu-check--benchmarksgpu_checksh).
 
 The dry run is `--no-download`: CI must not need the network for it. The wheel list carries each wheel's
 size, measured by the real `pip download` (`bash benchmarks/gpu_check.sh --dry-run` without the flag downloads
