@@ -293,7 +293,6 @@ def _validate_vllm(cfg: Config) -> None:
     vc = cfg.sampler.vllm
     for key in ("startup_timeout_s", "request_timeout_s", "kv_cache_gib"):
         _require(getattr(vc, key) > 0, f"sampler.vllm.{key}", "must be > 0")
-    _require(0 <= vc.port < 65536, "sampler.vllm.port", "must be a port number (0 = pick a free one)")
     _require(cfg.sampling.top_p == 1.0, "sampling.top_p",
              "must be 1.0 with sampler.engine=vllm: vLLM's processed log-probs include top-p truncation")
     _require(cfg.sampling.top_k == 0, "sampling.top_k",
