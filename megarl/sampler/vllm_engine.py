@@ -47,6 +47,7 @@ with the tail of the server's log.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -246,7 +247,8 @@ class VLLMEngine:
         self._store = None
         self._closed = False
         # The worker extension's key (the server's MEGARL_VLLM_RPC_KEY) and the last counter signed with it.
-        self._rpc_key, self._rpc_counter, self._rpc_lock = rpc_key.encode(), 0, threading.Lock()
+        # Shared by reference with pinned views (copy.copy), so one counter signs every call to this server.
+        self._rpc_key, self._rpc_counter, self._rpc_lock = rpc_key.encode(), itertools.count(1), threading.Lock()
         self.socket_dir = socket_dir
 
     @classmethod
@@ -338,7 +340,9 @@ class VLLMEngine:
     def pinned(self, *, max_running: int, seed: int) -> "VLLMEngine":
         """An evaluation's view (request_pool.pinned_view): its requests' versions come from the update records
         it shares with this engine. `seed` is not sent: the server samples with its own generator."""
-        return pinned_view(self, max_running)
+        view = pinned_view(self, max_running)
+        view.socket_dir = None  # the engine's: closing the view must not remove the server's socket
+        return view
 
     def generate(self, requests: list[GenerationRequest], timeout_s: float = 600.0) -> list[Completion]:
         """Run the given requests to the end; completions in request order (tests, benchmarks)."""
@@ -393,8 +397,7 @@ class VLLMEngine:
         counter order, which the worker requires."""
         route = f"/collective_rpc {method}"
         with self._rpc_lock:
-            self._rpc_counter += 1
-            envelope = ext.sign_call(self._rpc_key, method, self._rpc_counter, args)
+            envelope = ext.sign_call(self._rpc_key, method, next(self._rpc_counter), args)
         try:
             reply = self.client.post("/collective_rpc", {"method": method, "args": [envelope],
                                                          "timeout": timeout_s}, timeout_s=timeout_s + 10)

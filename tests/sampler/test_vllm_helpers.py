@@ -1,7 +1,9 @@
 """The vLLM engine's pure parts (no vLLM needed: runs in the main suite); the real server is tests/sampler/vllm/."""
 from __future__ import annotations
 
+import itertools
 import json
+import threading
 
 import pytest
 import torch
@@ -74,6 +76,9 @@ def test_the_worker_extension_refuses_unsigned_forged_replayed_and_misdirected_c
     and counter before doing anything: the plain JSON a local process could post to /collective_rpc, a tag made
     with another key, a signed call replayed or sent to another method, and any call when the server has no key
     are refused (RpcRefused) without touching the model runner; the sampler's own signed calls are accepted."""
+    # /collective_rpc calls any attribute of the worker by name: the extension adds only the guarded methods.
+    assert [a for a in dir(ext.MegarlWorkerExtension) if not a.startswith("__")] == [
+        "megarl_counts", "megarl_join", "megarl_lora_base", "megarl_update"]
     key = "k" * 64
     monkeypatch.setenv(ext.RPC_KEY_ENV, key)
     join = {"host": "127.0.0.1", "port": 1, "rank": 1, "world_size": 2, "timeout_s": 1}
@@ -119,12 +124,28 @@ def test_the_sampler_signs_its_worker_calls_with_increasing_counters():
             return {"results": [{"ok": True}]}
 
     engine = object.__new__(vllm_engine.VLLMEngine)
-    engine.client, engine._rpc_key, engine._rpc_counter = Client(), b"key", 0
-    engine._rpc_lock = __import__("threading").Lock()
+    engine.client, engine._rpc_key, engine._rpc_counter = Client(), b"key", itertools.count(1)
+    engine._rpc_lock = threading.Lock()
     engine._rpc("megarl_counts", {}, 5.0)
     engine._rpc("megarl_join", {"rank": 1}, 5.0)
     guard = ext.RpcGuard("key")
     assert [guard.open(b["method"], b["args"][0]) for b in sent] == [{}, {"rank": 1}]
+
+
+def test_an_evaluation_view_shares_the_rpc_counter_and_leaves_the_socket(tmp_path):
+    """A pinned view (an evaluation's) signs with the engine's own counter, and closing it keeps the server's
+    socket directory (the engine's, removed only by the engine's close)."""
+    from megarl.sampler.request_pool import RequestPool
+
+    engine = object.__new__(vllm_engine.VLLMEngine)
+    engine.requests, engine.server, engine._closed = RequestPool(1, "vllm"), None, False
+    engine._rpc_counter, engine.socket_dir = itertools.count(1), vllm_engine.SocketDir(str(tmp_path))
+    view = engine.pinned(max_running=1, seed=0)
+    assert [next(engine._rpc_counter), next(view._rpc_counter), next(engine._rpc_counter)] == [1, 2, 3]
+    view.close()
+    assert engine.socket_dir.dir.is_dir()
+    engine.close()
+    assert not engine.socket_dir.dir.exists()
 
 
 def test_socket_dir_is_owner_only_and_http_runs_over_it(tmp_path):

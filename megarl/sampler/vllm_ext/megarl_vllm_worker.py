@@ -197,18 +197,30 @@ class _FinishedCounts(dict):
         super().__delitem__(key)
 
 
-class MegarlWorkerExtension:
-    """Mixed into vLLM's worker class; the methods run in the worker (see module docstring). Each public method
-    opens its argument with `_megarl_open` first: nothing runs for a call that is not the sampler's."""
+def _open(worker, method: str, envelope) -> dict:
+    """The worker's RpcGuard (made on first use: vLLM builds the worker, the extension has no __init__) opening
+    `envelope`. A function, not a method: /collective_rpc can call every method of the worker by name."""
+    guard = getattr(worker, "_megarl_guard", None)
+    if guard is None:
+        guard = worker._megarl_guard = RpcGuard(os.environ.get(RPC_KEY_ENV))
+    return guard.open(method, envelope)
 
-    def _megarl_open(self, method: str, envelope) -> dict:
-        guard = getattr(self, "_megarl_guard", None)
-        if guard is None:  # vLLM builds the worker; the extension has no __init__ of its own
-            guard = self._megarl_guard = RpcGuard(os.environ.get(RPC_KEY_ENV))
-        return guard.open(method, envelope)
+
+def _counts(worker) -> dict:
+    """request id -> output tokens sampled so far, for every request the worker has seen since megarl_join
+    (finished ones with their final count); a request absent from it has sampled nothing yet."""
+    counts = dict(getattr(worker, "_megarl_finished", {}))
+    counts.update({rid: len(state.output_token_ids) for rid, state in worker.model_runner.requests.items()})
+    return counts
+
+
+class MegarlWorkerExtension:
+    """Mixed into vLLM's worker class; the methods run in the worker (see module docstring). /collective_rpc
+    reaches every method of the worker by name, so the class has only these, and each opens its argument with
+    `_open` first: nothing runs for a call that is not the sampler's."""
 
     def megarl_join(self, args: str) -> dict:
-        a = self._megarl_open("megarl_join", args)
+        a = _open(self, "megarl_join", args)
         if not isinstance(self.model_runner.requests, _FinishedCounts):
             self._megarl_finished = {}
             self.model_runner.requests = _FinishedCounts(self.model_runner.requests, self._megarl_finished)
@@ -217,20 +229,14 @@ class MegarlWorkerExtension:
         return {"joined": True, "rank": a["rank"]}
 
     def megarl_counts(self, args: str) -> dict:
-        self._megarl_open("megarl_counts", args)
-        return self._megarl_counts()
-
-    def _megarl_counts(self) -> dict:
-        """request id -> output tokens sampled so far, for every request the worker has seen since megarl_join
-        (finished ones with their final count); a request absent from it has sampled nothing yet."""
-        counts = dict(getattr(self, "_megarl_finished", {}))
-        counts.update({rid: len(state.output_token_ids) for rid, state in self.model_runner.requests.items()})
-        return counts
+        """`_counts` (the token counts megarl_update takes)."""
+        _open(self, "megarl_counts", args)
+        return _counts(self)
 
     def megarl_lora_base(self, args: str) -> dict:
         """learner.lora: keep the frozen base (the checkpoint vLLM loaded, read again through vLLM's own loader,
         on the model's device) and the adapter's scale alpha / r; every later update is an adapter."""
-        a = self._megarl_open("megarl_lora_base", args)
+        a = _open(self, "megarl_lora_base", args)
         from vllm.model_executor.model_loader import get_model_loader
 
         runner = self.model_runner
@@ -243,9 +249,9 @@ class MegarlWorkerExtension:
         return {"tensors": len(base), "bytes": sum(t.numel() * t.element_size() for t in base.values())}
 
     def megarl_update(self, args: str) -> dict:
-        a = self._megarl_open("megarl_update", args)
+        a = _open(self, "megarl_update", args)
         start = time.perf_counter()
-        counts = self._megarl_counts()  # before any new weight is loaded: these tokens are the old version's
+        counts = _counts(self)  # before any new weight is loaded: these tokens are the old version's
         received = []
 
         def weights():
