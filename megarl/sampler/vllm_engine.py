@@ -246,7 +246,7 @@ class VLLMEngine:
         self._group = None
         self._store = None
         self._closed = False
-        # The worker extension's key (the server's MEGARL_VLLM_RPC_KEY) and the last counter signed with it.
+        # The worker extension's key (the server's MEGARL_VLLM_RPC_KEY) and the counters its calls are signed with.
         # Shared by reference with pinned views (copy.copy), so one counter signs every call to this server.
         self._rpc_key, self._rpc_counter, self._rpc_lock = rpc_key.encode(), itertools.count(1), threading.Lock()
         self.socket_dir = socket_dir

@@ -237,6 +237,8 @@ def test_config_picks_the_vllm_variant_and_refuses_truncation():
         load_config("configs/demo.yaml", ["sampler.engine=vllm", "sampler.vllm.prefix_caching=true"])
     with pytest.raises(ConfigError, match="sampler.vllm.server_args"):
         load_config("configs/demo.yaml", ["sampler.engine=vllm", "sampler.vllm.server_args=[--max-model-len=9]"])
+    with pytest.raises(ConfigError, match="sampler.vllm.server_args.*--uds"):
+        load_config("configs/demo.yaml", ["sampler.engine=vllm", "sampler.vllm.server_args=[--uds,/tmp/s]"])
 
 
 def test_vllm_variant_has_head_dim_32():

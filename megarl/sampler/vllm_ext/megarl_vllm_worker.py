@@ -144,7 +144,7 @@ class RpcGuard:
         """The call's arguments if `envelope` is a valid signed call of `method`; raises RpcRefused otherwise."""
         if self.key is None:
             raise RpcRefused(f"{method}: refused: {RPC_KEY_ENV} is not set in the vLLM server's environment "
-                             f"(megarl.sampler.vllm_engine.server_env sets it; calls cannot be checked without it)")
+                             f"(megarl.sampler.vllm_engine.VLLMEngine.start sets it; calls cannot be checked without it)")
         try:
             e = json.loads(envelope)
             called, counter, args_json, tag = e["method"], e["counter"], e["args"], e["tag"]
