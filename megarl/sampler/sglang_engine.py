@@ -56,6 +56,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -343,12 +344,32 @@ class ServerProcess:
                 continue
 
 
-class HTTPClient:
-    """JSON over HTTP to one server; every call has a timeout and failures name the route and server."""
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a Unix domain socket: a server listening on a path instead of a port (vLLM's `--uds`)."""
 
-    def __init__(self, host: str, port: int, timeout_s: float, describe=lambda: "", api_key: str | None = None):
-        self.host, self.port, self.timeout_s, self.describe = host, port, timeout_s, describe
-        self.url = f"http://{host}:{port}"
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class HTTPClient:
+    """JSON over HTTP to one server; every call has a timeout and failures name the route and server. The server
+    listens on host:port, or on the Unix socket `uds` (then host and port are unused)."""
+
+    def __init__(self, host: str, port: int, timeout_s: float, describe=lambda: "", api_key: str | None = None,
+                 uds: str | None = None):
+        self.host, self.port, self.timeout_s, self.describe, self.uds = host, port, timeout_s, describe, uds
+        self.url = f"unix:{uds}" if uds else f"http://{host}:{port}"
         self.headers = {"Content-Type": "application/json"}
         if api_key is not None:  # the server's --api-key: every call but /health needs it
             self.headers["Authorization"] = f"Bearer {api_key}"
@@ -358,7 +379,8 @@ class HTTPClient:
         return SGLangError(f"{route} on SGLang server {self.url}: {why}" + (f"\n{tail}" if tail else ""))
 
     def _open(self, method: str, route: str, body: dict | None, timeout_s: float):
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+        conn = (UnixHTTPConnection(self.uds, timeout_s) if self.uds
+                else http.client.HTTPConnection(self.host, self.port, timeout=timeout_s))
         try:
             payload = None if body is None else json.dumps(body).encode()
             conn.request(method, route, body=payload, headers=self.headers)

@@ -1,9 +1,15 @@
 """The vLLM engine backend: a sampler rank starts one vLLM OpenAI-compatible server and drives it over HTTP.
 
 `VLLMEngine` implements the `Engine` protocol (megarl/protocols.py). The server runs with the python of the
-separate vLLM environment (megarl.sampler.vllm_env), bound to 127.0.0.1, in the sampler's environment without
-torchrun's variables (sglang_engine.server_env) plus `VLLM_SERVER_DEV_MODE=1` (the pause/resume and
-collective_rpc routes) and megarl's worker extension on PYTHONPATH (megarl/sampler/vllm_ext).
+separate vLLM environment (megarl.sampler.vllm_env), in the sampler's environment without torchrun's variables
+(sglang_engine.server_env) plus `VLLM_SERVER_DEV_MODE=1` (the pause/resume and collective_rpc routes) and megarl's
+worker extension on PYTHONPATH (megarl/sampler/vllm_ext).
+
+Who can reach it: vLLM 0.32 checks its API key on its API prefixes only, not on the dev-mode routes that pause the
+engine and call into the worker. So the server listens on no port at all: `--uds` puts its HTTP server on a Unix
+socket in a fresh directory only this user can enter (`SocketDir`, 0700), where vLLM's own ZeroMQ sockets go too
+(VLLM_RPC_BASE_PATH), and megarl's client talks over that socket. Behind that, every call into megarl's worker
+extension is signed with a key only the server's environment holds (megarl_vllm_worker.RpcGuard).
 
 Generation: one streaming `POST /v1/completions` per request, token ids in (`prompt: [ids]`), `logprobs: 0`
 (the sampled token's log-prob), `return_token_ids: true` (each chunk's new token ids). The server runs with
@@ -41,10 +47,13 @@ with the tail of the server's log.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -68,6 +77,8 @@ SERVED_NAME = "megarl"
 # test catches (it checks the log-probs after an update against both policies' recomputation).
 CLEAR_CACHE = {"keep": "false", "recompute": "true"}
 MIN_HEAD_DIM = 32  # vLLM's CPU attention backend refuses smaller heads
+SOCKET_NAME = "http.sock"
+SUN_PATH_MAX = 107  # a Unix socket path's bytes (sockaddr_un.sun_path is 108, NUL included)
 log = logging.getLogger("megarl.vllm_engine")
 
 
@@ -87,6 +98,23 @@ class _Server(sglang_engine.ServerProcess):
     error_type, kind, section = VLLMError, "vLLM", "sampler.vllm"
 
 
+class SocketDir:
+    """A fresh directory only this user can enter (mkdtemp: mode 0700), holding the server's sockets: its HTTP
+    socket (`path`) and vLLM's ZeroMQ ones. The kernel checks the directory on every connect, so processes of
+    other users cannot reach the server. Removed by `remove()` (VLLMEngine.close)."""
+
+    def __init__(self, parent: str | None = None):
+        self.dir = Path(tempfile.mkdtemp(prefix="megarl-vllm-", dir=parent))
+        self.path = str(self.dir / SOCKET_NAME)
+        if len(self.path.encode()) > SUN_PATH_MAX:
+            self.remove()
+            raise ValueError(f"vLLM server socket {self.path}: longer than {SUN_PATH_MAX} bytes, the limit of a Unix "
+                             f"socket path; set TMPDIR to a shorter directory")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 # ---------------------------------------------------------------------------------------------- pure helpers
 def check_model(hf_config: dict, path: str = "") -> None:
     """vLLM on CPU needs head_dim >= 32; refuse a model with smaller heads before starting anything."""
@@ -100,20 +128,24 @@ def check_model(hf_config: dict, path: str = "") -> None:
 def server_env(env: dict, cfg_vllm, threads: int) -> dict:
     """The server's environment: the sampler's without torchrun's variables, plus vLLM dev mode and megarl's
     worker extension and the torch-only modules it uses on PYTHONPATH (nothing else of megarl: the server runs in
-    the vLLM environment)."""
+    the vLLM environment). `VLLMEngine.start` adds the server's keys and its socket directory."""
     out = sglang_engine.server_env(env)
     out.pop("PYTHONPATH", None)  # megarl's environment's paths must not leak into vLLM's
+    for key in ("VLLM_API_KEY", ext.RPC_KEY_ENV, "VLLM_RPC_BASE_PATH"):  # never one inherited from the sampler's
+        out.pop(key, None)
     out.update({"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": os.pathsep.join((str(EXT_DIR), str(PORTABLE_DIR))),
                 "VLLM_CPU_KVCACHE_SPACE": str(cfg_vllm.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 "OMP_NUM_THREADS": str(threads), "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"})
     return out
 
 
-def server_command(python: str | Path, model_dir: str | Path, port: int, seed: int, *, max_model_len: int,
+def server_command(python: str | Path, model_dir: str | Path, socket_path: str, seed: int, *, max_model_len: int,
                    max_num_seqs: int, enforce_eager: bool = True, prefix_caching: bool = False,
                    extra: list[str] = ()) -> list[str]:
+    """The server's command line: HTTP on the Unix socket `socket_path` only (`--uds`: vLLM then ignores host
+    and port and opens no TCP listener)."""
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", "float32",
+           "--uds", str(socket_path), "--served-model-name", SERVED_NAME, "--dtype", "float32",
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", str(seed),
            # megarl's behaviour log-prob: log_softmax(logits / T), what vLLM calls processed (docs/vllm.md).
            "--logprobs-mode", "processed_logprobs",
@@ -192,7 +224,8 @@ class VLLMEngine:
 
     def __init__(self, client: _Client, *, model_dir: str | Path, max_running: int, context_length: int,
                  server: _Server | None = None, version: int = 0, update_timeout_s: float = 120.0,
-                 bucket_mb: float = 16.0, kv_on_update: str = "keep"):
+                 bucket_mb: float = 16.0, kv_on_update: str = "keep", rpc_key: str = "",
+                 socket_dir: SocketDir | None = None):
         if kv_on_update not in CLEAR_CACHE:
             raise ValueError(f"kv_on_update={kv_on_update!r} must be one of {tuple(CLEAR_CACHE)}")
         self.client, self.server = client, server
@@ -213,23 +246,26 @@ class VLLMEngine:
         self._group = None
         self._store = None
         self._closed = False
+        # The worker extension's key (the server's MEGARL_VLLM_RPC_KEY) and the counters its calls are signed with.
+        # Shared by reference with pinned views (copy.copy), so one counter signs every call to this server.
+        self._rpc_key, self._rpc_counter, self._rpc_lock = rpc_key.encode(), itertools.count(1), threading.Lock()
+        self.socket_dir = socket_dir
 
     @classmethod
     def from_config(cls, cfg, topo, model_dir: str | Path) -> "VLLMEngine":
         """Start this sampler rank's vLLM server, wait for /health, join the weight group."""
-        from megarl.distributed.sglang_publish import free_port
         from megarl.sampler.vllm_env import ensure_env
 
         vc = cfg.sampler.vllm
         with open(Path(model_dir) / "config.json") as fh:
             check_model(json.load(fh), str(model_dir))
         python, _ = ensure_env()
-        port = vc.port + topo.role_rank if vc.port else free_port("127.0.0.1")
-        cmd = server_command(python, model_dir, port, cfg.run.seed * 1000 + topo.rank,
+        sockets = SocketDir()
+        cmd = server_command(python, model_dir, sockets.path, cfg.run.seed * 1000 + topo.rank,
                              max_model_len=cfg.sampler.max_seq_len, max_num_seqs=cfg.sampler.max_running,
                              enforce_eager=vc.enforce_eager, prefix_caching=vc.prefix_caching, extra=vc.server_args)
         return cls.start(cmd, server_env(os.environ, vc, cfg.sampler.threads),
-                         Path(cfg.run.dir) / "vllm" / f"sampler{topo.role_rank}.log", port, model_dir=model_dir,
+                         Path(cfg.run.dir) / "vllm" / f"sampler{topo.role_rank}.log", sockets, model_dir=model_dir,
                          max_running=cfg.sampler.max_running, context_length=cfg.sampler.max_seq_len,
                          startup_timeout_s=vc.startup_timeout_s, request_timeout_s=vc.request_timeout_s,
                          update_timeout_s=cfg.publish.timeout_s, bucket_mb=cfg.publish.bucket_mb,
@@ -237,25 +273,32 @@ class VLLMEngine:
                          lora=cfg.learner.lora if cfg.learner.lora.rank > 0 else None)
 
     @classmethod
-    def start(cls, cmd, env, log_path: Path, port: int, *, model_dir, max_running: int, context_length: int,
-              startup_timeout_s: float, request_timeout_s: float, update_timeout_s: float = 120.0,
+    def start(cls, cmd, env, log_path: Path, sockets: SocketDir, *, model_dir, max_running: int,
+              context_length: int, startup_timeout_s: float, request_timeout_s: float, update_timeout_s: float = 120.0,
               bucket_mb: float = 16.0, kv_on_update: str = "keep", lora=None) -> "VLLMEngine":
-        # A key of this server's own, in its environment (readable by this user only, unlike its command line).
-        # vLLM 0.32 checks it on /v1, /v2, /inference and /cohere only: the dev-mode routes megarl updates
-        # weights through (/pause, /collective_rpc, /resume) stay open to local processes (docs/security.md).
-        api_key = sglang_engine.new_api_key()
-        server = _Server(cmd, {**env, "VLLM_API_KEY": api_key}, Path(log_path), f"http://127.0.0.1:{port}")
-        client = _Client("127.0.0.1", port, request_timeout_s, describe=server.log_tail, api_key=api_key)
+        """Start the server `cmd` (listening on `sockets.path`, server_command), wait for /health, join the weight
+        group. The engine owns `sockets` from here on (removed by close, or here if the start fails)."""
+        # Keys of this server's own, in its environment (readable by this user only, unlike its command line):
+        # vLLM's API key (vLLM checks it on /v1, /v2, /inference and /cohere only) and the worker extension's.
+        api_key, rpc_key = sglang_engine.new_api_key(), sglang_engine.new_api_key()
+        env = {**env, "VLLM_API_KEY": api_key, ext.RPC_KEY_ENV: rpc_key, "VLLM_RPC_BASE_PATH": str(sockets.dir)}
+        try:
+            server = _Server(cmd, env, Path(log_path), f"unix:{sockets.path}")
+        except BaseException:
+            sockets.remove()
+            raise
+        client = _Client("", 0, request_timeout_s, describe=server.log_tail, api_key=api_key, uds=sockets.path)
         try:
             server.wait_healthy(client, startup_timeout_s)
             engine = cls(client, model_dir=model_dir, max_running=max_running, context_length=context_length,
                          server=server, update_timeout_s=update_timeout_s, bucket_mb=bucket_mb,
-                         kv_on_update=kv_on_update)
+                         kv_on_update=kv_on_update, rpc_key=rpc_key, socket_dir=sockets)
             engine.join_weight_group()
             if lora is not None:
                 engine.take_adapters(lora)
         except BaseException:
             server.stop()
+            sockets.remove()
             raise
         return engine
 
@@ -297,7 +340,9 @@ class VLLMEngine:
     def pinned(self, *, max_running: int, seed: int) -> "VLLMEngine":
         """An evaluation's view (request_pool.pinned_view): its requests' versions come from the update records
         it shares with this engine. `seed` is not sent: the server samples with its own generator."""
-        return pinned_view(self, max_running)
+        view = pinned_view(self, max_running)
+        view.socket_dir = None  # the engine's: closing the view must not remove the server's socket
+        return view
 
     def generate(self, requests: list[GenerationRequest], timeout_s: float = 600.0) -> list[Completion]:
         """Run the given requests to the end; completions in request order (tests, benchmarks)."""
@@ -347,9 +392,14 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ weights
     def _rpc(self, method: str, args: dict, timeout_s: float) -> dict:
+        """Call the worker extension's `method`, signed (megarl_vllm_worker.sign_call) with the next counter.
+        megarl's calls to one server never overlap (start-up, then one update at a time), so they arrive in
+        counter order, which the worker requires."""
         route = f"/collective_rpc {method}"
+        with self._rpc_lock:
+            envelope = ext.sign_call(self._rpc_key, method, next(self._rpc_counter), args)
         try:
-            reply = self.client.post("/collective_rpc", {"method": method, "args": [json.dumps(args)],
+            reply = self.client.post("/collective_rpc", {"method": method, "args": [envelope],
                                                          "timeout": timeout_s}, timeout_s=timeout_s + 10)
         except VLLMError as exc:  # the worker refused it (its error is in the reply): name the method too
             raise VLLMError(f"{method}: {exc}") from None
@@ -474,4 +524,6 @@ class VLLMEngine:
         self._closed = True
         if self.server is not None:
             self.server.stop()
+        if self.socket_dir is not None:
+            self.socket_dir.remove()
         self.requests.close()

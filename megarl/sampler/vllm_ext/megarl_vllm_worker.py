@@ -6,6 +6,13 @@ and torch (vLLM is reached through the worker it is mixed into), so the server's
 megarl but this directory on PYTHONPATH. megarl's sampler process imports the same module for the parts both
 sides must agree on (`make_group`, `bucket_plan`, `unpack`).
 
+Every call is signed: the sampler sends `sign_call(...)`, an envelope holding the method, its arguments (a JSON
+string), a counter and HMAC-SHA256 over the three, keyed by a fresh key of this server that only its environment
+holds (`MEGARL_VLLM_RPC_KEY`, set by megarl.sampler.vllm_engine; /proc/PID/environ is owner-only). `RpcGuard`
+refuses (raises, before doing anything) a call without the key, with a wrong tag, for another method than the
+one signed, or whose counter is not above the last accepted one (a replay). The HTTP server itself listens only
+on a Unix socket in an owner-only directory (vllm_engine); the signature is the second layer, for this extension.
+
 * `megarl_join`: joins a two-member gloo group with the sampler process (rank 0, which hosts the TCPStore).
 * `megarl_update`: the in-flight weight swap. First it records how many output tokens every request the worker
   has seen has sampled (`model_runner.requests[id].output_token_ids`; a finished request's final count is kept
@@ -24,7 +31,10 @@ sides must agree on (`make_group`, `bucket_plan`, `unpack`).
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
+import os
 import time
 
 import torch
@@ -102,6 +112,62 @@ def broadcast_bytes(group, buffer: torch.Tensor, timeout_s: float) -> None:
         raise TimeoutError(f"weight bucket broadcast of {buffer.numel()} bytes did not finish within {timeout_s}s")
 
 
+RPC_KEY_ENV = "MEGARL_VLLM_RPC_KEY"
+
+
+def rpc_tag(key: bytes, method: str, counter: int, args_json: str) -> str:
+    """HMAC-SHA256 over (method, counter, arguments), each length-delimited by the JSON list around them."""
+    message = json.dumps([method, counter, args_json]).encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def sign_call(key: bytes, method: str, counter: int, args: dict) -> str:
+    """The one string argument of a signed `/collective_rpc` call of `method` (what `RpcGuard.open` accepts)."""
+    args_json = json.dumps(args)
+    return json.dumps({"method": method, "counter": counter, "args": args_json,
+                       "tag": rpc_tag(key, method, counter, args_json)})
+
+
+class RpcRefused(PermissionError):
+    """A call to the extension that is not the sampler's: unsigned, forged, for another method, or replayed."""
+
+
+class RpcGuard:
+    """The worker's check of every call (module docstring): the key from the server's environment, the last
+    accepted counter. Counters must strictly increase, so a recorded call cannot be sent again."""
+
+    def __init__(self, key: str | None):
+        self.key = key.encode() if key else None
+        self.last = 0
+
+    def open(self, method: str, envelope) -> dict:
+        """The call's arguments if `envelope` is a valid signed call of `method`; raises RpcRefused otherwise."""
+        if self.key is None:
+            raise RpcRefused(f"{method}: refused: {RPC_KEY_ENV} is not set in the vLLM server's environment "
+                             f"(megarl.sampler.vllm_engine.VLLMEngine.start sets it; calls cannot be checked without it)")
+        try:
+            e = json.loads(envelope)
+            called, counter, args_json, tag = e["method"], e["counter"], e["args"], e["tag"]
+            well_formed = (isinstance(called, str) and type(counter) is int and isinstance(args_json, str)
+                           and isinstance(tag, str))
+        except (TypeError, ValueError, KeyError):
+            well_formed = False
+        if not well_formed:
+            raise RpcRefused(f"{method}: refused: not a signed call (megarl_vllm_worker.sign_call)")
+        if not hmac.compare_digest(tag.encode(), rpc_tag(self.key, called, counter, args_json).encode()):
+            raise RpcRefused(f"{method}: refused: wrong signature")
+        if called != method:
+            raise RpcRefused(f"{method}: refused: the call is signed for {called}")
+        if counter <= self.last:
+            raise RpcRefused(f"{method}: refused: counter {counter} is not above the last accepted {self.last} "
+                             f"(a replayed call)")
+        self.last = counter
+        args = json.loads(args_json)
+        if not isinstance(args, dict):
+            raise RpcRefused(f"{method}: refused: its arguments are not an object")
+        return args
+
+
 FINISHED_KEPT = 100_000  # final counts of finished requests remembered (oldest forgotten first)
 
 
@@ -131,11 +197,30 @@ class _FinishedCounts(dict):
         super().__delitem__(key)
 
 
+def _open(worker, method: str, envelope) -> dict:
+    """The worker's RpcGuard (made on first use: vLLM builds the worker, the extension has no __init__) opening
+    `envelope`. A function, not a method: /collective_rpc can call every method of the worker by name."""
+    guard = getattr(worker, "_megarl_guard", None)
+    if guard is None:
+        guard = worker._megarl_guard = RpcGuard(os.environ.get(RPC_KEY_ENV))
+    return guard.open(method, envelope)
+
+
+def _counts(worker) -> dict:
+    """request id -> output tokens sampled so far, for every request the worker has seen since megarl_join
+    (finished ones with their final count); a request absent from it has sampled nothing yet."""
+    counts = dict(getattr(worker, "_megarl_finished", {}))
+    counts.update({rid: len(state.output_token_ids) for rid, state in worker.model_runner.requests.items()})
+    return counts
+
+
 class MegarlWorkerExtension:
-    """Mixed into vLLM's worker class; the methods run in the worker (see module docstring)."""
+    """Mixed into vLLM's worker class; the methods run in the worker (see module docstring). /collective_rpc
+    reaches every method of the worker by name, so the class has only these, and each opens its argument with
+    `_open` first: nothing runs for a call that is not the sampler's."""
 
     def megarl_join(self, args: str) -> dict:
-        a = json.loads(args)
+        a = _open(self, "megarl_join", args)
         if not isinstance(self.model_runner.requests, _FinishedCounts):
             self._megarl_finished = {}
             self.model_runner.requests = _FinishedCounts(self.model_runner.requests, self._megarl_finished)
@@ -143,19 +228,17 @@ class MegarlWorkerExtension:
         self._megarl_timeout_s = a["timeout_s"]
         return {"joined": True, "rank": a["rank"]}
 
-    def megarl_counts(self, args: str = "{}") -> dict:
-        """request id -> output tokens sampled so far, for every request the worker has seen since megarl_join
-        (finished ones with their final count); a request absent from it has sampled nothing yet."""
-        counts = dict(getattr(self, "_megarl_finished", {}))
-        counts.update({rid: len(state.output_token_ids) for rid, state in self.model_runner.requests.items()})
-        return counts
+    def megarl_counts(self, args: str) -> dict:
+        """`_counts` (the token counts megarl_update takes)."""
+        _open(self, "megarl_counts", args)
+        return _counts(self)
 
     def megarl_lora_base(self, args: str) -> dict:
         """learner.lora: keep the frozen base (the checkpoint vLLM loaded, read again through vLLM's own loader,
         on the model's device) and the adapter's scale alpha / r; every later update is an adapter."""
+        a = _open(self, "megarl_lora_base", args)
         from vllm.model_executor.model_loader import get_model_loader
 
-        a = json.loads(args)
         runner = self.model_runner
         model = runner.get_model()
         device = next(model.parameters()).device
@@ -166,9 +249,9 @@ class MegarlWorkerExtension:
         return {"tensors": len(base), "bytes": sum(t.numel() * t.element_size() for t in base.values())}
 
     def megarl_update(self, args: str) -> dict:
-        a = json.loads(args)
+        a = _open(self, "megarl_update", args)
         start = time.perf_counter()
-        counts = self.megarl_counts()  # before any new weight is loaded: these tokens are the old version's
+        counts = _counts(self)  # before any new weight is loaded: these tokens are the old version's
         received = []
 
         def weights():

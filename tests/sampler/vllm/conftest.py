@@ -30,15 +30,14 @@ def vllm_model_dir(embedded_cache_dir) -> Path:
 
 def start_engine(python, model_dir, tmp_path, *, max_running=8, context_length=128, request_timeout_s=120.0,
                  extra=()):
-    from megarl.distributed.sglang_publish import free_port
-    from megarl.sampler.vllm_engine import VLLMEngine, server_command, server_env
+    from megarl.sampler.vllm_engine import SocketDir, VLLMEngine, server_command, server_env
     from megarl.config.schema import VLLMConfig
 
-    port = free_port("127.0.0.1")
-    cmd = server_command(python, model_dir, port, seed=0, max_model_len=context_length, max_num_seqs=max_running,
-                         extra=list(extra))
+    sockets = SocketDir()
+    cmd = server_command(python, model_dir, sockets.path, seed=0, max_model_len=context_length,
+                         max_num_seqs=max_running, extra=list(extra))
     start = time.monotonic()
-    engine = VLLMEngine.start(cmd, server_env(os.environ, VLLMConfig(), threads=1), Path(tmp_path) / "vllm.log", port,
+    engine = VLLMEngine.start(cmd, server_env(os.environ, VLLMConfig(), threads=1), Path(tmp_path) / "vllm.log", sockets,
                               model_dir=model_dir, max_running=max_running, context_length=context_length,
                               startup_timeout_s=600, request_timeout_s=request_timeout_s, update_timeout_s=120,
                               bucket_mb=0.1)

@@ -16,6 +16,7 @@ import torch
 from megarl.protocols import GenerationRequest, SamplingParams
 from tests.helpers import draw_adapter
 
+from . import intruder
 from .conftest import start_engine
 
 pytestmark = pytest.mark.vllm
@@ -104,20 +105,114 @@ def test_generation_and_lag0_logprobs_match_transformers(engine, hf):
     assert max(raw_gaps) > 1e-2  # the mode matters: un-tempered log-probs would be wrong
 
 
-def test_the_server_refuses_generation_without_megarls_key(engine):
-    """The server runs with a key of its own (VLLM_API_KEY, not on its command line): a local process without it
-    gets 401 on /v1 (vLLM 0.32 guards /v1, /v2, /inference and /cohere only; docs/security.md names the rest)."""
-    import http.client
-    import json
+def _tcp_listeners(pids) -> list[str]:
+    """The TCP sockets (v4 and v6) in LISTEN state held by any of `pids`, as "pid hexaddr:hexport"."""
+    listening = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    listening[fields[9]] = fields[1]
+    out = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in listening:
+                out.append(f"{pid} {listening[target[8:-1]]}")
+    return out
 
-    body = json.dumps({"model": "megarl", "prompt": [1, 2], "max_tokens": 1})
-    for headers in ({}, {"Authorization": "Bearer not-the-key"}):
-        conn = http.client.HTTPConnection(engine.client.host, engine.client.port, timeout=30)
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json", **headers})
-        assert conn.getresponse().status == 401
-    with open(f"/proc/{engine.server.proc.pid}/cmdline", "rb") as f:
-        assert engine.client.headers["Authorization"].split()[1].encode() not in f.read()
-    assert engine.client.get("/health")[0] == 200
+
+def _process_group(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                pids.append(int(entry))
+    return pids
+
+
+def _as_nobody(path: str, route: str, body: dict):
+    """intruder.call(path, route, body) from a forked child running as uid/gid 65534; its result (the error name
+    of the connect, or "reached" if the request got through)."""
+    pid = os.fork()
+    if pid == 0:  # the child: only system calls, then _exit (the parent has threads)
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            result = intruder.call(path, route, body)
+            code = 13 if result == "PermissionError" else 3 if result == "FileNotFoundError" else 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return {13: "PermissionError", 3: "FileNotFoundError", 0: "reached"}.get(os.waitstatus_to_exitcode(status),
+                                                                              f"exit {status}")
+
+
+def test_a_process_outside_the_run_cannot_pause_the_server_or_call_its_worker(engine, hf):
+    """N2: the dev-mode routes (/pause, /collective_rpc, /resume) take no key in vLLM 0.32. The server listens on
+    no TCP port (its HTTP server is on a Unix socket in a 0700 directory of the sampler's): a process of another
+    user gets PermissionError on connect, for /pause and /collective_rpc alike. A process that reaches the socket
+    without the server's keys gets 401 on /v1 and has every worker-extension call refused (unsigned megarl_join,
+    an unsigned megarl_update of a zeroed model.norm.weight, one with a forged HMAC). Afterwards the server still
+    generates with the weights it served (nothing was loaded) and the sampler's own signed calls still go through
+    (the forged counter did not advance the worker's)."""
+    import json
+    import stat
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sockets = engine.socket_dir
+    info = os.stat(sockets.dir)
+    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.geteuid()
+    assert stat.S_ISSOCK(os.stat(sockets.path).st_mode) and engine.client.url == f"unix:{sockets.path}"
+    api_pid = engine.server.proc.pid
+    assert _tcp_listeners([api_pid]) == []  # the HTTP server: no port at all
+    zmq = [p.name for p in sockets.dir.iterdir() if p.name != "http.sock"]
+    print(f"\nserver sockets in {sockets.dir}: http.sock + {len(zmq)} of vLLM's ZeroMQ; TCP listeners of the "
+          f"server's other processes (torch's own bootstrap store): {_tcp_listeners(_process_group(api_pid))}")
+    with open(f"/proc/{api_pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    assert engine.client.headers["Authorization"].split()[1].encode() not in cmdline
+    assert engine._rpc_key not in cmdline
+
+    if os.geteuid() == 0:  # another user (nobody): the kernel refuses the connect, the directory being 0700
+        assert _as_nobody(sockets.path, "/pause?mode=keep", {}) == "PermissionError"
+        assert _as_nobody(sockets.path, "/collective_rpc", intruder.rpc("megarl_update", "{}")) == "PermissionError"
+    else:
+        print("not root: the other-user connect is not tried (the 0700 directory above is what refuses it)")
+    command = [sys.executable, str(Path(intruder.__file__)), sockets.path]
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "MEGARL_VLLM_RPC_KEY")}
+    out = subprocess.run(command + ["completions", "join", "update", "update_forged"], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    print(f"a process with the socket but not the keys: {got}")
+    assert got["completions"][0] == 401
+    for call, why in (("join", "not a signed call"), ("update", "not a signed call"),
+                      ("update_forged", "wrong signature")):
+        assert got[call][0] == 500 and "refused" in got[call][1] and why in got[call][1], (call, got[call])
+
+    assert isinstance(engine._rpc("megarl_counts", {}, 60.0), dict)  # the sampler's own next call is accepted
+    model, tok = hf  # the module's server still runs the model's own weights here (`served`)
+    for c in engine.generate(_requests(tok, ["a-k="], 2, tag="after-intruder")):
+        tempered, _ = _hf_logprobs(model, c.prompt_ids, c.token_ids, TEMPERATURE)
+        assert (torch.tensor(c.logprobs) - tempered).abs().max() < 1e-4  # the zeroed norm was never loaded
 
 
 def _perturbed(model, scale=0.5, seed=1):
