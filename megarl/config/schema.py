@@ -114,6 +114,7 @@ class SGLangConfig:
     server_args: list[str] = field(default_factory=list)  # extra launch flags, e.g. ["--mem-fraction-static", "0.8"]
     tp: int = 1  # GPUs per server (SGLang --tp-size); the server's TP workers all join the weight-update group
     gpus_per_node: int = 8  # where sampler servers may go: the GPUs of a node after its learner ranks
+    port: int = 0  # HTTP port of sampler 0's server (sampler i uses port + i); 0 = a free port each
     startup_timeout_s: float = 900.0  # server start until /health answers
     request_timeout_s: float = 600.0  # every HTTP call; a /generate stream fails after this long without data
     # After an update: "keep" SGLang's prefix cache, or "flush" it (POST /flush_cache; SGLang flushes only
