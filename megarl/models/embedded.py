@@ -24,8 +24,8 @@ import torch
 
 from megarl.filelock import exclusive
 from megarl.models.tiny import (
-    BUILD_RECORD, EOS_ID, PAD_ID, VOCAB_SIZE, WarmStartRecipe, build_config, build_tokenizer, expected_accuracy,
-    generate, generate_tokens, greedy_answer_accuracy, length_stats, warm_start)
+    BUILD_RECORD, EOS_ID, PAD_ID, VOCAB_SIZE, WarmStartRecipe, build_config, build_qwen3_config, build_tokenizer,
+    expected_accuracy, generate, generate_tokens, greedy_answer_accuracy, length_stats, warm_start)
 from megarl.rollout.tasks import ArithmeticTask, CountTask, ToolArithmeticTask
 
 @dataclass(frozen=True)
@@ -39,14 +39,16 @@ class EmbeddedSpec:
     config: tuple = ()
     # The Mixtral-style mixture-of-experts variant (megarl/models/tiny_moe.py) instead of the dense Qwen2.
     moe: bool = False
+    # The dense family when not moe: "qwen2" (build_config) or "qwen3" (build_qwen3_config: the same sizes).
+    family: str = "qwen2"
 
     def model_config(self):
-        """The HF config this spec builds (the MoE one from tiny_moe, else build_config)."""
+        """The HF config this spec builds (the MoE one from tiny_moe, else build_config or build_qwen3_config)."""
         if self.moe:
             from megarl.models.tiny_moe import build_moe_config
 
             return build_moe_config(VOCAB_SIZE, EOS_ID, PAD_ID, **dict(self.config))
-        return build_config(**dict(self.config))
+        return (build_qwen3_config if self.family == "qwen3" else build_config)(**dict(self.config))
 
 
 # vLLM's CPU attention needs head_dim >= 32; the default config has 64 / 4 = 16. These variants have
@@ -81,6 +83,9 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-qwen2-count-wide": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                           max_new_tokens=COUNT_MAX_NEW_TOKENS, config=WIDE),
     "tiny-qwen2-arith": EmbeddedSpec(task=ArithmeticTask(), recipe=WarmStartRecipe()),
+    # The demo task on a dense Qwen3 of the demo's sizes (docs/models.md): `model.path=embedded:tiny-qwen3-count`.
+    "tiny-qwen3-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
+                                     max_new_tokens=COUNT_MAX_NEW_TOKENS, family="qwen3"),
     # The mixture-of-experts demo's model (configs/moe.yaml, docs/moe.md): a tiny Mixtral, same task and recipe.
     "tiny-mixtral-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                        max_new_tokens=COUNT_MAX_NEW_TOKENS, moe=True),
@@ -150,7 +155,7 @@ def spec_hash(spec: EmbeddedSpec, cache_dir: Path) -> str:
 
 def build_embedded_model(name: str, out_dir: str | Path) -> dict:
     """Create, warm-start, evaluate and save the named model into out_dir; returns the build record."""
-    from transformers import GenerationConfig, MixtralForCausalLM, Qwen2ForCausalLM
+    from transformers import GenerationConfig, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
     spec = EMBEDDED_MODELS[name]
     out_dir = Path(out_dir)
@@ -166,7 +171,8 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.recipe.seed)
-            model = (MixtralForCausalLM if spec.moe else Qwen2ForCausalLM)(spec.model_config())
+            model = (MixtralForCausalLM if spec.moe else Qwen3ForCausalLM if spec.family == "qwen3"
+                     else Qwen2ForCausalLM)(spec.model_config())
             warm_start(model, tokenizer, spec.task, spec.recipe)
         train_s = time.perf_counter() - t0
         if isinstance(spec.task, CountTask):

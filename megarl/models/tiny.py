@@ -103,6 +103,20 @@ def build_config(**overrides):
     return Qwen2Config(**kwargs)
 
 
+def build_qwen3_config(**overrides):
+    """The tiny config as a dense Qwen3 (no q/k/v bias, per-head q/k RMSNorm; head_dim given, as Qwen3's config
+    needs it): the same sizes as build_config's."""
+    from transformers import Qwen3Config
+
+    qwen2 = build_config(**overrides).to_dict()
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "max_window_layers", "rms_norm_eps", "tie_word_embeddings",
+            "bos_token_id", "eos_token_id", "pad_token_id")
+    kwargs = {k: qwen2[k] for k in keys}
+    return Qwen3Config(**kwargs, head_dim=kwargs["hidden_size"] // kwargs["num_attention_heads"],
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="float32")
+
+
 # ---------------------------------------------------------------------------------------------
 # Supervised warm start
 # ---------------------------------------------------------------------------------------------
