@@ -277,3 +277,12 @@ def test_the_directory_hash_is_remembered_so_a_rank_resolving_it_needs_no_transf
     assert embedded.spec_hash(spec, tmp_path) == want and run() == [want, "False"]
     other = embedded.EmbeddedSpec(ArithmeticTask(max_operand=4), tiny.WarmStartRecipe(clean_steps=3, noisy_steps=3))
     assert embedded.spec_hash(other, tmp_path) == embedded._spec_hash(other) != want
+
+
+def test_the_qwen3_demo_model_is_a_dense_qwen3_of_the_demo_s_sizes():
+    qwen2 = embedded.EMBEDDED_MODELS["tiny-qwen2-count"].model_config()
+    qwen3 = embedded.EMBEDDED_MODELS["tiny-qwen3-count"].model_config()
+    assert qwen3.model_type == "qwen3" and qwen3.head_dim == qwen2.hidden_size // qwen2.num_attention_heads
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "tie_word_embeddings", "eos_token_id"):
+        assert getattr(qwen3, key) == getattr(qwen2, key), key
