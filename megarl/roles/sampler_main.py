@@ -43,9 +43,9 @@ from megarl.distributed.lifetime import SIGNAL_KEY, exit_status, seconds_since_s
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.secret import run_secret
-from megarl.distributed.wire import sample_problem
 from megarl.distributed.ranks import Topology
 from megarl.distributed.topology import engine_tp_group, publish_groups, publish_stage_store
+from megarl.distributed.wire import sample_problem
 from megarl.eval.sampler_side import VersionEvaluator
 from megarl.eval.sets import due_versions, heldout_fraction
 from megarl.models import tp_shard
