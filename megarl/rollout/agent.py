@@ -180,7 +180,7 @@ class AgentRunner:
                                 code="session_not_found")
         messages = check_request(body)
         if not session.lock.acquire(blocking=False):
-            raise EndpointError(HTTPStatus.CONFLICT, "this session already has a request in progress: an episode's "
+            raise EndpointError(HTTPStatus.CONFLICT, "the episode's session already has a request in progress: an episode's "
                                                      "turns come one after another", code="concurrent_request")
         try:
             return self._turn(session, messages, body)
@@ -203,7 +203,7 @@ class AgentRunner:
         episode = session.episode
         if episode.turns >= self.limits.max_turns:
             self._no_room(session, f"{episode.turns} model turns")
-        # Rendered and tokenised holding only this session's lock (other sessions and the loop go on), and
+        # Rendered and tokenised holding only the episode's own session lock (other sessions and the loop go on), and
         # refused before tokenising when the text's size proves it cannot fit.
         try:
             if episode.chat is None:

@@ -140,7 +140,7 @@ class ChatTranscript:
         recorded = self.messages
         if len(given) < len(recorded) or not all(_same(a, b) for a, b in zip(given, recorded)):
             first = next((i for i, (a, b) in enumerate(zip(given, recorded)) if not _same(a, b)), len(given))
-            raise ChatFormatError(f"message {first} differs from this session's history (or the history is shorter: "
+            raise ChatFormatError(f"message {first} differs from the episode's history (or the history is shorter: "
                                   f"{len(given)} messages given, {len(recorded)} recorded); a session's requests must "
                                   f"resend its history unchanged, model replies included, and add messages after it")
         return given[len(recorded):]
