@@ -78,7 +78,7 @@ def _meta_parameters():
 
     def on_meta(module, name, param):
         register(module, name, param)
-        if param is not None:
+        if param is not None and not param.is_meta:  # (a meta one is a tie to a parameter moved already)
             module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
     torch.nn.Module.register_parameter = on_meta
