@@ -172,7 +172,7 @@ def test_sliding_window_layers_see_only_their_window(tmp_path):
         head_dim=8, vocab_size=64, max_position_embeddings=64, sliding_window=4, initializer_range=0.1,
         layer_types=["sliding_attention", "full_attention"])).save_pretrained(tmp_path / "gemma")
     cfg, weights = hf_model.load_pretrained(str(tmp_path / "gemma"))
-    engine = BuiltinEngine(cfg, weights, max_running=2, max_seq_len=32)
+    engine = BuiltinEngine(cfg, weights, max_running=2, max_seq_len=32, model_impl="hf")
     requests = [GenerationRequest(str(i), [t % 64 for t in p] * 2, SamplingParams(temperature=1.0, max_new_tokens=6),
                                   ()) for i, p in enumerate(_prompts(3, seed=7))]
     reference = _hf(tmp_path / "gemma")
