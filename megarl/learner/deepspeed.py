@@ -15,6 +15,9 @@ the per-expert names save_pretrained writes (megarl.models.moe.per_expert_tensor
 ``algo.routing_replay=r3`` forces the sampler's recorded routes at every router in every forward of the step,
 the extra log-prob passes included (megarl.learner.hf_routing_replay).
 
+A model type outside megarl.models.families (the generic path, docs/models.md#the-generic-path) trains as
+transformers holds it: published and exported under its named_parameters' names, with no route replay and no LoRA.
+
 ``learner.lora.rank > 0`` trains a LoRA adapter through peft on the frozen base (megarl.learner.hf_lora): only the
 adapter has gradients and Adam state, a version publishes only the adapter (under the names the megatron learner
 publishes, which the built-in engine's AdapterStager merges into its own copy of the base), the KL reference is the

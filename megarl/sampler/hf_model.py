@@ -218,6 +218,7 @@ class WeightArena:
 
     def __init__(self, spec: ModelSpec, dtypes: dict[str, torch.dtype], device="cpu"):
         self.spec = spec
+        _buffers_to(spec.model, torch.device(device))  # (the skeleton's buffers, where its weights will be)
         self.views = {name: torch.empty(shape, dtype=dtypes[name], device=device)
                       for name, shape in spec.weight_shapes().items()}
 
@@ -227,6 +228,14 @@ class WeightArena:
 
     def finalize(self) -> "RuntimeWeights":
         return RuntimeWeights(params=dict(self.views), arena=self)
+
+
+def _buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """Move the skeleton's buffers (not its meta parameters, which have no data) to `device`."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 class RuntimeWeights:
