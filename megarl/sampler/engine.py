@@ -1,7 +1,9 @@
 """The built-in torch sampler engine: continuous batching, per-token behaviour log-probs, in-flight swaps.
 
 This module owns scheduling and sampling; the model math and KV-cache layout live in
-`megarl.sampler.model`.  `BuiltinEngine` implements the `Engine` protocol (megarl/protocols.py).
+`megarl.sampler.model` (the native forward of the families of docs/models.md) or, for any other transformers
+causal LM, `megarl.sampler.hf_model` (transformers' own modules over a per-slot KV cache, with the same interface;
+`hf_model.choose` picks one, `model_impl` forces it).  `BuiltinEngine` implements the `Engine` protocol (megarl/protocols.py).
 
 How a step runs (`step()`):
   1. staged weights, if any, become the current weights (a dict-reference swap at the step boundary;
@@ -157,7 +159,7 @@ class Progress:
 
 
 class BuiltinEngine:
-    """Continuous-batching torch engine over HF-named Qwen2/Llama weights (see module docstring).
+    """Continuous-batching torch engine over HF-named weights (see module docstring).
 
     With `tp_group` of size t, `weights` are this rank's slices (`tp_shard.shard_state_dict(full, t,
     rank)`, shapes of `ModelSpec.shard(t)`); `from_pretrained` cuts them from an HF directory."""
