@@ -28,20 +28,23 @@ def _hf(model_dir, weights=None):
     return model
 
 
-def _learner(model_dir):
+def _learner(model_dir, zero_stage):
     from megarl.learner.deepspeed import DeepSpeedLearner
 
-    cfg = LearnerConfig(backend="deepspeed", micro_batch_size=16, lr=1e-2, deepspeed=DeepSpeedConfig(zero_stage=2))
+    cfg = LearnerConfig(backend="deepspeed", micro_batch_size=16, lr=1e-2,
+                        deepspeed=DeepSpeedConfig(zero_stage=zero_stage))
     return DeepSpeedLearner(model_dir, cfg, LossConfig())
 
 
-def test_a_model_type_outside_the_families_trains_publishes_exports_and_resumes(granite, world, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_a_model_type_outside_the_families_trains_publishes_exports_and_resumes(granite, world, tmp_path,  # noqa: F811
+                                                                                zero_stage):
     from megarl.checkpoint import learner_state
     from megarl.checkpoint.export import export_hf
     from megarl.sampler.engine import BuiltinEngine
     from megarl.sampler.hf_model import load_pretrained
 
-    learner = _learner(granite)
+    learner = _learner(granite, zero_stage)
     assert learner.generic and not learner.is_moe
     hf = _hf(granite)
     batch = _batch(hf, seed=5)
@@ -75,7 +78,7 @@ def test_a_model_type_outside_the_families_trains_publishes_exports_and_resumes(
     learner.train_step(second)
     after = {name: t.clone() for name, t in learner.publish_tensors()}
     del learner
-    resumed = _learner(granite)
+    resumed = _learner(granite, zero_stage)
     learner_state.load(resumed, root)
     assert resumed.version == 1
     assert all(torch.equal(t, published[n]) for n, t in resumed.publish_tensors())
@@ -100,3 +103,11 @@ def test_check_model_dir_takes_the_generic_path_on_deepspeed_only(granite, overr
     with pytest.raises(ValueError, match=refusal):
         check_model_dir(granite, _cfg(*overrides))
     check_model_dir(granite, _cfg("learner.backend=deepspeed"))  # accepted
+
+
+def test_sampler_model_impl_is_one_of_auto_native_hf():
+    from megarl.config.load import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^sampler\.model_impl:"):
+        _cfg("sampler.model_impl=paged")
+    assert _cfg("sampler.model_impl=hf").sampler.model_impl == "hf"

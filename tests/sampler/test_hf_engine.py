@@ -105,8 +105,8 @@ def _keep_reference(path, v1, v2, prefix: list[int]) -> torch.Tensor:
     old, new = _hf(path, v1), _hf(path, v2)
     with torch.no_grad():
         cache = DynamicCache(config=old.config)
-        old(torch.tensor([prefix[:-1]]), past_key_values=cache, use_cache=True)
-        logits = new(torch.tensor([prefix[-1:]]), past_key_values=cache, use_cache=True).logits
+        old(torch.tensor([prefix[:-1]]), cache=cache, use_cache=True)
+        logits = new(torch.tensor([prefix[-1:]]), cache=cache, use_cache=True).logits
     return torch.log_softmax(logits[0, -1].float(), -1)
 
 
