@@ -181,6 +181,34 @@ def test_sliding_window_layers_see_only_their_window(tmp_path):
         assert max(abs(c.logprobs[i] - lp[n - 1 + i, t].item()) for i, t in enumerate(c.token_ids)) <= TOL
 
 
+# An architecture the native forward lacks: multi-latent attention, whose cache holds one latent "head" of other
+# widths than the query's, shared experts and a first dense layer (DeepSeek-V3).
+ARCHITECTURES = {
+    "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1),
+}
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_architectures_the_native_forward_lacks_run_as_transformers_runs_them(tmp_path, model_type):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{
+        **dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               vocab_size=64, max_position_embeddings=64, initializer_range=0.1, pad_token_id=0),
+        **ARCHITECTURES[model_type]})).save_pretrained(tmp_path / model_type)
+    cfg, weights = hf_model.load_pretrained(str(tmp_path / model_type))
+    engine = BuiltinEngine(cfg, weights, max_running=2, max_seq_len=40, model_impl="hf")
+    requests = [GenerationRequest(str(i), [(7 * i + j) % 64 for j in range(5 + 6 * i)],
+                                  SamplingParams(temperature=1.0, max_new_tokens=8), ()) for i in range(3)]
+    reference = _hf(tmp_path / model_type)
+    for c in engine.generate(requests):
+        lp, n = _logprobs(reference, c.prompt_ids + c.token_ids), len(c.prompt_ids)
+        assert max(abs(c.logprobs[i] - lp[n - 1 + i, t].item()) for i, t in enumerate(c.token_ids)) <= TOL
+
+
 def test_what_the_generic_model_cannot_run_is_refused_naming_the_key(granite):
     path, cfg, weights = granite
     with pytest.raises(ValueError, match=r"sampler\.tp=2"):
