@@ -33,6 +33,10 @@ JSON with the tail of its log, and the rest still run:
                     one-GPU run uses, vs one raw broadcast of the same bytes, vs a device-to-device copy
   stale_mask        e2e_train with algo.stale=mask_tokens (groups sent as they finish, max_lag 1): no group dropped
                     as stale, the share of tokens given no policy gradient instead (megarl/rollout/batch.py)
+  generic_path      the built-in engine's generic model (megarl/sampler/hf_model.py: transformers' own modules
+                    and a per-slot KV cache, docs/models.md#the-generic-path) on a Granite of learner_step's
+                    shape (a type megarl has no family for; bf16): generated tokens/s against the native engine
+                    on the Qwen2 model of engine_vs_hf, and its behaviour log-probs against an fp32 HF forward
   critic_step       the learner step of learner_step with the critic of algo.advantage.estimator=gae
                     (megarl.learner.critic: a replicated fp32 value model, V-trace targets): step time and the
                     critic's metrics, against learner_step's time
@@ -565,6 +569,64 @@ def check_logprob_parity(args, size: Size) -> dict:
     return out
 
 
+def check_generic_path(args, size: Size) -> dict:
+    """The generic engine (docs/models.md#the-generic-path) on the device: a Granite (embedding, residual, attention
+    and logits multipliers) of the check's shape with random weights, bf16 on the GPU: tokens/s of a batch against the
+    native engine on the Qwen2 of the same shape, and the max / mean |behaviour log-prob - fp32 HF forward|."""
+    import torch
+    from transformers import AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM
+
+    from megarl.protocols import GenerationRequest, SamplingParams
+    from megarl.sampler import hf_model
+    from megarl.sampler.engine import BuiltinEngine
+
+    device = device_of(args)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    granite_dir = Path(args.workdir) / "granite"
+    if not (granite_dir / "config.json").exists():
+        torch.manual_seed(0)
+        model = GraniteForCausalLM(GraniteConfig(**size.model, embedding_multiplier=4.0, residual_multiplier=0.5,
+                                                 attention_multiplier=0.2, logits_scaling=2.0))
+        model.to(dtype).save_pretrained(granite_dir)
+        del model
+    qwen_dir = build_model(Path(args.workdir) / "model", size, args.device)
+    batch, new = size.gen_batches[-1], size.gen_tokens
+    prompts = random_prompts(batch, size.model["vocab_size"], seed=3)
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new)
+    result, done = {}, None
+    for name, model_dir in (("generic", granite_dir), ("native", qwen_dir)):
+        engine = BuiltinEngine.from_pretrained(str(model_dir), max_running=batch, device=device,
+                                               max_seq_len=max(map(len, prompts)) + new)
+        result[f"{name}_impl"] = engine._impl.__name__
+        requests = [GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)]
+        engine.generate(requests[:2])  # warm-up
+        sync()
+        start = time.perf_counter()
+        completions = engine.generate(requests)
+        sync()
+        result[f"{name}_tok_s"] = round(sum(len(c.token_ids) for c in completions) / (time.perf_counter() - start))
+        done = completions if name == "generic" else done
+        del engine
+    if result["generic_impl"] != hf_model.__name__:
+        raise RuntimeError(f"the Granite ran on {result['generic_impl']}, not the generic model: {result}")
+    result["generic_over_native"] = round(result["generic_tok_s"] / result["native_tok_s"], 3)
+    hf = AutoModelForCausalLM.from_pretrained(str(granite_dir), dtype=torch.float32).to(device).eval()
+    gaps = []
+    with torch.no_grad():
+        for c in done[:8]:
+            seq = torch.tensor([c.prompt_ids + c.token_ids], device=device)
+            lp = torch.log_softmax(hf(seq).logits[0].float(), -1)
+            n = len(c.prompt_ids)
+            ref = lp[n - 1:n - 1 + len(c.token_ids)].gather(-1, seq[0, n:, None])[:, 0].cpu()
+            gaps.append((torch.tensor(c.logprobs) - ref).abs())
+    gap = torch.cat(gaps)
+    if not torch.isfinite(gap).all():
+        raise RuntimeError(f"non-finite behaviour log-probs: {result}")
+    return {**result, "batch": batch, "new_tokens": new, "dtype": str(dtype),
+            "engine_vs_hf_fp32": {"max_abs": round(float(gap.max()), 4), "mean_abs": round(float(gap.mean()), 5)},
+            "peak_gpu_gib": peak_gib()}
+
+
 def check_moe_replay(args, size: Size) -> dict:
     """Router agreement and log-prob gap between the built-in engine (bf16 weights on the GPU, recording routes)
     and the megatron learner on a random Mixtral-style model, with routing replay off and r3
@@ -843,7 +905,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           # last: the newest, so a budget that runs short skips them rather than an older check
           "lora": (check_lora, 120), "critic_step": (check_critic_step, 120), "packing": (check_packing, 120),
           "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120),
-          "entropy_metric": (check_entropy_metric, 120)}
+          "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU
 

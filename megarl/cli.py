@@ -295,11 +295,13 @@ def critic_fits(cfg, model_dir) -> bool:
 
 def check_model_dir(model_dir, cfg=None) -> None:
     """ValueError naming the file and what is missing or unsupported, for what the workers would load
-    (and, given the run config, split over its learner.tp/pp and sampler.tp: megarl/models/layout.py)."""
+    (and, given the run config, split over its learner.tp/pp and sampler.tp: megarl/models/layout.py).
+    A config megarl's own mappings refuse runs on the generic path under learner.backend=deepspeed
+    (check_generic_model); every other backend refuses it, naming docs/models.md and that path."""
     from pathlib import Path
 
     from megarl.models.convert import check_supported, has_weights
-    from megarl.models.families import MODEL_TYPES
+    from megarl.models.families import MODEL_TYPES, generic_path_hint
     from megarl.models.layout import check_layout
 
     model_dir = Path(model_dir)
@@ -308,12 +310,20 @@ def check_model_dir(model_dir, cfg=None) -> None:
         hf_config = json.loads(config.read_text())
     except ValueError as exc:
         raise ValueError(f"{config} is not valid JSON: {exc}") from exc
+    generic = False
     try:
         check_supported(hf_config)
     except ValueError as exc:
-        raise ValueError(f"{config}: {exc} (megarl trains the model families of docs/models.md: model_type "
-                         f"{', '.join(MODEL_TYPES)})") from exc
-    if cfg is not None:
+        if cfg is None or cfg.learner.backend != "deepspeed":
+            raise ValueError(f"{config}: {exc} (megarl maps the model families of docs/models.md: model_type "
+                             f"{', '.join(MODEL_TYPES)}; {generic_path_hint()})") from exc
+        generic = True
+    if generic:
+        try:
+            check_generic_model(hf_config, cfg)
+        except ValueError as exc:
+            raise ValueError(f"{config}: {exc}") from exc
+    elif cfg is not None:
         try:
             check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep,
                          cfg.algo.routing_replay)
@@ -328,11 +338,11 @@ def check_model_dir(model_dir, cfg=None) -> None:
             check_lora(hf_config, cfg.learner.lora)  # target modules the model has, ranks its dimensions allow
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
-        if cfg.sampler.engine == "builtin":
-            try:
-                check_kv_cache(hf_config, cfg.sampler.max_running, cfg.sampler.max_seq_len, _memory_bytes())
-            except ValueError as exc:
-                raise ValueError(f"{config}: {exc}") from exc
+    if cfg is not None and cfg.sampler.engine == "builtin":
+        try:
+            check_kv_cache(hf_config, cfg.sampler.max_running, cfg.sampler.max_seq_len, _memory_bytes())
+        except ValueError as exc:
+            raise ValueError(f"{config}: {exc}") from exc
     if not has_weights(model_dir):
         raise ValueError(f"model directory {str(model_dir)!r} has no weights (model.safetensors or "
                          f"model.safetensors.index.json)")
@@ -341,6 +351,32 @@ def check_model_dir(model_dir, cfg=None) -> None:
         raise ValueError(f"model directory {str(model_dir)!r} has no tokenizer files (one of: "
                          f"{'; '.join(' + '.join(files) for files in TOKENIZER_FILES)})")
     check_tokenizer(model_dir, present[0], hf_config.get("vocab_size"))
+
+
+def check_generic_model(hf_config: dict, cfg) -> None:
+    """The generic path (docs/models.md#the-generic-path, learner.backend=deepspeed): a model type transformers
+    loads as a causal LM, and none of what that path does not do (LoRA, R3 route replay, a tensor-parallel or
+    native built-in engine); ValueError naming the key."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = hf_config.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"model_type {model_type!r} is not a causal LM transformers can load (AutoModelForCausalLM), "
+                         f"so neither megarl's families (docs/models.md) nor its generic path take it")
+    where = f"model_type {model_type!r} runs on the generic path (docs/models.md#the-generic-path)"
+    if cfg.learner.lora.rank > 0:
+        raise ValueError(f"learner.lora.rank={cfg.learner.lora.rank}: {where}, which trains every weight; LoRA "
+                         f"needs a family of docs/models.md (learner.lora.rank=0)")
+    if cfg.algo.routing_replay == "r3":
+        raise ValueError(f"algo.routing_replay=r3: {where}, which records no routes; R3 needs a mixture-of-experts "
+                         f"family of docs/models.md (algo.routing_replay=off)")
+    if cfg.sampler.engine == "builtin":
+        if cfg.sampler.model_impl == "native":
+            raise ValueError(f"sampler.model_impl=native: {where}; the built-in engine runs it with "
+                             f"sampler.model_impl=auto or hf")
+        from megarl.sampler.hf_model import ModelSpec
+
+        ModelSpec.from_hf_config(hf_config).shard(cfg.sampler.tp)  # what the engine cannot run, named
 
 
 def check_kv_cache(hf_config: dict, max_running: int, max_seq_len: int, memory: int) -> None:

@@ -154,3 +154,23 @@ def fp32_logprob_tol(config: dict, max_logprob: float, max_seq_len: int = 256) -
 # |log-prob| <= 8 on the learner tests' tiny models (random weights, vocabularies of 64-264: log 264 = 5.6 plus
 # the logits' spread).
 LEARNER_TOL = fp32_logprob_tol(LEARNER_TINY, max_logprob=8.0, max_seq_len=64)
+
+
+def save_tiny_granite(path: Path, vocab_size: int = 264, tokenizer: bool = True, seed: int = 0) -> Path:
+    """A real HF Granite directory (a model type megarl has no family row for: the generic path), of the learner
+    tests' size, with the embedded tokenizer: GQA, untied lm_head, and Granite's four multipliers (embedding,
+    residual, attention, logits) away from 1, so an engine that ran a Llama-like forward instead would show.
+    initializer_range 0.1, as tests/sampler's tiny models: next-token distributions with clear winners."""
+    import torch
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(seed)
+    model = GraniteForCausalLM(GraniteConfig(**{**LEARNER_TINY, "vocab_size": vocab_size}, initializer_range=0.1,
+                                             tie_word_embeddings=False, embedding_multiplier=4.0,
+                                             residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0))
+    model.save_pretrained(path)
+    if tokenizer:
+        from megarl.models.tiny import build_tokenizer
+
+        build_tokenizer().save_pretrained(path)
+    return path

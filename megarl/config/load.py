@@ -175,6 +175,8 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     if cfg.sampler.engine == "vllm":
         _validate_vllm(cfg)
     _require(cfg.sampler.kv_on_update in ("keep", "recompute"), "sampler.kv_on_update", "must be 'keep' or 'recompute'")
+    _require(cfg.sampler.model_impl in ("auto", "native", "hf"), "sampler.model_impl",
+             "must be 'auto', 'native' or 'hf' (docs/models.md#the-generic-path)")
     _require(cfg.algo.mode in ("pipeline", "sync"), "algo.mode", f"must be 'pipeline' or 'sync', got {cfg.algo.mode!r}")
     _require(cfg.algo.queue_order in send_order.ORDERS, "algo.queue_order",
              f"must be one of {', '.join(send_order.ORDERS)}; got {cfg.algo.queue_order!r}")

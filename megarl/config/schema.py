@@ -163,6 +163,9 @@ class SamplerConfig:
     # "keep" the KV cache on an in-flight weight swap, or "recompute" it (sglang: pause mode in_place / retract;
     # vllm: /pause clear_cache=false / true)
     kv_on_update: str = "keep"
+    # Built-in engine's model: "auto" (the native forward of a family of docs/models.md, transformers' own
+    # modules for any other causal LM), "native" or "hf" (the generic one: docs/models.md#the-generic-path)
+    model_impl: str = "auto"
     threads: int = 1  # torch intra-op threads per sampler process
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)

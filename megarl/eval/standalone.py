@@ -26,7 +26,7 @@ def evaluate_model(cfg, model_dir: str | Path, version: int = 0) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     sets = build_sets(cfg)
     base = BuiltinEngine.from_pretrained(str(model_dir), max_running=1, max_seq_len=cfg.sampler.max_seq_len,
-                                         version=version)
+                                         version=version, model_impl=cfg.sampler.model_impl)
     shares = [run_share(base.pinned(max_running=eval_batch(cfg), seed=eval_seed(cfg.eval.seed, share)), tokenizer,
                         sets, cfg, share, cfg.sampler.num_engines) for share in range(cfg.sampler.num_engines)]
     return {"model": str(model_dir), "version": version,

@@ -15,6 +15,9 @@ the per-expert names save_pretrained writes (megarl.models.moe.per_expert_tensor
 ``algo.routing_replay=r3`` forces the sampler's recorded routes at every router in every forward of the step,
 the extra log-prob passes included (megarl.learner.hf_routing_replay).
 
+A model type outside megarl.models.families (the generic path, docs/models.md#the-generic-path) trains as
+transformers holds it: published and exported under its named_parameters' names, with no route replay and no LoRA.
+
 ``learner.lora.rank > 0`` trains a LoRA adapter through peft on the frozen base (megarl.learner.hf_lora): only the
 adapter has gradients and Adam state, a version publishes only the adapter (under the names the megatron learner
 publishes, which the built-in engine's AdapterStager merges into its own copy of the base), the KL reference is the
@@ -46,6 +49,7 @@ from megarl.learner import hf_lora, packing, step
 from megarl.learner.hf_routing_replay import HFRouteReplayer
 from megarl.learner.lr_schedule import lr_at
 from megarl.models import lora, moe
+from megarl.models.families import generic_path_hint, is_native
 from megarl.protocols import TrainBatch
 
 CHECKPOINT_TAG = "deepspeed"  # the sub-directory DeepSpeed's save_checkpoint writes in a megarl step dir
@@ -157,9 +161,15 @@ class DeepSpeedLearner:
         self.zero_stage = cfg.deepspeed.zero_stage
         with open(os.path.join(model_dir, "config.json")) as f:
             self.hf_config = json.load(f)
-        self.is_moe = moe.is_moe(self.hf_config)
+        # A model type outside megarl's families trains as transformers loads it (the generic path,
+        # docs/models.md#the-generic-path): every parameter under its in-memory name, no route replay.
+        self.generic = not is_native(self.hf_config)
+        self.is_moe = not self.generic and moe.is_moe(self.hf_config)
         if self.is_moe:
             moe.check_moe(self.hf_config)
+        elif routing_replay == "r3" and self.generic:
+            raise ValueError(f"algo.routing_replay=r3: model_type {self.hf_config.get('model_type')!r} runs on the "
+                             f"generic path, which records no routes ({generic_path_hint()})")
         elif routing_replay == "r3":
             raise ValueError(f"algo.routing_replay=r3 needs a mixture-of-experts model; "
                              f"{self.hf_config.get('model_type')!r} is dense")
@@ -359,7 +369,7 @@ class DeepSpeedLearner:
         `publish_buckets`' flat buffers (contiguous, one bucket's worth per gather). An MoE model's fused
         experts are yielded as views per expert and projection under save_pretrained's names."""
         for name, tensor in self._in_memory_tensors():
-            yield from moe.per_expert_tensors(self.hf_config, name, tensor)
+            yield from _hf_tensors(self.hf_config, name, tensor)
 
     def _published_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(published name, parameter) of what a version carries: every HF parameter, or under learner.lora the
@@ -391,7 +401,7 @@ class DeepSpeedLearner:
         """What publish_tensors yields (TP = 1: shards are the same); ZeRO-3 parameters' full shapes."""
         return [(hf_name, tuple(t.shape), torch.float32)
                 for name, p in self._published_parameters()
-                for hf_name, t in moe.per_expert_tensors(self.hf_config, name, torch.empty(
+                for hf_name, t in _hf_tensors(self.hf_config, name, torch.empty(
                     tuple(getattr(p, "ds_shape", p.shape)), device="meta"))]
 
     def publish_buckets(self, named: list[tuple[str, torch.nn.Parameter]] | None = None
@@ -453,13 +463,22 @@ def checkpoint_hf_tensors(checkpoint: Path, hf_config: dict, lora_layout: dict |
         yield from _hf_named(state, hf_config)
 
 
+def _hf_tensors(hf_config: dict, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of one in-memory parameter: a family's fused experts split into save_pretrained's
+    per-expert names (megarl.models.moe); on the generic path the parameter as transformers holds it."""
+    if is_native(hf_config):
+        yield from moe.per_expert_tensors(hf_config, name, tensor)
+    else:
+        yield name, tensor
+
+
 def _hf_named(state: dict, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's HF-keyed (lazy) tensors as save_pretrained writes them: a tied lm_head dropped, an MoE
     model's fused experts (one tensor per layer in memory) as per-expert ones."""
     tied = hf_config.get("tie_word_embeddings", False)
     for name, lazy in state.items():
         if not (tied and name == "lm_head.weight"):
-            for hf_name, tensor in moe.per_expert_tensors(hf_config, name, lazy.contiguous()):
+            for hf_name, tensor in _hf_tensors(hf_config, name, lazy.contiguous()):
                 yield hf_name, tensor.contiguous()
 
 

@@ -36,3 +36,15 @@ def family_of(cfg: dict) -> Family:
     if model_type not in FAMILIES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {MODEL_TYPES}")
     return FAMILIES[model_type]
+
+
+def is_native(cfg: dict) -> bool:
+    """Whether the config's model_type is a row above (megarl maps it itself); any other transformers causal LM
+    takes the generic path (docs/models.md#the-generic-path)."""
+    return cfg.get("model_type") in FAMILIES
+
+
+def generic_path_hint() -> str:
+    """What every refusal of a model type adds: where the families are listed and the path that takes the rest."""
+    return ("the families megarl maps are listed in docs/models.md; any other transformers causal LM trains on the "
+            "generic path: learner.backend=deepspeed (docs/models.md#the-generic-path)")

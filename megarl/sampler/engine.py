@@ -1,7 +1,9 @@
 """The built-in torch sampler engine: continuous batching, per-token behaviour log-probs, in-flight swaps.
 
 This module owns scheduling and sampling; the model math and KV-cache layout live in
-`megarl.sampler.model`.  `BuiltinEngine` implements the `Engine` protocol (megarl/protocols.py).
+`megarl.sampler.model` (the native forward of the families of docs/models.md) or, for any other transformers
+causal LM, `megarl.sampler.hf_model` (transformers' own modules over a per-slot KV cache, with the same interface;
+`hf_model.choose` picks one, `model_impl` forces it).  `BuiltinEngine` implements the `Engine` protocol (megarl/protocols.py).
 
 How a step runs (`step()`):
   1. staged weights, if any, become the current weights (a dict-reference swap at the step boundary;
@@ -51,15 +53,8 @@ import torch
 
 from megarl.models import moe, tp_shard
 from megarl.protocols import Completion, GenerationRequest
-from megarl.sampler.model import (
-    KVCache,
-    ModelSpec,
-    RuntimeWeights,
-    WeightArena,
-    forward,
-    load_pretrained,
-    forward_tables,
-)
+from megarl.sampler import hf_model
+from megarl.sampler.model import RuntimeWeights, WeightArena
 
 KV_POLICIES = ("keep", "recompute")
 # Staged versions held at once: under tensor parallelism a rank's receiver can stage v+1 before the
@@ -164,7 +159,7 @@ class Progress:
 
 
 class BuiltinEngine:
-    """Continuous-batching torch engine over HF-named Qwen2/Llama weights (see module docstring).
+    """Continuous-batching torch engine over HF-named weights (see module docstring).
 
     With `tp_group` of size t, `weights` are this rank's slices (`tp_shard.shard_state_dict(full, t,
     rank)`, shapes of `ModelSpec.shard(t)`); `from_pretrained` cuts them from an HF directory."""
@@ -181,6 +176,7 @@ class BuiltinEngine:
         version: int = 0,
         device="cpu",
         tp_group=None,
+        model_impl: str = "auto",
     ):
         if kv_on_update not in KV_POLICIES:
             raise ValueError(f"kv_on_update={kv_on_update!r} must be one of {KV_POLICIES}")
@@ -188,7 +184,10 @@ class BuiltinEngine:
             raise ValueError(f"max_running={max_running} must be >= 1 and max_seq_len={max_seq_len} >= 2")
         self.tp_size = 1 if tp_group is None else tp_group.size()
         self.tp_group = tp_group if self.tp_size > 1 else None  # a group of one: the plain forward
-        self.spec = ModelSpec.from_hf_config(hf_config).shard(self.tp_size)  # this rank's heads and MLP width
+        # The model's forward and KV cache: the native one of a family of docs/models.md, or transformers' own
+        # modules for any other causal LM (megarl.sampler.hf_model.choose; sampler.model_impl forces one).
+        self._impl = hf_model.choose(hf_config, model_impl)
+        self.spec = self._impl.ModelSpec.from_hf_config(hf_config).shard(self.tp_size)  # this rank's heads and MLP width
         self.device = torch.device(device)
         self.kv_on_update = kv_on_update
 
@@ -206,8 +205,8 @@ class BuiltinEngine:
         """The per-engine state around the weights: KV cache, slots, queue, generator, staging, counters."""
         self.max_running = max_running
         self.max_seq_len = max_seq_len
-        self._cache = KVCache(self.spec, max_running, max_seq_len, self._weights.dtype, self.device)
-        self._tables = forward_tables(self.spec, max_seq_len, self._weights.dtype, self.device)
+        self._cache = self._impl.KVCache(self.spec, max_running, max_seq_len, self._weights.dtype, self.device)
+        self._tables = self._impl.forward_tables(self.spec, max_seq_len, self._weights.dtype, self.device)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
 
@@ -258,15 +257,20 @@ class BuiltinEngine:
                        "requests_cancelled": 0, "swaps": 0, "swap_time_s": 0.0, "decode_time_s": 0.0}
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, tp_group=None, **kw) -> "BuiltinEngine":
+    def from_pretrained(cls, model_dir: str, tp_group=None, model_impl: str = "auto", **kw) -> "BuiltinEngine":
         """Load config.json + model.safetensors from an HF model directory (with `tp_group`: this
         rank's slices of it)."""
-        cfg, weights = load_pretrained(model_dir)
+        import json
+        import os
+
+        with open(os.path.join(model_dir, "config.json")) as f:
+            impl = hf_model.choose(json.load(f), model_impl)
+        cfg, weights = impl.load_pretrained(model_dir)
         if tp_group is not None and tp_group.size() > 1:
-            ModelSpec.from_hf_config(cfg).shard(tp_group.size())  # a clear error before cutting anything
+            impl.ModelSpec.from_hf_config(cfg).shard(tp_group.size())  # a clear error before cutting anything
             # Views of the whole tensors: the engine copies its slices into its own arena.
             weights = tp_shard.shard_state_dict(weights, tp_group.size(), tp_group.rank())
-        return cls(cfg, weights, tp_group=tp_group, **kw)
+        return cls(cfg, weights, tp_group=tp_group, model_impl=model_impl, **kw)
 
     def reseed(self, seed: int) -> None:
         """Restart the sampling generator from `seed` (every TP rank of an engine would have to do it alike: the
@@ -289,6 +293,7 @@ class BuiltinEngine:
             self._weights.arena = None
         twin = object.__new__(BuiltinEngine)
         twin.tp_size, twin.tp_group, twin.spec, twin.device = 1, None, self.spec, self.device
+        twin._impl = self._impl
         twin.kv_on_update = self.kv_on_update
         twin._weights, twin._hf_meta, twin._version = self._weights, self._hf_meta, self._version
         twin._init_state(max_running, self.max_seq_len, seed)
@@ -396,7 +401,7 @@ class BuiltinEngine:
             self._lock.notify_all()
 
     def _new_arena(self) -> WeightArena:
-        return WeightArena(self.spec, {name: dtype for name, (_, dtype) in self._hf_meta.items()}, self.device)
+        return self._impl.WeightArena(self.spec, {name: dtype for name, (_, dtype) in self._hf_meta.items()}, self.device)
 
     def _check_newer(self, version: int) -> None:
         newest = max([self._version, *self._staged])
@@ -538,7 +543,7 @@ class BuiltinEngine:
         # Only the K/V writes matter; one logit row per sequence is the cheapest thing to ask for.
         # (seq_len >= prompt_len + 1 >= 2 for a running sequence, so the index is valid.)
         last_cached = self._slot["pos"][:n] - 1
-        forward(self.spec, self._weights, self._tables, self._cache, ids, positions,
+        self._impl.forward(self.spec, self._weights, self._tables, self._cache, ids, positions,
                 attn_len=span, logit_index=last_cached, tp_group=self.tp_group, routes=self._routes(slice(0, n), span))
 
     def _routes(self, rows: slice, width: int) -> torch.Tensor | None:
@@ -586,7 +591,7 @@ class BuiltinEngine:
         self._refresh_running_flags()
         n_computed = len(computed)
         positions = torch.arange(width, device=self.device).expand(n_computed, width)
-        logits = forward(self.spec, self._weights, self._tables, self._cache, ids[:n_computed], positions,
+        logits = self._impl.forward(self.spec, self._weights, self._tables, self._cache, ids[:n_computed], positions,
                          slot_start=start, attn_len=width, logit_index=prompt_lens[:n_computed] - 1,
                          tp_group=self.tp_group, routes=self._routes(slice(start, start + n_computed), width))
         if copies:
@@ -624,7 +629,7 @@ class BuiltinEngine:
         pos = s["pos"][:n]
         ids = s["tokens"][:n].gather(1, pos[:, None])
         step_routes = self._decode_routes[:n] if self.spec.is_moe else None
-        logits = forward(self.spec, self._weights, self._tables, self._cache, ids, pos[:, None],
+        logits = self._impl.forward(self.spec, self._weights, self._tables, self._cache, ids, pos[:, None],
                          attn_len=self._max_len, tp_group=self.tp_group, routes=step_routes)
         if step_routes is not None:  # the input token's routes, at its position
             s["routes"][self._slot_index[:n], pos] = step_routes[:, 0]

@@ -1,0 +1,113 @@
+"""The generic path's learner: DeepSpeedLearner on a model type megarl has no family for (a tiny Granite), one gloo
+rank in this process, against transformers: log-probs, a step, a publish into the built-in engine's generic model
+(bitwise), checkpoint -> export -> from_pretrained (equal logits) and resume (bitwise); the megatron backend and
+what the generic path does not do are refused before launch, naming docs/models.md and the path."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megarl.algo.config import LossConfig
+from megarl.config.schema import DeepSpeedConfig, LearnerConfig
+from tests.helpers import LEARNER_TOL, REPO, save_tiny_granite
+from tests.learner.test_deepspeed_moe import world  # noqa: F401 - the one-rank gloo group with LOCAL_RANK
+from tests.learner.test_megatron_learner import _batch, _hf_logprobs
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory):
+    return str(save_tiny_granite(tmp_path_factory.mktemp("generic") / "granite"))
+
+
+def _hf(model_dir, weights=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if weights is not None:
+        model.load_state_dict(weights, strict=True)
+    return model
+
+
+def _learner(model_dir, zero_stage):
+    from megarl.learner.deepspeed import DeepSpeedLearner
+
+    cfg = LearnerConfig(backend="deepspeed", micro_batch_size=16, lr=1e-2,
+                        deepspeed=DeepSpeedConfig(zero_stage=zero_stage))
+    return DeepSpeedLearner(model_dir, cfg, LossConfig())
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_a_model_type_outside_the_families_trains_publishes_exports_and_resumes(granite, world, tmp_path,  # noqa: F811
+                                                                                zero_stage):
+    from megarl.checkpoint import learner_state
+    from megarl.checkpoint.export import export_hf
+    from megarl.sampler.engine import BuiltinEngine
+    from megarl.sampler.hf_model import load_pretrained
+
+    learner = _learner(granite, zero_stage)
+    assert learner.generic and not learner.is_moe
+    hf = _hf(granite)
+    batch = _batch(hf, seed=5)
+    with torch.no_grad():
+        assert (learner.logprobs(batch.input_ids) - _hf_logprobs(hf, batch.input_ids)).abs().max() <= LEARNER_TOL
+    cfg, initial = load_pretrained(granite)
+    metrics = learner.train_step(batch)
+    assert learner.version == 1 and metrics["skipped_nonfinite"] == 0.0
+    published = {name: t.clone() for name, t in learner.publish_tensors()}
+    assert learner.publish_spec() == [(n, tuple(t.shape), t.dtype) for n, t in published.items()]
+    assert set(published) == set(initial) and any(not torch.equal(published[n], initial[n]) for n in initial)
+
+    # The engine's generic model runs the published tensors bitwise (received into its staging buffers).
+    engine = BuiltinEngine(cfg, initial)
+    views = engine.staging_buffers(1)
+    for name, tensor in published.items():
+        views[name].copy_(tensor)
+    engine.stage_weights(views, 1)
+    engine.apply_staged()
+    assert all(torch.equal(engine._weights.params[n], t) for n, t in published.items())
+
+    # Checkpoint -> export -> from_pretrained: the logits of the learner's weights, bitwise.
+    root = tmp_path / "ckpt"
+    learner_state.save(learner, root, step=1, keep=2, model_dir=granite)
+    exported = _hf(str(export_hf(root, tmp_path / "export")))
+    with torch.no_grad():
+        assert torch.equal(exported(batch.input_ids).logits, _hf(granite, published)(batch.input_ids).logits)
+
+    # Resume: the same weights, and the same second step as the learner that never stopped.
+    second = replace(_batch(hf, seed=6), learner_version=1)
+    learner.train_step(second)
+    after = {name: t.clone() for name, t in learner.publish_tensors()}
+    del learner
+    resumed = _learner(granite, zero_stage)
+    learner_state.load(resumed, root)
+    assert resumed.version == 1
+    assert all(torch.equal(t, published[n]) for n, t in resumed.publish_tensors())
+    resumed.train_step(second)
+    assert all(torch.equal(t, after[n]) for n, t in resumed.publish_tensors())
+
+
+def _cfg(*overrides):
+    from megarl.config.load import load_config
+
+    return load_config(REPO / "configs" / "demo.yaml", list(overrides))
+
+
+@pytest.mark.parametrize("overrides, refusal", [
+    ([], r"model_type 'granite'.*docs/models\.md.*generic path: learner\.backend=deepspeed"),
+    (["learner.backend=deepspeed", "learner.lora.rank=8"], r"learner\.lora\.rank=8: .*generic path"),
+    (["learner.backend=deepspeed", "sampler.model_impl=native"], r"sampler\.model_impl=native"),
+])
+def test_check_model_dir_takes_the_generic_path_on_deepspeed_only(granite, overrides, refusal):
+    from megarl.cli import check_model_dir
+
+    with pytest.raises(ValueError, match=refusal):
+        check_model_dir(granite, _cfg(*overrides))
+    check_model_dir(granite, _cfg("learner.backend=deepspeed"))  # accepted
+
+
+def test_sampler_model_impl_is_one_of_auto_native_hf():
+    from megarl.config.load import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^sampler\.model_impl:"):
+        _cfg("sampler.model_impl=paged")
+    assert _cfg("sampler.model_impl=hf").sampler.model_impl == "hf"
