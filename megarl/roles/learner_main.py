@@ -294,7 +294,9 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     sglang = cfg.sampler.engine == "sglang"  # then weights go to the samplers' servers, not to sampler ranks
     # One broadcast group per pipeline stage (per stage and TP rank shard to shard, per stage and sender
     # with publish.senders > 1); this rank is in the group it is the source of, if any.
-    groups = {} if sglang else publish_groups(topo, store, cfg.dist.backend, cfg.publish.timeout_s)
+    # Created under dist.timeout_s (every rank reaches this at its own pace in start-up); each broadcast on them is
+    # bounded by publish.timeout_s itself (megarl.distributed.publish).
+    groups = {} if sglang else publish_groups(topo, store, cfg.dist.backend, cfg.dist.timeout_s)
     shards = topo.shard_to_shard  # else whole tensors (at sampler.tp > 1 each engine TP rank keeps its slices)
     publisher = None
     if groups:

@@ -508,7 +508,7 @@ def run_sampler(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     # start-up (before its model build), so it does not wait here for this rank's engine, and each side then
     # builds what it runs at the same time (SGLang's server receives the weights itself: no groups).
     groups = None if cfg.sampler.engine == "sglang" else publish_groups(topo, store, cfg.dist.backend,
-                                                                      cfg.publish.timeout_s)
+                                                                      cfg.dist.timeout_s)
     startup.mark("publish groups")
     if topo.engine_tp_rank == 0:
         SamplerLoop(cfg, topo, store, model_dir, tp_group, groups).run()

@@ -149,7 +149,7 @@ def test_cli_refuses_bad_config_before_starting_any_process():
 def test_worker_refuses_a_launch_whose_world_does_not_match_the_topology():
     from tests.helpers import run_torchrun
 
-    proc = run_torchrun("megarl.roles.worker", 1, str(DEMO), module=True, timeout=60)
+    proc = run_torchrun("megarl.roles.worker", 1, str(DEMO), module=True, timeout=120)
     assert proc.returncode != 0
     assert "needs 2 processes" in proc.stderr and "WORLD_SIZE=1" in proc.stderr
 
