@@ -18,6 +18,12 @@ environment tokens (version -1, not trained). Generation runs on the sampler loo
 other request (the HTTP thread hands it over and waits), so in-flight updates, versions and behaviour
 log-probs are those of every other rollout. The episode ends when the function returns.
 
+OpenAI tool calling: a request's `tools` are rendered by the model's chat template (fixed for the session), and
+its reply is parsed by the template family's parser (megarl/rollout/tool_calls.py, task.tool_parser) into
+`tool_calls`; the trained tokens are the sampled ones whatever the parse. A reply whose call does not parse is
+returned as content and counted (`tool_call_parse_failures`). `stream=true` answers with the same reply as
+server-sent events.
+
 Limits answer the agent with an error and end the episode as truncated (reward 0, finish_reason
 "length"): task.max_turns, task.max_episode_tokens, the context. Messages that do not fit are refused
 before they join the episode -- by their byte length where that proves it, without tokenising -- so an
