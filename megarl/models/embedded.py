@@ -98,7 +98,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
                                          max_new_tokens=16, config=(("max_position_embeddings", 256),) + HEAD_DIM_32),
     # The tool model for agents using OpenAI tool calling (`tools=`, docs/multiturn.md; configs/multiturn_tools.yaml).
     "tiny-qwen2-toolcall": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
-                                        max_new_tokens=72, config=(("max_position_embeddings", 512),), chat="tool_calls"),
+                                        max_new_tokens=96, config=(("max_position_embeddings", 512),), chat="tool_calls"),
     "tiny-qwen2-arith-think": EmbeddedSpec(task=ArithmeticTask(think_mean=10.0),
                                            recipe=WarmStartRecipe(short_steps=400, noisy_steps=120),
                                            max_new_tokens=THINK_MAX_NEW_TOKENS),

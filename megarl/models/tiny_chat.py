@@ -49,8 +49,8 @@ CHAT_TEMPLATE = (
     "{{ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 # Model-turn budget to run the tool model with: a call ">>> 99*99" or a product, and <|im_end|>.
 TOOL_MAX_NEW_TOKENS = 16
-# The tool-calling model ("tiny-qwen2-toolcall"): a <tool_call> JSON block of ~60 bytes, one token each.
-TOOL_CALLS_MAX_NEW_TOKENS = 72
+# The tool-calling model ("tiny-qwen2-toolcall"): a <tool_call> JSON block of 75 bytes (one token each) and <|im_end|>.
+TOOL_CALLS_MAX_NEW_TOKENS = 96
 EVAL_PROMPTS = 100
 
 

@@ -29,11 +29,11 @@ def run(base_url: str, prompt: str, answer: str, meta: dict, stream: bool = Fals
     messages = [{"role": "user", "content": prompt}]
     for _ in range(MAX_TURNS):
         if stream:  # the SDK's streaming helper assembles the chunks into the same message
-            with client.chat.completions.stream(model="megarl", messages=messages, tools=TOOLS, max_tokens=72) as s:
+            with client.chat.completions.stream(model="megarl", messages=messages, tools=TOOLS, max_tokens=96) as s:
                 message = s.get_final_completion().choices[0].message
         else:
             message = client.chat.completions.create(model="megarl", messages=messages, tools=TOOLS,
-                                                     max_tokens=72).choices[0].message
+                                                     max_tokens=96).choices[0].message
         messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
         if not message.tool_calls:  # an answer
             return 1.0 if (message.content or "").strip() == answer else 0.0
