@@ -83,6 +83,15 @@ def embedded_tool_model_dir(embedded_cache_dir) -> Path:
     return ensure_embedded_model("tiny-qwen2-tool", cache_dir=embedded_cache_dir)
 
 
+@pytest.fixture(scope="session")
+def embedded_toolcall_model_dir(embedded_cache_dir) -> Path:
+    """The tool model for OpenAI tool calling (`tiny-qwen2-toolcall`: the python tool in a tools block, the call as
+    a <tool_call> JSON block), built on first request (kept: see embedded_cache_dir; ~9 min of CPU on one core)."""
+    from megarl.models.embedded import ensure_embedded_model
+
+    return ensure_embedded_model("tiny-qwen2-toolcall", cache_dir=embedded_cache_dir)
+
+
 # The files whose tests run whole training jobs, launches or benchmarks (minutes each on 2 cores), longest first.
 # The README's `-n 2 --dist loadfile` hands files to the two workers in collection order: collected first, these
 # fill both workers from the start, and the many short files even out the end instead of one worker finishing a

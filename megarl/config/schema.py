@@ -94,6 +94,10 @@ class TaskConfig:
     # The largest request body the agent endpoint reads (bytes; larger: 413, nothing of it parsed).
     # 0 = max(1 MiB, 32 bytes x sampler.max_seq_len): a request resends the whole history as JSON.
     agent_max_request_bytes: int = 0
+    # How the endpoint reads tool calls from replies to requests with `tools` (megarl/rollout/tool_calls.py):
+    # auto (by the chat template: <tool_call> -> hermes, <|channel|> -> harmony, <|python_tag|> -> llama3),
+    # hermes, llama3, harmony, or none (tools refused).
+    tool_parser: str = "auto"
 
 
 @dataclass

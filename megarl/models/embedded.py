@@ -41,6 +41,8 @@ class EmbeddedSpec:
     moe: bool = False
     # The dense family when not moe: "qwen2" (build_config) or "qwen3" (build_qwen3_config: the same sizes).
     family: str = "qwen2"
+    # The tool model's protocol (tiny_chat.py): "text" (`>>> code` turns) or "tool_calls" (OpenAI tool calling).
+    chat: str = "text"
 
     def model_config(self):
         """The HF config this spec builds (the MoE one from tiny_moe, else build_config or build_qwen3_config)."""
@@ -94,6 +96,9 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
                                     max_new_tokens=16, config=(("max_position_embeddings", 256),)),
     "tiny-qwen2-tool-hd32": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
                                          max_new_tokens=16, config=(("max_position_embeddings", 256),) + HEAD_DIM_32),
+    # The tool model for agents using OpenAI tool calling (`tools=`, docs/multiturn.md; configs/multiturn_tools.yaml).
+    "tiny-qwen2-toolcall": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
+                                        max_new_tokens=96, config=(("max_position_embeddings", 512),), chat="tool_calls"),
     "tiny-qwen2-arith-think": EmbeddedSpec(task=ArithmeticTask(think_mean=10.0),
                                            recipe=WarmStartRecipe(short_steps=400, noisy_steps=120),
                                            max_new_tokens=THINK_MAX_NEW_TOKENS),
@@ -109,7 +114,8 @@ def _spec_hash(spec: EmbeddedSpec) -> str:
     config = spec.model_config().to_dict()  # (transformers' config: its defaults shape the model too)
     blob = json.dumps({"task": asdict(spec.task), "recipe": asdict(spec.recipe), "config": config,
                        "max_new_tokens": spec.max_new_tokens,
-                       "transformers_major": transformers.__version__.split(".")[0]}, sort_keys=True, default=str)
+                       "transformers_major": transformers.__version__.split(".")[0],
+                       **({"chat": spec.chat} if spec.chat != "text" else {})}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 

@@ -185,7 +185,7 @@ class SamplerLoop:
             self.episodes = AgentRunner(tc.agent, self.tokenizer, self.engine.add_request, self.sampling, limits,
                                         stop_token_ids=(self.tokenizer.eos_token_id,), workers=tc.env_workers,
                                         timeout_s=tc.agent_timeout_s, model_name=Path(model_dir).name,
-                                        max_request_bytes=tc.agent_max_request_bytes)
+                                        max_request_bytes=tc.agent_max_request_bytes, tool_parser=tc.tool_parser)
         elif is_multi_turn(self.task):
             self.episodes = EpisodeRunner(self.task, self.tokenizer, self.engine.add_request, self.sampling, limits,
                                           stop_token_ids=(self.tokenizer.eos_token_id,), workers=tc.env_workers)
@@ -498,6 +498,7 @@ class SamplerLoop:
                 "dropped_samples": self.dropped_samples.count, "failed_groups": self.failed_groups,
                 "env_failures": self.episodes.env_failures if self.episodes else 0,
                 "over_context": self.episodes.over_context if self.episodes else 0,
+                "tool_call_parse_failures": getattr(self.episodes, "tool_call_parse_failures", 0),
                 "env_s": self.episodes.env_s if self.episodes else 0.0}
 
 

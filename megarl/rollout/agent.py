@@ -18,6 +18,12 @@ environment tokens (version -1, not trained). Generation runs on the sampler loo
 other request (the HTTP thread hands it over and waits), so in-flight updates, versions and behaviour
 log-probs are those of every other rollout. The episode ends when the function returns.
 
+OpenAI tool calling: a request's `tools` are rendered by the model's chat template (fixed for the session), and
+its reply is parsed by the template family's parser (megarl/rollout/tool_calls.py, task.tool_parser) into
+`tool_calls`; the trained tokens are the sampled ones whatever the parse. A reply whose call does not parse is
+returned as content and counted (`tool_call_parse_failures`). `stream=true` answers with the same reply as
+server-sent events.
+
 Limits answer the agent with an error and end the episode as truncated (reward 0, finish_reason
 "length"): task.max_turns, task.max_episode_tokens, the context. Messages that do not fit are refused
 before they join the episode -- by their byte length where that proves it, without tokenising -- so an
@@ -42,9 +48,11 @@ from typing import Callable, NoReturn
 
 from megarl.protocols import Completion, GenerationRequest, Prompt, SamplingParams
 from megarl.observe.ratelimit import RateLimitedLine
-from megarl.rollout.agent_endpoint import (ChatCompletionsEndpoint, EndpointError, check_request,
-                                           completion_response, max_request_bytes_for, new_session_token)
+from megarl.rollout.agent_endpoint import (ChatCompletionsEndpoint, ChatRequest, EndpointError, EventStream,
+                                           check_request, completion_response, max_request_bytes_for,
+                                           new_session_token, stream_chunks)
 from megarl.rollout.chat import ChatFormatError, ChatTranscript, OverContextError
+from megarl.rollout.tool_calls import ToolMessageError, check_history, parser_for
 from megarl.rollout.episode import Episode, EpisodeLimits, environment_room, turn_room
 from megarl.rollout.rewards import bad_reward_value
 from megarl.rollout.sandbox import load_function
@@ -63,8 +71,10 @@ class AgentRunner:
 
     def __init__(self, agent: str, tokenizer, submit: Callable[[GenerationRequest], None], sampling: SamplingParams,
                  limits: EpisodeLimits, stop_token_ids: tuple[int, ...], workers: int, timeout_s: float,
-                 model_name: str, max_request_bytes: int = 0, port: int = 0):
+                 model_name: str, max_request_bytes: int = 0, port: int = 0, tool_parser: str = "auto"):
         self.agent_path, self.agent = agent, load_function(agent)
+        # How replies become tool_calls when a request has `tools` (megarl/rollout/tool_calls.py; task.tool_parser).
+        self.tool_parser, self.parse = parser_for(tokenizer, tool_parser)
         self.tokenizer, self.submit, self.sampling = tokenizer, submit, sampling
         self.limits, self.stop_token_ids, self.timeout_s = limits, stop_token_ids, timeout_s
         self.model_name = model_name
@@ -77,6 +87,7 @@ class AgentRunner:
         self.env_failures = 0
         self.env_s = 0.0  # wall time of finished agent calls, summed
         self.over_context_line = RateLimitedLine()  # requests refused for the context: counted and printed
+        self.unparsed_line = RateLimitedLine()  # replies with a tool-call marker that did not parse: sent as content
         self.ready = threading.Event()  # a request arrived or an agent returned: poll() has work
         self._lock = threading.Lock()
         self.endpoint = ChatCompletionsEndpoint(self._handle, self._is_open, model_name,
@@ -86,6 +97,10 @@ class AgentRunner:
     @property
     def over_context(self) -> int:
         return self.over_context_line.count
+
+    @property
+    def tool_call_parse_failures(self) -> int:
+        return self.unparsed_line.count
 
     # ---- sampler loop thread -------------------------------------------------------------------------
     def opening(self, prompt: Prompt) -> None:
@@ -173,19 +188,29 @@ class AgentRunner:
         session = self.sessions.get(token)
         return session is not None and not session.closed
 
-    def _handle(self, token: str, body: dict) -> dict:
+    def _handle(self, token: str, body: dict) -> dict | EventStream:
         session = self.sessions.get(token)
         if session is None or session.closed:
             raise EndpointError(HTTPStatus.NOT_FOUND, "no open session at this URL (its episode ended)",
                                 code="session_not_found")
-        messages = check_request(body)
+        request = check_request(body)
+        if request.tools is not None and self.parse is None:
+            raise EndpointError(HTTPStatus.BAD_REQUEST, "tools are not supported with this model: its chat template "
+                                "renders no tools in a format megarl parses (<tool_call> JSON, Llama 3 JSON, harmony); "
+                                "set task.tool_parser=hermes|llama3|harmony if it uses one of them",
+                                code="unsupported_parameter")
+        try:
+            check_history(request.messages)
+        except ToolMessageError as exc:
+            raise EndpointError(HTTPStatus.BAD_REQUEST, str(exc), code="invalid_messages") from None
         if not session.lock.acquire(blocking=False):
             raise EndpointError(HTTPStatus.CONFLICT, "the episode's session already has a request in progress: an episode's "
                                                      "turns come one after another", code="concurrent_request")
         try:
-            return self._turn(session, messages, body)
+            response = self._turn(session, request, body)
         finally:
             session.lock.release()
+        return EventStream(stream_chunks(response, request.include_usage)) if request.stream else response
 
     def _open(self, session: _Session) -> None:
         """Called holding self._lock before changing the episode: a session the loop has ended stays as it was."""
@@ -199,8 +224,8 @@ class AgentRunner:
                             f"{self.limits.max_episode_tokens}, context {self.limits.max_seq_len} tokens); "
                             f"it ends truncated", code="context_length_exceeded")
 
-    def _turn(self, session: _Session, messages: list, body: dict) -> dict:
-        episode = session.episode
+    def _turn(self, session: _Session, request: ChatRequest, body: dict) -> dict:
+        episode, messages = session.episode, request.messages
         if episode.turns >= self.limits.max_turns:
             self._no_room(session, f"{episode.turns} model turns")
         # Rendered and tokenised holding only the episode's own session lock (other sessions and the loop go on), and
@@ -208,8 +233,13 @@ class AgentRunner:
         try:
             if episode.chat is None:
                 room = environment_room(episode, self.limits)
-                opening, addition = ChatTranscript(self.tokenizer, messages, max_ids=room), None
+                opening = ChatTranscript(self.tokenizer, messages, max_ids=room, tools=request.tools)
+                addition = None
             else:
+                if (request.tools or None) != episode.chat.tools:  # the tools render before the first message
+                    raise EndpointError(HTTPStatus.BAD_REQUEST, "tools differ from the session's first request: "
+                                        "an episode's tools are fixed (they are rendered at its start)",
+                                        code="invalid_tools")
                 new = episode.chat.extend_to(messages)
                 if not new:
                     raise EndpointError(HTTPStatus.BAD_REQUEST, "no message after the session's history: add "
@@ -235,10 +265,10 @@ class AgentRunner:
             raise EndpointError(HTTPStatus.BAD_REQUEST, f"max_tokens must be a positive integer, got {asked!r}")
         sampling = replace(self.sampling, max_new_tokens=min(asked, self.sampling.max_new_tokens, room))
         prompt_tokens = len(episode.chat.ids)
-        request = GenerationRequest(f"{episode.key}/{episode.turns}", list(episode.chat.ids), sampling,
-                                    stop_token_ids=self.stop_token_ids)
+        generation = GenerationRequest(f"{episode.key}/{episode.turns}", list(episode.chat.ids), sampling,
+                                       stop_token_ids=self.stop_token_ids)
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.inbox.put((request, future))
+        self.inbox.put((generation, future))
         self.ready.set()
         try:
             completion = future.result(timeout=self.timeout_s)
@@ -249,8 +279,16 @@ class AgentRunner:
             raise EndpointError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), kind="server_error") from exc
         with self._lock:
             self._open(session)
-            episode.add_model_turn(completion, self.stop_token_ids)
+            episode.add_model_turn(completion, self.stop_token_ids, self.parse if request.parse_calls else None)
+        if episode.chat.unparsed is not None:
+            self.unparsed_line(f"agent endpoint: a reply's tool call did not parse ({episode.chat.unparsed}); it is "
+                               f"returned as content ({self.tool_parser} parser)")
         if completion.finish_reason != "stop":
             session.truncated = True  # cut at its token limit: the episode cannot go on in order
-        return completion_response(episode.key, episode.turns, self.model_name, episode.chat.messages[-1]["content"],
-                                   completion.finish_reason, prompt_tokens, len(completion.token_ids))
+        logprobs = None
+        if request.logprobs:
+            logprobs = [{"token": (text := self.tokenizer.decode([tid], skip_special_tokens=False)), "logprob": lp,
+                         "bytes": list(text.encode()), "top_logprobs": []}
+                        for tid, lp in zip(completion.token_ids, completion.logprobs)]
+        return completion_response(episode.key, episode.turns, self.model_name, episode.chat.messages[-1],
+                                   completion.finish_reason, prompt_tokens, len(completion.token_ids), logprobs)

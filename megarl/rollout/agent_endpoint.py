@@ -11,13 +11,14 @@ because every client takes a base URL and agents already pass it through unchang
 
 This module owns the HTTP side only -- reading and checking a request, OpenAI's response and error
 shapes, one console line per dropped connection -- and hands every request of an open session to
-`handle(token, body) -> response dict`, which raises `EndpointError` for an error response. What it
+`handle(token, body) -> response dict` (or an `EventStream`: a `stream=true` reply as server-sent events), which
+raises `EndpointError` for an error response. What it
 refuses before anything else runs: a body without a valid Content-Length (411, 400), over
 `max_request_bytes` (413: nothing of it is parsed), a body that does not arrive within the read
 timeout (408), invalid or deeply nested JSON, a huge integer literal or a lone surrogate (400), an
 unknown session (404, for `/models` too).
 Unsupported parameters are refused rather than ignored where ignoring them would change what the agent
-gets (`stream`, `n` > 1, `tools`); sampling parameters (temperature, top_p) are the run's, since the
+gets (`n` > 1, a forced `tool_choice`, `response_format` other than text, `top_logprobs`); sampling parameters (temperature, top_p) are the run's, since the
 behaviour log-probs the learner corrects for must be the run's policy's.
 """
 from __future__ import annotations
@@ -30,11 +31,13 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 from megarl.observe.ratelimit import RateLimitedLine
+from megarl.rollout.tool_calls import ToolCall, ToolMessageError, check_tools
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ class _Server(ThreadingHTTPServer):
 
 
 class ChatCompletionsEndpoint:
-    def __init__(self, handle: Callable[[str, dict], dict], is_open: Callable[[str], bool], model_name: str,
+    def __init__(self, handle: Callable[[str, dict], dict | EventStream], is_open: Callable[[str], bool], model_name: str,
                  max_request_bytes: int, port: int = 0, read_timeout_s: float = READ_TIMEOUT_S):
         self.handle, self.is_open, self.model_name = handle, is_open, model_name
         self.max_request_bytes, self.read_timeout_s = max_request_bytes, read_timeout_s
@@ -124,7 +127,7 @@ class ChatCompletionsEndpoint:
             def do_POST(self):
                 self._answer(self._chat_completion)
 
-            def _answer(self, respond: Callable[[], dict]) -> None:
+            def _answer(self, respond: Callable[[], dict | EventStream]) -> None:
                 self.body_pending = True  # unread (a refused request's body is drained after the answer)
                 try:
                     status, payload = HTTPStatus.OK, respond()
@@ -163,7 +166,7 @@ class ChatCompletionsEndpoint:
                 return {"object": "list", "data": [
                     {"id": endpoint.model_name, "object": "model", "created": 0, "owned_by": "megarl"}]}
 
-            def _chat_completion(self) -> dict:
+            def _chat_completion(self) -> dict | EventStream:
                 token = self._session("chat/completions")
                 return endpoint.handle(token, parse_json_object(self._read_body()))
 
@@ -216,10 +219,13 @@ class ChatCompletionsEndpoint:
                 except OSError:
                     pass  # the client went away: nothing left to drain
 
-            def _send(self, status, payload: dict):
-                data = json.dumps(payload).encode()
+            def _send(self, status, payload: dict | EventStream):
+                stream = isinstance(payload, EventStream)
+                data = payload.encode() if stream else json.dumps(payload).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
+                if stream:
+                    self.send_header("Cache-Control", "no-cache")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -297,31 +303,101 @@ def json_depth(value) -> int:
     return depth
 
 
-def check_request(body: dict) -> list:
-    """The request's messages after refusing what megarl does not serve; EndpointError otherwise."""
-    if body.get("stream"):
-        raise EndpointError(HTTPStatus.BAD_REQUEST, "stream=true is not supported: megarl answers each turn whole",
-                            code="unsupported_parameter")
+@dataclass(frozen=True)
+class ChatRequest:
+    """What megarl reads of a chat-completions body (check_request)."""
+    messages: list
+    tools: list | None = None  # OpenAI function tools: rendered by the chat template, replies parsed for calls
+    parse_calls: bool = False  # tools given and tool_choice is not "none"
+    stream: bool = False  # answer as server-sent events
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    logprobs: bool = False  # return each sampled token's behaviour log-prob
+
+
+def check_request(body: dict) -> ChatRequest:
+    """The request as megarl serves it, after refusing what it does not; EndpointError otherwise."""
+    def unsupported(message: str):
+        return EndpointError(HTTPStatus.BAD_REQUEST, message, code="unsupported_parameter")
+
     if body.get("n", 1) != 1:
-        raise EndpointError(HTTPStatus.BAD_REQUEST, "n must be 1: one session is one episode (a group's episodes "
-                                                    "are separate sessions)", code="unsupported_parameter")
-    if body.get("tools") or body.get("functions"):
-        raise EndpointError(HTTPStatus.BAD_REQUEST, "tools/functions are not supported: the model writes its tool "
-                            "calls as text and the agent parses them", code="unsupported_parameter")
+        raise unsupported("n must be 1: a session is one episode, and n samples of one turn would branch it into n "
+                          "episodes sharing a history; run n sessions (algo.group_size episodes of a prompt already "
+                          "are separate sessions)")
+    if body.get("functions") or body.get("function_call"):
+        raise unsupported("functions/function_call (OpenAI's deprecated form) are not supported: use tools")
+    if body.get("top_logprobs"):
+        raise unsupported("top_logprobs is not supported: logprobs=true returns each sampled token's log-prob")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise unsupported("response_format must be text: constrained decoding would change the sampled policy "
+                          "whose log-probs are trained")
+    tools, choice = body.get("tools") or None, body.get("tool_choice", "auto")
+    if tools is not None:
+        try:
+            check_tools(tools)
+        except ToolMessageError as exc:
+            raise EndpointError(HTTPStatus.BAD_REQUEST, str(exc), code="invalid_tools") from None
+    if choice not in ("auto", "none", None):
+        raise unsupported(f"tool_choice must be auto or none, got {json.dumps(choice)[:80]}: forcing a call would "
+                          f"need constrained decoding, which changes the sampled policy whose log-probs are trained")
+    stream = body.get("stream") or False
+    options = body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise EndpointError(HTTPStatus.BAD_REQUEST, "stream must be a boolean and stream_options an object",
+                            code="invalid_request")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise EndpointError(HTTPStatus.BAD_REQUEST, "messages must be a non-empty list", code="invalid_messages")
-    return messages
+    return ChatRequest(messages, tools, tools is not None and choice != "none", stream,
+                       bool(options.get("include_usage")), body.get("logprobs") is True)
 
 
-def completion_response(episode_key: str, turn: int, model: str, content: str, finish_reason: str,
-                        prompt_tokens: int, completion_tokens: int) -> dict:
-    """OpenAI's chat.completion object for one model turn."""
+def completion_response(episode_key: str, turn: int, model: str, message: dict, finish_reason: str,
+                        prompt_tokens: int, completion_tokens: int, logprobs: list[dict] | None = None) -> dict:
+    """OpenAI's chat.completion object for one model turn (`message`: the transcript's assistant message)."""
+    out = {"role": "assistant", "content": message["content"]}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [ToolCall(c["function"]["name"], c["function"]["arguments"]).openai(c["id"])
+                             for c in message["tool_calls"]]
+        out["content"] = message["content"] or None
+    reason = "length" if finish_reason == "length" else "tool_calls" if out.get("tool_calls") else "stop"
     return {
         "id": f"chatcmpl-{episode_key.replace('/', '.')}-{turn}", "object": "chat.completion", "created": 0,
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                     "finish_reason": "length" if finish_reason == "length" else "stop", "logprobs": None}],
+        "choices": [{"index": 0, "message": out, "finish_reason": reason,
+                     "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None}}],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
+
+
+def stream_chunks(response: dict, include_usage: bool) -> list[dict]:
+    """A chat.completion as the chat.completion.chunk objects of a stream: the content (with its log-probs), the
+    tool calls, the finish reason, and with include_usage a last chunk holding only the usage. The turn is whole
+    before its first chunk is sent (the engine's tokens arrive as one Completion)."""
+    [choice] = response["choices"]
+    message = choice["message"]
+
+    def chunk(delta: dict, finish_reason=None, logprobs=None, choices=True) -> dict:
+        body = {key: response[key] for key in ("id", "created", "model")}
+        body["object"] = "chat.completion.chunk"
+        body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}] \
+            if choices else []
+        return body
+
+    chunks = [chunk({"role": "assistant", "content": message["content"] or ""}, logprobs=choice["logprobs"])]
+    if message.get("tool_calls"):
+        chunks.append(chunk({"tool_calls": [dict(call, index=i) for i, call in enumerate(message["tool_calls"])]}))
+    chunks.append(chunk({}, choice["finish_reason"]))
+    if include_usage:
+        chunks.append(dict(chunk({}, choices=False), usage=response["usage"]))
+    return chunks
+
+
+@dataclass(frozen=True)
+class EventStream:
+    """A reply sent as server-sent events (`data: <json>` lines, then `data: [DONE]`)."""
+    chunks: list[dict]
+
+    def encode(self) -> bytes:
+        return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in self.chunks) + b"data: [DONE]\n\n"

@@ -16,6 +16,11 @@ longer extends the produced text; the added part is then what the template rende
 model turn's message (from the end of the rendered history), so the model's tokens still stand
 as produced and the new message still reads as the template writes it.
 
+Tool calling (megarl/rollout/tool_calls.py): a transcript opened with `tools` renders them through the template
+on every render; an assistant message may carry `tool_calls` (arguments as objects, as templates read them) and
+a tool message a `tool_call_id`. A model turn added with a `parse` function is parsed from its sampled text into
+`tool_calls` of its message; its ids stay as sampled whatever the template makes of the parsed calls.
+
 Without a chat template (a base model) a conversation is plain text: the first user message is
 the prompt and every later message's content is appended as is.
 
@@ -30,6 +35,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
+
+from megarl.rollout.tool_calls import ParsedReply, ToolCallParseError, ToolMessageError, message_tool_calls
 
 
 class ChatFormatError(ValueError):
@@ -68,12 +76,14 @@ def has_chat_template(tokenizer) -> bool:
 class ChatTranscript:
     """One conversation: `messages` and `ids` (prompt + model + added tokens, exactly as the engine saw them)."""
 
-    def __init__(self, tokenizer, messages: list[dict], max_ids: int | None = None):
+    def __init__(self, tokenizer, messages: list[dict], max_ids: int | None = None, tools: list[dict] | None = None):
         if not messages:
             raise ChatFormatError("a conversation needs at least one message")
         self.tokenizer = tokenizer
         self.templated = has_chat_template(tokenizer)
-        self.messages = [_message(m) for m in messages]
+        self.tools = tools or None  # OpenAI function tools, rendered by the template on every render
+        self.unparsed: str | None = None  # why the latest model turn's tool-call marker did not parse
+        self.messages = [_message(m, i) for i, m in enumerate(messages)]
         # The text the ids spell, special tokens written out: what the next render must extend.
         self.text = self._render(self.messages, generation_prompt=True)
         self.ids: list[int] = self._encode(self.text, max_ids)
@@ -81,8 +91,14 @@ class ChatTranscript:
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         if not self.templated:
             return "".join(m["content"] for m in messages)
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        kwargs = {"tools": self.tools} if self.tools else {}
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=generation_prompt, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - jinja's errors (TemplateError, TypeError, ...) name no common base
+            what = "these tools and messages" if self.tools else "these messages"
+            raise ChatFormatError(f"the model's chat template cannot render {what}: "
+                                  f"{type(exc).__name__}: {exc}"[:400]) from exc
 
     def _encode(self, text: str, max_ids: int | None = None) -> list[int]:
         if max_ids is not None:  # refuse what cannot fit before paying for tokenising it
@@ -94,15 +110,30 @@ class ChatTranscript:
             raise OverContextError(len(ids), max_ids, estimated=False)
         return ids
 
-    def add_model_turn(self, token_ids: list[int], stop_token_ids: tuple[int, ...] = ()) -> str:
-        """Record a model turn as produced; returns its message content (the stop token left out)."""
+    def add_model_turn(self, token_ids: list[int], stop_token_ids: tuple[int, ...] = (),
+                       parse: Callable[[str], ParsedReply | None] | None = None) -> str:
+        """Record a model turn as produced; returns its message content (the stop token left out). With `parse`
+        (a tool_calls parser) the sampled text becomes the message's content and `tool_calls`; a reply whose
+        marker does not parse stays content, with the reason in `self.unparsed`."""
         self.ids.extend(token_ids)
         shown = self.tokenizer.decode(token_ids, skip_special_tokens=False)
         self.text += shown
         content_ids = token_ids[:-1] if token_ids and token_ids[-1] in stop_token_ids else token_ids
         content = self.tokenizer.decode(content_ids, skip_special_tokens=True)
-        self.messages.append({"role": "assistant", "content": content})
-        return content
+        message, self.unparsed = {"role": "assistant", "content": content}, None
+        if parse is not None:
+            try:
+                parsed = parse(self.tokenizer.decode(content_ids, skip_special_tokens=False))
+            except ToolCallParseError as exc:
+                parsed, self.unparsed = None, str(exc)
+            if parsed is not None and parsed.calls:
+                turn = sum(m["role"] == "assistant" for m in self.messages)
+                message = {"role": "assistant", "content": parsed.content, "tool_calls": [
+                    {"id": f"call_{turn}_{j}", "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments}}
+                    for j, call in enumerate(parsed.calls)]}
+        self.messages.append(message)
+        return message["content"]
 
     def add_messages(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
         """Append messages (tool results, user turns) and, with generation_prompt, the start of the next
@@ -112,7 +143,7 @@ class ChatTranscript:
     def prepare(self, messages: list[dict], generation_prompt: bool = True, max_ids: int | None = None) -> Addition:
         """What add_messages would append, computed without changing the transcript; OverContextError when
         it takes more than max_ids tokens."""
-        new = [_message(m) for m in messages]
+        new = [_message(m, len(self.messages) + i) for i, m in enumerate(messages)]
         before = self._render(self.messages, generation_prompt=False)
         after = self._render(self.messages + new, generation_prompt=generation_prompt)
         if after.startswith(self.text):
@@ -136,7 +167,7 @@ class ChatTranscript:
     def extend_to(self, messages: list[dict]) -> list[dict]:
         """The messages of `messages` after the recorded ones, checking the recorded ones are its start
         (an agent resends the whole history with every request)."""
-        given = [_message(m) for m in messages]
+        given = [_message(m, i) for i, m in enumerate(messages)]
         recorded = self.messages
         if len(given) < len(recorded) or not all(_same(a, b) for a, b in zip(given, recorded)):
             first = next((i for i, (a, b) in enumerate(zip(given, recorded)) if not _same(a, b)), len(given))
@@ -146,14 +177,34 @@ class ChatTranscript:
         return given[len(recorded):]
 
 
-def _message(m) -> dict:
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-        raise ChatFormatError(f"a message must be a dict with string 'role' and 'content', got {m!r:.120}")
-    return {"role": m["role"], "content": m["content"]}
+def _message(m, index: int = 0) -> dict:
+    """A message as templates read it: role and content (text parts joined; None -> "" for an assistant turn of
+    tool calls only), an assistant turn's tool_calls, a tool message's tool_call_id and name."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ChatFormatError(f"messages[{index}] must be a dict with a string 'role', got {m!r:.120}")
+    content = m.get("content")
+    if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+        content = ""
+    elif isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                           and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)  # OpenAI's content parts, text only
+    if not isinstance(content, str):
+        raise ChatFormatError(f"messages[{index}].content must be a string (or text parts), got {m!r:.120}")
+    out = {"role": m["role"], "content": content}
+    try:
+        if m["role"] == "assistant" and (calls := message_tool_calls(m, index)):
+            out["tool_calls"] = calls
+    except ToolMessageError as exc:
+        raise ChatFormatError(str(exc)) from None
+    if m["role"] == "tool":
+        out.update({key: str(m[key]) for key in ("tool_call_id", "name") if m.get(key) is not None})
+    return out
 
 
 def _same(a: dict, b: dict) -> bool:
     # Assistant turns are compared as content the client was sent; surrounding whitespace is allowed to differ.
     if a["role"] != b["role"]:
         return False
-    return a["content"].strip() == b["content"].strip() if a["role"] == "assistant" else a["content"] == b["content"]
+    if a["role"] != "assistant":
+        return a == b
+    return a["content"].strip() == b["content"].strip() and a.get("tool_calls") == b.get("tool_calls")

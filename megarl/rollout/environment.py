@@ -23,6 +23,10 @@ from megarl.rollout.rewards import bad_reward_value
 from megarl.rollout.sandbox import SandboxConfig, run_python
 
 TOOL_PREFIX = ">>> "
+# The Python tool as an OpenAI function tool (an agent's `tools=`; the tool-calling model's warm start): short, so
+# the tiny model's context holds it.
+PYTHON_TOOL_SCHEMA = {"type": "function", "function": {"name": "python", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string"}}}}}
 
 # The program the sandbox runs: the model's code arrives on stdin (never spliced into source text).
 _REPL = """import ast, sys
@@ -134,3 +138,14 @@ class PythonTool:
 def tool_code(content: str) -> str | None:
     """The code of a tool-call turn (`>>> code`), None for an answer."""
     return content[len(TOOL_PREFIX):] if content.startswith(TOOL_PREFIX) else None
+
+
+def message_code(message: dict) -> str | None:
+    """The code a model turn asks to run: its first `python` tool call's `code` (OpenAI tool calling), else its
+    `>>> code` text; None for an answer. A call of another tool, or without string code, runs "" (no output)."""
+    calls = message.get("tool_calls")
+    if calls:
+        fn = calls[0].get("function", {})
+        code = fn.get("arguments", {}).get("code") if fn.get("name") == "python" else None
+        return code if isinstance(code, str) else ""
+    return tool_code(message["content"])

@@ -66,8 +66,9 @@ class Episode:
     def token_ids(self) -> list[int]:
         return self.chat.ids[self.prompt_len:] if self.chat else []
 
-    def add_model_turn(self, completion: Completion, stop_token_ids: tuple[int, ...]) -> None:
-        self.chat.add_model_turn(completion.token_ids, stop_token_ids)
+    def add_model_turn(self, completion: Completion, stop_token_ids: tuple[int, ...], parse=None) -> None:
+        """Record a model turn as sampled; `parse` (a megarl.rollout.tool_calls parser) reads its tool calls."""
+        self.chat.add_model_turn(completion.token_ids, stop_token_ids, parse)
         self.logprobs.extend(completion.logprobs)
         self.versions.extend(completion.versions)
         self.routes = completion.routes

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megarl.protocols import Prompt
-from megarl.rollout.environment import Observation, PythonTool, tool_code
+from megarl.rollout.environment import Observation, PythonTool, message_code
 from megarl.rollout.rewards import WithReward, python_output_reward, reward_from_config
 from megarl.rollout.sandbox import SandboxConfig, load_function
 
@@ -262,11 +262,13 @@ class ToolArithmeticEnv:
     tool: PythonTool
 
     def step(self, messages: list[dict]) -> Observation:
-        content = messages[-1]["content"]
-        code = tool_code(content)
+        code = message_code(messages[-1])
         if code is None:
-            return Observation(done=True, reward=1.0 if content.strip() == self.answer else 0.0)
-        return Observation(messages=[{"role": "tool", "content": self.tool.output(code)}])
+            return Observation(done=True, reward=1.0 if messages[-1]["content"].strip() == self.answer else 0.0)
+        answer = {"role": "tool", "content": self.tool.output(code)}
+        if messages[-1].get("tool_calls"):
+            answer["tool_call_id"] = messages[-1]["tool_calls"][0]["id"]
+        return Observation(messages=[answer])
 
 
 # A string entry is imported on first use ("module:Class"): megarl.rollout.datasets builds on this module.

@@ -13,14 +13,15 @@ from megarl.observe.sinks import eval_records, train_records
 from tests.helpers import REPO
 
 DEMO = str(REPO / "configs" / "multiturn_demo.yaml")
+TOOLS_DEMO = str(REPO / "configs" / "multiturn_tools.yaml")
 EVAL_EVERY, EVAL_PROMPTS = 3, 8
 
 
-def train(run_dir: Path, model_dir: Path, *overrides: str) -> tuple[list[dict], str]:
+def train(run_dir: Path, model_dir: Path, *overrides: str, config: str = DEMO) -> tuple[list[dict], str]:
     """The run's rollouts and its console output."""
     # docs/examples/agent on the path: the shipped agent is importable as tool_agent, as docs/multiturn.md runs it.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "docs" / "examples" / "agent")])}
-    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}",
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", config, f"run.dir={run_dir}",
                            f"model.path={model_dir}", *overrides], capture_output=True, text=True, timeout=400,
                           env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -107,6 +108,23 @@ def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode
     assert sum(r["turns"] >= 2 for r in rollouts) > len(rollouts) / 2 and any(r["reward"] == 1.0 for r in rollouts)
     assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)
     assert all(m["sampler1/over_context"] == 0 for m in metrics)  # reported; the shipped agent's turns all fit
+
+
+def test_a_tools_agent_trains_through_openai_tool_calling(embedded_toolcall_model_dir, tmp_path):
+    """configs/multiturn_tools.yaml: the `tools=` agent (docs/examples/agent/tools_agent.py) gets its calls as
+    message.tool_calls; every trained token is a sampled one with its version, the tool messages are environment
+    tokens (sync mode: every model token of an episode is of the version its batch was generated for)."""
+    rollouts, _ = train(tmp_path / "run", embedded_toolcall_model_dir, "run.steps=2", "algo.mode=sync",
+                        "algo.max_lag=0", config=TOOLS_DEMO)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 2 * 64
+    for r in rollouts:
+        check_episode(r)
+        assert r["reward_error"] is None
+        assert {v for v in r["versions"] if v >= 0} == {r["trained_at_step"]}
+    assert sum(r["turns"] >= 2 for r in rollouts) > len(rollouts) / 2 and any(r["reward"] == 1.0 for r in rollouts)
+    assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)
+    assert all(m["sampler1/over_context"] == 0 for m in metrics)
 
 
 def test_agent_episodes_failing_before_any_request_are_counted_and_a_sync_run_goes_on(embedded_tool_model_dir,

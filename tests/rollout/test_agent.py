@@ -15,6 +15,7 @@ from megarl.models.tiny_chat import IM_END, build_chat_tokenizer
 from megarl.protocols import Completion, Prompt, SamplingParams
 from megarl.rollout.agent import AgentRunner
 from megarl.rollout.agent_endpoint import new_session_token
+from megarl.rollout.environment import PYTHON_TOOL_SCHEMA
 from megarl.rollout.episode import EpisodeLimits
 from tests.helpers import REPO
 
@@ -34,17 +35,22 @@ class ScriptedLoop:
     """The sampler loop's part: polls the runner and answers each request with the next scripted reply
     (or, with a callable, the reply to the request's text)."""
 
-    def __init__(self, tok, agent, replies, max_turns=3, timeout_s=20.0, workers=2):
+    def __init__(self, tok, agent, replies, max_turns=3, timeout_s=20.0, workers=2, max_seq_len=MAX_SEQ_LEN,
+                 max_new_tokens=16, tool_parser="auto"):
         self.tok, self.replies, self.requests, self.ended = tok, replies, [], []
-        self.runner = AgentRunner(agent, tok, self.requests.append, SamplingParams(max_new_tokens=16),
-                                  EpisodeLimits(max_turns, 0, MAX_SEQ_LEN, 1, 10.0),
+        self.runner = AgentRunner(agent, tok, self.requests.append, SamplingParams(max_new_tokens=max_new_tokens),
+                                  EpisodeLimits(max_turns, 0, max_seq_len, 1, 10.0),
                                   (tok.convert_tokens_to_ids(IM_END),), workers=workers, timeout_s=timeout_s,
-                                  model_name="tiny")
+                                  model_name="tiny", tool_parser=tool_parser)
 
     def reply(self, request) -> str:
         if callable(self.replies):
             return self.replies(self.tok.decode(request.prompt_ids))
         return self.replies.pop(0) if self.replies else "0"
+
+    def logprobs(self, ids: list[int]) -> list[float]:
+        """The scripted engine's behaviour log-prob of each token of a reply."""
+        return [-0.25] * len(ids)
 
     def run(self, prompt: Prompt | list[Prompt], n: int = 1, deadline_s: float = 60.0):
         prompts = prompt if isinstance(prompt, list) else [prompt] * n
@@ -58,7 +64,7 @@ class ScriptedLoop:
                 served += 1
                 text = self.reply(request)
                 ids = self.tok.encode(text, add_special_tokens=False) + [self.tok.convert_tokens_to_ids(IM_END)]
-                self.runner.on_completion(Completion(request.request_id, request.prompt_ids, ids, [-0.25] * len(ids),
+                self.runner.on_completion(Completion(request.request_id, request.prompt_ids, ids, self.logprobs(ids),
                                                      [served] * len(ids), "stop"))
             self.runner.ready.wait(0.02)
         self.runner.close()
@@ -91,7 +97,8 @@ def test_refusals_reach_the_agent_as_openai_errors_and_fail_or_truncate_its_epis
 
     def edits_history(base_url, prompt, answer, meta):
         client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
-        for kwargs, name in [({"stream": True}, "stream"), ({"n": 2}, "n")]:
+        for kwargs, name in [({"tool_choice": "required", "tools": [PYTHON_TOOL_SCHEMA]}, "tool_choice"),
+                             ({"n": 2}, "n")]:
             try:
                 client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}], **kwargs)
             except openai.BadRequestError as exc:
@@ -101,7 +108,7 @@ def test_refusals_reach_the_agent_as_openai_errors_and_fail_or_truncate_its_epis
                                                             {"role": "assistant", "content": "x"}])
 
     [failed] = ScriptedLoop(tok, agent_that(edits_history), ["x"]).run(Prompt("q", "a"))
-    assert "stream=true is not supported" in seen["stream"] and "n must be 1" in seen["n"]
+    assert "tool_choice must be auto or none" in seen["tool_choice"] and "n must be 1" in seen["n"]
     assert "BadRequestError" in failed.error and "message 0 differs" in failed.error and failed.reward == 0.0
 
     def too_many_turns(base_url, prompt, answer, meta):
