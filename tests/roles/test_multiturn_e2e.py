@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megarl.observe.sinks import eval_records, train_records
 from tests.helpers import REPO
 
@@ -110,6 +112,7 @@ def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode
     assert all(m["sampler1/over_context"] == 0 for m in metrics)  # reported; the shipped agent's turns all fit
 
 
+@pytest.mark.heavy  # tiny-qwen2-toolcall's first build: ~9 min of CPU (pytest.ini)
 def test_a_tools_agent_trains_through_openai_tool_calling(embedded_toolcall_model_dir, tmp_path):
     """configs/multiturn_tools.yaml: the `tools=` agent (docs/examples/agent/tools_agent.py) gets its calls as
     message.tool_calls; every trained token is a sampled one with its version, the tool messages are environment
