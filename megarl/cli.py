@@ -7,6 +7,8 @@ starts, then launches one torchrun holding every role and waits for it.
 `placement` prints which node runs which ranks and roles for a multi-node launch (docs/launch.md).
 `export --checkpoint CKPT --out DIR` writes a learner checkpoint as an HF model directory (docs/checkpoint.md).
 `eval CONFIG [key=value ...]` scores model.path (or `--checkpoint`) on eval.sets as a run evaluates (docs/eval.md).
+`config [KEY] [--diff CONFIG [key=value ...]] [--markdown]` prints the config reference: every key's type, default
+and comment from megarl/config/schema.py (megarl.config.reference renders it; docs/config.md is its Markdown).
 `sft CONFIG [key=value ...]` fine-tunes model.path on sft.data (supervised, the learner backends and layouts of
 `train`), after the same checks, and writes an HF model directory `train` takes as model.path (docs/sft.md).
 """
@@ -586,6 +588,46 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
+def show_config(args: argparse.Namespace) -> int:
+    """`megarl config`: the reference of every key, one key or section (KEY), a config's changes (--diff), or
+    docs/config.md (--markdown); a wrong KEY exits 2 naming the closest keys."""
+    from megarl.config import reference
+
+    if args.diff is not None:
+        if args.key is not None:
+            args.overrides = [args.key, *args.overrides]  # `--diff CONFIG key=value` puts the first override in KEY
+        if any("=" not in word for word in args.overrides):
+            print("megarl config: --diff takes CONFIG and key=value overrides only", file=sys.stderr)
+            return 2
+        try:
+            cfg = load_config(args.diff, args.overrides, check_files=False)
+        except ConfigError as exc:
+            print(f"megarl: config error: {exc}", file=sys.stderr)
+            return 2
+        from megarl.config.load import to_dict
+
+        # the defaults loaded the same way, so both sides have their ${run.dir} interpolations resolved
+        defaults = to_dict(load_config(None, [], check_files=False))
+        print(reference.render_diff(reference.diff(to_dict(cfg), defaults),
+                                    " ".join([args.diff, *args.overrides])), end="")
+        return 0
+    if args.overrides:
+        print(f"megarl config: unexpected {' '.join(args.overrides)} (overrides go with --diff CONFIG)", file=sys.stderr)
+        return 2
+    if args.markdown:
+        print(reference.render_markdown(), end="")
+        return 0
+    if args.key is None:
+        print(reference.render_text(), end="")
+        return 0
+    try:
+        print(reference.render_text(reference.lookup(args.key)), end="")
+    except reference.UnknownKey as exc:
+        print(f"megarl config: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="Asynchronous Pipeline RL post-training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -627,6 +669,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="check the config, model, data and outputs and print the torchrun command (give it before CONFIG)")
     p.set_defaults(func=sft)
+    p = sub.add_parser("config", help="the config reference: every key's type, default and comment (KEY: one key or "
+                                      "section; --diff CONFIG: what a config changes)")
+    p.add_argument("key", nargs="?", default=None, help="a key (learner.lr) or a section (learner); default: all")
+    p.add_argument("overrides", nargs="*", help="with --diff: key=value overrides applied to CONFIG")
+    p.add_argument("--diff", metavar="CONFIG", default=None,
+                   help="print the keys CONFIG (and key=value overrides) sets away from their defaults")
+    p.add_argument("--markdown", action="store_true", help="print every key as Markdown (docs/config.md)")
+    p.set_defaults(func=show_config)
     return parser
 
 

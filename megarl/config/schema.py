@@ -16,9 +16,9 @@ from megarl.rollout.sandbox import SandboxConfig
 class RunConfig:
     dir: str = "runs/demo"  # outputs: config.yaml, metrics.jsonl, rollouts.jsonl, tensorboard/
     steps: int = 100  # learner optimizer steps
-    seed: int = 0
-    log_rollouts: bool = True
-    tensorboard: bool = True
+    seed: int = 0  # seeds the prompt stream and sampling (each sampler: run.seed with its rank)
+    log_rollouts: bool = True  # rollouts.jsonl: every trained sample (prompt, completion, reward, versions)
+    tensorboard: bool = True  # tensorboard/: the scalars of metrics.jsonl as TensorBoard events
     progress: bool = True  # console progress line
     timeline: bool = True  # timeline/<process>.jsonl: learner spans, sampler tokens per time slice
     # Continue from the latest checkpoint in checkpoint.dir: "true" (it must exist), "auto" (if one
@@ -35,17 +35,17 @@ class ModelConfig:
     # "embedded:<name>" builds the tiny local default once (see megarl/models/tiny.py);
     # anything else is an HF-format directory (config.json, model.safetensors, tokenizer files).
     path: str = "embedded:tiny-qwen2-arith-think"
-    cache_dir: str = "~/.cache/megarl/models"
+    cache_dir: str = "~/.cache/megarl/models"  # where embedded models are built (once per name)
 
 
 @dataclass
 class TaskConfig:
     # arithmetic | count | python_output (code execution) | jsonl (a prompt dataset) | tool_arith (multi-turn, a tool)
     name: str = "arithmetic"
-    max_operand: int = 19
+    max_operand: int = 19  # name=arithmetic: operands drawn uniformly from 0..max_operand
     # name=count ("d-k=" -> "defghijk"): mean and cap of the run length, drawn long-tailed (geometric).
     length_mean: float = 8.0
-    max_length: int = 48
+    max_length: int = 48  # name=count: the longest run (see length_mean)
     # Mean length of the filler "thinking" run before the answer (geometric, so long-tailed);
     # 0 = answer directly. The embedded default model was warm-started with 10.
     think_mean: float = 10.0
@@ -55,8 +55,8 @@ class TaskConfig:
     # name=jsonl: a .jsonl or .parquet file, or a directory written by `datasets`' save_to_disk
     # (megarl/rollout/datasets.py); each row gives a prompt and its answer, other fields go to meta.
     path: str = ""
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    prompt_field: str = "prompt"  # the row field holding the prompt text
+    answer_field: str = "answer"  # the row field holding the answer the reward compares with
     # A dataset row's source (verl's convention: "data_source"): samples carry it, and the learner reports each
     # source's reward (reward/source/<name>) and rollouts.jsonl records it; a row without the field has none.
     source_field: str = "data_source"
@@ -98,10 +98,12 @@ class TaskConfig:
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 48
+    """How the samplers draw training completions."""
+
+    temperature: float = 1.0  # softmax temperature of the sampled tokens
+    top_p: float = 1.0  # nucleus sampling: the smallest token set of this much probability (1 = off)
+    top_k: int = 0  # only the k most likely tokens (0 = off)
+    max_new_tokens: int = 48  # completion tokens per request (a multi-turn episode: per model turn)
 
 
 @dataclass
@@ -198,9 +200,9 @@ class LoraConfig:
 @dataclass
 class LearnerConfig:
     backend: str = "megatron"  # megatron | deepspeed (any HF causal LM through transformers)
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
+    tp: int = 1  # tensor-parallel ranks (each layer's weights split over them)
+    pp: int = 1  # pipeline-parallel stages (the layers split over them)
+    dp: int = 1  # data-parallel replicas; learner ranks = tp * pp * dp
     # Expert parallelism (mixture-of-experts models): each expert-parallel rank holds num_experts / ep
     # whole experts; the ep ranks are carved out of the tensor- and data-parallel ones (tp * dp must be a
     # multiple of ep). An MoE model at tp > 1 trains with megatron's sequence parallelism (docs/moe.md).
@@ -215,7 +217,7 @@ class LearnerConfig:
     # sharing"). Not under algo.routing_replay=r3 (rows replay their own routes).
     share_prefixes: bool = True
     recompute_activations: str = "none"  # none | full | selective (megatron activation recomputation)
-    lr: float = 1e-3
+    lr: float = 1e-3  # the peak learning rate (AdamW)
     # The learning rate per optimizer step (megarl/learner/lr_schedule.py): a linear warm-up over lr_warmup_steps,
     # then lr_decay (constant | linear | cosine) down to lr * lr_min_ratio at lr_decay_steps (0 = the run's
     # optimizer steps: run.steps * algo.sync_epochs; megarl sft: its steps). The critic keeps algo.critic.lr.
@@ -223,16 +225,16 @@ class LearnerConfig:
     lr_decay: str = "constant"
     lr_decay_steps: int = 0
     lr_min_ratio: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    grad_clip: float = 0.0
-    use_distributed_optimizer: bool = False
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    adam_beta1: float = 0.9  # AdamW beta1 (first-moment decay)
+    adam_beta2: float = 0.999  # AdamW beta2 (second-moment decay)
+    grad_clip: float = 0.0  # clip the global gradient norm to this (0 = no clipping)
+    use_distributed_optimizer: bool = False  # megatron: optimizer state sharded over the DP replicas
     # A step whose loss or grad norm is not finite is skipped (no update) and counted; this many in a
     # row stop the run with an error (the weights are not going to recover by themselves).
     max_nonfinite_in_row: int = 5
-    seed: int = 1234
-    threads: int = 1
+    seed: int = 1234  # seeds torch on the learner ranks (e.g. LoRA adapters' initialisation)
+    threads: int = 1  # torch intra-op threads per learner process
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
