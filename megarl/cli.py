@@ -248,7 +248,7 @@ def failure_summary(torchrun_stderr: str, cfg) -> str:
 
 def checked_model_dir(cfg) -> Path | None:
     """cfg.model.path resolved (an embedded model built on first use) and checked; None after printing why not."""
-    from megarl.models.embedded import resolve_model_path
+    from megarl.embedded.registry import resolve_model_path
 
     try:
         model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
@@ -265,7 +265,7 @@ def teacher_fits(cfg, model_dir) -> bool:
     if not cfg.algo.distill.teacher:
         return True
     from megarl.learner.teacher import check_teacher
-    from megarl.models.embedded import resolve_model_path
+    from megarl.embedded.registry import resolve_model_path
 
     try:
         teacher_dir = resolve_model_path(cfg.algo.distill.teacher, cfg.model.cache_dir)

@@ -6,10 +6,10 @@ cross-field rules (topology, objective) in `validate`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from megarl.algo.config import AdvantageConfig, CriticConfig, DistillConfig, LossConfig
-from megarl.rollout.sandbox import SandboxConfig
 
 
 @dataclass
@@ -30,12 +30,49 @@ class RunConfig:
     overwrite: bool = False
 
 
+# sampler.engine=vllm swaps an embedded model for its variant with head_dim >= 32 (vLLM's CPU attention needs it;
+# megarl.config.load picks it, megarl/embedded/registry.py builds it).
+VLLM_VARIANTS = {"tiny-qwen2-count": "tiny-qwen2-count-hd32", "tiny-qwen2-tool": "tiny-qwen2-tool-hd32"}
+
+
 @dataclass
 class ModelConfig:
-    # "embedded:<name>" builds the tiny local default once (see megarl/models/tiny.py);
+    # "embedded:<name>" builds the tiny local default once (see megarl/embedded/tiny.py);
     # anything else is an HF-format directory (config.json, model.safetensors, tokenizer files).
     path: str = "embedded:tiny-qwen2-arith-think"
     cache_dir: str = "~/.cache/megarl/models"  # where embedded models are built (once per name)
+
+
+# the built-in tasks whose samples are episodes (megarl/rollout/episode.py)
+MULTI_TURN_TASKS = ("tool_arith",)
+
+
+@dataclass
+class SandboxConfig:
+    """Limits of sandboxed code (megarl/rollout/sandbox.py; docs/security.md)."""
+
+    cpu_s: float = 5.0  # CPU seconds per process (RLIMIT_CPU, rounded up to whole seconds)
+    memory_mb: int = 512  # address space per process (RLIMIT_AS)
+    disk_mb: int = 16  # largest file (RLIMIT_FSIZE); with namespaces also the working directory's size
+    max_processes: int = 1  # 1 = the program alone (no fork, no thread); > 1 needs a non-root uid (RLIMIT_NPROC)
+    max_output_kb: int = 256  # stdout and stderr kept, per stream; more kills the program
+    network: bool = False  # False: no sockets (seccomp) and no interfaces (net namespace)
+    # Without user namespaces the filesystem is not read-only for the code (docs/security.md, "Sandbox
+    # modes"): true refuses to run then, false runs with the process, rlimit and seccomp layers only
+    # (as a non-root user; as root the fallback is refused).
+    require_namespaces: bool = True
+
+    def check(self) -> None:
+        """ValueError naming the field of a limit that is out of range or cannot be enforced here."""
+        for name in ("cpu_s", "memory_mb", "disk_mb", "max_processes", "max_output_kb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"sandbox.{name}: must be > 0, got {getattr(self, name)}")
+        if self.memory_mb < 64:
+            raise ValueError(f"sandbox.memory_mb: must be >= 64 (the Python interpreter itself needs it), "
+                             f"got {self.memory_mb}")
+        if self.max_processes > 1 and os.geteuid() == 0:
+            raise ValueError("sandbox.max_processes: more than 1 cannot be enforced for uid 0 (the kernel exempts "
+                             "root from RLIMIT_NPROC); keep it at 1 or run megarl as a non-root user")
 
 
 @dataclass
@@ -179,6 +216,13 @@ class DeepSpeedConfig:
     offload_params: bool = False  # stage 3 only: parameters on the CPU between uses
 
 
+# learner.lora.target_modules: a decoder layer's adaptable HF projections, and those that one megatron linear
+# computes together (megarl/learner/lora.py adapts the linear, so they are adapted together or not at all).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_FUSED_GROUPS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                     "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+
+
 @dataclass
 class LoraConfig:
     """learner.lora: train a low-rank adapter on the frozen base model instead of every weight (docs/lora.md).
@@ -195,6 +239,10 @@ class LoraConfig:
     # (peft on the DeepSpeed learner adapts any subset).
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                                "up_proj", "down_proj"])
+
+
+# learner.lr_decay: the schedule after the warm-up (megarl/learner/lr_schedule.py).
+LR_DECAYS = ("constant", "linear", "cosine")
 
 
 @dataclass
@@ -239,6 +287,8 @@ class LearnerConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
+# algo.queue_order: the order a sampler sends its groups in (megarl/rollout/send_order.py).
+QUEUE_ORDERS = ("deadline", "start", "finish")
 # algo.stale: what the learner does with tokens more than algo.max_lag versions old (megarl/rollout/batch.py).
 STALE_POLICIES = ("drop_group", "mask_tokens")
 

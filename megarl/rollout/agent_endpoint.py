@@ -34,7 +34,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from megarl.observe.ratelimit import RateLimitedLine
+from megarl.ratelimit import RateLimitedLine
 
 log = logging.getLogger(__name__)
 

@@ -314,7 +314,7 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
     from megarl.distributed.topology import connect_store, init_learner_group
     from megarl.learner import build_learner, import_backend, with_decay_steps
     from megarl.models.layout import check_layout
-    from megarl.models.embedded import resolve_model_path
+    from megarl.embedded.registry import resolve_model_path
     from megarl.observe.sinks import MetricsSink
 
     lc = cfg.learner

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megarl.checkpoint import storage
-from megarl.checkpoint.position import RetiredIndices
 from megarl.observe.sinks import eval_records, train_records
+from megarl.rollout.position import RetiredIndices
 from tests.helpers import REPO, run_python
 
 DEMO = str(REPO / "configs" / "demo.yaml")

@@ -165,7 +165,7 @@ def test_task_keys_for_datasets_and_rewards_load(tmp_path):
 
 # ------------------------------------------------------------------- layouts the model cannot be split into
 
-# The embedded models' shapes (megarl/models/tiny.py): 2 layers, 4 heads, 2 KV heads, MLP 192, vocab 264.
+# The embedded models' shapes (megarl/embedded/tiny.py): 2 layers, 4 heads, 2 KV heads, MLP 192, vocab 264.
 TINY = {"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 192,
         "vocab_size": 264}
 
