@@ -128,7 +128,7 @@ def checked_for_launch(cfg) -> Path | None:
     except (OSError, ImportError, ValueError) as exc:
         print(f"megarl: task: {exc}", file=sys.stderr)
         return None
-    if not print_eval_check(cfg, model_dir):
+    if not print_eval_check(cfg, model_dir) or not print_tracker_check(cfg):
         return None
     from megarl.checkpoint.learner_state import check_resumable, read_manifest
     from megarl.checkpoint.resume import check_export_target, find_checkpoint, prepare_run_dir
@@ -445,6 +445,20 @@ def print_eval_check(cfg, model_dir) -> bool:
     return True
 
 
+def print_tracker_check(cfg) -> bool:
+    """observe.trackers checked (megarl.observe.trackers.check_trackers: packages, settings), said on stdout; False
+    after printing why a tracker cannot start."""
+    from megarl.observe.trackers import check_trackers
+
+    try:
+        for line in check_trackers(cfg):
+            print(f"megarl: {line}")
+    except ValueError as exc:
+        print(f"megarl: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def evaluate(args: argparse.Namespace) -> int:
     """`megarl eval CONFIG [key=value ...]`: score model.path (or --checkpoint) on eval.sets, write JSON."""
     try:
@@ -507,7 +521,7 @@ def checked_sft_inputs(cfg) -> Path | None:
     """`megarl sft`'s model, data and output checks (the data's summary printed): the model directory, or None
     after printing why not."""
     model_dir = checked_model_dir(cfg)
-    if model_dir is None:
+    if model_dir is None or not print_tracker_check(cfg):
         return None
     from megarl.sft.data import SFTDataError
     from megarl.sft.run import SFTOutputError, check_outputs, load_data

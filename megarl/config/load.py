@@ -19,7 +19,7 @@ from megarl.algo.config import (validate_advantage_config, validate_critic_confi
                                 validate_loss_config)
 from megarl.config.length_limit import LengthLimit
 from megarl.config.schema import (LORA_FUSED_GROUPS, LORA_TARGETS, LR_DECAYS, MULTI_TURN_TASKS, QUEUE_ORDERS,
-                                  STALE_POLICIES, VLLM_VARIANTS, Config, PublishConfig)
+                                  STALE_POLICIES, TRACKERS, VLLM_VARIANTS, Config, PublishConfig)
 
 
 class ConfigError(ValueError):
@@ -189,6 +189,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(cfg.dist.backend in ("auto", "gloo", "nccl"), "dist.backend", "must be auto, gloo or nccl")
     _validate_task(cfg, check_files)
     _validate_checkpoint(cfg)
+    _validate_observe(cfg)
     _require(not (cfg.algo.distill.teacher and cfg.algo.distill.reward_weight == 0.0
                   and cfg.algo.advantage.filter_zero_variance), "algo.advantage.filter_zero_variance",
              "drops groups whose rewards are all equal, but pure distillation (algo.distill.reward_weight=0) learns "
@@ -413,6 +414,15 @@ def _validate_eval(cfg: Config, check_files: bool) -> None:
             module, _, fn = sc.reward_fn.partition(":")
             _require(all(p.isidentifier() for p in module.split(".") + fn.split(".")), f"{key}.reward_fn",
                      f"{sc.reward_fn!r} is not of the form 'package.module:function'")
+
+
+def _validate_observe(cfg: Config) -> None:
+    trackers = list(cfg.observe.trackers)
+    unknown = [t for t in trackers if t not in TRACKERS]
+    _require(not unknown, "observe.trackers", f"unknown tracker(s) {unknown}; known: {', '.join(TRACKERS)}")
+    _require(len(set(trackers)) == len(trackers), "observe.trackers", f"names a tracker twice: {trackers}")
+    _require(cfg.observe.wandb_mode in ("", "online", "offline", "disabled"), "observe.wandb_mode",
+             f"must be online, offline, disabled or '' (WANDB_MODE), got {cfg.observe.wandb_mode!r}")
 
 
 def _validate_checkpoint(cfg: Config) -> None:

@@ -129,7 +129,8 @@ def _walk(cls: type, instance, prefix: str, doc: str, keys: list[Key], sections:
         comment = comments.get(f.name, "").replace("{section}.", f"{prefix}." if prefix else "")
         if dataclasses.is_dataclass(value):
             own = "" if comment.startswith("(see ") else comment  # a group's comment is about its keys
-            nested.append((type(value), value, name, " ".join(filter(None, [own, _doc(type(value))]))))
+            doc = _doc(type(value))
+            nested.append((type(value), value, name, f"{own.rstrip('.')}. {doc}" if own and doc else own or doc))
             continue
         keys.append(Key(name, _type_name(cls, f.name), format_value(value), comment, prefix))
         element = _element_class(cls, f.name)

@@ -14,11 +14,10 @@ from megarl.algo.config import AdvantageConfig, CriticConfig, DistillConfig, Los
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/demo"  # outputs: config.yaml, metrics.jsonl, rollouts.jsonl, tensorboard/
+    dir: str = "runs/demo"  # outputs: config.yaml, metrics.jsonl, rollouts.jsonl, timeline/, the trackers' files
     steps: int = 100  # learner optimizer steps
     seed: int = 0  # seeds the prompt stream and sampling (each sampler: run.seed with its rank)
     log_rollouts: bool = True  # rollouts.jsonl: every trained sample (prompt, completion, reward, versions)
-    tensorboard: bool = True  # tensorboard/: the scalars of metrics.jsonl as TensorBoard events
     progress: bool = True  # console progress line
     timeline: bool = True  # timeline/<process>.jsonl: learner spans, sampler tokens per time slice
     # Continue from the latest checkpoint in checkpoint.dir: "true" (it must exist), "auto" (if one
@@ -453,6 +452,30 @@ class EvalConfig:
     timeout_s: float = 600.0  # at the end, how long the learner waits for the last evaluations' results
 
 
+# observe.trackers: where a run's scalars, evaluation curves and config go besides metrics.jsonl.
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+@dataclass
+class ObserveConfig:
+    """Run trackers (megarl/observe/trackers.py): each gets every learner step's scalars and every evaluation's,
+    as metrics.jsonl holds them, and the run's resolved config; they log off the learner's step path.
+    wandb and mlflow need `pip install "megarl[trackers]"`; `megarl train` refuses a tracker that cannot start."""
+
+    # Any of tensorboard (run.dir/tensorboard/), wandb, mlflow; [] = metrics.jsonl only.
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    run_name: str = ""  # the run's name in wandb and MLflow; "" = the name of run.dir
+    wandb_project: str = "megarl"  # the wandb project the run goes to
+    wandb_entity: str = ""  # "" = wandb's default entity (of the logged-in user)
+    # "online", "offline" (files only: `wandb sync` uploads them later) or "disabled"; "" = WANDB_MODE or online.
+    wandb_mode: str = ""
+    wandb_dir: str = "${run.dir}"  # wandb writes its wandb/ folder (run files, offline runs) here
+    # "" = a file store in run.dir/mlruns (`mlflow ui --backend-store-uri` it); else http(s)://host, sqlite:///...
+    mlflow_tracking_uri: str = ""
+    mlflow_experiment: str = "megarl"  # the MLflow experiment the run goes to (made when missing)
+    close_timeout_s: float = 120.0  # at the end, how long a tracker may take to write what is queued
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -469,3 +492,4 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)  # megarl sft only
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (train and megarl eval)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)

@@ -41,6 +41,7 @@ from megarl.observe.jsonl import read_jsonl
 from megarl.observe.sinks import MetricsSink, RolloutSink, eval_records
 from megarl.observe.sources import SourceNames, source_rewards
 from megarl.observe.timeline import Timeline
+from megarl.observe.trackers import open_trackers
 from megarl.protocols import RouteShape, Sample, TrainBatch
 from megarl.rollout.batch import assemble_batch, is_stale, is_zero_variance
 from megarl.rollout.position import DataPosition
@@ -232,7 +233,7 @@ class RunOutputs:
     line, notes, closing summary) and the timeline spans; one `record` per step."""
 
     def __init__(self, cfg: Config, rank: int, recovery: dict[str, float]):
-        self.metrics = MetricsSink(cfg.run.dir, cfg.run.tensorboard)
+        self.metrics = MetricsSink(cfg.run.dir, open_trackers(cfg))
         self.rollouts = RolloutSink(cfg.run.dir) if cfg.run.log_rollouts else None
         self.console = Console(cfg.run.steps, cfg.run.progress, cfg.run.dir)
         self.timeline = Timeline(cfg.run.dir, f"learner{rank}") if cfg.run.timeline else None
