@@ -92,7 +92,8 @@ def field_comments(cls: type) -> dict[str, str]:
             run = []
         own = " ".join(above + [comments[n] for n in range(first, last + 1) if n in comments])
         # an uncommented field that a comment of its group names (`lr_decay` in the lr_warmup_steps block)
-        head = next((other for other in heads if other in run and re.search(rf"\b{re.escape(name)}\b", result[other])), None)
+        named = re.compile(rf"\b{re.escape(name)}\b")
+        head = next((other for other in heads if other in run and named.search(result[other])), None)
         result[name] = own or (f"(see {{section}}.{head})" if head else "")
         run.append(name)
         if above:

@@ -70,6 +70,25 @@ def mlflow_name(name: str) -> str:
     return _MLFLOW_NAME.sub("_", name.replace("@", "_at_").replace("/", "."))
 
 
+def wandb_mode(cfg: Config) -> str:
+    """The mode wandb will run in: observe.wandb_mode, else WANDB_MODE, else online."""
+    return cfg.observe.wandb_mode or os.environ.get("WANDB_MODE") or "online"
+
+
+def wandb_credentials() -> bool:
+    """Whether wandb finds credentials where `wandb login` and its docs put them (the environment, ~/.netrc)."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
 def check_trackers(cfg: Config) -> list[str]:
     """What `megarl train` says about observe.trackers before launch; ValueError naming the tracker and why it
     cannot start (its package is not installed, a setting it refuses)."""
@@ -78,6 +97,10 @@ def check_trackers(cfg: Config) -> list[str]:
         if importlib.util.find_spec(PACKAGES[name]) is None:
             raise ValueError(f"observe.trackers: {name} needs the {PACKAGES[name]!r} package, which is not installed "
                              f"({INSTALL}, or drop {name} from observe.trackers)")
+    if "wandb" in oc.trackers and wandb_mode(cfg) == "online" and not wandb_credentials():
+        raise ValueError("observe.trackers: wandb runs online (observe.wandb_mode, else WANDB_MODE) and finds no "
+                         "credentials (WANDB_API_KEY, or `wandb login`'s entry in ~/.netrc); log in, or set "
+                         "observe.wandb_mode=offline to write the run to files (`wandb sync` uploads them later)")
     if "mlflow" in oc.trackers:
         uri = mlflow_uri(cfg)
         scheme = uri.split(":", 1)[0] if ":" in uri else ""
@@ -87,7 +110,7 @@ def check_trackers(cfg: Config) -> list[str]:
     if not oc.trackers:
         return ["trackers: none (metrics.jsonl only)"]
     where = {"tensorboard": f"{cfg.run.dir}/tensorboard",
-             "wandb": f"wandb project {oc.wandb_project!r}, mode {oc.wandb_mode or 'WANDB_MODE or online'}",
+             "wandb": f"wandb project {oc.wandb_project!r}, mode {wandb_mode(cfg)}",
              "mlflow": f"mlflow {mlflow_uri(cfg)}, experiment {oc.mlflow_experiment!r}"}
     return ["trackers: " + "; ".join(where[name] for name in oc.trackers)]
 

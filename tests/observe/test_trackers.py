@@ -63,6 +63,21 @@ def test_a_tracker_that_cannot_start_is_named(tmp_path, monkeypatch):
     assert trackers.check_trackers(config(tmp_path, "observe.trackers=[]")) == ["trackers: none (metrics.jsonl only)"]
 
 
+def test_wandb_online_without_credentials_is_refused(tmp_path, monkeypatch):
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    online = load_config(None, [f"run.dir={tmp_path}", "observe.trackers=[wandb]"], check_files=False)
+    with pytest.raises(ValueError, match=r"wandb runs online .* finds no credentials .*observe.wandb_mode=offline"):
+        trackers.check_trackers(online)
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "0" * 40 + "\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert trackers.check_trackers(online) == ["trackers: wandb project 'megarl', mode online"]
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    (tmp_path / ".netrc").unlink()
+    assert trackers.check_trackers(online) == ["trackers: wandb project 'megarl', mode offline"]
+
+
 class SlowTracker:
     def __init__(self):
         self.release, self.logged = threading.Event(), []
