@@ -38,11 +38,16 @@ setup(
         "lora": ["peft>=0.21"],
         # The `openai` client, for agents that train through a sampler's /v1/chat/completions (task.agent).
         "agent": ["openai>=1.40"],
+        # observe.trackers=[wandb, mlflow]: the run trackers besides TensorBoard (mlflow-skinny: MLflow's client and
+        # its local stores, without the server and UI).
+        "trackers": ["wandb>=0.22", "mlflow-skinny>=3.0"],
         # pyarrow / datasets: the Parquet and save_to_disk dataset readers are optional for users, tested in CI;
         # openai: the agent tests drive the endpoint with the real client.
         # peft: the LoRA tests check megarl's adapters and PEFT export against peft's own LoraLayer.
         # pytest-xdist: the README's test command runs the suite on both cores (`-n 2`, one file per worker).
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "pyarrow>=14", "datasets>=2.18", "openai>=1.40", "peft>=0.21"],
+        # wandb, mlflow-skinny: the tracker tests log to both (wandb offline, an MLflow file store) and read back.
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "pyarrow>=14", "datasets>=2.18", "openai>=1.40",
+                 "peft>=0.21", "wandb>=0.22", "mlflow-skinny>=3.0"],
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

@@ -1,5 +1,5 @@
 """Fleet model: synchronous RL vs Pipeline RL on 8 to 1024 GPUs, predicted by the discrete-event
-model in megarl/observe/fleet_model.py, and checked against a measured megarl run.
+model in megarl/fleet_model.py, and checked against a measured megarl run.
 
     python benchmarks/fleet_model.py [--out docs/img] [--seed 0] [--calibrate-from RUN_DIR]
 
@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from megarl.config.schema import STALE_POLICIES  # noqa: E402
-from megarl.observe.fleet_model import (  # noqa: E402
+from megarl.fleet_model import (  # noqa: E402
     EngineModel, FleetParams, LogNormalLengths, SimResult, calibrate, engine_rates, measured_summary, simulate,
     summarise, train_seconds_per_token)
 from megarl.rollout.send_order import ORDERS  # noqa: E402

@@ -40,6 +40,10 @@ JSON with the tail of its log, and the rest still run:
   critic_step       the learner step of learner_step with the critic of algo.advantage.estimator=gae
                     (megarl.learner.critic: a replicated fp32 value model, V-trace targets): step time and the
                     critic's metrics, against learner_step's time
+  trackers          observe.trackers: what MetricsSink.log costs the learner's step (60 scalars a step) with each
+                    tracker installed there (tensorboard; wandb offline and mlflow's file store when importable):
+                    the median and worst call, and the time to close (what is queued written); the dry run
+                    leaves wandb out (its service takes ~10 s to start)
 
 `--dry-run` (CPU): the wheel list's structure, its declared total against the 64 MiB limit (with the
 working tree that travels with it), each wheel's requirements against what the GPU machine has; unless
@@ -220,6 +224,38 @@ def check_env(args, size: Size) -> dict:
         mod = importlib.import_module(module)
         versions[module] = getattr(mod, "__version__", "ok")
     out["imports"] = versions
+    return out
+
+
+def check_trackers(args, size: Size) -> dict:
+    import importlib.util
+
+    from megarl.config.load import load_config
+    from megarl.observe.sinks import MetricsSink
+    from megarl.observe.trackers import PACKAGES, open_trackers
+
+    steps = 20 if size.tiny else 500
+    out = {}
+    for name in ("tensorboard", "wandb", "mlflow"):
+        if size.tiny and name == "wandb":  # its service process takes ~10 s to start: not in the CPU dry run
+            continue
+        if importlib.util.find_spec(PACKAGES[name]) is None:
+            out[name] = "not installed"
+            continue
+        run_dir = Path(tempfile.mkdtemp(prefix=f"megarl-trackers-{name}-"))
+        cfg = load_config(None, [f"run.dir={run_dir}", f"observe.trackers=[{name}]", "observe.wandb_mode=offline"],
+                          check_files=False)
+        sink = MetricsSink(run_dir, open_trackers(cfg))
+        calls = []
+        for step in range(steps):
+            metrics = {f"metric/{k}": float(step + k) for k in range(60)}
+            start = time.perf_counter()
+            sink.log(step, metrics)
+            calls.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        sink.close()
+        out[name] = {"steps": steps, "log_median_ms": round(median(calls) * 1e3, 3),
+                     "log_max_ms": round(max(calls) * 1e3, 3), "close_s": round(time.perf_counter() - start, 2)}
     return out
 
 
@@ -749,7 +785,7 @@ def run_demo(args, size: Size, name: str, overrides: list[str]) -> tuple[dict, l
     and its metrics.jsonl step records (none on CPU)."""
     run_dir = Path(args.workdir) / name
     cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", f"run.dir={run_dir}",
-           f"run.steps={size.e2e_steps}", "dist.backend=gloo", "run.overwrite=true", "run.tensorboard=false", *overrides]
+           f"run.steps={size.e2e_steps}", "dist.backend=gloo", "run.overwrite=true", "observe.trackers=[]", *overrides]
     if size.tiny:
         cmd.append("--dry-run")  # on CPU: the config and topology checks, the model build; no worker starts
     start = time.perf_counter()
@@ -905,7 +941,8 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           # last: the newest, so a budget that runs short skips them rather than an older check
           "lora": (check_lora, 120), "critic_step": (check_critic_step, 120), "packing": (check_packing, 120),
           "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120),
-          "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120)}
+          "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
+          "trackers": (check_trackers, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU
 

@@ -83,7 +83,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from megarl.models.embedded import ensure_embedded_model
+    from megarl.embedded.registry import ensure_embedded_model
 
     model_dir = (ensure_embedded_model(args.model.split(":", 1)[1]) if args.model.startswith("embedded:")
                  else Path(args.model))

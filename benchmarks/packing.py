@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megarl.algo.config import LossConfig  # noqa: E402
 from megarl.config.schema import LearnerConfig  # noqa: E402
-from megarl.models.embedded import resolve_model_path  # noqa: E402
+from megarl.embedded.registry import resolve_model_path  # noqa: E402
 from megarl.protocols import TrainBatch  # noqa: E402
 from megarl.rollout.tasks import COUNT_ALPHABET, CountTask  # noqa: E402
 

@@ -40,7 +40,7 @@ LARGER = dict(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidd
 
 
 def embedded_model_dir() -> str:
-    from megarl.models.embedded import ensure_embedded_model
+    from megarl.embedded.registry import ensure_embedded_model
 
     return str(ensure_embedded_model("tiny-qwen2-arith"))
 

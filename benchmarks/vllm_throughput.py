@@ -60,7 +60,7 @@ def main() -> None:
 
     from megarl.config.schema import VLLMConfig
     from megarl.distributed.sglang_publish import free_port
-    from megarl.models.embedded import ensure_embedded_model
+    from megarl.embedded.registry import ensure_embedded_model
     from megarl.sampler.engine import BuiltinEngine
     from megarl.sampler.vllm_env import ensure_env
     from megarl.sampler.vllm_engine import VLLMEngine, server_command, server_env

@@ -320,7 +320,7 @@ def run_round(args, out: Path, seed: int) -> dict:
     """megarl pipeline, megarl sync and TRL one after the other, all with run seed `seed` (megarl's run.seed; TRL's
     seed and the prompt stream both sides draw): their results, printed, kept in OUT/results.json and drawn."""
     from megarl.config.load import load_config
-    from megarl.models.embedded import resolve_model_path
+    from megarl.embedded.registry import resolve_model_path
 
     overrides = [*args.overrides, f"run.seed={seed}"]
     cfg = load_config(str(ROOT / DEMO), [*MEGARL_OVERRIDES, *overrides])

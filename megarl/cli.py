@@ -7,6 +7,8 @@ starts, then launches one torchrun holding every role and waits for it.
 `placement` prints which node runs which ranks and roles for a multi-node launch (docs/launch.md).
 `export --checkpoint CKPT --out DIR` writes a learner checkpoint as an HF model directory (docs/checkpoint.md).
 `eval CONFIG [key=value ...]` scores model.path (or `--checkpoint`) on eval.sets as a run evaluates (docs/eval.md).
+`config [KEY] [--diff CONFIG [key=value ...]] [--markdown]` prints the config reference: every key's type, default
+and comment from megarl/config/schema.py (megarl.config.reference renders it; docs/config.md is its Markdown).
 `sft CONFIG [key=value ...]` fine-tunes model.path on sft.data (supervised, the learner backends and layouts of
 `train`), after the same checks, and writes an HF model directory `train` takes as model.path (docs/sft.md).
 """
@@ -126,7 +128,7 @@ def checked_for_launch(cfg) -> Path | None:
     except (OSError, ImportError, ValueError) as exc:
         print(f"megarl: task: {exc}", file=sys.stderr)
         return None
-    if not print_eval_check(cfg, model_dir):
+    if not print_eval_check(cfg, model_dir) or not print_tracker_check(cfg):
         return None
     from megarl.checkpoint.learner_state import check_resumable, read_manifest
     from megarl.checkpoint.resume import check_export_target, find_checkpoint, prepare_run_dir
@@ -246,7 +248,7 @@ def failure_summary(torchrun_stderr: str, cfg) -> str:
 
 def checked_model_dir(cfg) -> Path | None:
     """cfg.model.path resolved (an embedded model built on first use) and checked; None after printing why not."""
-    from megarl.models.embedded import resolve_model_path
+    from megarl.embedded.registry import resolve_model_path
 
     try:
         model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
@@ -263,7 +265,7 @@ def teacher_fits(cfg, model_dir) -> bool:
     if not cfg.algo.distill.teacher:
         return True
     from megarl.learner.teacher import check_teacher
-    from megarl.models.embedded import resolve_model_path
+    from megarl.embedded.registry import resolve_model_path
 
     try:
         teacher_dir = resolve_model_path(cfg.algo.distill.teacher, cfg.model.cache_dir)
@@ -479,6 +481,20 @@ def print_eval_check(cfg, model_dir) -> bool:
     return True
 
 
+def print_tracker_check(cfg) -> bool:
+    """observe.trackers checked (megarl.observe.trackers.check_trackers: packages, settings), said on stdout; False
+    after printing why a tracker cannot start."""
+    from megarl.observe.trackers import check_trackers
+
+    try:
+        for line in check_trackers(cfg):
+            print(f"megarl: {line}")
+    except ValueError as exc:
+        print(f"megarl: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def evaluate(args: argparse.Namespace) -> int:
     """`megarl eval CONFIG [key=value ...]`: score model.path (or --checkpoint) on eval.sets, write JSON."""
     try:
@@ -541,7 +557,7 @@ def checked_sft_inputs(cfg) -> Path | None:
     """`megarl sft`'s model, data and output checks (the data's summary printed): the model directory, or None
     after printing why not."""
     model_dir = checked_model_dir(cfg)
-    if model_dir is None:
+    if model_dir is None or not print_tracker_check(cfg):
         return None
     from megarl.sft.data import SFTDataError
     from megarl.sft.run import SFTOutputError, check_outputs, load_data
@@ -622,6 +638,46 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
+def show_config(args: argparse.Namespace) -> int:
+    """`megarl config`: the reference of every key, one key or section (KEY), a config's changes (--diff), or
+    docs/config.md (--markdown); a wrong KEY exits 2 naming the closest keys."""
+    from megarl.config import reference
+
+    if args.diff is not None:
+        if args.key is not None:
+            args.overrides = [args.key, *args.overrides]  # `--diff CONFIG key=value` puts the first override in KEY
+        if any("=" not in word for word in args.overrides):
+            print("megarl config: --diff takes CONFIG and key=value overrides only", file=sys.stderr)
+            return 2
+        try:
+            cfg = load_config(args.diff, args.overrides, check_files=False)
+        except ConfigError as exc:
+            print(f"megarl: config error: {exc}", file=sys.stderr)
+            return 2
+        from megarl.config.load import to_dict
+
+        # the defaults loaded the same way, so both sides have their ${run.dir} interpolations resolved
+        defaults = to_dict(load_config(None, [], check_files=False))
+        print(reference.render_diff(reference.diff(to_dict(cfg), defaults),
+                                    " ".join([args.diff, *args.overrides])), end="")
+        return 0
+    if args.overrides:
+        print(f"megarl config: unexpected {' '.join(args.overrides)} (overrides go with --diff CONFIG)", file=sys.stderr)
+        return 2
+    if args.markdown:
+        print(reference.render_markdown(), end="")
+        return 0
+    if args.key is None:
+        print(reference.render_text(), end="")
+        return 0
+    try:
+        print(reference.render_text(reference.lookup(args.key)), end="")
+    except reference.UnknownKey as exc:
+        print(f"megarl config: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="Asynchronous Pipeline RL post-training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -663,6 +719,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="check the config, model, data and outputs and print the torchrun command (give it before CONFIG)")
     p.set_defaults(func=sft)
+    p = sub.add_parser("config", help="the config reference: every key's type, default and comment (KEY: one key or "
+                                      "section; --diff CONFIG: what a config changes)")
+    p.add_argument("key", nargs="?", default=None, help="a key (learner.lr) or a section (learner); default: all")
+    p.add_argument("overrides", nargs="*", help="with --diff: key=value overrides applied to CONFIG")
+    p.add_argument("--diff", metavar="CONFIG", default=None,
+                   help="print the keys CONFIG (and key=value overrides) sets away from their defaults")
+    p.add_argument("--markdown", action="store_true", help="print every key as Markdown (docs/config.md)")
+    p.set_defaults(func=show_config)
     return parser
 
 

@@ -10,7 +10,7 @@ Per-token conventions (used everywhere):
     results, user turns), the latter listed in `env_spans`, with behaviour log-prob 0, version -1 and
     loss mask 0: they are context, not actions.
   * Mixture-of-experts models: a sample's `routes` (numpy, [P, moe_layers, top_k], uint8 or int16 past 255
-    experts: megarl.models.moe.routes_dtype) hold,
+    experts: routes_dtype) hold,
     for every position i < P = len(prompt_ids) + len(token_ids) - 1 (the last token is never an input),
     the experts each MoE layer's router chose for the input token at i, in the router's top-k order,
     under the weights that computed that position (docs/moe.md; checked by megarl.rollout.routes).
@@ -30,6 +30,27 @@ import numpy as np
 
 if TYPE_CHECKING:  # annotations only: the CLI reads the config and checks the task without importing torch
     import torch
+
+
+def routes_dtype(num_experts: int):
+    """The integer numpy dtype a sample's routes travel in: uint8, int16 past 255 experts (the MoE contract above)."""
+    return np.uint8 if num_experts <= 255 else np.int16
+
+
+@dataclass(frozen=True)
+class RouteShape:
+    """What every sample's routes must look like for an MoE model (megarl.models.moe.route_shape reads it from
+    the model's config; megarl.rollout.routes checks and packs routes against it)."""
+
+    layers: int  # MoE layers
+    top_k: int
+    num_experts: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch  # here: the CLI imports this module without torch
+
+        return torch.from_numpy(np.zeros(0, routes_dtype(self.num_experts))).dtype
 
 
 @dataclass(frozen=True)
@@ -116,6 +137,24 @@ class Sample:
             else:
                 runs.append((kind, i, i + 1))
         return runs
+
+
+def sample_shape_problem(s: Sample) -> str | None:
+    """What breaks the invariants across a sample's fields that a batch relies on, or None: per-token lists of
+    equal length, env spans ordered inside token_ids, MoE routes one row per input position (megarl.distributed.wire
+    checks these and the value ranges on every message; the learner's batch assembly checks these again)."""
+    n = len(s.token_ids)
+    if len(s.logprobs) != n or len(s.versions) != n:
+        return f"token_ids, logprobs and versions differ in length ({n}, {len(s.logprobs)}, {len(s.versions)})"
+    end = 0
+    for start, stop in s.env_spans:
+        if not end <= start < stop <= n:
+            return f"env_spans {s.env_spans} are not ordered, non-empty spans within the {n} tokens"
+        end = stop
+    positions = len(s.prompt_ids) + n - 1  # every input position; the last token is never an input
+    if s.routes is not None and s.routes.shape[0] != positions:
+        return f"routes hold {s.routes.shape[0]} positions, the sample has {positions} (prompt + completion - 1)"
+    return None
 
 
 @dataclass

@@ -12,9 +12,9 @@ from tests.helpers import REPO
 # What an embedded model's build runs beyond its registry entry (whose hash names its directory): the builders, the
 # tasks, chat transcripts, tools and rewards they train and evaluate on; and the libraries that run them. Only these:
 # a change elsewhere (the converters, say) keeps the built models.
-BUILD_SOURCES = ("megarl/models/embedded.py", "megarl/models/tiny.py", "megarl/models/tiny_chat.py",
+BUILD_SOURCES = ("megarl/embedded/registry.py", "megarl/embedded/tiny.py", "megarl/embedded/tiny_chat.py",
                  "megarl/models/tiny_moe.py", "megarl/rollout/tasks.py", "megarl/rollout/chat.py", "megarl/rollout/environment.py",
-                 "megarl/rollout/rewards.py", "megarl/rollout/sandbox.py")
+                 "megarl/rollout/rewards.py", "megarl/rollout/sandbox.py", "megarl/rollout/tool_calls.py")
 
 
 def builder_fingerprint() -> str:
@@ -42,7 +42,7 @@ def embedded_cache_dir(tmp_path_factory) -> Path:
 def embedded_model_dir(embedded_cache_dir) -> Path:
     """The no-thinking embedded model (`tiny-qwen2-arith`, ~3-token completions), built on first
     request (kept: see embedded_cache_dir; ~30-45 s on one core). Request it only where it is needed."""
-    from megarl.models.embedded import ensure_embedded_model
+    from megarl.embedded.registry import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-arith", cache_dir=embedded_cache_dir)
 
@@ -51,7 +51,7 @@ def embedded_model_dir(embedded_cache_dir) -> Path:
 def embedded_think_model_dir(embedded_cache_dir) -> Path:
     """The thinking embedded model (`tiny-qwen2-arith-think`: "12+7=" -> "..........19<eos>" with a
     long-tailed filler run), built on first request (kept: see embedded_cache_dir; ~45-60 s on one core)."""
-    from megarl.models.embedded import ensure_embedded_model
+    from megarl.embedded.registry import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-arith-think", cache_dir=embedded_cache_dir)
 
@@ -60,7 +60,7 @@ def embedded_think_model_dir(embedded_cache_dir) -> Path:
 def embedded_count_model_dir(embedded_cache_dir) -> Path:
     """The demo's model (`tiny-qwen2-count`: "d-k=" -> "defghijk<eos>", run lengths set by the prompt),
     built on first request (kept: see embedded_cache_dir; ~40 s on one core)."""
-    from megarl.models.embedded import ensure_embedded_model
+    from megarl.embedded.registry import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-count", cache_dir=embedded_cache_dir)
 
@@ -69,7 +69,7 @@ def embedded_count_model_dir(embedded_cache_dir) -> Path:
 def embedded_moe_model_dir(embedded_cache_dir) -> Path:
     """The MoE demo's model (`tiny-mixtral-count`: a tiny Mixtral, 4 experts top-2, on the count task),
     built on first request (kept: see embedded_cache_dir; ~75 s of CPU on one core)."""
-    from megarl.models.embedded import ensure_embedded_model
+    from megarl.embedded.registry import ensure_embedded_model
 
     return ensure_embedded_model("tiny-mixtral-count", cache_dir=embedded_cache_dir)
 
@@ -78,7 +78,7 @@ def embedded_moe_model_dir(embedded_cache_dir) -> Path:
 def embedded_tool_model_dir(embedded_cache_dir) -> Path:
     """The multi-turn demo's chat model (`tiny-qwen2-tool`: "37*43" -> ">>> 37*43", the tool's "1591",
     "1591"), built on first request (kept: see embedded_cache_dir; ~80 s on one core)."""
-    from megarl.models.embedded import ensure_embedded_model
+    from megarl.embedded.registry import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-tool", cache_dir=embedded_cache_dir)
 
@@ -87,7 +87,7 @@ def embedded_tool_model_dir(embedded_cache_dir) -> Path:
 def embedded_toolcall_model_dir(embedded_cache_dir) -> Path:
     """The tool model for OpenAI tool calling (`tiny-qwen2-toolcall`: the python tool in a tools block, the call as
     a <tool_call> JSON block), built on first request (kept: see embedded_cache_dir; ~9 min of CPU on one core)."""
-    from megarl.models.embedded import ensure_embedded_model
+    from megarl.embedded.registry import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-toolcall", cache_dir=embedded_cache_dir)
 

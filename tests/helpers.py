@@ -28,7 +28,7 @@ def run_python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def save_tokenizer(model_dir: Path) -> None:
     """The embedded models' real tokenizer (tokenizer.json + tokenizer_config.json), which megarl's start-up
     check loads: for model directories made up for the CLI's checks (nothing loads their weights)."""
-    from megarl.models.tiny import build_tokenizer
+    from megarl.embedded.tiny import build_tokenizer
 
     build_tokenizer().save_pretrained(model_dir)
 
@@ -54,7 +54,7 @@ def save_tiny_qwen2(path: Path, tie_word_embeddings: bool, vocab_size: int = 64,
                 p.normal_(std=0.1)
     model.save_pretrained(path)
     if tokenizer:
-        from megarl.models.tiny import build_tokenizer
+        from megarl.embedded.tiny import build_tokenizer
 
         build_tokenizer().save_pretrained(path)
     return path
@@ -170,7 +170,7 @@ def save_tiny_granite(path: Path, vocab_size: int = 264, tokenizer: bool = True,
                                              residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0))
     model.save_pretrained(path)
     if tokenizer:
-        from megarl.models.tiny import build_tokenizer
+        from megarl.embedded.tiny import build_tokenizer
 
         build_tokenizer().save_pretrained(path)
     return path

@@ -57,7 +57,7 @@ class LossConfig:
     decoupled: bool = False
     # KL penalty to a reference policy (LossInputs.ref_logprobs), per-token estimator k1|k2|k3.
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3"  # see kl_coef
     # Entropy bonus (LossInputs.entropy): loss -= entropy_coef * mean entropy.
     entropy_coef: float = 0.0
     # Report the policy's mean entropy over the trained tokens (entropy/mean) even without the bonus: a collapsing
@@ -76,7 +76,7 @@ class AdvantageConfig:
     # baseline is not used (`std_normalize` ignored; `algo.critic.whiten` normalises instead).
     estimator: str = "grpo"
     std_normalize: bool = True
-    eps: float = 1e-6
+    eps: float = 1e-6  # added to the group's reward std before dividing by it
     # DAPO dynamic sampling: drop groups whose rewards are all equal (they carry no signal).
     filter_zero_variance: bool = False
     # DAPO overlong filtering: samples cut off by the length limit get zero weight.
@@ -98,7 +98,7 @@ class CriticConfig:
     model: str = ""
     # Discount and GAE lambda per model token (environment tokens are not steps: megarl.algo.values).
     gamma: float = 1.0
-    lam: float = 0.95
+    lam: float = 0.95  # see gamma
     # The value target: "gae" (the GAE return A + V with the current critic, as the peers do) or
     # "vtrace" (V-trace, per-token truncated importance weights against each token's behaviour log-prob).
     target: str = "gae"
@@ -107,8 +107,8 @@ class CriticConfig:
     rho_bar: float = 1.0
     # The critic's own AdamW optimizer (a separate model: a loss coefficient would only rescale its lr).
     lr: float = 1e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    weight_decay: float = 0.0  # see lr
+    grad_clip: float = 1.0  # see lr: the critic's gradient norm is clipped to this
     # PPO value clip: V is clipped to old_V +- value_clip in the loss (None = off).
     value_clip: Optional[float] = None
     # The first `warmup_steps` optimizer steps train only the critic (the policy is not updated).

@@ -18,8 +18,8 @@ import shutil
 from datetime import timedelta
 from pathlib import Path
 
-from megarl.checkpoint.position import RetiredIndices
 from megarl.checkpoint.storage import CheckpointError, find_latest
+from megarl.rollout.position import RetiredIndices
 
 
 def _restart_count() -> int:

@@ -17,11 +17,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from megarl.algo.config import (validate_advantage_config, validate_critic_config, validate_distill_config,
                                 validate_loss_config)
-from megarl.config.schema import STALE_POLICIES, Config, PublishConfig
-from megarl.learner.lr_schedule import LR_DECAYS
-from megarl.rollout import send_order
-from megarl.rollout.sandbox import check_config as check_sandbox
-from megarl.rollout.tasks import MULTI_TURN_TASKS, LengthLimit
+from megarl.config.length_limit import LengthLimit
+from megarl.config.schema import (LORA_FUSED_GROUPS, LORA_TARGETS, LR_DECAYS, MULTI_TURN_TASKS, QUEUE_ORDERS,
+                                  STALE_POLICIES, TRACKERS, VLLM_VARIANTS, Config, PublishConfig)
 
 
 class ConfigError(ValueError):
@@ -77,12 +75,10 @@ def _empty_string(schema, override: str) -> str:
 
 def _pick_vllm_model(cfg: Config) -> None:
     """sampler.engine=vllm with an embedded model vLLM cannot run (head_dim < 32 on CPU): use its variant with
-    head_dim 32 (megarl.models.embedded.VLLM_VARIANTS), so `megarl train configs/demo.yaml sampler.engine=vllm`
+    head_dim 32 (megarl.config.schema.VLLM_VARIANTS), so `megarl train configs/demo.yaml sampler.engine=vllm`
     works as typed. The resolved config (saved with the run) shows the model actually used."""
     if cfg.sampler.engine != "vllm" or not cfg.model.path.startswith("embedded:"):
         return
-    from megarl.models.embedded import VLLM_VARIANTS
-
     name = cfg.model.path.split(":", 1)[1]
     if name in VLLM_VARIANTS:
         cfg.model.path = f"embedded:{VLLM_VARIANTS[name]}"
@@ -178,8 +174,8 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(cfg.sampler.model_impl in ("auto", "native", "hf"), "sampler.model_impl",
              "must be 'auto', 'native' or 'hf' (docs/models.md#the-generic-path)")
     _require(cfg.algo.mode in ("pipeline", "sync"), "algo.mode", f"must be 'pipeline' or 'sync', got {cfg.algo.mode!r}")
-    _require(cfg.algo.queue_order in send_order.ORDERS, "algo.queue_order",
-             f"must be one of {', '.join(send_order.ORDERS)}; got {cfg.algo.queue_order!r}")
+    _require(cfg.algo.queue_order in QUEUE_ORDERS, "algo.queue_order",
+             f"must be one of {', '.join(QUEUE_ORDERS)}; got {cfg.algo.queue_order!r}")
     _require(cfg.algo.stale in STALE_POLICIES, "algo.stale",
              f"must be one of {', '.join(STALE_POLICIES)}; got {cfg.algo.stale!r}")
     if cfg.algo.mode == "pipeline":
@@ -195,6 +191,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(cfg.dist.backend in ("auto", "gloo", "nccl"), "dist.backend", "must be auto, gloo or nccl")
     _validate_task(cfg, check_files)
     _validate_checkpoint(cfg)
+    _validate_observe(cfg)
     _require(not (cfg.algo.distill.teacher and cfg.algo.distill.reward_weight == 0.0
                   and cfg.algo.advantage.filter_zero_variance), "algo.advantage.filter_zero_variance",
              "drops groups whose rewards are all equal, but pure distillation (algo.distill.reward_weight=0) learns "
@@ -374,7 +371,7 @@ def _validate_task(cfg: Config, check_files: bool) -> None:
     _require(not tc.reward_sandbox or ":" in tc.reward_fn, "task.reward_sandbox",
              "sandboxes a user function task.reward_fn='package.module:function' (python_output always runs sandboxed)")
     try:
-        check_sandbox(tc.sandbox)
+        tc.sandbox.check()
     except ValueError as exc:  # its messages start with "sandbox.<field>"
         raise ConfigError(f"task.{exc}") from exc
 
@@ -421,6 +418,15 @@ def _validate_eval(cfg: Config, check_files: bool) -> None:
                      f"{sc.reward_fn!r} is not of the form 'package.module:function'")
 
 
+def _validate_observe(cfg: Config) -> None:
+    trackers = list(cfg.observe.trackers)
+    unknown = [t for t in trackers if t not in TRACKERS]
+    _require(not unknown, "observe.trackers", f"unknown tracker(s) {unknown}; known: {', '.join(TRACKERS)}")
+    _require(len(set(trackers)) == len(trackers), "observe.trackers", f"names a tracker twice: {trackers}")
+    _require(cfg.observe.wandb_mode in ("", "online", "offline", "disabled"), "observe.wandb_mode",
+             f"must be online, offline, disabled or '' (WANDB_MODE), got {cfg.observe.wandb_mode!r}")
+
+
 def _validate_checkpoint(cfg: Config) -> None:
     ck = cfg.checkpoint
     _require(cfg.run.resume.lower() in ("false", "true", "auto"), "run.resume",
@@ -458,17 +464,15 @@ def _validate_lora(cfg: Config) -> None:
     _require(lora.rank >= 0, "learner.lora.rank", f"must be >= 0 (0 = no LoRA, full fine-tuning), got {lora.rank}")
     if lora.rank == 0:
         return
-    from megarl.models.lora import FUSED_GROUPS, TARGETS  # (imports torch: not for the runs without an adapter)
-
     _require(lora.alpha > 0, "learner.lora.alpha", f"must be > 0, got {lora.alpha}")
     _require(0.0 <= lora.dropout < 1.0, "learner.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
     targets = list(lora.target_modules)
-    _require(bool(targets), "learner.lora.target_modules", f"must name at least one of {', '.join(TARGETS)}")
-    unknown = [t for t in targets if t not in TARGETS]
+    _require(bool(targets), "learner.lora.target_modules", f"must name at least one of {', '.join(LORA_TARGETS)}")
+    unknown = [t for t in targets if t not in LORA_TARGETS]
     _require(not unknown, "learner.lora.target_modules",
-             f"unknown module(s) {unknown}; a decoder layer's adaptable projections are {', '.join(TARGETS)}")
+             f"unknown module(s) {unknown}; a decoder layer's adaptable projections are {', '.join(LORA_TARGETS)}")
     _require(len(set(targets)) == len(targets), "learner.lora.target_modules", f"names a module twice: {targets}")
-    for fused, group in FUSED_GROUPS.items():  # (peft adapts each HF projection of the DeepSpeed learner alone)
+    for fused, group in LORA_FUSED_GROUPS.items():  # (peft adapts each HF projection of the DeepSpeed learner alone)
         chosen = [t for t in group if t in targets]
         _require(lc.backend == "deepspeed" or not chosen or len(chosen) == len(group), "learner.lora.target_modules",
                  f"{'/'.join(group)} are one fused linear on the megatron learner ({fused}), adapted together or "

@@ -6,19 +6,18 @@ cross-field rules (topology, objective) in `validate`.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from megarl.algo.config import AdvantageConfig, CriticConfig, DistillConfig, LossConfig
-from megarl.rollout.sandbox import SandboxConfig
 
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/demo"  # outputs: config.yaml, metrics.jsonl, rollouts.jsonl, tensorboard/
+    dir: str = "runs/demo"  # outputs: config.yaml, metrics.jsonl, rollouts.jsonl, timeline/, the trackers' files
     steps: int = 100  # learner optimizer steps
-    seed: int = 0
-    log_rollouts: bool = True
-    tensorboard: bool = True
+    seed: int = 0  # seeds the prompt stream and sampling (each sampler: run.seed with its rank)
+    log_rollouts: bool = True  # rollouts.jsonl: every trained sample (prompt, completion, reward, versions)
     progress: bool = True  # console progress line
     timeline: bool = True  # timeline/<process>.jsonl: learner spans, sampler tokens per time slice
     # Continue from the latest checkpoint in checkpoint.dir: "true" (it must exist), "auto" (if one
@@ -30,22 +29,59 @@ class RunConfig:
     overwrite: bool = False
 
 
+# sampler.engine=vllm swaps an embedded model for its variant with head_dim >= 32 (vLLM's CPU attention needs it;
+# megarl.config.load picks it, megarl/embedded/registry.py builds it).
+VLLM_VARIANTS = {"tiny-qwen2-count": "tiny-qwen2-count-hd32", "tiny-qwen2-tool": "tiny-qwen2-tool-hd32"}
+
+
 @dataclass
 class ModelConfig:
-    # "embedded:<name>" builds the tiny local default once (see megarl/models/tiny.py);
+    # "embedded:<name>" builds the tiny local default once (see megarl/embedded/tiny.py);
     # anything else is an HF-format directory (config.json, model.safetensors, tokenizer files).
     path: str = "embedded:tiny-qwen2-arith-think"
-    cache_dir: str = "~/.cache/megarl/models"
+    cache_dir: str = "~/.cache/megarl/models"  # where embedded models are built (once per name)
+
+
+# the built-in tasks whose samples are episodes (megarl/rollout/episode.py)
+MULTI_TURN_TASKS = ("tool_arith",)
+
+
+@dataclass
+class SandboxConfig:
+    """Limits of sandboxed code (megarl/rollout/sandbox.py; docs/security.md)."""
+
+    cpu_s: float = 5.0  # CPU seconds per process (RLIMIT_CPU, rounded up to whole seconds)
+    memory_mb: int = 512  # address space per process (RLIMIT_AS)
+    disk_mb: int = 16  # largest file (RLIMIT_FSIZE); with namespaces also the working directory's size
+    max_processes: int = 1  # 1 = the program alone (no fork, no thread); > 1 needs a non-root uid (RLIMIT_NPROC)
+    max_output_kb: int = 256  # stdout and stderr kept, per stream; more kills the program
+    network: bool = False  # False: no sockets (seccomp) and no interfaces (net namespace)
+    # Without user namespaces the filesystem is not read-only for the code (docs/security.md, "Sandbox
+    # modes"): true refuses to run then, false runs with the process, rlimit and seccomp layers only
+    # (as a non-root user; as root the fallback is refused).
+    require_namespaces: bool = True
+
+    def check(self) -> None:
+        """ValueError naming the field of a limit that is out of range or cannot be enforced here."""
+        for name in ("cpu_s", "memory_mb", "disk_mb", "max_processes", "max_output_kb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"sandbox.{name}: must be > 0, got {getattr(self, name)}")
+        if self.memory_mb < 64:
+            raise ValueError(f"sandbox.memory_mb: must be >= 64 (the Python interpreter itself needs it), "
+                             f"got {self.memory_mb}")
+        if self.max_processes > 1 and os.geteuid() == 0:
+            raise ValueError("sandbox.max_processes: more than 1 cannot be enforced for uid 0 (the kernel exempts "
+                             "root from RLIMIT_NPROC); keep it at 1 or run megarl as a non-root user")
 
 
 @dataclass
 class TaskConfig:
     # arithmetic | count | python_output (code execution) | jsonl (a prompt dataset) | tool_arith (multi-turn, a tool)
     name: str = "arithmetic"
-    max_operand: int = 19
+    max_operand: int = 19  # name=arithmetic: operands drawn uniformly from 0..max_operand
     # name=count ("d-k=" -> "defghijk"): mean and cap of the run length, drawn long-tailed (geometric).
     length_mean: float = 8.0
-    max_length: int = 48
+    max_length: int = 48  # name=count: the longest run (see length_mean)
     # Mean length of the filler "thinking" run before the answer (geometric, so long-tailed);
     # 0 = answer directly. The embedded default model was warm-started with 10.
     think_mean: float = 10.0
@@ -55,8 +91,8 @@ class TaskConfig:
     # name=jsonl: a .jsonl or .parquet file, or a directory written by `datasets`' save_to_disk
     # (megarl/rollout/datasets.py); each row gives a prompt and its answer, other fields go to meta.
     path: str = ""
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    prompt_field: str = "prompt"  # the row field holding the prompt text
+    answer_field: str = "answer"  # the row field holding the answer the reward compares with
     # A dataset row's source (verl's convention: "data_source"): samples carry it, and the learner reports each
     # source's reward (reward/source/<name>) and rollouts.jsonl records it; a row without the field has none.
     source_field: str = "data_source"
@@ -102,10 +138,12 @@ class TaskConfig:
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 48
+    """How the samplers draw training completions."""
+
+    temperature: float = 1.0  # softmax temperature of the sampled tokens
+    top_p: float = 1.0  # nucleus sampling: the smallest token set of this much probability (1 = off)
+    top_k: int = 0  # only the k most likely tokens (0 = off)
+    max_new_tokens: int = 48  # completion tokens per request (a multi-turn episode: per model turn)
 
 
 @dataclass
@@ -184,6 +222,13 @@ class DeepSpeedConfig:
     offload_params: bool = False  # stage 3 only: parameters on the CPU between uses
 
 
+# learner.lora.target_modules: a decoder layer's adaptable HF projections, and those that one megatron linear
+# computes together (megarl/learner/lora.py adapts the linear, so they are adapted together or not at all).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_FUSED_GROUPS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                     "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+
+
 @dataclass
 class LoraConfig:
     """learner.lora: train a low-rank adapter on the frozen base model instead of every weight (docs/lora.md).
@@ -202,12 +247,16 @@ class LoraConfig:
                                                                "up_proj", "down_proj"])
 
 
+# learner.lr_decay: the schedule after the warm-up (megarl/learner/lr_schedule.py).
+LR_DECAYS = ("constant", "linear", "cosine")
+
+
 @dataclass
 class LearnerConfig:
     backend: str = "megatron"  # megatron | deepspeed (any HF causal LM through transformers)
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
+    tp: int = 1  # tensor-parallel ranks (each layer's weights split over them)
+    pp: int = 1  # pipeline-parallel stages (the layers split over them)
+    dp: int = 1  # data-parallel replicas; learner ranks = tp * pp * dp
     # Expert parallelism (mixture-of-experts models): each expert-parallel rank holds num_experts / ep
     # whole experts; the ep ranks are carved out of the tensor- and data-parallel ones (tp * dp must be a
     # multiple of ep). An MoE model at tp > 1 trains with megatron's sequence parallelism (docs/moe.md).
@@ -222,7 +271,7 @@ class LearnerConfig:
     # sharing"). Not under algo.routing_replay=r3 (rows replay their own routes).
     share_prefixes: bool = True
     recompute_activations: str = "none"  # none | full | selective (megatron activation recomputation)
-    lr: float = 1e-3
+    lr: float = 1e-3  # the peak learning rate (AdamW)
     # The learning rate per optimizer step (megarl/learner/lr_schedule.py): a linear warm-up over lr_warmup_steps,
     # then lr_decay (constant | linear | cosine) down to lr * lr_min_ratio at lr_decay_steps (0 = the run's
     # optimizer steps: run.steps * algo.sync_epochs; megarl sft: its steps). The critic keeps algo.critic.lr.
@@ -230,20 +279,22 @@ class LearnerConfig:
     lr_decay: str = "constant"
     lr_decay_steps: int = 0
     lr_min_ratio: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    grad_clip: float = 0.0
-    use_distributed_optimizer: bool = False
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    adam_beta1: float = 0.9  # AdamW beta1 (first-moment decay)
+    adam_beta2: float = 0.999  # AdamW beta2 (second-moment decay)
+    grad_clip: float = 0.0  # clip the global gradient norm to this (0 = no clipping)
+    use_distributed_optimizer: bool = False  # megatron: optimizer state sharded over the DP replicas
     # A step whose loss or grad norm is not finite is skipped (no update) and counted; this many in a
     # row stop the run with an error (the weights are not going to recover by themselves).
     max_nonfinite_in_row: int = 5
-    seed: int = 1234
-    threads: int = 1
+    seed: int = 1234  # seeds torch on the learner ranks (e.g. LoRA adapters' initialisation)
+    threads: int = 1  # torch intra-op threads per learner process
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
+# algo.queue_order: the order a sampler sends its groups in (megarl/rollout/send_order.py).
+QUEUE_ORDERS = ("deadline", "start", "finish")
 # algo.stale: what the learner does with tokens more than algo.max_lag versions old (megarl/rollout/batch.py).
 STALE_POLICIES = ("drop_group", "mask_tokens")
 
@@ -408,6 +459,30 @@ class EvalConfig:
     timeout_s: float = 600.0  # at the end, how long the learner waits for the last evaluations' results
 
 
+# observe.trackers: where a run's scalars, evaluation curves and config go besides metrics.jsonl.
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+@dataclass
+class ObserveConfig:
+    """Run trackers (megarl/observe/trackers.py): each gets every learner step's scalars and every evaluation's,
+    as metrics.jsonl holds them, and the run's resolved config; they log off the learner's step path.
+    wandb and mlflow need `pip install "megarl[trackers]"`; `megarl train` refuses a tracker that cannot start."""
+
+    # Any of tensorboard (run.dir/tensorboard/), wandb, mlflow; [] = metrics.jsonl only.
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    run_name: str = ""  # the run's name in wandb and MLflow; "" = the name of run.dir
+    wandb_project: str = "megarl"  # the wandb project the run goes to
+    wandb_entity: str = ""  # "" = wandb's default entity (of the logged-in user)
+    # "online", "offline" (files only: `wandb sync` uploads them later) or "disabled"; "" = WANDB_MODE or online.
+    wandb_mode: str = ""
+    wandb_dir: str = "${run.dir}"  # wandb writes its wandb/ folder (run files, offline runs) here
+    # "" = a file store in run.dir/mlruns (`mlflow ui --backend-store-uri` it); else http(s)://host, sqlite:///...
+    mlflow_tracking_uri: str = ""
+    mlflow_experiment: str = "megarl"  # the MLflow experiment the run goes to (made when missing)
+    close_timeout_s: float = 120.0  # at the end, how long a tracker may take to write what is queued
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -424,3 +499,4 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)  # megarl sft only
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (train and megarl eval)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)

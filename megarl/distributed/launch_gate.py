@@ -25,8 +25,8 @@ import time
 
 import torch.distributed as dist
 
-from megarl.distributed.secret import run_secret
 from megarl.distributed.signed_store import SignedStore
+from megarl.secret import run_secret
 
 ENV = "MEGARL_LAUNCH_GATED"  # set by the launcher for its ranks: wait for the verdict before acting
 KEY = "megarl/launch_gate"  # unprefixed by the restart attempt: one verdict for the whole launch

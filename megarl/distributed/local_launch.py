@@ -9,7 +9,7 @@ so anyone who reaches the machine could read and write the run's store. Here tor
 in-process with a rendezvous backend of one node whose single store (rendezvous and workers' store
 alike, as torchrun shares them) listens on 127.0.0.1 only (megarl.distributed.store_server).
 
-MEGARL_RUN_SECRET is generated here when the environment does not set one (megarl.distributed.secret);
+MEGARL_RUN_SECRET is generated here when the environment does not set one (megarl.secret);
 every rank inherits it. Started gated (megarl.distributed.supervisor.GatedStart: `megarl train` starts it
 before its checks), it launches the ranks at once and relays the checks' verdict into its store, where the ranks
 wait for it once they have imported what their role needs (megarl.distributed.launch_gate). Multi-node launches
@@ -34,9 +34,9 @@ from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousI
 from torch.distributed.run import main as torchrun_main
 
 from megarl.distributed import launch_gate
-from megarl.distributed.secret import ENV, new_secret
 from megarl.distributed.store_server import tcp_store_server
 from megarl.distributed.supervisor import GATE_ENV
+from megarl.secret import ENV, new_secret
 
 BACKEND = "megarl-loopback"
 HOST = "127.0.0.1"

@@ -26,8 +26,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from megarl.distributed.wire import Envelope, WireError, decode_group, encode_group
-from megarl.observe.ratelimit import RateLimitedLine
 from megarl.protocols import Sample
+from megarl.ratelimit import RateLimitedLine
 
 ADDRESS_KEY = "queue/address"
 CLOSE_LINGER_MS = 2000

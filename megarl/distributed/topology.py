@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from megarl.config.load import ConfigError
 from megarl.distributed.ranks import Topology
-from megarl.distributed.secret import run_secret
 from megarl.distributed.signed_store import SignedStore
 from megarl.distributed.store_server import tcp_store_server
+from megarl.secret import run_secret
 
 STORE_PREFIX = "megarl/"
 

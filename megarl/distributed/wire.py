@@ -37,8 +37,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from megarl.checkpoint.position import parse_group_id
-from megarl.protocols import GenerationRequest, Sample, SamplingParams
+from megarl.protocols import GenerationRequest, Sample, SamplingParams, sample_shape_problem
+from megarl.rollout.position import parse_group_id
 
 MAGIC = b"MRL\x00"
 FORMAT_VERSION = 1
@@ -267,18 +267,7 @@ def sample_problem(s: Sample, ranges: bool = True) -> str | None:
             return f"{f.name}: holds {min(value)}, below {f.min_value}"
         if f.kind == FLOAT and not math.isfinite(value):
             return f"{f.name}: {value!r}, not finite"
-    n = len(s.token_ids)
-    if len(s.logprobs) != n or len(s.versions) != n:
-        return f"token_ids, logprobs and versions differ in length ({n}, {len(s.logprobs)}, {len(s.versions)})"
-    end = 0
-    for start, stop in s.env_spans:
-        if not end <= start < stop <= n:
-            return f"env_spans {s.env_spans} are not ordered, non-empty spans within the {n} tokens"
-        end = stop
-    positions = len(s.prompt_ids) + n - 1  # every input position; the last token is never an input
-    if s.routes is not None and s.routes.shape[0] != positions:
-        return f"routes hold {s.routes.shape[0]} positions, the sample has {positions} (prompt + completion - 1)"
-    return None
+    return sample_shape_problem(s)
 
 
 def check_sample(s: Sample, what: str, ranges: bool = True) -> None:
@@ -362,7 +351,7 @@ def decode_group(message: bytes | memoryview, key: bytes,
     if not group:
         raise WireError("a group must hold at least one sample")
     stats = meta["stats"]
-    try:  # what the learner's data position will parse (megarl.checkpoint.position)
+    try:  # what the learner's data position will parse (megarl.rollout.position)
         parse_group_id(group[0].group_id)
     except ValueError as exc:
         raise WireError(f"sample 0: {exc}"[:300]) from None

@@ -64,7 +64,7 @@ def _distill(model_dir: str, cfg):
     from dataclasses import replace
 
     from megarl.learner.teacher import check_teacher
-    from megarl.models.embedded import resolve_model_path
+    from megarl.embedded.registry import resolve_model_path
 
     teacher_dir = resolve_model_path(cfg.algo.distill.teacher, cfg.model.cache_dir)
     check_teacher(teacher_dir, model_dir, cfg.sampler.max_seq_len)

@@ -19,8 +19,9 @@ import math
 import torch
 from torch import nn
 
+from megarl.config.schema import LORA_FUSED_GROUPS, LORA_TARGETS
 from megarl.models import convert
-from megarl.models.lora import FUSED_GROUPS, TARGETS, adapter_names
+from megarl.models.lora import adapter_names
 from megarl.portable.lora_merge import merge_one
 
 
@@ -121,14 +122,15 @@ def attach(gpt, lora_cfg, layer_offset: int, seed: int, tp_size: int, tp_slice,
     dtype = next(gpt.parameters()).dtype
     params = []
     for local, layer in enumerate(gpt.decoder.layers):
-        for k, (fused, group) in enumerate(FUSED_GROUPS.items()):
+        for k, (fused, group) in enumerate(LORA_FUSED_GROUPS.items()):
             if group[0] not in lora_cfg.target_modules:
                 continue
             linear = getattr(getattr(layer, PARENT[fused]), fused)
             out_local, in_local = linear.weight.shape
             row = fused in ROW_PARALLEL
             in_features, out_features = (in_local * tp_size, out_local) if row else (in_local, out_local * tp_size)
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + (local + layer_offset) * len(FUSED_GROUPS) + k)
+            generator = torch.Generator().manual_seed(
+                seed * 1_000_003 + (local + layer_offset) * len(LORA_FUSED_GROUPS) + k)
             whole = initial_adapter(in_features, out_features, lora_cfg.rank, generator)
             adapter = LoraAdapter((lora_cfg.rank, in_local), (out_local, lora_cfg.rank), lora_cfg.alpha,
                                   lora_cfg.dropout, dtype, row_parallel=row, gate_up_rows=fused == "linear_fc1",
@@ -155,9 +157,9 @@ def hf_adapter(fused: dict[str, tuple[torch.Tensor, torch.Tensor]], layer: int, 
             parts = b.chunk(2, dim=0)
         else:
             parts = (b,)
-        per_target.update({t: (a, part.contiguous()) for t, part in zip(FUSED_GROUPS[name], parts)})
+        per_target.update({t: (a, part.contiguous()) for t, part in zip(LORA_FUSED_GROUPS[name], parts)})
     out = {}
-    for target in (t for t in TARGETS if t in target_modules):
+    for target in (t for t in LORA_TARGETS if t in target_modules):
         a_name, b_name = adapter_names(layer, target)
         out[a_name], out[b_name] = per_target[target]
     return out
@@ -167,7 +169,7 @@ def layer_adapters(layer: nn.Module, tensor) -> dict[str, tuple[torch.Tensor, to
     """megatron linear name -> (tensor(name, A), tensor(name, B)) of a decoder layer's adapted linears, each
     parameter named relative to the layer (`self_attention.linear_qkv.lora.lora_A`)."""
     out = {}
-    for fused in FUSED_GROUPS:
+    for fused in LORA_FUSED_GROUPS:
         linear = getattr(getattr(layer, PARENT[fused]), fused, None)
         if linear is not None and hasattr(linear, "lora"):
             out[fused] = tuple(tensor(f"{PARENT[fused]}.{fused}.lora.{part}", param)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-LR_DECAYS = ("constant", "linear", "cosine")
+from megarl.config.schema import LR_DECAYS
 
 
 def lr_at(step: int, cfg) -> float:

@@ -343,10 +343,10 @@ class MegatronLearner:
         in adapter_spec's order (megarl/learner/lora_publish.py keeps them to publish merged weights). Only the
         adapted linears' weights are gathered (collective over TP, as publish_tensors); the rest of the conversion
         runs on meta tensors."""
-        from megarl.models.lora import FUSED_GROUPS
+        from megarl.config.schema import LORA_FUSED_GROUPS
         from megarl.portable.lora_merge import merged_spec
 
-        adapted = {fused for fused, group in FUSED_GROUPS.items() if group[0] in self.lora.target_modules}
+        adapted = {fused for fused, group in LORA_FUSED_GROUPS.items() if group[0] in self.lora.target_modules}
 
         def tensor(name: str, param: torch.Tensor) -> torch.Tensor:
             linear = name.rsplit(".", 2)  # (a LoRA parameter ends in .lora.lora_A / .lora.lora_B)

@@ -8,7 +8,7 @@ PEFT's keys without its ``base_model.model.`` prefix, so what is published is al
 
 megatron fuses q/k/v into one linear (``linear_qkv``) and gate/up into another (``linear_fc1``); one adapter on a
 fused linear is, in HF terms, one adapter per projection that shares its A and splits its B's rows. So on the
-megatron learner those projections are adapted together or not at all (`FUSED_GROUPS`).
+megatron learner those projections are adapted together or not at all (`LORA_FUSED_GROUPS` in megarl/config/schema.py).
 """
 from __future__ import annotations
 
@@ -17,15 +17,11 @@ from pathlib import Path
 
 import torch
 
+from megarl.config.schema import LORA_TARGETS as TARGETS
 from megarl.models import moe
 from megarl.portable import lora_merge
 
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-TARGETS = ATTENTION_TARGETS + MLP_TARGETS
-# HF projections that one megatron linear computes together (megarl/learner/lora.py adapts the linear).
-FUSED_GROUPS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-                "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+ATTENTION_TARGETS = TARGETS[:4]  # q, k, v, o: the attention block's projections; the rest are the MLP's
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -32,6 +32,8 @@ from typing import Iterator
 
 import torch
 
+from megarl import protocols
+
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # Model types that are mixtures of experts megarl names when it refuses them.
@@ -93,11 +95,16 @@ def num_moe_layers(cfg: dict) -> int:
 
 
 def routes_dtype(cfg: dict):
-    """The integer dtype a sample's routes travel in (MOE_CONTRACT: uint8, int16 past 255 experts); `cfg` is the
-    model's config.json (or just {"num_experts": E})."""
-    import numpy as np
+    """The integer dtype a sample's routes travel in (megarl.protocols.routes_dtype); `cfg` is the model's
+    config.json (or just {"num_experts": E})."""
+    return protocols.routes_dtype(num_experts(cfg))
 
-    return np.uint8 if num_experts(cfg) <= 255 else np.int16
+
+def route_shape(cfg: dict) -> protocols.RouteShape | None:
+    """What every sample's routes must look like for the model of config.json `cfg`; None for a dense model."""
+    if not is_moe(cfg):
+        return None
+    return protocols.RouteShape(num_moe_layers(cfg), top_k(cfg), num_experts(cfg))
 
 
 def transformer_config_kwargs(cfg: dict) -> dict:

@@ -1,6 +1,6 @@
 """The embedded mixture-of-experts model's architecture: a tiny Mixtral with the embedded tokenizer.
 
-"tiny-mixtral-count" (registered in megarl.models.embedded.EMBEDDED_MODELS, built and warm-started there
+"tiny-mixtral-count" (registered in megarl.embedded.registry.EMBEDDED_MODELS, built and warm-started there
 exactly like the dense count model) is what configs/moe.yaml trains and what the MoE tests serve. This
 module owns only its config, so the builders stay one-way (tiny.py imports this, nothing here imports
 back): Mixtral-style routing -- a softmax over `NUM_EXPERTS` router logits, the top `TOP_K` experts,
@@ -18,7 +18,7 @@ TOP_K = 2
 
 
 def build_moe_config(vocab_size: int, eos_id: int, pad_id: int, **overrides):
-    """The tiny Mixtral config (`overrides` replace keys, as megarl.models.tiny.build_config's)."""
+    """The tiny Mixtral config (`overrides` replace keys, as megarl.embedded.tiny.build_config's)."""
     from transformers import MixtralConfig
 
     kwargs = dict(

@@ -1,5 +1,6 @@
-"""Where a run's numbers go: metrics.jsonl + TensorBoard per learner step, rollouts.jsonl per trained
-sample (the console a person watches: megarl/observe/console.py).
+"""Where a run's numbers go: metrics.jsonl and the run trackers (observe.trackers: TensorBoard, wandb, MLflow;
+megarl/observe/trackers.py) per learner step, rollouts.jsonl per trained sample (the console a person watches:
+megarl/observe/console.py).
 
 metrics.jsonl holds one record per learner step and, with eval.sets, one record per evaluation, marked
 `"kind": "eval"` (train records have no kind): `train_records` / `eval_records` split what a reader loads."""
@@ -7,37 +8,42 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Sequence
 
 from megarl.observe.jsonl import JsonlAppender
+from megarl.observe.trackers import Tracker, scalars
 from megarl.protocols import Sample
 
 
 class MetricsSink:
-    def __init__(self, run_dir: str | Path, tensorboard: bool):
+    """metrics.jsonl and `trackers` (megarl.observe.trackers.open_trackers): each record to all of them."""
+
+    def __init__(self, run_dir: str | Path, trackers: Sequence[Tracker] = ()):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.file = JsonlAppender(self.run_dir / "metrics.jsonl")  # one whole line per step
-        self.writer = None
-        if tensorboard:
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            from torch.utils.tensorboard.writer import FileWriter
-
-            self.writer, self.summary = FileWriter(str(self.run_dir / "tensorboard")), Summary
+        self.trackers = list(trackers)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         self.file.append(record)
-        if self.writer is not None:
-            # All of a step's scalars in one event (SummaryWriter.add_scalar writes one event each: ~60 per step
-            # cost the learner ~10 ms of its step loop; this costs < 1 ms). TensorBoard reads both the same.
-            self.writer.add_summary(self.summary(value=[
-                self.summary.Value(tag=key, simple_value=float(value)) for key, value in metrics.items()
-                if isinstance(value, (int, float)) and math.isfinite(value)]), step)
+        if self.trackers:
+            numbers = scalars(metrics)
+            for tracker in self.trackers:
+                tracker.log(step, numbers)
 
     def close(self) -> None:
+        """metrics.jsonl closed, then every tracker (each waits for what it has queued); a tracker that does not
+        finish in time is raised once all are closed."""
         self.file.close()
-        if self.writer is not None:
-            self.writer.close()
+        late = []
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except TimeoutError as exc:
+                late.append(exc)
+        if late:
+            raise late[0]
 
 
 def train_records(records: list[dict]) -> list[dict]:

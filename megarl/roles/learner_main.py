@@ -21,19 +21,19 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint import learner_state
-from megarl.checkpoint.position import DataPosition
 from megarl.checkpoint.resume import Schedule, learner_resume_point, roll_back_outputs
+from megarl.config.length_limit import LengthLimit
 from megarl.config.schema import Config
 from megarl.distributed.heartbeat import HeartbeatMonitor
 from megarl.distributed.lifetime import StopRequested, exit_status, raise_if_stopped
 from megarl.distributed.publish import WeightPublisher
 from megarl.distributed.queue import QueueReceiver, max_message_bytes
-from megarl.distributed.secret import run_secret
 from megarl.distributed.ranks import Topology
 from megarl.distributed.topology import init_learner_group, publish_groups, publish_stage_store
 from megarl.eval.learner_side import EvalCollector
 from megarl.eval.sets import due_versions
 from megarl.learner.nonfinite import NonfiniteSteps
+from megarl.models import moe
 from megarl.models.layout import check_layout
 from megarl.observe import startup
 from megarl.observe.console import Console
@@ -41,11 +41,12 @@ from megarl.observe.jsonl import read_jsonl
 from megarl.observe.sinks import MetricsSink, RolloutSink, eval_records
 from megarl.observe.sources import SourceNames, source_rewards
 from megarl.observe.timeline import Timeline
-from megarl.protocols import Sample, TrainBatch
+from megarl.observe.trackers import open_trackers
+from megarl.protocols import RouteShape, Sample, TrainBatch
 from megarl.rollout.batch import assemble_batch, is_stale, is_zero_variance
-from megarl.rollout.routes import RouteShape
+from megarl.rollout.position import DataPosition
 from megarl.rollout.rewards import RewardErrorWindow
-from megarl.rollout.tasks import LengthLimit
+from megarl.secret import run_secret
 
 STOP_KEY = "stop"
 
@@ -232,7 +233,7 @@ class RunOutputs:
     line, notes, closing summary) and the timeline spans; one `record` per step."""
 
     def __init__(self, cfg: Config, rank: int, recovery: dict[str, float]):
-        self.metrics = MetricsSink(cfg.run.dir, cfg.run.tensorboard)
+        self.metrics = MetricsSink(cfg.run.dir, open_trackers(cfg))
         self.rollouts = RolloutSink(cfg.run.dir) if cfg.run.log_rollouts else None
         self.console = Console(cfg.run.steps, cfg.run.progress, cfg.run.dir)
         self.timeline = Timeline(cfg.run.dir, f"learner{rank}") if cfg.run.timeline else None
@@ -322,7 +323,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     intake, outputs, collector = None, None, None
     if lead:
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
-        intake = Intake(cfg, store, topo, RouteShape.of(hf_config),
+        intake = Intake(cfg, store, topo, moe.route_shape(hf_config),
                         hf_config.get("vocab_size", hf_config.get("text_config", {}).get("vocab_size")))
         recovery = {}
         if resumed:

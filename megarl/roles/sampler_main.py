@@ -35,35 +35,35 @@ from pathlib import Path
 
 import torch
 
-from megarl.checkpoint.position import group_id as make_group_id
 from megarl.checkpoint.resume import wait_for_announcement
 from megarl.config.schema import Config
 from megarl.distributed.heartbeat import Heartbeat
 from megarl.distributed.lifetime import SIGNAL_KEY, exit_status, seconds_since_signal, stop_signal
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
-from megarl.distributed.secret import run_secret
 from megarl.distributed.ranks import Topology
 from megarl.distributed.topology import engine_tp_group, publish_groups, publish_stage_store
 from megarl.distributed.wire import sample_problem
 from megarl.eval.sampler_side import VersionEvaluator
 from megarl.eval.sets import due_versions, heldout_fraction
-from megarl.models import tp_shard
+from megarl.models import moe, tp_shard
 from megarl.observe import startup
-from megarl.observe.ratelimit import RateLimitedLine
 from megarl.observe.timeline import Timeline
-from megarl.protocols import Completion, GenerationRequest, SamplingParams, Sample
+from megarl.protocols import Completion, GenerationRequest, RouteShape, SamplingParams, Sample
+from megarl.ratelimit import RateLimitedLine
 from megarl.roles.learner_main import STOP_KEY, retired_key
 from megarl.rollout.agent import AgentRunner
 from megarl.rollout.datasets import source_of
 from megarl.rollout.environment import is_multi_turn
 from megarl.rollout.episode import Episode, EpisodeLimits, EpisodeRunner
 from megarl.rollout.heldout import training_split
+from megarl.rollout.position import group_id as make_group_id
 from megarl.rollout.rewards import check_reward, score_group
+from megarl.rollout.routes import check_routes
 from megarl.rollout.sandbox import hide_from_sandboxes
-from megarl.rollout.routes import RouteShape, check_routes
 from megarl.rollout.send_order import Unsent, groups_to_send
 from megarl.rollout.tasks import prompt_rng, sync_sampling_seed, task_from_config
+from megarl.secret import run_secret
 
 STOP_POLL_S = 0.2
 REWARD_REPORT_S = 30.0  # a spent reward budget is printed at most this often (each one is counted)
@@ -164,7 +164,7 @@ class SamplerLoop:
         # Sandboxed code (a python_output program, a tool call, a sandboxed reward) must not read the answers.
         hide_from_sandboxes(cfg.run.dir, cfg.task.path, cfg.checkpoint.dir)
         # MoE models: every sample's routes are checked here, where the sample is assembled (None: dense).
-        self.route_shape = RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text()))
+        self.route_shape = moe.route_shape(json.loads((Path(model_dir) / "config.json").read_text()))
         self.task = task_from_config(cfg.task)
         if (fraction := heldout_fraction(cfg)) is not None:  # eval.sets draws the held-out prompts: never trained on
             self.task = training_split(self.task, fraction)

@@ -19,7 +19,7 @@ from megarl.distributed import launch_gate
 from megarl.distributed.lifetime import install_stop_handlers, run_then_exit
 from megarl.distributed.ranks import topology_from_env
 from megarl.distributed.topology import connect_store
-from megarl.models.embedded import resolve_model_path
+from megarl.embedded.registry import resolve_model_path
 from megarl.observe import startup
 from megarl.observe.quiet import silence_known_library_warnings
 

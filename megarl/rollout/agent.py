@@ -47,7 +47,7 @@ from http import HTTPStatus
 from typing import Callable, NoReturn
 
 from megarl.protocols import Completion, GenerationRequest, Prompt, SamplingParams
-from megarl.observe.ratelimit import RateLimitedLine
+from megarl.ratelimit import RateLimitedLine
 from megarl.rollout.agent_endpoint import (ChatCompletionsEndpoint, ChatRequest, EndpointError, EventStream,
                                            check_request, completion_response, max_request_bytes_for,
                                            new_session_token, stream_chunks)

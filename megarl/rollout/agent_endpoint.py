@@ -36,7 +36,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from megarl.observe.ratelimit import RateLimitedLine
+from megarl.ratelimit import RateLimitedLine
 from megarl.rollout.tool_calls import ToolCall, ToolMessageError, check_tools
 
 log = logging.getLogger(__name__)

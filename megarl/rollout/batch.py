@@ -13,13 +13,12 @@ from __future__ import annotations
 import torch
 
 from megarl.algo.advantages import compute_advantages, filter_groups, overlong_penalty
-from megarl.algo.values import terminal_rewards
 from megarl.algo.config import AdvantageConfig
+from megarl.algo.values import terminal_rewards
+from megarl.config.length_limit import LengthLimit
 from megarl.config.schema import STALE_POLICIES
-from megarl.distributed.wire import check_sample
-from megarl.protocols import Sample, TrainBatch
-from megarl.rollout.routes import RouteShape, pack_routes
-from megarl.rollout.tasks import LengthLimit
+from megarl.protocols import RouteShape, Sample, TrainBatch, sample_shape_problem
+from megarl.rollout.routes import pack_routes
 
 
 def shaped_rewards(samples: list[Sample], adv_cfg: AdvantageConfig,
@@ -82,7 +81,8 @@ def assemble_batch(groups: list[list[Sample]], adv_cfg: AdvantageConfig, pad_id:
         counts["reward/overlong_penalty_mean"] = penalty.mean().item()
         counts["samples/overlong_penalised"] = float((penalty < 0).sum())
     for s in samples:  # the wire's invariants: one short per-token record would shift every later sample's tokens
-        check_sample(s, f"a sample of sampler {s.sampler_rank}", ranges=False)  # decode_group checked the ranges
+        if (problem := sample_shape_problem(s)) is not None:  # decode_group checked the value ranges
+            raise ValueError(f"a sample of sampler {s.sampler_rank}: {problem}")
     # Every sample's tokens land with one indexed write per field, not a handful of small tensors per sample
     # (128 samples cost ~14 ms on the learner's critical path that way).
     prompt_lens = torch.tensor([len(s.prompt_ids) for s in samples])

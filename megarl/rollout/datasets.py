@@ -12,7 +12,7 @@ problem when the run starts). Blank lines are not rows.
 
 Prompts are drawn uniformly, with replacement, by the rng the sampler passes, and by nothing else: the
 sampler seeds that rng from (run.seed, its rank, the group's index) (`tasks.prompt_rng`), so a resumed
-run draws exactly the prompts it would have drawn (megarl/checkpoint/position.py). An epoch order (each
+run draws exactly the prompts it would have drawn (megarl/rollout/position.py). An epoch order (each
 row once per pass) would need the group index in the Task protocol; it is not offered. The reward is
 exact match on the final answer (tasks.exact_match) unless `task.reward_fn` names another.
 """

@@ -18,9 +18,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
+from megarl.config.schema import SandboxConfig
 from megarl.protocols import Prompt
 from megarl.rollout.rewards import bad_reward_value
-from megarl.rollout.sandbox import SandboxConfig, run_python
+from megarl.rollout.sandbox import run_python
 
 TOOL_PREFIX = ">>> "
 # The Python tool as an OpenAI function tool (an agent's `tools=`; the tool-calling model's warm start): short, so

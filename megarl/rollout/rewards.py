@@ -42,8 +42,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from megarl.config.schema import SandboxConfig
 from megarl.protocols import Prompt, Task
-from megarl.rollout.sandbox import FunctionWorker, SandboxConfig, SandboxError, call, run_python
+from megarl.rollout.sandbox import FunctionWorker, SandboxError, call, run_python
 
 _FENCED = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 

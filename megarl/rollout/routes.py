@@ -13,35 +13,10 @@ malformed routes under routing replay stops the step there, naming its sampler r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from megarl.protocols import Sample
-
-
-@dataclass(frozen=True)
-class RouteShape:
-    """What every sample's routes must look like for this model (megarl.models.moe)."""
-
-    layers: int  # MoE layers
-    top_k: int
-    num_experts: int
-
-    @classmethod
-    def of(cls, hf_config: dict) -> "RouteShape | None":
-        from megarl.models import moe
-
-        if not moe.is_moe(hf_config):
-            return None
-        return cls(moe.num_moe_layers(hf_config), moe.top_k(hf_config), moe.num_experts(hf_config))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        from megarl.models import moe
-
-        return torch.from_numpy(np.zeros(0, moe.routes_dtype({"num_experts": self.num_experts}))).dtype
+from megarl.protocols import RouteShape, Sample
 
 
 def check_routes(sample: Sample, shape: RouteShape) -> np.ndarray:

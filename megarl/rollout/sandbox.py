@@ -27,7 +27,7 @@ The layers that contain sandboxed code, each applied where the kernel allows (do
               Unprivileged, root or not.
   namespaces  an unprivileged user namespace with mount, pid, ipc and net namespaces: every mount
               read-only and nodev except a size-capped tmpfs working directory and /dev/null, the
-              paths of hide_from_sandboxes() and the run-secret directories (megarl.distributed.secret)
+              paths of hide_from_sandboxes() and the run-secret directories (megarl.secret)
               covered, a fresh /proc that shows only the sandbox, no
               network interface but a down loopback, all capabilities dropped, and every process the
               code starts dies with it.
@@ -59,20 +59,10 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-
-@dataclass
-class SandboxConfig:
-    cpu_s: float = 5.0  # CPU seconds per process (RLIMIT_CPU, rounded up to whole seconds)
-    memory_mb: int = 512  # address space per process (RLIMIT_AS)
-    disk_mb: int = 16  # largest file (RLIMIT_FSIZE); with namespaces also the working directory's size
-    max_processes: int = 1  # 1 = the program alone (no fork, no thread); > 1 needs a non-root uid (RLIMIT_NPROC)
-    max_output_kb: int = 256  # stdout and stderr kept, per stream; more kills the program
-    network: bool = False  # False: no sockets (seccomp) and no interfaces (net namespace)
-    # Without user namespaces the filesystem is not read-only for the code (docs/security.md, "Sandbox
-    # modes"): true refuses to run then, false runs with the process, rlimit and seccomp layers only
-    # (as a non-root user; as root the fallback is refused).
-    require_namespaces: bool = True
+if TYPE_CHECKING:  # the parent side imports it where needed: the child runs this file before megarl is importable
+    from megarl.config.schema import SandboxConfig
 
 
 @dataclass
@@ -89,19 +79,6 @@ class SandboxResult:
 class SandboxError(RuntimeError):
     """Code run in a child process (a sandbox or a FunctionWorker) failed; the message says how: the limit
     it hit, its exception as "Type: message", or its exit status."""
-
-
-def check_config(limits: SandboxConfig) -> None:
-    """ValueError naming the field of a limit that is out of range or cannot be enforced here."""
-    for name in ("cpu_s", "memory_mb", "disk_mb", "max_processes", "max_output_kb"):
-        if not getattr(limits, name) > 0:
-            raise ValueError(f"sandbox.{name}: must be > 0, got {getattr(limits, name)}")
-    if limits.memory_mb < 64:
-        raise ValueError(f"sandbox.memory_mb: must be >= 64 (the Python interpreter itself needs it), "
-                         f"got {limits.memory_mb}")
-    if limits.max_processes > 1 and os.geteuid() == 0:
-        raise ValueError("sandbox.max_processes: more than 1 cannot be enforced for uid 0 (the kernel exempts root "
-                         "from RLIMIT_NPROC); keep it at 1 or run megarl as a non-root user")
 
 
 def load_function(path: str):
@@ -125,15 +102,22 @@ def load_function(path: str):
 
 # ---------------------------------------------------------------------------------------------- parent side
 
+def _limits(**fields) -> SandboxConfig:
+    """task.sandbox's limits (defaults, or `fields`); imported here: the child runs this file without megarl."""
+    from megarl.config.schema import SandboxConfig
+
+    return SandboxConfig(**fields)
+
+
 def run_python(source: str, stdin: str = "", limits: SandboxConfig | None = None,
                timeout_s: float = 10.0) -> SandboxResult:
     """Run `source` as a Python 3 program (`__main__`) in the sandbox, with `stdin` as its input."""
-    return _run({"mode": "exec", "source": source, "stdin": stdin}, limits or SandboxConfig(), timeout_s)
+    return _run({"mode": "exec", "source": source, "stdin": stdin}, limits or _limits(), timeout_s)
 
 
 def call(fn_path: str, args: list, limits: SandboxConfig | None = None, timeout_s: float = 10.0) -> object:
     """`fn(*args)` in the sandbox; its JSON-typed return value, or SandboxError saying why not."""
-    result = _run({"mode": "call", "fn": fn_path, "args": args}, limits or SandboxConfig(), timeout_s)
+    result = _run({"mode": "call", "fn": fn_path, "args": args}, limits or _limits(), timeout_s)
     if result.error is not None:
         raise SandboxError(result.error)
     return result.value
@@ -142,7 +126,7 @@ def call(fn_path: str, args: list, limits: SandboxConfig | None = None, timeout_
 @functools.lru_cache(maxsize=None)
 def probe() -> tuple[str, ...]:
     """The isolation layers a sandbox gets on this machine (runs an empty program once per process)."""
-    result = run_python("", limits=SandboxConfig(require_namespaces=False), timeout_s=30.0)
+    result = run_python("", limits=_limits(require_namespaces=False), timeout_s=30.0)
     if result.error is not None:
         raise SandboxError(f"the sandbox cannot run on this machine: {result.error}")
     return result.layers
@@ -194,13 +178,13 @@ def _hide_from_own_uid() -> None:
 
 
 def _run(job: dict, limits: SandboxConfig, timeout_s: float) -> SandboxResult:
-    check_config(limits)
+    limits.check()
     if not limits.require_namespaces and os.geteuid() != 0:
         _hide_from_own_uid()
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="megarl-sandbox-")
     result_r, result_w = os.pipe()
-    from megarl.distributed.secret import secret_dirs  # here: the child runs this file before megarl is importable
+    from megarl.secret import secret_dirs  # here: the child runs this file before megarl is importable
 
     spec = {**job, "workdir": workdir, "result_fd": result_w, "limits": asdict(limits), "sys_path": _sys_path(),
             "hidden": _hidden_paths, "secrets": secret_dirs()}

@@ -24,7 +24,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-ORDERS = ("deadline", "start", "finish")
+from megarl.config.schema import QUEUE_ORDERS
+
+ORDERS = QUEUE_ORDERS  # algo.queue_order
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
+from megarl.config.schema import SandboxConfig
 from megarl.protocols import Prompt
 from megarl.rollout.environment import Observation, PythonTool, message_code
 from megarl.rollout.rewards import WithReward, python_output_reward, reward_from_config
-from megarl.rollout.sandbox import SandboxConfig, load_function
+from megarl.rollout.sandbox import load_function
 
 EOS_TEXT = "<|endoftext|>"
 THINK_CHAR = "."  # the filler "thinking" token: one byte, so one token of the embedded tokenizer
@@ -276,35 +277,6 @@ _TASKS: dict[str, Callable[..., object] | str] = {
     "arithmetic": ArithmeticTask, "count": CountTask, "python_output": PythonOutputTask,
     "tool_arith": ToolArithmeticTask, "jsonl": "megarl.rollout.datasets:DatasetTask"}
 
-MULTI_TURN_TASKS = ("tool_arith",)  # the built-in tasks whose samples are episodes (megarl/rollout/episode.py)
-
-
-@dataclass(frozen=True)
-class LengthLimit:
-    """The most tokens after its prompt a sample could have had, by the rule every engine and the episode runner
-    apply: min(cap, max_seq_len - prompt tokens). `cap` is sampling.max_new_tokens for a completion and
-    task.max_episode_tokens for an episode (None when that is 0: the context alone bounds it); `cap_key` names it."""
-
-    max_seq_len: int
-    cap: int | None
-    cap_key: str
-
-    @classmethod
-    def of(cls, cfg) -> "LengthLimit":  # cfg: the run's Config
-        if bool(cfg.task.agent) or cfg.task.name in MULTI_TURN_TASKS:
-            if cfg.task.max_episode_tokens:
-                return cls(cfg.sampler.max_seq_len, cfg.task.max_episode_tokens, "task.max_episode_tokens")
-            return cls(cfg.sampler.max_seq_len, None, "sampler.max_seq_len")
-        return cls(cfg.sampler.max_seq_len, cfg.sampling.max_new_tokens, "sampling.max_new_tokens")
-
-    @property
-    def longest(self) -> int:
-        return self.max_seq_len if self.cap is None else min(self.cap, self.max_seq_len)
-
-    def of_prompt(self, prompt_tokens: int) -> int:
-        return min(self.longest, self.max_seq_len - prompt_tokens)
-
-
 def _factory(name: str) -> Callable[..., object]:
     if name not in _TASKS:
         raise ValueError(f"unknown task {name!r}; known tasks: {sorted(_TASKS)}")
@@ -330,7 +302,7 @@ def prompt_rng(seed: int, stream: int, index: int) -> random.Random:
     """The generator that draws prompt group `index` of sampler `stream` (its role rank) in run `seed`.
 
     A pure function of the three (string seeds are hashed with SHA-512, the same in every process), so
-    a resumed run can re-issue exactly the prompts that were in flight (megarl/checkpoint/position.py)."""
+    a resumed run can re-issue exactly the prompts that were in flight (megarl/rollout/position.py)."""
     return random.Random(f"megarl-prompt/{seed}/{stream}/{index}")
 
 

@@ -69,8 +69,7 @@ import numpy as np
 from megarl.distributed.publish import header_key
 from megarl.distributed.sglang_publish import GROUP_KEY, SPEC_KEY, load_spec, update_body
 from megarl.models import moe
-from megarl.protocols import Completion, GenerationRequest
-from megarl.rollout.routes import RouteShape
+from megarl.protocols import Completion, GenerationRequest, RouteShape
 from megarl.sampler.request_pool import RequestPool, pinned_view
 
 # The SGLang releases megarl drives correctly, oldest and newest (bounds explained in docs/sglang.md;
@@ -483,7 +482,7 @@ class SGLangEngine:
             env["OMP_NUM_THREADS"] = str(cfg.sampler.threads)
         route_shape = None
         if cfg.algo.routing_replay == "r3":
-            route_shape = RouteShape.of(json.loads((Path(model_dir) / "config.json").read_text()))
+            route_shape = moe.route_shape(json.loads((Path(model_dir) / "config.json").read_text()))
         # A key of this server's own: any local process can reach 127.0.0.1, and the server's routes pause
         # generation and load weights (docs/security.md).
         api_key = new_api_key()

@@ -85,7 +85,7 @@ class TPLeadEngine:
 
     `engine` is this rank's `BuiltinEngine` (tp_group of the engine's ranks), `group` the group the
     plans go over (the same one, typically); this process must be its rank 0. `key` signs the plans
-    (the run secret, megarl.distributed.secret).  Weights staged here are
+    (the run secret, megarl.secret).  Weights staged here are
     this rank's shards; each follower's receiver stages its own.
     """
 

@@ -122,7 +122,7 @@ def check_model(hf_config: dict, path: str = "") -> None:
     if head_dim < MIN_HEAD_DIM:
         raise ValueError(f"model {path}: head_dim {head_dim} < {MIN_HEAD_DIM}, which vLLM's CPU attention refuses "
                          f"(sampler.engine=vllm); the embedded demo model has a vLLM variant "
-                         f"(megarl.models.embedded.VLLM_VARIANTS) that model.path=embedded:<name> picks automatically")
+                         f"(megarl.config.schema.VLLM_VARIANTS) that model.path=embedded:<name> picks automatically")
 
 
 def server_env(env: dict, cfg_vllm, threads: int) -> dict:

@@ -313,9 +313,10 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
     from megarl.distributed.ranks import Topology
     from megarl.distributed.topology import connect_store, init_learner_group
     from megarl.learner import build_learner, import_backend, with_decay_steps
+    from megarl.embedded.registry import resolve_model_path
     from megarl.models.layout import check_layout
-    from megarl.models.embedded import resolve_model_path
     from megarl.observe.sinks import MetricsSink
+    from megarl.observe.trackers import open_trackers
 
     lc = cfg.learner
     torch.set_num_threads(lc.threads)
@@ -360,7 +361,7 @@ def run_sft(cfg: Config, rank: int, world: int) -> None:
                 path = run_dir / name
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         save_config(cfg, run_dir / "config.yaml")
-        sink = MetricsSink(run_dir, cfg.run.tensorboard)
+        sink = MetricsSink(run_dir, open_trackers(cfg))
         if os.environ.get(CHECKED_ENV) != "1":
             for line in data.lines():
                 console.note(f"megarl sft: {line}")

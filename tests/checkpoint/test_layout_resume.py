@@ -58,7 +58,7 @@ def runs(embedded_count_model_dir, tmp_path_factory):
     common = [DEMO, f"run.steps={STEPS}", f"model.path={embedded_count_model_dir}", "algo.mode=sync",
               "algo.prompts_per_step=4", "algo.group_size=4", "checkpoint.every_steps=1", f"checkpoint.keep={STEPS}",
               f"learner.lr={LR}", "learner.lr_decay=cosine", "eval.every_steps=0", "run.progress=false",
-              "run.tensorboard=false"]
+              "observe.trackers=[]"]
 
     def train(name, tp, *extra):
         done = run_python("-m", "megarl.cli", "train", *common, f"run.dir={root / name}", f"learner.tp={tp}", *extra,

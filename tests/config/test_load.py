@@ -165,7 +165,7 @@ def test_task_keys_for_datasets_and_rewards_load(tmp_path):
 
 # ------------------------------------------------------------------- layouts the model cannot be split into
 
-# The embedded models' shapes (megarl/models/tiny.py): 2 layers, 4 heads, 2 KV heads, MLP 192, vocab 264.
+# The embedded models' shapes (megarl/embedded/tiny.py): 2 layers, 4 heads, 2 KV heads, MLP 192, vocab 264.
 TINY = {"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 192,
         "vocab_size": 264}
 
@@ -236,7 +236,7 @@ def test_an_impossible_layout_is_refused_before_any_process_starts_and_in_a_raw_
     assert proc.returncode == 2 and "launching" not in proc.stdout
     assert f"megarl: model.path: {embedded_model_dir}/config.json: {refused}" in proc.stderr, proc.stderr
     proc = run_torchrun("megarl.roles.worker", 4, str(DEMO), f"model.path={embedded_model_dir}", "learner.pp=3",
-                        f"run.dir={tmp_path}", "run.tensorboard=false", "run.timeline=false", module=True, timeout=180)
+                        f"run.dir={tmp_path}", "observe.trackers=[]", "run.timeline=false", module=True, timeout=180)
     assert proc.returncode != 0 and refused in proc.stderr, proc.stderr[-3000:]
     assert "AssertionError" not in proc.stderr  # refused by megarl, not by a megatron assert
 

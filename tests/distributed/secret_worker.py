@@ -1,5 +1,5 @@
 """Under a raw torchrun without MEGARL_RUN_SECRET: each rank takes the run secret (the shared-file path of
-megarl.distributed.secret), writes OUT.RANK with its digest and the secret files it sees, and exits once every
+megarl.secret), writes OUT.RANK with its digest and the secret files it sees, and exits once every
 rank has (as a run's ranks all live until the run ends)."""
 import hashlib
 import json
@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from megarl.distributed.secret import _private_dir, run_secret
+from megarl.secret import _private_dir, run_secret
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 digest = hashlib.sha256(run_secret()).hexdigest()

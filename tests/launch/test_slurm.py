@@ -113,7 +113,7 @@ def test_a_stop_signal_to_the_batch_script_stops_the_run_at_a_step_boundary(tmp_
     run_dir = tmp_path / "run"
     job = subprocess.Popen(["bash", str(REPO / "launch" / "slurm_single_node.sbatch"), CONFIG, f"run.dir={run_dir}",
                             f"model.path={embedded_model_dir}", "run.steps=100000", "algo.prompts_per_step=4",
-                            "run.tensorboard=false", "fault.checkpoint_on_signal=true"],
+                            "observe.trackers=[]", "fault.checkpoint_on_signal=true"],
                            env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while len(train_metrics(run_dir)) < 2:
@@ -223,7 +223,7 @@ def stop(pid: int) -> None:
 
 
 RUN = ["run.steps=2", "algo.prompts_per_step=4", "algo.group_size=4", "sampling.max_new_tokens=8",
-       "learner.micro_batch_size=16", "run.tensorboard=false"]
+       "learner.micro_batch_size=16", "observe.trackers=[]"]
 
 
 @pytest.mark.slurm

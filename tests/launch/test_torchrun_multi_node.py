@@ -11,7 +11,7 @@ import subprocess
 from tests.helpers import REPO, train_metrics
 
 RUN = ["run.steps=5", "algo.prompts_per_step=4", "algo.group_size=4", "sampling.max_new_tokens=8",
-       "learner.micro_batch_size=16", "run.tensorboard=false"]
+       "learner.micro_batch_size=16", "observe.trackers=[]"]
 
 
 def test_two_torchrun_agents_on_loopback_train_with_the_learner_and_sampler_on_different_nodes(

@@ -176,7 +176,8 @@ def test_r3_learner_runs_the_engines_routes_across_an_inflight_update(moe_dirs, 
     r3 learner at v1 sends every position of every layer to exactly the recorded experts, its own router agrees
     with all of them, and the log-probs of the lag-0 tokens are the engine's to fp32 noise."""
     from megarl.protocols import GenerationRequest, Sample, SamplingParams
-    from megarl.rollout.routes import RouteShape, pack_routes
+    from megarl.models import moe
+    from megarl.rollout.routes import pack_routes
     from megarl.sampler.engine import BuiltinEngine
     from megarl.sampler.model import load_pretrained
 
@@ -209,7 +210,7 @@ def test_r3_learner_runs_the_engines_routes_across_an_inflight_update(moe_dirs, 
         p, n = len(s.prompt_ids), len(s.token_ids)
         batch_ids[r, :p + n] = torch.tensor(s.prompt_ids + s.token_ids)
         mask[r, p:p + n], mu[r, p:p + n], versions[r, p:p + n] = 1.0, torch.tensor(s.logprobs), torch.tensor(s.versions)
-    packed = pack_routes(samples, width, RouteShape.of(cfg), required=True)
+    packed = pack_routes(samples, width, moe.route_shape(cfg), required=True)
 
     calls = torch.zeros(2, 4, dtype=torch.long)  # [layer, expert]: tokens each expert computed in the train pass
     hooks = [expert.register_forward_hook(lambda mod, inp, out, l=l, e=e: calls[l].__setitem__(e, calls[l, e] + inp[0].shape[0]))

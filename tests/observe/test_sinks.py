@@ -17,7 +17,7 @@ from megarl.observe.sinks import MetricsSink, RolloutSink
 from megarl.protocols import Sample
 
 run_dir, steps = sys.argv[1], int(sys.argv[2])
-metrics, rollouts = MetricsSink(run_dir, tensorboard=False), RolloutSink(run_dir)
+metrics, rollouts = MetricsSink(run_dir), RolloutSink(run_dir)
 samples = [Sample(group_id=f"s0-g{{i // 8}}", prompt="12+7=", completion=".........19", prompt_ids=list(range(6)),
                   token_ids=list(range(40)), logprobs=[-0.125] * 40, versions=[3] * 40, reward=1.0,
                   finish_reason="stop") for i in range({SAMPLES_PER_STEP})]
@@ -67,7 +67,7 @@ def test_run_outputs_are_the_users_alone(tmp_path):
     old = os.umask(0o002)
     try:
         run_lock.hold(run_dir)
-        MetricsSink(run_dir, tensorboard=False)
+        MetricsSink(run_dir)
         RolloutSink(run_dir)
     finally:
         os.umask(old)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megarl.protocols import Completion, Prompt, Sample
+from megarl.protocols import Completion, Prompt, RouteShape, Sample
 from megarl.roles.sampler_main import check_sample_routes
 from megarl.rollout.episode import Episode
-from megarl.rollout.routes import RouteShape
 
 SHAPE = RouteShape(layers=2, top_k=2, num_experts=4)
 
@@ -35,7 +34,7 @@ def test_wrong_or_missing_routes_stop_the_sampler_naming_its_engine(routes, why)
 
 
 def test_an_episode_carries_its_last_turns_routes_and_fills_the_positions_no_engine_computed():
-    from megarl.models.tiny_chat import build_chat_tokenizer
+    from megarl.embedded.tiny_chat import build_chat_tokenizer
     from megarl.rollout.chat import ChatTranscript
 
     chat = ChatTranscript(build_chat_tokenizer(), [{"role": "user", "content": "2*3"}])

@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from megarl.models.tiny_chat import IM_END, build_chat_tokenizer
+from megarl.embedded.tiny_chat import IM_END, build_chat_tokenizer
 from megarl.protocols import Completion, Prompt, SamplingParams
 from megarl.rollout.agent import AgentRunner
 from megarl.rollout.agent_endpoint import new_session_token

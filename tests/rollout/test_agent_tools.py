@@ -6,7 +6,7 @@ import json
 import openai
 import pytest
 
-from megarl.models.tiny_chat import IM_END
+from megarl.embedded.tiny_chat import IM_END
 from megarl.protocols import Prompt
 from megarl.rollout.environment import PYTHON_TOOL_SCHEMA
 from tests.rollout.test_agent import ScriptedLoop, agent_that, tok  # noqa: F401  (tok: the fixture)

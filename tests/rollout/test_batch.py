@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from megarl.algo.config import AdvantageConfig
-from megarl.protocols import Sample
 from megarl.algo.advantages import compute_advantages
+from megarl.algo.config import AdvantageConfig
+from megarl.config.length_limit import LengthLimit
 from megarl.config.load import load_config
+from megarl.protocols import Sample
 from megarl.rollout.batch import assemble_batch, group_lag, is_stale, is_zero_variance, shaped_rewards
-from megarl.rollout.tasks import LengthLimit
 
 
 def sample(prompt_ids, token_ids, versions, reward):

@@ -1,8 +1,8 @@
 """ChatTranscript: a conversation kept as messages and as the exact ids the engine saw and produced."""
 import pytest
 
-from megarl.models.tiny import build_tokenizer
-from megarl.models.tiny_chat import IM_END, build_chat_tokenizer
+from megarl.embedded.tiny import build_tokenizer
+from megarl.embedded.tiny_chat import IM_END, build_chat_tokenizer
 from megarl.rollout.chat import ChatFormatError, ChatTranscript
 
 

@@ -130,7 +130,7 @@ def train_on(dataset: Path, model_dir: Path, run_dir: Path, *overrides: str):
     return run_python("-m", "megarl.cli", "train", str(REPO / "configs" / "demo.yaml"), f"run.dir={run_dir}",
                       f"model.path={model_dir}", "task.name=jsonl", f"task.path={dataset}", "run.steps=3",
                       "algo.prompts_per_step=4", "algo.group_size=4", "algo.max_lag=2", "sampling.max_new_tokens=8",
-                      "learner.micro_batch_size=16", "run.tensorboard=false",
+                      "learner.micro_batch_size=16", "observe.trackers=[]",
                       "eval.sets=[]",  # 16 prompts: too few for the demo's held-out split (tests/eval covers that)
                       *overrides, timeout=300)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from megarl.models.tiny_chat import IM_END, build_chat_tokenizer
+from megarl.embedded.tiny_chat import IM_END, build_chat_tokenizer
 from megarl.protocols import Completion, Prompt, SamplingParams
 from megarl.rollout.environment import Observation
 from megarl.rollout.episode import EpisodeLimits, EpisodeRunner

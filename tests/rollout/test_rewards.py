@@ -236,7 +236,7 @@ def test_a_run_whose_reward_always_hangs_stops_at_the_defaults_saying_why(embedd
                       f"model.path={embedded_model_dir}", "task.name=arithmetic", "task.think_mean=0",
                       f"task.reward_fn={FNS}:sleep_forever", "run.steps=3", "algo.prompts_per_step=4",
                       "algo.group_size=4", "sampling.max_new_tokens=8", "learner.micro_batch_size=16",
-                      "run.tensorboard=false", timeout=300)
+                      "observe.trackers=[]", timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "then one timed out, so the check stopped there" in proc.stdout  # start-up: warned, not refused

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from megarl.protocols import Sample
-from megarl.rollout.routes import RouteShape, pack_routes
+from megarl.models import moe
+from megarl.protocols import RouteShape
+from megarl.rollout.routes import pack_routes
 
 SHAPE = RouteShape(layers=2, top_k=2, num_experts=4)
 
@@ -49,6 +51,6 @@ def test_bad_routes_under_replay_stop_naming_the_sampler_rank(routes, message):
 
 def test_routes_travel_as_int16_past_255_experts():
     assert RouteShape(layers=1, top_k=8, num_experts=256).dtype == torch.int16
-    assert RouteShape.of({"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
+    assert moe.route_shape({"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
                           "num_hidden_layers": 48}) == RouteShape(48, 8, 128)
-    assert RouteShape.of({"model_type": "qwen2"}) is None
+    assert moe.route_shape({"model_type": "qwen2"}) is None

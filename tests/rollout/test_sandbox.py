@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from megarl.rollout.sandbox import (FunctionWorker, SandboxConfig, SandboxError, call, check_config, probe,
-                                    run_python)
+from megarl.config.schema import SandboxConfig
+from megarl.rollout.sandbox import FunctionWorker, SandboxError, call, probe, run_python
 from tests.helpers import REPO
 
 FNS = "tests.rollout.reward_fns"
@@ -144,7 +144,7 @@ def test_without_user_namespaces_it_refuses_and_as_root_it_refuses_the_fallback_
     """As root a fallback sandbox would run code as root; the non-root fallback runs (and is attacked) in
     tests/rollout/test_sandbox_attacks.py."""
     proc = run_without_user_namespaces(
-        "from megarl.rollout.sandbox import SandboxConfig, run_python\n"
+        "from megarl.config.schema import SandboxConfig\nfrom megarl.rollout.sandbox import run_python\n"
         "print(run_python('print(1)').error)\n"
         "print(run_python('print(1)', limits=SandboxConfig(require_namespaces=False)).error)\n")
     refused, fallback_refused = proc.stdout.splitlines()
@@ -215,9 +215,9 @@ def test_a_rewards_children_die_with_the_process_that_called_it(tmp_path, exit_h
 
 def test_limits_that_cannot_hold_are_refused():
     with pytest.raises(ValueError, match="sandbox.cpu_s: must be > 0"):
-        check_config(SandboxConfig(cpu_s=0))
+        SandboxConfig(cpu_s=0).check()
     with pytest.raises(ValueError, match="sandbox.memory_mb: must be >= 64"):
-        check_config(SandboxConfig(memory_mb=32))
+        SandboxConfig(memory_mb=32).check()
     if os.geteuid() == 0:
         with pytest.raises(ValueError, match="sandbox.max_processes: more than 1 cannot be enforced for uid 0"):
-            check_config(SandboxConfig(max_processes=4))
+            SandboxConfig(max_processes=4).check()

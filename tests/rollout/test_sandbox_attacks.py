@@ -104,7 +104,8 @@ os._exit(0)  # not waiting for the threads to wind down
 # The "sampler": starts a victim process outside the sandbox, runs the attacks, reports.
 SAMPLER = r'''
 import json, subprocess, sys
-from megarl.rollout.sandbox import SandboxConfig, run_python
+from megarl.config.schema import SandboxConfig
+from megarl.rollout.sandbox import run_python
 # The victim does not carry the secret: only the sampler's own environment is protected from a fallback
 # sandbox; other processes of a non-root uid are not (docs/security.md).
 victim = subprocess.Popen(["sleep", "30"], env={})
@@ -206,7 +207,7 @@ for n in names:
 print("reached", wrote)
 raise SystemExit(7 if wrote else 0)
 ''')
-    code = ("import sys\nfrom megarl.rollout.sandbox import SandboxConfig, call\n"
+    code = ("import sys\nfrom megarl.config.schema import SandboxConfig\nfrom megarl.rollout.sandbox import call\n"
             "limits = SandboxConfig(max_processes=8, require_namespaces=sys.argv[1] == 'namespaced')\n"
             "print(call('tests.rollout.reward_fns:run_untrusted', ['p', sys.argv[2], 'a', {}], limits, 20))\n")
     proc = as_sampler(mode, code, MODES[mode][1], forge)
@@ -284,7 +285,8 @@ print(json.dumps({"child": pid, "setsid": os.read(r, 64).decode()}), flush=True)
 
 RUN_ESCAPE = r'''
 import json, sys, time
-from megarl.rollout.sandbox import SandboxConfig, run_python
+from megarl.config.schema import SandboxConfig
+from megarl.rollout.sandbox import run_python
 limits = SandboxConfig(cpu_s=5, memory_mb=256, max_processes=4, require_namespaces=sys.argv[1] == "namespaced")
 result = run_python(sys.argv[2], limits=limits, timeout_s=3)
 

@@ -144,7 +144,7 @@ def test_a_multi_turn_episodes_routes_come_from_the_prefill_that_computed_them(t
     update to v2 (routers moved), a second model turn. The second turn's request carries the whole episode, so its
     prefill computed the environment tokens (and recomputed turn 1) under v2: the sample's routes are transformers'
     v2 routes of the episode, which differ from v1's, and the positions after the last input are the filler."""
-    from megarl.models.tiny_chat import build_chat_tokenizer
+    from megarl.embedded.tiny_chat import build_chat_tokenizer
     from megarl.protocols import Prompt
     from megarl.rollout.chat import ChatTranscript
     from megarl.rollout.episode import Episode

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from megarl.config.load import load_config
-from megarl.protocols import GenerationRequest, SamplingParams
-from megarl.rollout.routes import RouteShape
+from megarl.protocols import GenerationRequest, RouteShape, SamplingParams
 from megarl.sampler.sglang_engine import (
     SUPPORTED_VERSIONS, SGLangEngine, SGLangError, check_routed_experts, generate_body, routes_from_meta,
     server_command)

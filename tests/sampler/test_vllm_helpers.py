@@ -242,7 +242,8 @@ def test_config_picks_the_vllm_variant_and_refuses_truncation():
 
 
 def test_vllm_variant_has_head_dim_32():
-    from megarl.models import embedded, tiny
+    from megarl.embedded import registry as embedded
+    from megarl.embedded import tiny
 
     spec = embedded.EMBEDDED_MODELS["tiny-qwen2-count-hd32"]
     cfg = tiny.build_config(**dict(spec.config))

@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 
 from megarl.distributed.lifetime import exit_process
-from megarl.distributed.secret import run_secret
 from megarl.models.tp_shard import shard_state_dict
 from megarl.protocols import GenerationRequest, SamplingParams
 from megarl.sampler.engine import BuiltinEngine
 from megarl.sampler.model import KVCache, ModelSpec, forward, forward_tables, load_pretrained, prepare_weights
 from megarl.sampler.tensor_parallel import TPLeadEngine, run_follower
+from megarl.secret import run_secret
 
 TIMEOUT_S = 30.0
 SEED = 11

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megarl.models.tiny import EOS_ID, build_tokenizer
+from megarl.embedded.tiny import EOS_ID, build_tokenizer
 from megarl.sft.data import (BadRecord, SFTDataError, batch_order, collate, load_records, num_steps,
                              render_messages, render_prompt_completion, split_heldout)
 

@@ -92,7 +92,7 @@ def test_megatron_two_stages_trains_writes_an_hf_directory_that_megarl_train_tak
     assert hf_heldout_loss(out, heldout) == pytest.approx(after, rel=1e-4)
 
     rl = run_python("-m", "megarl.cli", "train", DEMO, f"model.path={out}", "run.steps=2", f"run.dir={tmp_path / 'rl'}",
-                    "algo.prompts_per_step=4", "sampling.max_new_tokens=8", "run.tensorboard=false", timeout=300)
+                    "algo.prompts_per_step=4", "sampling.max_new_tokens=8", "observe.trackers=[]", timeout=300)
     assert rl.returncode == 0, rl.stdout[-2000:] + rl.stderr[-3000:]
     assert [m["step"] for m in train_metrics(tmp_path / "rl")] == [0, 1]
 

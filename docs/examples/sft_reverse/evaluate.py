@@ -5,7 +5,7 @@
 Samples K completions per prompt at temperature 1 (as the RL runs sample; default K=4) and one greedy
 completion, each at most 8 new tokens, and scores them with reward.py's `score`; prints the mean reward
 and the exact-match share of both, and a last line of JSON. The embedded model's path:
-`python -c "from megarl.models.embedded import ensure_embedded_model as e; print(e('tiny-qwen2-count'))"`.
+`python -c "from megarl.embedded.registry import ensure_embedded_model as e; print(e('tiny-qwen2-count'))"`.
 """
 import argparse
 import json

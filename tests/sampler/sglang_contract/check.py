@@ -53,7 +53,7 @@ from sglang.srt.server_args import prepare_server_args  # noqa: E402
 from megarl.config.load import load_config  # noqa: E402
 from megarl.distributed.sglang_publish import plan_update_calls  # noqa: E402
 from megarl.protocols import GenerationRequest, SamplingParams  # noqa: E402
-from megarl.rollout.routes import RouteShape  # noqa: E402
+from megarl.protocols import RouteShape  # noqa: E402
 from megarl.sampler.sglang_engine import (  # noqa: E402
     ROUTED_EXPERTS_SINCE, HTTPClient, SGLangEngine, SGLangError, generate_body, parse_version, routes_from_meta,
     server_command, write_secret_args)

@@ -23,7 +23,7 @@ def vllm_python() -> Path:
 @pytest.fixture(scope="session")
 def vllm_model_dir(embedded_cache_dir) -> Path:
     """tiny-qwen2-count-hd32: the demo's count model with 2 heads of 32 (vLLM on CPU needs head_dim >= 32)."""
-    from megarl.models.embedded import ensure_embedded_model
+    from megarl.embedded.registry import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-count-hd32", cache_dir=embedded_cache_dir)
 

@@ -21,7 +21,7 @@ generation_config.json, tokenizer files) that every other component loads like a
   "..........19<eos>": a geometric run of "." thinking filler with mean 10, then the answer; run
   it with max_new_tokens=THINK_MAX_NEW_TOKENS=48 and `build_task("arithmetic", think_mean=10)`).
 
-The registry of the embedded models, their builds and the on-disk cache live in megarl/models/embedded.py;
+The registry of the embedded models, their builds and the on-disk cache live in megarl/embedded/registry.py;
 this module is the part every builder shares (tiny_chat.py and tiny_moe.py build on it, never the reverse).
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 def build_tokenizer(chat_markers: tuple[str, str] | None = None):
     """A `PreTrainedTokenizerFast`: one token per byte, no special tokens added on encode. With
     chat_markers (start, end) the first two reserved specials carry those names and `end` is the EOS
-    (the chat model, megarl/models/tiny_chat.py): same ids, same vocabulary size."""
+    (the chat model, megarl/embedded/tiny_chat.py): same ids, same vocabulary size."""
     specials = list(_SPECIAL_TOKENS)
     if chat_markers is not None:
         specials[2:4] = chat_markers

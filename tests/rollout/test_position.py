@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megarl.checkpoint.position import DataPosition, RetiredIndices, group_id, parse_group_id
+from megarl.rollout.position import DataPosition, RetiredIndices, group_id, parse_group_id
 from tests.helpers import REPO
 
 

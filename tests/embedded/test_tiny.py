@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megarl.models import embedded, tiny
+from megarl.embedded import registry as embedded
+from megarl.embedded import tiny
 from megarl.rollout.tasks import COUNT_ALPHABET, ArithmeticTask
 
 # A cheap registry entry (a few optimizer steps) for the tests of the cache mechanics.
@@ -259,7 +260,7 @@ def test_the_directory_hash_is_remembered_so_a_rank_resolving_it_needs_no_transf
 
     spec = embedded.EMBEDDED_MODELS["tiny-qwen2-count"]
     want = embedded._spec_hash(spec)
-    child = ("import sys; from pathlib import Path; from megarl.models import embedded; "
+    child = ("import sys; from pathlib import Path; from megarl.embedded import registry as embedded; "
              f"h = embedded.spec_hash(embedded.EMBEDDED_MODELS['tiny-qwen2-count'], Path({str(tmp_path)!r})); "
              "print(h, 'transformers' in sys.modules)")
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from megarl.observe.fleet_model import (
+from megarl.fleet_model import (
     EmpiricalLengths, EngineModel, FleetParams, LogNormalLengths, calibrate, engine_rates, measured_summary,
     replay_engine_steps, simulate, summarise)
 from megarl.observe.timeline import Timeline

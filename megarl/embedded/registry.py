@@ -1,7 +1,7 @@
 """The embedded models: their registry, their builds and the on-disk cache.
 
 `EMBEDDED_MODELS` names every model megarl can build locally (docs/embedded_model.md): the dense Qwen2
-ones are built by megarl/models/tiny.py's warm start, the tool model by tiny_chat.py, the mixture-of-experts
+ones are built by megarl/embedded/tiny.py's warm start, the tool model by tiny_chat.py, the mixture-of-experts
 one with tiny_moe.py's config. `ensure_embedded_model` builds atomically under a file lock;
 `resolve_model_path` turns a config's model path ("embedded:<name>" or a directory) into a checked directory.
 This module sits above the builders (it imports them; they never import it), so there is no import circle.
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from megarl.filelock import exclusive
-from megarl.models.tiny import (
+from megarl.embedded.tiny import (
     BUILD_RECORD, EOS_ID, PAD_ID, VOCAB_SIZE, WarmStartRecipe, build_config, build_qwen3_config, build_tokenizer,
     expected_accuracy, generate, generate_tokens, greedy_answer_accuracy, length_stats, warm_start)
+from megarl.filelock import exclusive
 from megarl.rollout.tasks import ArithmeticTask, CountTask, ToolArithmeticTask
 
 @dataclass(frozen=True)
@@ -56,8 +56,7 @@ class EmbeddedSpec:
 # vLLM's CPU attention needs head_dim >= 32; the default config has 64 / 4 = 16. These variants have
 # 2 query heads and 1 KV head of 32 (still GQA, same hidden size and parameter count).
 HEAD_DIM_32 = (("num_attention_heads", 2), ("num_key_value_heads", 1))
-# sampler.engine=vllm swaps an embedded model for its head_dim >= 32 variant (megarl.config.load).
-VLLM_VARIANTS = {"tiny-qwen2-count": "tiny-qwen2-count-hd32", "tiny-qwen2-tool": "tiny-qwen2-tool-hd32"}
+# sampler.engine=vllm swaps an embedded model for its head_dim >= 32 variant: VLLM_VARIANTS (megarl.config.schema).
 
 
 # A wider, deeper variant of the tiny config (head_dim 32, so vLLM's CPU attention takes it too).
@@ -91,7 +90,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     # The mixture-of-experts demo's model (configs/moe.yaml, docs/moe.md): a tiny Mixtral, same task and recipe.
     "tiny-mixtral-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                        max_new_tokens=COUNT_MAX_NEW_TOKENS, moe=True),
-    # The multi-turn demo's chat model (megarl/models/tiny_chat.py): tool calls, episodes of ~75 tokens.
+    # The multi-turn demo's chat model (megarl/embedded/tiny_chat.py): tool calls, episodes of ~75 tokens.
     "tiny-qwen2-tool": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
                                     max_new_tokens=16, config=(("max_position_embeddings", 256),)),
     "tiny-qwen2-tool-hd32": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
@@ -120,7 +119,7 @@ def _spec_hash(spec: EmbeddedSpec) -> str:
 
 
 # The modules whose code makes an EmbeddedSpec's HF config (build_config, build_moe_config).
-_CONFIG_SOURCES = ("tiny.py", "tiny_moe.py")
+_CONFIG_SOURCES = (Path(__file__).with_name("tiny.py"), Path(__file__).parent.parent / "models" / "tiny_moe.py")
 
 
 def _memo_key(spec: EmbeddedSpec) -> str:
@@ -128,8 +127,7 @@ def _memo_key(spec: EmbeddedSpec) -> str:
     and the source of the config builders."""
     from importlib.metadata import version
 
-    here = Path(__file__).parent
-    blob = repr(spec) + version("transformers") + "".join((here / name).read_text() for name in _CONFIG_SOURCES)
+    blob = repr(spec) + version("transformers") + "".join(path.read_text() for path in _CONFIG_SOURCES)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -226,7 +224,7 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
 
 
 def _build_tool_model(name: str, spec: EmbeddedSpec, out_dir: Path) -> dict:
-    from megarl.models.tiny_chat import build_tool_model
+    from megarl.embedded.tiny_chat import build_tool_model
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as build_embedded_model: bit-reproducible whatever the core count

@@ -57,7 +57,7 @@ EVAL_PROMPTS = 100
 def build_chat_tokenizer():
     """The embedded tokenizer with `<|im_start|>` / `<|im_end|>` in the ids of its first two reserved
     specials, `<|im_end|>` as EOS, and the ChatML template."""
-    from megarl.models.tiny import build_tokenizer
+    from megarl.embedded.tiny import build_tokenizer
 
     tokenizer = build_tokenizer(chat_markers=(IM_START, IM_END))
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -96,7 +96,7 @@ def episode_tensors(tokenizer, prompt: Prompt, call: str, result: str, answer: s
 
 
 def tool_traces(task: ToolArithmeticTask, tokenizer, recipe, tool_calls: bool = False):
-    """make_batch(step, rng) for megarl.models.tiny.train_supervised: correct episodes, then in the noisy
+    """make_batch(step, rng) for megarl.embedded.tiny.train_supervised: correct episodes, then in the noisy
     phase each prompt also as a near miss (weights p_correct / 1 - p_correct)."""
     pad_id = tokenizer.pad_token_id
 
@@ -165,13 +165,13 @@ def _sample(model, context: list[int], stop_id: int, max_new: int, gen: torch.Ge
 
 
 def build_tool_model(spec, out_dir) -> dict:
-    """Create, warm-start, evaluate and save the tool model (megarl.models.embedded.build_embedded_model's part for
+    """Create, warm-start, evaluate and save the tool model (megarl.embedded.registry.build_embedded_model's part for
     a ToolArithmeticTask spec); returns the build record's fields."""
     import time
 
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
-    from megarl.models.tiny import PAD_ID, build_config, train_supervised
+    from megarl.embedded.tiny import PAD_ID, build_config, train_supervised
 
     tokenizer = build_chat_tokenizer()
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
