@@ -45,7 +45,7 @@ from megarl.distributed.publish import Bucket, plan_buckets
 from megarl.learner import hf_lora, packing, step
 from megarl.learner.hf_routing_replay import HFRouteReplayer
 from megarl.learner.lr_schedule import lr_at
-from megarl.models import lora, moe
+from megarl.models import families, lora, moe
 from megarl.protocols import TrainBatch
 
 CHECKPOINT_TAG = "deepspeed"  # the sub-directory DeepSpeed's save_checkpoint writes in a megarl step dir
@@ -158,6 +158,9 @@ class DeepSpeedLearner:
         with open(os.path.join(model_dir, "config.json")) as f:
             self.hf_config = json.load(f)
         self.is_moe = moe.is_moe(self.hf_config)
+        # transformers applies its sliding window itself, except to the ready mask of packed rows (`_logits`)
+        self.window = families.sliding_window(self.hf_config) if self.hf_config.get("model_type") in families.FAMILIES \
+            else None
         if self.is_moe:
             moe.check_moe(self.hf_config)
         elif routing_replay == "r3":
@@ -238,7 +241,7 @@ class DeepSpeedLearner:
             replayer.before_forward(ids, packing.model_routes(mb))
         if "unpack_index" not in mb:
             return model(input_ids=ids, use_cache=False).logits
-        mask = packing.additive_attention_mask(mb, self.module.dtype, self.device)
+        mask = packing.additive_attention_mask(mb, self.module.dtype, self.device, self.window)
         return model(input_ids=ids, position_ids=mb["packed_positions"].to(self.device), attention_mask=mask,
                      use_cache=False).logits
 

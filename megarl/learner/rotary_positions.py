@@ -5,10 +5,26 @@ rotary embedding return, for the position ids of the call (what megarl passes as
 each packed position's index within its own row), the angles of those positions, [S, B, 1, dim] instead of
 [S, 1, 1, dim]; megatron's rotary application broadcasts either over the heads. Position ids 0..S-1 on every row
 give exactly megatron's own angles (the same table, gathered).
+
+`use_frequencies(gpt, inv_freq)` sets the frequencies that table is built from to the HF model's
+(megarl.models.convert.inv_freq: RoPE scaled as transformers scales it, llama3 with any constants and yarn
+included, which megatron's rotary embedding does not compute).
 """
 from __future__ import annotations
 
 import torch
+
+
+def use_frequencies(gpt, inv_freq: torch.Tensor) -> None:
+    """Build `gpt`'s rotary angles from `inv_freq` [dim / 2] (no-op without a rotary embedding). Before the first
+    forward: megatron caches the angles it computes."""
+    rotary = getattr(gpt, "rotary_pos_emb", None)
+    if rotary is None:
+        return
+    if rotary.inv_freq.shape != inv_freq.shape:
+        raise ValueError(f"rotary frequencies of shape {tuple(inv_freq.shape)} for a rotary embedding of "
+                         f"{tuple(rotary.inv_freq.shape)}")
+    rotary.inv_freq = inv_freq.to(device=rotary.inv_freq.device, dtype=rotary.inv_freq.dtype)
 
 
 def use_position_ids(gpt) -> None:

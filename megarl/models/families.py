@@ -17,12 +17,16 @@ class Family:
     qkv_bias: bool  # q/k/v projections carry a bias (Qwen2); o_proj never does
     qk_norm: bool  # a per-head RMSNorm on q and on k before RoPE (Qwen3): megatron's qk_layernorm
     moe: bool  # every decoder layer's MLP is a routed mixture of experts (megarl.models.moe)
+    # config.json's `sliding_window` (null: none) limits every layer's attention to the keys of the last
+    # `sliding_window` positions (Mistral); other families' field is refused or ignored as transformers does.
+    sliding_window: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, moe=False),
     Family("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False, moe=False),
     Family("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, moe=False),
+    Family("mistral", "MistralForCausalLM", qkv_bias=False, qk_norm=False, moe=False, sliding_window=True),
     Family("mixtral", "MixtralForCausalLM", qkv_bias=False, qk_norm=False, moe=True),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True, moe=True),
 )}
@@ -36,3 +40,12 @@ def family_of(cfg: dict) -> Family:
     if model_type not in FAMILIES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {MODEL_TYPES}")
     return FAMILIES[model_type]
+
+
+def sliding_window(cfg: dict) -> int | None:
+    """How many positions back (the query's own included) every layer attends to, or None for full attention:
+    transformers' sliding-window mask lets query position q see key position k when q - window < k <= q."""
+    window = cfg.get("sliding_window") if family_of(cfg).sliding_window else None
+    if window is not None and int(window) < 1:
+        raise ValueError(f"sliding_window={window} must be >= 1 (or null for full attention)")
+    return None if window is None else int(window)

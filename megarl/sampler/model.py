@@ -1,5 +1,5 @@
-"""Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mixtral, Qwen3-MoE), for
-the built-in sampler engine.
+"""Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mistral, Mixtral,
+Qwen3-MoE), for the built-in sampler engine.
 
 This module owns the model math and the KV-cache layout; it owns no scheduling (that is
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
@@ -15,7 +15,8 @@ kv_heads, max_seq_len, head_dim].  A forward call works on a contiguous range of
 ``[slot_start, slot_start + B)`` (the engine keeps its running sequences packed at the front), writes
 the new tokens' K/V at their positions and attends to cache positions ``<= position`` of each query.
 Every sequence thus has its own length inside one call, and the same function serves prefill
-(T tokens per row, right-padded) and batched decode (T = 1).
+(T tokens per row, right-padded) and batched decode (T = 1).  A sliding window (Mistral) is a mask over the same
+cache: a query also skips the keys `sliding_window` or more positions behind it.
 
 On CPU at the sizes this engine serves, a decode step is bound by the number of kernels and the
 memory they touch, not by FLOPs; the layout choices (documented where they are made, and in
@@ -50,6 +51,7 @@ import torch.nn.functional as F
 
 from megarl.models import convert, moe, tp_shard
 from megarl.models.convert import load_pretrained  # noqa: F401 - the engine's loader, shared with the learner
+from megarl.models import families
 from megarl.models.families import FAMILIES, MODEL_TYPES
 
 
@@ -71,7 +73,7 @@ class ModelSpec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    rope_scaling: dict | None = None  # megarl.models.convert.rope_scaling: linear or llama3 (HF's definitions)
+    rope_scaling: dict | None = None  # megarl.models.convert.rope_scaling: linear, llama3 or yarn (HF's definitions)
     # > 1: the spec of one tensor-parallel rank (`shard`): the head and intermediate counts are per rank.
     tp_size: int = 1
     # Mixture of experts (model_type mixtral): experts per MoE layer (every layer is one; 0 = dense) and
@@ -82,6 +84,8 @@ class ModelSpec:
     norm_topk: bool = True
     # Per-head RMSNorm of queries and keys before RoPE (Qwen3's q_norm / k_norm).
     qk_norm: bool = False
+    # Each query attends to the keys of its last `sliding_window` positions, its own included (Mistral); None: all.
+    sliding_window: int | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -150,6 +154,7 @@ class ModelSpec:
             top_k=top_k,
             norm_topk=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
             qk_norm=family.qk_norm,
+            sliding_window=families.sliding_window(cfg),
         )
 
     def shard(self, tp_size: int) -> "ModelSpec":
@@ -268,16 +273,16 @@ def forward_tables(spec: ModelSpec, max_seq_len: int, dtype: torch.dtype = torch
                    device="cpu") -> ForwardTables:
     """The forward's constants for sequences up to `max_seq_len`.
 
-    RoPE cos and sin are computed exactly as transformers' default RoPE (fp32).  HF rotates the pair
+    RoPE cos and sin are computed exactly as transformers' RoPE (fp32; frequencies scaled as its rope init
+    functions scale them, yarn's attention factor on cos and sin: megarl.models.convert).  HF rotates the pair
     (x[j], x[j + head_dim/2]) by the angle of frequency j; with the pair stored adjacently (q/k rows
     interleaved in `prepare_weights`) that rotation is one complex multiply.
     """
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
-    inv_freq = convert.scaled_inv_freq(inv_freq, spec.rope_scaling)
+    inv_freq = convert.rope_inv_freq(spec.rope_theta, spec.head_dim, spec.rope_scaling).to(device)
     freqs = torch.arange(max_seq_len, dtype=torch.float, device=device)[:, None] * inv_freq
+    scale = convert.rope_attention_factor(spec.rope_scaling)  # yarn's: transformers scales cos and sin by it
     return ForwardTables(
-        rotation=torch.complex(freqs.cos(), freqs.sin()),
+        rotation=torch.complex(freqs.cos() * scale, freqs.sin() * scale),
         key_pos=torch.arange(max_seq_len, device=device),
         norm_eps=torch.tensor(spec.rms_norm_eps, dtype=torch.float, device=device),
         norm_dim=torch.tensor(spec.hidden_size, dtype=torch.float, device=device),
@@ -613,10 +618,15 @@ def forward(
     if seq == 1:
         # Decode: an additive mask [B*kv_heads, 1, L] (0 or -inf), read by baddbmm.
         row_pos = positions.expand(bsz, nkv).reshape(bsz * nkv, 1, 1)
-        mask = torch.where(key_pos > row_pos, tables.neg_inf, tables.zero)
+        unseen = key_pos > row_pos
+        if spec.sliding_window is not None:  # (the cache keeps every position; the window only hides the old ones)
+            unseen |= key_pos <= row_pos - spec.sliding_window
+        mask = torch.where(unseen, tables.neg_inf, tables.zero)
     else:
         # Prefill: boolean SDPA mask, True = attend: causal per row, over that row's own cache slot.
         mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, attn_len]
+        if spec.sliding_window is not None:
+            mask &= (key_pos[None, None, :] > positions[:, :, None] - spec.sliding_window).unsqueeze(1)
         if group > 1:
             mask = mask.repeat(1, 1, group, 1)
 
