@@ -1,5 +1,5 @@
-"""HF <-> megatron-core weight conversion for the causal LMs of megarl.models.families (Qwen2, Llama, Qwen3 and
-their mixture-of-experts relatives Mixtral and Qwen3-MoE; pure functions; the MoE MLP mapping is
+"""HF <-> megatron-core weight conversion for the causal LMs of megarl.models.families (Qwen2, Llama, Qwen3,
+Mistral, Phi-3 and the mixture-of-experts Mixtral and Qwen3-MoE; pure functions; the MoE MLP mapping is
 megarl.models.moe's), plus
 `load_pretrained`, the HF-directory reader the learner and the built-in engine share.
 
@@ -16,7 +16,8 @@ All tensors are full (unsharded, TP=1 names); sharding for TP>1 is the learner's
 Layout facts the conversion encodes:
   * megatron's ``linear_qkv`` rows are grouped per query group g (GQA): [the q heads of group g,
     the k head of g, the v head of g], each head ``head_dim`` rows; the bias follows the weight.
-  * megatron's ``linear_fc1`` is the fused SwiGLU input projection: rows = cat[gate, up].
+  * megatron's ``linear_fc1`` is the fused SwiGLU input projection: rows = cat[gate, up] (Phi-3's
+    ``gate_up_proj`` exactly; its ``qkv_proj`` rows are [all q heads, all k heads, all v heads], regrouped).
   * tied embeddings: megatron has no ``output_layer.weight`` and HF has no ``lm_head.weight``.
   * Mistral's sliding window is no weight: the learners put it in the attention mask (megarl.learner.packing).
   * Qwen3's and Qwen3-MoE's per-head q/k RMSNorm (``self_attn.q_norm`` / ``k_norm``) is megatron's ``qk_layernorm``
@@ -159,6 +160,9 @@ def check_supported(hf_config) -> dict:
         raise ValueError("unsupported feature attention_bias=True (o_proj bias)")
     if cfg.get("mlp_bias"):
         raise ValueError("unsupported feature mlp_bias=True")
+    partial = _rope_params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"unsupported feature partial_rotary_factor={partial} (full rotary only)")
     rope_scaling(cfg)
     return cfg
 
@@ -251,6 +255,7 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
     cfg = check_supported(hf_config)
     layers, heads, groups, head_dim = _dims(cfg)
     q_per_group = heads // groups
+    fused = family_of(cfg).fused_projections
     out = {"embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"],
            "decoder.final_layernorm.weight": hf_state["model.norm.weight"]}
     if not _tied(cfg):
@@ -270,16 +275,20 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
         out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
         out[mc + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
         for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
-            out[mc + f"self_attention.linear_qkv.{kind}"] = pack_qkv(
-                *(hf_state[hf + f"self_attn.{p}_proj.{kind}"] for p in "qkv"))
+            if fused:  # Phi-3: one qkv_proj, rows [q heads, k heads, v heads]
+                qkv = hf_state[hf + f"self_attn.qkv_proj.{kind}"].split(
+                    [heads * head_dim, groups * head_dim, groups * head_dim])
+            else:
+                qkv = [hf_state[hf + f"self_attn.{p}_proj.{kind}"] for p in "qkv"]
+            out[mc + f"self_attention.linear_qkv.{kind}"] = pack_qkv(*qkv)
         if _has_qk_norm(cfg):
             out[mc + "self_attention.q_layernorm.weight"] = hf_state[hf + "self_attn.q_norm.weight"]
             out[mc + "self_attention.k_layernorm.weight"] = hf_state[hf + "self_attn.k_norm.weight"]
         if moe.is_moe(cfg):
             out.update({mc + k: v for k, v in moe.mlp_hf_to_mcore(hf_state, cfg, i).items()})
             continue
-        out[mc + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]], dim=0)
+        out[mc + "mlp.linear_fc1.weight"] = (hf_state[hf + "mlp.gate_up_proj.weight"] if fused else torch.cat(
+            [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]], dim=0))
         out[mc + "mlp.linear_fc2.weight"] = hf_state[hf + "mlp.down_proj.weight"]
     return out
 
@@ -297,6 +306,10 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     MoE layers convert the experts the layer holds (megarl.models.moe.mlp_mcore_to_hf; ``expert_offset``:
     the global index of an EP rank's first local expert)."""
     cfg = check_supported(hf_config)
+    fused = family_of(cfg).fused_projections
+    if fused and tp_size > 1:
+        raise ValueError(f"{cfg['model_type']}'s fused qkv_proj / gate_up_proj have no per-rank HF slices "
+                         f"(megarl.models.tp_shard): convert the whole layer (tp_size=1)")
     hf = f"model.layers.{hf_layer_index}."
     out = {
         hf + "input_layernorm.weight": mcore_layer["input_layernorm.weight"],
@@ -304,6 +317,9 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     }
     for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
         q, k, v = split_qkv_rows(mcore_layer[f"self_attention.linear_qkv.{kind}"], cfg, tp_size)
+        if fused:  # Phi-3's layout, as save_pretrained writes it
+            out[hf + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v])
+            continue
         out[hf + f"self_attn.q_proj.{kind}"] = q
         out[hf + f"self_attn.k_proj.{kind}"] = k
         out[hf + f"self_attn.v_proj.{kind}"] = v
@@ -314,9 +330,12 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     if moe.is_moe(cfg):
         out.update(moe.mlp_mcore_to_hf(mcore_layer, cfg, hf_layer_index, expert_offset))
         return out
-    gate, up = mcore_layer["mlp.linear_fc1.weight"].chunk(2, dim=0)
-    out[hf + "mlp.gate_proj.weight"] = gate.contiguous()
-    out[hf + "mlp.up_proj.weight"] = up.contiguous()
+    if fused:  # megatron's linear_fc1 rows are [gate, up]: Phi-3's gate_up_proj as it is
+        out[hf + "mlp.gate_up_proj.weight"] = mcore_layer["mlp.linear_fc1.weight"]
+    else:
+        gate, up = mcore_layer["mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out[hf + "mlp.gate_proj.weight"] = gate.contiguous()
+        out[hf + "mlp.up_proj.weight"] = up.contiguous()
     out[hf + "mlp.down_proj.weight"] = mcore_layer["mlp.linear_fc2.weight"]
     return out
 

@@ -20,6 +20,10 @@ class Family:
     # config.json's `sliding_window` (null: none) limits every layer's attention to the keys of the last
     # `sliding_window` positions (Mistral); other families' field is refused or ignored as transformers does.
     sliding_window: bool = False
+    # HF holds q/k/v as one `self_attn.qkv_proj` (rows: q, k, v) and gate/up as one `mlp.gate_up_proj` (rows: gate,
+    # up) (Phi-3): megarl.models.convert splits and fuses them; the built-in engine and a direct shard publish run
+    # them at tensor parallel size 1.
+    fused_projections: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -27,6 +31,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False, moe=False),
     Family("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, moe=False),
     Family("mistral", "MistralForCausalLM", qkv_bias=False, qk_norm=False, moe=False, sliding_window=True),
+    Family("phi3", "Phi3ForCausalLM", qkv_bias=False, qk_norm=False, moe=False, sliding_window=True,
+           fused_projections=True),
     Family("mixtral", "MixtralForCausalLM", qkv_bias=False, qk_norm=False, moe=True),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True, moe=True),
 )}

@@ -1,4 +1,4 @@
-"""Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mistral, Mixtral,
+"""Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mistral, Phi-3, Mixtral,
 Qwen3-MoE), for the built-in sampler engine.
 
 This module owns the model math and the KV-cache layout; it owns no scheduling (that is
@@ -86,6 +86,8 @@ class ModelSpec:
     qk_norm: bool = False
     # Each query attends to the keys of its last `sliding_window` positions, its own included (Mistral); None: all.
     sliding_window: int | None = None
+    # HF's q/k/v are one qkv_proj and gate/up one gate_up_proj (Phi-3): the stacked buffers the forward uses anyway.
+    fused_projections: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -155,6 +157,7 @@ class ModelSpec:
             norm_topk=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
             qk_norm=family.qk_norm,
             sliding_window=families.sliding_window(cfg),
+            fused_projections=family.fused_projections,
         )
 
     def shard(self, tp_size: int) -> "ModelSpec":
@@ -165,6 +168,9 @@ class ModelSpec:
         naming the dimension tp_size does not divide."""
         if self.tp_size != 1:
             raise ValueError(f"this spec is already one of {self.tp_size} tensor-parallel shards")
+        if self.fused_projections and tp_size != 1:
+            raise ValueError(f"{self.model_type}'s fused qkv_proj / gate_up_proj have no tensor-parallel slices "
+                             f"(megarl.models.tp_shard): the built-in engine runs it at sampler.tp = 1")
         if tp_size < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {tp_size}")
         tp_shard.check_divisible(self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size,
@@ -192,7 +198,8 @@ class ModelSpec:
             p = f"model.layers.{layer}."
             shapes[p + "input_layernorm.weight"] = (h,)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
-            for name, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+            for name, out in ((("qkv_proj", q_out + 2 * kv_out),) if self.fused_projections else
+                              (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out))):
                 shapes[p + f"self_attn.{name}.weight"] = (out, h)
                 if self.qkv_bias:
                     shapes[p + f"self_attn.{name}.bias"] = (out,)
@@ -207,7 +214,8 @@ class ModelSpec:
                     for name, shape in zip(moe.hf_expert_names(self._hf_config, layer, e), ((i, h), (i, h), (h, i))):
                         shapes[name] = shape
                 continue
-            for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            for name, shape in ((("gate_up_proj", (2 * i, h)),) if self.fused_projections else
+                                (("gate_proj", (i, h)), ("up_proj", (i, h)))) + (("down_proj", (h, i)),):
                 shapes[p + f"mlp.{name}.weight"] = shape
                 if self.mlp_bias:
                     shapes[p + f"mlp.{name}.bias"] = (shape[0],)
@@ -375,7 +383,7 @@ class _LayerBuffers:
     down_bias: torch.Tensor | None
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    rope_rows: list[tuple[str, int]]  # (HF name, heads) of the q/k weights and biases whose rows RoPE pairs
+    rope_rows: list[tuple[torch.Tensor, int]]  # (view, heads) of the q/k weights and biases whose rows RoPE pairs
     q_norm: torch.Tensor | None = None  # Qwen3: the per-head q/k RMSNorm weights [head_dim]
     k_norm: torch.Tensor | None = None
 
@@ -419,6 +427,13 @@ class WeightArena:
             attn, mlp = p + "self_attn.", p + "mlp."
             qkv = [attn + f"{x}_proj.weight" for x in "qkv"]
             qkv_bias = [attn + f"{x}_proj.bias" for x in "qkv"] if spec.qkv_bias else []
+            if spec.fused_projections:  # (Phi-3: no biases) one HF tensor is the whole stacked buffer
+                qkv_buffer = own(attn + "qkv_proj.weight")
+                q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+                q_view, k_view = qkv_buffer[:q_rows], qkv_buffer[q_rows:q_rows + kv_rows]
+            else:
+                qkv_buffer = stack(qkv)
+                q_view, k_view = self.views[qkv[0]], self.views[qkv[1]]
             if spec.is_moe:  # Mixtral's or Qwen3-MoE's expert names (models/moe.py)
                 experts = [moe.hf_expert_names(spec._hf_config, layer, e) for e in range(spec.num_experts)]
                 gate_up = stack([moe.hf_router_name(spec._hf_config, layer)]
@@ -430,18 +445,19 @@ class WeightArena:
                     # down_e [hidden, i] is rows e*i.. of the stacked [E * i, hidden], transposed
                     self.views[down_name] = down[e * i:(e + 1) * i].t()
             else:
-                gate_up = stack([mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+                gate_up = own(mlp + "gate_up_proj.weight") if spec.fused_projections else stack(
+                    [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
                 down = own(mlp + "down_proj.weight")
             self.layers.append(_LayerBuffers(
-                qkv=stack(qkv), qkv_bias=stack(qkv_bias) if qkv_bias else None,
+                qkv=qkv_buffer, qkv_bias=stack(qkv_bias) if qkv_bias else None,
                 o_proj=own(attn + "o_proj.weight"), o_bias=own(attn + "o_proj.bias"),
                 gate_up=gate_up,
                 gate_up_bias=stack([mlp + "gate_proj.bias", mlp + "up_proj.bias"]) if spec.mlp_bias and not spec.is_moe
                 else None,
                 down=down, down_bias=own(mlp + "down_proj.bias"),
                 input_norm=own(p + "input_layernorm.weight"), post_norm=own(p + "post_attention_layernorm.weight"),
-                rope_rows=[(name, heads) for name, heads in zip([qkv[0], qkv[1], *qkv_bias[:2]],
-                                                                [spec.num_heads, spec.num_kv_heads] * 2)],
+                rope_rows=list(zip([q_view, k_view, *(self.views[n] for n in qkv_bias[:2])],
+                                   [spec.num_heads, spec.num_kv_heads] * 2)),
                 q_norm=own(attn + "q_norm.weight") if spec.qk_norm else None,
                 k_norm=own(attn + "k_norm.weight") if spec.qk_norm else None))
         for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
@@ -469,8 +485,7 @@ class WeightArena:
         spec, hd = self.spec, self.spec.head_dim
         layers = []
         for b in self.layers:
-            for name, heads in b.rope_rows:
-                view = self.views[name]
+            for view, heads in b.rope_rows:
                 view.copy_(_interleave_rope_pairs(view.clone(), heads, hd))  # a permutation: from a copy
             b.qkv.mul_(b.input_norm)  # (w * x_hat) @ W = x_hat @ (diag(w) W): the norm's weight rides in W
             b.gate_up.mul_(b.post_norm)

@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from megarl.learner import packing
 from megarl.models import convert, families
@@ -35,6 +35,8 @@ def _save(tmp_path, kind):
         model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=True))
     elif kind == "mistral":  # GQA, no bias, untied, a sliding window shorter than the test's rows
         model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False))
+    elif kind == "phi3":  # GQA, untied, fused qkv_proj and gate_up_proj
+        model = Phi3ForCausalLM(Phi3Config(**TINY, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2))
     elif kind in ROPES:  # Llama 3.x frequency scaling, YaRN
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=ROPES[kind]))
     else:  # linear position interpolation
@@ -54,11 +56,13 @@ def _save(tmp_path, kind):
     return model.eval(), load_file(path / "model.safetensors")
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3"])
 def test_round_trip_is_exact(tmp_path, kind):
+    """HF -> megatron -> HF gives back every tensor bit for bit (Phi-3's fused qkv_proj / gate_up_proj split into
+    megatron's per-group qkv rows and fused back)."""
     model, hf_state = _save(tmp_path, kind)
     mcore = convert.hf_to_mcore(hf_state, model.config)
-    assert ("output_layer.weight" in mcore) == (kind in ("llama", "mistral"))
+    assert ("output_layer.weight" in mcore) == (kind in ("llama", "mistral", "phi3"))
     assert ("decoder.layers.0.self_attention.q_layernorm.weight" in mcore) == (kind == "qwen3")
     back = convert.mcore_to_hf(mcore, model.config)
     assert set(back) == set(hf_state)
@@ -141,7 +145,7 @@ def megatron_world(tmp_path_factory):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "linear_rope", *ROPES])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "linear_rope", *ROPES])
 def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     """A GPTModel of the converted config and weights (rotary frequencies set as the learner sets them) gives
     transformers' log-probs, on rows longer than a sliding window and than a YaRN model's original context."""
@@ -228,3 +232,20 @@ def test_moe_round_trip_keeps_every_per_expert_tensor(tmp_path, kind):
     back = convert.mcore_to_hf(mcore, cfg)
     saved = load_file(f"{model_dir}/model.safetensors")
     assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
+
+
+def test_phi3s_fused_projections_run_unsplit_and_say_where():
+    """Phi-3's qkv_proj / gate_up_proj have no per-rank slices: a built-in engine at sampler.tp > 1, a shard
+    conversion and LoRA adapters are refused naming the key; sampler.tp=1 at any learner layout is taken."""
+    from megarl.config.schema import LoraConfig
+    from megarl.models import layout, lora
+
+    cfg = {"model_type": "phi3", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "hidden_size": 32, "intermediate_size": 48, "vocab_size": 64}
+    layout.check_layout(cfg, learner_tp=2, learner_pp=2, sampler_tp=1)
+    with pytest.raises(ValueError, match="sampler.tp=2: phi3's fused qkv_proj / gate_up_proj"):
+        layout.check_layout(cfg, sampler_tp=2)
+    with pytest.raises(ValueError, match="tp_size=1"):
+        convert.mcore_layer_to_hf({}, 0, cfg, tp_size=2)
+    with pytest.raises(ValueError, match="learner.lora: 'phi3' holds fused qkv_proj"):
+        lora.check(cfg, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"]))

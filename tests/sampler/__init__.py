@@ -26,6 +26,7 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
     "qwen2": GQA, q/k/v biases, tied embeddings.  "llama": GQA, no biases, untied lm_head.  "qwen3": GQA, per-head
     q/k RMSNorm weights drawn away from 1, heads x head_dim (4 x 32) wider than hidden (64), tied embeddings.
     "mistral": as "llama", with a sliding window of MISTRAL_WINDOW positions (shorter than the tests' sequences).
+    "phi3": as "llama", its q/k/v one qkv_proj and gate/up one gate_up_proj (as Phi-3's checkpoints hold them).
     "mixtral": GQA, no biases, tied embeddings, 4 experts of width 64, top-2 (every layer an MoE layer).
     "qwen3_moe": the same experts (unnormalised top-k unless norm_topk_prob=True), per-head q/k RMSNorm weights
     drawn away from 1 (so an engine that skipped them would show).
@@ -34,7 +35,7 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
     that fp32 rounding alone (HF's own cached decode vs its prefill) reaches 1e-5 in log-prob.
     """
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
-                              MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
     moe = {"mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
@@ -48,6 +49,8 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
         model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=True, **{"head_dim": 32, **kw}))
     elif kind == "mistral":
         model = MistralForCausalLM(MistralConfig(tie_word_embeddings=False, sliding_window=MISTRAL_WINDOW, **kw))
+    elif kind == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(tie_word_embeddings=False, pad_token_id=0, eos_token_id=2, **kw))
     elif kind == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(tie_word_embeddings=True, **kw))
     elif kind == "qwen3_moe":

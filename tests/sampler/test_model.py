@@ -20,10 +20,11 @@ YARN_ROPE = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_m
 ROPES = {"llama3_rope": LLAMA3_ROPE, "yarn_rope": YARN_ROPE}
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", *ROPES])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", *ROPES])
 def tiny(request, tmp_path_factory):
     """(kind, HF model, spec, runtime weights) for a Qwen2 (GQA, bias, tied), a Llama (untied), a Qwen3 (q/k norms,
-    wide heads), a Mistral (a sliding window shorter than the tests' sequences) and Llamas with Llama-3 and YaRN RoPE
+    wide heads), a Mistral (a sliding window shorter than the tests' sequences), a Phi-3 (fused qkv_proj and
+    gate_up_proj) and Llamas with Llama-3 and YaRN RoPE
     scaling."""
     from transformers import AutoModelForCausalLM
 
@@ -106,6 +107,10 @@ def test_shard_spec_is_one_tp_ranks_share(tiny):
     shrink by rows, o/down by columns; hidden, vocab_size and the rest stay; shard(1) is the model itself."""
     kind, _, spec, w = tiny
     d = 2 if kind == "qwen3" else 1  # (Qwen3's heads are 32 wide: twice hidden / heads)
+    if kind == "phi3":  # its fused tensors have no per-rank slices: refused by name
+        with pytest.raises(ValueError, match="phi3's fused qkv_proj / gate_up_proj .* sampler.tp = 1"):
+            spec.shard(2)
+        return
     half = spec.shard(2)
     assert spec.shard(1) == spec and half.tp_size == 2
     full_shapes, shapes = spec.weight_shapes(), half.weight_shapes()
@@ -139,8 +144,9 @@ def test_check_weights_names_first_problem(tiny):
     weights = {k: v.detach() for k, v in hf.state_dict().items() if k != "lm_head.weight" or not
                spec.tie_word_embeddings}
     spec.check_weights(weights)
-    bad = dict(weights, **{"model.layers.1.mlp.up_proj.weight": torch.zeros(3, 3)})
-    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+    up = "model.layers.1.mlp." + ("gate_up_proj" if spec.fused_projections else "up_proj") + ".weight"
+    bad = dict(weights, **{up: torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match=up):
         spec.check_weights(bad)
     missing = {k: v for k, v in weights.items() if k != "model.norm.weight"}
     with pytest.raises(ValueError, match="missing.*model.norm.weight"):
