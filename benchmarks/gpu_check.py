@@ -520,7 +520,7 @@ FAMILY_CHECKS = {
     "mistral": ("mistral", {"sliding_window": 32}),  # (the dry run: 4)
     "llama_yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
                                                 "original_max_position_embeddings": 32}}),  # (the dry run: 8)
-    "phi3": ("phi3", {"pad_token_id": 0, "eos_token_id": 2}),
+    "phi3": ("phi3", {"pad_token_id": None, "eos_token_id": 2}),
 }
 
 

@@ -154,6 +154,7 @@ class MegatronLearner:
             plain_linear.use_plain_linears(gpt, cfg.tp)
             rotary_positions.use_frequencies(gpt, convert.inv_freq(self.hf_config))
             rotary_positions.use_position_ids(gpt)
+            rotary_positions.skip_layers(gpt, families.rope_layers(self.hf_config))
             if self.sequence_parallel:
                 sequence_parallel.mark_whole_experts(gpt, cfg.ep)
             gpt = gpt.to(self.device)

@@ -1,5 +1,5 @@
 """HF <-> megatron-core weight conversion for the causal LMs of megarl.models.families (Qwen2, Llama, Qwen3,
-Mistral, Phi-3 and the mixture-of-experts Mixtral and Qwen3-MoE; pure functions; the MoE MLP mapping is
+Mistral, Phi-3, SmolLM3 and the mixture-of-experts Mixtral and Qwen3-MoE; pure functions; the MoE MLP mapping is
 megarl.models.moe's), plus
 `load_pretrained`, the HF-directory reader the learner and the built-in engine share.
 
@@ -19,6 +19,8 @@ Layout facts the conversion encodes:
   * megatron's ``linear_fc1`` is the fused SwiGLU input projection: rows = cat[gate, up] (Phi-3's
     ``gate_up_proj`` exactly; its ``qkv_proj`` rows are [all q heads, all k heads, all v heads], regrouped).
   * tied embeddings: megatron has no ``output_layer.weight`` and HF has no ``lm_head.weight``.
+  * SmolLM3's layers without RoPE (``no_rope_layers``) have the same weights: the learner skips their rotation
+    (megarl.learner.rotary_positions.skip_layers).
   * Mistral's sliding window is no weight: the learners put it in the attention mask (megarl.learner.packing).
   * Qwen3's and Qwen3-MoE's per-head q/k RMSNorm (``self_attn.q_norm`` / ``k_norm``) is megatron's ``qk_layernorm``
     (``self_attention.q_layernorm`` / ``k_layernorm``).
@@ -156,6 +158,7 @@ def check_supported(hf_config) -> dict:
     if cfg.get("use_sliding_window"):
         raise ValueError("unsupported feature use_sliding_window=True")
     families.sliding_window(cfg)  # (a window < 1: named)
+    families.rope_layers(cfg)  # (a malformed no_rope_layers: named)
     if cfg.get("attention_bias"):  # Llama: bias on q/k/v AND o_proj; megatron maps only qkv bias
         raise ValueError("unsupported feature attention_bias=True (o_proj bias)")
     if cfg.get("mlp_bias"):

@@ -24,6 +24,8 @@ class Family:
     # up) (Phi-3): megarl.models.convert splits and fuses them; the built-in engine and a direct shard publish run
     # them at tensor parallel size 1.
     fused_projections: bool = False
+    # config.json's `no_rope_layers` (per layer 1: RoPE on q and k, 0: none) picks the layers that rotate (SmolLM3)
+    no_rope_layers: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -33,6 +35,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral", "MistralForCausalLM", qkv_bias=False, qk_norm=False, moe=False, sliding_window=True),
     Family("phi3", "Phi3ForCausalLM", qkv_bias=False, qk_norm=False, moe=False, sliding_window=True,
            fused_projections=True),
+    Family("smollm3", "SmolLM3ForCausalLM", qkv_bias=False, qk_norm=False, moe=False, no_rope_layers=True),
     Family("mixtral", "MixtralForCausalLM", qkv_bias=False, qk_norm=False, moe=True),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True, moe=True),
 )}
@@ -55,3 +58,19 @@ def sliding_window(cfg: dict) -> int | None:
     if window is not None and int(window) < 1:
         raise ValueError(f"sliding_window={window} must be >= 1 (or null for full attention)")
     return None if window is None else int(window)
+
+
+def rope_layers(cfg: dict) -> tuple[bool, ...] | None:
+    """Per decoder layer whether it applies RoPE to q and k, or None when every layer does. SmolLM3's
+    `no_rope_layers` (1: rotates), or transformers' default for it: every `no_rope_layer_interval`-th layer
+    (the 4th, 8th, ...) without."""
+    if not family_of(cfg).no_rope_layers:
+        return None
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise ValueError(f"no_rope_layers={flags!r}: one 0 or 1 per layer (num_hidden_layers={layers})")
+    return tuple(bool(f) for f in flags)

@@ -1,5 +1,5 @@
-"""Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mistral, Phi-3, Mixtral,
-Qwen3-MoE), for the built-in sampler engine.
+"""Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mistral, Phi-3, SmolLM3,
+Mixtral, Qwen3-MoE), for the built-in sampler engine.
 
 This module owns the model math and the KV-cache layout; it owns no scheduling (that is
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
@@ -88,6 +88,8 @@ class ModelSpec:
     sliding_window: int | None = None
     # HF's q/k/v are one qkv_proj and gate/up one gate_up_proj (Phi-3): the stacked buffers the forward uses anyway.
     fused_projections: bool = False
+    # Per layer whether it rotates q and k (SmolLM3's no_rope_layers); None: every layer does.
+    rope_layers: tuple[bool, ...] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -158,6 +160,7 @@ class ModelSpec:
             qk_norm=family.qk_norm,
             sliding_window=families.sliding_window(cfg),
             fused_projections=family.fused_projections,
+            rope_layers=families.rope_layers(cfg),
         )
 
     def shard(self, tp_size: int) -> "ModelSpec":
@@ -651,7 +654,8 @@ def forward(
         qk = qkv[:, : nh + nkv]
         if lw.qk_norm is not None:
             qk = _head_rms_norm(qk, lw.qk_norm, tables)
-        qk = _rotate(qk, rot)
+        if spec.rope_layers is None or spec.rope_layers[layer]:  # (a layer without RoPE attends unrotated)
+            qk = _rotate(qk, rot)
         k_cache, v_cache = cache.k[layer, slots], cache.v[layer, slots]  # views: writes land in the cache
         k_cache.scatter_(3, k_idx, qk[:, nh:].view(bsz, seq, nkv, hd).permute(0, 2, 3, 1))
         v_cache.scatter_(2, v_idx, qkv[:, nh + nkv:].view(bsz, seq, nkv, hd).transpose(1, 2))

@@ -4,7 +4,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
+                          SmolLM3ForCausalLM)
 
 from megarl.learner import packing
 from megarl.models import convert, families
@@ -36,27 +37,30 @@ def _save(tmp_path, kind):
     elif kind == "mistral":  # GQA, no bias, untied, a sliding window shorter than the test's rows
         model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False))
     elif kind == "phi3":  # GQA, untied, fused qkv_proj and gate_up_proj
-        model = Phi3ForCausalLM(Phi3Config(**TINY, tie_word_embeddings=False, pad_token_id=0, eos_token_id=2))
+        model = Phi3ForCausalLM(Phi3Config(**TINY, tie_word_embeddings=False, pad_token_id=None, eos_token_id=2))
+    elif kind == "smollm3":  # GQA, tied, its second layer without RoPE
+        model = SmolLM3ForCausalLM(SmolLM3Config(**TINY, no_rope_layers=[1, 0], tie_word_embeddings=True,
+                                                 pad_token_id=None, bos_token_id=1, eos_token_id=2))
     elif kind in ROPES:  # Llama 3.x frequency scaling, YaRN
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=ROPES[kind]))
     else:  # linear position interpolation
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False, rope_parameters=LINEAR))
     # Biases are zero-initialised; make them non-trivial so the bias packing is exercised. With RoPE
-    # scaling, sharpen attention (q/k x30) so positions matter enough for the scaling to show.
+    # scaling (and SmolLM3's layer without it), sharpen attention (q/k x30) so positions matter enough for it to show.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_()
             if name.endswith(("q_norm.weight", "k_norm.weight")):  # away from 1, so a dropped norm would show
                 p.normal_(1.0, 0.3)
-            if kind.endswith("_rope") and ("q_proj" in name or "k_proj" in name):
+            if (kind.endswith("_rope") or kind == "smollm3") and ("q_proj" in name or "k_proj" in name):
                 p.mul_(30.0)
     path = tmp_path / kind
     model.save_pretrained(path)
     return model.eval(), load_file(path / "model.safetensors")
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3"])
 def test_round_trip_is_exact(tmp_path, kind):
     """HF -> megatron -> HF gives back every tensor bit for bit (Phi-3's fused qkv_proj / gate_up_proj split into
     megatron's per-group qkv rows and fused back)."""
@@ -145,7 +149,7 @@ def megatron_world(tmp_path_factory):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "linear_rope", *ROPES])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "linear_rope", *ROPES])
 def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     """A GPTModel of the converted config and weights (rotary frequencies set as the learner sets them) gives
     transformers' log-probs, on rows longer than a sliding window and than a YaRN model's original context."""
@@ -164,10 +168,12 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     assert (window is not None) == (kind == "mistral")
     mask = packing.causal_mask(s, window=window)
 
-    def megatron_logprobs(inv_freq=convert.inv_freq(hf_model.config)):
+    def megatron_logprobs(inv_freq=convert.inv_freq(hf_model.config),
+                          rope=families.rope_layers(hf_model.config.to_dict())):
         spec = get_gpt_layer_local_spec(**convert.layer_spec_kwargs(hf_model.config))
         gpt = GPTModel(config=config, transformer_layer_spec=spec, **convert.gpt_model_kwargs(hf_model.config))
         rotary_positions.use_frequencies(gpt, inv_freq)
+        rotary_positions.skip_layers(gpt, rope)
         missing, unexpected = gpt.load_state_dict(convert.hf_to_mcore(hf_state, hf_model.config), strict=False)
         assert not unexpected and all(k.endswith("_extra_state") for k in missing)
         with torch.no_grad():
@@ -177,6 +183,9 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     with torch.no_grad():
         hf = torch.log_softmax(hf_model(ids).logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])
     assert (megatron_logprobs() - hf).abs().max().item() <= LEARNER_TOL
+    if kind == "smollm3":  # ... and only because its second layer did not rotate
+        assert families.rope_layers(hf_model.config.to_dict()) == (True, False)
+        assert (megatron_logprobs(rope=None) - hf).abs().max().item() > 1e-3
     if kind == "mistral":  # ... and only because the window was applied
         mask = packing.causal_mask(s)
         assert (megatron_logprobs() - hf).abs().max().item() > 1e-3

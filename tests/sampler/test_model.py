@@ -20,11 +20,11 @@ YARN_ROPE = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_m
 ROPES = {"llama3_rope": LLAMA3_ROPE, "yarn_rope": YARN_ROPE}
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", *ROPES])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", *ROPES])
 def tiny(request, tmp_path_factory):
     """(kind, HF model, spec, runtime weights) for a Qwen2 (GQA, bias, tied), a Llama (untied), a Qwen3 (q/k norms,
     wide heads), a Mistral (a sliding window shorter than the tests' sequences), a Phi-3 (fused qkv_proj and
-    gate_up_proj) and Llamas with Llama-3 and YaRN RoPE
+    gate_up_proj), a SmolLM3 (a layer without RoPE) and Llamas with Llama-3 and YaRN RoPE
     scaling."""
     from transformers import AutoModelForCausalLM
 
@@ -44,7 +44,8 @@ def hf_logprobs(hf, ids: torch.Tensor) -> torch.Tensor:
 def test_spec_reads_hf_config(tiny):
     kind, hf, spec, _ = tiny
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 32 if kind == "qwen3" else 16)
-    assert spec.tie_word_embeddings == (kind in ("qwen2", "qwen3")) and spec.qk_norm == (kind == "qwen3")
+    assert spec.tie_word_embeddings == (kind in ("qwen2", "qwen3", "smollm3")) and spec.qk_norm == (kind == "qwen3")
+    assert spec.rope_layers == ((True, False) if kind == "smollm3" else None)
     assert (spec.rope_scaling is not None) == (kind in ROPES)
     assert spec.qkv_bias == (kind == "qwen2")
     assert spec.sliding_window == (MISTRAL_WINDOW if kind == "mistral" else None)
