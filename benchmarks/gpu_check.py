@@ -521,6 +521,7 @@ FAMILY_CHECKS = {
     "llama_yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
                                                 "original_max_position_embeddings": 32}}),  # (the dry run: 8)
     "phi3": ("phi3", {"pad_token_id": None, "eos_token_id": 2}),
+    "smollm3": ("smollm3", {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}),  # every 4th layer: no RoPE
 }
 
 
@@ -534,7 +535,8 @@ def build_family_model(path: Path, name: str, size: Size, device: str) -> Path:
     model_type, extra = FAMILY_CHECKS[name]
     shape = {k: v for k, v in size.model.items() if k != "rope_theta"}
     if size.tiny:
-        extra = {**extra, **({"sliding_window": 4} if "sliding_window" in extra else {})}
+        extra = {**extra, **({"sliding_window": 4} if "sliding_window" in extra else {}),
+                 **({"no_rope_layer_interval": 2} if name == "smollm3" else {})}  # (2 layers: the second)
         if "rope_parameters" in extra:
             extra["rope_parameters"] = {**extra["rope_parameters"], "original_max_position_embeddings": 8}
     torch.manual_seed(0)
