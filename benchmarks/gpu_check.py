@@ -59,6 +59,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -546,16 +547,71 @@ def check_engine_vs_hf(args, size: Size) -> dict:
 
 
 def check_logprob_parity(args, size: Size) -> dict:
+    init_single_rank(args.backend, Path(args.workdir))
+    return logprob_parity(args, size, build_model(Path(args.workdir) / "model", size, args.device),
+                          size.model["vocab_size"])
+
+
+# The `families` check: per native family beyond Qwen2 (megarl.models.families; docs/models.md) a random-weight
+# model of the family at a real shape (Qwen2.5-0.5B's dimensions, what sets the family apart switched on within
+# reach of the check's rows: a window and a YaRN original context shorter than them) and logprob_parity's lag-0
+# gaps; one process for all (the imports and the process group are most of a dry run's time).
+FAMILY_CHECKS = {
+    "mistral": ("mistral", {"sliding_window": 32}),  # (the dry run: 4)
+    "llama_yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                "original_max_position_embeddings": 32}}),  # (the dry run: 8)
+    "phi3": ("phi3", {"pad_token_id": None, "eos_token_id": 2}),
+    "smollm3": ("smollm3", {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}),  # every 4th layer: no RoPE
+}
+
+
+def build_family_model(path: Path, name: str, size: Size, device: str) -> Path:
+    """The HF directory of FAMILY_CHECKS[name] with random weights (bf16 on the GPU, fp32 on CPU)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    model_type, extra = FAMILY_CHECKS[name]
+    shape = {k: v for k, v in size.model.items() if k != "rope_theta"}
+    if size.tiny:
+        extra = {**extra, **({"sliding_window": 4} if "sliding_window" in extra else {}),
+                 **({"no_rope_layer_interval": 2} if name == "smollm3" else {})}  # (2 layers: the second)
+        if "rope_parameters" in extra:
+            extra["rope_parameters"] = {**extra["rope_parameters"], "original_max_position_embeddings": 8}
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**shape, **extra}))
+    if device == "cuda":
+        model = model.to(torch.bfloat16)
+    partial = path.with_name(path.name + f".partial{os.getpid()}")
+    model.save_pretrained(partial)
+    partial.rename(path)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return path
+
+
+def check_families(args, size: Size) -> dict:
+    init_single_rank(args.backend, Path(args.workdir))
+    out = {}
+    for name in FAMILY_CHECKS:
+        model_dir = build_family_model(Path(args.workdir) / f"family_{name}", name, size, args.device)
+        out[name] = logprob_parity(args, size, model_dir, size.model["vocab_size"])
+        shutil.rmtree(model_dir)  # (a 0.5B model's disk and page cache, not kept for the next family)
+    return out
+
+
+def logprob_parity(args, size: Size, model_dir: Path, vocab: int) -> dict:
+    """The engine's behaviour log-probs, the megatron learner's and an fp32 HF forward's of the same tokens."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from megarl.protocols import Completion, GenerationRequest, SamplingParams
 
-    workdir = Path(args.workdir)
     device = device_of(args)
-    init_single_rank(args.backend, workdir)
-    model_dir = build_model(workdir / "model", size, args.device)
-    prompts = random_prompts(size.parity_rows, size.model["vocab_size"], seed=1)
+    prompts = random_prompts(size.parity_rows, vocab, seed=1)
     engine_error = None
     try:
         engine = make_engine(model_dir, device, max_running=len(prompts),
@@ -570,7 +626,7 @@ def check_logprob_parity(args, size: Size) -> dict:
 
         engine_error = traceback.format_exc()[-1500:]
         gen = torch.Generator().manual_seed(2)
-        done = [Completion(str(i), p, torch.randint(0, size.model["vocab_size"], (size.parity_tokens,), generator=gen).tolist(),
+        done = [Completion(str(i), p, torch.randint(0, vocab, (size.parity_tokens,), generator=gen).tolist(),
                            [float("nan")] * size.parity_tokens, [0] * size.parity_tokens, "length")
                 for i, p in enumerate(prompts)]
     length = max(len(c.prompt_ids) + len(c.token_ids) for c in done)
@@ -942,7 +998,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "lora": (check_lora, 120), "critic_step": (check_critic_step, 120), "packing": (check_packing, 120),
           "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120),
           "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
-          "trackers": (check_trackers, 120)}
+          "trackers": (check_trackers, 120), "families": (check_families, 150)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU
 

@@ -78,6 +78,39 @@ def save_tiny_qwen3(path: Path, vocab_size: int = 64) -> Path:
     return path
 
 
+# The window of the tests' tiny Mistrals: shorter than every test's rows, so a forward that ignored it would show.
+MISTRAL_WINDOW = 5
+YARN_ORIGINAL = 8
+
+
+def save_tiny_dense(path: Path, kind: str, vocab_size: int = 64) -> Path:
+    """A real HF directory of a dense family of the learner tests' size (LEARNER_TINY), kind: "mistral" (a sliding
+    window of MISTRAL_WINDOW positions, untied), "llama_yarn" (YaRN RoPE over an original context of
+    YARN_ORIGINAL positions, shorter than the tests' rows, tied), "phi3" (fused qkv_proj and gate_up_proj, untied),
+    "smollm3" (its second layer without RoPE, tied). No pad token: transformers gives the pad token's embedding row
+    no gradient (nn.Embedding's padding_idx), which the megatron learner does not copy."""
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+
+    torch.manual_seed(0)
+    tiny = {**LEARNER_TINY, "vocab_size": vocab_size}
+    if kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**tiny, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False))
+    elif kind == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**tiny, tie_word_embeddings=False, pad_token_id=None, eos_token_id=2))
+    elif kind == "smollm3":
+        model = SmolLM3ForCausalLM(SmolLM3Config(**tiny, no_rope_layers=[1, 0], tie_word_embeddings=True,
+                                                 pad_token_id=None, bos_token_id=1, eos_token_id=2))
+    elif kind == "llama_yarn":
+        model = LlamaForCausalLM(LlamaConfig(**tiny, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": YARN_ORIGINAL, "rope_theta": 1e4}))
+    else:
+        raise ValueError(kind)
+    model.save_pretrained(path)
+    return path
+
+
 def save_tiny_moe(path: Path, kind: str, vocab_size: int = 64, **overrides) -> Path:
     """A real HF mixture-of-experts directory (kind: mixtral | qwen3_moe): 2 layers, 4 experts, top-2, GQA;
     Qwen3-MoE with its per-head q/k RMSNorm drawn away from 1 so that a converter that dropped it would show."""

@@ -48,7 +48,7 @@ from megarl.distributed.publish import Bucket, plan_buckets
 from megarl.learner import hf_lora, packing, step
 from megarl.learner.hf_routing_replay import HFRouteReplayer
 from megarl.learner.lr_schedule import lr_at
-from megarl.models import lora, moe
+from megarl.models import families, lora, moe
 from megarl.models.families import generic_path_hint, is_native
 from megarl.protocols import TrainBatch
 
@@ -165,6 +165,9 @@ class DeepSpeedLearner:
         # docs/models.md#the-generic-path): every parameter under its in-memory name, no route replay.
         self.generic = not is_native(self.hf_config)
         self.is_moe = not self.generic and moe.is_moe(self.hf_config)
+        # transformers applies its sliding windows itself, except to the ready masks of packed rows (`_logits`)
+        self.windows = families.generic_attention_windows(self.hf_config) if self.generic else \
+            {"": families.sliding_window(self.hf_config)}
         if self.is_moe:
             moe.check_moe(self.hf_config)
         elif routing_replay == "r3" and self.generic:
@@ -248,7 +251,9 @@ class DeepSpeedLearner:
             replayer.before_forward(ids, packing.model_routes(mb))
         if "unpack_index" not in mb:
             return model(input_ids=ids, use_cache=False).logits
-        mask = packing.additive_attention_mask(mb, self.module.dtype, self.device)
+        masks = {kind: packing.additive_attention_mask(mb, self.module.dtype, self.device, window)
+                 for kind, window in (self.windows or {"": None}).items()}
+        mask = masks.pop("") if "" in masks else masks  # one mask, or one per layer type (Gemma 3's local/global)
         return model(input_ids=ids, position_ids=mb["packed_positions"].to(self.device), attention_mask=mask,
                      use_cache=False).logits
 

@@ -36,7 +36,7 @@ from megarl.config.schema import LearnerConfig
 from megarl.learner import packing, plain_linear, rotary_positions, sequence_parallel, step
 from megarl.learner.lr_schedule import lr_at
 from megarl.learner.routing_replay import RouteReplayer
-from megarl.models import convert, moe
+from megarl.models import convert, families, moe
 from megarl.protocols import TrainBatch
 
 
@@ -102,6 +102,9 @@ class MegatronLearner:
         with open(os.path.join(model_dir, "config.json")) as f:
             self.hf_config = convert.check_supported(json.load(f))
         self.is_moe = moe.is_moe(self.hf_config)
+        # A sliding window is part of the attention mask the learner builds (megarl.learner.packing): it counts
+        # position ids, which a packed row's columns are not.
+        self.window = families.sliding_window(self.hf_config)
         # megatron trains an MoE layer under TP only with sequence parallelism (megarl.learner.sequence_parallel);
         # dense models keep plain TP.
         self.sequence_parallel = self.is_moe and cfg.tp > 1
@@ -149,7 +152,9 @@ class MegatronLearner:
             )
             self._load_hf_weights(gpt, hf_weights)
             plain_linear.use_plain_linears(gpt, cfg.tp)
+            rotary_positions.use_frequencies(gpt, convert.inv_freq(self.hf_config))
             rotary_positions.use_position_ids(gpt)
+            rotary_positions.skip_layers(gpt, families.rope_layers(self.hf_config))
             if self.sequence_parallel:
                 sequence_parallel.mark_whole_experts(gpt, cfg.ep)
             gpt = gpt.to(self.device)
@@ -312,6 +317,9 @@ class MegatronLearner:
     def _check_shards_publishable(self) -> None:
         if self.lora is not None:
             raise NotImplementedError("learner.lora publishes whole adapters (sampler.tp = 1)")
+        if families.family_of(self.hf_config).fused_projections:
+            raise NotImplementedError(f"{self.hf_config['model_type']}'s fused qkv_proj / gate_up_proj publish whole "
+                                      f"tensors: the built-in engine runs it at sampler.tp = 1")
         if self.sequence_parallel:  # (its experts are whole on every TP rank, not tp_shard slices)
             raise NotImplementedError("an MoE model at learner.tp > 1 publishes whole tensors: the built-in engine "
                                       "runs MoE models at sampler.tp = 1")
@@ -416,11 +424,10 @@ class MegatronLearner:
         if mb is not None:
             positions = mb["packed_positions"]
             positions = torch.nn.functional.pad(positions, (0, s - positions.shape[1])).to(self.device)
-            return input_ids, positions, packing.attention_mask(mb, s, self.device)
+            return input_ids, positions, packing.attention_mask(mb, s, self.device, self.window)
         position_ids = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
         # An explicit causal mask (True = masked): megatron's default one is built with device="cuda".
-        causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1)
-        return input_ids, position_ids, causal.view(1, 1, s, s)
+        return input_ids, position_ids, packing.causal_mask(s, self.device, self.window)
 
     def _row_logprobs(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
         """[B, S] log-probs of input_ids[:, t] of the micro-batch's rows from logits / T of the position predicting

@@ -214,11 +214,13 @@ def unpack(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
 
 
 def attention_mask(mb: dict[str, torch.Tensor], width: int | None = None,
-                   device: torch.device | str | None = None) -> torch.Tensor:
+                   device: torch.device | str | None = None, window: int | None = None) -> torch.Tensor:
     """[R, 1, W', W'] bool on `device`, True = masked: each packed position attends to its own path (the columns of
     the row that placed it, up to its depth), built there from the packed micro-batch's compact fields (the mask is
     R x W^2: it is never kept); the packed rows widened to `width` positions (sequence parallelism pads them to a
-    multiple of TP). Unplaced and added positions attend to themselves alone, so no softmax row is empty."""
+    multiple of TP). Unplaced and added positions attend to themselves alone, so no softmax row is empty.
+    `window` (megarl.models.families.sliding_window): only the path's last `window` positions, the position's
+    own included, by depth (its row's position ids), not by packed column."""
     owner = mb["packed_owner"].to(device)
     count, packed = owner.shape
     width = width or packed
@@ -226,7 +228,10 @@ def attention_mask(mb: dict[str, torch.Tensor], width: int | None = None,
     columns = mb["unpack_index"].to(device) % packed  # [B, S] each row position's column in its packed row
     placed = torch.nonzero(owner.reshape(-1) >= 0)[:, 0]
     path = columns[owner.reshape(-1)[placed]]  # [N, S] the placing row's columns
-    on_path = torch.arange(path.shape[1], device=owner.device)[None, :] <= depth[placed][:, None]
+    steps = torch.arange(path.shape[1], device=owner.device)[None, :]  # the path's depths
+    on_path = steps <= depth[placed][:, None]
+    if window is not None:
+        on_path &= steps > depth[placed][:, None] - window
     query = (placed // packed * width * width + placed % packed * width)[:, None].expand_as(path)
     allowed = torch.zeros(count * width * width, dtype=torch.bool, device=owner.device)
     allowed[(query + path)[on_path]] = True
@@ -235,9 +240,19 @@ def attention_mask(mb: dict[str, torch.Tensor], width: int | None = None,
     return ~allowed.unsqueeze(1)
 
 
+def causal_mask(length: int, device: torch.device | str | None = None, window: int | None = None) -> torch.Tensor:
+    """[1, 1, S, S] bool, True = masked: each position attends to itself and the positions before it, only the last
+    `window` of them (its own included) under a sliding window."""
+    steps = torch.arange(length, device=device)
+    back = steps[:, None] - steps[None, :]  # query position - key position
+    masked = back < 0 if window is None else (back < 0) | (back >= window)
+    return masked.view(1, 1, length, length)
+
+
 def additive_attention_mask(mb: dict[str, torch.Tensor], dtype: torch.dtype,
-                            device: torch.device | str | None = None) -> torch.Tensor:
+                            device: torch.device | str | None = None, window: int | None = None) -> torch.Tensor:
     """`attention_mask` as HF transformers takes a ready 4D mask: 0 where attended, the dtype's lowest where
-    not (added to the scores by its eager attention, passed on by its SDPA one)."""
-    masked = attention_mask(mb, device=device)
+    not (added to the scores by its eager attention, passed on by its SDPA one). transformers uses a ready mask
+    as it is, so a sliding-window model's `window` has to be in it."""
+    masked = attention_mask(mb, device=device, window=window)
     return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill(masked, torch.finfo(dtype).min)

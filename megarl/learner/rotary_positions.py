@@ -5,10 +5,41 @@ rotary embedding return, for the position ids of the call (what megarl passes as
 each packed position's index within its own row), the angles of those positions, [S, B, 1, dim] instead of
 [S, 1, 1, dim]; megatron's rotary application broadcasts either over the heads. Position ids 0..S-1 on every row
 give exactly megatron's own angles (the same table, gathered).
+
+`use_frequencies(gpt, inv_freq)` sets the frequencies that table is built from to the HF model's
+(megarl.models.convert.inv_freq: RoPE scaled as transformers scales it, llama3 with any constants and yarn
+included, which megatron's rotary embedding does not compute). `skip_layers(gpt, rope)` keeps the layers whose
+`rope` flag is False (SmolLM3's `no_rope_layers`, megarl.models.families.rope_layers) from rotating q and k.
 """
 from __future__ import annotations
 
 import torch
+
+
+def use_frequencies(gpt, inv_freq: torch.Tensor) -> None:
+    """Build `gpt`'s rotary angles from `inv_freq` [dim / 2] (no-op without a rotary embedding). Before the first
+    forward: megatron caches the angles it computes."""
+    rotary = getattr(gpt, "rotary_pos_emb", None)
+    if rotary is None:
+        return
+    if rotary.inv_freq.shape != inv_freq.shape:
+        raise ValueError(f"rotary frequencies of shape {tuple(inv_freq.shape)} for a rotary embedding of "
+                         f"{tuple(rotary.inv_freq.shape)}")
+    rotary.inv_freq = inv_freq.to(device=rotary.inv_freq.device, dtype=rotary.inv_freq.dtype)
+
+
+def skip_layers(gpt, rope: tuple[bool, ...] | None) -> None:
+    """Give the self-attention of every layer of `gpt` (this pipeline stage's) whose global index i has rope[i]
+    False no rotary angles, so it attends with unrotated q and k (None: every layer rotates)."""
+    if rope is None:
+        return
+
+    def no_rotation(module, args, kwargs):
+        return args, {**kwargs, "rotary_pos_emb": None}
+
+    for layer in gpt.decoder.layers:
+        if not rope[layer.layer_number - 1]:  # (megatron numbers layers from 1, across pipeline stages)
+            layer.self_attention.register_forward_pre_hook(no_rotation, with_kwargs=True)
 
 
 def use_position_ids(gpt) -> None:

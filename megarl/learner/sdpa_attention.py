@@ -12,8 +12,10 @@ packed batches (45 rows x 54 positions, 4 heads, 2 KV groups) one layer's attent
 Same contract as megatron's: query/key/value [S, B, heads, head_dim], ``attention_mask`` bool with True = masked
 (megarl always passes one: causal, or the packed rows' block-diagonal causal mask, which never masks a whole
 row), the context [S, B, heads * head_dim] out. What SDPA would not compute the same way is refused when the layer
-is built, naming the setting: attention dropout (megarl's converted configs set it to 0), a softmax offset, a
-sliding window. megatron's own unfused path is never taken.
+is built, naming the setting: attention dropout (megarl's converted configs set it to 0), a softmax offset,
+megatron's `window_size` (a sliding window, Mistral's, is part of the mask megarl builds: megarl.learner.packing
+counts it in position ids, which megatron's column-based window would not). megatron's own unfused path is never
+taken.
 """
 from __future__ import annotations
 

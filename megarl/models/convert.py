@@ -1,5 +1,5 @@
-"""HF <-> megatron-core weight conversion for the causal LMs of megarl.models.families (Qwen2, Llama, Qwen3 and
-their mixture-of-experts relatives Mixtral and Qwen3-MoE; pure functions; the MoE MLP mapping is
+"""HF <-> megatron-core weight conversion for the causal LMs of megarl.models.families (Qwen2, Llama, Qwen3,
+Mistral, Phi-3, SmolLM3 and the mixture-of-experts Mixtral and Qwen3-MoE; pure functions; the MoE MLP mapping is
 megarl.models.moe's), plus
 `load_pretrained`, the HF-directory reader the learner and the built-in engine share.
 
@@ -16,20 +16,25 @@ All tensors are full (unsharded, TP=1 names); sharding for TP>1 is the learner's
 Layout facts the conversion encodes:
   * megatron's ``linear_qkv`` rows are grouped per query group g (GQA): [the q heads of group g,
     the k head of g, the v head of g], each head ``head_dim`` rows; the bias follows the weight.
-  * megatron's ``linear_fc1`` is the fused SwiGLU input projection: rows = cat[gate, up].
+  * megatron's ``linear_fc1`` is the fused SwiGLU input projection: rows = cat[gate, up] (Phi-3's
+    ``gate_up_proj`` exactly; its ``qkv_proj`` rows are [all q heads, all k heads, all v heads], regrouped).
   * tied embeddings: megatron has no ``output_layer.weight`` and HF has no ``lm_head.weight``.
+  * SmolLM3's layers without RoPE (``no_rope_layers``) have the same weights: the learner skips their rotation
+    (megarl.learner.rotary_positions.skip_layers).
+  * Mistral's sliding window is no weight: the learners put it in the attention mask (megarl.learner.packing).
   * Qwen3's and Qwen3-MoE's per-head q/k RMSNorm (``self_attn.q_norm`` / ``k_norm``) is megatron's ``qk_layernorm``
     (``self_attention.q_layernorm`` / ``k_layernorm``).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
 
-from megarl.models import moe
-from megarl.models.families import ARCHITECTURES, MODEL_TYPES, family_of
+from megarl.models import families, moe
+from megarl.models.families import MODEL_TYPES, family_of
 
 SUPPORTED_MODEL_TYPES = MODEL_TYPES
 
@@ -54,49 +59,88 @@ def _rope_theta(cfg: dict) -> float:
     return float(_rope_params(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-# megatron-core 0.16 implements Llama-3 RoPE scaling with these three constants fixed
-# (RotaryEmbedding._apply_scaling); only `factor` is a GPTModel argument.
-MEGATRON_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
 def rope_scaling(hf_config) -> dict | None:
     """The RoPE scaling megarl maps, as {"rope_type", "factor", ...}; None when RoPE is unscaled.
 
-    Supported: "linear" (positions divided by `factor`) and "llama3" (HF's Llama 3.x frequency
-    scaling, with the constants megatron-core hard-codes). Anything else raises ValueError by name:
-    "dynamic" NTK scaling depends on the running sequence length and "yarn"/"longrope" also rescale
-    attention, which megatron's GPTModel rotary embedding does not do.
+    Supported, with transformers' definitions (its rope init functions, modeling_rope_utils): "linear" (positions
+    divided by `factor`), "llama3" (Llama 3.x: long wavelengths divided by `factor`, a smooth ramp to the short
+    ones) and "yarn" (frequencies blended between interpolated and extrapolated by a ramp over the dimensions, and
+    cos/sin scaled by an attention factor). Anything else raises ValueError by name: "dynamic" NTK scaling depends
+    on the running sequence length, "longrope" on it too (short/long factor sets).
     """
-    params = _rope_params(_config_dict(hf_config))
+    cfg = _config_dict(hf_config)
+    params = _rope_params(cfg)
     kind = params["rope_type"]
     if kind == "default":
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(params["factor"])}
     if kind == "llama3":
-        fixed = {k: float(params[k]) for k in MEGATRON_LLAMA3_FIXED}
-        if fixed != MEGATRON_LLAMA3_FIXED:
-            raise ValueError(f"unsupported llama3 rope scaling {fixed}: megatron-core fixes {MEGATRON_LLAMA3_FIXED}")
-        return {"rope_type": "llama3", "factor": float(params["factor"]), **fixed}
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+        return {"rope_type": "llama3", **{k: float(params[k]) for k in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}}
+    if kind == "yarn":
+        original = float(params["original_max_position_embeddings"])
+        # (DeepSeek-V3-style configs leave factor out: the context's growth is the factor)
+        factor = float(params.get("factor") or cfg["max_position_embeddings"] / original)
+        attention_factor = params.get("attention_factor")
+        if attention_factor is None:
+            mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                                if mscale and mscale_all_dim else _yarn_mscale(factor))
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+                "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
+                "truncate": bool(params.get("truncate", True)), "attention_factor": float(attention_factor)}
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
 
 
-def scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
-    """RoPE inverse frequencies after `rope_scaling(...)`'s scaling (HF's definition), for engines
-    that build their own rotary tables."""
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_inv_freq(theta: float, head_dim: int, scaling: dict | None) -> torch.Tensor:
+    """RoPE's inverse frequencies [head_dim / 2] (fp32) after `rope_scaling(...)`'s scaling, computed as
+    transformers' rope init functions compute them: what the learner's rotary embedding and the engine's rotary
+    tables are built from."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
     factor = scaling["factor"]
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
-    # llama3: long wavelengths divided by factor, short ones kept, a smooth ramp in between.
-    old_len = scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    wavelen = 2 * torch.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    if scaling["rope_type"] == "llama3":
+        # long wavelengths divided by factor, short ones kept, a smooth ramp in between
+        old_len = scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    # yarn: dimensions rotating fewer than beta_slow times over the original context are interpolated (divided by
+    # factor), those rotating more than beta_fast times kept, a linear ramp between
+    pos_freqs = theta ** exponents
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What transformers multiplies RoPE's cos and sin by (yarn's attention factor; 1 otherwise): every q.k
+    product is scaled by its square."""
+    return 1.0 if scaling is None else scaling.get("attention_factor", 1.0)
 
 
 def check_supported(hf_config) -> dict:
@@ -104,18 +148,24 @@ def check_supported(hf_config) -> dict:
     cfg = _config_dict(hf_config)
     if moe.is_moe(cfg):
         moe.check_moe(cfg)
-    family_of(cfg)
+    family = family_of(cfg)
     for arch in cfg.get("architectures") or ():
-        if arch not in ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}")
+        if arch != family.architecture:
+            raise ValueError(f"unsupported architecture {arch!r} for model_type {family.model_type!r} "
+                             f"(megarl maps {family.architecture})")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu/SwiGLU)")
     if cfg.get("use_sliding_window"):
         raise ValueError("unsupported feature use_sliding_window=True")
+    families.sliding_window(cfg)  # (a window < 1: named)
+    families.rope_layers(cfg)  # (a malformed no_rope_layers: named)
     if cfg.get("attention_bias"):  # Llama: bias on q/k/v AND o_proj; megatron maps only qkv bias
         raise ValueError("unsupported feature attention_bias=True (o_proj bias)")
     if cfg.get("mlp_bias"):
         raise ValueError("unsupported feature mlp_bias=True")
+    partial = _rope_params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"unsupported feature partial_rotary_factor={partial} (full rotary only)")
     rope_scaling(cfg)
     return cfg
 
@@ -175,12 +225,16 @@ def transformer_config_kwargs(hf_config) -> dict:
         # HF computes softmax in fp32 and RoPE in fp32; keep megatron on the same footing.
         attention_softmax_in_fp32=True,
         qk_layernorm=_has_qk_norm(cfg),
+        # yarn's attention factor m scales RoPE's cos and sin in transformers, so every q.k by m^2: the same
+        # scores as megatron's softmax scale times m^2
+        softmax_scale=rope_attention_factor(rope_scaling(cfg)) ** 2 / math.sqrt(head_dim),
         **moe.transformer_config_kwargs(cfg),
     )
 
 
 def gpt_model_kwargs(hf_config) -> dict:
-    """Keyword arguments for megatron's ``GPTModel`` (besides config / layer spec / pre/post_process)."""
+    """Keyword arguments for megatron's ``GPTModel`` (besides config / layer spec / pre/post_process); its rotary
+    frequencies are then set to `inv_freq`'s."""
     cfg = check_supported(hf_config)
     return dict(
         vocab_size=cfg["vocab_size"],
@@ -188,16 +242,15 @@ def gpt_model_kwargs(hf_config) -> dict:
         position_embedding_type="rope",
         rotary_base=_rope_theta(cfg),
         share_embeddings_and_output_weights=_tied(cfg),
-        **_megatron_rope_scaling(rope_scaling(cfg)),
     )
 
 
-def _megatron_rope_scaling(scaling: dict | None) -> dict:
-    if scaling is None:
-        return {}
-    if scaling["rope_type"] == "linear":  # megatron divides the positions, HF the frequencies: same angles
-        return {"seq_len_interpolation_factor": scaling["factor"]}
-    return {"rope_scaling": True, "rope_scaling_factor": scaling["factor"]}
+def inv_freq(hf_config) -> torch.Tensor:
+    """The model's RoPE inverse frequencies (`rope_inv_freq`): what the learner sets its GPTModel's rotary
+    embedding to (megarl.learner.rotary_positions.use_frequencies), since megatron's own knows only linear and
+    fixed-constant llama3 scalings."""
+    cfg = check_supported(hf_config)
+    return rope_inv_freq(_rope_theta(cfg), _dims(cfg)[3], rope_scaling(cfg))
 
 
 def hf_to_mcore(hf_state: dict, hf_config) -> dict:
@@ -205,6 +258,7 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
     cfg = check_supported(hf_config)
     layers, heads, groups, head_dim = _dims(cfg)
     q_per_group = heads // groups
+    fused = family_of(cfg).fused_projections
     out = {"embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"],
            "decoder.final_layernorm.weight": hf_state["model.norm.weight"]}
     if not _tied(cfg):
@@ -224,16 +278,20 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
         out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
         out[mc + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
         for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
-            out[mc + f"self_attention.linear_qkv.{kind}"] = pack_qkv(
-                *(hf_state[hf + f"self_attn.{p}_proj.{kind}"] for p in "qkv"))
+            if fused:  # Phi-3: one qkv_proj, rows [q heads, k heads, v heads]
+                qkv = hf_state[hf + f"self_attn.qkv_proj.{kind}"].split(
+                    [heads * head_dim, groups * head_dim, groups * head_dim])
+            else:
+                qkv = [hf_state[hf + f"self_attn.{p}_proj.{kind}"] for p in "qkv"]
+            out[mc + f"self_attention.linear_qkv.{kind}"] = pack_qkv(*qkv)
         if _has_qk_norm(cfg):
             out[mc + "self_attention.q_layernorm.weight"] = hf_state[hf + "self_attn.q_norm.weight"]
             out[mc + "self_attention.k_layernorm.weight"] = hf_state[hf + "self_attn.k_norm.weight"]
         if moe.is_moe(cfg):
             out.update({mc + k: v for k, v in moe.mlp_hf_to_mcore(hf_state, cfg, i).items()})
             continue
-        out[mc + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]], dim=0)
+        out[mc + "mlp.linear_fc1.weight"] = (hf_state[hf + "mlp.gate_up_proj.weight"] if fused else torch.cat(
+            [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]], dim=0))
         out[mc + "mlp.linear_fc2.weight"] = hf_state[hf + "mlp.down_proj.weight"]
     return out
 
@@ -251,6 +309,10 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     MoE layers convert the experts the layer holds (megarl.models.moe.mlp_mcore_to_hf; ``expert_offset``:
     the global index of an EP rank's first local expert)."""
     cfg = check_supported(hf_config)
+    fused = family_of(cfg).fused_projections
+    if fused and tp_size > 1:
+        raise ValueError(f"{cfg['model_type']}'s fused qkv_proj / gate_up_proj have no per-rank HF slices "
+                         f"(megarl.models.tp_shard): convert the whole layer (tp_size=1)")
     hf = f"model.layers.{hf_layer_index}."
     out = {
         hf + "input_layernorm.weight": mcore_layer["input_layernorm.weight"],
@@ -258,6 +320,9 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     }
     for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
         q, k, v = split_qkv_rows(mcore_layer[f"self_attention.linear_qkv.{kind}"], cfg, tp_size)
+        if fused:  # Phi-3's layout, as save_pretrained writes it
+            out[hf + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v])
+            continue
         out[hf + f"self_attn.q_proj.{kind}"] = q
         out[hf + f"self_attn.k_proj.{kind}"] = k
         out[hf + f"self_attn.v_proj.{kind}"] = v
@@ -268,9 +333,12 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     if moe.is_moe(cfg):
         out.update(moe.mlp_mcore_to_hf(mcore_layer, cfg, hf_layer_index, expert_offset))
         return out
-    gate, up = mcore_layer["mlp.linear_fc1.weight"].chunk(2, dim=0)
-    out[hf + "mlp.gate_proj.weight"] = gate.contiguous()
-    out[hf + "mlp.up_proj.weight"] = up.contiguous()
+    if fused:  # megatron's linear_fc1 rows are [gate, up]: Phi-3's gate_up_proj as it is
+        out[hf + "mlp.gate_up_proj.weight"] = mcore_layer["mlp.linear_fc1.weight"]
+    else:
+        gate, up = mcore_layer["mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out[hf + "mlp.gate_proj.weight"] = gate.contiguous()
+        out[hf + "mlp.up_proj.weight"] = up.contiguous()
     out[hf + "mlp.down_proj.weight"] = mcore_layer["mlp.linear_fc2.weight"]
     return out
 

@@ -17,12 +17,25 @@ class Family:
     qkv_bias: bool  # q/k/v projections carry a bias (Qwen2); o_proj never does
     qk_norm: bool  # a per-head RMSNorm on q and on k before RoPE (Qwen3): megatron's qk_layernorm
     moe: bool  # every decoder layer's MLP is a routed mixture of experts (megarl.models.moe)
+    # config.json's `sliding_window` (null: none) limits every layer's attention to the keys of the last
+    # `sliding_window` positions (Mistral); other families' field is refused or ignored as transformers does.
+    sliding_window: bool = False
+    # HF holds q/k/v as one `self_attn.qkv_proj` (rows: q, k, v) and gate/up as one `mlp.gate_up_proj` (rows: gate,
+    # up) (Phi-3): megarl.models.convert splits and fuses them; the built-in engine and a direct shard publish run
+    # them at tensor parallel size 1.
+    fused_projections: bool = False
+    # config.json's `no_rope_layers` (per layer 1: RoPE on q and k, 0: none) picks the layers that rotate (SmolLM3)
+    no_rope_layers: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, moe=False),
     Family("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False, moe=False),
     Family("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, moe=False),
+    Family("mistral", "MistralForCausalLM", qkv_bias=False, qk_norm=False, moe=False, sliding_window=True),
+    Family("phi3", "Phi3ForCausalLM", qkv_bias=False, qk_norm=False, moe=False, sliding_window=True,
+           fused_projections=True),
+    Family("smollm3", "SmolLM3ForCausalLM", qkv_bias=False, qk_norm=False, moe=False, no_rope_layers=True),
     Family("mixtral", "MixtralForCausalLM", qkv_bias=False, qk_norm=False, moe=True),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True, moe=True),
 )}
@@ -48,3 +61,43 @@ def generic_path_hint() -> str:
     """What every refusal of a model type adds: where the families are listed and the path that takes the rest."""
     return ("the families megarl maps are listed in docs/models.md; any other transformers causal LM trains on the "
             "generic path: learner.backend=deepspeed (docs/models.md#the-generic-path)")
+
+
+def sliding_window(cfg: dict) -> int | None:
+    """How many positions back (the query's own included) every layer attends to, or None for full attention:
+    transformers' sliding-window mask lets query position q see key position k when q - window < k <= q."""
+    window = cfg.get("sliding_window") if family_of(cfg).sliding_window else None
+    if window is not None and int(window) < 1:
+        raise ValueError(f"sliding_window={window} must be >= 1 (or null for full attention)")
+    return None if window is None else int(window)
+
+
+def rope_layers(cfg: dict) -> tuple[bool, ...] | None:
+    """Per decoder layer whether it applies RoPE to q and k, or None when every layer does. SmolLM3's
+    `no_rope_layers` (1: rotates), or transformers' default for it: every `no_rope_layer_interval`-th layer
+    (the 4th, 8th, ...) without."""
+    if not family_of(cfg).no_rope_layers:
+        return None
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise ValueError(f"no_rope_layers={flags!r}: one 0 or 1 per layer (num_hidden_layers={layers})")
+    return tuple(bool(f) for f in flags)
+
+
+def generic_attention_windows(cfg: dict) -> dict[str, int | None] | None:
+    """A generic-path model's sliding windows by transformers layer type ({"full_attention": None,
+    "sliding_attention": w}) where its layers differ, {"": w} where every layer slides (a `sliding_window` and no
+    `layer_types`), None where none does. transformers builds its masks itself, but takes a ready 4D mask -- one
+    tensor, or a dict by layer type -- as it is: packed rows need the windows put in."""
+    text = cfg.get("text_config") or cfg
+    window, types = text.get("sliding_window"), text.get("layer_types")
+    if not window or text.get("use_sliding_window") is False:
+        return None
+    if types:
+        return {t: (int(window) if t == "sliding_attention" else None) for t in set(types)} \
+            if "sliding_attention" in types else None
+    return {"": int(window)}

@@ -35,7 +35,7 @@ dividing learner.dp) are in megarl.config.load.validate.
 """
 from __future__ import annotations
 
-from megarl.models import moe
+from megarl.models import families, moe
 
 
 def _divisors(n: int) -> str:
@@ -60,6 +60,10 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
             raise ValueError(f"learner.pp={learner_pp}: pipeline parallel size {learner_pp} does not divide "
                              f"num_hidden_layers={layers} (megatron gives every stage the same number of layers; "
                              f"this model allows learner.pp in {_divisors(layers)})")
+    model_type = hf_config.get("model_type")
+    if sampler_tp > 1 and model_type in families.FAMILIES and families.FAMILIES[model_type].fused_projections:
+        raise ValueError(f"sampler.tp={sampler_tp}: {model_type}'s fused qkv_proj / gate_up_proj have no "
+                         f"tensor-parallel slices in the built-in engine (megarl.models.tp_shard); use sampler.tp=1")
     if not moe.is_moe(hf_config):
         if learner_ep > 1:
             raise ValueError(f"learner.ep={learner_ep}: expert parallelism needs a mixture-of-experts model; "

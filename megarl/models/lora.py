@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from megarl.config.schema import LORA_TARGETS as TARGETS
-from megarl.models import moe
+from megarl.models import families, moe
 from megarl.portable import lora_merge
 
 ATTENTION_TARGETS = TARGETS[:4]  # q, k, v, o: the attention block's projections; the rest are the MLP's
@@ -54,6 +54,9 @@ def check(hf_config: dict, lora_cfg) -> None:
     (the adapter would be no lower-rank than the weight)."""
     if lora_cfg.rank == 0:
         return
+    if hf_config.get("model_type") in families.FAMILIES and families.family_of(hf_config).fused_projections:
+        raise ValueError(f"learner.lora: {hf_config['model_type']!r} holds fused qkv_proj / gate_up_proj, whose "
+                         f"adapters megarl does not map (learner.lora.rank=0 trains the whole model)")
     dims = target_dims(hf_config)
     if moe.is_moe(hf_config):
         dims = {t: d for t, d in dims.items() if t in ATTENTION_TARGETS}

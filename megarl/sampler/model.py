@@ -1,5 +1,5 @@
-"""Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mixtral, Qwen3-MoE), for
-the built-in sampler engine.
+"""Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mistral, Phi-3, SmolLM3,
+Mixtral, Qwen3-MoE), for the built-in sampler engine.
 
 This module owns the model math and the KV-cache layout; it owns no scheduling (that is
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
@@ -15,7 +15,8 @@ kv_heads, max_seq_len, head_dim].  A forward call works on a contiguous range of
 ``[slot_start, slot_start + B)`` (the engine keeps its running sequences packed at the front), writes
 the new tokens' K/V at their positions and attends to cache positions ``<= position`` of each query.
 Every sequence thus has its own length inside one call, and the same function serves prefill
-(T tokens per row, right-padded) and batched decode (T = 1).
+(T tokens per row, right-padded) and batched decode (T = 1).  A sliding window (Mistral) is a mask over the same
+cache: a query also skips the keys `sliding_window` or more positions behind it.
 
 On CPU at the sizes this engine serves, a decode step is bound by the number of kernels and the
 memory they touch, not by FLOPs; the layout choices (documented where they are made, and in
@@ -50,6 +51,7 @@ import torch.nn.functional as F
 
 from megarl.models import convert, moe, tp_shard
 from megarl.models.convert import load_pretrained  # noqa: F401 - the engine's loader, shared with the learner
+from megarl.models import families
 from megarl.models.families import FAMILIES, MODEL_TYPES
 
 
@@ -71,7 +73,7 @@ class ModelSpec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    rope_scaling: dict | None = None  # megarl.models.convert.rope_scaling: linear or llama3 (HF's definitions)
+    rope_scaling: dict | None = None  # megarl.models.convert.rope_scaling: linear, llama3 or yarn (HF's definitions)
     # > 1: the spec of one tensor-parallel rank (`shard`): the head and intermediate counts are per rank.
     tp_size: int = 1
     # Mixture of experts (model_type mixtral): experts per MoE layer (every layer is one; 0 = dense) and
@@ -82,6 +84,12 @@ class ModelSpec:
     norm_topk: bool = True
     # Per-head RMSNorm of queries and keys before RoPE (Qwen3's q_norm / k_norm).
     qk_norm: bool = False
+    # Each query attends to the keys of its last `sliding_window` positions, its own included (Mistral); None: all.
+    sliding_window: int | None = None
+    # HF's q/k/v are one qkv_proj and gate/up one gate_up_proj (Phi-3): the stacked buffers the forward uses anyway.
+    fused_projections: bool = False
+    # Per layer whether it rotates q and k (SmolLM3's no_rope_layers); None: every layer does.
+    rope_layers: tuple[bool, ...] | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -150,6 +158,9 @@ class ModelSpec:
             top_k=top_k,
             norm_topk=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
             qk_norm=family.qk_norm,
+            sliding_window=families.sliding_window(cfg),
+            fused_projections=family.fused_projections,
+            rope_layers=families.rope_layers(cfg),
         )
 
     def shard(self, tp_size: int) -> "ModelSpec":
@@ -160,6 +171,9 @@ class ModelSpec:
         naming the dimension tp_size does not divide."""
         if self.tp_size != 1:
             raise ValueError(f"this spec is already one of {self.tp_size} tensor-parallel shards")
+        if self.fused_projections and tp_size != 1:
+            raise ValueError(f"{self.model_type}'s fused qkv_proj / gate_up_proj have no tensor-parallel slices "
+                             f"(megarl.models.tp_shard): the built-in engine runs it at sampler.tp = 1")
         if tp_size < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {tp_size}")
         tp_shard.check_divisible(self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size,
@@ -187,7 +201,8 @@ class ModelSpec:
             p = f"model.layers.{layer}."
             shapes[p + "input_layernorm.weight"] = (h,)
             shapes[p + "post_attention_layernorm.weight"] = (h,)
-            for name, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+            for name, out in ((("qkv_proj", q_out + 2 * kv_out),) if self.fused_projections else
+                              (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out))):
                 shapes[p + f"self_attn.{name}.weight"] = (out, h)
                 if self.qkv_bias:
                     shapes[p + f"self_attn.{name}.bias"] = (out,)
@@ -202,7 +217,8 @@ class ModelSpec:
                     for name, shape in zip(moe.hf_expert_names(self._hf_config, layer, e), ((i, h), (i, h), (h, i))):
                         shapes[name] = shape
                 continue
-            for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            for name, shape in ((("gate_up_proj", (2 * i, h)),) if self.fused_projections else
+                                (("gate_proj", (i, h)), ("up_proj", (i, h)))) + (("down_proj", (h, i)),):
                 shapes[p + f"mlp.{name}.weight"] = shape
                 if self.mlp_bias:
                     shapes[p + f"mlp.{name}.bias"] = (shape[0],)
@@ -268,16 +284,16 @@ def forward_tables(spec: ModelSpec, max_seq_len: int, dtype: torch.dtype = torch
                    device="cpu") -> ForwardTables:
     """The forward's constants for sequences up to `max_seq_len`.
 
-    RoPE cos and sin are computed exactly as transformers' default RoPE (fp32).  HF rotates the pair
+    RoPE cos and sin are computed exactly as transformers' RoPE (fp32; frequencies scaled as its rope init
+    functions scale them, yarn's attention factor on cos and sin: megarl.models.convert).  HF rotates the pair
     (x[j], x[j + head_dim/2]) by the angle of frequency j; with the pair stored adjacently (q/k rows
     interleaved in `prepare_weights`) that rotation is one complex multiply.
     """
-    dim = spec.head_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
-    inv_freq = convert.scaled_inv_freq(inv_freq, spec.rope_scaling)
+    inv_freq = convert.rope_inv_freq(spec.rope_theta, spec.head_dim, spec.rope_scaling).to(device)
     freqs = torch.arange(max_seq_len, dtype=torch.float, device=device)[:, None] * inv_freq
+    scale = convert.rope_attention_factor(spec.rope_scaling)  # yarn's: transformers scales cos and sin by it
     return ForwardTables(
-        rotation=torch.complex(freqs.cos(), freqs.sin()),
+        rotation=torch.complex(freqs.cos() * scale, freqs.sin() * scale),
         key_pos=torch.arange(max_seq_len, device=device),
         norm_eps=torch.tensor(spec.rms_norm_eps, dtype=torch.float, device=device),
         norm_dim=torch.tensor(spec.hidden_size, dtype=torch.float, device=device),
@@ -370,7 +386,7 @@ class _LayerBuffers:
     down_bias: torch.Tensor | None
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    rope_rows: list[tuple[str, int]]  # (HF name, heads) of the q/k weights and biases whose rows RoPE pairs
+    rope_rows: list[tuple[torch.Tensor, int]]  # (view, heads) of the q/k weights and biases whose rows RoPE pairs
     q_norm: torch.Tensor | None = None  # Qwen3: the per-head q/k RMSNorm weights [head_dim]
     k_norm: torch.Tensor | None = None
 
@@ -414,6 +430,13 @@ class WeightArena:
             attn, mlp = p + "self_attn.", p + "mlp."
             qkv = [attn + f"{x}_proj.weight" for x in "qkv"]
             qkv_bias = [attn + f"{x}_proj.bias" for x in "qkv"] if spec.qkv_bias else []
+            if spec.fused_projections:  # (Phi-3: no biases) one HF tensor is the whole stacked buffer
+                qkv_buffer = own(attn + "qkv_proj.weight")
+                q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+                q_view, k_view = qkv_buffer[:q_rows], qkv_buffer[q_rows:q_rows + kv_rows]
+            else:
+                qkv_buffer = stack(qkv)
+                q_view, k_view = self.views[qkv[0]], self.views[qkv[1]]
             if spec.is_moe:  # Mixtral's or Qwen3-MoE's expert names (models/moe.py)
                 experts = [moe.hf_expert_names(spec._hf_config, layer, e) for e in range(spec.num_experts)]
                 gate_up = stack([moe.hf_router_name(spec._hf_config, layer)]
@@ -425,18 +448,19 @@ class WeightArena:
                     # down_e [hidden, i] is rows e*i.. of the stacked [E * i, hidden], transposed
                     self.views[down_name] = down[e * i:(e + 1) * i].t()
             else:
-                gate_up = stack([mlp + "gate_proj.weight", mlp + "up_proj.weight"])
+                gate_up = own(mlp + "gate_up_proj.weight") if spec.fused_projections else stack(
+                    [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
                 down = own(mlp + "down_proj.weight")
             self.layers.append(_LayerBuffers(
-                qkv=stack(qkv), qkv_bias=stack(qkv_bias) if qkv_bias else None,
+                qkv=qkv_buffer, qkv_bias=stack(qkv_bias) if qkv_bias else None,
                 o_proj=own(attn + "o_proj.weight"), o_bias=own(attn + "o_proj.bias"),
                 gate_up=gate_up,
                 gate_up_bias=stack([mlp + "gate_proj.bias", mlp + "up_proj.bias"]) if spec.mlp_bias and not spec.is_moe
                 else None,
                 down=down, down_bias=own(mlp + "down_proj.bias"),
                 input_norm=own(p + "input_layernorm.weight"), post_norm=own(p + "post_attention_layernorm.weight"),
-                rope_rows=[(name, heads) for name, heads in zip([qkv[0], qkv[1], *qkv_bias[:2]],
-                                                                [spec.num_heads, spec.num_kv_heads] * 2)],
+                rope_rows=list(zip([q_view, k_view, *(self.views[n] for n in qkv_bias[:2])],
+                                   [spec.num_heads, spec.num_kv_heads] * 2)),
                 q_norm=own(attn + "q_norm.weight") if spec.qk_norm else None,
                 k_norm=own(attn + "k_norm.weight") if spec.qk_norm else None))
         for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
@@ -464,8 +488,7 @@ class WeightArena:
         spec, hd = self.spec, self.spec.head_dim
         layers = []
         for b in self.layers:
-            for name, heads in b.rope_rows:
-                view = self.views[name]
+            for view, heads in b.rope_rows:
                 view.copy_(_interleave_rope_pairs(view.clone(), heads, hd))  # a permutation: from a copy
             b.qkv.mul_(b.input_norm)  # (w * x_hat) @ W = x_hat @ (diag(w) W): the norm's weight rides in W
             b.gate_up.mul_(b.post_norm)
@@ -613,10 +636,15 @@ def forward(
     if seq == 1:
         # Decode: an additive mask [B*kv_heads, 1, L] (0 or -inf), read by baddbmm.
         row_pos = positions.expand(bsz, nkv).reshape(bsz * nkv, 1, 1)
-        mask = torch.where(key_pos > row_pos, tables.neg_inf, tables.zero)
+        unseen = key_pos > row_pos
+        if spec.sliding_window is not None:  # (the cache keeps every position; the window only hides the old ones)
+            unseen |= key_pos <= row_pos - spec.sliding_window
+        mask = torch.where(unseen, tables.neg_inf, tables.zero)
     else:
         # Prefill: boolean SDPA mask, True = attend: causal per row, over that row's own cache slot.
         mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, attn_len]
+        if spec.sliding_window is not None:
+            mask &= (key_pos[None, None, :] > positions[:, :, None] - spec.sliding_window).unsqueeze(1)
         if group > 1:
             mask = mask.repeat(1, 1, group, 1)
 
@@ -626,7 +654,8 @@ def forward(
         qk = qkv[:, : nh + nkv]
         if lw.qk_norm is not None:
             qk = _head_rms_norm(qk, lw.qk_norm, tables)
-        qk = _rotate(qk, rot)
+        if spec.rope_layers is None or spec.rope_layers[layer]:  # (a layer without RoPE attends unrotated)
+            qk = _rotate(qk, rot)
         k_cache, v_cache = cache.k[layer, slots], cache.v[layer, slots]  # views: writes land in the cache
         k_cache.scatter_(3, k_idx, qk[:, nh:].view(bsz, seq, nkv, hd).permute(0, 2, 3, 1))
         v_cache.scatter_(2, v_idx, qkv[:, nh + nkv:].view(bsz, seq, nkv, hd).transpose(1, 2))

@@ -18,7 +18,7 @@ from megarl.algo import values
 from megarl.algo.config import CriticConfig, LossConfig
 from megarl.config.load import ConfigError, load_config
 from megarl.observe.sinks import train_records
-from tests.helpers import LEARNER_TOL, REPO, run_python, save_tiny_qwen2, save_tiny_qwen3
+from tests.helpers import LEARNER_TOL, REPO, run_python, save_tiny_dense, save_tiny_qwen2, save_tiny_qwen3
 from tests.learner.test_megatron_learner import CRITIC, _batch, _hf, _hf_logprobs
 
 VOCAB = 64
@@ -50,6 +50,10 @@ CASES = {
         "zero_stage": 3, "offload_optimizer": True, "offload_params": True}}, {}),
     "qwen_zero2_critic": ("qwen", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),
     "qwen3_zero2": ("qwen3", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),  # dense Qwen3
+    "mistral_zero2": ("mistral", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),  # sliding window
+    "llama_yarn_zero2": ("llama_yarn", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),
+    "phi3_zero2": ("phi3", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),  # fused qkv, gate_up
+    "smollm3_zero2": ("smollm3", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),  # a layer, no RoPE
 }
 # LoRA (peft) rides in the same launch: ZeRO-3 (the frozen base and the adapter partitioned, the adapter gathered
 # to publish, frozen fragments in the checkpoint) with the KL penalty, whose reference is the base (adapter off).
@@ -67,7 +71,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_models")
     return {"qwen": str(save_tiny_qwen2(root / "qwen", tie_word_embeddings=True, vocab_size=VOCAB)),
             "llama": str(save_tiny_llama(root / "llama")),
-            "qwen3": str(save_tiny_qwen3(root / "qwen3", vocab_size=VOCAB))}
+            "qwen3": str(save_tiny_qwen3(root / "qwen3", vocab_size=VOCAB)),
+            **{kind: str(save_tiny_dense(root / kind, kind, vocab_size=VOCAB)) for kind in ("mistral", "llama_yarn", "phi3", "smollm3")}}
 
 
 @pytest.fixture(scope="module")

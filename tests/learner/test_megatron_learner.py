@@ -9,7 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megarl.algo.config import LossConfig
 from megarl.protocols import TrainBatch
-from tests.helpers import LEARNER_TOL, save_tiny_qwen2, save_tiny_qwen3
+from tests.helpers import LEARNER_TOL, save_tiny_dense, save_tiny_qwen2, save_tiny_qwen3
 
 VOCAB, B, S, PROMPT = 64, 64, 16, 4
 
@@ -64,13 +64,23 @@ def test_logprobs_match_hf(model_dir, world):
     assert (ours - ref).abs().max().item() <= LEARNER_TOL
 
 
-def test_qwen3_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1(world, tmp_path):
-    """Dense Qwen3 (q/k norms, heads wider than hidden / heads): the learner's log-probs are transformers' own, and
-    real 2-process TP2 and PP2 runs give the TP1 log-probs, loss, grad norm and published weights."""
-    from transformers import Qwen3ForCausalLM
+# A family-specific tensor each family's publish must hold (None: the plain decoder's names only).
+FAMILY_TENSOR = {"qwen3": "model.layers.0.self_attn.q_norm.weight", "mistral": None, "llama_yarn": None,
+                 "phi3": "model.layers.0.self_attn.qkv_proj.weight", "smollm3": None}
 
-    model_dir = str(save_tiny_qwen3(tmp_path / "qwen3", vocab_size=VOCAB))
-    hf = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+@pytest.mark.parametrize("kind", list(FAMILY_TENSOR))
+def test_family_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1(world, tmp_path, kind):
+    """Dense Qwen3 (q/k norms, heads wider than hidden / heads), Mistral (a sliding window shorter than the rows) and
+    a Llama with YaRN RoPE (rows past its original context), Phi-3 (fused qkv_proj and gate_up_proj) and
+    SmolLM3 (its second layer, on PP2's second stage, without RoPE):
+    the learner's log-probs are transformers' own, and real 2-process TP2 and PP2 runs give the TP1 log-probs,
+    loss, grad norm and published weights; the trained state exports to an HF directory of the same function."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = str(save_tiny_qwen3(tmp_path / kind, vocab_size=VOCAB) if kind == "qwen3"
+                    else save_tiny_dense(tmp_path / kind, kind, vocab_size=VOCAB))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     batch = _batch(hf, seed=7)
     layouts = {"tp2": LAYOUTS["tp2"], "pp2": LAYOUTS["pp2"]}
     proc = _launch_layouts(model_dir, batch, tmp_path, layouts, nproc=2)
@@ -80,7 +90,21 @@ def test_qwen3_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1(worl
         assert (ref_logprobs - _hf_logprobs(hf, batch.input_ids)).abs().max().item() <= LEARNER_TOL
     ref = learner.train_step(batch)
     ref_published = dict(learner.publish_tensors())
-    assert "model.layers.0.self_attn.q_norm.weight" in ref_published
+    assert FAMILY_TENSOR[kind] is None or FAMILY_TENSOR[kind] in ref_published
+    # The trained state's HF export is bitwise what the learner publishes, and transformers loads it to the
+    # learner's own log-probs.
+    from megarl.checkpoint import learner_state
+    from megarl.checkpoint.export import export_hf
+
+    learner_state.save(learner, tmp_path / "ckpt", step=1, keep=1, model_dir=model_dir)
+    exported = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    saved = load_file(exported / "model.safetensors")
+    assert set(saved) == set(ref_published) and all(torch.equal(saved[n], t) for n, t in ref_published.items())
+    trained = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    with torch.no_grad():
+        after = _hf_logprobs(trained, batch.input_ids)
+    assert (learner.logprobs(batch.input_ids) - after).abs().max().item() <= LEARNER_TOL
+    assert (after - ref_logprobs).abs().max().item() > 1e-4  # the trained weights, not the initial ones
     for layout, ranks in _layout_results(proc, tmp_path, layouts, nproc=2, timeout=300).items():
         published = {}
         for rank in ranks:

@@ -11,7 +11,7 @@ import torch
 from megarl.algo.config import LossConfig
 from megarl.learner import packing, step
 from megarl.protocols import TrainBatch
-from tests.helpers import save_tiny_moe, save_tiny_qwen2
+from tests.helpers import save_tiny_dense, save_tiny_moe, save_tiny_qwen2
 
 VOCAB, B, S, PROMPT = 64, 24, 24, 3
 # Long-tailed lengths (prompt included), as an RL batch's: a few long rows, many short ones.
@@ -211,7 +211,22 @@ def test_packed_micro_batches_hold_every_row_once_within_the_unpacked_bounds():
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("packing")
     return {"qwen2": str(save_tiny_qwen2(root / "qwen2", tie_word_embeddings=False, vocab_size=VOCAB)),
-            "mixtral": str(save_tiny_moe(root / "mixtral", "mixtral", vocab_size=VOCAB))}
+            "mixtral": str(save_tiny_moe(root / "mixtral", "mixtral", vocab_size=VOCAB)),
+            "mistral": str(save_tiny_dense(root / "mistral", "mistral", vocab_size=VOCAB)),
+            "gemma3": str(_save_tiny_gemma3(root / "gemma3"))}
+
+
+def _save_tiny_gemma3(path):
+    """A Gemma 3 text model (the generic path: no family row) whose first layer slides over 4 positions, shorter than
+    most rows, and whose second attends to all: each layer type needs its own mask in a packed row."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(Gemma3TextConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, sliding_window=4, initializer_range=0.1,
+        pad_token_id=None, layer_types=["sliding_attention", "full_attention"])).save_pretrained(path)
+    return path
 
 
 @pytest.fixture
@@ -267,12 +282,15 @@ def _batch(model_dir, groups=False):
     return batch, behaviour
 
 
-@pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
-@pytest.mark.parametrize("kind", ["qwen2", "qwen2 groups", "mixtral"])
+@pytest.mark.parametrize("backend,kind", [(backend, kind) for backend in ("megatron", "deepspeed")
+                                          for kind in ("qwen2", "qwen2 groups", "mixtral", "mistral groups")]
+                         + [("deepspeed", "gemma3 groups")])  # (the generic path: the DeepSpeed learner only)
 def test_a_packed_step_is_the_unpacked_step(model_dirs, world, local_rank, backend, kind):
     """Packed micro-batches (several rows per packed row; rows of a group sharing their common prefixes) give
     transformers' per-row log-probs at every trained position, and the step the unpacked one's loss, grad norm and
-    weights; an MoE learner under r3 replays each row's recorded routes at its packed positions (agreement 1)."""
+    weights; an MoE learner under r3 replays each row's recorded routes at its packed positions (agreement 1); a
+    sliding window (Mistral's, shorter than most rows) counts each row's own positions, not packed columns, and a
+    generic-path model's local and global layers (Gemma 3's) each get their own mask."""
     replay = "r3" if kind == "mixtral" else "off"
     model_dir = model_dirs[kind.split()[0]]
     batch, behaviour = _batch(model_dir, groups=kind.endswith("groups"))

@@ -3,10 +3,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
+                          SmolLM3ForCausalLM)
 
-from megarl.models import convert
-from tests.helpers import LEARNER_TOL
+from megarl.learner import packing
+from megarl.models import convert, families
+from tests.helpers import LEARNER_TOL, MISTRAL_WINDOW
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=48, vocab_size=64, max_position_embeddings=64)
@@ -16,6 +19,11 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192, "rope_theta": 1e6}
 LINEAR = {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}
+# Llama 3 constants megatron-core's own rotary embedding does not take, and YaRN on an original context shorter than
+# the test's rows (positions beyond it are what the scaling is for).
+LLAMA3_CUSTOM = {**LLAMA3, "low_freq_factor": 2.0, "high_freq_factor": 8.0, "original_max_position_embeddings": 16384}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 1e4}
+ROPES = {"llama3_rope": LLAMA3, "llama3_custom_rope": LLAMA3_CUSTOM, "yarn_rope": YARN}
 
 
 def _save(tmp_path, kind):
@@ -26,30 +34,39 @@ def _save(tmp_path, kind):
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False))
     elif kind == "qwen3":  # GQA, per-head q/k RMSNorm, heads * head_dim (64) wider than hidden (32), as Qwen3's
         model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=True))
-    elif kind == "llama3_rope":  # Llama 3.x frequency scaling
-        model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=LLAMA3))
+    elif kind == "mistral":  # GQA, no bias, untied, a sliding window shorter than the test's rows
+        model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=MISTRAL_WINDOW, tie_word_embeddings=False))
+    elif kind == "phi3":  # GQA, untied, fused qkv_proj and gate_up_proj
+        model = Phi3ForCausalLM(Phi3Config(**TINY, tie_word_embeddings=False, pad_token_id=None, eos_token_id=2))
+    elif kind == "smollm3":  # GQA, tied, its second layer without RoPE
+        model = SmolLM3ForCausalLM(SmolLM3Config(**TINY, no_rope_layers=[1, 0], tie_word_embeddings=True,
+                                                 pad_token_id=None, bos_token_id=1, eos_token_id=2))
+    elif kind in ROPES:  # Llama 3.x frequency scaling, YaRN
+        model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=ROPES[kind]))
     else:  # linear position interpolation
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False, rope_parameters=LINEAR))
     # Biases are zero-initialised; make them non-trivial so the bias packing is exercised. With RoPE
-    # scaling, sharpen attention (q/k x30) so positions matter enough for the scaling to show.
+    # scaling (and SmolLM3's layer without it), sharpen attention (q/k x30) so positions matter enough for it to show.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_()
             if name.endswith(("q_norm.weight", "k_norm.weight")):  # away from 1, so a dropped norm would show
                 p.normal_(1.0, 0.3)
-            if kind.endswith("_rope") and ("q_proj" in name or "k_proj" in name):
+            if (kind.endswith("_rope") or kind == "smollm3") and ("q_proj" in name or "k_proj" in name):
                 p.mul_(30.0)
     path = tmp_path / kind
     model.save_pretrained(path)
     return model.eval(), load_file(path / "model.safetensors")
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3"])
 def test_round_trip_is_exact(tmp_path, kind):
+    """HF -> megatron -> HF gives back every tensor bit for bit (Phi-3's fused qkv_proj / gate_up_proj split into
+    megatron's per-group qkv rows and fused back)."""
     model, hf_state = _save(tmp_path, kind)
     mcore = convert.hf_to_mcore(hf_state, model.config)
-    assert ("output_layer.weight" in mcore) == (kind == "llama")
+    assert ("output_layer.weight" in mcore) == (kind in ("llama", "mistral", "phi3"))
     assert ("decoder.layers.0.self_attention.q_layernorm.weight" in mcore) == (kind == "qwen3")
     back = convert.mcore_to_hf(mcore, model.config)
     assert set(back) == set(hf_state)
@@ -80,7 +97,7 @@ def _megatron_tp_shard(name: str, full: torch.Tensor, tp: int, rank: int) -> tor
     return full
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("tp", [2, 4])  # 2 KV heads: at tp=4 the layout is refused by name
 def test_layer_shard_converts_to_the_tp_slices(tmp_path, kind, tp):
     """A TP rank's megatron layer shard converts (tp_size=tp) to exactly tp_shard's slices of the HF tensors."""
@@ -107,10 +124,8 @@ def test_refuses_unsupported():
         convert.check_supported({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="dynamic"):
         convert.check_supported(dict(model_type="llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
-    with pytest.raises(ValueError, match="megatron-core fixes"):  # llama3 constants megatron cannot take
-        convert.check_supported(dict(model_type="llama", rope_parameters={**LLAMA3, "high_freq_factor": 2.0}))
-    with pytest.raises(ValueError, match="yarn"):
-        convert.check_supported(dict(model_type="qwen2", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}))
+    with pytest.raises(ValueError, match="longrope"):
+        convert.check_supported(dict(model_type="llama", rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="MistralForCausalLM"):
         convert.check_supported(dict(model_type="llama", architectures=["MistralForCausalLM"]))
     with pytest.raises(ValueError, match="use_sliding_window"):
@@ -134,8 +149,12 @@ def megatron_world(tmp_path_factory):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "llama3_rope", "linear_rope"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "linear_rope", *ROPES])
 def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
+    """A GPTModel of the converted config and weights (rotary frequencies set as the learner sets them) gives
+    transformers' log-probs, on rows longer than a sliding window and than a YaRN model's original context."""
+    from megarl.learner import rotary_positions
+
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -144,13 +163,17 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     config = TransformerConfig(**convert.transformer_config_kwargs(hf_model.config),
                                use_cpu_initialization=True, perform_initialization=False)
     ids = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(1))
-    s = ids.shape[1]
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s)
+    s = ids.shape[1]  # (longer than Mistral's window)
+    window = families.sliding_window(hf_model.config.to_dict())
+    assert (window is not None) == (kind == "mistral")
+    mask = packing.causal_mask(s, window=window)
 
-    def megatron_logprobs(**overrides):
+    def megatron_logprobs(inv_freq=convert.inv_freq(hf_model.config),
+                          rope=families.rope_layers(hf_model.config.to_dict())):
         spec = get_gpt_layer_local_spec(**convert.layer_spec_kwargs(hf_model.config))
-        gpt = GPTModel(config=config, transformer_layer_spec=spec,
-                       **{**convert.gpt_model_kwargs(hf_model.config), **overrides})
+        gpt = GPTModel(config=config, transformer_layer_spec=spec, **convert.gpt_model_kwargs(hf_model.config))
+        rotary_positions.use_frequencies(gpt, inv_freq)
+        rotary_positions.skip_layers(gpt, rope)
         missing, unexpected = gpt.load_state_dict(convert.hf_to_mcore(hf_state, hf_model.config), strict=False)
         assert not unexpected and all(k.endswith("_extra_state") for k in missing)
         with torch.no_grad():
@@ -160,22 +183,32 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     with torch.no_grad():
         hf = torch.log_softmax(hf_model(ids).logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])
     assert (megatron_logprobs() - hf).abs().max().item() <= LEARNER_TOL
+    if kind == "smollm3":  # ... and only because its second layer did not rotate
+        assert families.rope_layers(hf_model.config.to_dict()) == (True, False)
+        assert (megatron_logprobs(rope=None) - hf).abs().max().item() > 1e-3
+    if kind == "mistral":  # ... and only because the window was applied
+        mask = packing.causal_mask(s)
+        assert (megatron_logprobs() - hf).abs().max().item() > 1e-3
     if kind.endswith("_rope"):  # ... and only because the scaling was mapped
-        unscaled = megatron_logprobs(rope_scaling=False, seq_len_interpolation_factor=None)
+        head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+        unscaled = megatron_logprobs(convert.rope_inv_freq(convert._rope_theta(hf_model.config.to_dict()), head_dim,
+                                                           None))
         assert (unscaled - hf).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("kind", ["llama3_rope", "linear_rope"])
-def test_scaled_inv_freq_is_hfs(tmp_path, kind):
-    """The frequencies engines build their rotary tables from equal HF's own rotary embedding's."""
+@pytest.mark.parametrize("kind", ["linear_rope", *ROPES])
+def test_rope_inv_freq_and_attention_factor_are_hfs(tmp_path, kind):
+    """The frequencies the learner's rotary embedding and the engine's tables are built from, and yarn's factor on
+    cos and sin, equal transformers' own rotary embedding's."""
     hf_model, _ = _save(tmp_path, kind)
     cfg = hf_model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    theta = cfg.rope_parameters["rope_theta"]
-    plain = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    ours = convert.scaled_inv_freq(plain, convert.rope_scaling(cfg))
+    plain = convert.rope_inv_freq(cfg.rope_parameters["rope_theta"], head_dim, None)
+    ours = convert.inv_freq(cfg)
     assert not torch.allclose(ours, plain)  # the scaling changes something at this base
     assert torch.allclose(ours, hf_model.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    factor = convert.rope_attention_factor(convert.rope_scaling(cfg))
+    assert factor == hf_model.model.rotary_emb.attention_scaling and (factor != 1.0) == (kind == "yarn_rope")
 
 
 @pytest.mark.parametrize("config, message", [
@@ -208,3 +241,20 @@ def test_moe_round_trip_keeps_every_per_expert_tensor(tmp_path, kind):
     back = convert.mcore_to_hf(mcore, cfg)
     saved = load_file(f"{model_dir}/model.safetensors")
     assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
+
+
+def test_phi3s_fused_projections_run_unsplit_and_say_where():
+    """Phi-3's qkv_proj / gate_up_proj have no per-rank slices: a built-in engine at sampler.tp > 1, a shard
+    conversion and LoRA adapters are refused naming the key; sampler.tp=1 at any learner layout is taken."""
+    from megarl.config.schema import LoraConfig
+    from megarl.models import layout, lora
+
+    cfg = {"model_type": "phi3", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "hidden_size": 32, "intermediate_size": 48, "vocab_size": 64}
+    layout.check_layout(cfg, learner_tp=2, learner_pp=2, sampler_tp=1)
+    with pytest.raises(ValueError, match="sampler.tp=2: phi3's fused qkv_proj / gate_up_proj"):
+        layout.check_layout(cfg, sampler_tp=2)
+    with pytest.raises(ValueError, match="tp_size=1"):
+        convert.mcore_layer_to_hf({}, 0, cfg, tp_size=2)
+    with pytest.raises(ValueError, match="learner.lora: 'phi3' holds fused qkv_proj"):
+        lora.check(cfg, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"]))

@@ -15,6 +15,9 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 # |log-prob| of the tiny models below stays under 7.4 (measured over random prompts for every kind), so two
 # float32 evaluations that differ in reduction order agree within this (tests.helpers.fp32_logprob_tol).
 TOL = fp32_logprob_tol(TINY, max_logprob=8.0)
+MISTRAL_WINDOW = 6
+# The kinds whose lm_head is the embedding.
+TIED = ("qwen2", "qwen3", "smollm3", "mixtral", "qwen3_moe")
 
 
 def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides) -> Path:
@@ -22,6 +25,9 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
 
     "qwen2": GQA, q/k/v biases, tied embeddings.  "llama": GQA, no biases, untied lm_head.  "qwen3": GQA, per-head
     q/k RMSNorm weights drawn away from 1, heads x head_dim (4 x 32) wider than hidden (64), tied embeddings.
+    "mistral": as "llama", with a sliding window of MISTRAL_WINDOW positions (shorter than the tests' sequences).
+    "phi3": as "llama", its q/k/v one qkv_proj and gate/up one gate_up_proj (as Phi-3's checkpoints hold them).
+    "smollm3": GQA, no biases, tied embeddings, its second layer without RoPE.
     "mixtral": GQA, no biases, tied embeddings, 4 experts of width 64, top-2 (every layer an MoE layer).
     "qwen3_moe": the same experts (unnormalised top-k unless norm_topk_prob=True), per-head q/k RMSNorm weights
     drawn away from 1 (so an engine that skipped them would show).
@@ -29,8 +35,9 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
     (greedy decoding has clear winners), but kept at 0.1: at 0.25 the activations grow large enough
     that fp32 rounding alone (HF's own cached decode vs its prefill) reaches 1e-5 in log-prob.
     """
-    from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                              MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              SmolLM3Config, SmolLM3ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(seed)
     moe = {"mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
@@ -42,6 +49,13 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **kw))
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=True, **{"head_dim": 32, **kw}))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(tie_word_embeddings=False, sliding_window=MISTRAL_WINDOW, **kw))
+    elif kind == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(tie_word_embeddings=False, pad_token_id=None, eos_token_id=2, **kw))
+    elif kind == "smollm3":
+        model = SmolLM3ForCausalLM(SmolLM3Config(tie_word_embeddings=True, no_rope_layers=[1, 0], pad_token_id=None,
+                                                 bos_token_id=1, eos_token_id=2, **kw))
     elif kind == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(tie_word_embeddings=True, **kw))
     elif kind == "qwen3_moe":

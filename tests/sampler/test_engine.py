@@ -10,15 +10,17 @@ import torch
 from megarl.protocols import Engine, GenerationRequest, SamplingParams
 from megarl.sampler.engine import BuiltinEngine, sample_tokens
 from megarl.sampler.model import KVCache, ModelSpec, forward, load_pretrained, prepare_weights, forward_tables
-from tests.sampler import TOL, dominant_token_weights, make_tiny_model
+from tests.sampler import TIED, TOL, dominant_token_weights, make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3"])
 def model(request, tmp_path_factory):
-    """(kind, path, HF config dict, HF-named weights) of a tiny Qwen2 (tied, bias), Llama (untied) and Qwen3 (q/k
-    norms, heads wider than hidden / heads)."""
+    """(kind, path, HF config dict, HF-named weights) of a tiny Qwen2 (tied, bias), Llama (untied), Qwen3 (q/k
+    norms, heads wider than hidden / heads), Mistral (a sliding window shorter than the requests) and Phi-3 (fused
+    qkv_proj and gate_up_proj, the staging buffers' layout). (SmolLM3's engine differs in its forward alone:
+    tests/sampler/test_model.py.)"""
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     cfg, weights = load_pretrained(str(path))
     return request.param, path, cfg, weights
@@ -353,7 +355,7 @@ def test_swap_to_drastic_weights_takes_effect_at_the_next_step(model, policy):
     """After staging v2 the very next token of every running request is v2's favourite, tagged 2."""
     kind, _, cfg, weights = model
     favourite = 17
-    v2 = dominant_token_weights(weights, favourite, tied=kind != "llama")
+    v2 = dominant_token_weights(weights, favourite, tied=kind in TIED)
     engine = BuiltinEngine(cfg, weights, max_running=4, version=1, kv_on_update=policy)
     requests = [req(i, p, SamplingParams(temperature=1.0, max_new_tokens=10)) for i, p in enumerate(prompts(4))]
     _start(engine, requests, steps=3)  # admitted in step 1 (prefill token + decode token): 4 tokens each

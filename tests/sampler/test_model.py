@@ -7,22 +7,28 @@ import pytest
 import torch
 
 from megarl.sampler.model import KVCache, ModelSpec, forward, load_pretrained, prepare_weights, forward_tables
-from tests.sampler import TOL, make_tiny_model
+from tests.sampler import MISTRAL_WINDOW, TOL, make_tiny_model
 
 
 
 # Llama 3.x RoPE scaling on a large base, so the rescaled long wavelengths exist at head_dim 16.
 LLAMA3_ROPE = {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 8192, "rope_theta": 1e6}}
+# YaRN on an original context shorter than the tests' sequences (positions beyond it are what it scales for).
+YARN_ROPE = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                 "rope_theta": 1e4}}
+ROPES = {"llama3_rope": LLAMA3_ROPE, "yarn_rope": YARN_ROPE}
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "llama3_rope"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", *ROPES])
 def tiny(request, tmp_path_factory):
     """(kind, HF model, spec, runtime weights) for a Qwen2 (GQA, bias, tied), a Llama (untied), a Qwen3 (q/k norms,
-    wide heads) and a Llama with Llama-3 RoPE scaling."""
+    wide heads), a Mistral (a sliding window shorter than the tests' sequences), a Phi-3 (fused qkv_proj and
+    gate_up_proj), a SmolLM3 (a layer without RoPE) and Llamas with Llama-3 and YaRN RoPE
+    scaling."""
     from transformers import AutoModelForCausalLM
 
-    kind, overrides = ("llama", LLAMA3_ROPE) if request.param == "llama3_rope" else (request.param, {})
+    kind, overrides = ("llama", ROPES[request.param]) if request.param in ROPES else (request.param, {})
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), kind, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg, weights = load_pretrained(str(path))
@@ -38,9 +44,11 @@ def hf_logprobs(hf, ids: torch.Tensor) -> torch.Tensor:
 def test_spec_reads_hf_config(tiny):
     kind, hf, spec, _ = tiny
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 32 if kind == "qwen3" else 16)
-    assert spec.tie_word_embeddings == (kind in ("qwen2", "qwen3")) and spec.qk_norm == (kind == "qwen3")
-    assert (spec.rope_scaling is not None) == (kind == "llama3_rope")
+    assert spec.tie_word_embeddings == (kind in ("qwen2", "qwen3", "smollm3")) and spec.qk_norm == (kind == "qwen3")
+    assert spec.rope_layers == ((True, False) if kind == "smollm3" else None)
+    assert (spec.rope_scaling is not None) == (kind in ROPES)
     assert spec.qkv_bias == (kind == "qwen2")
+    assert spec.sliding_window == (MISTRAL_WINDOW if kind == "mistral" else None)
     assert spec.rope_theta == hf.config.rope_parameters["rope_theta"]
 
 
@@ -100,6 +108,10 @@ def test_shard_spec_is_one_tp_ranks_share(tiny):
     shrink by rows, o/down by columns; hidden, vocab_size and the rest stay; shard(1) is the model itself."""
     kind, _, spec, w = tiny
     d = 2 if kind == "qwen3" else 1  # (Qwen3's heads are 32 wide: twice hidden / heads)
+    if kind == "phi3":  # its fused tensors have no per-rank slices: refused by name
+        with pytest.raises(ValueError, match="phi3's fused qkv_proj / gate_up_proj .* sampler.tp = 1"):
+            spec.shard(2)
+        return
     half = spec.shard(2)
     assert spec.shard(1) == spec and half.tp_size == 2
     full_shapes, shapes = spec.weight_shapes(), half.weight_shapes()
@@ -116,9 +128,9 @@ def test_shard_spec_is_one_tp_ranks_share(tiny):
 
 @pytest.mark.parametrize("field, value", [
     ("rope_scaling", {"rope_type": "dynamic", "factor": 8.0}),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
+    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}),
     ("use_sliding_window", True),
-    ("model_type", "mistral"),
+    ("model_type", "gemma3_text"),
     ("hidden_act", "gelu"),
 ])
 def test_unsupported_config_names_the_field(field, value, tmp_path):
@@ -133,8 +145,9 @@ def test_check_weights_names_first_problem(tiny):
     weights = {k: v.detach() for k, v in hf.state_dict().items() if k != "lm_head.weight" or not
                spec.tie_word_embeddings}
     spec.check_weights(weights)
-    bad = dict(weights, **{"model.layers.1.mlp.up_proj.weight": torch.zeros(3, 3)})
-    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+    up = "model.layers.1.mlp." + ("gate_up_proj" if spec.fused_projections else "up_proj") + ".weight"
+    bad = dict(weights, **{up: torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match=up):
         spec.check_weights(bad)
     missing = {k: v for k, v in weights.items() if k != "model.norm.weight"}
     with pytest.raises(ValueError, match="missing.*model.norm.weight"):
