@@ -55,15 +55,22 @@ class ParsedReply:
 def _call(obj, args_key: str = "arguments") -> ToolCall:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         raise ToolCallParseError(f"a tool call must be a JSON object with a string 'name', got {obj!r:.80}")
-    args = obj.get(args_key, obj.get("arguments", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string
+    args = _arguments(obj.get(args_key, obj.get("arguments", {})), ToolCallParseError,
+                      f"tool call {obj['name']!r}: arguments")
+    return ToolCall(obj["name"], args)
+
+
+def _arguments(args, error: type[Exception], what: str) -> dict:
+    """A call's arguments as an object: as written, or decoded from the JSON string models and OpenAI clients
+    write; `error(what ...)` when they are neither."""
+    if isinstance(args, str):
         try:
             args = json.loads(args)
         except ValueError as exc:
-            raise ToolCallParseError(f"tool call {obj['name']!r}: arguments are not JSON: {exc}") from None
+            raise error(f"{what} are malformed JSON ({exc})") from None
     if not isinstance(args, dict):
-        raise ToolCallParseError(f"tool call {obj['name']!r}: arguments must be a JSON object, got {args!r:.80}")
-    return ToolCall(obj["name"], args)
+        raise error(f"{what} must be a JSON object, got {args!r:.80}")
+    return args
 
 
 def _json(text: str):
@@ -184,14 +191,7 @@ def message_tool_calls(message: dict, index: int) -> list[dict] | None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ToolMessageError(f"{where} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
                                    f"'arguments': ...}}}}")
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError as exc:
-                raise ToolMessageError(f"{where}.function.arguments is malformed JSON ({exc})") from None
-        if not isinstance(args, dict):
-            raise ToolMessageError(f"{where}.function.arguments must be a JSON object, got {args!r:.80}")
+        args = _arguments(fn.get("arguments", "{}"), ToolMessageError, f"{where}.function.arguments")
         out.append({"id": str(call.get("id", "")), "type": "function",
                     "function": {"name": fn["name"], "arguments": args}})
     return out

@@ -96,12 +96,11 @@ def check_evaluations(run_dir: Path, model_dir: Path, evals: list[dict], rollout
         {k: v for k, v in evals[0].items() if k.startswith("eval/") and k != "eval/publishes_during"}
 
 
-def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode(embedded_tool_model_dir, tmp_path):
-    """The shipped agent (docs/examples/agent/tool_agent.py) drives every episode; sync mode, so each episode runs
-    under the one version its batch was generated for."""
-    rollouts, _ = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=2", "algo.mode=sync", "algo.max_lag=0",
-                        "task.agent=tool_agent:run", "eval.sets=[]")  # agents are not evaluated yet (docs/eval.md)
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+def check_agent_run(rollouts: list[dict], run_dir: Path) -> None:
+    """A 2-step sync run of an agent: 64 episodes a step, each checked (check_episode), with no reward error, every
+    model token of the version its batch was generated for; most episodes called the tool and some were right; the
+    sampler's log-probs are the learner's, and no agent turn ran over the context (reported)."""
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rollouts) == 2 * 64
     for r in rollouts:
         check_episode(r)
@@ -109,7 +108,15 @@ def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode
         assert {v for v in r["versions"] if v >= 0} == {r["trained_at_step"]}
     assert sum(r["turns"] >= 2 for r in rollouts) > len(rollouts) / 2 and any(r["reward"] == 1.0 for r in rollouts)
     assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)
-    assert all(m["sampler1/over_context"] == 0 for m in metrics)  # reported; the shipped agent's turns all fit
+    assert all(m["sampler1/over_context"] == 0 for m in metrics)
+
+
+def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode(embedded_tool_model_dir, tmp_path):
+    """The shipped agent (docs/examples/agent/tool_agent.py) drives every episode; sync mode, so each episode runs
+    under the one version its batch was generated for."""
+    rollouts, _ = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=2", "algo.mode=sync", "algo.max_lag=0",
+                        "task.agent=tool_agent:run", "eval.sets=[]")  # agents are not evaluated yet (docs/eval.md)
+    check_agent_run(rollouts, tmp_path / "run")
 
 
 @pytest.mark.heavy  # tiny-qwen2-toolcall's first build: ~9 min of CPU (pytest.ini)
@@ -119,15 +126,7 @@ def test_a_tools_agent_trains_through_openai_tool_calling(embedded_toolcall_mode
     tokens (sync mode: every model token of an episode is of the version its batch was generated for)."""
     rollouts, _ = train(tmp_path / "run", embedded_toolcall_model_dir, "run.steps=2", "algo.mode=sync",
                         "algo.max_lag=0", config=TOOLS_DEMO)
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rollouts) == 2 * 64
-    for r in rollouts:
-        check_episode(r)
-        assert r["reward_error"] is None
-        assert {v for v in r["versions"] if v >= 0} == {r["trained_at_step"]}
-    assert sum(r["turns"] >= 2 for r in rollouts) > len(rollouts) / 2 and any(r["reward"] == 1.0 for r in rollouts)
-    assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)
-    assert all(m["sampler1/over_context"] == 0 for m in metrics)
+    check_agent_run(rollouts, tmp_path / "run")
 
 
 def test_agent_episodes_failing_before_any_request_are_counted_and_a_sync_run_goes_on(embedded_tool_model_dir,

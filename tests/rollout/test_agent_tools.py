@@ -142,7 +142,7 @@ def test_bad_tool_calling_input_is_a_400_naming_what_is_wrong(tok):
     [episode] = ScriptedLoop(tok, agent_that(bad), ["7"], max_seq_len=SEQ).run(Prompt("q", "a"))
     assert episode.error is None and episode.turns == 1
     assert seen["malformed"][0] == "invalid_messages" and \
-        "messages[1].tool_calls[0].function.arguments is malformed JSON" in seen["malformed"][1]
+        "messages[1].tool_calls[0].function.arguments are malformed JSON" in seen["malformed"][1]
     assert seen["unmatched"][0] == "invalid_messages" and "messages[2] (role tool) answers tool_call_id 'call_7', " \
         "which matches no unanswered call" in seen["unmatched"][1]
     assert seen["no name"][0] == "invalid_tools" and "tools[0].function.name must be a non-empty string" in seen["no name"][1]

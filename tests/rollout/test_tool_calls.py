@@ -63,6 +63,6 @@ def test_history_checks_name_the_message_that_is_wrong():
             ([user, calls, {"role": "tool", "tool_call_id": "c1", "content": "x"},
               {"role": "tool", "tool_call_id": "c1", "content": "x"}], r"messages\[3\].*no unanswered"),
             ([user, dict(calls, tool_calls=[dict(call, function={"name": "f", "arguments": "{"})])],
-             r"messages\[1\].tool_calls\[0\].function.arguments is malformed JSON")):
+             r"messages\[1\].tool_calls\[0\].function.arguments are malformed JSON")):
         with pytest.raises(ToolMessageError, match=why):
             check_history(messages)
