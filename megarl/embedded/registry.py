@@ -43,6 +43,8 @@ class EmbeddedSpec:
     family: str = "qwen2"
     # The tool model's protocol (tiny_chat.py): "text" (`>>> code` turns) or "tool_calls" (OpenAI tool calling).
     chat: str = "text"
+    # What the build costs on one idle CPU core, for the line that announces it (not part of the hash).
+    build_minutes: float = 1.0
 
     def model_config(self):
         """The HF config this spec builds (the MoE one from tiny_moe, else build_config or build_qwen3_config)."""
@@ -97,7 +99,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
                                          max_new_tokens=16, config=(("max_position_embeddings", 256),) + HEAD_DIM_32),
     # The tool model for agents using OpenAI tool calling (`tools=`, docs/multiturn.md; configs/multiturn_tools.yaml).
     "tiny-qwen2-toolcall": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
-                                        max_new_tokens=96, config=(("max_position_embeddings", 512),), chat="tool_calls"),
+                                        max_new_tokens=96, config=(("max_position_embeddings", 512),), chat="tool_calls",
+                                        build_minutes=9.0),  # (the tools block: ~150 tokens in every sequence)
     "tiny-qwen2-arith-think": EmbeddedSpec(task=ArithmeticTask(think_mean=10.0),
                                            recipe=WarmStartRecipe(short_steps=400, noisy_steps=120),
                                            max_new_tokens=THINK_MAX_NEW_TOKENS),
@@ -262,7 +265,9 @@ def ensure_embedded_model(name: str = "tiny-qwen2-arith", cache_dir: str | Path 
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
         try:
-            print(f"megarl: building embedded model {name} (once per machine, about a minute on one CPU core)...",
+            minutes = EMBEDDED_MODELS[name].build_minutes
+            print(f"megarl: building embedded model {name} (once per machine, about "
+                  f"{'a minute' if minutes <= 1 else f'{minutes:.0f} minutes'} on one idle CPU core)...",
                   file=sys.stderr, flush=True)
             record = build_embedded_model(name, tmp)
             os.rename(tmp, final)
