@@ -31,7 +31,7 @@ def embedded_cache_dir(tmp_path_factory) -> Path:
     """Where the test session's embedded models live. Their builds cost ~5 min of CPU together, so they are kept
     between sessions, in a directory named by the builder's fingerprint (the builder's and tasks' source, torch and
     transformers versions): a change to how models are built rebuilds them, and the tests that check what a build
-    produces (tests/models/test_tiny.py) check the current builder's output. MEGARL_TEST_FRESH_MODELS=1 builds them
+    produces (tests/embedded/test_tiny.py) check the current builder's output. MEGARL_TEST_FRESH_MODELS=1 builds them
     afresh into the session's temporary directory instead."""
     if os.environ.get("MEGARL_TEST_FRESH_MODELS") == "1":
         return tmp_path_factory.mktemp("megarl_models")
@@ -99,7 +99,7 @@ def embedded_toolcall_model_dir(embedded_cache_dir) -> Path:
 LONG_FILES = (
     "tests/learner/test_deepspeed.py", "tests/roles/test_train_e2e.py", "tests/roles/test_faults.py",
     "tests/test_gpu_check.py", "tests/eval/test_eval.py", "tests/sampler/test_sglang_engine.py",
-    "tests/roles/test_multiturn_e2e.py", "tests/sft/test_run.py", "tests/models/test_tiny.py",
+    "tests/roles/test_multiturn_e2e.py", "tests/sft/test_run.py", "tests/embedded/test_tiny.py",
     "tests/rollout/test_rewards.py", "tests/launch/test_slurm.py", "tests/checkpoint/test_train_resume_export.py",
     "tests/test_cli.py", "tests/config/test_load.py", "tests/rollout/test_datasets.py",
     "tests/checkpoint/test_learner_state.py", "tests/distributed/test_publish.py",
