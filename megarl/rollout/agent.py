@@ -24,8 +24,9 @@ its reply is parsed by the template family's parser (megarl/rollout/tool_calls.p
 returned as content and counted (`tool_call_parse_failures`). `stream=true` answers with the same reply as
 server-sent events.
 
-Limits answer the agent with an error and end the episode as truncated (reward 0, finish_reason
-"length"): task.max_turns, task.max_episode_tokens, the context. Messages that do not fit are refused
+Limits answer the agent with an error (code "context_length_exceeded") and end the episode as truncated (reward 0,
+finish_reason "length", whether the agent then returns or raises): task.max_turns, task.max_episode_tokens, the
+context. Messages that do not fit are refused
 before they join the episode -- by their byte length where that proves it, without tokenising -- so an
 episode's tokens never exceed sampler.max_seq_len (counted in `over_context`, printed at most every
 30 s). A request's messages are rendered and tokenised on its HTTP thread holding only its own
@@ -153,13 +154,15 @@ class AgentRunner:
         if not future.done():
             return self._fail(episode, f"agent {self.agent_path}: timed out after {self.timeout_s:g}s "
                                        f"(task.agent_timeout_s); its thread is abandoned")
+        if session.truncated:  # also an episode whose opening did not fit: it ends with no tokens at all
+            # Whatever the agent did after the refusal: most agent frameworks raise on a 400, and the error
+            # told it the episode ended truncated, so that raise is no failure of the agent.
+            episode.end(0.0, "length")
+            return episode
         try:
             reward = future.result()
         except Exception as exc:  # noqa: BLE001 - an agent's failure fails its episode only
             return self._fail(episode, f"agent {self.agent_path}: {type(exc).__name__}: {exc}")
-        if session.truncated:  # also an episode whose opening did not fit: it ends with no tokens at all
-            episode.end(0.0, "length")
-            return episode
         if episode.turns == 0:
             return self._fail(episode, f"agent {self.agent_path}: returned without a chat completion request")
         if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or bad_reward_value(float(reward)):

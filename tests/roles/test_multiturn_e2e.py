@@ -99,7 +99,8 @@ def check_evaluations(run_dir: Path, model_dir: Path, evals: list[dict], rollout
 def check_agent_run(rollouts: list[dict], run_dir: Path) -> None:
     """A 2-step sync run of an agent: 64 episodes a step, each checked (check_episode), with no reward error, every
     model token of the version its batch was generated for; most episodes called the tool and some were right; the
-    sampler's log-probs are the learner's, and no agent turn ran over the context (reported)."""
+    sampler's log-probs are the learner's; a turn refused for the context (the sampled tool code may print a long
+    error) ends its episode truncated, not failed."""
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rollouts) == 2 * 64
     for r in rollouts:
@@ -108,7 +109,8 @@ def check_agent_run(rollouts: list[dict], run_dir: Path) -> None:
         assert {v for v in r["versions"] if v >= 0} == {r["trained_at_step"]}
     assert sum(r["turns"] >= 2 for r in rollouts) > len(rollouts) / 2 and any(r["reward"] == 1.0 for r in rollouts)
     assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)
-    assert all(m["sampler1/over_context"] == 0 for m in metrics)
+    truncated = sum(r["finish_reason"] == "length" for r in rollouts)
+    assert metrics[-1]["sampler1/over_context"] <= truncated  # a count since the start
 
 
 def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode(embedded_tool_model_dir, tmp_path):

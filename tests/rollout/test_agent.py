@@ -122,9 +122,18 @@ def test_refusals_reach_the_agent_as_openai_errors_and_fail_or_truncate_its_epis
                 return 1.0
             messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "more"}]
 
-    [truncated] = ScriptedLoop(tok, agent_that(too_many_turns), ["a", "b"], max_turns=2).run(Prompt("q", "a"))
+    def raises_on_the_refusal(base_url, prompt, answer, meta):  # as agent frameworks do on a 400
+        client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": prompt}]
+        while True:
+            content = client.chat.completions.create(model="m", messages=messages).choices[0].message.content
+            messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "more"}]
+
+    for agent in too_many_turns, raises_on_the_refusal:
+        [truncated] = ScriptedLoop(tok, agent_that(agent), ["a", "b"], max_turns=2).run(Prompt("q", "a"))
+        assert (truncated.finish_reason, truncated.reward, truncated.turns, truncated.error) == ("length", 0.0, 2,
+                                                                                                  None)
     assert seen["turns"] == "context_length_exceeded"
-    assert (truncated.finish_reason, truncated.reward, truncated.turns, truncated.error) == ("length", 0.0, 2, None)
 
 
 def test_an_agent_that_raises_returns_garbage_makes_no_call_or_hangs_fails_only_its_episode(tok):

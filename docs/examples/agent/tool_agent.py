@@ -26,7 +26,12 @@ def run(base_url: str, prompt: str, answer: str, meta: dict) -> float:
     client = openai.OpenAI(base_url=base_url, api_key="megarl", max_retries=0)
     messages = [{"role": "user", "content": prompt}]
     for _ in range(MAX_TURNS):
-        reply = client.chat.completions.create(model="megarl", messages=messages, max_tokens=16)
+        try:
+            reply = client.chat.completions.create(model="megarl", messages=messages, max_tokens=16)
+        except openai.BadRequestError as exc:
+            if exc.code == "context_length_exceeded":  # no room left for a turn: the episode ended truncated
+                return 0.0
+            raise
         content = reply.choices[0].message.content
         messages.append({"role": "assistant", "content": content})
         code = tool_code(content)

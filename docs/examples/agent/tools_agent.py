@@ -28,12 +28,18 @@ def run(base_url: str, prompt: str, answer: str, meta: dict, stream: bool = Fals
     client = openai.OpenAI(base_url=base_url, api_key="megarl", max_retries=0)
     messages = [{"role": "user", "content": prompt}]
     for _ in range(MAX_TURNS):
-        if stream:  # the SDK's streaming helper assembles the chunks into the same message
-            with client.chat.completions.stream(model="megarl", messages=messages, tools=TOOLS, max_tokens=96) as s:
-                message = s.get_final_completion().choices[0].message
-        else:
-            message = client.chat.completions.create(model="megarl", messages=messages, tools=TOOLS,
-                                                     max_tokens=96).choices[0].message
+        try:
+            if stream:  # the SDK's streaming helper assembles the chunks into the same message
+                with client.chat.completions.stream(model="megarl", messages=messages, tools=TOOLS,
+                                                    max_tokens=96) as s:
+                    message = s.get_final_completion().choices[0].message
+            else:
+                message = client.chat.completions.create(model="megarl", messages=messages, tools=TOOLS,
+                                                         max_tokens=96).choices[0].message
+        except openai.BadRequestError as exc:
+            if exc.code == "context_length_exceeded":  # no room left for a turn: the episode ended truncated
+                return 0.0
+            raise
         messages.append(message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
         if not message.tool_calls:  # an answer
             return 1.0 if (message.content or "").strip() == answer else 0.0
