@@ -352,7 +352,10 @@ def check_model_dir(model_dir, cfg=None) -> None:
     if not present:
         raise ValueError(f"model directory {str(model_dir)!r} has no tokenizer files (one of: "
                          f"{'; '.join(' + '.join(files) for files in TOKENIZER_FILES)})")
-    check_tokenizer(model_dir, present[0], hf_config.get("vocab_size"))
+    from megarl.check_memo import memo_path
+
+    memo = None if cfg is None else memo_path(cfg.model.cache_dir)
+    check_tokenizer(model_dir, present[0], hf_config.get("vocab_size"), memo)
 
 
 def check_generic_model(hf_config: dict, cfg) -> None:
@@ -400,11 +403,24 @@ def _memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_tokenizer(model_dir: Path, files: tuple[str, ...], vocab_size: int | None = None) -> None:
+def check_tokenizer(model_dir: Path, files: tuple[str, ...], vocab_size: int | None = None,
+                    memo: Path | None = None) -> None:
     """Load the tokenizer as every worker will (transformers' AutoTokenizer, about a second) and round-trip it
     against the model: a corrupt tokenizer file, ids the embedding has no row for, or a tokenizer that maps
     every token to one id are named here rather than in a sampler's traceback after the launch (or a run that
-    trains silently at reward 0)."""
+    trains silently at reward 0). With `memo` (a file), a pass is remembered under the bytes of every file the
+    loader may read, the transformers version and this check's code (megarl.check_memo), so the next run of the
+    same model skips transformers' ~2 CPU-s import while its ranks start."""
+    key = None
+    if memo is not None:
+        from importlib.metadata import version
+
+        from megarl.check_memo import content_key, recall, tokenizer_inputs
+
+        key = content_key(tokenizer_inputs(model_dir), version("transformers"), str(vocab_size),
+                          Path(__file__).read_text())
+        if recall(memo, key) is True:
+            return
     from transformers import AutoTokenizer
 
     names = " + ".join(str(model_dir / name) for name in files)
@@ -415,6 +431,10 @@ def check_tokenizer(model_dir: Path, files: tuple[str, ...], vocab_size: int | N
                          f"{type(exc).__name__}: {str(exc)[:300]}") from exc
     if (why := tokenizer_mismatch(tokenizer, vocab_size)) is not None:
         raise ValueError(f"{names}: {why}")
+    if key is not None:
+        from megarl.check_memo import remember
+
+        remember(memo, key)
 
 
 def tokenizer_mismatch(tokenizer, vocab_size: int | None) -> str | None:

@@ -265,3 +265,26 @@ def test_key_value_overrides_are_taken_anywhere_also_after_an_option():
     for argv in (["eval", "c.yaml", "--checkpoint", "x", "stray"], ["export", "--checkpoint", "x", "--out", "y", "a=1"]):
         with pytest.raises(SystemExit):
             parse_command_line(parser, argv)
+
+
+def test_a_tokenizer_check_that_passed_is_remembered_by_the_files_it_read(tmp_path):
+    """Loading the tokenizer imports transformers (~2 CPU-s of the CLI, on the cores its ranks start on): a pass is
+    remembered under the files' bytes, so the same model checks again without transformers; a changed file is
+    checked again, and a refusal is never remembered."""
+    path = model_dir(tmp_path / "model")
+    memo = tmp_path / "cache" / ".check-memo.json"
+    child = ("import sys; from pathlib import Path; from megarl.cli import check_tokenizer; "
+             f"check_tokenizer(Path({str(path)!r}), ('tokenizer.json',), 264, Path({str(memo)!r})); "
+             "print('transformers' in sys.modules)")
+
+    def check() -> str:
+        proc = run_python("-c", child, timeout=120)
+        return proc.stdout.strip() if proc.returncode == 0 else proc.stderr.strip().splitlines()[-1]
+
+    assert check() == "True"  # checked: transformers loaded the tokenizer
+    assert check() == "False"  # the same files: remembered
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    tokenizer["model"].update(vocab={token: 5 for token in tokenizer["model"]["vocab"]}, merges=[])
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    for _ in range(2):  # a changed file is loaded again, and its refusal is not remembered
+        assert check().startswith(f"ValueError: {path}/tokenizer.json: the tokenizer is degenerate")

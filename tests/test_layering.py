@@ -17,7 +17,7 @@ LAYERS = (
     ("distributed", "observe", "embedded", "fleet_model"),  # transport, observers, model builders, the fleet model
     ("rollout",),  # tasks, rewards, episodes, batches: what a sample is made of
     ("models",),  # HF <-> megatron converters, layouts, MoE and LoRA names
-    ("algo", "protocols", "config", "portable", "filelock", "cached_env", "run_lock", "ratelimit", "secret",
+    ("algo", "protocols", "config", "portable", "filelock", "cached_env", "check_memo", "run_lock", "ratelimit", "secret",
      "megarl"),  # pure math, shared types, the config schema, small stdlib utilities
 )
 # Rules stricter than the order (docs/architecture.md): rollout/ and models/ do not import each other.

@@ -4,7 +4,9 @@
 ones are built by megarl/embedded/tiny.py's warm start, the tool model by tiny_chat.py, the mixture-of-experts
 one with tiny_moe.py's config. `ensure_embedded_model` builds atomically under a file lock;
 `resolve_model_path` turns a config's model path ("embedded:<name>" or a directory) into a checked directory.
-This module sits above the builders (it imports them; they never import it), so there is no import circle.
+This module sits above the builders (it imports them; they never import it), so there is no import circle. It
+imports torch and the builders only to build: resolving a built model (every rank and `megarl train`'s checks do
+it at start) needs neither.
 """
 from __future__ import annotations
 
@@ -20,11 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
-from megarl.embedded.tiny import (
-    BUILD_RECORD, EOS_ID, PAD_ID, VOCAB_SIZE, WarmStartRecipe, build_config, build_qwen3_config, build_tokenizer,
-    expected_accuracy, generate, generate_tokens, greedy_answer_accuracy, length_stats, warm_start)
+from megarl.embedded.spec import (BUILD_RECORD, EOS_ID, PAD_ID, VOCAB_SIZE, WarmStartRecipe, build_config,
+                                  build_qwen3_config, build_tokenizer)
 from megarl.filelock import exclusive
 from megarl.rollout.tasks import ArithmeticTask, CountTask, ToolArithmeticTask
 
@@ -122,7 +121,7 @@ def _spec_hash(spec: EmbeddedSpec) -> str:
 
 
 # The modules whose code makes an EmbeddedSpec's HF config (build_config, build_moe_config).
-_CONFIG_SOURCES = (Path(__file__).with_name("tiny.py"), Path(__file__).parent.parent / "models" / "tiny_moe.py")
+_CONFIG_SOURCES = (Path(__file__).with_name("spec.py"), Path(__file__).parent.parent / "models" / "tiny_moe.py")
 
 
 def _memo_key(spec: EmbeddedSpec) -> str:
@@ -162,7 +161,11 @@ def spec_hash(spec: EmbeddedSpec, cache_dir: Path) -> str:
 
 def build_embedded_model(name: str, out_dir: str | Path) -> dict:
     """Create, warm-start, evaluate and save the named model into out_dir; returns the build record."""
+    import torch
     from transformers import GenerationConfig, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+    from megarl.embedded.tiny import (expected_accuracy, generate, generate_tokens, greedy_answer_accuracy,
+                                      length_stats, warm_start)
 
     spec = EMBEDDED_MODELS[name]
     out_dir = Path(out_dir)
@@ -227,6 +230,8 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
 
 
 def _build_tool_model(name: str, spec: EmbeddedSpec, out_dir: Path) -> dict:
+    import torch
+
     from megarl.embedded.tiny_chat import build_tool_model
 
     threads = torch.get_num_threads()

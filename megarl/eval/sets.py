@@ -15,6 +15,7 @@ checkpoint's version and evaluates none before it.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from dataclasses import dataclass, replace
 
 from megarl.protocols import Prompt, Task
@@ -80,31 +81,51 @@ def prompt_count(prompts: list) -> str:
     return f"{len(prompts)} prompts" + (f" ({distinct} distinct)" if distinct < len(prompts) else "")
 
 
+def too_long_counts(cfg, model_dir, sets: list) -> tuple[list[int] | None, str]:
+    """([per set of `sets`: prompts that do not fit sampler.max_seq_len with one new token}, "") as the samplers' tokenizer
+    counts them, or (None, why not) when the tokenizer does not load. Remembered in model.cache_dir's check memo
+    under the tokenizer's files, the prompts and the limit (megarl.check_memo): transformers' import is ~2 CPU-s
+    that `megarl train` would otherwise spend while its ranks start."""
+    from importlib.metadata import version
+
+    from megarl.check_memo import content_key, memo_path, recall, remember, tokenizer_inputs
+
+    memo = memo_path(cfg.model.cache_dir)
+    key = content_key(tokenizer_inputs(Path(model_dir)), "too_long_counts", version("transformers"),
+                      str(cfg.sampler.max_seq_len), *(f"{s.name}\0{p.text}" for s in sets for p in s.prompts))
+    if isinstance(counts := recall(memo, key), list) and len(counts) == len(sets):
+        return counts, ""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exceptions; the model check
+        # looks at file names only, the samplers load it for real (and say what is wrong)
+        return None, f" (lengths not counted here: the tokenizer did not load: {str(exc)[:120]})"
+    counts = [sum(len(tokenizer.encode(p.text, add_special_tokens=False)) + 1 > cfg.sampler.max_seq_len
+                  for p in s.prompts) for s in sets]
+    remember(memo, key, counts)
+    return counts, ""
+
+
 def check_sets(cfg, model_dir) -> list[str]:
     """Build every set as the samplers will and say what it holds: its prompts and how many do not fit
     sampler.max_seq_len with one new token (skipped and counted in every evaluation); a user reward
     function is called on a few real prompts; the training side of the held-out split is drawn from once.
     Raises ValueError (FILE:LINE of a bad row, a reward that
     raises) before anything starts."""
-    from transformers import AutoTokenizer
-
     from megarl.rollout.rewards import check_reward
 
     sets = build_sets(cfg)
     if (fraction := heldout_fraction(cfg)) is not None:  # what the samplers will train on: not empty either
         training_split(task_from_config(cfg.task), fraction).sample_prompts(random.Random(0), 1)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exceptions; the model check
-        # looks at file names only, the samplers load it for real (and say what is wrong)
-        tokenizer, unloaded = None, f" (lengths not counted here: the tokenizer did not load: {str(exc)[:120]})"
+    over_counts, unloaded = too_long_counts(cfg, model_dir, sets)
     lines = []
-    for sc, s in zip(cfg.eval.sets, sets):
+    for i, (sc, s) in enumerate(zip(cfg.eval.sets, sets)):
         line = f"eval set {s.name}: {prompt_count(s.prompts)}" + (f" ({sc.path})" if sc.path else "")
-        if tokenizer is None:
+        if over_counts is None:
             line += unloaded
-        elif over := sum(len(tokenizer.encode(p.text, add_special_tokens=False)) + 1 > cfg.sampler.max_seq_len
-                         for p in s.prompts):
+        elif over := over_counts[i]:
             line += f", {over} longer than sampler.max_seq_len={cfg.sampler.max_seq_len} (skipped, counted)"
         lines.append(line)
         reward_fn = sc.reward_fn or cfg.task.reward_fn

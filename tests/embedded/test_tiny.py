@@ -287,3 +287,21 @@ def test_the_qwen3_demo_model_is_a_dense_qwen3_of_the_demo_s_sizes():
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "tie_word_embeddings", "eos_token_id"):
         assert getattr(qwen3, key) == getattr(qwen2, key), key
+
+
+def test_resolving_a_built_model_imports_neither_torch_nor_transformers(tmp_path):
+    """Every rank and `megarl train`'s checks resolve model.path at start; for a built embedded model that is a
+    remembered hash and a directory that exists, so it must not cost the import of torch or transformers (the
+    CLI's checks run on the cores its ranks start on)."""
+    import subprocess
+    import sys
+
+    spec = embedded.EMBEDDED_MODELS["tiny-qwen2-count"]
+    built = tmp_path / f"tiny-qwen2-count-{embedded.spec_hash(spec, tmp_path)}"  # the memo, as a first build leaves
+    built.mkdir()
+    child = ("import sys; from megarl.embedded.registry import resolve_model_path; "
+             f"print(resolve_model_path('embedded:tiny-qwen2-count', {str(tmp_path)!r}), "
+             "'torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(built), "False", "False"]

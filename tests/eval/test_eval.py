@@ -275,3 +275,27 @@ def test_a_set_with_repeated_prompts_says_how_many_are_distinct():
     drawn = [Prompt(f"{i % 29}+1=", str(i % 29 + 1)) for i in range(64)]  # 64 draws with replacement, 29 prompts
     assert prompt_count(drawn) == "64 prompts (29 distinct)"
     assert prompt_count(drawn[:29]) == "29 prompts"
+
+
+def test_overlong_counts_are_remembered_by_tokenizer_files_prompts_and_limit(model_dir, tmp_path, monkeypatch):
+    """`megarl train` counts each eval set's prompts too long for sampler.max_seq_len with the samplers' tokenizer
+    (transformers: ~2 CPU-s on the cores the ranks start on); the counts are remembered in model.cache_dir under
+    the tokenizer's files, the prompts and the limit, so a second check loads no tokenizer, and another limit
+    counts again."""
+    import transformers
+
+    path = tmp_path / "held.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in ["a-c=", "z" * 40, "y" * 30]))
+    sets = f"eval.sets=[{{name: file, path: {path}, prompts: 0}}]"
+    cfg = config(model_dir, tmp_path, sets, f"model.cache_dir={tmp_path / 'cache'}")
+    assert "2 longer than sampler.max_seq_len=24" in check_sets(cfg, model_dir)[0]
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded again")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_load)
+    assert "2 longer than sampler.max_seq_len=24" in check_sets(cfg, model_dir)[0]
+    longer = config(model_dir, tmp_path, sets, f"model.cache_dir={tmp_path / 'cache'}", "sampler.max_seq_len=36")
+    assert "the tokenizer was loaded again" in check_sets(longer, model_dir)[0]  # (a load error is said, not raised)
+    monkeypatch.undo()
+    assert "1 longer than sampler.max_seq_len=36" in check_sets(longer, model_dir)[0]
