@@ -1,0 +1,26 @@
+"""Each rank imports only what its role builds from: a sampler no learner framework (megatron-core, DeepSpeed,
+dynamo, transformers' modeling code), a learner no inference engine. Every rank of every launch pays its imports on
+the cores the others start on (docs/benchmarks.md, "Start-up, part by part"); checked on the modules a fresh
+interpreter holds after `role_entry`, no timing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import REPO, run_python
+
+LEARNER_ONLY = ("megatron", "deepspeed", "torch._dynamo", "transformers.modeling_utils", "megarl.learner.megatron",
+                "megarl.learner.deepspeed")
+SAMPLER_ONLY = ("megarl.sampler", "sglang", "vllm", "transformers.modeling_utils")
+
+
+@pytest.mark.parametrize("role, absent", [("sampler", LEARNER_ONLY), ("learner", SAMPLER_ONLY)])
+def test_a_rank_imports_only_what_its_role_uses(role, absent):
+    child = ("import json, sys; from megarl.config.load import load_config; from megarl.roles.worker import "
+             f"role_entry; role_entry(load_config({str(REPO / 'configs' / 'demo.yaml')!r}, []), {role!r}); "
+             "print(json.dumps(sorted(sys.modules)))")
+    proc = run_python("-c", child, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    loaded = json.loads(proc.stdout.splitlines()[-1])
+    assert [m for m in loaded if m in absent or m.startswith(tuple(a + "." for a in absent))] == []
