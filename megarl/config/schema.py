@@ -39,7 +39,7 @@ class ModelConfig:
     # "embedded:<name>" builds the tiny local default once (see megarl/embedded/tiny.py);
     # anything else is an HF-format directory (config.json, model.safetensors, tokenizer files).
     path: str = "embedded:tiny-qwen2-arith-think"
-    cache_dir: str = "~/.cache/megarl/models"  # where embedded models are built (once per name) and model checks that passed are remembered (megarl/check_memo.py)
+    cache_dir: str = "~/.cache/megarl/models"  # embedded models (built once per name) and passed model checks (check_memo.py)
 
 
 # the built-in tasks whose samples are episodes (megarl/rollout/episode.py)
