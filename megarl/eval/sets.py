@@ -82,18 +82,20 @@ def prompt_count(prompts: list) -> str:
 
 
 def too_long_counts(cfg, model_dir, sets: list) -> tuple[list[int] | None, str]:
-    """([per set of `sets`: prompts that do not fit sampler.max_seq_len with one new token}, "") as the samplers' tokenizer
-    counts them, or (None, why not) when the tokenizer does not load. Remembered in model.cache_dir's check memo
-    under the tokenizer's files, the prompts and the limit (megarl.check_memo): transformers' import is ~2 CPU-s
-    that `megarl train` would otherwise spend while its ranks start."""
+    """([for each of `sets`, its prompts that do not fit sampler.max_seq_len with one new token], "") as the
+    samplers' tokenizer counts them, or (None, why not) when the tokenizer does not load. Remembered in
+    model.cache_dir's check memo under the tokenizer's files, the prompts, the limit and this code
+    (megarl.check_memo): transformers' import is ~2 CPU-s that `megarl train` would otherwise spend while its
+    ranks start."""
     from importlib.metadata import version
 
     from megarl.check_memo import content_key, memo_path, recall, remember, tokenizer_inputs
 
     memo = memo_path(cfg.model.cache_dir)
-    key = content_key(tokenizer_inputs(Path(model_dir)), "too_long_counts", version("transformers"),
+    key = content_key(tokenizer_inputs(Path(model_dir)), Path(__file__).read_text(), version("transformers"),
                       str(cfg.sampler.max_seq_len), *(f"{s.name}\0{p.text}" for s in sets for p in s.prompts))
-    if isinstance(counts := recall(memo, key), list) and len(counts) == len(sets):
+    counts = recall(memo, key)
+    if isinstance(counts, list) and len(counts) == len(sets) and all(type(c) is int for c in counts):
         return counts, ""
     from transformers import AutoTokenizer
 
