@@ -1,0 +1,69 @@
+"""task.env=verifiers:<id> against the real `verifiers` 0.4.0 package, run from its own environment
+(megarl/rollout/verifiers_env.py, built on first use): a single-turn environment from a local dataset with weighted
+reward functions (tests/rollout/verifiers_envs/megarl_vf_products) lists its dataset as megarl's prompts, and trains
+for two sync steps through the agent endpoint with its rewards as the samples' rewards, every model token versioned."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.verifiers
+ENVS = Path(__file__).with_name("verifiers_envs")
+ENV_ID = "megarl_vf_products"
+ROWS = [json.loads(line) for line in (ENVS / ENV_ID / "products.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def env_on_path(monkeypatch):
+    """The environment importable by the worker (it inherits megarl's PYTHONPATH), as a user's own module is."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(ENVS)]))
+
+
+@pytest.mark.timeout(1800)  # the env's first build (~1 min idle, several times that on loaded cores)
+def test_the_environment_dataset_is_the_prompts(env_on_path):
+    from megarl.rollout.verifiers_adapter import META_TASK, VerifiersTask
+
+    task = VerifiersTask(f"verifiers:{ENV_ID}")
+    try:
+        assert task.worker.harness == "null"
+        assert [(p.text, p.answer, p.meta["operands"], p.meta[META_TASK]) for p in task.prompts] == [
+            (row["question"], row["answer"], row["operands"], i) for i, row in enumerate(ROWS)]
+        assert {p.meta["data_source"] for p in task.prompts} == {f"verifiers:{ENV_ID}"}
+    finally:
+        task.worker.close()
+    assert task.worker.proc.returncode == 0
+
+
+@pytest.mark.timeout(1800)
+def test_a_verifiers_environment_trains_with_its_rewards(embedded_tool_model_dir, tmp_path):
+    """Two sync steps of 2 prompts x 4 episodes, each episode the environment's chat harness talking to the
+    sampler's endpoint: the sample's reward is the environment's weighted sum (calls_tool 0.5 + exact 1.0), every
+    model token of the version its batch was generated for, the lag-0 log-probs the learner's."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(ENVS)])}
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", str(REPO / "configs" / "multiturn_demo.yaml"),
+                           f"run.dir={run_dir}", f"model.path={embedded_tool_model_dir}", f"task.env=verifiers:{ENV_ID}",
+                           "eval.sets=[]", "run.steps=2", "algo.mode=sync", "algo.max_lag=0", "algo.group_size=4",
+                           "algo.prompts_per_step=2", "learner.micro_batch_size=8", "task.agent_timeout_s=240"],
+                          capture_output=True, text=True, timeout=1500, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 2 * 2 * 4
+    answers = {row["question"]: row for row in ROWS}
+    for r in rollouts:
+        assert r["reward_error"] is None and r["turns"] == 1
+        row = answers[r["prompt"]]  # the prompt is a dataset row's
+        reply = r["completion"].replace("<|im_end|>", "").strip()  # what the harness got as the message content
+        a, b = row["operands"]
+        assert r["reward"] == 0.5 * (reply.replace(" ", "") == f">>>{a}*{b}") + 1.0 * (reply == row["answer"])
+        assert r["source"] == f"verifiers:{ENV_ID}"
+        assert {v for v in r["versions"]} == {r["trained_at_step"]}  # one model turn, nothing of the environment
+        assert all(lp <= 0 for lp in r["behaviour_logprobs"])
+    assert any(r["reward"] > 0 for r in rollouts)  # the tool model writes ">>> a*b" most of the time
+    assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)
