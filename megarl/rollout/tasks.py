@@ -291,11 +291,7 @@ def build_task(name: str, **kwargs):
 
 def task_from_config(tc):
     """The task `tc.name` (tc: the TaskConfig), given the task.* keys named like its fields, scored by
-    `task.reward_fn` when that is set (megarl/rollout/rewards.py); with task.env, the environment's dataset
-    (megarl/rollout/verifiers_adapter.py, which starts its worker process)."""
-    if tc.env:
-        return load_function("megarl.rollout.verifiers_adapter:VerifiersTask")(
-            env=tc.env, env_workers=tc.env_workers, agent_timeout_s=tc.agent_timeout_s)
+    `task.reward_fn` when that is set (megarl/rollout/rewards.py)."""
     accepted = inspect.signature(_factory(tc.name)).parameters
     task = build_task(tc.name, **{key: getattr(tc, key) for key in accepted if hasattr(tc, key)})
     reward = reward_from_config(tc)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megarl.protocols import Prompt
+from megarl.rollout.tasks import task_from_config
 
 SCHEME = "verifiers"
 AGENT = "megarl.rollout.verifiers_adapter:run_episode"  # the agent function every verifiers episode is
@@ -229,6 +230,8 @@ class Worker:
 
     def close(self, polite: bool = True) -> None:
         """Ask it to cancel its episodes and exit (`polite`), else (or when it does not within CLOSE_TIMEOUT_S) kill."""
+        with self.lock:
+            self.dead = self.dead or "verifiers worker: closed"
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
@@ -310,6 +313,14 @@ def run_episode(base_url: str, prompt: str, answer: str, meta: dict) -> float:
 def agent_for(tc) -> str:
     """The agent function of the run's episodes: task.agent, or the adapter's with task.env."""
     return tc.agent or (AGENT if tc.env else "")
+
+
+def task_for(tc):
+    """The run's prompt source (tc: the TaskConfig): with task.env the environment's dataset (its worker started),
+    else the task task.name names (megarl/rollout/tasks.py)."""
+    if tc.env:
+        return VerifiersTask(tc.env, env_workers=tc.env_workers, agent_timeout_s=tc.agent_timeout_s)
+    return task_from_config(tc)
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick manual look at an environment's dataset
