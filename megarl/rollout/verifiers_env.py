@@ -9,11 +9,12 @@ megarl's environment. `ensure_env()` builds one virtual environment, by default 
                                                                   as a PEP 723 script (`uv sync --script`)
     ENV/bin/python -c "import verifiers.v1"                       the check; only then is READY written
 
-built in ENV.partial under a file lock and renamed when it passed (megarl/cached_env.py). An environment's own
-package goes into it as users install it, `python -m megarl.rollout.verifiers_env PACKAGE...` (pip specifiers or
-paths; installed into the ready env), or is importable from PYTHONPATH (the worker inherits it). megarl runs megarl/rollout/verifiers_worker.py with ENV/bin/python, ENV/bin first on
-PATH (so the harness finds that uv). About a minute on the 2-core CPU machines; the first episode's harness
-program then installs its own script dependencies once (uv's cache).
+built in ENV.partial under a file lock and renamed when it passed (megarl/cached_env.py); 10 min on 2 loaded CPU
+cores (load average 20). An environment's own package goes into it as users install it, `python -m
+megarl.rollout.verifiers_env PACKAGE...` (pip specifiers or paths, installed into the ready env), or is importable from
+PYTHONPATH (the worker inherits it). megarl runs megarl/rollout/verifiers_worker.py with ENV/bin/python, ENV/bin first
+on PATH (the harness runs its program with that uv, which installs the program's own dependencies once, into uv's
+cache, on the first episode).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def ensure_env(directory: Path | None = None, log=None) -> tuple[Path, float]:
 
     python, seconds = env.ensure(install, lambda: say(
         f"building the verifiers environment {directory} (verifiers=={VERIFIERS_VERSION}; once per machine, "
-        f"about a minute)"), directory)
+        f"minutes: 10 on 2 loaded cores)"), directory)
     if seconds:
         say(f"verifiers environment ready: {directory} in {seconds:.0f}s")
     return python, seconds

@@ -1,7 +1,8 @@
 """task.env=verifiers:<id> against the real `verifiers` 0.4.0 package, run from its own environment
 (megarl/rollout/verifiers_env.py, built on first use): a single-turn environment from a local dataset with weighted
 reward functions (tests/rollout/verifiers_envs/megarl_vf_products) lists its dataset as megarl's prompts, and trains
-for two sync steps through the agent endpoint with its rewards as the samples' rewards, every model token versioned."""
+for two sync steps through the agent endpoint with its rewards as the samples' rewards, every model token versioned;
+a multi-turn tool environment (megarl_vf_calc: an MCP tool server) does the same with the tool-calling model."""
 import json
 import os
 import subprocess
@@ -24,7 +25,7 @@ def env_on_path(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), str(ENVS)]))
 
 
-@pytest.mark.timeout(1800)  # the env's first build (~1 min idle, several times that on loaded cores)
+@pytest.mark.timeout(1800)  # the env's first build: 10 min on 2 loaded cores
 def test_the_environment_dataset_is_the_prompts(env_on_path):
     from megarl.rollout.verifiers_adapter import META_TASK, VerifiersTask
 
@@ -39,21 +40,35 @@ def test_the_environment_dataset_is_the_prompts(env_on_path):
     assert task.worker.proc.returncode == 0
 
 
+def train(run_dir: Path, config: str, model_dir: Path, env_id: str, *overrides: str) -> tuple[list[dict], list[dict]]:
+    """Two sync steps of 2 prompts x 4 episodes of verifiers:<env_id>: the run's rollouts and metrics."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(ENVS)])}
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", str(REPO / "configs" / config),
+                           f"run.dir={run_dir}", f"model.path={model_dir}", f"task.env=verifiers:{env_id}",
+                           "eval.sets=[]", "run.steps=2", "algo.mode=sync", "algo.max_lag=0", "algo.group_size=4",
+                           "algo.prompts_per_step=2", "learner.micro_batch_size=8", "task.agent_timeout_s=400",
+                           *overrides], capture_output=True, text=True, timeout=1500, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return ([json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()],
+            [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+
+
+def check_versions(r: dict) -> None:
+    """Sync mode: every model token of the version its batch was generated for; environment tokens untrained."""
+    for kind, start, end in r["spans"]:
+        versions, logprobs = r["versions"][start:end], r["behaviour_logprobs"][start:end]
+        if kind == "env":
+            assert set(versions) == {-1} and set(logprobs) == {0.0}
+        else:
+            assert set(versions) == {r["trained_at_step"]} and all(lp <= 0 for lp in logprobs)
+
+
 @pytest.mark.timeout(1800)
 def test_a_verifiers_environment_trains_with_its_rewards(embedded_tool_model_dir, tmp_path):
     """Two sync steps of 2 prompts x 4 episodes, each episode the environment's chat harness talking to the
     sampler's endpoint: the sample's reward is the environment's weighted sum (calls_tool 0.5 + exact 1.0), every
     model token of the version its batch was generated for, the lag-0 log-probs the learner's."""
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(ENVS)])}
-    proc = subprocess.run([sys.executable, "-m", "megarl.cli", "train", str(REPO / "configs" / "multiturn_demo.yaml"),
-                           f"run.dir={run_dir}", f"model.path={embedded_tool_model_dir}", f"task.env=verifiers:{ENV_ID}",
-                           "eval.sets=[]", "run.steps=2", "algo.mode=sync", "algo.max_lag=0", "algo.group_size=4",
-                           "algo.prompts_per_step=2", "learner.micro_batch_size=8", "task.agent_timeout_s=240"],
-                          capture_output=True, text=True, timeout=1500, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rollouts, metrics = train(tmp_path / "run", "multiturn_demo.yaml", embedded_tool_model_dir, ENV_ID)
     assert len(rollouts) == 2 * 2 * 4
     answers = {row["question"]: row for row in ROWS}
     for r in rollouts:
@@ -63,7 +78,25 @@ def test_a_verifiers_environment_trains_with_its_rewards(embedded_tool_model_dir
         a, b = row["operands"]
         assert r["reward"] == 0.5 * (reply.replace(" ", "") == f">>>{a}*{b}") + 1.0 * (reply == row["answer"])
         assert r["source"] == f"verifiers:{ENV_ID}"
-        assert {v for v in r["versions"]} == {r["trained_at_step"]}  # one model turn, nothing of the environment
-        assert all(lp <= 0 for lp in r["behaviour_logprobs"])
+        check_versions(r)
     assert any(r["reward"] > 0 for r in rollouts)  # the tool model writes ">>> a*b" most of the time
+    assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)
+
+
+@pytest.mark.timeout(1800)  # the tool-calling model is built by the heavy tests (.ci/run runs them first)
+def test_a_multi_turn_tool_environment_trains_with_its_rewards(embedded_toolcall_model_dir, tmp_path):
+    """megarl_vf_calc: the environment's MCP tool `python` offered as OpenAI tools by verifiers' chat harness, the
+    model's <tool_call> parsed into tool_calls by the endpoint, the tool's answer sent back as a tool message
+    (environment tokens), the final reply scored by the environment's `exact` reward."""
+    rollouts, metrics = train(tmp_path / "run", "multiturn_tools.yaml", embedded_toolcall_model_dir, "megarl_vf_calc",
+                              "task.agent=''")
+    assert len(rollouts) == 2 * 2 * 4
+    answers = {row["question"]: row["answer"] for row in ROWS}
+    for r in rollouts:
+        assert r["reward_error"] is None and r["source"] == "verifiers:megarl_vf_calc"
+        check_versions(r)
+        if r["finish_reason"] == "stop":  # the environment's reward: the final reply is the product
+            final = r["completion"].rsplit("<|im_start|>assistant\n", 1)[-1].replace("<|im_end|>", "").strip()
+            assert r["reward"] == float(final == answers[r["prompt"]])
+    assert sum(r["turns"] >= 2 for r in rollouts) > len(rollouts) / 2  # the tool was called, its answer came back
     assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)
