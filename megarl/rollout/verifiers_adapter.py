@@ -39,6 +39,7 @@ AGENT = "megarl.rollout.verifiers_adapter:run_episode"  # the agent function eve
 WORKER_FILE = Path(__file__).with_name("verifiers_worker.py")
 WORKER_START_TIMEOUT_S = 300.0  # importing verifiers and loading the environment's dataset on a loaded machine
 CLOSE_TIMEOUT_S = 30.0
+ANSWER_MARGIN_S = 30.0  # the worker bounds each episode by its timeout_s itself; this is for the answer to arrive
 META_ENV, META_TASK = "verifiers_env", "verifiers_task"  # the prompt meta keys naming the worker and the row
 
 
@@ -133,6 +134,7 @@ class Worker:
         self.proc: subprocess.Popen | None = None
         self.ids = itertools.count(1)
         self.pending: dict[int, concurrent.futures.Future] = {}
+        self.abandoned: set[int] = set()  # requests whose wait timed out: their late answers are dropped
         self.lock = threading.Lock()  # pending, writes to stdin, dead
         self.dead: str | None = None  # why the worker cannot answer any more
         self.stderr_tail: collections.deque = collections.deque(maxlen=40)
@@ -180,6 +182,10 @@ class Worker:
             request_id = line.get("id") if isinstance(line, dict) else None
             with self.lock:
                 future = self.pending.pop(request_id, None) if isinstance(request_id, int) else None
+                late = future is None and request_id in self.abandoned
+                self.abandoned.discard(request_id)
+            if late:
+                continue
             if future is None:
                 self._die(f"verifiers worker: malformed reply: it answers no pending request: {raw[:200]!r}")
                 return
@@ -190,7 +196,10 @@ class Worker:
                 future.set_result(check_result(line))
             except WorkerError as exc:
                 future.set_exception(exc)
-        rc = self.proc.wait(timeout=CLOSE_TIMEOUT_S)  # its stdout is closed: it has exited or is about to
+        try:
+            rc = self.proc.wait(timeout=CLOSE_TIMEOUT_S)  # its stdout is closed: it has exited or is about to
+        except subprocess.TimeoutExpired:
+            rc = "unknown: it closed its stdout and did not exit; killed"
         self.err_reader.join(timeout=CLOSE_TIMEOUT_S)  # the stderr tail says why
         self._die(f"verifiers worker exited (rc {rc})")
 
@@ -221,12 +230,14 @@ class Worker:
             except OSError as exc:
                 self.pending.pop(request_id, None)
                 raise WorkerError(f"verifiers worker: cannot send a request ({exc}){self._tail()}") from exc
-        try:  # the worker bounds the episode by timeout_s itself; the margin is for its answer to arrive
-            return future.result(timeout=timeout_s + 30.0)
+        try:
+            return future.result(timeout=timeout_s + ANSWER_MARGIN_S)
         except concurrent.futures.TimeoutError:
             with self.lock:
-                self.pending.pop(request_id, None)
-            raise WorkerError(f"verifiers worker: no answer for task {task} within {timeout_s + 30.0:g}s") from None
+                if self.pending.pop(request_id, None) is not None:
+                    self.abandoned.add(request_id)
+            raise WorkerError(f"verifiers worker: no answer for task {task} within {timeout_s + ANSWER_MARGIN_S:g}s "
+                              f"(task.agent_timeout_s)") from None
 
     def close(self, polite: bool = True) -> None:
         """Ask it to cancel its episodes and exit (`polite`), else (or when it does not within CLOSE_TIMEOUT_S) kill."""

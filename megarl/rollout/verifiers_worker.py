@@ -188,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         out.flush()
         return 1
     threading.Thread(target=read, daemon=True, name="stdin").start()
-    loop.run_until_complete(serve(worker, lines))
-    return 0
+    loop.run_until_complete(serve(worker, lines))  # serving() has torn down the tool servers and interception
+    out.flush()
+    # Exit without collecting the stack's leftover objects: their finalizers need the event loop (asyncio's
+    # subprocess transports print "Event loop is closed" to stderr otherwise), and nothing is left to clean up.
+    os._exit(0)
 
 
 if __name__ == "__main__":

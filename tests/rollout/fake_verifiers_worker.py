@@ -13,8 +13,10 @@ if mode == "fails_to_load":
     print(json.dumps({"type": "error", "id": None, "error": "ModuleNotFoundError: taskset 'nope' not found"}))
     sys.exit(1)
 print(json.dumps(READY if mode != "bad_ready" else dict(READY, tasks=[{"index": 0, "prompt": "2+2"}])), flush=True)
-for line in sys.stdin:
+for n, line in enumerate(sys.stdin):
     request = json.loads(line)
+    if mode == "slow_first" and n == 0:
+        time.sleep(3)  # the adapter stopped waiting after 0.5 s: this answer arrives late
     if request.get("op") == "close":
         break
     result = {"type": "result", "id": request["id"], "ok": True, "reward": 1.0,

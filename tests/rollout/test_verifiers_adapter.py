@@ -48,6 +48,20 @@ def test_a_bad_reply_fails_the_episode_naming_why(mode, message):
         worker.close()
 
 
+def test_a_late_answer_is_dropped_and_the_worker_goes_on(monkeypatch):
+    from megarl.rollout import verifiers_adapter
+
+    monkeypatch.setattr(verifiers_adapter, "ANSWER_MARGIN_S", 0.0)
+    worker = fake("slow_first")
+    try:
+        with pytest.raises(WorkerError, match="no answer for task 0 within 0.5s"):
+            worker.run(0, "http://u", 0.5)
+        assert worker.run(0, "http://u", 60.0).reward == 1.0  # after the late one: it was dropped, not fatal
+        assert worker.dead is None
+    finally:
+        worker.close()
+
+
 def test_an_episode_the_environment_reports_failed_fails_with_its_errors():
     worker = fake("failed_episode")
     try:
