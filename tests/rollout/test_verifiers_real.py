@@ -2,7 +2,8 @@
 (megarl/rollout/verifiers_env.py, built on first use): a single-turn environment from a local dataset with weighted
 reward functions (tests/rollout/verifiers_envs/megarl_vf_products) lists its dataset as megarl's prompts, and trains
 for two sync steps through the agent endpoint with its rewards as the samples' rewards, every model token versioned;
-a multi-turn tool environment (megarl_vf_calc: an MCP tool server) does the same with the tool-calling model."""
+a multi-turn tool environment (megarl_vf_calc: an MCP tool server) runs its episodes through the endpoint, the model
+scripted, every token accounted for."""
 import json
 import os
 import subprocess
@@ -83,20 +84,39 @@ def test_a_verifiers_environment_trains_with_its_rewards(embedded_tool_model_dir
     assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)
 
 
-@pytest.mark.timeout(1800)  # the tool-calling model is built by the heavy tests (.ci/run runs them first)
-def test_a_multi_turn_tool_environment_trains_with_its_rewards(embedded_toolcall_model_dir, tmp_path):
-    """megarl_vf_calc: the environment's MCP tool `python` offered as OpenAI tools by verifiers' chat harness, the
-    model's <tool_call> parsed into tool_calls by the endpoint, the tool's answer sent back as a tool message
-    (environment tokens), the final reply scored by the environment's `exact` reward."""
-    rollouts, metrics = train(tmp_path / "run", "multiturn_tools.yaml", embedded_toolcall_model_dir, "megarl_vf_calc",
-                              "task.agent=''")
-    assert len(rollouts) == 2 * 2 * 4
-    answers = {row["question"]: row["answer"] for row in ROWS}
-    for r in rollouts:
-        assert r["reward_error"] is None and r["source"] == "verifiers:megarl_vf_calc"
-        check_versions(r)
-        if r["finish_reason"] == "stop":  # the environment's reward: the final reply is the product
-            final = r["completion"].rsplit("<|im_start|>assistant\n", 1)[-1].replace("<|im_end|>", "").strip()
-            assert r["reward"] == float(final == answers[r["prompt"]])
-    assert sum(r["turns"] >= 2 for r in rollouts) > len(rollouts) / 2  # the tool was called, its answer came back
-    assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)
+@pytest.mark.timeout(900)
+def test_a_multi_turn_tool_environment_runs_through_the_endpoint_token_in_token_out(env_on_path):
+    """megarl_vf_calc: verifiers' chat harness offers the environment's MCP tool `python` as OpenAI tools, the
+    endpoint renders them with the chat template and parses the model's <tool_call> into tool_calls, the harness
+    runs the call on the tool server and sends its answer back as a tool message (environment tokens: version -1),
+    and the environment's `exact` reward scores the final reply. The engine is scripted (tests/rollout/test_agent.py),
+    so every model token and version is known: the trained ids are exactly the scripted ones."""
+    from megarl.embedded.tiny_chat import build_chat_tokenizer
+    from megarl.rollout.verifiers_adapter import AGENT, VerifiersTask
+    from tests.rollout.test_agent import ScriptedLoop
+
+    tok = build_chat_tokenizer()
+    task = VerifiersTask("verifiers:megarl_vf_calc", agent_timeout_s=400.0)
+    right, wrong = task.prompts[0], task.prompts[1]
+
+    def model(text: str) -> str:  # a call to the tool, then its answer copied (or, for `wrong`, miscopied)
+        question = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        if "<|im_start|>tool" not in text:
+            return '<tool_call>\n{"name": "python", "arguments": {"code": "%s"}}\n</tool_call>' % question
+        return text.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>", 1)[0] if question == right.text else "1"
+
+    loop = ScriptedLoop(tok, AGENT, model, timeout_s=400.0, max_seq_len=1024, max_new_tokens=64)
+    try:
+        episodes = sorted(loop.run([right, wrong], deadline_s=800.0), key=lambda e: e.key)
+    finally:
+        task.worker.close()
+    assert [(e.error, e.reward, e.turns) for e in episodes] == [(None, 1.0, 2), (None, 0.0, 2)]
+    for episode, prompt in zip(episodes, (right, wrong)):
+        [(start, end)] = episode.env_spans
+        env_text = tok.decode(episode.token_ids[start:end])
+        assert "<|im_start|>tool\n" in env_text and ROWS[prompt.meta["verifiers_task"]]["answer"] in env_text
+        call_versions, answer_versions = set(episode.versions[:start]), set(episode.versions[end:])
+        assert set(episode.versions[start:end]) == {-1}  # the scripted engine versions each turn by its order
+        assert len(call_versions) == len(answer_versions) == 1 and min(call_versions) < min(answer_versions)
+        call = tok.decode(episode.token_ids[:start])
+        assert call.startswith("<tool_call>") and prompt.text in call  # the sampled ids, not a re-rendering
