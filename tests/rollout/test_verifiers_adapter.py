@@ -10,6 +10,7 @@ from megarl.config.load import ConfigError, load_config
 from megarl.rollout import verifiers_worker
 from megarl.rollout.verifiers_adapter import (META_ENV, META_TASK, VerifiersTask, Worker, WorkerError, agent_for,
                                               check_ready, check_result, env_id_of, run_episode)
+from tests.helpers import REPO
 
 FAKE = str(Path(__file__).with_name("fake_verifiers_worker.py"))
 
@@ -114,5 +115,7 @@ def test_env_specs_and_conflicting_keys_are_refused_before_launch():
     for key, value in (("task.agent", "m:f"), ("task.reward_fn", "m:f"), ("task.path", "x.jsonl")):
         with pytest.raises(ConfigError, match=key):
             load_config(None, ["task.env=verifiers:my-env", "eval.sets=[]", f"{key}={value}"], check_files=False)
+    with pytest.raises(ConfigError, match="eval.sets: not supported with task.env"):
+        load_config(str(REPO / "configs" / "multiturn_demo.yaml"), ["task.env=verifiers:my-env"], check_files=False)
     cfg = load_config(None, ["task.env=verifiers:my-env", "eval.sets=[]"], check_files=False)
     assert agent_for(cfg.task) == "megarl.rollout.verifiers_adapter:run_episode"
