@@ -19,7 +19,7 @@ class LengthLimit:
 
     @classmethod
     def of(cls, cfg) -> "LengthLimit":  # cfg: the run's Config
-        if bool(cfg.task.agent) or cfg.task.name in MULTI_TURN_TASKS:
+        if bool(cfg.task.agent or cfg.task.env) or cfg.task.name in MULTI_TURN_TASKS:
             if cfg.task.max_episode_tokens:
                 return cls(cfg.sampler.max_seq_len, cfg.task.max_episode_tokens, "task.max_episode_tokens")
             return cls(cfg.sampler.max_seq_len, None, "sampler.max_seq_len")

@@ -361,6 +361,16 @@ def _validate_task(cfg: Config, check_files: bool) -> None:
                  f"{tc.agent!r} is not of the form 'package.module:function'")
         _require(not tc.reward_fn, "task.reward_fn", "with task.agent the agent returns each episode's reward; "
                                                      "leave task.reward_fn empty")
+    if tc.env:  # megarl/rollout/verifiers_adapter.py; refused here, before launch, by name
+        scheme, _, env_id = tc.env.partition(":")
+        _require(scheme == "verifiers" and bool(env_id.strip()) and not any(c.isspace() for c in env_id), "task.env",
+                 f"{tc.env!r}: only verifiers environments are supported, as task.env=verifiers:<id> (the id of an "
+                 f"installed verifiers environment package or a module on PYTHONPATH)")
+        for key, value, why in (("task.agent", tc.agent, "the environment's harness is the agent"),
+                                ("task.reward_fn", tc.reward_fn, "the environment's rewards score each episode"),
+                                ("task.path", tc.path, "the prompts are the environment's dataset"),
+                                ("eval.sets", cfg.eval.sets, "agent episodes are not evaluated yet")):
+            _require(not value, key, f"not supported with task.env={tc.env} ({why}); leave it empty")
     if tc.name in MULTI_TURN_TASKS:
         _require(not tc.reward_fn, "task.reward_fn", f"task.name={tc.name} is multi-turn: its environment gives the "
                                                      f"reward at the end of an episode; leave task.reward_fn empty")

@@ -127,6 +127,9 @@ class TaskConfig:
     # on one of env_workers threads; prompts from task.name. An agent call running past agent_timeout_s fails.
     agent: str = ""
     agent_timeout_s: float = 300.0
+    # "verifiers:<id>": a verifiers environment (an installed package or a module on PYTHONPATH) supplies the prompts
+    # (its dataset), runs each episode through the agent endpoint and scores it (megarl/rollout/verifiers_adapter.py).
+    env: str = ""
     # The largest request body the agent endpoint reads (bytes; larger: 413, nothing of it parsed).
     # 0 = max(1 MiB, 32 bytes x sampler.max_seq_len): a request resends the whole history as JSON.
     agent_max_request_bytes: int = 0

@@ -62,7 +62,8 @@ from megarl.rollout.rewards import check_reward, score_group
 from megarl.rollout.routes import check_routes
 from megarl.rollout.sandbox import hide_from_sandboxes
 from megarl.rollout.send_order import Unsent, groups_to_send
-from megarl.rollout.tasks import prompt_rng, sync_sampling_seed, task_from_config
+from megarl.rollout.tasks import prompt_rng, sync_sampling_seed
+from megarl.rollout.verifiers_adapter import agent_for, task_for
 from megarl.secret import run_secret
 
 STOP_POLL_S = 0.2
@@ -165,7 +166,7 @@ class SamplerLoop:
         hide_from_sandboxes(cfg.run.dir, cfg.task.path, cfg.checkpoint.dir)
         # MoE models: every sample's routes are checked here, where the sample is assembled (None: dense).
         self.route_shape = moe.route_shape(json.loads((Path(model_dir) / "config.json").read_text()))
-        self.task = task_from_config(cfg.task)
+        self.task = task_for(cfg.task)  # task.env: a verifiers environment's dataset (its worker started)
         if (fraction := heldout_fraction(cfg)) is not None:  # eval.sets draws the held-out prompts: never trained on
             self.task = training_split(self.task, fraction)
         if ":" in cfg.task.reward_fn and topo.role_rank == 0:  # `megarl train` checked it; a raw torchrun did not
@@ -181,8 +182,8 @@ class SamplerLoop:
         self.episodes: EpisodeRunner | AgentRunner | None = None
         tc = cfg.task
         limits = EpisodeLimits.of(tc, cfg.sampler.max_seq_len, self.room)
-        if tc.agent:  # episodes are agent programs talking to this sampler's chat-completions endpoint
-            self.episodes = AgentRunner(tc.agent, self.tokenizer, self.engine.add_request, self.sampling, limits,
+        if agent_for(tc):  # episodes are agent programs talking to this sampler's chat-completions endpoint
+            self.episodes = AgentRunner(agent_for(tc), self.tokenizer, self.engine.add_request, self.sampling, limits,
                                         stop_token_ids=(self.tokenizer.eos_token_id,), workers=tc.env_workers,
                                         timeout_s=tc.agent_timeout_s, model_name=Path(model_dir).name,
                                         max_request_bytes=tc.agent_max_request_bytes, tool_parser=tc.tool_parser)
