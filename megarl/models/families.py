@@ -44,10 +44,11 @@ ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 
 
 def family_of(cfg: dict) -> Family:
-    """The Family of a config dict; ValueError naming the model types megarl takes."""
+    """The Family of a config dict; ValueError naming the model types megarl takes, docs/models.md and the generic
+    path."""
     model_type = cfg.get("model_type")
     if model_type not in FAMILIES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {MODEL_TYPES}")
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {MODEL_TYPES}; {generic_path_hint()}")
     return FAMILIES[model_type]
 
 

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from megarl.models import convert, moe, tp_shard
 from megarl.models.convert import load_pretrained  # noqa: F401 - the engine's loader, shared with the learner
 from megarl.models import families
-from megarl.models.families import FAMILIES, MODEL_TYPES
+from megarl.models.families import FAMILIES, MODEL_TYPES, generic_path_hint
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,8 @@ class ModelSpec:
         """Parse an HF config dict; raise ValueError naming the field of anything we cannot run."""
         model_type = cfg.get("model_type")
         if model_type not in FAMILIES:
-            raise ValueError(f"model_type={model_type!r} is not supported (supported: {MODEL_TYPES})")
+            raise ValueError(f"model_type={model_type!r} is not supported (supported: {MODEL_TYPES}; "
+                             f"{generic_path_hint()})")
         family = FAMILIES[model_type]
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")

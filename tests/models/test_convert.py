@@ -132,6 +132,27 @@ def test_refuses_unsupported():
         convert.check_supported(dict(model_type="qwen2", use_sliding_window=True))
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "deepseek_v3", "qwen2_moe", "olmo2_unmapped"])
+def test_every_refusal_of_a_model_type_names_the_matrix_and_the_generic_path(tmp_path, model_type):
+    """The converter, the built-in engine's spec and `megarl train`'s start-up check each refuse a model type
+    outside the families naming docs/models.md (the support matrix) and learner.backend=deepspeed."""
+    import json
+
+    from megarl.cli import check_model_dir
+    from megarl.sampler.model import ModelSpec
+
+    cfg = {"model_type": model_type, "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 48, "vocab_size": 64, "shared_expert_intermediate_size": 8,
+           "num_experts": 4, "num_experts_per_tok": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for refuse in (convert.check_supported, ModelSpec.from_hf_config, lambda c: check_model_dir(tmp_path)):
+        with pytest.raises(ValueError) as info:
+            refuse(cfg)
+        message = str(info.value)
+        assert model_type in message and "docs/models.md" in message, message
+        assert "generic path: learner.backend=deepspeed" in message and message.count("docs/models.md") <= 2, message
+
+
 @pytest.fixture(scope="module")
 def megatron_world(tmp_path_factory):
     """World-size-1 gloo group + megatron parallel state, torn down after the module."""
