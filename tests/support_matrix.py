@@ -47,6 +47,8 @@ _PACKED = "tests/learner/test_packing.py::test_a_packed_step_is_the_unpacked_ste
 _MOE = "tests/learner/test_moe_learner.py::"
 _DS_MOE = "tests/learner/test_deepspeed_moe.py::"
 _ENGINE_MOE = "tests/sampler/test_engine_moe.py::"
+_HF_ENGINE = ("tests/sampler/test_hf_engine.py::"
+              "test_a_family_whose_layers_the_native_forward_lacks_runs_on_the_generic_model")
 _VLLM = "tests/sampler/vllm/test_vllm_families.py::test_lag0_logprobs_and_a_publish_match_the_learner"
 
 
@@ -118,6 +120,17 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_MODEL}test_batched_decode_with_different_lengths_matches_hf[smollm3]")),
         "vLLM": NT,
         "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
+    ("OLMo 2 (`olmo2`: RMSNorm after attention and the MLP, none before; q/k RMSNorm over the whole projection)",
+     "olmo2", {
+        "megatron learner": Cell("TP1, TP2, PP2 (publishes whole tensors)", (
+            f"{_FAMILY}[olmo2]", f"{_CONVERT}test_megatron_logprobs_match_hf[olmo2]")),
+        "DeepSpeed learner": Cell("ZeRO 2", (f"{_DS}[olmo2_zero2]", f"{_DS_EXPORT}[olmo2_zero2]",
+                                             "tests/learner/test_deepspeed.py::"
+                                             "test_first_step_equals_the_megatron_learner[olmo2_zero2]")),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell(
+            "yes, on the generic model (transformers' modules), at sampler.tp=1", (
+                f"{_HF_ENGINE}[keep]", f"{_HF_ENGINE}[recompute]")),
+        "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
     ("Mixtral (`mixtral`)", "mixtral", {
         "megatron learner": Cell("TP1, TP2, PP2, DP2 x EP2, TP2 x EP2 (docs/moe.md)", (
             f"{_MOE}test_moe_logprobs_match_transformers[mixtral]",

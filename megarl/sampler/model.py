@@ -103,6 +103,10 @@ class ModelSpec:
             raise ValueError(f"model_type={model_type!r} is not supported (supported: {MODEL_TYPES}; "
                              f"{generic_path_hint()})")
         family = FAMILIES[model_type]
+        if family.post_norms:
+            raise ValueError(f"model_type={model_type!r}: the norms after attention and the MLP "
+                             "(post_attention_layernorm, post_feedforward_layernorm) are not in the native forward; "
+                             "sampler.model_impl=auto runs it on the generic model (megarl/sampler/hf_model.py)")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
         if cfg.get("use_sliding_window"):
