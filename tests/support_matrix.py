@@ -93,14 +93,14 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
                                                    f"{_CONVERT}test_megatron_logprobs_match_hf[qwen3]")),
         "DeepSpeed learner": Cell("ZeRO 2", (f"{_DS}[qwen3_zero2]", f"{_DS_EXPORT}[qwen3_zero2]")),
         "built-in engine (in-flight swaps, keep and recompute)": Cell("yes", _engine("qwen3")),
-        "vLLM": NT,
+        "vLLM": Cell("yes", (f"{_VLLM}[qwen3]",)),
         "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
     ("Mistral (`mistral`: `sliding_window`, in the learners' attention mask and the engine's)", "mistral", {
         "megatron learner": Cell("TP1, TP2, PP2, packed rows", (f"{_FAMILY}[mistral]",
                                                                 f"{_PACKED}[megatron-mistral groups]")),
         "DeepSpeed learner": Cell("ZeRO 2, packed rows", (f"{_DS}[mistral_zero2]", f"{_PACKED}[deepspeed-mistral groups]")),
         "built-in engine (in-flight swaps, keep and recompute)": Cell("yes", _engine("mistral")),
-        "vLLM": NT,
+        "vLLM": Cell("yes", (f"{_VLLM}[mistral]",)),
         "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
     ("Phi-3 (`phi3`: fused `qkv_proj` and `gate_up_proj`, split for megatron and fused back on publish and export)",
      "phi3", {
@@ -108,7 +108,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "DeepSpeed learner": Cell("ZeRO 2", (f"{_DS}[phi3_zero2]", f"{_DS_EXPORT}[phi3_zero2]")),
         "built-in engine (in-flight swaps, keep and recompute)": Cell("yes, at sampler.tp=1", _engine("phi3") + (
             f"{_CONVERT}test_phi3s_fused_projections_run_unsplit_and_say_where",)),
-        "vLLM": NT,
+        "vLLM": Cell("yes", (f"{_VLLM}[phi3]",)),
         "SGLang (megarl's stand-in)": NT,
         "LoRA": Cell("refused", (f"{_CONVERT}test_phi3s_fused_projections_run_unsplit_and_say_where",)),
         "R3": NA}),
@@ -118,7 +118,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "built-in engine (in-flight swaps, keep and recompute)": Cell("yes (its forward; swaps as the others')", (
             f"{_MODEL}test_prefill_matches_hf[smollm3]",
             f"{_MODEL}test_batched_decode_with_different_lengths_matches_hf[smollm3]")),
-        "vLLM": NT,
+        "vLLM": Cell("yes (vLLM's transformers backend)", (f"{_VLLM}[smollm3]",)),
         "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
     ("OLMo 2 (`olmo2`: RMSNorm after attention and the MLP, none before; q/k RMSNorm over the whole projection)",
      "olmo2", {
