@@ -47,8 +47,6 @@ _PACKED = "tests/learner/test_packing.py::test_a_packed_step_is_the_unpacked_ste
 _MOE = "tests/learner/test_moe_learner.py::"
 _DS_MOE = "tests/learner/test_deepspeed_moe.py::"
 _ENGINE_MOE = "tests/sampler/test_engine_moe.py::"
-_HF_ENGINE = ("tests/sampler/test_hf_engine.py::"
-              "test_a_family_whose_layers_the_native_forward_lacks_runs_on_the_generic_model")
 _VLLM = "tests/sampler/vllm/test_vllm_families.py::test_lag0_logprobs_and_a_publish_match_the_learner"
 
 
@@ -127,9 +125,8 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "DeepSpeed learner": Cell("ZeRO 2", (f"{_DS}[olmo2_zero2]", f"{_DS_EXPORT}[olmo2_zero2]",
                                              "tests/learner/test_deepspeed.py::"
                                              "test_first_step_equals_the_megatron_learner[olmo2_zero2]")),
-        "built-in engine (in-flight swaps, keep and recompute)": Cell(
-            "yes, on the generic model (transformers' modules), at sampler.tp=1", (
-                f"{_HF_ENGINE}[keep]", f"{_HF_ENGINE}[recompute]")),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes, at sampler.tp=1", _engine("olmo2") + (
+            f"{_MODEL}test_prefill_matches_hf[olmo2]", f"{_MODEL}test_shard_spec_is_one_tp_ranks_share[olmo2]")),
         "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
     ("Mixtral (`mixtral`)", "mixtral", {
         "megatron learner": Cell("TP1, TP2, PP2, DP2 x EP2, TP2 x EP2 (docs/moe.md)", (

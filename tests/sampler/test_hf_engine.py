@@ -11,7 +11,7 @@ import torch
 from megarl.protocols import GenerationRequest, SamplingParams
 from megarl.sampler import hf_model
 from megarl.sampler.engine import BuiltinEngine
-from tests.helpers import LEARNER_TINY, fp32_logprob_tol, save_tiny_dense, save_tiny_granite
+from tests.helpers import LEARNER_TINY, fp32_logprob_tol, save_tiny_granite
 from tests.sampler import make_tiny_model
 
 # |log-prob| <= 8 (vocab 264: log 264 = 5.6 plus the logits' spread); positions up to the engine's 64.
@@ -207,43 +207,6 @@ def test_architectures_the_native_forward_lacks_run_as_transformers_runs_them(tm
     for c in engine.generate(requests):
         lp, n = _logprobs(reference, c.prompt_ids + c.token_ids), len(c.prompt_ids)
         assert max(abs(c.logprobs[i] - lp[n - 1 + i, t].item()) for i, t in enumerate(c.token_ids)) <= TOL
-
-
-@pytest.mark.parametrize("policy", ["keep", "recompute"])
-def test_a_family_whose_layers_the_native_forward_lacks_runs_on_the_generic_model(tmp_path, policy):
-    """OLMo 2 (norms after attention and the MLP, q/k norms over the whole projection): a family of the megatron
-    learner whose decoder layer the native forward does not compute, so sampler.model_impl=auto picks the generic
-    model and `native` is refused naming the norms; its behaviour log-probs are transformers', before and after an
-    in-flight swap to the weights a learner would publish (the same HF names)."""
-    from megarl.sampler import model as native
-
-    path = save_tiny_dense(tmp_path / "olmo2", "olmo2", vocab_size=64)
-    cfg, weights = hf_model.load_pretrained(str(path))
-    assert hf_model.choose(cfg, "auto") is hf_model
-    with pytest.raises(ValueError, match="post_attention_layernorm, post_feedforward_layernorm"):
-        native.ModelSpec.from_hf_config(cfg)
-    engine = BuiltinEngine(cfg, weights, max_running=2, max_seq_len=40, model_impl="auto", kv_on_update=policy)
-    new = {n: t + 0.1 * t.std() * torch.randn(t.shape, generator=torch.Generator().manual_seed(1))
-           for n, t in weights.items()}
-    requests = [GenerationRequest(str(i), [(7 * i + j) % 64 for j in range(5 + 6 * i)],
-                                  SamplingParams(temperature=1.0, max_new_tokens=12), ()) for i in range(2)]
-    for r in requests:
-        engine.add_request(r)
-    done = {c.request_id: c for c in engine.step()}
-    engine.stage_weights(new, 1)
-    done.update(_finish(engine))
-    old_model, new_model = _hf(path), _hf(path, new)
-    for c in done.values():
-        b = c.versions.count(0)
-        assert 0 < b < len(c.token_ids) and c.versions == [0] * b + [1] * (len(c.token_ids) - b)
-        n = len(c.prompt_ids)
-        old_lp = _logprobs(old_model, c.prompt_ids + c.token_ids)
-        assert max(abs(c.logprobs[i] - old_lp[n - 1 + i, t].item()) for i, t in enumerate(c.token_ids[:b])) <= TOL
-    later = engine.generate([GenerationRequest("later", [3, 1, 4, 1, 5], SamplingParams(temperature=1.0,
-                                                                                        max_new_tokens=8), ())])
-    lp = _logprobs(new_model, later[0].prompt_ids + later[0].token_ids)
-    assert set(later[0].versions) == {1}
-    assert max(abs(later[0].logprobs[i] - lp[4 + i, t].item()) for i, t in enumerate(later[0].token_ids)) <= TOL
 
 
 def test_what_the_generic_model_cannot_run_is_refused_naming_the_key(granite):
