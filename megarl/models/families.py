@@ -29,7 +29,8 @@ class Family:
     # OLMo 2: no norm before attention or the MLP; an RMSNorm on each one's output before its residual add
     # (`post_attention_layernorm`, `post_feedforward_layernorm`), and q_norm / k_norm over the whole q / k projection
     # (every head's dims, [heads * head_dim]) instead of per head. The megatron learner computes them with
-    # megarl.learner.post_norms; a TP rank holds only its heads of q_norm / k_norm, so whole tensors are published.
+    # megarl.learner.post_norms, the built-in engine in its forward; a TP rank holds only its heads of q_norm /
+    # k_norm, so whole tensors are published and the engine runs at sampler.tp = 1.
     post_norms: bool = False
 
 
