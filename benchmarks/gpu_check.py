@@ -562,6 +562,8 @@ FAMILY_CHECKS = {
                                                 "original_max_position_embeddings": 32}}),  # (the dry run: 8)
     "phi3": ("phi3", {"pad_token_id": None, "eos_token_id": 2}),
     "smollm3": ("smollm3", {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}),  # every 4th layer: no RoPE
+    # norms after attention and the MLP, q/k norms over the whole projection
+    "olmo2": ("olmo2", {"pad_token_id": None, "bos_token_id": None, "eos_token_id": 2}),
 }
 
 

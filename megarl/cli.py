@@ -317,8 +317,11 @@ def check_model_dir(model_dir, cfg=None) -> None:
         check_supported(hf_config)
     except ValueError as exc:
         if cfg is None or cfg.learner.backend != "deepspeed":
-            raise ValueError(f"{config}: {exc} (megarl maps the model families of docs/models.md: model_type "
-                             f"{', '.join(MODEL_TYPES)}; {generic_path_hint()})") from exc
+            # (a model type outside the families is refused naming docs/models.md and the generic path already)
+            hint = "" if "docs/models.md" in str(exc) else (
+                f" (megarl maps the model families of docs/models.md: model_type {', '.join(MODEL_TYPES)}; "
+                f"{generic_path_hint()})")
+            raise ValueError(f"{config}: {exc}{hint}") from exc
         generic = True
     if generic:
         try:

@@ -87,11 +87,12 @@ def save_tiny_dense(path: Path, kind: str, vocab_size: int = 64) -> Path:
     """A real HF directory of a dense family of the learner tests' size (LEARNER_TINY), kind: "mistral" (a sliding
     window of MISTRAL_WINDOW positions, untied), "llama_yarn" (YaRN RoPE over an original context of
     YARN_ORIGINAL positions, shorter than the tests' rows, tied), "phi3" (fused qkv_proj and gate_up_proj, untied),
-    "smollm3" (its second layer without RoPE, tied). No pad token: transformers gives the pad token's embedding row
+    "smollm3" (its second layer without RoPE, tied), "olmo2" (norms after attention and the MLP, q/k norms over the
+    whole projection, every norm weight drawn away from 1, untied). No pad token: transformers gives the pad token's embedding row
     no gradient (nn.Embedding's padding_idx), which the megatron learner does not copy."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                              Phi3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config,
+                              Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
     torch.manual_seed(0)
     tiny = {**LEARNER_TINY, "vocab_size": vocab_size}
@@ -102,6 +103,13 @@ def save_tiny_dense(path: Path, kind: str, vocab_size: int = 64) -> Path:
     elif kind == "smollm3":
         model = SmolLM3ForCausalLM(SmolLM3Config(**tiny, no_rope_layers=[1, 0], tie_word_embeddings=True,
                                                  pad_token_id=None, bos_token_id=1, eos_token_id=2))
+    elif kind == "olmo2":
+        model = Olmo2ForCausalLM(Olmo2Config(**tiny, tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
+                                             eos_token_id=2))
+        with torch.no_grad():  # (a norm left at 1 would hide one mapped in another's place)
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1.0, 0.3)
     elif kind == "llama_yarn":
         model = LlamaForCausalLM(LlamaConfig(**tiny, tie_word_embeddings=True, rope_parameters={
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": YARN_ORIGINAL, "rope_theta": 1e4}))

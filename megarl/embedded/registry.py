@@ -1,9 +1,10 @@
 """The embedded models: their registry, their builds and the on-disk cache.
 
-`EMBEDDED_MODELS` names every model megarl can build locally (docs/embedded_model.md): the dense Qwen2
-ones are built by megarl/embedded/tiny.py's warm start, the tool model by tiny_chat.py, the mixture-of-experts
-one with tiny_moe.py's config. `ensure_embedded_model` builds atomically under a file lock;
-`resolve_model_path` turns a config's model path ("embedded:<name>" or a directory) into a checked directory.
+`EMBEDDED_MODELS` names every model megarl can build locally (docs/embedded_model.md): the dense Qwen2 and
+Qwen3 ones are built by megarl/embedded/tiny.py's warm start, the tool model by tiny_chat.py, the
+mixture-of-experts ones (Mixtral, Qwen3-MoE) with tiny_moe.py's configs. `ensure_embedded_model` builds
+atomically under a file lock; `resolve_model_path` turns a config's model path ("embedded:<name>" or a directory)
+into a checked directory.
 This module sits above the builders (it imports them; they never import it), so there is no import circle. It
 imports torch and the builders only to build: resolving a built model (every rank and `megarl train`'s checks do
 it at start) needs neither.
@@ -36,9 +37,10 @@ class EmbeddedSpec:
     max_new_tokens: int = 4
     # build_config overrides as (key, value) pairs; () = the default tiny config (and its hash).
     config: tuple = ()
-    # The Mixtral-style mixture-of-experts variant (megarl/models/tiny_moe.py) instead of the dense Qwen2.
+    # A mixture-of-experts variant (megarl/models/tiny_moe.py) instead of the dense Qwen2.
     moe: bool = False
-    # The dense family when not moe: "qwen2" (build_config) or "qwen3" (build_qwen3_config: the same sizes).
+    # The family: dense "qwen2" (build_config) or "qwen3" (build_qwen3_config: the same sizes); with moe, "qwen2"
+    # picks the tiny Mixtral (build_moe_config), "qwen3_moe" the tiny Qwen3-MoE (build_qwen3moe_config).
     family: str = "qwen2"
     # The tool model's protocol (tiny_chat.py): "text" (`>>> code` turns) or "tool_calls" (OpenAI tool calling).
     chat: str = "text"
@@ -48,9 +50,10 @@ class EmbeddedSpec:
     def model_config(self):
         """The HF config this spec builds (the MoE one from tiny_moe, else build_config or build_qwen3_config)."""
         if self.moe:
-            from megarl.models.tiny_moe import build_moe_config
+            from megarl.models.tiny_moe import build_moe_config, build_qwen3moe_config
 
-            return build_moe_config(VOCAB_SIZE, EOS_ID, PAD_ID, **dict(self.config))
+            build = build_qwen3moe_config if self.family == "qwen3_moe" else build_moe_config
+            return build(VOCAB_SIZE, EOS_ID, PAD_ID, **dict(self.config))
         return (build_qwen3_config if self.family == "qwen3" else build_config)(**dict(self.config))
 
 
@@ -91,6 +94,10 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     # The mixture-of-experts demo's model (configs/moe.yaml, docs/moe.md): a tiny Mixtral, same task and recipe.
     "tiny-mixtral-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                        max_new_tokens=COUNT_MAX_NEW_TOKENS, moe=True),
+    # The demo task on a Qwen3-MoE of the Mixtral's sizes (docs/models.md):
+    # `model.path=embedded:tiny-qwen3moe-count`.
+    "tiny-qwen3moe-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
+                                        max_new_tokens=COUNT_MAX_NEW_TOKENS, moe=True, family="qwen3_moe"),
     # The multi-turn demo's chat model (megarl/embedded/tiny_chat.py): tool calls, episodes of ~75 tokens.
     "tiny-qwen2-tool": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
                                     max_new_tokens=16, config=(("max_position_embeddings", 256),)),
@@ -162,7 +169,8 @@ def spec_hash(spec: EmbeddedSpec, cache_dir: Path) -> str:
 def build_embedded_model(name: str, out_dir: str | Path) -> dict:
     """Create, warm-start, evaluate and save the named model into out_dir; returns the build record."""
     import torch
-    from transformers import GenerationConfig, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+    from transformers import (GenerationConfig, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+                              Qwen3MoeForCausalLM)
 
     from megarl.embedded.tiny import (expected_accuracy, generate, generate_tokens, greedy_answer_accuracy,
                                       length_stats, warm_start)
@@ -181,8 +189,9 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.recipe.seed)
-            model = (MixtralForCausalLM if spec.moe else Qwen3ForCausalLM if spec.family == "qwen3"
-                     else Qwen2ForCausalLM)(spec.model_config())
+            model = {("qwen2", True): MixtralForCausalLM, ("qwen3_moe", True): Qwen3MoeForCausalLM,
+                     ("qwen3", False): Qwen3ForCausalLM, ("qwen2", False): Qwen2ForCausalLM}[
+                         spec.family, spec.moe](spec.model_config())
             warm_start(model, tokenizer, spec.task, spec.recipe)
         train_s = time.perf_counter() - t0
         if isinstance(spec.task, CountTask):

@@ -2,8 +2,8 @@
 
 megatron-core's local spec (``get_gpt_layer_local_spec``: no Transformer Engine, which CPU runs never have) with
 megarl's replacements, each for a reason its module gives: the core attention computed by torch's fused SDPA
-(megarl.learner.sdpa_attention) and, under sequence parallelism, the norms that carry its gradient mark
-(megarl.learner.sequence_parallel).
+(megarl.learner.sdpa_attention), OLMo 2's norms (megarl.learner.post_norms) and, under sequence parallelism, the
+norms that carry its gradient mark (megarl.learner.sequence_parallel).
 """
 from __future__ import annotations
 
@@ -16,10 +16,14 @@ def layer_spec(hf_config: dict, config, sequence_parallel: bool):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from megarl.learner.sdpa_attention import SDPAttention
-    from megarl.models import convert
+    from megarl.models import convert, families
 
     spec = replace_modules(get_gpt_layer_local_spec(**convert.layer_spec_kwargs(hf_config)),
                            {DotProductAttention: SDPAttention})
+    if families.family_of(hf_config).post_norms:  # OLMo 2
+        from megarl.learner.post_norms import post_norm_spec
+
+        spec = post_norm_spec(spec, hf_config["hidden_size"], hf_config["rms_norm_eps"])
     return _sequence_parallel_block(spec, config) if sequence_parallel else spec
 
 

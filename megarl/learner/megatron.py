@@ -317,8 +317,9 @@ class MegatronLearner:
     def _check_shards_publishable(self) -> None:
         if self.lora is not None:
             raise NotImplementedError("learner.lora publishes whole adapters (sampler.tp = 1)")
-        if families.family_of(self.hf_config).fused_projections:
-            raise NotImplementedError(f"{self.hf_config['model_type']}'s fused qkv_proj / gate_up_proj publish whole "
+        whole = families.whole_tensors_only(self.hf_config)
+        if whole:
+            raise NotImplementedError(f"{self.hf_config['model_type']}'s {whole} publish whole "
                                       f"tensors: the built-in engine runs it at sampler.tp = 1")
         if self.sequence_parallel:  # (its experts are whole on every TP rank, not tp_shard slices)
             raise NotImplementedError("an MoE model at learner.tp > 1 publishes whole tensors: the built-in engine "

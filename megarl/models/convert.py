@@ -23,7 +23,9 @@ Layout facts the conversion encodes:
     (megarl.learner.rotary_positions.skip_layers).
   * Mistral's sliding window is no weight: the learners put it in the attention mask (megarl.learner.packing).
   * Qwen3's and Qwen3-MoE's per-head q/k RMSNorm (``self_attn.q_norm`` / ``k_norm``) is megatron's ``qk_layernorm``
-    (``self_attention.q_layernorm`` / ``k_layernorm``).
+    (``self_attention.q_layernorm`` / ``k_layernorm``); OLMo 2's, over the whole projection, is the same weight in
+    megarl.learner.post_norms' norm, and its norms after attention and the MLP are held by the layer's
+    bias-dropout-adds (``POST_NORMS``); it has no input or pre-MLP norm.
 """
 from __future__ import annotations
 
@@ -224,7 +226,9 @@ def transformer_config_kwargs(hf_config) -> dict:
         attention_dropout=0.0,
         # HF computes softmax in fp32 and RoPE in fp32; keep megatron on the same footing.
         attention_softmax_in_fp32=True,
-        qk_layernorm=_has_qk_norm(cfg),
+        # (megatron sums q/k_layernorm gradients over TP when this is set, as per-head norms are replicated there;
+        # OLMo 2's are split by heads, each rank's gradient its own: megarl.learner.post_norms builds them)
+        qk_layernorm=_has_qk_norm(cfg) and not family_of(cfg).post_norms,
         # yarn's attention factor m scales RoPE's cos and sin in transformers, so every q.k by m^2: the same
         # scores as megatron's softmax scale times m^2
         softmax_scale=rope_attention_factor(rope_scaling(cfg)) ** 2 / math.sqrt(head_dim),
@@ -253,6 +257,12 @@ def inv_freq(hf_config) -> torch.Tensor:
     return rope_inv_freq(_rope_theta(cfg), _dims(cfg)[3], rope_scaling(cfg))
 
 
+# OLMo 2's norms after attention and the MLP (HF name -> the megatron layer's): megarl.learner.post_norms holds
+# each in the bias-dropout-add that adds its block's output to the residual.
+POST_NORMS = {"post_attention_layernorm": "self_attn_bda.norm.weight",
+              "post_feedforward_layernorm": "mlp_bda.norm.weight"}
+
+
 def hf_to_mcore(hf_state: dict, hf_config) -> dict:
     """HF state dict (save_pretrained names) -> full megatron GPTModel state dict (TP=1 names)."""
     cfg = check_supported(hf_config)
@@ -274,8 +284,11 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
 
     for i in range(layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[mc + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
-        out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
+        if family_of(cfg).post_norms:
+            out.update({mc + m: hf_state[hf + h + ".weight"] for h, m in POST_NORMS.items()})
+        else:
+            out[mc + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
+            out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
         out[mc + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
         for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
             if fused:  # Phi-3: one qkv_proj, rows [q heads, k heads, v heads]
@@ -310,14 +323,17 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     the global index of an EP rank's first local expert)."""
     cfg = check_supported(hf_config)
     fused = family_of(cfg).fused_projections
-    if fused and tp_size > 1:
-        raise ValueError(f"{cfg['model_type']}'s fused qkv_proj / gate_up_proj have no per-rank HF slices "
+    whole = families.whole_tensors_only(cfg)
+    if whole and tp_size > 1:
+        raise ValueError(f"{cfg['model_type']}'s {whole} have no per-rank HF slices "
                          f"(megarl.models.tp_shard): convert the whole layer (tp_size=1)")
     hf = f"model.layers.{hf_layer_index}."
-    out = {
-        hf + "input_layernorm.weight": mcore_layer["input_layernorm.weight"],
-        hf + "post_attention_layernorm.weight": mcore_layer["pre_mlp_layernorm.weight"],
-    }
+    if family_of(cfg).post_norms:  # OLMo 2: the norms after attention and the MLP (megarl.learner.post_norms)
+        out = {hf + "post_attention_layernorm.weight": mcore_layer[POST_NORMS["post_attention_layernorm"]],
+               hf + "post_feedforward_layernorm.weight": mcore_layer[POST_NORMS["post_feedforward_layernorm"]]}
+    else:
+        out = {hf + "input_layernorm.weight": mcore_layer["input_layernorm.weight"],
+               hf + "post_attention_layernorm.weight": mcore_layer["pre_mlp_layernorm.weight"]}
     for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
         q, k, v = split_qkv_rows(mcore_layer[f"self_attention.linear_qkv.{kind}"], cfg, tp_size)
         if fused:  # Phi-3's layout, as save_pretrained writes it

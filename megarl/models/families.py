@@ -26,6 +26,12 @@ class Family:
     fused_projections: bool = False
     # config.json's `no_rope_layers` (per layer 1: RoPE on q and k, 0: none) picks the layers that rotate (SmolLM3)
     no_rope_layers: bool = False
+    # OLMo 2: no norm before attention or the MLP; an RMSNorm on each one's output before its residual add
+    # (`post_attention_layernorm`, `post_feedforward_layernorm`), and q_norm / k_norm over the whole q / k projection
+    # (every head's dims, [heads * head_dim]) instead of per head. The megatron learner computes them with
+    # megarl.learner.post_norms, the built-in engine in its forward; a TP rank holds only its heads of q_norm /
+    # k_norm, so whole tensors are published and the engine runs at sampler.tp = 1.
+    post_norms: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -36,6 +42,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("phi3", "Phi3ForCausalLM", qkv_bias=False, qk_norm=False, moe=False, sliding_window=True,
            fused_projections=True),
     Family("smollm3", "SmolLM3ForCausalLM", qkv_bias=False, qk_norm=False, moe=False, no_rope_layers=True),
+    Family("olmo2", "Olmo2ForCausalLM", qkv_bias=False, qk_norm=True, moe=False, post_norms=True),
     Family("mixtral", "MixtralForCausalLM", qkv_bias=False, qk_norm=False, moe=True),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True, moe=True),
 )}
@@ -44,10 +51,11 @@ ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 
 
 def family_of(cfg: dict) -> Family:
-    """The Family of a config dict; ValueError naming the model types megarl takes."""
+    """The Family of a config dict; ValueError naming the model types megarl takes, docs/models.md and the generic
+    path."""
     model_type = cfg.get("model_type")
     if model_type not in FAMILIES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {MODEL_TYPES}")
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {MODEL_TYPES}; {generic_path_hint()}")
     return FAMILIES[model_type]
 
 
@@ -61,6 +69,17 @@ def generic_path_hint() -> str:
     """What every refusal of a model type adds: where the families are listed and the path that takes the rest."""
     return ("the families megarl maps are listed in docs/models.md; any other transformers causal LM trains on the "
             "generic path: learner.backend=deepspeed (docs/models.md#the-generic-path)")
+
+
+def whole_tensors_only(cfg: dict) -> str | None:
+    """Why the family's HF tensors have no per-TP-rank slices (megarl.models.tp_shard), so it publishes whole tensors
+    and the built-in engine runs it at sampler.tp = 1; None where they have."""
+    family = FAMILIES.get(cfg.get("model_type"))
+    if family is not None and family.fused_projections:
+        return "fused qkv_proj / gate_up_proj"
+    if family is not None and family.post_norms:
+        return "q_norm / k_norm over the whole projection"
+    return None
 
 
 def sliding_window(cfg: dict) -> int | None:

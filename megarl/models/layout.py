@@ -61,8 +61,9 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
                              f"num_hidden_layers={layers} (megatron gives every stage the same number of layers; "
                              f"this model allows learner.pp in {_divisors(layers)})")
     model_type = hf_config.get("model_type")
-    if sampler_tp > 1 and model_type in families.FAMILIES and families.FAMILIES[model_type].fused_projections:
-        raise ValueError(f"sampler.tp={sampler_tp}: {model_type}'s fused qkv_proj / gate_up_proj have no "
+    whole = families.whole_tensors_only(hf_config)
+    if sampler_tp > 1 and whole:
+        raise ValueError(f"sampler.tp={sampler_tp}: {model_type}'s {whole} have no "
                          f"tensor-parallel slices in the built-in engine (megarl.models.tp_shard); use sampler.tp=1")
     if not moe.is_moe(hf_config):
         if learner_ep > 1:

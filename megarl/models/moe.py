@@ -33,6 +33,7 @@ from typing import Iterator
 import torch
 
 from megarl import protocols
+from megarl.models.families import generic_path_hint
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
@@ -53,7 +54,7 @@ def check_moe(cfg: dict) -> None:
         why = ("a gated shared expert next to the routed ones, which megatron-core 0.16.1's shared expert does "
                "not compute identically" if model_type == "qwen2_moe" else "a layout megarl does not map")
         raise ValueError(f"unsupported MoE model {model_type!r} ({field}): {why}; supported MoE model types: "
-                         f"{MOE_MODEL_TYPES}")
+                         f"{MOE_MODEL_TYPES}; {generic_path_hint()}")
     if model_type == "mixtral" and float(cfg.get("router_jitter_noise") or 0.0) != 0.0:
         raise ValueError(f"unsupported feature router_jitter_noise={cfg['router_jitter_noise']} (random router "
                          "noise: megatron routes deterministically)")

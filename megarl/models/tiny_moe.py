@@ -1,4 +1,5 @@
-"""The embedded mixture-of-experts model's architecture: a tiny Mixtral with the embedded tokenizer.
+"""The embedded mixture-of-experts models' architectures: a tiny Mixtral and a tiny Qwen3-MoE with the embedded
+tokenizer.
 
 "tiny-mixtral-count" (registered in megarl.embedded.registry.EMBEDDED_MODELS, built and warm-started there
 exactly like the dense count model) is what configs/moe.yaml trains and what the MoE tests serve. This
@@ -10,6 +11,10 @@ w1/w3/w2` = gate/up/down, `block_sparse_moe.gate` the router, as transformers' s
 Sizes: the dense tiny Qwen2's attention (hidden 64, 4 heads, 2 KV heads, no q/k/v bias: Mixtral has none)
 and 4 experts of width 96, 2 per token: a token runs the dense model's MLP width (2 x 96 = 192) but the
 weights are twice as many, so routing decides something.
+
+"tiny-qwen3moe-count" is the same on Qwen3-MoE (`mlp.gate`, `mlp.experts.{e}.gate_proj/up_proj/down_proj`, per-head
+q/k RMSNorm, no q/k/v bias): the same experts, routing and attention sizes, `norm_topk_prob: true` (Mixtral's
+renormalised top-k, as Qwen3-30B-A3B's config sets it).
 """
 from __future__ import annotations
 
@@ -30,3 +35,20 @@ def build_moe_config(vocab_size: int, eos_id: int, pad_id: int, **overrides):
     )
     kwargs.update(overrides)
     return MixtralConfig(**kwargs)
+
+
+def build_qwen3moe_config(vocab_size: int, eos_id: int, pad_id: int, **overrides):
+    """The tiny Qwen3-MoE config: build_moe_config's sizes (head_dim given, as Qwen3's config needs it; every layer
+    sparse)."""
+    from transformers import Qwen3MoeConfig
+
+    mixtral = build_moe_config(vocab_size, eos_id, pad_id, **overrides).to_dict()
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "max_position_embeddings", "num_experts_per_tok", "router_jitter_noise", "rms_norm_eps",
+            "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    kwargs = {k: mixtral[k] for k in keys if k in mixtral}
+    return Qwen3MoeConfig(**kwargs, head_dim=kwargs["hidden_size"] // kwargs["num_attention_heads"],
+                          num_experts=mixtral["num_local_experts"], moe_intermediate_size=mixtral["intermediate_size"],
+                          intermediate_size=mixtral["intermediate_size"] * mixtral["num_experts_per_tok"],
+                          decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="float32")

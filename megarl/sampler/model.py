@@ -1,5 +1,5 @@
 """Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mistral, Phi-3, SmolLM3,
-Mixtral, Qwen3-MoE), for the built-in sampler engine.
+OLMo 2, Mixtral, Qwen3-MoE), for the built-in sampler engine.
 
 This module owns the model math and the KV-cache layout; it owns no scheduling (that is
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from megarl.models import convert, moe, tp_shard
 from megarl.models.convert import load_pretrained  # noqa: F401 - the engine's loader, shared with the learner
 from megarl.models import families
-from megarl.models.families import FAMILIES, MODEL_TYPES
+from megarl.models.families import FAMILIES, MODEL_TYPES, generic_path_hint
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,9 @@ class ModelSpec:
     fused_projections: bool = False
     # Per layer whether it rotates q and k (SmolLM3's no_rope_layers); None: every layer does.
     rope_layers: tuple[bool, ...] | None = None
+    # OLMo 2: no norm before attention or the MLP, an RMSNorm on each one's output before the residual add, and
+    # q_norm / k_norm over the whole q / k projection (all heads at once, weights [heads * head_dim]).
+    post_norms: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -100,7 +103,8 @@ class ModelSpec:
         """Parse an HF config dict; raise ValueError naming the field of anything we cannot run."""
         model_type = cfg.get("model_type")
         if model_type not in FAMILIES:
-            raise ValueError(f"model_type={model_type!r} is not supported (supported: {MODEL_TYPES})")
+            raise ValueError(f"model_type={model_type!r} is not supported (supported: {MODEL_TYPES}; "
+                             f"{generic_path_hint()})")
         family = FAMILIES[model_type]
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
@@ -161,6 +165,7 @@ class ModelSpec:
             sliding_window=families.sliding_window(cfg),
             fused_projections=family.fused_projections,
             rope_layers=families.rope_layers(cfg),
+            post_norms=family.post_norms,
         )
 
     def shard(self, tp_size: int) -> "ModelSpec":
@@ -171,8 +176,9 @@ class ModelSpec:
         naming the dimension tp_size does not divide."""
         if self.tp_size != 1:
             raise ValueError(f"this spec is already one of {self.tp_size} tensor-parallel shards")
-        if self.fused_projections and tp_size != 1:
-            raise ValueError(f"{self.model_type}'s fused qkv_proj / gate_up_proj have no tensor-parallel slices "
+        whole = families.whole_tensors_only(self._hf_config)
+        if whole and tp_size != 1:
+            raise ValueError(f"{self.model_type}'s {whole} have no tensor-parallel slices "
                              f"(megarl.models.tp_shard): the built-in engine runs it at sampler.tp = 1")
         if tp_size < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {tp_size}")
@@ -199,8 +205,11 @@ class ModelSpec:
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.shard_vocab, h)}
         for layer in range(self.num_layers):
             p = f"model.layers.{layer}."
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            if self.post_norms:
+                shapes[p + "post_attention_layernorm.weight"] = shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+            else:
+                shapes[p + "input_layernorm.weight"] = (h,)
+                shapes[p + "post_attention_layernorm.weight"] = (h,)
             for name, out in ((("qkv_proj", q_out + 2 * kv_out),) if self.fused_projections else
                               (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out))):
                 shapes[p + f"self_attn.{name}.weight"] = (out, h)
@@ -210,7 +219,8 @@ class ModelSpec:
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)
             if self.qk_norm:
-                shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (d,)
+                shapes[p + "self_attn.q_norm.weight"], shapes[p + "self_attn.k_norm.weight"] = (
+                    ((q_out,), (kv_out,)) if self.post_norms else ((d,), (d,)))
             if self.is_moe:
                 shapes[moe.hf_router_name(self._hf_config, layer)] = (self.num_experts, h)
                 for e in range(self.num_experts):
@@ -332,6 +342,10 @@ class LayerWeights:
     down: torch.Tensor  # MoE: [experts * intermediate, hidden], every expert's w2 stacked along its input
     down_bias: torch.Tensor | None
     qk_norm: torch.Tensor | None = None  # Qwen3: [heads + kv_heads, head_dim] per-head RMSNorm weights (RoPE order)
+    # OLMo 2 (spec.post_norms): qk_norm's rows are every head's own weights, normalised over all q / all k heads;
+    # the RMSNorm weights on attention's and the MLP's outputs (nothing is folded into qkv or gate_up)
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -384,11 +398,13 @@ class _LayerBuffers:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # dense: down_proj [hidden, intermediate]; MoE: the w2s as [experts * intermediate, hidden]
     down_bias: torch.Tensor | None
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # (None: OLMo 2, whose norms sit after attention and the MLP)
+    post_norm: torch.Tensor | None
     rope_rows: list[tuple[torch.Tensor, int]]  # (view, heads) of the q/k weights and biases whose rows RoPE pairs
-    q_norm: torch.Tensor | None = None  # Qwen3: the per-head q/k RMSNorm weights [head_dim]
+    q_norm: torch.Tensor | None = None  # Qwen3: the per-head q/k RMSNorm weights [head_dim]; OLMo 2: [heads * head_dim]
     k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # OLMo 2's post_attention_layernorm / post_feedforward_layernorm
+    mlp_out_norm: torch.Tensor | None = None
 
 
 class WeightArena:
@@ -458,7 +474,10 @@ class WeightArena:
                 gate_up_bias=stack([mlp + "gate_proj.bias", mlp + "up_proj.bias"]) if spec.mlp_bias and not spec.is_moe
                 else None,
                 down=down, down_bias=own(mlp + "down_proj.bias"),
-                input_norm=own(p + "input_layernorm.weight"), post_norm=own(p + "post_attention_layernorm.weight"),
+                input_norm=None if spec.post_norms else own(p + "input_layernorm.weight"),
+                post_norm=None if spec.post_norms else own(p + "post_attention_layernorm.weight"),
+                attn_out_norm=own(p + "post_attention_layernorm.weight") if spec.post_norms else None,
+                mlp_out_norm=own(p + "post_feedforward_layernorm.weight") if spec.post_norms else None,
                 rope_rows=list(zip([q_view, k_view, *(self.views[n] for n in qkv_bias[:2])],
                                    [spec.num_heads, spec.num_kv_heads] * 2)),
                 q_norm=own(attn + "q_norm.weight") if spec.qk_norm else None,
@@ -480,6 +499,9 @@ class WeightArena:
         the RoPE-interleaved order of their rows (an RMSNorm's mean is unchanged by the permutation); small,
         so a tensor of its own rather than a view."""
         spec, hd = self.spec, self.spec.head_dim
+        if spec.post_norms:  # OLMo 2: a weight per head and dim already ([heads * head_dim])
+            return torch.cat([_interleave_rope_pairs(q_norm, spec.num_heads, hd).view(spec.num_heads, hd),
+                              _interleave_rope_pairs(k_norm, spec.num_kv_heads, hd).view(spec.num_kv_heads, hd)])
         q, k = (_interleave_rope_pairs(n, 1, hd) for n in (q_norm, k_norm))
         return torch.cat([q.expand(spec.num_heads, hd), k.expand(spec.num_kv_heads, hd)])
 
@@ -490,13 +512,15 @@ class WeightArena:
         for b in self.layers:
             for view, heads in b.rope_rows:
                 view.copy_(_interleave_rope_pairs(view.clone(), heads, hd))  # a permutation: from a copy
-            b.qkv.mul_(b.input_norm)  # (w * x_hat) @ W = x_hat @ (diag(w) W): the norm's weight rides in W
-            b.gate_up.mul_(b.post_norm)
+            if not spec.post_norms:  # (OLMo 2 has no norm in front of the projections)
+                b.qkv.mul_(b.input_norm)  # (w * x_hat) @ W = x_hat @ (diag(w) W): the norm's weight rides in W
+                b.gate_up.mul_(b.post_norm)
             layers.append(LayerWeights(
                 qkv=_mm_operand(b.qkv), qkv_bias=b.qkv_bias, o_proj=_mm_operand(b.o_proj), o_bias=b.o_bias,
                 gate_up=_mm_operand(b.gate_up), gate_up_bias=b.gate_up_bias,
                 down=b.down if spec.is_moe else _mm_operand(b.down), down_bias=b.down_bias,
-                qk_norm=None if b.q_norm is None else self._qk_norm(b.q_norm, b.k_norm)))
+                qk_norm=None if b.q_norm is None else self._qk_norm(b.q_norm, b.k_norm),
+                attn_out_norm=b.attn_out_norm, mlp_out_norm=b.mlp_out_norm))
         embed = self.views["model.embed_tokens.weight"]
         return RuntimeWeights(embed=embed, layers=layers, norm=self.views["model.norm.weight"],
                               lm_head=_mm_operand(embed if spec.tie_word_embeddings else self.views["lm_head.weight"]),
@@ -538,6 +562,14 @@ def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, tables: ForwardTables)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + tables.norm_eps)
     return weight * h.to(x.dtype)
+
+
+def _projection_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """OLMo 2's q or k norm of x [N, heads, head_dim] as transformers computes it on the [N, heads * head_dim]
+    projection: normalised over every head at once in fp32, times the weight [heads, head_dim], cast back."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean((-2, -1), keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
 
 
 def _linear(h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -649,10 +681,13 @@ def forward(
             mask = mask.repeat(1, 1, group, 1)
 
     for layer, lw in enumerate(weights.layers):
-        h = _rms_norm(x, tables)
+        h = x if spec.post_norms else _rms_norm(x, tables)
         qkv = _linear(h, lw.qkv, lw.qkv_bias).view(tokens, nh + 2 * nkv, hd)
         qk = qkv[:, : nh + nkv]
-        if lw.qk_norm is not None:
+        if spec.post_norms:  # (OLMo 2: q over all its heads, k over all its heads)
+            qk = torch.cat([_projection_rms_norm(qk[:, :nh], lw.qk_norm[:nh], tables.norm_eps),
+                            _projection_rms_norm(qk[:, nh:], lw.qk_norm[nh:], tables.norm_eps)], dim=1)
+        elif lw.qk_norm is not None:
             qk = _head_rms_norm(qk, lw.qk_norm, tables)
         if spec.rope_layers is None or spec.rope_layers[layer]:  # (a layer without RoPE attends unrotated)
             qk = _rotate(qk, rot)
@@ -661,12 +696,14 @@ def forward(
         v_cache.scatter_(2, v_idx, qkv[:, nh + nkv:].view(bsz, seq, nkv, hd).transpose(1, 2))
         attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_cache[..., :attn_len], v_cache[:, :, :attn_len],
                           mask, group)
-        if tp_group is None:
+        if spec.post_norms:  # OLMo 2 (at sampler.tp = 1): the norm between o_proj and the residual add
+            x = x + _rms_norm(_linear(attn, lw.o_proj, lw.o_bias), tables) * lw.attn_out_norm
+        elif tp_group is None:
             x = _add_linear(x, attn, lw.o_proj, lw.o_bias)
         else:
             x = _add_row_parallel(x, attn, lw.o_proj, lw.o_bias, tp_group)
 
-        h = _rms_norm(x, tables)
+        h = x if spec.post_norms else _rms_norm(x, tables)
         if spec.is_moe:
             chosen, act = _moe_experts(spec, _linear(h, lw.gate_up, None))
             if routes is not None:
@@ -679,7 +716,9 @@ def forward(
                 x = _add_row_parallel(x, act, lw.down, None, tp_group)
             continue
         gate, up = _linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-        if tp_group is None:
+        if spec.post_norms:
+            x = x + _rms_norm(_linear(F.silu(gate) * up, lw.down, lw.down_bias), tables) * lw.mlp_out_norm
+        elif tp_group is None:
             x = _add_linear(x, F.silu(gate) * up, lw.down, lw.down_bias)
         else:
             x = _add_row_parallel(x, F.silu(gate) * up, lw.down, lw.down_bias, tp_group)

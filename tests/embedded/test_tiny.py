@@ -305,3 +305,21 @@ def test_resolving_a_built_model_imports_neither_torch_nor_transformers(tmp_path
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [str(built), "False", "False"]
+
+
+def test_the_qwen3_moe_demo_model_is_a_qwen3_moe_of_the_mixtral_demo_s_sizes_that_megarl_maps():
+    from megarl.models import convert, moe
+
+    mixtral = embedded.EMBEDDED_MODELS["tiny-mixtral-count"].model_config()
+    spec = embedded.EMBEDDED_MODELS["tiny-qwen3moe-count"]
+    qwen3moe = spec.model_config()
+    assert qwen3moe.model_type == "qwen3_moe" and qwen3moe.norm_topk_prob  # Mixtral's renormalised top-k
+    assert qwen3moe.head_dim == mixtral.hidden_size // mixtral.num_attention_heads
+    assert qwen3moe.moe_intermediate_size == mixtral.intermediate_size and qwen3moe.mlp_only_layers == []
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "num_experts_per_tok", "tie_word_embeddings", "eos_token_id"):
+        assert getattr(qwen3moe, key) == getattr(mixtral, key), key
+    cfg = qwen3moe.to_dict()
+    convert.check_supported(cfg)  # every layer an MoE layer: the megatron learner and the engine map it
+    assert moe.num_experts(cfg) == moe.num_experts(mixtral.to_dict()) and spec.task == embedded.EMBEDDED_MODELS[
+        "tiny-mixtral-count"].task and spec.recipe == embedded.EMBEDDED_MODELS["tiny-mixtral-count"].recipe

@@ -25,7 +25,7 @@ from megarl.config.schema import LearnerConfig, LoraConfig
 from megarl.distributed.lifetime import exit_process
 from megarl.learner.lora_publish import MergedLoraSource
 from megarl.learner.megatron import MegatronLearner, publish_bytes
-from megarl.models.families import family_of
+from megarl.models.families import whole_tensors_only
 
 model_dir, batch_path, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 batch = torch.load(batch_path, weights_only=False)
@@ -60,7 +60,7 @@ for name, layout in layouts.items():
         learner_state.save(learner, f"{out_dir}/{name}.ckpt", 2, keep=1, model_dir=model_dir)
     published = dict(learner.publish_tensors())  # both are collective over TP: every rank iterates
     # (LoRA: whole adapters; MoE at TP > 1 and Phi-3's fused projections: whole tensors)
-    whole_only = lora is not None or learner.sequence_parallel or family_of(learner.hf_config).fused_projections
+    whole_only = lora is not None or learner.sequence_parallel or whole_tensors_only(learner.hf_config)
     shards = dict(learner.publish_shards()) if not whole_only else {}
     # LoRA on SGLang: the adapted weights merged, the base gathered over TP (collective; every rank keeps it here)
     merged = dict(MergedLoraSource(learner, learner.lora, keep=True).publish_tensors()) if lora is not None else {}

@@ -3,11 +3,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config,
+                          Olmo2ForCausalLM, Phi3Config,
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, SmolLM3Config,
                           SmolLM3ForCausalLM)
 
 from megarl.learner import packing
+from megarl.learner.post_norms import post_norm_spec
 from megarl.models import convert, families
 from tests.helpers import LEARNER_TOL, MISTRAL_WINDOW
 
@@ -41,6 +43,9 @@ def _save(tmp_path, kind):
     elif kind == "smollm3":  # GQA, tied, its second layer without RoPE
         model = SmolLM3ForCausalLM(SmolLM3Config(**TINY, no_rope_layers=[1, 0], tie_word_embeddings=True,
                                                  pad_token_id=None, bos_token_id=1, eos_token_id=2))
+    elif kind == "olmo2":  # GQA, untied, norms after attention and the MLP, q/k norms over the whole projection
+        model = Olmo2ForCausalLM(Olmo2Config(**TINY, tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
+                                             eos_token_id=2))
     elif kind in ROPES:  # Llama 3.x frequency scaling, YaRN
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=ROPES[kind]))
     else:  # linear position interpolation
@@ -51,8 +56,8 @@ def _save(tmp_path, kind):
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_()
-            if name.endswith(("q_norm.weight", "k_norm.weight")):  # away from 1, so a dropped norm would show
-                p.normal_(1.0, 0.3)
+            if name.endswith(("q_norm.weight", "k_norm.weight")) or (kind == "olmo2" and "norm" in name):
+                p.normal_(1.0, 0.3)  # away from 1, so a dropped (or swapped) norm would show
             if (kind.endswith("_rope") or kind == "smollm3") and ("q_proj" in name or "k_proj" in name):
                 p.mul_(30.0)
     path = tmp_path / kind
@@ -60,14 +65,15 @@ def _save(tmp_path, kind):
     return model.eval(), load_file(path / "model.safetensors")
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2"])
 def test_round_trip_is_exact(tmp_path, kind):
     """HF -> megatron -> HF gives back every tensor bit for bit (Phi-3's fused qkv_proj / gate_up_proj split into
     megatron's per-group qkv rows and fused back)."""
     model, hf_state = _save(tmp_path, kind)
     mcore = convert.hf_to_mcore(hf_state, model.config)
-    assert ("output_layer.weight" in mcore) == (kind in ("llama", "mistral", "phi3"))
-    assert ("decoder.layers.0.self_attention.q_layernorm.weight" in mcore) == (kind == "qwen3")
+    assert ("output_layer.weight" in mcore) == (kind in ("llama", "mistral", "phi3", "olmo2"))
+    assert ("decoder.layers.0.self_attention.q_layernorm.weight" in mcore) == (kind in ("qwen3", "olmo2"))
+    assert ("decoder.layers.0.input_layernorm.weight" in mcore) == (kind != "olmo2")  # OLMo 2: post-norms only
     back = convert.mcore_to_hf(mcore, model.config)
     assert set(back) == set(hf_state)
     for name, tensor in hf_state.items():
@@ -132,6 +138,39 @@ def test_refuses_unsupported():
         convert.check_supported(dict(model_type="qwen2", use_sliding_window=True))
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "deepseek_v3", "qwen2_moe", "olmo2_unmapped"])
+def test_every_refusal_of_a_model_type_names_the_matrix_and_the_generic_path(tmp_path, model_type):
+    """The converter, the built-in engine's spec and `megarl train`'s start-up check each refuse a model type
+    outside the families naming docs/models.md (the support matrix) and learner.backend=deepspeed."""
+    import json
+
+    from megarl.cli import check_model_dir
+    from megarl.sampler.model import ModelSpec
+
+    cfg = {"model_type": model_type, "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 48, "vocab_size": 64, "shared_expert_intermediate_size": 8,
+           "num_experts": 4, "num_experts_per_tok": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for refuse in (convert.check_supported, ModelSpec.from_hf_config, lambda c: check_model_dir(tmp_path)):
+        with pytest.raises(ValueError) as info:
+            refuse(cfg)
+        message = str(info.value)
+        assert model_type in message and "docs/models.md" in message, message
+        assert "generic path: learner.backend=deepspeed" in message and message.count("docs/models.md") <= 2, message
+
+
+class _PerHeadNorm(torch.nn.Module):
+    """OLMo 2's q/k norm weight applied per head (each head normalised over its own head_dim): the wrong reading."""
+
+    def __init__(self, config, hidden_size, eps=1e-6, heads="num_attention_heads", **_unused):
+        super().__init__()
+        self.weight, self.eps = torch.nn.Parameter(torch.ones(getattr(config, heads) * hidden_size)), eps
+
+    def forward(self, x):
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed * self.weight.view(x.shape[-2], x.shape[-1])
+
+
 @pytest.fixture(scope="module")
 def megatron_world(tmp_path_factory):
     """World-size-1 gloo group + megatron parallel state, torn down after the module."""
@@ -149,7 +188,8 @@ def megatron_world(tmp_path_factory):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "linear_rope", *ROPES])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "linear_rope",
+                                  *ROPES])
 def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     """A GPTModel of the converted config and weights (rotary frequencies set as the learner sets them) gives
     transformers' log-probs, on rows longer than a sliding window and than a YaRN model's original context."""
@@ -169,8 +209,13 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     mask = packing.causal_mask(s, window=window)
 
     def megatron_logprobs(inv_freq=convert.inv_freq(hf_model.config),
-                          rope=families.rope_layers(hf_model.config.to_dict())):
+                          rope=families.rope_layers(hf_model.config.to_dict()), per_head_qk_norm=False):
         spec = get_gpt_layer_local_spec(**convert.layer_spec_kwargs(hf_model.config))
+        if kind == "olmo2":  # (megarl.learner.layer_spec's OLMo 2 norms)
+            spec = post_norm_spec(spec, hf_model.config.hidden_size, hf_model.config.rms_norm_eps)
+            if per_head_qk_norm:  # the q/k norms per head, as Qwen3's: the weights' shape is the same
+                attention = spec.submodules.self_attention.submodules
+                attention.q_layernorm.module = attention.k_layernorm.module = _PerHeadNorm
         gpt = GPTModel(config=config, transformer_layer_spec=spec, **convert.gpt_model_kwargs(hf_model.config))
         rotary_positions.use_frequencies(gpt, inv_freq)
         rotary_positions.skip_layers(gpt, rope)
@@ -183,6 +228,8 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     with torch.no_grad():
         hf = torch.log_softmax(hf_model(ids).logits, -1)[:, :-1].gather(-1, ids[:, 1:, None])
     assert (megatron_logprobs() - hf).abs().max().item() <= LEARNER_TOL
+    if kind == "olmo2":  # ... and only because the q/k norms span the whole projection
+        assert (megatron_logprobs(per_head_qk_norm=True) - hf).abs().max().item() > 1e-3
     if kind == "smollm3":  # ... and only because its second layer did not rotate
         assert families.rope_layers(hf_model.config.to_dict()) == (True, False)
         assert (megatron_logprobs(rope=None) - hf).abs().max().item() > 1e-3

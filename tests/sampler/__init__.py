@@ -28,6 +28,7 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
     "mistral": as "llama", with a sliding window of MISTRAL_WINDOW positions (shorter than the tests' sequences).
     "phi3": as "llama", its q/k/v one qkv_proj and gate/up one gate_up_proj (as Phi-3's checkpoints hold them).
     "smollm3": GQA, no biases, tied embeddings, its second layer without RoPE.
+    "olmo2": GQA, no biases, untied, norms after attention and the MLP, q/k norms over the whole projection.
     "mixtral": GQA, no biases, tied embeddings, 4 experts of width 64, top-2 (every layer an MoE layer).
     "qwen3_moe": the same experts (unnormalised top-k unless norm_topk_prob=True), per-head q/k RMSNorm weights
     drawn away from 1 (so an engine that skipped them would show).
@@ -60,6 +61,15 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
         model = MixtralForCausalLM(MixtralConfig(tie_word_embeddings=True, **kw))
     elif kind == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(tie_word_embeddings=True, **kw))
+    elif kind == "olmo2":
+        from transformers import Olmo2Config, Olmo2ForCausalLM
+
+        model = Olmo2ForCausalLM(Olmo2Config(tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
+                                             eos_token_id=2, **kw))
+        with torch.no_grad():  # every norm away from 1: one left out, or mapped in another's place, shows
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1.0, 0.3)
     else:
         raise ValueError(kind)
     if kind.startswith("qwen3"):

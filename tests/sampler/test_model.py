@@ -20,11 +20,12 @@ YARN_ROPE = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_m
 ROPES = {"llama3_rope": LLAMA3_ROPE, "yarn_rope": YARN_ROPE}
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", *ROPES])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", *ROPES])
 def tiny(request, tmp_path_factory):
     """(kind, HF model, spec, runtime weights) for a Qwen2 (GQA, bias, tied), a Llama (untied), a Qwen3 (q/k norms,
     wide heads), a Mistral (a sliding window shorter than the tests' sequences), a Phi-3 (fused qkv_proj and
-    gate_up_proj), a SmolLM3 (a layer without RoPE) and Llamas with Llama-3 and YaRN RoPE
+    gate_up_proj), a SmolLM3 (a layer without RoPE), an OLMo 2 (post-norms, q/k norms over the whole projection) and
+    Llamas with Llama-3 and YaRN RoPE
     scaling."""
     from transformers import AutoModelForCausalLM
 
@@ -44,7 +45,8 @@ def hf_logprobs(hf, ids: torch.Tensor) -> torch.Tensor:
 def test_spec_reads_hf_config(tiny):
     kind, hf, spec, _ = tiny
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 32 if kind == "qwen3" else 16)
-    assert spec.tie_word_embeddings == (kind in ("qwen2", "qwen3", "smollm3")) and spec.qk_norm == (kind == "qwen3")
+    assert spec.tie_word_embeddings == (kind in ("qwen2", "qwen3", "smollm3"))
+    assert spec.qk_norm == (kind in ("qwen3", "olmo2")) and spec.post_norms == (kind == "olmo2")
     assert spec.rope_layers == ((True, False) if kind == "smollm3" else None)
     assert (spec.rope_scaling is not None) == (kind in ROPES)
     assert spec.qkv_bias == (kind == "qwen2")
@@ -108,8 +110,9 @@ def test_shard_spec_is_one_tp_ranks_share(tiny):
     shrink by rows, o/down by columns; hidden, vocab_size and the rest stay; shard(1) is the model itself."""
     kind, _, spec, w = tiny
     d = 2 if kind == "qwen3" else 1  # (Qwen3's heads are 32 wide: twice hidden / heads)
-    if kind == "phi3":  # its fused tensors have no per-rank slices: refused by name
-        with pytest.raises(ValueError, match="phi3's fused qkv_proj / gate_up_proj .* sampler.tp = 1"):
+    if kind in ("phi3", "olmo2"):  # its fused tensors / whole-projection norms have no per-rank slices: refused
+        with pytest.raises(ValueError, match=f"{kind}'s (fused qkv_proj / gate_up_proj|q_norm / k_norm over the "
+                                             "whole projection) .* sampler.tp = 1"):
             spec.shard(2)
         return
     half = spec.shard(2)

@@ -1,0 +1,197 @@
+"""docs/models.md's support matrix and the tests that back each of its cells.
+
+`MATRIX` holds one row per family of megarl/models/families.py and, per column, a `Cell`: the text the table shows
+and the pytest node ids that show it. A cell claims something unless its text is one of `UNCLAIMED`; a claiming
+cell names at least one test. tests/test_support_matrix.py fails when docs/models.md's table is not `render()`'s,
+when a family has no row, when a claiming cell names no test, or when a named test is not collected.
+
+    python -m tests.support_matrix          # rewrite the table in docs/models.md from MATRIX
+    python -m tests.support_matrix --check  # exit 1 when the doc's table differs (what the test checks)
+
+To claim a cell: add or find the test that shows it, name its node id here, run the command above.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "models.md"
+BEGIN = "<!-- support matrix: written by `python -m tests.support_matrix` from tests/support_matrix.py -->"
+END = "<!-- end of support matrix -->"
+
+COLUMNS = ("megatron learner", "DeepSpeed learner", "built-in engine (in-flight swaps, keep and recompute)", "vLLM",
+           "SGLang (megarl's stand-in)", "LoRA", "R3")
+# Cell texts that claim nothing, so name no test: "—" (does not apply) and "not tested".
+UNCLAIMED = ("—", "not tested")
+
+
+@dataclass(frozen=True)
+class Cell:
+    text: str
+    tests: tuple[str, ...] = ()
+
+
+NT = Cell("not tested")
+NA = Cell("—")
+
+_CONVERT = "tests/models/test_convert.py::"
+_MODEL = "tests/sampler/test_model.py::"
+_ENGINE = "tests/sampler/test_engine.py::"
+_MEGATRON = "tests/learner/test_megatron_learner.py::"
+_FAMILY = _MEGATRON + "test_family_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1"
+_DS = "tests/learner/test_deepspeed.py::test_logprobs_equal_a_transformers_forward"
+_DS_EXPORT = "tests/learner/test_deepspeed.py::test_export_is_the_checkpointed_weights"
+_PACKED = "tests/learner/test_packing.py::test_a_packed_step_is_the_unpacked_step"
+_MOE = "tests/learner/test_moe_learner.py::"
+_DS_MOE = "tests/learner/test_deepspeed_moe.py::"
+_ENGINE_MOE = "tests/sampler/test_engine_moe.py::"
+_VLLM = "tests/sampler/vllm/test_vllm_families.py::test_lag0_logprobs_and_a_publish_match_the_learner"
+
+
+def _engine(kind: str) -> tuple[str, ...]:
+    """The built-in engine's tests of a dense family: behaviour log-probs against transformers, swaps under keep
+    and recompute."""
+    return (f"{_ENGINE}test_behaviour_logprobs_equal_hf[{kind}-sampling0]",
+            f"{_ENGINE}test_kv_policy_on_swap[{kind}-keep]", f"{_ENGINE}test_kv_policy_on_swap[{kind}-recompute]")
+
+
+# (row label, model_type, {column: Cell}) in the table's order.
+MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
+    ("Qwen2 (`qwen2`)", "qwen2", {
+        "megatron learner": Cell("TP1, TP2, PP2, DP2", (f"{_MEGATRON}test_logprobs_match_hf",
+                                                        f"{_MEGATRON}test_every_layout_matches_tp1")),
+        "DeepSpeed learner": Cell("ZeRO 1/2/3", (f"{_DS}[qwen_zero1]", f"{_DS}[qwen_zero2_token_budget_recompute]",
+                                                 f"{_DS}[qwen_zero3_kl]")),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes", _engine("qwen2")),
+        "vLLM": Cell("yes", ("tests/sampler/vllm/test_vllm_engine.py::"
+                             "test_generation_and_lag0_logprobs_match_transformers",
+                             "tests/sampler/vllm/test_vllm_engine.py::"
+                             "test_update_mid_rollout_versions_and_kv_policy_exact[keep]")),
+        "SGLang (megarl's stand-in)": Cell("yes", (
+            "tests/sampler/test_sglang_server.py::"
+            "test_request_spanning_an_update_finishes_with_both_versions_and_new_weights_logprobs",)),
+        "LoRA": Cell("yes", ("tests/learner/test_lora.py::test_adapter_equals_peft_and_the_merged_weights",
+                             "tests/sampler/test_lora_engine.py::"
+                             "test_adapter_update_mid_rollout_keeps_per_token_versions_exact[keep]")),
+        "R3": NA}),
+    ("Llama (`llama`; RoPE `linear`, `llama3` with any constants, `yarn` with its attention factor)", "llama", {
+        "megatron learner": Cell("TP1 (TP shards converted exactly); YaRN: TP1, TP2, PP2", (
+            f"{_CONVERT}test_megatron_logprobs_match_hf[llama]",
+            f"{_CONVERT}test_megatron_logprobs_match_hf[yarn_rope]",
+            f"{_CONVERT}test_layer_shard_converts_to_the_tp_slices[2-llama]", f"{_FAMILY}[llama_yarn]")),
+        "DeepSpeed learner": Cell("ZeRO 3 + offload; YaRN: ZeRO 2", (f"{_DS}[llama_zero3_offload]",
+                                                                     f"{_DS}[llama_yarn_zero2]")),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes", _engine("llama") + (
+            f"{_MODEL}test_prefill_matches_hf[yarn_rope]", f"{_MODEL}test_prefill_matches_hf[llama3_rope]")),
+        "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
+    ("Qwen3 (`qwen3`: per-head q/k RMSNorm, heads wider than hidden / heads)", "qwen3", {
+        "megatron learner": Cell("TP1, TP2, PP2", (f"{_FAMILY}[qwen3]",
+                                                   f"{_CONVERT}test_megatron_logprobs_match_hf[qwen3]")),
+        "DeepSpeed learner": Cell("ZeRO 2", (f"{_DS}[qwen3_zero2]", f"{_DS_EXPORT}[qwen3_zero2]")),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes", _engine("qwen3")),
+        "vLLM": Cell("yes", (f"{_VLLM}[qwen3]",)),
+        "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
+    ("Mistral (`mistral`: `sliding_window`, in the learners' attention mask and the engine's)", "mistral", {
+        "megatron learner": Cell("TP1, TP2, PP2, packed rows", (f"{_FAMILY}[mistral]",
+                                                                f"{_PACKED}[megatron-mistral groups]")),
+        "DeepSpeed learner": Cell("ZeRO 2, packed rows", (f"{_DS}[mistral_zero2]", f"{_PACKED}[deepspeed-mistral groups]")),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes", _engine("mistral")),
+        "vLLM": Cell("yes", (f"{_VLLM}[mistral]",)),
+        "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
+    ("Phi-3 (`phi3`: fused `qkv_proj` and `gate_up_proj`, split for megatron and fused back on publish and export)",
+     "phi3", {
+        "megatron learner": Cell("TP1, TP2, PP2 (publishes whole tensors)", (f"{_FAMILY}[phi3]",)),
+        "DeepSpeed learner": Cell("ZeRO 2", (f"{_DS}[phi3_zero2]", f"{_DS_EXPORT}[phi3_zero2]")),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes, at sampler.tp=1", _engine("phi3") + (
+            f"{_CONVERT}test_phi3s_fused_projections_run_unsplit_and_say_where",)),
+        "vLLM": Cell("yes", (f"{_VLLM}[phi3]",)),
+        "SGLang (megarl's stand-in)": NT,
+        "LoRA": Cell("refused", (f"{_CONVERT}test_phi3s_fused_projections_run_unsplit_and_say_where",)),
+        "R3": NA}),
+    ("SmolLM3 (`smollm3`: `no_rope_layers`, layers attending without RoPE)", "smollm3", {
+        "megatron learner": Cell("TP1, TP2, PP2", (f"{_FAMILY}[smollm3]",)),
+        "DeepSpeed learner": Cell("ZeRO 2", (f"{_DS}[smollm3_zero2]", f"{_DS_EXPORT}[smollm3_zero2]")),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes (its forward; swaps as the others')", (
+            f"{_MODEL}test_prefill_matches_hf[smollm3]",
+            f"{_MODEL}test_batched_decode_with_different_lengths_matches_hf[smollm3]")),
+        "vLLM": Cell("yes (vLLM's transformers backend)", (f"{_VLLM}[smollm3]",)),
+        "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
+    ("OLMo 2 (`olmo2`: RMSNorm after attention and the MLP, none before; q/k RMSNorm over the whole projection)",
+     "olmo2", {
+        "megatron learner": Cell("TP1, TP2, PP2 (publishes whole tensors)", (
+            f"{_FAMILY}[olmo2]", f"{_CONVERT}test_megatron_logprobs_match_hf[olmo2]")),
+        "DeepSpeed learner": Cell("ZeRO 2", (f"{_DS}[olmo2_zero2]", f"{_DS_EXPORT}[olmo2_zero2]",
+                                             "tests/learner/test_deepspeed.py::"
+                                             "test_first_step_equals_the_megatron_learner[olmo2_zero2]")),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes, at sampler.tp=1", _engine("olmo2") + (
+            f"{_MODEL}test_prefill_matches_hf[olmo2]", f"{_MODEL}test_shard_spec_is_one_tp_ranks_share[olmo2]")),
+        "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
+    ("Mixtral (`mixtral`)", "mixtral", {
+        "megatron learner": Cell("TP1, TP2, PP2, DP2 x EP2, TP2 x EP2 (docs/moe.md)", (
+            f"{_MOE}test_moe_logprobs_match_transformers[mixtral]",
+            f"{_MOE}test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank")),
+        "DeepSpeed learner": Cell("ZeRO 1", (f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state"
+                                             "[mixtral-1]",)),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes", (
+            f"{_ENGINE_MOE}test_logprobs_and_routes_equal_transformers[sampling0]",
+            f"{_ENGINE_MOE}test_routes_across_an_inflight_update_come_from_the_weights_that_computed_them[keep]",
+            f"{_ENGINE_MOE}test_routes_across_an_inflight_update_come_from_the_weights_that_computed_them"
+            "[recompute]")),
+        "vLLM": NT,
+        "SGLang (megarl's stand-in)": Cell("yes (routes)", (
+            "tests/sampler/test_sglang_routes.py::test_routes_through_the_sglang_compatible_server_equal_transformers",
+        )),
+        "LoRA": Cell("yes (TP2)", (f"{_MOE}test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank",)),
+        "R3": Cell("yes", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly",
+                           f"{_DS_MOE}test_r3_forces_the_recorded_routes_in_every_pass"))}),
+    ("Qwen3-MoE (`qwen3_moe`)", "qwen3_moe", {
+        "megatron learner": Cell("TP1 (log-probs against transformers)", (
+            f"{_MOE}test_moe_logprobs_match_transformers[qwen3_moe]",
+            f"{_MOE}test_moe_logprobs_match_transformers[qwen3_moe_norm_topk]")),
+        "DeepSpeed learner": Cell("ZeRO 3", (f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state"
+                                             "[qwen3_moe-3]",)),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes", (
+            f"{_ENGINE_MOE}test_qwen3_moe_logprobs_and_routes_equal_transformers",
+            "tests/sampler/test_tensor_parallel.py::test_tp2_forward_equals_tp1_and_is_bit_identical_across_ranks"
+            "[qwen3_moe]")),
+        "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
+        "R3": Cell("yes (DeepSpeed)", (f"{_DS_MOE}test_r3_on_qwen3_moe_unnormalised_routing_is_exact",))}),
+]
+
+
+def claimed_tests() -> set[str]:
+    """Every node id a cell names."""
+    return {test for _, _, cells in MATRIX for cell in cells.values() for test in cell.tests}
+
+
+def render() -> str:
+    """The markdown table of MATRIX, as docs/models.md holds it between BEGIN and END."""
+    lines = ["| family (`model_type`) | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for label, _, cells in MATRIX:
+        lines.append(f"| {label} | " + " | ".join(cells[column].text for column in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def doc_table(text: str) -> str:
+    """The table docs/models.md holds between BEGIN and END; ValueError naming the markers when they are absent."""
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{DOC}: the support matrix's markers are missing ({BEGIN!r} ... {END!r})")
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def write_doc(path: Path = DOC) -> bool:
+    """Rewrite the table in `path` from MATRIX; whether anything changed."""
+    text = path.read_text()
+    new = text.replace(f"{BEGIN}\n{doc_table(text)}\n{END}", f"{BEGIN}\n{render()}\n{END}")
+    path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    if "--check" in sys.argv[1:]:
+        same = doc_table(DOC.read_text()) == render()
+        print(f"{DOC}: the support matrix is {'' if same else 'not '}the one tests/support_matrix.py claims")
+        sys.exit(0 if same else 1)
+    print(f"{DOC}: {'rewritten' if write_doc() else 'already'} from tests/support_matrix.py")
