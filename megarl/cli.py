@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megarl import run_lock
-from megarl.config.load import ConfigError, load_config, world_size_for
+from megarl.config.load import ConfigError, learner_ranks, load_config, world_size_for
 from megarl.distributed.lifetime import STOP_SIGNALS
 
 # A tokenizer is one of these file sets (fast tokenizer, byte-level BPE, sentencepiece).
@@ -226,7 +226,7 @@ def failure_summary(torchrun_stderr: str, cfg) -> str:
     errors = [(r, c) for r, c, _ in failures if c > 0 and c not in stops]
     if not killed and code in stops and errors:  # it was stopped; the rank with an error is the cause
         rank, code = errors[0]
-    learners, world = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp, world_size_for(cfg)
+    learners, world = learner_ranks(cfg.learner), world_size_for(cfg)
     topo = Topology(rank=rank, world_size=world, num_learners=learners, num_samplers=world - learners)
     if code < 0:
         how = f"was killed by signal {-code} ({signal.Signals(-code).name})"

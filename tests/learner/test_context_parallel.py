@@ -1,0 +1,133 @@
+"""Context parallelism (learner.cp, megarl.learner.context_parallel): the zig-zag split and each rank's mask rows,
+and real torchruns (gloo) whose log-probs, gradients and few-step metrics are the cp = 1 learner's."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.algo.config import LossConfig
+from megarl.learner import context_parallel, packing
+from megarl.protocols import TrainBatch
+from tests.helpers import LEARNER_TOL, save_tiny_qwen2
+
+VOCAB, ROWS, S, PROMPT = 64, 16, 22, 5
+LOSS = {"entropy_coef": 0.01, "kl_coef": 0.05}  # the entropy's gradient and the frozen reference's pass too
+
+
+def test_zigzag_columns_cover_the_width_once_and_balance_causal_work():
+    width, cp = 24, 3
+    parts = [context_parallel.local_columns(width, cp, r) for r in range(cp)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(width))
+    assert torch.equal(context_parallel.key_columns(width, cp), torch.cat(parts))
+    # A causal query at column c attends to c + 1 keys: every rank gets the same total.
+    assert len({int((p + 1).sum()) for p in parts}) == 1
+    assert context_parallel.padded_width(21, 2) == 24
+    with pytest.raises(ValueError, match="multiple of 2 \\* cp"):
+        context_parallel.local_columns(22, 2, 0)
+
+
+def test_a_ranks_mask_is_its_rows_of_the_whole_mask_in_the_gathered_key_order():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 5, (6, 10), generator=g)
+    ids[:3, :4] = ids[0, :4]  # three rows sharing a prefix
+    lengths = torch.tensor([10, 7, 9, 4, 6, 3])
+    mb = packing.pack({"input_ids": ids}, lengths, share_prefixes=True)
+    width = context_parallel.padded_width(mb["packed_ids"].shape[1] + 1, 2)
+    keys = context_parallel.key_columns(width, 2)
+    for window in (None, 3):
+        whole = packing.attention_mask(mb, width, window=window)
+        causal = packing.causal_mask(width, window=window)
+        for rank in range(2):
+            mine = context_parallel.local_columns(width, 2, rank)
+            assert torch.equal(packing.attention_mask(mb, width, window=window, queries=mine, keys=keys),
+                               whole[:, :, mine][:, :, :, keys])
+            assert torch.equal(packing.causal_mask(width, window=window, queries=mine, keys=keys),
+                               causal[:, :, mine][:, :, :, keys])
+
+
+def _batches(count: int) -> list[TrainBatch]:
+    """Groups of 4 rows sharing a prompt (and pairs of them their first completion tokens), long-tailed lengths."""
+    out = []
+    for seed in range(count):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, VOCAB, (ROWS, S), generator=g)
+        for group in range(0, ROWS, 4):
+            ids[group:group + 4, :PROMPT] = ids[group, :PROMPT]
+            ids[group + 1, :PROMPT + 3] = ids[group, :PROMPT + 3]
+        lengths = torch.randint(2, S - PROMPT + 1, (ROWS,), generator=g)
+        mask = torch.zeros(ROWS, S)
+        for b in range(ROWS):
+            mask[b, PROMPT:PROMPT + lengths[b]] = 1.0
+            ids[b, PROMPT + lengths[b]:] = 0
+        mu = -2.0 + 0.3 * torch.randn(ROWS, S, generator=g)
+        advantages = torch.randn(ROWS, 1, generator=g).expand(ROWS, S)
+        out.append(TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=mu * mask,
+                              versions=torch.where(mask > 0, 0, -1), advantages=advantages * mask, learner_version=0))
+    return out
+
+
+def _launch(model_dir: str, batches: list, tmp_path: Path, layouts: dict, nproc: int) -> subprocess.Popen:
+    torch.save(batches, tmp_path / "batches.pt")
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         str(Path(__file__).with_name("cp_worker.py")), model_dir, str(tmp_path / "batches.pt"), str(tmp_path),
+         json.dumps(layouts)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _results(proc, tmp_path: Path, layouts: dict, nproc: int, timeout: float) -> dict[str, list[dict]]:
+    _, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-4000:]
+    return {name: [torch.load(tmp_path / f"{name}.rank{r}.pt") for r in range(nproc)] for name in layouts}
+
+
+def _reference(model_dir: str, layout: dict, batches: list) -> dict:
+    """The cp = 1 learner's log-probs, first-step gradients and per-step metrics, in this process."""
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner.megatron import MegatronLearner
+
+    cfg = {k: v for k, v in layout.items() if k not in ("cp", "tp", "loss", "save")}
+    learner = MegatronLearner(model_dir, LearnerConfig(**cfg), LossConfig(**layout.get("loss", {})))
+    logprobs = learner.logprobs(batches[0].input_ids)
+    metrics = [learner.train_step(batches[0])]
+    grads = {n: p.main_grad.detach().clone() for n, p in learner.gpt.named_parameters()}
+    metrics += [learner.train_step(b) for b in batches[1:]]
+    return {"logprobs": logprobs, "grads": grads, "metrics": metrics}
+
+
+def _assert_matches(got: dict, ref: dict, name: str) -> None:
+    assert (got["logprobs"] - ref["logprobs"]).abs().max().item() <= LEARNER_TOL, name
+    scale = max(float(g.abs().max()) for g in ref["grads"].values())
+    assert scale > 0
+    for param, grad in ref["grads"].items():  # fp32 sums in another order: relative to the largest gradient
+        assert (got["grads"][param] - grad).abs().max().item() <= 1e-5 * scale, (name, param)
+    for step, (mine, theirs) in enumerate(zip(got["metrics"], ref["metrics"], strict=True)):
+        for key, value in theirs.items():
+            if key.endswith("_s"):  # (timings)
+                continue
+            assert abs(mine[key] - value) <= 1e-5 * max(1.0, abs(value)), (name, step, key)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), tie_word_embeddings=True, vocab_size=VOCAB))
+
+
+def test_cp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_path):
+    """cp=2 on packed, prefix-shared rows in two micro-batches (with the entropy bonus and the KL reference), and on
+    unpacked rows: the cp=1 per-token log-probs, first-step gradients of every parameter and three steps' loss,
+    grad norm and statistics; the cp=2 learner's checkpoint saves."""
+    batches = _batches(3)
+    layouts = {"cp2_packed": {"cp": 2, "micro_batch_size": 8, "loss": LOSS, "save": True},
+               "cp2_unpacked": {"cp": 2, "micro_batch_size": 16, "pack_sequences": False}}
+    proc = _launch(model_dir, batches, tmp_path, layouts, nproc=2)
+    refs = {name: _reference(model_dir, layout, batches) for name, layout in layouts.items()}
+    for name, ranks in _results(proc, tmp_path, layouts, nproc=2, timeout=600).items():
+        assert sorted(r["cp_rank"] for r in ranks) == [0, 1]
+        for rank in ranks:
+            _assert_matches(rank, refs[name], name)
+    assert (tmp_path / "cp2_packed.ckpt").is_dir()
