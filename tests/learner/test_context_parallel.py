@@ -131,3 +131,32 @@ def test_cp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_pa
         for rank in ranks:
             _assert_matches(rank, refs[name], name)
     assert (tmp_path / "cp2_packed.ckpt").is_dir()
+
+
+def test_learners_refuse_what_context_parallelism_is_not_built_for(model_dir, world):
+    """Inside a launch, as before it (megarl.config.load): the DeepSpeed learner has no context parallelism, and the
+    megatron one names the settings cp > 1 does not run with."""
+    from megarl.algo.config import CriticConfig
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner.deepspeed import DeepSpeedLearner
+    from megarl.learner.megatron import check_context_parallel
+
+    with pytest.raises(ValueError, match="context parallelism is the megatron learner's"):
+        DeepSpeedLearner(model_dir, LearnerConfig(backend="deepspeed", cp=2), LossConfig())
+    with pytest.raises(ValueError, match=r"learner.cp=2 \(context parallelism\) does not run with learner.pp > 1 "
+                                         r"\(pipeline stages\), the critic"):
+        check_context_parallel(LearnerConfig(cp=2, pp=2), False, "off", CriticConfig(), None)
+    check_context_parallel(LearnerConfig(cp=2, tp=2), False, "off", None, None)
+
+
+def test_cp2_with_tp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_path):
+    """cp=2 x tp=2 (4 ranks; vocab-parallel log-probs and entropies per CP rank, each TP rank's heads' keys and values
+    gathered over its CP group) on packed, prefix-shared rows: the cp=1, tp=1 log-probs, gradients and steps."""
+    batches = _batches(2)
+    layouts = {"cp2_tp2": {"cp": 2, "tp": 2, "micro_batch_size": 8, "loss": LOSS}}
+    proc = _launch(model_dir, batches, tmp_path, layouts, nproc=4)
+    ref = _reference(model_dir, layouts["cp2_tp2"], batches)
+    ranks = _results(proc, tmp_path, layouts, nproc=4, timeout=600)["cp2_tp2"]
+    assert sorted((r["tp_rank"], r["cp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank in ranks:
+        _assert_matches(rank, ref, "cp2_tp2")
