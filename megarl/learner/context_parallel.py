@@ -71,11 +71,11 @@ class _GatherSequence(torch.autograd.Function):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         grad = grad.contiguous()
         chunk = grad.shape[0] // size
-        if grad.is_cuda:
+        if grad.is_cuda and "nccl" in str(dist.get_backend(group)):
             out = torch.empty((chunk, *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
             dist.reduce_scatter_tensor(out, grad, group=group)
             return out, None
-        # (gloo has no reduce-scatter: the sum of the whole gradient, then this rank's chunk of it)
+        # (gloo, CPU or CUDA tensors, has no reduce-scatter: the sum of the whole gradient, then this rank's chunk)
         dist.all_reduce(grad, group=group)
         return grad.narrow(0, rank * chunk, chunk).clone(), None
 

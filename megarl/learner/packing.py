@@ -213,6 +213,10 @@ def unpack(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
     return flat[unpack_index.reshape(-1)].reshape(*unpack_index.shape, *packed.shape[2:])
 
 
+# Query positions x path positions whose int64 indices `attention_mask` builds at a time (32 MiB).
+MASK_SLICE_ELEMENTS = 2**22
+
+
 def attention_mask(mb: dict[str, torch.Tensor], width: int | None = None,
                    device: torch.device | str | None = None, window: int | None = None,
                    queries: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,14 +243,16 @@ def attention_mask(mb: dict[str, torch.Tensor], width: int | None = None,
     columns = mb["unpack_index"].to(device) % packed  # [B, S] each row position's column in its packed row
     flat_owner = owner.reshape(-1)
     placed = torch.nonzero((flat_owner >= 0) & (query_slot[:packed].repeat(count) >= 0))[:, 0]
-    path = columns[flat_owner[placed]]  # [N, S] the placing row's columns
-    steps = torch.arange(path.shape[1], device=dev)[None, :]  # the path's depths
-    on_path = steps <= depth[placed][:, None]
-    if window is not None:
-        on_path &= steps > depth[placed][:, None] - window
-    query = (placed // packed * nq * nk + query_slot[placed % packed] * nk)[:, None].expand_as(path)
     allowed = torch.zeros(count * nq * nk, dtype=torch.bool, device=dev)
-    allowed[(query + key_slot[path])[on_path]] = True
+    steps = torch.arange(columns.shape[1], device=dev)[None, :]  # the path's depths
+    # In slices of queries: each one's path is [queries, S] int64, 8 times the mask's bytes if built at once.
+    for part in placed.split(max(1, MASK_SLICE_ELEMENTS // max(1, columns.shape[1]))):
+        path = columns[flat_owner[part]]  # [n, S] the placing row's columns
+        on_path = steps <= depth[part][:, None]
+        if window is not None:
+            on_path &= steps > depth[part][:, None] - window
+        query = (part // packed * nq * nk + query_slot[part % packed] * nk)[:, None].expand_as(path)
+        allowed[(query + key_slot[path])[on_path]] = True
     allowed = allowed.view(count, nq, nk)
     allowed[:, torch.arange(nq, device=dev), key_slot[queries]] = True  # (each query's own position)
     return ~allowed.unsqueeze(1)
@@ -259,8 +265,9 @@ def causal_mask(length: int, device: torch.device | str | None = None, window: i
     rows / columns (default: 0..length-1; context parallelism: a rank's own against every rank's)."""
     queries = torch.arange(length, device=device) if queries is None else queries.to(device)
     keys = torch.arange(length, device=device) if keys is None else keys.to(device)
-    back = queries[:, None] - keys[None, :]  # query position - key position
-    masked = back < 0 if window is None else (back < 0) | (back >= window)
+    masked = keys[None, :] > queries[:, None]  # (compared as they broadcast: no [Q, K] int64 of differences)
+    if window is not None:
+        masked |= keys[None, :] <= queries[:, None] - window
     return masked.view(1, 1, len(queries), len(keys))
 
 

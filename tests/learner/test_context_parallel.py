@@ -30,7 +30,10 @@ def test_zigzag_columns_cover_the_width_once_and_balance_causal_work():
         context_parallel.local_columns(22, 2, 0)
 
 
-def test_a_ranks_mask_is_its_rows_of_the_whole_mask_in_the_gathered_key_order():
+@pytest.mark.parametrize("slice_elements", [packing.MASK_SLICE_ELEMENTS, 25])
+def test_a_ranks_mask_is_its_rows_of_the_whole_mask_in_the_gathered_key_order(monkeypatch, slice_elements):
+    """(built in slices of queries, or all at once: the same mask)"""
+    monkeypatch.setattr(packing, "MASK_SLICE_ELEMENTS", slice_elements)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 5, (6, 10), generator=g)
     ids[:3, :4] = ids[0, :4]  # three rows sharing a prefix
