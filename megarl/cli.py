@@ -328,7 +328,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
     elif cfg is not None:
         try:
             check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep,
-                         cfg.algo.routing_replay)
+                         cfg.algo.routing_replay, cfg.learner.cp)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
         if cfg.learner.backend == "deepspeed":

@@ -213,8 +213,8 @@ def unpack(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
     return flat[unpack_index.reshape(-1)].reshape(*unpack_index.shape, *packed.shape[2:])
 
 
-# Query positions x path positions whose int64 indices `attention_mask` builds at a time (32 MiB).
-MASK_SLICE_ELEMENTS = 2**22
+# Query positions x path positions whose int64 indices `attention_mask` builds at a time (8 MiB).
+MASK_SLICE_ELEMENTS = 2**20
 
 
 def attention_mask(mb: dict[str, torch.Tensor], width: int | None = None,
