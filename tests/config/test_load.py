@@ -82,7 +82,8 @@ def test_demo_config_loads_with_overrides():
     ("learner.ep=2 learner.dp=2 learner.backend=deepspeed", "learner.ep: expert parallelism is megatron's"),
     ("learner.cp=0", "learner.cp: must be > 0"),
     ("learner.cp=2 learner.backend=deepspeed", "learner.cp: context parallelism is the megatron learner's"),
-    ("learner.cp=2 learner.pp=2", "learner.pp: learner.cp=2 (context parallelism) does not run with learner.pp=2 yet"),
+    ("learner.cp=2 learner.ep=2 learner.dp=2", "learner.ep: learner.cp=2 (context parallelism) does not run with "
+                                               "learner.ep=2 yet"),
     ("learner.cp=2 learner.lora.rank=8", "learner.lora.rank: learner.cp=2 (context parallelism) does not run with"),
     ("learner.cp=2 algo.advantage.estimator=gae", "algo.advantage.estimator: learner.cp=2 (context parallelism) "
                                                   "does not run with algo.advantage.estimator=gae yet"),

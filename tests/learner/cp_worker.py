@@ -3,7 +3,7 @@
 argv: model_dir batches.pt out_dir layouts.json. batches.pt holds a list of TrainBatches; a layout's "loss" key goes
 to LossConfig, the rest to LearnerConfig. Every rank writes `{layout}.rank{r}.pt`: the log-probs of the first
 batch before any step, the whole (TP-gathered) gradient of every parameter after the first step, the metrics of one
-step per batch, its (tp, cp, dp) ranks; a layout with "save": true saves a checkpoint `{layout}.ckpt` after them.
+step per batch, its (tp, cp, pp, dp) ranks; a layout with "save": true saves a checkpoint `{layout}.ckpt` after them.
 """
 import json
 import sys
@@ -29,12 +29,14 @@ for name, layout in layouts.items():
     logprobs = learner.logprobs(batches[0].input_ids)
     metrics = [learner.train_step(batches[0])]
     grads = {n: learner._tp_gather(n, p.main_grad) for n, p in learner.gpt.named_parameters()}
+    global_grads = {learner._global_name(n): g for n, g in grads.items()}  # (a PP stage's layers, globally named)
     metrics += [learner.train_step(b) for b in batches[1:]]
     if save:
         learner_state.save(learner, f"{out_dir}/{name}.ckpt", len(batches), keep=1, model_dir=model_dir)
-    torch.save({"logprobs": logprobs, "grads": grads, "metrics": metrics,
+    torch.save({"logprobs": logprobs, "grads": grads, "global_grads": global_grads, "metrics": metrics,
                 "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
                 "cp_rank": parallel_state.get_context_parallel_rank(),
+                "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
                 "dp_rank": parallel_state.get_data_parallel_rank()},
                f"{out_dir}/{name}.rank{dist.get_rank()}.pt")
     parallel_state.destroy_model_parallel()

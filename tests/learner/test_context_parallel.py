@@ -146,20 +146,31 @@ def test_learners_refuse_what_context_parallelism_is_not_built_for(model_dir, wo
 
     with pytest.raises(ValueError, match="context parallelism is the megatron learner's"):
         DeepSpeedLearner(model_dir, LearnerConfig(backend="deepspeed", cp=2), LossConfig())
-    with pytest.raises(ValueError, match=r"learner.cp=2 \(context parallelism\) does not run with learner.pp > 1 "
-                                         r"\(pipeline stages\), the critic"):
-        check_context_parallel(LearnerConfig(cp=2, pp=2), False, "off", CriticConfig(), None)
-    check_context_parallel(LearnerConfig(cp=2, tp=2), False, "off", None, None)
+    with pytest.raises(ValueError, match=r"learner.cp=2 \(context parallelism\) does not run with a mixture-of-experts "
+                                         r"model \(learner.ep, r3\), the critic"):
+        check_context_parallel(LearnerConfig(cp=2), True, "off", CriticConfig(), None)
+    check_context_parallel(LearnerConfig(cp=2, tp=2, pp=2), False, "off", None, None)
 
 
-def test_cp2_with_tp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_path):
+def test_cp2_with_tp2_and_with_pp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_path):
     """cp=2 x tp=2 (4 ranks; vocab-parallel log-probs and entropies per CP rank, each TP rank's heads' keys and values
-    gathered over its CP group) on packed, prefix-shared rows: the cp=1, tp=1 log-probs, gradients and steps."""
+    gathered over its CP group) and cp=2 x pp=2 (each stage's activations of its CP rank's positions sent on, the
+    log-probs broadcast from the last stage) on packed, prefix-shared rows: the cp=1, tp=1 log-probs, gradients
+    (the two stages' together) and steps."""
     batches = _batches(2)
-    layouts = {"cp2_tp2": {"cp": 2, "tp": 2, "micro_batch_size": 8, "loss": LOSS}}
+    layouts = {"cp2_tp2": {"cp": 2, "tp": 2, "micro_batch_size": 8, "loss": LOSS},
+               "cp2_pp2": {"cp": 2, "pp": 2, "micro_batch_size": 8, "loss": LOSS}}
     proc = _launch(model_dir, batches, tmp_path, layouts, nproc=4)
     ref = _reference(model_dir, layouts["cp2_tp2"], batches)
-    ranks = _results(proc, tmp_path, layouts, nproc=4, timeout=600)["cp2_tp2"]
+    results = _results(proc, tmp_path, layouts, nproc=4, timeout=600)
+    ranks = results["cp2_tp2"]
     assert sorted((r["tp_rank"], r["cp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank in ranks:
         _assert_matches(rank, ref, "cp2_tp2")
+    ranks = results["cp2_pp2"]
+    assert sorted((r["pp_rank"], r["cp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for cp_rank in (0, 1):
+        stages = [r for r in ranks if r["cp_rank"] == cp_rank]
+        # (each stage holds its own layers' gradients; the tied embedding's on both)
+        merged = {**stages[0], "grads": {name: grad for r in stages for name, grad in r["global_grads"].items()}}
+        _assert_matches(merged, ref, "cp2_pp2")
