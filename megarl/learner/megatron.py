@@ -513,7 +513,8 @@ class MegatronLearner:
         """Run megatron's schedule for `model` (policy or reference) over the micro-batches.
 
         loss_fn(logits, mb, cp_layout, width) -> (loss, record), cp_layout: None, or under context parallelism
-        (this rank's columns, the padded width) of its logits, width: what the model ran on; the records of the last PP stage are returned. For an MoE
+        (this rank's columns, the padded width) of its logits, width: what the model ran on; the records of the
+        last PP stage are returned. For an MoE
         model each micro-batch's routers are fed its `routes` first (replay), and `own_routes`, when
         given, receives per micro-batch the top-k this stage's routers computed themselves.
         """
