@@ -213,7 +213,7 @@ def unpack(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
     return flat[unpack_index.reshape(-1)].reshape(*unpack_index.shape, *packed.shape[2:])
 
 
-# Query positions x path positions whose int64 indices `attention_mask` builds at a time (8 MiB).
+# Query positions x keys whose int32 path depths `attention_mask` compares at a time (4 MiB).
 MASK_SLICE_ELEMENTS = 2**20
 
 
@@ -241,19 +241,25 @@ def attention_mask(mb: dict[str, torch.Tensor], width: int | None = None,
     key_slot[keys] = torch.arange(nk, device=dev)
     depth = mb["packed_positions"].to(device).reshape(-1)
     columns = mb["unpack_index"].to(device) % packed  # [B, S] each row position's column in its packed row
+    rows, length = columns.shape
+    # at[r, c]: the depth at which row r's path passes column c (`never` where it does not): a key is on a query's
+    # path when the query's row passes it at a depth up to the query's own. (Positions past a row's end point at its
+    # first column: the minimum keeps that column's depth 0.)
+    never = torch.iinfo(torch.int32).max
+    at = torch.full((rows, width), never, dtype=torch.int32, device=dev)
+    at.scatter_reduce_(1, columns, torch.arange(length, dtype=torch.int32, device=dev).expand(rows, length), "amin")
+    at = at[:, keys]  # [B, K] in the keys' order
     flat_owner = owner.reshape(-1)
     placed = torch.nonzero((flat_owner >= 0) & (query_slot[:packed].repeat(count) >= 0))[:, 0]
-    allowed = torch.zeros(count * nq * nk, dtype=torch.bool, device=dev)
-    steps = torch.arange(columns.shape[1], device=dev)[None, :]  # the path's depths
-    # In slices of queries: each one's path is [queries, S] int64, 8 times the mask's bytes if built at once.
-    for part in placed.split(max(1, MASK_SLICE_ELEMENTS // max(1, columns.shape[1]))):
-        path = columns[flat_owner[part]]  # [n, S] the placing row's columns
-        on_path = steps <= depth[part][:, None]
+    allowed = torch.zeros(count, nq, nk, dtype=torch.bool, device=dev)
+    # In slices of queries: each slice's [queries, K] int32 depths are 4 times its mask's bytes.
+    for part in placed.split(max(1, MASK_SLICE_ELEMENTS // max(1, nk))):
+        passed = at[flat_owner[part]]  # [n, K]
+        query_depth = depth[part][:, None].to(torch.int32)
+        on_path = passed <= query_depth
         if window is not None:
-            on_path &= steps > depth[part][:, None] - window
-        query = (part // packed * nq * nk + query_slot[part % packed] * nk)[:, None].expand_as(path)
-        allowed[(query + key_slot[path])[on_path]] = True
-    allowed = allowed.view(count, nq, nk)
+            on_path &= passed > query_depth - window
+        allowed[part // packed, query_slot[part % packed]] = on_path
     allowed[:, torch.arange(nq, device=dev), key_slot[queries]] = True  # (each query's own position)
     return ~allowed.unsqueeze(1)
 

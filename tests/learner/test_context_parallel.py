@@ -52,6 +52,27 @@ def test_a_ranks_mask_is_its_rows_of_the_whole_mask_in_the_gathered_key_order(mo
                                causal[:, :, mine][:, :, :, keys])
 
 
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_packed_mask_is_each_rows_causal_path(share, window):
+    """packing.attention_mask against the rows themselves: row i's token t (at column c_i[t] of its packed row)
+    attends to c_i[max(0, t - window + 1)..t] and nothing else; a position no row placed attends to itself."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 3, (9, 12), generator=g)
+    ids[:4, :5] = ids[0, :5]
+    lengths = torch.tensor([12, 9, 5, 11, 3, 7, 12, 2, 6])
+    mb = packing.pack({"input_ids": ids}, lengths, share_prefixes=share)
+    count, packed = mb["packed_ids"].shape
+    width = packed + 3
+    expected = torch.zeros(count, width, width, dtype=torch.bool)
+    for i, n in enumerate(lengths.tolist()):
+        r, cols = divmod(int(mb["unpack_index"][i, 0]), packed)[0], (mb["unpack_index"][i, :n] % packed).tolist()
+        for t in range(n):
+            expected[r, cols[t], cols[max(0, t - window + 1) if window else 0:t + 1]] = True
+    expected.diagonal(dim1=1, dim2=2).fill_(True)
+    assert torch.equal(~packing.attention_mask(mb, width, window=window)[:, 0], expected)
+
+
 def _batches(count: int) -> list[TrainBatch]:
     """Groups of 4 rows sharing a prompt (and pairs of them their first completion tokens), long-tailed lengths."""
     out = []
