@@ -1,6 +1,6 @@
 """Long rows on the megatron learner: peak memory per learner rank and step time at learner.cp = 1 and 2.
 
-    python benchmarks/long_context.py [--lengths 4096 8192 16384] [--cps 1 2] [--cap-mib 1024]
+    python benchmarks/long_context.py [--lengths 4096 8192 16384] [--cps 1 2] [--cap-mib 1536]
 
 For each context-parallel size and row length S (ascending), one torchrun of `cp` gloo ranks (one torch thread each)
 builds the megatron learner on a tiny random Qwen2 (hidden 64, 2 layers, 4 heads, 2 KV groups, vocabulary 256),
@@ -102,7 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--cps", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--cap-mib", type=float, default=1024.0, help="memory cap per learner rank for one step")
+    parser.add_argument("--cap-mib", type=float, default=1536.0, help="memory cap per learner rank for one step")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per measurement")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()

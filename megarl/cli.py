@@ -597,7 +597,7 @@ def run_sft(cmd: list[str], env: dict, cfg, gated) -> int:
 def placement_lines(nodes) -> list[str]:
     """Node by node, the ranks torchrun starts there and the role each one takes."""
     first = nodes[0][0]
-    lines = [f"{first.world_size} processes = {first.num_learners} learner ranks (learner.tp*pp*dp) + "
+    lines = [f"{first.world_size} processes = {first.num_learners} learner ranks (learner.tp*pp*cp*dp) + "
              f"{first.num_samplers} sampler ranks (sampler.num_engines*tp), {len(nodes[0])} on each of {len(nodes)} nodes"]
     for node, ranks in enumerate(nodes):
         roles = [f"rank {t.rank} = {t.role} {t.role_rank}"

@@ -254,7 +254,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     if world_size is not None:
         need, samplers = world_size_for(cfg), cfg.sampler.num_engines * cfg.sampler.tp
         _require(world_size == need, "sampler.num_engines",
-                 f"the topology needs {need} processes (learner.tp*pp*dp = {need - samplers} learner ranks + "
+                 f"the topology needs {need} processes (learner.tp*pp*cp*dp = {need - samplers} learner ranks + "
                  f"sampler.num_engines*tp = {samplers} sampler ranks) but the launch has WORLD_SIZE={world_size}")
     try:
         validate_loss_config(cfg.algo.loss)
