@@ -911,8 +911,7 @@ def _cp_measure(learner, size: Size) -> tuple[dict, "torch.Tensor"]:
 
 
 def check_context_parallel(args, size: Size) -> dict:
-    workdir = Path(args.workdir)
-    build_model(workdir / "model", size, args.device)
+    workdir = Path(args.workdir)  # (the ranks build the model: this process imports neither torch nor transformers)
     out_file = workdir / "cp.json"
     out_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
@@ -934,6 +933,9 @@ def cp_worker(args, size: Size) -> None:
     if args.device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        build_model(Path(args.workdir) / "model", size, args.device)
+    dist.barrier()
     learner = _cp_learner(Path(args.workdir) / "model", 2)
     result, cp2_logprobs = _cp_measure(learner, size)
     ranks = [None] * dist.get_world_size()
