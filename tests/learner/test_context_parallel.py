@@ -123,7 +123,8 @@ def _reference(model_dir: str, layout: dict, batches: list) -> dict:
     return {"logprobs": logprobs, "grads": grads, "metrics": metrics}
 
 
-def _assert_matches(got: dict, ref: dict, name: str) -> None:
+def _assert_matches(got: dict, ref: dict, name: str, layout_metrics: tuple = ()) -> None:
+    """(`layout_metrics`: metrics of how the rows were cut, which another DP size cuts differently)"""
     assert (got["logprobs"] - ref["logprobs"]).abs().max().item() <= LEARNER_TOL, name
     scale = max(float(g.abs().max()) for g in ref["grads"].values())
     assert scale > 0
@@ -131,7 +132,7 @@ def _assert_matches(got: dict, ref: dict, name: str) -> None:
         assert (got["grads"][param] - grad).abs().max().item() <= 1e-5 * scale, (name, param)
     for step, (mine, theirs) in enumerate(zip(got["metrics"], ref["metrics"], strict=True)):
         for key, value in theirs.items():
-            if key.endswith("_s"):  # (timings)
+            if key.endswith("_s") or key in layout_metrics:  # (timings)
                 continue
             assert abs(mine[key] - value) <= 1e-5 * max(1.0, abs(value)), (name, step, key)
 
@@ -143,11 +144,13 @@ def model_dir(tmp_path_factory):
 
 def test_cp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_path):
     """cp=2 on packed, prefix-shared rows in two micro-batches (with the entropy bonus and the KL reference), and on
-    unpacked rows: the cp=1 per-token log-probs, first-step gradients of every parameter and three steps' loss,
+    unpacked rows with full activation recomputation (the K/V gathers run again in the backward): the cp=1 per-token
+    log-probs, first-step gradients of every parameter and three steps' loss,
     grad norm and statistics; the cp=2 learner's checkpoint saves."""
     batches = _batches(3)
     layouts = {"cp2_packed": {"cp": 2, "micro_batch_size": 8, "loss": LOSS, "save": True},
-               "cp2_unpacked": {"cp": 2, "micro_batch_size": 16, "pack_sequences": False}}
+               "cp2_unpacked_recompute": {"cp": 2, "micro_batch_size": 16, "pack_sequences": False,
+                                          "recompute_activations": "full"}}
     proc = _launch(model_dir, batches, tmp_path, layouts, nproc=2)
     refs = {name: _reference(model_dir, layout, batches) for name, layout in layouts.items()}
     for name, ranks in _results(proc, tmp_path, layouts, nproc=2, timeout=600).items():
@@ -173,14 +176,15 @@ def test_learners_refuse_what_context_parallelism_is_not_built_for(model_dir, wo
     check_context_parallel(LearnerConfig(cp=2, tp=2, pp=2), False, "off", None, None)
 
 
-def test_cp2_with_tp2_and_with_pp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_path):
+def test_cp2_with_tp2_pp2_and_dp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_path):
     """cp=2 x tp=2 (4 ranks; vocab-parallel log-probs and entropies per CP rank, each TP rank's heads' keys and values
     gathered over its CP group) and cp=2 x pp=2 (each stage's activations of its CP rank's positions sent on, the
-    log-probs broadcast from the last stage) on packed, prefix-shared rows: the cp=1, tp=1 log-probs, gradients
-    (the two stages' together) and steps."""
+    log-probs broadcast from the last stage) and cp=2 x dp=2 (gradients summed over the DP x CP group) on packed,
+    prefix-shared rows: the cp=1, tp=1 log-probs, gradients (the two stages' together) and steps."""
     batches = _batches(2)
     layouts = {"cp2_tp2": {"cp": 2, "tp": 2, "micro_batch_size": 8, "loss": LOSS},
-               "cp2_pp2": {"cp": 2, "pp": 2, "micro_batch_size": 8, "loss": LOSS}}
+               "cp2_pp2": {"cp": 2, "pp": 2, "micro_batch_size": 8, "loss": LOSS},
+               "cp2_dp2": {"cp": 2, "dp": 2, "micro_batch_size": 8, "loss": LOSS}}
     proc = _launch(model_dir, batches, tmp_path, layouts, nproc=4)
     ref = _reference(model_dir, layouts["cp2_tp2"], batches)
     results = _results(proc, tmp_path, layouts, nproc=4, timeout=600)
@@ -195,3 +199,7 @@ def test_cp2_with_tp2_and_with_pp2_gives_the_cp1_logprobs_gradients_and_steps(mo
         # (each stage holds its own layers' gradients; the tied embedding's on both)
         merged = {**stages[0], "grads": {name: grad for r in stages for name, grad in r["global_grads"].items()}}
         _assert_matches(merged, ref, "cp2_pp2")
+    ranks = results["cp2_dp2"]  # (each DP rank's 8 rows in one micro-batch, the reference's 16 in two)
+    assert sorted((r["dp_rank"], r["cp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank in ranks:
+        _assert_matches(rank, ref, "cp2_dp2", layout_metrics=("padding_frac", "shared_frac"))
