@@ -40,6 +40,9 @@ JSON with the tail of its log, and the rest still run:
   critic_step       the learner step of learner_step with the critic of algo.advantage.estimator=gae
                     (megarl.learner.critic: a replicated fp32 value model, V-trace targets): step time and the
                     critic's metrics, against learner_step's time
+  context_parallel  learner.cp=2 (megarl.learner.context_parallel) over 2 processes on the one GPU (gloo: NCCL refuses
+                    two ranks on one GPU) against cp=1 on learner_step's model and one row of cp_len tokens: step time
+                    and peak GPU memory per rank of each, and the largest |log-prob difference| (both bf16)
   trackers          observe.trackers: what MetricsSink.log costs the learner's step (60 scalars a step) with each
                     tracker installed there (tensorboard; wandb offline and mlflow's file store when importable):
                     the median and worst call, and the time to close (what is queued written); the dry run
@@ -129,6 +132,7 @@ class Size:
         self.moe_model = TINY_MOE if tiny else MOE
         self.moe_rows, self.moe_tokens = (4, 8) if tiny else (32, 96)
         self.lora_rank = 4 if tiny else 32
+        self.cp_len = 64 if tiny else 8192
 
 
 def device_of(args) -> "torch.device":
@@ -868,6 +872,92 @@ def run_demo(args, size: Size, name: str, overrides: list[str]) -> tuple[dict, l
     return out, rows
 
 
+def _cp_batch(size: Size):
+    """One row of size.cp_len random tokens, its completion trained (lag 0): the context-parallel check's batch."""
+    import torch
+
+    from megarl.protocols import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    length = size.cp_len
+    ids = torch.randint(1, size.model["vocab_size"], (1, length), generator=g)
+    mask = torch.zeros(1, length)
+    mask[:, length // 8:] = 1.0
+    return TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=-5.0 * mask,
+                      versions=torch.where(mask > 0, 0, -1), advantages=mask.clone(), learner_version=0)
+
+
+def _cp_learner(model_dir: Path, cp: int):
+    from megarl.algo.config import LossConfig
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner.megatron import MegatronLearner
+
+    return MegatronLearner(str(model_dir), LearnerConfig(cp=cp, micro_batch_size=1, lr=1e-6), LossConfig())
+
+
+def _cp_measure(learner, size: Size) -> tuple[dict, "torch.Tensor"]:
+    """(step time and peak memory of one step after a warm-up, the row's log-probs before it)."""
+    import torch
+
+    batch = _cp_batch(size)
+    logprobs = learner.logprobs(batch.input_ids)
+    learner.train_step(batch)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    start = time.perf_counter()
+    metrics = learner.train_step(batch)
+    sync()
+    return {"step_s": round(time.perf_counter() - start, 4), "peak_gpu_gib": peak_gib(),
+            "loss": metrics["loss"]}, logprobs
+
+
+def check_context_parallel(args, size: Size) -> dict:
+    workdir = Path(args.workdir)  # (the ranks build the model: this process imports neither torch nor transformers)
+    out_file = workdir / "cp.json"
+    out_file.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+           "--cp-worker", "--device", args.device, "--workdir", args.workdir] + (["--tiny"] if size.tiny else [])
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=max(args.timeout - 15, 30))
+    if proc.returncode != 0 or not out_file.exists():
+        raise RuntimeError(f"torchrun exit {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(out_file.read_text())
+
+
+def cp_worker(args, size: Size) -> None:
+    """The 2 ranks of check_context_parallel: learner.cp=2 over the default gloo group; then rank 0 alone, in a
+    group of one, the cp=1 learner on the same row (one process start and import for both)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        build_model(Path(args.workdir) / "model", size, args.device)
+    dist.barrier()
+    learner = _cp_learner(Path(args.workdir) / "model", 2)
+    result, cp2_logprobs = _cp_measure(learner, size)
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, result)
+    rank = dist.get_rank()
+    del learner
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    if rank != 0:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    init_single_rank("gloo", Path(args.workdir))
+    cp1, logprobs = _cp_measure(_cp_learner(Path(args.workdir) / "model", 1), size)
+    diff = (cp2_logprobs - logprobs).abs()
+    (Path(args.workdir) / "cp.json").write_text(json.dumps({
+        "tokens": size.cp_len, "cp1": cp1, "cp2_ranks": ranks,
+        "logprob_max_abs_diff": round(float(diff.max()), 5), "logprob_mean_abs_diff": round(float(diff.mean()), 6)}))
+
+
 def check_publish_bandwidth(args, size: Size) -> dict:
     out_file = Path(args.workdir) / "publish.json"
     out_file.unlink(missing_ok=True)
@@ -1000,7 +1090,8 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "lora": (check_lora, 120), "critic_step": (check_critic_step, 120), "packing": (check_packing, 120),
           "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120),
           "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
-          "trackers": (check_trackers, 120), "families": (check_families, 150)}
+          "trackers": (check_trackers, 120), "families": (check_families, 150),
+          "context_parallel": (check_context_parallel, 150)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU
 
@@ -1130,17 +1221,21 @@ def main() -> None:
     # internal: one check in a child process
     parser.add_argument("--child", choices=list(CHECKS))
     parser.add_argument("--publish-worker", action="store_true")
+    parser.add_argument("--cp-worker", action="store_true")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--timeout", type=float, default=60)
     parser.add_argument("--backend", default="nccl")
     args = parser.parse_args()
 
-    if args.child or args.publish_worker:
+    if args.child or args.publish_worker or args.cp_worker:
         sys.path.insert(0, str(REPO))
         size = Size(args.tiny)
         if args.publish_worker:
             publish_worker(args, size)
+            return
+        if args.cp_worker:
+            cp_worker(args, size)
             return
         result = CHECKS[args.child][0](args, size)
         print(RESULT + json.dumps(result), flush=True)

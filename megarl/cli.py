@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megarl import run_lock
-from megarl.config.load import ConfigError, load_config, world_size_for
+from megarl.config.load import ConfigError, learner_ranks, load_config, world_size_for
 from megarl.distributed.lifetime import STOP_SIGNALS
 
 # A tokenizer is one of these file sets (fast tokenizer, byte-level BPE, sentencepiece).
@@ -226,7 +226,7 @@ def failure_summary(torchrun_stderr: str, cfg) -> str:
     errors = [(r, c) for r, c, _ in failures if c > 0 and c not in stops]
     if not killed and code in stops and errors:  # it was stopped; the rank with an error is the cause
         rank, code = errors[0]
-    learners, world = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp, world_size_for(cfg)
+    learners, world = learner_ranks(cfg.learner), world_size_for(cfg)
     topo = Topology(rank=rank, world_size=world, num_learners=learners, num_samplers=world - learners)
     if code < 0:
         how = f"was killed by signal {-code} ({signal.Signals(-code).name})"
@@ -331,7 +331,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
     elif cfg is not None:
         try:
             check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep,
-                         cfg.algo.routing_replay)
+                         cfg.algo.routing_replay, cfg.learner.cp)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
         if cfg.learner.backend == "deepspeed":
@@ -623,7 +623,7 @@ def run_sft(cmd: list[str], env: dict, cfg, gated) -> int:
 def placement_lines(nodes) -> list[str]:
     """Node by node, the ranks torchrun starts there and the role each one takes."""
     first = nodes[0][0]
-    lines = [f"{first.world_size} processes = {first.num_learners} learner ranks (learner.tp*pp*dp) + "
+    lines = [f"{first.world_size} processes = {first.num_learners} learner ranks (learner.tp*pp*cp*dp) + "
              f"{first.num_samplers} sampler ranks (sampler.num_engines*tp), {len(nodes[0])} on each of {len(nodes)} nodes"]
     for node, ranks in enumerate(nodes):
         roles = [f"rank {t.rank} = {t.role} {t.role_rank}"

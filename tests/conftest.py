@@ -103,6 +103,7 @@ LONG_FILES = (
     "tests/rollout/test_rewards.py", "tests/launch/test_slurm.py", "tests/checkpoint/test_train_resume_export.py",
     "tests/test_cli.py", "tests/config/test_load.py", "tests/rollout/test_datasets.py",
     "tests/checkpoint/test_learner_state.py", "tests/distributed/test_publish.py",
+    "tests/learner/test_context_parallel.py",
 )
 
 

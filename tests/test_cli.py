@@ -167,7 +167,7 @@ def test_placement_prints_each_node_and_refuses_an_uneven_split():
     proc = run_python("-m", "megarl.cli", "placement", DEMO, "learner.tp=2", "sampler.num_engines=2", "--nnodes", "2")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
-        "4 processes = 2 learner ranks (learner.tp*pp*dp) + 2 sampler ranks (sampler.num_engines*tp), 2 on each of 2 nodes",
+        "4 processes = 2 learner ranks (learner.tp*pp*cp*dp) + 2 sampler ranks (sampler.num_engines*tp), 2 on each of 2 nodes",
         "node 0 (torchrun group rank 0): rank 0 = learner 0 (publishes weights, binds the queue at queue.host, "
         "writes run.dir); rank 1 = learner 1",
         "node 1 (torchrun group rank 1): rank 2 = sampler 0; rank 3 = sampler 1"]

@@ -147,13 +147,14 @@ def _optimizer_kind(use_distributed_optimizer: bool) -> str:
 
 
 def _rng_object(learner, states):
-    """This rank's RNG states as a ShardedObject at its (pp, tp, dp) coordinate."""
+    """This rank's RNG states as a ShardedObject at its (pp, tp, dp) coordinate; the CP ranks of one are replicas
+    (context parallelism: each holds the same weights and draws nothing its peers do not), CP rank 0 saves it."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     ps = learner.ps
     return ShardedObject(RNG_KEY, states, global_shape=(learner.cfg.pp, learner.cfg.tp, learner.cfg.dp),
                          global_offset=(ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-                                        ps.get_data_parallel_rank()), replica_id=0)
+                                        ps.get_data_parallel_rank()), replica_id=ps.get_context_parallel_rank())
 
 
 def capture_rng(learner) -> dict:

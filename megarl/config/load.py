@@ -111,9 +111,14 @@ def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 
+def learner_ranks(lc) -> int:
+    """Learner processes of a learner config: tp * pp * cp * dp."""
+    return lc.tp * lc.pp * lc.cp * lc.dp
+
+
 def world_size_for(cfg: Config) -> int:
     """Processes a run needs: every learner rank plus sampler.tp per sampler engine."""
-    return cfg.learner.tp * cfg.learner.pp * cfg.learner.dp + cfg.sampler.num_engines * cfg.sampler.tp
+    return learner_ranks(cfg.learner) + cfg.sampler.num_engines * cfg.sampler.tp
 
 
 def validate_sft(cfg: Config, world_size: int | None = None, check_files: bool = True) -> None:
@@ -138,6 +143,8 @@ def validate_sft(cfg: Config, world_size: int | None = None, check_files: bool =
                                                      "its output would have to be merged); leave learner.lora.rank=0")
     _require(sc.batch_size >= lc.dp, "learner.dp", f"every DP rank trains its share of a batch's sft.batch_size="
              f"{sc.batch_size} records, so dp={lc.dp} would leave a rank without any")
+    _require(lc.cp == 1, "learner.cp", f"megarl sft runs learner.cp=1 (context parallelism is the RL learner's), "
+             f"got {lc.cp}")
     if world_size is not None:
         need = lc.tp * lc.pp * lc.dp
         _require(world_size == need, "learner.dp", f"megarl sft runs learner.tp*pp*dp = {need} processes (no samplers) "
@@ -163,6 +170,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
              f"unknown backend {lc.backend!r}; known: megatron, deepspeed")
     _validate_deepspeed(lc)
     _validate_moe(cfg)
+    _validate_cp(cfg)
     _validate_lora(cfg)
     _require(cfg.sampler.engine in ("builtin", "sglang", "vllm"), "sampler.engine",
              f"unknown engine {cfg.sampler.engine!r}; known: builtin, sglang, vllm")
@@ -246,7 +254,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     if world_size is not None:
         need, samplers = world_size_for(cfg), cfg.sampler.num_engines * cfg.sampler.tp
         _require(world_size == need, "sampler.num_engines",
-                 f"the topology needs {need} processes (learner.tp*pp*dp = {need - samplers} learner ranks + "
+                 f"the topology needs {need} processes (learner.tp*pp*cp*dp = {need - samplers} learner ranks + "
                  f"sampler.num_engines*tp = {samplers} sampler ranks) but the launch has WORLD_SIZE={world_size}")
     try:
         validate_loss_config(cfg.algo.loss)
@@ -467,6 +475,32 @@ def _validate_moe(cfg: Config) -> None:
                  "selective (or learner.backend=deepspeed)")
 
 
+def _validate_cp(cfg: Config) -> None:
+    """learner.cp > 1: the megatron learner, and none of the settings its context parallelism is not built for
+    (the learner refuses a mixture-of-experts model when it reads config.json)."""
+    lc = cfg.learner
+    if lc.cp == 1:
+        return
+    _require(lc.backend == "megatron", "learner.cp",
+             f"context parallelism is the megatron learner's (megarl's attention all-gathers keys and values over the "
+             f"CP ranks); learner.backend={lc.backend} has none: DeepSpeed's own, Ulysses, needs its "
+             f"DistributedAttention around each HF attention layer, which megarl does not wire; use learner.cp=1")
+    refused = {"learner.ep": lc.ep > 1, "learner.lora.rank": lc.lora.rank > 0,
+               "algo.routing_replay": cfg.algo.routing_replay == "r3",
+               "algo.advantage.estimator": cfg.algo.advantage.estimator == "gae",
+               "algo.distill.teacher": bool(cfg.algo.distill.teacher)}
+    for key, bad in refused.items():
+        _require(not bad, key, f"learner.cp={lc.cp} (context parallelism) does not run with {key}="
+                 f"{_dotted(cfg, key)} yet; use learner.cp=1 for it (docs/learner.md, \"Context parallelism\")")
+
+
+def _dotted(cfg: Config, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
 def _validate_lora(cfg: Config) -> None:
     """learner.lora.*: the adapter's own keys, and the learners, layouts and engines that can take one (the
     model's modules and dimensions are checked against config.json by megarl.models.lora.check)."""
@@ -535,7 +569,7 @@ def _check_positive(cfg: Config) -> None:
     """Every count and size in the schema must be positive; checked generically so new keys are covered."""
     positive = {
         "run.steps", "sampling.max_new_tokens", "sampler.num_engines", "sampler.max_running",
-        "sampler.max_seq_len", "sampler.threads", "sampler.tp", "learner.tp", "learner.pp", "learner.dp", "learner.ep",
+        "sampler.max_seq_len", "sampler.threads", "sampler.tp", "learner.tp", "learner.pp", "learner.cp", "learner.dp", "learner.ep",
         "learner.micro_batch_size", "learner.threads", "learner.lr", "learner.max_nonfinite_in_row", "algo.prompts_per_step", "algo.sync_epochs",
         "publish.bucket_mb", "publish.timeout_s", "publish.senders", "queue.timeout_s", "dist.timeout_s", "task.max_operand",
         "task.max_turns", "task.env_timeout_s", "task.env_workers", "task.tool_timeout_s", "task.agent_timeout_s",

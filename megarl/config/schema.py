@@ -259,7 +259,10 @@ class LearnerConfig:
     backend: str = "megatron"  # megatron | deepspeed (any HF causal LM through transformers)
     tp: int = 1  # tensor-parallel ranks (each layer's weights split over them)
     pp: int = 1  # pipeline-parallel stages (the layers split over them)
-    dp: int = 1  # data-parallel replicas; learner ranks = tp * pp * dp
+    dp: int = 1  # data-parallel replicas; learner ranks = tp * pp * cp * dp
+    # Context parallelism (megatron learner): each (packed) row's positions split over cp ranks, attention across
+    # them by all-gathered keys and values; activations and the attention mask per rank ~1/cp (docs/learner.md).
+    cp: int = 1
     # Expert parallelism (mixture-of-experts models): each expert-parallel rank holds num_experts / ep
     # whole experts; the ep ranks are carved out of the tensor- and data-parallel ones (tp * dp must be a
     # multiple of ep). An MoE model at tp > 1 trains with megatron's sequence parallelism (docs/moe.md).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from megarl.config.load import ConfigError, world_size_for
+from megarl.config.load import ConfigError, learner_ranks, world_size_for
 from megarl.config.schema import Config
 
 
@@ -19,14 +19,15 @@ class Topology:
     world_size: int
     num_learners: int
     num_samplers: int  # sampler ranks: num_engines * sampler_tp
-    # Learner ranks per pipeline stage (tp * dp; megatron orders ranks tp fastest, then dp, then pp,
+    # Learner ranks per pipeline stage (tp * cp * dp; megatron orders ranks tp fastest, then cp, then dp, then pp,
     # so stage s holds learner ranks [s * this, (s + 1) * this)). 0 = one stage of all learners.
     learners_per_stage: int = 0
     # Ranks per built-in sampler engine (sampler.tp). Above 1 it equals learner.tp and the publish is
     # shard to shard: learner TP rank r (of each stage's first DP replica) -> TP rank r of every engine;
     # or learner.tp is 1 and every TP rank receives the whole tensors and keeps its slices (`slices_on_arrival`).
     sampler_tp: int = 1
-    learner_tp: int = 1  # a stage's DP replica d starts at offset d * learner_tp
+    learner_tp: int = 1  # a stage's DP replica d starts at offset d * learner_tp * learner_cp
+    learner_cp: int = 1  # (its CP rank 0 holds the TP ranks that publish: every CP rank holds the same weights)
     # DP replicas of each stage that publish (publish.senders), replica d sending share d of the buckets.
     publish_senders: int = 1
 
@@ -87,8 +88,8 @@ class Topology:
         stage, offset = divmod(self.rank, self.learners_per_stage or self.num_learners)
         if self.shard_to_shard:
             return [(stage, offset, 0)] if offset < self.sampler_tp else []
-        replica, tp_rank = divmod(offset, self.learner_tp)
-        return [(stage, 0, replica)] if tp_rank == 0 and replica < self.publish_senders else []
+        replica, within = divmod(offset, self.learner_tp * self.learner_cp)
+        return [(stage, 0, replica)] if within == 0 and replica < self.publish_senders else []
 
     @property
     def publish_rank(self) -> int | None:
@@ -138,7 +139,7 @@ def placement(cfg: Config, nnodes: int, nproc_per_node: int | None = None) -> li
 
 
 def rank_topology(cfg: Config, rank: int, world: int) -> Topology:
-    learners = cfg.learner.tp * cfg.learner.pp * cfg.learner.dp
+    learners = learner_ranks(cfg.learner)
     return Topology(rank=rank, world_size=world, num_learners=learners, num_samplers=world - learners,
-                    learners_per_stage=cfg.learner.tp * cfg.learner.dp, sampler_tp=cfg.sampler.tp,
-                    learner_tp=cfg.learner.tp, publish_senders=cfg.publish.senders)
+                    learners_per_stage=learners // cfg.learner.pp, sampler_tp=cfg.sampler.tp,
+                    learner_tp=cfg.learner.tp, learner_cp=cfg.learner.cp, publish_senders=cfg.publish.senders)

@@ -144,9 +144,10 @@ class DeepSpeedLearner:
 
         if not dist.is_initialized():
             raise RuntimeError("DeepSpeedLearner needs torch.distributed initialised over the learner ranks")
-        if (cfg.tp, cfg.pp) != (1, 1) or cfg.dp != dist.get_world_size():
-            raise ValueError(f"learner.backend=deepspeed is data parallel only: tp={cfg.tp} pp={cfg.pp} dp={cfg.dp} "
-                             f"for a learner world of {dist.get_world_size()} (needs tp=pp=1, dp=world)")
+        if (cfg.tp, cfg.pp, cfg.cp) != (1, 1, 1) or cfg.dp != dist.get_world_size():
+            raise ValueError(f"learner.backend=deepspeed is data parallel only: tp={cfg.tp} pp={cfg.pp} cp={cfg.cp} "
+                             f"dp={cfg.dp} for a learner world of {dist.get_world_size()} (needs tp=pp=cp=1, dp=world; "
+                             f"context parallelism is the megatron learner's)")
         self.cfg, self.loss_cfg, self.temperature = cfg, loss_cfg, temperature
         self.bucket_bytes = int(publish_bucket_mb * 2**20)
         self._version = 0

@@ -12,11 +12,13 @@ Mixture-of-experts models (Mixtral, Qwen3-MoE: megarl.models.moe) train with meg
 E / ep whole experts, carved out of the TP x DP ranks (megatron's expert_model_parallel_size, with an expert
 TP size of 1), and the published / exported tensors gather every expert. At ``learner.tp > 1`` they train
 with megatron's sequence parallelism (megarl.learner.sequence_parallel). ``algo.routing_replay=r3`` forces
-the sampler's recorded routes in every forward of the step (megarl.learner.routing_replay).
+the sampler's recorded routes in every forward of the step (megarl.learner.routing_replay). Context parallelism
+``learner.cp`` splits each (packed) row's positions over the ranks of a CP group (megarl.learner.context_parallel).
 
 Process contract: construct it after ``torch.distributed`` is initialised with a default process
-group that contains ONLY the learner ranks (world size = tp * pp * dp).  Every learner rank receives
-the same, whole ``TrainBatch``; each DP rank trains on its contiguous share of the rows.  On CPU the
+group that contains ONLY the learner ranks (world size = tp * pp * cp * dp).  Every learner rank receives
+the same, whole ``TrainBatch``; each DP rank trains on its contiguous share of the rows, each CP rank of it on its
+share of those rows' positions.  On CPU the
 model is fp32 with gloo and the shims of megarl.learner.cpu_shims; on GPU bf16 with fp32 main weights.
 docs/learner.md explains the loss scaling and the publish layout.
 """
@@ -33,7 +35,7 @@ import torch.distributed as dist
 
 from megarl.algo.config import CriticConfig, DistillConfig, LossConfig
 from megarl.config.schema import LearnerConfig
-from megarl.learner import packing, plain_linear, rotary_positions, sequence_parallel, step
+from megarl.learner import context_parallel, packing, plain_linear, rotary_positions, sequence_parallel, step
 from megarl.learner.lr_schedule import lr_at
 from megarl.learner.routing_replay import RouteReplayer
 from megarl.models import convert, families, moe
@@ -71,8 +73,8 @@ class MegatronLearner:
 
         if not dist.is_initialized():
             raise RuntimeError("MegatronLearner needs torch.distributed initialised over the learner ranks")
-        if cfg.tp * cfg.pp * cfg.dp != dist.get_world_size():
-            raise ValueError(f"learner tp*pp*dp = {cfg.tp}*{cfg.pp}*{cfg.dp} != learner world size "
+        if cfg.tp * cfg.pp * cfg.cp * cfg.dp != dist.get_world_size():
+            raise ValueError(f"learner tp*pp*cp*dp = {cfg.tp}*{cfg.pp}*{cfg.cp}*{cfg.dp} != learner world size "
                              f"{dist.get_world_size()}")
         self.cfg, self.loss_cfg, self.temperature = cfg, loss_cfg, temperature
         self._version = 0
@@ -88,14 +90,18 @@ class MegatronLearner:
         self.ps, self.tensor_parallel = parallel_state, tensor_parallel
         # Experts are never TP-split (expert_tensor_parallel_size=1): each TP rank runs whole experts on its own
         # sequence-parallel tokens (megarl.learner.sequence_parallel), so EP ranks come out of TP x DP.
+        # Context parallelism: megatron's CP groups (its DDP reduces gradients over data x context parallel ranks),
+        # attention carried by megarl's (megarl.learner.context_parallel); TransformerConfig keeps
+        # context_parallel_size 1, which megatron's own attention would otherwise refuse without Transformer Engine.
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(cfg.tp, cfg.pp, expert_model_parallel_size=cfg.ep,
-                                                     expert_tensor_parallel_size=1)
+            parallel_state.initialize_model_parallel(cfg.tp, cfg.pp, context_parallel_size=cfg.cp,
+                                                     expert_model_parallel_size=cfg.ep, expert_tensor_parallel_size=1)
         elif (parallel_state.get_tensor_model_parallel_world_size(),
               parallel_state.get_pipeline_model_parallel_world_size(),
+              parallel_state.get_context_parallel_world_size(),
               parallel_state.get_expert_model_parallel_world_size(),
-              parallel_state.get_expert_tensor_parallel_world_size()) != (cfg.tp, cfg.pp, cfg.ep, 1):
-            raise RuntimeError("megatron parallel_state is already initialised with another tp/pp/ep")
+              parallel_state.get_expert_tensor_parallel_world_size()) != (cfg.tp, cfg.pp, cfg.cp, cfg.ep, 1):
+            raise RuntimeError("megatron parallel_state is already initialised with another tp/pp/cp/ep")
         torch.manual_seed(cfg.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
 
@@ -108,6 +114,8 @@ class MegatronLearner:
         # megatron trains an MoE layer under TP only with sequence parallelism (megarl.learner.sequence_parallel);
         # dense models keep plain TP.
         self.sequence_parallel = self.is_moe and cfg.tp > 1
+        if cfg.cp > 1:
+            check_context_parallel(cfg, self.is_moe, routing_replay, critic_cfg, distill)
         if routing_replay == "r3" and not self.is_moe:
             raise ValueError(f"algo.routing_replay=r3 needs a mixture-of-experts model; "
                              f"{self.hf_config['model_type']!r} is dense")
@@ -415,29 +423,41 @@ class MegatronLearner:
     def version(self) -> int:
         return self._version
 
-    def _model_inputs(self, input_ids: torch.Tensor,
-                      mb: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _model_inputs(self, input_ids: torch.Tensor, mb: dict | None = None,
+                      columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids, position_ids, attention mask) of a micro-batch's rows, or of its packed rows (`mb`, whose
         positions take their own rows' position ids and attend to their own paths: megarl.learner.packing),
-        widened to input_ids' width (sequence parallelism pads it)."""
+        widened to input_ids' width (sequence and context parallelism pad it). `columns`: this context-parallel
+        rank's columns (megarl.learner.context_parallel): its tokens and position ids, and the mask of its queries
+        against every CP rank's keys, in the all-gathered order."""
         input_ids = input_ids.to(self.device)
         b, s = input_ids.shape
+        keys = None if columns is None else context_parallel.key_columns(s, self.cfg.cp)
         if mb is not None:
             positions = mb["packed_positions"]
             positions = torch.nn.functional.pad(positions, (0, s - positions.shape[1])).to(self.device)
-            return input_ids, positions, packing.attention_mask(mb, s, self.device, self.window)
-        position_ids = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
-        # An explicit causal mask (True = masked): megatron's default one is built with device="cuda".
-        return input_ids, position_ids, packing.causal_mask(s, self.device, self.window)
+            mask = packing.attention_mask(mb, s, self.device, self.window, columns, keys)
+        else:
+            positions = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
+            # An explicit causal mask (True = masked): megatron's default one is built with device="cuda".
+            mask = packing.causal_mask(s, self.device, self.window, columns, keys)
+        if columns is not None:
+            local = columns.to(self.device)
+            input_ids, positions = input_ids[:, local], positions[:, local]
+        return input_ids, positions, mask
 
-    def _row_logprobs(self, logits: torch.Tensor, mb: dict) -> torch.Tensor:
+    def _row_logprobs(self, logits: torch.Tensor, mb: dict, cp_layout: tuple | None = None) -> torch.Tensor:
         """[B, S] log-probs of input_ids[:, t] of the micro-batch's rows from logits / T of the position predicting
         it (packed rows: computed on the packed positions, read per row token); column 0 is 0.
 
         logits are this TP rank's vocab shard [B', S', V/tp]; vocab-parallel cross-entropy does the
         softmax across the shards (it works in place on its input, a fresh tensor here). At TP=1 the whole
         vocabulary is here: plain cross-entropy, without megatron's three all-reduces over a group of one.
+        `cp_layout` (columns, padded width): logits of this context-parallel rank's columns only; each rank
+        computes the row tokens it predicts and the CP group sums them into every rank's [B, S].
         """
+        if cp_layout is not None:
+            return self._cp_row_logprobs(logits, mb, *cp_layout)
         if self.cfg.tp == 1:
             return step.row_logprobs(logits, mb, self.temperature)
         if "unpack_index" in mb:  # each row token's predicting position, gathered into the rows' layout
@@ -449,6 +469,29 @@ class MegatronLearner:
         target = mb["input_ids"][:, 1:].to(logits.device).transpose(0, 1).contiguous()
         nll = self.tensor_parallel.vocab_parallel_cross_entropy(shifted, target)  # [S-1, B]
         return torch.nn.functional.pad(-nll.transpose(0, 1), (1, 0))
+
+    def _cp_row_logprobs(self, logits: torch.Tensor, mb: dict, columns: torch.Tensor, width: int) -> torch.Tensor:
+        """`_row_logprobs` of a context-parallel rank's logits [B', W_local, V/tp] at its `columns` of the padded
+        `width` (megarl.learner.context_parallel)."""
+        mine, index = context_parallel.predicting_local(mb, columns, width, logits.device)
+        predicting = logits.reshape(-1, logits.shape[-1])[index].float() / self.temperature  # [N, V/tp]
+        target = mb["input_ids"][:, 1:].to(logits.device)[mine]
+        if self.cfg.tp == 1:
+            own = torch.log_softmax(predicting, dim=-1).gather(-1, target[:, None])[:, 0]
+        else:
+            own = -self.tensor_parallel.vocab_parallel_cross_entropy(predicting[:, None], target[:, None])[:, 0]
+        part = torch.zeros(mine.shape, dtype=own.dtype, device=logits.device).masked_scatter(mine, own)
+        rows = context_parallel.sum_parts(part, self.ps.get_context_parallel_group())
+        return torch.nn.functional.pad(rows, (1, 0))
+
+    def _cp_rows(self, cp_layout: tuple | None, model_width: int):
+        """None, or under context parallelism what turns a rank's per-position values [B', W_local] into the whole
+        rows' [B', model_width] (step.token_entropy's `to_rows`)."""
+        if cp_layout is None:
+            return None
+        columns, width = cp_layout
+        group = self.ps.get_context_parallel_group()
+        return lambda values: context_parallel.positions_to_rows(values, columns, width, group)[:, :model_width]
 
     def _position_entropy(self, logits: torch.Tensor) -> torch.Tensor:
         """[B', S'] entropy of the predictive distribution at each position (packing.next_token_values reads it
@@ -470,7 +513,9 @@ class MegatronLearner:
              own_routes: list | None = None) -> list:
         """Run megatron's schedule for `model` (policy or reference) over the micro-batches.
 
-        loss_fn(logits, mb) -> (loss, record); the records of the last PP stage are returned. For an MoE
+        loss_fn(logits, mb, cp_layout, width) -> (loss, record), cp_layout: None, or under context parallelism
+        (this rank's columns, the padded width) of its logits, width: what the model ran on; the records of the
+        last PP stage are returned. For an MoE
         model each micro-batch's routers are fed its `routes` first (replay), and `own_routes`, when
         given, receives per micro-batch the top-k this stage's routers computed themselves.
         """
@@ -479,6 +524,7 @@ class MegatronLearner:
         replayer = self._replayers.get(id(model))
 
         multiple = self.cfg.tp if self.sequence_parallel else 1
+        cp = self.cfg.cp
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -486,6 +532,13 @@ class MegatronLearner:
             # logits (and the routers' own choices) are cut back to the real width before anything reads them.
             model_ids = packing.model_input_ids(mb)
             width = model_ids.shape[1]
+            if cp > 1:  # each CP rank runs its zig-zag columns of the width padded to 2 * cp chunks
+                padded = context_parallel.padded_width(width, cp)
+                ids = torch.nn.functional.pad(model_ids, (0, padded - width))
+                cp_layout = (context_parallel.local_columns(padded, cp, self.ps.get_context_parallel_rank()), padded)
+                input_ids, position_ids, mask = self._model_inputs(ids, mb if "unpack_index" in mb else None,
+                                                                   cp_layout[0])
+                return model(input_ids, position_ids, mask), lambda logits: loss_fn(logits, mb, cp_layout, width)
             ids, routes = sequence_parallel.pad_micro_batch(model_ids, packing.model_routes(mb), multiple)
             input_ids, position_ids, mask = self._model_inputs(ids, mb if "unpack_index" in mb else None)
             if replayer is not None:
@@ -493,7 +546,7 @@ class MegatronLearner:
             output = model(input_ids, position_ids, mask)
             if own_routes is not None and replayer is not None:
                 own_routes.append(packing.rows_layout(replayer.own_choice()[:, :width], mb))
-            return output, lambda logits: loss_fn(logits[:, :width], mb)
+            return output, lambda logits: loss_fn(logits[:, :width], mb, None, width)
 
         # With variable_seq_lengths (PP>1) the stages send each shape along; these two only size
         # megatron's default receive shape.
@@ -549,7 +602,8 @@ class MegatronLearner:
         model_keys = ("input_ids", "routes", *packing.PACK_KEYS)
         out = self._run(model, [{k: mb[k] for k in model_keys if k in mb} for mb in micro],
                         forward_only=True,
-                        loss_fn=lambda logits, mb: (torch.zeros((), device=self.device), self._row_logprobs(logits, mb)))
+                        loss_fn=lambda logits, mb, cp_layout, _: (torch.zeros((), device=self.device),
+                                                                  self._row_logprobs(logits, mb, cp_layout)))
         if self.cfg.pp == 1:
             return [o.cpu() for o in out]
         # PP: only the last stage computed them; one broadcast of all micro-batches padded to the widest.
@@ -598,10 +652,11 @@ class MegatronLearner:
         megatron_scale = len(micro_batches) * self.ps.get_data_parallel_world_size()
         stats_list, losses = [], []
 
-        def loss_fn(logits, mb):
+        def loss_fn(logits, mb, cp_layout, width):
             mb = {k: v.to(self.device) for k, v in mb.items()}
-            logprobs = self._row_logprobs(logits, mb)
-            entropy = step.token_entropy(self._position_entropy, logits, mb, self.loss_cfg)
+            logprobs = self._row_logprobs(logits, mb, cp_layout)
+            entropy = step.token_entropy(self._position_entropy, logits, mb, self.loss_cfg,
+                                         self._cp_rows(cp_layout, width))
             loss, stats = step.micro_batch_loss(logprobs, mb, batch.learner_version, totals, self.loss_cfg, entropy,
                                                 self.distill)
             stats_list.append(stats)
@@ -619,8 +674,8 @@ class MegatronLearner:
 
         # The batch loss = sum of micro-batch losses over the last PP stage of every DP rank.
         loss = torch.stack(losses).sum().double().cpu() if losses else torch.zeros((), dtype=torch.float64)
-        dist.all_reduce(loss)  # non-last PP stages contribute 0; TP ranks hold copies
-        loss = float(loss) / self.cfg.tp
+        dist.all_reduce(loss)  # non-last PP stages contribute 0; TP and CP ranks hold copies
+        loss = float(loss) / (self.cfg.tp * self.cfg.cp)
         # Look at the grad norm BEFORE stepping (the fp32 optimizer has no inf check of its own);
         # step() repeats both calls, an extra pass over the grads we pay to never apply a NaN.
         self.optimizer.prepare_grads()
@@ -694,6 +749,18 @@ class MegatronLearner:
                         if "step" in param_state:
                             param_state["step"] = param_state["step"].clone()
         self._version = version
+
+
+def check_context_parallel(cfg: LearnerConfig, is_moe: bool, routing_replay: str, critic_cfg, distill) -> None:
+    """Refuse, naming them, the settings learner.cp > 1 is not built for (megarl.config.load refuses the ones that
+    need no model before launch)."""
+    missing = {"a mixture-of-experts model (learner.ep, r3)": is_moe,
+               "algo.routing_replay=r3": routing_replay == "r3", "learner.lora": cfg.lora.rank > 0,
+               "the critic (advantage.estimator=gae)": critic_cfg is not None,
+               "on-policy distillation (algo.distill)": distill is not None}
+    if any(missing.values()):
+        raise ValueError(f"learner.cp={cfg.cp} (context parallelism) does not run with "
+                         f"{', '.join(k for k, v in missing.items() if v)} yet; use learner.cp=1 for it")
 
 
 def _gate_up_rows(name: str) -> bool:

@@ -213,40 +213,68 @@ def unpack(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
     return flat[unpack_index.reshape(-1)].reshape(*unpack_index.shape, *packed.shape[2:])
 
 
+# Query positions x keys whose int32 path depths `attention_mask` compares at a time (4 MiB).
+MASK_SLICE_ELEMENTS = 2**20
+
+
 def attention_mask(mb: dict[str, torch.Tensor], width: int | None = None,
-                   device: torch.device | str | None = None, window: int | None = None) -> torch.Tensor:
-    """[R, 1, W', W'] bool on `device`, True = masked: each packed position attends to its own path (the columns of
+                   device: torch.device | str | None = None, window: int | None = None,
+                   queries: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, 1, Q, K] bool on `device`, True = masked: each packed position attends to its own path (the columns of
     the row that placed it, up to its depth), built there from the packed micro-batch's compact fields (the mask is
-    R x W^2: it is never kept); the packed rows widened to `width` positions (sequence parallelism pads them to a
-    multiple of TP). Unplaced and added positions attend to themselves alone, so no softmax row is empty.
-    `window` (megarl.models.families.sliding_window): only the path's last `window` positions, the position's
-    own included, by depth (its row's position ids), not by packed column."""
+    R x Q x K: it is never kept); the packed rows widened to `width` positions (sequence and context parallelism
+    pad them). `queries` / `keys`: the columns of the mask's rows / columns, in that order (default: all `width`;
+    context parallelism: a rank's own columns against every rank's, megarl.learner.context_parallel), so a rank
+    builds only its queries' rows. Unplaced and added positions attend to themselves alone, so no softmax row is
+    empty. `window` (megarl.models.families.sliding_window): only the path's last `window` positions, the
+    position's own included, by depth (its row's position ids), not by packed column."""
     owner = mb["packed_owner"].to(device)
     count, packed = owner.shape
     width = width or packed
+    dev = owner.device
+    queries = torch.arange(width, device=dev) if queries is None else queries.to(dev)
+    keys = torch.arange(width, device=dev) if keys is None else keys.to(dev)
+    nq, nk = len(queries), len(keys)
+    query_slot = torch.full((width,), -1, dtype=torch.long, device=dev)
+    query_slot[queries] = torch.arange(nq, device=dev)
+    key_slot = torch.full((width,), -1, dtype=torch.long, device=dev)
+    key_slot[keys] = torch.arange(nk, device=dev)
     depth = mb["packed_positions"].to(device).reshape(-1)
     columns = mb["unpack_index"].to(device) % packed  # [B, S] each row position's column in its packed row
-    placed = torch.nonzero(owner.reshape(-1) >= 0)[:, 0]
-    path = columns[owner.reshape(-1)[placed]]  # [N, S] the placing row's columns
-    steps = torch.arange(path.shape[1], device=owner.device)[None, :]  # the path's depths
-    on_path = steps <= depth[placed][:, None]
-    if window is not None:
-        on_path &= steps > depth[placed][:, None] - window
-    query = (placed // packed * width * width + placed % packed * width)[:, None].expand_as(path)
-    allowed = torch.zeros(count * width * width, dtype=torch.bool, device=owner.device)
-    allowed[(query + path)[on_path]] = True
-    allowed = allowed.view(count, width, width)
-    allowed.diagonal(dim1=1, dim2=2).fill_(True)
+    rows, length = columns.shape
+    # at[r, c]: the depth at which row r's path passes column c (`never` where it does not): a key is on a query's
+    # path when the query's row passes it at a depth up to the query's own. (Positions past a row's end point at its
+    # first column: the minimum keeps that column's depth 0.)
+    never = torch.iinfo(torch.int32).max
+    at = torch.full((rows, width), never, dtype=torch.int32, device=dev)
+    at.scatter_reduce_(1, columns, torch.arange(length, dtype=torch.int32, device=dev).expand(rows, length), "amin")
+    at = at[:, keys]  # [B, K] in the keys' order
+    flat_owner = owner.reshape(-1)
+    placed = torch.nonzero((flat_owner >= 0) & (query_slot[:packed].repeat(count) >= 0))[:, 0]
+    allowed = torch.zeros(count, nq, nk, dtype=torch.bool, device=dev)
+    # In slices of queries: each slice's [queries, K] int32 depths are 4 times its mask's bytes.
+    for part in placed.split(max(1, MASK_SLICE_ELEMENTS // max(1, nk))):
+        passed = at[flat_owner[part]]  # [n, K]
+        query_depth = depth[part][:, None].to(torch.int32)
+        on_path = passed <= query_depth
+        if window is not None:
+            on_path &= passed > query_depth - window
+        allowed[part // packed, query_slot[part % packed]] = on_path
+    allowed[:, torch.arange(nq, device=dev), key_slot[queries]] = True  # (each query's own position)
     return ~allowed.unsqueeze(1)
 
 
-def causal_mask(length: int, device: torch.device | str | None = None, window: int | None = None) -> torch.Tensor:
-    """[1, 1, S, S] bool, True = masked: each position attends to itself and the positions before it, only the last
-    `window` of them (its own included) under a sliding window."""
-    steps = torch.arange(length, device=device)
-    back = steps[:, None] - steps[None, :]  # query position - key position
-    masked = back < 0 if window is None else (back < 0) | (back >= window)
-    return masked.view(1, 1, length, length)
+def causal_mask(length: int, device: torch.device | str | None = None, window: int | None = None,
+                queries: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """[1, 1, Q, K] bool, True = masked: each position attends to itself and the positions before it, only the last
+    `window` of them (its own included) under a sliding window. `queries` / `keys`: the positions of the mask's
+    rows / columns (default: 0..length-1; context parallelism: a rank's own against every rank's)."""
+    queries = torch.arange(length, device=device) if queries is None else queries.to(device)
+    keys = torch.arange(length, device=device) if keys is None else keys.to(device)
+    masked = keys[None, :] > queries[:, None]  # (compared as they broadcast: no [Q, K] int64 of differences)
+    if window is not None:
+        masked |= keys[None, :] <= queries[:, None] - window
+    return masked.view(1, 1, len(queries), len(keys))
 
 
 def additive_attention_mask(mb: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -57,7 +57,9 @@ def use_position_ids(gpt) -> None:
         positions = call["position_ids"]
         if positions is None:
             return table(max_seq_len, *args, **kwargs)
-        angles = table(max(max_seq_len, int(positions.max()) + 1), *args, **kwargs)
+        # (packed_seq: the whole table, not megatron's context-parallel slice of it; the position ids pick each
+        # local position's angles, megarl.learner.context_parallel)
+        angles = table(max(max_seq_len, int(positions.max()) + 1), *args, **{**kwargs, "packed_seq": True})
         return angles[:, 0, 0][positions.t()].unsqueeze(2)  # [S, B, 1, dim]
 
     gpt.register_forward_pre_hook(remember, with_kwargs=True)

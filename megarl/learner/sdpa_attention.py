@@ -16,11 +16,18 @@ is built, naming the setting: attention dropout (megarl's converted configs set 
 megatron's `window_size` (a sliding window, Mistral's, is part of the mask megarl builds: megarl.learner.packing
 counts it in position ids, which megatron's column-based window would not). megatron's own unfused path is never
 taken.
+
+Under context parallelism (``learner.cp``, megarl.learner.context_parallel) the queries are this rank's positions
+and the keys and values every CP rank's, all-gathered here (after the rotary embedding: each rank rotated its own
+positions at their global position ids); the mask is then [local queries x all keys].
 """
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from megarl.learner.context_parallel import gather_sequence
 
 
 class SDPAttention(DotProductAttention):
@@ -37,6 +44,9 @@ class SDPAttention(DotProductAttention):
         if attention_bias is not None or packed_seq_params is not None or attention_mask is None:
             raise ValueError("megarl's fused attention takes a boolean attention mask and no bias or packed-sequence "
                              "parameters (megarl packs rows through the mask: megarl/learner/packing.py)")
+        if parallel_state.get_context_parallel_world_size() > 1:
+            group = parallel_state.get_context_parallel_group()
+            key, value = gather_sequence(key, group), gather_sequence(value, group)
         # [S, B, heads, d] -> [B, heads, S, d] (views; SDPA takes strided inputs)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         context = torch.nn.functional.scaled_dot_product_attention(

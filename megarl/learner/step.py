@@ -56,13 +56,15 @@ ENTROPY_SLICE_ELEMENTS = 2**26
 
 
 def token_entropy(position_entropy, logits: torch.Tensor, mb: dict[str, torch.Tensor],
-                  loss_cfg) -> torch.Tensor | None:
+                  loss_cfg, to_rows=None) -> torch.Tensor | None:
     """The policy's entropy at each row token of the micro-batch (packing.next_token_values of
     `position_entropy(logits)`, the backend's [B, S] per-position entropy): with gradient for the entropy bonus
     (loss.entropy_coef > 0), without (slices of positions, no graph) when it is only reported (loss.entropy_metric),
-    else None."""
+    else None. `to_rows` (context parallelism: a rank's positions -> the whole rows', megarl.learner.megatron)
+    maps the per-position entropies first."""
+    to_rows = to_rows or (lambda values: values)
     if loss_cfg.entropy_coef > 0:
-        return packing.next_token_values(position_entropy(logits), mb)
+        return packing.next_token_values(to_rows(position_entropy(logits)), mb)
     if not loss_cfg.entropy_metric:
         return None
     positions = max(1, ENTROPY_SLICE_ELEMENTS // max(1, logits.shape[0] * logits.shape[-1]))
@@ -70,7 +72,7 @@ def token_entropy(position_entropy, logits: torch.Tensor, mb: dict[str, torch.Te
         detached = logits.detach()
         per_position = torch.cat([position_entropy(detached[:, i:i + positions])
                                   for i in range(0, detached.shape[1], positions)], dim=1)
-    return packing.next_token_values(per_position, mb)
+    return packing.next_token_values(to_rows(per_position), mb)
 
 
 def batch_totals(batch: TrainBatch) -> tuple[float, float]:

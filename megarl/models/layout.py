@@ -30,6 +30,7 @@ where each rule comes from:
   sampler.tp  of an MoE model: > 1 only at learner.tp=1 (the learner's whole experts per TP rank are not the
               engine's per-expert slices); the experts' width divisible by sampler.tp.
   algo.routing_replay=r3  a mixture-of-experts model.
+  learner.cp  > 1 only for a dense model (megarl.learner.context_parallel is not built for megatron's MoE layer).
 Rules that need no model (a batch smaller than learner.dp, sampler.tp not 1 or learner.tp, learner.ep not
 dividing learner.dp) are in megarl.config.load.validate.
 """
@@ -43,7 +44,7 @@ def _divisors(n: int) -> str:
 
 
 def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, sampler_tp: int = 1,
-                 learner_ep: int = 1, routing_replay: str = "off") -> None:
+                 learner_ep: int = 1, routing_replay: str = "off", learner_cp: int = 1) -> None:
     """ValueError naming the config key and the model dimension it does not divide; a dimension the
     check needs but config.json lacks is named too."""
 
@@ -73,6 +74,9 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
             raise ValueError(f"algo.routing_replay={routing_replay}: routing replay needs a mixture-of-experts "
                              f"model; model_type {hf_config.get('model_type')!r} is dense")
     else:
+        if learner_cp > 1:
+            raise ValueError(f"learner.cp={learner_cp}: context parallelism does not run with a mixture-of-experts "
+                             f"model ({hf_config.get('model_type')!r}) yet; use learner.cp=1")
         experts = moe.num_experts(hf_config)
         if experts % learner_ep:
             raise ValueError(f"learner.ep={learner_ep}: expert parallel size {learner_ep} does not divide "

@@ -284,7 +284,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     torch.set_num_threads(cfg.learner.threads)
     # A raw torchrun launch skipped `megarl train`'s check: refuse the layout naming its key, before megatron asserts.
     check_layout(json.loads((Path(model_dir) / "config.json").read_text()), cfg.learner.tp, cfg.learner.pp,
-                 cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay)
+                 cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay, cfg.learner.cp)
     if cfg.sampler.engine == "sglang":  # before any NCCL communicator: NCCL reads these once
         from megarl.distributed.sglang_publish import set_publish_nccl_env
         set_publish_nccl_env()

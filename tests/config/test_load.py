@@ -80,6 +80,13 @@ def test_demo_config_loads_with_overrides():
     ("learner.ep=4 learner.tp=2", "learner.ep: expert-parallel ranks are carved out of the tensor- and "
                                   "data-parallel ones: learner.ep=4 must divide learner.tp=2 times learner.dp=1"),
     ("learner.ep=2 learner.dp=2 learner.backend=deepspeed", "learner.ep: expert parallelism is megatron's"),
+    ("learner.cp=0", "learner.cp: must be > 0"),
+    ("learner.cp=2 learner.backend=deepspeed", "learner.cp: context parallelism is the megatron learner's"),
+    ("learner.cp=2 learner.ep=2 learner.dp=2", "learner.ep: learner.cp=2 (context parallelism) does not run with "
+                                               "learner.ep=2 yet"),
+    ("learner.cp=2 learner.lora.rank=8", "learner.lora.rank: learner.cp=2 (context parallelism) does not run with"),
+    ("learner.cp=2 algo.advantage.estimator=gae", "algo.advantage.estimator: learner.cp=2 (context parallelism) "
+                                                  "does not run with algo.advantage.estimator=gae yet"),
     ("algo.routing_replay=r3 learner.recompute_activations=full", "algo.routing_replay: r3 with "
                                                                   "learner.backend=megatron and "
                                                                   "learner.recompute_activations=full"),
@@ -213,6 +220,8 @@ MIXTRAL_6 = {"model_type": "mixtral", "num_local_experts": 6, "num_experts_per_t
      "sampler.tp=2: tensor parallel size 2 does not divide intermediate_size=95"),
     ("sampler.tp=2 eval.sets=[]", {**MIXTRAL_6, "model_type": "qwen3_moe", "moe_intermediate_size": 33},
      "sampler.tp=2: tensor parallel size 2 does not divide moe_intermediate_size=33"),
+    ("learner.cp=2 learner.tp=2", {}, None),
+    ("learner.cp=2", MIXTRAL_6, "learner.cp=2: context parallelism does not run with a mixture-of-experts model"),
 ])
 def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overrides, model, message):
     from megarl.models.layout import check_layout
@@ -220,10 +229,12 @@ def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overr
     cfg = load_config(DEMO, overrides.split())  # the keys alone are fine: only the model's shapes refuse them
     hf_config = {k: v for k, v in {**TINY, **model}.items() if v is not None}
     if message is None:
-        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay)
+        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay,
+                     cfg.learner.cp)
         return
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay)
+        check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep, cfg.algo.routing_replay,
+                     cfg.learner.cp)
 
 
 def test_an_impossible_layout_is_refused_before_any_process_starts_and_in_a_raw_torchrun_launch(

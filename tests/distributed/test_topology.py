@@ -54,3 +54,17 @@ def test_several_senders_are_the_first_rank_of_each_of_the_first_k_dp_replicas_o
     assert members(ranks) == {(0, 0, 0): [(0, 0), (1, 12), (2, 13)], (0, 0, 1): [(0, 2), (1, 12), (2, 13)],
                               (1, 0, 0): [(0, 6), (1, 12), (2, 13)], (1, 0, 1): [(0, 8), (1, 12), (2, 13)]}
     assert ranks[4].publish_parts == [] and ranks[1].publish_parts == []  # replica 2, and a TP rank 1
+
+
+def test_context_parallel_ranks_sit_between_tp_and_dp_and_only_cp_rank_0_publishes():
+    # tp2 cp2 dp2 pp1 (megatron order: tp fastest, then cp, then dp), senders=2: replicas at offsets 0 and 4.
+    from megarl.config.load import load_config, world_size_for
+    from megarl.distributed.ranks import rank_topology
+    from tests.helpers import REPO
+
+    cfg = load_config(REPO / "configs" / "demo.yaml", ["learner.tp=2", "learner.cp=2", "learner.dp=2",
+                                                       "publish.senders=2", "sampler.num_engines=1"])
+    assert world_size_for(cfg) == 9
+    ranks = [rank_topology(cfg, r, 9) for r in range(9)]
+    assert ranks[0].num_learners == 8 and ranks[0].learners_per_stage == 8
+    assert members(ranks) == {(0, 0, 0): [(0, 0), (1, 8)], (0, 0, 1): [(0, 4), (1, 8)]}

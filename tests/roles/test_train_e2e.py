@@ -264,7 +264,7 @@ def check_samplers_ran_the_published_weights(metrics: list[dict]) -> None:
 
 
 # The default layout (learner.tp=1) is checked by test_raw_torchrun_command_from_the_readme_works's run.
-@pytest.mark.parametrize("layout", ["learner.tp=2", "learner.dp=2", "learner.pp=2",
+@pytest.mark.parametrize("layout", ["learner.tp=2", "learner.dp=2", "learner.pp=2", "learner.cp=2",
                                     "learner.tp=2 sampler.tp=2 eval.sets=[]",  # a TP engine cannot evaluate
                                     "learner.lora.rank=8"])
 def test_samplers_run_exactly_the_weights_the_learner_published(embedded_count_model_dir, tmp_path, layout):

@@ -1,0 +1,205 @@
+"""Context parallelism (learner.cp, megarl.learner.context_parallel): the zig-zag split and each rank's mask rows,
+and real torchruns (gloo) whose log-probs, gradients and few-step metrics are the cp = 1 learner's."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.algo.config import LossConfig
+from megarl.learner import context_parallel, packing
+from megarl.protocols import TrainBatch
+from tests.helpers import LEARNER_TOL, save_tiny_qwen2
+
+VOCAB, ROWS, S, PROMPT = 64, 16, 22, 5
+LOSS = {"entropy_coef": 0.01, "kl_coef": 0.05}  # the entropy's gradient and the frozen reference's pass too
+
+
+def test_zigzag_columns_cover_the_width_once_and_balance_causal_work():
+    width, cp = 24, 3
+    parts = [context_parallel.local_columns(width, cp, r) for r in range(cp)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(width))
+    assert torch.equal(context_parallel.key_columns(width, cp), torch.cat(parts))
+    # A causal query at column c attends to c + 1 keys: every rank gets the same total.
+    assert len({int((p + 1).sum()) for p in parts}) == 1
+    assert context_parallel.padded_width(21, 2) == 24
+    with pytest.raises(ValueError, match="multiple of 2 \\* cp"):
+        context_parallel.local_columns(22, 2, 0)
+
+
+@pytest.mark.parametrize("slice_elements", [packing.MASK_SLICE_ELEMENTS, 25])
+def test_a_ranks_mask_is_its_rows_of_the_whole_mask_in_the_gathered_key_order(monkeypatch, slice_elements):
+    """(built in slices of queries, or all at once: the same mask)"""
+    monkeypatch.setattr(packing, "MASK_SLICE_ELEMENTS", slice_elements)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 5, (6, 10), generator=g)
+    ids[:3, :4] = ids[0, :4]  # three rows sharing a prefix
+    lengths = torch.tensor([10, 7, 9, 4, 6, 3])
+    mb = packing.pack({"input_ids": ids}, lengths, share_prefixes=True)
+    width = context_parallel.padded_width(mb["packed_ids"].shape[1] + 1, 2)
+    keys = context_parallel.key_columns(width, 2)
+    for window in (None, 3):
+        whole = packing.attention_mask(mb, width, window=window)
+        causal = packing.causal_mask(width, window=window)
+        for rank in range(2):
+            mine = context_parallel.local_columns(width, 2, rank)
+            assert torch.equal(packing.attention_mask(mb, width, window=window, queries=mine, keys=keys),
+                               whole[:, :, mine][:, :, :, keys])
+            assert torch.equal(packing.causal_mask(width, window=window, queries=mine, keys=keys),
+                               causal[:, :, mine][:, :, :, keys])
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_packed_mask_is_each_rows_causal_path(share, window):
+    """packing.attention_mask against the rows themselves: row i's token t (at column c_i[t] of its packed row)
+    attends to c_i[max(0, t - window + 1)..t] and nothing else; a position no row placed attends to itself."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 3, (9, 12), generator=g)
+    ids[:4, :5] = ids[0, :5]
+    lengths = torch.tensor([12, 9, 5, 11, 3, 7, 12, 2, 6])
+    mb = packing.pack({"input_ids": ids}, lengths, share_prefixes=share)
+    count, packed = mb["packed_ids"].shape
+    width = packed + 3
+    expected = torch.zeros(count, width, width, dtype=torch.bool)
+    for i, n in enumerate(lengths.tolist()):
+        r, cols = divmod(int(mb["unpack_index"][i, 0]), packed)[0], (mb["unpack_index"][i, :n] % packed).tolist()
+        for t in range(n):
+            expected[r, cols[t], cols[max(0, t - window + 1) if window else 0:t + 1]] = True
+    expected.diagonal(dim1=1, dim2=2).fill_(True)
+    assert torch.equal(~packing.attention_mask(mb, width, window=window)[:, 0], expected)
+
+
+def _batches(count: int) -> list[TrainBatch]:
+    """Groups of 4 rows sharing a prompt (and pairs of them their first completion tokens), long-tailed lengths."""
+    out = []
+    for seed in range(count):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, VOCAB, (ROWS, S), generator=g)
+        for group in range(0, ROWS, 4):
+            ids[group:group + 4, :PROMPT] = ids[group, :PROMPT]
+            ids[group + 1, :PROMPT + 3] = ids[group, :PROMPT + 3]
+        lengths = torch.randint(2, S - PROMPT + 1, (ROWS,), generator=g)
+        mask = torch.zeros(ROWS, S)
+        for b in range(ROWS):
+            mask[b, PROMPT:PROMPT + lengths[b]] = 1.0
+            ids[b, PROMPT + lengths[b]:] = 0
+        mu = -2.0 + 0.3 * torch.randn(ROWS, S, generator=g)
+        advantages = torch.randn(ROWS, 1, generator=g).expand(ROWS, S)
+        out.append(TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=mu * mask,
+                              versions=torch.where(mask > 0, 0, -1), advantages=advantages * mask, learner_version=0))
+    return out
+
+
+def _launch(model_dir: str, batches: list, tmp_path: Path, layouts: dict, nproc: int) -> subprocess.Popen:
+    torch.save(batches, tmp_path / "batches.pt")
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         str(Path(__file__).with_name("cp_worker.py")), model_dir, str(tmp_path / "batches.pt"), str(tmp_path),
+         json.dumps(layouts)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _results(proc, tmp_path: Path, layouts: dict, nproc: int, timeout: float) -> dict[str, list[dict]]:
+    _, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-4000:]
+    return {name: [torch.load(tmp_path / f"{name}.rank{r}.pt") for r in range(nproc)] for name in layouts}
+
+
+def _reference(model_dir: str, layout: dict, batches: list) -> dict:
+    """The cp = 1 learner's log-probs, first-step gradients and per-step metrics, in this process."""
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner.megatron import MegatronLearner
+
+    cfg = {k: v for k, v in layout.items() if k not in ("cp", "tp", "loss", "save")}
+    learner = MegatronLearner(model_dir, LearnerConfig(**cfg), LossConfig(**layout.get("loss", {})))
+    logprobs = learner.logprobs(batches[0].input_ids)
+    metrics = [learner.train_step(batches[0])]
+    grads = {n: p.main_grad.detach().clone() for n, p in learner.gpt.named_parameters()}
+    metrics += [learner.train_step(b) for b in batches[1:]]
+    return {"logprobs": logprobs, "grads": grads, "metrics": metrics}
+
+
+def _assert_matches(got: dict, ref: dict, name: str, layout_metrics: tuple = ()) -> None:
+    """(`layout_metrics`: metrics of how the rows were cut, which another DP size cuts differently)"""
+    assert (got["logprobs"] - ref["logprobs"]).abs().max().item() <= LEARNER_TOL, name
+    scale = max(float(g.abs().max()) for g in ref["grads"].values())
+    assert scale > 0
+    for param, grad in ref["grads"].items():  # fp32 sums in another order: relative to the largest gradient
+        assert (got["grads"][param] - grad).abs().max().item() <= 1e-5 * scale, (name, param)
+    for step, (mine, theirs) in enumerate(zip(got["metrics"], ref["metrics"], strict=True)):
+        for key, value in theirs.items():
+            if key.endswith("_s") or key in layout_metrics:  # (timings)
+                continue
+            assert abs(mine[key] - value) <= 1e-5 * max(1.0, abs(value)), (name, step, key)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), tie_word_embeddings=True, vocab_size=VOCAB))
+
+
+def test_cp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_path):
+    """cp=2 on packed, prefix-shared rows in two micro-batches (with the entropy bonus and the KL reference), and on
+    unpacked rows with full activation recomputation (the K/V gathers run again in the backward): the cp=1 per-token
+    log-probs, first-step gradients of every parameter and three steps' loss,
+    grad norm and statistics; the cp=2 learner's checkpoint saves."""
+    batches = _batches(3)
+    layouts = {"cp2_packed": {"cp": 2, "micro_batch_size": 8, "loss": LOSS, "save": True},
+               "cp2_unpacked_recompute": {"cp": 2, "micro_batch_size": 16, "pack_sequences": False,
+                                          "recompute_activations": "full"}}
+    proc = _launch(model_dir, batches, tmp_path, layouts, nproc=2)
+    refs = {name: _reference(model_dir, layout, batches) for name, layout in layouts.items()}
+    for name, ranks in _results(proc, tmp_path, layouts, nproc=2, timeout=600).items():
+        assert sorted(r["cp_rank"] for r in ranks) == [0, 1]
+        for rank in ranks:
+            _assert_matches(rank, refs[name], name)
+    assert (tmp_path / "cp2_packed.ckpt").is_dir()
+
+
+def test_learners_refuse_what_context_parallelism_is_not_built_for(model_dir, world):
+    """Inside a launch, as before it (megarl.config.load): the DeepSpeed learner has no context parallelism, and the
+    megatron one names the settings cp > 1 does not run with."""
+    from megarl.algo.config import CriticConfig
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner.deepspeed import DeepSpeedLearner
+    from megarl.learner.megatron import check_context_parallel
+
+    with pytest.raises(ValueError, match="context parallelism is the megatron learner's"):
+        DeepSpeedLearner(model_dir, LearnerConfig(backend="deepspeed", cp=2), LossConfig())
+    with pytest.raises(ValueError, match=r"learner.cp=2 \(context parallelism\) does not run with a mixture-of-experts "
+                                         r"model \(learner.ep, r3\), the critic"):
+        check_context_parallel(LearnerConfig(cp=2), True, "off", CriticConfig(), None)
+    check_context_parallel(LearnerConfig(cp=2, tp=2, pp=2), False, "off", None, None)
+
+
+def test_cp2_with_tp2_pp2_and_dp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_path):
+    """cp=2 x tp=2 (4 ranks; vocab-parallel log-probs and entropies per CP rank, each TP rank's heads' keys and values
+    gathered over its CP group) and cp=2 x pp=2 (each stage's activations of its CP rank's positions sent on, the
+    log-probs broadcast from the last stage) and cp=2 x dp=2 (gradients summed over the DP x CP group) on packed,
+    prefix-shared rows: the cp=1, tp=1 log-probs, gradients (the two stages' together) and steps."""
+    batches = _batches(2)
+    layouts = {"cp2_tp2": {"cp": 2, "tp": 2, "micro_batch_size": 8, "loss": LOSS},
+               "cp2_pp2": {"cp": 2, "pp": 2, "micro_batch_size": 8, "loss": LOSS},
+               "cp2_dp2": {"cp": 2, "dp": 2, "micro_batch_size": 8, "loss": LOSS}}
+    proc = _launch(model_dir, batches, tmp_path, layouts, nproc=4)
+    ref = _reference(model_dir, layouts["cp2_tp2"], batches)
+    results = _results(proc, tmp_path, layouts, nproc=4, timeout=600)
+    ranks = results["cp2_tp2"]
+    assert sorted((r["tp_rank"], r["cp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank in ranks:
+        _assert_matches(rank, ref, "cp2_tp2")
+    ranks = results["cp2_pp2"]
+    assert sorted((r["pp_rank"], r["cp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for cp_rank in (0, 1):
+        stages = [r for r in ranks if r["cp_rank"] == cp_rank]
+        # (each stage holds its own layers' gradients; the tied embedding's on both)
+        merged = {**stages[0], "grads": {name: grad for r in stages for name, grad in r["global_grads"].items()}}
+        _assert_matches(merged, ref, "cp2_pp2")
+    ranks = results["cp2_dp2"]  # (each DP rank's 8 rows in one micro-batch, the reference's 16 in two)
+    assert sorted((r["dp_rank"], r["cp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank in ranks:
+        _assert_matches(rank, ref, "cp2_dp2", layout_metrics=("padding_frac", "shared_frac"))
