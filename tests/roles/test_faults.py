@@ -233,3 +233,74 @@ def test_a_sigterm_to_the_raw_single_node_script_stops_the_run_and_it_exits_143_
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
     assert not leftovers(run_dir)
+
+
+def _sampler_processes(run_dir) -> dict[tuple[int, int], int]:
+    """(RANK, incarnation) -> pid of the live sampler processes of a fault.on_failure=replace run (a sampler rank's
+    keeper, the torchrun worker, has no incarnation in its environment and is left out)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if b"megarl.roles.worker" in args and str(run_dir).encode() in b" ".join(args) and \
+                b"MEGARL_SAMPLER_INCARNATION" in env:
+            found[(int(env[b"RANK"]), int(env[b"MEGARL_SAMPLER_INCARNATION"]))] = int(proc.name)
+    return found
+
+
+def _replace_run(run_dir, model_dir, steps: int, *overrides) -> subprocess.Popen:
+    return _start(run_dir, model_dir, f"run.steps={steps}", "fault.on_failure=replace", "sampler.num_engines=2",
+                  "run.log_rollouts=true", *overrides)
+
+
+def _check_replaced(run_dir, out: str, steps: int, rank: int) -> None:
+    """Every step once, in order; the replacement of `rank` joined at a version V, and its first trained group
+    carries V (it generated nothing before it ran V) and every later one of its groups no older."""
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(steps))  # none skipped, none trained twice
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    joined = [int(v) for v in __import__("re").findall(
+        rf"sampler {rank - 1} \(rank {rank}\): replacement 1 joins the publish set at version (\d+)", out)]
+    assert len(joined) == 1, out[-3000:]
+    rollouts = [json.loads(line) for line in (Path(run_dir) / "rollouts.jsonl").read_text().splitlines()]
+    after = [r for r in rollouts if r["sampler_rank"] == rank and r["trained_at_step"] >= joined[0]]
+    assert after, "the replacement contributed no group"
+    assert after[0]["versions"][0] == joined[0]
+    assert all(min(r["versions"]) >= joined[0] for r in after)
+    ids = [r["group_id"] for r in rollouts]
+    assert len(set(ids)) * 8 == len(ids)  # no group trained twice (group_size 8 samples per group)
+    assert metrics[-1]["samplers/alive"] == 2.0 and metrics[-1]["samplers/replaced"] == 1.0
+
+
+def test_with_replace_a_killed_sampler_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
+    run_dir = tmp_path / "replace_kill"
+    steps = 16
+    proc = _replace_run(run_dir, embedded_think_model_dir, steps)
+    _wait_for_steps(run_dir, 3, proc)
+    os.kill(_sampler_processes(run_dir)[(1, 0)], signal.SIGKILL)
+    out, err, took = _finish(proc, timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "megarl: sampler 0 (rank 1) was killed by signal 9 (SIGKILL): dropped from the publish set, " \
+           "replacement 1 starting; " in out, out[-3000:]
+    _check_replaced(run_dir, out, steps, 1)
+    assert not leftovers(run_dir)
+
+
+def test_with_replace_a_hung_sampler_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
+    run_dir = tmp_path / "replace_hang"
+    steps = 16
+    proc = _replace_run(run_dir, embedded_think_model_dir, steps, "fault.sampler_timeout_s=4", "publish.timeout_s=8",
+                        "queue.timeout_s=120")
+    _wait_for_steps(run_dir, 3, proc)
+    os.kill(_sampler_processes(run_dir)[(2, 0)], signal.SIGSTOP)  # its keeper SIGKILLs it when the learner asks
+    out, err, took = _finish(proc, timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "megarl: sampler 1 (rank 2) hung: no heartbeat for 4s (fault.sampler_timeout_s): dropped from the " \
+           "publish set, replacement 1 starting; " in out, out[-3000:]
+    _check_replaced(run_dir, out, steps, 2)
+    assert not leftovers(run_dir)
