@@ -2,6 +2,7 @@
 with a message that names the failed rank and role; nothing is left running."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -253,18 +254,35 @@ def _sampler_processes(run_dir) -> dict[tuple[int, int], int]:
     return found
 
 
-def _replace_run(run_dir, model_dir, steps: int, *overrides) -> subprocess.Popen:
-    return _start(run_dir, model_dir, f"run.steps={steps}", "fault.on_failure=replace", "sampler.num_engines=2",
-                  "run.log_rollouts=true", *overrides)
+def _replace_run(run_dir, model_dir, *overrides) -> subprocess.Popen:
+    return _start(run_dir, model_dir, "fault.on_failure=replace", "sampler.num_engines=2", "run.log_rollouts=true",
+                  *overrides)
 
 
-def _check_replaced(run_dir, out: str, steps: int, rank: int) -> None:
-    """Every step once, in order; the replacement of `rank` joined at a version V, and its first trained group
-    carries V (it generated nothing before it ran V) and every later one of its groups no older."""
+def _wait_for_rejoin(run_dir, proc: subprocess.Popen, more_steps: int = 4, timeout: float = 240) -> None:
+    """Until a replacement has joined (samplers/alive back at 2 after samplers/replaced rose) and `more_steps`
+    steps were trained since."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = _metrics(run_dir)
+        back = [m["step"] for m in metrics if m.get("samplers/replaced") == 1.0 and m.get("samplers/alive") == 2.0]
+        if back and metrics[-1]["step"] >= back[0] + more_steps:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    raise AssertionError(f"no replacement joined and trained {more_steps} steps within {timeout}s")
+
+
+def _check_replaced(run_dir, out: str, err: str, rank: int) -> None:
+    """Stopped by SIGTERM at a step boundary with every step once, in order; the replacement of `rank` joined at a
+    version V, its first trained group carries V (it generated nothing before it ran V) and none of its later ones
+    is older."""
     metrics = _metrics(run_dir)
+    steps = len(metrics)
+    assert f"megarl: stopped by SIGTERM after {steps} steps" in out, err[-3000:]
     assert [m["step"] for m in metrics] == list(range(steps))  # none skipped, none trained twice
     assert [m["version"] for m in metrics] == list(range(1, steps + 1))
-    joined = [int(v) for v in __import__("re").findall(
+    joined = [int(v) for v in re.findall(
         rf"sampler {rank - 1} \(rank {rank}\): replacement 1 joins the publish set at version (\d+)", out)]
     assert len(joined) == 1, out[-3000:]
     rollouts = [json.loads(line) for line in (Path(run_dir) / "rollouts.jsonl").read_text().splitlines()]
@@ -273,34 +291,36 @@ def _check_replaced(run_dir, out: str, steps: int, rank: int) -> None:
     assert after[0]["versions"][0] == joined[0]
     assert all(min(r["versions"]) >= joined[0] for r in after)
     ids = [r["group_id"] for r in rollouts]
-    assert len(set(ids)) * 8 == len(ids)  # no group trained twice (group_size 8 samples per group)
+    assert len(set(ids)) * 8 == len(ids)  # no group trained twice (8 samples per group)
     assert metrics[-1]["samplers/alive"] == 2.0 and metrics[-1]["samplers/replaced"] == 1.0
 
 
 def test_with_replace_a_killed_sampler_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
     run_dir = tmp_path / "replace_kill"
-    steps = 16
-    proc = _replace_run(run_dir, embedded_think_model_dir, steps)
+    proc = _replace_run(run_dir, embedded_think_model_dir)
     _wait_for_steps(run_dir, 3, proc)
     os.kill(_sampler_processes(run_dir)[(1, 0)], signal.SIGKILL)
-    out, err, took = _finish(proc, timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    _wait_for_rejoin(run_dir, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "megarl: sampler 0 (rank 1) was killed by signal 9 (SIGKILL): dropped from the publish set, " \
            "replacement 1 starting; " in out, out[-3000:]
-    _check_replaced(run_dir, out, steps, 1)
+    _check_replaced(run_dir, out, err, 1)
     assert not leftovers(run_dir)
 
 
 def test_with_replace_a_hung_sampler_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
     run_dir = tmp_path / "replace_hang"
-    steps = 16
-    proc = _replace_run(run_dir, embedded_think_model_dir, steps, "fault.sampler_timeout_s=4", "publish.timeout_s=8",
+    proc = _replace_run(run_dir, embedded_think_model_dir, "fault.sampler_timeout_s=4", "publish.timeout_s=8",
                         "queue.timeout_s=120")
     _wait_for_steps(run_dir, 3, proc)
     os.kill(_sampler_processes(run_dir)[(2, 0)], signal.SIGSTOP)  # its keeper SIGKILLs it when the learner asks
-    out, err, took = _finish(proc, timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    _wait_for_rejoin(run_dir, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "megarl: sampler 1 (rank 2) hung: no heartbeat for 4s (fault.sampler_timeout_s): dropped from the " \
            "publish set, replacement 1 starting; " in out, out[-3000:]
-    _check_replaced(run_dir, out, steps, 2)
+    _check_replaced(run_dir, out, err, 2)
     assert not leftovers(run_dir)
