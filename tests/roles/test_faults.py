@@ -320,7 +320,8 @@ def test_with_replace_a_hung_sampler_is_replaced_and_the_run_goes_on(embedded_th
     proc.send_signal(signal.SIGTERM)
     out, err, took = _finish(proc, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "megarl: sampler 1 (rank 2) hung: no heartbeat for 4s (fault.sampler_timeout_s): dropped from the " \
-           "publish set, replacement 1 starting; " in out, out[-3000:]
+    # Named by its silent heartbeat, while the learner waits for groups or once a publish to it timed out.
+    assert re.search(r"megarl: sampler 1 \(rank 2\) hung: no heartbeat for \d+s.*: dropped from the publish set, "
+                     r"replacement 1 starting; \d+ unfinished groups? lost", out), out[-3000:]
     _check_replaced(run_dir, out, err, 2)
     assert not leftovers(run_dir)
