@@ -390,7 +390,8 @@ class FaultConfig:
     # Under on_failure=replace: replacements of one sampler in any hour; one more fails its rank (the run stops).
     max_sampler_restarts_per_hour: int = 6
     # A sampler process that is alive but whose loop has not turned for this long is declared hung
-    # (a dead one is torchrun's to see at once); the learner then fails, naming it.
+    # (a dead one is torchrun's, or under on_failure=replace its keeper's, to see at once); the learner then fails,
+    # naming it (under on_failure=replace it drops the sampler and its keeper replaces it).
     sampler_timeout_s: float = 300.0
     heartbeat_s: float = 1.0  # how often a sampler's loop reports that it turns
     # SIGTERM/SIGINT/SIGHUP stop the run at the next step boundary; also save a checkpoint there (a
