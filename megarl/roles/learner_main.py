@@ -55,6 +55,12 @@ MEMBERSHIP_ATTEMPTS = 3  # membership epochs tried before a publish gives up (a 
 GONE_S = 3.0  # after a failed publish, a member whose heartbeat stood still this long is taken as gone
 
 
+class JoinersWaiting(Exception):
+    """fault.on_failure=replace: no sampler is a member and replacements are ready. No group can come before they
+    receive the weights, which the learner publishes only after a step: in place of the step's batch, every learner
+    rank publishes the current version again (the lead to the newcomers' epoch), then the step's wait starts over."""
+
+
 def retired_key(sampler_rank: int) -> str:
     """Where the lead posts a sampler's retired-group count between publishes: as soon as it drops one of its
     groups, and after a skipped (non-finite) step, which publishes nothing."""
@@ -154,6 +160,8 @@ class Intake:
             self.next_dead_check = time.monotonic() + DEAD_CHECK_S
             for rank, cause in self.members.dead():
                 self.drop_sampler(rank, cause)
+            if not self.members.members and self.members.joins():
+                raise JoinersWaiting()  # (groups collected for this batch came from dropped samplers: never retired)
 
     def drop_sampler(self, rank: int, cause: str, hung: bool = False) -> None:
         """fault.on_failure=replace: `rank` leaves the publish set (a hung one's keeper is asked to kill it)."""
@@ -473,11 +481,19 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 save_checkpoint(learner, cfg, step, model_dir, intake, note)
             version = learner.version  # differs from `step` once a non-finite step was skipped
             wall = [time.time()]
-            try:
-                batch, intake_metrics = intake.next_batch(version) if lead else (None, {})
-            except StopRequested as stop:  # a stop signal: the lead tells every learner rank in the batch's place
-                batch, intake_metrics = stop, {}
-            batch = share_batch(batch)
+            while True:
+                try:
+                    batch, intake_metrics = intake.next_batch(version) if lead else (None, {})
+                except (StopRequested, JoinersWaiting) as told:  # the lead tells every learner rank in the batch's place
+                    batch, intake_metrics = told, {}
+                batch = share_batch(batch)
+                if not isinstance(batch, JoinersWaiting):
+                    break
+                # Every sampler is gone and replacements wait to be admitted: they get the current version now.
+                if members is None:
+                    publish_weights(source, None, {}, None, topo.num_learners)
+                else:
+                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners)
             if isinstance(batch, StopRequested):
                 stopped = batch
                 break

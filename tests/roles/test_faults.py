@@ -259,13 +259,15 @@ def _replace_run(run_dir, model_dir, *overrides) -> subprocess.Popen:
                   *overrides)
 
 
-def _wait_for_rejoin(run_dir, proc: subprocess.Popen, more_steps: int = 4, timeout: float = 240) -> None:
-    """Until a replacement has joined (samplers/alive back at 2 after samplers/replaced rose) and `more_steps`
-    steps were trained since."""
+def _wait_for_rejoin(run_dir, proc: subprocess.Popen, replaced: int = 1, more_steps: int = 4,
+                     timeout: float = 240) -> None:
+    """Until the replacements have joined (samplers/alive back at 2 after samplers/replaced rose to `replaced`) and
+    `more_steps` steps were trained since."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         metrics = _metrics(run_dir)
-        back = [m["step"] for m in metrics if m.get("samplers/replaced") == 1.0 and m.get("samplers/alive") == 2.0]
+        back = [m["step"] for m in metrics
+                if m.get("samplers/replaced") == float(replaced) and m.get("samplers/alive") == 2.0]
         if back and metrics[-1]["step"] >= back[0] + more_steps:
             return
         assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -273,7 +275,7 @@ def _wait_for_rejoin(run_dir, proc: subprocess.Popen, more_steps: int = 4, timeo
     raise AssertionError(f"no replacement joined and trained {more_steps} steps within {timeout}s")
 
 
-def _check_replaced(run_dir, out: str, err: str, rank: int) -> None:
+def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1) -> None:
     """Stopped by SIGTERM at a step boundary with every step once, in order; the replacement of `rank` joined at a
     version V, its first trained group carries V (it generated nothing before it ran V) and none of its later ones
     is older."""
@@ -292,21 +294,27 @@ def _check_replaced(run_dir, out: str, err: str, rank: int) -> None:
     assert all(min(r["versions"]) >= joined[0] for r in after)
     ids = [r["group_id"] for r in rollouts]
     assert len(set(ids)) * 8 == len(ids)  # no group trained twice (8 samples per group)
-    assert metrics[-1]["samplers/alive"] == 2.0 and metrics[-1]["samplers/replaced"] == 1.0
+    assert metrics[-1]["samplers/alive"] == 2.0 and metrics[-1]["samplers/replaced"] == float(replaced)
 
 
-def test_with_replace_a_killed_sampler_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
+@pytest.mark.parametrize("victims", [(1,), (1, 2)])
+def test_with_replace_a_killed_sampler_is_replaced_and_the_run_goes_on(victims, embedded_think_model_dir, tmp_path):
+    # (1, 2): every sampler at once; no group can come until a replacement has the weights, which the learner then
+    # publishes in place of a batch (learner_main.JoinersWaiting).
     run_dir = tmp_path / "replace_kill"
     proc = _replace_run(run_dir, embedded_think_model_dir)
     _wait_for_steps(run_dir, 3, proc)
-    os.kill(_sampler_processes(run_dir)[(1, 0)], signal.SIGKILL)
-    _wait_for_rejoin(run_dir, proc)
+    pids = _sampler_processes(run_dir)
+    for rank in victims:
+        os.kill(pids[(rank, 0)], signal.SIGKILL)
+    _wait_for_rejoin(run_dir, proc, replaced=len(victims))
     proc.send_signal(signal.SIGTERM)
     out, err, took = _finish(proc, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "megarl: sampler 0 (rank 1) was killed by signal 9 (SIGKILL): dropped from the publish set, " \
-           "replacement 1 starting; " in out, out[-3000:]
-    _check_replaced(run_dir, out, err, 1)
+    for rank in victims:
+        assert f"megarl: sampler {rank - 1} (rank {rank}) was killed by signal 9 (SIGKILL): dropped from the publish " \
+               f"set, replacement 1 starting; " in out, out[-3000:]
+        _check_replaced(run_dir, out, err, rank, replaced=len(victims))
     assert not leftovers(run_dir)
 
 
