@@ -32,6 +32,9 @@ Publishes are numbered separately from policy versions because a version may adv
 one between publishes (sync mode trains K steps, a skipped step advances none).
 Receivers double-buffer: publish n lands in buffer set n % 2, reused only once the engine has
 moved past the version that set last held.
+Under fault.on_failure=replace the group changes with the live sampler set (membership epochs,
+megarl.distributed.membership): a receiver's `follower` moves it to each epoch's group and first publish,
+whose source resets its delta base, so that publish is whole.
 """
 from __future__ import annotations
 
