@@ -64,9 +64,11 @@ def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store) -> None:
             raise SystemExit(code)
         store.set(dead_key(topo.rank), json.dumps({"incarnation": incarnation, "cause": cause}))
         if over_limit(restarts, time.monotonic(), cfg.fault.max_sampler_restarts_per_hour):
-            raise SystemExit(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}, its "
-                             f"{len(restarts)}th end within an hour: over fault.max_sampler_restarts_per_hour="
+            raise SystemExit(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}: {len(restarts)} ends "
+                             f"within an hour, over fault.max_sampler_restarts_per_hour="
                              f"{cfg.fault.max_sampler_restarts_per_hour}, so the run stops")
+        if stop_signal() is not None:  # the run is stopping: no replacement
+            raise SystemExit(exit_status(stop_signal()))
         incarnation += 1
         print(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}; starting replacement {incarnation}",
               flush=True)
