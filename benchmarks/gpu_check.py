@@ -47,6 +47,9 @@ JSON with the tail of its log, and the rest still run:
                     tracker installed there (tensorboard; wandb offline and mlflow's file store when importable):
                     the median and worst call, and the time to close (what is queued written); the dry run
                     leaves wandb out (its service takes ~10 s to start)
+  sampler_replace   e2e_train under fault.on_failure=replace with two built-in samplers: one SIGKILLed after 5
+                    steps, the run trains on, its replacement joins (the version it joined at) and trains 5 more
+                    steps; every step once, the longest step gap after the kill, samplers/* metrics
 
 `--dry-run` (CPU): the wheel list's structure, its declared total against the 64 MiB limit (with the
 working tree that travels with it), each wheel's requirements against what the GPU machine has; unless
@@ -63,6 +66,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -958,6 +962,65 @@ def cp_worker(args, size: Size) -> None:
         "logprob_max_abs_diff": round(float(diff.max()), 5), "logprob_mean_abs_diff": round(float(diff.mean()), 6)}))
 
 
+def check_sampler_replace(args, size: Size) -> dict:
+    """fault.on_failure=replace on the demo with two built-in samplers: one is SIGKILLed after 5 steps; the learner
+    trains on, the replacement joins (samplers/alive back at 2) and trains 5 steps more, then a SIGTERM stops the
+    run at a step boundary: every step once, the replacement's join version and the step stall it cost."""
+    overrides = ["fault.on_failure=replace", "sampler.num_engines=2", "eval.sets=[]"]
+    if size.tiny:
+        return run_demo(args, size, "sampler_replace", overrides)[0]
+    run_dir = Path(args.workdir) / "sampler_replace"
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", f"run.dir={run_dir}", "run.steps=100000",
+           "dist.backend=gloo", "run.overwrite=true", "observe.trackers=[]", *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + args.timeout - 40
+    metrics = run_dir / "metrics.jsonl"
+
+    def rows() -> list[dict]:
+        return [r for r in map(json.loads, metrics.read_text().splitlines()) if "kind" not in r] if metrics.exists() else []
+
+    def until(done, what: str) -> None:
+        while not done():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"{what}: not reached (exit {proc.poll()}): {proc.communicate()[1][-3000:]}")
+            time.sleep(0.5)
+
+    try:
+        until(lambda: len(rows()) >= 5, "5 steps")
+        victim = next(int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _env_of(d).get("RANK") == "1"
+                      and _env_of(d).get("MEGARL_SAMPLER_INCARNATION") == "0")
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+
+        def rejoined() -> bool:
+            back = [r["step"] for r in rows() if r.get("samplers/replaced") == 1.0 and r.get("samplers/alive") == 2.0]
+            return bool(back) and rows()[-1]["step"] >= back[0] + 5
+
+        until(rejoined, "the replacement's join and 5 steps after it")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = rows()
+    gaps = [b["time"] - a["time"] for a, b in zip(done, done[1:]) if b["time"] > killed_at]
+    joined = [line for line in out.splitlines() if "joins the publish set" in line]
+    result = {"exit": proc.returncode, "steps": len(done), "join": joined, "max_step_gap_after_kill_s": round(max(gaps), 2),
+              "samplers": {k: v for k, v in done[-1].items() if k.startswith("samplers/")}}
+    if proc.returncode != 128 + signal.SIGTERM or [r["step"] for r in done] != list(range(len(done))) or not joined:
+        raise RuntimeError(f"the run did not go on as it should: {result}; {err[-2000:]}")
+    return result
+
+
+def _env_of(proc_dir: Path) -> dict[str, str]:
+    try:
+        return dict(e.split("=", 1) for e in (proc_dir / "environ").read_bytes().decode(errors="replace").split("\0")
+                    if "=" in e)
+    except OSError:
+        return {}
+
+
 def check_publish_bandwidth(args, size: Size) -> dict:
     out_file = Path(args.workdir) / "publish.json"
     out_file.unlink(missing_ok=True)
@@ -1091,7 +1154,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120),
           "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
           "trackers": (check_trackers, 120), "families": (check_families, 150),
-          "context_parallel": (check_context_parallel, 150)}
+          "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 DRY_TIMEOUT = 90  # each check's limit on CPU
 

@@ -234,8 +234,8 @@ def failure_summary(torchrun_stderr: str, cfg) -> str:
         how = f"stopped on {signal.Signals(code - 128).name} (exit code {code})"
     else:
         how = f"exited with code {code} (its traceback is above)"
-    after = ("torchrun stopped every other process" if cfg.fault.on_failure == "stop"
-             else f"torchrun stopped every process after {cfg.fault.max_restarts} restarts (fault.max_restarts)")
+    after = (f"torchrun stopped every process after {cfg.fault.max_restarts} restarts (fault.max_restarts)"
+             if cfg.fault.on_failure == "restart" else "torchrun stopped every other process")
     hung = re.findall(r"sampler rank (\d+) \(sampler (\d+)\) (?:stopped beating: no heartbeat for|has not started its "
                       r"loop: no heartbeat for|has sent no heartbeat for) (\d+)s", torchrun_stderr)
     if topo.role == "learner" and code > 0 and hung:

@@ -210,6 +210,18 @@ def test_the_failure_summary_names_the_rank_that_caused_the_stop(root_cause, oth
     assert failure_summary("no report at all", cfg) == "torchrun exited with an error (see its output above)"
 
 
+def test_under_replace_a_sampler_rank_that_ran_out_of_restarts_is_named_and_nothing_restarted():
+    # fault.on_failure=replace: a sampler's keeper fails only past fault.max_sampler_restarts_per_hour; torchrun
+    # then stops every other process (it restarts nothing: --max-restarts 0).
+    from megarl.cli import failure_summary
+    from megarl.config.load import load_config
+
+    cfg = load_config(DEMO, ["sampler.num_engines=2", "fault.on_failure=replace", "eval.sets=[]"])
+    summary = failure_summary(torchrun_report((2, 1), [(0, -15), (1, -15)]), cfg)
+    assert summary.startswith("sampler 1 (rank 2) exited with code 1 (its traceback is above); "
+                              "torchrun stopped every other process."), summary
+
+
 def test_a_run_dir_holding_another_runs_outputs_is_refused_before_launch(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -389,10 +389,15 @@ class FaultConfig:
     # "stop": torchrun stops every process as soon as one fails; megarl names the failed rank and role.
     # "restart": torchrun restarts every process (at most max_restarts times) and the run resumes from
     # its last checkpoint (needs checkpoint.every_steps > 0); the lost progress is counted.
+    # "replace": a sampler that dies or hangs is replaced while the learner trains on (a learner failure stops
+    # the run); built-in engine at sampler.tp=1, learner.pp=1, publish.senders=1, pipeline mode, no eval.sets.
     on_failure: str = "stop"
     max_restarts: int = 3
+    # Under on_failure=replace: replacements of one sampler in any hour; one more fails its rank (the run stops).
+    max_sampler_restarts_per_hour: int = 6
     # A sampler process that is alive but whose loop has not turned for this long is declared hung
-    # (a dead one is torchrun's to see at once); the learner then fails, naming it.
+    # (a dead one is torchrun's, or under on_failure=replace its keeper's, to see at once); the learner then fails,
+    # naming it (under on_failure=replace it drops the sampler and its keeper replaces it).
     sampler_timeout_s: float = 300.0
     heartbeat_s: float = 1.0  # how often a sampler's loop reports that it turns
     # SIGTERM/SIGINT/SIGHUP stop the run at the next step boundary; also save a checkpoint there (a

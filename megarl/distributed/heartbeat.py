@@ -1,7 +1,8 @@
 """Liveness of sampler ranks, through the torchrun store: a hung sampler is named, not waited on forever.
 
 A sampler whose process dies is torchrun's to detect (its agent sees the exit within its monitor
-interval and stops or restarts every worker, `fault.on_failure`). A sampler that is alive but stuck
+interval and stops or restarts every worker, `fault.on_failure`; under `replace`, its keeper's).
+A sampler that is alive but stuck
 (a wedged engine step, a reward call that ignores its timeout, a deadlocked server) exits nothing, so
 the learner would only notice at `queue.timeout_s`, with no hint which rank. Each sampler therefore
 bumps a counter `heartbeat/{rank}/<suffix>` from its main loop (at most every `period_s`), and the learner's
@@ -28,15 +29,18 @@ def heartbeat_key(store: SignedStore, rank: int) -> str:
 
 
 class SamplerHungError(RuntimeError):
-    pass
+    def __init__(self, message: str, rank: int = -1):
+        super().__init__(message)
+        self.rank = rank  # the hung sampler's global rank
 
 
 class Heartbeat:
     """Sampler side: call `beat()` from the main loop; it writes at most once per `period_s`."""
 
-    def __init__(self, store: SignedStore, rank: int, period_s: float = 1.0):
+    def __init__(self, store: SignedStore, rank: int, period_s: float = 1.0, first: int = 0):
+        # `first`: a replacement sampler counts on above its predecessor (megarl.distributed.membership)
         self.store, self.key, self.period_s = store, heartbeat_key(store, rank), period_s
-        self.count, self.next_write = 0, 0.0
+        self.count, self.next_write = first, 0.0
 
     def beat(self) -> None:
         now = time.monotonic()
@@ -75,6 +79,20 @@ class HeartbeatMonitor:
                 print(f"megarl: heartbeat of sampler rank {rank}: {exc}; ignored (neither a beat nor silence; "
                       f"further ones are counted, not printed)", flush=True)
             return None
+
+    def watch(self, rank: int) -> None:
+        """Watch `rank` (again) from now on: a replacement sampler that joined (fault.on_failure=replace)."""
+        if rank not in self.ranks:
+            self.ranks.append(rank)
+        self.keys[rank] = heartbeat_key(self.store, rank)
+        self.last_value[rank], self.last_change[rank] = None, time.monotonic()
+
+    def forget(self, rank: int) -> None:
+        """Stop watching `rank` (dropped: its replacement is watched once it joins)."""
+        if rank in self.ranks:
+            self.ranks.remove(rank)
+            self.last_value.pop(rank, None)
+            self.last_change.pop(rank, None)
 
     def observe(self) -> float:
         """Read every sampler's counter now (returns the time). `silent()` can only say how long a counter
@@ -118,4 +136,4 @@ class HeartbeatMonitor:
                 raise SamplerHungError(
                     f"sampler rank {rank} (sampler {rank - num_learners}) {what}: no heartbeat for "
                     f"{now - self.last_change[rank]:.0f}s (fault.sampler_timeout_s={self.timeout_s:g}); it is alive "
-                    f"(torchrun would have reported its exit) but stuck, e.g. in an engine step or a reward call")
+                    f"(torchrun would have reported its exit) but stuck, e.g. in an engine step or a reward call", rank)

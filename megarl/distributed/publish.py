@@ -32,6 +32,9 @@ Publishes are numbered separately from policy versions because a version may adv
 one between publishes (sync mode trains K steps, a skipped step advances none).
 Receivers double-buffer: publish n lands in buffer set n % 2, reused only once the engine has
 moved past the version that set last held.
+Under fault.on_failure=replace the group changes with the live sampler set (membership epochs,
+megarl.distributed.membership): a receiver's `follower` moves it to each epoch's group and first publish,
+whose source resets its delta base, so that publish is whole.
 """
 from __future__ import annotations
 
@@ -371,14 +374,18 @@ class WeightReceiver:
     version's tensor must land in (the engine's `staging_buffers`; the same views reach `on_version`).
     `narrow(name, tensor)`, when given, is the part of each arriving tensor the engine keeps (`expected`
     then names the arriving, whole shapes; the destination holds the narrowed ones).
+    `follower` (fault.on_failure=replace: a membership.EpochFollower) moves the receiver to each new membership
+    epoch's group and first publish; a publish that fails is then dropped (its version never handed over) and
+    the receiver waits for the next epoch, whose first publish is whole, instead of failing.
     """
 
     def __init__(self, group, store, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
                  current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float,
                  partial: bool = False, destination: Callable[[int], dict[str, torch.Tensor]] | None = None,
-                 narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
+                 narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None, follower=None):
         self.group, self.store = group, store
+        self.follower = follower
         self.on_version, self.current_version, self.should_stop = on_version, current_version, should_stop
         self.timeout = timedelta(seconds=timeout_s)
         self.next_index = 1
@@ -433,14 +440,47 @@ class WeightReceiver:
     def _run(self) -> None:
         try:
             self._load_spec()
+            if self.follower is not None and self.follower.group is None:  # a replacement: wait to be admitted
+                self._join(self.follower.wait_for_epoch(self.should_stop, None))
             while True:
-                self._wait_key(header_key(self.next_index))
-                self._receive(self.next_index, json.loads(self.store.get(header_key(self.next_index))))
+                self._wait_header()
+                header = json.loads(self.store.get(header_key(self.next_index)))
+                try:
+                    self._receive(self.next_index, header)
+                except (TimeoutError, RuntimeError) as exc:
+                    if self.follower is None:
+                        raise
+                    # A member died during this publish: its version is dropped, the next epoch's publish is whole.
+                    self.held_versions[self.next_index % 2] = None
+                    self._join(self.follower.wait_for_epoch(self.should_stop, 2 * self.timeout.total_seconds(), exc))
+                    continue
                 self.next_index += 1
         except _Stopped:
             pass
         except BaseException as exc:  # surfaced to the sampler loop through `error`
             self.error = exc
+
+    def _join(self, first_publish: int | None) -> None:
+        """Receive over the follower's new group from `first_publish` on (None: the run stops)."""
+        if first_publish is None:
+            raise _Stopped()
+        self.group, self.next_index = self.follower.group, first_publish
+
+    def _wait_header(self) -> None:
+        """Until the next publish's header exists; with a follower, moving to a newer epoch meanwhile (the learner
+        records an epoch before it builds its group and writes the epoch's first header)."""
+        key = header_key(self.next_index)
+        while True:
+            if self.follower is not None:
+                first = self.follower.follow()
+                if first is not None:
+                    self._join(first)
+                    key = header_key(self.next_index)
+            if self.store.check([key]):
+                return
+            if self.should_stop():
+                raise _Stopped()
+            time.sleep(HEADER_POLL_S if self.follower is None else 0.01)
 
     def _receive(self, index: int, header: dict) -> None:
         set_index = index % 2
@@ -609,7 +649,7 @@ class StagedReceiver:
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
                  current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float,
                  destination: Callable[[int], dict[str, torch.Tensor]] | None = None,
-                 narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
+                 narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None, follower=None):
         self.expected, self.on_version = expected, on_version
         self.parts: dict[int, dict[int, tuple[dict, dict]]] = {}  # version -> stage -> (tensors, extra)
         self.lock = threading.Lock()
@@ -618,7 +658,7 @@ class StagedReceiver:
             WeightReceiver(group, store, expected, device,
                            on_version=lambda v, t, e, stage=stage: self._on_part(stage, v, t, e),
                            current_version=current_version, should_stop=should_stop, timeout_s=timeout_s,
-                           partial=True, destination=destination, narrow=narrow)
+                           partial=True, destination=destination, narrow=narrow, follower=follower)
             for stage, (group, store) in enumerate(stages)]
 
     def start(self) -> "StagedReceiver":

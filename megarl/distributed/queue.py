@@ -137,7 +137,8 @@ class QueueReceiver:
 class QueueSender:
     """Sampler side: `sender` is this sampler's global rank (its samples' sampler_rank)."""
 
-    def __init__(self, store, timeout_s: float, key: bytes, sender: int):
+    def __init__(self, store, timeout_s: float, key: bytes, sender: int, first_sequence: int = 0):
+        # first_sequence: a replacement sampler numbers its groups above its predecessor's (membership.SHIFT)
         try:
             store.wait([ADDRESS_KEY], timedelta(seconds=timeout_s))
         except Exception as exc:
@@ -145,7 +146,7 @@ class QueueSender:
                                f"{timeout_s:.0f}s: {exc}") from exc
         published = json.loads(store.get(ADDRESS_KEY))
         self.address, self.session = published["address"], bytes.fromhex(published["session"])
-        self.key, self.sender, self.sequence = key, sender, 0
+        self.key, self.sender, self.sequence = key, sender, first_sequence
         self.timeout_s = timeout_s
         self.socket = zmq.Context.instance().socket(zmq.PUSH)
         # On close, give queued groups a moment to reach the learner instead of dropping them.

@@ -128,6 +128,19 @@ def publish_group(topo: Topology, store: SignedStore, backend: str, timeout_s: f
     return dist.ProcessGroupGloo(sub, rank, topo.publish_group_size, timeout)
 
 
+def epoch_publish_group(store: SignedStore, epoch: int, rank: int, size: int, backend: str, timeout_s: float):
+    """The weight broadcast group of membership epoch `epoch` (fault.on_failure=replace,
+    megarl.distributed.membership): built straight over the run's store, as vLLM's StatelessProcessGroup is, so
+    only this epoch's members take part. Epoch 0 is the run's first group (publish_group); rank 0 is the source."""
+    sub = dist.PrefixStore(f"publish/e{epoch}/", store.raw)
+    timeout = timedelta(seconds=timeout_s)
+    if resolve_backend(backend) == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(sub, rank, size, opts)
+    return dist.ProcessGroupGloo(sub, rank, size, timeout)
+
+
 def engine_tp_group(topo: Topology, store: SignedStore, backend: str, timeout_s: float):
     """The group of one sampler engine's TP ranks (group rank = TP rank); None at sampler_tp 1.
 

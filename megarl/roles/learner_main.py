@@ -24,12 +24,13 @@ from megarl.checkpoint import learner_state
 from megarl.checkpoint.resume import Schedule, learner_resume_point, roll_back_outputs
 from megarl.config.length_limit import LengthLimit
 from megarl.config.schema import Config
-from megarl.distributed.heartbeat import HeartbeatMonitor
+from megarl.distributed.heartbeat import HeartbeatMonitor, SamplerHungError
 from megarl.distributed.lifetime import StopRequested, exit_status, raise_if_stopped
+from megarl.distributed.membership import SamplerSet, replace_key
 from megarl.distributed.publish import WeightPublisher
 from megarl.distributed.queue import QueueReceiver, max_message_bytes
 from megarl.distributed.ranks import Topology
-from megarl.distributed.topology import init_learner_group, publish_groups, publish_stage_store
+from megarl.distributed.topology import epoch_publish_group, init_learner_group, publish_groups, publish_stage_store
 from megarl.eval.learner_side import EvalCollector
 from megarl.eval.sets import due_versions
 from megarl.learner.nonfinite import NonfiniteSteps
@@ -44,11 +45,20 @@ from megarl.observe.timeline import Timeline
 from megarl.observe.trackers import open_trackers
 from megarl.protocols import RouteShape, Sample, TrainBatch
 from megarl.rollout.batch import assemble_batch, is_stale, is_zero_variance
-from megarl.rollout.position import DataPosition
+from megarl.rollout.position import DataPosition, RetiredIndices
 from megarl.rollout.rewards import RewardErrorWindow
 from megarl.secret import run_secret
 
 STOP_KEY = "stop"
+DEAD_CHECK_S = 0.5  # how often the lead reads the samplers' death records while it waits for groups (replace)
+MEMBERSHIP_ATTEMPTS = 3  # membership epochs tried before a publish gives up (a member died while one formed)
+GONE_S = 3.0  # after a failed publish, a member whose heartbeat stood still this long is taken as gone
+
+
+class JoinersWaiting(Exception):
+    """fault.on_failure=replace: no sampler is a member and replacements are ready. No group can come before they
+    receive the weights, which the learner publishes only after a step: in place of the step's batch, every learner
+    rank publishes the current version again (the lead to the newcomers' epoch), then the step's wait starts over."""
 
 
 def retired_key(sampler_rank: int) -> str:
@@ -106,10 +116,17 @@ class Intake:
         self.sampler_stats: dict[int, dict[str, float]] = {}  # latest counters per sampler rank
         self.reward_errors = RewardErrorWindow(cfg.algo.prompts_per_step * cfg.algo.group_size,
                                                cfg.task.max_reward_error_frac)
+        # fault.on_failure=replace: the live sampler incarnations (megarl.distributed.membership)
+        self.members = SamplerSet(store, topo.engine_leads, topo.num_learners) \
+            if cfg.fault.on_failure == "replace" else None
+        self.next_dead_check = 0.0
+        self.in_group: dict[int, int] = dict.fromkeys(topo.engine_leads, 0)  # rank -> incarnation in the group
 
     def next_batch(self, version: int) -> tuple[TrainBatch, dict[str, float]]:
+        accept = None if self.members is None else lambda group, stats: self.members.accepts(group[0].sampler_rank,
+                                                                                             stats)
         groups, dropped, wait_s = _collect_groups(self.queue, self.cfg, version, self.drop, self.sampler_stats,
-                                                  on_wait=self._on_wait)
+                                                  on_wait=self._on_wait, accept=accept)
         self.dropped_totals.update(dropped)
         batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, BATCH_PAD_ID, learner_version=version,
                                         route_shape=self.route_shape,
@@ -123,12 +140,96 @@ class Intake:
         metrics.update(self.queue.counters())
         for rank, stats in sorted(self.sampler_stats.items()):
             metrics.update({f"sampler{rank}/{k}": v for k, v in stats.items()})
+        if self.members is not None:
+            metrics.update(self.members.metrics())
         return batch, metrics
 
     def _on_wait(self) -> None:
-        """While groups are awaited (and between them): a hung sampler, or a stop signal, ends the wait."""
+        """While groups are awaited (and between them): a hung sampler, or a stop signal, ends the wait; under
+        fault.on_failure=replace a hung or dead sampler is dropped instead, and the wait goes on."""
         raise_if_stopped(self.store)
-        self.heartbeats.check(self.num_learners)
+        if self.members is None:
+            self.heartbeats.check(self.num_learners)
+            return
+        try:
+            self.heartbeats.check(self.num_learners)
+        except SamplerHungError as exc:
+            self.drop_sampler(exc.rank, f"hung: no heartbeat for {self.cfg.fault.sampler_timeout_s:g}s "
+                                        f"(fault.sampler_timeout_s)", hung=True)
+        if time.monotonic() >= self.next_dead_check:
+            self.next_dead_check = time.monotonic() + DEAD_CHECK_S
+            for rank, cause in self.members.dead():
+                self.drop_sampler(rank, cause)
+            if not self.members.members and self.members.joins():
+                raise JoinersWaiting()  # (groups collected for this batch came from dropped samplers: never retired)
+
+    def drop_sampler(self, rank: int, cause: str, hung: bool = False) -> None:
+        """fault.on_failure=replace: `rank` leaves the publish set (a hung one's keeper is asked to kill it)."""
+        if hung and rank in self.members.members:
+            self.store.set(replace_key(rank), json.dumps({"incarnation": self.members.members[rank],
+                                                          "cause": cause.split(": ", 1)[1][:300]}))
+        self.members.drop(rank, cause, self.retired[rank])
+        self.heartbeats.forget(rank)
+
+    def refresh_members(self, publisher, make_group: Callable[[int, int], object], version: int) -> bool:
+        """Before a publish under fault.on_failure=replace: drop the dead, admit the replacements that are ready
+        and, when that changed the set, start a membership epoch whose publish group `publisher` then uses (built
+        by `make_group(epoch, size)`; its first publish is whole). False when no sampler is a member: nothing
+        to publish to."""
+        for attempt in range(MEMBERSHIP_ATTEMPTS):
+            for rank, cause in self.members.dead():
+                self.drop_sampler(rank, cause)
+            for rank, incarnation in self.members.joins():
+                self.members.admit(rank, incarnation)
+                self.heartbeats.watch(rank)
+                self.members.note(f"megarl: {self.members.name(rank)}: replacement {incarnation} joins the "
+                                  f"publish set at version {version}")
+            if not self.members.changed:
+                return publisher.group is not None
+            # A newcomer re-issues the group indices of its rank the learner has not retired (none is retired
+            # from now on by its predecessor: the intake refuses that one's late groups).
+            positions = {rank: self.position.streams.get(rank - self.num_learners, RetiredIndices()).to_dict()
+                         for rank, incarnation in self.members.members.items()
+                         if self.in_group.get(rank) != incarnation}
+            epoch = self.members.start_epoch(publisher.published + 1, positions)
+            publisher.group, publisher.last_sent = None, []  # the old group is left; the epoch's first publish is whole
+            self.in_group = {}
+            if not self.members.members:
+                return False
+            try:
+                publisher.group = make_group(epoch, 1 + self.members.alive)
+            except (RuntimeError, TimeoutError) as exc:  # a member died or hung while the group formed
+                self.members.note(f"megarl: publish epoch {epoch} could not form ({exc}); trying again")
+                self._find_gone()
+                self.members.changed = True
+                continue
+            self.in_group = dict(self.members.members)
+            return True
+        raise RuntimeError(f"weight publish: no membership epoch could form in {MEMBERSHIP_ATTEMPTS} attempts "
+                           f"(fault.on_failure=replace); the samplers' errors say why")
+
+    def publish_failed(self, exc: Exception) -> None:
+        """A publish under fault.on_failure=replace failed: drop the members gone (their keeper's record or
+        heartbeat says so), or fail as under `stop` when none is. The version is not delivered; the next
+        publish, to the next epoch, is whole."""
+        if not self._find_gone():
+            raise exc
+        self.members.changed = True
+
+    def _find_gone(self) -> bool:
+        """Drop the members a keeper recorded dead or whose heartbeat stood still for GONE_S (watched up to
+        fault.sampler_timeout_s for the record to appear); whether any was."""
+        deadline = time.monotonic() + self.cfg.fault.sampler_timeout_s
+        while True:
+            gone = self.members.dead()
+            now = self.heartbeats.observe()
+            gone += [(rank, f"hung: no heartbeat for {now - t:.0f}s") for rank, t in self.heartbeats.last_change.items()
+                     if now - t >= GONE_S and rank not in dict(gone)]
+            for rank, cause in gone:
+                self.drop_sampler(rank, cause, hung=cause.startswith("hung"))
+            if gone or time.monotonic() > deadline:
+                return bool(gone)
+            time.sleep(0.2)
 
     def header(self) -> dict:
         return {"retired": {str(k): v for k, v in self.retired.items()}}
@@ -194,6 +295,19 @@ def publish_weights(learner, publisher, extra: dict, heartbeats: HeartbeatMonito
     for _ in tensors:
         pass
     return {"bytes": 0, "seconds": 0.0}
+
+
+def publish_to_members(learner, publisher, intake: Intake, make_group, heartbeats: HeartbeatMonitor,
+                       num_learners: int) -> dict:
+    """fault.on_failure=replace: publish to the live samplers of the current membership epoch (a new one when
+    the set changed); a failed publish drops the members that are gone and the training goes on."""
+    if not intake.refresh_members(publisher, make_group, learner.version):
+        return publish_weights(learner, None, {}, None, num_learners)  # no sampler to publish to
+    try:
+        return publish_weights(learner, publisher, intake.header(), heartbeats, num_learners)
+    except TimeoutError as exc:
+        intake.publish_failed(exc)
+        return {"bytes": 0, "seconds": 0.0}
 
 
 def save_checkpoint(learner, cfg: Config, step: int, model_dir: Path, intake: Intake | None,
@@ -349,6 +463,12 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     # Every publish source can name a sampler that stopped receiving (the lead's intake watches anyway).
     heartbeats = intake.heartbeats if lead else sampler_heartbeats(cfg, store, topo) if publisher else None
     note = outputs.console.note if lead else print  # messages never glued onto the progress line
+    members = intake.members if lead else None  # fault.on_failure=replace: the lead alone publishes (validated)
+    if members is not None:
+        members.note = note
+    # A membership epoch's group, the source as rank 0; members may first sit out a failed publish's receive.
+    make_group = lambda epoch, size: epoch_publish_group(store, epoch, 0, size, cfg.dist.backend,  # noqa: E731
+                                                         2 * cfg.publish.timeout_s)
     try:
         if resumed:  # the samplers generate nothing before they run the resumed weights
             publish_weights(source, publisher, intake.header() if lead else {}, heartbeats, topo.num_learners,
@@ -361,11 +481,19 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 save_checkpoint(learner, cfg, step, model_dir, intake, note)
             version = learner.version  # differs from `step` once a non-finite step was skipped
             wall = [time.time()]
-            try:
-                batch, intake_metrics = intake.next_batch(version) if lead else (None, {})
-            except StopRequested as stop:  # a stop signal: the lead tells every learner rank in the batch's place
-                batch, intake_metrics = stop, {}
-            batch = share_batch(batch)
+            while True:
+                try:
+                    batch, intake_metrics = intake.next_batch(version) if lead else (None, {})
+                except (StopRequested, JoinersWaiting) as told:  # the lead tells every learner rank in the batch's place
+                    batch, intake_metrics = told, {}
+                batch = share_batch(batch)
+                if not isinstance(batch, JoinersWaiting):
+                    break
+                # Every sampler is gone and replacements wait to be admitted: they get the current version now.
+                if members is None:
+                    publish_weights(source, None, {}, None, topo.num_learners)
+                else:
+                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners)
             if isinstance(batch, StopRequested):
                 stopped = batch
                 break
@@ -379,7 +507,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             if learner.version != version:  # a skipped (non-finite) step changed nothing to publish
                 # The lead's header also carries the bookkeeping.
                 published = publish_weights(source, publisher, intake.header() if lead else {}, heartbeats,
-                                            topo.num_learners, shards)
+                                            topo.num_learners, shards) if members is None else \
+                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners)
             elif lead:
                 intake.announce_retired()
             wall.append(time.time())
@@ -421,8 +550,8 @@ def stop_on_signal(learner, cfg: Config, step: int, schedule: Schedule, model_di
 
 
 def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, drop: Callable[[list[Sample]], None],
-                    sampler_stats: dict[int, dict[str, float]],
-                    on_wait=None) -> tuple[list[list[Sample]], Counter, float]:
+                    sampler_stats: dict[int, dict[str, float]], on_wait=None,
+                    accept=None) -> tuple[list[list[Sample]], Counter, float]:
     """The next `prompts_per_step` usable groups. Stale groups (algo.stale: holding a token, or under mask_tokens
     holding only tokens, more than max_lag versions old) and, with
     advantage.filter_zero_variance, groups whose rewards are all equal are dropped, counted by
@@ -434,6 +563,8 @@ def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, dro
         group, stats = queue.recv_group(cfg.queue.timeout_s, on_wait=on_wait)
         if on_wait is not None:  # also while groups flow: one sampler may hang while another feeds us
             on_wait()
+        if accept is not None and not accept(group, stats):  # a replaced sampler's late group: never retired
+            continue
         sampler_stats[group[0].sampler_rank] = stats
         reason = None
         if is_stale(group, learner_version, cfg.algo.max_lag, cfg.algo.stale):

@@ -39,10 +39,11 @@ from megarl.checkpoint.resume import wait_for_announcement
 from megarl.config.schema import Config
 from megarl.distributed.heartbeat import Heartbeat
 from megarl.distributed.lifetime import SIGNAL_KEY, exit_status, seconds_since_signal, stop_signal
+from megarl.distributed.membership import SHIFT, EpochFollower, incarnation, join_key
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.ranks import Topology
-from megarl.distributed.topology import engine_tp_group, publish_groups, publish_stage_store
+from megarl.distributed.topology import engine_tp_group, epoch_publish_group, publish_groups, publish_stage_store
 from megarl.distributed.wire import sample_problem
 from megarl.eval.sampler_side import VersionEvaluator
 from megarl.eval.sets import due_versions, heldout_fraction
@@ -57,7 +58,7 @@ from megarl.rollout.datasets import source_of
 from megarl.rollout.environment import is_multi_turn
 from megarl.rollout.episode import Episode, EpisodeLimits, EpisodeRunner
 from megarl.rollout.heldout import training_split
-from megarl.rollout.position import group_id as make_group_id
+from megarl.rollout.position import RetiredIndices, group_id as make_group_id
 from megarl.rollout.rewards import check_reward, score_group
 from megarl.rollout.routes import check_routes
 from megarl.rollout.sandbox import hide_from_sandboxes
@@ -110,6 +111,18 @@ def builtin_engine(cfg: Config, topo: Topology, model_dir: Path, tp_group):
         tp_group=tp_group, model_impl=cfg.sampler.model_impl)
 
 
+def epoch_follower(cfg: Config, topo: Topology, store, groups: dict | None) -> EpochFollower | None:
+    """fault.on_failure=replace: what moves this incarnation's receiver from membership epoch to epoch (the first
+    incarnation starts over the run's first publish group, a replacement outside any)."""
+    if cfg.fault.on_failure != "replace":
+        return None
+    timeout_s = 2 * cfg.publish.timeout_s  # a member may first sit out a failed publish's receive
+    return EpochFollower(store, topo.rank, incarnation(),
+                         lambda epoch, rank, size: epoch_publish_group(store, epoch, rank, size, cfg.dist.backend,
+                                                                       timeout_s),
+                         group=groups[(0, 0, 0)] if groups else None)
+
+
 def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, should_stop,
                     groups: dict) -> StagedReceiver:
     """The receiver of this sampler rank's part of every version over its publish `groups` (publish_groups):
@@ -124,11 +137,14 @@ def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, shou
         narrow = functools.partial(tp_shard.shard, tp_size=topo.sampler_tp, tp_rank=topo.engine_tp_rank)
     # The built-in engine (and its TP lead) offers the storage each version will run from: received into
     # directly, a version costs one copy of the weights (SGLang and vLLM take tensors from staging sets).
-    return StagedReceiver([(groups[part], publish_stage_store(store, *part)) for part in sorted(groups)],
-                          expected, engine.device, on_version=on_version,
+    follower = epoch_follower(cfg, topo, store, groups)
+    stages = [(follower.group, store)] if follower is not None else \
+        [(groups[part], publish_stage_store(store, *part)) for part in sorted(groups)]
+    return StagedReceiver(stages, expected, engine.device, on_version=on_version,
                           current_version=lambda: engine.version, should_stop=should_stop,
                           timeout_s=cfg.publish.timeout_s,
-                          destination=getattr(engine, "staging_buffers", None), narrow=narrow).start()
+                          destination=getattr(engine, "staging_buffers", None), narrow=narrow,
+                          follower=follower).start()
 
 
 class SamplerLoop:
@@ -212,6 +228,10 @@ class SamplerLoop:
         self.reward_budget_spent = 0  # groups whose reward budget ran out (their remaining samples failed fast)
         self.next_reward_report = 0.0  # monotonic time before which a spent budget is counted, not printed
         self.timeline: Timeline | None = None  # opened once the learner has prepared run.dir (run())
+        # fault.on_failure=replace: a replacement (incarnation > 0) starts nothing before it runs the version it
+        # joined at, then re-issues what its predecessor left unretired (the data position its epoch carries).
+        self.incarnation = incarnation()
+        self.follower: EpochFollower | None = None
         self.evaluator: VersionEvaluator | None = None  # eval.sets: this engine's share of each due version (run())
 
     def _on_version(self, version: int, tensors: dict, extra: dict) -> None:
@@ -223,6 +243,12 @@ class SamplerLoop:
         self._on_published(version, extra)
 
     def _on_published(self, version: int, extra: dict) -> None:
+        if self.follower is not None and self.follower.position is not None:  # the first version since it joined
+            retired = RetiredIndices.from_dict(self.follower.position)
+            self.follower.position = None
+            self.indices, self.started = retired.unretired(), len(retired)
+            self.retired = self.sent = self.started
+            self.resume_version = version
         self.learner_version = version  # before `retired`: _send_due reads them the other way round
         self.retired = extra.get("retired", {}).get(str(self.topo.rank), self.retired)
         self.new_version.set()
@@ -257,9 +283,15 @@ class SamplerLoop:
             self.evaluator = VersionEvaluator(self.cfg, self.store, self.tokenizer, self.topo.engine_index,
                                               self.topo.num_engines, self.resume_version or 0,
                                               staged=self.cfg.sampler.engine == "builtin")
+        if self.incarnation > 0:
+            self.resume_version = 1 << 62  # nothing before the version of the epoch that admits it (_on_published)
         receiver = self._start_weight_receiver()
-        sender = QueueSender(self.store, self.cfg.queue.timeout_s, run_secret(), self.topo.rank)
-        heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s)
+        self.follower = next((r.follower for r in getattr(receiver, "receivers", [])), None)
+        sender = QueueSender(self.store, self.cfg.queue.timeout_s, run_secret(), self.topo.rank,
+                             first_sequence=self.incarnation << SHIFT)
+        heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s, first=self.incarnation << SHIFT)
+        if self.incarnation > 0:  # engine and receiver ready: ask the learner to take it into the next epoch
+            self.store.set(join_key(self.topo.rank), str(self.incarnation))
         next_stop_check = 0.0
         try:
             while True:
@@ -500,7 +532,10 @@ class SamplerLoop:
                 "env_failures": self.episodes.env_failures if self.episodes else 0,
                 "over_context": self.episodes.over_context if self.episodes else 0,
                 "tool_call_parse_failures": getattr(self.episodes, "tool_call_parse_failures", 0),
-                "env_s": self.episodes.env_s if self.episodes else 0.0}
+                "env_s": self.episodes.env_s if self.episodes else 0.0,
+                # which incarnation sent it (fault.on_failure=replace: a predecessor's late group is refused), and
+                # how many groups it started (what its replacement counts as lost)
+                "incarnation": self.incarnation, "started": self.started}
 
 
 def run_sampler(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
@@ -509,8 +544,9 @@ def run_sampler(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     # The publish groups first, before the tokenizer and the engine: the learner creates them early in its own
     # start-up (before its model build), so it does not wait here for this rank's engine, and each side then
     # builds what it runs at the same time (SGLang's server receives the weights itself: no groups).
-    groups = None if cfg.sampler.engine == "sglang" else publish_groups(topo, store, cfg.dist.backend,
-                                                                      cfg.dist.timeout_s)
+    # A replacement sampler (fault.on_failure=replace) joins a later membership epoch's group instead.
+    groups = None if cfg.sampler.engine == "sglang" or incarnation() > 0 else \
+        publish_groups(topo, store, cfg.dist.backend, cfg.dist.timeout_s)
     startup.mark("publish groups")
     if topo.engine_tp_rank == 0:
         SamplerLoop(cfg, topo, store, model_dir, tp_group, groups).run()

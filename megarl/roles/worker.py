@@ -17,6 +17,7 @@ from megarl import run_lock
 from megarl.config.load import load_config, save_config
 from megarl.distributed import launch_gate
 from megarl.distributed.lifetime import install_stop_handlers, run_then_exit
+from megarl.distributed.membership import INCARNATION_ENV
 from megarl.distributed.ranks import topology_from_env
 from megarl.distributed.topology import connect_store
 from megarl.embedded.registry import resolve_model_path
@@ -42,6 +43,11 @@ def main(argv: list[str] | None = None) -> None:
             return  # refused: nothing was done
         startup.mark("launch gate (the CLI's checks)")
     install_stop_handlers()  # SIGTERM/SIGINT/SIGHUP end the run at a step boundary (megarl.distributed.lifetime)
+    if cfg.fault.on_failure == "replace" and topo.role == "sampler" and INCARNATION_ENV not in os.environ:
+        from megarl.roles.sampler_keeper import keep_sampler
+
+        keep_sampler(argv, cfg, topo, store)  # this rank keeps the sampler as a replaceable child process
+        return
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     startup.mark("model path")
     if topo.rank == 0:  # the rank that writes run.dir holds it (a raw torchrun launch), or its launcher does

@@ -2,6 +2,7 @@
 with a message that names the failed rank and role; nothing is left running."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -232,4 +233,103 @@ def test_a_sigterm_to_the_raw_single_node_script_stops_the_run_and_it_exits_143_
     out, err, took = _finish(proc, timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert not leftovers(run_dir)
+
+
+def _sampler_processes(run_dir) -> dict[tuple[int, int], int]:
+    """(RANK, incarnation) -> pid of the live sampler processes of a fault.on_failure=replace run (a sampler rank's
+    keeper, the torchrun worker, has no incarnation in its environment and is left out)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if b"megarl.roles.worker" in args and str(run_dir).encode() in b" ".join(args) and \
+                b"MEGARL_SAMPLER_INCARNATION" in env:
+            found[(int(env[b"RANK"]), int(env[b"MEGARL_SAMPLER_INCARNATION"]))] = int(proc.name)
+    return found
+
+
+def _replace_run(run_dir, model_dir, *overrides) -> subprocess.Popen:
+    return _start(run_dir, model_dir, "fault.on_failure=replace", "sampler.num_engines=2", "run.log_rollouts=true",
+                  *overrides)
+
+
+def _wait_for_rejoin(run_dir, proc: subprocess.Popen, replaced: int = 1, more_steps: int = 4,
+                     timeout: float = 240) -> None:
+    """Until the replacements have joined (samplers/alive back at 2 after samplers/replaced rose to `replaced`) and
+    `more_steps` steps were trained since."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = _metrics(run_dir)
+        back = [m["step"] for m in metrics
+                if m.get("samplers/replaced") == float(replaced) and m.get("samplers/alive") == 2.0]
+        if back and metrics[-1]["step"] >= back[0] + more_steps:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    raise AssertionError(f"no replacement joined and trained {more_steps} steps within {timeout}s")
+
+
+def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1) -> None:
+    """Stopped by SIGTERM at a step boundary with every step once, in order; the replacement of `rank` joined at a
+    version V, its first trained group carries V (it generated nothing before it ran V) and none of its later ones
+    is older."""
+    metrics = _metrics(run_dir)
+    steps = len(metrics)
+    assert f"megarl: stopped by SIGTERM after {steps} steps" in out, err[-3000:]
+    assert [m["step"] for m in metrics] == list(range(steps))  # none skipped, none trained twice
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    joined = [int(v) for v in re.findall(
+        rf"sampler {rank - 1} \(rank {rank}\): replacement 1 joins the publish set at version (\d+)", out)]
+    assert len(joined) == 1, out[-3000:]
+    rollouts = [json.loads(line) for line in (Path(run_dir) / "rollouts.jsonl").read_text().splitlines()]
+    after = [r for r in rollouts if r["sampler_rank"] == rank and r["trained_at_step"] >= joined[0]]
+    assert after, "the replacement contributed no group"
+    assert after[0]["versions"][0] == joined[0]
+    assert all(min(r["versions"]) >= joined[0] for r in after)
+    ids = [r["group_id"] for r in rollouts]
+    assert len(set(ids)) * 8 == len(ids)  # no group trained twice (8 samples per group)
+    assert metrics[-1]["samplers/alive"] == 2.0 and metrics[-1]["samplers/replaced"] == float(replaced)
+
+
+@pytest.mark.parametrize("victims", [(1,), (1, 2)])
+def test_with_replace_a_killed_sampler_is_replaced_and_the_run_goes_on(victims, embedded_think_model_dir, tmp_path):
+    # (1, 2): every sampler at once; no group can come until a replacement has the weights, which the learner then
+    # publishes in place of a batch (learner_main.JoinersWaiting).
+    run_dir = tmp_path / "replace_kill"
+    proc = _replace_run(run_dir, embedded_think_model_dir)
+    _wait_for_steps(run_dir, 3, proc)
+    pids = _sampler_processes(run_dir)
+    for rank in victims:
+        os.kill(pids[(rank, 0)], signal.SIGKILL)
+    _wait_for_rejoin(run_dir, proc, replaced=len(victims))
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    for rank in victims:
+        assert f"megarl: sampler {rank - 1} (rank {rank}) was killed by signal 9 (SIGKILL): dropped from the publish " \
+               f"set, replacement 1 starting; " in out, out[-3000:]
+        _check_replaced(run_dir, out, err, rank, replaced=len(victims))
+    assert not leftovers(run_dir)
+
+
+def test_with_replace_a_hung_sampler_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
+    run_dir = tmp_path / "replace_hang"
+    proc = _replace_run(run_dir, embedded_think_model_dir, "fault.sampler_timeout_s=4", "publish.timeout_s=8",
+                        "queue.timeout_s=120")
+    _wait_for_steps(run_dir, 3, proc)
+    os.kill(_sampler_processes(run_dir)[(2, 0)], signal.SIGSTOP)  # its keeper SIGKILLs it when the learner asks
+    _wait_for_rejoin(run_dir, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    # Named by its silent heartbeat, while the learner waits for groups or once a publish to it timed out.
+    assert re.search(r"megarl: sampler 1 \(rank 2\) hung: no heartbeat for \d+s.*: dropped from the publish set, "
+                     r"replacement 1 starting; \d+ unfinished groups? lost", out), out[-3000:]
+    _check_replaced(run_dir, out, err, 2)
     assert not leftovers(run_dir)

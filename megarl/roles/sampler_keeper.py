@@ -1,0 +1,102 @@
+"""A sampler rank under fault.on_failure=replace: keep its sampler running as a child process, replace it when it ends.
+
+torchrun stops its whole worker group when any worker fails, so the sampler itself must not be one: this
+process (the torchrun worker of the rank) starts the sampler as incarnation 0 of the rank (the same worker
+command, MEGARL_SAMPLER_INCARNATION set), waits on it and, when it dies or the learner asks for a hung one to be
+replaced (`samplers/replace/{rank}`: it is SIGKILLed first), records the cause under `samplers/dead/{rank}` and
+starts the next incarnation, which joins the next membership epoch (megarl.distributed.membership). It fails,
+and torchrun stops the run, only when fault.max_sampler_restarts_per_hour is exceeded. A stop signal is passed to
+the sampler, whose exit (and status) this process then shares; the sampler dies with this process (its
+PR_SET_PDEATHSIG is SIGKILL), so nothing outlives the run.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from megarl.config.schema import Config
+from megarl.distributed import launch_gate
+from megarl.distributed.lifetime import exit_status, stop_signal
+from megarl.distributed.membership import INCARNATION_ENV, dead_key, read_record, replace_key
+from megarl.distributed.ranks import Topology
+from megarl.roles.learner_main import STOP_KEY
+
+POLL_S = 0.1
+HOUR_S = 3600.0
+STOP_GRACE_S = 30.0  # after the run's stop, how long a sampler may take to exit before it is killed
+
+
+def _die_with_keeper() -> None:  # in the child between fork and exec: SIGKILL, so even a stopped child goes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def how_it_ended(code: int) -> str:
+    """A sampler's exit status in words."""
+    if code < 0:
+        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+    return f"exited with code {code}"
+
+
+def over_limit(restarts: collections.deque, now: float, per_hour: int) -> bool:
+    """Record a restart at `now`; True when it is more than `per_hour` within the last hour."""
+    restarts.append(now)
+    while restarts and restarts[0] <= now - HOUR_S:
+        restarts.popleft()
+    return len(restarts) > per_hour
+
+
+def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store) -> None:
+    """Run incarnations of this sampler rank until the run ends; SystemExit with the last one's status."""
+    env = {k: v for k, v in os.environ.items() if k != launch_gate.ENV}  # this process passed the gate for it
+    restarts: collections.deque = collections.deque()
+    incarnation = 0
+    while True:
+        child = subprocess.Popen([sys.executable, "-m", "megarl.roles.worker", *argv],
+                                 env={**env, INCARNATION_ENV: str(incarnation)}, preexec_fn=_die_with_keeper)
+        cause, code = _watch(child, store, topo.rank, incarnation)
+        if cause is None:  # the run ended (or was stopped): leave as the sampler did
+            raise SystemExit(code)
+        store.set(dead_key(topo.rank), json.dumps({"incarnation": incarnation, "cause": cause}))
+        if over_limit(restarts, time.monotonic(), cfg.fault.max_sampler_restarts_per_hour):
+            raise SystemExit(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}: {len(restarts)} ends "
+                             f"within an hour, over fault.max_sampler_restarts_per_hour="
+                             f"{cfg.fault.max_sampler_restarts_per_hour}, so the run stops")
+        if stop_signal() is not None:  # the run is stopping: no replacement
+            raise SystemExit(exit_status(stop_signal()))
+        incarnation += 1
+        print(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}; starting replacement {incarnation}",
+              flush=True)
+
+
+def _watch(child: subprocess.Popen, store, rank: int, incarnation: int) -> tuple[str | None, int]:
+    """Wait for this incarnation to end: (why, None when the run ended or a stop signal ended it; the status
+    this rank then exits with)."""
+    stop_seen, forwarded, killed = None, False, False
+    while True:
+        code = child.poll()
+        if code is not None:
+            if forwarded:
+                return None, exit_status(-code) if code < 0 else code
+            if killed or code == 0 or stop_seen is not None or store.check([STOP_KEY]):
+                return None, 0  # the run is over; a sampler killed for lingering after it is no failure
+            return how_it_ended(code), code
+        if stop_signal() is not None and not forwarded:  # torchrun's stop: the sampler stops the usual way
+            child.send_signal(stop_signal())
+            forwarded = True
+        if stop_seen is None and store.check([STOP_KEY]):
+            stop_seen = time.monotonic()
+        if stop_seen is not None and time.monotonic() - stop_seen > STOP_GRACE_S and not killed:
+            killed = True
+            child.kill()  # the run is over and it has not left: a replacement still starting, or a stuck one
+        request = read_record(store, replace_key(rank))
+        if request is not None and request["incarnation"] == incarnation:
+            child.kill()  # hung (maybe stopped): SIGKILL ends it either way
+            child.wait()
+            return f"hung ({request['cause']})", child.returncode
+        time.sleep(POLL_S)

@@ -1,0 +1,172 @@
+"""Membership epochs (fault.on_failure=replace) over a real TCPStore and real gloo groups, in threads: a dropped
+member leaves the publish set, the survivor follows to the next epoch's group, a replacement is admitted with its
+data position and receives the next (whole) publish bit exact; late groups of a dropped incarnation are refused."""
+import collections
+import json
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megarl.distributed.heartbeat import Heartbeat, HeartbeatMonitor
+from megarl.distributed.membership import (SHIFT, EpochFollower, SamplerDropped, SamplerSet, dead_key, epoch_key,
+                                           join_key, lost_groups)
+from megarl.distributed.publish import WeightPublisher, WeightReceiver
+from megarl.distributed.signed_store import SignedStore
+from megarl.distributed.topology import epoch_publish_group
+from megarl.roles.sampler_keeper import how_it_ended, over_limit
+
+KEY = b"k" * 32
+TIMEOUT_S = 20.0
+
+
+@pytest.fixture
+def store():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return SignedStore(dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=30)), KEY)
+
+
+def _client(store):
+    """Another process's connection to the store: each member (a process of its own in a run) blocks in its
+    group's rendezvous on its own connection."""
+    return SignedStore(dist.TCPStore("127.0.0.1", store.raw.port, None, False, timedelta(seconds=30)), KEY)
+
+
+def _group(store, epoch: int, rank: int, size: int):
+    return epoch_publish_group(store, epoch, rank, size, "gloo", TIMEOUT_S)
+
+
+def _weights(version: int) -> dict[str, torch.Tensor]:
+    return {"a": torch.full((4, 3), float(version)), "b": torch.arange(5, dtype=torch.float32) * version}
+
+
+class Member:
+    """A sampler incarnation's receiver: what it got, per version."""
+
+    def __init__(self, store, rank: int, incarnation: int, group=None):
+        store = _client(store)
+        self.got: dict[int, dict] = {}
+        self.stopped = threading.Event()
+        self.follower = EpochFollower(store, rank, incarnation, lambda e, r, n: _group(store, e, r, n), group=group)
+        expected = {name: (t.shape, t.dtype) for name, t in _weights(0).items()}
+        self.receiver = WeightReceiver(group, store, expected, torch.device("cpu"), on_version=self._on_version,
+                                       current_version=lambda: max(self.got, default=0),
+                                       should_stop=self.stopped.is_set, timeout_s=TIMEOUT_S, follower=self.follower)
+
+    def _on_version(self, version, tensors, extra):
+        self.got[version] = {name: t.clone() for name, t in tensors.items()}
+
+    def wait_for(self, version: int) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while version not in self.got:
+            assert self.receiver.error is None, self.receiver.error
+            assert time.monotonic() < deadline, f"version {version} did not arrive"
+            time.sleep(0.01)
+
+
+def _epoch0(store, size: int):
+    """The run's first group, built by every member at once (as at start-up)."""
+    groups = [None] * size
+    threads = [threading.Thread(target=lambda r=r: groups.__setitem__(r, _group(_client(store), 0, r, size)))
+               for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return groups
+
+
+def test_a_dropped_member_is_left_out_and_a_replacement_joins_with_its_position_and_the_next_whole_publish(store):
+    notes = []
+    members = SamplerSet(store, [1, 2], num_learners=1, note=notes.append)
+    groups = _epoch0(store, 3)
+    a, b = Member(store, 1, 0, groups[1]), Member(store, 2, 0, groups[2])
+    publisher = WeightPublisher(groups[0], store, bucket_mb=1e-4, timeout_s=TIMEOUT_S, checksum=True, delta=True)
+    a.receiver.start(), b.receiver.start()
+    publisher.publish(1, _weights(1).items())
+    a.wait_for(1), b.wait_for(1)
+
+    # rank 2 dies: its keeper's record names incarnation 0; the learner drops it and starts epoch 1 without it
+    b.stopped.set()
+    store.set(dead_key(2), json.dumps({"incarnation": 0, "cause": "was killed by signal 9 (SIGKILL)"}))
+    members.started[2] = 5.0
+    [(rank, cause)] = members.dead()
+    members.drop(rank, cause, retired=3)
+    assert notes[-1] == ("megarl: sampler 1 (rank 2) was killed by signal 9 (SIGKILL): dropped from the publish set, "
+                         "replacement 1 starting; 2 unfinished groups lost")
+    assert not members.accepts(2, {"incarnation": 0.0})  # its late groups are refused
+    epoch = members.start_epoch(publisher.published + 1, {})
+    publisher.group, publisher.last_sent = _group(store, epoch, 0, 1 + members.alive), []
+    publisher.publish(2, _weights(2).items())
+    a.wait_for(2)
+    assert a.follower.epoch == 1 and 2 not in b.got
+
+    # its replacement (incarnation 1) announces itself; the learner admits it with its stream's data position
+    c = Member(store, 2, 1)
+    c.receiver.start()
+    store.set(join_key(2), "1")
+    assert members.joins() == [(2, 1)]
+    members.admit(2, 1)
+    epoch = members.start_epoch(publisher.published + 1, {2: {"cursor": 3, "above": [5]}})
+    built = []
+    builder = threading.Thread(target=lambda: built.append(_group(store, epoch, 0, 1 + members.alive)))
+    builder.start()
+    builder.join(TIMEOUT_S)
+    publisher.group, publisher.last_sent = built[0], []
+    publisher.publish(3, _weights(3).items())
+    a.wait_for(3), c.wait_for(3)
+    for member in (a, c):  # bit exact, the newcomer included (the epoch's first publish is whole)
+        assert all(torch.equal(member.got[3][n], t) for n, t in _weights(3).items())
+    assert sorted(c.got) == [3] and c.follower.position == {"cursor": 3, "above": [5]}
+    assert members.accepts(2, {"incarnation": 1.0, "started": 4.0})
+    assert members.metrics() == {"samplers/alive": 2.0, "samplers/replaced": 1.0, "samplers/rollouts_lost": 2.0}
+    publisher.publish(4, _weights(4).items())  # a delta again, on the base both now hold
+    a.wait_for(4), c.wait_for(4)
+    assert all(torch.equal(c.got[4][n], t) for n, t in _weights(4).items())
+    for member in (a, b, c):
+        member.stopped.set()
+        member.receiver.thread.join(5)
+
+
+def test_an_incarnation_left_out_of_a_later_epoch_knows_it_was_dropped(store):
+    follower = EpochFollower(store, 1, 0, lambda e, r, n: pytest.fail("no group for a dropped member"), group=object())
+    assert follower.follow() is None
+    store.set(epoch_key(1), json.dumps({"members": [[2, 0]], "first_publish": 4, "positions": {}}))
+    with pytest.raises(SamplerDropped, match="sampler rank 1 incarnation 0 is not a member of publish epoch 1"):
+        follower.follow()
+    newcomer = EpochFollower(store, 1, 1, lambda e, r, n: (e, r, n))
+    assert newcomer.follow() is None  # epoch 1 does not name it yet: it waits
+    store.set(epoch_key(2), json.dumps({"members": [[1, 1], [2, 0]], "first_publish": 6, "positions": {"1": {}}}))
+    assert newcomer.follow() == 6 and newcomer.group == (2, 1, 3) and newcomer.position == {}
+
+
+def test_a_replacement_counts_heartbeats_above_its_predecessor_and_is_watched_once_it_joins(store):
+    monitor = HeartbeatMonitor(store, [1], timeout_s=60, check_every_s=0.0)
+    old = Heartbeat(store, 1, period_s=0.0)
+    for _ in range(3):
+        old.beat()
+    monitor.observe()
+    monitor.forget(1)
+    assert monitor.ranks == []
+    new = Heartbeat(store, 1, period_s=0.0, first=1 << SHIFT)
+    monitor.watch(1)
+    monitor.observe()
+    new.beat()
+    before = monitor.last_value[1]
+    monitor.observe()
+    assert monitor.last_value[1] == (1 << SHIFT) + 1 > before
+
+
+def test_the_keeper_limits_restarts_per_hour_and_says_how_a_sampler_ended():
+    restarts = collections.deque()
+    assert not any(over_limit(restarts, t, per_hour=2) for t in (0.0, 10.0))
+    assert over_limit(restarts, 20.0, per_hour=2)
+    assert not over_limit(collections.deque([0.0, 10.0]), 3700.0, per_hour=2)  # older than an hour: forgotten
+    assert how_it_ended(-9) == "was killed by signal 9 (SIGKILL)" and how_it_ended(1) == "exited with code 1"
+    assert lost_groups(7.0, 5) == 2 and lost_groups(3.0, 5) == 0
