@@ -110,7 +110,6 @@ class ModelSpec:
         self.hf_config, self.model, self.shapes = cfg, model, shapes
         self.model_type = cfg.get("model_type")
         text = model.config.get_text_config()
-        self.text_config = text
         self.vocab_size = int(text.vocab_size)
         self.num_layers = int(text.num_hidden_layers)
         self.layer_types = list(getattr(text, "layer_types", None) or [])

@@ -124,3 +124,23 @@ def test_in_flight_swap_keeps_or_rebuilds_kv_and_recurrent_state(qwen3_next, pol
         expected = kept if policy == "keep" else fresh
         gaps = [abs(c.logprobs[3 + j] - expected[j, t].item()) for j, t in enumerate(c.token_ids[3:])]
         assert max(gaps) <= TOL, (policy, r.request_id, gaps, TOL)
+
+
+def test_qwen3_5_text_runs_as_transformers_runs_it(tmp_path):
+    """Qwen3.5's text model (model_type qwen3_5_text: gated DeltaNet with separate qkv / z / b / a projections,
+    dense MLP) on the same per-slot state: prompts of 1 to 6 tokens, log-probs equal transformers' forward."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_5_text", **{
+        k: QWEN3_NEXT_TINY[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                        "num_key_value_heads", "head_dim", "vocab_size", "layer_types",
+                                        "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                                        "linear_num_value_heads")}, initializer_range=0.1)).save_pretrained(tmp_path / "q")
+    cfg, weights = hf_model.load_pretrained(str(tmp_path / "q"))
+    engine = BuiltinEngine(cfg, weights, max_running=2, max_seq_len=32, seed=1)
+    requests = [GenerationRequest(str(i), p, SamplingParams(temperature=1.0, max_new_tokens=4), ())
+                for i, p in enumerate([[1, 2, 3], [5, 6, 7, 8, 9, 10], [4]])]
+    reference = _hf(tmp_path / "q")
+    for c in engine.generate(requests):
+        assert _max_gap(c, _logprobs(reference, c.prompt_ids + c.token_ids)) <= TOL
