@@ -37,8 +37,8 @@ JSON with the tail of its log, and the rest still run:
                     and a per-slot KV cache, docs/models.md#the-generic-path) on a Granite of learner_step's
                     shape (a type megarl has no family for; bf16): generated tokens/s against the native engine
                     on the Qwen2 model of engine_vs_hf, and its behaviour log-probs against an fp32 HF forward
-  hybrid            the generic engine on a hybrid linear-attention model (docs/models.md#hybrid-linear-attention-models):
-                    a Qwen3.5-like text model (gated DeltaNet, 3 of 4 layers; bf16, random weights): decode tokens/s
+  hybrid            the generic engine on a hybrid linear-attention model (docs/models.md, "Hybrid linear-attention
+                    models"): a Qwen3.5-like text model (gated DeltaNet, 3 of 4 layers; bf16, random weights): decode tokens/s
                     of a batch, and the lag-0 gap of its behaviour log-probs against the DeepSpeed learner's forward
                     (transformers bf16, unpacked rows) and an fp32 HF forward
   critic_step       the learner step of learner_step with the critic of algo.advantage.estimator=gae

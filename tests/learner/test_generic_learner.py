@@ -136,7 +136,8 @@ def test_a_hybrid_model_trains_at_lag_0_on_the_engines_log_probs(world, tmp_path
     """A tiny Qwen3-Next (gated-DeltaNet layers beside full attention): the DeepSpeed learner's log-probs of the
     engine's completions are the engine's behaviour log-probs, in the training step too (where rows of one prompt
     would be packed sharing their prefix by default: a hybrid trains unpacked, as a recurrence would leak across
-    packed rows), and the step publishes tensors the engine takes."""
+    packed rows); the step publishes tensors the engine takes, and exports to a directory transformers loads back
+    with the same logits."""
     from megarl.sampler.engine import BuiltinEngine
     from megarl.sampler.hf_model import load_pretrained
     from tests.helpers import QWEN3_NEXT_TINY, fp32_logprob_tol, save_tiny_qwen3_next
@@ -154,7 +155,16 @@ def test_a_hybrid_model_trains_at_lag_0_on_the_engines_log_probs(world, tmp_path
     metrics = learner.train_step(batch)
     assert metrics["skipped_nonfinite"] == 0.0
     assert metrics["lag0/logprob_gap_abs"] <= tol, metrics["lag0/logprob_gap_abs"]
-    published = dict(learner.publish_tensors())
+    published = {name: t.clone() for name, t in learner.publish_tensors()}
     engine.stage_weights(published, 1)
     engine.apply_staged()
     assert engine.version == 1 and any(not torch.equal(published[n], initial[n]) for n in initial)
+
+    # Checkpoint -> export -> from_pretrained: the logits of the learner's weights, bitwise.
+    from megarl.checkpoint import learner_state
+    from megarl.checkpoint.export import export_hf
+
+    learner_state.save(learner, tmp_path / "ckpt", step=1, keep=2, model_dir=path)
+    exported = _hf(str(export_hf(tmp_path / "ckpt", tmp_path / "export")))
+    with torch.no_grad():
+        assert torch.equal(exported(batch.input_ids).logits, _hf(path, published)(batch.input_ids).logits)

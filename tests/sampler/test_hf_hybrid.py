@@ -131,12 +131,12 @@ def test_qwen3_5_text_runs_as_transformers_runs_it(tmp_path):
     dense MLP) on the same per-slot state: prompts of 1 to 6 tokens, log-probs equal transformers' forward."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    shared = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "layer_types", "linear_key_head_dim", "linear_value_head_dim",
+              "linear_num_key_heads", "linear_num_value_heads")
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_5_text", **{
-        k: QWEN3_NEXT_TINY[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                        "num_key_value_heads", "head_dim", "vocab_size", "layer_types",
-                                        "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-                                        "linear_num_value_heads")}, initializer_range=0.1)).save_pretrained(tmp_path / "q")
+    config = AutoConfig.for_model("qwen3_5_text", **{k: QWEN3_NEXT_TINY[k] for k in shared}, initializer_range=0.1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "q")
     cfg, weights = hf_model.load_pretrained(str(tmp_path / "q"))
     engine = BuiltinEngine(cfg, weights, max_running=2, max_seq_len=32, seed=1)
     requests = [GenerationRequest(str(i), p, SamplingParams(temperature=1.0, max_new_tokens=4), ())
