@@ -37,6 +37,10 @@ JSON with the tail of its log, and the rest still run:
                     and a per-slot KV cache, docs/models.md#the-generic-path) on a Granite of learner_step's
                     shape (a type megarl has no family for; bf16): generated tokens/s against the native engine
                     on the Qwen2 model of engine_vs_hf, and its behaviour log-probs against an fp32 HF forward
+  hybrid            the generic engine on a hybrid linear-attention model (docs/models.md, "Hybrid linear-attention
+                    models"): a Qwen3.5-like text model (gated DeltaNet, 3 of 4 layers; bf16, random weights): decode tokens/s
+                    of a batch, and the lag-0 gap of its behaviour log-probs against the DeepSpeed learner's forward
+                    (transformers bf16, unpacked rows) and an fp32 HF forward
   critic_step       the learner step of learner_step with the critic of algo.advantage.estimator=gae
                     (megarl.learner.critic: a replicated fp32 value model, V-trace targets): step time and the
                     critic's metrics, against learner_step's time
@@ -729,6 +733,75 @@ def check_generic_path(args, size: Size) -> dict:
             "peak_gpu_gib": peak_gib()}
 
 
+# The hybrid check's Qwen3.5-like text model (gated DeltaNet on 3 of every 4 layers, full attention on the 4th).
+QWEN35_LIKE = dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
+                   linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                   linear_num_value_heads=16, max_position_embeddings=4096, tie_word_embeddings=True)
+TINY_QWEN35 = dict(QWEN35_LIKE, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                   linear_num_key_heads=2, linear_num_value_heads=4)
+
+
+def check_hybrid(args, size: Size) -> dict:
+    """The generic engine on a Qwen3.5-like hybrid (docs/models.md#hybrid-linear-attention-models), random weights,
+    bf16 on the GPU: decode tokens/s of a batch (per-slot conv and delta-rule state beside the KV cache), and the
+    max / mean |behaviour log-prob - the DeepSpeed learner's forward (transformers, the engine's dtype, unpacked
+    rows)| at lag 0, with the same against an fp32 forward."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.protocols import GenerationRequest, SamplingParams
+    from megarl.sampler import hf_model
+    from megarl.sampler.engine import BuiltinEngine
+
+    device = device_of(args)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = TINY_QWEN35 if size.tiny else QWEN35_LIKE
+    model_dir = Path(args.workdir) / "qwen35_like"
+    if not (model_dir / "config.json").exists():
+        torch.manual_seed(0)
+        every = 2 if size.tiny else 4  # (the dry run: one layer of each)
+        layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                       for i in range(shape["num_hidden_layers"])]
+        config = AutoConfig.for_model("qwen3_5_text", **shape, layer_types=layer_types)
+        AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(model_dir)
+    batch, new = size.gen_batches[-1], size.gen_tokens
+    prompts = random_prompts(batch, shape["vocab_size"], seed=4)
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new)
+    engine = BuiltinEngine.from_pretrained(str(model_dir), max_running=batch, device=device,
+                                           max_seq_len=max(map(len, prompts)) + new)
+    if engine._impl is not hf_model:
+        raise RuntimeError(f"the hybrid ran on {engine._impl.__name__}, not the generic model")
+    requests = [GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)]
+    engine.generate(requests[:2])  # warm-up
+    sync()
+    start = time.perf_counter()
+    done = engine.generate(requests)
+    sync()
+    seconds = time.perf_counter() - start
+    decode_s = engine.stats()["decode_time_s"]
+    del engine
+    result = {"tok_s": round(sum(len(c.token_ids) for c in done) / seconds), "batch": batch, "new_tokens": new,
+              "dtype": str(dtype), "decode_time_s": round(decode_s, 3)}
+    for name, ref_dtype in (("learner_lag0", dtype), ("hf_fp32", torch.float32)):
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=ref_dtype).to(device).eval()
+        gaps = []
+        with torch.no_grad():
+            for c in done[:8]:
+                seq = torch.tensor([c.prompt_ids + c.token_ids], device=device)
+                lp = torch.log_softmax(hf(seq).logits[0].float(), -1)
+                n = len(c.prompt_ids)
+                ref = lp[n - 1:n - 1 + len(c.token_ids)].gather(-1, seq[0, n:, None])[:, 0].cpu()
+                gaps.append((torch.tensor(c.logprobs) - ref).abs())
+        gap = torch.cat(gaps)
+        if not torch.isfinite(gap).all():
+            raise RuntimeError(f"non-finite behaviour log-probs: {result}")
+        result[f"gap_vs_{name}"] = {"max_abs": round(float(gap.max()), 4), "mean_abs": round(float(gap.mean()), 5)}
+        del hf
+    return {**result, "peak_gpu_gib": peak_gib()}
+
+
 def check_moe_replay(args, size: Size) -> dict:
     """Router agreement and log-prob gap between the built-in engine (bf16 weights on the GPU, recording routes)
     and the megatron learner on a random Mixtral-style model, with routing replay off and r3
@@ -1153,7 +1226,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "lora": (check_lora, 120), "critic_step": (check_critic_step, 120), "packing": (check_packing, 120),
           "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120),
           "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
-          "trackers": (check_trackers, 120), "families": (check_families, 150),
+          "trackers": (check_trackers, 120), "families": (check_families, 150), "hybrid": (check_hybrid, 150),
           "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 # Each check's limit on CPU bounds a hang, it is no speed test: a check there is mostly process starts and imports,

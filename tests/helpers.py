@@ -215,3 +215,31 @@ def save_tiny_granite(path: Path, vocab_size: int = 264, tokenizer: bool = True,
 
         build_tokenizer().save_pretrained(path)
     return path
+
+
+# A tiny Qwen3-Next (hybrid: gated-DeltaNet linear attention beside full attention, MoE MLP with a shared expert):
+# two linear-attention layers before one full-attention layer, 2 key / 4 value heads in the linear layers.
+QWEN3_NEXT_TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                       layer_types=["linear_attention", "linear_attention", "full_attention"],
+                       linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                       linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=16, decoder_sparse_step=1,
+                       vocab_size=264)
+
+
+def save_tiny_qwen3_next(path: Path, vocab_size: int = 264, tokenizer: bool = True, seed: int = 0) -> Path:
+    """A real HF Qwen3-Next directory of QWEN3_NEXT_TINY's shape (initializer_range 0.1, as the other tiny models),
+    with the embedded tokenizer: the hybrid model of the generic path's tests."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**{**QWEN3_NEXT_TINY, "vocab_size": vocab_size},
+                                                 initializer_range=0.1, tie_word_embeddings=False))
+    model.save_pretrained(path)
+    if tokenizer:
+        from megarl.embedded.tiny import build_tokenizer
+
+        build_tokenizer().save_pretrained(path)
+    return path

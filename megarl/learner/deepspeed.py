@@ -17,6 +17,10 @@ the extra log-prob passes included (megarl.learner.hf_routing_replay).
 
 A model type outside megarl.models.families (the generic path, docs/models.md#the-generic-path) trains as
 transformers holds it: published and exported under its named_parameters' names, with no route replay and no LoRA.
+A hybrid model with recurrent layers (Qwen3-Next, Qwen3.5: gated-DeltaNet "linear_attention" layers) trains on
+unpacked rows whatever learner.pack_sequences says: a recurrence runs through every earlier position of its row, so
+rows packed side by side (or sharing a prefix) would leak one sequence's state into the next, which no mask stops;
+right padding after a row's tokens reaches none of them.
 
 ``learner.lora.rank > 0`` trains a LoRA adapter through peft on the frozen base (megarl.learner.hf_lora): only the
 adapter has gradients and Adam state, a version publishes only the adapter (under the names the megatron learner
@@ -53,6 +57,16 @@ from megarl.models.families import generic_path_hint, is_native
 from megarl.protocols import TrainBatch
 
 CHECKPOINT_TAG = "deepspeed"  # the sub-directory DeepSpeed's save_checkpoint writes in a megarl step dir
+
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def has_recurrent_layers(hf_config: dict) -> bool:
+    """Whether the model has layers with recurrent state: a transformers `layer_types` entry that is no attention
+    (Qwen3-Next's and Qwen3.5's "linear_attention"; a VLM's text model's too)."""
+    text = hf_config.get("text_config") or hf_config
+    return any(t not in ATTENTION_LAYER_TYPES for t in (text.get("layer_types") or []))
 
 
 def deepspeed_config(cfg: LearnerConfig, on_gpu: bool, with_optimizer: bool = True) -> dict:
@@ -169,6 +183,7 @@ class DeepSpeedLearner:
         # transformers applies its sliding windows itself, except to the ready masks of packed rows (`_logits`)
         self.windows = families.generic_attention_windows(self.hf_config) if self.generic else \
             {"": families.sliding_window(self.hf_config)}
+        self.recurrent = has_recurrent_layers(self.hf_config)
         if self.is_moe:
             moe.check_moe(self.hf_config)
         elif routing_replay == "r3" and self.generic:
@@ -299,7 +314,8 @@ class DeepSpeedLearner:
         totals = step.batch_totals(batch)
         fields = step.dp_share(batch, dp, dp_rank)
         real = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens,
-                                  pack=self.cfg.pack_sequences, share_prefixes=self.cfg.share_prefixes)
+                                  pack=self.cfg.pack_sequences and not self.recurrent,
+                                  share_prefixes=self.cfg.share_prefixes)
         micro = self._aligned(real)
         needs_pi = step.needs_proximal_logprobs(self.loss_cfg, self.critic)
         step.attach_extra_logprobs(micro, {"proximal_logprobs": self.engine if needs_pi else None,

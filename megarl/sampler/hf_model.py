@@ -18,8 +18,17 @@ picks this module or the native one (docs/models.md#the-generic-path).
   window for sliding-window layers), which transformers uses as it is, and position_ids per row for RoPE.
   Storage is allocated per layer at its first update, in the shapes the model's attention gives (MLA's K and V
   widths may differ).
-* What it cannot run: layers with recurrent state (Mamba, linear attention: a `layer_types` entry other than
-  full or sliding attention) and tensor parallelism (sampler.tp > 1); both are refused naming the key.
+* Recurrent state (hybrid linear-attention models: Qwen3-Next, Qwen3.5; `layer_types` entry "linear_attention"):
+  `_SlotRecurrentLayer` holds each slot's conv state [conv_dim, kernel] and delta-rule state [heads, k_dim, v_dim]
+  (fp32, as transformers' torch path computes it) behind the same `Cache` methods transformers' own linear-attention
+  cache layer exposes (get/update_conv_state, get/update_recurrent_state, get_recurrent_states_to_keep). A call
+  with `logit_index` is a prefill from position 0 (a new prompt, or a `recompute` re-prefill): the rows are
+  right-padded, so each row's state is taken at its own length (logit_index + 1), never after its padding: the
+  conv state from the row's last `kernel` inputs, the delta-rule state from the per-token states transformers
+  computes for the padded tail (get_recurrent_states_to_keep). A call without `logit_index` continues every row
+  from its slot's state (a decode step). Prefill runs in one piece (no chunked prefill).
+* What it cannot run: other layers with recurrent state (Mamba: a `layer_types` entry other than full / sliding /
+  linear attention) and tensor parallelism (sampler.tp > 1); both are refused naming the key.
   It does not record MoE routes (algo.routing_replay=r3 needs a family of docs/models.md).
 
 It costs more per token than the native forward (one module call per layer, no stacked projections, the whole
@@ -38,6 +47,7 @@ from megarl.models.families import generic_path_hint, is_native
 
 IMPLS = ("auto", "native", "hf")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+RECURRENT_LAYER_TYPES = ("linear_attention",)  # gated DeltaNet (Qwen3-Next, Qwen3.5): conv + delta-rule state
 _ANNOUNCED: set[str] = set()  # model types whose "slower than native" line this process printed
 
 
@@ -106,6 +116,7 @@ class ModelSpec:
         self.sliding_window = getattr(text, "sliding_window", None)
         if not self.layer_types and self.sliding_window and getattr(text, "use_sliding_window", True):
             self.layer_types = ["sliding_attention"] * self.num_layers  # (Mistral: one window for every layer)
+        self.is_hybrid = any(t in RECURRENT_LAYER_TYPES for t in self.layer_types)
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @classmethod
@@ -113,11 +124,11 @@ class ModelSpec:
         """ValueError naming what transformers cannot build or this engine cannot run."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        odd = [t for t in (cfg.get("layer_types") or []) if t not in ATTENTION_LAYER_TYPES]
+        odd = [t for t in (cfg.get("layer_types") or []) if t not in ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES]
         if odd:
-            raise ValueError(f"layer_types {sorted(set(odd))}: the generic engine keeps a KV cache only (attention "
-                             f"layers: {ATTENTION_LAYER_TYPES}); layers with recurrent state need sampler.engine=vllm "
-                             f"or sglang ({generic_path_hint()})")
+            raise ValueError(f"layer_types {sorted(set(odd))}: the generic engine keeps a KV cache and gated-DeltaNet "
+                             f"state only (layers: {ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES}); other layers "
+                             f"with recurrent state need sampler.engine=vllm or sglang ({generic_path_hint()})")
         try:
             config = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
             with _meta_parameters():
@@ -181,9 +192,106 @@ class _SlotLayer:
         return self.owner.max_seq_len
 
 
+def _linear_attention_mixin():
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return LinearAttentionCacheLayerMixin
+
+
+class _SlotRecurrentLayer:
+    """One linear-attention layer's conv state [slots, conv_dim, kernel] and delta-rule state [slots, v_heads,
+    k_dim, v_dim] of every slot, allocated at the first update. transformers' `Cache` reads `conv_states`,
+    `recurrent_states` and `has_previous_state` of its layer; here they are the call's rows of the slots (views, so
+    transformers' in-place decode update of the conv state lands in the cache). Built as a subclass of
+    transformers' LinearAttentionCacheLayerMixin (`KVCache.__init__`), which the `Cache` methods check for."""
+
+    is_sliding = False
+    is_compileable = False
+    conv_kernel_size = None
+
+    def __init__(self, owner: "KVCache"):
+        self.owner, self.conv, self.state = owner, None, None
+
+    def _rows(self, store):
+        o = self.owner
+        return store[o.slot_start:o.slot_start + o.rows]
+
+    # What transformers' Cache.get_conv_state / get_recurrent_state read: the rows' state, unless the call is a
+    # prefill from position 0 (then there is no previous state and the layer starts from zeros).
+    @property
+    def has_previous_state(self) -> dict[int, bool]:
+        return {0: self.owner.lengths is None}
+
+    @property
+    def conv_states(self) -> dict[int, torch.Tensor]:
+        return {0: self._rows(self.conv)}
+
+    @property
+    def recurrent_states(self) -> dict[int, torch.Tensor]:
+        return {0: self._rows(self.state)}
+
+    @property
+    def record_past(self) -> bool:
+        return self.owner.lengths is not None and self.recurrent_states_to_keep > 0
+
+    @property
+    def recurrent_states_to_keep(self) -> int:
+        """In a prefill of right-padded rows: the states after the last `width - shortest + 1` tokens, among which
+        each row's state at its own length (0 when no row is shorter than the call: the final state is every row's)."""
+        o = self.owner
+        return 0 if o.lengths is None or o.shortest == o.width else o.width - o.shortest + 1
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size=None, **kwargs):
+        """A prefill's conv inputs [rows, conv_dim, T]: store each row's last `kernel` inputs before its length
+        (zeros before position 0) and return the inputs as they are (the convolution pads them itself)."""
+        o = self.owner
+        kernel = conv_kernel_size or self.conv_kernel_size
+        self.conv_kernel_size = kernel
+        if self.conv is None:
+            self.conv = torch.zeros((o.num_slots, conv_states.shape[1], kernel), dtype=conv_states.dtype,
+                                    device=conv_states.device)
+        padded = torch.nn.functional.pad(conv_states, (kernel, 0))
+        index = (o.lengths[:, None] + torch.arange(kernel, device=padded.device))[:, None, :]
+        self._rows(self.conv).copy_(padded.gather(2, index.expand(-1, padded.shape[1], -1)))
+        return conv_states
+
+    def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs):
+        """The state after the call: one tensor [rows, ...] (a decode step, or a prefill of equal-length rows), or the
+        states after each of the last `recurrent_states_to_keep` tokens of a padded prefill (each row takes its own)."""
+        o = self.owner
+        if not isinstance(recurrent_states, torch.Tensor):
+            stacked = torch.stack(list(recurrent_states))  # [kept, rows, ...]: the state after token width-kept+i
+            pick = o.lengths - (o.width - stacked.shape[0]) - 1
+            recurrent_states = stacked[pick, torch.arange(stacked.shape[1], device=stacked.device)]
+        if self.state is None:
+            self.state = torch.zeros((o.num_slots, *recurrent_states.shape[1:]), dtype=torch.float32,
+                                     device=recurrent_states.device)
+        rows = self._rows(self.state)
+        rows.copy_(recurrent_states)
+        return rows
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        """(storage is allocated by the updates, for every slot at once)"""
+
+    def increase_count(self, state_idx: int) -> None:
+        """(transformers counts tokens here; the engine tracks every slot's length itself)"""
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for store in (self.conv, self.state):
+            if store is not None:
+                store[dst] = store[src]
+
+
 class KVCache:
-    """The engine's KV cache over transformers' attention: `SlotCache` layers for `num_slots` slots of
-    `max_seq_len` positions. `transformers_cache()` is the object the model's forward is handed."""
+    """The engine's KV cache over transformers' attention (`SlotCache` layers for `num_slots` slots of
+    `max_seq_len` positions) and, for a hybrid model, each linear-attention layer's per-slot recurrent state.
+    `transformers_cache()` is the object the model's forward is handed."""
 
     def __init__(self, spec: ModelSpec, num_slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu"):
         from transformers.cache_utils import Cache
@@ -192,8 +300,12 @@ class KVCache:
             """A transformers Cache whose layers are this KVCache's (the per-call rows set by `forward`)."""
 
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
-        self.slot_start, self.positions, self.attn_len = 0, None, max_seq_len
-        self.layers = [_SlotLayer(self) for _ in range(spec.num_layers)]
+        self.slot_start, self.positions, self.attn_len, self.rows = 0, None, max_seq_len, 0
+        # A prefill's per-row lengths (None in a decode step), its width and shortest row (host ints).
+        self.lengths, self.width, self.shortest = None, 0, 0
+        recurrent = type("SlotRecurrentLayer", (_SlotRecurrentLayer, _linear_attention_mixin()), {})
+        types = spec.layer_types or ["full_attention"] * spec.num_layers
+        self.layers = [recurrent(self) if t in RECURRENT_LAYER_TYPES else _SlotLayer(self) for t in types]
         self._cache = SlotCache(layers=self.layers)
 
     def transformers_cache(self):
@@ -202,7 +314,9 @@ class KVCache:
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Copy the first `length` positions of slots `src` into slots `dst` (used to keep slots packed)."""
         for layer in self.layers:
-            if layer.keys is not None:
+            if isinstance(layer, _SlotRecurrentLayer):
+                layer.move_slots(src, dst)
+            elif layer.keys is not None:
                 layer.keys[dst, :, :length] = layer.keys[src, :, :length]
                 layer.values[dst, :, :length] = layer.values[src, :, :length]
 
@@ -272,8 +386,13 @@ def _mask(spec: ModelSpec, key_pos: torch.Tensor, positions: torch.Tensor, dtype
     types = set(spec.layer_types)
     if not types or types == {"full_attention"}:
         return additive(causal)
-    masks = {"full_attention": additive(causal),
-             "sliding_attention": additive(causal & (key_pos > q - spec.sliding_window))}
+    masks = {"full_attention": additive(causal)}
+    if "sliding_attention" in types:
+        masks["sliding_attention"] = additive(causal & (key_pos > q - spec.sliding_window))
+    if types & set(RECURRENT_LAYER_TYPES):
+        # No padding mask for linear attention: padding sits right of each row's tokens, so it reaches neither
+        # their outputs (causal) nor the state kept for the row (taken at the row's length).
+        masks.update({t: None for t in RECURRENT_LAYER_TYPES})
     return masks if len(types) > 1 else masks[types.pop()]
 
 
@@ -281,12 +400,20 @@ def forward(spec: ModelSpec, weights: RuntimeWeights, tables: torch.Tensor, cach
             positions: torch.Tensor, *, slot_start: int = 0, attn_len: int | None = None,
             logit_index: torch.Tensor | None = None, tp_group=None, routes=None) -> torch.Tensor:
     """megarl.sampler.model.forward's contract (rows in slots [slot_start, slot_start + B), tokens at
-    `positions`, each attending to its own slot's positions <= its own), run by the transformers model."""
+    `positions`, each attending to its own slot's positions <= its own), run by the transformers model.
+
+    For a hybrid model a call with `logit_index` is a prefill from position 0 whose row r has logit_index[r] + 1
+    tokens (the rest is padding; each row's recurrent state is kept at its own length), and a call without it
+    continues every row from its slot's recurrent state, as the engine calls it."""
     if tp_group is not None and tp_group.size() > 1:
         raise ValueError("forward: the generic engine has no tensor parallelism (sampler.tp=1)")
     bsz = input_ids.shape[0]
     attn_len = cache.max_seq_len if attn_len is None else attn_len
-    cache.slot_start, cache.positions, cache.attn_len = slot_start, positions, attn_len
+    cache.slot_start, cache.positions, cache.attn_len, cache.rows = slot_start, positions, attn_len, bsz
+    cache.lengths = None
+    if spec.is_hybrid and logit_index is not None:
+        cache.lengths, cache.width = logit_index + 1, input_ids.shape[1]
+        cache.shortest = int(cache.lengths.min())  # (one host read per prefill: how many tail states to keep)
     mask = _mask(spec, tables[:attn_len], positions, weights.dtype)
     out = functional_call(spec.model, weights.params, args=(), strict=False, tie_weights=True, kwargs={
         "input_ids": input_ids, "position_ids": positions, "attention_mask": mask, "use_cache": True,

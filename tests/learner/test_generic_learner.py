@@ -111,3 +111,60 @@ def test_sampler_model_impl_is_one_of_auto_native_hf():
     with pytest.raises(ConfigError, match=r"^sampler\.model_impl:"):
         _cfg("sampler.model_impl=paged")
     assert _cfg("sampler.model_impl=hf").sampler.model_impl == "hf"
+
+
+def _engine_batch(engine, prompts: list[list[int]], samples: int, new_tokens: int):
+    """A TrainBatch of the engine's completions (`samples` per prompt, right-padded), trained on every completion
+    token, with the engine's behaviour log-probs and versions."""
+    from megarl.protocols import GenerationRequest, SamplingParams, TrainBatch
+
+    requests = [GenerationRequest(f"{i}.{j}", p, SamplingParams(temperature=1.0, max_new_tokens=new_tokens), ())
+                for i, p in enumerate(prompts) for j in range(samples)]
+    done = engine.generate(requests)
+    width = max(len(c.prompt_ids) + len(c.token_ids) for c in done)
+    ids, mask, mu = (torch.zeros(len(done), width, dtype=d) for d in (torch.long, torch.float32, torch.float32))
+    for b, c in enumerate(done):
+        n, k = len(c.prompt_ids), len(c.token_ids)
+        ids[b, :n + k] = torch.tensor(c.prompt_ids + c.token_ids)
+        mask[b, n:n + k], mu[b, n:n + k] = 1.0, torch.tensor(c.logprobs)
+    advantages = torch.randn(len(done), 1, generator=torch.Generator().manual_seed(0)).expand_as(mask) * mask
+    return TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=mu, versions=torch.where(mask > 0, 0, -1),
+                      advantages=advantages, learner_version=0)
+
+
+def test_a_hybrid_model_trains_at_lag_0_on_the_engines_log_probs(world, tmp_path):  # noqa: F811
+    """A tiny Qwen3-Next (gated-DeltaNet layers beside full attention): the DeepSpeed learner's log-probs of the
+    engine's completions are the engine's behaviour log-probs, in the training step too (where rows of one prompt
+    would be packed sharing their prefix by default: a hybrid trains unpacked, as a recurrence would leak across
+    packed rows); the step publishes tensors the engine takes, and exports to a directory transformers loads back
+    with the same logits."""
+    from megarl.sampler.engine import BuiltinEngine
+    from megarl.sampler.hf_model import load_pretrained
+    from tests.helpers import QWEN3_NEXT_TINY, fp32_logprob_tol, save_tiny_qwen3_next
+
+    path = str(save_tiny_qwen3_next(tmp_path / "qwen3_next", tokenizer=False))
+    tol = fp32_logprob_tol(QWEN3_NEXT_TINY, max_logprob=8.0, max_seq_len=64)
+    cfg, initial = load_pretrained(path)
+    engine = BuiltinEngine(cfg, initial, max_running=8, max_seq_len=64, seed=2)
+    gen = torch.Generator().manual_seed(4)
+    batch = _engine_batch(engine, [torch.randint(0, 256, (k,), generator=gen).tolist() for k in (3, 5, 24)], 2, 6)
+    learner = _learner(path, 2)
+    assert learner.recurrent and learner.cfg.pack_sequences and learner.cfg.share_prefixes  # (the defaults)
+    ours = learner.logprobs(batch.input_ids)
+    assert ((ours - batch.behaviour_logprobs) * batch.loss_mask).abs().max() <= tol
+    metrics = learner.train_step(batch)
+    assert metrics["skipped_nonfinite"] == 0.0
+    assert metrics["lag0/logprob_gap_abs"] <= tol, metrics["lag0/logprob_gap_abs"]
+    published = {name: t.clone() for name, t in learner.publish_tensors()}
+    engine.stage_weights(published, 1)
+    engine.apply_staged()
+    assert engine.version == 1 and any(not torch.equal(published[n], initial[n]) for n in initial)
+
+    # Checkpoint -> export -> from_pretrained: the logits of the learner's weights, bitwise.
+    from megarl.checkpoint import learner_state
+    from megarl.checkpoint.export import export_hf
+
+    learner_state.save(learner, tmp_path / "ckpt", step=1, keep=2, model_dir=path)
+    exported = _hf(str(export_hf(tmp_path / "ckpt", tmp_path / "export")))
+    with torch.no_grad():
+        assert torch.equal(exported(batch.input_ids).logits, _hf(path, published)(batch.input_ids).logits)

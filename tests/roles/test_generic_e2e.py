@@ -1,8 +1,8 @@
 """End to end on the generic path (docs/models.md#the-generic-path): `megarl train` of a model type megarl has no
 family for (a tiny Granite with the embedded tokenizer) on the DeepSpeed learner and the built-in engine's generic
-model, 20 steps at max_lag 0."""
+model, 20 steps at max_lag 0; a hybrid linear-attention model (a tiny Qwen3-Next) for a few steps."""
 from megarl.observe.sinks import train_records
-from tests.helpers import REPO, run_python, save_tiny_granite
+from tests.helpers import REPO, run_python, save_tiny_granite, save_tiny_qwen3_next
 from tests.roles.test_train_e2e import read_jsonl
 
 STEPS = 20
@@ -27,3 +27,24 @@ def test_megarl_train_runs_a_model_type_megarl_has_never_seen(tmp_path):
         assert m["lag0/token_share"] == 1.0 and m["skipped_nonfinite"] == 0.0
         assert m["lag0/logprob_gap_abs"] < 1e-5, (m["step"], m["lag0/logprob_gap_abs"])
     assert abs(metrics[-1]["entropy/mean"] - metrics[0]["entropy/mean"]) > 1e-3
+
+
+def test_megarl_train_runs_a_hybrid_linear_attention_model(tmp_path):
+    """A tiny Qwen3-Next (gated-DeltaNet layers beside full attention) on the DeepSpeed learner and the engine's
+    generic model: every step at lag 0 with the learner's log-probs equal to the engine's (the recurrent state
+    carried per request in the engine, unpacked rows in the learner), and the published versions move the policy."""
+    steps = 4
+    model = save_tiny_qwen3_next(tmp_path / "qwen3_next")
+    run_dir = tmp_path / "run"
+    proc = run_python("-m", "megarl.cli", "train", str(REPO / "configs" / "demo.yaml"), f"run.dir={run_dir}",
+                      f"run.steps={steps}", f"model.path={model}", "learner.backend=deepspeed", "learner.dp=1",
+                      "sampler.model_impl=hf", "algo.max_lag=0", "algo.loss.entropy_coef=0.05",
+                      "algo.prompts_per_step=4", "sampling.max_new_tokens=6", "eval.sets=[]", "run.progress=false",
+                      timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    metrics = train_records(read_jsonl(run_dir / "metrics.jsonl"))
+    assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+    for m in metrics:
+        assert m["lag0/token_share"] == 1.0 and m["skipped_nonfinite"] == 0.0
+        assert m["lag0/logprob_gap_abs"] < 1e-5, (m["step"], m["lag0/logprob_gap_abs"])
+    assert abs(metrics[-1]["entropy/mean"] - metrics[0]["entropy/mean"]) > 1e-4

@@ -213,8 +213,8 @@ def test_what_the_generic_model_cannot_run_is_refused_naming_the_key(granite):
     path, cfg, weights = granite
     with pytest.raises(ValueError, match=r"sampler\.tp=2"):
         hf_model.ModelSpec.from_hf_config(cfg).shard(2)
-    recurrent = {**cfg, "layer_types": ["linear_attention", "full_attention"]}
-    with pytest.raises(ValueError, match=r"layer_types \['linear_attention'\].*docs/models\.md"):
+    recurrent = {**cfg, "layer_types": ["mamba", "full_attention"]}
+    with pytest.raises(ValueError, match=r"layer_types \['mamba'\].*docs/models\.md"):
         hf_model.ModelSpec.from_hf_config(recurrent)
     with pytest.raises(ValueError, match=r"sampler\.model_impl='paged'"):
         hf_model.choose(cfg, "paged")
