@@ -9,8 +9,8 @@ machinery unchanged): `run_episode` asks the worker to run the row's episode aga
 every model turn the environment's harness asks for is a request on megarl's endpoint (sampled tokens, versions and
 log-probs as any rollout), and returns the environment's reward (the sum of its weighted rewards).
 
-The worker is a process outside megarl: every line it writes is validated (`check_ready`, `check_result`) and a
-malformed one fails what waited on it with a message naming the field; every wait has a timeout
+The worker is a process outside megarl, spoken to by megarl/rollout/env_worker.py: every line it writes is validated
+and a malformed one fails what waited on it with a message naming the field; every wait has a timeout
 (WORKER_START_TIMEOUT_S for loading, task.agent_timeout_s per episode); a worker that exits fails the episodes in
 flight with its exit code and the tail of its stderr. Refused before launch, by name (megarl/config/load.py): another
 scheme than `verifiers:`, an empty id, and with it task.agent, task.reward_fn, task.path or eval.sets.
@@ -18,33 +18,22 @@ scheme than `verifiers:`, an empty id, and with it task.agent, task.reward_fn, t
 from __future__ import annotations
 
 import atexit
-import collections
-import concurrent.futures
-import itertools
 import json
-import math
 import os
 import random
-import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from megarl.protocols import Prompt
+from megarl.rollout.env_worker import (ANSWER_MARGIN_S, CLOSE_TIMEOUT_S, WORKER_START_TIMEOUT_S,  # noqa: F401
+                                       EpisodeResult, TaskRow, Worker, WorkerError, check_ready, check_result)
 from megarl.rollout.tasks import task_from_config
 
 SCHEME = "verifiers"
 AGENT = "megarl.rollout.verifiers_adapter:run_episode"  # the agent function every verifiers episode is
 WORKER_FILE = Path(__file__).with_name("verifiers_worker.py")
-WORKER_START_TIMEOUT_S = 300.0  # importing verifiers and loading the environment's dataset on a loaded machine
-CLOSE_TIMEOUT_S = 30.0
-ANSWER_MARGIN_S = 30.0  # the worker bounds each episode by its timeout_s itself; this is for the answer to arrive
 META_ENV, META_TASK = "verifiers_env", "verifiers_task"  # the prompt meta keys naming the worker and the row
-
-
-class WorkerError(RuntimeError):
-    """The verifiers worker failed, answered a malformed line, or did not answer in time."""
 
 
 def env_id_of(spec: str) -> str:
@@ -56,205 +45,6 @@ def env_id_of(spec: str) -> str:
     if not env_id.strip() or any(c.isspace() for c in env_id):
         raise ValueError(f"task.env={spec!r}: the environment id after 'verifiers:' must be non-empty, without spaces")
     return env_id
-
-
-# ---- validation of the worker's lines (pure) ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class TaskRow:
-    index: int
-    prompt: list[dict]  # the opening messages
-    answer: str | None
-    info: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class EpisodeResult:
-    ok: bool
-    reward: float
-    rewards: dict  # name -> {"score", "weight"} (None: not scored)
-    metrics: dict
-    messages: list
-    turns: int
-    errors: list[str]
-
-
-def _need(cond: bool, what: str) -> None:
-    if not cond:
-        raise WorkerError(f"verifiers worker: malformed reply: {what}")
-
-
-def check_ready(line: dict) -> tuple[str, list[TaskRow]]:
-    """(the harness, the dataset's rows) of the worker's first line; WorkerError naming what is wrong."""
-    _need(isinstance(line, dict), "a reply is a JSON object")
-    if line.get("type") == "error":
-        raise WorkerError(f"verifiers worker failed to start: {line.get('error')}")
-    _need(line.get("type") == "ready", f"the first line must be type 'ready', got {line.get('type')!r}")
-    _need(isinstance(line.get("harness"), str), "ready.harness must be a string")
-    tasks = line.get("tasks")
-    _need(isinstance(tasks, list) and len(tasks) > 0, "ready.tasks must be a non-empty list")
-    rows = []
-    for i, task in enumerate(tasks):
-        _need(isinstance(task, dict) and task.get("index") == i, f"ready.tasks[{i}] must be an object with index {i}")
-        prompt = task.get("prompt")
-        _need(isinstance(prompt, list) and len(prompt) > 0
-              and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt),
-              f"ready.tasks[{i}].prompt must be a non-empty list of messages with a role")
-        _need(task.get("answer") is None or isinstance(task.get("answer"), str),
-              f"ready.tasks[{i}].answer must be a string or null")
-        _need(isinstance(task.get("info", {}), dict), f"ready.tasks[{i}].info must be an object")
-        rows.append(TaskRow(i, prompt, task.get("answer"), task.get("info", {})))
-    return line["harness"], rows
-
-
-def check_result(line: dict) -> EpisodeResult:
-    """The episode result of a worker's `result` line; WorkerError naming the bad field."""
-    _need(line.get("type") == "result", f"expected type 'result', got {line.get('type')!r}")
-    reward = line.get("reward")
-    _need(isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward),
-          f"result.reward must be a finite number, got {reward!r:.80}")
-    _need(isinstance(line.get("ok"), bool), "result.ok must be a boolean")
-    rewards = line.get("rewards")
-    _need(isinstance(rewards, dict) and all(
-        r is None or (isinstance(r, dict) and all(isinstance(r.get(k), (int, float)) for k in ("score", "weight")))
-        for r in rewards.values()), "result.rewards must map names to {score, weight} or null")
-    for key, kind in (("metrics", dict), ("messages", list), ("errors", list)):
-        _need(isinstance(line.get(key), kind), f"result.{key} must be a {kind.__name__}")
-    _need(isinstance(line.get("turns"), int), "result.turns must be an integer")
-    return EpisodeResult(line["ok"], float(reward), rewards, line["metrics"], line["messages"], line["turns"],
-                         [str(e) for e in line["errors"]])
-
-
-# ---- the worker process ------------------------------------------------------------------------------------------
-class Worker:
-    """One worker process: `start()` reads its dataset, `run(task, base_url, timeout_s)` runs one episode (any
-    thread; several at once), `close()` ends it."""
-
-    def __init__(self, argv: list[str], env: dict | None = None):
-        self.argv, self.env = argv, env
-        self.proc: subprocess.Popen | None = None
-        self.ids = itertools.count(1)
-        self.pending: dict[int, concurrent.futures.Future] = {}
-        self.abandoned: set[int] = set()  # requests whose wait timed out: their late answers are dropped
-        self.lock = threading.Lock()  # pending, writes to stdin, dead
-        self.dead: str | None = None  # why the worker cannot answer any more
-        self.stderr_tail: collections.deque = collections.deque(maxlen=40)
-        self.ready: concurrent.futures.Future = concurrent.futures.Future()
-        self.harness, self.rows = "", []
-
-    def start(self, timeout_s: float = WORKER_START_TIMEOUT_S) -> "Worker":
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, encoding="utf-8", env=self.env, bufsize=1)
-        threading.Thread(target=self._read_stdout, daemon=True, name="verifiers-worker-out").start()
-        self.err_reader = threading.Thread(target=self._read_stderr, daemon=True, name="verifiers-worker-err")
-        self.err_reader.start()
-        try:
-            self.harness, self.rows = self.ready.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            self.close(polite=False)
-            raise WorkerError(f"verifiers worker: no dataset listed within {timeout_s:g}s of starting "
-                              f"({' '.join(self.argv)}){self._tail()}") from None
-        except WorkerError:
-            self.close()
-            raise
-        return self
-
-    def _tail(self) -> str:
-        return ("; its stderr ends:\n" + "".join(self.stderr_tail)[-3000:]) if self.stderr_tail else ""
-
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:
-            self.stderr_tail.append(line)
-
-    def _read_stdout(self) -> None:
-        for raw in self.proc.stdout:
-            try:
-                line = json.loads(raw)
-            except ValueError:
-                self._die(f"verifiers worker: malformed reply: a line that is not JSON: {raw[:200]!r}")
-                return
-            if not self.ready.done():
-                try:
-                    self.ready.set_result(check_ready(line))
-                except WorkerError as exc:
-                    self.ready.set_exception(exc)
-                    return
-                continue
-            request_id = line.get("id") if isinstance(line, dict) else None
-            with self.lock:
-                future = self.pending.pop(request_id, None) if isinstance(request_id, int) else None
-                late = future is None and request_id in self.abandoned
-                self.abandoned.discard(request_id)
-            if late:
-                continue
-            if future is None:
-                self._die(f"verifiers worker: malformed reply: it answers no pending request: {raw[:200]!r}")
-                return
-            if line.get("type") == "error":
-                future.set_exception(WorkerError(f"verifiers worker: {line.get('error')}"))
-                continue
-            try:
-                future.set_result(check_result(line))
-            except WorkerError as exc:
-                future.set_exception(exc)
-        try:
-            rc = self.proc.wait(timeout=CLOSE_TIMEOUT_S)  # its stdout is closed: it has exited or is about to
-        except subprocess.TimeoutExpired:
-            rc = "unknown: it closed its stdout and did not exit; killed"
-        self.err_reader.join(timeout=CLOSE_TIMEOUT_S)  # the stderr tail says why
-        self._die(f"verifiers worker exited (rc {rc})")
-
-    def _die(self, why: str) -> None:
-        """Fail everything waiting: after a malformed line the stream cannot be trusted to pair answers."""
-        with self.lock:
-            self.dead = self.dead or why
-            pending, self.pending = self.pending, {}
-        error = WorkerError(f"{why}{self._tail()}")
-        if not self.ready.done():
-            self.ready.set_exception(error)
-        for future in pending.values():
-            future.set_exception(error)
-        if self.proc.poll() is None:
-            self.proc.kill()
-
-    def run(self, task: int, base_url: str, timeout_s: float) -> EpisodeResult:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self.lock:
-            if self.dead:
-                raise WorkerError(f"{self.dead}{self._tail()}")
-            request_id = next(self.ids)
-            self.pending[request_id] = future
-            try:
-                self.proc.stdin.write(json.dumps({"id": request_id, "op": "run", "task": task, "base_url": base_url,
-                                                  "timeout_s": timeout_s}) + "\n")
-                self.proc.stdin.flush()
-            except OSError as exc:
-                self.pending.pop(request_id, None)
-                raise WorkerError(f"verifiers worker: cannot send a request ({exc}){self._tail()}") from exc
-        try:
-            return future.result(timeout=timeout_s + ANSWER_MARGIN_S)
-        except concurrent.futures.TimeoutError:
-            with self.lock:
-                if self.pending.pop(request_id, None) is not None:
-                    self.abandoned.add(request_id)
-            raise WorkerError(f"verifiers worker: no answer for task {task} within {timeout_s + ANSWER_MARGIN_S:g}s "
-                              f"(task.agent_timeout_s)") from None
-
-    def close(self, polite: bool = True) -> None:
-        """Ask it to cancel its episodes and exit (`polite`), else (or when it does not within CLOSE_TIMEOUT_S) kill."""
-        with self.lock:
-            self.dead = self.dead or "verifiers worker: closed"
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            if not polite:
-                raise OSError("killed")
-            with self.lock:
-                self.proc.stdin.write('{"op": "close"}\n')
-                self.proc.stdin.close()
-            self.proc.wait(timeout=CLOSE_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(timeout=CLOSE_TIMEOUT_S)
 
 
 def worker_argv(python: Path, env_id: str, max_concurrent: int) -> list[str]:

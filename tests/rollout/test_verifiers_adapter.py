@@ -50,9 +50,9 @@ def test_a_bad_reply_fails_the_episode_naming_why(mode, message):
 
 
 def test_a_late_answer_is_dropped_and_the_worker_goes_on(monkeypatch):
-    from megarl.rollout import verifiers_adapter
+    from megarl.rollout import env_worker
 
-    monkeypatch.setattr(verifiers_adapter, "ANSWER_MARGIN_S", 0.0)
+    monkeypatch.setattr(env_worker, "ANSWER_MARGIN_S", 0.0)
     worker = fake("slow_first")
     try:
         with pytest.raises(WorkerError, match="no answer for task 0 within 0.5s"):
