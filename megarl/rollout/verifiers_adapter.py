@@ -17,18 +17,15 @@ scheme than `verifiers:`, an empty id, and with it task.agent, task.reward_fn, t
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import random
 import sys
-import threading
 from pathlib import Path
 
-from megarl.protocols import Prompt
 from megarl.rollout.env_worker import (ANSWER_MARGIN_S, CLOSE_TIMEOUT_S, WORKER_START_TIMEOUT_S,  # noqa: F401
                                        EpisodeResult, TaskRow, Worker, WorkerError, check_ready, check_result)
 from megarl.rollout.tasks import task_from_config
+from megarl.rollout.worker_task import WorkerTask, run_worker_episode
 
 SCHEME = "verifiers"
 AGENT = "megarl.rollout.verifiers_adapter:run_episode"  # the agent function every verifiers episode is
@@ -57,58 +54,26 @@ def worker_environ(python: Path) -> dict:
 
 
 # ---- the prompt source and the agent function ------------------------------------------------------------------
-_WORKERS: dict[str, Worker] = {}  # env id -> its worker, for run_episode (the agent function) in this process
-_TIMEOUTS: dict[str, float] = {}
-_START_LOCK = threading.Lock()
-
-
-def register(env_id: str, worker: Worker, timeout_s: float) -> None:
-    _WORKERS[env_id], _TIMEOUTS[env_id] = worker, timeout_s
-
-
-class VerifiersTask:
+class VerifiersTask(WorkerTask):
     """The prompt source of task.env=verifiers:<id>: every row of the environment's dataset, drawn uniformly. The
     reward is the environment's (run_episode returns it), so `reward` is never called."""
 
-    def __init__(self, env: str = "", env_workers: int = 4, agent_timeout_s: float = 300.0, worker: Worker | None = None,
-                 **_ignored):
-        self.env_id = env_id_of(env)
-        with _START_LOCK:
-            if worker is None and self.env_id in _WORKERS and not _WORKERS[self.env_id].dead:
-                worker = _WORKERS[self.env_id]
-            if worker is None:
-                from megarl.rollout.verifiers_env import ensure_env
+    scheme, label, meta_env, meta_task = SCHEME, "verifiers worker", META_ENV, META_TASK
 
-                python, _ = ensure_env()
-                worker = Worker(worker_argv(python, self.env_id, env_workers), worker_environ(python)).start()
-                atexit.register(worker.close)
-            register(self.env_id, worker, agent_timeout_s)
-        self.worker = worker
-        self.prompts = [self._prompt(row) for row in worker.rows]
+    def env_id_of(self, spec: str) -> str:
+        return env_id_of(spec)
 
-    def _prompt(self, row: TaskRow) -> Prompt:
-        text = "\n\n".join(m["content"] for m in row.prompt if isinstance(m.get("content"), str))
-        return Prompt(text, row.answer or "", {**row.info, META_ENV: self.env_id, META_TASK: row.index,
-                                              "data_source": f"{SCHEME}:{self.env_id}"})
+    def start_worker(self, env_workers: int) -> Worker:
+        from megarl.rollout.verifiers_env import ensure_env
 
-    def sample_prompts(self, rng: random.Random, n: int) -> list[Prompt]:
-        return [rng.choice(self.prompts) for _ in range(n)]
-
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        raise RuntimeError("a verifiers environment scores whole episodes (run_episode); no completion reward")
+        python, _ = ensure_env()
+        return Worker(worker_argv(python, self.env_id, env_workers), worker_environ(python), self.label).start()
 
 
 def run_episode(base_url: str, prompt: str, answer: str, meta: dict) -> float:
     """The agent function (task.agent contract) of a verifiers episode: the worker runs the row's episode against
     base_url; its reward, or WorkerError (the episode fails, counted) when the environment reported errors."""
-    env_id = meta[META_ENV]
-    worker = _WORKERS.get(env_id)
-    if worker is None:
-        raise WorkerError(f"no verifiers worker for {env_id!r} in this process (VerifiersTask starts it)")
-    result = worker.run(meta[META_TASK], base_url, _TIMEOUTS[env_id])
-    if not result.ok:
-        raise WorkerError(f"verifiers environment {env_id}: episode failed: {'; '.join(result.errors)[:1500]}")
-    return result.reward
+    return run_worker_episode(SCHEME, meta[META_ENV], meta[META_TASK], base_url)
 
 
 def agent_for(tc) -> str:
