@@ -24,7 +24,6 @@ from pathlib import Path
 
 from megarl.rollout.env_worker import (ANSWER_MARGIN_S, CLOSE_TIMEOUT_S, WORKER_START_TIMEOUT_S,  # noqa: F401
                                        EpisodeResult, TaskRow, Worker, WorkerError, check_ready, check_result)
-from megarl.rollout.tasks import task_from_config
 from megarl.rollout.worker_task import WorkerTask, run_worker_episode
 
 SCHEME = "verifiers"
@@ -37,7 +36,7 @@ def env_id_of(spec: str) -> str:
     """The verifiers environment id of task.env=verifiers:<id>; ValueError naming task.env otherwise."""
     scheme, sep, env_id = spec.partition(":")
     if not sep or scheme != SCHEME:
-        raise ValueError(f"task.env={spec!r}: only verifiers environments are supported (task.env=verifiers:<id>, "
+        raise ValueError(f"task.env={spec!r}: a verifiers environment is named task.env=verifiers:<id> ("
                          f"the id of an installed verifiers environment package or a module on PYTHONPATH)")
     if not env_id.strip() or any(c.isspace() for c in env_id):
         raise ValueError(f"task.env={spec!r}: the environment id after 'verifiers:' must be non-empty, without spaces")
@@ -74,19 +73,6 @@ def run_episode(base_url: str, prompt: str, answer: str, meta: dict) -> float:
     """The agent function (task.agent contract) of a verifiers episode: the worker runs the row's episode against
     base_url; its reward, or WorkerError (the episode fails, counted) when the environment reported errors."""
     return run_worker_episode(SCHEME, meta[META_ENV], meta[META_TASK], base_url)
-
-
-def agent_for(tc) -> str:
-    """The agent function of the run's episodes: task.agent, or the adapter's with task.env."""
-    return tc.agent or (AGENT if tc.env else "")
-
-
-def task_for(tc):
-    """The run's prompt source (tc: the TaskConfig): with task.env the environment's dataset (its worker started),
-    else the task task.name names (megarl/rollout/tasks.py)."""
-    if tc.env:
-        return VerifiersTask(tc.env, env_workers=tc.env_workers, agent_timeout_s=tc.agent_timeout_s)
-    return task_from_config(tc)
 
 
 if __name__ == "__main__":  # pragma: no cover - a quick manual look at an environment's dataset

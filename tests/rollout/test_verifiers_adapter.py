@@ -8,8 +8,9 @@ import pytest
 
 from megarl.config.load import ConfigError, load_config
 from megarl.rollout import verifiers_worker
-from megarl.rollout.verifiers_adapter import (META_ENV, META_TASK, VerifiersTask, Worker, WorkerError, agent_for,
-                                              check_ready, check_result, env_id_of, run_episode)
+from megarl.rollout.env_adapters import agent_for
+from megarl.rollout.verifiers_adapter import (META_ENV, META_TASK, VerifiersTask, Worker, WorkerError, check_ready,
+                                              check_result, env_id_of, run_episode)
 from tests.helpers import REPO
 
 FAKE = str(Path(__file__).with_name("fake_verifiers_worker.py"))
