@@ -113,13 +113,18 @@ class Server:
 
 
 class Episode:
-    """One WebSocket session of the server: reset, step, each answered by an observation or an error."""
+    """One WebSocket session of the server (a context manager): reset, step, each answered by an observation or an
+    error."""
 
     def __init__(self, server_url: str, timeout_s: float):
         from websockets.sync.client import connect
 
-        self.ws = connect(server_url.replace("http://", "ws://") + "/ws", open_timeout=timeout_s,
-                          max_size=64 * 2**20)
+        self.connection = connect(server_url.replace("http://", "ws://") + "/ws", open_timeout=timeout_s,
+                                  max_size=64 * 2**20)
+
+    def __enter__(self) -> "Episode":
+        self.ws = self.connection.__enter__()
+        return self
 
     def call(self, kind: str, data: dict, timeout_s: float) -> dict:
         self.ws.send(json.dumps({"type": kind, "data": data}))
@@ -128,12 +133,12 @@ class Episode:
             raise RuntimeError(f"the environment answered {kind} with {json.dumps(reply)[:800]}")
         return reply["data"]
 
-    def close(self) -> None:
+    def __exit__(self, *exc) -> None:
         try:
             self.ws.send(json.dumps({"type": "close", "data": {}}))
         except Exception:  # noqa: BLE001 - already gone
             pass
-        self.ws.close()
+        self.connection.__exit__(*exc)
 
 
 class Worker:
@@ -165,24 +170,24 @@ class Worker:
         request_id, seed = request["id"], request["task"]
         deadline = time.monotonic() + request["timeout_s"]
         left = lambda: deadline - time.monotonic()  # noqa: E731
-        messages, reward, turns, done, episode = [], 0.0, 0, False, None
+        messages, reward, turns, done = [], 0.0, 0, False
         try:
-            episode = Episode(self.server.url, left())
-            step = episode.call("reset", {"seed": seed}, left())
-            reward += _reward(step.get("reward"))
-            done = bool(step.get("done"))
-            while not done and turns < self.max_turns:
-                if left() <= 0:
-                    raise TimeoutError(f"episode of task {seed} ran past {request['timeout_s']:g}s")
-                messages.append({"role": "user", "content": observation_text(step["observation"])})
-                reply = _post(f"{request['base_url']}/chat/completions",
-                              {"model": self.model, "messages": messages}, left())
-                content = reply["choices"][0]["message"].get("content") or ""
-                messages.append({"role": "assistant", "content": content})
-                turns += 1
-                step = episode.call("step", {self.field: content}, left())
+            with Episode(self.server.url, left()) as episode:
+                step = episode.call("reset", {"seed": seed}, left())
                 reward += _reward(step.get("reward"))
                 done = bool(step.get("done"))
+                while not done and turns < self.max_turns:
+                    if left() <= 0:
+                        raise TimeoutError(f"episode of task {seed} ran past {request['timeout_s']:g}s")
+                    messages.append({"role": "user", "content": observation_text(step["observation"])})
+                    reply = _post(f"{request['base_url']}/chat/completions",
+                                  {"model": self.model, "messages": messages}, left())
+                    content = reply["choices"][0]["message"].get("content") or ""
+                    messages.append({"role": "assistant", "content": content})
+                    turns += 1
+                    step = episode.call("step", {self.field: content}, left())
+                    reward += _reward(step.get("reward"))
+                    done = bool(step.get("done"))
             self.send({"type": "result", "id": request_id, "ok": True, "reward": reward,
                        "rewards": {"openenv": {"score": reward, "weight": 1.0}},
                        "metrics": {"done": done, "steps": turns}, "messages": messages, "turns": turns,
@@ -190,9 +195,6 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - one episode's failure is that episode's answer
             self.send({"type": "error", "id": request_id, "error": f"{type(exc).__name__}: {exc}\n"
                                                                    f"{traceback.format_exc(limit=-3)}"[-4000:]})
-        finally:
-            if episode is not None:
-                episode.close()
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
