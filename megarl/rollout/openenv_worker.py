@@ -67,12 +67,14 @@ def _reward(value) -> float:
 
 
 def _post(url: str, body: dict, timeout_s: float) -> dict:
+    """POST JSON, the reply's JSON; an HTTP error names its status and body, never the URL (a session URL holds
+    megarl's secret token)."""
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             return json.loads(reply.read())
     except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"POST {url.split('/s/')[0]}...: HTTP {exc.code}: {exc.read()[:500]!r}") from None
+        raise RuntimeError(f"the server answered HTTP {exc.code}: {exc.read()[:500]!r}") from None
 
 
 class Server:

@@ -73,3 +73,30 @@ def test_episodes_run_through_the_worker_and_return_its_reward():
         assert run_episode("http://u", prompt.text, prompt.answer, prompt.meta) == 1.0
     finally:
         worker.close()
+
+
+def test_an_endpoint_error_names_its_status_not_the_session_url():
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Refuses(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.dumps({"error": {"code": "context_length_exceeded"}}).encode()
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Refuses)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/sessions/SECRET-TOKEN/v1/chat/completions"
+        with pytest.raises(RuntimeError, match="HTTP 400.*context_length_exceeded") as err:
+            openenv_worker._post(url, {"messages": []}, 10.0)
+        assert "SECRET-TOKEN" not in str(err.value)
+    finally:
+        server.shutdown()
