@@ -55,6 +55,7 @@ from megarl.ratelimit import RateLimitedLine
 from megarl.roles.learner_main import STOP_KEY, retired_key
 from megarl.rollout.agent import AgentRunner
 from megarl.rollout.datasets import source_of
+from megarl.rollout.env_adapters import agent_for, task_for
 from megarl.rollout.environment import is_multi_turn
 from megarl.rollout.episode import Episode, EpisodeLimits, EpisodeRunner
 from megarl.rollout.heldout import training_split
@@ -64,7 +65,6 @@ from megarl.rollout.routes import check_routes
 from megarl.rollout.sandbox import hide_from_sandboxes
 from megarl.rollout.send_order import Unsent, groups_to_send
 from megarl.rollout.tasks import prompt_rng, sync_sampling_seed
-from megarl.rollout.env_adapters import agent_for, task_for
 from megarl.secret import run_secret
 
 STOP_POLL_S = 0.2
