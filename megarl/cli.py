@@ -466,14 +466,15 @@ def check_task(cfg) -> list[str]:
     called on a few real prompts); raises what a sampler would raise, returns lines worth printing at start."""
     from megarl.rollout.rewards import check_reward
     from megarl.rollout.sandbox import SandboxError, hide_from_sandboxes, probe
-    from megarl.rollout.verifiers_adapter import VerifiersTask, task_for
+    from megarl.rollout.env_adapters import task_for
+    from megarl.rollout.worker_task import WorkerTask
 
     tc, lines = cfg.task, []
     hide_from_sandboxes(cfg.run.dir, tc.path, cfg.checkpoint.dir)  # as the samplers will
     task = task_for(tc)
-    if isinstance(task, VerifiersTask):  # its worker loaded the environment: the dataset is known, the check done
+    if isinstance(task, WorkerTask):  # its worker loaded the environment: the tasks are known, the check done
         task.worker.close()
-        lines.append(f"verifiers environment {task.env_id}: {len(task.prompts)} prompts")
+        lines.append(f"{task.scheme} environment {task.env_id}: {len(task.prompts)} prompts")
     dataset = getattr(task, "task", task)  # a task scored by task.reward_fn wraps the prompt source
     if hasattr(dataset, "bad_rows"):
         lines.append(f"dataset {tc.path}: {len(dataset.prompts)} prompts"

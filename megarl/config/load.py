@@ -377,11 +377,20 @@ def _validate_task(cfg: Config, check_files: bool) -> None:
                  f"{tc.agent!r} is not of the form 'package.module:function'")
         _require(not tc.reward_fn, "task.reward_fn", "with task.agent the agent returns each episode's reward; "
                                                      "leave task.reward_fn empty")
-    if tc.env:  # megarl/rollout/verifiers_adapter.py; refused here, before launch, by name
+    if tc.env:  # megarl/rollout/{verifiers,openenv}_adapter.py; refused here, before launch, by name
         scheme, _, env_id = tc.env.partition(":")
-        _require(scheme == "verifiers" and bool(env_id.strip()) and not any(c.isspace() for c in env_id), "task.env",
-                 f"{tc.env!r}: only verifiers environments are supported, as task.env=verifiers:<id> (the id of an "
-                 f"installed verifiers environment package or a module on PYTHONPATH)")
+        if scheme == "openenv":
+            module, colon, attr = env_id.partition(":")
+            _require(bool(colon) and all(p.isidentifier() for p in module.split(".") + attr.split(".")), "task.env",
+                     f"{tc.env!r}: an OpenEnv environment is named by its server app, task.env=openenv:<module>:<attr> "
+                     f"(what `uvicorn <module>:<attr>` serves), importable in the OpenEnv environment or on PYTHONPATH")
+            _require(tc.env_tasks >= 1, "task.env_tasks", f"must be >= 1 (episodes are reset with seeds "
+                                                          f"0..env_tasks-1), got {tc.env_tasks}")
+        else:
+            _require(scheme == "verifiers" and bool(env_id.strip()) and not any(c.isspace() for c in env_id),
+                     "task.env", f"{tc.env!r}: supported are verifiers environments, task.env=verifiers:<id> (the id "
+                                 f"of an installed verifiers environment package or a module on PYTHONPATH), and "
+                                 f"OpenEnv ones, task.env=openenv:<module>:<attr>")
         for key, value, why in (("task.agent", tc.agent, "the environment's harness is the agent"),
                                 ("task.reward_fn", tc.reward_fn, "the environment's rewards score each episode"),
                                 ("task.path", tc.path, "the prompts are the environment's dataset"),

@@ -129,7 +129,10 @@ class TaskConfig:
     agent_timeout_s: float = 300.0
     # "verifiers:<id>": a verifiers environment (an installed package or a module on PYTHONPATH) supplies the prompts
     # (its dataset), runs each episode through the agent endpoint and scores it (megarl/rollout/verifiers_adapter.py).
+    # "openenv:<module>:<attr>": an OpenEnv environment's server app (what `uvicorn <module>:<attr>` serves), started
+    # locally; its episodes, reset with seeds 0..env_tasks-1, are the prompts (megarl/rollout/openenv_adapter.py).
     env: str = ""
+    env_tasks: int = 64  # openenv: how many reset seeds (0..env_tasks-1) are the prompts
     # The largest request body the agent endpoint reads (bytes; larger: 413, nothing of it parsed).
     # 0 = max(1 MiB, 32 bytes x sampler.max_seq_len): a request resends the whole history as JSON.
     agent_max_request_bytes: int = 0

@@ -55,6 +55,7 @@ from megarl.ratelimit import RateLimitedLine
 from megarl.roles.learner_main import STOP_KEY, retired_key
 from megarl.rollout.agent import AgentRunner
 from megarl.rollout.datasets import source_of
+from megarl.rollout.env_adapters import agent_for, task_for
 from megarl.rollout.environment import is_multi_turn
 from megarl.rollout.episode import Episode, EpisodeLimits, EpisodeRunner
 from megarl.rollout.heldout import training_split
@@ -64,7 +65,6 @@ from megarl.rollout.routes import check_routes
 from megarl.rollout.sandbox import hide_from_sandboxes
 from megarl.rollout.send_order import Unsent, groups_to_send
 from megarl.rollout.tasks import prompt_rng, sync_sampling_seed
-from megarl.rollout.verifiers_adapter import agent_for, task_for
 from megarl.secret import run_secret
 
 STOP_POLL_S = 0.2
@@ -182,7 +182,7 @@ class SamplerLoop:
         hide_from_sandboxes(cfg.run.dir, cfg.task.path, cfg.checkpoint.dir)
         # MoE models: every sample's routes are checked here, where the sample is assembled (None: dense).
         self.route_shape = moe.route_shape(json.loads((Path(model_dir) / "config.json").read_text()))
-        self.task = task_for(cfg.task)  # task.env: a verifiers environment's dataset (its worker started)
+        self.task = task_for(cfg.task)  # task.env: an environment's tasks (its worker started)
         if (fraction := heldout_fraction(cfg)) is not None:  # eval.sets draws the held-out prompts: never trained on
             self.task = training_split(self.task, fraction)
         if ":" in cfg.task.reward_fn and topo.role_rank == 0:  # `megarl train` checked it; a raw torchrun did not

@@ -9,7 +9,7 @@ where base_url is that episode's own session of megarl's /v1/chat/completions
 (megarl/rollout/agent_endpoint.py): an agent written against the `openai` client
 (`openai.OpenAI(base_url=base_url, api_key="megarl")`) talks to it like to any server, runs its own
 tools, and returns the episode's reward. Prompts come from the configured task (task.name; with task.env, a verifiers
-environment's dataset, its episodes run by megarl/rollout/verifiers_adapter.py's agent function). The URL
+or OpenEnv environment's tasks, its episodes run by its adapter's agent function, megarl/rollout/env_adapters.py). The URL
 holds the session's secret token: only the agent handed it can reach the session.
 
 Server side, each request of a session is turned into tokens exactly as the engine will see them

@@ -8,8 +8,9 @@ import pytest
 
 from megarl.config.load import ConfigError, load_config
 from megarl.rollout import verifiers_worker
-from megarl.rollout.verifiers_adapter import (META_ENV, META_TASK, VerifiersTask, Worker, WorkerError, agent_for,
-                                              check_ready, check_result, env_id_of, run_episode)
+from megarl.rollout.env_adapters import agent_for
+from megarl.rollout.verifiers_adapter import (META_ENV, META_TASK, VerifiersTask, Worker, WorkerError, check_ready,
+                                              check_result, env_id_of, run_episode)
 from tests.helpers import REPO
 
 FAKE = str(Path(__file__).with_name("fake_verifiers_worker.py"))
@@ -50,9 +51,9 @@ def test_a_bad_reply_fails_the_episode_naming_why(mode, message):
 
 
 def test_a_late_answer_is_dropped_and_the_worker_goes_on(monkeypatch):
-    from megarl.rollout import verifiers_adapter
+    from megarl.rollout import env_worker
 
-    monkeypatch.setattr(verifiers_adapter, "ANSWER_MARGIN_S", 0.0)
+    monkeypatch.setattr(env_worker, "ANSWER_MARGIN_S", 0.0)
     worker = fake("slow_first")
     try:
         with pytest.raises(WorkerError, match="no answer for task 0 within 0.5s"):
