@@ -63,7 +63,7 @@ def connect(prompt, completion, answer, meta):
 
 
 def wrong_signature(prompt, completion):
-    """The bug of issue 17: a reward written for (prompt, completion) only."""
+    """A reward written for (prompt, completion) only: a wrong signature."""
     return 1.0
 
 

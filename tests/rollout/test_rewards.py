@@ -231,7 +231,8 @@ def test_the_run_stops_once_failed_rewards_exceed_their_share_of_a_batch_showing
 
 
 def test_a_run_whose_reward_always_hangs_stops_at_the_defaults_saying_why(embedded_model_dir, tmp_path):
-    """Issue 17: at the old defaults this run stood still for minutes, printing nothing."""
+    """A reward that hangs on every call: the run stops within its budget and says why, rather than standing still
+    printing nothing."""
     proc = run_python("-m", "megarl.cli", "train", str(REPO / "configs" / "demo.yaml"), f"run.dir={tmp_path / 'run'}",
                       f"model.path={embedded_model_dir}", "task.name=arithmetic", "task.think_mean=0",
                       f"task.reward_fn={FNS}:sleep_forever", "run.steps=3", "algo.prompts_per_step=4",

@@ -193,7 +193,7 @@ def running(pid: int) -> bool:
 @pytest.mark.parametrize("exit_how", ["os._exit", "SIGKILL"])
 def test_a_rewards_children_die_with_the_process_that_called_it(tmp_path, exit_how):
     """A rank leaves with os._exit (megarl/distributed/lifetime.py), or is killed: neither runs cleanup
-    code, and the reward worker's own children must still not outlive it (issue 23: 292 were left)."""
+    code, and the reward worker's own children must still not outlive it."""
     pid_file = tmp_path / "pids"
     exit_now = "os._exit(0)" if exit_how == "os._exit" else "os.kill(os.getpid(), signal.SIGKILL)"
     # FunctionWorker is what a trusted UserReward calls (megarl/rollout/rewards.py); importing only the

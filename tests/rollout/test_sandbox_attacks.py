@@ -1,4 +1,4 @@
-"""The sandbox attacked (issue 23): sandboxed code tries to read the sampler's environment, signal or
+"""The sandbox attacked: sandboxed code tries to read the sampler's environment, signal or
 ptrace a process outside the sandbox, hold memory that RLIMIT_AS does not count (SysV shared memory,
 memfd), start thousands of kernel tasks, and -- run by a sandboxed reward -- forge that reward's result.
 Each is tried in every mode this machine can show: namespaced as root (how megarl runs here), and, in a
