@@ -33,6 +33,11 @@ import traceback
 import urllib.error
 import urllib.request
 
+if __package__:  # imported as a megarl module (the tests)
+    from megarl.rollout.worker_lines import check_request, protocol_stdout, refuse_start
+else:  # run as a file by its environment's Python, which has no megarl: the sibling file
+    from worker_lines import check_request, protocol_stdout, refuse_start
+
 SERVER_START_TIMEOUT_S = 120.0  # importing the environment's app (FastAPI, gradio) on a loaded machine
 HTTP_TIMEOUT_S = 60.0
 PLAIN_FIELDS = {"metadata"}  # OpenEnv's own Action/Observation fields that are not the environment's content
@@ -203,24 +208,6 @@ class Worker:
         self.server.close()
 
 
-def _check(request, n_tasks: int) -> str | None:
-    """Why a request line is not a well-formed run/close request (None: it is)."""
-    if not isinstance(request, dict):
-        return "a request is a JSON object"
-    if request.get("op") == "close":
-        return None
-    if request.get("op") != "run":
-        return f"unknown op {request.get('op')!r} (run, close)"
-    for key, kind in (("id", int), ("task", int), ("base_url", str), ("timeout_s", (int, float))):
-        if not isinstance(request.get(key), kind) or isinstance(request.get(key), bool):
-            return f"run request needs {key!r} of type {getattr(kind, '__name__', 'number')}, got {request.get(key)!r}"
-    if request["timeout_s"] <= 0:
-        return f"timeout_s must be > 0, got {request['timeout_s']}"
-    if not 0 <= request["task"] < n_tasks:
-        return f"task {request['task']} out of range (0..{n_tasks - 1})"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="megarl's OpenEnv worker (JSON lines on stdin/stdout)")
     parser.add_argument("--app", required=True, help="the environment's server app, MODULE:ATTR (uvicorn's form)")
@@ -229,16 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="megarl", help="the model name sent with each request")
     parser.add_argument("--max-concurrent", type=int, default=4)
     args = parser.parse_args(argv)
-    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)  # whatever the stack prints must not corrupt the protocol
-    sys.stdout = sys.stderr
+    out = protocol_stdout()
     try:
         worker = Worker(args.app, args.tasks, args.max_turns, args.max_concurrent, args.model, out)
     except Exception as exc:  # noqa: BLE001 - told to megarl as the first line, then exit
-        out.write(json.dumps({"type": "error", "id": None, "error": f"starting OpenEnv environment {args.app!r}: "
-                                                                   f"{type(exc).__name__}: {exc}"}) + "\n")
-        out.flush()
-        return 1
+        return refuse_start(out, f"starting OpenEnv environment {args.app!r}", exc)
     try:
         worker.send(worker.ready())
         for line in sys.stdin:
@@ -249,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 worker.send({"type": "error", "id": None, "error": f"request is not JSON: {exc}"})
                 continue
-            if (problem := _check(request, len(worker.prompts))) is not None:
+            if (problem := check_request(request, len(worker.prompts))) is not None:
                 worker.send({"type": "error", "id": request.get("id") if isinstance(request, dict) else None,
                              "error": problem})
                 continue

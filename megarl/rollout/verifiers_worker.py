@@ -30,6 +30,11 @@ import sys
 import threading
 import traceback
 
+if __package__:  # imported as a megarl module (the tests)
+    from megarl.rollout.worker_lines import check_request, protocol_stdout, refuse_start
+else:  # run as a file by its environment's Python, which has no megarl: the sibling file
+    from worker_lines import check_request, protocol_stdout, refuse_start
+
 API_KEY_VAR = "MEGARL_VERIFIERS_API_KEY"  # the session URL carries megarl's secret; the key is a placeholder
 HARNESS = "null"  # the tool-less chat loop (with the task's MCP tools): model calls only, no model-written code
 
@@ -115,22 +120,6 @@ class Worker:
                                                                    f"{traceback.format_exc(limit=-3)}"[-4000:]})
 
 
-def _check(request) -> str | None:
-    """Why a request line is not a well-formed run/close request (None: it is)."""
-    if not isinstance(request, dict):
-        return "a request is a JSON object"
-    if request.get("op") == "close":
-        return None
-    if request.get("op") != "run":
-        return f"unknown op {request.get('op')!r} (run, close)"
-    for key, kind in (("id", int), ("task", int), ("base_url", str), ("timeout_s", (int, float))):
-        if not isinstance(request.get(key), kind) or isinstance(request.get(key), bool):
-            return f"run request needs {key!r} of type {getattr(kind, '__name__', 'number')}, got {request.get(key)!r}"
-    if request["timeout_s"] <= 0:
-        return f"timeout_s must be > 0, got {request['timeout_s']}"
-    return None
-
-
 async def serve(worker: Worker, lines: asyncio.Queue) -> None:
     running: set[asyncio.Task] = set()
     async with worker.env.serving():
@@ -144,7 +133,7 @@ async def serve(worker: Worker, lines: asyncio.Queue) -> None:
             except ValueError as exc:
                 worker.send({"type": "error", "id": None, "error": f"request is not JSON: {exc}"})
                 continue
-            if (problem := _check(request)) is not None:
+            if (problem := check_request(request)) is not None:
                 worker.send({"type": "error", "id": request.get("id") if isinstance(request, dict) else None,
                              "error": problem})
                 continue
@@ -168,9 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="megarl", help="the model name sent with each request")
     parser.add_argument("--max-concurrent", type=int, default=4)
     args = parser.parse_args(argv)
-    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-    os.dup2(2, 1)  # whatever the stack prints must not corrupt the protocol
-    sys.stdout = sys.stderr
+    out = protocol_stdout()
     loop = asyncio.new_event_loop()
     lines: asyncio.Queue = asyncio.Queue()
 
@@ -183,10 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker = Worker(args.env, args.model, args.max_concurrent, out)
     except Exception as exc:  # noqa: BLE001 - told to megarl as the first line, then exit
-        out.write(json.dumps({"type": "error", "id": None, "error": f"loading verifiers environment {args.env!r}: "
-                                                                   f"{type(exc).__name__}: {exc}"}) + "\n")
-        out.flush()
-        return 1
+        return refuse_start(out, f"loading verifiers environment {args.env!r}", exc)
     threading.Thread(target=read, daemon=True, name="stdin").start()
     loop.run_until_complete(serve(worker, lines))  # serving() has torn down the tool servers and interception
     out.flush()
