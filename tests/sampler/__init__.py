@@ -139,3 +139,19 @@ def hf_logprobs_and_routes(ids: list[int], *versions: tuple[Path, int | None]) -
     layers = len(hf.model.layers)
     per_call = [torch.stack(chosen[i:i + layers], dim=1) for i in range(0, len(chosen), layers)]
     return torch.log_softmax(torch.cat(logits), -1), torch.cat(per_call).numpy()
+
+
+def transformers_model(path, weights=None):
+    """transformers' own model of `path` in fp32 (the reference), with `weights` (name -> tensor) loaded over it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    if weights is not None:
+        model.load_state_dict(weights, strict=False)
+    return model
+
+
+def transformers_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """Next-token log-probs [len(ids), V] of one transformers forward."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)

@@ -12,7 +12,7 @@ from megarl.protocols import GenerationRequest, SamplingParams
 from megarl.sampler import hf_model
 from megarl.sampler.engine import BuiltinEngine
 from tests.helpers import LEARNER_TINY, fp32_logprob_tol, save_tiny_granite
-from tests.sampler import make_tiny_model
+from tests.sampler import make_tiny_model, transformers_logprobs, transformers_model
 
 # |log-prob| <= 8 (vocab 264: log 264 = 5.6 plus the logits' spread); positions up to the engine's 64.
 TOL = fp32_logprob_tol(LEARNER_TINY, max_logprob=8.0, max_seq_len=64)
@@ -23,21 +23,6 @@ def granite(tmp_path_factory):
     """(path, HF config dict, named_parameters' tensors) of the tiny Granite."""
     path = save_tiny_granite(tmp_path_factory.mktemp("granite") / "granite")
     return (path, *hf_model.load_pretrained(str(path)))
-
-
-def _hf(path, weights=None):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    if weights is not None:
-        model.load_state_dict(weights, strict=False)
-    return model
-
-
-def _logprobs(model, ids: list[int]) -> torch.Tensor:
-    """Next-token log-probs [len(ids), V] of one transformers forward."""
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
 
 
 def _prompts(n, seed=0):
@@ -75,11 +60,11 @@ def test_behaviour_logprobs_under_continuous_batching_equal_transformers(granite
     for r in requests:
         engine.add_request(r)
     done = _finish(engine)
-    reference = _hf(path)
+    reference = transformers_model(path)
     for r in requests:
         c = done[r.request_id]
         assert len(c.token_ids) == r.sampling.max_new_tokens and c.versions == [0] * len(c.token_ids)
-        lp = _logprobs(reference, c.prompt_ids + c.token_ids)
+        lp = transformers_logprobs(reference, c.prompt_ids + c.token_ids)
         n = len(c.prompt_ids)
         gaps = [abs(c.logprobs[i] - lp[n - 1 + i, t].item()) for i, t in enumerate(c.token_ids)]
         assert max(gaps) <= TOL, (r.request_id, max(gaps), TOL)
@@ -102,7 +87,7 @@ def _keep_reference(path, v1, v2, prefix: list[int]) -> torch.Tensor:
     """transformers' next-token log-probs when v1 computed the cache of prefix[:-1] and v2 feeds prefix[-1]."""
     from transformers import DynamicCache
 
-    old, new = _hf(path, v1), _hf(path, v2)
+    old, new = transformers_model(path, v1), transformers_model(path, v2)
     with torch.no_grad():
         cache = DynamicCache(config=old.config)
         old(torch.tensor([prefix[:-1]]), cache=cache, use_cache=True)
@@ -127,18 +112,18 @@ def test_in_flight_swap_under_each_kv_policy(granite, policy):
         assert engine.step() == []
     engine.stage_weights(v2, 1)
     done = _finish(engine)
-    fresh_model = _hf(path, v2)
+    fresh_model = transformers_model(path, v2)
     for r in requests:
         c = done[r.request_id]
         assert c.versions == [0] * 3 + [1] * 5
         prefix = c.prompt_ids + c.token_ids[:3]
-        keep, fresh = _keep_reference(path, weights, v2, prefix), _logprobs(fresh_model, prefix)[-1]
+        keep, fresh = _keep_reference(path, weights, v2, prefix), transformers_logprobs(fresh_model, prefix)[-1]
         assert (keep - fresh).abs().max() > 1e-3  # the two policies are distinguishable here
         expected = keep if policy == "keep" else fresh
         assert c.token_ids[3] == int(expected.argmax())
         assert abs(c.logprobs[3] - expected[c.token_ids[3]].item()) <= TOL
         if policy == "recompute":
-            ref = _logprobs(fresh_model, c.prompt_ids + c.token_ids)
+            ref = transformers_logprobs(fresh_model, c.prompt_ids + c.token_ids)
             n = len(c.prompt_ids)
             assert max(abs(c.logprobs[i] - ref[n - 1 + i, c.token_ids[i]].item()) for i in range(3, 8)) <= TOL
 
@@ -175,9 +160,9 @@ def test_sliding_window_layers_see_only_their_window(tmp_path):
     engine = BuiltinEngine(cfg, weights, max_running=2, max_seq_len=32, model_impl="hf")
     requests = [GenerationRequest(str(i), [t % 64 for t in p] * 2, SamplingParams(temperature=1.0, max_new_tokens=6),
                                   ()) for i, p in enumerate(_prompts(3, seed=7))]
-    reference = _hf(tmp_path / "gemma")
+    reference = transformers_model(tmp_path / "gemma")
     for c in engine.generate(requests):
-        lp, n = _logprobs(reference, c.prompt_ids + c.token_ids), len(c.prompt_ids)
+        lp, n = transformers_logprobs(reference, c.prompt_ids + c.token_ids), len(c.prompt_ids)
         assert max(abs(c.logprobs[i] - lp[n - 1 + i, t].item()) for i, t in enumerate(c.token_ids)) <= TOL
 
 
@@ -203,9 +188,9 @@ def test_architectures_the_native_forward_lacks_run_as_transformers_runs_them(tm
     engine = BuiltinEngine(cfg, weights, max_running=2, max_seq_len=40, model_impl="hf")
     requests = [GenerationRequest(str(i), [(7 * i + j) % 64 for j in range(5 + 6 * i)],
                                   SamplingParams(temperature=1.0, max_new_tokens=8), ()) for i in range(3)]
-    reference = _hf(tmp_path / model_type)
+    reference = transformers_model(tmp_path / model_type)
     for c in engine.generate(requests):
-        lp, n = _logprobs(reference, c.prompt_ids + c.token_ids), len(c.prompt_ids)
+        lp, n = transformers_logprobs(reference, c.prompt_ids + c.token_ids), len(c.prompt_ids)
         assert max(abs(c.logprobs[i] - lp[n - 1 + i, t].item()) for i, t in enumerate(c.token_ids)) <= TOL
 
 

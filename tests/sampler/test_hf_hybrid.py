@@ -11,6 +11,7 @@ from megarl.protocols import GenerationRequest, SamplingParams
 from megarl.sampler import hf_model
 from megarl.sampler.engine import BuiltinEngine
 from tests.helpers import QWEN3_NEXT_TINY, fp32_logprob_tol, save_tiny_qwen3_next
+from tests.sampler import transformers_logprobs, transformers_model
 
 # |log-prob| <= 8 (vocab 264), positions up to the engine's 64; the delta rule adds, per linear layer, a k.v
 # product (head_dim) and a running sum over the positions, which the attention terms of the bound already count.
@@ -22,21 +23,6 @@ def qwen3_next(tmp_path_factory):
     """(path, HF config dict, named_parameters' tensors) of the tiny Qwen3-Next."""
     path = save_tiny_qwen3_next(tmp_path_factory.mktemp("qwen3_next") / "qwen3_next", tokenizer=False)
     return (path, *hf_model.load_pretrained(str(path)))
-
-
-def _hf(path, weights=None):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    if weights is not None:
-        model.load_state_dict(weights, strict=False)
-    return model
-
-
-def _logprobs(model, ids: list[int]) -> torch.Tensor:
-    """Next-token log-probs [len(ids), V] of one transformers forward (chunked delta rule over the sequence)."""
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
 
 
 def _max_gap(completion, reference_logprobs, begin: int = 0) -> float:
@@ -68,11 +54,11 @@ def test_prefill_and_decode_under_continuous_batching_equal_one_forward(qwen3_ne
     requests = [GenerationRequest(str(i), p, SamplingParams(temperature=1.0, max_new_tokens=2 + i), ())
                 for i, p in enumerate(prompts)]
     done = {c.request_id: c for c in engine.generate(requests)}
-    reference = _hf(path)
+    reference = transformers_model(path)
     for r in requests:
         c = done[r.request_id]
         assert len(c.token_ids) == r.sampling.max_new_tokens
-        gap = _max_gap(c, _logprobs(reference, c.prompt_ids + c.token_ids))
+        gap = _max_gap(c, transformers_logprobs(reference, c.prompt_ids + c.token_ids))
         assert gap <= TOL, (r.request_id, gap, TOL)
 
 
@@ -111,15 +97,15 @@ def test_in_flight_swap_keeps_or_rebuilds_kv_and_recurrent_state(qwen3_next, pol
     done = {}
     while engine.num_unfinished:
         done.update((c.request_id, c) for c in engine.step())
-    old, new = _hf(path, weights), _hf(path, v2)
+    old, new = transformers_model(path, weights), transformers_model(path, v2)
     for r in requests:
         c = done[r.request_id]
         assert c.versions == [0] * 3 + [1] * 5
         n = len(c.prompt_ids)
-        before = _logprobs(old, c.prompt_ids + c.token_ids)
+        before = transformers_logprobs(old, c.prompt_ids + c.token_ids)
         assert max(abs(c.logprobs[i] - before[n - 1 + i, c.token_ids[i]].item()) for i in range(3)) <= TOL
         kept = _continue_decode(old, new, c.prompt_ids + c.token_ids[:3], c.token_ids[3:-1])
-        fresh = _logprobs(new, c.prompt_ids + c.token_ids)[n + 2:-1]
+        fresh = transformers_logprobs(new, c.prompt_ids + c.token_ids)[n + 2:-1]
         assert (kept - fresh).abs().max() > 100 * TOL  # the two policies are told apart
         expected = kept if policy == "keep" else fresh
         gaps = [abs(c.logprobs[3 + j] - expected[j, t].item()) for j, t in enumerate(c.token_ids[3:])]
@@ -141,6 +127,6 @@ def test_qwen3_5_text_runs_as_transformers_runs_it(tmp_path):
     engine = BuiltinEngine(cfg, weights, max_running=2, max_seq_len=32, seed=1)
     requests = [GenerationRequest(str(i), p, SamplingParams(temperature=1.0, max_new_tokens=4), ())
                 for i, p in enumerate([[1, 2, 3], [5, 6, 7, 8, 9, 10], [4]])]
-    reference = _hf(tmp_path / "q")
+    reference = transformers_model(tmp_path / "q")
     for c in engine.generate(requests):
-        assert _max_gap(c, _logprobs(reference, c.prompt_ids + c.token_ids)) <= TOL
+        assert _max_gap(c, transformers_logprobs(reference, c.prompt_ids + c.token_ids)) <= TOL
