@@ -71,13 +71,15 @@ def _tol(model_dir):
     return max(LEARNER_TOL, fp32_logprob_tol({**config, "vocab_size": 264}, max_logprob=8.0, max_seq_len=64))
 
 
-def test_moe_publishes_the_per_expert_hf_names(moe_dirs, world):
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe"])
+def test_moe_publishes_the_per_expert_hf_names(moe_dirs, world, kind):
     """publish_tensors (what samplers receive, and what megarl sft exports) is the save_pretrained state:
-    per-expert names, in the order, shapes and dtypes publish_spec announces."""
-    learner = _learner(moe_dirs["qwen3_moe"])
+    per-expert names, in the order, shapes and dtypes publish_spec announces (GLM-4.5's too: its dense first
+    layer, shared expert and the router's e_score_correction_bias, a megatron buffer)."""
+    learner = _learner(moe_dirs[kind])
     published = dict(learner.publish_tensors())
     assert learner.publish_spec() == [(n, tuple(t.shape), t.dtype) for n, t in published.items()]
-    saved = load_file(f"{moe_dirs['qwen3_moe']}/model.safetensors")
+    saved = load_file(f"{moe_dirs[kind]}/model.safetensors")
     assert set(published) == set(saved)
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in published
     for name, tensor in saved.items():
