@@ -169,7 +169,12 @@ class MegatronLearner:
             if self.sequence_parallel:
                 sequence_parallel.mark_whole_experts(gpt, cfg.ep)
             gpt = gpt.to(self.device)
-            return gpt, (Float16Module(self.config, gpt) if self.on_gpu else gpt)
+            module = Float16Module(self.config, gpt) if self.on_gpu else gpt
+            # (Float16Module casts buffers too: GLM-4.5's expert bias routes in fp32, as HF keeps it)
+            for name, buf in _weights(gpt).items():
+                if name.endswith("." + moe.EXPERT_BIAS[1]):
+                    buf.data = hf_weights[self._global_name(name)].to(device=buf.device, dtype=torch.float32)
+            return gpt, module
 
         self.gpt, module = build()
         # learner.lora: the base is frozen where it was loaded; only the adapters train (megarl/learner/lora.py).

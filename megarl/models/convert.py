@@ -171,7 +171,7 @@ def check_supported(hf_config) -> dict:
     partial = rotary_fraction(cfg)
     if partial != 1.0 and not family.partial_rotary:
         raise ValueError(f"unsupported feature partial_rotary_factor={partial} (full rotary only)")
-    if not 0 < partial <= 1 or int(_dims(cfg)[3] * partial) % 2:
+    if partial != 1.0 and (not 0 < partial < 1 or int(_dims(cfg)[3] * partial) % 2):
         raise ValueError(f"partial_rotary_factor={partial}: head_dim * factor must be an even number of dims")
     rope_scaling(cfg)
     return cfg
