@@ -781,8 +781,9 @@ def check_context_parallel(cfg: LearnerConfig, is_moe: bool, routing_replay: str
 
 def _gate_up_rows(name: str) -> bool:
     """Whether a parameter's rows are a fused SwiGLU's [gate; up] (linear_fc1's weight, and its adapter's B): each
-    TP rank holds cat[its gate rows, its up rows]."""
-    return name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.lora.lora_B"))
+    TP rank holds cat[its gate rows, its up rows]. GLM-4.5's shared expert is such an MLP, split over TP."""
+    return name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.lora.lora_B",
+                          "mlp.shared_experts.linear_fc1.weight"))
 
 
 def _local_copy(param: torch.Tensor) -> torch.Tensor:

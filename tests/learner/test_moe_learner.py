@@ -277,6 +277,35 @@ def _summed(ranks: list[dict], key: str) -> dict:
 LORA_MOE = {"micro_batch_size": 3, "lr": 1e-3, "lora": {"rank": 4, "alpha": 8.0, "target_modules": list(ATTENTION)}}
 
 
+def test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+    """GLM-4.5 in a real 2-process torchrun (gloo), r3 on perturbed routers: DP2 x EP2 (4 of the 8 experts per rank),
+    TP2 (sequence parallelism; the shared expert and q/k/v biases split over TP, the expert bias whole on each rank)
+    and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement, and after one step the
+    same whole published weights (the expert bias included)."""
+    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results
+
+    perturbed = _perturbed_router_dir(moe_dirs["glm4_moe"], tmp_path / "perturbed")
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["glm4_moe"], ids)
+    batch = _batch(ids, behaviour, routes, short_rows=True)
+    layouts = {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}}
+    proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
+    learner = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
+    ref_logprobs, ref = learner.logprobs(ids, routes), learner.train_step(batch)
+    ref_published = dict(learner.publish_tensors())
+    results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=300)
+    for layout, ranks in results.items():
+        for rank in ranks:
+            assert _close(rank["logprobs"], ref_logprobs), layout
+            for key in ("loss", "grad_norm", "router/agreement", "lag0/logprob_gap_abs"):
+                assert abs(rank["metrics"][key] - ref[key]) <= 1e-5 * max(1.0, abs(ref[key])), (layout, key)
+        published = ranks[0]["published"]
+        assert set(published) == set(ref_published), layout
+        assert all(_close(published[n], t) for n, t in ref_published.items()), layout
+
+
 def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
     """A real 2-process torchrun (gloo): PP2 (each stage replays only its own MoE layer), DP2 x EP2 (each rank
     holds 2 of the 4 experts; the alltoall sends each token to its replayed experts), TP2 (sequence parallelism:

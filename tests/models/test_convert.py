@@ -297,7 +297,8 @@ def test_glm4_moe_config_maps_to_megatrons_router_and_partial_rope():
     ({**GLM4, "n_group": 3}, "n_group"),
     ({**GLM4, "n_shared_experts": 0}, "n_shared_experts"),
     ({**GLM4, "first_k_dense_replace": 3}, "first_k_dense_replace"),
-    ({**GLM4, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.1875}}, "partial_rotary_factor"),  # 3 dims
+    # (16 dims * 0.1875: 3, odd)
+    ({**GLM4, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.1875}}, "partial_rotary_factor"),
 ])
 def test_moe_configs_megarl_cannot_convert_exactly_are_refused_naming_the_field(config, message):
     with pytest.raises(ValueError, match=message):
