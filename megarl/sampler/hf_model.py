@@ -63,10 +63,10 @@ def choose(hf_config: dict, model_impl: str = "auto"):
             except ValueError as exc:
                 reason = f"the native engine does not run this config ({exc})"
     key = str(hf_config.get("model_type"))
-    if is_moe(hf_config):  # (GLM-4.5: its native forward is not written yet)
-        raise ValueError(f"the built-in engine does not run {key!r} ({reason}): its generic model takes "
-                         f"transformers' fused expert tensors, a mixture of experts' weights come per expert; "
-                         f"docs/models.md lists what serves each family")
+    if is_native(hf_config) and is_moe(hf_config):  # (GLM-4.5: its native forward is not written yet)
+        raise ValueError(f"the built-in engine does not run {key!r} ({reason}): megarl's learners publish a family's "
+                         f"experts per expert (save_pretrained's names), its generic model takes transformers' fused "
+                         f"expert tensors; docs/models.md lists what serves each family")
     if key not in _ANNOUNCED:
         _ANNOUNCED.add(key)
         print(f"megarl: built-in engine: running {key!r} through transformers' own modules "
