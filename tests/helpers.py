@@ -143,6 +143,44 @@ def save_tiny_moe(path: Path, kind: str, vocab_size: int = 64, **overrides) -> P
     return path
 
 
+# The tiny GLM-4.5's router: 8 experts in 4 groups of 2, the best 2 groups kept, top-4 (megatron scores a group by
+# its best top_k // topk_group = 2 experts, as HF does).
+GLM4_MOE_ROUTER = dict(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4)
+
+
+def save_tiny_glm4_moe(path: Path, vocab_size: int = 64, **overrides) -> Path:
+    """A real HF GLM-4.5 (glm4_moe) directory of the learner tests' size with every feature that sets it apart drawn
+    so that a converter that dropped one would show: 3 layers, the first dense (first_k_dense_replace=1); heads of 16
+    dims (wider than hidden / heads) of which partial_rotary_factor 0.5 rotate; q/k/v biases (attention_bias) and
+    per-head q/k RMSNorm (use_qk_norm) away from 0 / 1; a shared expert; a sigmoid router with
+    e_score_correction_bias, group-limited top-k (GLM4_MOE_ROUTER) and routed_scaling_factor 2.5; untied lm_head."""
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Glm4MoeConfig(**{**dict(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=vocab_size, max_position_embeddings=64, intermediate_size=48, moe_intermediate_size=16,
+        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        attention_bias=True, use_qk_norm=True, tie_word_embeddings=False, num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        pad_token_id=None, bos_token_id=None, eos_token_id=2), **GLM4_MOE_ROUTER, **overrides})
+    model = Glm4MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            if name.endswith("_proj.bias"):
+                p.normal_(std=0.1)
+            if name.endswith("gate.weight"):  # routers decisive enough that fp32 noise flips no top-k
+                p.mul_(8.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(std=0.3)
+    model.save_pretrained(path)
+    return path
+
+
 def train_metrics(run_dir) -> list[dict]:
     """The per-step records of run_dir/metrics.jsonl (evaluation records left out; [] before the file exists)."""
     from megarl.observe.jsonl import read_jsonl

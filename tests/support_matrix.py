@@ -144,7 +144,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             "tests/sampler/test_sglang_routes.py::test_routes_through_the_sglang_compatible_server_equal_transformers",
         )),
         "LoRA": Cell("yes (TP2)", (f"{_MOE}test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank",)),
-        "R3": Cell("yes", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly",
+        "R3": Cell("yes", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[mixtral]",
                            f"{_DS_MOE}test_r3_forces_the_recorded_routes_in_every_pass"))}),
     ("Qwen3-MoE (`qwen3_moe`)", "qwen3_moe", {
         "megatron learner": Cell("TP1 (log-probs against transformers)", (
@@ -158,6 +158,16 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             "[qwen3_moe]")),
         "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
         "R3": Cell("yes (DeepSpeed)", (f"{_DS_MOE}test_r3_on_qwen3_moe_unnormalised_routing_is_exact",))}),
+    ("GLM-4.5 (`glm4_moe`: partial RoPE, q/k/v bias and q/k norm from its config, shared expert, sigmoid router "
+     "with expert bias, group-limited top-k and scaling, first dense layers)", "glm4_moe", {
+        "megatron learner": Cell("TP1; TP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
+            f"{_MOE}test_moe_logprobs_match_transformers[glm4_moe]",
+            f"{_MOE}test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank",
+            f"{_CONVERT}test_moe_round_trip_keeps_every_per_expert_tensor[glm4_moe]",
+            f"{_MOE}test_moe_publishes_the_per_expert_hf_names[glm4_moe]")),
+        "DeepSpeed learner": NT, "built-in engine (in-flight swaps, keep and recompute)": NT,
+        "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
+        "R3": Cell("yes (megatron)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[glm4_moe]",))}),
 ]
 
 

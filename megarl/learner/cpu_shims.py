@@ -289,6 +289,19 @@ def _shim_moe_sequence_parallel() -> None:
              [("device=torch.cuda.current_device()", "device=input.device")])
 
 
+def _shim_expert_bias() -> None:
+    # transformer/moe/router.py, TopKRouter.__init__ with moe_router_enable_expert_bias (GLM-4.5's router bias,
+    # megarl.models.moe): the expert bias and its token counter are registered as buffers with
+    # device=torch.cuda.current_device() (its zero-argument super() call is spelled out, as above).
+    from megatron.core.transformer.moe import router
+
+    _rewrite(router.TopKRouter, "__init__", [
+        ("device=torch.cuda.current_device()", 'device="cpu"'),
+        ("super().__init__(config=config, pg_collection=pg_collection)",
+         "Router.__init__(self, config=config, pg_collection=pg_collection)"),
+    ])
+
+
 SHIMS: dict[str, Callable[[], None]] = {
     "schedule_token_count": _shim_schedule_token_count,
     "memory_buffer": _shim_memory_buffer,
@@ -308,6 +321,7 @@ SHIMS: dict[str, Callable[[], None]] = {
     "moe_collectives_device": _shim_moe_collectives_device,
     "moe_split_sizes": _shim_moe_split_sizes,
     "moe_sequence_parallel": _shim_moe_sequence_parallel,
+    "expert_bias": _shim_expert_bias,
 }
 
 

@@ -3,7 +3,9 @@
 megatron-core's local spec (``get_gpt_layer_local_spec``: no Transformer Engine, which CPU runs never have) with
 megarl's replacements, each for a reason its module gives: the core attention computed by torch's fused SDPA
 (megarl.learner.sdpa_attention), OLMo 2's norms (megarl.learner.post_norms) and, under sequence parallelism, the
-norms that carry its gradient mark (megarl.learner.sequence_parallel).
+norms that carry its gradient mark (megarl.learner.sequence_parallel). A model whose first layers are dense and
+the rest MoE (GLM-4.5: megarl.models.moe.first_dense_layers) gets a block spec of this pipeline stage's layers, each
+with its own MLP.
 """
 from __future__ import annotations
 
@@ -16,29 +18,48 @@ def layer_spec(hf_config: dict, config, sequence_parallel: bool):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from megarl.learner.sdpa_attention import SDPAttention
-    from megarl.models import convert, families
+    from megarl.models import convert, families, moe
 
-    spec = replace_modules(get_gpt_layer_local_spec(**convert.layer_spec_kwargs(hf_config)),
-                           {DotProductAttention: SDPAttention})
-    if families.family_of(hf_config).post_norms:  # OLMo 2
-        from megarl.learner.post_norms import post_norm_spec
+    def one(kwargs):
+        spec = replace_modules(get_gpt_layer_local_spec(**kwargs), {DotProductAttention: SDPAttention})
+        if families.family_of(hf_config).post_norms:  # OLMo 2
+            from megarl.learner.post_norms import post_norm_spec
 
-        spec = post_norm_spec(spec, hf_config["hidden_size"], hf_config["rms_norm_eps"])
-    return _sequence_parallel_block(spec, config) if sequence_parallel else spec
+            spec = post_norm_spec(spec, hf_config["hidden_size"], hf_config["rms_norm_eps"])
+        return spec
+
+    kwargs = convert.layer_spec_kwargs(hf_config)
+    spec = one(kwargs)
+    if not moe.first_dense_layers(hf_config) and not sequence_parallel:
+        return spec
+    dense = one({k: v for k, v in kwargs.items() if k not in ("num_experts", "moe_grouped_gemm")})
+    layers = [spec if moe.is_moe_layer(hf_config, i) else dense for i in _stage_layers(config)]
+    return _block(layers, config, sequence_parallel)
 
 
-def _sequence_parallel_block(spec, config):
-    """megatron TransformerBlockSubmodules of this pipeline stage: `spec` for each of its layers with every torch
-    norm replaced by megarl.learner.sequence_parallel.RMSNorm, which is also the final norm."""
+def _stage_layers(config) -> range:
+    """The global indices of this pipeline stage's decoder layers."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config)
+    return range(offset, offset + get_num_layers_to_build(config))
+
+
+def _block(layers: list, config, sequence_parallel: bool):
+    """megatron TransformerBlockSubmodules of this pipeline stage's `layers`; under sequence parallelism with every
+    torch norm replaced by megarl.learner.sequence_parallel.RMSNorm, which is also the final norm."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
+    if not sequence_parallel:
+        return TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)
     from megarl.learner.sequence_parallel import RMSNorm
 
     if config.normalization != "RMSNorm":
         raise ValueError(f"sequence parallelism here replaces RMSNorm only, not {config.normalization}")
-    layer = replace_modules(spec, {WrappedTorchNorm: RMSNorm})
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[replace_modules(s, {WrappedTorchNorm: RMSNorm}) for s in layers],
+                                      layer_norm=RMSNorm)
 
 
 def replace_modules(spec, replacements: dict):

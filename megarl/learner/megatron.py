@@ -140,6 +140,9 @@ class MegatronLearner:
         self.pre_process = parallel_state.is_pipeline_first_stage()
         self.post_process = parallel_state.is_pipeline_last_stage()
         self.layer_offset = get_transformer_layer_offset(self.config)
+        # A sample's routes hold one entry per MoE layer: this stage's first MoE layer's is route_offset (the
+        # layers before it less the model's first dense ones, GLM-4.5's)
+        self.route_offset = max(0, self.layer_offset - moe.first_dense_layers(self.hf_config))
         # An EP rank's local expert j is global expert expert_offset + j (megatron's contiguous split).
         self.expert_offset = (parallel_state.get_expert_model_parallel_rank() * moe.num_experts(self.hf_config)
                               // cfg.ep if self.is_moe else 0)
@@ -166,7 +169,12 @@ class MegatronLearner:
             if self.sequence_parallel:
                 sequence_parallel.mark_whole_experts(gpt, cfg.ep)
             gpt = gpt.to(self.device)
-            return gpt, (Float16Module(self.config, gpt) if self.on_gpu else gpt)
+            module = Float16Module(self.config, gpt) if self.on_gpu else gpt
+            # (Float16Module casts buffers too: GLM-4.5's expert bias routes in fp32, as HF keeps it)
+            for name, buf in _weights(gpt).items():
+                if name.endswith("." + moe.EXPERT_BIAS[1]):
+                    buf.data = hf_weights[self._global_name(name)].to(device=buf.device, dtype=torch.float32)
+            return gpt, module
 
         self.gpt, module = build()
         # learner.lora: the base is frozen where it was loaded; only the adapters train (megarl/learner/lora.py).
@@ -189,7 +197,7 @@ class MegatronLearner:
             ref_gpt, self.ref_model = build()
             self.ref_model.requires_grad_(False).eval()
             if self.is_moe:
-                self._replayers[id(self.ref_model)] = RouteReplayer(ref_gpt, self.layer_offset, replay, seq_group)
+                self._replayers[id(self.ref_model)] = RouteReplayer(ref_gpt, self.route_offset, replay, seq_group)
         del hf_weights
         # On-policy distillation: the frozen teacher, where the loss is computed (the last pipeline stage).
         self.distill, self.teacher = distill, None
@@ -221,7 +229,7 @@ class MegatronLearner:
                 for group in opt.optimizer.param_groups:
                     group["foreach"] = True
         if self.is_moe:
-            self._replayers[id(self.model)] = RouteReplayer(self.gpt, self.layer_offset, replay, seq_group)
+            self._replayers[id(self.model)] = RouteReplayer(self.gpt, self.route_offset, replay, seq_group)
         # advantage.estimator=gae: a separate value model with its own optimizer (megarl.learner.critic).
         self.critic = None
         if critic_cfg is not None:
@@ -237,7 +245,7 @@ class MegatronLearner:
 
     def _load_hf_weights(self, gpt, full: dict[str, torch.Tensor]) -> None:
         """Load this rank's shard (its PP stage's layers, its TP slice) of the full megatron-named weights."""
-        params = dict(gpt.named_parameters())
+        params = _weights(gpt)
         shard = {}
         for name, param in params.items():
             source = self._global_name(name)
@@ -379,7 +387,7 @@ class MegatronLearner:
     def _hf_tensors(self, megatron_tensor, tp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
         """This stage's HF-named tensors, built from megatron_tensor(name, param) of each parameter: the
         whole tensor (tp_size 1) or this TP rank's shard (tp_size = learner TP)."""
-        params = dict(self.gpt.named_parameters())
+        params = _weights(self.gpt)
         if self.pre_process:
             name = "embedding.word_embeddings.weight"
             yield "model.embed_tokens.weight", megatron_tensor(name, params[name])
@@ -568,7 +576,7 @@ class MegatronLearner:
         themselves, every pipeline stage counting its own layers (summed over the PP group)."""
         from megarl.algo import metrics
 
-        lo = self.layer_offset
+        lo = self.route_offset
         matches = [metrics.route_matches(mb["routes"][:, :, lo:lo + own.shape[2]], own)
                    for mb, own in zip(micro_batches, own_routes)]
         if self.cfg.pp > 1:
@@ -751,6 +759,14 @@ class MegatronLearner:
         self._version = version
 
 
+def _weights(gpt) -> dict[str, torch.Tensor]:
+    """The tensors of `gpt` that are HF weights: its parameters and GLM-4.5's router expert bias, a buffer
+    (megarl.models.moe.EXPERT_BIAS: HF's e_score_correction_bias, never trained)."""
+    weights = dict(gpt.named_parameters())
+    weights.update((n, b) for n, b in gpt.named_buffers() if n.endswith("." + moe.EXPERT_BIAS[1]))
+    return weights
+
+
 def check_context_parallel(cfg: LearnerConfig, is_moe: bool, routing_replay: str, critic_cfg, distill) -> None:
     """Refuse, naming them, the settings learner.cp > 1 is not built for (megarl.config.load refuses the ones that
     need no model before launch)."""
@@ -765,8 +781,9 @@ def check_context_parallel(cfg: LearnerConfig, is_moe: bool, routing_replay: str
 
 def _gate_up_rows(name: str) -> bool:
     """Whether a parameter's rows are a fused SwiGLU's [gate; up] (linear_fc1's weight, and its adapter's B): each
-    TP rank holds cat[its gate rows, its up rows]."""
-    return name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.lora.lora_B"))
+    TP rank holds cat[its gate rows, its up rows]. GLM-4.5's shared expert is such an MLP, split over TP."""
+    return name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.lora.lora_B",
+                          "mlp.shared_experts.linear_fc1.weight"))
 
 
 def _local_copy(param: torch.Tensor) -> torch.Tensor:

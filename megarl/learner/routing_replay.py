@@ -51,8 +51,8 @@ def _replay_class():
 
 
 class RouteReplayer:
-    """The routers of one megatron model (this pipeline stage's MoE layers, global index
-    ``layer_offset + j``), fed before each micro-batch's forward."""
+    """The routers of one megatron model (this pipeline stage's MoE layers, whose routes are the samples' route
+    ``layer_offset + j``: the MoE layers counted, dense ones not), fed before each micro-batch's forward."""
 
     def __init__(self, gpt, layer_offset: int, replay: bool, seq_group=None):
         replay_cls, base, self._action = _replay_class()

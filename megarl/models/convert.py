@@ -1,6 +1,6 @@
 """HF <-> megatron-core weight conversion for the causal LMs of megarl.models.families (Qwen2, Llama, Qwen3,
-Mistral, Phi-3, SmolLM3 and the mixture-of-experts Mixtral and Qwen3-MoE; pure functions; the MoE MLP mapping is
-megarl.models.moe's), plus
+Mistral, Phi-3, SmolLM3, OLMo 2 and the mixture-of-experts Mixtral, Qwen3-MoE and GLM-4.5; pure functions; the MoE
+MLP mapping is megarl.models.moe's), plus
 `load_pretrained`, the HF-directory reader the learner and the built-in engine share.
 
 Owns the mapping between the HF state dict exactly as ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``
@@ -26,6 +26,9 @@ Layout facts the conversion encodes:
     (``self_attention.q_layernorm`` / ``k_layernorm``); OLMo 2's, over the whole projection, is the same weight in
     megarl.learner.post_norms' norm, and its norms after attention and the MLP are held by the layer's
     bias-dropout-adds (``POST_NORMS``); it has no input or pre-MLP norm.
+  * GLM-4.5's partial RoPE (``partial_rotary_factor``: the first head_dim * factor dims of each head rotate,
+    rotate-half style, the rest pass) is megatron's ``rotary_percent``; its ``attention_bias`` is a q/k/v bias only
+    (o_proj has none) and ``use_qk_norm`` its per-head q/k RMSNorm (families.qkv_bias / qk_norm).
 """
 from __future__ import annotations
 
@@ -161,15 +164,22 @@ def check_supported(hf_config) -> dict:
         raise ValueError("unsupported feature use_sliding_window=True")
     families.sliding_window(cfg)  # (a window < 1: named)
     families.rope_layers(cfg)  # (a malformed no_rope_layers: named)
-    if cfg.get("attention_bias"):  # Llama: bias on q/k/v AND o_proj; megatron maps only qkv bias
+    if cfg.get("attention_bias") and not family.config_attention:  # Llama: bias on q/k/v AND o_proj
         raise ValueError("unsupported feature attention_bias=True (o_proj bias)")
     if cfg.get("mlp_bias"):
         raise ValueError("unsupported feature mlp_bias=True")
-    partial = _rope_params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    partial = rotary_fraction(cfg)
+    if partial != 1.0 and not family.partial_rotary:
         raise ValueError(f"unsupported feature partial_rotary_factor={partial} (full rotary only)")
+    if partial != 1.0 and (not 0 < partial < 1 or int(_dims(cfg)[3] * partial) % 2):
+        raise ValueError(f"partial_rotary_factor={partial}: head_dim * factor must be an even number of dims")
     rope_scaling(cfg)
     return cfg
+
+
+def rotary_fraction(cfg: dict) -> float:
+    """The fraction of each head's dims RoPE rotates (the first ones; transformers' partial_rotary_factor)."""
+    return float(_rope_params(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
 
 
 def _dims(cfg: dict) -> tuple[int, int, int, int]:
@@ -181,11 +191,11 @@ def _dims(cfg: dict) -> tuple[int, int, int, int]:
 
 
 def _has_qkv_bias(cfg: dict) -> bool:
-    return family_of(cfg).qkv_bias  # (a Llama with attention_bias=True is refused: its o_proj has one too)
+    return families.qkv_bias(cfg)  # (a Llama with attention_bias=True is refused: its o_proj has one too)
 
 
 def _has_qk_norm(cfg: dict) -> bool:
-    return family_of(cfg).qk_norm
+    return families.qk_norm(cfg)
 
 
 def layer_spec_kwargs(hf_config) -> dict:
@@ -245,6 +255,7 @@ def gpt_model_kwargs(hf_config) -> dict:
         max_sequence_length=cfg.get("max_position_embeddings", 4096),
         position_embedding_type="rope",
         rotary_base=_rope_theta(cfg),
+        rotary_percent=rotary_fraction(cfg),
         share_embeddings_and_output_weights=_tied(cfg),
     )
 
@@ -254,7 +265,7 @@ def inv_freq(hf_config) -> torch.Tensor:
     embedding to (megarl.learner.rotary_positions.use_frequencies), since megatron's own knows only linear and
     fixed-constant llama3 scalings."""
     cfg = check_supported(hf_config)
-    return rope_inv_freq(_rope_theta(cfg), _dims(cfg)[3], rope_scaling(cfg))
+    return rope_inv_freq(_rope_theta(cfg), int(_dims(cfg)[3] * rotary_fraction(cfg)), rope_scaling(cfg))
 
 
 # OLMo 2's norms after attention and the MLP (HF name -> the megatron layer's): megarl.learner.post_norms holds
@@ -300,7 +311,7 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
         if _has_qk_norm(cfg):
             out[mc + "self_attention.q_layernorm.weight"] = hf_state[hf + "self_attn.q_norm.weight"]
             out[mc + "self_attention.k_layernorm.weight"] = hf_state[hf + "self_attn.k_norm.weight"]
-        if moe.is_moe(cfg):
+        if moe.is_moe_layer(cfg, i):
             out.update({mc + k: v for k, v in moe.mlp_hf_to_mcore(hf_state, cfg, i).items()})
             continue
         out[mc + "mlp.linear_fc1.weight"] = (hf_state[hf + "mlp.gate_up_proj.weight"] if fused else torch.cat(
@@ -346,7 +357,7 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     if _has_qk_norm(cfg):
         out[hf + "self_attn.q_norm.weight"] = mcore_layer["self_attention.q_layernorm.weight"]
         out[hf + "self_attn.k_norm.weight"] = mcore_layer["self_attention.k_layernorm.weight"]
-    if moe.is_moe(cfg):
+    if moe.is_moe_layer(cfg, hf_layer_index):
         out.update(moe.mlp_mcore_to_hf(mcore_layer, cfg, hf_layer_index, expert_offset))
         return out
     if fused:  # megatron's linear_fc1 rows are [gate, up]: Phi-3's gate_up_proj as it is

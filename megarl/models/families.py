@@ -32,6 +32,11 @@ class Family:
     # megarl.learner.post_norms, the built-in engine in its forward; a TP rank holds only its heads of q_norm /
     # k_norm, so whole tensors are published and the engine runs at sampler.tp = 1.
     post_norms: bool = False
+    # GLM-4.5: config.json says whether q/k/v carry a bias (`attention_bias`; o_proj never does) and whether q and k
+    # get a per-head RMSNorm (`use_qk_norm`), in place of the two flags above (families.qkv_bias / qk_norm)
+    config_attention: bool = False
+    # `partial_rotary_factor` < 1: RoPE rotates the first head_dim * factor dims of each head (GLM-4.5)
+    partial_rotary: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -45,6 +50,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("olmo2", "Olmo2ForCausalLM", qkv_bias=False, qk_norm=True, moe=False, post_norms=True),
     Family("mixtral", "MixtralForCausalLM", qkv_bias=False, qk_norm=False, moe=True),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True, moe=True),
+    Family("glm4_moe", "Glm4MoeForCausalLM", qkv_bias=False, qk_norm=False, moe=True, config_attention=True,
+           partial_rotary=True),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
@@ -57,6 +64,18 @@ def family_of(cfg: dict) -> Family:
     if model_type not in FAMILIES:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {MODEL_TYPES}; {generic_path_hint()}")
     return FAMILIES[model_type]
+
+
+def qkv_bias(cfg: dict) -> bool:
+    """Whether the model's q/k/v projections carry a bias."""
+    family = family_of(cfg)
+    return bool(cfg.get("attention_bias", False)) if family.config_attention else family.qkv_bias
+
+
+def qk_norm(cfg: dict) -> bool:
+    """Whether the model's q and k get an RMSNorm before RoPE (per head, or OLMo 2's over the projection)."""
+    family = family_of(cfg)
+    return bool(cfg.get("use_qk_norm", False)) if family.config_attention else family.qk_norm
 
 
 def is_native(cfg: dict) -> bool:

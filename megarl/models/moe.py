@@ -16,6 +16,14 @@ Layouts (HF on disk -> megatron, per decoder layer i, relative to ``decoder.laye
     down_proj``.  ``norm_topk_prob: true`` routes as Mixtral; ``false`` keeps the top-k of the softmax over
     all experts unnormalised: megatron's ``moe_router_pre_softmax``.  (Its attention's q/k RMSNorm is
     convert's.)
+  * GLM-4.5 (``model_type: glm4_moe``): Qwen3-MoE's names, plus ``mlp.gate.e_score_correction_bias`` ->
+    ``mlp.router.expert_bias`` and the shared experts' ``mlp.shared_experts.gate_proj / up_proj / down_proj`` ->
+    ``mlp.shared_experts.linear_fc1`` (cat[gate, up]) / ``linear_fc2``; its first ``first_k_dense_replace`` layers
+    have a dense MLP (``mlp.gate_proj / up_proj / down_proj``, ``intermediate_size`` wide: megatron's
+    ``moe_layer_freq`` list). Routing: sigmoid scores, the top-k chosen on scores + bias among the best
+    ``topk_group`` of ``n_group`` groups (a group scored by its best two), their scores renormalised and scaled by
+    ``routed_scaling_factor``: megatron's sigmoid router with expert bias (held fixed: update rate 0, as HF's is a
+    buffer), group-limited top-k and top-k scaling factor.
   * megatron expert e: ``mlp.experts.local_experts.{e}.linear_fc1.weight`` = cat[gate, up] (SwiGLU, as the
     dense MLP) and ``...linear_fc2.weight`` = down.  With expert parallelism each EP rank holds
     ``E / ep`` consecutive experts, numbered locally from 0 (``expert_offset`` below).
@@ -23,7 +31,9 @@ Layouts (HF on disk -> megatron, per decoder layer i, relative to ``decoder.laye
 Refused (ValueError naming the config field): Qwen2-MoE's gated shared expert
 (``shared_expert_intermediate_size``: megatron's shared expert gate is not the same function in 0.16.1,
 so the conversion would not be exact), Qwen3-MoE with dense layers among the sparse ones
-(``decoder_sparse_step`` / ``mlp_only_layers``), Mixtral's training-time ``router_jitter_noise``.
+(``decoder_sparse_step`` / ``mlp_only_layers``), Mixtral's training-time ``router_jitter_noise``; GLM-4.5 with
+``norm_topk_prob: false`` (megatron's sigmoid router always renormalises the top k) or a group limit megatron scores
+otherwise (it scores a group by its best ``top_k // topk_group`` experts, HF by its best two).
 """
 from __future__ import annotations
 
@@ -35,8 +45,8 @@ import torch
 from megarl import protocols
 from megarl.models.families import generic_path_hint
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "glm4_moe")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
 # Model types that are mixtures of experts megarl names when it refuses them.
 REFUSED_MOE_TYPES = {"qwen2_moe": "shared_expert_intermediate_size", "olmoe": "model_type",
                      "deepseek_v3": "model_type", "qwen3_next": "model_type"}
@@ -67,13 +77,40 @@ def check_moe(cfg: dict) -> None:
         if cfg.get("mlp_only_layers"):
             raise ValueError(f"unsupported feature mlp_only_layers={cfg['mlp_only_layers']} (dense layers among "
                              "the MoE layers)")
+    if model_type == "glm4_moe":
+        _check_glm4_moe(cfg)
     if num_experts(cfg) < 2 or not 1 <= top_k(cfg) <= num_experts(cfg):
         raise ValueError(f"MoE config needs num_experts >= 2 and 1 <= num_experts_per_tok <= num_experts "
                          f"(got {num_experts(cfg)}, {top_k(cfg)})")
 
 
+def _check_glm4_moe(cfg: dict) -> None:
+    if top_k(cfg) > 1 and not cfg.get("norm_topk_prob", True):
+        raise ValueError("unsupported feature norm_topk_prob=False (megatron's sigmoid router renormalises the "
+                         "top-k scores)")
+    if int(cfg.get("n_shared_experts") or 0) < 1:
+        raise ValueError(f"unsupported feature n_shared_experts={cfg.get('n_shared_experts')} (megarl maps GLM-4.5's "
+                         "shared expert; >= 1)")
+    groups, kept = _groups(cfg)
+    if num_experts(cfg) % groups or not 1 <= kept <= groups:
+        raise ValueError(f"n_group={groups} must divide n_routed_experts={num_experts(cfg)} and "
+                         f"1 <= topk_group={kept} <= n_group")
+    if kept < groups and (top_k(cfg) // kept != 2 or num_experts(cfg) // groups < 2):
+        raise ValueError(f"unsupported feature topk_group={kept} < n_group={groups} with num_experts_per_tok="
+                         f"{top_k(cfg)}: HF scores a group by its best 2 experts, megatron by its best "
+                         f"num_experts_per_tok // topk_group")
+    if int(cfg.get("first_k_dense_replace", 1)) >= int(cfg["num_hidden_layers"]):
+        raise ValueError(f"first_k_dense_replace={cfg['first_k_dense_replace']} leaves no MoE layer "
+                         f"(num_hidden_layers={cfg['num_hidden_layers']})")
+
+
+def _groups(cfg: dict) -> tuple[int, int]:
+    """(n_group, topk_group) of a group-limited router (1, 1: no limit)."""
+    return int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+
+
 def num_experts(cfg: dict) -> int:
-    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
 
 
 def top_k(cfg: dict) -> int:
@@ -83,16 +120,27 @@ def top_k(cfg: dict) -> int:
 def expert_ffn_field(cfg: dict) -> str:
     """The config field of one expert's width: Mixtral's experts use intermediate_size; Qwen3-MoE's
     moe_intermediate_size (its intermediate_size is for dense layers, which megarl refuses)."""
-    return "moe_intermediate_size" if cfg["model_type"] == "qwen3_moe" else "intermediate_size"
+    return "moe_intermediate_size" if cfg["model_type"] in ("qwen3_moe", "glm4_moe") else "intermediate_size"
 
 
 def expert_ffn_size(cfg: dict) -> int:
     return int(cfg[expert_ffn_field(cfg)])
 
 
+def first_dense_layers(cfg: dict) -> int:
+    """How many leading decoder layers have a dense MLP (GLM-4.5's first_k_dense_replace; 0 for the others:
+    check_moe refuses dense layers elsewhere)."""
+    return int(cfg.get("first_k_dense_replace", 1)) if cfg.get("model_type") == "glm4_moe" else 0
+
+
+def is_moe_layer(cfg: dict, layer: int) -> bool:
+    return is_moe(cfg) and layer >= first_dense_layers(cfg)
+
+
 def num_moe_layers(cfg: dict) -> int:
-    """MoE layers of the model (every decoder layer: check_moe refuses dense ones in between)."""
-    return int(cfg["num_hidden_layers"]) if is_moe(cfg) else 0
+    """MoE layers of the model: the decoder layers after the first dense ones. A sample's routes hold one entry per
+    MoE layer, in order (route index = layer index - first_dense_layers)."""
+    return int(cfg["num_hidden_layers"]) - first_dense_layers(cfg) if is_moe(cfg) else 0
 
 
 def routes_dtype(cfg: dict):
@@ -114,12 +162,11 @@ def transformer_config_kwargs(cfg: dict) -> dict:
         return {}
     check_moe(cfg)
     pre_softmax = cfg["model_type"] == "qwen3_moe" and not cfg.get("norm_topk_prob", False)
-    return dict(
+    return dict(**_glm4_moe_kwargs(cfg), **dict(
         num_moe_experts=num_experts(cfg),
         moe_router_topk=top_k(cfg),
         moe_ffn_hidden_size=expert_ffn_size(cfg),
         moe_router_pre_softmax=pre_softmax,
-        moe_router_score_function="softmax",
         # RL trains the policy's own objective; HF's router aux loss is a pre-training regulariser that
         # its forward does not compute either (output_router_logits off).
         moe_router_load_balancing_type="none",
@@ -128,6 +175,26 @@ def transformer_config_kwargs(cfg: dict) -> dict:
         moe_token_dispatcher_type="alltoall",
         # fp32 router logits, as HF computes them for the softmax
         moe_router_dtype="fp32",
+    ))
+
+
+def _glm4_moe_kwargs(cfg: dict) -> dict:
+    """The router and layer arguments where GLM-4.5 differs (softmax routing, every layer MoE for the others)."""
+    if cfg["model_type"] != "glm4_moe":
+        return dict(moe_router_score_function="softmax")
+    groups, kept = _groups(cfg)
+    limited = kept < groups  # (all groups kept: no limit, whatever the groups' scores)
+    dense = first_dense_layers(cfg)
+    return dict(
+        moe_router_score_function="sigmoid",
+        # HF's e_score_correction_bias is a fixed buffer: megatron's expert bias, never updated
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=0.0,
+        moe_router_num_groups=groups if limited else None,
+        moe_router_group_topk=kept if limited else None,
+        moe_router_topk_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        moe_shared_expert_intermediate_size=expert_ffn_size(cfg) * int(cfg["n_shared_experts"]),
+        moe_layer_freq=[0] * dense + [1] * (int(cfg["num_hidden_layers"]) - dense),
     )
 
 
@@ -146,6 +213,11 @@ def hf_expert_names(cfg: dict, layer: int, expert: int) -> tuple[str, str, str]:
 
 def hf_router_name(cfg: dict, layer: int) -> str:
     return _hf_prefix(cfg, layer) + "gate.weight"
+
+
+# GLM-4.5's router bias and shared expert (HF names relative to the layer's ``mlp.``, megatron's to ``mlp.``)
+EXPERT_BIAS = ("gate.e_score_correction_bias", "router.expert_bias")
+SHARED_EXPERT = "shared_experts"
 
 
 # transformers 5.x's in-memory names of a layer's MoE MLP (both layouts: the sparse block is ``mlp``, its experts
@@ -179,6 +251,13 @@ def per_expert_tensors(cfg: dict, name: str, tensor: torch.Tensor) -> Iterator[t
 def mlp_hf_to_mcore(hf_state: dict, cfg: dict, layer: int) -> dict:
     """One layer's MoE MLP: HF tensors -> megatron names relative to the layer, all experts."""
     out = {"mlp.router.weight": hf_state[hf_router_name(cfg, layer)]}
+    if cfg["model_type"] == "glm4_moe":
+        p = _hf_prefix(cfg, layer)
+        out["mlp." + EXPERT_BIAS[1]] = hf_state[p + EXPERT_BIAS[0]]
+        s = p + SHARED_EXPERT + "."
+        out[f"mlp.{SHARED_EXPERT}.linear_fc1.weight"] = torch.cat(
+            [hf_state[s + "gate_proj.weight"], hf_state[s + "up_proj.weight"]], dim=0)
+        out[f"mlp.{SHARED_EXPERT}.linear_fc2.weight"] = hf_state[s + "down_proj.weight"]
     for e in range(num_experts(cfg)):
         gate, up, down = (hf_state[n] for n in hf_expert_names(cfg, layer, e))
         out[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
@@ -193,6 +272,14 @@ def mlp_mcore_to_hf(mcore_layer: dict, cfg: dict, hf_layer_index: int, expert_of
     out = {}
     if "mlp.router.weight" in mcore_layer:
         out[hf_router_name(cfg, hf_layer_index)] = mcore_layer["mlp.router.weight"]
+    p = _hf_prefix(cfg, hf_layer_index)
+    if "mlp." + EXPERT_BIAS[1] in mcore_layer:
+        out[p + EXPERT_BIAS[0]] = mcore_layer["mlp." + EXPERT_BIAS[1]]
+    if f"mlp.{SHARED_EXPERT}.linear_fc1.weight" in mcore_layer:
+        gate, up = mcore_layer[f"mlp.{SHARED_EXPERT}.linear_fc1.weight"].chunk(2, dim=0)
+        s = p + SHARED_EXPERT + "."
+        out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = gate.contiguous(), up.contiguous()
+        out[s + "down_proj.weight"] = mcore_layer[f"mlp.{SHARED_EXPERT}.linear_fc2.weight"]
     prefix = "mlp.experts.local_experts."
     local = sorted({int(k[len(prefix):].split(".")[0]) for k in mcore_layer if k.startswith(prefix)})
     for j in local:

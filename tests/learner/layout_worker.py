@@ -43,6 +43,8 @@ for name, layout in layouts.items():
         logprobs = learner.logprobs(batch.input_ids, batch.routes)
         hooks = []
         for i, decoder_layer in enumerate(learner.gpt.decoder.layers if learner.is_moe else []):
+            if not hasattr(decoder_layer.mlp, "experts"):  # (GLM-4.5's first layers are dense)
+                continue
             for j, expert in enumerate(decoder_layer.mlp.experts.local_experts):
                 key = (learner.layer_offset + i, learner.expert_offset + j)
                 expert_tokens[key] = 0

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from megarl.algo.config import LossConfig
 from megarl.models.lora import ATTENTION_TARGETS as ATTENTION
 from megarl.protocols import TrainBatch
-from tests.helpers import LEARNER_TOL, save_tiny_moe
+from tests.helpers import GLM4_MOE_ROUTER, LEARNER_TOL, fp32_logprob_tol, save_tiny_glm4_moe, save_tiny_moe
 
 VOCAB, B, S, PROMPT, TOP_K = 64, 8, 12, 4, 2
 
@@ -22,7 +22,8 @@ def moe_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     return {"mixtral": str(save_tiny_moe(root / "mixtral", "mixtral")),
             "qwen3_moe": str(save_tiny_moe(root / "qwen3_moe", "qwen3_moe")),
-            "qwen3_moe_norm_topk": str(save_tiny_moe(root / "qwen3_moe_norm", "qwen3_moe", norm_topk_prob=True))}
+            "qwen3_moe_norm_topk": str(save_tiny_moe(root / "qwen3_moe_norm", "qwen3_moe", norm_topk_prob=True)),
+            "glm4_moe": str(save_tiny_glm4_moe(root / "glm4_moe"))}
 
 
 def _learner(model_dir, routing_replay="off", loss_cfg=None, **cfg):
@@ -33,13 +34,18 @@ def _learner(model_dir, routing_replay="off", loss_cfg=None, **cfg):
 
 
 def _hf_forward(model_dir, ids):
-    """(log-probs [B, S] with column 0 = 0, routes [B, S, L, k]) of transformers in fp32."""
+    """(log-probs [B, S] with column 0 = 0, routes [B, S, L, k]) of transformers in fp32 (a GLM-4.5's routes: what
+    its routers chose, recorded from their outputs; the others': the top-k of their router logits)."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    chosen = []
+    for module in hf.modules():
+        if type(module).__name__ == "Glm4MoeTopkRouter":
+            module.register_forward_hook(lambda m, args, out: chosen.append(out[2].reshape(*ids.shape, -1)))
     with torch.no_grad():
         out = hf(ids, output_router_logits=True)
     lp = torch.log_softmax(out.logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    routes = torch.stack([logits.reshape(*ids.shape, -1).topk(TOP_K, dim=-1).indices for logits in out.router_logits],
-                         dim=2)
+    routes = torch.stack(chosen or [logits.reshape(*ids.shape, -1).topk(TOP_K, dim=-1).indices
+                                    for logits in out.router_logits], dim=2)
     return torch.nn.functional.pad(lp, (1, 0)), routes.to(torch.uint8)
 
 
@@ -47,21 +53,33 @@ def _ids(seed=3):
     return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm_topk"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm_topk", "glm4_moe"])
 def test_moe_logprobs_match_transformers(moe_dirs, world, kind):
     learner = _learner(moe_dirs[kind], micro_batch_size=3)
     ids = _ids()
     ref, _ = _hf_forward(moe_dirs[kind], ids)
-    assert (learner.logprobs(ids) - ref).abs().max().item() <= LEARNER_TOL
+    assert (learner.logprobs(ids) - ref).abs().max().item() <= _tol(moe_dirs[kind])
 
 
-def test_moe_publishes_the_per_expert_hf_names(moe_dirs, world):
+def _tol(model_dir):
+    """The suite's fp32 bound (tests/helpers.fp32_logprob_tol) for the model's own sizes (the GLM-4.5's heads are
+    wider than LEARNER_TINY's)."""
+    import json
+
+    with open(f"{model_dir}/config.json") as f:
+        config = json.load(f)
+    return max(LEARNER_TOL, fp32_logprob_tol({**config, "vocab_size": 264}, max_logprob=8.0, max_seq_len=64))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe"])
+def test_moe_publishes_the_per_expert_hf_names(moe_dirs, world, kind):
     """publish_tensors (what samplers receive, and what megarl sft exports) is the save_pretrained state:
-    per-expert names, in the order, shapes and dtypes publish_spec announces."""
-    learner = _learner(moe_dirs["qwen3_moe"])
+    per-expert names, in the order, shapes and dtypes publish_spec announces (GLM-4.5's too: its dense first
+    layer, shared expert and the router's e_score_correction_bias, a megatron buffer)."""
+    learner = _learner(moe_dirs[kind])
     published = dict(learner.publish_tensors())
     assert learner.publish_spec() == [(n, tuple(t.shape), t.dtype) for n, t in published.items()]
-    saved = load_file(f"{moe_dirs['qwen3_moe']}/model.safetensors")
+    saved = load_file(f"{moe_dirs[kind]}/model.safetensors")
     assert set(published) == set(saved)
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in published
     for name, tensor in saved.items():
@@ -82,7 +100,8 @@ def _batch(ids, behaviour, routes, short_rows=False):
 
 
 def _perturbed_router_dir(src, dst):
-    """The same model with every router weight moved: another learner router, the same experts."""
+    """The same model with every router weight (and GLM-4.5's expert bias) moved: another learner router, the same
+    experts."""
     from safetensors.torch import save_file
     import shutil
 
@@ -90,42 +109,47 @@ def _perturbed_router_dir(src, dst):
     weights = load_file(f"{dst}/model.safetensors")
     g = torch.Generator().manual_seed(7)
     for name, w in weights.items():
-        if name.endswith("block_sparse_moe.gate.weight"):
+        if name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight")):
+            weights[name] = w + 2.0 * w.std() * torch.randn(w.shape, generator=g)
+        if name.endswith("e_score_correction_bias"):
             weights[name] = w + 2.0 * w.std() * torch.randn(w.shape, generator=g)
     save_file(weights, f"{dst}/model.safetensors", metadata={"format": "pt"})
     return str(dst)
 
 
-def test_r3_replays_the_sampler_routes_exactly(moe_dirs, world, tmp_path):
+@pytest.mark.parametrize("kind", ["mixtral", "glm4_moe"])
+def test_r3_replays_the_sampler_routes_exactly(moe_dirs, world, tmp_path, kind):
     """Same weights: the learner's own routes agree with the sampler's (agreement 1.0) and the lag-0 log-prob
     gap is fp32 noise, replay or not. A perturbed learner router: without replay the agreement drops and the gap
     grows; with r3 every expert call is the sampler's route (counted at the experts), the learner's own router
-    still reports its disagreement, and the router weight still gets a gradient."""
+    still reports its disagreement, and the router weight still gets a gradient. GLM-4.5: its sigmoid router with
+    expert bias and group limit chooses transformers' routes; its first MoE layer is decoder layer 1 (route 0)."""
     ids = _ids()
-    behaviour, routes = _hf_forward(moe_dirs["mixtral"], ids)
+    behaviour, routes = _hf_forward(moe_dirs[kind], ids)
     batch = _batch(ids, behaviour, routes)
+    first_moe, experts_count = (1, GLM4_MOE_ROUTER["n_routed_experts"]) if kind == "glm4_moe" else (0, 4)
 
-    same = _learner(moe_dirs["mixtral"], routing_replay="r3", micro_batch_size=3)
+    same = _learner(moe_dirs[kind], routing_replay="r3", micro_batch_size=3)
     m = same.train_step(batch)
     assert m["router/agreement"] == 1.0 and m["router/token_diff_frac"] == 0.0
     assert m["lag0/router_agreement"] == 1.0
-    assert m["lag0/logprob_gap_abs"] < LEARNER_TOL
+    assert m["lag0/logprob_gap_abs"] < _tol(moe_dirs[kind])
 
-    perturbed = _perturbed_router_dir(moe_dirs["mixtral"], tmp_path / "perturbed")
+    perturbed = _perturbed_router_dir(moe_dirs[kind], tmp_path / "perturbed")
     off = _learner(perturbed, micro_batch_size=3).train_step(batch)
     assert off["router/agreement"] < 0.9 and off["router/token_diff_frac"] > 0.3
     assert off["lag0/logprob_gap_abs"] > 1e-3
 
     r3 = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
-    calls = torch.zeros(4, dtype=torch.long)  # tokens each expert of layer 0 computed, over the step's passes
-    experts = r3.gpt.decoder.layers[0].mlp.experts.local_experts
+    calls = torch.zeros(experts_count, dtype=torch.long)  # tokens each expert of the first MoE layer computed
+    experts = r3.gpt.decoder.layers[first_moe].mlp.experts.local_experts
     for e, expert in enumerate(experts):
         expert.register_forward_hook(lambda mod, inp, out, e=e: calls.__setitem__(e, calls[e] + inp[0].shape[0]))
     m = r3.train_step(batch)
     assert m["router/agreement"] < 0.9  # what its own router would have chosen
     # Every position of every row went to the replayed experts (rows are trimmed to their length: all S here).
-    assert torch.equal(calls, torch.bincount(routes[:, :, 0].reshape(-1).long(), minlength=4))
-    router = r3.gpt.decoder.layers[0].mlp.router.weight
+    assert torch.equal(calls, torch.bincount(routes[:, :, 0].reshape(-1).long(), minlength=experts_count))
+    router = r3.gpt.decoder.layers[first_moe].mlp.router.weight
     assert router.main_grad.abs().sum() > 0
 
 
@@ -251,6 +275,35 @@ def _summed(ranks: list[dict], key: str) -> dict:
 # lr 1e-3: this batch's gradients are tiny (loss ~3e-4), and Adam turns their fp32 noise into update noise of
 # ~1e-3 lr (one rank with 3- vs 8-row micro-batches: 1.5e-5 apart at lr 1e-2 after two steps).
 LORA_MOE = {"micro_batch_size": 3, "lr": 1e-3, "lora": {"rank": 4, "alpha": 8.0, "target_modules": list(ATTENTION)}}
+
+
+def test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+    """GLM-4.5 in a real 2-process torchrun (gloo), r3 on perturbed routers: DP2 x EP2 (4 of the 8 experts per rank),
+    TP2 (sequence parallelism; the shared expert and q/k/v biases split over TP, the expert bias whole on each rank)
+    and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement, and after one step the
+    same whole published weights (the expert bias included)."""
+    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results
+
+    perturbed = _perturbed_router_dir(moe_dirs["glm4_moe"], tmp_path / "perturbed")
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["glm4_moe"], ids)
+    batch = _batch(ids, behaviour, routes, short_rows=True)
+    layouts = {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}}
+    proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
+    learner = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
+    ref_logprobs, ref = learner.logprobs(ids, routes), learner.train_step(batch)
+    ref_published = dict(learner.publish_tensors())
+    results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=300)
+    for layout, ranks in results.items():
+        for rank in ranks:
+            assert _close(rank["logprobs"], ref_logprobs), layout
+            for key in ("loss", "grad_norm", "router/agreement", "lag0/logprob_gap_abs"):
+                assert abs(rank["metrics"][key] - ref[key]) <= 1e-5 * max(1.0, abs(ref[key])), (layout, key)
+        published = ranks[0]["published"]
+        assert set(published) == set(ref_published), layout
+        assert all(_close(published[n], t) for n, t in ref_published.items()), layout
 
 
 def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):

@@ -258,6 +258,30 @@ def test_rope_inv_freq_and_attention_factor_are_hfs(tmp_path, kind):
     assert factor == hf_model.model.rotary_emb.attention_scaling and (factor != 1.0) == (kind == "yarn_rope")
 
 
+# A GLM-4.5 config megarl converts (the tests' tiny one: tests/helpers.save_tiny_glm4_moe)
+GLM4 = {"model_type": "glm4_moe", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_size": 32, "head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4,
+        "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+        "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+
+
+def test_glm4_moe_config_maps_to_megatrons_router_and_partial_rope():
+    assert convert.check_supported(GLM4) is not None
+    kwargs = convert.transformer_config_kwargs({**GLM4, "intermediate_size": 48, "moe_intermediate_size": 16,
+                                                "rms_norm_eps": 1e-5, "routed_scaling_factor": 2.5})
+    assert kwargs["moe_router_score_function"] == "sigmoid" and kwargs["moe_router_enable_expert_bias"]
+    assert kwargs["moe_router_bias_update_rate"] == 0.0  # HF's bias is a fixed buffer
+    assert (kwargs["moe_router_num_groups"], kwargs["moe_router_group_topk"]) == (4, 2)
+    assert kwargs["moe_router_topk_scaling_factor"] == 2.5 and kwargs["moe_shared_expert_intermediate_size"] == 16
+    assert kwargs["moe_layer_freq"] == [0, 1, 1]
+    assert convert.gpt_model_kwargs({**GLM4, "vocab_size": 64})["rotary_percent"] == 0.5
+    assert convert.inv_freq(GLM4).shape == (4,)  # 16 dims * 0.5 rotate: 4 frequencies
+    # every group kept (GLM-4.5's own n_group = topk_group = 1): no group limit
+    kwargs = convert.transformer_config_kwargs({**GLM4, "n_group": 1, "topk_group": 1, "intermediate_size": 48,
+                                                "moe_intermediate_size": 16, "rms_norm_eps": 1e-5})
+    assert kwargs["moe_router_num_groups"] is None and kwargs["moe_router_group_topk"] is None
+
+
 @pytest.mark.parametrize("config, message", [
     ({"model_type": "qwen2_moe", "shared_expert_intermediate_size": 64},
      "unsupported MoE model 'qwen2_moe' \\(shared_expert_intermediate_size\\)"),
@@ -268,23 +292,35 @@ def test_rope_inv_freq_and_attention_factor_are_hfs(tmp_path, kind):
     ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.1},
      "router_jitter_noise"),
     ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ({**GLM4, "norm_topk_prob": False}, "norm_topk_prob"),
+    ({**GLM4, "topk_group": 1}, "topk_group"),  # megatron would score a group by its best 4, HF by its best 2
+    ({**GLM4, "n_group": 3}, "n_group"),
+    ({**GLM4, "n_shared_experts": 0}, "n_shared_experts"),
+    ({**GLM4, "first_k_dense_replace": 3}, "first_k_dense_replace"),
+    # (16 dims * 0.1875: 3, odd)
+    ({**GLM4, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.1875}}, "partial_rotary_factor"),
 ])
 def test_moe_configs_megarl_cannot_convert_exactly_are_refused_naming_the_field(config, message):
     with pytest.raises(ValueError, match=message):
         convert.check_supported(config)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "glm4_moe"])
 def test_moe_round_trip_keeps_every_per_expert_tensor(tmp_path, kind):
     from safetensors.torch import load_file
 
-    from tests.helpers import save_tiny_moe
+    from tests.helpers import save_tiny_glm4_moe, save_tiny_moe
 
-    model_dir = save_tiny_moe(tmp_path, kind)
+    model_dir = save_tiny_glm4_moe(tmp_path) if kind == "glm4_moe" else save_tiny_moe(tmp_path, kind)
     cfg, hf = convert.load_pretrained(str(model_dir))
     mcore = convert.hf_to_mcore(hf, cfg)
     assert mcore["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"].shape == (
-        2 * (48 if kind == "mixtral" else 24), 32)
+        2 * {"mixtral": 48, "qwen3_moe": 24, "glm4_moe": 16}[kind], 32)
+    if kind == "glm4_moe":  # the first layer dense, the shared expert and the router's bias
+        assert mcore["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * 48, 32)
+        assert mcore["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"].shape == (2 * 16, 32)
+        assert torch.equal(mcore["decoder.layers.2.mlp.router.expert_bias"],
+                           hf["model.layers.2.mlp.gate.e_score_correction_bias"])
     back = convert.mcore_to_hf(mcore, cfg)
     saved = load_file(f"{model_dir}/model.safetensors")
     assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
