@@ -286,7 +286,8 @@ class SamplerLoop:
         if self.incarnation > 0:
             self.resume_version = 1 << 62  # nothing before the version of the epoch that admits it (_on_published)
         receiver = self._start_weight_receiver()
-        self.follower = next((r.follower for r in getattr(receiver, "receivers", [])), None)
+        self.follower = getattr(receiver, "follower", None) or \
+            next((r.follower for r in getattr(receiver, "receivers", [])), None)  # SGLang's, or a staged receiver's
         sender = QueueSender(self.store, self.cfg.queue.timeout_s, run_secret(), self.topo.rank,
                              first_sequence=self.incarnation << SHIFT)
         heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s, first=self.incarnation << SHIFT)

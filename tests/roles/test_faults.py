@@ -318,6 +318,39 @@ def test_with_replace_a_killed_sampler_is_replaced_and_the_run_goes_on(victims, 
     assert not leftovers(run_dir)
 
 
+def _server_processes(sampler_pid: int, module: bytes) -> list[int]:
+    """The pids of the server processes (`python -m <module>`) a sampler process started."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == sampler_pid and module in args:
+            found.append(int(proc.name))
+    return found
+
+
+def test_with_replace_a_killed_sglang_server_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
+    # The SGLang-compatible server of sampler 0 is SIGKILLed: its sampler fails on it, the keeper starts a new
+    # sampler and server, which joins a later membership epoch's weight-update group (sglang_publish.join_epoch).
+    run_dir = tmp_path / "replace_sglang"
+    proc = _replace_run(run_dir, embedded_think_model_dir, "sampler.engine=sglang")
+    _wait_for_steps(run_dir, 3, proc)
+    servers = _server_processes(_sampler_processes(run_dir)[(1, 0)], b"megarl.sampler.sglang_server")
+    assert len(servers) == 1, servers
+    os.kill(servers[0], signal.SIGKILL)
+    _wait_for_rejoin(run_dir, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert re.search(r"megarl: sampler 0 \(rank 1\) exited with code \d+: dropped from the publish set, "
+                     r"replacement 1 starting; \d+ unfinished groups? lost", out), out[-3000:]
+    _check_replaced(run_dir, out, err, 1)
+    assert not leftovers(run_dir)
+
+
 def test_with_replace_a_hung_sampler_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
     run_dir = tmp_path / "replace_hang"
     proc = _replace_run(run_dir, embedded_think_model_dir, "fault.sampler_timeout_s=4", "publish.timeout_s=8",
