@@ -88,7 +88,7 @@ class VersionEvaluator:
     def hold_update(self, version_now: int, should_stop: Callable[[], bool]) -> None:
         """HTTP engines, on the thread that updates the server, before an update leaves `version_now`: wait
         while that version is due and not yet evaluated (or until `should_stop`). No-op for staged engines."""
-        if self.staged:
+        if self.staged or not self.joined:  # a replacement's server leaves its base weights for the join version
             return
         with self.evaluated:
             if version_now not in self.pending:
