@@ -54,6 +54,8 @@ JSON with the tail of its log, and the rest still run:
   sampler_replace   e2e_train under fault.on_failure=replace with two built-in samplers: one SIGKILLed after 5
                     steps, the run trains on, its replacement joins (the version it joined at) and trains 5 more
                     steps; every step once, the longest step gap after the kill, samplers/* metrics
+  sglang_replace    the same with sampler.engine=sglang (megarl's SGLang-compatible server): sampler 0's server
+                    SIGKILLed; its sampler and server are replaced and join a new weight-update group
 
 `--dry-run` (CPU): the wheel list's structure, its declared total against the 64 MiB limit (with the
 working tree that travels with it), each wheel's requirements against what the GPU machine has; unless
@@ -1059,10 +1061,44 @@ def check_sampler_replace(args, size: Size) -> dict:
     """fault.on_failure=replace on the demo with two built-in samplers: one is SIGKILLed after 5 steps; the learner
     trains on, the replacement joins (samplers/alive back at 2) and trains 5 steps more, then a SIGTERM stops the
     run at a step boundary: every step once, the replacement's join version and the step stall it cost."""
-    overrides = ["fault.on_failure=replace", "sampler.num_engines=2", "eval.sets=[]"]
+    return _replace_check(args, size, "sampler_replace", [], lambda: next(
+        int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _env_of(d).get("RANK") == "1"
+        and _env_of(d).get("MEGARL_SAMPLER_INCARNATION") == "0"))
+
+
+def check_sglang_replace(args, size: Size) -> dict:
+    """sampler_replace with sampler.engine=sglang: sampler 0's SGLang-compatible server is SIGKILLed; its sampler
+    fails on it and its keeper starts a new sampler and server, which joins the next epoch's weight-update group."""
+    def server() -> int:
+        sampler = next(d.name for d in Path("/proc").iterdir() if d.name.isdigit() and _env_of(d).get("RANK") == "1"
+                       and _env_of(d).get("MEGARL_SAMPLER_INCARNATION") == "0")
+        return next(int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _parent_of(d) == sampler
+                    and b"megarl.sampler.sglang_server" in _cmdline_of(d))
+
+    return _replace_check(args, size, "sglang_replace", ["sampler.engine=sglang"], server)
+
+
+def _parent_of(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return ""
+
+
+def _cmdline_of(proc_dir: Path) -> list[bytes]:
+    try:
+        return (proc_dir / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def _replace_check(args, size: Size, name: str, extra: list[str], victim) -> dict:
+    """The demo under fault.on_failure=replace with two samplers (and `extra`): after 5 steps the process `victim()`
+    names is SIGKILLed; the replacement must join and train 5 steps more, then a SIGTERM stops the run."""
+    overrides = ["fault.on_failure=replace", "sampler.num_engines=2", "eval.sets=[]", *extra]
     if size.tiny:
-        return run_demo(args, size, "sampler_replace", overrides)[0]
-    run_dir = Path(args.workdir) / "sampler_replace"
+        return run_demo(args, size, name, overrides)[0]
+    run_dir = Path(args.workdir) / name
     cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", f"run.dir={run_dir}", "run.steps=100000",
            "dist.backend=gloo", "run.overwrite=true", "observe.trackers=[]", *overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -1081,10 +1117,8 @@ def check_sampler_replace(args, size: Size) -> dict:
 
     try:
         until(lambda: len(rows()) >= 5, "5 steps")
-        victim = next(int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _env_of(d).get("RANK") == "1"
-                      and _env_of(d).get("MEGARL_SAMPLER_INCARNATION") == "0")
         killed_at = time.time()
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim(), signal.SIGKILL)
 
         def rejoined() -> bool:
             back = [r["step"] for r in rows() if r.get("samplers/replaced") == 1.0 and r.get("samplers/alive") == 2.0]
@@ -1247,7 +1281,8 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120),
           "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
           "trackers": (check_trackers, 120), "families": (check_families, 150), "hybrid": (check_hybrid, 150),
-          "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180)}
+          "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180),
+          "sglang_replace": (check_sglang_replace, 180)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 # Each check's limit on CPU bounds a hang, it is no speed test: a check there is mostly process starts and imports,
 # which a loaded 2-core machine slows several-fold (context_parallel's two torchrun ranks took over 75 s at load 20).

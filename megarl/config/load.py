@@ -224,12 +224,10 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(cfg.fault.on_failure in ("stop", "restart", "replace"), "fault.on_failure",
              f"must be stop, restart or replace, got {cfg.fault.on_failure!r}")
     if cfg.fault.on_failure == "replace":  # what membership epochs cover (docs/faults.md)
-        for ok, key, value in ((cfg.sampler.engine == "builtin", "sampler.engine", "builtin"),
-                               (cfg.sampler.tp == 1, "sampler.tp", 1), (lc.pp == 1, "learner.pp", 1),
+        for ok, key, value in ((cfg.sampler.tp == 1, "sampler.tp", 1), (lc.pp == 1, "learner.pp", 1),
                                (cfg.publish.senders == 1, "publish.senders", 1),
-                               (cfg.algo.mode == "pipeline", "algo.mode", "pipeline"),
-                               (not cfg.eval.sets, "eval.sets", "[]")):
-            _require(ok, key, f"fault.on_failure=replace replaces built-in samplers only with {key}={value}")
+                               (cfg.algo.mode == "pipeline", "algo.mode", "pipeline")):
+            _require(ok, key, f"fault.on_failure=replace replaces samplers only with {key}={value}")
         _require(cfg.fault.max_sampler_restarts_per_hour >= 1, "fault.max_sampler_restarts_per_hour", "must be >= 1")
     _require(cfg.fault.max_restarts >= 0, "fault.max_restarts", "must be >= 0")
     _require(cfg.queue.max_message_mb >= 0, "queue.max_message_mb", "must be >= 0 (0 = derived from the group's shapes)")

@@ -18,6 +18,12 @@ Protocol (every key lives in the torchrun store, like the built-in publish path)
      back to back in names order (SGLang's FlattenedTensorBucket layout, load_format
      "flattened_bucket"); "per_tensor" — one broadcast per tensor in names order (load_format None).
 SGLang verifies no checksum, so headers carry none (publish.checksum does not apply here).
+
+Under fault.on_failure=replace the group changes with the live sampler set (megarl.distributed.membership):
+GROUP_KEY is membership epoch 0's group; for each later epoch e the learner leaves the previous group and writes
+`epoch_group_key(e)` {host, port, world_size, group_name: GROUP_NAME + "_e{e}", backend} (a fresh rendezvous),
+then hosts it as rank 0; each member's server leaves its previous group (/destroy_weights_update_group) and joins
+at the offset of its place in the epoch (`epoch_layout`). Headers keep counting across epochs.
 """
 from __future__ import annotations
 
@@ -41,6 +47,17 @@ GROUP_NAME = "megarl_weight_update"
 WEIGHT_FORMATS = ("flattened_bucket", "per_tensor")
 
 Spec = list[tuple[str, tuple[int, ...], torch.dtype]]
+
+
+def epoch_group_key(epoch: int) -> str:
+    """Where membership epoch `epoch`'s SGLang weight-update group is described (epoch 0: GROUP_KEY)."""
+    return GROUP_KEY if epoch == 0 else f"{GROUP_KEY}/e{epoch}"
+
+
+def epoch_layout(group_rank: int, size: int, tp: int) -> tuple[int, int]:
+    """(world size, the member's rank offset) of an epoch's SGLang group, from the member's place in the
+    membership epoch's group (`group_rank` 1.. of `size`, the learner 0): each server holds `tp` ranks."""
+    return 1 + (size - 1) * tp, 1 + (group_rank - 1) * tp
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -106,25 +123,53 @@ class SGLangPublisher:
     """Learner side: `publish(version, named_tensors, extra)` after every optimizer step (as WeightPublisher)."""
 
     def __init__(self, store, *, world_size: int, host: str, port: int, backend: str, weight_format: str,
-                 bucket_mb: float, timeout_s: float, join_timeout_s: float):
+                 bucket_mb: float, timeout_s: float, join_timeout_s: float, tp: int = 1):
         self.store, self.weight_format = store, weight_format
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.timeout = timedelta(seconds=timeout_s)
-        self.backend = backend
-        port = port or free_port(host)
-        self.address = f"{host}:{port}"
+        self.backend, self.host, self.port, self.tp = backend, host, port, tp
         if backend == "nccl":
             set_publish_nccl_env()  # normally done at learner start already; idempotent
-        store.set(GROUP_KEY, json.dumps({"host": host, "port": port, "world_size": world_size,
-                                         "group_name": GROUP_NAME, "backend": backend}))
-        try:
-            self.group = init_sglang_update_group(backend, host, port, world_size, 0, GROUP_NAME, join_timeout_s)
-        except Exception as exc:
-            raise TimeoutError(f"SGLang weight-update group at {self.address}: not all {world_size - 1} server ranks "
-                               f"joined within {join_timeout_s:.0f}s (did every SGLang server start?): {exc}") from exc
+        self._group = None
+        self.group = self._host_group(0, world_size, join_timeout_s)
         self.calls: list[Spec] | None = None
         self.buffers: list[torch.Tensor] = []
         self.published = 0
+
+    @property
+    def group(self):
+        return self._group
+
+    @group.setter
+    def group(self, group) -> None:
+        """Setting another group (or None: membership.SamplerSet's caller leaves an epoch so) destroys this one."""
+        if self._group is not None and self._group is not group:
+            try:
+                dist.destroy_process_group(self._group)
+            except Exception:  # noqa: BLE001 - a group with a dead member may not tear down cleanly; it is left anyway
+                pass
+        self._group = group
+
+    def join_epoch(self, epoch: int, size: int):
+        """fault.on_failure=replace: host membership epoch `epoch`'s group of `size` members (the learner and
+        size - 1 servers); returns it once every server joined, within 2 * publish.timeout_s (a member that died
+        meanwhile fails it: the caller drops it and tries the next epoch)."""
+        self.group = None
+        world_size, _ = epoch_layout(1, size, self.tp)
+        return self._host_group(epoch, world_size, 2 * self.timeout.total_seconds())
+
+    def _host_group(self, epoch: int, world_size: int, join_timeout_s: float):
+        """Describe epoch `epoch`'s group in the store, then host it as rank 0 until all `world_size` ranks joined."""
+        port = (self.port + epoch if self.port else free_port(self.host))
+        self.address = f"{self.host}:{port}"
+        name = GROUP_NAME if epoch == 0 else f"{GROUP_NAME}_e{epoch}"
+        self.store.set(epoch_group_key(epoch), json.dumps({"host": self.host, "port": port, "world_size": world_size,
+                                                           "group_name": name, "backend": self.backend}))
+        try:
+            return init_sglang_update_group(self.backend, self.host, port, world_size, 0, name, join_timeout_s)
+        except Exception as exc:
+            raise TimeoutError(f"SGLang weight-update group at {self.address}: not all {world_size - 1} server ranks "
+                               f"joined within {join_timeout_s:.0f}s (did every SGLang server start?): {exc}") from exc
 
     @classmethod
     def from_config(cls, cfg, store, num_samplers: int) -> "SGLangPublisher":
@@ -135,7 +180,7 @@ class SGLangPublisher:
         return cls(store, world_size=world_size, host=sc.update_group_host or cfg.queue.host,
                    port=sc.update_group_port, backend=backend, weight_format=sc.weight_format,
                    bucket_mb=cfg.publish.bucket_mb, timeout_s=cfg.publish.timeout_s,
-                   join_timeout_s=sc.startup_timeout_s + sc.request_timeout_s)
+                   join_timeout_s=sc.startup_timeout_s + sc.request_timeout_s, tp=sc.tp)
 
     def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], extra: dict | None = None,
                 spec=None) -> dict:
@@ -170,9 +215,7 @@ class SGLangPublisher:
     def close(self) -> None:
         """Tear the group down before interpreter shutdown would, in whatever order, with servers still
         connected to the rendezvous store this process hosts."""
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        self.group = None
 
     def _plan(self, named: dict[str, torch.Tensor]) -> None:
         spec = [(name, tuple(t.shape), t.dtype) for name, t in named.items()]

@@ -19,6 +19,10 @@ How the version is held depends on how the engine receives versions:
   it (the update is a collective with the learner's broadcast): that is the cost (docs/eval.md).
 
 Either way `run_share` checks every token's recorded version and raises rather than report a mixed score.
+
+A replacement sampler (fault.on_failure=replace) evaluates nothing until it joins at version V (`join`): its
+share of every due version before V that its predecessor did not post is posted as missed (no engine of that
+share ran it whole), so the learner reports those versions as missed instead of waiting for them.
 Results travel through the run's store (`result_key`): the learner's lead collects every share
 (megarl/eval/learner_side.py); the per-sample records, with every token's version, go to
 run.dir/eval_samples.jsonl.
@@ -45,11 +49,13 @@ def result_key(version: int, share: int) -> str:
 class VersionEvaluator:
     """One engine lead's evaluations: share `share` of `shares` of every due version."""
 
-    def __init__(self, cfg, store, tokenizer, share: int, shares: int, first_version: int, staged: bool = True):
+    def __init__(self, cfg, store, tokenizer, share: int, shares: int, first_version: int, staged: bool = True,
+                 joined: bool = True):
         self.cfg, self.store, self.tokenizer, self.share, self.shares = cfg, store, tokenizer, share, shares
         self.staged = staged  # the engine stages versions (built-in); else another thread updates its server
         self.sets = build_sets(cfg)
         self.pending = sorted(due_versions(cfg, first_version))  # changed under `evaluated`, read by hold_update
+        self.joined = joined  # a replacement's evaluator waits for `join`
         self.evaluated = threading.Condition()
         self.held = 0  # updates that waited in hold_update for the version being evaluated
         self.samples = JsonlAppender(Path(cfg.run.dir) / SAMPLES_FILE)
@@ -60,6 +66,8 @@ class VersionEvaluator:
         than skipped), then evaluate the current version if it is due. The caller's next step must not
         apply staged versions itself: `engine.step(apply_staged=False)`. An HTTP engine's version is the
         server's, held by `hold_update` while it is due."""
+        if not self.joined:
+            return  # a replacement runs no version of the run before it joins
         if self.staged and engine.staged_versions():
             before = engine.version
             engine.apply_staged(self.next_version(engine))
@@ -80,7 +88,7 @@ class VersionEvaluator:
     def hold_update(self, version_now: int, should_stop: Callable[[], bool]) -> None:
         """HTTP engines, on the thread that updates the server, before an update leaves `version_now`: wait
         while that version is due and not yet evaluated (or until `should_stop`). No-op for staged engines."""
-        if self.staged:
+        if self.staged or not self.joined:  # a replacement's server leaves its base weights for the join version
             return
         with self.evaluated:
             if version_now not in self.pending:
@@ -88,6 +96,19 @@ class VersionEvaluator:
             self.held += 1
             while version_now in self.pending and not should_stop():
                 self.evaluated.wait(HOLD_POLL_S)
+
+    def join(self, version: int) -> None:
+        """A replacement joined at `version` (the first it receives): post its share of every due version before
+        it that has no result as missed, and evaluate the due versions from it on."""
+        with self.evaluated:
+            for old in [v for v in self.pending if v < version]:
+                if not self.store.check([result_key(old, self.share)]):
+                    self.store.set(result_key(old, self.share), json.dumps(
+                        {"missed": f"sampler engine {self.share} was replaced before it evaluated version {old} "
+                                   f"(its replacement joined at version {version})"}))
+                self.pending.remove(old)
+            self.joined = True
+            self.evaluated.notify_all()
 
     def _evaluate(self, engine, between_steps) -> None:
         version = engine.version

@@ -469,6 +469,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     # A membership epoch's group, the source as rank 0; members may first sit out a failed publish's receive.
     make_group = lambda epoch, size: epoch_publish_group(store, epoch, 0, size, cfg.dist.backend,  # noqa: E731
                                                          2 * cfg.publish.timeout_s)
+    if sglang:  # the servers' weight-update group, re-formed per epoch (megarl.distributed.sglang_publish)
+        make_group = lambda epoch, size: publisher.join_epoch(epoch, size)  # noqa: E731
     try:
         if resumed:  # the samplers generate nothing before they run the resumed weights
             publish_weights(source, publisher, intake.header() if lead else {}, heartbeats, topo.num_learners,

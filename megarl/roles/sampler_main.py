@@ -249,6 +249,8 @@ class SamplerLoop:
             self.indices, self.started = retired.unretired(), len(retired)
             self.retired = self.sent = self.started
             self.resume_version = version
+            if self.evaluator is not None:
+                self.evaluator.join(version)
         self.learner_version = version  # before `retired`: _send_due reads them the other way round
         self.retired = extra.get("retired", {}).get(str(self.topo.rank), self.retired)
         self.new_version.set()
@@ -282,11 +284,13 @@ class SamplerLoop:
         if due_versions(self.cfg, self.resume_version or 0):
             self.evaluator = VersionEvaluator(self.cfg, self.store, self.tokenizer, self.topo.engine_index,
                                               self.topo.num_engines, self.resume_version or 0,
-                                              staged=self.cfg.sampler.engine == "builtin")
+                                              staged=self.cfg.sampler.engine == "builtin",
+                                              joined=self.incarnation == 0)  # a replacement's joins in _on_published
         if self.incarnation > 0:
             self.resume_version = 1 << 62  # nothing before the version of the epoch that admits it (_on_published)
         receiver = self._start_weight_receiver()
-        self.follower = next((r.follower for r in getattr(receiver, "receivers", [])), None)
+        self.follower = getattr(receiver, "follower", None) or \
+            next((r.follower for r in getattr(receiver, "receivers", [])), None)  # SGLang's, or a staged receiver's
         sender = QueueSender(self.store, self.cfg.queue.timeout_s, run_secret(), self.topo.rank,
                              first_sequence=self.incarnation << SHIFT)
         heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s, first=self.incarnation << SHIFT)

@@ -67,7 +67,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from megarl.distributed.publish import header_key
-from megarl.distributed.sglang_publish import GROUP_KEY, SPEC_KEY, load_spec, update_body
+from megarl.distributed.sglang_publish import GROUP_KEY, SPEC_KEY, epoch_group_key, epoch_layout, load_spec, update_body
 from megarl.models import moe
 from megarl.protocols import Completion, GenerationRequest, RouteShape
 from megarl.sampler.request_pool import RequestPool, pinned_view
@@ -572,6 +572,17 @@ class SGLangEngine:
             raise self.client.error("/init_weights_update_group", reply.get("message", str(reply)))
         self.group_name = group["group_name"]
 
+    def leave_update_group(self) -> None:
+        """POST /destroy_weights_update_group for the group joined last (fault.on_failure=replace: before the
+        next membership epoch's); a failure is logged, not raised: the server joins the next group by its own name."""
+        if self.group_name is None:
+            return
+        name, self.group_name = self.group_name, None
+        try:
+            self._checked_post("/destroy_weights_update_group", {"group_name": name})
+        except SGLangError as exc:
+            log.warning("leaving SGLang weight-update group %s failed: %s", name, exc)
+
     def update_weights(self, version: int, weight_format: str, calls: list) -> None:
         """Apply `version` in flight: pause, open the weight-update session, receive every call's tensors,
         close the session, (flush), continue.  On any failure the session is closed and generation
@@ -632,8 +643,11 @@ class SGLangWeightFollower:
     Same surface as the built-in receivers (`start()`, `join()`, `error`), so the sampler loop treats both alike."""
 
     def __init__(self, engine: SGLangEngine, store, rank_offset: int, on_published, should_stop,
-                 before_update=lambda version: None):
+                 before_update=lambda version: None, follower=None):
         self.engine, self.store, self.rank_offset = engine, store, rank_offset
+        # fault.on_failure=replace: a membership.EpochFollower whose groups are this server's weight-update groups
+        # (`join_epoch`); a replacement joins no group before an epoch names it.
+        self.follower = follower
         self.on_published, self.should_stop = on_published, should_stop
         # Called with the server's version before each update leaves it: evaluation holds a due version there.
         self.before_update = before_update
@@ -646,7 +660,15 @@ class SGLangWeightFollower:
         from megarl.distributed.topology import sglang_group_layout
 
         _, offsets = sglang_group_layout(topo.num_samplers, cfg.sampler.sglang.tp)
-        return cls(engine, store, offsets[topo.role_rank], on_published, should_stop, before_update)
+        follower = None
+        if cfg.fault.on_failure == "replace":
+            from megarl.distributed.membership import EpochFollower, incarnation
+
+            tp, timeout_s = cfg.sampler.sglang.tp, 2 * cfg.publish.timeout_s
+            follower = EpochFollower(store, topo.rank, incarnation(),
+                                     lambda epoch, rank, size: join_epoch(engine, store, epoch, rank, size, tp,
+                                                                          timeout_s))
+        return cls(engine, store, offsets[topo.role_rank], on_published, should_stop, before_update, follower)
 
     def start(self) -> "SGLangWeightFollower":
         self.thread.start()
@@ -663,13 +685,31 @@ class SGLangWeightFollower:
             time.sleep(STORE_POLL_S)
         return True
 
+    def _next_header(self, index: int) -> int | None:
+        """The index of the next publish to apply (`index`, or a newer membership epoch's first, once this server
+        joined that epoch's group) once its header exists; None on stop."""
+        while True:
+            if self.follower is not None:
+                first = self.follower.follow()  # SamplerDropped when an epoch leaves this incarnation out
+                if first is not None:
+                    index = first
+            if self.follower is None or self.follower.group is not None:
+                if self.store.check([header_key(index)]):
+                    return index
+            if self.should_stop():
+                return None
+            time.sleep(STORE_POLL_S if self.follower is None else 0.01)
+
     def _run(self) -> None:
         try:
-            if not self._wait_key(GROUP_KEY):
-                return
-            self.engine.join_update_group(json.loads(self.store.get(GROUP_KEY)), self.rank_offset)
+            if self.follower is None or self.follower.incarnation == 0:  # the run's first group (epoch 0)
+                if not self._wait_key(GROUP_KEY):
+                    return
+                self.engine.join_update_group(json.loads(self.store.get(GROUP_KEY)), self.rank_offset)
+                if self.follower is not None:
+                    self.follower.group = self.engine.group_name
             index, calls = 1, None
-            while self._wait_key(header_key(index)):
+            while (index := self._next_header(index)) is not None:
                 header = json.loads(self.store.get(header_key(index)))
                 if calls is None:
                     weight_format, calls = load_spec(self.store.get(SPEC_KEY))
@@ -679,3 +719,24 @@ class SGLangWeightFollower:
                 index += 1
         except BaseException as exc:  # surfaced to the sampler loop through `error`
             self.error = exc
+
+
+def join_epoch(engine: SGLangEngine, store, epoch: int, group_rank: int, size: int, tp: int, timeout_s: float) -> str:
+    """fault.on_failure=replace: make this sampler's server leave its weight-update group and join membership
+    epoch `epoch`'s, as member `group_rank` of `size` (megarl.distributed.sglang_publish.epoch_layout); the
+    group's name. The learner describes the group (epoch_group_key) once it recorded the epoch: waited for up to
+    `timeout_s`."""
+    key, deadline = epoch_group_key(epoch), time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"SGLang weight-update group of publish epoch {epoch}: not described under {key} "
+                               f"within {timeout_s:.0f}s (2 * publish.timeout_s)")
+        time.sleep(STORE_POLL_S)
+    group = json.loads(store.get(key))
+    world_size, offset = epoch_layout(group_rank, size, tp)
+    if group["world_size"] != world_size:
+        raise ValueError(f"publish epoch {epoch}: the learner's SGLang group has {group['world_size']} ranks, "
+                         f"this member's layout {world_size}")
+    engine.leave_update_group()
+    engine.join_update_group(group, offset)
+    return engine.group_name

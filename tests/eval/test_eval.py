@@ -299,3 +299,23 @@ def test_overlong_counts_are_remembered_by_tokenizer_files_prompts_and_limit(mod
     assert "the tokenizer was loaded again" in check_sets(longer, model_dir)[0]  # (a load error is said, not raised)
     monkeypatch.undo()
     assert "1 longer than sampler.max_seq_len=36" in check_sets(longer, model_dir)[0]
+
+
+def test_a_replacement_evaluator_holds_no_update_before_it_joins_and_posts_earlier_shares_as_missed(model_dir,
+                                                                                                   tmp_path):
+    # fault.on_failure=replace: an HTTP engine's first update (base weights -> the join version) must not wait for
+    # an evaluation of version 0 the replacement will never run; at the join, the due versions before it that have
+    # no result are posted as missed (one its predecessor posted is kept), and the later ones stay due.
+    from transformers import AutoTokenizer
+
+    cfg = config(model_dir, tmp_path)
+    store = dist.HashStore()
+    store.set(result_key(1, 0), json.dumps({"scored": "by the predecessor"}))
+    evaluator = VersionEvaluator(cfg, store, AutoTokenizer.from_pretrained(model_dir), share=0, shares=1,
+                                 first_version=0, staged=False, joined=False)
+    evaluator.hold_update(0, should_stop=lambda: pytest.fail("held the replacement's first update"))
+    evaluator.join(3)
+    assert json.loads(store.get(result_key(1, 0))) == {"scored": "by the predecessor"}
+    for version in (0, 2):
+        assert "was replaced before it evaluated version" in json.loads(store.get(result_key(version, 0)))["missed"]
+    assert evaluator.pending == [3, 4] and not store.check([result_key(3, 0)])

@@ -318,6 +318,65 @@ def test_with_replace_a_killed_sampler_is_replaced_and_the_run_goes_on(victims, 
     assert not leftovers(run_dir)
 
 
+def _server_processes(sampler_pid: int, module: bytes) -> list[int]:
+    """The pids of the server processes (`python -m <module>`) a sampler process started."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == sampler_pid and module in args:
+            found.append(int(proc.name))
+    return found
+
+
+def test_with_replace_a_killed_sglang_server_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
+    # The SGLang-compatible server of sampler 0 is SIGKILLed: its sampler fails on it, the keeper starts a new
+    # sampler and server, which joins a later membership epoch's weight-update group (sglang_publish.join_epoch).
+    run_dir = tmp_path / "replace_sglang"
+    proc = _replace_run(run_dir, embedded_think_model_dir, "sampler.engine=sglang")
+    _wait_for_steps(run_dir, 3, proc)
+    servers = _server_processes(_sampler_processes(run_dir)[(1, 0)], b"megarl.sampler.sglang_server")
+    assert len(servers) == 1, servers
+    os.kill(servers[0], signal.SIGKILL)
+    _wait_for_rejoin(run_dir, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert re.search(r"megarl: sampler 0 \(rank 1\) exited with code \d+: dropped from the publish set, "
+                     r"replacement 1 starting; \d+ unfinished groups? lost", out), out[-3000:]
+    _check_replaced(run_dir, out, err, 1)
+    assert not leftovers(run_dir)
+
+
+def test_with_replace_and_eval_sets_a_replacement_evaluates_from_its_join_on(embedded_think_model_dir, tmp_path):
+    # eval.sets under replace: the replacement evaluates its share of every due version from the one it joined at;
+    # its predecessor's unposted shares of earlier versions are posted as missed (reported so, never waited for).
+    run_dir = tmp_path / "replace_eval"
+    proc = _replace_run(run_dir, embedded_think_model_dir, "eval.sets=[{name: heldout, prompts: 4}]",
+                        "eval.every_steps=2", "eval.samples=2", "eval.k=2", "eval.at_start=false")
+    _wait_for_steps(run_dir, 3, proc)
+    os.kill(_sampler_processes(run_dir)[(1, 0)], signal.SIGKILL)
+    _wait_for_rejoin(run_dir, proc, more_steps=8)
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    _check_replaced(run_dir, out, err, 1)
+    joined = int(re.search(r"sampler 0 \(rank 1\): replacement 1 joins the publish set at version (\d+)", out)[1])
+    missed = [int(v) for v in re.findall(r"megarl: eval of version (\d+) not reported: sampler engine 0 was replaced",
+                                         out)]
+    assert all(v < joined for v in missed), out[-3000:]
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    evaluated = sorted(r["eval_version"] for r in records if r.get("kind") == "eval")
+    assert [v for v in evaluated if v >= joined], (joined, evaluated, out[-3000:])
+    assert not set(evaluated) & set(missed)
+    assert set(range(2, joined, 2)) <= set(evaluated) | set(missed)  # every due version before the join accounted
+    assert out.count("not reported") == len(missed), out[-3000:]  # no version of a live share missed
+    assert not leftovers(run_dir)
+
+
 def test_with_replace_a_hung_sampler_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
     run_dir = tmp_path / "replace_hang"
     proc = _replace_run(run_dir, embedded_think_model_dir, "fault.sampler_timeout_s=4", "publish.timeout_s=8",

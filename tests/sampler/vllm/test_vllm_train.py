@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections import Counter
 import sys
 import time
 
@@ -135,3 +136,64 @@ def test_multiturn_demo_trains_with_vllm(vllm_python, tmp_path):
     assert sum(r["turns"] >= 2 for r in rollouts) > len(rollouts) / 2
     rows = train_records([json.loads(line) for line in (run_dir / "metrics.jsonl").open()])
     assert rows[0]["lag0/token_share"] == 1.0 and rows[0]["lag0/logprob_gap_abs"] < 1e-4
+
+
+@pytest.mark.timeout(1200)
+def test_killed_vllm_server_with_replace_is_replaced_and_the_run_goes_on(vllm_python, tmp_path):
+    """fault.on_failure=replace, one sampler: its vLLM server is SIGKILLed mid-run; the sampler fails on it, its
+    keeper starts a new sampler and server, which receives the current version in place of a batch (no sampler
+    was left) and the run goes on: every step once, the replacement's first trained token of the version it
+    joined at, nothing older after it."""
+    import os
+    import re
+    import signal
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", "sampler.engine=vllm",
+                             f"run.dir={run_dir}", "run.progress=false", "run.steps=100000", "run.log_rollouts=true",
+                             "fault.on_failure=replace", "eval.sets=[]"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def rows():
+            path = run_dir / "metrics.jsonl"
+            return train_records([json.loads(line) for line in path.open()]) if path.exists() else []
+
+        def check_running(deadline: float, what: str) -> None:
+            if proc.poll() is None and time.monotonic() < deadline:
+                return
+            proc.kill()
+            raise AssertionError(f"{what}: {proc.communicate()[0][-4000:]}")
+
+        deadline = time.monotonic() + 400
+        while len(rows()) < 3:
+            check_running(deadline, "no 3 steps")
+            time.sleep(0.5)
+        pid = _server_pid(run_dir / "vllm" / "sampler0.log")
+        assert pid is not None
+        os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 500  # a new vLLM server: ~50 s on 2 idle cores
+        while True:
+            back = [r["step"] for r in rows() if r.get("samplers/replaced") == 1.0 and r.get("samplers/alive") == 1.0]
+            if back and rows()[-1]["step"] >= back[0] + 3:
+                break
+            check_running(deadline, "no replacement joined and trained 3 steps")
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
+    assert re.search(r"megarl: sampler 0 \(rank 1\) exited with code \d+: dropped from the publish set, "
+                     r"replacement 1 starting", out), out[-4000:]
+    steps = rows()
+    assert [r["step"] for r in steps] == list(range(len(steps)))
+    assert [r["version"] for r in steps] == list(range(1, len(steps) + 1))
+    joined = [int(v) for v in re.findall(r"sampler 0 \(rank 1\): replacement 1 joins the publish set at version (\d+)",
+                                         out)]
+    assert len(joined) == 1, out[-4000:]
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").open()]
+    after = [r for r in rollouts if r["trained_at_step"] >= joined[0]]
+    assert after and after[0]["versions"][0] == joined[0]
+    assert all(min(r["versions"]) >= joined[0] for r in after)
+    assert set(Counter(r["group_id"] for r in rollouts).values()) == {8}, "a group trained twice"  # demo: 8 a group
