@@ -272,7 +272,9 @@ def _wait_for_rejoin(run_dir, proc: subprocess.Popen, replaced: int = 1, more_st
             return
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.5)
-    raise AssertionError(f"no replacement joined and trained {more_steps} steps within {timeout}s")
+    last = {k: v for k, v in (_metrics(run_dir) or [{}])[-1].items() if k == "step" or k.startswith("samplers/")}
+    raise AssertionError(f"no replacement joined and trained {more_steps} steps within {timeout}s; last step's "
+                         f"metrics: {last}")
 
 
 def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1) -> None:
