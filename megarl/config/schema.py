@@ -85,7 +85,7 @@ class TaskConfig:
     # name=lap_count ("3k=" -> "3a..Z2a..Z1a..Z0a..k", megarl/rollout/lap_count.py): mean and cap of the number of
     # full alphabet laps, drawn long-tailed (geometric); a completion is 53 tokens a lap plus lap 0.
     lap_mean: float = 1.5
-    max_laps: int = 9
+    max_laps: int = 9  # name=lap_count: the most full laps (<= 9: the lap count is one digit; see lap_mean)
     # Mean length of the filler "thinking" run before the answer (geometric, so long-tailed);
     # 0 = answer directly. The embedded default model was warm-started with 10.
     think_mean: float = 10.0

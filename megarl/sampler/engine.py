@@ -8,8 +8,9 @@ causal LM, `megarl.sampler.hf_model` (transformers' own modules over a per-slot 
 How a step runs (`step()`):
   1. staged weights, if any, become the current weights (a dict-reference swap at the step boundary;
      with kv_on_update="recompute" the running sequences are re-prefilled under the new weights);
-  2. waiting requests are admitted into free slots and prefilled; the prefill's last logits sample
-     each one's first completion token;
+  2. waiting requests are admitted into free slots and prefilled (in chunks of `prefill_chunk` positions: a long
+     prompt's attention is [chunk, length], not [length, length]); the prefill's last logits sample each one's
+     first completion token;
   3. one batched decode step for every running request (each has its own length and position);
   4. finished requests are returned, and the survivors are packed back to the front slots.
 
