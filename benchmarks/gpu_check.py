@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -143,6 +144,9 @@ class Size:
         self.moe_rows, self.moe_tokens = (4, 8) if tiny else (32, 96)
         self.lora_rank = 4 if tiny else 32
         self.cp_len = 64 if tiny else 8192
+        # check_long_prefill: the long prompt and its chunk; the chunked-vs-one-pass comparison's length and chunk.
+        self.long_len, self.prefill_chunk = (128, 32) if tiny else (32768, 2048)
+        self.long_eq_len, self.long_eq_chunk = (64, 16) if tiny else (4096, 1024)
 
 
 def device_of(args) -> "torch.device":
@@ -558,6 +562,52 @@ def check_engine_vs_hf(args, size: Size) -> dict:
         engine.close()
         del engine
     return {"new_tokens": new, "dtype": str(dtype), **rows, "peak_gpu_gib": peak_gib()}
+
+
+def check_long_prefill(args, size: Size) -> dict:
+    """The built-in engine at a long prompt (docs/sampler.md#long-contexts): one request of size.long_len tokens
+    prefilled in chunks of size.prefill_chunk positions (time, peak memory), and at size.long_eq_len the chunked
+    prefill's first greedy tokens and log-probs against a one-pass prefill's."""
+    import torch
+
+    from megarl.models.convert import load_pretrained
+    from megarl.protocols import GenerationRequest, SamplingParams
+    from megarl.sampler.engine import BuiltinEngine
+
+    device = device_of(args)
+    cfg, weights = load_pretrained(str(build_model(Path(args.workdir) / "model", size, args.device)))
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=4)
+
+    def run(length: int, chunk: int):
+        prompt = random_prompts(1, size.model["vocab_size"], seed=length)[0]
+        prompt = (prompt * (length // len(prompt) + 1))[:length]
+        engine = BuiltinEngine(cfg, weights, max_running=1, max_seq_len=length + 8, prefill_chunk=chunk, device=device)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        sync()
+        start = time.perf_counter()
+        done = engine.generate([GenerationRequest("long", prompt, sampling)])[0]
+        sync()
+        seconds = time.perf_counter() - start
+        engine.close()
+        return done, seconds
+
+    long_done, long_s = run(size.long_len, size.prefill_chunk)
+    peak = peak_gib()
+    chunked, _ = run(size.long_eq_len, size.long_eq_chunk)
+    one_pass, _ = run(size.long_eq_len, size.long_eq_len)
+    same = next((i for i, (a, b) in enumerate(zip(chunked.token_ids, one_pass.token_ids)) if a != b),
+                len(chunked.token_ids))
+    # Log-probs of the tokens both sampled from equal prefixes (the first one differing included).
+    gap = max(abs(a - b) for a, b in zip(chunked.logprobs[:same + 1], one_pass.logprobs[:same + 1]))
+    out = {"long_len": size.long_len, "prefill_chunk": size.prefill_chunk, "long_generate_s": round(long_s, 2),
+           "long_tokens": len(long_done.token_ids), "peak_gpu_gib": peak, "eq_len": size.long_eq_len,
+           "eq_chunk": size.long_eq_chunk, "max_logprob_gap": gap}
+    # bf16 on the GPU: the chunks' matmuls sum in another order, so greedy ties may break apart; the gap is the
+    # measurement, a different first token (computed from the same prefix) is the failure.
+    if chunked.token_ids[0] != one_pass.token_ids[0] or not math.isfinite(gap):
+        raise RuntimeError(f"chunked and one-pass prefill disagree: {out}; {chunked.token_ids} vs {one_pass.token_ids}")
+    return out
 
 
 def check_logprob_parity(args, size: Size) -> dict:
@@ -1282,7 +1332,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
           "trackers": (check_trackers, 120), "families": (check_families, 150), "hybrid": (check_hybrid, 150),
           "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180),
-          "sglang_replace": (check_sglang_replace, 180)}
+          "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 # Each check's limit on CPU bounds a hang, it is no speed test: a check there is mostly process starts and imports,
 # which a loaded 2-core machine slows several-fold (context_parallel's two torchrun ranks took over 75 s at load 20).

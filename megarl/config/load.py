@@ -208,6 +208,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(cfg.algo.group_size >= 2, "algo.group_size", "group advantages need at least 2 samples per prompt")
     _require(0.0 < cfg.sampling.top_p <= 1.0, "sampling.top_p", "must be in (0, 1]")
     _require(cfg.sampling.temperature >= 0.0, "sampling.temperature", "must be >= 0")
+    _require(cfg.sampler.prefill_chunk >= 1, "sampler.prefill_chunk", f"must be >= 1, got {cfg.sampler.prefill_chunk}")
     _require(cfg.sampling.max_new_tokens < cfg.sampler.max_seq_len, "sampling.max_new_tokens",
              f"({cfg.sampling.max_new_tokens}) must be smaller than sampler.max_seq_len ({cfg.sampler.max_seq_len})")
     limit = LengthLimit.of(cfg)

@@ -76,12 +76,16 @@ class SandboxConfig:
 
 @dataclass
 class TaskConfig:
-    # arithmetic | count | python_output (code execution) | jsonl (a prompt dataset) | tool_arith (multi-turn, a tool)
+    # arithmetic | count | lap_count | python_output (code execution) | jsonl (a prompt dataset) | tool_arith (multi-turn, a tool)
     name: str = "arithmetic"
     max_operand: int = 19  # name=arithmetic: operands drawn uniformly from 0..max_operand
     # name=count ("d-k=" -> "defghijk"): mean and cap of the run length, drawn long-tailed (geometric).
     length_mean: float = 8.0
     max_length: int = 48  # name=count: the longest run (see length_mean)
+    # name=lap_count ("3k=" -> "3a..Z2a..Z1a..Z0a..k", megarl/rollout/lap_count.py): mean and cap of the number of
+    # full alphabet laps, drawn long-tailed (geometric); a completion is 53 tokens a lap plus lap 0.
+    lap_mean: float = 1.5
+    max_laps: int = 9  # name=lap_count: the most full laps (<= 9: the lap count is one digit; see lap_mean)
     # Mean length of the filler "thinking" run before the answer (geometric, so long-tailed);
     # 0 = answer directly. The embedded default model was warm-started with 10.
     think_mean: float = 10.0
@@ -211,6 +215,10 @@ class SamplerConfig:
     # "keep" the KV cache on an in-flight weight swap, or "recompute" it (sglang: pause mode in_place / retract;
     # vllm: /pause clear_cache=false / true)
     kv_on_update: str = "keep"
+    # Built-in engine: prompt tokens per row in one prefill forward; a longer prompt (or a kv_on_update=recompute
+    # re-prefill) runs in chunks of this many, so its attention is [chunk, length], not [length, length]
+    # (docs/sampler.md#long-contexts).
+    prefill_chunk: int = 2048
     # Built-in engine's model: "auto" (the native forward of a family of docs/models.md, transformers' own
     # modules for any other causal LM), "native" or "hf" (the generic one: docs/models.md#the-generic-path)
     model_impl: str = "auto"

@@ -26,11 +26,12 @@ from pathlib import Path
 from megarl.embedded.spec import (BUILD_RECORD, EOS_ID, PAD_ID, VOCAB_SIZE, WarmStartRecipe, build_config,
                                   build_qwen3_config, build_tokenizer)
 from megarl.filelock import exclusive
+from megarl.rollout.lap_count import LapCountTask
 from megarl.rollout.tasks import ArithmeticTask, CountTask, ToolArithmeticTask
 
 @dataclass(frozen=True)
 class EmbeddedSpec:
-    task: ArithmeticTask | CountTask | ToolArithmeticTask
+    task: ArithmeticTask | CountTask | LapCountTask | ToolArithmeticTask
     recipe: WarmStartRecipe
     # Completion-token budget the build's evaluation samples with (EOS included), like a sampler's
     # max_new_tokens; for the thinking model some T=1 completions are cut here while still thinking.
@@ -77,6 +78,14 @@ COUNT_MAX_NEW_TOKENS = 49
 # Prompts the count model is evaluated on in its build: drawn like RL draws them (seed fixed).
 COUNT_EVAL_PROMPTS = 400
 
+# Completion budget to run the lap-count model with: nine laps, lap 0 to "Z", EOS (LapCountTask.max_completion_tokens).
+LAP_COUNT_MAX_NEW_TOKENS = 531
+# Its warm start: 16 prompts a step (a step's rows are ~530 tokens wide: the batch's longest), fewer steps than the
+# count model's, and 100 evaluation prompts (each decodes up to 531 tokens).
+LAP_COUNT_RECIPE = WarmStartRecipe(clean_steps=300, noisy_steps=100, batch_prompts=16)
+LAP_COUNT_EVAL_PROMPTS = 100
+LAP_COUNT_BUILD_MINUTES = 2.0  # (~100 s of CPU measured; 25 min of wall time at a load average of ~20)
+
 EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-qwen2-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                      max_new_tokens=COUNT_MAX_NEW_TOKENS),
@@ -87,6 +96,11 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     # comparison, where a step's matmuls, not per-op overheads, set both sides' costs (docs/benchmarks.md).
     "tiny-qwen2-count-wide": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                           max_new_tokens=COUNT_MAX_NEW_TOKENS, config=WIDE),
+    # The long-rollout task (configs/long.yaml): "3k=" -> three laps of the alphabet counted down, then "a".."k";
+    # completions of ~105 tokens on average, up to 531. The demo's sizes, positions up to 1024.
+    "tiny-qwen2-lapcount": EmbeddedSpec(task=LapCountTask(), recipe=LAP_COUNT_RECIPE,
+                                        max_new_tokens=LAP_COUNT_MAX_NEW_TOKENS,
+                                        config=(("max_position_embeddings", 1024),), build_minutes=LAP_COUNT_BUILD_MINUTES),
     "tiny-qwen2-arith": EmbeddedSpec(task=ArithmeticTask(), recipe=WarmStartRecipe()),
     # The demo task on a dense Qwen3 of the demo's sizes (docs/models.md): `model.path=embedded:tiny-qwen3-count`.
     "tiny-qwen3-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
@@ -194,8 +208,9 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
                          spec.family, spec.moe](spec.model_config())
             warm_start(model, tokenizer, spec.task, spec.recipe)
         train_s = time.perf_counter() - t0
-        if isinstance(spec.task, CountTask):
-            prompts = spec.task.sample_prompts(random.Random(1), COUNT_EVAL_PROMPTS)
+        if isinstance(spec.task, (CountTask, LapCountTask)):
+            n = LAP_COUNT_EVAL_PROMPTS if isinstance(spec.task, LapCountTask) else COUNT_EVAL_PROMPTS
+            prompts = spec.task.sample_prompts(random.Random(1), n)
         else:
             prompts = spec.task.all_prompts()
         if isinstance(spec.task, ArithmeticTask) and spec.task.think_mean > 0:
@@ -208,7 +223,7 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
         sampled = [tokenizer.decode([t for t in ids if t != EOS_ID]) for ids in sampled_ids]
         # A count completion has no filler: P(reward 1) is P(run + EOS), one teacher-forced pass.
         expected = expected_accuracy(model, tokenizer, prompts,
-                                     None if isinstance(spec.task, CountTask) else spec.max_new_tokens)
+                                     None if isinstance(spec.task, (CountTask, LapCountTask)) else spec.max_new_tokens)
     finally:
         torch.set_num_threads(threads)
     record = {

@@ -37,6 +37,7 @@ from megarl.embedded.spec import (  # noqa: F401 - re-exported: the builders' sh
     BUILD_RECORD, EOS_ID, EOS_TOKEN, PAD_ID, PAD_TOKEN, VOCAB_SIZE, WarmStartRecipe, build_config, build_qwen3_config,
     build_tokenizer)
 from megarl.protocols import Prompt
+from megarl.rollout.lap_count import LapCountTask
 from megarl.rollout.tasks import THINK_CHAR, ArithmeticTask, CountTask
 
 # ---------------------------------------------------------------------------------------------
@@ -97,8 +98,9 @@ def _arithmetic_targets(task: ArithmeticTask, recipe: WarmStartRecipe):
     return draw
 
 
-def _count_targets(task: CountTask, recipe: WarmStartRecipe):
-    """draw(step, rng, noisy) for CountTask: prompts as RL draws them, misses stopped off the end letter."""
+def _count_targets(task: CountTask | LapCountTask, recipe: WarmStartRecipe):
+    """draw(step, rng, noisy) for CountTask and LapCountTask: prompts as RL draws them, misses stopped off the
+    end letter."""
 
     def draw(step: int, rng: random.Random, noisy: bool):
         batch = task.sample_prompts(rng, recipe.batch_prompts)
@@ -108,10 +110,12 @@ def _count_targets(task: CountTask, recipe: WarmStartRecipe):
     return draw
 
 
-def warm_start(model, tokenizer, task: ArithmeticTask | CountTask, recipe: WarmStartRecipe, on_step=None) -> None:
+def warm_start(model, tokenizer, task: ArithmeticTask | CountTask | LapCountTask, recipe: WarmStartRecipe,
+               on_step=None) -> None:
     """Train `model` in place (fp32, CPU) with the recipe; deterministic given recipe.seed.
     `on_step(step, model)`, if given, is called after every step (for learning-curve experiments)."""
-    draw = _count_targets(task, recipe) if isinstance(task, CountTask) else _arithmetic_targets(task, recipe)
+    counting = isinstance(task, (CountTask, LapCountTask))
+    draw = _count_targets(task, recipe) if counting else _arithmetic_targets(task, recipe)
 
     def make_batch(step: int, rng: random.Random):
         batch, answers, misses = draw(step, rng, noisy=step >= recipe.clean_steps)

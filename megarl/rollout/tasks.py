@@ -275,7 +275,8 @@ class ToolArithmeticEnv:
 # A string entry is imported on first use ("module:Class"): megarl.rollout.datasets builds on this module.
 _TASKS: dict[str, Callable[..., object] | str] = {
     "arithmetic": ArithmeticTask, "count": CountTask, "python_output": PythonOutputTask,
-    "tool_arith": ToolArithmeticTask, "jsonl": "megarl.rollout.datasets:DatasetTask"}
+    "tool_arith": ToolArithmeticTask, "jsonl": "megarl.rollout.datasets:DatasetTask",
+    "lap_count": "megarl.rollout.lap_count:LapCountTask"}
 
 def _factory(name: str) -> Callable[..., object]:
     if name not in _TASKS:

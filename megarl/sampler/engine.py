@@ -8,8 +8,9 @@ causal LM, `megarl.sampler.hf_model` (transformers' own modules over a per-slot 
 How a step runs (`step()`):
   1. staged weights, if any, become the current weights (a dict-reference swap at the step boundary;
      with kv_on_update="recompute" the running sequences are re-prefilled under the new weights);
-  2. waiting requests are admitted into free slots and prefilled; the prefill's last logits sample
-     each one's first completion token;
+  2. waiting requests are admitted into free slots and prefilled (in chunks of `prefill_chunk` positions: a long
+     prompt's attention is [chunk, length], not [length, length]); the prefill's last logits sample each one's
+     first completion token;
   3. one batched decode step for every running request (each has its own length and position);
   4. finished requests are returned, and the survivors are packed back to the front slots.
 
@@ -63,6 +64,11 @@ MAX_STAGED = 2
 # Arenas of replaced versions kept for the next ones (see BuiltinEngine._spare): one is what a receiver
 # that waits for the engine to move past a version before it reuses that version's storage needs.
 SPARE_ARENAS = 1
+# Prompt tokens per row in one prefill forward (sampler.prefill_chunk): a longer prompt is prefilled in chunks of
+# this many positions, each attending to the cache the earlier ones wrote, so a prefill's attention scores and mask
+# are [rows, heads, chunk, length] instead of [rows, heads, length, length] (at 32k tokens, 2 GiB of fp32 scores
+# per head in one pass; 128 MiB in 2048-token chunks).
+DEFAULT_PREFILL_CHUNK = 2048
 
 
 def sample_tokens(
@@ -172,6 +178,7 @@ class BuiltinEngine:
         max_running: int = 32,
         max_seq_len: int = 128,
         kv_on_update: str = "keep",
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         seed: int = 0,
         version: int = 0,
         device="cpu",
@@ -180,6 +187,8 @@ class BuiltinEngine:
     ):
         if kv_on_update not in KV_POLICIES:
             raise ValueError(f"kv_on_update={kv_on_update!r} must be one of {KV_POLICIES}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1 (sampler.prefill_chunk)")
         if max_running < 1 or max_seq_len < 2:
             raise ValueError(f"max_running={max_running} must be >= 1 and max_seq_len={max_seq_len} >= 2")
         self.tp_size = 1 if tp_group is None else tp_group.size()
@@ -190,6 +199,7 @@ class BuiltinEngine:
         self.spec = self._impl.ModelSpec.from_hf_config(hf_config).shard(self.tp_size)  # this rank's heads and MLP width
         self.device = torch.device(device)
         self.kv_on_update = kv_on_update
+        self.prefill_chunk = prefill_chunk
 
         self.spec.check_weights(weights)  # names and (this rank's) shapes
         # What stage_weights validates against: every HF name with its (this rank's) shape and dtype.
@@ -294,7 +304,7 @@ class BuiltinEngine:
         twin = object.__new__(BuiltinEngine)
         twin.tp_size, twin.tp_group, twin.spec, twin.device = 1, None, self.spec, self.device
         twin._impl = self._impl
-        twin.kv_on_update = self.kv_on_update
+        twin.kv_on_update, twin.prefill_chunk = self.kv_on_update, self.prefill_chunk
         twin._weights, twin._hf_meta, twin._version = self._weights, self._hf_meta, self._version
         twin._init_state(max_running, self.max_seq_len, seed)
         return twin
@@ -538,13 +548,33 @@ class BuiltinEngine:
     def _recompute_kv(self) -> None:
         """Re-prefill every running sequence's cached prefix (all but its last token) with the new weights."""
         n, span = len(self._running), self._max_len - 1  # the last token is fed by the next decode step
-        ids = self._slot["tokens"][:n, :span]
-        positions = torch.arange(span, device=self.device).expand(n, span)
-        # Only the K/V writes matter; one logit row per sequence is the cheapest thing to ask for.
+        # Only the K/V writes matter; the logits at each sequence's last cached position are the cheapest ask.
         # (seq_len >= prompt_len + 1 >= 2 for a running sequence, so the index is valid.)
-        last_cached = self._slot["pos"][:n] - 1
-        self._impl.forward(self.spec, self._weights, self._tables, self._cache, ids, positions,
-                attn_len=span, logit_index=last_cached, tp_group=self.tp_group, routes=self._routes(slice(0, n), span))
+        self._prefill(0, self._slot["tokens"][:n, :span], self._slot["pos"][:n] - 1)
+
+    def _prefill(self, slot_start: int, ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Compute positions [0, width) of ids [B, width] into slots [slot_start, slot_start + B) and return the
+        logits [B, V] at position last[b] of each row, in chunks of `prefill_chunk` positions (see
+        DEFAULT_PREFILL_CHUNK): chunk c attends to the cache positions < its end, which chunks <= c wrote. A row's
+        logits come from the chunk holding its `last`; positions past a row's end are padding, overwritten
+        before they are attended to (forward's contract)."""
+        bsz, width = ids.shape
+        rows = slice(slot_start, slot_start + bsz)
+        logits = None
+        for begin in range(0, width, self.prefill_chunk):
+            end = min(begin + self.prefill_chunk, width)
+            positions = torch.arange(begin, end, device=self.device).expand(bsz, end - begin)
+            routes = self._routes(rows, width)
+            chunk = self._impl.forward(
+                self.spec, self._weights, self._tables, self._cache, ids[:, begin:end], positions,
+                slot_start=slot_start, attn_len=end, logit_index=(last - begin).clamp(0, end - begin - 1),
+                tp_group=self.tp_group, routes=None if routes is None else routes[:, begin:end])
+            if begin == 0:
+                logits = chunk
+            else:
+                here = (last >= begin) & (last < end)
+                logits = torch.where(here[:, None], chunk, logits)
+        return logits
 
     def _routes(self, rows: slice, width: int) -> torch.Tensor | None:
         """The route buffer of slots `rows`, positions [0, width): a view the forward writes into (MoE only).
@@ -590,10 +620,7 @@ class BuiltinEngine:
             for r, n in zip(requests, lens)]
         self._refresh_running_flags()
         n_computed = len(computed)
-        positions = torch.arange(width, device=self.device).expand(n_computed, width)
-        logits = self._impl.forward(self.spec, self._weights, self._tables, self._cache, ids[:n_computed], positions,
-                         slot_start=start, attn_len=width, logit_index=prompt_lens[:n_computed] - 1,
-                         tp_group=self.tp_group, routes=self._routes(slice(start, start + n_computed), width))
+        logits = self._prefill(start, ids[:n_computed], prompt_lens[:n_computed] - 1)
         if copies:
             copy_slots = torch.arange(start + n_computed, start + count, device=self.device)
             self._cache.move_slots(start + copied_from, copy_slots, width)

@@ -536,3 +536,33 @@ def test_cancel_ends_queued_and_running_requests_with_their_partial_output(qwen)
         (alone,) = solo.generate([requests[int(rid)]])
         assert rest[rid].token_ids == alone.token_ids and rest[rid].finish_reason == "length"
     assert engine.stats()["requests_finished"] == 2
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_chunked_prefill_equals_one_pass(model, policy):
+    """Prompts prefilled in chunks of 3 positions (each chunk attending to the cache the earlier ones wrote), and a
+    recompute re-prefill likewise, give the one-pass prefill's tokens and log-probs (within fp32 rounding: the
+    chunks' matmuls sum in another order)."""
+    _, _, cfg, weights = model
+    gen = torch.Generator().manual_seed(7)
+    v2 = {k: t + 0.05 * torch.randn(t.shape, generator=gen) for k, t in weights.items()}
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
+    requests = [req(i, p, sampling) for i, p in enumerate(prompts(6, lo=2, hi=14, seed=3))]
+    runs = {}
+    for chunk in (3, 64):
+        engine = BuiltinEngine(cfg, weights, max_running=6, kv_on_update=policy, prefill_chunk=chunk, seed=11)
+        _start(engine, requests, steps=2)
+        engine.stage_weights(v2, 1)
+        runs[chunk] = _finish(engine)
+    for r in requests:
+        chunked, one_pass = runs[3][r.request_id], runs[64][r.request_id]
+        assert chunked.token_ids == one_pass.token_ids
+        assert max(abs(a - b) for a, b in zip(chunked.logprobs, one_pass.logprobs)) <= TOL
+    # The run is one that chunks: some prompt spans several chunks, and some the row's last position is not in.
+    assert max(len(r.prompt_ids) for r in requests) > 2 * 3
+
+
+def test_prefill_chunk_must_be_positive(qwen):
+    _, cfg, weights = qwen
+    with pytest.raises(ValueError, match="sampler.prefill_chunk"):
+        BuiltinEngine(cfg, weights, prefill_chunk=0)

@@ -53,6 +53,20 @@ def test_logprobs_and_routes_equal_transformers(mixtral, sampling):
         assert c.versions == [3] * len(c.token_ids)
 
 
+def test_a_prefill_in_chunks_records_every_positions_routes(mixtral):
+    """Prompts prefilled in chunks of 3 positions (sampler.prefill_chunk): each chunk writes its positions'
+    routes, so every completion's routes and log-probs are still transformers' on its own tokens."""
+    path, cfg, weights = mixtral
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    completions = BuiltinEngine(cfg, weights, max_running=4, prefill_chunk=3).generate(requests(4, sampling, seed=2))
+    assert max(len(c.prompt_ids) for c in completions) > 2 * 3  # some prompt spans three chunks
+    for c in completions:
+        n = len(c.prompt_ids)
+        logp, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (path, None))
+        assert max(abs(c.logprobs[i] - logp[n - 1 + i, tok].item()) for i, tok in enumerate(c.token_ids)) <= TOL
+        np.testing.assert_array_equal(c.routes, routes[:-1])
+
+
 def test_a_prompt_prefilled_once_gives_every_request_its_routes(mixtral):
     """Requests with one prompt are prefilled once (megarl.sampler.engine: the others copy its cache slot and, on
     an MoE model, its routes): every completion's routes and log-probs are transformers' on its own tokens."""
