@@ -111,7 +111,8 @@ def test_a_hung_sampler_is_named_by_the_learner(embedded_think_model_dir, tmp_pa
     # learner finds out either waiting for groups (heartbeat timeout) or in the weight broadcast the
     # sampler no longer receives (publish timeout); either way it names the sampler.
     run_dir = tmp_path / "hang"
-    proc = _start(run_dir, embedded_think_model_dir, "fault.sampler_timeout_s=4", "publish.timeout_s=8",
+    proc = _start(run_dir, embedded_think_model_dir, "fault.sampler_timeout_s=4",
+                        f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}",
                   "queue.timeout_s=600")
     _wait_for_steps(run_dir, 2, proc)
     sampler = _workers(run_dir)[1]
@@ -254,13 +255,22 @@ def _sampler_processes(run_dir) -> dict[tuple[int, int], int]:
     return found
 
 
+# A sampler killed while a publish's broadcast waits on it costs up to publish.timeout_s before the learner drops it,
+# and the next membership epoch's group forms within 2 x publish.timeout_s (docs/faults.md): the default 120 s would
+# make that 6 minutes, so the built-in engine's runs bound a broadcast by 8 s (a tiny model's takes milliseconds).
+REPLACE_PUBLISH_TIMEOUT_S = 8
+# That worst case (3 x 8 s), the replacement's process start and imports (minutes on a loaded 2-core machine) and
+# the steps asked for after its join.
+REJOIN_TIMEOUT_S = 360
+
+
 def _replace_run(run_dir, model_dir, *overrides) -> subprocess.Popen:
     return _start(run_dir, model_dir, "fault.on_failure=replace", "sampler.num_engines=2", "run.log_rollouts=true",
                   *overrides)
 
 
 def _wait_for_rejoin(run_dir, proc: subprocess.Popen, replaced: int = 1, more_steps: int = 4,
-                     timeout: float = 240) -> None:
+                     timeout: float = REJOIN_TIMEOUT_S) -> None:
     """Until the replacements have joined (samplers/alive back at 2 after samplers/replaced rose to `replaced`) and
     `more_steps` steps were trained since."""
     deadline = time.monotonic() + timeout
@@ -299,12 +309,13 @@ def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1) -
     assert metrics[-1]["samplers/alive"] == 2.0 and metrics[-1]["samplers/replaced"] == float(replaced)
 
 
+@pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
 @pytest.mark.parametrize("victims", [(1,), (1, 2)])
 def test_with_replace_a_killed_sampler_is_replaced_and_the_run_goes_on(victims, embedded_think_model_dir, tmp_path):
     # (1, 2): every sampler at once; no group can come until a replacement has the weights, which the learner then
     # publishes in place of a batch (learner_main.JoinersWaiting).
     run_dir = tmp_path / "replace_kill"
-    proc = _replace_run(run_dir, embedded_think_model_dir)
+    proc = _replace_run(run_dir, embedded_think_model_dir, f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}")
     _wait_for_steps(run_dir, 3, proc)
     pids = _sampler_processes(run_dir)
     for rank in victims:
@@ -334,6 +345,7 @@ def _server_processes(sampler_pid: int, module: bytes) -> list[int]:
     return found
 
 
+@pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
 def test_with_replace_a_killed_sglang_server_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
     # The SGLang-compatible server of sampler 0 is SIGKILLed: its sampler fails on it, the keeper starts a new
     # sampler and server, which joins a later membership epoch's weight-update group (sglang_publish.join_epoch).
@@ -353,11 +365,13 @@ def test_with_replace_a_killed_sglang_server_is_replaced_and_the_run_goes_on(emb
     assert not leftovers(run_dir)
 
 
+@pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
 def test_with_replace_and_eval_sets_a_replacement_evaluates_from_its_join_on(embedded_think_model_dir, tmp_path):
     # eval.sets under replace: the replacement evaluates its share of every due version from the one it joined at;
     # its predecessor's unposted shares of earlier versions are posted as missed (reported so, never waited for).
     run_dir = tmp_path / "replace_eval"
-    proc = _replace_run(run_dir, embedded_think_model_dir, "eval.sets=[{name: heldout, prompts: 4}]",
+    proc = _replace_run(run_dir, embedded_think_model_dir, f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}",
+                        "eval.sets=[{name: heldout, prompts: 4}]",
                         "eval.every_steps=2", "eval.samples=2", "eval.k=2", "eval.at_start=false")
     _wait_for_steps(run_dir, 3, proc)
     os.kill(_sampler_processes(run_dir)[(1, 0)], signal.SIGKILL)
@@ -379,10 +393,11 @@ def test_with_replace_and_eval_sets_a_replacement_evaluates_from_its_join_on(emb
     assert not leftovers(run_dir)
 
 
+@pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
 def test_with_replace_a_hung_sampler_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
     run_dir = tmp_path / "replace_hang"
-    proc = _replace_run(run_dir, embedded_think_model_dir, "fault.sampler_timeout_s=4", "publish.timeout_s=8",
-                        "queue.timeout_s=120")
+    proc = _replace_run(run_dir, embedded_think_model_dir, "fault.sampler_timeout_s=4",
+                        f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}", "queue.timeout_s=120")
     _wait_for_steps(run_dir, 3, proc)
     os.kill(_sampler_processes(run_dir)[(2, 0)], signal.SIGSTOP)  # its keeper SIGKILLs it when the learner asks
     _wait_for_rejoin(run_dir, proc)
