@@ -141,7 +141,8 @@ def test_a_dry_run_prints_the_resolved_config_and_launches_nothing():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["task.name=nope"], "megarl: task: unknown task 'nope'; known tasks: ['arithmetic', 'count', 'jsonl', 'python_output', 'tool_arith']"),
+    (["task.name=nope"], "megarl: task: unknown task 'nope'; known tasks: "
+                         "['arithmetic', 'count', 'jsonl', 'lap_count', 'python_output', 'tool_arith']"),
     (["task.reward_fn=tests.rollout.nope:fn"], "cannot import module 'tests.rollout.nope'"),
     (["task.reward_fn=tests.rollout.reward_fns:nope"], "has no attribute 'nope'"),
     (["task.name=jsonl", "task.path=DATA"], "megarl: task: DATA:2: missing field 'answer'"),
