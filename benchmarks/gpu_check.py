@@ -789,9 +789,18 @@ def check_generic_path(args, size: Size) -> dict:
         raise RuntimeError(f"the Granite ran on {result['generic_impl']}, not the generic model: {result}")
     result["generic_over_native"] = round(result["generic_tok_s"] / result["native_tok_s"], 3)
     hf = AutoModelForCausalLM.from_pretrained(str(granite_dir), dtype=torch.float32).to(device).eval()
+    return {**result, "batch": batch, "new_tokens": new, "dtype": str(dtype),
+            "engine_vs_hf_fp32": _gap_to_transformers(hf, done[:8], device, result), "peak_gpu_gib": peak_gib()}
+
+
+def _gap_to_transformers(hf, completions, device, result: dict) -> dict:
+    """Max and mean |engine behaviour log-prob - transformers' log-prob| over the completions' tokens (`result`
+    names the check in the error raised on a non-finite log-prob)."""
+    import torch
+
     gaps = []
     with torch.no_grad():
-        for c in done[:8]:
+        for c in completions:
             seq = torch.tensor([c.prompt_ids + c.token_ids], device=device)
             lp = torch.log_softmax(hf(seq).logits[0].float(), -1)
             n = len(c.prompt_ids)
@@ -800,9 +809,7 @@ def check_generic_path(args, size: Size) -> dict:
     gap = torch.cat(gaps)
     if not torch.isfinite(gap).all():
         raise RuntimeError(f"non-finite behaviour log-probs: {result}")
-    return {**result, "batch": batch, "new_tokens": new, "dtype": str(dtype),
-            "engine_vs_hf_fp32": {"max_abs": round(float(gap.max()), 4), "mean_abs": round(float(gap.mean()), 5)},
-            "peak_gpu_gib": peak_gib()}
+    return {"max_abs": round(float(gap.max()), 4), "mean_abs": round(float(gap.mean()), 5)}
 
 
 # The hybrid check's Qwen3.5-like text model (gated DeltaNet on 3 of every 4 layers, full attention on the 4th).
@@ -858,18 +865,7 @@ def check_hybrid(args, size: Size) -> dict:
               "dtype": str(dtype), "decode_time_s": round(decode_s, 3)}
     for name, ref_dtype in (("learner_lag0", dtype), ("hf_fp32", torch.float32)):
         hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=ref_dtype).to(device).eval()
-        gaps = []
-        with torch.no_grad():
-            for c in done[:8]:
-                seq = torch.tensor([c.prompt_ids + c.token_ids], device=device)
-                lp = torch.log_softmax(hf(seq).logits[0].float(), -1)
-                n = len(c.prompt_ids)
-                ref = lp[n - 1:n - 1 + len(c.token_ids)].gather(-1, seq[0, n:, None])[:, 0].cpu()
-                gaps.append((torch.tensor(c.logprobs) - ref).abs())
-        gap = torch.cat(gaps)
-        if not torch.isfinite(gap).all():
-            raise RuntimeError(f"non-finite behaviour log-probs: {result}")
-        result[f"gap_vs_{name}"] = {"max_abs": round(float(gap.max()), 4), "mean_abs": round(float(gap.mean()), 5)}
+        result[f"gap_vs_{name}"] = _gap_to_transformers(hf, done[:8], device, result)
         del hf
     return {**result, "peak_gpu_gib": peak_gib()}
 

@@ -34,9 +34,9 @@ import urllib.error
 import urllib.request
 
 if __package__:  # imported as a megarl module (the tests)
-    from megarl.rollout.worker_lines import check_request, protocol_stdout, refuse_start
+    from megarl.rollout.worker_lines import check_request, protocol_stdout, refuse_start, send
 else:  # run as a file by its environment's Python, which has no megarl: the sibling file
-    from worker_lines import check_request, protocol_stdout, refuse_start
+    from worker_lines import check_request, protocol_stdout, refuse_start, send
 
 SERVER_START_TIMEOUT_S = 120.0  # importing the environment's app (FastAPI, gradio) on a loaded machine
 HTTP_TIMEOUT_S = 60.0
@@ -163,10 +163,7 @@ class Worker:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_concurrent, thread_name_prefix="episode")
 
     def send(self, message: dict) -> None:
-        line = json.dumps(message, allow_nan=False)
-        with self.write_lock:
-            self.out.write(line + "\n")
-            self.out.flush()
+        send(self.out, self.write_lock, message)
 
     def ready(self) -> dict:
         return {"type": "ready", "env": self.app, "harness": f"openenv:{self.field}",

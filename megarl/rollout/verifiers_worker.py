@@ -31,9 +31,9 @@ import threading
 import traceback
 
 if __package__:  # imported as a megarl module (the tests)
-    from megarl.rollout.worker_lines import check_request, protocol_stdout, refuse_start
+    from megarl.rollout.worker_lines import check_request, protocol_stdout, refuse_start, send
 else:  # run as a file by its environment's Python, which has no megarl: the sibling file
-    from worker_lines import check_request, protocol_stdout, refuse_start
+    from worker_lines import check_request, protocol_stdout, refuse_start, send
 
 API_KEY_VAR = "MEGARL_VERIFIERS_API_KEY"  # the session URL carries megarl's secret; the key is a placeholder
 HARNESS = "null"  # the tool-less chat loop (with the task's MCP tools): model calls only, no model-written code
@@ -92,10 +92,7 @@ class Worker:
         os.environ.setdefault(API_KEY_VAR, "megarl")
 
     def send(self, message: dict) -> None:
-        line = json.dumps(message, allow_nan=False)
-        with self.write_lock:
-            self.out.write(line + "\n")
-            self.out.flush()
+        send(self.out, self.write_lock, message)
 
     def ready(self) -> dict:
         return {"type": "ready", "env": self.env_id, "harness": HARNESS,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from typing import TextIO
 
 
@@ -20,6 +21,14 @@ def protocol_stdout() -> TextIO:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     return out
+
+
+def send(out: TextIO, lock: threading.Lock, message: dict) -> None:
+    """Write one protocol line (strict JSON: a NaN is a bug, never a line), whole, whichever thread sends it."""
+    line = json.dumps(message, allow_nan=False)
+    with lock:
+        out.write(line + "\n")
+        out.flush()
 
 
 def refuse_start(out: TextIO, what: str, exc: Exception) -> int:
