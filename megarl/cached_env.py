@@ -84,3 +84,24 @@ class CachedEnv:
             (directory / self.ready_file).write_text(
                 json.dumps(dict(record, built_s=round(time.monotonic() - start, 1))) + "\n")
         return self.python(directory), time.monotonic() - start
+
+
+def environment_main(env: CachedEnv, ensure: Callable, prog: str, what: str, argv: list[str] | None = None) -> int:
+    """The command line of an environment that a third-party package's programs run in (`python -m <prog>
+    [PACKAGE ...] [--dir DIR] [--print-python]`): build it once with `ensure(directory)` -> (python, seconds built),
+    then pip install the packages named (an environment's own package: a specifier or a path)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}",
+                                     description=f"Build (once) the separate environment {what} run in.")
+    parser.add_argument("packages", nargs="*", help="packages to install into it (an environment's own package)")
+    parser.add_argument("--dir", type=Path, default=None, help=f"environment directory (default: ~/.cache/megarl/"
+                                                                f"{env.name}, or {env.override_var})")
+    parser.add_argument("--print-python", action="store_true", help="only print the env's python path")
+    args = parser.parse_args(argv)
+    python, seconds = ensure(args.dir)
+    if args.packages:
+        env.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args.packages],
+                f"pip install {' '.join(args.packages)}")
+    print(python if args.print_python else f"{python} (built in {seconds:.0f}s)" if seconds else f"{python} (ready)")
+    return 0

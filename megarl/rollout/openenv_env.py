@@ -15,11 +15,10 @@ inherit it).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from megarl.cached_env import CachedEnv
+from megarl.cached_env import CachedEnv, environment_main
 
 OPENENV_VERSION = "0.10.0"
 
@@ -51,19 +50,7 @@ def ensure_env(directory: Path | None = None, log=None) -> tuple[Path, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megarl.rollout.openenv_env",
-                                     description="Build (once) the separate environment OpenEnv environments run in.")
-    parser.add_argument("packages", nargs="*", help="packages to install into it (an environment's own package)")
-    parser.add_argument("--dir", type=Path, default=None, help="environment directory (default: ~/.cache/megarl/"
-                                                                "openenv-env, or MEGARL_OPENENV_ENV)")
-    parser.add_argument("--print-python", action="store_true", help="only print the env's python path")
-    args = parser.parse_args(argv)
-    python, seconds = ensure_env(args.dir)
-    if args.packages:
-        ENV.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args.packages],
-                f"pip install {' '.join(args.packages)}")
-    print(python if args.print_python else f"{python} (built in {seconds:.0f}s)" if seconds else f"{python} (ready)")
-    return 0
+    return environment_main(ENV, ensure_env, "megarl.rollout.openenv_env", "OpenEnv environments", argv)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,10 @@ cache, on the first episode).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from megarl.cached_env import CachedEnv
+from megarl.cached_env import CachedEnv, environment_main
 
 VERIFIERS_VERSION = "0.4.0"
 UV_VERSION = "0.13.9"
@@ -56,25 +55,8 @@ def ensure_env(directory: Path | None = None, log=None) -> tuple[Path, float]:
     return python, seconds
 
 
-def install_packages(python: Path, packages: list[str]) -> None:
-    """pip install `packages` (an environment's own package: a specifier or a path) into the ready env."""
-    ENV.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *packages],
-            f"pip install {' '.join(packages)}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megarl.rollout.verifiers_env",
-                                     description="Build (once) the separate environment verifiers environments run in.")
-    parser.add_argument("packages", nargs="*", help="packages to install into it (an environment's own package)")
-    parser.add_argument("--dir", type=Path, default=None, help="environment directory (default: ~/.cache/megarl/"
-                                                                "verifiers-env, or MEGARL_VERIFIERS_ENV)")
-    parser.add_argument("--print-python", action="store_true", help="only print the env's python path")
-    args = parser.parse_args(argv)
-    python, seconds = ensure_env(args.dir)
-    if args.packages:
-        install_packages(python, args.packages)
-    print(python if args.print_python else f"{python} (built in {seconds:.0f}s)" if seconds else f"{python} (ready)")
-    return 0
+    return environment_main(ENV, ensure_env, "megarl.rollout.verifiers_env", "verifiers environments", argv)
 
 
 if __name__ == "__main__":
