@@ -100,7 +100,7 @@ def test_a_kv_cache_larger_than_the_machine_is_refused_before_launch(tmp_path):
 
 
 def test_a_run_dir_that_is_a_file_is_refused_before_launch(tmp_path):
-    # It used to pass the checks; inside torchrun: FileExistsError, a 30 s shutdown wait, exit 1.
+    # Past the checks it would fail inside torchrun: FileExistsError, a 30 s shutdown wait, exit 1.
     (tmp_path / "f").write_text("x")
     proc = train(f"run.dir={tmp_path / 'f'}")
     assert proc.returncode == 2 and "launching" not in proc.stdout

@@ -138,8 +138,8 @@ def check_evaluations(run_dir: Path, model_dir: Path, events) -> None:
 def test_groups_dropped_for_zero_variance_free_the_samplers_budget_before_the_next_publish(
         embedded_count_model_dir, tmp_path):
     """With advantage.filter_zero_variance, 7 groups in 8 are dropped: more than the staleness budget
-    holds. The sampler learns of each drop at once and starts replacements (it used to hear of drops only
-    with the next publish, which needed those groups: the run stood still until queue.timeout_s). With
+    holds. The sampler learns of each drop at once and starts replacements (hearing of drops only with the
+    next publish, which needs those groups, would stand the run still until queue.timeout_s). With
     algo.queue_order=finish: each group is sent as soon as it is scored."""
     run_dir = tmp_path / "filtered"
     proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=3",
