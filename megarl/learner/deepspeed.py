@@ -180,8 +180,10 @@ class DeepSpeedLearner:
         # docs/models.md#the-generic-path): every parameter under its in-memory name, no route replay.
         self.generic = not is_native(self.hf_config)
         self.is_moe = not self.generic and moe.is_moe(self.hf_config)
-        # transformers applies its sliding windows itself, except to the ready masks of packed rows (`_logits`)
-        self.windows = families.generic_attention_windows(self.hf_config) if self.generic else \
+        # transformers applies its sliding windows itself, except to the ready masks of packed rows (`_logits`);
+        # Gemma 3's differ by layer type, as a generic model's may
+        by_layer_type = self.generic or families.layer_types(self.hf_config) is not None
+        self.windows = families.generic_attention_windows(self.hf_config) if by_layer_type else \
             {"": families.sliding_window(self.hf_config)}
         self.recurrent = has_recurrent_layers(self.hf_config)
         if self.is_moe:

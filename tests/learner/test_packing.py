@@ -217,8 +217,8 @@ def model_dirs(tmp_path_factory):
 
 
 def _save_tiny_gemma3(path):
-    """A Gemma 3 text model (the generic path: no family row) whose first layer slides over 4 positions, shorter than
-    most rows, and whose second attends to all: each layer type needs its own mask in a packed row."""
+    """A Gemma 3 text model whose first layer slides over 4 positions, shorter than most rows, and whose second attends
+    to all: each layer type needs its own mask in a packed row."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
@@ -283,14 +283,14 @@ def _batch(model_dir, groups=False):
 
 
 @pytest.mark.parametrize("backend,kind", [(backend, kind) for backend in ("megatron", "deepspeed")
-                                          for kind in ("qwen2", "qwen2 groups", "mixtral", "mistral groups")]
-                         + [("deepspeed", "gemma3 groups")])  # (the generic path: the DeepSpeed learner only)
+                                          for kind in ("qwen2", "qwen2 groups", "mixtral", "mistral groups",
+                                                       "gemma3 groups")])
 def test_a_packed_step_is_the_unpacked_step(model_dirs, world, local_rank, backend, kind):
     """Packed micro-batches (several rows per packed row; rows of a group sharing their common prefixes) give
     transformers' per-row log-probs at every trained position, and the step the unpacked one's loss, grad norm and
     weights; an MoE learner under r3 replays each row's recorded routes at its packed positions (agreement 1); a
-    sliding window (Mistral's, shorter than most rows) counts each row's own positions, not packed columns, and a
-    generic-path model's local and global layers (Gemma 3's) each get their own mask."""
+    sliding window (Mistral's, shorter than most rows) counts each row's own positions, not packed columns, and
+    Gemma 3's local and global layers each get their own mask."""
     replay = "r3" if kind == "mixtral" else "off"
     model_dir = model_dirs[kind.split()[0]]
     batch, behaviour = _batch(model_dir, groups=kind.endswith("groups"))
