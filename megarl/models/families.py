@@ -188,7 +188,9 @@ def layer_rope(cfg: dict, kind: str) -> dict:
     if kind in by_kind:
         return {"rope_type": "default", **by_kind[kind]}
     if kind == FULL:
-        scaling = {k: v for k, v in (cfg.get("rope_scaling") or {}).items() if k != "type"}
-        kind_name = (cfg.get("rope_scaling") or {}).get("type", "default")  # (the older name of rope_type)
-        return {"rope_type": kind_name, **scaling, "rope_theta": float(cfg.get("rope_theta") or 1e6)}
+        scaling = cfg.get("rope_scaling") or {}
+        if "type" in scaling and "rope_type" not in scaling:  # (transformers' Gemma 3 reads rope_type alone)
+            raise ValueError(f"rope_scaling={scaling!r}: transformers' Gemma 3 ignores 'type' and runs unscaled; "
+                             f"name the scaling 'rope_type' (or drop it)")
+        return {"rope_type": "default", **scaling, "rope_theta": float(cfg.get("rope_theta") or 1e6)}
     return {"rope_type": "default", "rope_theta": float(cfg.get("rope_local_base_freq") or 1e4)}

@@ -376,3 +376,24 @@ def test_phi3s_fused_projections_run_unsplit_and_say_where():
         convert.mcore_layer_to_hf({}, 0, cfg, tp_size=2)
     with pytest.raises(ValueError, match="learner.lora: 'phi3' holds fused qkv_proj"):
         lora.check(cfg, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"]))
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 8.0}])
+def test_gemma3s_older_config_fields_give_transformers_layer_kinds_and_ropes(scaling):
+    """A Gemma 3 config.json as the hub's first releases wrote it (no layer_types or rope_parameters:
+    sliding_window_pattern, rope_theta, rope_local_base_freq, rope_scaling) maps to the layer kinds and RoPE
+    frequencies transformers builds from it."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    old = dict(model_type="gemma3_text", hidden_size=32, intermediate_size=48, num_hidden_layers=7,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64, sliding_window=4,
+               sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=2e4, rope_scaling=scaling)
+    hf = Gemma3ForCausalLM(Gemma3TextConfig(**{k: v for k, v in old.items() if k != "model_type"}))
+    assert families.layer_types(old) == tuple(hf.config.layer_types)
+    assert families.layer_types(old).count("full_attention") == 2  # (layers 3 and 6)
+    rotary = hf.model.rotary_emb
+    assert torch.equal(convert.inv_freq(old), rotary.full_attention_inv_freq)
+    assert torch.equal(convert.local_inv_freq(old), rotary.sliding_attention_inv_freq)
+    assert (convert.rope_scaling(convert.layer_config(old, "full_attention")) is None) == (scaling is None)
+    with pytest.raises(ValueError, match="rope_type"):  # (transformers would run it unscaled)
+        convert.check_supported({**old, "rope_scaling": {"type": "linear", "factor": 8.0}})
