@@ -8,7 +8,7 @@ megatron-core 0.16.1's GPTModel has none of these, so:
     (``GemmaPostNormAdd``, OLMo 2's megarl.learner.post_norms.PostNormAdd with this norm). Weights are HF's as they
     are (megarl.models.convert.GEMMA_NORMS).
   * ``scale_embeddings`` multiplies the embedding's output by sqrt(hidden_size) cast to the output's dtype (what
-    transformers does: bf16 rounds sqrt(2304) = 48.0 to 48.0, sqrt(1152) to 34.0).
+    transformers does: in bf16 sqrt(3072) = 55.43 is 55.5).
   * ``use_layer_kinds``: the learner passes one mask per layer kind stacked on dim 1 ([R, 2, Q, K]: full, then
     sliding; ``stack_masks``); each layer's self-attention gets its kind's, and a local layer the rotary angles of
     the local RoPE frequencies at the call's position ids (the model's rotary embedding has the global ones).
