@@ -10,8 +10,9 @@ megatron-core 0.16.1's GPTModel has none of these, so:
   * ``scale_embeddings`` multiplies the embedding's output by sqrt(hidden_size) cast to the output's dtype (what
     transformers does: in bf16 sqrt(3072) = 55.43 is 55.5).
   * ``use_layer_kinds``: the learner passes one mask per layer kind stacked on dim 1 ([R, 2, Q, K]: full, then
-    sliding; ``stack_masks``); each layer's self-attention gets its kind's, and a local layer the rotary angles of
-    the local RoPE frequencies at the call's position ids (the model's rotary embedding has the global ones).
+    sliding; ``stack_masks``) and the rotary embedding returns both kinds' angles stacked (the model's frequencies
+    are the global layers', megarl.models.convert.inv_freq; the local ones' are local_inv_freq); each layer's
+    self-attention gets its kind's of each.
 """
 from __future__ import annotations
 
@@ -86,26 +87,35 @@ def stack_masks(mask: Callable[[int | None], torch.Tensor], window: int) -> torc
 
 
 def use_layer_kinds(gpt, kinds: tuple[str, ...], local_inv_freq: torch.Tensor) -> None:
-    """Give each layer of `gpt` (this pipeline stage's) its kind's mask out of the stacked ones and a local layer
-    the local RoPE angles of the call's position ids ([S, B, 1, dim], as megarl.learner.rotary_positions')."""
+    """Give each layer of `gpt` (this pipeline stage's) its kind's mask out of the stacked ones and its kind's rotary
+    angles. After megarl.learner.rotary_positions.use_position_ids: the rotary embedding then returns both kinds'
+    angles of the call's position ids, [S, B, 2, dim] (global, local), which megatron hands every layer as it hands
+    it the mask, so a layer recomputed in the backward (activation recompute, pipeline schedules) gets its own
+    micro-batch's."""
+    rotary = gpt.rotary_pos_emb
+    global_angles = rotary.forward  # (use_position_ids': [S, B, 1, dim] at the call's position ids)
     call: dict = {}
 
     def remember(module, args, kwargs):
-        positions = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
-        freqs = positions.t().to(torch.float32)[..., None] * local_inv_freq.to(positions.device)
-        call["angles"] = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)
+        call["positions"] = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
 
-    def one_kind(local: bool):
+    def both_kinds(*args, **kwargs) -> torch.Tensor:
+        angles = global_angles(*args, **kwargs)
+        positions = call["positions"]
+        freqs = positions.t().to(torch.float32)[..., None] * local_inv_freq.to(positions.device)
+        local = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)
+        return torch.cat([angles, local.to(angles.dtype)], dim=2)
+
+    def one_kind(kind: int):
         def hook(module, args, kwargs):
-            mask = kwargs["attention_mask"]
-            kwargs = {**kwargs, "attention_mask": mask[:, 1:2] if local else mask[:, 0:1]}
-            if local:
-                kwargs["rotary_pos_emb"] = call["angles"]
-            return args, kwargs
+            mask, angles = kwargs["attention_mask"], kwargs["rotary_pos_emb"]
+            return args, {**kwargs, "attention_mask": mask[:, kind:kind + 1],
+                          "rotary_pos_emb": angles[:, :, kind:kind + 1]}
 
         return hook
 
     gpt.register_forward_pre_hook(remember, with_kwargs=True)
+    rotary.forward = both_kinds
     for layer in gpt.decoder.layers:
         local = kinds[layer.layer_number - 1] == SLIDING  # (megatron numbers layers from 1, across stages)
-        layer.self_attention.register_forward_pre_hook(one_kind(local), with_kwargs=True)
+        layer.self_attention.register_forward_pre_hook(one_kind(int(local)), with_kwargs=True)

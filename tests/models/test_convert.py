@@ -247,6 +247,7 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
         if kind == "gemma3":  # (megarl.learner.megatron's Gemma 3 hooks)
             if embed_scale:
                 gemma3.scale_embeddings(gpt, hf_model.config.hidden_size)
+            rotary_positions.use_position_ids(gpt)
             gemma3.use_layer_kinds(gpt, families.layer_types(hf_model.config.to_dict()),
                                    convert.local_inv_freq(hf_model.config) if local_inv_freq is None else local_inv_freq)
         missing, unexpected = gpt.load_state_dict(convert.hf_to_mcore(hf_state, hf_model.config), strict=False)
@@ -397,3 +398,45 @@ def test_gemma3s_older_config_fields_give_transformers_layer_kinds_and_ropes(sca
     assert (convert.rope_scaling(convert.layer_config(old, "full_attention")) is None) == (scaling is None)
     with pytest.raises(ValueError, match="rope_type"):  # (transformers would run it unscaled)
         convert.check_supported({**old, "rope_scaling": {"type": "linear", "factor": 8.0}})
+
+
+def test_gemma3_layers_recomputed_in_the_backward_get_their_own_micro_batchs_angles(tmp_path, megatron_world):
+    """Under learner.recompute_activations=full a layer's forward reruns in the backward, after later micro-batches'
+    forwards where a pipeline schedule interleaves them: a local layer's rotary angles travel with the layer's
+    inputs (megarl.learner.gemma3.use_layer_kinds), so the gradient is the one without recompute."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    from megarl.learner import gemma3, rotary_positions
+    from megarl.learner.layer_spec import layer_spec
+
+    hf_model, hf_state = _save(tmp_path, "gemma3")
+    cfg = hf_model.config.to_dict()
+    s = 12
+    first = torch.randint(0, 64, (2, s), generator=torch.Generator().manual_seed(1))
+    later = torch.randint(0, 64, (2, s), generator=torch.Generator().manual_seed(2))
+    mask = gemma3.stack_masks(lambda w: packing.causal_mask(s, window=w), MISTRAL_WINDOW)
+
+    def first_grads(recompute: bool) -> dict:
+        extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
+            if recompute else {}
+        config = TransformerConfig(**convert.transformer_config_kwargs(cfg), **extra, use_cpu_initialization=True,
+                                   perform_initialization=False)
+        gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(cfg, config, sequence_parallel=False),
+                       **convert.gpt_model_kwargs(cfg))
+        gpt.load_state_dict(convert.hf_to_mcore(hf_state, cfg), strict=False)
+        rotary_positions.use_frequencies(gpt, convert.inv_freq(cfg))
+        rotary_positions.use_position_ids(gpt)
+        gemma3.scale_embeddings(gpt, cfg["hidden_size"])
+        gemma3.use_layer_kinds(gpt, families.layer_types(cfg), convert.local_inv_freq(cfg))
+        gpt.train()
+        loss = gpt(first, torch.arange(s).expand(2, s), mask).float().logsumexp(-1).mean()
+        # another micro-batch's forward, at other positions (not a shift: RoPE would not tell one from the other)
+        gpt(later, (torch.arange(s) * 5 % 13).expand(2, s), mask)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in gpt.named_parameters() if p.grad is not None}
+
+    plain, recomputed = first_grads(False), first_grads(True)
+    assert plain.keys() == recomputed.keys()
+    for name, grad in plain.items():
+        assert (recomputed[name] - grad).abs().max().item() <= 1e-6 * max(1.0, grad.abs().max().item()), name
