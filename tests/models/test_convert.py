@@ -248,8 +248,8 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
             if embed_scale:
                 gemma3.scale_embeddings(gpt, hf_model.config.hidden_size)
             rotary_positions.use_position_ids(gpt)
-            gemma3.use_layer_kinds(gpt, families.layer_types(hf_model.config.to_dict()),
-                                   convert.local_inv_freq(hf_model.config) if local_inv_freq is None else local_inv_freq)
+            local = convert.local_inv_freq(hf_model.config) if local_inv_freq is None else local_inv_freq
+            gemma3.use_layer_kinds(gpt, families.layer_types(hf_model.config.to_dict()), local)
         missing, unexpected = gpt.load_state_dict(convert.hf_to_mcore(hf_state, hf_model.config), strict=False)
         assert not unexpected and all(k.endswith("_extra_state") for k in missing)
         with torch.no_grad():
