@@ -636,7 +636,16 @@ FAMILY_CHECKS = {
                               "first_k_dense_replace": 3, "num_nextn_predict_layers": 0,
                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
                                                   "partial_rotary_factor": 0.5}}),
+    # Gemma 3 text at Gemma-3-1B's layers (FAMILY_SHAPES): 5 local layers to 1 global, local RoPE base 1e4, global
+    # 1e6 linearly scaled by 8 (as Gemma 3 4B's), a window within the rows (the dry run: 4, and 1 local to 1 global)
+    "gemma3": ("gemma3_text", {"pad_token_id": None, "bos_token_id": 2, "eos_token_id": 1, "sliding_window": 32,
+                               "rope_parameters": {
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}),
 }
+# A family's own layer dimensions at the full size (the vocabulary stays the check's); the dry run keeps TINY's.
+FAMILY_SHAPES = {"gemma3": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                                num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256)}
 # Families the built-in engine does not run yet (its generic model takes transformers' fused in-memory expert names,
 # the weights come per expert): their learner's log-probs are checked against HF's on random completions.
 LEARNER_ONLY_FAMILIES = {"glm4_moe"}
@@ -651,8 +660,11 @@ def build_family_model(path: Path, name: str, size: Size, device: str) -> Path:
         return path
     model_type, extra = FAMILY_CHECKS[name]
     shape = {k: v for k, v in size.model.items() if k != "rope_theta"}
+    if not size.tiny:
+        shape.update(FAMILY_SHAPES.get(name, {}))
     if size.tiny:
         extra = {**extra, **({"sliding_window": 4} if "sliding_window" in extra else {}),
+                 **({"sliding_window_pattern": 2, "head_dim": 16} if name == "gemma3" else {}),
                  **({"no_rope_layer_interval": 2} if name == "smollm3" else {}),  # (2 layers: the second)
                  **({"first_k_dense_replace": 1} if name == "glm4_moe" else {})}
         if "original_max_position_embeddings" in extra.get("rope_parameters", {}):
@@ -1326,7 +1338,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "lora": (check_lora, 120), "critic_step": (check_critic_step, 120), "packing": (check_packing, 120),
           "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120),
           "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
-          "trackers": (check_trackers, 120), "families": (check_families, 150), "hybrid": (check_hybrid, 150),
+          "trackers": (check_trackers, 120), "families": (check_families, 180), "hybrid": (check_hybrid, 150),
           "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180),
           "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]

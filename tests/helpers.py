@@ -88,7 +88,8 @@ def save_tiny_dense(path: Path, kind: str, vocab_size: int = 64) -> Path:
     window of MISTRAL_WINDOW positions, untied), "llama_yarn" (YaRN RoPE over an original context of
     YARN_ORIGINAL positions, shorter than the tests' rows, tied), "phi3" (fused qkv_proj and gate_up_proj, untied),
     "smollm3" (its second layer without RoPE, tied), "olmo2" (norms after attention and the MLP, q/k norms over the
-    whole projection, every norm weight drawn away from 1, untied). No pad token: transformers gives the pad token's embedding row
+    whole projection, every norm weight drawn away from 1, untied), "gemma3" (GEMMA3: a local layer, then a global
+    one, every norm weight drawn away from 0, tied). No pad token: transformers gives the pad token's embedding row
     no gradient (nn.Embedding's padding_idx), which the megatron learner does not copy."""
     import torch
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config,
@@ -110,6 +111,8 @@ def save_tiny_dense(path: Path, kind: str, vocab_size: int = 64) -> Path:
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(1.0, 0.3)
+    elif kind == "gemma3":
+        model = gemma3_model(tiny)
     elif kind == "llama_yarn":
         model = LlamaForCausalLM(LlamaConfig(**tiny, tie_word_embeddings=True, rope_parameters={
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": YARN_ORIGINAL, "rope_theta": 1e4}))
@@ -117,6 +120,31 @@ def save_tiny_dense(path: Path, kind: str, vocab_size: int = 64) -> Path:
         raise ValueError(kind)
     model.save_pretrained(path)
     return path
+
+
+# The tests' tiny Gemma 3 text: a local layer (window 5, shorter than every test's rows: PP2's first stage) then a
+# global one; the two RoPEs on different bases, the global one linearly scaled (as Gemma 3 4B's); heads of 16 dims
+# (wider than hidden / heads) and a query_pre_attn_scalar that is not head_dim.
+GEMMA3 = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=MISTRAL_WINDOW,
+              layer_types=["sliding_attention", "full_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})
+
+
+def gemma3_model(tiny: dict, **overrides):
+    """A random HF Gemma3ForCausalLM of `tiny`'s shape with GEMMA3's features, tied, no pad token, every norm weight
+    drawn away from 0 (its norms compute 1 + weight: a norm left at 0 would hide one mapped in another's place)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**{**tiny, **GEMMA3, **overrides}, tie_word_embeddings=True,
+                                               pad_token_id=None, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    return model
 
 
 def save_tiny_moe(path: Path, kind: str, vocab_size: int = 64, **overrides) -> Path:

@@ -128,6 +128,22 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "built-in engine (in-flight swaps, keep and recompute)": Cell("yes, at sampler.tp=1", _engine("olmo2") + (
             f"{_MODEL}test_prefill_matches_hf[olmo2]", f"{_MODEL}test_shard_spec_is_one_tp_ranks_share[olmo2]")),
         "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
+    ("Gemma 3 text (`gemma3_text`: embeddings scaled by sqrt(hidden), (1 + w) RMSNorms before and after attention "
+     "and the MLP, per-head q/k RMSNorm, GeGLU, `query_pre_attn_scalar`, local sliding-window and global layers "
+     "(`layer_types`) with their own RoPE)", "gemma3_text", {
+        "megatron learner": Cell("TP1, TP2, PP2, packed rows", (
+            f"{_FAMILY}[gemma3]", f"{_CONVERT}test_megatron_logprobs_match_hf[gemma3]",
+            f"{_CONVERT}test_round_trip_is_exact[gemma3]", f"{_PACKED}[megatron-gemma3 groups]")),
+        "DeepSpeed learner": Cell("ZeRO 2, packed rows", (
+            f"{_DS}[gemma3_zero2]", f"{_DS_EXPORT}[gemma3_zero2]",
+            "tests/learner/test_deepspeed.py::test_first_step_equals_the_megatron_learner[gemma3_zero2]",
+            f"{_PACKED}[deepspeed-gemma3 groups]")),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes, TP2 too", _engine("gemma3") + (
+            f"{_MODEL}test_prefill_matches_hf[gemma3]",
+            f"{_MODEL}test_batched_decode_with_different_lengths_matches_hf[gemma3]",
+            "tests/sampler/test_tensor_parallel.py::test_tp2_forward_equals_tp1_and_is_bit_identical_across_ranks"
+            "[gemma3]")),
+        "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT, "R3": NA}),
     ("Mixtral (`mixtral`)", "mixtral", {
         "megatron learner": Cell("TP1, TP2, PP2, DP2 x EP2, TP2 x EP2 (docs/moe.md)", (
             f"{_MOE}test_moe_logprobs_match_transformers[mixtral]",

@@ -2,7 +2,8 @@
 
 megatron-core's local spec (``get_gpt_layer_local_spec``: no Transformer Engine, which CPU runs never have) with
 megarl's replacements, each for a reason its module gives: the core attention computed by torch's fused SDPA
-(megarl.learner.sdpa_attention), OLMo 2's norms (megarl.learner.post_norms) and, under sequence parallelism, the
+(megarl.learner.sdpa_attention), OLMo 2's norms (megarl.learner.post_norms), Gemma 3's (megarl.learner.gemma3: a block
+spec, for its final norm) and, under sequence parallelism, the
 norms that carry its gradient mark (megarl.learner.sequence_parallel). A model whose first layers are dense and
 the rest MoE (GLM-4.5: megarl.models.moe.first_dense_layers) gets a block spec of this pipeline stage's layers, each
 with its own MLP.
@@ -26,10 +27,18 @@ def layer_spec(hf_config: dict, config, sequence_parallel: bool):
             from megarl.learner.post_norms import post_norm_spec
 
             spec = post_norm_spec(spec, hf_config["hidden_size"], hf_config["rms_norm_eps"])
+        if families.family_of(hf_config).gemma:
+            from megarl.learner.gemma3 import gemma_spec
+
+            spec = gemma_spec(spec, hf_config["hidden_size"], hf_config["rms_norm_eps"])
         return spec
 
     kwargs = convert.layer_spec_kwargs(hf_config)
     spec = one(kwargs)
+    if families.family_of(hf_config).gemma:  # (dense: never sequence-parallel)
+        from megarl.learner.gemma3 import gemma_block
+
+        return gemma_block([spec for _ in _stage_layers(config)])
     if not moe.first_dense_layers(hf_config) and not sequence_parallel:
         return spec
     dense = one({k: v for k, v in kwargs.items() if k not in ("num_experts", "moe_grouped_gemm")})

@@ -1,6 +1,6 @@
 """HF <-> megatron-core weight conversion for the causal LMs of megarl.models.families (Qwen2, Llama, Qwen3,
-Mistral, Phi-3, SmolLM3, OLMo 2 and the mixture-of-experts Mixtral, Qwen3-MoE and GLM-4.5; pure functions; the MoE
-MLP mapping is megarl.models.moe's), plus
+Mistral, Phi-3, SmolLM3, OLMo 2, Gemma 3 and the mixture-of-experts Mixtral, Qwen3-MoE and GLM-4.5; pure
+functions; the MoE MLP mapping is megarl.models.moe's), plus
 `load_pretrained`, the HF-directory reader the learner and the built-in engine share.
 
 Owns the mapping between the HF state dict exactly as ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``
@@ -26,6 +26,11 @@ Layout facts the conversion encodes:
     (``self_attention.q_layernorm`` / ``k_layernorm``); OLMo 2's, over the whole projection, is the same weight in
     megarl.learner.post_norms' norm, and its norms after attention and the MLP are held by the layer's
     bias-dropout-adds (``POST_NORMS``); it has no input or pre-MLP norm.
+  * Gemma 3's four norms per layer are ``input_layernorm``, ``pre_mlp_layernorm`` and the bias-dropout-adds' norms
+    after attention and the MLP (``GEMMA_NORMS``), its q/k norms per head as Qwen3's; every weight keeps HF's value
+    (the norms compute ``(1 + weight)``, the embedding's scale is no weight: megarl.learner.gemma3). Its local and
+    global layers differ in their mask and RoPE only: the global layers' RoPE is the model's (`inv_freq`), the local
+    ones' `local_inv_freq`.
   * GLM-4.5's partial RoPE (``partial_rotary_factor``: the first head_dim * factor dims of each head rotate,
     rotate-half style, the rest pass) is megatron's ``rotary_percent``; its ``attention_bias`` is a q/k/v bias only
     (o_proj has none) and ``use_qk_norm`` its per-head q/k RMSNorm (families.qkv_bias / qk_norm).
@@ -158,7 +163,7 @@ def check_supported(hf_config) -> dict:
         if arch != family.architecture:
             raise ValueError(f"unsupported architecture {arch!r} for model_type {family.model_type!r} "
                              f"(megarl maps {family.architecture})")
-    if cfg.get("hidden_act", "silu") != "silu":
+    if cfg.get("hidden_act", "silu") != "silu" and not family.gemma:
         raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu/SwiGLU)")
     if cfg.get("use_sliding_window"):
         raise ValueError("unsupported feature use_sliding_window=True")
@@ -173,8 +178,45 @@ def check_supported(hf_config) -> dict:
         raise ValueError(f"unsupported feature partial_rotary_factor={partial} (full rotary only)")
     if partial != 1.0 and (not 0 < partial < 1 or int(_dims(cfg)[3] * partial) % 2):
         raise ValueError(f"partial_rotary_factor={partial}: head_dim * factor must be an even number of dims")
-    rope_scaling(cfg)
+    if family.gemma:
+        _check_gemma(cfg)
+    else:
+        rope_scaling(cfg)
     return cfg
+
+
+def _check_gemma(cfg: dict) -> None:
+    """ValueError naming what megarl's Gemma 3 does not compute (megarl.learner.gemma3, the built-in engine)."""
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in GELU_TANH:
+        raise ValueError(f"unsupported hidden_activation {cfg['hidden_activation']!r} (Gemma 3: {GELU_TANH})")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention", "attention_bias"):
+        if cfg.get(key):
+            raise ValueError(f"unsupported feature {key}={cfg[key]!r} (Gemma 3 text as transformers' "
+                             f"Gemma3ForCausalLM defaults it: null / false)")
+    families.layer_window(cfg)  # (malformed layer_types, a missing window: named)
+    for kind in set(families.layer_types(cfg)):
+        if rope_attention_factor(rope_scaling(layer_config(cfg, kind))) != 1.0:
+            raise ValueError(f"rope_parameters[{kind!r}]: a RoPE scaling with an attention factor (yarn) differs by "
+                             f"layer kind, which the one softmax scale of megarl's Gemma 3 does not take")
+
+
+# transformers' names of the tanh-approximated GELU (Gemma 3's GeGLU activation)
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast")
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation: transformers' gelu_pytorch_tanh (a module-level function, so configs pickle)."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def layer_config(cfg: dict, kind: str) -> dict:
+    """A Gemma 3 config as one layer kind (families.SLIDING / FULL) sees it: that kind's RoPE as the model's."""
+    return {**cfg, "rope_parameters": families.layer_rope(cfg, kind), "rope_scaling": None}
+
+
+def _rope_config(cfg: dict) -> dict:
+    """The config whose RoPE the model's rotary embedding computes: a Gemma 3's global layers', or the config."""
+    return layer_config(cfg, families.FULL) if family_of(cfg).gemma else cfg
 
 
 def rotary_fraction(cfg: dict) -> float:
@@ -201,7 +243,7 @@ def _has_qk_norm(cfg: dict) -> bool:
 def layer_spec_kwargs(hf_config) -> dict:
     """Keyword arguments for megatron's ``get_gpt_layer_local_spec`` of this model."""
     cfg = check_supported(hf_config)
-    kwargs = dict(normalization="RMSNorm", qk_layernorm=_has_qk_norm(cfg))
+    kwargs = dict(normalization="RMSNorm", qk_layernorm=_has_qk_norm(cfg))  # (Gemma 3's norms: megarl.learner.gemma3)
     if moe.is_moe(cfg):
         kwargs.update(num_experts=moe.num_experts(cfg), moe_grouped_gemm=False)
     return kwargs
@@ -219,6 +261,10 @@ def transformer_config_kwargs(hf_config) -> dict:
     """
     cfg = check_supported(hf_config)
     layers, heads, groups, head_dim = _dims(cfg)
+    gemma = family_of(cfg).gemma
+    # Gemma 3 scales q.k by query_pre_attn_scalar^-0.5 (not head_dim's), its RoPE scalings have no attention factor
+    scale = (float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5 if gemma
+             else rope_attention_factor(rope_scaling(cfg)) ** 2 / math.sqrt(head_dim))
     return dict(
         num_layers=layers,
         hidden_size=cfg["hidden_size"],
@@ -229,7 +275,7 @@ def transformer_config_kwargs(hf_config) -> dict:
         normalization="RMSNorm",
         layernorm_epsilon=cfg["rms_norm_eps"],
         gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
+        activation_func=gelu_tanh if gemma else torch.nn.functional.silu,  # (Gemma 3: GeGLU)
         add_bias_linear=False,
         add_qkv_bias=_has_qkv_bias(cfg),
         hidden_dropout=0.0,
@@ -241,7 +287,7 @@ def transformer_config_kwargs(hf_config) -> dict:
         qk_layernorm=_has_qk_norm(cfg) and not family_of(cfg).post_norms,
         # yarn's attention factor m scales RoPE's cos and sin in transformers, so every q.k by m^2: the same
         # scores as megatron's softmax scale times m^2
-        softmax_scale=rope_attention_factor(rope_scaling(cfg)) ** 2 / math.sqrt(head_dim),
+        softmax_scale=scale,
         **moe.transformer_config_kwargs(cfg),
     )
 
@@ -254,7 +300,7 @@ def gpt_model_kwargs(hf_config) -> dict:
         vocab_size=cfg["vocab_size"],
         max_sequence_length=cfg.get("max_position_embeddings", 4096),
         position_embedding_type="rope",
-        rotary_base=_rope_theta(cfg),
+        rotary_base=_rope_theta(_rope_config(cfg)),
         rotary_percent=rotary_fraction(cfg),
         share_embeddings_and_output_weights=_tied(cfg),
     )
@@ -263,9 +309,24 @@ def gpt_model_kwargs(hf_config) -> dict:
 def inv_freq(hf_config) -> torch.Tensor:
     """The model's RoPE inverse frequencies (`rope_inv_freq`): what the learner sets its GPTModel's rotary
     embedding to (megarl.learner.rotary_positions.use_frequencies), since megatron's own knows only linear and
-    fixed-constant llama3 scalings."""
+    fixed-constant llama3 scalings. A Gemma 3's global layers'; its local layers' are `local_inv_freq`'s."""
     cfg = check_supported(hf_config)
-    return rope_inv_freq(_rope_theta(cfg), int(_dims(cfg)[3] * rotary_fraction(cfg)), rope_scaling(cfg))
+    rope = _rope_config(cfg)
+    return rope_inv_freq(_rope_theta(rope), int(_dims(cfg)[3] * rotary_fraction(cfg)), rope_scaling(rope))
+
+
+def local_inv_freq(hf_config) -> torch.Tensor:
+    """A Gemma 3's local (sliding-window) layers' RoPE inverse frequencies, as `inv_freq`."""
+    local = layer_config(check_supported(hf_config), families.SLIDING)
+    return rope_inv_freq(_rope_theta(local), _dims(local)[3], rope_scaling(local))
+
+
+# Gemma 3's four norms per layer (HF name -> the megatron layer's): the ones after attention and the MLP are held by
+# the layer's bias-dropout-adds, as OLMo 2's (megarl.learner.gemma3)
+GEMMA_NORMS = {"input_layernorm": "input_layernorm.weight",
+               "post_attention_layernorm": "self_attn_bda.norm.weight",
+               "pre_feedforward_layernorm": "pre_mlp_layernorm.weight",
+               "post_feedforward_layernorm": "mlp_bda.norm.weight"}
 
 
 # OLMo 2's norms after attention and the MLP (HF name -> the megatron layer's): megarl.learner.post_norms holds
@@ -295,7 +356,9 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
 
     for i in range(layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        if family_of(cfg).post_norms:
+        if family_of(cfg).gemma:
+            out.update({mc + m: hf_state[hf + h + ".weight"] for h, m in GEMMA_NORMS.items()})
+        elif family_of(cfg).post_norms:
             out.update({mc + m: hf_state[hf + h + ".weight"] for h, m in POST_NORMS.items()})
         else:
             out[mc + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
@@ -339,7 +402,9 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
         raise ValueError(f"{cfg['model_type']}'s {whole} have no per-rank HF slices "
                          f"(megarl.models.tp_shard): convert the whole layer (tp_size=1)")
     hf = f"model.layers.{hf_layer_index}."
-    if family_of(cfg).post_norms:  # OLMo 2: the norms after attention and the MLP (megarl.learner.post_norms)
+    if family_of(cfg).gemma:
+        out = {hf + h + ".weight": mcore_layer[m] for h, m in GEMMA_NORMS.items()}
+    elif family_of(cfg).post_norms:  # OLMo 2: the norms after attention and the MLP (megarl.learner.post_norms)
         out = {hf + "post_attention_layernorm.weight": mcore_layer[POST_NORMS["post_attention_layernorm"]],
                hf + "post_feedforward_layernorm.weight": mcore_layer[POST_NORMS["post_feedforward_layernorm"]]}
     else:

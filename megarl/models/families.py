@@ -37,6 +37,12 @@ class Family:
     config_attention: bool = False
     # `partial_rotary_factor` < 1: RoPE rotates the first head_dim * factor dims of each head (GLM-4.5)
     partial_rotary: bool = False
+    # Gemma 3 text: embeddings scaled by sqrt(hidden_size) in the weights' dtype; RMSNorms of (1 + weight); four
+    # norms per layer (input, post_attention and post_feedforward on each block's output before its residual add,
+    # pre_feedforward); per-head q/k norms; GeGLU (gelu tanh); a softmax scale of query_pre_attn_scalar^-0.5; local
+    # (sliding-window) and global layers (`layer_types`), each kind with its own RoPE (`layer_rope`). The megatron
+    # learner builds them with megarl.learner.gemma3, the built-in engine in its forward.
+    gemma: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -48,6 +54,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            fused_projections=True),
     Family("smollm3", "SmolLM3ForCausalLM", qkv_bias=False, qk_norm=False, moe=False, no_rope_layers=True),
     Family("olmo2", "Olmo2ForCausalLM", qkv_bias=False, qk_norm=True, moe=False, post_norms=True),
+    Family("gemma3_text", "Gemma3ForCausalLM", qkv_bias=False, qk_norm=True, moe=False, gemma=True),
     Family("mixtral", "MixtralForCausalLM", qkv_bias=False, qk_norm=False, moe=True),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True, moe=True),
     Family("glm4_moe", "Glm4MoeForCausalLM", qkv_bias=False, qk_norm=False, moe=True, config_attention=True,
@@ -139,3 +146,51 @@ def generic_attention_windows(cfg: dict) -> dict[str, int | None] | None:
         return {t: (int(window) if t == "sliding_attention" else None) for t in set(types)} \
             if "sliding_attention" in types else None
     return {"": int(window)}
+
+
+# transformers' names of Gemma 3's layer kinds: local layers attend to a sliding window, global ones to every position
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def layer_types(cfg: dict) -> tuple[str, ...] | None:
+    """A Gemma 3's kind per decoder layer (SLIDING or FULL), None for other families: config.json's `layer_types`,
+    or transformers' default from `sliding_window_pattern` n (every n-th layer global, the rest local)."""
+    if not family_of(cfg).gemma:
+        return None
+    layers = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        kinds = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    if len(kinds) != layers or any(k not in (SLIDING, FULL) for k in kinds):
+        raise ValueError(f"layer_types={kinds!r}: one of {SLIDING!r}, {FULL!r} per layer "
+                         f"(num_hidden_layers={layers})")
+    return tuple(kinds)
+
+
+def layer_window(cfg: dict) -> int | None:
+    """The sliding window of a Gemma 3's local layers (transformers' mask: query q sees key k when
+    q - window < k <= q), None for other families or a Gemma 3 without local layers."""
+    kinds = layer_types(cfg)
+    if not kinds or SLIDING not in kinds:
+        return None
+    window = cfg.get("sliding_window")
+    if window is None or int(window) < 1:
+        raise ValueError(f"sliding_window={window}: a Gemma 3 with sliding_attention layers needs a window >= 1")
+    return int(window)
+
+
+def layer_rope(cfg: dict, kind: str) -> dict:
+    """A Gemma 3 layer kind's RoPE as a flat `rope_parameters` dict ({"rope_type", "rope_theta", ...}):
+    config.json's `rope_parameters` by layer kind, or the older fields (global: `rope_theta` and `rope_scaling`;
+    local: `rope_local_base_freq`, unscaled) with transformers' defaults (1e6 global, 1e4 local)."""
+    by_kind = cfg.get("rope_parameters") or {}
+    if kind in by_kind:
+        return {"rope_type": "default", **by_kind[kind]}
+    if kind == FULL:
+        scaling = cfg.get("rope_scaling") or {}
+        if "type" in scaling and "rope_type" not in scaling:  # (transformers' Gemma 3 reads rope_type alone)
+            raise ValueError(f"rope_scaling={scaling!r}: transformers' Gemma 3 ignores 'type' and runs unscaled; "
+                             f"name the scaling 'rope_type' (or drop it)")
+        return {"rope_type": "default", **scaling, "rope_theta": float(cfg.get("rope_theta") or 1e6)}
+    return {"rope_type": "default", "rope_theta": float(cfg.get("rope_local_base_freq") or 1e4)}

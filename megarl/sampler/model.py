@@ -1,5 +1,5 @@
 """Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mistral, Phi-3, SmolLM3,
-OLMo 2, Mixtral, Qwen3-MoE), for the built-in sampler engine.
+OLMo 2, Gemma 3 text, Mixtral, Qwen3-MoE), for the built-in sampler engine.
 
 This module owns the model math and the KV-cache layout; it owns no scheduling (that is
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
@@ -17,6 +17,12 @@ the new tokens' K/V at their positions and attends to cache positions ``<= posit
 Every sequence thus has its own length inside one call, and the same function serves prefill
 (T tokens per row, right-padded) and batched decode (T = 1).  A sliding window (Mistral) is a mask over the same
 cache: a query also skips the keys `sliding_window` or more positions behind it.
+
+Gemma 3 text (``spec.gemma``): the embedding rows times sqrt(hidden_size) in the weights' dtype; RMSNorms of
+(1 + weight) in fp32 (the input and pre-feedforward ones folded into the projections as the others' are, the
+norms after attention and the MLP, the per-head q/k norms and the final one applied as transformers applies them);
+GeGLU (gelu tanh); q.k scaled by query_pre_attn_scalar^-0.5; its local layers (``spec.local_layers``) attend to
+the last `sliding_window` positions and rotate by their own RoPE table (``ForwardTables.local_rotation``).
 
 On CPU at the sizes this engine serves, a decode step is bound by the number of kernels and the
 memory they touch, not by FLOPs; the layout choices (documented where they are made, and in
@@ -93,6 +99,13 @@ class ModelSpec:
     # OLMo 2: no norm before attention or the MLP, an RMSNorm on each one's output before the residual add, and
     # q_norm / k_norm over the whole q / k projection (all heads at once, weights [heads * head_dim]).
     post_norms: bool = False
+    # Gemma 3 text (families.gemma; see the module docstring): per layer whether it is local (sliding window
+    # `sliding_window`, RoPE base `local_rope_theta`; the global layers: `rope_theta`, `rope_scaling`), and the
+    # attention scale query_pre_attn_scalar^-0.5 (None: head_dim^-0.5)
+    gemma: bool = False
+    local_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float = 10000.0
+    attn_scale: float | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -106,6 +119,8 @@ class ModelSpec:
             raise ValueError(f"model_type={model_type!r} is not supported (supported: {MODEL_TYPES}; "
                              f"{generic_path_hint()})")
         family = FAMILIES[model_type]
+        if family.gemma:
+            return cls._gemma(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
         if cfg.get("use_sliding_window"):
@@ -168,6 +183,24 @@ class ModelSpec:
             post_norms=family.post_norms,
         )
 
+    @classmethod
+    def _gemma(cls, cfg: dict) -> "ModelSpec":
+        """A Gemma 3 text config's spec (what the learner maps: megarl.models.convert.check_supported's refusals)."""
+        cfg = convert.check_supported(cfg)
+        full, local = (convert.layer_config(cfg, kind) for kind in (families.FULL, families.SLIDING))
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        return cls(
+            model_type=cfg["model_type"], vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=convert._rope_theta(full),
+            rope_scaling=convert.rope_scaling(full), local_rope_theta=convert._rope_theta(local),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), qkv_bias=False, o_bias=False,
+            mlp_bias=False, qk_norm=True, sliding_window=families.layer_window(cfg), gemma=True,
+            local_layers=tuple(kind == families.SLIDING for kind in families.layer_types(cfg)),
+            attn_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5)
+
     def shard(self, tp_size: int) -> "ModelSpec":
         """The spec of one of `tp_size` tensor-parallel ranks: its heads, KV heads and MLP width (an MoE
         model's: every expert's) are 1/tp_size of the model's (hidden size, head_dim and the experts and
@@ -205,7 +238,10 @@ class ModelSpec:
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.shard_vocab, h)}
         for layer in range(self.num_layers):
             p = f"model.layers.{layer}."
-            if self.post_norms:
+            if self.gemma:
+                for norm in convert.GEMMA_NORMS:
+                    shapes[p + norm + ".weight"] = (h,)
+            elif self.post_norms:
                 shapes[p + "post_attention_layernorm.weight"] = shapes[p + "post_feedforward_layernorm.weight"] = (h,)
             else:
                 shapes[p + "input_layernorm.weight"] = (h,)
@@ -288,6 +324,9 @@ class ForwardTables:
     norm_dim: torch.Tensor  # fp32 scalar: hidden size (RMSNorm's mean divisor)
     neg_inf: torch.Tensor  # scalar -inf in the model's dtype (attention mask)
     zero: torch.Tensor  # scalar 0 in the model's dtype
+    # Gemma 3: its local layers' rotations (as `rotation`), and sqrt(hidden_size) in the model's dtype
+    local_rotation: torch.Tensor | None = None
+    embed_scale: torch.Tensor | None = None
 
 
 def forward_tables(spec: ModelSpec, max_seq_len: int, dtype: torch.dtype = torch.float32,
@@ -309,7 +348,16 @@ def forward_tables(spec: ModelSpec, max_seq_len: int, dtype: torch.dtype = torch
         norm_dim=torch.tensor(spec.hidden_size, dtype=torch.float, device=device),
         neg_inf=torch.tensor(float("-inf"), dtype=dtype, device=device),
         zero=torch.tensor(0.0, dtype=dtype, device=device),
+        local_rotation=_local_rotation(spec, max_seq_len, device) if spec.gemma else None,
+        embed_scale=torch.tensor(spec.hidden_size ** 0.5, dtype=dtype, device=device) if spec.gemma else None,
     )
+
+
+def _local_rotation(spec: ModelSpec, max_seq_len: int, device) -> torch.Tensor:
+    """Gemma 3's local layers' RoPE rotations (unscaled, base local_rope_theta), as forward_tables' `rotation`."""
+    inv_freq = convert.rope_inv_freq(spec.local_rope_theta, spec.head_dim, None).to(device)
+    freqs = torch.arange(max_seq_len, dtype=torch.float, device=device)[:, None] * inv_freq
+    return torch.complex(freqs.cos(), freqs.sin())
 
 
 # Projection matrices up to this many elements are stored as contiguous [in, out] copies: at decode
@@ -475,9 +523,11 @@ class WeightArena:
                 else None,
                 down=down, down_bias=own(mlp + "down_proj.bias"),
                 input_norm=None if spec.post_norms else own(p + "input_layernorm.weight"),
-                post_norm=None if spec.post_norms else own(p + "post_attention_layernorm.weight"),
-                attn_out_norm=own(p + "post_attention_layernorm.weight") if spec.post_norms else None,
-                mlp_out_norm=own(p + "post_feedforward_layernorm.weight") if spec.post_norms else None,
+                # (Gemma 3: the norm in front of the MLP is pre_feedforward_layernorm)
+                post_norm=None if spec.post_norms else own(p + ("pre_feedforward_layernorm.weight" if spec.gemma
+                                                                else "post_attention_layernorm.weight")),
+                attn_out_norm=own(p + "post_attention_layernorm.weight") if spec.post_norms or spec.gemma else None,
+                mlp_out_norm=own(p + "post_feedforward_layernorm.weight") if spec.post_norms or spec.gemma else None,
                 rope_rows=list(zip([q_view, k_view, *(self.views[n] for n in qkv_bias[:2])],
                                    [spec.num_heads, spec.num_kv_heads] * 2)),
                 q_norm=own(attn + "q_norm.weight") if spec.qk_norm else None,
@@ -503,6 +553,8 @@ class WeightArena:
             return torch.cat([_interleave_rope_pairs(q_norm, spec.num_heads, hd).view(spec.num_heads, hd),
                               _interleave_rope_pairs(k_norm, spec.num_kv_heads, hd).view(spec.num_kv_heads, hd)])
         q, k = (_interleave_rope_pairs(n, 1, hd) for n in (q_norm, k_norm))
+        if spec.gemma:  # (1 + weight) in fp32, as transformers' Gemma3RMSNorm
+            q, k = 1 + q.float(), 1 + k.float()
         return torch.cat([q.expand(spec.num_heads, hd), k.expand(spec.num_kv_heads, hd)])
 
     def finalize(self) -> RuntimeWeights:
@@ -512,7 +564,10 @@ class WeightArena:
         for b in self.layers:
             for view, heads in b.rope_rows:
                 view.copy_(_interleave_rope_pairs(view.clone(), heads, hd))  # a permutation: from a copy
-            if not spec.post_norms:  # (OLMo 2 has no norm in front of the projections)
+            if spec.gemma:  # its norms are (1 + weight), taken in fp32; the ones after the blocks stay fp32
+                b.qkv.mul_(1 + b.input_norm.float())
+                b.gate_up.mul_(1 + b.post_norm.float())
+            elif not spec.post_norms:  # (OLMo 2 has no norm in front of the projections)
                 b.qkv.mul_(b.input_norm)  # (w * x_hat) @ W = x_hat @ (diag(w) W): the norm's weight rides in W
                 b.gate_up.mul_(b.post_norm)
             layers.append(LayerWeights(
@@ -520,11 +575,17 @@ class WeightArena:
                 gate_up=_mm_operand(b.gate_up), gate_up_bias=b.gate_up_bias,
                 down=b.down if spec.is_moe else _mm_operand(b.down), down_bias=b.down_bias,
                 qk_norm=None if b.q_norm is None else self._qk_norm(b.q_norm, b.k_norm),
-                attn_out_norm=b.attn_out_norm, mlp_out_norm=b.mlp_out_norm))
-        embed = self.views["model.embed_tokens.weight"]
-        return RuntimeWeights(embed=embed, layers=layers, norm=self.views["model.norm.weight"],
+                attn_out_norm=_gemma_weight(b.attn_out_norm) if spec.gemma else b.attn_out_norm,
+                mlp_out_norm=_gemma_weight(b.mlp_out_norm) if spec.gemma else b.mlp_out_norm))
+        embed, norm = self.views["model.embed_tokens.weight"], self.views["model.norm.weight"]
+        return RuntimeWeights(embed=embed, layers=layers, norm=_gemma_weight(norm) if spec.gemma else norm,
                               lm_head=_mm_operand(embed if spec.tie_word_embeddings else self.views["lm_head.weight"]),
                               arena=self)
+
+
+def _gemma_weight(weight: torch.Tensor) -> torch.Tensor:
+    """What a Gemma 3 RMSNorm multiplies by: 1 + weight, in fp32 (a small tensor of its own)."""
+    return 1 + weight.float()
 
 
 def prepare_weights(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> RuntimeWeights:
@@ -570,6 +631,12 @@ def _projection_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tenso
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean((-2, -1), keepdim=True) + eps)
     return (weight * h).to(x.dtype)
+
+
+def _gemma_norm(x: torch.Tensor, weight: torch.Tensor, tables: ForwardTables) -> torch.Tensor:
+    """transformers' Gemma3RMSNorm of x [..., dim]: normalised in fp32, times the fp32 (1 + weight), cast back."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + tables.norm_eps) * weight).to(x.dtype)
 
 
 def _linear(h: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -660,25 +727,32 @@ def forward(
     slots = slice(slot_start, slot_start + bsz)
 
     x = _embed(input_ids.reshape(tokens), weights.embed, spec, tp_group)
+    if spec.gemma:
+        x = x * tables.embed_scale
     rot = tables.rotation[positions.reshape(tokens)][:, None]  # [B*T, 1, hd/2], broadcast over heads
+    local_rot = None if tables.local_rotation is None else tables.local_rotation[positions.reshape(tokens)][:, None]
     # Scatter indices along the position dim of a layer's K [B, kv_heads, hd, S] and V [B, kv_heads, S, hd].
     k_idx = positions.view(bsz, 1, 1, seq).expand(bsz, nkv, hd, seq)
     v_idx = positions.view(bsz, 1, seq, 1).expand(bsz, nkv, seq, hd)
     key_pos = tables.key_pos[:attn_len]
-    if seq == 1:
-        # Decode: an additive mask [B*kv_heads, 1, L] (0 or -inf), read by baddbmm.
-        row_pos = positions.expand(bsz, nkv).reshape(bsz * nkv, 1, 1)
-        unseen = key_pos > row_pos
-        if spec.sliding_window is not None:  # (the cache keeps every position; the window only hides the old ones)
-            unseen |= key_pos <= row_pos - spec.sliding_window
-        mask = torch.where(unseen, tables.neg_inf, tables.zero)
-    else:
+
+    def attention_mask(window: int | None) -> torch.Tensor:
+        if seq == 1:
+            # Decode: an additive mask [B*kv_heads, 1, L] (0 or -inf), read by baddbmm.
+            row_pos = positions.expand(bsz, nkv).reshape(bsz * nkv, 1, 1)
+            unseen = key_pos > row_pos
+            if window is not None:  # (the cache keeps every position; the window only hides the old ones)
+                unseen |= key_pos <= row_pos - window
+            return torch.where(unseen, tables.neg_inf, tables.zero)
         # Prefill: boolean SDPA mask, True = attend: causal per row, over that row's own cache slot.
-        mask = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, attn_len]
-        if spec.sliding_window is not None:
-            mask &= (key_pos[None, None, :] > positions[:, :, None] - spec.sliding_window).unsqueeze(1)
-        if group > 1:
-            mask = mask.repeat(1, 1, group, 1)
+        allowed = (key_pos[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, attn_len]
+        if window is not None:
+            allowed &= (key_pos[None, None, :] > positions[:, :, None] - window).unsqueeze(1)
+        return allowed.repeat(1, 1, group, 1) if group > 1 else allowed
+
+    # (Gemma 3: its global layers attend to every position, its local ones to the window)
+    mask = attention_mask(None if spec.gemma else spec.sliding_window)
+    local_mask = attention_mask(spec.sliding_window) if spec.gemma and any(spec.local_layers) else None
 
     for layer, lw in enumerate(weights.layers):
         h = x if spec.post_norms else _rms_norm(x, tables)
@@ -687,16 +761,26 @@ def forward(
         if spec.post_norms:  # (OLMo 2: q over all its heads, k over all its heads)
             qk = torch.cat([_projection_rms_norm(qk[:, :nh], lw.qk_norm[:nh], tables.norm_eps),
                             _projection_rms_norm(qk[:, nh:], lw.qk_norm[nh:], tables.norm_eps)], dim=1)
+        elif spec.gemma:
+            qk = _gemma_norm(qk, lw.qk_norm, tables)
         elif lw.qk_norm is not None:
             qk = _head_rms_norm(qk, lw.qk_norm, tables)
-        if spec.rope_layers is None or spec.rope_layers[layer]:  # (a layer without RoPE attends unrotated)
+        local = spec.gemma and spec.local_layers[layer]
+        if local:
+            qk = _rotate(qk, local_rot)
+        elif spec.rope_layers is None or spec.rope_layers[layer]:  # (a layer without RoPE attends unrotated)
             qk = _rotate(qk, rot)
         k_cache, v_cache = cache.k[layer, slots], cache.v[layer, slots]  # views: writes land in the cache
         k_cache.scatter_(3, k_idx, qk[:, nh:].view(bsz, seq, nkv, hd).permute(0, 2, 3, 1))
         v_cache.scatter_(2, v_idx, qkv[:, nh + nkv:].view(bsz, seq, nkv, hd).transpose(1, 2))
         attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_cache[..., :attn_len], v_cache[:, :, :attn_len],
-                          mask, group)
-        if spec.post_norms:  # OLMo 2 (at sampler.tp = 1): the norm between o_proj and the residual add
+                          local_mask if local else mask, group, spec.attn_scale)
+        if spec.gemma:  # the norm between o_proj (summed over TP) and the residual add
+            out = _linear(attn, lw.o_proj, lw.o_bias)
+            if tp_group is not None:
+                dist.all_reduce(out, group=tp_group)
+            x = x + _gemma_norm(out, lw.attn_out_norm, tables)
+        elif spec.post_norms:  # OLMo 2 (at sampler.tp = 1): the norm between o_proj and the residual add
             x = x + _rms_norm(_linear(attn, lw.o_proj, lw.o_bias), tables) * lw.attn_out_norm
         elif tp_group is None:
             x = _add_linear(x, attn, lw.o_proj, lw.o_bias)
@@ -716,7 +800,12 @@ def forward(
                 x = _add_row_parallel(x, act, lw.down, None, tp_group)
             continue
         gate, up = _linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-        if spec.post_norms:
+        if spec.gemma:  # GeGLU, then the norm between down_proj (summed over TP) and the residual add
+            out = _linear(F.gelu(gate, approximate="tanh") * up, lw.down, lw.down_bias)
+            if tp_group is not None:
+                dist.all_reduce(out, group=tp_group)
+            x = x + _gemma_norm(out, lw.mlp_out_norm, tables)
+        elif spec.post_norms:
             x = x + _rms_norm(_linear(F.silu(gate) * up, lw.down, lw.down_bias), tables) * lw.mlp_out_norm
         elif tp_group is None:
             x = _add_linear(x, F.silu(gate) * up, lw.down, lw.down_bias)
@@ -725,7 +814,8 @@ def forward(
 
     if logit_index is not None:
         x = x.view(bsz, seq, -1)[torch.arange(bsz, device=x.device), logit_index]
-    logits = _lm_head(_rms_norm(x, tables) * weights.norm, weights.lm_head, tp_group)
+    final = _gemma_norm(x, weights.norm, tables) if spec.gemma else _rms_norm(x, tables) * weights.norm
+    logits = _lm_head(final, weights.lm_head, tp_group)
     return logits if logit_index is not None else logits.view(bsz, seq, -1)
 
 
@@ -748,21 +838,22 @@ def _moe_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Tensor
     return chosen, act.view(tokens, experts * spec.intermediate_size)
 
 
-def _attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, group: int) -> torch.Tensor:
+def _attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, group: int,
+               scale: float | None = None) -> torch.Tensor:
     """q [B, T, heads, hd] against the cache's k_t [B, kv_heads, hd, L] and v [B, kv_heads, L, hd].
 
     Returns [B*T, heads*hd].  GQA without repeating K/V: the `group` query heads that share a KV head
     are folded into the query-length dim ([B, kv_heads, group*T, hd]).  Decode (T = 1) uses two
     batched matmuls around a softmax, the additive mask riding in the first (baddbmm); at one query
     row per head SDPA's CPU kernel costs several times that.  Prefill uses SDPA with the boolean mask
-    [B, 1, group*T, L].
+    [B, 1, group*T, L]. `scale`: of q.k (None: head_dim^-0.5).
     """
     bsz, seq, nh, hd = q.shape
     nkv, span = k_t.shape[1], k_t.shape[3]
     if seq == 1:
         q = q.reshape(bsz * nkv, group, hd)
-        scores = torch.baddbmm(mask, q, k_t.reshape(bsz * nkv, hd, span), alpha=hd ** -0.5)
+        scores = torch.baddbmm(mask, q, k_t.reshape(bsz * nkv, hd, span), alpha=hd ** -0.5 if scale is None else scale)
         return torch.bmm(torch.softmax(scores, dim=-1), v.reshape(bsz * nkv, span, hd)).view(bsz, nh * hd)
     q = q.transpose(1, 2).reshape(bsz, nkv, group * seq, hd)
-    out = F.scaled_dot_product_attention(q, k_t.transpose(2, 3), v, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q, k_t.transpose(2, 3), v, attn_mask=mask, scale=scale)
     return out.view(bsz, nh, seq, hd).transpose(1, 2).reshape(bsz * seq, nh * hd)

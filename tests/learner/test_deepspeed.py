@@ -55,6 +55,7 @@ CASES = {
     "phi3_zero2": ("phi3", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),  # fused qkv, gate_up
     "smollm3_zero2": ("smollm3", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),  # a layer, no RoPE
     "olmo2_zero2": ("olmo2", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),  # post-norms
+    "gemma3_zero2": ("gemma3", {"micro_batch_size": 16, "deepspeed": {"zero_stage": 2}}, {}),  # local/global layers
 }
 # LoRA (peft) rides in the same launch: ZeRO-3 (the frozen base and the adapter partitioned, the adapter gathered
 # to publish, frozen fragments in the checkpoint) with the KL penalty, whose reference is the base (adapter off).
@@ -74,7 +75,7 @@ def models(tmp_path_factory):
             "llama": str(save_tiny_llama(root / "llama")),
             "qwen3": str(save_tiny_qwen3(root / "qwen3", vocab_size=VOCAB)),
             **{kind: str(save_tiny_dense(root / kind, kind, vocab_size=VOCAB)) for kind in ("mistral", "llama_yarn", "phi3", "smollm3",
-                                                                                         "olmo2")}}
+                                                                                         "olmo2", "gemma3")}}
 
 
 @pytest.fixture(scope="module")

@@ -67,15 +67,17 @@ def test_logprobs_match_hf(model_dir, world):
 # A family-specific tensor each family's publish must hold (None: the plain decoder's names only).
 FAMILY_TENSOR = {"qwen3": "model.layers.0.self_attn.q_norm.weight", "mistral": None, "llama_yarn": None,
                  "phi3": "model.layers.0.self_attn.qkv_proj.weight", "smollm3": None,
-                 "olmo2": "model.layers.0.post_feedforward_layernorm.weight"}
+                 "olmo2": "model.layers.0.post_feedforward_layernorm.weight",
+                 "gemma3": "model.layers.1.pre_feedforward_layernorm.weight"}
 
 
 @pytest.mark.parametrize("kind", list(FAMILY_TENSOR))
 def test_family_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1(world, tmp_path, kind):
     """Dense Qwen3 (q/k norms, heads wider than hidden / heads), Mistral (a sliding window shorter than the rows) and
     a Llama with YaRN RoPE (rows past its original context), Phi-3 (fused qkv_proj and gate_up_proj),
-    SmolLM3 (its second layer, on PP2's second stage, without RoPE) and OLMo 2 (norms after attention and the MLP;
-    q/k norms over the whole projection, which TP2 splits by heads):
+    SmolLM3 (its second layer, on PP2's second stage, without RoPE), OLMo 2 (norms after attention and the MLP;
+    q/k norms over the whole projection, which TP2 splits by heads) and Gemma 3 (a local layer on PP2's first stage,
+    a global one on its second, four (1 + w) norms per layer, scaled embeddings):
     the learner's log-probs are transformers' own, and real 2-process TP2 and PP2 runs give the TP1 log-probs,
     loss, grad norm and published weights; the trained state exports to an HF directory of the same function."""
     from transformers import AutoModelForCausalLM

@@ -213,12 +213,25 @@ def model_dirs(tmp_path_factory):
     return {"qwen2": str(save_tiny_qwen2(root / "qwen2", tie_word_embeddings=False, vocab_size=VOCAB)),
             "mixtral": str(save_tiny_moe(root / "mixtral", "mixtral", vocab_size=VOCAB)),
             "mistral": str(save_tiny_dense(root / "mistral", "mistral", vocab_size=VOCAB)),
-            "gemma3": str(_save_tiny_gemma3(root / "gemma3"))}
+            "gemma3": str(_save_tiny_gemma3(root / "gemma3")),
+            "gemma3_pattern": str(_without_layer_types(_save_tiny_gemma3(root / "gemma3_pattern")))}
+
+
+def _without_layer_types(path):
+    """The Gemma 3 directory's config.json as the hub's first Gemma 3 releases wrote theirs: the layer kinds given by
+    sliding_window_pattern (here 2: a local layer, then a global one), no layer_types."""
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["layer_types"]
+    cfg["sliding_window_pattern"] = 2
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
 
 
 def _save_tiny_gemma3(path):
-    """A Gemma 3 text model (the generic path: no family row) whose first layer slides over 4 positions, shorter than
-    most rows, and whose second attends to all: each layer type needs its own mask in a packed row."""
+    """A Gemma 3 text model whose first layer slides over 4 positions, shorter than most rows, and whose second attends
+    to all: each layer type needs its own mask in a packed row."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
@@ -283,14 +296,16 @@ def _batch(model_dir, groups=False):
 
 
 @pytest.mark.parametrize("backend,kind", [(backend, kind) for backend in ("megatron", "deepspeed")
-                                          for kind in ("qwen2", "qwen2 groups", "mixtral", "mistral groups")]
-                         + [("deepspeed", "gemma3 groups")])  # (the generic path: the DeepSpeed learner only)
+                                          for kind in ("qwen2", "qwen2 groups", "mixtral", "mistral groups",
+                                                       "gemma3 groups")]
+                         + [("deepspeed", "gemma3_pattern groups")])
 def test_a_packed_step_is_the_unpacked_step(model_dirs, world, local_rank, backend, kind):
     """Packed micro-batches (several rows per packed row; rows of a group sharing their common prefixes) give
     transformers' per-row log-probs at every trained position, and the step the unpacked one's loss, grad norm and
     weights; an MoE learner under r3 replays each row's recorded routes at its packed positions (agreement 1); a
-    sliding window (Mistral's, shorter than most rows) counts each row's own positions, not packed columns, and a
-    generic-path model's local and global layers (Gemma 3's) each get their own mask."""
+    sliding window (Mistral's, shorter than most rows) counts each row's own positions, not packed columns, and
+    Gemma 3's local and global layers each get their own mask (their kinds from layer_types, or from the older
+    sliding_window_pattern)."""
     replay = "r3" if kind == "mixtral" else "off"
     model_dir = model_dirs[kind.split()[0]]
     batch, behaviour = _batch(model_dir, groups=kind.endswith("groups"))

@@ -11,7 +11,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 from megarl.learner import packing
 from megarl.learner.post_norms import post_norm_spec
 from megarl.models import convert, families
-from tests.helpers import LEARNER_TOL, MISTRAL_WINDOW
+from tests.helpers import LEARNER_TOL, MISTRAL_WINDOW, gemma3_model
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=48, vocab_size=64, max_position_embeddings=64)
@@ -46,6 +46,8 @@ def _save(tmp_path, kind):
     elif kind == "olmo2":  # GQA, untied, norms after attention and the MLP, q/k norms over the whole projection
         model = Olmo2ForCausalLM(Olmo2Config(**TINY, tie_word_embeddings=False, pad_token_id=None, bos_token_id=None,
                                              eos_token_id=2))
+    elif kind == "gemma3":  # tests.helpers.GEMMA3: a local then a global layer, (1 + w) norms drawn away from 0
+        model = gemma3_model(TINY)
     elif kind in ROPES:  # Llama 3.x frequency scaling, YaRN
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=ROPES[kind]))
     else:  # linear position interpolation
@@ -65,14 +67,15 @@ def _save(tmp_path, kind):
     return model.eval(), load_file(path / "model.safetensors")
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "gemma3"])
 def test_round_trip_is_exact(tmp_path, kind):
     """HF -> megatron -> HF gives back every tensor bit for bit (Phi-3's fused qkv_proj / gate_up_proj split into
     megatron's per-group qkv rows and fused back)."""
     model, hf_state = _save(tmp_path, kind)
     mcore = convert.hf_to_mcore(hf_state, model.config)
     assert ("output_layer.weight" in mcore) == (kind in ("llama", "mistral", "phi3", "olmo2"))
-    assert ("decoder.layers.0.self_attention.q_layernorm.weight" in mcore) == (kind in ("qwen3", "olmo2"))
+    assert ("decoder.layers.0.self_attention.q_layernorm.weight" in mcore) == (kind in ("qwen3", "olmo2", "gemma3"))
+    assert ("decoder.layers.0.mlp_bda.norm.weight" in mcore) == (kind in ("olmo2", "gemma3"))
     assert ("decoder.layers.0.input_layernorm.weight" in mcore) == (kind != "olmo2")  # OLMo 2: post-norms only
     back = convert.mcore_to_hf(mcore, model.config)
     assert set(back) == set(hf_state)
@@ -136,6 +139,17 @@ def test_refuses_unsupported():
         convert.check_supported(dict(model_type="llama", architectures=["MistralForCausalLM"]))
     with pytest.raises(ValueError, match="use_sliding_window"):
         convert.check_supported(dict(model_type="qwen2", use_sliding_window=True))
+    gemma = dict(model_type="gemma3_text", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                 sliding_window=4)
+    convert.check_supported(gemma)
+    for key, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                       ("use_bidirectional_attention", True), ("hidden_activation", "silu")):
+        with pytest.raises(ValueError, match=key):
+            convert.check_supported({**gemma, key: value})
+    with pytest.raises(ValueError, match="layer_types"):
+        convert.check_supported({**gemma, "layer_types": ["sliding_attention"]})
+    with pytest.raises(ValueError, match="attention factor"):
+        convert.check_supported({**gemma, "rope_parameters": {"full_attention": {**YARN, "rope_theta": 1e6}}})
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "deepseek_v3", "qwen2_moe", "olmo2_unmapped"])
@@ -188,8 +202,8 @@ def megatron_world(tmp_path_factory):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "linear_rope",
-                                  *ROPES])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "gemma3",
+                                  "linear_rope", *ROPES])
 def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     """A GPTModel of the converted config and weights (rotary frequencies set as the learner sets them) gives
     transformers' log-probs, on rows longer than a sliding window and than a YaRN model's original context."""
@@ -208,9 +222,20 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     assert (window is not None) == (kind == "mistral")
     mask = packing.causal_mask(s, window=window)
 
+    if kind == "gemma3":  # (megarl.learner.megatron's masks: the global layers', then the local ones')
+        from megarl.learner import gemma3
+
+        assert families.layer_types(hf_model.config.to_dict()) == ("sliding_attention", "full_attention")
+        mask = gemma3.stack_masks(lambda w: packing.causal_mask(s, window=w), MISTRAL_WINDOW)
+
     def megatron_logprobs(inv_freq=convert.inv_freq(hf_model.config),
-                          rope=families.rope_layers(hf_model.config.to_dict()), per_head_qk_norm=False):
+                          rope=families.rope_layers(hf_model.config.to_dict()), per_head_qk_norm=False,
+                          local_inv_freq=None, embed_scale=True):
         spec = get_gpt_layer_local_spec(**convert.layer_spec_kwargs(hf_model.config))
+        if kind == "gemma3":  # (megarl.learner.layer_spec's Gemma 3 block)
+            from megarl.learner.layer_spec import layer_spec
+
+            spec = layer_spec(hf_model.config.to_dict(), config, sequence_parallel=False)
         if kind == "olmo2":  # (megarl.learner.layer_spec's OLMo 2 norms)
             spec = post_norm_spec(spec, hf_model.config.hidden_size, hf_model.config.rms_norm_eps)
             if per_head_qk_norm:  # the q/k norms per head, as Qwen3's: the weights' shape is the same
@@ -219,6 +244,12 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
         gpt = GPTModel(config=config, transformer_layer_spec=spec, **convert.gpt_model_kwargs(hf_model.config))
         rotary_positions.use_frequencies(gpt, inv_freq)
         rotary_positions.skip_layers(gpt, rope)
+        if kind == "gemma3":  # (megarl.learner.megatron's Gemma 3 hooks)
+            if embed_scale:
+                gemma3.scale_embeddings(gpt, hf_model.config.hidden_size)
+            rotary_positions.use_position_ids(gpt)
+            local = convert.local_inv_freq(hf_model.config) if local_inv_freq is None else local_inv_freq
+            gemma3.use_layer_kinds(gpt, families.layer_types(hf_model.config.to_dict()), local)
         missing, unexpected = gpt.load_state_dict(convert.hf_to_mcore(hf_state, hf_model.config), strict=False)
         assert not unexpected and all(k.endswith("_extra_state") for k in missing)
         with torch.no_grad():
@@ -235,6 +266,11 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
         assert (megatron_logprobs(rope=None) - hf).abs().max().item() > 1e-3
     if kind == "mistral":  # ... and only because the window was applied
         mask = packing.causal_mask(s)
+        assert (megatron_logprobs() - hf).abs().max().item() > 1e-3
+    if kind == "gemma3":  # ... and only because the embeddings were scaled, the local layer had its own RoPE and window
+        assert (megatron_logprobs(embed_scale=False) - hf).abs().max().item() > 1e-3
+        assert (megatron_logprobs(local_inv_freq=convert.inv_freq(hf_model.config)) - hf).abs().max().item() > 1e-3
+        mask = torch.cat([packing.causal_mask(s)] * 2, dim=1)
         assert (megatron_logprobs() - hf).abs().max().item() > 1e-3
     if kind.endswith("_rope"):  # ... and only because the scaling was mapped
         head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
@@ -341,3 +377,66 @@ def test_phi3s_fused_projections_run_unsplit_and_say_where():
         convert.mcore_layer_to_hf({}, 0, cfg, tp_size=2)
     with pytest.raises(ValueError, match="learner.lora: 'phi3' holds fused qkv_proj"):
         lora.check(cfg, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"]))
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 8.0}])
+def test_gemma3s_older_config_fields_give_transformers_layer_kinds_and_ropes(scaling):
+    """A Gemma 3 config.json as the hub's first releases wrote it (no layer_types or rope_parameters:
+    sliding_window_pattern, rope_theta, rope_local_base_freq, rope_scaling) maps to the layer kinds and RoPE
+    frequencies transformers builds from it."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    old = dict(model_type="gemma3_text", hidden_size=32, intermediate_size=48, num_hidden_layers=7,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64, sliding_window=4,
+               sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=2e4, rope_scaling=scaling)
+    hf = Gemma3ForCausalLM(Gemma3TextConfig(**{k: v for k, v in old.items() if k != "model_type"}))
+    assert families.layer_types(old) == tuple(hf.config.layer_types)
+    assert families.layer_types(old).count("full_attention") == 2  # (layers 3 and 6)
+    rotary = hf.model.rotary_emb
+    assert torch.equal(convert.inv_freq(old), rotary.full_attention_inv_freq)
+    assert torch.equal(convert.local_inv_freq(old), rotary.sliding_attention_inv_freq)
+    assert (convert.rope_scaling(convert.layer_config(old, "full_attention")) is None) == (scaling is None)
+    with pytest.raises(ValueError, match="rope_type"):  # (transformers would run it unscaled)
+        convert.check_supported({**old, "rope_scaling": {"type": "linear", "factor": 8.0}})
+
+
+def test_gemma3_layers_recomputed_in_the_backward_get_their_own_micro_batchs_angles(tmp_path, megatron_world):
+    """Under learner.recompute_activations=full a layer's forward reruns in the backward, after later micro-batches'
+    forwards where a pipeline schedule interleaves them: a local layer's rotary angles travel with the layer's
+    inputs (megarl.learner.gemma3.use_layer_kinds), so the gradient is the one without recompute."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    from megarl.learner import gemma3, rotary_positions
+    from megarl.learner.layer_spec import layer_spec
+
+    hf_model, hf_state = _save(tmp_path, "gemma3")
+    cfg = hf_model.config.to_dict()
+    s = 12
+    first = torch.randint(0, 64, (2, s), generator=torch.Generator().manual_seed(1))
+    later = torch.randint(0, 64, (2, s), generator=torch.Generator().manual_seed(2))
+    mask = gemma3.stack_masks(lambda w: packing.causal_mask(s, window=w), MISTRAL_WINDOW)
+
+    def first_grads(recompute: bool) -> dict:
+        extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
+            if recompute else {}
+        config = TransformerConfig(**convert.transformer_config_kwargs(cfg), **extra, use_cpu_initialization=True,
+                                   perform_initialization=False)
+        gpt = GPTModel(config=config, transformer_layer_spec=layer_spec(cfg, config, sequence_parallel=False),
+                       **convert.gpt_model_kwargs(cfg))
+        gpt.load_state_dict(convert.hf_to_mcore(hf_state, cfg), strict=False)
+        rotary_positions.use_frequencies(gpt, convert.inv_freq(cfg))
+        rotary_positions.use_position_ids(gpt)
+        gemma3.scale_embeddings(gpt, cfg["hidden_size"])
+        gemma3.use_layer_kinds(gpt, families.layer_types(cfg), convert.local_inv_freq(cfg))
+        gpt.train()
+        loss = gpt(first, torch.arange(s).expand(2, s), mask).float().logsumexp(-1).mean()
+        # another micro-batch's forward, at other positions (not a shift: RoPE would not tell one from the other)
+        gpt(later, (torch.arange(s) * 5 % 13).expand(2, s), mask)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in gpt.named_parameters() if p.grad is not None}
+
+    plain, recomputed = first_grads(False), first_grads(True)
+    assert plain.keys() == recomputed.keys()
+    for name, grad in plain.items():
+        assert (recomputed[name] - grad).abs().max().item() <= 1e-6 * max(1.0, grad.abs().max().item()), name

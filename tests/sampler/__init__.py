@@ -17,7 +17,7 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 TOL = fp32_logprob_tol(TINY, max_logprob=8.0)
 MISTRAL_WINDOW = 6
 # The kinds whose lm_head is the embedding.
-TIED = ("qwen2", "qwen3", "smollm3", "mixtral", "qwen3_moe")
+TIED = ("qwen2", "qwen3", "smollm3", "mixtral", "qwen3_moe", "gemma3")
 
 
 def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides) -> Path:
@@ -29,6 +29,8 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
     "phi3": as "llama", its q/k/v one qkv_proj and gate/up one gate_up_proj (as Phi-3's checkpoints hold them).
     "smollm3": GQA, no biases, tied embeddings, its second layer without RoPE.
     "olmo2": GQA, no biases, untied, norms after attention and the MLP, q/k norms over the whole projection.
+    "gemma3": Gemma 3 text as tests.helpers.GEMMA3 (a local layer with a window of MISTRAL_WINDOW, then a global one,
+    each with its own RoPE; query_pre_attn_scalar not head_dim; (1 + w) norms drawn away from 0), tied.
     "mixtral": GQA, no biases, tied embeddings, 4 experts of width 64, top-2 (every layer an MoE layer).
     "qwen3_moe": the same experts (unnormalised top-k unless norm_topk_prob=True), per-head q/k RMSNorm weights
     drawn away from 1 (so an engine that skipped them would show).
@@ -70,6 +72,11 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(1.0, 0.3)
+    elif kind == "gemma3":
+        from tests.helpers import gemma3_model
+
+        model = gemma3_model({k: v for k, v in kw.items() if k != "initializer_range"}, sliding_window=MISTRAL_WINDOW,
+                             initializer_range=kw["initializer_range"])
     else:
         raise ValueError(kind)
     if kind.startswith("qwen3"):

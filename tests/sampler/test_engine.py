@@ -15,12 +15,13 @@ from tests.sampler import TIED, TOL, dominant_token_weights, make_tiny_model
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3"])
 def model(request, tmp_path_factory):
     """(kind, path, HF config dict, HF-named weights) of a tiny Qwen2 (tied, bias), Llama (untied), Qwen3 (q/k
     norms, heads wider than hidden / heads), Mistral (a sliding window shorter than the requests), Phi-3 (fused
     qkv_proj and gate_up_proj, the staging buffers' layout) and OLMo 2 (post-norms, q/k norms over the whole
-    projection: nothing folded into the stacked projections). (SmolLM3's engine differs in its forward alone:
+    projection: nothing folded into the stacked projections) and Gemma 3 (local and global layers, (1 + w) norms
+    before and after attention and the MLP, scaled embeddings). (SmolLM3's engine differs in its forward alone:
     tests/sampler/test_model.py.)"""
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     cfg, weights = load_pretrained(str(path))

@@ -20,11 +20,13 @@ YARN_ROPE = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_m
 ROPES = {"llama3_rope": LLAMA3_ROPE, "yarn_rope": YARN_ROPE}
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", *ROPES])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "gemma3",
+                                        *ROPES])
 def tiny(request, tmp_path_factory):
     """(kind, HF model, spec, runtime weights) for a Qwen2 (GQA, bias, tied), a Llama (untied), a Qwen3 (q/k norms,
     wide heads), a Mistral (a sliding window shorter than the tests' sequences), a Phi-3 (fused qkv_proj and
-    gate_up_proj), a SmolLM3 (a layer without RoPE), an OLMo 2 (post-norms, q/k norms over the whole projection) and
+    gate_up_proj), a SmolLM3 (a layer without RoPE), an OLMo 2 (post-norms, q/k norms over the whole projection), a
+    Gemma 3 (a local then a global layer, four (1 + w) norms per layer, scaled embeddings, GeGLU) and
     Llamas with Llama-3 and YaRN RoPE
     scaling."""
     from transformers import AutoModelForCausalLM
@@ -45,13 +47,20 @@ def hf_logprobs(hf, ids: torch.Tensor) -> torch.Tensor:
 def test_spec_reads_hf_config(tiny):
     kind, hf, spec, _ = tiny
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (4, 2, 32 if kind == "qwen3" else 16)
-    assert spec.tie_word_embeddings == (kind in ("qwen2", "qwen3", "smollm3"))
-    assert spec.qk_norm == (kind in ("qwen3", "olmo2")) and spec.post_norms == (kind == "olmo2")
+    assert spec.tie_word_embeddings == (kind in ("qwen2", "qwen3", "smollm3", "gemma3"))
+    assert spec.qk_norm == (kind in ("qwen3", "olmo2", "gemma3")) and spec.post_norms == (kind == "olmo2")
+    assert spec.gemma == (kind == "gemma3") and spec.local_layers == ((True, False) if kind == "gemma3" else None)
     assert spec.rope_layers == ((True, False) if kind == "smollm3" else None)
-    assert (spec.rope_scaling is not None) == (kind in ROPES)
+    assert (spec.rope_scaling is not None) == (kind in (*ROPES, "gemma3"))  # (Gemma 3's global layers: linear)
     assert spec.qkv_bias == (kind == "qwen2")
-    assert spec.sliding_window == (MISTRAL_WINDOW if kind == "mistral" else None)
-    assert spec.rope_theta == hf.config.rope_parameters["rope_theta"]
+    assert spec.sliding_window == (MISTRAL_WINDOW if kind in ("mistral", "gemma3") else None)
+    if kind == "gemma3":
+        rope = hf.config.rope_parameters
+        assert (spec.rope_theta, spec.local_rope_theta) == (rope["full_attention"]["rope_theta"],
+                                                            rope["sliding_attention"]["rope_theta"])
+        assert spec.attn_scale == hf.config.query_pre_attn_scalar ** -0.5
+    else:
+        assert spec.rope_theta == hf.config.rope_parameters["rope_theta"]
 
 
 def test_prefill_matches_hf(tiny):
@@ -133,7 +142,7 @@ def test_shard_spec_is_one_tp_ranks_share(tiny):
     ("rope_scaling", {"rope_type": "dynamic", "factor": 8.0}),
     ("rope_parameters", {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}),
     ("use_sliding_window", True),
-    ("model_type", "gemma3_text"),
+    ("model_type", "gemma3"),
     ("hidden_act", "gelu"),
 ])
 def test_unsupported_config_names_the_field(field, value, tmp_path):

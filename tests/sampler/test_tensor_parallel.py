@@ -33,9 +33,10 @@ def ranks(embedded_model_dir, embedded_moe_model_dir, qwen, tmp_path_factory) ->
     """The results of both ranks of one two-rank launch of the worker."""
     llama = make_tiny_model(tmp_path_factory.mktemp("llama_biased"), "llama", attention_bias=True, mlp_bias=True)
     qwen3_moe = make_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", norm_topk_prob=False)
+    gemma3 = make_tiny_model(tmp_path_factory.mktemp("gemma3"), "gemma3")
     out = tmp_path_factory.mktemp("tp_worker")
     proc = run_torchrun("tests/sampler/tp_worker.py", 2, str(embedded_model_dir), str(llama), str(qwen),
-                        str(embedded_moe_model_dir), str(qwen3_moe), str(out), timeout=240)
+                        str(embedded_moe_model_dir), str(qwen3_moe), str(gemma3), str(out), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
@@ -89,11 +90,12 @@ def test_shard_refuses_a_tp_size_that_does_not_divide_the_kv_heads(embedded_mode
         ModelSpec.from_hf_config(cfg).shard(2).shard(2)
 
 
-@pytest.mark.parametrize("model", ["embedded", "llama_biased", "moe", "qwen3_moe"])
+@pytest.mark.parametrize("model", ["embedded", "llama_biased", "moe", "qwen3_moe", "gemma3"])
 def test_tp2_forward_equals_tp1_and_is_bit_identical_across_ranks(ranks, model):
     """Prefill then two decode steps; the Llama has o_proj/down_proj biases (added once, after the all-reduce);
     the MoE models (the embedded tiny Mixtral; a Qwen3-MoE, q/k norms and unnormalised top-k) route every
-    position to the same experts as TP1 on both ranks."""
+    position to the same experts as TP1 on both ranks; Gemma 3 normalises o_proj's and down_proj's outputs after
+    the all-reduce and scales the vocab-parallel embedding's sum."""
     for rank in ranks:
         for tp1, tp2 in zip(rank["forward"][model]["tp1"], rank["forward"][model]["tp2"]):
             assert (torch.log_softmax(tp2, -1) - torch.log_softmax(tp1, -1)).abs().max() <= TOL

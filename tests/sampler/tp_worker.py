@@ -168,8 +168,8 @@ def run_pair(rank: int, group, engine: BuiltinEngine, stage_lead, follower_stage
 
 
 def main() -> None:
-    embedded_dir, llama_dir, qwen_dir, moe_dir, qwen3_moe_dir = sys.argv[1:6]
-    out = Path(sys.argv[6])
+    embedded_dir, llama_dir, qwen_dir, moe_dir, qwen3_moe_dir, gemma3_dir = sys.argv[1:7]
+    out = Path(sys.argv[7])
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     rank = dist.get_rank()
     group = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
@@ -177,7 +177,8 @@ def main() -> None:
     results = {"forward": {"embedded": forward_logits(embedded_dir, rank, group),
                            "llama_biased": forward_logits(llama_dir, rank, group),
                            "moe": forward_logits(moe_dir, rank, group),
-                           "qwen3_moe": forward_logits(qwen3_moe_dir, rank, group)}}
+                           "qwen3_moe": forward_logits(qwen3_moe_dir, rank, group),
+                           "gemma3": forward_logits(gemma3_dir, rank, group)}}
 
     # generate: sampled, continuous batching (4 slots for 10 requests), no swap.
     engine = BuiltinEngine.from_pretrained(qwen_dir, tp_group=group, max_running=4, max_seq_len=32,
