@@ -88,7 +88,7 @@ LAP_COUNT_RECIPE = WarmStartRecipe(clean_steps=300, noisy_steps=100, batch_promp
 LAP_COUNT_EVAL_PROMPTS = 100
 LAP_COUNT_BUILD_MINUTES = 2.0  # (~100 s of CPU measured; 25 min of wall time at a load average of ~20)
 
-QWEN3_5_BUILD_MINUTES = 4.0  # (measured in its docs/models.md paragraph)
+QWEN3_5_BUILD_MINUTES = 2.0  # (~95 s of CPU measured; 14 min of wall time at a load average of ~35)
 
 EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-qwen2-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
@@ -111,7 +111,6 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
                                      max_new_tokens=COUNT_MAX_NEW_TOKENS, family="qwen3"),
     # The demo task on a hybrid Qwen3.5 text model of the demo's sizes (a gated-DeltaNet layer, then a full-attention
     # one; docs/models.md): `model.path=embedded:tiny-qwen3_5-count learner.backend=deepspeed` (the generic path).
-    # transformers' torch path of the delta rule makes its warm start ~5x the Qwen3 one's per step.
     "tiny-qwen3_5-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                        max_new_tokens=COUNT_MAX_NEW_TOKENS, family="qwen3_5",
                                        build_minutes=QWEN3_5_BUILD_MINUTES),
