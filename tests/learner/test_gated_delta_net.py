@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megarl.learner.gated_delta_net import build_layer
 from megarl.models import gated_delta_net as gdn
 
 # Two key heads serving two value heads each (the grouped layout megatron and transformers repeat q/k for), widths
@@ -53,35 +54,6 @@ def _hf_layer(model_type: str):
     return config, layer.eval()
 
 
-def _megatron_layer(config):
-    """megatron-core's GatedDeltaNet at this world's TP, built from megatron-core's own module with the local
-    (non-Transformer-Engine) linears."""
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    # (megatron's default activation is GELU; the conv's activation and the output gate's are Qwen's SiLU)
-    mcfg = TransformerConfig(num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                             activation_func=torch.nn.functional.silu,
-                             num_attention_heads=config.num_attention_heads, normalization="RMSNorm",
-                             layernorm_epsilon=config.rms_norm_eps, use_cpu_initialization=True,
-                             perform_initialization=False, params_dtype=torch.float32,
-                             experimental_attention_variant="gated_delta_net", linear_attention_freq=2,
-                             linear_conv_kernel_dim=config.linear_conv_kernel_dim,
-                             linear_key_head_dim=config.linear_key_head_dim,
-                             linear_value_head_dim=config.linear_value_head_dim,
-                             linear_num_key_heads=config.linear_num_key_heads,
-                             linear_num_value_heads=config.linear_num_value_heads,
-                             tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size())
-    submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
-                                         out_proj=RowParallelLinear)
-    return GatedDeltaNet(mcfg, submodules, layer_number=1, bias=False, conv_bias=False,
-                         pg_collection=ProcessGroupCollection.use_mpu_process_groups()).eval()
-
-
 def test_without_the_shims_megatron_cores_module_refuses_to_build():
     """The reason for apply_gated_delta_net_shims: megatron-core 0.16.1 imports fla for l2norm and the chunked
     kernel, and its constructor refuses without them (this machine has no flash-linear-attention)."""
@@ -116,7 +88,7 @@ def test_megatron_cores_gated_delta_net_equals_transformers(megatron_world, mode
     hf = {name: t.detach() for name, t in layer.state_dict().items()}
     if model_type == "qwen3_next":
         hf = gdn.qwen3_next_to_qwen3_5(hf, config.to_dict())
-    mlayer = _megatron_layer(config)
+    mlayer = build_layer(config.to_dict()).eval()
     missing, unexpected = mlayer.load_state_dict(gdn.hf_to_mcore(hf), strict=False)
     assert not unexpected and all(name.endswith("_extra_state") for name in missing), (missing, unexpected)
     x = torch.randn(2, 70, config.hidden_size, generator=torch.Generator().manual_seed(1))
