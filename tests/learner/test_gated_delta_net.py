@@ -123,3 +123,56 @@ def test_a_tp_ranks_share_is_its_heads_of_every_part_in_megatrons_order():
     assert torch.equal(gdn.tp_slice("out_norm.weight", torch.ones(2), cfg, 2, 1), torch.ones(2))
     with pytest.raises(ValueError, match="learner.tp=4 does not divide linear_num_key_heads=2"):
         gdn.tp_slice("in_proj.weight", in_proj, cfg, 4, 0)
+
+
+TP2_SCRIPT = '''
+import json, sys
+import torch, torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megarl.learner.cpu_shims import apply_cpu_shims, apply_gated_delta_net_shims
+from megarl.learner.gated_delta_net import build_layer
+from megarl.models import gated_delta_net as gdn
+from tests.learner.test_gated_delta_net import _hf_layer
+
+dist.init_process_group("gloo")
+apply_cpu_shims()
+apply_gated_delta_net_shims()
+parallel_state.initialize_model_parallel(2, 1)
+tensor_parallel.model_parallel_cuda_manual_seed(0)
+rank, gaps = parallel_state.get_tensor_model_parallel_rank(), {}
+for model_type in ("qwen3_5_text", "qwen3_next"):
+    config, layer = _hf_layer(model_type)
+    cfg = config.to_dict()
+    hf = {name: t.detach() for name, t in layer.state_dict().items()}
+    if model_type == "qwen3_next":
+        hf = gdn.qwen3_next_to_qwen3_5(hf, cfg)
+    mlayer = build_layer(cfg).eval()
+    shard = {name: gdn.tp_slice(name, t, cfg, 2, rank) for name, t in gdn.hf_to_mcore(hf).items()}
+    missing, unexpected = mlayer.load_state_dict(shard, strict=False)
+    assert not unexpected and all(name.endswith("_extra_state") for name in missing), (missing, unexpected)
+    x = torch.randn(2, 70, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = layer(x)
+        got = mlayer(x.transpose(0, 1).contiguous(), attention_mask=None)[0].transpose(0, 1)
+    gaps[model_type] = ((got - want).abs().max() / want.abs().max()).item()
+if rank == 0:
+    print("GAPS " + json.dumps(gaps), flush=True)
+parallel_state.destroy_model_parallel()
+dist.destroy_process_group()
+'''
+
+
+def test_at_tp2_megatron_cores_layer_from_each_ranks_share_equals_transformers(tmp_path):
+    """Two torchrun ranks at learner.tp=2, each holding tp_slice's share (its key heads, their value heads): the
+    row-parallel output projection's sum over the ranks equals transformers' layer within the TP1 bound (the
+    ranks' partial sums add in another order)."""
+    import json
+
+    from tests.helpers import run_torchrun
+
+    script = tmp_path / "gdn_tp2.py"
+    script.write_text(TP2_SCRIPT)
+    proc = run_torchrun(script, 2, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    gaps = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("GAPS "))[5:])
+    assert set(gaps) == {"qwen3_5_text", "qwen3_next"} and max(gaps.values()) <= 1e-5, gaps
