@@ -41,6 +41,10 @@ JSON with the tail of its log, and the rest still run:
                     models"): a Qwen3.5-like text model (gated DeltaNet, 3 of 4 layers; bf16, random weights): decode tokens/s
                     of a batch, and the lag-0 gap of its behaviour log-probs against the DeepSpeed learner's forward
                     (transformers bf16, unpacked rows) and an fp32 HF forward
+  gated_delta_net   megatron-core's own GatedDeltaNet as megarl builds it (megarl/learner/gated_delta_net.py) against
+                    transformers' Qwen3.5 layer with the same weights, one layer of hybrid's shape at the learner's
+                    dtype (FLA's kernels where installed, else megatron's torch path: `impl`): relative output gap,
+                    forward + backward time of each
   critic_step       the learner step of learner_step with the critic of algo.advantage.estimator=gae
                     (megarl.learner.critic: a replicated fp32 value model, V-trace targets): step time and the
                     critic's metrics, against learner_step's time
@@ -882,6 +886,68 @@ def check_hybrid(args, size: Size) -> dict:
     return {**result, "peak_gpu_gib": peak_gib()}
 
 
+def check_gated_delta_net(args, size: Size) -> dict:
+    """megatron-core's own GatedDeltaNet as megarl builds it (megarl.learner.gated_delta_net; docs/models.md, "The
+    megatron learner's gated DeltaNet") against transformers' Qwen3.5 layer with the same weights (mapped by
+    megarl.models.gated_delta_net), one layer of the hybrid check's shape at the learner's dtype: the largest
+    |output difference| relative to the output's scale, and each one's median forward + backward time. On the GPU
+    megatron runs flash-linear-attention's kernels where it is installed and the module's torch path otherwise
+    (`impl`); on CPU the torch path under apply_gated_delta_net_shims."""
+    import importlib.util
+
+    import torch
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    from megarl.learner.cpu_shims import apply_gated_delta_net_shims, l2norm
+    from megarl.learner.gated_delta_net import build_layer
+    from megarl.models import gated_delta_net as gdn
+
+    init_single_rank(args.backend, Path(args.workdir))
+    from megatron.core import parallel_state
+    from megatron.core.ssm import gated_delta_net as mcore_gdn
+
+    parallel_state.initialize_model_parallel(1, 1)
+    apply_gated_delta_net_shims()  # (CPU only)
+    impl = "fla" if importlib.util.find_spec("fla") is not None else "torch"
+    if impl == "torch" and not mcore_gdn.HAVE_FLA:  # a GPU without flash-linear-attention: the module's torch path
+        mcore_gdn.HAVE_FLA, mcore_gdn.l2norm = True, l2norm
+        mcore_gdn.chunk_gated_delta_rule = mcore_gdn.torch_chunk_gated_delta_rule
+    device = device_of(args)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = dict(TINY_QWEN35 if size.tiny else QWEN35_LIKE, num_hidden_layers=2,
+                 layer_types=["linear_attention", "full_attention"], rms_norm_eps=1e-6)
+    config = Qwen3_5TextConfig(**shape)
+    torch.manual_seed(0)
+    hf = Qwen3_5GatedDeltaNet(config, 0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p) * 0.02 + (1.0 if p.dim() == 1 else 0.0))
+    hf = hf.to(device, dtype)
+    mcore = build_layer(config.to_dict(), dtype).to(device)
+    mcore.load_state_dict(gdn.hf_to_mcore({k: v.detach() for k, v in hf.state_dict().items()}), strict=False)
+    rows, width = (2, size.train_len) if size.tiny else (size.train_rows, size.train_len)
+    x = torch.randn(rows, width, config.hidden_size, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    outs, result = {}, {"rows": rows, "width": width, "dtype": str(dtype).removeprefix("torch."), "impl": impl}
+    for name, forward in (("transformers", lambda t: hf(t)),
+                          ("megatron", lambda t: mcore(t.transpose(0, 1).contiguous(), None)[0].transpose(0, 1))):
+        times = []
+        for _ in range(2 if size.tiny else size.train_steps + 2):  # (the first: warm-up)
+            inp = x.detach().requires_grad_()
+            sync()
+            start = time.perf_counter()
+            out = forward(inp)
+            out.float().square().mean().backward()
+            sync()
+            times.append(time.perf_counter() - start)
+        outs[name] = out.detach().float()
+        result[f"{name}_median_fwd_bwd_s"] = round(median(times[1:]), 5)
+    scale = outs["transformers"].abs().max().item()
+    result["max_abs_diff_rel"] = (outs["megatron"] - outs["transformers"]).abs().max().item() / scale
+    parallel_state.destroy_model_parallel()
+    return {**result, "peak_gpu_gib": peak_gib()}
+
+
 def check_moe_replay(args, size: Size) -> dict:
     """Router agreement and log-prob gap between the built-in engine (bf16 weights on the GPU, recording routes)
     and the megatron learner on a random Mixtral-style model, with routing replay off and r3
@@ -1339,6 +1405,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120),
           "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
           "trackers": (check_trackers, 120), "families": (check_families, 180), "hybrid": (check_hybrid, 150),
+          "gated_delta_net": (check_gated_delta_net, 150),
           "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180),
           "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]

@@ -1,7 +1,7 @@
 """The embedded models: their registry, their builds and the on-disk cache.
 
 `EMBEDDED_MODELS` names every model megarl can build locally (docs/embedded_model.md): the dense Qwen2 and
-Qwen3 ones are built by megarl/embedded/tiny.py's warm start, the tool model by tiny_chat.py, the
+Qwen3 ones and the hybrid Qwen3.5 one are built by megarl/embedded/tiny.py's warm start, the tool model by tiny_chat.py, the
 mixture-of-experts ones (Mixtral, Qwen3-MoE) with tiny_moe.py's configs. `ensure_embedded_model` builds
 atomically under a file lock; `resolve_model_path` turns a config's model path ("embedded:<name>" or a directory)
 into a checked directory.
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megarl.embedded.spec import (BUILD_RECORD, EOS_ID, PAD_ID, VOCAB_SIZE, WarmStartRecipe, build_config,
-                                  build_qwen3_config, build_tokenizer)
+                                  build_qwen3_5_config, build_qwen3_config, build_tokenizer)
 from megarl.filelock import exclusive
 from megarl.rollout.lap_count import LapCountTask
 from megarl.rollout.tasks import ArithmeticTask, CountTask, ToolArithmeticTask
@@ -40,8 +40,9 @@ class EmbeddedSpec:
     config: tuple = ()
     # A mixture-of-experts variant (megarl/models/tiny_moe.py) instead of the dense Qwen2.
     moe: bool = False
-    # The family: dense "qwen2" (build_config) or "qwen3" (build_qwen3_config: the same sizes); with moe, "qwen2"
-    # picks the tiny Mixtral (build_moe_config), "qwen3_moe" the tiny Qwen3-MoE (build_qwen3moe_config).
+    # The family: dense "qwen2" (build_config), "qwen3" (build_qwen3_config: the same sizes) or "qwen3_5" (the hybrid
+    # Qwen3.5 text model, build_qwen3_5_config: the same sizes); with moe, "qwen2" picks the tiny Mixtral
+    # (build_moe_config), "qwen3_moe" the tiny Qwen3-MoE (build_qwen3moe_config).
     family: str = "qwen2"
     # The tool model's protocol (tiny_chat.py): "text" (`>>> code` turns) or "tool_calls" (OpenAI tool calling).
     chat: str = "text"
@@ -55,7 +56,8 @@ class EmbeddedSpec:
 
             build = build_qwen3moe_config if self.family == "qwen3_moe" else build_moe_config
             return build(VOCAB_SIZE, EOS_ID, PAD_ID, **dict(self.config))
-        return (build_qwen3_config if self.family == "qwen3" else build_config)(**dict(self.config))
+        build = {"qwen3": build_qwen3_config, "qwen3_5": build_qwen3_5_config}.get(self.family, build_config)
+        return build(**dict(self.config))
 
 
 # vLLM's CPU attention needs head_dim >= 32; the default config has 64 / 4 = 16. These variants have
@@ -86,6 +88,8 @@ LAP_COUNT_RECIPE = WarmStartRecipe(clean_steps=300, noisy_steps=100, batch_promp
 LAP_COUNT_EVAL_PROMPTS = 100
 LAP_COUNT_BUILD_MINUTES = 2.0  # (~100 s of CPU measured; 25 min of wall time at a load average of ~20)
 
+QWEN3_5_BUILD_MINUTES = 2.0  # (~95 s of CPU measured; 14 min of wall time at a load average of ~35)
+
 EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-qwen2-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                      max_new_tokens=COUNT_MAX_NEW_TOKENS),
@@ -105,6 +109,11 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     # The demo task on a dense Qwen3 of the demo's sizes (docs/models.md): `model.path=embedded:tiny-qwen3-count`.
     "tiny-qwen3-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                      max_new_tokens=COUNT_MAX_NEW_TOKENS, family="qwen3"),
+    # The demo task on a hybrid Qwen3.5 text model of the demo's sizes (a gated-DeltaNet layer, then a full-attention
+    # one; docs/models.md): `model.path=embedded:tiny-qwen3_5-count learner.backend=deepspeed` (the generic path).
+    "tiny-qwen3_5-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
+                                       max_new_tokens=COUNT_MAX_NEW_TOKENS, family="qwen3_5",
+                                       build_minutes=QWEN3_5_BUILD_MINUTES),
     # The mixture-of-experts demo's model (configs/moe.yaml, docs/moe.md): a tiny Mixtral, same task and recipe.
     "tiny-mixtral-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                        max_new_tokens=COUNT_MAX_NEW_TOKENS, moe=True),
@@ -183,8 +192,8 @@ def spec_hash(spec: EmbeddedSpec, cache_dir: Path) -> str:
 def build_embedded_model(name: str, out_dir: str | Path) -> dict:
     """Create, warm-start, evaluate and save the named model into out_dir; returns the build record."""
     import torch
-    from transformers import (GenerationConfig, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-                              Qwen3MoeForCausalLM)
+    from transformers import (GenerationConfig, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3_5ForCausalLM,
+                              Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 
     from megarl.embedded.tiny import (expected_accuracy, generate, generate_tokens, greedy_answer_accuracy,
                                       length_stats, warm_start)
@@ -204,7 +213,8 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.recipe.seed)
             model = {("qwen2", True): MixtralForCausalLM, ("qwen3_moe", True): Qwen3MoeForCausalLM,
-                     ("qwen3", False): Qwen3ForCausalLM, ("qwen2", False): Qwen2ForCausalLM}[
+                     ("qwen3", False): Qwen3ForCausalLM, ("qwen3_5", False): Qwen3_5ForCausalLM,
+                     ("qwen2", False): Qwen2ForCausalLM}[
                          spec.family, spec.moe](spec.model_config())
             warm_start(model, tokenizer, spec.task, spec.recipe)
         train_s = time.perf_counter() - t0

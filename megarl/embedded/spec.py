@@ -91,6 +91,26 @@ def build_qwen3_config(**overrides):
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="float32")
 
 
+def build_qwen3_5_config(**overrides):
+    """The tiny config as a Qwen3.5 text model (`qwen3_5_text`, a hybrid): the same sizes as build_config's, its
+    first layer gated DeltaNet linear attention (conv kernel 4; 2 key and 4 value heads of 16, so the value
+    projection is as wide as the hidden size), its second full attention (4 query and 2 KV heads of 16, RoPE on a
+    quarter of each head as Qwen3.5's config has it, gated output). Overrides replace keys of either."""
+    from transformers import Qwen3_5TextConfig
+
+    qwen2 = build_config(**{k: v for k, v in overrides.items() if k in build_config().to_dict()}).to_dict()
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "bos_token_id",
+            "eos_token_id", "pad_token_id")
+    head_dim = qwen2["hidden_size"] // qwen2["num_attention_heads"]
+    kwargs = {k: qwen2[k] for k in keys}
+    kwargs.update(head_dim=head_dim, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                  linear_key_head_dim=head_dim, linear_value_head_dim=head_dim, linear_num_key_heads=2,
+                  linear_num_value_heads=4, dtype="float32")
+    kwargs.update({k: v for k, v in overrides.items() if k not in keys})
+    return Qwen3_5TextConfig(**kwargs)
+
+
 @dataclass(frozen=True)
 class WarmStartRecipe:
     """Two phases. 1) `clean_steps` on correct answers: learn the task (fast, low-variance signal).

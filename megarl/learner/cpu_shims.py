@@ -13,7 +13,9 @@ On a CPU-only torch each of them ends in ``AssertionError: Torch not compiled wi
   when CUDA is available, and the learner only calls it on CPU).
 
 ``SHIMS`` maps a shim name to the function that applies it; tests apply all but one to prove each
-shim is needed (tests/learner/test_cpu_shims.py).
+shim is needed (tests/learner/test_cpu_shims.py). ``apply_gated_delta_net_shims`` is apart from them: only a model
+with gated-DeltaNet layers (megatron.core.ssm.gated_delta_net) needs it, and it stands in for a package that is
+absent, not for a CUDA line alone (tests/learner/test_gated_delta_net.py).
 """
 from __future__ import annotations
 
@@ -300,6 +302,34 @@ def _shim_expert_bias() -> None:
         ("super().__init__(config=config, pg_collection=pg_collection)",
          "Router.__init__(self, config=config, pg_collection=pg_collection)"),
     ])
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """x scaled to unit L2 norm along `dim`: fla.modules.l2norm.l2norm's function (its Triton kernel computes
+    x * rsqrt(sum(x * x) + eps)), as transformers' Qwen3-Next / Qwen3.5 torch path computes it too."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def apply_gated_delta_net_shims() -> None:
+    """megatron-core's GatedDeltaNet (ssm/gated_delta_net.py) on CPU; idempotent; a no-op when CUDA is available.
+
+    The module imports flash-linear-attention (`fla`) for two names, l2norm and chunk_gated_delta_rule, and its
+    constructor refuses to run without them (HAVE_FLA). Both are Triton GPU kernels, so on CPU they are replaced
+    by torch: l2norm by `l2norm` above, chunk_gated_delta_rule by the module's own torch path
+    (torch_chunk_gated_delta_rule, which it runs under config.deterministic_mode: the same arguments and
+    results). Its constructor also allocates conv1d, dt_bias and A_log on `torch.cuda.current_device()`, and
+    calls the zero-argument super(), which a recompiled method cannot (its class cell is gone)."""
+    if torch.cuda.is_available() or "gated_delta_net" in _APPLIED:
+        return
+    from megatron.core.ssm import gated_delta_net
+
+    gated_delta_net.l2norm = l2norm
+    gated_delta_net.chunk_gated_delta_rule = gated_delta_net.torch_chunk_gated_delta_rule
+    gated_delta_net.HAVE_FLA = True
+    _rewrite(gated_delta_net.GatedDeltaNet, "__init__", [
+        ("super().__init__(config)", "MegatronModule.__init__(self, config)"),
+        ("device=torch.cuda.current_device()", 'device="cpu"')])
+    _APPLIED.add("gated_delta_net")
 
 
 SHIMS: dict[str, Callable[[], None]] = {

@@ -289,6 +289,27 @@ def test_the_qwen3_demo_model_is_a_dense_qwen3_of_the_demo_s_sizes():
         assert getattr(qwen3, key) == getattr(qwen2, key), key
 
 
+def test_the_qwen3_5_demo_model_is_a_hybrid_of_the_demo_s_sizes_on_the_generic_path():
+    """One gated-DeltaNet layer then one full-attention layer, the Qwen2 demo model's widths; a model type megarl's
+    families do not map, so the generic path's (transformers loads it as a causal LM)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from megarl.models.convert import check_supported
+
+    qwen2 = embedded.EMBEDDED_MODELS["tiny-qwen2-count"].model_config()
+    spec = embedded.EMBEDDED_MODELS["tiny-qwen3_5-count"]
+    hybrid = spec.model_config()
+    assert hybrid.model_type == "qwen3_5_text" and hybrid.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    assert hybrid.layer_types == ["linear_attention", "full_attention"]
+    assert hybrid.linear_num_value_heads * hybrid.linear_value_head_dim == qwen2.hidden_size
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "tie_word_embeddings", "eos_token_id", "pad_token_id"):
+        assert getattr(hybrid, key) == getattr(qwen2, key), key
+    assert spec.task == embedded.EMBEDDED_MODELS["tiny-qwen2-count"].task
+    with pytest.raises(ValueError, match="learner.backend=deepspeed"):
+        check_supported(hybrid.to_dict())
+
+
 def test_resolving_a_built_model_imports_neither_torch_nor_transformers(tmp_path):
     """Every rank and `megarl train`'s checks resolve model.path at start; for a built embedded model that is a
     remembered hash and a directory that exists, so it must not cost the import of torch or transformers (the

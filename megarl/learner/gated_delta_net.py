@@ -1,0 +1,52 @@
+"""megatron-core's own gated-DeltaNet layer (megatron/core/ssm/gated_delta_net.py) built from an HF hybrid config
+(Qwen3.5 text, Qwen3-Next), with the local (non-Transformer-Engine) linears a CPU run has.
+
+megatron-core's `get_gated_delta_net_module_spec` gives `in_proj=None` under its local backend (it expects
+Transformer Engine's fused norm + linear there), so `module_spec` names the plain column- and row-parallel linears;
+the layer's input norm then stays the transformer layer's own. `transformer_config_kwargs` are the TransformerConfig
+fields the module reads. On CPU, megarl.learner.cpu_shims.apply_gated_delta_net_shims must have run first (the
+module needs flash-linear-attention otherwise). The weights map with megarl.models.gated_delta_net.
+"""
+from __future__ import annotations
+
+
+def transformer_config_kwargs(hf_config: dict) -> dict:
+    """The TransformerConfig fields of a gated-DeltaNet layer: its widths, Qwen's SiLU (the conv's activation and
+    the output gate's; megatron's default is GELU) and the norm's epsilon."""
+    import torch.nn.functional as F
+
+    keys = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+            "linear_num_value_heads")
+    return {**{k: hf_config[k] for k in keys}, "activation_func": F.silu, "normalization": "RMSNorm",
+            "layernorm_epsilon": hf_config["rms_norm_eps"], "experimental_attention_variant": "gated_delta_net"}
+
+
+def module_spec():
+    """The ModuleSpec of megatron's GatedDeltaNet with local linears and a torch RMSNorm as its gated out_norm."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return ModuleSpec(module=GatedDeltaNet, params={"bias": False, "conv_bias": False},
+                      submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
+                                                         out_proj=RowParallelLinear))
+
+
+def build_layer(hf_config: dict, dtype=None, layer_number: int = 1):
+    """One GatedDeltaNet of `hf_config`'s shape at the initialised megatron parallel state's TP (weights
+    uninitialised: load them with megarl.models.gated_delta_net.hf_to_mcore and tp_slice)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import build_module
+
+    dtype = dtype or torch.float32
+    config = TransformerConfig(num_layers=hf_config["num_hidden_layers"], hidden_size=hf_config["hidden_size"],
+                               num_attention_heads=hf_config["num_attention_heads"], use_cpu_initialization=True,
+                               perform_initialization=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                               tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+                               linear_attention_freq=2, **transformer_config_kwargs(hf_config))
+    return build_module(module_spec(), config, layer_number=layer_number,
+                        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
