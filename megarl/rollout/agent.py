@@ -217,6 +217,7 @@ class AgentRunner:
             return self._fail(episode, f"agent {self.agent_path}: must return a finite number (the reward; within "
                                        f"float32's range), got {type(reward).__name__} {reward!r:.80}")
         episode.end(float(reward))
+        episode.reward_parts = getattr(reward, "parts", None)  # an environment's rubric parts (rewards.Scored)
         return episode
 
     def _fail(self, episode: Episode, error: str) -> Episode:
