@@ -381,23 +381,33 @@ class AgentRunner:
         yield chunk(head, {"role": "assistant", "content": ""})
         parser = self.tool_parser if request.parse_calls else None
         tokens: list[int] = []
-        sent = ""
+        sent, frozen = "", False  # frozen: with a parser, content is settled no further once a marker may start
         deadline = time.monotonic() + self.timeout_s
-        while True:
+        done = False
+        while not done:
             try:
-                update = deltas.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                updates = [deltas.queue.get(timeout=max(0.0, deadline - time.monotonic()))]
             except queue.Empty:
                 raise EndpointError(HTTPStatus.GATEWAY_TIMEOUT, f"no completion within {self.timeout_s:g}s "
                                     f"(task.agent_timeout_s)", kind="server_error") from None
-            if update is None:
-                break
-            skip = len(tokens) - update.start  # tokens of this update already handed over (none: `seen` follows)
-            new, new_logprobs = update.token_ids[skip:], update.logprobs[skip:]
+            while updates[-1] is not None and not deltas.queue.empty():  # steps it fell behind on: one chunk
+                updates.append(deltas.queue.get_nowait())
+            done = updates[-1] is None
+            new, new_logprobs = [], []
+            for update in filter(None, updates):
+                skip = len(tokens) + len(new) - update.start  # of this update, tokens already taken (none: `seen`)
+                new += update.token_ids[skip:]
+                new_logprobs += update.logprobs[skip:]
             tokens += new
-            text = settled_content(parser, self.tokenizer.decode(tokens, skip_special_tokens=parser is None))
-            delta = {"content": text[len(sent):]} if text.startswith(sent) and len(text) > len(sent) else {}
-            sent += delta.get("content", "")
-            logprobs = logprob_entries(self.tokenizer, new, new_logprobs) if request.logprobs else None
+            delta = {}
+            if new and not frozen:
+                # The whole reply decoded again: a token's text may depend on its neighbours (multi-byte characters)
+                text = self.tokenizer.decode(tokens, skip_special_tokens=parser is None)
+                frozen = parser is not None and "<" in text
+                settled = settled_content(parser, text)
+                if settled.startswith(sent) and len(settled) > len(sent):
+                    delta, sent = {"content": settled[len(sent):]}, settled
+            logprobs = logprob_entries(self.tokenizer, new, new_logprobs) if request.logprobs and new else None
             if delta or logprobs:
                 yield chunk(head, delta, logprobs=logprobs)
         response = self._finish_turn(session, request, self._completion(future), prompt_tokens)
