@@ -134,3 +134,71 @@ def test_a_client_that_disconnects_mid_stream_ends_its_episode_and_the_sampler_g
     [after] = loop.run(Prompt("q", "a", {"leave": False}), "s0-g1/0", seed=7)
     loop.runner.close()
     assert (after.error, after.turns, after.token_ids) == (None, 1, loop.completions[-1].token_ids)
+
+
+class TokenByToken:
+    """A scripted engine that reveals a reply one token at a time through `progress`, as BuiltinEngine.progress
+    reports a running request, then completes it: the reply's tokens, log-probs and versions are the test's. The next
+    token is revealed once the agent has read the last (`received`: tokens it got), so each chunk holds one token."""
+
+    def __init__(self, tok, agent, reply: str, received):
+        from megarl.sampler.engine import Progress
+
+        self.tok, self.Progress, self.requests = tok, Progress, []
+        self.ids = tok.encode(reply, add_special_tokens=False) + [tok.convert_tokens_to_ids(IM_END)]
+        self.logprobs = [-(i + 1) / 8 for i in range(len(self.ids))]
+        self.shown, self.received = 0, received
+        self.runner = AgentRunner(agent_that(agent), tok, self.requests.append, SamplingParams(max_new_tokens=96),
+                                  EpisodeLimits(2, 0, 512, 1, 10.0), (tok.convert_tokens_to_ids(IM_END),),
+                                  workers=1, timeout_s=60.0, model_name="tiny", progress=self.progress)
+
+    def progress(self, since):
+        return {rid: self.Progress(start, self.ids[start:self.shown], self.logprobs[start:self.shown],
+                                   [1] * (self.shown - start)) for rid, start in since.items()}
+
+    def run(self, prompt: Prompt):
+        from megarl.protocols import Completion
+
+        self.runner.start("s0-g0/0", prompt)
+        ended, deadline = [], time.monotonic() + 180  # ~90 agent round trips; only a broken stream runs out
+        while not ended:
+            assert time.monotonic() < deadline, "the episode did not end"
+            if self.requests and self.shown < len(self.ids) and self.received() >= self.shown:
+                self.shown += 1
+                if self.shown == len(self.ids):
+                    request = self.requests[0]
+                    self.runner.on_completion(Completion(request.request_id, request.prompt_ids, self.ids,
+                                                         self.logprobs, [1] * len(self.ids), "stop"))
+            ended += self.runner.poll()
+            time.sleep(0.005)
+        self.runner.close()
+        return ended
+
+
+def test_with_tools_a_stream_sends_the_text_before_a_call_and_the_call_as_tool_calls_at_the_end(tok):
+    import tools_agent  # on sys.path via tests.rollout.test_agent
+
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "37*43"}}\n</tool_call>'
+    seen = {"chunks": [], "tokens": 0}
+
+    def agent(base_url, prompt, answer, meta):
+        client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+        for c in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                tools=tools_agent.TOOLS, logprobs=True, stream=True):
+            seen["chunks"].append(c)
+            if c.choices and c.choices[0].logprobs:
+                seen["tokens"] += len(c.choices[0].logprobs.content)
+        return 0.0
+
+    loop = TokenByToken(tok, agent, "Let me compute. " + call, lambda: seen["tokens"])
+    [episode] = loop.run(Prompt("37*43", "1591"))
+    chunks = [c.choices[0] for c in seen["chunks"] if c.choices]
+    contents = [c.delta.content for c in chunks if c.delta.content]
+    # The text before the call went out while the reply was sampled (one token a chunk), none of the call's text.
+    assert "".join(contents) == "Let me compute." and len(contents) > 1
+    assert len([c for c in chunks if c.logprobs]) == len(loop.ids)  # each token in its own chunk
+    [calls] = [c.delta.tool_calls for c in chunks if c.delta.tool_calls]
+    assert (calls[0].function.name, calls[0].function.arguments) == ("python", '{"code": "37*43"}')
+    assert chunks[-1].finish_reason == "tool_calls"
+    assert [t.logprob for c in chunks if c.logprobs for t in c.logprobs.content] == loop.logprobs
+    assert (episode.token_ids, episode.logprobs) == (loop.ids, loop.logprobs)  # trained: the sampled tokens
