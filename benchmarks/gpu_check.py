@@ -60,6 +60,10 @@ JSON with the tail of its log, and the rest still run:
                     steps; every step once, the longest step gap after the kill, samplers/* metrics
   sglang_replace    the same with sampler.engine=sglang (megarl's SGLang-compatible server): sampler 0's server
                     SIGKILLed; its sampler and server are replaced and join a new weight-update group
+  agent_stream      stream=true on the agent endpoint (docs/multiturn.md#openai-compatibility): one streamed turn
+                    through the real `openai` client on the built-in engine beside a batch of other requests: when
+                    its first token chunk arrived against the whole turn, how many chunks carried tokens, and that
+                    they add up to the completion's tokens and log-probs
 
 `--dry-run` (CPU): the wheel list's structure, its declared total against the 64 MiB limit (with the
 working tree that travels with it), each wheel's requirements against what the GPU machine has; unless
@@ -159,8 +163,9 @@ def device_of(args) -> "torch.device":
     return torch.device("cuda" if args.device == "cuda" else "cpu")
 
 
-def build_model(path: Path, size: Size, device: str) -> Path:
-    """An HF Qwen2 directory with random weights (bf16 on the GPU, fp32 on CPU), built on `device`."""
+def build_model(path: Path, size: Size, device: str, config: dict | None = None) -> Path:
+    """An HF Qwen2 directory with random weights (bf16 on the GPU, fp32 on CPU), built on `device`; `config` in place
+    of size.model."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -168,7 +173,7 @@ def build_model(path: Path, size: Size, device: str) -> Path:
         return path
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(**size.model))
+        model = Qwen2ForCausalLM(Qwen2Config(**(config or size.model)))
     if device == "cuda":
         model = model.to(torch.bfloat16)
     partial = path.with_name(path.name + f".partial{os.getpid()}")
@@ -566,6 +571,65 @@ def check_engine_vs_hf(args, size: Size) -> dict:
         engine.close()
         del engine
     return {"new_tokens": new, "dtype": str(dtype), **rows, "peak_gpu_gib": peak_gib()}
+
+
+def check_agent_stream(args, size: Size) -> dict:
+    """One streamed agent turn (megarl/rollout/agent.py) of size.gen_tokens tokens, read with the real `openai` client,
+    on the built-in engine beside size.gen_batches[0] - 1 other requests, the check stepping the engine as the
+    sampler loop does: seconds to its first chunk with tokens and to its end, and the chunks that carried tokens. The
+    model is learner_step's shape with the embedded chat tokenizer's vocabulary (the endpoint decodes every token)."""
+    import openai
+
+    from megarl.embedded.tiny_chat import build_chat_tokenizer
+    from megarl.protocols import GenerationRequest, Prompt, SamplingParams
+    from megarl.rollout.agent import AgentRunner
+    from megarl.rollout.episode import EpisodeLimits
+
+    tok = build_chat_tokenizer()
+    model_dir = build_model(Path(args.workdir) / "model-chat", size, args.device, dict(size.model, vocab_size=len(tok)))
+    max_seq_len = 64 + size.gen_tokens
+    engine = make_engine(model_dir, device_of(args), max_running=size.gen_batches[0], max_seq_len=max_seq_len)
+    sampling = SamplingParams(1.0, 1.0, 0, size.gen_tokens)
+    seen: dict = {"chunks": []}
+
+    def agent(base_url, prompt, answer, meta):
+        client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+        start = time.perf_counter()
+        for c in client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
+                                                logprobs=True, stream=True):
+            if c.choices and c.choices[0].logprobs:
+                seen.setdefault("first_s", time.perf_counter() - start)
+                seen["chunks"].append([t.logprob for t in c.choices[0].logprobs.content])
+        seen["turn_s"] = time.perf_counter() - start
+        return 0.0
+
+    sys.modules[__name__].stream_agent = agent  # task.agent names a module attribute
+    runner = AgentRunner(f"{__name__}:stream_agent", tok, engine.add_request, sampling,
+                         EpisodeLimits(1, 0, max_seq_len, 1, 10.0), (), workers=1, timeout_s=120.0, model_name="m",
+                         progress=engine.progress)
+    for i in range(size.gen_batches[0] - 1):
+        engine.add_request(GenerationRequest(f"other/{i}", random_prompts(1, len(tok), seed=i)[0], sampling))
+    runner.start("s0-g0/0", Prompt("37*43", "1591"))
+    ended, completion, deadline = [], None, time.monotonic() + 120
+    while not ended:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the streamed episode did not end within 120 s")
+        for done in engine.step():
+            if not done.request_id.startswith("other/"):
+                completion = done
+                runner.on_completion(done)
+        ended += runner.poll()
+        if engine.num_unfinished == 0:
+            runner.ready.wait(0.01)
+    runner.close()
+    [episode] = ended
+    streamed = [lp for chunk in seen["chunks"] for lp in chunk]
+    out = {"stream_tokens": len(completion.token_ids), "chunks_with_tokens": len(seen["chunks"]),
+           "first_chunk_s": round(seen["first_s"], 3), "turn_s": round(seen["turn_s"], 3),
+           "first_chunk_frac": round(seen["first_s"] / seen["turn_s"], 3), "batch": size.gen_batches[0]}
+    if streamed != completion.logprobs or episode.token_ids != completion.token_ids or len(seen["chunks"]) < 2:
+        raise RuntimeError(f"the stream is not the turn's tokens as sampled, token by token: {out}; {episode.error}")
+    return out
 
 
 def check_long_prefill(args, size: Size) -> dict:
@@ -1407,7 +1471,8 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "trackers": (check_trackers, 120), "families": (check_families, 180), "hybrid": (check_hybrid, 150),
           "gated_delta_net": (check_gated_delta_net, 150),
           "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180),
-          "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120)}
+          "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120),
+          "agent_stream": (check_agent_stream, 120)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 # Each check's limit on CPU bounds a hang, it is no speed test: a check there is mostly process starts and imports,
 # which a loaded 2-core machine slows several-fold (context_parallel's two torchrun ranks took over 75 s at load 20).

@@ -203,7 +203,9 @@ class SamplerLoop:
             self.episodes = AgentRunner(agent_for(tc), self.tokenizer, self.engine.add_request, self.sampling, limits,
                                         stop_token_ids=(self.tokenizer.eos_token_id,), workers=tc.env_workers,
                                         timeout_s=tc.agent_timeout_s, model_name=Path(model_dir).name,
-                                        max_request_bytes=tc.agent_max_request_bytes, tool_parser=tc.tool_parser)
+                                        max_request_bytes=tc.agent_max_request_bytes, tool_parser=tc.tool_parser,
+                                        # stream=true sends tokens per step where the engine can read them early
+                                        progress=getattr(self.engine, "progress", None))
         elif is_multi_turn(self.task):
             self.episodes = EpisodeRunner(self.task, self.tokenizer, self.engine.add_request, self.sampling, limits,
                                           stop_token_ids=(self.tokenizer.eos_token_id,), workers=tc.env_workers)
@@ -537,6 +539,7 @@ class SamplerLoop:
                 "env_failures": self.episodes.env_failures if self.episodes else 0,
                 "over_context": self.episodes.over_context if self.episodes else 0,
                 "tool_call_parse_failures": getattr(self.episodes, "tool_call_parse_failures", 0),
+                "stream_disconnects": getattr(self.episodes, "stream_disconnects", 0),
                 "env_s": self.episodes.env_s if self.episodes else 0.0,
                 # which incarnation sent it (fault.on_failure=replace: a predecessor's late group is refused), and
                 # how many groups it started (what its replacement counts as lost)

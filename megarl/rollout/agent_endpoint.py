@@ -11,8 +11,8 @@ because every client takes a base URL and agents already pass it through unchang
 
 This module owns the HTTP side only -- reading and checking a request, OpenAI's response and error
 shapes, one console line per dropped connection -- and hands every request of an open session to
-`handle(token, body) -> response dict` (or an `EventStream`: a `stream=true` reply as server-sent events), which
-raises `EndpointError` for an error response. What it
+`handle(token, body) -> response dict` (or an `EventStream`: a `stream=true` reply as server-sent events, each
+chunk written and flushed as it is produced), which raises `EndpointError` for an error response. What it
 refuses before anything else runs: a body without a valid Content-Length (411, 400), over
 `max_request_bytes` (413: nothing of it is parsed), a body that does not arrive within the read
 timeout (408), invalid or deeply nested JSON, a huge integer literal or a lone surrogate (400), an
@@ -27,6 +27,7 @@ import json
 import logging
 import re
 import secrets
+import select
 import socket
 import sys
 import threading
@@ -34,7 +35,7 @@ import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Callable, Iterable
 
 from megarl.ratelimit import RateLimitedLine
 from megarl.rollout.tool_calls import ToolCall, ToolMessageError, check_tools
@@ -220,18 +221,59 @@ class ChatCompletionsEndpoint:
                     pass  # the client went away: nothing left to drain
 
             def _send(self, status, payload: dict | EventStream):
-                stream = isinstance(payload, EventStream)
-                data = payload.encode() if stream else json.dumps(payload).encode()
+                if isinstance(payload, EventStream):
+                    self._send_events(payload)
+                    return
+                data = json.dumps(payload).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
-                if stream:
-                    self.send_header("Cache-Control", "no-cache")
+                self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
                 self.wfile.flush()
 
+            def _send_events(self, stream: EventStream) -> None:
+                """Each chunk written and flushed as the stream yields it; the body ends when the connection
+                closes (HTTP/1.0, no Content-Length). A client that went away raises ConnectionError here
+                (checked before every write: on loopback the first write after a close succeeds) and the stream
+                is closed as disconnected; an EndpointError from the stream becomes an `error` event, which the
+                `openai` client raises as an APIError."""
+                disconnected = True
+                try:
+                    self.send_response(HTTPStatus.OK)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Cache-Control", "no-cache")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.wfile.flush()
+                    try:
+                        for chunk in stream.chunks:
+                            self._event(json.dumps(chunk).encode())
+                    except EndpointError as exc:
+                        self._event(json.dumps(_error_payload(exc)).encode())
+                    else:
+                        self._event(b"[DONE]")
+                    disconnected = False
+                finally:
+                    stream.close(disconnected)
+
+            def _event(self, data: bytes) -> None:
+                if _peer_closed(self.connection):
+                    raise ConnectionResetError("the client closed the connection mid-stream")
+                self.wfile.write(b"data: " + data + b"\n\n")
+                self.wfile.flush()
+
         return Handler
+
+
+def _peer_closed(connection: socket.socket) -> bool:
+    """Whether the client closed its end: the socket reads as end-of-file (its request was read whole, so
+    nothing else is due from it)."""
+    try:
+        readable, _, _ = select.select([connection], [], [], 0)
+        return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
 
 
 def _content_length(headers) -> int | None:
@@ -319,10 +361,10 @@ def check_request(body: dict) -> ChatRequest:
     def unsupported(message: str):
         return EndpointError(HTTPStatus.BAD_REQUEST, message, code="unsupported_parameter")
 
-    if body.get("n", 1) != 1:
-        raise unsupported("n must be 1: a session is one episode, and n samples of one turn would branch it into n "
-                          "episodes sharing a history; run n sessions (algo.group_size episodes of a prompt already "
-                          "are separate sessions)")
+    if body.get("n") not in (None, 1):
+        raise unsupported("n must be 1: a session is one episode and one sample, and n samples of one turn would "
+                          "branch it into n samples outside the learner's groups; run n sessions (algo.group_size "
+                          "episodes of a prompt already are n samples of each turn)")
     if body.get("functions") or body.get("function_call"):
         raise unsupported("functions/function_call (OpenAI's deprecated form) are not supported: use tools")
     if body.get("top_logprobs"):
@@ -371,33 +413,47 @@ def completion_response(episode_key: str, turn: int, model: str, message: dict, 
     }
 
 
-def stream_chunks(response: dict, include_usage: bool) -> list[dict]:
-    """A chat.completion as the chat.completion.chunk objects of a stream: the content (with its log-probs), the
-    tool calls, the finish reason, and with include_usage a last chunk holding only the usage. The turn is whole
-    before its first chunk is sent (the engine's tokens arrive as one Completion)."""
+def logprob_entries(tokenizer, token_ids: list[int], logprobs: list[float]) -> list[dict]:
+    """OpenAI's logprobs.content entries of sampled tokens (the behaviour log-probs; no top_logprobs)."""
+    return [{"token": (text := tokenizer.decode([tid], skip_special_tokens=False)), "logprob": lp,
+             "bytes": list(text.encode()), "top_logprobs": []} for tid, lp in zip(token_ids, logprobs)]
+
+
+def chunk(head: dict, delta: dict | None, finish_reason: str | None = None, logprobs: list[dict] | None = None,
+          usage: dict | None = None) -> dict:
+    """One chat.completion.chunk (`head`: id, created, model). delta None: the usage chunk, with no choices."""
+    body = {key: head[key] for key in ("id", "created", "model")}
+    body["object"] = "chat.completion.chunk"
+    body["choices"] = [] if delta is None else [{
+        "index": 0, "delta": delta, "finish_reason": finish_reason,
+        "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None}}]
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def closing_chunks(response: dict, include_usage: bool) -> list[dict]:
+    """The chunks that end a streamed turn, from its chat.completion: the tool calls (whole, as one tool_call delta
+    each; they are parsed once the turn is complete), the finish reason, and with include_usage the usage."""
     [choice] = response["choices"]
-    message = choice["message"]
-
-    def chunk(delta: dict, finish_reason=None, logprobs=None, choices=True) -> dict:
-        body = {key: response[key] for key in ("id", "created", "model")}
-        body["object"] = "chat.completion.chunk"
-        body["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}] \
-            if choices else []
-        return body
-
-    chunks = [chunk({"role": "assistant", "content": message["content"] or ""}, logprobs=choice["logprobs"])]
-    if message.get("tool_calls"):
-        chunks.append(chunk({"tool_calls": [dict(call, index=i) for i, call in enumerate(message["tool_calls"])]}))
-    chunks.append(chunk({}, choice["finish_reason"]))
+    out = []
+    if choice["message"].get("tool_calls"):
+        out.append(chunk(response, {"tool_calls": [dict(call, index=i)
+                                                   for i, call in enumerate(choice["message"]["tool_calls"])]}))
+    out.append(chunk(response, {}, choice["finish_reason"]))
     if include_usage:
-        chunks.append(dict(chunk({}, choices=False), usage=response["usage"]))
-    return chunks
+        out.append(chunk(response, None, usage=response["usage"]))
+    return out
 
 
-@dataclass(frozen=True)
 class EventStream:
-    """A reply sent as server-sent events (`data: <json>` lines, then `data: [DONE]`)."""
-    chunks: list[dict]
+    """A reply sent as server-sent events (`data: <json>` lines, then `data: [DONE]`), each chunk written as
+    `chunks` yields it. `close(disconnected)` is called once the stream ends, whether or not it was iterated:
+    disconnected is True when the client went away (or the write failed) before the end."""
 
-    def encode(self) -> bytes:
-        return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in self.chunks) + b"data: [DONE]\n\n"
+    def __init__(self, chunks: Iterable[dict], close: Callable[[bool], None] | None = None):
+        self.chunks, self._close = chunks, close
+
+    def close(self, disconnected: bool) -> None:
+        if self._close is not None:
+            self._close(disconnected)

@@ -55,6 +55,7 @@ class Episode:
     sampling: SamplingParams | None = None  # its turns' sampling, else the runner's (an evaluation's greedy episodes)
     finish_reason: str = "stop"
     reward: float = 0.0
+    reward_parts: dict | None = None  # the named parts the reward sums, where its scorer gives them (rewards.Scored)
     error: str | None = None
     done: bool = False
 

@@ -73,6 +73,19 @@ def score(task: Task, prompt: Prompt, completion: str) -> tuple[float, str | Non
 REWARD_BOUND = 1e6
 
 
+class Scored(float):
+    """A reward with the named parts it sums (an environment's rubric: name -> {"score", "weight"}, None where a part
+    was not scored). It is the float an agent function returns (task.agent's contract) carrying `parts`, so agents
+    that return a plain number are unchanged; the episode records the parts beside the reward."""
+
+    parts: dict
+
+    def __new__(cls, total: float, parts: dict):
+        scored = super().__new__(cls, total)
+        scored.parts = dict(parts)
+        return scored
+
+
 def bad_reward_value(value: float) -> str | None:
     """Why a real number cannot be a reward, or None."""
     if not math.isfinite(value):

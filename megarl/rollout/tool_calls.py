@@ -132,6 +132,23 @@ def parse_harmony(text: str) -> ParsedReply | None:
     return ParsedReply(final.group(1).strip() if final else "", calls)
 
 
+def settled_content(parser: str | None, text: str) -> str:
+    """The start of a reply in progress that is its content whatever tokens follow: what a stream may send before
+    the turn is complete. `text` is the reply so far, decoded without special tokens when parser is None (no tool
+    parsing) and with them otherwise.
+
+    Trailing whitespace and an incomplete UTF-8 character (U+FFFD) wait for what follows (decoding may join them
+    with it). With a parser, content ends where a call may start: at the first `<` (every family's markers begin
+    with one), and for llama3 a reply whose first character is `{` may be a call; a reply's leading whitespace
+    waits until text follows it (a parsed reply's content is stripped)."""
+    if parser is not None:
+        text = text.split("<", 1)[0]
+        if parser == "llama3" and text.lstrip().startswith("{"):
+            return ""
+    text = text.rstrip().rstrip("\ufffd").rstrip()
+    return text if parser is None or text.strip() else ""
+
+
 _PARSE = {"hermes": parse_hermes, "llama3": parse_llama3, "harmony": parse_harmony}
 
 

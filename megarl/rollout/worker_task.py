@@ -15,6 +15,7 @@ import threading
 
 from megarl.protocols import Prompt
 from megarl.rollout.env_worker import TaskRow, Worker, WorkerError
+from megarl.rollout.rewards import Scored
 
 _WORKERS: dict[tuple[str, str], Worker] = {}  # (scheme, env id) -> its worker, for the agent functions in this process
 _TIMEOUTS: dict[tuple[str, str], float] = {}
@@ -60,12 +61,13 @@ class WorkerTask:
                            f"reward")
 
 
-def run_worker_episode(scheme: str, env_id: str, task: int, base_url: str) -> float:
-    """Run task row `task` of the environment's worker against base_url: its reward, or WorkerError."""
+def run_worker_episode(scheme: str, env_id: str, task: int, base_url: str) -> Scored:
+    """Run task row `task` of the environment's worker against base_url: its reward with the parts the environment
+    scored (name -> {"score", "weight"} or None), or WorkerError."""
     worker = _WORKERS.get((scheme, env_id))
     if worker is None:
         raise WorkerError(f"no {scheme} worker for {env_id!r} in this process (its task starts it)")
     result = worker.run(task, base_url, _TIMEOUTS[(scheme, env_id)])
     if not result.ok:
         raise WorkerError(f"{scheme} environment {env_id}: episode failed: {'; '.join(result.errors)[:1500]}")
-    return result.reward
+    return Scored(result.reward, result.rewards)

@@ -126,6 +126,10 @@ class TPLeadEngine:
     def stage_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         self.engine.stage_weights(named_tensors, version)
 
+    def progress(self, since=None):
+        """The leader's BuiltinEngine.progress: a read between steps, which every rank's state agrees with."""
+        return self.engine.progress(since)
+
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a request here and, with the next plan, on every follower (ValueError as BuiltinEngine's,
         before anything is sent)."""

@@ -121,6 +121,16 @@ def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode
     check_agent_run(rollouts, tmp_path / "run")
 
 
+def test_a_streaming_agent_trains_through_the_sampler_endpoint(embedded_tool_model_dir, tmp_path):
+    """The shipped agent reading its replies as streams (tests/roles/streamed_tool_agent.py): the sampler streams each
+    turn from its engine token by token and trains exactly the sampled tokens, as for the plain agent."""
+    rollouts, _ = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=2", "algo.mode=sync", "algo.max_lag=0",
+                        "task.agent=tests.roles.streamed_tool_agent:run", "eval.sets=[]")
+    check_agent_run(rollouts, tmp_path / "run")
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["sampler1/stream_disconnects"] == 0
+
+
 @pytest.mark.heavy  # tiny-qwen2-toolcall's first build: ~9 min of CPU (pytest.ini)
 @pytest.mark.timeout(3600)  # the build runs in the fixture's setup, which counts: 9 min idle, several times that loaded
 def test_a_tools_agent_trains_through_openai_tool_calling(embedded_toolcall_model_dir, tmp_path):

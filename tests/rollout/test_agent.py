@@ -274,3 +274,20 @@ def test_an_8mb_message_an_over_context_one_and_a_turn_into_another_session_are_
     [(start, end)] = honest_episode.env_spans
     assert tok.decode(honest_episode.token_ids[start:end]) == \
         "\n<|im_start|>tool\n1591<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_reward_with_parts_records_them_on_the_episode(tok):
+    from megarl.rollout.rewards import Scored
+
+    parts = {"correct": {"score": 1.0, "weight": 0.5}, "format": {"score": 0.5, "weight": 1.0}, "judge": None}
+
+    def scored(base_url, prompt, answer, meta):
+        openai.OpenAI(base_url=base_url, api_key="x", max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": prompt}])
+        return Scored(1.0, parts) if meta["parts"] else 1.0
+
+    ended = ScriptedLoop(tok, agent_that(scored), ["1591", "1591"]).run(
+        [Prompt("q", "a", {"parts": True}), Prompt("q", "a", {"parts": False})])
+    with_parts, plain = sorted(ended, key=lambda e: e.key)
+    assert (with_parts.error, with_parts.reward, with_parts.reward_parts) == (None, 1.0, parts)
+    assert (plain.error, plain.reward, plain.reward_parts) == (None, 1.0, None)

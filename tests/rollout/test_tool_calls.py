@@ -2,7 +2,8 @@
 import pytest
 
 from megarl.rollout.tool_calls import (ParsedReply, ToolCall, ToolCallParseError, ToolMessageError, check_history,
-                                       family_of, parse_harmony, parse_hermes, parse_llama3, parser_for)
+                                       family_of, parse_harmony, parse_hermes, parse_llama3, parser_for,
+                                       settled_content)
 
 
 def test_hermes_reads_calls_and_the_text_before_them():
@@ -66,3 +67,17 @@ def test_history_checks_name_the_message_that_is_wrong():
              r"messages\[1\].tool_calls\[0\].function.arguments are malformed JSON")):
         with pytest.raises(ToolMessageError, match=why):
             check_history(messages)
+
+
+@pytest.mark.parametrize("parser, text, settled", [
+    (None, "The answer is 1591.\n", "The answer is 1591."),  # trailing whitespace waits for what follows
+    (None, "caf\ufffd", "caf"),  # an incomplete UTF-8 character waits
+    (None, "a <b> c", "a <b> c"),  # without tool parsing every character is content
+    ("hermes", "Let me compute. <tool", "Let me compute."),  # a possible marker and what follows wait
+    ("hermes", "  \n", ""),  # leading whitespace waits for text
+    ("harmony", "<|channel|>final<|message|>1591", ""),  # every harmony reply starts with a marker
+    ("llama3", ' {"name": "python"', ""),  # may be a call
+    ("llama3", "It is 1591", "It is 1591"),
+])
+def test_settled_content_is_what_no_later_token_can_take_back(parser, text, settled):
+    assert settled_content(parser, text) == settled

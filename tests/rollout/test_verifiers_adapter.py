@@ -27,7 +27,8 @@ def test_a_well_behaved_worker_lists_its_dataset_and_runs_episodes():
         (prompt,) = task.prompts
         assert (prompt.text, prompt.answer) == ("2+2", "4")
         assert prompt.meta[META_ENV] == "fake" and prompt.meta[META_TASK] == 0 and prompt.meta["k"] == 1
-        assert run_episode("http://127.0.0.1:1/sessions/x/v1", prompt.text, prompt.answer, prompt.meta) == 1.0
+        reward = run_episode("http://127.0.0.1:1/sessions/x/v1", prompt.text, prompt.answer, prompt.meta)
+        assert reward == 1.0 and reward.parts == {"correct": {"score": 1.0, "weight": 1.0}}  # the rubric's parts
         result = worker.run(0, "http://u", 10.0)
         assert result.rewards == {"correct": {"score": 1.0, "weight": 1.0}} and result.turns == 1
     finally:

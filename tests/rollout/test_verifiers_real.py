@@ -111,6 +111,9 @@ def test_a_multi_turn_tool_environment_runs_through_the_endpoint_token_in_token_
     finally:
         task.worker.close()
     assert [(e.error, e.reward, e.turns) for e in episodes] == [(None, 1.0, 2), (None, 0.0, 2)]
+    # The rubric's parts beside the sum (rewards.Scored): its one reward function, by name, with its weight.
+    assert [e.reward_parts for e in episodes] == [{"exact": {"score": 1.0, "weight": 1.0}},
+                                                  {"exact": {"score": 0.0, "weight": 1.0}}]
     for episode, prompt in zip(episodes, (right, wrong)):
         [(start, end)] = episode.env_spans
         env_text = tok.decode(episode.token_ids[start:end])
