@@ -23,6 +23,8 @@ Per-token conventions (used everywhere):
 """
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Protocol, Sequence, runtime_checkable
 
@@ -110,6 +112,10 @@ class Sample:
     routes: np.ndarray | None = None
     # The prompt's data source (a dataset row's task.source_field), for per-source metrics; "" when it has none.
     source: str = ""
+    # The named parts the reward sums where its scorer gives them (an environment's rubric, rewards.Scored), as the
+    # JSON of {name: {"score": float, "weight": float} or null}; None when it has none. JSON, not a dict, so the
+    # wire carries it as one checked string (reward_parts_problem).
+    reward_parts: str | None = None
 
     @property
     def policy_versions(self) -> set[int]:
@@ -154,7 +160,36 @@ def sample_shape_problem(s: Sample) -> str | None:
     positions = len(s.prompt_ids) + n - 1  # every input position; the last token is never an input
     if s.routes is not None and s.routes.shape[0] != positions:
         return f"routes hold {s.routes.shape[0]} positions, the sample has {positions} (prompt + completion - 1)"
+    return reward_parts_problem(s.reward_parts)
+
+
+# A rubric names a handful of parts; the bound keeps a forged message from making every rollouts.jsonl row huge.
+MAX_REWARD_PARTS_CHARS = 16384
+
+
+def reward_parts_problem(parts: str | None) -> str | None:
+    """What makes `parts` not a Sample.reward_parts value, or None: at most MAX_REWARD_PARTS_CHARS characters of
+    JSON holding an object of names -> null or {"score": finite number, "weight": finite number}."""
+    if parts is None:
+        return None
+    if len(parts) > MAX_REWARD_PARTS_CHARS:
+        return f"reward_parts: {len(parts)} characters, over {MAX_REWARD_PARTS_CHARS}"
+    try:
+        value = json.loads(parts, parse_constant=_refuse_constant)  # no NaN/Infinity: rollouts.jsonl stays JSON
+    except (ValueError, RecursionError) as e:
+        return f"reward_parts: not JSON ({str(e)[:80]})"
+
+    def part_ok(part) -> bool:
+        return part is None or (isinstance(part, dict) and set(part) == {"score", "weight"} and all(
+            type(part[k]) in (int, float) and math.isfinite(part[k]) for k in ("score", "weight")))
+
+    if not (isinstance(value, dict) and all(part_ok(p) for p in value.values())):
+        return "reward_parts: expected an object of names -> null or {score, weight} (finite numbers)"
     return None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a finite number")
 
 
 @dataclass

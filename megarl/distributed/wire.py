@@ -87,6 +87,7 @@ SAMPLE_FIELDS: tuple[Field, ...] = (
     Field("env_spans", SPAN_LIST),
     Field("turns", INT, min_value=1),
     Field("source", STR),
+    Field("reward_parts", OPT_STR),  # JSON; its content is checked by sample_problem (reward_parts_problem)
     # MoE: [positions, moe_layers, top_k] expert indices (megarl.rollout.routes checks the shape against the model)
     Field("routes", NDARRAY, dtypes=("uint8", "int16"), ndim=3, optional=True),
 )

@@ -6,6 +6,7 @@ metrics.jsonl holds one record per learner step and, with eval.sets, one record 
 `"kind": "eval"` (train records have no kind): `train_records` / `eval_records` split what a reader loads."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Sequence
@@ -72,7 +73,8 @@ class RolloutSink:
             "behaviour_logprobs": s.logprobs, "versions": s.versions, "reward": s.reward,
             "finish_reason": s.finish_reason, "sampler_rank": s.sampler_rank,
             "reward_error": s.reward_error, "turns": s.turns, "source": s.source,
-            "spans": [list(span) for span in s.spans()]} for s in samples))
+            "spans": [list(span) for span in s.spans()],
+            **({} if s.reward_parts is None else {"reward_parts": json.loads(s.reward_parts)})} for s in samples))
 
     def close(self) -> None:
         self.file.close()

@@ -485,7 +485,8 @@ class SamplerLoop:
                           prompt_ids=e.prompt_ids, token_ids=e.token_ids, logprobs=e.logprobs, versions=e.versions,
                           reward=e.reward, finish_reason=e.finish_reason, sampler_rank=self.topo.rank,
                           reward_error=e.error, env_spans=e.env_spans, turns=e.turns, routes=e.sample_routes(),
-                          source=source_of(e.prompt, self.cfg.task.source_field))
+                          source=source_of(e.prompt, self.cfg.task.source_field),
+                          reward_parts=None if e.reward_parts is None else json.dumps(e.reward_parts))
                    for e in sorted(entry["done"], key=lambda e: int(e.key.rsplit("/", 1)[1]))]
         self._check_routes(samples)
         failed = next((s.reward_error for s in samples if s.reward_error is not None), None)

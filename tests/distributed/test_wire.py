@@ -31,7 +31,7 @@ def roundtrip(group, stats=None, key=KEY):
 
 
 def test_a_group_and_its_stats_round_trip_exactly():
-    group = [sample(source="gsm8k/é"),
+    group = [sample(source="gsm8k/é", reward_parts='{"exact": {"score": 1.0, "weight": 0.5}, "format": null}'),
              sample(reward_error="boom", env_spans=[], turns=1, token_ids=[], logprobs=[], versions=[])]
     envelope, back, stats = roundtrip(group, {"tokens_per_s": 12.5, "swaps": 3})
     assert back == group
@@ -142,6 +142,11 @@ def test_malformed_metadata_from_a_peer_with_the_secret_is_refused(change, error
     (dict(prompt_ids=[-1]), "prompt_ids: holds -1, below 0"),
     (dict(versions=[2, -2, -1, 3]), "holds -2, below -1"),
     (dict(turns=0), "turns: 0, below 1"),
+    (dict(reward_parts='{"exact": 1.0}'), "reward_parts: expected an object"),
+    (dict(reward_parts='{"exact": {"score": NaN, "weight": 1}}'), "reward_parts: not JSON"),
+    (dict(reward_parts='{"exact": {"score": 1, "weight": 1, "x": 2}}'), "reward_parts: expected an object"),
+    (dict(reward_parts='[1]'), "reward_parts: expected an object"),
+    (dict(reward_parts="{" * 20000), "reward_parts: 20000 characters"),
 ])
 def test_inconsistent_samples_are_refused(changes, error):
     with pytest.raises(WireError, match=error):

@@ -75,3 +75,19 @@ def test_run_outputs_are_the_users_alone(tmp_path):
     assert oct(run_dir.stat().st_mode & 0o777) == oct(0o700)
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in run_dir.glob("*.jsonl")} == {
         "metrics.jsonl": oct(0o600), "rollouts.jsonl": oct(0o600)}
+
+
+def test_a_rollout_records_its_rewards_parts_where_its_scorer_gave_them(tmp_path):
+    from megarl.observe.sinks import RolloutSink
+    from megarl.protocols import Sample
+
+    def sample(parts):
+        return Sample(group_id="s0-g0", prompt="p", completion="c", prompt_ids=[1], token_ids=[2], logprobs=[-0.5],
+                      versions=[0], reward=0.5, finish_reason="stop", reward_parts=parts)
+
+    sink = RolloutSink(tmp_path)
+    sink.log([sample('{"exact": {"score": 1.0, "weight": 0.5}, "format": null}'), sample(None)], trained_at_step=0)
+    sink.close()
+    with_parts, without = read_jsonl(tmp_path / "rollouts.jsonl")
+    assert with_parts["reward_parts"] == {"exact": {"score": 1.0, "weight": 0.5}, "format": None}
+    assert "reward_parts" not in without

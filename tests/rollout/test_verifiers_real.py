@@ -67,8 +67,9 @@ def check_versions(r: dict) -> None:
 @pytest.mark.timeout(1800)
 def test_a_verifiers_environment_trains_with_its_rewards(embedded_tool_model_dir, tmp_path):
     """Two sync steps of 2 prompts x 4 episodes, each episode the environment's chat harness talking to the
-    sampler's endpoint: the sample's reward is the environment's weighted sum (calls_tool 0.5 + exact 1.0), every
-    model token of the version its batch was generated for, the lag-0 log-probs the learner's."""
+    sampler's endpoint: the sample's reward is the environment's weighted sum (calls_tool 0.5 + exact 1.0), with its
+    parts in rollouts.jsonl, every model token of the version its batch was generated for, the lag-0 log-probs the
+    learner's."""
     rollouts, metrics = train(tmp_path / "run", "multiturn_demo.yaml", embedded_tool_model_dir, ENV_ID)
     assert len(rollouts) == 2 * 2 * 4
     answers = {row["question"]: row for row in ROWS}
@@ -78,6 +79,9 @@ def test_a_verifiers_environment_trains_with_its_rewards(embedded_tool_model_dir
         reply = r["completion"].replace("<|im_end|>", "").strip()  # what the harness got as the message content
         a, b = row["operands"]
         assert r["reward"] == 0.5 * (reply.replace(" ", "") == f">>>{a}*{b}") + 1.0 * (reply == row["answer"])
+        assert r["reward_parts"] == {  # the rubric's parts, as verifiers scored them, beside their weighted sum
+            "calls_tool": {"score": float(reply.replace(" ", "") == f">>>{a}*{b}"), "weight": 0.5},
+            "exact": {"score": float(reply == row["answer"]), "weight": 1.0}}
         assert r["source"] == f"verifiers:{ENV_ID}"
         check_versions(r)
     assert any(r["reward"] > 0 for r in rollouts)  # the tool model writes ">>> a*b" most of the time
