@@ -560,7 +560,12 @@ class BuiltinEngine:
 
     # ------------------------------------------------------------------ conveniences
     def stats(self) -> dict:
-        return dict(self._stats, version=self._version, running=len(self._running), waiting=len(self._waiting))
+        out = dict(self._stats, version=self._version, running=len(self._running), waiting=len(self._waiting))
+        if self._paged:  # the block pool: its size, the blocks in slots, the blocks promised to running requests
+            pool = self._cache.allocator
+            out.update(kv_blocks=pool.num_blocks, kv_blocks_used=pool.num_blocks - pool.free,
+                       kv_blocks_reserved=pool.reserved)
+        return out
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Run an idle engine until the given requests finish; completions in request order."""
