@@ -146,6 +146,16 @@ def test_in_flight_swap_applies_each_version_at_the_same_step_on_both_ranks(rank
     _close_to_tp1(lead["done"], tp1_run(qwen, lambda full, v: perturbed(full, seed=v), kv_on_update="recompute"))
 
 
+def test_the_paged_layout_under_tp_gives_the_contiguous_layouts_completions_bit_for_bit(ranks):
+    """Each TP rank's paged cache holds its KV heads in blocks; both ranks allocate alike (same requests, same
+    steps), and the swap schedule's completions equal the contiguous layout's bit for bit, on both ranks."""
+    for rank in ranks:
+        paged, contiguous = rank["swap_paged"], rank["swap"]
+        assert paged["done"].keys() == contiguous["done"].keys()
+        assert all(_same(paged["done"][rid], contiguous["done"][rid]) for rid in paged["done"])
+    assert ranks[0]["swap_paged"]["stats"]["kv_blocks_used"] == ranks[1]["swap_paged"]["stats"]["kv_blocks_used"] == 0
+
+
 def _routes_under(weights: dict, cfg: dict, ids: list[int]) -> np.ndarray:
     """The routes of every position of `ids` when one TP1 forward under `weights` computes them all."""
     spec = ModelSpec.from_hf_config(cfg)
