@@ -22,6 +22,10 @@ the engine's decode-step count, and a version changes only at a swap): an ordina
 nothing back from the device but the stop-token check.  Running sequences always occupy slots [0, n):
 the model's forward then works on a view of the cache instead of gathering it.
 
+On the paged KV layout (`kv_layout="paged"`) a request is admitted only when the block pool can reserve its
+longest sequence; its blocks are taken as it grows (checked only at the decode step when some request crosses into
+a new block) and returned when it ends, so no request runs out of cache mid-run; one that does not fit waits.
+
 Between steps, on the stepping thread, a server can also look at and end requests before they finish
 (megarl/sampler/sglang_server.py streams and aborts with them): `progress()` reads the output so far
 of running requests (a gather of just the asked-for tokens), and `cancel()` removes running or queued

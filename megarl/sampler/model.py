@@ -17,6 +17,9 @@ the new tokens' K/V at their positions and attends to cache positions ``<= posit
 Every sequence thus has its own length inside one call, and the same function serves prefill
 (T tokens per row, right-padded) and batched decode (T = 1).  A sliding window (Mistral) is a mask over the same
 cache: a query also skips the keys `sliding_window` or more positions behind it.
+The paged layout (`PagedKVCache`, sampler.kv_layout=paged) holds the same K and V in fixed-size blocks of a pool
+shared by all slots, addressed through a per-slot block table; a forward step gathers each row's blocks into the
+operand the contiguous layout holds, so the attention math is the same.
 
 On CPU at the sizes this engine serves, a decode step is bound by the number of kernels and the
 memory they touch, not by FLOPs; the layout choices (documented where they are made, and in
