@@ -673,3 +673,11 @@ def test_a_pool_sized_for_the_mix_serves_one_long_request_among_short_ones(qwen)
         done.update((c.request_id, c) for c in paged.step())
     for c in contiguous.generate(requests):
         assert (done[c.request_id].token_ids, done[c.request_id].logprobs) == (c.token_ids, c.logprobs)
+
+
+def test_a_pinned_engine_keeps_the_paged_layout_with_its_own_pool(qwen):
+    _, cfg, weights = qwen
+    engine = BuiltinEngine(cfg, weights, max_running=2, max_seq_len=32, kv_layout="paged", kv_block_size=4, kv_blocks=6)
+    twin = engine.pinned(max_running=3, seed=0)
+    assert twin.stats()["kv_blocks"] == 6 and twin._cache is not engine._cache
+    assert [len(c.token_ids) for c in twin.generate([req(i, [1, 2, 3]) for i in range(3)])] == [8, 8, 8]
