@@ -304,6 +304,8 @@ class PagedKVCache:
         self.max_seq_len, self.block_size = max_seq_len, block_size
         self.table = torch.zeros((num_slots, blocks_for(max_seq_len, block_size)), dtype=torch.long, device=device)
         self.blocks: list[list[int]] = [[] for _ in range(num_slots)]  # each slot's blocks, in position order
+        # Position of each offset of each table column [columns, block_size] (a decode step's mask).
+        self.key_pos = torch.arange(self.table.shape[1] * block_size, device=device).view(-1, block_size)
         self.reserved = [0] * num_slots  # each slot's reservation, in blocks
 
     def blocks_for(self, positions: int) -> int:
@@ -365,6 +367,28 @@ class PagedKVCache:
         table = self.table[slots]
         write_blocks = table.gather(1, torch.div(positions, self.block_size, rounding_mode="floor"))
         return write_blocks, positions % self.block_size, table[:, : self.blocks_for(attn_len)], attn_len
+
+    def decode_mask(self, where, positions: torch.Tensor, window: int | None, tables: "ForwardTables") -> torch.Tensor:
+        """A decode step's additive mask [B, blocks, 1, 1, block_size] over each row's blocks (0 or -inf): a row
+        sees the positions <= its own (and, with a sliding window, > its own - window)."""
+        read_blocks = where[2]
+        key_pos, row = self.key_pos[: read_blocks.shape[1]], positions.view(-1, 1, 1)
+        unseen = key_pos > row
+        if window is not None:
+            unseen |= key_pos <= row - window
+        return torch.where(unseen, tables.neg_inf, tables.zero)[:, :, None, None]
+
+    def write_and_blocks(self, layer: int, where, k_new: torch.Tensor, v_new: torch.Tensor):
+        """A decode step's `write_and_gather`: each row's blocks as they are, K [B, blocks, kv_heads, head_dim,
+        block_size] and V [B, blocks, kv_heads, block_size, head_dim] (one gather each, no reordering copy), for
+        `_paged_decode_attention`."""
+        write_blocks, offsets, read_blocks, _ = where
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        k_pool[write_blocks, :, :, offsets] = k_new
+        v_pool[write_blocks, :, offsets] = v_new
+        flat = read_blocks.flatten()
+        return (k_pool.index_select(0, flat).view(*read_blocks.shape, *k_pool.shape[1:]),
+                v_pool.index_select(0, flat).view(*read_blocks.shape, *v_pool.shape[1:]))
 
     def write_and_gather(self, layer: int, where, k_new: torch.Tensor, v_new: torch.Tensor):
         """Write the new tokens' k_new, v_new [B, T, kv_heads, head_dim] at their blocks, and return each row's
@@ -778,7 +802,9 @@ def forward(
         k_idx = positions.view(bsz, 1, 1, seq).expand(bsz, nkv, hd, seq)
         v_idx = positions.view(bsz, 1, seq, 1).expand(bsz, nkv, seq, hd)
     key_pos = tables.key_pos[:attn_len]
-    if seq == 1:
+    if seq == 1 and paged:
+        mask = cache.decode_mask(where, positions, spec.sliding_window, tables)
+    elif seq == 1:
         # Decode: an additive mask [B*kv_heads, 1, L] (0 or -inf), read by baddbmm.
         row_pos = positions.expand(bsz, nkv).reshape(bsz * nkv, 1, 1)
         unseen = key_pos > row_pos
@@ -805,14 +831,18 @@ def forward(
         if spec.rope_layers is None or spec.rope_layers[layer]:  # (a layer without RoPE attends unrotated)
             qk = _rotate(qk, rot)
         k_new, v_new = qk[:, nh:].view(bsz, seq, nkv, hd), qkv[:, nh + nkv:].view(bsz, seq, nkv, hd)
-        if paged:
+        if paged and seq == 1:
+            k_blocks, v_blocks = cache.write_and_blocks(layer, where, k_new, v_new)
+            attn = _paged_decode_attention(qk[:, :nh].view(bsz, nkv, group, hd), k_blocks, v_blocks, mask)
+        elif paged:
             k_span, v_span = cache.write_and_gather(layer, where, k_new, v_new)
         else:
             k_cache, v_cache = cache.k[layer, slots], cache.v[layer, slots]  # views: writes land in the cache
             k_cache.scatter_(3, k_idx, k_new.permute(0, 2, 3, 1))
             v_cache.scatter_(2, v_idx, v_new.transpose(1, 2))
             k_span, v_span = k_cache[..., :attn_len], v_cache[:, :, :attn_len]
-        attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_span, v_span, mask, group)
+        if not (paged and seq == 1):
+            attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_span, v_span, mask, group)
         if spec.post_norms:  # OLMo 2 (at sampler.tp = 1): the norm between o_proj and the residual add
             x = x + _rms_norm(_linear(attn, lw.o_proj, lw.o_bias), tables) * lw.attn_out_norm
         elif tp_group is None:
@@ -863,6 +893,24 @@ def _moe_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Tensor
     gate_up = projected[:, experts:].view(tokens, experts, 2, spec.intermediate_size)
     act = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * share.to(projected.dtype)[:, :, None]
     return chosen, act.view(tokens, experts * spec.intermediate_size)
+
+
+def _paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                            mask: torch.Tensor) -> torch.Tensor:
+    """A decode step's attention over each row's KV blocks as the pool holds them: q [B, kv_heads, group, hd]
+    against k_blocks [B, blocks, kv_heads, hd, block_size] and v_blocks [B, blocks, kv_heads, block_size, hd], with
+    the additive mask [B, blocks, 1, 1, block_size].  Returns [B, heads*hd].
+
+    Scores per block (one batched matmul, q broadcast over the blocks), one softmax over all of a row's blocks
+    (only the small score tensor is reordered), p @ V per block, summed over the blocks: no copy of K or V beyond
+    the gather of the blocks, which is what made gathering them into `_attention`'s contiguous operand slower.
+    The sum over blocks is another summation order than `_attention`'s one matmul: equal within fp32 rounding."""
+    bsz, count, nkv, hd, size = k_blocks.shape
+    group = q.shape[2]
+    scores = torch.matmul(q[:, None], k_blocks).mul_(hd ** -0.5).add_(mask)  # [B, blocks, kv_heads, group, size]
+    probs = torch.softmax(scores.permute(0, 2, 3, 1, 4).reshape(bsz, nkv, group, count * size), dim=-1)
+    probs = probs.view(bsz, nkv, group, count, size).permute(0, 3, 1, 2, 4)
+    return torch.matmul(probs, v_blocks).sum(1).view(bsz, nkv * group * hd)
 
 
 def _attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, group: int) -> torch.Tensor:

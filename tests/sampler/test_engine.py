@@ -598,10 +598,11 @@ def _paged_schedule(engine, weights, swap_at=3):
 
 
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
-def test_paged_layout_gives_the_contiguous_layouts_completions_bit_for_bit(any_family, policy):
-    """The paged layout gathers each row's blocks into the operand the contiguous layout holds: the same matmuls
-    over the same values, so tokens, log-probs, versions and finish reasons are identical (packing, a shared prompt,
-    chunked prefill, a swap under either policy)."""
+def test_paged_layout_gives_the_contiguous_layouts_completions(any_family, policy):
+    """The paged layout's prefill gathers each row's blocks into the operand the contiguous layout holds (the same
+    matmuls over the same values); its one-position forwards (decode, a one-position last prefill chunk) attend
+    block by block, summing over the blocks in another order: log-probs within fp32 rounding. Tokens, versions and
+    finish reasons are the same (packing, a shared prompt, chunked prefill, a swap under either policy)."""
     _, cfg, weights = any_family
     runs = {layout: _paged_schedule(BuiltinEngine(cfg, weights, max_running=4, max_seq_len=48, kv_on_update=policy,
                                                   prefill_chunk=5, seed=2, kv_layout=layout, kv_block_size=4),
@@ -610,8 +611,8 @@ def test_paged_layout_gives_the_contiguous_layouts_completions_bit_for_bit(any_f
     assert runs["paged"].keys() == runs["contiguous"].keys() and len(runs["paged"]) == 10
     for rid, c in runs["contiguous"].items():
         p = runs["paged"][rid]
-        assert (p.token_ids, p.logprobs, p.versions, p.finish_reason) == (
-            c.token_ids, c.logprobs, c.versions, c.finish_reason)
+        assert (p.token_ids, p.versions, p.finish_reason) == (c.token_ids, c.versions, c.finish_reason)
+        assert max(abs(a - b) for a, b in zip(p.logprobs, c.logprobs)) <= TOL
     assert {c.finish_reason for c in runs["paged"].values()} == {"stop", "length"}
     assert any(len(set(c.versions)) == 2 for c in runs["paged"].values())  # some request ran across the swap
 
@@ -672,7 +673,8 @@ def test_a_pool_sized_for_the_mix_serves_one_long_request_among_short_ones(qwen)
     while paged.num_unfinished:
         done.update((c.request_id, c) for c in paged.step())
     for c in contiguous.generate(requests):
-        assert (done[c.request_id].token_ids, done[c.request_id].logprobs) == (c.token_ids, c.logprobs)
+        assert done[c.request_id].token_ids == c.token_ids
+        assert max(abs(a - b) for a, b in zip(done[c.request_id].logprobs, c.logprobs)) <= TOL
 
 
 def test_a_pinned_engine_keeps_the_paged_layout_with_its_own_pool(qwen):
