@@ -78,7 +78,7 @@ DEFAULT_PREFILL_CHUNK = 2048
 # a pool of blocks shared by the slots (megarl.sampler.model.PagedKVCache; docs/sampler.md#long-contexts).
 KV_LAYOUTS = ("contiguous", "paged")
 # Positions per block of the paged layout (sampler.kv_block_size): a request wastes at most one block less one
-# position, and K's transposed blocks are read in runs of this many contiguous elements (128 bytes in fp32).
+# position; a decode step runs one small matmul per (row, block, KV head), so smaller blocks mean more of them.
 DEFAULT_KV_BLOCK_SIZE = 32
 
 

@@ -18,8 +18,8 @@ Every sequence thus has its own length inside one call, and the same function se
 (T tokens per row, right-padded) and batched decode (T = 1).  A sliding window (Mistral) is a mask over the same
 cache: a query also skips the keys `sliding_window` or more positions behind it.
 The paged layout (`PagedKVCache`, sampler.kv_layout=paged) holds the same K and V in fixed-size blocks of a pool
-shared by all slots, addressed through a per-slot block table; a forward step gathers each row's blocks into the
-operand the contiguous layout holds, so the attention math is the same.
+shared by all slots, addressed through a per-slot block table; a decode step attends over each row's blocks block
+by block (`_paged_decode_attention`), a prefill gathers them into the operand the contiguous layout holds.
 
 On CPU at the sizes this engine serves, a decode step is bound by the number of kernels and the
 memory they touch, not by FLOPs; the layout choices (documented where they are made, and in
@@ -290,9 +290,9 @@ class PagedKVCache:
     past a row's end, which `forward` may compute) land there instead of in another request's block, and a
     decode step's read of a shorter row's span past its end reads it (masked, never attended to).
 
-    A forward step gathers each row's blocks into the contiguous [rows, kv_heads, head_dim, span] (and V's)
-    operand that `_attention` reads (`write_and_gather`): the same matmuls over the same values as the
-    contiguous layout, plus one gather of the span per layer.
+    A decode step reads each row's blocks as they are (`write_and_blocks`, for `_paged_decode_attention`); a
+    prefill gathers them into the contiguous [rows, kv_heads, head_dim, span] (and V's) operand that `_attention`
+    reads (`write_and_gather`): the contiguous layout's matmuls over the same values.
     """
 
     def __init__(self, spec: ModelSpec, num_slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu", *,
