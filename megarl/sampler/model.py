@@ -896,7 +896,7 @@ def _moe_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Tensor
 
 
 def _paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-                            mask: torch.Tensor) -> torch.Tensor:
+                            mask: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """A decode step's attention over each row's KV blocks as the pool holds them: q [B, kv_heads, group, hd]
     against k_blocks [B, blocks, kv_heads, hd, block_size] and v_blocks [B, blocks, kv_heads, block_size, hd], with
     the additive mask [B, blocks, 1, 1, block_size].  Returns [B, heads*hd].
@@ -904,10 +904,11 @@ def _paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: t
     Scores per block (one batched matmul, q broadcast over the blocks), one softmax over all of a row's blocks
     (only the small score tensor is reordered), p @ V per block, summed over the blocks: no copy of K or V beyond
     the gather of the blocks, which is what made gathering them into `_attention`'s contiguous operand slower.
-    The sum over blocks is another summation order than `_attention`'s one matmul: equal within fp32 rounding."""
+    The sum over blocks is another summation order than `_attention`'s one matmul: equal within fp32 rounding.
+    scale: the scores' scale (default head_dim ** -0.5; a family with its own attention scale passes it)."""
     bsz, count, nkv, hd, size = k_blocks.shape
     group = q.shape[2]
-    scores = torch.matmul(q[:, None], k_blocks).mul_(hd ** -0.5).add_(mask)  # [B, blocks, kv_heads, group, size]
+    scores = torch.matmul(q[:, None], k_blocks).mul_(hd ** -0.5 if scale is None else scale).add_(mask)  # [B, blocks, kv_heads, group, size]
     probs = torch.softmax(scores.permute(0, 2, 3, 1, 4).reshape(bsz, nkv, group, count * size), dim=-1)
     probs = probs.view(bsz, nkv, group, count, size).permute(0, 3, 1, 2, 4)
     return torch.matmul(probs, v_blocks).sum(1).view(bsz, nkv * group * hd)
