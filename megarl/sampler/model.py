@@ -908,7 +908,8 @@ def _paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: t
     scale: the scores' scale (default head_dim ** -0.5; a family with its own attention scale passes it)."""
     bsz, count, nkv, hd, size = k_blocks.shape
     group = q.shape[2]
-    scores = torch.matmul(q[:, None], k_blocks).mul_(hd ** -0.5 if scale is None else scale).add_(mask)  # [B, blocks, kv_heads, group, size]
+    scale = hd ** -0.5 if scale is None else scale
+    scores = torch.matmul(q[:, None], k_blocks).mul_(scale).add_(mask)  # [B, blocks, kv_heads, group, size]
     probs = torch.softmax(scores.permute(0, 2, 3, 1, 4).reshape(bsz, nkv, group, count * size), dim=-1)
     probs = probs.view(bsz, nkv, group, count, size).permute(0, 3, 1, 2, 4)
     return torch.matmul(probs, v_blocks).sum(1).view(bsz, nkv * group * hd)
