@@ -678,6 +678,64 @@ def check_long_prefill(args, size: Size) -> dict:
     return out
 
 
+def check_long_paged(args, size: Size) -> dict:
+    """The built-in engine's paged KV layout (sampler.kv_layout=paged; docs/sampler.md#long-contexts): one request
+    of size.long_len prompt tokens among seven short ones in 8 slots, its block pool sized for that mix (the
+    contiguous layout holds 8 x max_seq_len positions), and the same mix on the contiguous layout beside it: each
+    one's cache size, peak memory, prefill (the admitting step) and decode step time, and the greedy tokens of both
+    (bf16 on the GPU: a tie may break apart late; a different first token is the failure)."""
+    import torch
+
+    from megarl.models.convert import load_pretrained
+    from megarl.protocols import GenerationRequest, SamplingParams
+    from megarl.sampler.engine import BuiltinEngine
+
+    device = device_of(args)
+    cfg, weights = load_pretrained(str(build_model(Path(args.workdir) / "model", size, args.device)))
+    new, short_len, block = (4, 8, 16) if size.tiny else (64, 256, 32)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=new)
+    prompts = random_prompts(8, size.model["vocab_size"], seed=3)
+    prompts = [(p * (n // len(p) + 1))[:n] for p, n in zip(prompts, [size.long_len] + [short_len] * 7)]
+    requests = [GenerationRequest(f"r{i}", p, sampling) for i, p in enumerate(prompts)]
+    blocks = sum(-(-(len(p) + new - 1) // block) for p in prompts)  # the mix's reservations
+    out: dict = {"long_len": size.long_len, "block_size": block, "kv_blocks": blocks}
+    done = {}
+    for layout in ("paged", "contiguous"):
+        engine = BuiltinEngine(cfg, weights, max_running=8, max_seq_len=size.long_len + new, device=device,
+                               prefill_chunk=size.prefill_chunk, kv_layout=layout, kv_block_size=block, kv_blocks=blocks)
+        cache_gib = (engine._cache.k.nbytes + engine._cache.v.nbytes) / 2**30
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        for r in requests:
+            engine.add_request(r)
+        sync()
+        start = time.perf_counter()
+        finished = engine.step()  # admits all eight (prefill) and decodes once
+        sync()
+        admitted = time.perf_counter()
+        steps = 0
+        while engine.num_unfinished:
+            finished += engine.step()
+            steps += 1
+        sync()
+        end = time.perf_counter()
+        done[layout] = {c.request_id: c for c in finished}
+        out[layout] = {"cache_gib": round(cache_gib, 3), "admit_s": round(admitted - start, 2),
+                       "decode_ms_per_step": round(1e3 * (end - admitted) / max(steps, 1), 2),
+                       "peak_gpu_gib": peak_gib()}
+        engine.close()
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    out["decode_paged_over_contiguous_time"] = round(out["paged"]["decode_ms_per_step"]
+                                                     / max(out["contiguous"]["decode_ms_per_step"], 1e-9), 3)
+    out["tokens_differ"] = [rid for rid, c in done["contiguous"].items() if c.token_ids != done["paged"][rid].token_ids]
+    if any(c.token_ids[0] != done["paged"][rid].token_ids[0] or len(done["paged"][rid].token_ids) != new
+           for rid, c in done["contiguous"].items()):
+        raise RuntimeError(f"paged and contiguous layouts disagree on a first token: {out}")
+    return out
+
+
 def check_logprob_parity(args, size: Size) -> dict:
     init_single_rank(args.backend, Path(args.workdir))
     return logprob_parity(args, size, build_model(Path(args.workdir) / "model", size, args.device),
@@ -1472,7 +1530,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "gated_delta_net": (check_gated_delta_net, 150),
           "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180),
           "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120),
-          "agent_stream": (check_agent_stream, 120)}
+          "agent_stream": (check_agent_stream, 120), "long_paged": (check_long_paged, 150)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 # Each check's limit on CPU bounds a hang, it is no speed test: a check there is mostly process starts and imports,
 # which a loaded 2-core machine slows several-fold (context_parallel's two torchrun ranks took over 75 s at load 20).

@@ -2,6 +2,7 @@
 
     python benchmarks/sampler_throughput.py [--quick] [--threads 1] [--batch-sizes 16 32 64]
                                             [--new-tokens 64] [--reps 5] [--models embedded larger]
+                                            [--kv-layouts [--kv-block-size 32] [--prompt-len N]]
 
 Models: the embedded default (`tiny-qwen2-arith`: hidden 64, 2 layers, vocab 264, built locally on
 first use) and a larger Qwen2 created here, randomly initialised, in a temporary HF directory
@@ -20,6 +21,10 @@ time of the whole call (prefill included), in wall time and in process CPU time.
 size is the median over rounds of (engine / HF) measured back to back.  On an idle machine with one
 thread the two agree; on a shared one wall time also counts the time another job held the core, so
 the CPU-time ratio is the headline.  Ends with one JSON line of the ratios (CPU time, and wall).
+
+`--kv-layouts`: the engine against itself instead of HF, its contiguous KV layout against the paged one
+(sampler.kv_layout, blocks of `--kv-block-size`), same prompts, seed and rounds; the ratio is paged / contiguous
+tokens/s (> 1: paged faster).  `--prompt-len N` gives every prompt N tokens (a longer attention span).
 """
 from __future__ import annotations
 
@@ -54,10 +59,11 @@ def larger_model_dir(root: str) -> str:
     return path
 
 
-def make_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def make_prompts(batch: int, vocab: int, seed: int = 0, length: int = 0) -> list[list[int]]:
+    """Random prompts of 4-16 tokens, or of exactly `length`."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (int(n),), generator=gen).tolist()
-            for n in torch.randint(4, 17, (batch,), generator=gen)]
+            for n in (torch.full((batch,), length) if length else torch.randint(4, 17, (batch,), generator=gen))]
 
 
 def timed(fn) -> tuple[int, float, float]:
@@ -67,9 +73,9 @@ def timed(fn) -> tuple[int, float, float]:
     return tokens, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def engine_runner(model_dir: str, prompts: list[list[int]], new_tokens: int):
+def engine_runner(model_dir: str, prompts: list[list[int]], new_tokens: int, **engine_kw):
     engine = BuiltinEngine.from_pretrained(model_dir, max_running=len(prompts),
-                                           max_seq_len=max(map(len, prompts)) + new_tokens)
+                                           max_seq_len=max(map(len, prompts)) + new_tokens, **engine_kw)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens)
 
     def run() -> int:
@@ -117,6 +123,25 @@ def compare(model_dir: str, vocab: int, batch: int, new_tokens: int, reps: int) 
     }
 
 
+def compare_layouts(model_dir: str, vocab: int, batch: int, new_tokens: int, reps: int, block_size: int,
+                    prompt_len: int) -> dict:
+    """tokens/s (wall, median over rounds) of the engine on each KV layout and the median paired ratios paged /
+    contiguous (wall, CPU time)."""
+    prompts = make_prompts(batch, vocab, length=prompt_len)
+    runners = {"contiguous": engine_runner(model_dir, prompts, new_tokens),
+               "paged": engine_runner(model_dir, prompts, new_tokens, kv_layout="paged", kv_block_size=block_size)}
+    for run in runners.values():
+        run()
+    rounds = [{name: timed(run) for name, run in runners.items()} for _ in range(reps)]
+    median = statistics.median
+    return {
+        "contiguous_tok_s": round(median(r["contiguous"][0] / r["contiguous"][1] for r in rounds)),
+        "paged_tok_s": round(median(r["paged"][0] / r["paged"][1] for r in rounds)),
+        "ratio": round(median(r["contiguous"][1] / r["paged"][1] for r in rounds), 3),
+        "ratio_cpu_time": round(median(r["contiguous"][2] / r["paged"][2] for r in rounds), 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="batch 16 and 64, 32 new tokens, 3 rounds")
@@ -125,6 +150,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--models", nargs="+", default=["embedded", "larger"], choices=["embedded", "larger"])
+    parser.add_argument("--kv-layouts", action="store_true", help="the engine's paged KV layout vs its contiguous one")
+    parser.add_argument("--kv-block-size", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=0, help="every prompt this long (0: 4-16 tokens)")
     args = parser.parse_args()
     if args.quick:
         args.batch_sizes, args.new_tokens, args.reps = [16, 64], 32, 3
@@ -139,6 +167,15 @@ def main() -> None:
             with open(f"{model_dir}/config.json") as f:
                 vocab = json.load(f)["vocab_size"]
             for batch in args.batch_sizes:
+                if args.kv_layouts:
+                    row = compare_layouts(model_dir, vocab, batch, args.new_tokens, args.reps, args.kv_block_size,
+                                          args.prompt_len)
+                    print(f"{name:9s} batch {batch:3d}: contiguous {row['contiguous_tok_s']:7d} tok/s, paged "
+                          f"{row['paged_tok_s']:7d} tok/s (wall); paged / contiguous {row['ratio_cpu_time']:.3f}x "
+                          f"CPU time, {row['ratio']:.3f}x wall", flush=True)
+                    headline["cpu_time"][f"{name}_b{batch}"] = row["ratio_cpu_time"]
+                    headline["wall"][f"{name}_b{batch}"] = row["ratio"]
+                    continue
                 row = compare(model_dir, vocab, batch, args.new_tokens, args.reps)
                 print(f"{name:9s} batch {batch:3d}: engine {row['engine_tok_s']:7d} tok/s, "
                       f"HF generate {row['hf_tok_s']:7d} tok/s (wall); ratio {row['ratio_cpu_time']:.2f}x CPU time, "

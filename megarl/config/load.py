@@ -209,6 +209,11 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     _require(0.0 < cfg.sampling.top_p <= 1.0, "sampling.top_p", "must be in (0, 1]")
     _require(cfg.sampling.temperature >= 0.0, "sampling.temperature", "must be >= 0")
     _require(cfg.sampler.prefill_chunk >= 1, "sampler.prefill_chunk", f"must be >= 1, got {cfg.sampler.prefill_chunk}")
+    _require(cfg.sampler.kv_layout in ("contiguous", "paged"), "sampler.kv_layout",
+             f"must be 'contiguous' or 'paged', got {cfg.sampler.kv_layout!r}")
+    _require(cfg.sampler.kv_block_size >= 1, "sampler.kv_block_size", f"must be >= 1, got {cfg.sampler.kv_block_size}")
+    _require(cfg.sampler.kv_blocks >= 0, "sampler.kv_blocks", f"must be >= 0 (0: max_running x max_seq_len), "
+             f"got {cfg.sampler.kv_blocks}")
     _require(cfg.sampling.max_new_tokens < cfg.sampler.max_seq_len, "sampling.max_new_tokens",
              f"({cfg.sampling.max_new_tokens}) must be smaller than sampler.max_seq_len ({cfg.sampler.max_seq_len})")
     limit = LengthLimit.of(cfg)

@@ -219,6 +219,13 @@ class SamplerConfig:
     # re-prefill) runs in chunks of this many, so its attention is [chunk, length], not [length, length]
     # (docs/sampler.md#long-contexts).
     prefill_chunk: int = 2048
+    # Built-in engine's KV cache: "contiguous" (max_seq_len positions preallocated per slot; the faster decode at
+    # short contexts) or "paged" (a pool of kv_blocks blocks of kv_block_size positions shared by the slots, each
+    # request holding only the blocks it reaches; a request waits in the queue until the pool can reserve its
+    # prompt + max_new_tokens) (docs/sampler.md#long-contexts).
+    kv_layout: str = "contiguous"
+    kv_block_size: int = 32  # paged: positions per block
+    kv_blocks: int = 0  # paged: blocks in the pool; 0 = max_running x max_seq_len positions' worth
     # Built-in engine's model: "auto" (the native forward of a family of docs/models.md, transformers' own
     # modules for any other causal LM), "native" or "hf" (the generic one: docs/models.md#the-generic-path)
     model_impl: str = "auto"

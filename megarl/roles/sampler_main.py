@@ -108,6 +108,7 @@ def builtin_engine(cfg: Config, topo: Topology, model_dir: Path, tp_group):
     return BuiltinEngine.from_pretrained(
         model_dir, max_running=cfg.sampler.max_running, max_seq_len=cfg.sampler.max_seq_len,
         kv_on_update=cfg.sampler.kv_on_update, prefill_chunk=cfg.sampler.prefill_chunk,
+        kv_layout=cfg.sampler.kv_layout, kv_block_size=cfg.sampler.kv_block_size, kv_blocks=cfg.sampler.kv_blocks,
         seed=cfg.run.seed * 1000 + topo.engine_leads[topo.engine_index],
         tp_group=tp_group, model_impl=cfg.sampler.model_impl)
 

@@ -22,6 +22,10 @@ the engine's decode-step count, and a version changes only at a swap): an ordina
 nothing back from the device but the stop-token check.  Running sequences always occupy slots [0, n):
 the model's forward then works on a view of the cache instead of gathering it.
 
+On the paged KV layout (`kv_layout="paged"`) a request is admitted only when the block pool can reserve its
+longest sequence; its blocks are taken as it grows (checked only at the decode step when some request crosses into
+a new block) and returned when it ends, so no request runs out of cache mid-run; one that does not fit waits.
+
 Between steps, on the stepping thread, a server can also look at and end requests before they finish
 (megarl/sampler/sglang_server.py streams and aborts with them): `progress()` reads the output so far
 of running requests (a gather of just the asked-for tokens), and `cancel()` removes running or queued
@@ -55,6 +59,7 @@ import torch
 from megarl.models import moe, tp_shard
 from megarl.protocols import Completion, GenerationRequest
 from megarl.sampler import hf_model
+from megarl.sampler.kv_blocks import blocks_for
 from megarl.sampler.model import RuntimeWeights, WeightArena
 
 KV_POLICIES = ("keep", "recompute")
@@ -69,6 +74,12 @@ SPARE_ARENAS = 1
 # are [rows, heads, chunk, length] instead of [rows, heads, length, length] (at 32k tokens, 2 GiB of fp32 scores
 # per head in one pass; 128 MiB in 2048-token chunks).
 DEFAULT_PREFILL_CHUNK = 2048
+# The KV cache's layout (sampler.kv_layout): "contiguous" preallocates max_seq_len positions per slot, "paged" holds
+# a pool of blocks shared by the slots (megarl.sampler.model.PagedKVCache; docs/sampler.md#long-contexts).
+KV_LAYOUTS = ("contiguous", "paged")
+# Positions per block of the paged layout (sampler.kv_block_size): a request wastes at most one block less one
+# position; a decode step runs one small matmul per (row, block, KV head), so smaller blocks mean more of them.
+DEFAULT_KV_BLOCK_SIZE = 32
 
 
 def sample_tokens(
@@ -184,6 +195,9 @@ class BuiltinEngine:
         device="cpu",
         tp_group=None,
         model_impl: str = "auto",
+        kv_layout: str = "contiguous",
+        kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+        kv_blocks: int = 0,
     ):
         if kv_on_update not in KV_POLICIES:
             raise ValueError(f"kv_on_update={kv_on_update!r} must be one of {KV_POLICIES}")
@@ -200,6 +214,15 @@ class BuiltinEngine:
         self.device = torch.device(device)
         self.kv_on_update = kv_on_update
         self.prefill_chunk = prefill_chunk
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={kv_layout!r} must be one of {KV_LAYOUTS} (sampler.kv_layout)")
+        if kv_layout == "paged" and not hasattr(self._impl, "PagedKVCache"):
+            raise ValueError("sampler.kv_layout=paged needs the native model (docs/models.md); the generic path "
+                             "(sampler.model_impl=hf) has the contiguous layout only")
+        if kv_block_size < 1 or kv_blocks < 0:
+            raise ValueError(f"kv_block_size={kv_block_size} must be >= 1 and kv_blocks={kv_blocks} >= 0 "
+                             f"(sampler.kv_block_size, sampler.kv_blocks)")
+        self.kv_layout, self.kv_block_size, self.kv_blocks = kv_layout, kv_block_size, kv_blocks
 
         self.spec.check_weights(weights)  # names and (this rank's) shapes
         # What stage_weights validates against: every HF name with its (this rank's) shape and dtype.
@@ -215,7 +238,14 @@ class BuiltinEngine:
         """The per-engine state around the weights: KV cache, slots, queue, generator, staging, counters."""
         self.max_running = max_running
         self.max_seq_len = max_seq_len
-        self._cache = self._impl.KVCache(self.spec, max_running, max_seq_len, self._weights.dtype, self.device)
+        self._paged = self.kv_layout == "paged"
+        if self._paged:  # kv_blocks 0: as many positions as the contiguous layout's (max_running x max_seq_len)
+            blocks = self.kv_blocks or max_running * blocks_for(max_seq_len, self.kv_block_size)
+            self._cache = self._impl.PagedKVCache(self.spec, max_running, max_seq_len, self._weights.dtype,
+                                                  self.device, block_size=self.kv_block_size, num_blocks=blocks)
+        else:
+            self._cache = self._impl.KVCache(self.spec, max_running, max_seq_len, self._weights.dtype, self.device)
+        self._block_due = 0  # paged: the decode count at which some running request needs another block
         self._tables = self._impl.forward_tables(self.spec, max_seq_len, self._weights.dtype, self.device)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
@@ -305,6 +335,7 @@ class BuiltinEngine:
         twin.tp_size, twin.tp_group, twin.spec, twin.device = 1, None, self.spec, self.device
         twin._impl = self._impl
         twin.kv_on_update, twin.prefill_chunk = self.kv_on_update, self.prefill_chunk
+        twin.kv_layout, twin.kv_block_size, twin.kv_blocks = self.kv_layout, self.kv_block_size, self.kv_blocks
         twin._weights, twin._hf_meta, twin._version = self._weights, self._hf_meta, self._version
         twin._init_state(max_running, self.max_seq_len, seed)
         return twin
@@ -338,6 +369,12 @@ class BuiltinEngine:
             raise ValueError(f"request {request.request_id}: prompt token ids outside [0, {self.spec.vocab_size})")
         if sp.max_new_tokens < 1 or sp.temperature < 0 or not 0 < sp.top_p <= 1 or sp.top_k < 0:
             raise ValueError(f"request {request.request_id}: invalid sampling params {sp}")
+        if self._paged:
+            positions = self._kv_positions(prompt_len, sp.max_new_tokens)
+            if self._cache.blocks_for(positions) > self._cache.allocator.num_blocks:
+                raise ValueError(f"request {request.request_id}: {positions} KV positions need "
+                                 f"{self._cache.blocks_for(positions)} blocks of {self.kv_block_size}, the pool "
+                                 f"has {self._cache.allocator.num_blocks} (raise sampler.kv_blocks)")
         self._waiting.append(request)
 
     def step(self, apply_staged: bool = True) -> list[Completion]:
@@ -527,7 +564,12 @@ class BuiltinEngine:
 
     # ------------------------------------------------------------------ conveniences
     def stats(self) -> dict:
-        return dict(self._stats, version=self._version, running=len(self._running), waiting=len(self._waiting))
+        out = dict(self._stats, version=self._version, running=len(self._running), waiting=len(self._waiting))
+        if self._paged:  # the block pool: its size, the blocks in slots, the blocks promised to running requests
+            pool = self._cache.allocator
+            out.update(kv_blocks=pool.num_blocks, kv_blocks_used=pool.num_blocks - pool.free,
+                       kv_blocks_reserved=pool.reserved)
+        return out
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         """Run an idle engine until the given requests finish; completions in request order."""
@@ -544,6 +586,29 @@ class BuiltinEngine:
     # ------------------------------------------------------------------ internals
     def _seq_len(self, record: _Running) -> int:
         return record.base + self._decode_count
+
+    def _kv_positions(self, prompt_len: int, max_new_tokens: int) -> int:
+        """The cache positions a request can ever write: all but the last token of its longest sequence."""
+        return min(prompt_len + max_new_tokens, self.max_seq_len) - 1
+
+    def _admissible(self, count: int) -> int:
+        """How many of the first `count` waiting requests the block pool can reserve for, in queue order (a request
+        that does not fit waits, and the ones behind it with it, until running ones end and return blocks)."""
+        unreserved = self._cache.allocator.unreserved
+        for i in range(count):
+            r = self._waiting[i]
+            unreserved -= self._cache.blocks_for(self._kv_positions(len(r.prompt_ids), r.sampling.max_new_tokens))
+            if unreserved < 0:
+                return i
+        return count
+
+    def _grow_blocks(self) -> None:
+        """Paged: give every running request the blocks its next decode step writes into, and note when the next
+        one needs another (so an ordinary step does not loop over the requests)."""
+        records = self._running
+        held = self._cache.grow([(slot, self._seq_len(r)) for slot, r in enumerate(records)])
+        # A request needs a new block once base + decode count exceeds the positions it holds.
+        self._block_due = min(h - r.base + 1 for h, r in zip(held, records))
 
     def _recompute_kv(self) -> None:
         """Re-prefill every running sequence's cached prefix (all but its last token) with the new weights."""
@@ -587,6 +652,10 @@ class BuiltinEngine:
         last position's logits (each still samples its own token)."""
         start = len(self._running)
         count = min(len(self._waiting), self.max_running - start)
+        if self._paged:
+            count = self._admissible(count)
+            if not count:
+                return []
         taken = [self._waiting.popleft() for _ in range(count)]
         computed_row: dict[tuple[int, ...], int] = {}  # prompt -> the row that computes it
         computed, copies, copied_from = [], [], []
@@ -619,6 +688,10 @@ class BuiltinEngine:
                      base=n + 1 - self._decode_count, version_starts=[(0, self._version)])
             for r, n in zip(requests, lens)]
         self._refresh_running_flags()
+        if self._paged:  # reservations fit (_admissible); the blocks of each prompt now, the rest as it grows
+            for slot, r, n in zip(range(start, start + count), requests, lens):
+                self._cache.reserve(slot, self._kv_positions(n, r.sampling.max_new_tokens))
+            self._cache.grow([(slot, n) for slot, n in zip(range(start, start + count), lens)])
         n_computed = len(computed)
         logits = self._prefill(start, ids[:n_computed], prompt_lens[:n_computed] - 1)
         if copies:
@@ -649,6 +722,7 @@ class BuiltinEngine:
         self._any_greedy = any(p.temperature <= 0 for p in params)
         self._any_stops = any(r.request.stop_token_ids for r in self._running)
         self._length_due = min((r.end_len - r.base for r in self._running), default=0)
+        self._block_due = self._decode_count  # the running set changed: the next decode step checks the blocks
 
     def _decode(self) -> list[Completion]:
         start = time.perf_counter()
@@ -656,6 +730,8 @@ class BuiltinEngine:
         pos = s["pos"][:n]
         ids = s["tokens"][:n].gather(1, pos[:, None])
         step_routes = self._decode_routes[:n] if self.spec.is_moe else None
+        if self._paged and self._decode_count >= self._block_due:
+            self._grow_blocks()
         logits = self._impl.forward(self.spec, self._weights, self._tables, self._cache, ids, pos[:, None],
                          attn_len=self._max_len, tp_group=self.tp_group, routes=step_routes)
         if step_routes is not None:  # the input token's routes, at its position
@@ -730,10 +806,14 @@ class BuiltinEngine:
         keep = n - len(done)
         holes = [slot for slot in sorted(done) if slot < keep]
         movers = [slot for slot in range(keep, n) if slot not in done]
+        if self._paged:  # the finished requests' blocks return to the pool; the movers take their table rows along
+            self._cache.release(sorted(done))
+            self._cache.pack(movers, holes)
         if holes:
             dst = torch.tensor(holes, device=self.device)
             src = torch.tensor(movers, device=self.device)
-            self._cache.move_slots(src, dst, self._max_len)
+            if not self._paged:
+                self._cache.move_slots(src, dst, self._max_len)
             for t in self._slot.values():
                 t[dst] = t[src]
             for h, m in zip(holes, movers):

@@ -17,6 +17,9 @@ the new tokens' K/V at their positions and attends to cache positions ``<= posit
 Every sequence thus has its own length inside one call, and the same function serves prefill
 (T tokens per row, right-padded) and batched decode (T = 1).  A sliding window (Mistral) is a mask over the same
 cache: a query also skips the keys `sliding_window` or more positions behind it.
+The paged layout (`PagedKVCache`, sampler.kv_layout=paged) holds the same K and V in fixed-size blocks of a pool
+shared by all slots, addressed through a per-slot block table; a decode step attends over each row's blocks block
+by block (`_paged_decode_attention`), a prefill gathers them into the operand the contiguous layout holds.
 
 Gemma 3 text (``spec.gemma``): the embedding rows times sqrt(hidden_size) in the weights' dtype; RMSNorms of
 (1 + weight) in fp32 (the input and pre-feedforward ones folded into the projections as the others' are, the
@@ -59,6 +62,7 @@ from megarl.models import convert, moe, tp_shard
 from megarl.models.convert import load_pretrained  # noqa: F401 - the engine's loader, shared with the learner
 from megarl.models import families
 from megarl.models.families import FAMILIES, MODEL_TYPES, generic_path_hint
+from megarl.sampler.kv_blocks import BlockAllocator, blocks_for
 
 
 @dataclass(frozen=True)
@@ -307,6 +311,135 @@ class KVCache:
         """Copy the first `length` positions of slots `src` into slots `dst` (used to keep slots packed)."""
         self.k[:, dst, :, :, :length] = self.k[:, src, :, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+class PagedKVCache:
+    """K and V in a pool of fixed-size blocks shared by all slots (sampler.kv_layout=paged): ``k`` [layers,
+    blocks + 1, kv_heads, head_dim, block_size] (transposed within a block, as `KVCache`'s) and ``v`` [layers,
+    blocks + 1, kv_heads, block_size, head_dim]; position p of slot s lives at offset p % block_size of block
+    ``table[s, p // block_size]``.
+
+    Memory is the pool, not slots x max_seq_len: a slot holds only the blocks its request has reached, taken
+    from the pool as it grows (`grow`) under a reservation of its worst-case length made at admission
+    (`reserve`; megarl.sampler.kv_blocks), and returned when it ends (`release`).  Block 0 is a sink that no
+    slot owns: every table entry past a slot's blocks points at it, so the writes of right padding (positions
+    past a row's end, which `forward` may compute) land there instead of in another request's block, and a
+    decode step's read of a shorter row's span past its end reads it (masked, never attended to).
+
+    A decode step reads each row's blocks as they are (`write_and_blocks`, for `_paged_decode_attention`); a
+    prefill gathers them into the contiguous [rows, kv_heads, head_dim, span] (and V's) operand that `_attention`
+    reads (`write_and_gather`): the contiguous layout's matmuls over the same values.
+    """
+
+    def __init__(self, spec: ModelSpec, num_slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu", *,
+                 block_size: int, num_blocks: int):
+        layers, heads, hd = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        self.allocator = BlockAllocator(num_blocks, block_size, first_id=1)  # (block 0: the sink)
+        self.k = torch.zeros((layers, num_blocks + 1, heads, hd, block_size), dtype=dtype, device=device)
+        self.v = torch.zeros((layers, num_blocks + 1, heads, block_size, hd), dtype=dtype, device=device)
+        self.max_seq_len, self.block_size = max_seq_len, block_size
+        self.table = torch.zeros((num_slots, blocks_for(max_seq_len, block_size)), dtype=torch.long, device=device)
+        self.blocks: list[list[int]] = [[] for _ in range(num_slots)]  # each slot's blocks, in position order
+        # Position of each offset of each table column [columns, block_size] (a decode step's mask).
+        self.key_pos = torch.arange(self.table.shape[1] * block_size, device=device).view(-1, block_size)
+        self.reserved = [0] * num_slots  # each slot's reservation, in blocks
+
+    def blocks_for(self, positions: int) -> int:
+        return blocks_for(positions, self.block_size)
+
+    def reserve(self, slot: int, positions: int) -> bool:
+        """Reserve the blocks of positions [0, positions) for the request entering `slot` (False: not enough
+        unreserved blocks; nothing changes)."""
+        count = self.blocks_for(positions)
+        if not self.allocator.reserve(count):
+            return False
+        self.reserved[slot] = count
+        return True
+
+    def grow(self, lengths: list[tuple[int, int]]) -> list[int]:
+        """Give each (slot, length) the blocks that hold positions [0, length); return each slot's positions held."""
+        rows, cols, ids = [], [], []
+        for slot, length in lengths:
+            held = self.blocks[slot]
+            need = self.blocks_for(length)
+            if need > self.reserved[slot]:
+                raise RuntimeError(f"slot {slot}: {length} positions exceed its reservation of "
+                                   f"{self.reserved[slot]} blocks of {self.block_size}")
+            while len(held) < need:
+                rows.append(slot), cols.append(len(held))
+                held.append(self.allocator.take())
+                ids.append(held[-1])
+        if ids:
+            self.table[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(ids, device=self.table.device)
+        return [len(self.blocks[slot]) * self.block_size for slot, _ in lengths]
+
+    def release(self, slots: list[int]) -> None:
+        """Return the blocks and reservations of `slots` to the pool; their table rows point at the sink."""
+        for slot in slots:
+            self.allocator.give_back(self.blocks[slot], self.reserved[slot])
+            self.blocks[slot], self.reserved[slot] = [], 0
+        self.table[torch.tensor(slots, dtype=torch.long)] = 0
+
+    def pack(self, src: list[int], dst: list[int]) -> None:
+        """Move the requests of slots `src` into the released slots `dst`: their block table rows, no K/V copy."""
+        src_t, dst_t = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+        self.table[dst_t] = self.table[src_t]
+        self.table[src_t] = 0
+        for s, d in zip(src, dst):
+            self.blocks[d], self.reserved[d] = self.blocks[s], self.reserved[s]
+            self.blocks[s], self.reserved[s] = [], 0
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Copy the first `length` positions of slots `src` into the blocks of slots `dst` (a shared prompt: the
+        two hold the same number of blocks; entries past them are the sink on both sides)."""
+        count = self.blocks_for(length)
+        src_blocks, dst_blocks = self.table[src, :count].flatten(), self.table[dst, :count].flatten()
+        self.k[:, dst_blocks] = self.k[:, src_blocks]
+        self.v[:, dst_blocks] = self.v[:, src_blocks]
+
+    def locate(self, slots: slice, positions: torch.Tensor, attn_len: int):
+        """Per forward call: the block and offset each new token's K/V goes to ([B, T] each) and the blocks each
+        row reads ([B, blocks of attn_len])."""
+        table = self.table[slots]
+        write_blocks = table.gather(1, torch.div(positions, self.block_size, rounding_mode="floor"))
+        return write_blocks, positions % self.block_size, table[:, : self.blocks_for(attn_len)], attn_len
+
+    def decode_mask(self, where, positions: torch.Tensor, window: int | None, tables: "ForwardTables") -> torch.Tensor:
+        """A decode step's additive mask [B, blocks, 1, 1, block_size] over each row's blocks (0 or -inf): a row
+        sees the positions <= its own (and, with a sliding window, > its own - window)."""
+        read_blocks = where[2]
+        key_pos, row = self.key_pos[: read_blocks.shape[1]], positions.view(-1, 1, 1)
+        unseen = key_pos > row
+        if window is not None:
+            unseen |= key_pos <= row - window
+        return torch.where(unseen, tables.neg_inf, tables.zero)[:, :, None, None]
+
+    def write_and_blocks(self, layer: int, where, k_new: torch.Tensor, v_new: torch.Tensor):
+        """A decode step's `write_and_gather`: each row's blocks as they are, K [B, blocks, kv_heads, head_dim,
+        block_size] and V [B, blocks, kv_heads, block_size, head_dim] (one gather each, no reordering copy), for
+        `_paged_decode_attention`."""
+        write_blocks, offsets, read_blocks, _ = where
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        k_pool[write_blocks, :, :, offsets] = k_new
+        v_pool[write_blocks, :, offsets] = v_new
+        flat = read_blocks.flatten()
+        return (k_pool.index_select(0, flat).view(*read_blocks.shape, *k_pool.shape[1:]),
+                v_pool.index_select(0, flat).view(*read_blocks.shape, *v_pool.shape[1:]))
+
+    def write_and_gather(self, layer: int, where, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Write the new tokens' k_new, v_new [B, T, kv_heads, head_dim] at their blocks, and return each row's
+        K [B, kv_heads, head_dim, attn_len] and V [B, kv_heads, attn_len, head_dim], gathered from its blocks."""
+        write_blocks, offsets, read_blocks, attn_len = where
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        k_pool[write_blocks, :, :, offsets] = k_new
+        v_pool[write_blocks, :, offsets] = v_new
+        bsz, count = read_blocks.shape
+        _, heads, hd, size = k_pool.shape
+        flat = read_blocks.flatten()
+        k = k_pool.index_select(0, flat).view(bsz, count, heads, hd, size).permute(0, 2, 3, 1, 4)
+        v = v_pool.index_select(0, flat).view(bsz, count, heads, size, hd).transpose(1, 2)
+        return (k.reshape(bsz, heads, hd, count * size)[..., :attn_len],
+                v.reshape(bsz, heads, count * size, hd)[:, :, :attn_len])
 
 
 @dataclass(frozen=True)
@@ -731,12 +864,18 @@ def forward(
         x = x * tables.embed_scale
     rot = tables.rotation[positions.reshape(tokens)][:, None]  # [B*T, 1, hd/2], broadcast over heads
     local_rot = None if tables.local_rotation is None else tables.local_rotation[positions.reshape(tokens)][:, None]
-    # Scatter indices along the position dim of a layer's K [B, kv_heads, hd, S] and V [B, kv_heads, S, hd].
-    k_idx = positions.view(bsz, 1, 1, seq).expand(bsz, nkv, hd, seq)
-    v_idx = positions.view(bsz, 1, seq, 1).expand(bsz, nkv, seq, hd)
+    paged = isinstance(cache, PagedKVCache)
+    if paged:
+        where = cache.locate(slots, positions, attn_len)
+    else:
+        # Scatter indices along the position dim of a layer's K [B, kv_heads, hd, S] and V [B, kv_heads, S, hd].
+        k_idx = positions.view(bsz, 1, 1, seq).expand(bsz, nkv, hd, seq)
+        v_idx = positions.view(bsz, 1, seq, 1).expand(bsz, nkv, seq, hd)
     key_pos = tables.key_pos[:attn_len]
 
     def attention_mask(window: int | None) -> torch.Tensor:
+        if seq == 1 and paged:
+            return cache.decode_mask(where, positions, window, tables)
         if seq == 1:
             # Decode: an additive mask [B*kv_heads, 1, L] (0 or -inf), read by baddbmm.
             row_pos = positions.expand(bsz, nkv).reshape(bsz * nkv, 1, 1)
@@ -770,11 +909,21 @@ def forward(
             qk = _rotate(qk, local_rot)
         elif spec.rope_layers is None or spec.rope_layers[layer]:  # (a layer without RoPE attends unrotated)
             qk = _rotate(qk, rot)
-        k_cache, v_cache = cache.k[layer, slots], cache.v[layer, slots]  # views: writes land in the cache
-        k_cache.scatter_(3, k_idx, qk[:, nh:].view(bsz, seq, nkv, hd).permute(0, 2, 3, 1))
-        v_cache.scatter_(2, v_idx, qkv[:, nh + nkv:].view(bsz, seq, nkv, hd).transpose(1, 2))
-        attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_cache[..., :attn_len], v_cache[:, :, :attn_len],
-                          local_mask if local else mask, group, spec.attn_scale)
+        k_new, v_new = qk[:, nh:].view(bsz, seq, nkv, hd), qkv[:, nh + nkv:].view(bsz, seq, nkv, hd)
+        layer_mask = local_mask if local else mask
+        if paged and seq == 1:
+            k_blocks, v_blocks = cache.write_and_blocks(layer, where, k_new, v_new)
+            attn = _paged_decode_attention(qk[:, :nh].view(bsz, nkv, group, hd), k_blocks, v_blocks, layer_mask,
+                                           spec.attn_scale)
+        else:
+            if paged:
+                k_span, v_span = cache.write_and_gather(layer, where, k_new, v_new)
+            else:
+                k_cache, v_cache = cache.k[layer, slots], cache.v[layer, slots]  # views: writes land in the cache
+                k_cache.scatter_(3, k_idx, k_new.permute(0, 2, 3, 1))
+                v_cache.scatter_(2, v_idx, v_new.transpose(1, 2))
+                k_span, v_span = k_cache[..., :attn_len], v_cache[:, :, :attn_len]
+            attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_span, v_span, layer_mask, group, spec.attn_scale)
         if spec.gemma:  # the norm between o_proj (summed over TP) and the residual add
             out = _linear(attn, lw.o_proj, lw.o_bias)
             if tp_group is not None:
@@ -836,6 +985,26 @@ def _moe_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Tensor
     gate_up = projected[:, experts:].view(tokens, experts, 2, spec.intermediate_size)
     act = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * share.to(projected.dtype)[:, :, None]
     return chosen, act.view(tokens, experts * spec.intermediate_size)
+
+
+def _paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                            mask: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """A decode step's attention over each row's KV blocks as the pool holds them: q [B, kv_heads, group, hd]
+    against k_blocks [B, blocks, kv_heads, hd, block_size] and v_blocks [B, blocks, kv_heads, block_size, hd], with
+    the additive mask [B, blocks, 1, 1, block_size].  Returns [B, heads*hd].
+
+    Scores per block (one batched matmul, q broadcast over the blocks), one softmax over all of a row's blocks
+    (only the small score tensor is reordered), p @ V per block, summed over the blocks: no copy of K or V beyond
+    the gather of the blocks, which is what made gathering them into `_attention`'s contiguous operand slower.
+    The sum over blocks is another summation order than `_attention`'s one matmul: equal within fp32 rounding.
+    scale: the scores' scale (default head_dim ** -0.5; a family with its own attention scale passes it)."""
+    bsz, count, nkv, hd, size = k_blocks.shape
+    group = q.shape[2]
+    scale = hd ** -0.5 if scale is None else scale
+    scores = torch.matmul(q[:, None], k_blocks).mul_(scale).add_(mask)  # [B, blocks, kv_heads, group, size]
+    probs = torch.softmax(scores.permute(0, 2, 3, 1, 4).reshape(bsz, nkv, group, count * size), dim=-1)
+    probs = probs.view(bsz, nkv, group, count, size).permute(0, 3, 1, 2, 4)
+    return torch.matmul(probs, v_blocks).sum(1).view(bsz, nkv * group * hd)
 
 
 def _attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, group: int,

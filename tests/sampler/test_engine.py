@@ -567,3 +567,120 @@ def test_prefill_chunk_must_be_positive(qwen):
     _, cfg, weights = qwen
     with pytest.raises(ValueError, match="sampler.prefill_chunk"):
         BuiltinEngine(cfg, weights, prefill_chunk=0)
+
+
+# ------------------------------------------------------------------ the paged KV layout (sampler.kv_layout=paged)
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "smollm3"])
+def any_family(request, tmp_path_factory):
+    """(kind, HF config, weights) of every dense family, SmolLM3's no-RoPE layer and Mistral's window included."""
+    return request.param, *load_pretrained(str(make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)))
+
+
+def _paged_schedule(engine, weights, swap_at=3):
+    """10 sampled requests (one prompt twice, stop tokens, some top-p) through 4 slots, 3 of them added later,
+    prompts prefilled in chunks; a swap to perturbed weights before step `swap_at`."""
+    gen = torch.Generator().manual_seed(5)
+    v2 = {k: t + 0.05 * torch.randn(t.shape, generator=gen) for k, t in weights.items()}
+    ps = prompts(9, lo=2, hi=20, seed=4)
+    requests = [req(i, p, SamplingParams(temperature=1.0, top_p=0.9 if i % 3 == 0 else 1.0, max_new_tokens=6 + 3 * (i % 4)),
+                    stop=(5,)) for i, p in enumerate(ps + [ps[0]])]
+    for r in requests[:7]:
+        engine.add_request(r)
+    done, step = {}, 0
+    while engine.num_unfinished or step < 2:
+        if step == 2:
+            for r in requests[7:]:
+                engine.add_request(r)
+        if step == swap_at:
+            engine.stage_weights(v2, 1)
+        done.update((c.request_id, c) for c in engine.step())
+        step += 1
+    return done
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_paged_layout_gives_the_contiguous_layouts_completions(any_family, policy):
+    """The paged layout's prefill gathers each row's blocks into the operand the contiguous layout holds (the same
+    matmuls over the same values); its one-position forwards (decode, a one-position last prefill chunk) attend
+    block by block, summing over the blocks in another order: log-probs within fp32 rounding. Tokens, versions and
+    finish reasons are the same (packing, a shared prompt, chunked prefill, a swap under either policy)."""
+    _, cfg, weights = any_family
+    runs = {layout: _paged_schedule(BuiltinEngine(cfg, weights, max_running=4, max_seq_len=48, kv_on_update=policy,
+                                                  prefill_chunk=5, seed=2, kv_layout=layout, kv_block_size=4),
+                                    weights)
+            for layout in ("contiguous", "paged")}
+    assert runs["paged"].keys() == runs["contiguous"].keys() and len(runs["paged"]) == 10
+    for rid, c in runs["contiguous"].items():
+        p = runs["paged"][rid]
+        assert (p.token_ids, p.versions, p.finish_reason) == (c.token_ids, c.versions, c.finish_reason)
+        assert max(abs(a - b) for a, b in zip(p.logprobs, c.logprobs)) <= TOL
+    assert {c.finish_reason for c in runs["paged"].values()} == {"stop", "length"}
+    assert any(len(set(c.versions)) == 2 for c in runs["paged"].values())  # some request ran across the swap
+
+
+def test_a_full_block_pool_queues_requests_until_running_ones_return_blocks(qwen):
+    """A pool of 10 blocks of 4 holds two of these requests' reservations (4-5 blocks each), whatever the free
+    slots: the rest wait in the queue and run as blocks come back; nothing runs out mid-request, and each
+    completion is the one it gets alone."""
+    _, cfg, weights = qwen
+    requests = [req(i, p, SamplingParams(temperature=0.0, max_new_tokens=8)) for i, p in enumerate(prompts(6, 8, 12))]
+    engine = BuiltinEngine(cfg, weights, max_running=6, max_seq_len=64, kv_layout="paged", kv_block_size=4,
+                           kv_blocks=10)
+    for r in requests:
+        engine.add_request(r)
+    done, most_running = {}, 0
+    while engine.num_unfinished:
+        done.update((c.request_id, c) for c in engine.step())
+        stats = engine.stats()
+        most_running = max(most_running, stats["running"])
+        assert stats["kv_blocks_used"] <= stats["kv_blocks_reserved"] <= 10
+    assert most_running == 2 and len(done) == 6
+    assert (engine.stats()["kv_blocks_used"], engine.stats()["kv_blocks_reserved"]) == (0, 0)
+    for r in requests:
+        alone = BuiltinEngine(cfg, weights, max_running=1, max_seq_len=64).generate([r])[0]
+        assert done[r.request_id].token_ids == alone.token_ids
+        assert max(abs(a - b) for a, b in zip(done[r.request_id].logprobs, alone.logprobs)) <= TOL
+
+
+def test_a_request_larger_than_the_block_pool_is_refused_naming_the_key(qwen):
+    _, cfg, weights = qwen
+    engine = BuiltinEngine(cfg, weights, max_running=2, max_seq_len=64, kv_layout="paged", kv_block_size=4,
+                           kv_blocks=3)
+    engine.add_request(req(0, [1] * 4, SamplingParams(temperature=0.0, max_new_tokens=9)))  # 12 positions: 3 blocks
+    with pytest.raises(ValueError, match=r"13 KV positions need 4 blocks of 4, the pool has 3 \(raise sampler.kv_blocks\)"):
+        engine.add_request(req(1, [1] * 4, SamplingParams(temperature=0.0, max_new_tokens=10)))
+    with pytest.raises(ValueError, match="sampler.kv_layout"):
+        BuiltinEngine(cfg, weights, kv_layout="blocks")
+
+
+def test_a_pool_sized_for_the_mix_serves_one_long_request_among_short_ones(qwen):
+    """8 slots of max_seq_len 1024: the contiguous layout holds 8 x 1024 positions per layer. Seven short requests
+    (2 blocks of 16 each) and a 600-token prompt (39 blocks) reserve 53 blocks: a pool of exactly that, 848
+    positions plus the sink block, runs all eight at once, with the contiguous layout's completions."""
+    _, cfg, weights = qwen
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24)
+    long_prompt = torch.randint(0, 32, (600,), generator=torch.Generator().manual_seed(9)).tolist()
+    requests = [req(i, p, sampling) for i, p in enumerate(prompts(7, 8, 10) + [long_prompt])]
+    contiguous = BuiltinEngine(cfg, weights, max_running=8, max_seq_len=1024, seed=1)
+    paged = BuiltinEngine(cfg, weights, max_running=8, max_seq_len=1024, seed=1, kv_layout="paged",
+                          kv_block_size=16, kv_blocks=53)
+    per_position = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // 4) * 4  # bytes
+    assert contiguous._cache.k.nbytes + contiguous._cache.v.nbytes == 8 * 1024 * per_position
+    assert paged._cache.k.nbytes + paged._cache.v.nbytes == 54 * 16 * per_position  # 10.5% of it
+    for r in requests:
+        paged.add_request(r)
+    done = {c.request_id: c for c in paged.step()}
+    assert paged.stats()["running"] == 8 and paged.stats()["kv_blocks_reserved"] == 53  # all at once
+    while paged.num_unfinished:
+        done.update((c.request_id, c) for c in paged.step())
+    for c in contiguous.generate(requests):
+        assert done[c.request_id].token_ids == c.token_ids
+        assert max(abs(a - b) for a, b in zip(done[c.request_id].logprobs, c.logprobs)) <= TOL
+
+
+def test_a_pinned_engine_keeps_the_paged_layout_with_its_own_pool(qwen):
+    _, cfg, weights = qwen
+    engine = BuiltinEngine(cfg, weights, max_running=2, max_seq_len=32, kv_layout="paged", kv_block_size=4, kv_blocks=6)
+    twin = engine.pinned(max_running=3, seed=0)
+    assert twin.stats()["kv_blocks"] == 6 and twin._cache is not engine._cache
+    assert [len(c.token_ids) for c in twin.generate([req(i, [1, 2, 3]) for i in range(3)])] == [8, 8, 8]

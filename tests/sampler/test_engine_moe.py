@@ -190,3 +190,18 @@ def test_a_multi_turn_episodes_routes_come_from_the_prefill_that_computed_them(t
     np.testing.assert_array_equal(routes[:computed], v2_routes[:computed])
     assert (v1_routes[env_start:env_end] != v2_routes[env_start:env_end]).any()  # the test tells v1 from v2
     assert routes.shape[0] == len(chat.ids) - 1 and (routes[computed:] == np.arange(TOP_K)).all()
+
+
+def test_the_paged_layout_gives_the_contiguous_layouts_completions_and_routes(mixtral):
+    """sampler.kv_layout=paged on an MoE model: the same tokens and routes, log-probs within fp32 rounding (the
+    paged decode sums attention over blocks; a shared prompt's copy included; routes live in the slot buffers)."""
+    _, cfg, weights = mixtral
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    reqs = requests(5, sampling, seed=3)
+    reqs.append(GenerationRequest("copy", reqs[0].prompt_ids, sampling))
+    runs = [BuiltinEngine(cfg, weights, max_running=3, prefill_chunk=4, seed=1, kv_layout=layout,
+                          kv_block_size=4).generate(reqs) for layout in ("contiguous", "paged")]
+    for c, p in zip(*runs):
+        assert p.token_ids == c.token_ids
+        assert max(abs(a - b) for a, b in zip(p.logprobs, c.logprobs)) <= TOL
+        np.testing.assert_array_equal(p.routes, c.routes)

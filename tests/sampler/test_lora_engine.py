@@ -51,14 +51,15 @@ def _prefill(spec, prepared, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[0], -1)
 
 
+@pytest.mark.parametrize("kv_layout", ["contiguous", "paged"])
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
-def test_adapter_update_mid_rollout_keeps_per_token_versions_exact(qwen, policy):
+def test_adapter_update_mid_rollout_keeps_per_token_versions_exact(qwen, policy, kv_layout):
     cfg, base = qwen
     v1, v2 = _adapter(cfg, 1), _adapter(cfg, 2)
     factor = lora.scale(LORA)
     spec = ModelSpec.from_hf_config(cfg)
     merged = {v: prepare_weights(spec, lora.merge(base, a, factor)) for v, a in ((1, v1), (2, v2))}
-    engine = BuiltinEngine(cfg, base, max_running=4, kv_on_update=policy)
+    engine = BuiltinEngine(cfg, base, max_running=4, kv_on_update=policy, kv_layout=kv_layout, kv_block_size=4)
     stager = AdapterStager(engine, base, cfg, LORA)
     assert stager.weight_spec() == {n: (torch.Size(s), d) for n, s, d in lora.adapter_spec(cfg, LORA)}
     stager.stage(v1, 1)

@@ -148,6 +148,21 @@ def test_in_flight_swap_applies_each_version_at_the_same_step_on_both_ranks(rank
     _close_to_tp1(lead["done"], tp1_run(qwen, lambda full, v: perturbed(full, seed=v), kv_on_update="recompute"))
 
 
+def test_the_paged_layout_under_tp_gives_the_contiguous_layouts_completions(ranks):
+    """Each TP rank's paged cache holds its KV heads in blocks; both ranks allocate alike (same requests, same
+    steps) and agree bit for bit, and the swap schedule's completions are the contiguous layout's (log-probs within
+    fp32 rounding: the paged decode sums attention over blocks)."""
+    assert all(_same(ranks[0]["swap_paged"]["done"][rid], ranks[1]["swap_paged"]["done"][rid])
+               for rid in ranks[0]["swap_paged"]["done"])
+    paged, contiguous = ranks[0]["swap_paged"]["done"], ranks[0]["swap"]["done"]
+    assert paged.keys() == contiguous.keys()
+    for rid, c in contiguous.items():
+        assert (paged[rid].token_ids, paged[rid].versions, paged[rid].finish_reason) == (
+            c.token_ids, c.versions, c.finish_reason)
+        assert max(abs(a - b) for a, b in zip(paged[rid].logprobs, c.logprobs)) <= TOL
+    assert ranks[0]["swap_paged"]["stats"]["kv_blocks_used"] == ranks[1]["swap_paged"]["stats"]["kv_blocks_used"] == 0
+
+
 def _routes_under(weights: dict, cfg: dict, ids: list[int]) -> np.ndarray:
     """The routes of every position of `ids` when one TP1 forward under `weights` computes them all."""
     spec = ModelSpec.from_hf_config(cfg)

@@ -14,6 +14,7 @@ Runs the scenarios in order over one gloo TP group and writes what each rank saw
   swap      - the same, with kv_on_update="recompute" and versions 2 and 3 staged on the two ranks at
               different times (the follower's v2 arrives 0.5 s after the lead plans it, its v3 right
               after its v2, usually before the lead plans it);
+  swap_paged - the swap schedule on the paged KV layout (blocks of 4 positions);
   missing   - the lead plans version 2, which the follower's receiver never stages: the follower's error;
   moe_swap_keep, moe_swap_recompute - the swap schedule on the embedded tiny Mixtral under each
               kv_on_update policy, versions 2 and 3 with their routers' rows rolled (`rerouted`): routes move.
@@ -129,14 +130,14 @@ def forward_logits(model_dir: str, rank: int, group) -> dict:
     return out
 
 
-def swap_pair(model_dir: str, rank: int, group, kv_on_update: str, versions_of) -> dict:
+def swap_pair(model_dir: str, rank: int, group, kv_on_update: str, versions_of, **engine_kw) -> dict:
     """The swap scenario on `model_dir`: the lead stages v2 before step 3 and v3 before step 6; the follower's
     receiver stages v2 only after 0.5 s (the follower waits for it) and v3 right after (usually ahead of the
     lead).  `versions_of(full, version)` makes each version's whole weights."""
     cfg, full = load_pretrained(model_dir)
     versions = {v: shard(versions_of(full, v), rank) for v in SWAP_STAGES.values()}
     engine = BuiltinEngine(cfg, shard(full, rank), tp_group=group, max_running=4, max_seq_len=32, seed=SEED,
-                           version=1, kv_on_update=kv_on_update)
+                           version=1, kv_on_update=kv_on_update, **engine_kw)
 
     def stage_lead(step):
         if step in SWAP_STAGES:
@@ -186,6 +187,8 @@ def main() -> None:
     results["generate"] = run_pair(rank, group, engine, stage_lead=lambda step: None)
 
     results["swap"] = swap_pair(qwen_dir, rank, group, "recompute", lambda full, v: perturbed(full, seed=v))
+    results["swap_paged"] = swap_pair(qwen_dir, rank, group, "recompute", lambda full, v: perturbed(full, seed=v),
+                                      kv_layout="paged", kv_block_size=4)
     for policy in ("keep", "recompute"):
         results[f"moe_swap_{policy}"] = swap_pair(moe_dir, rank, group, policy, lambda full, v: rerouted(full, v))
 
