@@ -545,7 +545,9 @@ class SamplerLoop:
                 "env_s": self.episodes.env_s if self.episodes else 0.0,
                 # which incarnation sent it (fault.on_failure=replace: a predecessor's late group is refused), and
                 # how many groups it started (what its replacement counts as lost)
-                "incarnation": self.incarnation, "started": self.started}
+                "incarnation": self.incarnation, "started": self.started,
+                # the paged KV layout's block pool (sampler.kv_layout=paged): its size, blocks in slots, promised
+                **{k: engine[k] for k in ("kv_blocks", "kv_blocks_used", "kv_blocks_reserved") if k in engine}}
 
 
 def run_sampler(cfg: Config, topo: Topology, store, model_dir: Path) -> None:

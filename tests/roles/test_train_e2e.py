@@ -264,7 +264,9 @@ def check_samplers_ran_the_published_weights(metrics: list[dict]) -> None:
 
 
 # The default layout (learner.tp=1) is checked by test_raw_torchrun_command_from_the_readme_works's run.
-@pytest.mark.parametrize("layout", ["learner.tp=2", "learner.dp=2", "learner.pp=2", "learner.cp=2",
+# learner.dp=2's run also samples on the paged KV layout (small blocks, so requests span several).
+@pytest.mark.parametrize("layout", ["learner.tp=2", "learner.dp=2 sampler.kv_layout=paged sampler.kv_block_size=8",
+                                    "learner.pp=2", "learner.cp=2",
                                     "learner.tp=2 sampler.tp=2 eval.sets=[]",  # a TP engine cannot evaluate
                                     "learner.lora.rank=8"])
 def test_samplers_run_exactly_the_weights_the_learner_published(embedded_count_model_dir, tmp_path, layout):
@@ -282,6 +284,8 @@ def test_samplers_run_exactly_the_weights_the_learner_published(embedded_count_m
         link = sum(shard(name, t, 2, 0).numel() * 4 for name, t in weights.items())
         whole = sum(t.numel() * 4 for t in weights.values())
         assert link < whole and {m["publish_bytes"] for m in metrics} == {link}
+    if "paged" in layout:  # the engine ran on a block pool (only the paged layout has one: sampler{rank}/kv_blocks)
+        assert all(any(k.endswith("/kv_blocks") and v > 0 for k, v in m.items()) for m in metrics)
     if "lora" in layout:  # only the adapter travelled, and the engine ran base + adapter (the lag-0 gap above)
         from megarl.config.schema import LoraConfig
         from megarl.models.lora import adapter_spec
