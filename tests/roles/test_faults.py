@@ -289,8 +289,8 @@ def _wait_for_rejoin(run_dir, proc: subprocess.Popen, replaced: int = 1, more_st
 
 def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1) -> None:
     """Stopped by SIGTERM at a step boundary with every step once, in order; the replacement of `rank` joined at a
-    version V, its first trained group carries V (it generated nothing before it ran V) and none of its later ones
-    is older."""
+    version V and none of its trained groups carries an older one (it generated nothing before it ran V; its first
+    token may come from V + 1 when that version landed first, the pipeline's in-flight update)."""
     metrics = _metrics(run_dir)
     steps = len(metrics)
     assert f"megarl: stopped by SIGTERM after {steps} steps" in out, err[-3000:]
@@ -302,8 +302,7 @@ def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1) -
     rollouts = [json.loads(line) for line in (Path(run_dir) / "rollouts.jsonl").read_text().splitlines()]
     after = [r for r in rollouts if r["sampler_rank"] == rank and r["trained_at_step"] >= joined[0]]
     assert after, "the replacement contributed no group"
-    assert after[0]["versions"][0] == joined[0]
-    assert all(min(r["versions"]) >= joined[0] for r in after)
+    assert all(min(r["versions"]) >= joined[0] for r in after), (joined, [r["versions"][:1] for r in after[:4]])
     ids = [r["group_id"] for r in rollouts]
     assert len(set(ids)) * 8 == len(ids)  # no group trained twice (8 samples per group)
     assert metrics[-1]["samplers/alive"] == 2.0 and metrics[-1]["samplers/replaced"] == float(replaced)
