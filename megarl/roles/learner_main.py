@@ -136,6 +136,7 @@ class Intake:
             if cfg.fault.on_failure == "replace" else None
         self.next_dead_check = 0.0
         self.memberless_since: float | None = None  # when the last member was dropped (None: some sampler is one)
+        self.failed_publishes = 0  # in a row (publish_to_members)
 
     def next_batch(self, version: int) -> tuple[TrainBatch, dict[str, float]]:
         accept = None if self.members is None else lambda group, stats: self.members.accepts(group[0].sampler_rank,
@@ -232,15 +233,16 @@ class Intake:
         raise RuntimeError(f"weight publish: no membership epoch could form in {MEMBERSHIP_ATTEMPTS} attempts "
                            f"(fault.on_failure=replace); the samplers' errors say why")
 
-    def publish_failed(self, exc: Exception) -> None:
+    def publish_failed(self, exc: Exception) -> list[int]:
         """A publish under fault.on_failure=replace failed: drop the members that are gone (their keeper's record, or
         a heartbeat standing still for gone_after_s); the version is not delivered and the next publish goes to a new
-        epoch, whole (the caller publishes again at once, MEMBERSHIP_ATTEMPTS times at most)."""
+        epoch, whole. The ranks dropped."""
         gone = self._find_gone()
         self.members.note(f"megarl: weight publish failed ({str(exc)[:300]}); "
-                          + (f"publishing again without {', '.join(self.members.name(r) for r in gone)}" if gone else
-                             "no sampler is gone: publishing again to the same samplers over a new epoch"))
+                          + (f"the next one goes without {', '.join(self.members.name(r) for r in gone)}" if gone else
+                             "no sampler is gone: the next one goes to the same samplers over a new epoch"))
         self.members.changed = True
+        return gone
 
     def _find_gone(self) -> list[int]:
         """Drop the members a keeper recorded dead or whose heartbeat stood still for gone_after_s, watched for up to
@@ -326,25 +328,36 @@ def publish_weights(learner, publisher, extra: dict, heartbeats: HeartbeatMonito
 
 
 def publish_to_members(learner, publisher, intake: Intake, make_group, heartbeats: HeartbeatMonitor,
-                       num_learners: int) -> dict:
+                       num_learners: int, again_at_once: bool = False) -> dict:
     """fault.on_failure=replace: publish to the live samplers of the current membership epoch (a new one when
-    the set changed). A failed publish drops the members that are gone and publishes again at once over a new epoch
-    (whole), so the survivors get this version (and the retired counts their staleness budget waits for) now, not a
-    step later; after MEMBERSHIP_ATTEMPTS failures the run stops, naming the last one."""
-    for attempt in range(MEMBERSHIP_ATTEMPTS):
+    the set changed). A failed publish drops the members that are gone and posts every sampler's retired count (the
+    survivors' staleness budget must not wait on the next publish); the next publish goes over a new epoch, whole.
+    `again_at_once` (SGLang, whose servers stay paused when their receive failed; newcomers that can send nothing
+    before a version reaches them), or no member left that a publish reached: that publish is this version, sent
+    now. MEMBERSHIP_ATTEMPTS failed publishes in
+    a row with no sampler gone stop the run, naming the last one.
+
+    Not again at once otherwise: a built-in or vLLM receiver that got this version while another member failed
+    the publish would take the same version twice, its two staging sets both holding it; the next version would
+    wait for the engine to move past it (publish.WeightReceiver) until that publish timed out."""
+    while True:
         if not intake.refresh_members(publisher, make_group, learner.version):
             return publish_weights(learner, None, {}, None, num_learners)  # no sampler to publish to
         try:
             published = publish_weights(learner, publisher, intake.header(), heartbeats, num_learners)
         except TimeoutError as exc:
-            if attempt == MEMBERSHIP_ATTEMPTS - 1:
-                raise TimeoutError(f"weight publish of version {learner.version} failed {MEMBERSHIP_ATTEMPTS} times "
-                                   f"over new membership epochs (fault.on_failure=replace): {exc}") from exc
-            intake.publish_failed(exc)
-            continue
+            gone = intake.publish_failed(exc)
+            intake.failed_publishes = 0 if gone else intake.failed_publishes + 1
+            if intake.failed_publishes >= MEMBERSHIP_ATTEMPTS:
+                raise TimeoutError(f"weight publish failed {MEMBERSHIP_ATTEMPTS} times in a row over new membership "
+                                   f"epochs (fault.on_failure=replace) with no sampler gone: {exc}") from exc
+            intake.announce_retired()
+            if again_at_once or len(intake.members.newcomers()) == intake.members.alive:
+                continue  # (no member could send a group before it); every round drops one or counts
+            return {"bytes": 0, "seconds": 0.0}
+        intake.failed_publishes = 0
         intake.members.delivered()
         return published
-    raise AssertionError("unreachable")
 
 
 def save_checkpoint(learner, cfg: Config, step: int, model_dir: Path, intake: Intake | None,
@@ -554,7 +567,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 if members is None:
                     publish_weights(source, None, {}, None, topo.num_learners)
                 else:
-                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners)
+                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners, True)
             if isinstance(batch, StopRequested):
                 stopped = batch
                 break
@@ -569,7 +582,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 # The lead's header also carries the bookkeeping.
                 published = publish_weights(source, publisher, intake.header() if lead else {}, heartbeats,
                                             topo.num_learners, shards) if members is None else \
-                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners)
+                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners, sglang)
             elif lead:
                 intake.announce_retired()
             wall.append(time.time())

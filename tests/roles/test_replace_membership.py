@@ -132,16 +132,35 @@ def test_a_failed_publish_drops_no_live_sampler_that_stood_still_a_few_seconds(s
     assert not store.check(["samplers/replace/2"])  # its keeper is not asked to kill it
 
 
-def test_a_failed_publish_is_published_again_at_once_to_the_samplers_left(store, monkeypatch):
-    # The survivors' staleness budget waits on the retired counts a publish carries: a failed publish is followed at
-    # once by one over a new epoch, not a step later (when every survivor may be waiting on it).
-    intake = _intake(store, monkeypatch, "publish.timeout_s=0.2", "fault.sampler_timeout_s=0.2", "fault.heartbeat_s=0.1")
+def test_after_a_failed_publish_the_survivors_budget_does_not_wait_for_the_next_publish(store, monkeypatch):
+    # A survivor's staleness budget is freed by the retired counts a publish carries: after a failed publish they are
+    # posted at once (else a survivor with its budget spent sends nothing and the learner waits queue.timeout_s).
+    intake = _intake(store, monkeypatch, "publish.timeout_s=0.2", "fault.sampler_timeout_s=0.2",
+                     "fault.heartbeat_s=0.1")
+    intake.retired.update({1: 6, 2: 4})
     publisher = FakePublisher(fail=1)
     store.set(dead_key(2), json.dumps({"incarnation": 0, "cause": "was killed by signal 9 (SIGKILL)"}))
     published = publish_to_members(FakeLearner(), publisher, intake, lambda epoch, size: f"epoch {epoch}", None, 1)
+    assert published["bytes"] == 0 and publisher.sent == []  # the built-in engine: the next step's publish
+    assert store.get("retired/1") == b"6"
+
+
+def test_a_failed_publish_goes_again_at_once_where_the_samplers_left_could_not_go_on_without_it(store, monkeypatch):
+    # SGLang servers whose receive failed stay paused until a whole publish; newcomers send nothing before one.
+    intake = _intake(store, monkeypatch, "publish.timeout_s=0.2", "fault.sampler_timeout_s=0.2",
+                     "fault.heartbeat_s=0.1")
+    publisher = FakePublisher(fail=1)
+    store.set(dead_key(2), json.dumps({"incarnation": 0, "cause": "was killed by signal 9 (SIGKILL)"}))
+    published = publish_to_members(FakeLearner(), publisher, intake, lambda epoch, size: f"epoch {epoch}", None, 1,
+                                   True)
     assert published["bytes"] == 1
-    assert publisher.sent == [(7, "epoch 2")]  # epoch 1 ({1, 2}) failed; epoch 2 ({1}) got version 7
+    assert publisher.sent == [(7, "epoch 2")]  # epoch 1 ({1, 2}) failed; epoch 2 ({1}) got version 7 at once
     assert _epoch(store, 2)["members"] == [[1, 0]]
+    # no sampler gone, MEMBERSHIP_ATTEMPTS failures in a row: the run stops, naming the publish's error
+    publisher.fail = 3
+    intake.heartbeats.ranks = [1]
+    with pytest.raises(TimeoutError, match="failed 3 times in a row .* with no sampler gone: weight publish: version"):
+        publish_to_members(FakeLearner(), publisher, intake, lambda epoch, size: f"epoch {epoch}", None, 1, True)
 
 
 def test_while_every_sampler_is_being_replaced_the_learner_waits_past_queue_timeout(store, monkeypatch):
