@@ -390,7 +390,8 @@ def train_on(learner, batch: TrainBatch, cfg: Config, step: int, nonfinite: Nonf
     for epoch in range(cfg.algo.sync_epochs):
         # Later epochs see the same tokens one more version behind: the lag metrics say so.
         metrics = learner.train_step(replace(batch, learner_version=learner.version))
-        applied += not metrics["skipped_nonfinite"]
+        # a critic warm-up step (critic/warmup) trains the critic only: the policy, and so the version, stay
+        applied += not metrics["skipped_nonfinite"] and not metrics.get("critic/warmup")
         nonfinite.count(metrics, step, last=step == cfg.run.steps - 1 and epoch == cfg.algo.sync_epochs - 1)
     check_trained(step, batch, before, learner.version, applied)
     return metrics
@@ -398,7 +399,7 @@ def train_on(learner, batch: TrainBatch, cfg: Config, step: int, nonfinite: Nonf
 
 def check_trained(step: int, batch, version_before: int, version_after: int, applied: int) -> None:
     """The invariant of the step counter: a step is one batch's optimizer steps, each applied one (not skipped as
-    non-finite) moving the version by exactly one. Anything else (a batch that is none or empty, a version moved
+    non-finite, not a critic warm-up step) moving the version by exactly one. Anything else (a batch that is none or empty, a version moved
     without an update or an update without a version) is a bug in the loop that would log steps that trained
     nothing: the run stops, loudly."""
     rows = batch.input_ids.shape[0] if isinstance(batch, TrainBatch) else 0

@@ -299,3 +299,27 @@ def test_the_logged_steps_never_skip_or_repeat(tmp_path):
     finally:
         learner_main.batch_metrics, learner_main.source_rewards = batch_metrics, source_rewards
         outputs.close()
+
+
+def test_train_on_counts_a_critic_warm_up_step_as_a_step_that_moves_no_version():
+    cfg = load_config(REPO / "configs" / "arithmetic.yaml", [], check_files=False)
+
+    class Learner:
+        version = 3
+
+        def __init__(self, warmup: bool):
+            self.warmup = warmup
+
+        def train_step(self, batch):
+            if not self.warmup:
+                self.version += 1
+            return {"loss": 0.1, "grad_norm": 1.0, "skipped_nonfinite": 0.0, "critic/warmup": float(self.warmup)}
+
+    batch = TrainBatch(*(torch.zeros(2, 3) for _ in range(5)), learner_version=3)
+    nonfinite = learner_main.NonfiniteSteps(5, "learner", "")
+    assert learner_main.train_on(Learner(warmup=True), batch, cfg, 0, nonfinite)["critic/warmup"] == 1.0
+    learner_main.train_on(Learner(warmup=False), batch, cfg, 1, nonfinite)
+    broken = Learner(warmup=True)
+    broken.train_step = lambda batch: {"loss": 0.1, "skipped_nonfinite": 0.0}  # trained, but the version stood
+    with pytest.raises(RuntimeError, match="step 2 broke the step invariant"):
+        learner_main.train_on(broken, batch, cfg, 2, nonfinite)
