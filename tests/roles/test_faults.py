@@ -308,7 +308,6 @@ def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1) -
     assert metrics[-1]["samplers/alive"] == 2.0 and metrics[-1]["samplers/replaced"] == float(replaced)
 
 
-@pytest.mark.replace_race  # pytest.ini: a known race, deselected until fixed
 @pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
 @pytest.mark.parametrize("victims", [(1,), (1, 2)])
 def test_with_replace_a_killed_sampler_is_replaced_and_the_run_goes_on(victims, embedded_think_model_dir, tmp_path):
@@ -345,7 +344,6 @@ def _server_processes(sampler_pid: int, module: bytes) -> list[int]:
     return found
 
 
-@pytest.mark.replace_race  # pytest.ini: a known race, deselected until fixed
 @pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
 def test_with_replace_a_killed_sglang_server_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
     # The SGLang-compatible server of sampler 0 is SIGKILLed: its sampler fails on it, the keeper starts a new
@@ -366,7 +364,6 @@ def test_with_replace_a_killed_sglang_server_is_replaced_and_the_run_goes_on(emb
     assert not leftovers(run_dir)
 
 
-@pytest.mark.replace_race  # pytest.ini: a known race, deselected until fixed
 @pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
 def test_with_replace_and_eval_sets_a_replacement_evaluates_from_its_join_on(embedded_think_model_dir, tmp_path):
     # eval.sets under replace: the replacement evaluates its share of every due version from the one it joined at;
@@ -395,7 +392,6 @@ def test_with_replace_and_eval_sets_a_replacement_evaluates_from_its_join_on(emb
     assert not leftovers(run_dir)
 
 
-@pytest.mark.replace_race  # pytest.ini: a known race, deselected until fixed
 @pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
 def test_with_replace_a_hung_sampler_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
     run_dir = tmp_path / "replace_hang"
