@@ -26,6 +26,15 @@ from typing import Callable
 INCARNATION_ENV = "MEGARL_SAMPLER_INCARNATION"
 SHIFT = 40
 POLL_S = 0.05
+MEMBERSHIP_ATTEMPTS = 3  # epochs the learner tries, to form a group or to publish over it, before the run stops
+
+
+def rejoin_timeout_s(cfg) -> float:
+    """How long a member waits for the next epoch after a failed receive or epoch (EpochFollower): the learner's
+    wait for groups before its next publish (queue.timeout_s), its watch for the member that is gone
+    (fault.sampler_timeout_s at most) and its attempts to form a group and publish over it (MEMBERSHIP_ATTEMPTS
+    x (2 + 1) x publish.timeout_s). `cfg`: the run's megarl.config.schema.Config."""
+    return cfg.queue.timeout_s + cfg.fault.sampler_timeout_s + MEMBERSHIP_ATTEMPTS * 3 * cfg.publish.timeout_s
 
 
 def incarnation() -> int:
@@ -76,6 +85,9 @@ class SamplerSet:
         self.epoch, self.changed = 0, False
         self.replaced, self.lost = 0, 0
         self.started: dict[int, float] = {}  # the member's last reported count of groups started
+        # The incarnations a whole publish reached: they run on the data position they started from. Every other
+        # member is a newcomer that takes its position from the epoch record (once: EpochFollower.take_position).
+        self.synced: dict[int, int] = dict(self.members)
 
     def name(self, rank: int) -> str:
         return f"sampler {rank - self.num_learners} (rank {rank})"
@@ -95,6 +107,7 @@ class SamplerSet:
         if rank not in self.members:
             return
         incarnation = self.members.pop(rank)
+        self.synced.pop(rank, None)
         lost = lost_groups(self.started.pop(rank, 0.0), retired)
         self.lost += lost
         self.replaced += 1
@@ -125,6 +138,15 @@ class SamplerSet:
         self.started.pop(rank, None)
         self.changed = True
 
+    def newcomers(self) -> list[int]:
+        """Members no whole publish has reached yet: the next epoch record carries their data position."""
+        return sorted(rank for rank, inc in self.members.items() if self.synced.get(rank) != inc)
+
+    def delivered(self) -> None:
+        """A publish reached every member: none is a newcomer any more (a survivor must never be given a position:
+        it would re-issue the groups it has in flight, which the learner would then train twice)."""
+        self.synced.update(self.members)
+
     def start_epoch(self, first_publish: int, positions: dict[int, dict]) -> int:
         """Record the next epoch (the current members, the publish it starts at, newcomers' positions)."""
         self.epoch += 1
@@ -148,14 +170,24 @@ class EpochFollower:
 
     Incarnation 0 starts in epoch 0 over the run's first publish group; a replacement starts outside any epoch
     and waits for one that names it. `make_group(epoch, group_rank, size)` builds an epoch's group (blocks until
-    every member and the learner joined it)."""
+    every member and the learner joined it). An epoch whose group fails to form (a member died or was slow meanwhile:
+    the learner's side fails too and records a later epoch) leaves this incarnation between epochs, group None,
+    waiting for the next one; only an epoch that leaves it out ends it (SamplerDropped).
+
+    `rejoin_timeout_s`: how long a member may wait for the next epoch after a failed receive or formation. The
+    learner records it at its next publish at the latest, which follows its wait for groups (queue.timeout_s) and
+    the attempts to form and publish (`rejoin_timeout_s`): a shorter one would fail live samplers whenever a
+    member's failure costs the learner a slow step."""
 
     def __init__(self, store, rank: int, incarnation: int, make_group: Callable[[int, int, int], object],
-                 group=None):
+                 group=None, rejoin_timeout_s: float | None = None):
         self.store, self.rank, self.incarnation, self.make_group = store, rank, incarnation, make_group
         self.epoch = 0 if incarnation == 0 else -1
         self.group = group
-        self.position: dict | None = None  # a newcomer's data position, from the epoch that admitted it
+        self.rejoin_timeout_s = rejoin_timeout_s
+        self.position: dict | None = None  # a newcomer's data position, from the newest epoch record naming it
+        self.positioned = False  # taken (with the first version received): later records' positions are ignored
+        self.failed: BaseException | None = None  # why the last epoch's group did not form
 
     def next_epoch(self) -> int | None:
         """The newest recorded epoch after the current one, or None."""
@@ -179,10 +211,23 @@ class EpochFollower:
                                  f"publish epoch {epoch}: the learner dropped it")
         self.group = None  # the previous epoch's group is left before the next one is built
         self.epoch = epoch
-        self.group = self.make_group(epoch, 1 + members.index((self.rank, self.incarnation)), 1 + len(members))
-        if str(self.rank) in record["positions"]:
+        try:
+            self.group = self.make_group(epoch, 1 + members.index((self.rank, self.incarnation)), 1 + len(members))
+        except (RuntimeError, TimeoutError) as exc:  # the learner's side failed as well: a later epoch
+            self.failed = exc
+            return None
+        if str(self.rank) in record["positions"] and not self.positioned:
             self.position = record["positions"][str(self.rank)]
         return record["first_publish"]
+
+    def take_position(self) -> dict | None:
+        """With the first version this incarnation applies: the data position to issue its groups from (None for
+        an incarnation that started with the run, or once taken)."""
+        if self.positioned:
+            return None
+        self.positioned = True
+        position, self.position = self.position, None
+        return position
 
     def wait_for_epoch(self, should_stop: Callable[[], bool], timeout_s: float | None,
                        what: BaseException | None = None) -> int | None:
@@ -197,5 +242,5 @@ class EpochFollower:
                 return None
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"sampler rank {self.rank}: no new publish epoch within {timeout_s:.0f}s after a "
-                                   f"failed receive ({what})")
+                                   f"failed receive ({what}; last epoch not formed: {self.failed})")
             time.sleep(POLL_S)

@@ -452,7 +452,7 @@ class WeightReceiver:
                         raise
                     # A member died during this publish: its version is dropped, the next epoch's publish is whole.
                     self.held_versions[self.next_index % 2] = None
-                    self._join(self.follower.wait_for_epoch(self.should_stop, 2 * self.timeout.total_seconds(), exc))
+                    self._join(self.follower.wait_for_epoch(self.should_stop, self.follower.rejoin_timeout_s, exc))
                     continue
                 self.next_index += 1
         except _Stopped:
@@ -476,7 +476,8 @@ class WeightReceiver:
                 if first is not None:
                     self._join(first)
                     key = header_key(self.next_index)
-            if self.store.check([key]):
+            # Between epochs (the last one's group did not form) nothing is received: the learner records the next.
+            if (self.follower is None or self.follower.group is not None) and self.store.check([key]):
                 return
             if self.should_stop():
                 raise _Stopped()

@@ -26,7 +26,7 @@ from megarl.config.length_limit import LengthLimit
 from megarl.config.schema import Config
 from megarl.distributed.heartbeat import HeartbeatMonitor, SamplerHungError
 from megarl.distributed.lifetime import StopRequested, exit_status, raise_if_stopped
-from megarl.distributed.membership import SamplerSet, replace_key
+from megarl.distributed.membership import MEMBERSHIP_ATTEMPTS, SamplerSet, replace_key
 from megarl.distributed.publish import WeightPublisher
 from megarl.distributed.queue import QueueReceiver, max_message_bytes
 from megarl.distributed.ranks import Topology
@@ -51,8 +51,23 @@ from megarl.secret import run_secret
 
 STOP_KEY = "stop"
 DEAD_CHECK_S = 0.5  # how often the lead reads the samplers' death records while it waits for groups (replace)
-MEMBERSHIP_ATTEMPTS = 3  # membership epochs tried before a publish gives up (a member died while one formed)
-GONE_S = 3.0  # after a failed publish, a member whose heartbeat stood still this long is taken as gone
+# After a failed publish or epoch, a member whose heartbeat stood still for min(fault.sampler_timeout_s,
+# max(GONE_S, publish.timeout_s)) is taken as gone. Not a few seconds: on a loaded machine a live sampler's loop can
+# stand still that long, and dropping it has its keeper kill it (a replacement replaced in its first publish).
+GONE_S = 3.0
+
+
+def gone_after_s(cfg: Config) -> float:
+    """How long a member's heartbeat must stand still for a failed publish to drop it as hung (see GONE_S)."""
+    return min(cfg.fault.sampler_timeout_s, max(GONE_S, cfg.publish.timeout_s))
+
+
+def memberless_wait_s(cfg: Config) -> float:
+    """fault.on_failure=replace: how long the learner waits for groups while no sampler is a member (every one died
+    and their replacements start): a replacement's start-up (its engine's start-up bound) on top of queue.timeout_s."""
+    startup = {"sglang": cfg.sampler.sglang.startup_timeout_s,
+               "vllm": cfg.sampler.vllm.startup_timeout_s}.get(cfg.sampler.engine, cfg.dist.timeout_s)
+    return startup + cfg.queue.timeout_s
 
 
 class JoinersWaiting(Exception):
@@ -120,13 +135,15 @@ class Intake:
         self.members = SamplerSet(store, topo.engine_leads, topo.num_learners) \
             if cfg.fault.on_failure == "replace" else None
         self.next_dead_check = 0.0
-        self.in_group: dict[int, int] = dict.fromkeys(topo.engine_leads, 0)  # rank -> incarnation in the group
+        self.memberless_since: float | None = None  # when the last member was dropped (None: some sampler is one)
+        self.failed_publishes = 0  # in a row (publish_to_members)
 
     def next_batch(self, version: int) -> tuple[TrainBatch, dict[str, float]]:
         accept = None if self.members is None else lambda group, stats: self.members.accepts(group[0].sampler_rank,
                                                                                              stats)
         groups, dropped, wait_s = _collect_groups(self.queue, self.cfg, version, self.drop, self.sampler_stats,
-                                                  on_wait=self._on_wait, accept=accept)
+                                                  on_wait=self._on_wait, accept=accept,
+                                                  wait_more=None if self.members is None else self._wait_more)
         self.dropped_totals.update(dropped)
         batch, metrics = assemble_batch(groups, self.cfg.algo.advantage, BATCH_PAD_ID, learner_version=version,
                                         route_shape=self.route_shape,
@@ -163,6 +180,13 @@ class Intake:
             if not self.members.members and self.members.joins():
                 raise JoinersWaiting()  # (groups collected for this batch came from dropped samplers: never retired)
 
+    def _wait_more(self) -> bool:
+        """queue.timeout_s ran out: wait on while no sampler is a member (their replacements start; the first one
+        ready ends the wait with JoinersWaiting), for at most memberless_wait_s since the last one was dropped.
+        While any sampler is a member, queue.timeout_s stands."""
+        return self.memberless_since is not None and \
+            time.monotonic() - self.memberless_since < memberless_wait_s(self.cfg)
+
     def drop_sampler(self, rank: int, cause: str, hung: bool = False) -> None:
         """fault.on_failure=replace: `rank` leaves the publish set (a hung one's keeper is asked to kill it)."""
         if hung and rank in self.members.members:
@@ -170,6 +194,8 @@ class Intake:
                                                           "cause": cause.split(": ", 1)[1][:300]}))
         self.members.drop(rank, cause, self.retired[rank])
         self.heartbeats.forget(rank)
+        if not self.members.members and self.memberless_since is None:
+            self.memberless_since = time.monotonic()
 
     def refresh_members(self, publisher, make_group: Callable[[int, int], object], version: int) -> bool:
         """Before a publish under fault.on_failure=replace: drop the dead, admit the replacements that are ready
@@ -182,18 +208,18 @@ class Intake:
             for rank, incarnation in self.members.joins():
                 self.members.admit(rank, incarnation)
                 self.heartbeats.watch(rank)
+                self.memberless_since = None
                 self.members.note(f"megarl: {self.members.name(rank)}: replacement {incarnation} joins the "
                                   f"publish set at version {version}")
             if not self.members.changed:
                 return publisher.group is not None
-            # A newcomer re-issues the group indices of its rank the learner has not retired (none is retired
-            # from now on by its predecessor: the intake refuses that one's late groups).
-            positions = {rank: self.position.streams.get(rank - self.num_learners, RetiredIndices()).to_dict()
-                         for rank, incarnation in self.members.members.items()
-                         if self.in_group.get(rank) != incarnation}
+            # A newcomer (no whole publish reached it yet) re-issues the group indices of its rank the learner has not
+            # retired (none is retired from now on by its predecessor: the intake refuses that one's late groups).
+            # A member a publish reached gets none: it goes on from what it has in flight.
+            positions = {rank: self.position.stream(rank - self.num_learners).to_dict()
+                         for rank in self.members.newcomers()}
             epoch = self.members.start_epoch(publisher.published + 1, positions)
             publisher.group, publisher.last_sent = None, []  # the old group is left; the epoch's first publish is whole
-            self.in_group = {}
             if not self.members.members:
                 return False
             try:
@@ -203,32 +229,36 @@ class Intake:
                 self._find_gone()
                 self.members.changed = True
                 continue
-            self.in_group = dict(self.members.members)
             return True
         raise RuntimeError(f"weight publish: no membership epoch could form in {MEMBERSHIP_ATTEMPTS} attempts "
                            f"(fault.on_failure=replace); the samplers' errors say why")
 
-    def publish_failed(self, exc: Exception) -> None:
-        """A publish under fault.on_failure=replace failed: drop the members gone (their keeper's record or
-        heartbeat says so), or fail as under `stop` when none is. The version is not delivered; the next
-        publish, to the next epoch, is whole."""
-        if not self._find_gone():
-            raise exc
+    def publish_failed(self, exc: Exception) -> list[int]:
+        """A publish under fault.on_failure=replace failed: drop the members that are gone (their keeper's record, or
+        a heartbeat standing still for gone_after_s); the version is not delivered and the next publish goes to a new
+        epoch, whole. The ranks dropped."""
+        gone = self._find_gone()
+        self.members.note(f"megarl: weight publish failed ({str(exc)[:300]}); "
+                          + (f"the next one goes without {', '.join(self.members.name(r) for r in gone)}" if gone else
+                             "no sampler is gone: the next one goes to the same samplers over a new epoch"))
         self.members.changed = True
+        return gone
 
-    def _find_gone(self) -> bool:
-        """Drop the members a keeper recorded dead or whose heartbeat stood still for GONE_S (watched up to
-        fault.sampler_timeout_s for the record to appear); whether any was."""
-        deadline = time.monotonic() + self.cfg.fault.sampler_timeout_s
+    def _find_gone(self) -> list[int]:
+        """Drop the members a keeper recorded dead or whose heartbeat stood still for gone_after_s, watched for up to
+        that long (a member that died has its keeper's record within a moment; one stopped has stood still that
+        long by then); the ranks dropped (none: every member is alive, the failure was a slow one)."""
+        silent_s = gone_after_s(self.cfg)
+        deadline = time.monotonic() + silent_s
         while True:
             gone = self.members.dead()
             now = self.heartbeats.observe()
             gone += [(rank, f"hung: no heartbeat for {now - t:.0f}s") for rank, t in self.heartbeats.last_change.items()
-                     if now - t >= GONE_S and rank not in dict(gone)]
+                     if now - t >= silent_s and rank in self.members.members and rank not in dict(gone)]
             for rank, cause in gone:
                 self.drop_sampler(rank, cause, hung=cause.startswith("hung"))
             if gone or time.monotonic() > deadline:
-                return bool(gone)
+                return [rank for rank, _ in gone]
             time.sleep(0.2)
 
     def header(self) -> dict:
@@ -298,16 +328,36 @@ def publish_weights(learner, publisher, extra: dict, heartbeats: HeartbeatMonito
 
 
 def publish_to_members(learner, publisher, intake: Intake, make_group, heartbeats: HeartbeatMonitor,
-                       num_learners: int) -> dict:
+                       num_learners: int, again_at_once: bool = False) -> dict:
     """fault.on_failure=replace: publish to the live samplers of the current membership epoch (a new one when
-    the set changed); a failed publish drops the members that are gone and the training goes on."""
-    if not intake.refresh_members(publisher, make_group, learner.version):
-        return publish_weights(learner, None, {}, None, num_learners)  # no sampler to publish to
-    try:
-        return publish_weights(learner, publisher, intake.header(), heartbeats, num_learners)
-    except TimeoutError as exc:
-        intake.publish_failed(exc)
-        return {"bytes": 0, "seconds": 0.0}
+    the set changed). A failed publish drops the members that are gone and posts every sampler's retired count (the
+    survivors' staleness budget must not wait on the next publish); the next publish goes over a new epoch, whole.
+    `again_at_once` (SGLang, whose servers stay paused when their receive failed; newcomers that can send nothing
+    before a version reaches them), or no member left that a publish reached: that publish is this version, sent
+    now. MEMBERSHIP_ATTEMPTS failed publishes in
+    a row with no sampler gone stop the run, naming the last one.
+
+    Not again at once otherwise: a built-in or vLLM receiver that got this version while another member failed
+    the publish would take the same version twice, its two staging sets both holding it; the next version would
+    wait for the engine to move past it (publish.WeightReceiver) until that publish timed out."""
+    while True:
+        if not intake.refresh_members(publisher, make_group, learner.version):
+            return publish_weights(learner, None, {}, None, num_learners)  # no sampler to publish to
+        try:
+            published = publish_weights(learner, publisher, intake.header(), heartbeats, num_learners)
+        except TimeoutError as exc:
+            gone = intake.publish_failed(exc)
+            intake.failed_publishes = 0 if gone else intake.failed_publishes + 1
+            if intake.failed_publishes >= MEMBERSHIP_ATTEMPTS:
+                raise TimeoutError(f"weight publish failed {MEMBERSHIP_ATTEMPTS} times in a row over new membership "
+                                   f"epochs (fault.on_failure=replace) with no sampler gone: {exc}") from exc
+            intake.announce_retired()
+            if again_at_once or len(intake.members.newcomers()) == intake.members.alive:
+                continue  # (no member could send a group before it); every round drops one or counts
+            return {"bytes": 0, "seconds": 0.0}
+        intake.failed_publishes = 0
+        intake.members.delivered()
+        return published
 
 
 def save_checkpoint(learner, cfg: Config, step: int, model_dir: Path, intake: Intake | None,
@@ -334,12 +384,30 @@ def share_batch(batch: TrainBatch | None) -> TrainBatch:
 
 def train_on(learner, batch: TrainBatch, cfg: Config, step: int, nonfinite: NonfiniteSteps) -> dict:
     """The optimizer steps of one batch (`sync_epochs`, 1 in pipeline mode): the last step's metrics. Raises
-    when non-finite (skipped) steps stop the run (megarl.learner.nonfinite)."""
+    when non-finite (skipped) steps stop the run (megarl.learner.nonfinite), or when the step trained nothing
+    (check_trained)."""
+    before, applied = learner.version, 0
     for epoch in range(cfg.algo.sync_epochs):
         # Later epochs see the same tokens one more version behind: the lag metrics say so.
         metrics = learner.train_step(replace(batch, learner_version=learner.version))
+        # a critic warm-up step (critic/warmup) trains the critic only: the policy, and so the version, stay
+        applied += not metrics["skipped_nonfinite"] and not metrics.get("critic/warmup")
         nonfinite.count(metrics, step, last=step == cfg.run.steps - 1 and epoch == cfg.algo.sync_epochs - 1)
+    check_trained(step, batch, before, learner.version, applied)
     return metrics
+
+
+def check_trained(step: int, batch, version_before: int, version_after: int, applied: int) -> None:
+    """The invariant of the step counter: a step is one batch's optimizer steps, each applied one (not skipped as
+    non-finite, not a critic warm-up step) moving the version by exactly one. Anything else (a batch that is none or empty, a version moved
+    without an update or an update without a version) is a bug in the loop that would log steps that trained
+    nothing: the run stops, loudly."""
+    rows = batch.input_ids.shape[0] if isinstance(batch, TrainBatch) else 0
+    if rows == 0 or version_after - version_before != applied:
+        raise RuntimeError(f"megarl: step {step} broke the step invariant (one step = one batch's optimizer steps): "
+                           f"batch {type(batch).__name__} of {rows} rows, version {version_before} -> "
+                           f"{version_after} after {applied} applied optimizer step(s); this is a bug, please "
+                           f"report it with the run's console output")
 
 
 class RunOutputs:
@@ -356,6 +424,7 @@ class RunOutputs:
         if self.timeline is not None:  # what this process did before its first step
             self.timeline.startup(startup.spans())
         self.last = time.perf_counter()
+        self.logged: int | None = None  # the last step recorded
 
     def record(self, step: int, batch: TrainBatch, metrics: dict, wall: list[float], published: dict,
                version: int) -> None:
@@ -371,6 +440,10 @@ class RunOutputs:
                    "publish_s": published["seconds"], "publish_bytes": published["bytes"], "time": time.time()}
         if published.get("full_bytes"):  # what a full publish of the same part would have sent
             metrics["publish_bytes_frac"] = published["bytes"] / published["full_bytes"]
+        if self.logged is not None and step != self.logged + 1:  # the step invariant (check_trained), as logged
+            raise RuntimeError(f"megarl: step {step} logged after step {self.logged}: the step counter skipped or "
+                               f"repeated a step; this is a bug, please report it with the run's console output")
+        self.logged = step
         self.last = now
         self.metrics.log(step, metrics)
         if self.rollouts is not None:
@@ -495,7 +568,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 if members is None:
                     publish_weights(source, None, {}, None, topo.num_learners)
                 else:
-                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners)
+                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners, True)
             if isinstance(batch, StopRequested):
                 stopped = batch
                 break
@@ -510,7 +583,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 # The lead's header also carries the bookkeeping.
                 published = publish_weights(source, publisher, intake.header() if lead else {}, heartbeats,
                                             topo.num_learners, shards) if members is None else \
-                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners)
+                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners, sglang)
             elif lead:
                 intake.announce_retired()
             wall.append(time.time())
@@ -553,16 +626,22 @@ def stop_on_signal(learner, cfg: Config, step: int, schedule: Schedule, model_di
 
 def _collect_groups(queue: QueueReceiver, cfg: Config, learner_version: int, drop: Callable[[list[Sample]], None],
                     sampler_stats: dict[int, dict[str, float]], on_wait=None,
-                    accept=None) -> tuple[list[list[Sample]], Counter, float]:
+                    accept=None, wait_more=None) -> tuple[list[list[Sample]], Counter, float]:
     """The next `prompts_per_step` usable groups. Stale groups (algo.stale: holding a token, or under mask_tokens
     holding only tokens, more than max_lag versions old) and, with
     advantage.filter_zero_variance, groups whose rewards are all equal are dropped, counted by
-    reason and handed to `drop` (retired: the sampler may start replacements at once)."""
+    reason and handed to `drop` (retired: the sampler may start replacements at once). When queue.timeout_s passes
+    without a group, `wait_more()` (fault.on_failure=replace) may say to wait on."""
     start = time.perf_counter()
     groups, dropped = [], Counter({"stale_groups": 0})
     length_limit = LengthLimit.of(cfg)  # what filter_zero_variance's shaped rewards need (overlong_buffer)
     while len(groups) < cfg.algo.prompts_per_step:
-        group, stats = queue.recv_group(cfg.queue.timeout_s, on_wait=on_wait)
+        try:
+            group, stats = queue.recv_group(cfg.queue.timeout_s, on_wait=on_wait)
+        except TimeoutError:
+            if wait_more is not None and wait_more():
+                continue
+            raise
         if on_wait is not None:  # also while groups flow: one sampler may hang while another feeds us
             on_wait()
         if accept is not None and not accept(group, stats):  # a replaced sampler's late group: never retired

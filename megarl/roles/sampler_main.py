@@ -39,7 +39,7 @@ from megarl.checkpoint.resume import wait_for_announcement
 from megarl.config.schema import Config
 from megarl.distributed.heartbeat import Heartbeat
 from megarl.distributed.lifetime import SIGNAL_KEY, exit_status, seconds_since_signal, stop_signal
-from megarl.distributed.membership import SHIFT, EpochFollower, incarnation, join_key
+from megarl.distributed.membership import SHIFT, EpochFollower, incarnation, join_key, rejoin_timeout_s
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.ranks import Topology
@@ -122,7 +122,7 @@ def epoch_follower(cfg: Config, topo: Topology, store, groups: dict | None) -> E
     return EpochFollower(store, topo.rank, incarnation(),
                          lambda epoch, rank, size: epoch_publish_group(store, epoch, rank, size, cfg.dist.backend,
                                                                        timeout_s),
-                         group=groups[(0, 0, 0)] if groups else None)
+                         group=groups[(0, 0, 0)] if groups else None, rejoin_timeout_s=rejoin_timeout_s(cfg))
 
 
 def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, should_stop,
@@ -247,9 +247,9 @@ class SamplerLoop:
         self._on_published(version, extra)
 
     def _on_published(self, version: int, extra: dict) -> None:
-        if self.follower is not None and self.follower.position is not None:  # the first version since it joined
-            retired = RetiredIndices.from_dict(self.follower.position)
-            self.follower.position = None
+        position = self.follower.take_position() if self.follower is not None else None
+        if position is not None:  # the first version since this replacement joined
+            retired = RetiredIndices.from_dict(position)
             self.indices, self.started = retired.unretired(), len(retired)
             self.retired = self.sent = self.started
             self.resume_version = version

@@ -583,10 +583,12 @@ class SGLangEngine:
         except SGLangError as exc:
             log.warning("leaving SGLang weight-update group %s failed: %s", name, exc)
 
-    def update_weights(self, version: int, weight_format: str, calls: list) -> None:
+    def update_weights(self, version: int, weight_format: str, calls: list, continue_on_failure: bool = True) -> None:
         """Apply `version` in flight: pause, open the weight-update session, receive every call's tensors,
         close the session, (flush), continue.  On any failure the session is closed and generation
-        continued before the error propagates, so the server is never left paused or inside a session."""
+        continued before the error propagates, so the server is never left paused or inside a session; with
+        `continue_on_failure` False (fault.on_failure=replace) it stays paused instead: it may hold part of the
+        version, and generates nothing until the next whole one (the next membership epoch's first publish)."""
         start = time.perf_counter()
         try:
             self.client.post("/pause_generation", {"mode": self.pause_mode})
@@ -606,7 +608,8 @@ class SGLangEngine:
                 status, _ = self.client.get("/flush_cache")
                 self._stats["cache_flushes" if status == 200 else "cache_flushes_skipped"] += 1
         except BaseException:
-            self._after_failure("/continue_generation")
+            if continue_on_failure:
+                self._after_failure("/continue_generation")
             raise
         self._checked_post("/continue_generation", {})
         self._version = version
@@ -664,10 +667,13 @@ class SGLangWeightFollower:
         if cfg.fault.on_failure == "replace":
             from megarl.distributed.membership import EpochFollower, incarnation
 
+            from megarl.distributed.membership import rejoin_timeout_s
+
             tp, timeout_s = cfg.sampler.sglang.tp, 2 * cfg.publish.timeout_s
             follower = EpochFollower(store, topo.rank, incarnation(),
                                      lambda epoch, rank, size: join_epoch(engine, store, epoch, rank, size, tp,
-                                                                          timeout_s))
+                                                                          timeout_s),
+                                     rejoin_timeout_s=rejoin_timeout_s(cfg))
         return cls(engine, store, offsets[topo.role_rank], on_published, should_stop, before_update, follower)
 
     def start(self) -> "SGLangWeightFollower":
@@ -714,7 +720,18 @@ class SGLangWeightFollower:
                 if calls is None:
                     weight_format, calls = load_spec(self.store.get(SPEC_KEY))
                 self.before_update(self.engine.version)
-                self.engine.update_weights(header["version"], weight_format, calls)
+                try:
+                    self.engine.update_weights(header["version"], weight_format, calls,
+                                               continue_on_failure=self.follower is None)
+                except (RuntimeError, TimeoutError) as exc:
+                    if self.follower is None:
+                        raise
+                    # A member died during this publish (the learner publishes again over a new epoch, whole): the
+                    # server, paused with part of the version, waits for it. Its own death fails the sampler's step.
+                    index = self.follower.wait_for_epoch(self.should_stop, self.follower.rejoin_timeout_s, exc)
+                    if index is None:  # the run stops
+                        return
+                    continue
                 self.on_published(header["version"], header.get("extra", {}))
                 index += 1
         except BaseException as exc:  # surfaced to the sampler loop through `error`

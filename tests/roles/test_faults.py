@@ -289,8 +289,8 @@ def _wait_for_rejoin(run_dir, proc: subprocess.Popen, replaced: int = 1, more_st
 
 def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1) -> None:
     """Stopped by SIGTERM at a step boundary with every step once, in order; the replacement of `rank` joined at a
-    version V, its first trained group carries V (it generated nothing before it ran V) and none of its later ones
-    is older."""
+    version V and none of its trained groups carries an older one (it generated nothing before it ran V; its first
+    token may come from V + 1 when that version landed first, the pipeline's in-flight update)."""
     metrics = _metrics(run_dir)
     steps = len(metrics)
     assert f"megarl: stopped by SIGTERM after {steps} steps" in out, err[-3000:]
@@ -302,14 +302,12 @@ def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1) -
     rollouts = [json.loads(line) for line in (Path(run_dir) / "rollouts.jsonl").read_text().splitlines()]
     after = [r for r in rollouts if r["sampler_rank"] == rank and r["trained_at_step"] >= joined[0]]
     assert after, "the replacement contributed no group"
-    assert after[0]["versions"][0] == joined[0]
-    assert all(min(r["versions"]) >= joined[0] for r in after)
+    assert all(min(r["versions"]) >= joined[0] for r in after), (joined, [r["versions"][:1] for r in after[:4]])
     ids = [r["group_id"] for r in rollouts]
     assert len(set(ids)) * 8 == len(ids)  # no group trained twice (8 samples per group)
     assert metrics[-1]["samplers/alive"] == 2.0 and metrics[-1]["samplers/replaced"] == float(replaced)
 
 
-@pytest.mark.replace_race  # pytest.ini: a known race, deselected until fixed
 @pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
 @pytest.mark.parametrize("victims", [(1,), (1, 2)])
 def test_with_replace_a_killed_sampler_is_replaced_and_the_run_goes_on(victims, embedded_think_model_dir, tmp_path):
@@ -346,7 +344,6 @@ def _server_processes(sampler_pid: int, module: bytes) -> list[int]:
     return found
 
 
-@pytest.mark.replace_race  # pytest.ini: a known race, deselected until fixed
 @pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
 def test_with_replace_a_killed_sglang_server_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
     # The SGLang-compatible server of sampler 0 is SIGKILLed: its sampler fails on it, the keeper starts a new
@@ -367,7 +364,6 @@ def test_with_replace_a_killed_sglang_server_is_replaced_and_the_run_goes_on(emb
     assert not leftovers(run_dir)
 
 
-@pytest.mark.replace_race  # pytest.ini: a known race, deselected until fixed
 @pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
 def test_with_replace_and_eval_sets_a_replacement_evaluates_from_its_join_on(embedded_think_model_dir, tmp_path):
     # eval.sets under replace: the replacement evaluates its share of every due version from the one it joined at;
@@ -396,7 +392,6 @@ def test_with_replace_and_eval_sets_a_replacement_evaluates_from_its_join_on(emb
     assert not leftovers(run_dir)
 
 
-@pytest.mark.replace_race  # pytest.ini: a known race, deselected until fixed
 @pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
 def test_with_replace_a_hung_sampler_is_replaced_and_the_run_goes_on(embedded_think_model_dir, tmp_path):
     run_dir = tmp_path / "replace_hang"

@@ -194,6 +194,6 @@ def test_killed_vllm_server_with_replace_is_replaced_and_the_run_goes_on(vllm_py
     assert len(joined) == 1, out[-4000:]
     rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").open()]
     after = [r for r in rollouts if r["trained_at_step"] >= joined[0]]
-    assert after and after[0]["versions"][0] == joined[0]
+    assert after  # its first token may come from a version published after its join (an in-flight update)
     assert all(min(r["versions"]) >= joined[0] for r in after)
     assert set(Counter(r["group_id"] for r in rollouts).values()) == {8}, "a group trained twice"  # demo: 8 a group
