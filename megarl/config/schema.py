@@ -408,7 +408,7 @@ class FaultConfig:
     # "restart": torchrun restarts every process (at most max_restarts times) and the run resumes from
     # its last checkpoint (needs checkpoint.every_steps > 0); the lost progress is counted.
     # "replace": a sampler that dies or hangs is replaced while the learner trains on (a learner failure stops
-    # the run); built-in engine at sampler.tp=1, learner.pp=1, publish.senders=1, pipeline mode, no eval.sets.
+    # the run); every engine, at sampler.tp=1, learner.pp=1, publish.senders=1, pipeline mode (docs/faults.md).
     on_failure: str = "stop"
     max_restarts: int = 3
     # Under on_failure=replace: replacements of one sampler in any hour; one more fails its rank (the run stops).
