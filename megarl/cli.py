@@ -130,7 +130,7 @@ def checked_for_launch(cfg) -> Path | None:
         return None
     if not print_eval_check(cfg, model_dir) or not print_tracker_check(cfg):
         return None
-    from megarl.checkpoint.learner_state import check_resumable, read_manifest
+    from megarl.checkpoint.manifest import check_resumable, read_manifest
     from megarl.checkpoint.resume import check_export_target, find_checkpoint, prepare_run_dir
     from megarl.checkpoint.storage import CheckpointError
 
@@ -302,9 +302,10 @@ def check_model_dir(model_dir, cfg=None) -> None:
     (check_generic_model); every other backend refuses it, naming docs/models.md and that path."""
     from pathlib import Path
 
-    from megarl.models.convert import check_supported, has_weights
     from megarl.models.families import MODEL_TYPES, generic_path_hint
     from megarl.models.layout import check_layout
+    from megarl.models.lora_targets import check as check_lora, check_peft
+    from megarl.models.support import check_supported, has_weights
 
     model_dir = Path(model_dir)
     config = model_dir / "config.json"
@@ -334,13 +335,9 @@ def check_model_dir(model_dir, cfg=None) -> None:
                          cfg.algo.routing_replay, cfg.learner.cp)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
-        if cfg.learner.backend == "deepspeed":
-            from megarl.learner.hf_lora import check as check_lora
-        else:
-            from megarl.models.lora import check as check_lora
-
+        lora_fits = check_peft if cfg.learner.backend == "deepspeed" else check_lora
         try:
-            check_lora(hf_config, cfg.learner.lora)  # target modules the model has, ranks its dimensions allow
+            lora_fits(hf_config, cfg.learner.lora)  # target modules the model has, ranks its dimensions allow
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
     if cfg is not None and cfg.sampler.engine == "builtin":

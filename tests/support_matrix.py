@@ -74,7 +74,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             "test_request_spanning_an_update_finishes_with_both_versions_and_new_weights_logprobs",)),
         "LoRA": Cell("yes", ("tests/learner/test_lora.py::test_adapter_equals_peft_and_the_merged_weights",
                              "tests/sampler/test_lora_engine.py::"
-                             "test_adapter_update_mid_rollout_keeps_per_token_versions_exact[keep]")),
+                             "test_adapter_update_mid_rollout_keeps_per_token_versions_exact[keep-contiguous]")),
         "R3": NA}),
     ("Llama (`llama`; RoPE `linear`, `llama3` with any constants, `yarn` with its attention factor)", "llama", {
         "megatron learner": Cell("TP1 (TP shards converted exactly); YaRN: TP1, TP2, PP2", (

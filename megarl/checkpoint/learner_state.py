@@ -41,9 +41,9 @@ import torch.distributed as dist
 from megarl.checkpoint.storage import (
     MANIFEST, CheckpointError, commit, discard, find_latest, prepare_temp, resolve, temp_dir,
 )
+from megarl.checkpoint.manifest import FORMAT, check_resumable, layout_of, read_manifest  # noqa: F401
 from megarl.checkpoint.trust import check_trusted
 
-FORMAT = 1
 RNG_KEY = "megarl/rng_state"
 HF_META_DIR = "hf"  # the model's config.json, generation_config.json, tokenizer files
 # Files of an HF model directory that are weights (everything else there is small and is copied).
@@ -103,42 +103,6 @@ def quiet_dcp():
 
 def _layout(learner) -> dict:
     return layout_of(learner.cfg)
-
-
-def layout_of(learner_cfg) -> dict:
-    """The layout a learner of this config writes into a checkpoint's manifest."""
-    layout = {"tp": learner_cfg.tp, "pp": learner_cfg.pp, "dp": learner_cfg.dp}
-    if learner_cfg.backend == "deepspeed":  # DeepSpeed's own checkpoint (megarl.learner.deepspeed)
-        layout.update(backend="deepspeed", zero_stage=learner_cfg.deepspeed.zero_stage)
-    if learner_cfg.lora.rank > 0:  # the adapter's shape and scale: export merges and writes it with these
-        lora = learner_cfg.lora
-        layout["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-                          "target_modules": sorted(lora.target_modules)}
-    return layout
-
-
-def check_resumable(path: Path, manifest: dict, learner_cfg) -> None:
-    """CheckpointError unless a learner of `learner_cfg` can load this checkpoint: the backend that saved
-    it, and for DeepSpeed the same learner.dp and zero_stage (its ZeRO partitions are per DP rank and
-    stage; megatron's distributed checkpoint reshards to any layout). Pure: `megarl train` runs it
-    before launching anything, the learner again when it loads."""
-    saved, ours = manifest["layout"], layout_of(learner_cfg)
-    if saved.get("lora") != ours.get("lora"):
-        raise CheckpointError(f"{path} was saved with learner.lora={saved.get('lora') or 'off'}, this run has "
-                              f"learner.lora={ours.get('lora') or 'off'}: resume with the adapter it was saved with "
-                              f"(or `megarl export` it and start a new run from the merged HF directory)")
-    if "deepspeed" not in (saved.get("backend"), ours.get("backend")):
-        return
-    if saved.get("backend", "megatron") != ours.get("backend", "megatron"):
-        raise CheckpointError(f"{path} was saved by learner.backend={saved.get('backend', 'megatron')}, this run has "
-                              f"learner.backend={learner_cfg.backend}: resume with the backend that saved it")
-    if saved != ours:
-        keys = {"dp": "learner.dp", "zero_stage": "learner.deepspeed.zero_stage"}
-        diff = {name: (saved.get(k), ours.get(k)) for k, name in keys.items() if saved.get(k) != ours.get(k)}
-        raise CheckpointError(
-            f"{path} holds DeepSpeed ZeRO partitions for another layout: (checkpoint, this run) = {diff}; "
-            f"resume with the learner.dp and learner.deepspeed.zero_stage it was saved with "
-            f"(or `megarl export` it and start a new run from the HF directory)")
 
 
 def _optimizer_kind(use_distributed_optimizer: bool) -> str:
@@ -267,17 +231,6 @@ def save(learner, root: str | Path, step: int, keep: int, model_dir: str | Path,
             kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
             raise CheckpointError(f"checkpoint save of step {step} failed; removed {temp}; {kept}: {exc}") from exc
         raise
-
-
-def read_manifest(checkpoint: str | Path) -> dict:
-    path = Path(checkpoint) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {manifest.get('format')!r}, this megarl reads {FORMAT}")
-    return manifest
 
 
 def check_architecture(manifest: dict, hf_config: dict, where: str) -> None:

@@ -126,7 +126,7 @@ def learner_resume_point(cfg, store, lead: bool) -> Path | None:
     export target and announces to the samplers; a refusal raises the same error on every rank."""
     import torch.distributed as dist
 
-    from megarl.checkpoint.learner_state import read_manifest
+    from megarl.checkpoint.manifest import read_manifest
 
     outcome = None
     if lead:

@@ -524,7 +524,7 @@ def _dotted(cfg: Config, key: str):
 
 def _validate_lora(cfg: Config) -> None:
     """learner.lora.*: the adapter's own keys, and the learners, layouts and engines that can take one (the
-    model's modules and dimensions are checked against config.json by megarl.models.lora.check)."""
+    model's modules and dimensions are checked against config.json by megarl.models.lora_targets.check)."""
     lora, lc = cfg.learner.lora, cfg.learner
     _require(lora.rank >= 0, "learner.lora.rank", f"must be >= 0 (0 = no LoRA, full fine-tuning), got {lora.rank}")
     if lora.rank == 0:

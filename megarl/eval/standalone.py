@@ -38,7 +38,7 @@ def evaluate_checkpoint(cfg, checkpoint: str | Path) -> dict:
     """The same for a learner checkpoint (a step_N directory or a checkpoint.dir: its latest), exported to a
     temporary HF directory first; the version is the checkpoint's policy version."""
     from megarl.checkpoint.export import export_hf
-    from megarl.checkpoint.learner_state import read_manifest
+    from megarl.checkpoint.manifest import read_manifest
     from megarl.checkpoint.storage import resolve
 
     path = resolve(checkpoint)

@@ -13,27 +13,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megarl.models import lora, moe
+from megarl.models import lora
+from megarl.models.lora_targets import check_peft
 from megarl.portable import lora_merge
 
 ADAPTER_NAME = "default"  # peft's name of the one adapter megarl trains
-
-
-def check(hf_config: dict, lora_cfg) -> None:
-    """ValueError naming the learner.lora key this model cannot take on the DeepSpeed learner: megarl.models.lora's
-    checks, and a mixture-of-experts model (its router replay and per-expert publish are not tried under peft)."""
-    lora.check(hf_config, lora_cfg)
-    if lora_cfg.rank > 0 and moe.is_moe(hf_config):
-        raise ValueError(f"learner.lora.rank={lora_cfg.rank} with learner.backend=deepspeed: a mixture-of-experts "
-                         f"model ({hf_config.get('model_type')!r}) under peft is not tried yet; use "
-                         "learner.backend=megatron")
 
 
 def wrap(model: nn.Module, hf_config: dict, lora_cfg) -> nn.Module:
     """`model` as a peft LoRA model of `lora_cfg` (rank, alpha, dropout, target modules; A Kaiming-uniform, B zero,
     so the wrapped model starts as the base): only the adapter parameters require gradients. Refuses (naming the
     key) a target the model lacks or a rank above a target's dimensions, before peft does anything."""
-    check(hf_config, lora_cfg)
+    check_peft(hf_config, lora_cfg)
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:

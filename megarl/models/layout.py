@@ -36,7 +36,7 @@ dividing learner.dp) are in megarl.config.load.validate.
 """
 from __future__ import annotations
 
-from megarl.models import families, moe
+from megarl.models import families, moe_config
 
 
 def _divisors(n: int) -> str:
@@ -66,7 +66,7 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
     if sampler_tp > 1 and whole:
         raise ValueError(f"sampler.tp={sampler_tp}: {model_type}'s {whole} have no "
                          f"tensor-parallel slices in the built-in engine (megarl.models.tp_shard); use sampler.tp=1")
-    if not moe.is_moe(hf_config):
+    if not moe_config.is_moe(hf_config):
         if learner_ep > 1:
             raise ValueError(f"learner.ep={learner_ep}: expert parallelism needs a mixture-of-experts model; "
                              f"model_type {hf_config.get('model_type')!r} is dense")
@@ -77,7 +77,7 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
         if learner_cp > 1:
             raise ValueError(f"learner.cp={learner_cp}: context parallelism does not run with a mixture-of-experts "
                              f"model ({hf_config.get('model_type')!r}) yet; use learner.cp=1")
-        experts = moe.num_experts(hf_config)
+        experts = moe_config.num_experts(hf_config)
         if experts % learner_ep:
             raise ValueError(f"learner.ep={learner_ep}: expert parallel size {learner_ep} does not divide "
                              f"num_experts={experts} (this model allows learner.ep in {_divisors(experts)})")
@@ -87,7 +87,7 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
                              f"engine's per-expert split, so no shard-to-shard publish; use learner.tp=1 with "
                              f"sampler.tp > 1 (whole tensors, each engine rank keeps its slices) or sampler.tp=1")
         if sampler_tp > 1:  # the engine splits every expert like the dense MLP; the learner keeps them whole
-            ffn = moe.expert_ffn_field(hf_config)
+            ffn = moe_config.expert_ffn_field(hf_config)
             width = dim(ffn)
             if width % sampler_tp:
                 raise ValueError(f"sampler.tp={sampler_tp}: tensor parallel size {sampler_tp} does not divide "
@@ -97,7 +97,7 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
     if tp > 1:
         keys = "/".join(key for key, size in (("learner.tp", learner_tp), ("sampler.tp", sampler_tp)) if size > 1)
         split = [("num_attention_heads", None), ("num_key_value_heads", "num_attention_heads"), ("vocab_size", None)]
-        if not moe.is_moe(hf_config):
+        if not moe_config.is_moe(hf_config):
             split.append(("intermediate_size", None))
         for name, default_from in split:
             n = dim(name, default_from)

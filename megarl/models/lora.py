@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from megarl.config.schema import LORA_TARGETS as TARGETS
-from megarl.models import families, moe
+# (checked against config.json without torch, by `megarl train` too; the names stay importable from here)
+from megarl.models.lora_targets import ATTENTION_TARGETS, check, target_dims  # noqa: F401
 from megarl.portable import lora_merge
 
-ATTENTION_TARGETS = TARGETS[:4]  # q, k, v, o: the attention block's projections; the rest are the MLP's
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -35,38 +35,6 @@ def scale(lora_cfg) -> float:
 def module_path(target: str) -> str:
     """`q_proj` -> `self_attn.q_proj`: where an HF decoder layer holds the projection."""
     return f"self_attn.{target}" if target in ATTENTION_TARGETS else f"mlp.{target}"
-
-
-def target_dims(hf_config: dict) -> dict[str, tuple[int, int]]:
-    """HF projection -> (in_features, out_features) of every projection a dense decoder layer has."""
-    hidden, heads = int(hf_config["hidden_size"]), int(hf_config["num_attention_heads"])
-    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
-    head_dim = int(hf_config.get("head_dim") or hidden // heads)
-    inter = int(hf_config["intermediate_size"])
-    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
-            "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
-
-
-def check(hf_config: dict, lora_cfg) -> None:
-    """ValueError naming the learner.lora key that this model cannot take: a target module it does not have
-    (a mixture-of-experts layer has no gate/up/down projection), or a rank above a target's smaller dimension
-    (the adapter would be no lower-rank than the weight)."""
-    if lora_cfg.rank == 0:
-        return
-    if hf_config.get("model_type") in families.FAMILIES and families.family_of(hf_config).fused_projections:
-        raise ValueError(f"learner.lora: {hf_config['model_type']!r} holds fused qkv_proj / gate_up_proj, whose "
-                         f"adapters megarl does not map (learner.lora.rank=0 trains the whole model)")
-    dims = target_dims(hf_config)
-    if moe.is_moe(hf_config):
-        dims = {t: d for t, d in dims.items() if t in ATTENTION_TARGETS}
-    for target in lora_cfg.target_modules:
-        if target not in dims:
-            raise ValueError(f"learner.lora.target_modules: {hf_config.get('model_type')!r} layers have no "
-                             f"{target!r} (adaptable: {', '.join(dims)})")
-        if lora_cfg.rank > min(dims[target]):
-            raise ValueError(f"learner.lora.rank={lora_cfg.rank} is larger than {target}'s dimensions "
-                             f"{dims[target][0]} x {dims[target][1]} (in x out); use a rank <= {min(dims[target])}")
 
 
 def adapter_names(layer: int, target: str) -> tuple[str, str]:

@@ -317,10 +317,9 @@ def test_lora_keys_load():
 ])
 def test_lora_the_model_cannot_take_is_refused_naming_the_key(lora, model, message):
     from megarl.config.schema import LoraConfig
-    from megarl.learner import hf_lora
-    from megarl.models import lora as lora_names
+    from megarl.models import lora_targets
 
-    check = hf_lora.check if lora.get("backend") == "deepspeed" else lora_names.check
+    check = lora_targets.check_peft if lora.get("backend") == "deepspeed" else lora_targets.check
     lora = {k: v for k, v in lora.items() if k != "backend"}
 
     hf_config = {**TINY, "hidden_size": 32, **model}

@@ -1,7 +1,9 @@
 """One torchrun rank of the cross-layout tests: for each layout, log-probs, one step, published weights.
 
 argv: model_dir batch.pt out_dir layouts.json (a layout's "routing_replay" key goes to the learner, its "critic"
-key to a CriticConfig (advantage.estimator=gae), its "lora" key to a LoraConfig, the rest to LearnerConfig; the batch's routes, if any, are replayed in the log-probs too).  Every rank writes `{layout}.rank{r}.pt` with the
+key to a CriticConfig (advantage.estimator=gae), its "lora" key to a LoraConfig, its "model_dir" and "batch" keys
+replace argv's for that layout (several models in one launch), the rest to LearnerConfig; the batch's routes, if
+any, are replayed in the log-probs too).  Every rank writes `{layout}.rank{r}.pt` with the
 log-probs and metrics it saw, its (tp, pp, dp) ranks, the whole HF-named tensors it publishes
 (`publish_tensors`; the weight publisher's source per stage is its TP/DP rank 0, so the test can
 rebuild the full model from those), and its TP slices of them (`publish_shards`) with their bytes.
@@ -27,11 +29,12 @@ from megarl.learner.lora_publish import MergedLoraSource
 from megarl.learner.megatron import MegatronLearner, publish_bytes
 from megarl.models.families import whole_tensors_only
 
-model_dir, batch_path, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-batch = torch.load(batch_path, weights_only=False)
+default_model_dir, batch_path, out_dir, layouts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 dist.init_process_group("gloo")
 for name, layout in layouts.items():
     layout = dict(layout)
+    model_dir = layout.pop("model_dir", default_model_dir)
+    batch = torch.load(layout.pop("batch", batch_path), weights_only=False)
     replay = layout.pop("routing_replay", "off")
     critic = layout.pop("critic", None)
     lora = layout.pop("lora", None)

@@ -1,6 +1,7 @@
 """MegatronLearner on one gloo rank against an independent reference (HF transformers + hand-written PPO-clip)."""
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,8 +72,49 @@ FAMILY_TENSOR = {"qwen3": "model.layers.0.self_attn.q_norm.weight", "mistral": N
                  "gemma3": "model.layers.1.pre_feedforward_layernorm.weight"}
 
 
+FAMILY_LAYOUTS = ("tp2", "pp2")
+
+
+class FamilyRuns:
+    """One real 2-process torchrun (layout_worker.py) over every family's TP2 and PP2 layouts, started when the first
+    family test asks for it (the others' torchrun start-ups and megatron imports are saved); its results read once."""
+
+    def __init__(self, root: Path):
+        from transformers import AutoModelForCausalLM
+
+        self.root, self.models, self.batches, layouts = root, {}, {}, {}
+        for kind in FAMILY_TENSOR:
+            model_dir = str(save_tiny_qwen3(root / kind, vocab_size=VOCAB) if kind == "qwen3"
+                            else save_tiny_dense(root / kind, kind, vocab_size=VOCAB))
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            self.models[kind], self.batches[kind] = model_dir, _batch(hf, seed=7)
+            torch.save(self.batches[kind], root / f"{kind}.batch.pt")
+            layouts.update({f"{kind}_{layout}": {**LAYOUTS[layout], "model_dir": model_dir,
+                                                 "batch": str(root / f"{kind}.batch.pt")} for layout in FAMILY_LAYOUTS})
+        self.layouts = layouts
+        self.proc = _launch_layouts(self.models["qwen3"], self.batches["qwen3"], root, layouts, nproc=2)
+        self._results = None
+
+    def results(self, kind: str) -> dict[str, list[dict]]:
+        """{layout: per-rank results} of `kind`'s layouts (the launch's whole time: one learner build per layout
+        and rank, a few seconds each on loaded cores)."""
+        if self._results is None:
+            self._results = _layout_results(self.proc, self.root, self.layouts, nproc=2, timeout=900)
+        return {layout: self._results[f"{kind}_{layout}"] for layout in FAMILY_LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory):
+    runs = FamilyRuns(tmp_path_factory.mktemp("families"))
+    yield runs
+    if runs.proc.poll() is None:  # a test failed before reading the results: the launch is not left behind
+        runs.proc.kill()
+        runs.proc.communicate()
+
+
+@pytest.mark.timeout(1200)  # the first family's test waits for every family's layouts (FamilyRuns.results)
 @pytest.mark.parametrize("kind", list(FAMILY_TENSOR))
-def test_family_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1(world, tmp_path, kind):
+def test_family_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1(world, tmp_path, kind, family_runs):
     """Dense Qwen3 (q/k norms, heads wider than hidden / heads), Mistral (a sliding window shorter than the rows) and
     a Llama with YaRN RoPE (rows past its original context), Phi-3 (fused qkv_proj and gate_up_proj),
     SmolLM3 (its second layer, on PP2's second stage, without RoPE), OLMo 2 (norms after attention and the MLP;
@@ -82,12 +124,8 @@ def test_family_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1(wor
     loss, grad norm and published weights; the trained state exports to an HF directory of the same function."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = str(save_tiny_qwen3(tmp_path / kind, vocab_size=VOCAB) if kind == "qwen3"
-                    else save_tiny_dense(tmp_path / kind, kind, vocab_size=VOCAB))
+    model_dir, batch = family_runs.models[kind], family_runs.batches[kind]
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    batch = _batch(hf, seed=7)
-    layouts = {"tp2": LAYOUTS["tp2"], "pp2": LAYOUTS["pp2"]}
-    proc = _launch_layouts(model_dir, batch, tmp_path, layouts, nproc=2)
     learner = _learner(model_dir, micro_batch_size=16)
     ref_logprobs = learner.logprobs(batch.input_ids)
     with torch.no_grad():
@@ -109,7 +147,7 @@ def test_family_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1(wor
         after = _hf_logprobs(trained, batch.input_ids)
     assert (learner.logprobs(batch.input_ids) - after).abs().max().item() <= LEARNER_TOL
     assert (after - ref_logprobs).abs().max().item() > 1e-4  # the trained weights, not the initial ones
-    for layout, ranks in _layout_results(proc, tmp_path, layouts, nproc=2, timeout=300).items():
+    for layout, ranks in family_runs.results(kind).items():
         published = {}
         for rank in ranks:
             assert _close(rank["logprobs"], ref_logprobs), layout

@@ -14,17 +14,29 @@ from tests.helpers import REPO, run_python, run_torchrun
 DEMO = str(REPO / "configs" / "demo.yaml")
 STEPS = 8
 EVAL_EVERY = 4  # the demo's held-out set at versions 0, 4 and 8 (docs/eval.md)
+# DAPO's overlong shaping rides along in the demo run (test_overlong_shaping_...): it changes the advantages only,
+# which nothing else here checks. The demo's limit is 49 tokens: a ramp from 5 tokens.
+OVERLONG_BUFFER, OVERLONG_PENALTY = 44, 0.5
 
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_count_model_dir, tmp_path):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def demo_run(embedded_count_model_dir, tmp_path_factory):
+    """(the finished `megarl train` of the demo for STEPS steps, its run.dir): one launch for the tests that read it."""
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
     proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", f"run.steps={STEPS}",
-                      f"model.path={embedded_count_model_dir}", f"eval.every_steps={EVAL_EVERY}", timeout=400)
+                      f"model.path={embedded_count_model_dir}", f"eval.every_steps={EVAL_EVERY}",
+                      f"algo.advantage.overlong_buffer={OVERLONG_BUFFER}",
+                      f"algo.advantage.overlong_penalty={OVERLONG_PENALTY}", timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc, run_dir
+
+
+def test_megarl_train_runs_pipeline_rl_and_writes_every_output(embedded_count_model_dir, demo_run):
+    proc, run_dir = demo_run
     assert f"step {STEPS}/{STEPS}" in proc.stdout  # the console progress line
     assert "megarl: eval version 0 (step 0" in proc.stdout and "megarl: eval heldout: pass@1" in proc.stdout
     assert "megarl: policy entropy " in proc.stdout  # the summary's first -> last tenth of entropy/mean
@@ -183,20 +195,16 @@ def test_mask_tokens_trains_groups_holding_stale_tokens_without_their_policy_gra
     assert f"{stale} tokens older than loss.max_token_lag given no policy gradient" in proc.stdout
 
 
-def test_overlong_shaping_penalises_exactly_the_samples_near_their_limit(embedded_count_model_dir, tmp_path):
+def test_overlong_shaping_penalises_exactly_the_samples_near_their_limit(demo_run):
     """algo.advantage.overlong_buffer on the real demo: at every step, the penalty the learner took off the rewards
     it trained is DAPO's soft overlong punishment recomputed from rollouts.jsonl (each sample's length, its limit
     from its prompt and the run's config); reward_mean stays the task's reward, and the summary counts them."""
     from tests.algo.test_advantages import dapo_length_reward
 
-    run_dir, buffer, penalty = tmp_path / "overlong", 44, 0.5  # the demo's limit is 49: a ramp from 5 tokens
-    proc = run_python("-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", "run.steps=4", "eval.sets=[]",
-                      f"model.path={embedded_count_model_dir}", f"algo.advantage.overlong_buffer={buffer}",
-                      f"algo.advantage.overlong_penalty={penalty}", timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    (proc, run_dir), buffer, penalty = demo_run, OVERLONG_BUFFER, OVERLONG_PENALTY
     cfg = OmegaConf.load(run_dir / "config.yaml")
     metrics, rollouts = train_records(read_jsonl(run_dir / "metrics.jsonl")), read_jsonl(run_dir / "rollouts.jsonl")
-    assert len(metrics) == 4
+    assert len(metrics) == STEPS
     penalised = 0
     for m in metrics:
         trained = [r for r in rollouts if r["trained_at_step"] == m["step"]]
