@@ -447,20 +447,19 @@ def shape_line(results: dict, shape: str) -> dict:
 def eval_cost(records: list[dict], after: int = AFTER_EVAL_STEPS) -> dict:
     """What held-out evaluation cost the learner in one run's metrics.jsonl records: the evaluations' count and
     seconds (`eval_s`, spent on the samplers), the learner's extra queue wait in the `after` steps following each
-    evaluation over the median wait of the steps outside those windows, and the wait for evaluations reported after
-    the last step (the final evaluation: the run cannot end before it)."""
-    from statistics import median
-
+    evaluation over the mean wait of the steps outside those windows (signed: with no cost it is 0 give or take the
+    waits' noise), and the wait for evaluations reported after the last step (the final evaluation: the run cannot
+    end before it)."""
     from megarl.observe.sinks import eval_records, train_records
 
     steps, evals = train_records(records), eval_records(records)
     windows = {s for e in evals for s in range(e["step"] + 1, e["step"] + after + 1)}
-    typical = [r["queue_wait_s"] for r in steps if r["step"] not in windows] or [0.0]
-    base = median(typical)
-    extra = sum(max(0.0, r["queue_wait_s"] - base) for r in steps if r["step"] in windows)
+    outside = [r["queue_wait_s"] for r in steps if r["step"] not in windows] or [0.0]
+    base = sum(outside) / len(outside)
+    extra = sum(r["queue_wait_s"] - base for r in steps if r["step"] in windows)
     last = steps[-1]["time"] if steps else 0.0
     return {"evaluations": len(evals), "eval_s": round(sum(e.get("eval_s", 0.0) for e in evals), 3),
-            "median_queue_wait_s": round(base, 4), "extra_queue_wait_s": round(extra, 3),
+            "mean_queue_wait_s": round(base, 4), "extra_queue_wait_s": round(extra, 3),
             "final_eval_wait_s": round(max([0.0] + [e["time"] - last for e in evals]), 3)}
 
 
@@ -591,7 +590,7 @@ def main() -> None:
     grpo_config, rows = trl_settings(cfg, args.steps, cfg.run.seed, args.trl_threads)
     print(format_settings(rows))
     print(f"\nGRPOConfig({', '.join(f'{k}={v!r}' for k, v in grpo_config.items() if k != 'output_dir')})")
-    print(f"megarl overrides of {DEMO}: {' '.join(MEGARL_OVERRIDES)}")
+    print(f"megarl overrides of {DEMO}: {' '.join([*MEGARL_OVERRIDES, *shape_overrides(args.shape, planned_dir)])}")
     if args.dry_run:
         print_plan(args, planned_dir, rows)
         return

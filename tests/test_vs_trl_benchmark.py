@@ -170,7 +170,7 @@ def test_what_evaluation_costs_the_learner():
     evals = [{"kind": "eval", "step": 10, "time": 10.5, "eval_s": 0.4},
              {"kind": "eval", "step": 20, "time": 21.5, "eval_s": 0.6}]
     cost = vs_trl.eval_cost(steps + evals)
-    assert cost == {"evaluations": 2, "eval_s": 1.0, "median_queue_wait_s": 0.1, "extra_queue_wait_s": 1.6,
+    assert cost == {"evaluations": 2, "eval_s": 1.0, "mean_queue_wait_s": 0.1, "extra_queue_wait_s": 1.6,
                     "final_eval_wait_s": 1.5}
     assert vs_trl.eval_cost(steps)["final_eval_wait_s"] == 0.0 and vs_trl.eval_cost(steps)["extra_queue_wait_s"] == 0.0
 
