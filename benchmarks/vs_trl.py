@@ -158,7 +158,7 @@ def curve_summary(curve: dict) -> dict:
         reached[str(threshold)] = None if i is None else {"step": i + 1, "train_s": round(curve["train_s"][i], 2),
                                                           "wall_s": round(curve["wall_s"][i], 2)}
     summary = {"steps": len(smooth), "reached": reached, "final_reward": round(smooth[-1], 3) if smooth else None,
-               "tokens_per_s": round(sum(curve["tokens"]) / curve["train_s"][-1], 1) if smooth else None,
+               "tokens_per_s": round(sum(curve["tokens"]) / curve["train_s"][-1], 3) if smooth else None,
                "train_s": round(curve["train_s"][-1], 2) if smooth else None}
     # Where the training time went: the share of it spent generating (TRL: one process, so generation and
     # training take turns) or each role's busy share (megarl: sampler and learner run at once).
@@ -373,7 +373,7 @@ def print_results(results: dict, shape: str = "demo") -> None:
         print(f"\n{shape}: random weights never reach a reward threshold; the comparison is trained tokens/s, the "
               f"step time split and peak memory:")
         for name, result in results.items():
-            print(f"  {name:<16} {result['summary']['tokens_per_s']:,.1f} trained completion tokens/s over "
+            print(f"  {name:<16} {result['summary']['tokens_per_s']:,.3f} trained completion tokens/s over "
                   f"{result['summary']['steps']} steps ({result['summary']['train_s']} s of training)")
         return
     print(f"\ntime to the rolling {WINDOW}-step reward (training time / wall time incl. start-up, step):")
