@@ -4,6 +4,8 @@
     python benchmarks/vs_trl.py --repeats 3     # three rounds (seeds 0, 1, 2): the median ratios and each round's
     python benchmarks/vs_trl.py --dry-run      # the settings table and the plan; runs nothing
     python benchmarks/vs_trl.py --out runs/vs_trl_wide model.path=embedded:tiny-qwen2-count-wide   # 7x larger model
+    python benchmarks/vs_trl.py --shape qwen3-0.6b [--steps 3]   # random weights at Qwen3-0.6B's shape
+    python benchmarks/vs_trl.py --with-eval [--steps 200]         # megarl only: held-out evaluation on vs off
 
 Runs, one after the other: `megarl train configs/demo.yaml` in pipeline mode, the same in sync mode, and TRL
 1.16.0's GRPOTrainer in its own cached environment (benchmarks/trl_env.py, built once: TRL is never installed
@@ -24,11 +26,22 @@ share spent generating (`generate_frac`, its `_generate` timed), megarl's learne
 One run of each moves by tens of percent from seed to seed (the steps to the target vary): `--repeats N` runs N
 rounds, round i with run seed run.seed + i on both sides (megarl's run.seed, TRL's seed and the prompt stream), into
 OUT/round{i}, and the JSON line then holds each ratio's median over the rounds, its range, and every round.
+
+`--shape qwen3-0.6b` (benchmarks/shapes.py) runs megarl pipeline and TRL on random weights at Qwen3-0.6B's shape,
+built locally, with the same prompts and reward and smaller batches (shapes.SHAPE_OVERRIDES) for `--steps` steps
+(3 by default). Random weights never reach a reward threshold, so it reports trained completion tokens per second,
+the step time split (megarl: the learner's wait / train / publish and the samplers' generating time, which runs
+beside them; TRL: generate / train, taking turns) and each process's peak RSS (benchmarks/peak_rss.py), with
+ratios in the JSON line. Every run also records its processes' peak RSS.
+`--with-eval` runs megarl pipeline on the demo with its held-out evaluation on and off (no TRL) and reports what
+evaluation costs the learner: the time to the target and to the last step in each, the extra queue wait after each
+evaluation over the run's typical wait, and the wait for the final evaluation after the last step.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -45,6 +58,8 @@ TARGET = 0.9
 DEMO = "configs/demo.yaml"
 # What the comparison changes in the demo config, to match what TRL cannot change or does not do.
 MEGARL_OVERRIDES = ("eval.sets=[]", "algo.advantage.eps=1e-4")
+EVAL_OFF = "eval.sets=[]"
+AFTER_EVAL_STEPS = 8  # steps after an evaluation whose queue wait counts as its cost (the demo's queue refills by then)
 
 
 def trl_settings(cfg, steps: int, seed: int, trl_threads: int) -> tuple[dict, list[tuple[str, str, str, bool]]]:
@@ -143,7 +158,7 @@ def curve_summary(curve: dict) -> dict:
         reached[str(threshold)] = None if i is None else {"step": i + 1, "train_s": round(curve["train_s"][i], 2),
                                                           "wall_s": round(curve["wall_s"][i], 2)}
     summary = {"steps": len(smooth), "reached": reached, "final_reward": round(smooth[-1], 3) if smooth else None,
-               "tokens_per_s": round(sum(curve["tokens"]) / curve["train_s"][-1], 1) if smooth else None,
+               "tokens_per_s": round(sum(curve["tokens"]) / curve["train_s"][-1], 3) if smooth else None,
                "train_s": round(curve["train_s"][-1], 2) if smooth else None}
     # Where the training time went: the share of it spent generating (TRL: one process, so generation and
     # training take turns) or each role's busy share (megarl: sampler and learner run at once).
@@ -176,7 +191,8 @@ def megarl_curve(run_dir: Path, launch_time: float) -> dict:
     busy = [[v for k, v in r.items() if k.endswith("/busy_frac")] for r in rows]  # each sampler's, per step
     return {"train_s": train_s, "wall_s": [r["time"] - launch_time for r in rows],
             "reward": [r["reward_mean"] for r in rows], "tokens": [r["num_tokens"] for r in rows],
-            "learner_s": [r["train_s"] for r in rows],
+            "learner_s": [r["train_s"] for r in rows], "wait_s": [r.get("queue_wait_s", 0.0) for r in rows],
+            "publish_s": [r.get("publish_s", 0.0) for r in rows],
             # the samplers' mean share of their time spent decoding, since each started (a running count)
             "sampler_busy_frac": [sum(b) / len(b) if b else None for b in busy]}
 
@@ -226,28 +242,48 @@ def learner_phases(run_dir: Path, skip: int = 5) -> dict:
             if rows and all(key in r for r in rows)}
 
 
-def timed_megarl(cmd: list[str], what: str) -> tuple[float, float | None]:
-    """Run a `megarl` command to its end: (its launch time, when its 'launching: torchrun' line arrived); exits
-    naming `what` and the output's tail if it fails."""
+def megarl_process_label(learners: int):
+    """A peak_rss label for `megarl train`'s processes: learner{r} / sampler{i} by torchrun's RANK, else the CLI
+    or torchrun itself."""
+    def label(pid: int, cmdline: str, environ: dict) -> str | None:
+        if "RANK" in environ and "LOCAL_RANK" in environ:
+            rank = int(environ["RANK"])
+            return f"learner{rank}" if rank < learners else f"sampler{rank - learners}"
+        if "torchrun" in cmdline or "torch.distributed.run" in cmdline:
+            return "torchrun"
+        return "megarl cli" if "megarl.cli" in cmdline else None
+    return label
+
+
+def timed_megarl(cmd: list[str], what: str, learners: int = 1) -> tuple[float, float | None, float, dict]:
+    """Run a `megarl` command to its end: (its launch time, when its 'launching: torchrun' line arrived, when it
+    ended, each process's peak RSS in MiB); exits naming `what` and the output's tail if it fails."""
+    from peak_rss import PeakRss
+
     launch = time.time()
     launched_torchrun, output = None, []
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:  # timestamp the CLI's "launching: torchrun" line as it arrives
-        output.append(line)
-        if launched_torchrun is None and "launching: torchrun" in line:
-            launched_torchrun = time.time()
-    if proc.wait() != 0:
+    with PeakRss(proc.pid, megarl_process_label(learners)) as peaks:
+        for line in proc.stdout:  # timestamp the CLI's "launching: torchrun" line as it arrives
+            output.append(line)
+            if launched_torchrun is None and "launching: torchrun" in line:
+                launched_torchrun = time.time()
+        code = proc.wait()
+    if code != 0:
         sys.exit(f"{what} failed:\n{''.join(output)[-4000:]}")
-    return launch, launched_torchrun
+    return launch, launched_torchrun, time.time(), peaks.by_label()
 
 
-def run_megarl(mode: str, out: Path, steps: int, overrides: list[str]) -> dict:
-    run_dir = out / f"megarl_{mode}"
+def run_megarl(mode: str, out: Path, steps: int, overrides: list[str], base: tuple = MEGARL_OVERRIDES,
+               name: str | None = None) -> dict:
+    """One `megarl train` of the demo config with `base` and `overrides`, into OUT/megarl_{name or mode}."""
+    run_dir = out / f"megarl_{name or mode}"
     cmd = [sys.executable, "-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", f"run.steps={steps}",
-           "run.progress=false", "run.overwrite=true", f"algo.mode={mode}", *MEGARL_OVERRIDES, *overrides]
-    launch, launched_torchrun = timed_megarl(cmd, f"megarl {mode} run")
+           "run.progress=false", "run.overwrite=true", f"algo.mode={mode}", *base, *overrides]
+    launch, launched_torchrun, ended, peaks = timed_megarl(cmd, f"megarl {name or mode} run")
     curve = megarl_curve(run_dir, launch)
-    return {"curve": curve, "summary": curve_summary(curve), "command": " ".join(cmd[1:]),
+    return {"curve": curve, "summary": curve_summary(curve), "command": " ".join(cmd[1:]), "launch": launch, "ended": ended,
+            "peak_rss_mb": peaks, "split": time_split(curve), "run_dir": str(run_dir),
             "startup": startup_breakdown(run_dir, launch, launched_torchrun), "phases": learner_phases(run_dir)}
 
 
@@ -262,16 +298,46 @@ def run_trl(out: Path, model_dir: Path, prompts: list[dict], grpo_config: dict, 
     spec = {"model_dir": str(model_dir), "prompts": prompts, "threads": threads, "out": str(log_path),
             "launch_time": launch, "grpo_config": {**grpo_config, "output_dir": str(run_dir / "trainer")}}
     (run_dir / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([str(python), str(ROOT / "benchmarks" / "trl_grpo_worker.py"), str(run_dir / "spec.json")],
-                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
-                                                              "OMP_NUM_THREADS": str(threads),
-                                                              "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    if proc.returncode != 0:
-        sys.exit(f"TRL run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    from peak_rss import PeakRss
+
+    with open(run_dir / "stdout.txt", "w") as stdout, open(run_dir / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen([str(python), str(ROOT / "benchmarks" / "trl_grpo_worker.py"), str(run_dir / "spec.json")],
+                                stdout=stdout, stderr=stderr, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+                                                                   "OMP_NUM_THREADS": str(threads),
+                                                                   "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        with PeakRss(proc.pid, lambda pid, cmdline, env: "TRL" if "trl_grpo_worker" in cmdline else None) as peaks:
+            code = proc.wait()
+    if code != 0:
+        sys.exit(f"TRL run failed (output in {run_dir}/stdout.txt, stderr.txt):\n"
+                 f"{(run_dir / 'stderr.txt').read_text()[-4000:]}")
     log = [json.loads(line) for line in log_path.read_text().splitlines()]
     curve = trl_curve(log, launch)
     startup = next(r for r in log if r.get("kind") == "startup")
-    return {"curve": curve, "summary": curve_summary(curve), "startup": {k: v for k, v in startup.items() if k != "kind"}}
+    return {"curve": curve, "summary": curve_summary(curve), "peak_rss_mb": peaks.by_label(), "split": time_split(curve),
+            "startup": {k: v for k, v in startup.items() if k != "kind"}}
+
+
+def time_split(curve: dict, skip: int = 1) -> dict:
+    """Seconds per step, the mean over the steps after the first `skip` (the first step's wait holds the samplers'
+    start-up; all steps where there are no more): the step, and where it went. megarl: the learner's wait for a
+    batch, train and publish (they add up to its step), and the samplers' generating time, which runs beside them
+    (their busy share times the step); TRL: generate and the rest of the step (train), which take turns."""
+    times = curve["train_s"]
+    steps = [b - a for a, b in zip([0.0] + times[:-1], times)]
+    keep = list(range(skip, len(steps))) if len(steps) > skip else list(range(len(steps)))
+    if not keep:
+        return {}
+    mean = lambda values: round(sum(values[i] for i in keep) / len(keep), 3)  # noqa: E731
+    split = {"step_s": mean(steps), "steps_averaged": len(keep)}
+    if "learner_s" in curve:
+        split.update(wait_s=mean(curve["wait_s"]), train_s=mean(curve["learner_s"]), publish_s=mean(curve["publish_s"]))
+        busy = curve.get("sampler_busy_frac") or [None]
+        if busy[-1] is not None:
+            split["generate_s (samplers, beside the learner)"] = round(busy[-1] * split["step_s"], 3)
+    elif "generate_s" in curve:
+        split.update(generate_s=mean(curve["generate_s"]),
+                     train_s=round(mean(steps) - mean(curve["generate_s"]), 3))
+    return split
 
 
 def plot(results: dict, out_png: Path, model: str) -> None:
@@ -299,7 +365,17 @@ def plot(results: dict, out_png: Path, model: str) -> None:
     plt.close(fig)
 
 
-def print_results(results: dict) -> None:
+def print_results(results: dict, shape: str = "demo") -> None:
+    for name, result in results.items():
+        print(f"  {name:<16} peak RSS per process (MiB): {result.get('peak_rss_mb')}; per step (s): "
+              f"{result.get('split')}")
+    if shape != "demo":
+        print(f"\n{shape}: random weights never reach a reward threshold; the comparison is trained tokens/s, the "
+              f"step time split and peak memory:")
+        for name, result in results.items():
+            print(f"  {name:<16} {result['summary']['tokens_per_s']:,.3f} trained completion tokens/s over "
+                  f"{result['summary']['steps']} steps ({result['summary']['train_s']} s of training)")
+        return
     print(f"\ntime to the rolling {WINDOW}-step reward (training time / wall time incl. start-up, step):")
     for name, result in results.items():
         s = result["summary"]
@@ -316,13 +392,25 @@ def print_results(results: dict) -> None:
             print(f"  learner per step after warm-up (median): {result['phases']}")
 
 
+def shape_overrides(shape: str, model_dir: Path | None) -> list[str]:
+    """The megarl overrides that put the demo at `shape` (none for "demo"): its model directory, smaller batches."""
+    from shapes import SHAPE_OVERRIDES
+
+    return [] if shape == "demo" else [f"model.path={model_dir}", *SHAPE_OVERRIDES[shape]]
+
+
 def run_round(args, out: Path, seed: int) -> dict:
     """megarl pipeline, megarl sync and TRL one after the other, all with run seed `seed` (megarl's run.seed; TRL's
     seed and the prompt stream both sides draw): their results, printed, kept in OUT/results.json and drawn."""
     from megarl.config.load import load_config
     from megarl.embedded.registry import resolve_model_path
 
-    overrides = [*args.overrides, f"run.seed={seed}"]
+    shape_dir = None
+    if args.shape != "demo":
+        from shapes import ensure_shape_model
+
+        shape_dir = ensure_shape_model(args.shape)
+    overrides = [*shape_overrides(args.shape, shape_dir), *args.overrides, f"run.seed={seed}"]
     cfg = load_config(str(ROOT / DEMO), [*MEGARL_OVERRIDES, *overrides])
     grpo_config, _ = trl_settings(cfg, args.steps, cfg.run.seed, args.trl_threads)
     out.mkdir(parents=True, exist_ok=True)
@@ -336,11 +424,67 @@ def run_round(args, out: Path, seed: int) -> dict:
         results["TRL GRPOTrainer"] = run_trl(out, model_dir, demo_prompts(cfg, args.steps * cfg.algo.prompts_per_step),
                                              grpo_config, args.trl_threads)
         print(f"TRL: {json.dumps(results['TRL GRPOTrainer']['summary'])}", flush=True)
-    print_results(results)
+    print_results(results, args.shape)
     (out / "results.json").write_text(json.dumps(results))  # curves and all: to re-plot or compare later
     plot(results, out / "vs_trl.png", cfg.model.path)
     print(f"\npicture: {out / 'vs_trl.png'}")
     return results
+
+
+def shape_line(results: dict, shape: str) -> dict:
+    """The JSON line at a real shape: megarl's trained tokens/s over TRL's, each system's tokens/s, step split
+    and peak RSS per process."""
+    line = {"shape": shape, "note": "random weights: throughput and time split, not time to a target"}
+    if "TRL GRPOTrainer" in results and "megarl pipeline" in results:
+        line["tokens_per_s_ratio_vs_trl"] = round(results["megarl pipeline"]["summary"]["tokens_per_s"]
+                                                  / results["TRL GRPOTrainer"]["summary"]["tokens_per_s"], 3)
+    for name, r in results.items():
+        line[name] = {"tokens_per_s": r["summary"]["tokens_per_s"], "steps": r["summary"]["steps"],
+                      "split": r.get("split"), "peak_rss_mb": r.get("peak_rss_mb")}
+    return line
+
+
+def eval_cost(records: list[dict], after: int = AFTER_EVAL_STEPS) -> dict:
+    """What held-out evaluation cost the learner in one run's metrics.jsonl records: the evaluations' count and
+    seconds (`eval_s`, spent on the samplers), the learner's extra queue wait in the `after` steps following each
+    evaluation over the mean wait of the steps outside those windows (signed: with no cost it is 0 give or take the
+    waits' noise), and the wait for evaluations reported after the last step (the final evaluation: the run cannot
+    end before it)."""
+    from megarl.observe.sinks import eval_records, train_records
+
+    steps, evals = train_records(records), eval_records(records)
+    windows = {s for e in evals for s in range(e["step"] + 1, e["step"] + after + 1)}
+    outside = [r["queue_wait_s"] for r in steps if r["step"] not in windows] or [0.0]
+    base = sum(outside) / len(outside)
+    extra = sum(r["queue_wait_s"] - base for r in steps if r["step"] in windows)
+    last = steps[-1]["time"] if steps else 0.0
+    return {"evaluations": len(evals), "eval_s": round(sum(e.get("eval_s", 0.0) for e in evals), 3),
+            "mean_queue_wait_s": round(base, 4), "extra_queue_wait_s": round(extra, 3),
+            "final_eval_wait_s": round(max([0.0] + [e["time"] - last for e in evals]), 3)}
+
+
+def run_with_eval(args, out: Path) -> dict:
+    """megarl pipeline on the demo with its held-out evaluation on, then off: the time to the target and to the
+    last step of each, the end of the command after the last step, and what evaluation cost the learner."""
+    runs = {"eval on": run_megarl("pipeline", out, args.steps, args.overrides, base=("algo.advantage.eps=1e-4",),
+                                  name="pipeline_eval_on"),
+            "eval off": run_megarl("pipeline", out, args.steps, args.overrides, name="pipeline_eval_off")}
+    line = {}
+    for name, r in runs.items():
+        records = [json.loads(x) for x in (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        target = r["summary"]["reached"].get(str(TARGET))
+        line[name] = {"train_s_to_target": target and target["train_s"], "train_s_to_last_step": r["summary"]["train_s"],
+                      "end_after_last_step_s": round(r["ended"] - r["launch"] - r["curve"]["wall_s"][-1], 3),
+                      **eval_cost(records)}
+    on, off = line["eval on"], line["eval off"]
+    if on["train_s_to_target"] and off["train_s_to_target"]:
+        line["target_time_ratio_on_over_off"] = round(on["train_s_to_target"] / off["train_s_to_target"], 3)
+    line["last_step_time_ratio_on_over_off"] = round(on["train_s_to_last_step"] / off["train_s_to_last_step"], 3)
+    line["learner_lost_s"] = round(on["extra_queue_wait_s"] + on["final_eval_wait_s"], 3)
+    (out / "results.json").write_text(json.dumps({"runs": runs, "line": line}))
+    for name, r in line.items():
+        print(f"  {name}: {r}")
+    return line
 
 
 def round_ratios(results: dict) -> dict:
@@ -365,38 +509,100 @@ def median_ratios(rounds: list[dict]) -> dict:
     return out
 
 
-def main() -> None:
+def plan(args, model_dir: Path | None) -> dict:
+    """What a run of these arguments does, as the dry run prints it."""
+    if args.with_eval:
+        runs = ["megarl pipeline, held-out evaluation on", "megarl pipeline, evaluation off"]
+    else:
+        runs = [f"megarl {m}" for m in ("pipeline", "sync") if m not in args.skip] + (
+            ["TRL"] if "trl" not in args.skip else [])
+    out = {"dry_run": True, "shape": args.shape, "steps": args.steps, "repeats": args.repeats, "runs": runs,
+           "with_eval": args.with_eval}
+    if args.shape != "demo":
+        from shapes import SHAPE_OVERRIDES, parameter_count
+
+        out.update(model_dir=str(model_dir), model_built=(model_dir / "config.json").is_file(),
+                   parameters=parameter_count(), megarl_overrides=list(SHAPE_OVERRIDES[args.shape]),
+                   reports="trained tokens/s, step time split, peak RSS per process (random weights: no target)")
+    elif args.with_eval:
+        out["reports"] = ("time to the target and to the last step, eval on / off; extra queue wait after each "
+                          "evaluation; final-evaluation wait")
+    return out
+
+
+def print_plan(args, model_dir: Path | None, rows) -> None:
+    from trl_env import ENV
+
+    p = plan(args, model_dir)
+    print(f"plan: {args.repeats} x ({', '.join(p['runs'])}; {args.steps} steps each)"
+          + ("" if args.with_eval or "trl" in args.skip else
+             f"; TRL environment {ENV.directory()} {'ready' if ENV.is_ready() else 'to be built (minutes, 1.5 GB)'}"))
+    if args.shape != "demo":
+        print(f"model: random weights at {args.shape}'s shape, {p['parameters'] / 1e6:.0f}M parameters, "
+              f"{p['model_dir']} ({'built' if p['model_built'] else 'built on the first run'}); "
+              f"{p['reports']}")
+    print(json.dumps({**p, "settings_matched": sum(r[3] for r in rows), "settings": len(rows)}))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the shape's defaults filled in (--steps, --skip); exits naming the flag on a bad one."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps of each run (default: 200 for --shape demo, 3 for qwen3-0.6b)")
+    parser.add_argument("--shape", default="demo", choices=["demo", "qwen3-0.6b"],
+                        help="demo: the embedded demo model, to a reward target; qwen3-0.6b: random weights at "
+                             "Qwen3-0.6B's shape, throughput / time split / peak memory (benchmarks/shapes.py)")
+    parser.add_argument("--with-eval", action="store_true",
+                        help="megarl pipeline on the demo with held-out evaluation on and off (no TRL): what "
+                             "evaluation costs the learner")
     parser.add_argument("--out", default="runs/vs_trl")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds, each with the next run seed (run.seed, then +1, ...); the JSON line holds the "
                              "median ratios and each round's")
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["pipeline", "sync", "trl"])
+    parser.add_argument("--skip", nargs="*", default=None, choices=["pipeline", "sync", "trl"],
+                        help="runs to leave out (default: none; sync at a real shape)")
     parser.add_argument("--dry-run", action="store_true", help="print the settings and the plan; run nothing")
     parser.add_argument("overrides", nargs="*", help="megarl key=value overrides (both megarl runs)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.with_eval and args.shape != "demo":
+        parser.error("--with-eval measures the demo's evaluation; drop --shape or --with-eval")
+    from shapes import DEFAULT_STEPS
+
+    args.steps = args.steps if args.steps is not None else DEFAULT_STEPS[args.shape]
+    if args.skip is None:
+        args.skip = [] if args.shape == "demo" else ["sync"]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+
+    from shapes import shape_dir
 
     from megarl.config.load import load_config
 
-    cfg = load_config(str(ROOT / DEMO), [*MEGARL_OVERRIDES, *args.overrides])
+    # At a real shape the model directory may not be built yet: the plan names where it goes.
+    planned_dir = None if args.shape == "demo" else shape_dir(args.shape)
+    cfg = load_config(str(ROOT / DEMO), [*MEGARL_OVERRIDES, *shape_overrides(args.shape, planned_dir), *args.overrides])
     grpo_config, rows = trl_settings(cfg, args.steps, cfg.run.seed, args.trl_threads)
     print(format_settings(rows))
     print(f"\nGRPOConfig({', '.join(f'{k}={v!r}' for k, v in grpo_config.items() if k != 'output_dir')})")
-    print(f"megarl overrides of {DEMO}: {' '.join(MEGARL_OVERRIDES)}")
+    print(f"megarl overrides of {DEMO}: {' '.join([*MEGARL_OVERRIDES, *shape_overrides(args.shape, planned_dir)])}")
     if args.dry_run:
-        from trl_env import ENV
-
-        print(f"plan: {args.repeats} x (megarl pipeline, megarl sync, TRL; {args.steps} steps each); TRL environment "
-              f"{ENV.directory()} {'ready' if ENV.is_ready() else 'to be built (minutes, 1.5 GB)'}")
-        print(json.dumps({"dry_run": True, "settings_matched": sum(r[3] for r in rows), "settings": len(rows)}))
+        print_plan(args, planned_dir, rows)
         return
     out = ROOT / args.out
+    if args.with_eval:
+        print(json.dumps({"with_eval": True, **run_with_eval(args, out)}))
+        return
     if args.repeats == 1:
         results = run_round(args, out, cfg.run.seed)
+        if args.shape != "demo":
+            print(json.dumps(shape_line(results, args.shape)))
+            return
         print(json.dumps({**round_ratios(results), "summaries": {name: r["summary"] for name, r in results.items()}}))
         return
     rounds = []
