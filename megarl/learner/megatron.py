@@ -109,8 +109,11 @@ class MegatronLearner:
             self.hf_config = convert.check_supported(json.load(f))
         self.is_moe = moe.is_moe(self.hf_config)
         # A sliding window is part of the attention mask the learner builds (megarl.learner.packing): it counts
-        # position ids, which a packed row's columns are not.
-        self.window = families.sliding_window(self.hf_config)
+        # position ids, which a packed row's columns are not. Layers with windows of their own (gpt-oss) get one
+        # mask per distinct window, stacked, and each layer its own (megarl.learner.sdpa_attention.use_layer_masks).
+        layer_windows = families.layer_windows(self.hf_config)
+        self.windows = tuple(dict.fromkeys(layer_windows))
+        self.mask_index = (tuple(self.windows.index(w) for w in layer_windows) if len(self.windows) > 1 else None)
         # megatron trains an MoE layer under TP only with sequence parallelism (megarl.learner.sequence_parallel);
         # dense models keep plain TP.
         self.sequence_parallel = self.is_moe and cfg.tp > 1
@@ -153,6 +156,8 @@ class MegatronLearner:
         self._tp_dim: dict[str, int | None] = {}
 
         spec = layer_spec(self.hf_config, self.config, self.sequence_parallel)  # megarl.learner.layer_spec
+        from megarl.learner.expert_bias import copy_expert_outputs
+        from megarl.learner.sdpa_attention import use_layer_masks
 
         def build():  # this rank's shard of the HF model, as a GPTModel (Float16Module-wrapped on GPU)
             gpt = GPTModel(
@@ -166,6 +171,8 @@ class MegatronLearner:
             rotary_positions.use_frequencies(gpt, convert.inv_freq(self.hf_config))
             rotary_positions.use_position_ids(gpt)
             rotary_positions.skip_layers(gpt, families.rope_layers(self.hf_config))
+            use_layer_masks(gpt, self.mask_index)
+            copy_expert_outputs(gpt)  # (biased experts without expert parallelism: megarl.learner.expert_bias)
             if self.sequence_parallel:
                 sequence_parallel.mark_whole_experts(gpt, cfg.ep)
             gpt = gpt.to(self.device)
@@ -444,11 +451,12 @@ class MegatronLearner:
         if mb is not None:
             positions = mb["packed_positions"]
             positions = torch.nn.functional.pad(positions, (0, s - positions.shape[1])).to(self.device)
-            mask = packing.attention_mask(mb, s, self.device, self.window, columns, keys)
+            masks = [packing.attention_mask(mb, s, self.device, w, columns, keys) for w in self.windows]
         else:
             positions = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
             # An explicit causal mask (True = masked): megatron's default one is built with device="cuda".
-            mask = packing.causal_mask(s, self.device, self.window, columns, keys)
+            masks = [packing.causal_mask(s, self.device, w, columns, keys) for w in self.windows]
+        mask = masks[0] if len(masks) == 1 else torch.stack(masks)
         if columns is not None:
             local = columns.to(self.device)
             input_ids, positions = input_ids[:, local], positions[:, local]

@@ -29,9 +29,17 @@ Layout facts the conversion encodes:
   * GLM-4.5's partial RoPE (``partial_rotary_factor``: the first head_dim * factor dims of each head rotate,
     rotate-half style, the rest pass) is megatron's ``rotary_percent``; its ``attention_bias`` is a q/k/v bias only
     (o_proj has none) and ``use_qk_norm`` its per-head q/k RMSNorm (families.qkv_bias / qk_norm).
+  * gpt-oss: every linear has a bias (megatron's ``add_bias_linear``: q/k/v, ``o_proj`` = ``linear_proj.bias``, the
+    router's, the experts'); ``self_attn.sinks`` is the core attention's ``softmax_offset`` (megarl.learner.
+    sdpa_attention); its experts' clamped SwiGLU, ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = min(gate, l)``, is megatron's GLU with ``activation_func_clamp_value`` l, ``glu_linear_offset`` 1 and
+    ``gpt_oss_gate``; its router (logits with a bias, top-k, softmax over the k) is megatron's softmax router; the
+    experts' fused layout is megarl.models.moe's; its sliding and full layers' windows are masks
+    (families.layer_windows).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -164,7 +172,10 @@ def check_supported(hf_config) -> dict:
         raise ValueError("unsupported feature use_sliding_window=True")
     families.sliding_window(cfg)  # (a window < 1: named)
     families.rope_layers(cfg)  # (a malformed no_rope_layers: named)
-    if cfg.get("attention_bias") and not family.config_attention:  # Llama: bias on q/k/v AND o_proj
+    if family.gpt_oss_blocks:
+        _check_gpt_oss(cfg)
+        families.layer_windows(cfg)  # (malformed layer_types: named)
+    if cfg.get("attention_bias") and not family.config_attention and not family.gpt_oss_blocks:  # Llama: o_proj too
         raise ValueError("unsupported feature attention_bias=True (o_proj bias)")
     if cfg.get("mlp_bias"):
         raise ValueError("unsupported feature mlp_bias=True")
@@ -175,6 +186,28 @@ def check_supported(hf_config) -> dict:
         raise ValueError(f"partial_rotary_factor={partial}: head_dim * factor must be an even number of dims")
     rope_scaling(cfg)
     return cfg
+
+
+def _check_gpt_oss(cfg: dict) -> None:
+    if cfg.get("quantization_config"):
+        raise ValueError(f"unsupported feature quantization_config={cfg['quantization_config'].get('quant_method')!r} "
+                         "(megarl loads unquantized weights: a dequantized bf16 gpt-oss checkpoint)")
+    if not cfg.get("attention_bias", True):
+        raise ValueError("unsupported feature attention_bias=False for gpt_oss (megarl maps its biased linears)")
+
+
+def gpt_oss_gate(x: torch.Tensor, alpha: float = 1.702) -> torch.Tensor:
+    """gpt-oss's gate activation, x * sigmoid(alpha * x) (megatron's quick_gelu at alpha 1.702)."""
+    return x * torch.sigmoid(alpha * x)
+
+
+def _gpt_oss_kwargs(cfg: dict) -> dict:
+    """TransformerConfig arguments where gpt-oss differs: biases everywhere, sinks, the clamped SwiGLU."""
+    if not family_of(cfg).gpt_oss_blocks:
+        return {}
+    return dict(add_bias_linear=True, softmax_type="learnable", glu_linear_offset=1.0,
+                activation_func=functools.partial(gpt_oss_gate, alpha=float(cfg.get("swiglu_alpha", 1.702))),
+                activation_func_clamp_value=float(cfg.get("swiglu_limit", 7.0)))
 
 
 def rotary_fraction(cfg: dict) -> float:
@@ -243,7 +276,7 @@ def transformer_config_kwargs(hf_config) -> dict:
         # scores as megatron's softmax scale times m^2
         softmax_scale=rope_attention_factor(rope_scaling(cfg)) ** 2 / math.sqrt(head_dim),
         **moe.transformer_config_kwargs(cfg),
-    )
+    ) | _gpt_oss_kwargs(cfg)
 
 
 def gpt_model_kwargs(hf_config) -> dict:
@@ -274,6 +307,11 @@ POST_NORMS = {"post_attention_layernorm": "self_attn_bda.norm.weight",
               "post_feedforward_layernorm": "mlp_bda.norm.weight"}
 
 
+# gpt-oss's attention tensors besides q/k/v (HF name relative to the layer -> the megatron layer's)
+GPT_OSS_ATTENTION = {"self_attn.o_proj.bias": "self_attention.linear_proj.bias",
+                     "self_attn.sinks": "self_attention.core_attention.softmax_offset"}
+
+
 def hf_to_mcore(hf_state: dict, hf_config) -> dict:
     """HF state dict (save_pretrained names) -> full megatron GPTModel state dict (TP=1 names)."""
     cfg = check_supported(hf_config)
@@ -301,6 +339,8 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
             out[mc + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
             out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
         out[mc + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
+        if family_of(cfg).gpt_oss_blocks:
+            out.update({mc + m: hf_state[hf + h] for h, m in GPT_OSS_ATTENTION.items()})
         for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
             if fused:  # Phi-3: one qkv_proj, rows [q heads, k heads, v heads]
                 qkv = hf_state[hf + f"self_attn.qkv_proj.{kind}"].split(
@@ -354,6 +394,8 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
         out[hf + f"self_attn.k_proj.{kind}"] = k
         out[hf + f"self_attn.v_proj.{kind}"] = v
     out[hf + "self_attn.o_proj.weight"] = mcore_layer["self_attention.linear_proj.weight"]
+    if family_of(cfg).gpt_oss_blocks:
+        out.update({hf + h: mcore_layer[m] for h, m in GPT_OSS_ATTENTION.items()})
     if _has_qk_norm(cfg):
         out[hf + "self_attn.q_norm.weight"] = mcore_layer["self_attention.q_layernorm.weight"]
         out[hf + "self_attn.k_norm.weight"] = mcore_layer["self_attention.k_layernorm.weight"]

@@ -37,6 +37,10 @@ class Family:
     config_attention: bool = False
     # `partial_rotary_factor` < 1: RoPE rotates the first head_dim * factor dims of each head (GLM-4.5)
     partial_rotary: bool = False
+    # gpt-oss: a learned sink logit per head in every attention softmax (`self_attn.sinks`: megatron's
+    # softmax_type='learnable'), config.json's `layer_types` choosing per layer between `sliding_window` and full
+    # attention (families.layer_windows), and a bias on every linear (o_proj, the router, the experts) besides q/k/v
+    gpt_oss_blocks: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -52,6 +56,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True, moe=True),
     Family("glm4_moe", "Glm4MoeForCausalLM", qkv_bias=False, qk_norm=False, moe=True, config_attention=True,
            partial_rotary=True),
+    Family("gpt_oss", "GptOssForCausalLM", qkv_bias=True, qk_norm=False, moe=True, gpt_oss_blocks=True),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
@@ -103,11 +108,29 @@ def whole_tensors_only(cfg: dict) -> str | None:
 
 def sliding_window(cfg: dict) -> int | None:
     """How many positions back (the query's own included) every layer attends to, or None for full attention:
-    transformers' sliding-window mask lets query position q see key position k when q - window < k <= q."""
+    transformers' sliding-window mask lets query position q see key position k when q - window < k <= q.
+    (A family whose layers differ: layer_windows.)"""
     window = cfg.get("sliding_window") if family_of(cfg).sliding_window else None
     if window is not None and int(window) < 1:
         raise ValueError(f"sliding_window={window} must be >= 1 (or null for full attention)")
     return None if window is None else int(window)
+
+
+def layer_windows(cfg: dict) -> tuple[int | None, ...]:
+    """Each decoder layer's sliding window (sliding_window's meaning; None: full attention): gpt-oss's `layer_types`
+    ("sliding_attention" layers slide by `sliding_window`, "full_attention" ones do not; transformers' default
+    alternates, sliding first), every other family's one window for all layers."""
+    layers = int(cfg["num_hidden_layers"])
+    if not family_of(cfg).gpt_oss_blocks:
+        return (sliding_window(cfg),) * layers
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ValueError(f"layer_types={types!r}: one 'sliding_attention' or 'full_attention' per layer "
+                         f"(num_hidden_layers={layers})")
+    window = cfg.get("sliding_window")
+    if "sliding_attention" in types and (window is None or int(window) < 1):
+        raise ValueError(f"sliding_window={window} must be >= 1 for the sliding_attention layers of layer_types")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 def rope_layers(cfg: dict) -> tuple[bool, ...] | None:

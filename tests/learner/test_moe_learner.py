@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from megarl.algo.config import LossConfig
 from megarl.models.lora import ATTENTION_TARGETS as ATTENTION
 from megarl.protocols import TrainBatch
-from tests.helpers import GLM4_MOE_ROUTER, LEARNER_TOL, fp32_logprob_tol, save_tiny_glm4_moe, save_tiny_moe
+from tests.helpers import (GLM4_MOE_ROUTER, LEARNER_TOL, fp32_logprob_tol, save_tiny_glm4_moe, save_tiny_gpt_oss,
+                           save_tiny_moe)
 
 VOCAB, B, S, PROMPT, TOP_K = 64, 8, 12, 4, 2
 
@@ -23,7 +24,8 @@ def moe_dirs(tmp_path_factory):
     return {"mixtral": str(save_tiny_moe(root / "mixtral", "mixtral")),
             "qwen3_moe": str(save_tiny_moe(root / "qwen3_moe", "qwen3_moe")),
             "qwen3_moe_norm_topk": str(save_tiny_moe(root / "qwen3_moe_norm", "qwen3_moe", norm_topk_prob=True)),
-            "glm4_moe": str(save_tiny_glm4_moe(root / "glm4_moe"))}
+            "glm4_moe": str(save_tiny_glm4_moe(root / "glm4_moe")),
+            "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss"))}
 
 
 def _learner(model_dir, routing_replay="off", loss_cfg=None, **cfg):
@@ -53,7 +55,7 @@ def _ids(seed=3):
     return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm_topk", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm_topk", "glm4_moe", "gpt_oss"])
 def test_moe_logprobs_match_transformers(moe_dirs, world, kind):
     learner = _learner(moe_dirs[kind], micro_batch_size=3)
     ids = _ids()
@@ -71,7 +73,7 @@ def _tol(model_dir):
     return max(LEARNER_TOL, fp32_logprob_tol({**config, "vocab_size": 264}, max_logprob=8.0, max_seq_len=64))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "gpt_oss"])
 def test_moe_publishes_the_per_expert_hf_names(moe_dirs, world, kind):
     """publish_tensors (what samplers receive, and what megarl sft exports) is the save_pretrained state:
     per-expert names, in the order, shapes and dtypes publish_spec announces (GLM-4.5's too: its dense first
@@ -81,7 +83,8 @@ def test_moe_publishes_the_per_expert_hf_names(moe_dirs, world, kind):
     assert learner.publish_spec() == [(n, tuple(t.shape), t.dtype) for n, t in published.items()]
     saved = load_file(f"{moe_dirs[kind]}/model.safetensors")
     assert set(published) == set(saved)
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in published
+    assert ("model.layers.1.mlp.experts.down_proj" if kind == "gpt_oss"  # (gpt-oss saves its experts fused)
+            else "model.layers.1.mlp.experts.3.down_proj.weight") in published
     for name, tensor in saved.items():
         assert torch.equal(published[name], tensor), name
 
@@ -109,7 +112,7 @@ def _perturbed_router_dir(src, dst):
     weights = load_file(f"{dst}/model.safetensors")
     g = torch.Generator().manual_seed(7)
     for name, w in weights.items():
-        if name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight")):
+        if name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight", "mlp.router.weight")):
             weights[name] = w + 2.0 * w.std() * torch.randn(w.shape, generator=g)
         if name.endswith("e_score_correction_bias"):
             weights[name] = w + 2.0 * w.std() * torch.randn(w.shape, generator=g)
@@ -117,7 +120,7 @@ def _perturbed_router_dir(src, dst):
     return str(dst)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "glm4_moe", "gpt_oss"])
 def test_r3_replays_the_sampler_routes_exactly(moe_dirs, world, tmp_path, kind):
     """Same weights: the learner's own routes agree with the sampler's (agreement 1.0) and the lag-0 log-prob
     gap is fp32 noise, replay or not. A perturbed learner router: without replay the agreement drops and the gap

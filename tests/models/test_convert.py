@@ -326,6 +326,47 @@ def test_moe_round_trip_keeps_every_per_expert_tensor(tmp_path, kind):
     assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
 
 
+def test_gpt_oss_round_trip_is_exact_and_deinterleaves_the_fused_experts(tmp_path):
+    """gpt-oss's experts are saved fused, x @ W, gate and up interleaved by column (gate_up_proj [E, H, 2I]):
+    megatron's expert e gets linear_fc1 rows cat[gate, up] and their biases, linear_fc2 = down_proj[e].T; the sinks,
+    o_proj's and the router's biases have megatron homes; back to HF bit for bit."""
+    from tests.helpers import save_tiny_gpt_oss
+
+    model_dir = save_tiny_gpt_oss(tmp_path)
+    cfg, hf = convert.load_pretrained(str(model_dir))
+    mcore = convert.hf_to_mcore(hf, cfg)
+    gate_up, bias = hf["model.layers.1.mlp.experts.gate_up_proj"][3], hf["model.layers.1.mlp.experts.gate_up_proj_bias"][3]
+    fc1 = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1."
+    assert torch.equal(mcore[fc1 + "weight"], torch.cat([gate_up[:, 0::2].t(), gate_up[:, 1::2].t()]))
+    assert torch.equal(mcore[fc1 + "bias"], torch.cat([bias[0::2], bias[1::2]]))
+    assert torch.equal(mcore["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"],
+                       hf["model.layers.1.mlp.experts.down_proj"][3].t())
+    assert torch.equal(mcore["decoder.layers.0.self_attention.core_attention.softmax_offset"],
+                       hf["model.layers.0.self_attn.sinks"])
+    assert torch.equal(mcore["decoder.layers.0.mlp.router.bias"], hf["model.layers.0.mlp.router.bias"])
+    back = convert.mcore_to_hf(mcore, cfg)
+    saved = load_file(f"{model_dir}/model.safetensors")
+    assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
+    kwargs = convert.transformer_config_kwargs(cfg)
+    assert (kwargs["softmax_type"], kwargs["add_bias_linear"], kwargs["glu_linear_offset"],
+            kwargs["activation_func_clamp_value"]) == ("learnable", True, 1.0, 2.0)
+    assert families.layer_windows(cfg) == (4, None)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types"),
+    ({"sliding_window": None}, "sliding_window"),
+    ({"attention_bias": False}, "attention_bias"),
+])
+def test_gpt_oss_configs_megarl_cannot_convert_are_refused_naming_the_field(change, message):
+    config = {"model_type": "gpt_oss", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "hidden_size": 32, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+              "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "attention_bias": True}
+    with pytest.raises(ValueError, match=message):
+        convert.check_supported({**config, **change})
+
+
 def test_phi3s_fused_projections_run_unsplit_and_say_where():
     """Phi-3's qkv_proj / gate_up_proj have no per-rank slices: a built-in engine at sampler.tp > 1, a shard
     conversion and LoRA adapters are refused naming the key; sampler.tp=1 at any learner layout is taken."""
