@@ -309,6 +309,39 @@ def test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank(moe_dirs,
         assert all(_close(published[n], t) for n, t in ref_published.items()), layout
 
 
+def test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+    """gpt-oss in a real 2-process torchrun (gloo), r3 on perturbed routers: PP2 (the sliding layer on the first
+    stage, the full one on the second: each picks its own mask by its global index), DP2 x EP2 (2 of the 4 biased
+    experts per rank), TP2 (sequence parallelism; the sinks and q/k/v biases split by heads, o_proj's and the
+    router's bias whole) and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement,
+    and after one step the same whole published weights (the fused experts gathered over EP)."""
+    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results, _sources
+
+    perturbed = _perturbed_router_dir(moe_dirs["gpt_oss"], tmp_path / "perturbed")
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["gpt_oss"], ids)
+    batch = _batch(ids, behaviour, routes, short_rows=True)
+    layouts = {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}}
+    proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
+    learner = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
+    ref_logprobs, ref = learner.logprobs(ids, routes), learner.train_step(batch)
+    ref_published = dict(learner.publish_tensors())
+    results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=400)
+    for layout, ranks in results.items():
+        for rank in ranks:
+            assert _close(rank["logprobs"], ref_logprobs), layout
+            for key in ("loss", "grad_norm", "router/agreement", "lag0/logprob_gap_abs"):
+                assert abs(rank["metrics"][key] - ref[key]) <= 1e-5 * max(1.0, abs(ref[key])), (layout, key)
+        published = {}
+        for rank in (_sources(ranks) if layout == "pp2" else ranks[:1]):
+            published.update(rank["published"])
+        assert set(published) == set(ref_published), layout
+        assert all(_close(published[n], t) for n, t in ref_published.items()), layout
+
+
 def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
     """A real 2-process torchrun (gloo): PP2 (each stage replays only its own MoE layer), DP2 x EP2 (each rank
     holds 2 of the 4 experts; the alltoall sends each token to its replayed experts), TP2 (sequence parallelism:
