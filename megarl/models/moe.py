@@ -56,6 +56,12 @@ def is_moe(cfg: dict) -> bool:
     return cfg.get("model_type") in MOE_MODEL_TYPES or cfg.get("model_type") in REFUSED_MOE_TYPES
 
 
+def fused_experts_on_disk(cfg: dict) -> bool:
+    """Whether save_pretrained writes the model's experts fused, under the names transformers holds them by in
+    memory (gpt-oss), rather than per expert."""
+    return cfg.get("model_type") == "gpt_oss"
+
+
 def check_moe(cfg: dict) -> None:
     """ValueError naming the field of an MoE config whose conversion megarl cannot make exact."""
     model_type = cfg.get("model_type")
@@ -241,8 +247,7 @@ def per_expert_tensors(cfg: dict, name: str, tensor: torch.Tensor) -> Iterator[t
     a fused expert tensor becomes one view per expert and projection, the router gets its on-disk name
     (Mixtral's ``mlp.gate`` is ``block_sparse_moe.gate`` on disk); anything else passes through. Pure; views of
     `tensor` (works on meta tensors too, for a publish spec)."""
-    # (gpt-oss keeps its fused experts under the same names in memory and on disk)
-    match = _IN_MEMORY.match(name) if is_moe(cfg) and cfg.get("model_type") != "gpt_oss" else None
+    match = _IN_MEMORY.match(name) if is_moe(cfg) and not fused_experts_on_disk(cfg) else None
     if match is None:
         yield name, tensor
         return

@@ -407,3 +407,46 @@ def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_di
     for _ in range(2):  # the second step's loss is of weights the first moved with the resumed Adam moments
         want = ref_learner.train_step(batch)["loss"]
         assert abs(resumed.train_step(batch)["loss"] - want) <= 1e-5 * abs(want)
+
+
+def test_gpt_oss_samples_on_the_generic_engine_and_its_lag0_gap_to_the_learner_is_fp32_noise(moe_dirs, world):
+    """gpt-oss on the built-in engine's generic model (chosen by itself: its sinks and sliding layers are not the
+    native forward's; its fused experts are published under the names transformers holds them by): prompts longer
+    than the sliding window, the megatron learner's step published and staged mid-generation (kv_on_update=
+    recompute); every token's behaviour log-prob is the learner's own log-prob of it under the version that sampled
+    it, within the fp32 bound."""
+    from megarl.protocols import GenerationRequest, SamplingParams
+    from megarl.sampler import hf_model
+    from megarl.sampler.engine import BuiltinEngine
+
+    path = moe_dirs["gpt_oss"]
+    learner = _learner(path, micro_batch_size=3, lr=1e-2)
+    v0 = dict(learner.publish_tensors())
+    engine = BuiltinEngine(*hf_model.load_pretrained(path), max_running=4, max_seq_len=32, kv_on_update="recompute")
+    assert engine._impl is hf_model
+    gen = torch.Generator().manual_seed(4)
+    requests = [GenerationRequest(str(i), torch.randint(0, VOCAB, (6 + 2 * i,), generator=gen).tolist(),
+                                  SamplingParams(temperature=1.0, max_new_tokens=8), ()) for i in range(3)]
+    for r in requests:
+        engine.add_request(r)
+    for _ in range(2):
+        engine.step()
+    done = {}
+    ids = _ids()
+    behaviour, routes = _hf_forward(path, ids)
+    learner_v0 = _learner(path, micro_batch_size=3)
+    learner.train_step(_batch(ids, behaviour, routes))
+    v1 = dict(learner.publish_tensors())
+    assert set(v1) == set(v0) and max((v1[n] - v0[n]).abs().max().item() for n in v0) > 1e-3
+    engine.stage_weights(v1, 1)
+    while engine.num_unfinished:
+        done.update((c.request_id, c) for c in engine.step())
+    tol = _tol(path)
+    for c in done.values():
+        row = torch.tensor([c.prompt_ids + c.token_ids])
+        n = len(c.prompt_ids)
+        swapped = c.versions.index(1)
+        assert c.versions == [0] * swapped + [1] * (len(c.token_ids) - swapped) and 0 < swapped
+        learner_lp = torch.cat([learner_v0.logprobs(row)[0, n:n + swapped], learner.logprobs(row)[0, n + swapped:]])
+        gap = (torch.tensor(c.logprobs) - learner_lp).abs().max().item()
+        assert gap <= tol, (c.request_id, gap, tol)
