@@ -181,8 +181,9 @@ class DeepSpeedLearner:
         self.generic = not is_native(self.hf_config)
         self.is_moe = not self.generic and moe.is_moe(self.hf_config)
         # transformers applies its sliding windows itself, except to the ready masks of packed rows (`_logits`)
-        self.windows = families.generic_attention_windows(self.hf_config) if self.generic else \
-            {"": families.sliding_window(self.hf_config)}
+        # (gpt-oss's sliding and full layers: one mask per layer type, as a generic-path model's)
+        self.windows = families.generic_attention_windows(self.hf_config) if self.generic or \
+            families.family_of(self.hf_config).gpt_oss_blocks else {"": families.sliding_window(self.hf_config)}
         self.recurrent = has_recurrent_layers(self.hf_config)
         if self.is_moe:
             moe.check_moe(self.hf_config)

@@ -11,7 +11,7 @@ import torch
 from megarl.algo.config import LossConfig
 from megarl.learner import packing, step
 from megarl.protocols import TrainBatch
-from tests.helpers import save_tiny_dense, save_tiny_moe, save_tiny_qwen2
+from tests.helpers import save_tiny_dense, save_tiny_gpt_oss, save_tiny_moe, save_tiny_qwen2
 
 VOCAB, B, S, PROMPT = 64, 24, 24, 3
 # Long-tailed lengths (prompt included), as an RL batch's: a few long rows, many short ones.
@@ -213,7 +213,8 @@ def model_dirs(tmp_path_factory):
     return {"qwen2": str(save_tiny_qwen2(root / "qwen2", tie_word_embeddings=False, vocab_size=VOCAB)),
             "mixtral": str(save_tiny_moe(root / "mixtral", "mixtral", vocab_size=VOCAB)),
             "mistral": str(save_tiny_dense(root / "mistral", "mistral", vocab_size=VOCAB)),
-            "gemma3": str(_save_tiny_gemma3(root / "gemma3"))}
+            "gemma3": str(_save_tiny_gemma3(root / "gemma3")),
+            "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss", vocab_size=VOCAB))}
 
 
 def _save_tiny_gemma3(path):
@@ -284,13 +285,15 @@ def _batch(model_dir, groups=False):
 
 @pytest.mark.parametrize("backend,kind", [(backend, kind) for backend in ("megatron", "deepspeed")
                                           for kind in ("qwen2", "qwen2 groups", "mixtral", "mistral groups")]
-                         + [("deepspeed", "gemma3 groups")])  # (the generic path: the DeepSpeed learner only)
+                         + [("deepspeed", "gemma3 groups")]  # (the generic path: the DeepSpeed learner only)
+                         + [(backend, "gpt_oss") for backend in ("megatron", "deepspeed")])
 def test_a_packed_step_is_the_unpacked_step(model_dirs, world, local_rank, backend, kind):
     """Packed micro-batches (several rows per packed row; rows of a group sharing their common prefixes) give
     transformers' per-row log-probs at every trained position, and the step the unpacked one's loss, grad norm and
     weights; an MoE learner under r3 replays each row's recorded routes at its packed positions (agreement 1); a
     sliding window (Mistral's, shorter than most rows) counts each row's own positions, not packed columns, and a
-    generic-path model's local and global layers (Gemma 3's) each get their own mask."""
+    generic-path model's local and global layers (Gemma 3's) each get their own mask, as gpt-oss's sliding and full
+    layers do on both learners."""
     replay = "r3" if kind == "mixtral" else "off"
     model_dir = model_dirs[kind.split()[0]]
     batch, behaviour = _batch(model_dir, groups=kind.endswith("groups"))
