@@ -181,7 +181,8 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "built-in engine (in-flight swaps, keep and recompute)": Cell("generic model; swaps under recompute", (
             f"{_MOE}test_gpt_oss_samples_on_the_generic_engine_and_its_lag0_gap_to_the_learner_is_fp32_noise",)),
         "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
-        "R3": Cell("yes (megatron)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[gpt_oss]",))}),
+        "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[gpt_oss]",
+                                                 f"{_DS_MOE}test_r3_on_gpt_oss_replays_at_its_router"))}),
 ]
 
 
