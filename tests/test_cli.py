@@ -135,7 +135,8 @@ def test_r3_on_a_family_the_builtin_engine_samples_on_its_generic_model_is_refus
     path = model_dir(tmp_path / "model", config)
     proc = train(f"model.path={path}", "algo.routing_replay=r3", "eval.sets=[]")
     assert proc.returncode == 2 and "launching" not in proc.stdout
-    assert "algo.routing_replay=r3: the built-in engine samples model_type 'gpt_oss' on its generic model" in proc.stderr
+    assert ("algo.routing_replay=r3: the built-in engine samples model_type 'gpt_oss' on its generic model"
+            in proc.stderr)
     assert train(f"model.path={path}", "eval.sets=[]").returncode == 0
 
 

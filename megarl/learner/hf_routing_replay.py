@@ -1,7 +1,8 @@
 """Rollout routing replay (R3) in the DeepSpeed learner: the recorded routes forced at a transformers MoE router.
 
 Owns what happens at each router of a transformers 5.x MoE model (Mixtral, Qwen3-MoE: ``model.layers[i].mlp.gate``,
-``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``; gpt-oss: ``mlp.router``, ``GptOssTopKRouter``) for each micro-batch. Such a router returns
+``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``; gpt-oss: ``mlp.router``, ``GptOssTopKRouter``) for each micro-batch.
+Such a router returns
 ``(router_logits, top-k scores, top-k indices)`` and its sparse block sends each token to the indices, weighted by
 the scores. A forward hook on the router replaces that output: with ``algo.routing_replay=r3`` the indices are the
 ones the sampler's engine recorded (``TrainBatch.routes``) and the scores the router's own softmax gathered at them

@@ -1,6 +1,6 @@
 """HF <-> megatron-core weight conversion for the causal LMs of megarl.models.families (Qwen2, Llama, Qwen3,
-Mistral, Phi-3, SmolLM3, OLMo 2 and the mixture-of-experts Mixtral, Qwen3-MoE and GLM-4.5; pure functions; the MoE
-MLP mapping is megarl.models.moe's), plus
+Mistral, Phi-3, SmolLM3, OLMo 2 and the mixture-of-experts Mixtral, Qwen3-MoE, GLM-4.5 and gpt-oss; pure
+functions; the MoE MLP mapping is megarl.models.moe's), plus
 `load_pretrained`, the HF-directory reader the learner and the built-in engine share.
 
 Owns the mapping between the HF state dict exactly as ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``

@@ -24,6 +24,10 @@ Layouts (HF on disk -> megatron, per decoder layer i, relative to ``decoder.laye
     ``topk_group`` of ``n_group`` groups (a group scored by its best two), their scores renormalised and scaled by
     ``routed_scaling_factor``: megatron's sigmoid router with expert bias (held fixed: update rate 0, as HF's is a
     buffer), group-limited top-k and top-k scaling factor.
+  * gpt-oss (``model_type: gpt_oss``): ``mlp.router.weight`` / ``bias`` -> ``mlp.router.weight`` / ``bias``; its
+    experts fused on disk as in memory (GPT_OSS_EXPERTS: gate and up interleaved by column, x @ W layout), split
+    into megatron's per-expert linears with their biases. Routing: softmax over the top-k biased logits, megatron's
+    default, as Mixtral.
   * megatron expert e: ``mlp.experts.local_experts.{e}.linear_fc1.weight`` = cat[gate, up] (SwiGLU, as the
     dense MLP) and ``...linear_fc2.weight`` = down.  With expert parallelism each EP rank holds
     ``E / ep`` consecutive experts, numbered locally from 0 (``expert_offset`` below).

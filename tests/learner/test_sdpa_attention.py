@@ -58,7 +58,8 @@ def test_sinks_match_transformers_eager_attention(core, mask_kind):
     results = []
     for forward in (core.forward, lambda q, k, v, m: _hf(q, k, v, m, core.softmax_offset)):
         core.zero_grad()
-        qkv = [torch.randn(s, generator=torch.Generator().manual_seed(i)).requires_grad_() for i, s in enumerate(shapes)]
+        qkv = [torch.randn(s, generator=torch.Generator().manual_seed(i)).requires_grad_()
+               for i, s in enumerate(shapes)]
         out = forward(*qkv, mask)
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)))
         results.append((out.detach(), [t.grad for t in qkv], core.softmax_offset.grad.clone()))

@@ -335,7 +335,8 @@ def test_gpt_oss_round_trip_is_exact_and_deinterleaves_the_fused_experts(tmp_pat
     model_dir = save_tiny_gpt_oss(tmp_path)
     cfg, hf = convert.load_pretrained(str(model_dir))
     mcore = convert.hf_to_mcore(hf, cfg)
-    gate_up, bias = hf["model.layers.1.mlp.experts.gate_up_proj"][3], hf["model.layers.1.mlp.experts.gate_up_proj_bias"][3]
+    experts = "model.layers.1.mlp.experts."
+    gate_up, bias = hf[experts + "gate_up_proj"][3], hf[experts + "gate_up_proj_bias"][3]
     fc1 = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1."
     assert torch.equal(mcore[fc1 + "weight"], torch.cat([gate_up[:, 0::2].t(), gate_up[:, 1::2].t()]))
     assert torch.equal(mcore[fc1 + "bias"], torch.cat([bias[0::2], bias[1::2]]))
