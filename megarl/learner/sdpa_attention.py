@@ -81,6 +81,7 @@ class SDPAttention(DotProductAttention):
         context = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=self.softmax_scale,
             enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition)
+        context = context[..., :query.shape[-1]]  # (with sinks: the value's zero padding dropped)
         return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
 
 
@@ -88,15 +89,21 @@ def with_sinks(q, k, v, allowed, sinks, scale: float):
     """(q, k, v, allowed) with one sink key appended that every query attends, whose score under
     `scale` is its head's `sinks` logit and whose value is 0 (the module docstring); q [B, H, Q, d], k / v
     [B, G, K, d] (H a multiple of G, heads grouped as SDPA's enable_gqa groups them), allowed bool [.., Q, K]
-    (True = attended), sinks [H]. Pure."""
+    (True = attended), sinks [H]. Pure. q, k and v come out equally wide, a multiple of 8 dims (the extra ones 0
+    wherever they carry no sink): SDPA's fused kernels take only such (CPU flash: one width for q, k and v;
+    CUDA: widths aligned to 8), else it computes the [Q, K] scores unfused; the context's first d dims are the
+    attention's."""
     b, heads, nq, d = q.shape
     groups = k.shape[1]
     per_group = heads // groups
-    place = torch.eye(per_group, dtype=q.dtype, device=q.device).repeat(groups, 1)  # [H, per_group]
-    q = torch.cat([q, place[None, :, None, :].expand(b, heads, nq, per_group)], dim=-1)
-    sink_key = torch.cat([k.new_zeros(groups, d), (sinks / scale).to(k.dtype).view(groups, per_group)], dim=-1)
-    k = torch.cat([torch.nn.functional.pad(k, (0, per_group)), sink_key[None, :, None, :].expand(b, -1, -1, -1)], 2)
-    v = torch.nn.functional.pad(v, (0, 0, 0, 1))
+    width = d + per_group + (-(d + per_group)) % 8
+    place = torch.zeros(heads, width - d, dtype=q.dtype, device=q.device)
+    place[torch.arange(heads), torch.arange(heads) % per_group] = 1.0  # each head's place in its group
+    q = torch.cat([q, place[None, :, None, :].expand(b, heads, nq, width - d)], dim=-1)
+    sink_key = k.new_zeros(groups, width)
+    sink_key[:, d:d + per_group] = (sinks / scale).to(k.dtype).view(groups, per_group)
+    k = torch.cat([torch.nn.functional.pad(k, (0, width - d)), sink_key[None, :, None, :].expand(b, -1, -1, -1)], 2)
+    v = torch.nn.functional.pad(v, (0, width - d, 0, 1))
     return q, k, v, torch.nn.functional.pad(allowed, (0, 1), value=True)
 
 

@@ -82,3 +82,28 @@ def test_a_layer_attends_with_its_own_mask_of_a_stack(core):
         torch.testing.assert_close(core.forward(*qkv, stacked), _hf(*qkv, mask, core.softmax_offset.detach()),
                                    atol=1e-5, rtol=1e-5)
     core.mask_index = 0
+
+
+def test_with_sinks_leaves_sdpa_its_fused_kernel():
+    """q, k and v come out of with_sinks one width, a multiple of 8 (14 heads in 2 groups of 64 dims: 64 + 7 -> 72),
+    which SDPA's fused CPU flash kernel takes (it computes the [Q, K] scores unfused otherwise); the context's first
+    64 dims are the attention with sinks."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megarl.learner.sdpa_attention import with_sinks
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 6, 64, generator=gen) for h in (14, 2, 2))
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()
+    sinks = torch.randn(14, generator=gen)
+    q2, k2, v2, allowed2 = with_sinks(q, k, v, allowed, sinks, 0.125)
+    assert q2.shape[-1] == k2.shape[-1] == v2.shape[-1] == 72 and allowed2.shape == (6, 7)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        fused = torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, attn_mask=allowed2, scale=0.125,
+                                                                 enable_gqa=True)[..., :64]
+    module = types.SimpleNamespace(sinks=sinks, num_key_value_groups=7, training=False)
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    additive = torch.zeros(6, 6).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    ref, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.125)
+    torch.testing.assert_close(fused, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
