@@ -209,6 +209,41 @@ def save_tiny_glm4_moe(path: Path, vocab_size: int = 64, **overrides) -> Path:
     return path
 
 
+def save_tiny_gpt_oss(path: Path, vocab_size: int = 64, **overrides) -> Path:
+    """A real HF gpt-oss (gpt_oss) directory of the learner tests' size with every feature that sets it apart drawn so
+    that a converter that dropped one would show: 2 layers, sliding (window 4) then full attention (layer_types);
+    attention sinks of about +-1 (a fair share of each softmax); biases on q/k/v/o, the router and the experts away
+    from 0; 4 experts, top-2, gate/up weights large enough that the SwiGLU clamp (swiglu_limit 2.0 here) cuts some
+    of each; YaRN RoPE with truncate false (gpt-oss-20b's); untied lm_head; routers decisive."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(**{**dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=vocab_size, max_position_embeddings=256, intermediate_size=24, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=2.0, tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False}),
+        **overrides})
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            if name.endswith(("_proj.bias", "router.bias", "_proj_bias")):
+                p.normal_(std=0.1)
+            if name.endswith("sinks"):
+                p.normal_(std=1.0)
+            if name.endswith("experts.gate_up_proj"):
+                p.normal_(std=0.3)
+            if name.endswith("router.weight"):  # routers decisive enough that fp32 noise flips no top-k
+                p.mul_(8.0)
+    model.save_pretrained(path)
+    return path
+
+
 def train_metrics(run_dir) -> list[dict]:
     """The per-step records of run_dir/metrics.jsonl (evaluation records left out; [] before the file exists)."""
     from megarl.observe.jsonl import read_jsonl

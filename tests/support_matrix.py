@@ -184,6 +184,21 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "DeepSpeed learner": NT, "built-in engine (in-flight swaps, keep and recompute)": NT,
         "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
         "R3": Cell("yes (megatron)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[glm4_moe]",))}),
+    ("gpt-oss (`gpt_oss`: attention sinks, sliding and full layers by `layer_types`, biases on every linear, fused "
+     "experts with the clamped SwiGLU, biased router, YaRN)", "gpt_oss", {
+        "megatron learner": Cell("TP1; TP2, PP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
+            f"{_MOE}test_moe_logprobs_match_transformers[gpt_oss]",
+            f"{_MOE}test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank",
+            f"{_CONVERT}test_gpt_oss_round_trip_is_exact_and_deinterleaves_the_fused_experts",
+            f"{_MOE}test_moe_publishes_the_per_expert_hf_names[gpt_oss]",
+            "tests/learner/test_sdpa_attention.py::test_sinks_match_transformers_eager_attention[packed_window]",
+            f"{_PACKED}[megatron-gpt_oss]")),
+        "DeepSpeed learner": Cell("ZeRO 1, packed rows", (f"{_PACKED}[deepspeed-gpt_oss]",)),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("generic model; swaps under recompute", (
+            f"{_MOE}test_gpt_oss_samples_on_the_generic_engine_and_its_lag0_gap_to_the_learner_is_fp32_noise",)),
+        "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
+        "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[gpt_oss]",
+                                                 f"{_DS_MOE}test_r3_on_gpt_oss_replays_at_its_router"))}),
 ]
 
 

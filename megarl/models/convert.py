@@ -1,6 +1,6 @@
 """HF <-> megatron-core weight conversion for the causal LMs of megarl.models.families (Qwen2, Llama, Qwen3,
-Mistral, Phi-3, SmolLM3, OLMo 2, Gemma 3 and the mixture-of-experts Mixtral, Qwen3-MoE and GLM-4.5; pure
-functions; the MoE MLP mapping is megarl.models.moe's), plus
+Mistral, Phi-3, SmolLM3, OLMo 2, Gemma 3 and the mixture-of-experts Mixtral, Qwen3-MoE, GLM-4.5 and gpt-oss;
+pure functions; the MoE MLP mapping is megarl.models.moe's), plus
 `load_pretrained`, the HF-directory reader the learner and the built-in engine share.
 
 Owns the mapping between the HF state dict exactly as ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``
@@ -34,9 +34,17 @@ Layout facts the conversion encodes:
   * GLM-4.5's partial RoPE (``partial_rotary_factor``: the first head_dim * factor dims of each head rotate,
     rotate-half style, the rest pass) is megatron's ``rotary_percent``; its ``attention_bias`` is a q/k/v bias only
     (o_proj has none) and ``use_qk_norm`` its per-head q/k RMSNorm (families.qkv_bias / qk_norm).
+  * gpt-oss: every linear has a bias (megatron's ``add_bias_linear``: q/k/v, ``o_proj`` = ``linear_proj.bias``, the
+    router's, the experts'); ``self_attn.sinks`` is the core attention's ``softmax_offset`` (megarl.learner.
+    sdpa_attention); its experts' clamped SwiGLU, ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = min(gate, l)``, is megatron's GLU with ``activation_func_clamp_value`` l, ``glu_linear_offset`` 1 and
+    ``gpt_oss_gate``; its router (logits with a bias, top-k, softmax over the k) is megatron's softmax router; the
+    experts' fused layout is megarl.models.moe's; its sliding and full layers' windows are masks
+    (families.layer_windows).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -169,7 +177,10 @@ def check_supported(hf_config) -> dict:
         raise ValueError("unsupported feature use_sliding_window=True")
     families.sliding_window(cfg)  # (a window < 1: named)
     families.rope_layers(cfg)  # (a malformed no_rope_layers: named)
-    if cfg.get("attention_bias") and not family.config_attention:  # Llama: bias on q/k/v AND o_proj
+    families.layer_window(cfg)  # (Gemma 3's and gpt-oss's malformed layer_types, a missing window: named)
+    if family.gpt_oss_blocks:
+        _check_gpt_oss(cfg)
+    if cfg.get("attention_bias") and not family.config_attention and not family.gpt_oss_blocks:  # Llama: o_proj too
         raise ValueError("unsupported feature attention_bias=True (o_proj bias)")
     if cfg.get("mlp_bias"):
         raise ValueError("unsupported feature mlp_bias=True")
@@ -193,7 +204,6 @@ def _check_gemma(cfg: dict) -> None:
         if cfg.get(key):
             raise ValueError(f"unsupported feature {key}={cfg[key]!r} (Gemma 3 text as transformers' "
                              f"Gemma3ForCausalLM defaults it: null / false)")
-    families.layer_window(cfg)  # (malformed layer_types, a missing window: named)
     for kind in set(families.layer_types(cfg)):
         if rope_attention_factor(rope_scaling(layer_config(cfg, kind))) != 1.0:
             raise ValueError(f"rope_parameters[{kind!r}]: a RoPE scaling with an attention factor (yarn) differs by "
@@ -217,6 +227,28 @@ def layer_config(cfg: dict, kind: str) -> dict:
 def _rope_config(cfg: dict) -> dict:
     """The config whose RoPE the model's rotary embedding computes: a Gemma 3's global layers', or the config."""
     return layer_config(cfg, families.FULL) if family_of(cfg).gemma else cfg
+
+
+def _check_gpt_oss(cfg: dict) -> None:
+    if cfg.get("quantization_config"):
+        raise ValueError(f"unsupported feature quantization_config={cfg['quantization_config'].get('quant_method')!r} "
+                         "(megarl loads unquantized weights: a dequantized bf16 gpt-oss checkpoint)")
+    if not cfg.get("attention_bias", True):
+        raise ValueError("unsupported feature attention_bias=False for gpt_oss (megarl maps its biased linears)")
+
+
+def gpt_oss_gate(x: torch.Tensor, alpha: float = 1.702) -> torch.Tensor:
+    """gpt-oss's gate activation, x * sigmoid(alpha * x) (megatron's quick_gelu at alpha 1.702)."""
+    return x * torch.sigmoid(alpha * x)
+
+
+def _gpt_oss_kwargs(cfg: dict) -> dict:
+    """TransformerConfig arguments where gpt-oss differs: biases everywhere, sinks, the clamped SwiGLU."""
+    if not family_of(cfg).gpt_oss_blocks:
+        return {}
+    return dict(add_bias_linear=True, softmax_type="learnable", glu_linear_offset=1.0,
+                activation_func=functools.partial(gpt_oss_gate, alpha=float(cfg.get("swiglu_alpha", 1.702))),
+                activation_func_clamp_value=float(cfg.get("swiglu_limit", 7.0)))
 
 
 def rotary_fraction(cfg: dict) -> float:
@@ -289,7 +321,7 @@ def transformer_config_kwargs(hf_config) -> dict:
         # scores as megatron's softmax scale times m^2
         softmax_scale=scale,
         **moe.transformer_config_kwargs(cfg),
-    )
+    ) | _gpt_oss_kwargs(cfg)
 
 
 def gpt_model_kwargs(hf_config) -> dict:
@@ -335,6 +367,11 @@ POST_NORMS = {"post_attention_layernorm": "self_attn_bda.norm.weight",
               "post_feedforward_layernorm": "mlp_bda.norm.weight"}
 
 
+# gpt-oss's attention tensors besides q/k/v (HF name relative to the layer -> the megatron layer's)
+GPT_OSS_ATTENTION = {"self_attn.o_proj.bias": "self_attention.linear_proj.bias",
+                     "self_attn.sinks": "self_attention.core_attention.softmax_offset"}
+
+
 def hf_to_mcore(hf_state: dict, hf_config) -> dict:
     """HF state dict (save_pretrained names) -> full megatron GPTModel state dict (TP=1 names)."""
     cfg = check_supported(hf_config)
@@ -364,6 +401,8 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
             out[mc + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
             out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
         out[mc + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
+        if family_of(cfg).gpt_oss_blocks:
+            out.update({mc + m: hf_state[hf + h] for h, m in GPT_OSS_ATTENTION.items()})
         for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
             if fused:  # Phi-3: one qkv_proj, rows [q heads, k heads, v heads]
                 qkv = hf_state[hf + f"self_attn.qkv_proj.{kind}"].split(
@@ -419,6 +458,8 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
         out[hf + f"self_attn.k_proj.{kind}"] = k
         out[hf + f"self_attn.v_proj.{kind}"] = v
     out[hf + "self_attn.o_proj.weight"] = mcore_layer["self_attention.linear_proj.weight"]
+    if family_of(cfg).gpt_oss_blocks:
+        out.update({hf + h: mcore_layer[m] for h, m in GPT_OSS_ATTENTION.items()})
     if _has_qk_norm(cfg):
         out[hf + "self_attn.q_norm.weight"] = mcore_layer["self_attention.q_layernorm.weight"]
         out[hf + "self_attn.k_norm.weight"] = mcore_layer["self_attention.k_layernorm.weight"]

@@ -44,7 +44,7 @@ import torch
 from torch.func import functional_call
 
 from megarl.models.families import generic_path_hint, is_native
-from megarl.models.moe import is_moe
+from megarl.models.moe import fused_experts_on_disk, is_moe
 
 IMPLS = ("auto", "native", "hf")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -73,7 +73,9 @@ def choose(hf_config: dict, model_impl: str = "auto"):
             except ValueError as exc:
                 reason = f"the native engine does not run this config ({exc})"
     key = str(hf_config.get("model_type"))
-    if is_native(hf_config) and is_moe(hf_config):  # (GLM-4.5: its native forward is not written yet)
+    # (GLM-4.5: its native forward is not written yet; gpt-oss's experts are fused on disk as in memory, so what the
+    # learners publish is what transformers' modules take)
+    if is_native(hf_config) and is_moe(hf_config) and not fused_experts_on_disk(hf_config):
         raise ValueError(f"the built-in engine does not run {key!r} ({reason}): megarl's learners publish a family's "
                          f"experts per expert (save_pretrained's names), its generic model takes transformers' fused "
                          f"expert tensors; docs/models.md lists what serves each family")

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from megarl.algo.config import LossConfig
 from megarl.models.lora import ATTENTION_TARGETS as ATTENTION
 from megarl.protocols import TrainBatch
-from tests.helpers import GLM4_MOE_ROUTER, LEARNER_TOL, fp32_logprob_tol, save_tiny_glm4_moe, save_tiny_moe
+from tests.helpers import (GLM4_MOE_ROUTER, LEARNER_TOL, fp32_logprob_tol, save_tiny_glm4_moe, save_tiny_gpt_oss,
+                           save_tiny_moe)
 
 VOCAB, B, S, PROMPT, TOP_K = 64, 8, 12, 4, 2
 
@@ -23,7 +24,8 @@ def moe_dirs(tmp_path_factory):
     return {"mixtral": str(save_tiny_moe(root / "mixtral", "mixtral")),
             "qwen3_moe": str(save_tiny_moe(root / "qwen3_moe", "qwen3_moe")),
             "qwen3_moe_norm_topk": str(save_tiny_moe(root / "qwen3_moe_norm", "qwen3_moe", norm_topk_prob=True)),
-            "glm4_moe": str(save_tiny_glm4_moe(root / "glm4_moe"))}
+            "glm4_moe": str(save_tiny_glm4_moe(root / "glm4_moe")),
+            "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss"))}
 
 
 def _learner(model_dir, routing_replay="off", loss_cfg=None, **cfg):
@@ -53,7 +55,7 @@ def _ids(seed=3):
     return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm_topk", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm_topk", "glm4_moe", "gpt_oss"])
 def test_moe_logprobs_match_transformers(moe_dirs, world, kind):
     learner = _learner(moe_dirs[kind], micro_batch_size=3)
     ids = _ids()
@@ -71,7 +73,7 @@ def _tol(model_dir):
     return max(LEARNER_TOL, fp32_logprob_tol({**config, "vocab_size": 264}, max_logprob=8.0, max_seq_len=64))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "gpt_oss"])
 def test_moe_publishes_the_per_expert_hf_names(moe_dirs, world, kind):
     """publish_tensors (what samplers receive, and what megarl sft exports) is the save_pretrained state:
     per-expert names, in the order, shapes and dtypes publish_spec announces (GLM-4.5's too: its dense first
@@ -81,7 +83,8 @@ def test_moe_publishes_the_per_expert_hf_names(moe_dirs, world, kind):
     assert learner.publish_spec() == [(n, tuple(t.shape), t.dtype) for n, t in published.items()]
     saved = load_file(f"{moe_dirs[kind]}/model.safetensors")
     assert set(published) == set(saved)
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in published
+    assert ("model.layers.1.mlp.experts.down_proj" if kind == "gpt_oss"  # (gpt-oss saves its experts fused)
+            else "model.layers.1.mlp.experts.3.down_proj.weight") in published
     for name, tensor in saved.items():
         assert torch.equal(published[name], tensor), name
 
@@ -109,7 +112,7 @@ def _perturbed_router_dir(src, dst):
     weights = load_file(f"{dst}/model.safetensors")
     g = torch.Generator().manual_seed(7)
     for name, w in weights.items():
-        if name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight")):
+        if name.endswith(("block_sparse_moe.gate.weight", "mlp.gate.weight", "mlp.router.weight")):
             weights[name] = w + 2.0 * w.std() * torch.randn(w.shape, generator=g)
         if name.endswith("e_score_correction_bias"):
             weights[name] = w + 2.0 * w.std() * torch.randn(w.shape, generator=g)
@@ -117,7 +120,7 @@ def _perturbed_router_dir(src, dst):
     return str(dst)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "glm4_moe", "gpt_oss"])
 def test_r3_replays_the_sampler_routes_exactly(moe_dirs, world, tmp_path, kind):
     """Same weights: the learner's own routes agree with the sampler's (agreement 1.0) and the lag-0 log-prob
     gap is fp32 noise, replay or not. A perturbed learner router: without replay the agreement drops and the gap
@@ -306,6 +309,39 @@ def test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank(moe_dirs,
         assert all(_close(published[n], t) for n, t in ref_published.items()), layout
 
 
+def test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+    """gpt-oss in a real 2-process torchrun (gloo), r3 on perturbed routers: PP2 (the sliding layer on the first
+    stage, the full one on the second: each picks its own mask by its global index), DP2 x EP2 (2 of the 4 biased
+    experts per rank), TP2 (sequence parallelism; the sinks and q/k/v biases split by heads, o_proj's and the
+    router's bias whole) and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement,
+    and after one step the same whole published weights (the fused experts gathered over EP)."""
+    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results, _sources
+
+    perturbed = _perturbed_router_dir(moe_dirs["gpt_oss"], tmp_path / "perturbed")
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["gpt_oss"], ids)
+    batch = _batch(ids, behaviour, routes, short_rows=True)
+    layouts = {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}}
+    proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
+    learner = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
+    ref_logprobs, ref = learner.logprobs(ids, routes), learner.train_step(batch)
+    ref_published = dict(learner.publish_tensors())
+    results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=400)
+    for layout, ranks in results.items():
+        for rank in ranks:
+            assert _close(rank["logprobs"], ref_logprobs), layout
+            for key in ("loss", "grad_norm", "router/agreement", "lag0/logprob_gap_abs"):
+                assert abs(rank["metrics"][key] - ref[key]) <= 1e-5 * max(1.0, abs(ref[key])), (layout, key)
+        published = {}
+        for rank in (_sources(ranks) if layout == "pp2" else ranks[:1]):
+            published.update(rank["published"])
+        assert set(published) == set(ref_published), layout
+        assert all(_close(published[n], t) for n, t in ref_published.items()), layout
+
+
 def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
     """A real 2-process torchrun (gloo): PP2 (each stage replays only its own MoE layer), DP2 x EP2 (each rank
     holds 2 of the 4 experts; the alltoall sends each token to its replayed experts), TP2 (sequence parallelism:
@@ -371,3 +407,46 @@ def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_di
     for _ in range(2):  # the second step's loss is of weights the first moved with the resumed Adam moments
         want = ref_learner.train_step(batch)["loss"]
         assert abs(resumed.train_step(batch)["loss"] - want) <= 1e-5 * abs(want)
+
+
+def test_gpt_oss_samples_on_the_generic_engine_and_its_lag0_gap_to_the_learner_is_fp32_noise(moe_dirs, world):
+    """gpt-oss on the built-in engine's generic model (chosen by itself: its sinks and sliding layers are not the
+    native forward's; its fused experts are published under the names transformers holds them by): prompts longer
+    than the sliding window, the megatron learner's step published and staged mid-generation (kv_on_update=
+    recompute); every token's behaviour log-prob is the learner's own log-prob of it under the version that sampled
+    it, within the fp32 bound."""
+    from megarl.protocols import GenerationRequest, SamplingParams
+    from megarl.sampler import hf_model
+    from megarl.sampler.engine import BuiltinEngine
+
+    path = moe_dirs["gpt_oss"]
+    learner = _learner(path, micro_batch_size=3, lr=1e-2)
+    v0 = dict(learner.publish_tensors())
+    engine = BuiltinEngine(*hf_model.load_pretrained(path), max_running=4, max_seq_len=32, kv_on_update="recompute")
+    assert engine._impl is hf_model
+    gen = torch.Generator().manual_seed(4)
+    requests = [GenerationRequest(str(i), torch.randint(0, VOCAB, (6 + 2 * i,), generator=gen).tolist(),
+                                  SamplingParams(temperature=1.0, max_new_tokens=8), ()) for i in range(3)]
+    for r in requests:
+        engine.add_request(r)
+    for _ in range(2):
+        engine.step()
+    done = {}
+    ids = _ids()
+    behaviour, routes = _hf_forward(path, ids)
+    learner_v0 = _learner(path, micro_batch_size=3)
+    learner.train_step(_batch(ids, behaviour, routes))
+    v1 = dict(learner.publish_tensors())
+    assert set(v1) == set(v0) and max((v1[n] - v0[n]).abs().max().item() for n in v0) > 1e-3
+    engine.stage_weights(v1, 1)
+    while engine.num_unfinished:
+        done.update((c.request_id, c) for c in engine.step())
+    tol = _tol(path)
+    for c in done.values():
+        row = torch.tensor([c.prompt_ids + c.token_ids])
+        n = len(c.prompt_ids)
+        swapped = c.versions.index(1)
+        assert c.versions == [0] * swapped + [1] * (len(c.token_ids) - swapped) and 0 < swapped
+        learner_lp = torch.cat([learner_v0.logprobs(row)[0, n:n + swapped], learner.logprobs(row)[0, n + swapped:]])
+        gap = (torch.tensor(c.logprobs) - learner_lp).abs().max().item()
+        assert gap <= tol, (c.request_id, gap, tol)

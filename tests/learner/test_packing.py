@@ -11,7 +11,7 @@ import torch
 from megarl.algo.config import LossConfig
 from megarl.learner import packing, step
 from megarl.protocols import TrainBatch
-from tests.helpers import save_tiny_dense, save_tiny_moe, save_tiny_qwen2
+from tests.helpers import save_tiny_dense, save_tiny_gpt_oss, save_tiny_moe, save_tiny_qwen2
 
 VOCAB, B, S, PROMPT = 64, 24, 24, 3
 # Long-tailed lengths (prompt included), as an RL batch's: a few long rows, many short ones.
@@ -214,7 +214,8 @@ def model_dirs(tmp_path_factory):
             "mixtral": str(save_tiny_moe(root / "mixtral", "mixtral", vocab_size=VOCAB)),
             "mistral": str(save_tiny_dense(root / "mistral", "mistral", vocab_size=VOCAB)),
             "gemma3": str(_save_tiny_gemma3(root / "gemma3")),
-            "gemma3_pattern": str(_without_layer_types(_save_tiny_gemma3(root / "gemma3_pattern")))}
+            "gemma3_pattern": str(_without_layer_types(_save_tiny_gemma3(root / "gemma3_pattern"))),
+            "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss", vocab_size=VOCAB))}
 
 
 def _without_layer_types(path):
@@ -297,15 +298,15 @@ def _batch(model_dir, groups=False):
 
 @pytest.mark.parametrize("backend,kind", [(backend, kind) for backend in ("megatron", "deepspeed")
                                           for kind in ("qwen2", "qwen2 groups", "mixtral", "mistral groups",
-                                                       "gemma3 groups")]
+                                                       "gemma3 groups", "gpt_oss")]
                          + [("deepspeed", "gemma3_pattern groups")])
 def test_a_packed_step_is_the_unpacked_step(model_dirs, world, local_rank, backend, kind):
     """Packed micro-batches (several rows per packed row; rows of a group sharing their common prefixes) give
     transformers' per-row log-probs at every trained position, and the step the unpacked one's loss, grad norm and
     weights; an MoE learner under r3 replays each row's recorded routes at its packed positions (agreement 1); a
     sliding window (Mistral's, shorter than most rows) counts each row's own positions, not packed columns, and
-    Gemma 3's local and global layers each get their own mask (their kinds from layer_types, or from the older
-    sliding_window_pattern)."""
+    Gemma 3's local and global layers (their kinds from layer_types, or from the older sliding_window_pattern) and
+    gpt-oss's sliding and full layers each get their own mask."""
     replay = "r3" if kind == "mixtral" else "off"
     model_dir = model_dirs[kind.split()[0]]
     batch, behaviour = _batch(model_dir, groups=kind.endswith("groups"))
