@@ -5,7 +5,7 @@ megarl's replacements, each for a reason its module gives: the core attention co
 (megarl.learner.sdpa_attention), OLMo 2's norms (megarl.learner.post_norms) and, under sequence parallelism, the
 norms that carry its gradient mark (megarl.learner.sequence_parallel). A model whose first layers are dense and
 the rest MoE (GLM-4.5: megarl.models.moe.first_dense_layers) gets a block spec of this pipeline stage's layers, each
-with its own MLP.
+with its own MLP. Multi-latent attention (DeepSeek-V3) is the local spec's MLASelfAttention.
 """
 from __future__ import annotations
 
@@ -29,12 +29,26 @@ def layer_spec(hf_config: dict, config, sequence_parallel: bool):
         return spec
 
     kwargs = convert.layer_spec_kwargs(hf_config)
+    if kwargs.get("multi_latent_attention"):
+        _mla_without_transformer_engine()
     spec = one(kwargs)
     if not moe.first_dense_layers(hf_config) and not sequence_parallel:
         return spec
     dense = one({k: v for k, v in kwargs.items() if k not in ("num_experts", "moe_grouped_gemm")})
     layers = [spec if moe.is_moe_layer(hf_config, i) else dense for i in _stage_layers(config)]
     return _block(layers, config, sequence_parallel)
+
+
+def _mla_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's multi_latent_attention imports megatron's Transformer Engine extension, which without
+    Transformer Engine binds its classes to MagicMocks and still succeeds: MLA then takes HAVE_TE to be True and its
+    `isinstance(linear_proj, TELinear)` raises TypeError. Without Transformer Engine, tell it so."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
 
 
 def _stage_layers(config) -> range:

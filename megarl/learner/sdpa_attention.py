@@ -11,11 +11,12 @@ packed batches (45 rows x 54 positions, 4 heads, 2 KV groups) one layer's attent
 
 Same contract as megatron's: query/key/value [S, B, heads, head_dim], ``attention_mask`` bool with True = masked
 (megarl always passes one: causal, or the packed rows' block-diagonal causal mask, which never masks a whole
-row), the context [S, B, heads * head_dim] out. What SDPA would not compute the same way is refused when the layer
-is built, naming the setting: attention dropout (megarl's converted configs set it to 0), a softmax offset,
-megatron's `window_size` (a sliding window, Mistral's, is part of the mask megarl builds: megarl.learner.packing
-counts it in position ids, which megatron's column-based window would not). megatron's own unfused path is never
-taken.
+row), the context [S, B, heads * head_dim] out (multi-latent attention's q/k heads are wider than its v heads:
+megatron passes ``k_channels`` / ``v_channels``, SDPA takes the tensors as they come, the context is [S, B, heads *
+v dims]). What SDPA would not compute the same way is refused when the layer is built, naming the setting:
+attention dropout (megarl's converted configs set it to 0), a softmax offset, megatron's `window_size` (a sliding
+window, Mistral's, is part of the mask megarl builds: megarl.learner.packing counts it in position ids, which
+megatron's column-based window would not). megatron's own unfused path is never taken.
 
 Under context parallelism (``learner.cp``, megarl.learner.context_parallel) the queries are this rank's positions
 and the keys and values every CP rank's, all-gathered here (after the rotary embedding: each rank rotated its own
@@ -31,7 +32,8 @@ from megarl.learner.context_parallel import gather_sequence
 
 
 class SDPAttention(DotProductAttention):
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+        # (k_channels / v_channels: MLA's head dims, which the tensors carry; megatron's class takes neither)
         super().__init__(config, *args, **kwargs)
         unsupported = {"attention_dropout": self.attention_dropout.p != 0, "softmax_type": self.softmax_offset is not None,
                        "window_size": config.window_size is not None}
@@ -52,4 +54,4 @@ class SDPAttention(DotProductAttention):
         context = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale,
             enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition)
-        return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
+        return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)

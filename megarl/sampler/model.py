@@ -106,6 +106,8 @@ class ModelSpec:
             raise ValueError(f"model_type={model_type!r} is not supported (supported: {MODEL_TYPES}; "
                              f"{generic_path_hint()})")
         family = FAMILIES[model_type]
+        if family.latent_attention:
+            raise ValueError(f"{model_type}'s multi-latent attention (kv_lora_rank) is not in the native forward")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
         if cfg.get("use_sliding_window"):

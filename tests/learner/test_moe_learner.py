@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from megarl.algo.config import LossConfig
 from megarl.models.lora import ATTENTION_TARGETS as ATTENTION
 from megarl.protocols import TrainBatch
-from tests.helpers import GLM4_MOE_ROUTER, LEARNER_TOL, fp32_logprob_tol, save_tiny_glm4_moe, save_tiny_moe
+from tests.helpers import (GLM4_MOE_ROUTER, LEARNER_TOL, fp32_logprob_tol, save_tiny_deepseek_v3, save_tiny_glm4_moe,
+                           save_tiny_moe)
 
 VOCAB, B, S, PROMPT, TOP_K = 64, 8, 12, 4, 2
 
@@ -23,7 +24,9 @@ def moe_dirs(tmp_path_factory):
     return {"mixtral": str(save_tiny_moe(root / "mixtral", "mixtral")),
             "qwen3_moe": str(save_tiny_moe(root / "qwen3_moe", "qwen3_moe")),
             "qwen3_moe_norm_topk": str(save_tiny_moe(root / "qwen3_moe_norm", "qwen3_moe", norm_topk_prob=True)),
-            "glm4_moe": str(save_tiny_glm4_moe(root / "glm4_moe"))}
+            "glm4_moe": str(save_tiny_glm4_moe(root / "glm4_moe")),
+            "deepseek_v3": str(save_tiny_deepseek_v3(root / "deepseek_v3")),
+            "deepseek_v3_q_full": str(save_tiny_deepseek_v3(root / "deepseek_v3_q_full", q_lora_rank=None))}
 
 
 def _learner(model_dir, routing_replay="off", loss_cfg=None, **cfg):
@@ -34,12 +37,13 @@ def _learner(model_dir, routing_replay="off", loss_cfg=None, **cfg):
 
 
 def _hf_forward(model_dir, ids):
-    """(log-probs [B, S] with column 0 = 0, routes [B, S, L, k]) of transformers in fp32 (a GLM-4.5's routes: what
-    its routers chose, recorded from their outputs; the others': the top-k of their router logits)."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """(log-probs [B, S] with column 0 = 0, routes [B, S, L, k]) of transformers in fp32, eager attention (a GLM-4.5's
+    and a DeepSeek-V3's routes: what its routers chose, recorded from their outputs; the others': the top-k of their
+    router logits)."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     chosen = []
     for module in hf.modules():
-        if type(module).__name__ == "Glm4MoeTopkRouter":
+        if type(module).__name__ in ("Glm4MoeTopkRouter", "DeepseekV3TopkRouter"):
             module.register_forward_hook(lambda m, args, out: chosen.append(out[2].reshape(*ids.shape, -1)))
     with torch.no_grad():
         out = hf(ids, output_router_logits=True)
@@ -53,12 +57,37 @@ def _ids(seed=3):
     return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm_topk", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm_topk", "glm4_moe", "deepseek_v3",
+                                  "deepseek_v3_q_full"])
 def test_moe_logprobs_match_transformers(moe_dirs, world, kind):
     learner = _learner(moe_dirs[kind], micro_batch_size=3)
     ids = _ids()
     ref, _ = _hf_forward(moe_dirs[kind], ids)
     assert (learner.logprobs(ids) - ref).abs().max().item() <= _tol(moe_dirs[kind])
+
+
+def test_sdpa_attention_takes_mla_split_head_dims_as_transformers_eager_attention(moe_dirs, world):
+    """megarl's core attention under DeepSeek-V3's multi-latent attention: q/k heads of 8 + 4 dims, v heads of 6,
+    scaled by transformers' softmax scale (yarn_apply_mscale), give transformers' eager attention (fp32, causal)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as reference
+
+    from megarl.learner.sdpa_attention import SDPAttention
+
+    learner = _learner(moe_dirs["deepseek_v3"])
+    core = learner.gpt.decoder.layers[1].self_attention.core_attention
+    hf = AutoModelForCausalLM.from_pretrained(moe_dirs["deepseek_v3"], dtype=torch.float32).eval()
+    hf_attention = hf.model.layers[1].self_attn
+    assert type(core) is SDPAttention and core.softmax_scale == pytest.approx(hf_attention.scaling, rel=1e-12)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(S, 2, 4, 12, generator=gen) for _ in range(2))
+    v = torch.randn(S, 2, 4, 6, generator=gen)
+    causal = torch.ones(S, S, dtype=torch.bool).triu(1)
+    ours = core(q, k, v, causal.view(1, 1, S, S))
+    theirs, _ = reference.eager_attention_forward(
+        hf_attention, *(t.permute(1, 2, 0, 3) for t in (q, k, v)),
+        torch.zeros(S, S).masked_fill(causal, float("-inf")).view(1, 1, S, S), scaling=hf_attention.scaling)
+    assert ours.shape == (S, 2, 4 * 6)
+    torch.testing.assert_close(ours, theirs.transpose(0, 1).reshape(S, 2, 4 * 6), atol=1e-6, rtol=1e-5)
 
 
 def _tol(model_dir):
@@ -71,7 +100,7 @@ def _tol(model_dir):
     return max(LEARNER_TOL, fp32_logprob_tol({**config, "vocab_size": 264}, max_logprob=8.0, max_seq_len=64))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
 def test_moe_publishes_the_per_expert_hf_names(moe_dirs, world, kind):
     """publish_tensors (what samplers receive, and what megarl sft exports) is the save_pretrained state:
     per-expert names, in the order, shapes and dtypes publish_spec announces (GLM-4.5's too: its dense first
@@ -117,7 +146,7 @@ def _perturbed_router_dir(src, dst):
     return str(dst)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "glm4_moe", "deepseek_v3"])
 def test_r3_replays_the_sampler_routes_exactly(moe_dirs, world, tmp_path, kind):
     """Same weights: the learner's own routes agree with the sampler's (agreement 1.0) and the lag-0 log-prob
     gap is fp32 noise, replay or not. A perturbed learner router: without replay the agreement drops and the gap
@@ -127,7 +156,8 @@ def test_r3_replays_the_sampler_routes_exactly(moe_dirs, world, tmp_path, kind):
     ids = _ids()
     behaviour, routes = _hf_forward(moe_dirs[kind], ids)
     batch = _batch(ids, behaviour, routes)
-    first_moe, experts_count = (1, GLM4_MOE_ROUTER["n_routed_experts"]) if kind == "glm4_moe" else (0, 4)
+    sigmoid_routed = kind in ("glm4_moe", "deepseek_v3")
+    first_moe, experts_count = (1, GLM4_MOE_ROUTER["n_routed_experts"]) if sigmoid_routed else (0, 4)
 
     same = _learner(moe_dirs[kind], routing_replay="r3", micro_batch_size=3)
     m = same.train_step(batch)
