@@ -5,7 +5,8 @@ megarl's replacements, each for a reason its module gives: the core attention co
 (megarl.learner.sdpa_attention), OLMo 2's norms (megarl.learner.post_norms) and, under sequence parallelism, the
 norms that carry its gradient mark (megarl.learner.sequence_parallel). A model whose first layers are dense and
 the rest MoE (GLM-4.5: megarl.models.moe.first_dense_layers) gets a block spec of this pipeline stage's layers, each
-with its own MLP. Multi-latent attention (DeepSeek-V3) is the local spec's MLASelfAttention.
+with its own MLP. Multi-latent attention (DeepSeek-V3) is the local spec's MLASelfAttention with its latent
+down-projections whole on every TP rank (`_whole_latent_projections`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def layer_spec(hf_config: dict, config, sequence_parallel: bool):
 
     def one(kwargs):
         spec = replace_modules(get_gpt_layer_local_spec(**kwargs), {DotProductAttention: SDPAttention})
+        if kwargs.get("multi_latent_attention"):
+            spec = _whole_latent_projections(spec)
         if families.family_of(hf_config).post_norms:  # OLMo 2
             from megarl.learner.post_norms import post_norm_spec
 
@@ -49,6 +52,22 @@ def _mla_without_transformer_engine() -> None:
 
     if importlib.util.find_spec("transformer_engine") is None:
         multi_latent_attention.HAVE_TE = False
+
+
+def _whole_latent_projections(spec):
+    """The MLA layer spec with linear_q_down_proj / linear_kv_down_proj whole on every TP rank (megatron's plain
+    `Linear`, as its Transformer Engine spec duplicates them), not the local spec's column-parallel split. Why: with
+    the split, megatron gathers the k RoPE part over TP, and the backward of that gather hands each rank only its
+    slice of the gradient, which holds only its own heads' share of the k RoPE part's (shared by every head): the
+    k RoPE rows of the weight get a partial gradient (TP2's grad norm 0.2% off one rank's). Whole, the projection
+    runs on this rank's sequence-parallel positions, and megatron gathers the k RoPE part over the sequence, whose
+    backward sums every rank's heads; the weight is marked sequence_parallel, so its gradient is summed over TP."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    attention = spec.submodules.self_attention
+    latent = dataclasses.replace(attention.submodules, linear_q_down_proj=Linear, linear_kv_down_proj=Linear)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, self_attention=dataclasses.replace(attention, submodules=latent)))
 
 
 def _stage_layers(config) -> range:

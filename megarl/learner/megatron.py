@@ -169,8 +169,8 @@ class MegatronLearner:
             rotary_positions.use_frequencies(gpt, convert.inv_freq(self.hf_config))
             rotary_positions.use_position_ids(gpt)
             rotary_positions.skip_layers(gpt, families.rope_layers(self.hf_config))
-            rotary_positions.use_latent_frequencies(gpt, convert.inv_freq(self.hf_config), convert.rope_attention_factor(
-                convert.rope_scaling(self.hf_config)))
+            attention_factor = convert.rope_attention_factor(convert.rope_scaling(self.hf_config))
+            rotary_positions.use_latent_frequencies(gpt, convert.inv_freq(self.hf_config), attention_factor)
             if self.sequence_parallel:
                 sequence_parallel.mark_whole_experts(gpt, cfg.ep)
             gpt = gpt.to(self.device)

@@ -312,19 +312,33 @@ def test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank(moe_dirs,
     TP2 (sequence parallelism; the shared expert and q/k/v biases split over TP, the expert bias whole on each rank)
     and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement, and after one step the
     same whole published weights (the expert bias included)."""
+    _sigmoid_routed_layouts_match_one_rank(moe_dirs["glm4_moe"], tmp_path)
+
+
+def test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+    """DeepSeek-V3 as GLM-4.5 above: under TP2 its multi-latent attention's latent down-projections and norms are
+    whole on each rank over its sequence-parallel positions (megarl.learner.layer_spec: the k RoPE part's gradient
+    summed over every rank's heads), the up-projections and o_proj split by heads; DP2 x EP2, TP2 and TP2 x EP2 give
+    the one-rank learner's log-probs, loss, grad norm, router agreement and, after one step, published weights. (lr
+    1e-4: an expert weight whose gradient is near Adam's eps, 1e-8, moves by lr * g / (|g| + eps), where g carries
+    fp32 noise of a percent; at the default 1e-3 that is 1e-5 apart between layouts, the comparison's bound.)"""
+    _sigmoid_routed_layouts_match_one_rank(moe_dirs["deepseek_v3"], tmp_path, lr=1e-4)
+
+
+def _sigmoid_routed_layouts_match_one_rank(model_dir, tmp_path, **learner):
     from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results
 
-    perturbed = _perturbed_router_dir(moe_dirs["glm4_moe"], tmp_path / "perturbed")
+    perturbed = _perturbed_router_dir(model_dir, tmp_path / "perturbed")
     ids = _ids()
-    behaviour, routes = _hf_forward(moe_dirs["glm4_moe"], ids)
+    behaviour, routes = _hf_forward(model_dir, ids)
     batch = _batch(ids, behaviour, routes, short_rows=True)
-    layouts = {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}}
+    layouts = {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", **learner},
+               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", **learner},
+               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", **learner}}
     proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
-    learner = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
-    ref_logprobs, ref = learner.logprobs(ids, routes), learner.train_step(batch)
-    ref_published = dict(learner.publish_tensors())
+    one_rank = _learner(perturbed, routing_replay="r3", micro_batch_size=3, **learner)
+    ref_logprobs, ref = one_rank.logprobs(ids, routes), one_rank.train_step(batch)
+    ref_published = dict(one_rank.publish_tensors())
     results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=300)
     for layout, ranks in results.items():
         for rank in ranks:
