@@ -178,7 +178,12 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_CONVERT}test_deepseek_v3_round_trip_is_exact_and_maps_the_latent_attention[12]",
             f"{_CONVERT}test_deepseek_v3_round_trip_is_exact_and_maps_the_latent_attention[None]",
             f"{_MOE}test_moe_publishes_the_per_expert_hf_names[deepseek_v3]")),
-        "DeepSpeed learner": NT, "built-in engine (in-flight swaps, keep and recompute)": NT,
+        "DeepSpeed learner": NT,
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("generic model (no routes recorded)", (
+            f"{_MOE}test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish[keep]",
+            f"{_MOE}test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish[recompute]",
+            "tests/sampler/test_hf_engine.py::"
+            "test_architectures_the_native_forward_lacks_run_as_transformers_runs_them[deepseek_v3]")),
         "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
         "R3": Cell("yes (megatron)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",))}),
 ]

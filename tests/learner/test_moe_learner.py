@@ -280,6 +280,54 @@ def test_r3_learner_runs_the_engines_routes_across_an_inflight_update(moe_dirs, 
     assert m["lag0/token_share"] > 0.3 and m["lag0/logprob_gap_abs"] < LEARNER_TOL  # (measured at v1, in the step)
 
 
+@pytest.mark.parametrize("kv_on_update", ["keep", "recompute"])
+def test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish(moe_dirs, world, kv_on_update):
+    """DeepSeek-V3 samples on the built-in engine's generic model (megarl.sampler.hf_model: its native forward has
+    no multi-latent attention), which takes the learner's per-expert publish and the router's expert bias: the
+    engine samples under v0, takes the learner's v1 in flight into its staging buffers (its arena holds those
+    tensors bitwise), and the learner's log-probs of every sampled token are the engine's to the fp32 bound, the
+    tokens of either version (keep: the v0 cache continued under v1, so only the recompute run checks v1 tokens
+    after the swap against a full v1 forward)."""
+    from megarl.protocols import GenerationRequest, SamplingParams
+    from megarl.sampler import hf_model
+    from megarl.sampler.engine import BuiltinEngine
+
+    model_dir = moe_dirs["deepseek_v3"]
+    cfg, weights = hf_model.load_pretrained(model_dir)
+    assert hf_model.choose(cfg) is hf_model
+    engine = BuiltinEngine(cfg, weights, max_running=4, kv_on_update=kv_on_update)
+    learner = _learner(model_dir, micro_batch_size=3)
+    ids = _ids()
+    behaviour, routes = _hf_forward(model_dir, ids)
+    gen = torch.Generator().manual_seed(4)
+    for i in range(4):
+        engine.add_request(GenerationRequest(str(i), torch.randint(0, VOCAB, (5,), generator=gen).tolist(),
+                                             SamplingParams(temperature=1.0, max_new_tokens=7)))
+    done = []
+    for _ in range(3):
+        done += engine.step()
+    reference = _learner(model_dir, micro_batch_size=3)  # v0, kept for the tokens sampled before the swap
+    learner.train_step(_batch(ids, behaviour, routes))  # v1
+    published = dict(learner.publish_tensors())
+    views = engine.staging_buffers(1)
+    for name, tensor in published.items():
+        views[name].copy_(tensor)
+    engine.stage_weights(views, 1)
+    while engine.num_unfinished:
+        done += engine.step()
+    assert all(torch.equal(engine._weights.arena.views[n], t) for n, t in published.items())
+    assert any(1 in c.versions for c in done)
+    for c in done:
+        row = torch.tensor([c.prompt_ids + c.token_ids])
+        n = len(c.prompt_ids)
+        for version, model in ((0, reference), (1, learner)):
+            if version == 1 and kv_on_update == "keep" and 0 in c.versions:
+                continue  # (its v1 tokens attend to v0 keys and values: no single version's forward)
+            lp = model.logprobs(row)[0, n:]
+            gaps = [abs(lp[i].item() - c.logprobs[i]) for i, v in enumerate(c.versions) if v == version]
+            assert max(gaps, default=0.0) <= _tol(model_dir), (c.request_id, version, gaps)
+
+
 def _expected_expert_tokens(batch, micro_batch_size: int, tp: int) -> dict[tuple[int, int], int]:
     """{(layer, expert): tokens} if every position a one-DP-rank learner computes in a step goes to exactly its
     recorded experts: each micro-batch is its rows up to its longest, its width padded to a multiple of tp under
