@@ -402,6 +402,20 @@ def test_deepseek_v3_configs_megarl_cannot_map_exactly_are_refused_naming_the_fi
         convert.transformer_config_kwargs({**DEEPSEEK_V3, **change})
 
 
+def test_deepseek_v3_runs_unsplit_where_its_latent_projections_have_no_per_rank_slices_and_takes_no_lora():
+    """The multi-latent attention's HF tensors have no per-TP-rank slices (megarl.models.tp_shard): a built-in
+    engine at sampler.tp > 1 is refused naming the key, and learner.lora (no q/k/v/o_proj to adapt) too."""
+    from megarl.config.schema import LoraConfig
+    from megarl.models import layout, lora
+
+    cfg = {**DEEPSEEK_V3, "vocab_size": 64}
+    layout.check_layout(cfg, learner_tp=2, sampler_tp=1)
+    with pytest.raises(ValueError, match="sampler.tp=2: deepseek_v3's multi-latent attention"):
+        layout.check_layout(cfg, sampler_tp=2)
+    with pytest.raises(ValueError, match="learner.lora: 'deepseek_v3'"):
+        lora.check(DEEPSEEK_V3, LoraConfig(rank=4, alpha=8.0, target_modules=["o_proj"]))
+
+
 def test_phi3s_fused_projections_run_unsplit_and_say_where():
     """Phi-3's qkv_proj / gate_up_proj have no per-rank slices: a built-in engine at sampler.tp > 1, a shard
     conversion and LoRA adapters are refused naming the key; sampler.tp=1 at any learner layout is taken."""
