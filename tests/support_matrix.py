@@ -170,8 +170,9 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "R3": Cell("yes (megatron)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[glm4_moe]",))}),
     ("DeepSeek-V3 (`deepseek_v3`, Kimi-K2's architecture: multi-latent attention with or without a q latent, "
      "interleaved YaRN RoPE with its mscale, GLM-4.5's MoE)", "deepseek_v3", {
-        "megatron learner": Cell("TP1; TP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
+        "megatron learner": Cell("TP1 (packed rows with shared prefixes too); TP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
             f"{_MOE}test_moe_logprobs_match_transformers[deepseek_v3]",
+            f"{_PACKED}[megatron-deepseek_v3 groups]",
             f"{_MOE}test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank",
             f"{_MOE}test_moe_logprobs_match_transformers[deepseek_v3_q_full]",
             f"{_MOE}test_sdpa_attention_takes_mla_split_head_dims_as_transformers_eager_attention",
