@@ -67,7 +67,7 @@ class MegatronLearner:
             from megatron.core.distributed import finalize_model_grads
             from megatron.core.models.gpt import GPTModel
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-            from megatron.core.transformer import TransformerConfig
+            from megatron.core.transformer import MLATransformerConfig, TransformerConfig
             from megatron.core.transformer.module import Float16Module
             from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -122,7 +122,10 @@ class MegatronLearner:
             raise ValueError(f"algo.routing_replay=r3 needs a mixture-of-experts model; "
                              f"{self.hf_config['model_type']!r} is dense")
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
-        self.config = TransformerConfig(
+        model_kwargs = convert.transformer_config_kwargs(self.hf_config)
+        # (multi-latent attention, DeepSeek-V3's: megatron's MLA reads its dims from the MLA config class)
+        config_class = MLATransformerConfig if model_kwargs.get("multi_latent_attention") else TransformerConfig
+        self.config = config_class(
             tensor_model_parallel_size=cfg.tp,
             pipeline_model_parallel_size=cfg.pp,
             params_dtype=dtype, pipeline_dtype=dtype, bf16=self.on_gpu,
@@ -131,7 +134,7 @@ class MegatronLearner:
             variable_seq_lengths=cfg.pp > 1,
             # (config validation refuses variable lengths with the default MoE dispatcher even for a
             # dense model; the dense layers never use it)
-            **{"moe_token_dispatcher_type": "alltoall", **convert.transformer_config_kwargs(self.hf_config)},
+            **{"moe_token_dispatcher_type": "alltoall", **model_kwargs},
             expert_model_parallel_size=cfg.ep, expert_tensor_parallel_size=1,
             sequence_parallel=self.sequence_parallel,
             moe_enable_routing_replay=self.is_moe,
@@ -178,6 +181,9 @@ class MegatronLearner:
                 gemma3.use_layer_rope(gpt, families.layer_types(self.hf_config),
                                       convert.local_inv_freq(self.hf_config))
             copy_expert_outputs(gpt)  # (biased experts without expert parallelism: megarl.learner.expert_bias)
+            if families.family_of(self.hf_config).latent_attention:  # (DeepSeek-V3: each layer's own rotary embedding)
+                attention_factor = convert.rope_attention_factor(convert.rope_scaling(self.hf_config))
+                rotary_positions.use_latent_frequencies(gpt, convert.inv_freq(self.hf_config), attention_factor)
             if self.sequence_parallel:
                 sequence_parallel.mark_whole_experts(gpt, cfg.ep)
             gpt = gpt.to(self.device)

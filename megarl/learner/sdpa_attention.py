@@ -11,11 +11,12 @@ packed batches (45 rows x 54 positions, 4 heads, 2 KV groups) one layer's attent
 
 Same contract as megatron's: query/key/value [S, B, heads, head_dim], ``attention_mask`` bool with True = masked
 (megarl always passes one: causal, or the packed rows' block-diagonal causal mask, which never masks a whole
-row), the context [S, B, heads * head_dim] out. What SDPA would not compute the same way is refused when the layer
-is built, naming the setting: attention dropout (megarl's converted configs set it to 0), the fixed "off-by-one"
-softmax offset, megatron's `window_size` (a sliding window, Mistral's, is part of the mask megarl builds:
-megarl.learner.packing counts it in position ids, which megatron's column-based window would not). megatron's own
-unfused path is never taken.
+row), the context [S, B, heads * head_dim] out (multi-latent attention's q/k heads are wider than its v heads:
+megatron passes ``k_channels`` / ``v_channels``, SDPA takes the tensors as they come, the context is [S, B, heads *
+v dims]). What SDPA would not compute the same way is refused when the layer is built, naming the setting:
+attention dropout (megarl's converted configs set it to 0), the fixed "off-by-one" softmax offset, megatron's
+`window_size` (a sliding window, Mistral's, is part of the mask megarl builds: megarl.learner.packing counts it in
+position ids, which megatron's column-based window would not). megatron's own unfused path is never taken.
 
 Attention sinks (``softmax_type='learnable'``, gpt-oss): a learned logit per query head that joins every softmax
 denominator and adds nothing to the context (``softmax_offset``, HF's ``self_attn.sinks``). SDPA takes no such
@@ -45,7 +46,8 @@ from megarl.learner.context_parallel import gather_sequence
 
 
 class SDPAttention(DotProductAttention):
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+        # (k_channels / v_channels: MLA's head dims, which the tensors carry; megatron's class takes neither)
         learnable = config.softmax_type == "learnable"
         # (megatron allocates the sinks on the current CUDA device; built here on the config's initialisation device)
         super().__init__(dataclasses.replace(config, softmax_type="vanilla") if learnable else config, *args, **kwargs)
@@ -82,8 +84,8 @@ class SDPAttention(DotProductAttention):
         context = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed, scale=self.softmax_scale,
             enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition)
-        context = context[..., :query.shape[-1]]  # (with sinks: the value's zero padding dropped)
-        return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
+        context = context[..., :value.shape[-1]]  # (with sinks: the value's zero padding dropped)
+        return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
 def with_sinks(q, k, v, allowed, sinks, scale: float):

@@ -1,6 +1,7 @@
 """HF <-> megatron-core weight conversion for the causal LMs of megarl.models.families (Qwen2, Llama, Qwen3,
-Mistral, Phi-3, SmolLM3, OLMo 2, Gemma 3 and the mixture-of-experts Mixtral, Qwen3-MoE, GLM-4.5 and gpt-oss;
-pure functions; the MoE MLP mapping is megarl.models.moe's), plus
+Mistral, Phi-3, SmolLM3, OLMo 2, Gemma 3 and the mixture-of-experts Mixtral, Qwen3-MoE, GLM-4.5, gpt-oss and
+DeepSeek-V3; pure functions; the MoE MLP mapping is megarl.models.moe's, DeepSeek-V3's multi-latent attention
+megarl.models.latent_attention's), plus
 `load_pretrained`, the HF-directory reader the learner and the built-in engine share.
 
 Owns the mapping between the HF state dict exactly as ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``
@@ -41,6 +42,8 @@ Layout facts the conversion encodes:
     ``gpt_oss_gate``; its router (logits with a bias, top-k, softmax over the k) is megatron's softmax router; the
     experts' fused layout is megarl.models.moe's; its sliding and full layers' windows are masks
     (families.layer_windows).
+  * DeepSeek-V3's multi-latent attention is megatron's MLASelfAttention (``MLATransformerConfig``); its RoPE
+    dims are ``qk_rope_head_dim`` (what `_dims` calls head_dim, as transformers' config does).
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ import os
 
 import torch
 
-from megarl.models import families, moe
+from megarl.models import families, latent_attention, moe
 from megarl.models.families import MODEL_TYPES, family_of
 
 SUPPORTED_MODEL_TYPES = MODEL_TYPES
@@ -167,6 +170,8 @@ def check_supported(hf_config) -> dict:
     if moe.is_moe(cfg):
         moe.check_moe(cfg)
     family = family_of(cfg)
+    if family.latent_attention:
+        latent_attention.check(cfg)
     for arch in cfg.get("architectures") or ():
         if arch != family.architecture:
             raise ValueError(f"unsupported architecture {arch!r} for model_type {family.model_type!r} "
@@ -257,10 +262,12 @@ def rotary_fraction(cfg: dict) -> float:
 
 
 def _dims(cfg: dict) -> tuple[int, int, int, int]:
-    """(layers, query heads, kv groups, head_dim)."""
+    """(layers, query heads, kv groups, head_dim; a latent-attention model's head_dim: its RoPE dims)."""
     heads = cfg["num_attention_heads"]
     groups = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if family_of(cfg).latent_attention:
+        head_dim = latent_attention.rope_dim(cfg)
     return cfg["num_hidden_layers"], heads, groups, head_dim
 
 
@@ -272,10 +279,19 @@ def _has_qk_norm(cfg: dict) -> bool:
     return families.qk_norm(cfg)
 
 
+def _qkv_kinds(cfg: dict) -> tuple[str, ...]:
+    """The tensors of megatron's fused linear_qkv (none under multi-latent attention: latent_attention's)."""
+    if family_of(cfg).latent_attention:
+        return ()
+    return ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",)
+
+
 def layer_spec_kwargs(hf_config) -> dict:
     """Keyword arguments for megatron's ``get_gpt_layer_local_spec`` of this model."""
     cfg = check_supported(hf_config)
     kwargs = dict(normalization="RMSNorm", qk_layernorm=_has_qk_norm(cfg))  # (Gemma 3's norms: megarl.learner.gemma3)
+    if family_of(cfg).latent_attention:  # (its latent norms are the spec's q/kv layernorms)
+        kwargs.update(multi_latent_attention=True, qk_layernorm=True)
     if moe.is_moe(cfg):
         kwargs.update(num_experts=moe.num_experts(cfg), moe_grouped_gemm=False)
     return kwargs
@@ -289,7 +305,8 @@ def transformer_config_kwargs(hf_config) -> dict:
     """Keyword arguments for megatron's ``TransformerConfig`` matching the HF model's function.
 
     Parallelism, dtype and initialisation arguments are the caller's; GPTModel arguments
-    (vocab size, max length, rope base, tying) come from ``gpt_model_kwargs``.
+    (vocab size, max length, rope base, tying) come from ``gpt_model_kwargs``. A latent-attention model's include
+    ``multi_latent_attention=True``: they are ``MLATransformerConfig``'s.
     """
     cfg = check_supported(hf_config)
     layers, heads, groups, head_dim = _dims(cfg)
@@ -297,7 +314,7 @@ def transformer_config_kwargs(hf_config) -> dict:
     # Gemma 3 scales q.k by query_pre_attn_scalar^-0.5 (not head_dim's), its RoPE scalings have no attention factor
     scale = (float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5 if gemma
              else rope_attention_factor(rope_scaling(cfg)) ** 2 / math.sqrt(head_dim))
-    return dict(
+    kwargs = dict(
         num_layers=layers,
         hidden_size=cfg["hidden_size"],
         num_attention_heads=heads,
@@ -322,6 +339,10 @@ def transformer_config_kwargs(hf_config) -> dict:
         softmax_scale=scale,
         **moe.transformer_config_kwargs(cfg),
     ) | _gpt_oss_kwargs(cfg)
+    if family_of(cfg).latent_attention:  # (megatron's MLA sets its own softmax scale: latent_attention's doc)
+        kwargs.update(latent_attention.transformer_config_kwargs(cfg, rope_scaling(cfg), _rope_theta(cfg)),
+                      softmax_scale=None)
+    return kwargs
 
 
 def gpt_model_kwargs(hf_config) -> dict:
@@ -400,10 +421,13 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
         else:
             out[mc + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
             out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
-        out[mc + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
+        if family_of(cfg).latent_attention:
+            out.update({mc + k: v for k, v in latent_attention.hf_to_mcore(hf_state, cfg, i).items()})
+        else:
+            out[mc + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
         if family_of(cfg).gpt_oss_blocks:
             out.update({mc + m: hf_state[hf + h] for h, m in GPT_OSS_ATTENTION.items()})
-        for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
+        for kind in _qkv_kinds(cfg):
             if fused:  # Phi-3: one qkv_proj, rows [q heads, k heads, v heads]
                 qkv = hf_state[hf + f"self_attn.qkv_proj.{kind}"].split(
                     [heads * head_dim, groups * head_dim, groups * head_dim])
@@ -449,7 +473,7 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     else:
         out = {hf + "input_layernorm.weight": mcore_layer["input_layernorm.weight"],
                hf + "post_attention_layernorm.weight": mcore_layer["pre_mlp_layernorm.weight"]}
-    for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
+    for kind in _qkv_kinds(cfg):
         q, k, v = split_qkv_rows(mcore_layer[f"self_attention.linear_qkv.{kind}"], cfg, tp_size)
         if fused:  # Phi-3's layout, as save_pretrained writes it
             out[hf + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v])
@@ -457,7 +481,10 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
         out[hf + f"self_attn.q_proj.{kind}"] = q
         out[hf + f"self_attn.k_proj.{kind}"] = k
         out[hf + f"self_attn.v_proj.{kind}"] = v
-    out[hf + "self_attn.o_proj.weight"] = mcore_layer["self_attention.linear_proj.weight"]
+    if family_of(cfg).latent_attention:
+        out.update(latent_attention.mcore_to_hf(mcore_layer, cfg, hf_layer_index))
+    else:
+        out[hf + "self_attn.o_proj.weight"] = mcore_layer["self_attention.linear_proj.weight"]
     if family_of(cfg).gpt_oss_blocks:
         out.update({hf + h: mcore_layer[m] for h, m in GPT_OSS_ATTENTION.items()})
     if _has_qk_norm(cfg):

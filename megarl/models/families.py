@@ -47,6 +47,10 @@ class Family:
     # softmax_type='learnable'), sliding and full layers (`layer_types`, families.layer_windows), and a bias on
     # every linear (o_proj, the router, the experts) besides q/k/v
     gpt_oss_blocks: bool = False
+    # DeepSeek-V3: multi-latent attention (q and k/v each from a low-rank latent with its own RMSNorm, per-head q/k of
+    # qk_nope_head_dim + qk_rope_head_dim dims, v of v_head_dim; the k RoPE part shared by every head):
+    # megatron-core's MLASelfAttention, mapped by megarl.models.latent_attention
+    latent_attention: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -64,6 +68,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("glm4_moe", "Glm4MoeForCausalLM", qkv_bias=False, qk_norm=False, moe=True, config_attention=True,
            partial_rotary=True),
     Family("gpt_oss", "GptOssForCausalLM", qkv_bias=True, qk_norm=False, moe=True, gpt_oss_blocks=True),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", qkv_bias=False, qk_norm=False, moe=True, latent_attention=True),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
@@ -110,6 +115,8 @@ def whole_tensors_only(cfg: dict) -> str | None:
         return "fused qkv_proj / gate_up_proj"
     if family is not None and family.post_norms:
         return "q_norm / k_norm over the whole projection"
+    if family is not None and family.latent_attention:
+        return "multi-latent attention's latent projections"
     return None
 
 

@@ -28,6 +28,9 @@ Layouts (HF on disk -> megatron, per decoder layer i, relative to ``decoder.laye
     experts fused on disk as in memory (GPT_OSS_EXPERTS: gate and up interleaved by column, x @ W layout), split
     into megatron's per-expert linears with their biases. Routing: softmax over the top-k biased logits, megatron's
     default, as Mixtral.
+  * DeepSeek-V3 (``model_type: deepseek_v3``; Kimi-K2's and DeepSeek-R1's architecture): GLM-4.5's MLP, names and
+    routing exactly (``n_routed_experts``, ``n_shared_experts``, ``first_k_dense_replace`` and the router fields);
+    its attention is megarl.models.latent_attention's.
   * megatron expert e: ``mlp.experts.local_experts.{e}.linear_fc1.weight`` = cat[gate, up] (SwiGLU, as the
     dense MLP) and ``...linear_fc2.weight`` = down.  With expert parallelism each EP rank holds
     ``E / ep`` consecutive experts, numbered locally from 0 (``expert_offset`` below).
@@ -49,11 +52,15 @@ import torch
 from megarl import protocols
 from megarl.models.families import generic_path_hint
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "glm4_moe", "gpt_oss")
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "deepseek_v3")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM",
+                     "DeepseekV3ForCausalLM")
+# The sigmoid-routed MoEs with a fixed expert bias, shared experts and first dense layers (GLM-4.5's layout), and
+# how many dense layers transformers gives each when its config leaves first_k_dense_replace out
+SIGMOID_ROUTED = {"glm4_moe": 1, "deepseek_v3": 3}
 # Model types that are mixtures of experts megarl names when it refuses them.
 REFUSED_MOE_TYPES = {"qwen2_moe": "shared_expert_intermediate_size", "olmoe": "model_type",
-                     "deepseek_v3": "model_type", "qwen3_next": "model_type"}
+                     "qwen3_next": "model_type"}
 
 
 def is_moe(cfg: dict) -> bool:
@@ -87,7 +94,7 @@ def check_moe(cfg: dict) -> None:
         if cfg.get("mlp_only_layers"):
             raise ValueError(f"unsupported feature mlp_only_layers={cfg['mlp_only_layers']} (dense layers among "
                              "the MoE layers)")
-    if model_type == "glm4_moe":
+    if model_type in SIGMOID_ROUTED:
         _check_glm4_moe(cfg)
     if num_experts(cfg) < 2 or not 1 <= top_k(cfg) <= num_experts(cfg):
         raise ValueError(f"MoE config needs num_experts >= 2 and 1 <= num_experts_per_tok <= num_experts "
@@ -109,8 +116,8 @@ def _check_glm4_moe(cfg: dict) -> None:
         raise ValueError(f"unsupported feature topk_group={kept} < n_group={groups} with num_experts_per_tok="
                          f"{top_k(cfg)}: HF scores a group by its best 2 experts, megatron by its best "
                          f"num_experts_per_tok // topk_group")
-    if int(cfg.get("first_k_dense_replace", 1)) >= int(cfg["num_hidden_layers"]):
-        raise ValueError(f"first_k_dense_replace={cfg['first_k_dense_replace']} leaves no MoE layer "
+    if first_dense_layers(cfg) >= int(cfg["num_hidden_layers"]):
+        raise ValueError(f"first_k_dense_replace={first_dense_layers(cfg)} leaves no MoE layer "
                          f"(num_hidden_layers={cfg['num_hidden_layers']})")
 
 
@@ -130,7 +137,7 @@ def top_k(cfg: dict) -> int:
 def expert_ffn_field(cfg: dict) -> str:
     """The config field of one expert's width: Mixtral's experts use intermediate_size; Qwen3-MoE's
     moe_intermediate_size (its intermediate_size is for dense layers, which megarl refuses)."""
-    return "moe_intermediate_size" if cfg["model_type"] in ("qwen3_moe", "glm4_moe") else "intermediate_size"
+    return "moe_intermediate_size" if cfg["model_type"] in ("qwen3_moe", *SIGMOID_ROUTED) else "intermediate_size"
 
 
 def expert_ffn_size(cfg: dict) -> int:
@@ -138,9 +145,13 @@ def expert_ffn_size(cfg: dict) -> int:
 
 
 def first_dense_layers(cfg: dict) -> int:
-    """How many leading decoder layers have a dense MLP (GLM-4.5's first_k_dense_replace; 0 for the others:
-    check_moe refuses dense layers elsewhere)."""
-    return int(cfg.get("first_k_dense_replace", 1)) if cfg.get("model_type") == "glm4_moe" else 0
+    """How many leading decoder layers have a dense MLP (GLM-4.5's and DeepSeek-V3's first_k_dense_replace; 0 for the
+    others: check_moe refuses dense layers elsewhere)."""
+    model_type = cfg.get("model_type")
+    if model_type not in SIGMOID_ROUTED:
+        return 0
+    dense = cfg.get("first_k_dense_replace")
+    return int(SIGMOID_ROUTED[model_type] if dense is None else dense)
 
 
 def is_moe_layer(cfg: dict, layer: int) -> bool:
@@ -190,7 +201,7 @@ def transformer_config_kwargs(cfg: dict) -> dict:
 
 def _glm4_moe_kwargs(cfg: dict) -> dict:
     """The router and layer arguments where GLM-4.5 differs (softmax routing, every layer MoE for the others)."""
-    if cfg["model_type"] != "glm4_moe":
+    if cfg["model_type"] not in SIGMOID_ROUTED:
         return dict(moe_router_score_function="softmax")
     groups, kept = _groups(cfg)
     limited = kept < groups  # (all groups kept: no limit, whatever the groups' scores)
@@ -274,7 +285,7 @@ def mlp_hf_to_mcore(hf_state: dict, cfg: dict, layer: int) -> dict:
     out = {"mlp.router.weight": hf_state[hf_router_name(cfg, layer)]}
     if cfg["model_type"] == "gpt_oss":
         return {**out, **_gpt_oss_hf_to_mcore(hf_state, cfg, layer)}
-    if cfg["model_type"] == "glm4_moe":
+    if cfg["model_type"] in SIGMOID_ROUTED:
         p = _hf_prefix(cfg, layer)
         out["mlp." + EXPERT_BIAS[1]] = hf_state[p + EXPERT_BIAS[0]]
         s = p + SHARED_EXPERT + "."

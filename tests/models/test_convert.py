@@ -152,7 +152,7 @@ def test_refuses_unsupported():
         convert.check_supported({**gemma, "rope_parameters": {"full_attention": {**YARN, "rope_theta": 1e6}}})
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "deepseek_v3", "qwen2_moe", "olmo2_unmapped"])
+@pytest.mark.parametrize("model_type", ["gpt2", "olmoe", "qwen2_moe", "olmo2_unmapped"])
 def test_every_refusal_of_a_model_type_names_the_matrix_and_the_generic_path(tmp_path, model_type):
     """The converter, the built-in engine's spec and `megarl train`'s start-up check each refuse a model type
     outside the families naming docs/models.md (the support matrix) and learner.backend=deepspeed."""
@@ -422,6 +422,94 @@ def test_gpt_oss_configs_megarl_cannot_convert_are_refused_naming_the_field(chan
               "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "attention_bias": True}
     with pytest.raises(ValueError, match=message):
         convert.check_supported({**config, **change})
+@pytest.mark.parametrize("q_lora_rank", [12, None])
+def test_deepseek_v3_round_trip_is_exact_and_maps_the_latent_attention(tmp_path, q_lora_rank):
+    """Every tensor of a DeepSeek-V3 directory comes back bitwise: the multi-latent attention (a q latent, or one
+    q_proj when q_lora_rank is null; the kv latent and its shared k RoPE rows; both latent norms), GLM-4.5's MoE
+    (first layer dense, shared expert, the router's e_score_correction_bias) and the untied lm_head."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import save_tiny_deepseek_v3
+
+    model_dir = save_tiny_deepseek_v3(tmp_path, q_lora_rank=q_lora_rank)
+    cfg, hf = convert.load_pretrained(str(model_dir))
+    mcore = convert.hf_to_mcore(hf, cfg)
+    attn = "decoder.layers.1.self_attention."
+    assert mcore[attn + "linear_kv_down_proj.weight"].shape == (16 + 4, 32)  # [kv latent; shared k rope]
+    assert mcore[attn + "linear_kv_up_proj.weight"].shape == (4 * (8 + 6), 16)  # per head [k nope; v]
+    assert mcore[attn + "linear_proj.weight"].shape == (32, 4 * 6)
+    if q_lora_rank is None:
+        assert mcore[attn + "linear_q_proj.weight"].shape == (4 * 12, 32) and attn + "q_layernorm.weight" not in mcore
+    else:
+        assert mcore[attn + "linear_q_up_proj.weight"].shape == (4 * 12, 12)
+        assert torch.equal(mcore[attn + "q_layernorm.weight"], hf["model.layers.1.self_attn.q_a_layernorm.weight"])
+    assert torch.equal(mcore[attn + "kv_layernorm.weight"], hf["model.layers.1.self_attn.kv_a_layernorm.weight"])
+    assert torch.equal(mcore["decoder.layers.2.mlp.router.expert_bias"],
+                       hf["model.layers.2.mlp.gate.e_score_correction_bias"])
+    assert mcore["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * 48, 32)
+    back = convert.mcore_to_hf(mcore, cfg)
+    saved = load_file(f"{model_dir}/model.safetensors")
+    assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
+
+
+# A DeepSeek-V3 config as the hub's (no head_dim: transformers sets it to qk_rope_head_dim), at the tests' sizes
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "rms_norm_eps": 1e-6,
+               "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+               "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "q_lora_rank": 12,
+               "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+               "max_position_embeddings": 64, "rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                               "mscale_all_dim": 0.5, "beta_fast": 32, "beta_slow": 1,
+                                                               "original_max_position_embeddings": 16}}
+
+
+def test_deepseek_v3_config_maps_to_megatrons_latent_attention_yarn_and_router():
+    """MLATransformerConfig's dims, the softmax scale's mscale(factor, mscale_all_dim) (transformers'
+    yarn_apply_mscale), YaRN's frequencies over the rope dims and their attention factor as transformers computes
+    them, and GLM-4.5's router."""
+    import math
+
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+
+    kwargs = convert.transformer_config_kwargs(DEEPSEEK_V3)
+    assert kwargs["multi_latent_attention"] and kwargs["num_query_groups"] == 4
+    assert (kwargs["q_lora_rank"], kwargs["kv_lora_rank"], kwargs["qk_head_dim"], kwargs["qk_pos_emb_head_dim"],
+            kwargs["v_head_dim"]) == (12, 16, 8, 4, 6)
+    assert kwargs["moe_router_score_function"] == "sigmoid" and kwargs["moe_layer_freq"] == [0, 1, 1]
+    hf_config = DeepseekV3Config(**{k: v for k, v in DEEPSEEK_V3.items() if k != "model_type"})
+    mscale = 0.1 * kwargs["mscale_all_dim"] * math.log(kwargs["rotary_scaling_factor"]) + 1.0  # megatron's MLA
+    assert math.isclose(mscale ** 2 / math.sqrt(8 + 4), yarn_apply_mscale(hf_config.rope_parameters, 12 ** -0.5))
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    assert torch.equal(convert.inv_freq(DEEPSEEK_V3), inv_freq)
+    assert convert.rope_attention_factor(convert.rope_scaling(DEEPSEEK_V3)) == factor != 1.0
+    assert convert.layer_spec_kwargs(DEEPSEEK_V3)["multi_latent_attention"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_interleave": False}, "rope_interleave"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear'"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+])
+def test_deepseek_v3_configs_megarl_cannot_map_exactly_are_refused_naming_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        convert.transformer_config_kwargs({**DEEPSEEK_V3, **change})
+
+
+def test_deepseek_v3_runs_unsplit_where_its_latent_projections_have_no_per_rank_slices_and_takes_no_lora():
+    """The multi-latent attention's HF tensors have no per-TP-rank slices (megarl.models.tp_shard): a built-in
+    engine at sampler.tp > 1 is refused naming the key, and learner.lora (no q/k/v/o_proj to adapt) too."""
+    from megarl.config.schema import LoraConfig
+    from megarl.models import layout, lora
+
+    cfg = {**DEEPSEEK_V3, "vocab_size": 64}
+    layout.check_layout(cfg, learner_tp=2, sampler_tp=1)
+    with pytest.raises(ValueError, match="sampler.tp=2: deepseek_v3's multi-latent attention"):
+        layout.check_layout(cfg, sampler_tp=2)
+    with pytest.raises(ValueError, match="learner.lora: 'deepseek_v3'"):
+        lora.check(DEEPSEEK_V3, LoraConfig(rank=4, alpha=8.0, target_modules=["o_proj"]))
 
 
 def test_phi3s_fused_projections_run_unsplit_and_say_where():
