@@ -183,10 +183,8 @@ class DeepSpeedLearner:
         # transformers applies its sliding windows itself, except to the ready masks of packed rows (`_logits`):
         # one mask per layer type where the layers' windows differ (Gemma 3, gpt-oss: families.layer_types, with
         # transformers' defaults where config.json has none)
-        kinds = None if self.generic else families.layer_types(self.hf_config)
         self.windows = (families.generic_attention_windows(self.hf_config) if self.generic
-                        else dict(zip(kinds, families.layer_windows(self.hf_config))) if kinds
-                        else {"": families.sliding_window(self.hf_config)})
+                        else families.windows_by_layer_type(self.hf_config))
         self.recurrent = has_recurrent_layers(self.hf_config)
         if self.is_moe:
             moe.check_moe(self.hf_config)

@@ -207,6 +207,15 @@ def layer_windows(cfg: dict) -> tuple[int | None, ...]:
     return tuple(window if kind == SLIDING else None for kind in kinds)
 
 
+def windows_by_layer_type(cfg: dict) -> dict[str, int | None]:
+    """The windows of a native family's packed-row masks as transformers takes them ready: by layer type
+    ({SLIDING: w, FULL: None}) where layer_types differ, else {"": w} for every layer (w None: full attention)."""
+    kinds = layer_types(cfg)
+    if kinds is None:
+        return {"": sliding_window(cfg)}
+    return dict(zip(kinds, layer_windows(cfg)))
+
+
 def mask_windows(cfg: dict) -> tuple[tuple[int | None, ...], tuple[int, ...] | None]:
     """The distinct windows of layer_windows (in layer order: one attention mask each) and each layer's index into
     them, None where every layer has the same window (megarl.learner.sdpa_attention.use_layer_masks)."""

@@ -404,10 +404,13 @@ def test_gemma3_and_gpt_oss_layer_windows_come_from_one_layer_types_with_each_fa
         assert families.layer_types(cfg) == ("sliding_attention", "full_attention") * 2
         assert families.layer_windows(cfg) == (3, None, 3, None)
         assert families.mask_windows(cfg) == ((3, None), (0, 1, 0, 1))
+        # (the DeepSpeed learner's packed-row masks, by layer type: the full layers' without the window)
+        assert families.windows_by_layer_type(cfg) == {"sliding_attention": 3, "full_attention": None}
     full = {**gpt_oss, "layer_types": ["full_attention"] * 4, "sliding_window": None}
     assert families.layer_windows(full) == (None,) * 4 and families.mask_windows(full) == ((None,), None)
     mistral = {"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 5}
     assert families.layer_types(mistral) is None and families.mask_windows(mistral) == ((5,), None)
+    assert families.windows_by_layer_type(mistral) == {"": 5}
 
 
 @pytest.mark.parametrize("change, message", [
