@@ -768,6 +768,29 @@ FAMILY_CHECKS = {
                                "rope_parameters": {
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}),
+    # gpt-oss-20b scaled to the shape: attention sinks, sliding (window 128; the dry run: 4) and full layers
+    # alternating, biases on every linear, 16 experts (top-4) a quarter of gpt-oss-20b's width (0.75B parameters in
+    # all) with the clamped SwiGLU and a biased router, YaRN with truncate false (the dry run's original context: 8);
+    # sampled by the engine's generic model
+    "gpt_oss": ("gpt_oss", {"pad_token_id": None, "bos_token_id": None, "eos_token_id": 2, "head_dim": 64,
+                            "num_local_experts": 16, "num_experts_per_tok": 4, "intermediate_size": 720,
+                            "sliding_window": 128, "attention_bias": True,
+                            "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                "original_max_position_embeddings": 32}}),
+    # DeepSeek-V3 scaled to the shape (its ratios to hidden 7168 and 128 heads): multi-latent attention with a q latent
+    # of 192 and a kv latent of 128, per-head q/k of 64 + 32 RoPE dims and v of 64, interleaved YaRN (mscale on the
+    # softmax scale), GLM-4.5's MoE with a group limit (4 groups, the best 2, top-4 of 16); sampled on the built-in
+    # engine's generic model (megarl.sampler.hf_model: per-expert weights)
+    "deepseek_v3": ("deepseek_v3", {"pad_token_id": None, "bos_token_id": None, "eos_token_id": 2,
+                                    "num_key_value_heads": None, "q_lora_rank": 192, "kv_lora_rank": 128,
+                                    "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
+                                    "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+                                    "moe_intermediate_size": 256, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                                    "first_k_dense_replace": 3, "num_nextn_predict_layers": 0,
+                                    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                        "original_max_position_embeddings": 32, "mscale": 1.0,
+                                                        "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
 }
 # A family's own layer dimensions at the full size (the vocabulary stays the check's); the dry run keeps TINY's.
 FAMILY_SHAPES = {"gemma3": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
@@ -788,11 +811,15 @@ def build_family_model(path: Path, name: str, size: Size, device: str) -> Path:
     shape = {k: v for k, v in size.model.items() if k != "rope_theta"}
     if not size.tiny:
         shape.update(FAMILY_SHAPES.get(name, {}))
+    if "num_key_value_heads" in extra:  # (None: as many as the query heads, multi-latent attention's)
+        shape, extra = {**shape, "num_key_value_heads": extra["num_key_value_heads"]}, {
+            k: v for k, v in extra.items() if k != "num_key_value_heads"}
     if size.tiny:
         extra = {**extra, **({"sliding_window": 4} if "sliding_window" in extra else {}),
                  **({"sliding_window_pattern": 2, "head_dim": 16} if name == "gemma3" else {}),
                  **({"no_rope_layer_interval": 2} if name == "smollm3" else {}),  # (2 layers: the second)
-                 **({"first_k_dense_replace": 1} if name == "glm4_moe" else {})}
+                 **({"first_k_dense_replace": 1} if name in ("glm4_moe", "deepseek_v3") else {}),
+                 **({"head_dim": 16, "intermediate_size": 32} if name == "gpt_oss" else {})}
         if "original_max_position_embeddings" in extra.get("rope_parameters", {}):
             extra["rope_parameters"] = {**extra["rope_parameters"], "original_max_position_embeddings": 8}
     torch.manual_seed(0)

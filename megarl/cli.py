@@ -333,6 +333,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
         try:
             check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep,
                          cfg.algo.routing_replay, cfg.learner.cp)
+            check_route_recording(hf_config, cfg)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
         lora_fits = check_peft if cfg.learner.backend == "deepspeed" else check_lora
@@ -356,6 +357,23 @@ def check_model_dir(model_dir, cfg=None) -> None:
 
     memo = None if cfg is None else memo_path(cfg.model.cache_dir)
     check_tokenizer(model_dir, present[0], hf_config.get("vocab_size"), memo)
+
+
+def check_route_recording(hf_config: dict, cfg) -> None:
+    """R3 on the built-in engine needs the routes its native forward records; a family it samples on its generic
+    model (gpt-oss: sinks and sliding layers) records none. ValueError naming the key."""
+    if cfg.algo.routing_replay != "r3" or cfg.sampler.engine != "builtin":
+        return
+    from megarl.sampler import model as native
+
+    try:
+        if cfg.sampler.model_impl == "hf":
+            raise ValueError("sampler.model_impl=hf")
+        native.ModelSpec.from_hf_config(hf_config)
+    except ValueError as exc:
+        raise ValueError(f"algo.routing_replay=r3: the built-in engine samples model_type "
+                         f"{hf_config.get('model_type')!r} on its generic model ({exc}), which records no routes "
+                         f"(algo.routing_replay=off; docs/models.md)") from None
 
 
 def check_generic_model(hf_config: dict, cfg) -> None:

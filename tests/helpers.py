@@ -209,6 +209,83 @@ def save_tiny_glm4_moe(path: Path, vocab_size: int = 64, **overrides) -> Path:
     return path
 
 
+def save_tiny_gpt_oss(path: Path, vocab_size: int = 64, **overrides) -> Path:
+    """A real HF gpt-oss (gpt_oss) directory of the learner tests' size with every feature that sets it apart drawn so
+    that a converter that dropped one would show: 2 layers, sliding (window 4) then full attention (layer_types);
+    attention sinks of about +-1 (a fair share of each softmax); biases on q/k/v/o, the router and the experts away
+    from 0; 4 experts, top-2, gate/up weights large enough that the SwiGLU clamp (swiglu_limit 2.0 here) cuts some
+    of each; YaRN RoPE with truncate false (gpt-oss-20b's); untied lm_head; routers decisive."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(**{**dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=vocab_size, max_position_embeddings=256, intermediate_size=24, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=2.0, tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False}),
+        **overrides})
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            if name.endswith(("_proj.bias", "router.bias", "_proj_bias")):
+                p.normal_(std=0.1)
+            if name.endswith("sinks"):
+                p.normal_(std=1.0)
+            if name.endswith("experts.gate_up_proj"):
+                p.normal_(std=0.3)
+            if name.endswith("router.weight"):  # routers decisive enough that fp32 noise flips no top-k
+                p.mul_(8.0)
+    model.save_pretrained(path)
+    return path
+
+
+# The tiny DeepSeek-V3's YaRN RoPE: a context grown 4x over 16 positions, mscale != mscale_all_dim so that both the
+# attention factor on cos / sin (1.07) and the softmax scale's mscale^2 (1.14) differ from 1.
+DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.5}
+
+
+def save_tiny_deepseek_v3(path: Path, vocab_size: int = 64, **overrides) -> Path:
+    """A real HF DeepSeek-V3 (deepseek_v3) directory of the learner tests' size with every feature that sets it apart
+    drawn so that a converter that dropped one would show: multi-latent attention with a q latent (q_lora_rank 12;
+    q_lora_rank=None: one q_proj) and a kv latent (kv_lora_rank 16), per-head q/k of 8 + 4 (RoPE) dims and v of 6
+    (MLA's split head dims), the latent RMSNorms away from 1, interleaved YaRN RoPE (DEEPSEEK_V3_ROPE); GLM-4.5's MoE
+    (tests/helpers.GLM4_MOE_ROUTER, a shared expert, e_score_correction_bias, routed_scaling_factor 2.5, the first of 3
+    layers dense); untied lm_head."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(**{**dict(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, vocab_size=vocab_size,
+        max_position_embeddings=64, intermediate_size=48, moe_intermediate_size=16, n_shared_experts=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=12, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, rope_interleave=True, tie_word_embeddings=False,
+        num_nextn_predict_layers=0, rope_parameters=dict(DEEPSEEK_V3_ROPE), pad_token_id=None, bos_token_id=None,
+        eos_token_id=2), **GLM4_MOE_ROUTER, **overrides})
+    model = DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("proj.weight", "lm_head.weight")) or "experts.gate_up" in name or "experts.down" in name:
+                # weights of 1 / sqrt(fan in), not transformers' 0.02: scores and logits of order 1, so that the
+                # attention factor, the softmax scale or a swapped rope dim move the log-probs well past fp32 noise
+                p.normal_(std=p.shape[-1] ** -0.5)
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            if name.endswith("gate.weight"):  # routers decisive enough that fp32 noise flips no top-k
+                p.mul_(8.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(std=0.3)
+    model.save_pretrained(path)
+    return path
+
+
 def train_metrics(run_dir) -> list[dict]:
     """The per-step records of run_dir/metrics.jsonl (evaluation records left out; [] before the file exists)."""
     from megarl.observe.jsonl import read_jsonl

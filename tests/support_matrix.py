@@ -184,6 +184,40 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "DeepSpeed learner": NT, "built-in engine (in-flight swaps, keep and recompute)": NT,
         "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
         "R3": Cell("yes (megatron)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[glm4_moe]",))}),
+    ("gpt-oss (`gpt_oss`: attention sinks, sliding and full layers by `layer_types`, biases on every linear, fused "
+     "experts with the clamped SwiGLU, biased router, YaRN)", "gpt_oss", {
+        "megatron learner": Cell("TP1; TP2, PP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
+            f"{_MOE}test_moe_logprobs_match_transformers[gpt_oss]",
+            f"{_MOE}test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank",
+            f"{_CONVERT}test_gpt_oss_round_trip_is_exact_and_deinterleaves_the_fused_experts",
+            f"{_MOE}test_moe_publishes_the_per_expert_hf_names[gpt_oss]",
+            "tests/learner/test_sdpa_attention.py::test_sinks_match_transformers_eager_attention[packed_window]",
+            f"{_PACKED}[megatron-gpt_oss]")),
+        "DeepSpeed learner": Cell("ZeRO 1, packed rows", (f"{_PACKED}[deepspeed-gpt_oss]",)),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("generic model; swaps under recompute", (
+            f"{_MOE}test_gpt_oss_samples_on_the_generic_engine_and_its_lag0_gap_to_the_learner_is_fp32_noise",)),
+        "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
+        "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[gpt_oss]",
+                                                 f"{_DS_MOE}test_r3_on_gpt_oss_replays_at_its_router"))}),
+    ("DeepSeek-V3 (`deepseek_v3`, Kimi-K2's architecture: multi-latent attention with or without a q latent, "
+     "interleaved YaRN RoPE with its mscale, GLM-4.5's MoE)", "deepseek_v3", {
+        "megatron learner": Cell("TP1 (packed rows with shared prefixes too); TP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
+            f"{_MOE}test_moe_logprobs_match_transformers[deepseek_v3]",
+            f"{_PACKED}[megatron-deepseek_v3 groups]",
+            f"{_MOE}test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank",
+            f"{_MOE}test_moe_logprobs_match_transformers[deepseek_v3_q_full]",
+            f"{_MOE}test_sdpa_attention_takes_mla_split_head_dims_as_transformers_eager_attention",
+            f"{_CONVERT}test_deepseek_v3_round_trip_is_exact_and_maps_the_latent_attention[12]",
+            f"{_CONVERT}test_deepseek_v3_round_trip_is_exact_and_maps_the_latent_attention[None]",
+            f"{_MOE}test_moe_publishes_the_per_expert_hf_names[deepseek_v3]")),
+        "DeepSpeed learner": NT,
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("generic model (no routes recorded)", (
+            f"{_MOE}test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish[keep]",
+            f"{_MOE}test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish[recompute]",
+            "tests/sampler/test_hf_engine.py::"
+            "test_architectures_the_native_forward_lacks_run_as_transformers_runs_them[deepseek_v3]")),
+        "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
+        "R3": Cell("yes (megatron)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",))}),
 ]
 
 

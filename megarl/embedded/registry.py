@@ -42,7 +42,8 @@ class EmbeddedSpec:
     moe: bool = False
     # The family: dense "qwen2" (build_config), "qwen3" (build_qwen3_config: the same sizes) or "qwen3_5" (the hybrid
     # Qwen3.5 text model, build_qwen3_5_config: the same sizes); with moe, "qwen2" picks the tiny Mixtral
-    # (build_moe_config), "qwen3_moe" the tiny Qwen3-MoE (build_qwen3moe_config).
+    # (build_moe_config), "qwen3_moe" the tiny Qwen3-MoE (build_qwen3moe_config), "deepseek_v3" the tiny DeepSeek-V3
+    # (build_deepseek_v3_config).
     family: str = "qwen2"
     # The tool model's protocol (tiny_chat.py): "text" (`>>> code` turns) or "tool_calls" (OpenAI tool calling).
     chat: str = "text"
@@ -52,9 +53,10 @@ class EmbeddedSpec:
     def model_config(self):
         """The HF config this spec builds (the MoE one from tiny_moe, else build_config or build_qwen3_config)."""
         if self.moe:
-            from megarl.models.tiny_moe import build_moe_config, build_qwen3moe_config
+            from megarl.models.tiny_moe import build_deepseek_v3_config, build_moe_config, build_qwen3moe_config
 
-            build = build_qwen3moe_config if self.family == "qwen3_moe" else build_moe_config
+            build = {"qwen3_moe": build_qwen3moe_config, "deepseek_v3": build_deepseek_v3_config}.get(
+                self.family, build_moe_config)
             return build(VOCAB_SIZE, EOS_ID, PAD_ID, **dict(self.config))
         build = {"qwen3": build_qwen3_config, "qwen3_5": build_qwen3_5_config}.get(self.family, build_config)
         return build(**dict(self.config))
@@ -121,6 +123,10 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     # `model.path=embedded:tiny-qwen3moe-count`.
     "tiny-qwen3moe-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                         max_new_tokens=COUNT_MAX_NEW_TOKENS, moe=True, family="qwen3_moe"),
+    # The demo task on a DeepSeek-V3 of the Mixtral's sizes (docs/models.md; sampled on the built-in engine's generic
+    # model): `model.path=embedded:tiny-deepseek-v3-count`.
+    "tiny-deepseek-v3-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
+                                           max_new_tokens=COUNT_MAX_NEW_TOKENS, moe=True, family="deepseek_v3"),
     # The multi-turn demo's chat model (megarl/embedded/tiny_chat.py): tool calls, episodes of ~75 tokens.
     "tiny-qwen2-tool": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
                                     max_new_tokens=16, config=(("max_position_embeddings", 256),)),
@@ -192,8 +198,8 @@ def spec_hash(spec: EmbeddedSpec, cache_dir: Path) -> str:
 def build_embedded_model(name: str, out_dir: str | Path) -> dict:
     """Create, warm-start, evaluate and save the named model into out_dir; returns the build record."""
     import torch
-    from transformers import (GenerationConfig, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3_5ForCausalLM,
-                              Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+    from transformers import (DeepseekV3ForCausalLM, GenerationConfig, MixtralForCausalLM, Qwen2ForCausalLM,
+                              Qwen3_5ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
 
     from megarl.embedded.tiny import (expected_accuracy, generate, generate_tokens, greedy_answer_accuracy,
                                       length_stats, warm_start)
@@ -213,6 +219,7 @@ def build_embedded_model(name: str, out_dir: str | Path) -> dict:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.recipe.seed)
             model = {("qwen2", True): MixtralForCausalLM, ("qwen3_moe", True): Qwen3MoeForCausalLM,
+                     ("deepseek_v3", True): DeepseekV3ForCausalLM,
                      ("qwen3", False): Qwen3ForCausalLM, ("qwen3_5", False): Qwen3_5ForCausalLM,
                      ("qwen2", False): Qwen2ForCausalLM}[
                          spec.family, spec.moe](spec.model_config())

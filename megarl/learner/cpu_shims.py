@@ -330,6 +330,20 @@ def apply_gated_delta_net_shims() -> None:
         ("super().__init__(config)", "MegatronModule.__init__(self, config)"),
         ("device=torch.cuda.current_device()", 'device="cpu"')])
     _APPLIED.add("gated_delta_net")
+def _shim_mla_rotary() -> None:
+    # models/common/embeddings/yarn_rotary_pos_embedding.py, YarnRotaryEmbedding.__init__: multi-latent attention
+    # (DeepSeek-V3, megarl.models.latent_attention) builds one per layer without use_cpu_initialization, so its
+    # frequencies are allocated on torch.cuda.current_device() (its zero-argument super() call is spelled out), and
+    # its get_emb (which __init__ calls to fill a cos / sin cache) moves them there.
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
+
+    _rewrite(yarn_rotary_pos_embedding.YarnRotaryEmbedding, "__init__", [
+        ("device = 'cpu' if use_cpu_initialization else torch.cuda.current_device()", "device = 'cpu'"),
+        ("super().__init__(", "RotaryEmbedding.__init__(self, "),
+        ("use_cpu_initialization=use_cpu_initialization,", "use_cpu_initialization=True,"),
+    ])
+    _rewrite(yarn_rotary_pos_embedding.YarnRotaryEmbedding, "get_emb",
+             [("device=torch.cuda.current_device()", 'device="cpu"')])
 
 
 SHIMS: dict[str, Callable[[], None]] = {
@@ -352,6 +366,7 @@ SHIMS: dict[str, Callable[[], None]] = {
     "moe_split_sizes": _shim_moe_split_sizes,
     "moe_sequence_parallel": _shim_moe_sequence_parallel,
     "expert_bias": _shim_expert_bias,
+    "mla_rotary": _shim_mla_rotary,
 }
 
 

@@ -180,16 +180,11 @@ class DeepSpeedLearner:
         # docs/models.md#the-generic-path): every parameter under its in-memory name, no route replay.
         self.generic = not is_native(self.hf_config)
         self.is_moe = not self.generic and moe.is_moe(self.hf_config)
-        # transformers applies its sliding windows itself, except to the ready masks of packed rows (`_logits`);
-        # Gemma 3's differ by layer type (families.layer_types: its config's, or the older sliding_window_pattern's)
-        kinds = families.layer_types(self.hf_config) if not self.generic else None
-        if self.generic:
-            self.windows = families.generic_attention_windows(self.hf_config)
-        elif kinds is not None:
-            self.windows = {kind: families.layer_window(self.hf_config) if kind == families.SLIDING else None
-                            for kind in set(kinds)}
-        else:
-            self.windows = {"": families.sliding_window(self.hf_config)}
+        # transformers applies its sliding windows itself, except to the ready masks of packed rows (`_logits`):
+        # one mask per layer type where the layers' windows differ (Gemma 3, gpt-oss: families.layer_types, with
+        # transformers' defaults where config.json has none)
+        self.windows = (families.generic_attention_windows(self.hf_config) if self.generic
+                        else families.windows_by_layer_type(self.hf_config))
         self.recurrent = has_recurrent_layers(self.hf_config)
         if self.is_moe:
             moe.check_moe(self.hf_config)

@@ -9,16 +9,14 @@ megatron-core 0.16.1's GPTModel has none of these, so:
     are (megarl.models.convert.GEMMA_NORMS).
   * ``scale_embeddings`` multiplies the embedding's output by sqrt(hidden_size) cast to the output's dtype (what
     transformers does: in bf16 sqrt(3072) = 55.43 is 55.5).
-  * ``use_layer_kinds``: the learner passes one mask per layer kind stacked on dim 1 ([R, 2, Q, K]: full, then
-    sliding; ``stack_masks``) and the rotary embedding returns both kinds' angles stacked (the model's frequencies
-    are the global layers', megarl.models.convert.inv_freq; the local ones' are local_inv_freq); each layer's
-    self-attention gets its kind's of each.
+  * ``use_layer_rope``: the rotary embedding returns both kinds' angles stacked (the model's frequencies are the
+    global layers', megarl.models.convert.inv_freq; the local ones' are local_inv_freq) and each layer's
+    self-attention gets its kind's. Each kind's attention mask is picked as every family's with windows per layer
+    is (families.layer_windows, megarl.learner.sdpa_attention.use_layer_masks).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
-
 import torch
 
 from megarl.learner.post_norms import PostNormAdd
@@ -81,17 +79,11 @@ def scale_embeddings(gpt, hidden_size: int) -> None:
     embedding.register_forward_hook(scaled)
 
 
-def stack_masks(mask: Callable[[int | None], torch.Tensor], window: int) -> torch.Tensor:
-    """The masks of both layer kinds, [R, 2, Q, K]: mask(None) (global layers) and mask(window) (local ones)."""
-    return torch.cat([mask(None), mask(window)], dim=1)
-
-
-def use_layer_kinds(gpt, kinds: tuple[str, ...], local_inv_freq: torch.Tensor) -> None:
-    """Give each layer of `gpt` (this pipeline stage's) its kind's mask out of the stacked ones and its kind's rotary
-    angles. After megarl.learner.rotary_positions.use_position_ids: the rotary embedding then returns both kinds'
-    angles of the call's position ids, [S, B, 2, dim] (global, local), which megatron hands every layer as it hands
-    it the mask, so a layer recomputed in the backward (activation recompute, pipeline schedules) gets its own
-    micro-batch's."""
+def use_layer_rope(gpt, kinds: tuple[str, ...], local_inv_freq: torch.Tensor) -> None:
+    """Give each layer of `gpt` (this pipeline stage's) its kind's rotary angles. After
+    megarl.learner.rotary_positions.use_position_ids: the rotary embedding then returns both kinds' angles of the
+    call's position ids, [S, B, 2, dim] (global, local), which megatron hands every layer as it hands it the mask,
+    so a layer recomputed in the backward (activation recompute, pipeline schedules) gets its own micro-batch's."""
     rotary = gpt.rotary_pos_emb
     global_angles = rotary.forward  # (use_position_ids': [S, B, 1, dim] at the call's position ids)
     call: dict = {}
@@ -108,9 +100,7 @@ def use_layer_kinds(gpt, kinds: tuple[str, ...], local_inv_freq: torch.Tensor) -
 
     def one_kind(kind: int):
         def hook(module, args, kwargs):
-            mask, angles = kwargs["attention_mask"], kwargs["rotary_pos_emb"]
-            return args, {**kwargs, "attention_mask": mask[:, kind:kind + 1],
-                          "rotary_pos_emb": angles[:, :, kind:kind + 1]}
+            return args, {**kwargs, "rotary_pos_emb": kwargs["rotary_pos_emb"][:, :, kind:kind + 1]}
 
         return hook
 

@@ -1,7 +1,8 @@
 """Rollout routing replay (R3) in the DeepSpeed learner: the recorded routes forced at a transformers MoE router.
 
 Owns what happens at each router of a transformers 5.x MoE model (Mixtral, Qwen3-MoE: ``model.layers[i].mlp.gate``,
-``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``) for each micro-batch. Such a router returns
+``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``; gpt-oss: ``mlp.router``, ``GptOssTopKRouter``) for each micro-batch.
+Such a router returns
 ``(router_logits, top-k scores, top-k indices)`` and its sparse block sends each token to the indices, weighted by
 the scores. A forward hook on the router replaces that output: with ``algo.routing_replay=r3`` the indices are the
 ones the sampler's engine recorded (``TrainBatch.routes``) and the scores the router's own softmax gathered at them
@@ -42,10 +43,11 @@ class HFRouteReplayer:
         self.replay = replay
         # Mixtral's router renormalises its top-k in fp32 and returns fp32 scores; Qwen3-MoE's renormalises only
         # with norm_topk_prob and casts the scores to the logits' dtype.
-        mixtral = hf_config["model_type"] == "mixtral"
-        self._renormalise = mixtral or bool(hf_config.get("norm_topk_prob", False))
+        # gpt-oss's router softmaxes its top-k logits: the full softmax gathered there, renormalised.
+        mixtral, gpt_oss = hf_config["model_type"] == "mixtral", hf_config["model_type"] == "gpt_oss"
+        self._renormalise = mixtral or gpt_oss or bool(hf_config.get("norm_topk_prob", False))
         self._cast = not mixtral
-        self.routers = [model.get_submodule(f"model.layers.{i}.mlp.gate")
+        self.routers = [model.get_submodule(f"model.layers.{i}.mlp.{'router' if gpt_oss else 'gate'}")
                         for i in range(moe.num_moe_layers(hf_config))]
         self._targets: list[torch.Tensor | None] = [None] * len(self.routers)
         self._own: list[torch.Tensor | None] = [None] * len(self.routers)

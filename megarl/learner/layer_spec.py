@@ -6,7 +6,8 @@ megarl's replacements, each for a reason its module gives: the core attention co
 spec, for its final norm) and, under sequence parallelism, the
 norms that carry its gradient mark (megarl.learner.sequence_parallel). A model whose first layers are dense and
 the rest MoE (GLM-4.5: megarl.models.moe.first_dense_layers) gets a block spec of this pipeline stage's layers, each
-with its own MLP.
+with its own MLP. Multi-latent attention (DeepSeek-V3) is the local spec's MLASelfAttention with its latent
+down-projections whole on every TP rank (`_whole_latent_projections`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def layer_spec(hf_config: dict, config, sequence_parallel: bool):
 
     def one(kwargs):
         spec = replace_modules(get_gpt_layer_local_spec(**kwargs), {DotProductAttention: SDPAttention})
+        if kwargs.get("multi_latent_attention"):
+            spec = _whole_latent_projections(spec)
         if families.family_of(hf_config).post_norms:  # OLMo 2
             from megarl.learner.post_norms import post_norm_spec
 
@@ -34,6 +37,8 @@ def layer_spec(hf_config: dict, config, sequence_parallel: bool):
         return spec
 
     kwargs = convert.layer_spec_kwargs(hf_config)
+    if kwargs.get("multi_latent_attention"):
+        _mla_without_transformer_engine()
     spec = one(kwargs)
     if families.family_of(hf_config).gemma:  # (dense: never sequence-parallel)
         from megarl.learner.gemma3 import gemma_block
@@ -44,6 +49,34 @@ def layer_spec(hf_config: dict, config, sequence_parallel: bool):
     dense = one({k: v for k, v in kwargs.items() if k not in ("num_experts", "moe_grouped_gemm")})
     layers = [spec if moe.is_moe_layer(hf_config, i) else dense for i in _stage_layers(config)]
     return _block(layers, config, sequence_parallel)
+
+
+def _mla_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's multi_latent_attention imports megatron's Transformer Engine extension, which without
+    Transformer Engine binds its classes to MagicMocks and still succeeds: MLA then takes HAVE_TE to be True and its
+    `isinstance(linear_proj, TELinear)` raises TypeError. Without Transformer Engine, tell it so."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
+
+
+def _whole_latent_projections(spec):
+    """The MLA layer spec with linear_q_down_proj / linear_kv_down_proj whole on every TP rank (megatron's plain
+    `Linear`, as its Transformer Engine spec duplicates them), not the local spec's column-parallel split. Why: with
+    the split, megatron gathers the k RoPE part over TP, and the backward of that gather hands each rank only its
+    slice of the gradient, which holds only its own heads' share of the k RoPE part's (shared by every head): the
+    k RoPE rows of the weight get a partial gradient (TP2's grad norm 0.2% off one rank's). Whole, the projection
+    runs on this rank's sequence-parallel positions, and megatron gathers the k RoPE part over the sequence, whose
+    backward sums every rank's heads; the weight is marked sequence_parallel, so its gradient is summed over TP."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    attention = spec.submodules.self_attention
+    latent = dataclasses.replace(attention.submodules, linear_q_down_proj=Linear, linear_kv_down_proj=Linear)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        spec.submodules, self_attention=dataclasses.replace(attention, submodules=latent)))
 
 
 def _stage_layers(config) -> range:

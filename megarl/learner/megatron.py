@@ -67,7 +67,7 @@ class MegatronLearner:
             from megatron.core.distributed import finalize_model_grads
             from megatron.core.models.gpt import GPTModel
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-            from megatron.core.transformer import TransformerConfig
+            from megatron.core.transformer import MLATransformerConfig, TransformerConfig
             from megatron.core.transformer.module import Float16Module
             from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -109,10 +109,10 @@ class MegatronLearner:
             self.hf_config = convert.check_supported(json.load(f))
         self.is_moe = moe.is_moe(self.hf_config)
         # A sliding window is part of the attention mask the learner builds (megarl.learner.packing): it counts
-        # position ids, which a packed row's columns are not.
-        self.window = families.sliding_window(self.hf_config)
-        # Gemma 3: its local layers' window; every forward gets both layer kinds' masks (megarl.learner.gemma3)
-        self.local_window = families.layer_window(self.hf_config)
+        # position ids, which a packed row's columns are not. Layers with windows of their own (Gemma 3, gpt-oss:
+        # families.layer_types) get one mask per distinct window, stacked, and each layer its own
+        # (megarl.learner.sdpa_attention.use_layer_masks).
+        self.windows, self.mask_index = families.mask_windows(self.hf_config)
         # megatron trains an MoE layer under TP only with sequence parallelism (megarl.learner.sequence_parallel);
         # dense models keep plain TP.
         self.sequence_parallel = self.is_moe and cfg.tp > 1
@@ -122,7 +122,10 @@ class MegatronLearner:
             raise ValueError(f"algo.routing_replay=r3 needs a mixture-of-experts model; "
                              f"{self.hf_config['model_type']!r} is dense")
         dtype = torch.bfloat16 if self.on_gpu else torch.float32
-        self.config = TransformerConfig(
+        model_kwargs = convert.transformer_config_kwargs(self.hf_config)
+        # (multi-latent attention, DeepSeek-V3's: megatron's MLA reads its dims from the MLA config class)
+        config_class = MLATransformerConfig if model_kwargs.get("multi_latent_attention") else TransformerConfig
+        self.config = config_class(
             tensor_model_parallel_size=cfg.tp,
             pipeline_model_parallel_size=cfg.pp,
             params_dtype=dtype, pipeline_dtype=dtype, bf16=self.on_gpu,
@@ -131,7 +134,7 @@ class MegatronLearner:
             variable_seq_lengths=cfg.pp > 1,
             # (config validation refuses variable lengths with the default MoE dispatcher even for a
             # dense model; the dense layers never use it)
-            **{"moe_token_dispatcher_type": "alltoall", **convert.transformer_config_kwargs(self.hf_config)},
+            **{"moe_token_dispatcher_type": "alltoall", **model_kwargs},
             expert_model_parallel_size=cfg.ep, expert_tensor_parallel_size=1,
             sequence_parallel=self.sequence_parallel,
             moe_enable_routing_replay=self.is_moe,
@@ -155,6 +158,8 @@ class MegatronLearner:
         self._tp_dim: dict[str, int | None] = {}
 
         spec = layer_spec(self.hf_config, self.config, self.sequence_parallel)  # megarl.learner.layer_spec
+        from megarl.learner.expert_bias import copy_expert_outputs
+        from megarl.learner.sdpa_attention import use_layer_masks
 
         def build():  # this rank's shard of the HF model, as a GPTModel (Float16Module-wrapped on GPU)
             gpt = GPTModel(
@@ -168,12 +173,17 @@ class MegatronLearner:
             rotary_positions.use_frequencies(gpt, convert.inv_freq(self.hf_config))
             rotary_positions.use_position_ids(gpt)
             rotary_positions.skip_layers(gpt, families.rope_layers(self.hf_config))
+            use_layer_masks(gpt, self.mask_index)
             if families.family_of(self.hf_config).gemma:
                 from megarl.learner import gemma3
 
                 gemma3.scale_embeddings(gpt, self.hf_config["hidden_size"])
-                gemma3.use_layer_kinds(gpt, families.layer_types(self.hf_config),
-                                       convert.local_inv_freq(self.hf_config))
+                gemma3.use_layer_rope(gpt, families.layer_types(self.hf_config),
+                                      convert.local_inv_freq(self.hf_config))
+            copy_expert_outputs(gpt)  # (biased experts without expert parallelism: megarl.learner.expert_bias)
+            if families.family_of(self.hf_config).latent_attention:  # (DeepSeek-V3: each layer's own rotary embedding)
+                attention_factor = convert.rope_attention_factor(convert.rope_scaling(self.hf_config))
+                rotary_positions.use_latent_frequencies(gpt, convert.inv_freq(self.hf_config), attention_factor)
             if self.sequence_parallel:
                 sequence_parallel.mark_whole_experts(gpt, cfg.ep)
             gpt = gpt.to(self.device)
@@ -452,20 +462,12 @@ class MegatronLearner:
         if mb is not None:
             positions = mb["packed_positions"]
             positions = torch.nn.functional.pad(positions, (0, s - positions.shape[1])).to(self.device)
-
-            def mask_of(window):
-                return packing.attention_mask(mb, s, self.device, window, columns, keys)
+            masks = [packing.attention_mask(mb, s, self.device, w, columns, keys) for w in self.windows]
         else:
             positions = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
-
-            def mask_of(window):  # (an explicit causal mask, True = masked: megatron's own is built on "cuda")
-                return packing.causal_mask(s, self.device, window, columns, keys)
-        if self.local_window is None:
-            mask = mask_of(self.window)
-        else:  # Gemma 3: both layer kinds' masks, each layer picks its own (megarl.learner.gemma3)
-            from megarl.learner.gemma3 import stack_masks
-
-            mask = stack_masks(mask_of, self.local_window)
+            # An explicit causal mask (True = masked): megatron's default one is built with device="cuda".
+            masks = [packing.causal_mask(s, self.device, w, columns, keys) for w in self.windows]
+        mask = masks[0] if len(masks) == 1 else torch.stack(masks)
         if columns is not None:
             local = columns.to(self.device)
             input_ids, positions = input_ids[:, local], positions[:, local]

@@ -10,6 +10,11 @@ give exactly megatron's own angles (the same table, gathered).
 (megarl.models.convert.inv_freq: RoPE scaled as transformers scales it, llama3 with any constants and yarn
 included, which megatron's rotary embedding does not compute). `skip_layers(gpt, rope)` keeps the layers whose
 `rope` flag is False (SmolLM3's `no_rope_layers`, megarl.models.families.rope_layers) from rotating q and k.
+
+Multi-latent attention (DeepSeek-V3) has no model-level rotary embedding: each layer's attention calls its own
+(megatron's YaRN one, which returns the angles and the attention factor on cos / sin). `use_latent_frequencies(gpt,
+inv_freq, attention_factor)` makes each return transformers' angles by the call's position ids and transformers'
+factor instead.
 """
 from __future__ import annotations
 
@@ -64,3 +69,28 @@ def use_position_ids(gpt) -> None:
 
     gpt.register_forward_pre_hook(remember, with_kwargs=True)
     rotary.forward = by_position_ids
+
+
+def use_latent_frequencies(gpt, inv_freq: torch.Tensor, attention_factor: float) -> None:
+    """Make the rotary embedding of every multi-latent attention layer of `gpt` return (the angles of the forward
+    call's position ids from `inv_freq` [dim / 2], [S, B, 1, dim]; `attention_factor`), what megatron's MLA applies
+    as cos(angle) * factor, sin(angle) * factor (no-op for other attention)."""
+    rotaries = [layer.self_attention.rotary_pos_emb for layer in gpt.decoder.layers
+                if getattr(layer.self_attention.config, "multi_latent_attention", False)]
+    if not rotaries:
+        return
+    call = {"position_ids": None}
+
+    def remember(module, args, kwargs):
+        call["position_ids"] = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+
+    def angles(max_seq_len: int, *args, **kwargs):
+        positions = call["position_ids"]
+        if positions is None:  # (every row at 0..S-1)
+            positions = torch.arange(max_seq_len, device=inv_freq.device)[None]
+        freqs = positions.t()[..., None].float() * inv_freq.to(positions.device)  # [S, B, dim / 2], as transformers
+        return torch.cat((freqs, freqs), dim=-1).unsqueeze(2), attention_factor
+
+    gpt.register_forward_pre_hook(remember, with_kwargs=True)
+    for rotary in rotaries:
+        rotary.forward = angles

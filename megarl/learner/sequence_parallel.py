@@ -56,8 +56,14 @@ def mark_whole_experts(gpt, expert_parallel: int) -> None:
         if ".mlp.experts." in name:
             if expert_parallel == 1:
                 param.sequence_parallel = True
+                # (megatron marks a column-parallel linear's bias tensor_model_parallel whatever its group's size,
+                # gpt-oss's experts' linear_fc1.bias: whole here, the grad norm counts it once)
+                param.tensor_model_parallel = False
             else:
                 param.tensor_model_parallel = True
+                # (megatron marks a row-parallel linear's bias sequence_parallel, gpt-oss's experts' linear_fc2.bias:
+                # summed over TP it would add other experts' gradients to it)
+                param.sequence_parallel = False
 
 
 def pad_micro_batch(input_ids: torch.Tensor, routes: torch.Tensor | None,

@@ -1,6 +1,7 @@
 """HF <-> megatron-core weight conversion for the causal LMs of megarl.models.families (Qwen2, Llama, Qwen3,
-Mistral, Phi-3, SmolLM3, OLMo 2, Gemma 3 and the mixture-of-experts Mixtral, Qwen3-MoE and GLM-4.5; pure
-functions; the MoE MLP mapping is megarl.models.moe's), plus
+Mistral, Phi-3, SmolLM3, OLMo 2, Gemma 3 and the mixture-of-experts Mixtral, Qwen3-MoE, GLM-4.5, gpt-oss and
+DeepSeek-V3; pure functions; the MoE MLP mapping is megarl.models.moe's, DeepSeek-V3's multi-latent attention
+megarl.models.latent_attention's), plus
 `load_pretrained`, the HF-directory reader the learner and the built-in engine share. Which configs it takes
 (`check_supported`) and the config fields it reads (RoPE scaling, dimensions) are megarl.models.support's, which
 imports no torch.
@@ -36,16 +37,26 @@ Layout facts the conversion encodes:
   * GLM-4.5's partial RoPE (``partial_rotary_factor``: the first head_dim * factor dims of each head rotate,
     rotate-half style, the rest pass) is megatron's ``rotary_percent``; its ``attention_bias`` is a q/k/v bias only
     (o_proj has none) and ``use_qk_norm`` its per-head q/k RMSNorm (families.qkv_bias / qk_norm).
+  * gpt-oss: every linear has a bias (megatron's ``add_bias_linear``: q/k/v, ``o_proj`` = ``linear_proj.bias``, the
+    router's, the experts'); ``self_attn.sinks`` is the core attention's ``softmax_offset`` (megarl.learner.
+    sdpa_attention); its experts' clamped SwiGLU, ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = min(gate, l)``, is megatron's GLU with ``activation_func_clamp_value`` l, ``glu_linear_offset`` 1 and
+    ``gpt_oss_gate``; its router (logits with a bias, top-k, softmax over the k) is megatron's softmax router; the
+    experts' fused layout is megarl.models.moe's; its sliding and full layers' windows are masks
+    (families.layer_windows).
+  * DeepSeek-V3's multi-latent attention is megatron's MLASelfAttention (``MLATransformerConfig``); its RoPE
+    dims are ``qk_rope_head_dim`` (what `_dims` calls head_dim, as transformers' config does).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 
 import torch
 
-from megarl.models import families, moe
+from megarl.models import families, latent_attention, moe
 from megarl.models.families import MODEL_TYPES, family_of
 # (what the conversion takes is decided from config.json without torch; the names stay importable from here)
 from megarl.models.support import (_dims, _rope_theta, check_supported, has_weights, layer_config,  # noqa: F401
@@ -104,6 +115,20 @@ def _rope_config(cfg: dict) -> dict:
     return layer_config(cfg, families.FULL) if family_of(cfg).gemma else cfg
 
 
+def gpt_oss_gate(x: torch.Tensor, alpha: float = 1.702) -> torch.Tensor:
+    """gpt-oss's gate activation, x * sigmoid(alpha * x) (megatron's quick_gelu at alpha 1.702)."""
+    return x * torch.sigmoid(alpha * x)
+
+
+def _gpt_oss_kwargs(cfg: dict) -> dict:
+    """TransformerConfig arguments where gpt-oss differs: biases everywhere, sinks, the clamped SwiGLU."""
+    if not family_of(cfg).gpt_oss_blocks:
+        return {}
+    return dict(add_bias_linear=True, softmax_type="learnable", glu_linear_offset=1.0,
+                activation_func=functools.partial(gpt_oss_gate, alpha=float(cfg.get("swiglu_alpha", 1.702))),
+                activation_func_clamp_value=float(cfg.get("swiglu_limit", 7.0)))
+
+
 def _has_qkv_bias(cfg: dict) -> bool:
     return families.qkv_bias(cfg)  # (a Llama with attention_bias=True is refused: its o_proj has one too)
 
@@ -112,10 +137,19 @@ def _has_qk_norm(cfg: dict) -> bool:
     return families.qk_norm(cfg)
 
 
+def _qkv_kinds(cfg: dict) -> tuple[str, ...]:
+    """The tensors of megatron's fused linear_qkv (none under multi-latent attention: latent_attention's)."""
+    if family_of(cfg).latent_attention:
+        return ()
+    return ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",)
+
+
 def layer_spec_kwargs(hf_config) -> dict:
     """Keyword arguments for megatron's ``get_gpt_layer_local_spec`` of this model."""
     cfg = check_supported(hf_config)
     kwargs = dict(normalization="RMSNorm", qk_layernorm=_has_qk_norm(cfg))  # (Gemma 3's norms: megarl.learner.gemma3)
+    if family_of(cfg).latent_attention:  # (its latent norms are the spec's q/kv layernorms)
+        kwargs.update(multi_latent_attention=True, qk_layernorm=True)
     if moe.is_moe(cfg):
         kwargs.update(num_experts=moe.num_experts(cfg), moe_grouped_gemm=False)
     return kwargs
@@ -129,7 +163,8 @@ def transformer_config_kwargs(hf_config) -> dict:
     """Keyword arguments for megatron's ``TransformerConfig`` matching the HF model's function.
 
     Parallelism, dtype and initialisation arguments are the caller's; GPTModel arguments
-    (vocab size, max length, rope base, tying) come from ``gpt_model_kwargs``.
+    (vocab size, max length, rope base, tying) come from ``gpt_model_kwargs``. A latent-attention model's include
+    ``multi_latent_attention=True``: they are ``MLATransformerConfig``'s.
     """
     cfg = check_supported(hf_config)
     layers, heads, groups, head_dim = _dims(cfg)
@@ -137,7 +172,7 @@ def transformer_config_kwargs(hf_config) -> dict:
     # Gemma 3 scales q.k by query_pre_attn_scalar^-0.5 (not head_dim's), its RoPE scalings have no attention factor
     scale = (float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5 if gemma
              else rope_attention_factor(rope_scaling(cfg)) ** 2 / math.sqrt(head_dim))
-    return dict(
+    kwargs = dict(
         num_layers=layers,
         hidden_size=cfg["hidden_size"],
         num_attention_heads=heads,
@@ -161,7 +196,11 @@ def transformer_config_kwargs(hf_config) -> dict:
         # scores as megatron's softmax scale times m^2
         softmax_scale=scale,
         **moe.transformer_config_kwargs(cfg),
-    )
+    ) | _gpt_oss_kwargs(cfg)
+    if family_of(cfg).latent_attention:  # (megatron's MLA sets its own softmax scale: latent_attention's doc)
+        kwargs.update(latent_attention.transformer_config_kwargs(cfg, rope_scaling(cfg), _rope_theta(cfg)),
+                      softmax_scale=None)
+    return kwargs
 
 
 def gpt_model_kwargs(hf_config) -> dict:
@@ -207,6 +246,11 @@ POST_NORMS = {"post_attention_layernorm": "self_attn_bda.norm.weight",
               "post_feedforward_layernorm": "mlp_bda.norm.weight"}
 
 
+# gpt-oss's attention tensors besides q/k/v (HF name relative to the layer -> the megatron layer's)
+GPT_OSS_ATTENTION = {"self_attn.o_proj.bias": "self_attention.linear_proj.bias",
+                     "self_attn.sinks": "self_attention.core_attention.softmax_offset"}
+
+
 def hf_to_mcore(hf_state: dict, hf_config) -> dict:
     """HF state dict (save_pretrained names) -> full megatron GPTModel state dict (TP=1 names)."""
     cfg = check_supported(hf_config)
@@ -235,8 +279,13 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
         else:
             out[mc + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
             out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
-        out[mc + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
-        for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
+        if family_of(cfg).latent_attention:
+            out.update({mc + k: v for k, v in latent_attention.hf_to_mcore(hf_state, cfg, i).items()})
+        else:
+            out[mc + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
+        if family_of(cfg).gpt_oss_blocks:
+            out.update({mc + m: hf_state[hf + h] for h, m in GPT_OSS_ATTENTION.items()})
+        for kind in _qkv_kinds(cfg):
             if fused:  # Phi-3: one qkv_proj, rows [q heads, k heads, v heads]
                 qkv = hf_state[hf + f"self_attn.qkv_proj.{kind}"].split(
                     [heads * head_dim, groups * head_dim, groups * head_dim])
@@ -282,7 +331,7 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     else:
         out = {hf + "input_layernorm.weight": mcore_layer["input_layernorm.weight"],
                hf + "post_attention_layernorm.weight": mcore_layer["pre_mlp_layernorm.weight"]}
-    for kind in ("weight", "bias") if _has_qkv_bias(cfg) else ("weight",):
+    for kind in _qkv_kinds(cfg):
         q, k, v = split_qkv_rows(mcore_layer[f"self_attention.linear_qkv.{kind}"], cfg, tp_size)
         if fused:  # Phi-3's layout, as save_pretrained writes it
             out[hf + f"self_attn.qkv_proj.{kind}"] = torch.cat([q, k, v])
@@ -290,7 +339,12 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
         out[hf + f"self_attn.q_proj.{kind}"] = q
         out[hf + f"self_attn.k_proj.{kind}"] = k
         out[hf + f"self_attn.v_proj.{kind}"] = v
-    out[hf + "self_attn.o_proj.weight"] = mcore_layer["self_attention.linear_proj.weight"]
+    if family_of(cfg).latent_attention:
+        out.update(latent_attention.mcore_to_hf(mcore_layer, cfg, hf_layer_index))
+    else:
+        out[hf + "self_attn.o_proj.weight"] = mcore_layer["self_attention.linear_proj.weight"]
+    if family_of(cfg).gpt_oss_blocks:
+        out.update({hf + h: mcore_layer[m] for h, m in GPT_OSS_ATTENTION.items()})
     if _has_qk_norm(cfg):
         out[hf + "self_attn.q_norm.weight"] = mcore_layer["self_attention.q_layernorm.weight"]
         out[hf + "self_attn.k_norm.weight"] = mcore_layer["self_attention.k_layernorm.weight"]

@@ -43,6 +43,14 @@ class Family:
     # (sliding-window) and global layers (`layer_types`), each kind with its own RoPE (`layer_rope`). The megatron
     # learner builds them with megarl.learner.gemma3, the built-in engine in its forward.
     gemma: bool = False
+    # gpt-oss: a learned sink logit per head in every attention softmax (`self_attn.sinks`: megatron's
+    # softmax_type='learnable'), sliding and full layers (`layer_types`, families.layer_windows), and a bias on
+    # every linear (o_proj, the router, the experts) besides q/k/v
+    gpt_oss_blocks: bool = False
+    # DeepSeek-V3: multi-latent attention (q and k/v each from a low-rank latent with its own RMSNorm, per-head q/k of
+    # qk_nope_head_dim + qk_rope_head_dim dims, v of v_head_dim; the k RoPE part shared by every head):
+    # megatron-core's MLASelfAttention, mapped by megarl.models.latent_attention
+    latent_attention: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -59,6 +67,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_norm=True, moe=True),
     Family("glm4_moe", "Glm4MoeForCausalLM", qkv_bias=False, qk_norm=False, moe=True, config_attention=True,
            partial_rotary=True),
+    Family("gpt_oss", "GptOssForCausalLM", qkv_bias=True, qk_norm=False, moe=True, gpt_oss_blocks=True),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", qkv_bias=False, qk_norm=False, moe=True, latent_attention=True),
 )}
 MODEL_TYPES = tuple(FAMILIES)
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
@@ -105,12 +115,15 @@ def whole_tensors_only(cfg: dict) -> str | None:
         return "fused qkv_proj / gate_up_proj"
     if family is not None and family.post_norms:
         return "q_norm / k_norm over the whole projection"
+    if family is not None and family.latent_attention:
+        return "multi-latent attention's latent projections"
     return None
 
 
 def sliding_window(cfg: dict) -> int | None:
     """How many positions back (the query's own included) every layer attends to, or None for full attention:
-    transformers' sliding-window mask lets query position q see key position k when q - window < k <= q."""
+    transformers' sliding-window mask lets query position q see key position k when q - window < k <= q.
+    (A family whose layers differ: layer_windows.)"""
     window = cfg.get("sliding_window") if family_of(cfg).sliding_window else None
     if window is not None and int(window) < 1:
         raise ValueError(f"sliding_window={window} must be >= 1 (or null for full attention)")
@@ -148,20 +161,24 @@ def generic_attention_windows(cfg: dict) -> dict[str, int | None] | None:
     return {"": int(window)}
 
 
-# transformers' names of Gemma 3's layer kinds: local layers attend to a sliding window, global ones to every position
+# transformers' layer kinds (`layer_types`): local layers attend to a sliding window, global ones to every position
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def layer_types(cfg: dict) -> tuple[str, ...] | None:
-    """A Gemma 3's kind per decoder layer (SLIDING or FULL), None for other families: config.json's `layer_types`,
-    or transformers' default from `sliding_window_pattern` n (every n-th layer global, the rest local)."""
-    if not family_of(cfg).gemma:
+    """Each decoder layer's kind (SLIDING or FULL) in a family whose layers differ (Gemma 3, gpt-oss), None for
+    other families: config.json's `layer_types`, or transformers' default (Gemma 3: every `sliding_window_pattern`-th
+    layer global, the rest local; gpt-oss: alternating, sliding first)."""
+    family = family_of(cfg)
+    if not (family.gemma or family.gpt_oss_blocks):
         return None
     layers = int(cfg["num_hidden_layers"])
     kinds = cfg.get("layer_types")
-    if kinds is None:
+    if kinds is None and family.gemma:
         pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
         kinds = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    elif kinds is None:
+        kinds = [SLIDING if i % 2 == 0 else FULL for i in range(layers)]
     if len(kinds) != layers or any(k not in (SLIDING, FULL) for k in kinds):
         raise ValueError(f"layer_types={kinds!r}: one of {SLIDING!r}, {FULL!r} per layer "
                          f"(num_hidden_layers={layers})")
@@ -169,15 +186,42 @@ def layer_types(cfg: dict) -> tuple[str, ...] | None:
 
 
 def layer_window(cfg: dict) -> int | None:
-    """The sliding window of a Gemma 3's local layers (transformers' mask: query q sees key k when
-    q - window < k <= q), None for other families or a Gemma 3 without local layers."""
+    """The sliding window of the SLIDING layers of layer_types (transformers' mask: query q sees key k when
+    q - window < k <= q), None for other families or a model without such layers."""
     kinds = layer_types(cfg)
     if not kinds or SLIDING not in kinds:
         return None
     window = cfg.get("sliding_window")
     if window is None or int(window) < 1:
-        raise ValueError(f"sliding_window={window}: a Gemma 3 with sliding_attention layers needs a window >= 1")
+        raise ValueError(f"sliding_window={window} must be >= 1 for the sliding_attention layers of layer_types")
     return int(window)
+
+
+def layer_windows(cfg: dict) -> tuple[int | None, ...]:
+    """Each decoder layer's sliding window (sliding_window's meaning; None: full attention): layer_window for the
+    SLIDING layers of layer_types, every other family's one window for all layers."""
+    kinds = layer_types(cfg)
+    if kinds is None:
+        return (sliding_window(cfg),) * int(cfg["num_hidden_layers"])
+    window = layer_window(cfg)
+    return tuple(window if kind == SLIDING else None for kind in kinds)
+
+
+def windows_by_layer_type(cfg: dict) -> dict[str, int | None]:
+    """The windows of a native family's packed-row masks as transformers takes them ready: by layer type
+    ({SLIDING: w, FULL: None}) where layer_types differ, else {"": w} for every layer (w None: full attention)."""
+    kinds = layer_types(cfg)
+    if kinds is None:
+        return {"": sliding_window(cfg)}
+    return dict(zip(kinds, layer_windows(cfg)))
+
+
+def mask_windows(cfg: dict) -> tuple[tuple[int | None, ...], tuple[int, ...] | None]:
+    """The distinct windows of layer_windows (in layer order: one attention mask each) and each layer's index into
+    them, None where every layer has the same window (megarl.learner.sdpa_attention.use_layer_masks)."""
+    per_layer = layer_windows(cfg)
+    windows = tuple(dict.fromkeys(per_layer))
+    return windows, (tuple(windows.index(w) for w in per_layer) if len(windows) > 1 else None)
 
 
 def layer_rope(cfg: dict, kind: str) -> dict:

@@ -33,6 +33,9 @@ def check(hf_config: dict, lora_cfg) -> None:
     if hf_config.get("model_type") in families.FAMILIES and families.family_of(hf_config).fused_projections:
         raise ValueError(f"learner.lora: {hf_config['model_type']!r} holds fused qkv_proj / gate_up_proj, whose "
                          f"adapters megarl does not map (learner.lora.rank=0 trains the whole model)")
+    if hf_config.get("model_type") in families.FAMILIES and families.family_of(hf_config).latent_attention:
+        raise ValueError(f"learner.lora: {hf_config['model_type']!r}'s multi-latent attention has no q/k/v/o_proj "
+                         f"adapters megarl maps (learner.lora.rank=0 trains the whole model)")
     dims = target_dims(hf_config)
     if is_moe(hf_config):
         dims = {t: d for t, d in dims.items() if t in ATTENTION_TARGETS}

@@ -24,6 +24,13 @@ Layouts (HF on disk -> megatron, per decoder layer i, relative to ``decoder.laye
     ``topk_group`` of ``n_group`` groups (a group scored by its best two), their scores renormalised and scaled by
     ``routed_scaling_factor``: megatron's sigmoid router with expert bias (held fixed: update rate 0, as HF's is a
     buffer), group-limited top-k and top-k scaling factor.
+  * gpt-oss (``model_type: gpt_oss``): ``mlp.router.weight`` / ``bias`` -> ``mlp.router.weight`` / ``bias``; its
+    experts fused on disk as in memory (GPT_OSS_EXPERTS: gate and up interleaved by column, x @ W layout), split
+    into megatron's per-expert linears with their biases. Routing: softmax over the top-k biased logits, megatron's
+    default, as Mixtral.
+  * DeepSeek-V3 (``model_type: deepseek_v3``; Kimi-K2's and DeepSeek-R1's architecture): GLM-4.5's MLP, names and
+    routing exactly (``n_routed_experts``, ``n_shared_experts``, ``first_k_dense_replace`` and the router fields);
+    its attention is megarl.models.latent_attention's.
   * megatron expert e: ``mlp.experts.local_experts.{e}.linear_fc1.weight`` = cat[gate, up] (SwiGLU, as the
     dense MLP) and ``...linear_fc2.weight`` = down.  With expert parallelism each EP rank holds
     ``E / ep`` consecutive experts, numbered locally from 0 (``expert_offset`` below).
@@ -39,17 +46,14 @@ import torch
 
 from megarl import protocols
 # (read from config.json without torch; the names stay importable from here, where their callers read them)
-from megarl.models.moe_config import _groups, check_moe, expert_ffn_field, is_moe, num_experts, top_k  # noqa: F401
+from megarl.models.moe_config import (SIGMOID_ROUTED, _groups, check_moe, expert_ffn_field,  # noqa: F401
+                                      first_dense_layers, fused_experts_on_disk, is_moe, num_experts, top_k)
 
 
 def expert_ffn_size(cfg: dict) -> int:
     return int(cfg[expert_ffn_field(cfg)])
 
 
-def first_dense_layers(cfg: dict) -> int:
-    """How many leading decoder layers have a dense MLP (GLM-4.5's first_k_dense_replace; 0 for the others:
-    check_moe refuses dense layers elsewhere)."""
-    return int(cfg.get("first_k_dense_replace", 1)) if cfg.get("model_type") == "glm4_moe" else 0
 
 
 def is_moe_layer(cfg: dict, layer: int) -> bool:
@@ -99,7 +103,7 @@ def transformer_config_kwargs(cfg: dict) -> dict:
 
 def _glm4_moe_kwargs(cfg: dict) -> dict:
     """The router and layer arguments where GLM-4.5 differs (softmax routing, every layer MoE for the others)."""
-    if cfg["model_type"] != "glm4_moe":
+    if cfg["model_type"] not in SIGMOID_ROUTED:
         return dict(moe_router_score_function="softmax")
     groups, kept = _groups(cfg)
     limited = kept < groups  # (all groups kept: no limit, whatever the groups' scores)
@@ -123,7 +127,11 @@ def _hf_prefix(cfg: dict, layer: int) -> str:
 
 
 def hf_expert_names(cfg: dict, layer: int, expert: int) -> tuple[str, str, str]:
-    """HF names of (gate, up, down) of one expert, as save_pretrained writes them."""
+    """HF names of (gate, up, down) of one expert, as save_pretrained writes them (gpt-oss has none: its experts
+    are saved fused, GPT_OSS_EXPERTS)."""
+    if cfg["model_type"] == "gpt_oss":
+        raise ValueError("gpt_oss saves its experts fused (mlp.experts.gate_up_proj [E, H, 2I], gate and up "
+                         "interleaved; mlp.experts.down_proj [E, I, H]), not per expert")
     p = _hf_prefix(cfg, layer) + f"experts.{expert}."
     if cfg["model_type"] == "mixtral":
         return p + "w1.weight", p + "w3.weight", p + "w2.weight"
@@ -131,7 +139,14 @@ def hf_expert_names(cfg: dict, layer: int, expert: int) -> tuple[str, str, str]:
 
 
 def hf_router_name(cfg: dict, layer: int) -> str:
-    return _hf_prefix(cfg, layer) + "gate.weight"
+    return _hf_prefix(cfg, layer) + ("router.weight" if cfg["model_type"] == "gpt_oss" else "gate.weight")
+
+
+# gpt-oss's experts as save_pretrained writes them (relative to the layer's ``mlp.experts.``), all experts in one
+# tensor each, x @ W layout: gate_up_proj [E, H, 2I] whose columns interleave gate (even) and up (odd), its bias
+# [E, 2I] likewise, down_proj [E, I, H] and its bias [E, H]. megatron's expert e: linear_fc1 rows cat[gate, up]
+# (weight [2I, H], bias [2I]), linear_fc2 [H, I] and its bias [H].
+GPT_OSS_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
 # GLM-4.5's router bias and shared expert (HF names relative to the layer's ``mlp.``, megatron's to ``mlp.``)
@@ -149,7 +164,7 @@ def per_expert_tensors(cfg: dict, name: str, tensor: torch.Tensor) -> Iterator[t
     a fused expert tensor becomes one view per expert and projection, the router gets its on-disk name
     (Mixtral's ``mlp.gate`` is ``block_sparse_moe.gate`` on disk); anything else passes through. Pure; views of
     `tensor` (works on meta tensors too, for a publish spec)."""
-    match = _IN_MEMORY.match(name) if is_moe(cfg) else None
+    match = _IN_MEMORY.match(name) if is_moe(cfg) and not fused_experts_on_disk(cfg) else None
     if match is None:
         yield name, tensor
         return
@@ -170,7 +185,9 @@ def per_expert_tensors(cfg: dict, name: str, tensor: torch.Tensor) -> Iterator[t
 def mlp_hf_to_mcore(hf_state: dict, cfg: dict, layer: int) -> dict:
     """One layer's MoE MLP: HF tensors -> megatron names relative to the layer, all experts."""
     out = {"mlp.router.weight": hf_state[hf_router_name(cfg, layer)]}
-    if cfg["model_type"] == "glm4_moe":
+    if cfg["model_type"] == "gpt_oss":
+        return {**out, **_gpt_oss_hf_to_mcore(hf_state, cfg, layer)}
+    if cfg["model_type"] in SIGMOID_ROUTED:
         p = _hf_prefix(cfg, layer)
         out["mlp." + EXPERT_BIAS[1]] = hf_state[p + EXPERT_BIAS[0]]
         s = p + SHARED_EXPERT + "."
@@ -191,6 +208,8 @@ def mlp_mcore_to_hf(mcore_layer: dict, cfg: dict, hf_layer_index: int, expert_of
     out = {}
     if "mlp.router.weight" in mcore_layer:
         out[hf_router_name(cfg, hf_layer_index)] = mcore_layer["mlp.router.weight"]
+    if cfg["model_type"] == "gpt_oss":
+        return {**out, **_gpt_oss_mcore_to_hf(mcore_layer, cfg, hf_layer_index, expert_offset)}
     p = _hf_prefix(cfg, hf_layer_index)
     if "mlp." + EXPERT_BIAS[1] in mcore_layer:
         out[p + EXPERT_BIAS[0]] = mcore_layer["mlp." + EXPERT_BIAS[1]]
@@ -206,6 +225,43 @@ def mlp_mcore_to_hf(mcore_layer: dict, cfg: dict, hf_layer_index: int, expert_of
         gate, up = mcore_layer[f"{prefix}{j}.linear_fc1.weight"].chunk(2, dim=0)
         out[gate_name], out[up_name] = gate.contiguous(), up.contiguous()
         out[down_name] = mcore_layer[f"{prefix}{j}.linear_fc2.weight"]
+    return out
+
+
+def _gpt_oss_hf_to_mcore(hf_state: dict, cfg: dict, layer: int) -> dict:
+    """gpt-oss's router bias and fused experts (GPT_OSS_EXPERTS) -> megatron's per-expert linears."""
+    p = _hf_prefix(cfg, layer)
+    gate_up, gate_up_bias, down, down_bias = (hf_state[p + "experts." + n] for n in GPT_OSS_EXPERTS)
+    out = {"mlp.router.bias": hf_state[p + "router.bias"]}
+    for e in range(num_experts(cfg)):
+        fc = f"mlp.experts.local_experts.{e}."
+        out[fc + "linear_fc1.weight"] = torch.cat([gate_up[e, :, 0::2], gate_up[e, :, 1::2]], dim=1).t().contiguous()
+        out[fc + "linear_fc1.bias"] = torch.cat([gate_up_bias[e, 0::2], gate_up_bias[e, 1::2]])
+        out[fc + "linear_fc2.weight"] = down[e].t().contiguous()
+        out[fc + "linear_fc2.bias"] = down_bias[e]
+    return out
+
+
+def _gpt_oss_mcore_to_hf(mcore_layer: dict, cfg: dict, layer: int, expert_offset: int) -> dict:
+    """megatron's per-expert linears -> gpt-oss's fused experts (every expert: a fused tensor has no per-rank
+    part) and router bias."""
+    p, prefix = _hf_prefix(cfg, layer), "mlp.experts.local_experts."
+    out = {p + "router.bias": mcore_layer["mlp.router.bias"]} if "mlp.router.bias" in mcore_layer else {}
+    local = sorted({int(k[len(prefix):].split(".")[0]) for k in mcore_layer if k.startswith(prefix)})
+    if not local:
+        return out
+    if expert_offset or local != list(range(num_experts(cfg))):
+        raise ValueError(f"gpt_oss's fused expert tensors need all {num_experts(cfg)} experts of layer {layer} "
+                         f"(got {len(local)} from expert {expert_offset}): gather them over expert parallelism")
+    fc1, fc1_bias, fc2, fc2_bias = (torch.stack([mcore_layer[f"{prefix}{e}.linear_fc{n}.{kind}"] for e in local])
+                                    for n, kind in ((1, "weight"), (1, "bias"), (2, "weight"), (2, "bias")))
+    gate, up = fc1.chunk(2, dim=1)  # [E, I, H] each
+    gate_bias, up_bias = fc1_bias.chunk(2, dim=1)
+    e, i, h = gate.shape
+    out[p + "experts.gate_up_proj"] = torch.stack([gate, up], dim=2).reshape(e, 2 * i, h).transpose(1, 2).contiguous()
+    out[p + "experts.gate_up_proj_bias"] = torch.stack([gate_bias, up_bias], dim=2).reshape(e, 2 * i)
+    out[p + "experts.down_proj"] = fc2.transpose(1, 2).contiguous()
+    out[p + "experts.down_proj_bias"] = fc2_bias
     return out
 
 

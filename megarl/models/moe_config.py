@@ -15,15 +15,25 @@ from __future__ import annotations
 
 from megarl.models.families import generic_path_hint
 
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "glm4_moe")
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM")
+MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "deepseek_v3")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM",
+                     "DeepseekV3ForCausalLM")
+# The sigmoid-routed MoEs with a fixed expert bias, shared experts and first dense layers (GLM-4.5's layout), and
+# how many dense layers transformers gives each when its config leaves first_k_dense_replace out
+SIGMOID_ROUTED = {"glm4_moe": 1, "deepseek_v3": 3}
 # Model types that are mixtures of experts megarl names when it refuses them.
 REFUSED_MOE_TYPES = {"qwen2_moe": "shared_expert_intermediate_size", "olmoe": "model_type",
-                     "deepseek_v3": "model_type", "qwen3_next": "model_type"}
+                     "qwen3_next": "model_type"}
 
 
 def is_moe(cfg: dict) -> bool:
     return cfg.get("model_type") in MOE_MODEL_TYPES or cfg.get("model_type") in REFUSED_MOE_TYPES
+
+
+def fused_experts_on_disk(cfg: dict) -> bool:
+    """Whether save_pretrained writes the model's experts fused, under the names transformers holds them by in
+    memory (gpt-oss), rather than per expert."""
+    return cfg.get("model_type") == "gpt_oss"
 
 
 def check_moe(cfg: dict) -> None:
@@ -47,7 +57,7 @@ def check_moe(cfg: dict) -> None:
         if cfg.get("mlp_only_layers"):
             raise ValueError(f"unsupported feature mlp_only_layers={cfg['mlp_only_layers']} (dense layers among "
                              "the MoE layers)")
-    if model_type == "glm4_moe":
+    if model_type in SIGMOID_ROUTED:
         _check_glm4_moe(cfg)
     if num_experts(cfg) < 2 or not 1 <= top_k(cfg) <= num_experts(cfg):
         raise ValueError(f"MoE config needs num_experts >= 2 and 1 <= num_experts_per_tok <= num_experts "
@@ -69,8 +79,8 @@ def _check_glm4_moe(cfg: dict) -> None:
         raise ValueError(f"unsupported feature topk_group={kept} < n_group={groups} with num_experts_per_tok="
                          f"{top_k(cfg)}: HF scores a group by its best 2 experts, megatron by its best "
                          f"num_experts_per_tok // topk_group")
-    if int(cfg.get("first_k_dense_replace", 1)) >= int(cfg["num_hidden_layers"]):
-        raise ValueError(f"first_k_dense_replace={cfg['first_k_dense_replace']} leaves no MoE layer "
+    if first_dense_layers(cfg) >= int(cfg["num_hidden_layers"]):
+        raise ValueError(f"first_k_dense_replace={first_dense_layers(cfg)} leaves no MoE layer "
                          f"(num_hidden_layers={cfg['num_hidden_layers']})")
 
 
@@ -90,4 +100,14 @@ def top_k(cfg: dict) -> int:
 def expert_ffn_field(cfg: dict) -> str:
     """The config field of one expert's width: Mixtral's experts use intermediate_size; Qwen3-MoE's
     moe_intermediate_size (its intermediate_size is for dense layers, which megarl refuses)."""
-    return "moe_intermediate_size" if cfg["model_type"] in ("qwen3_moe", "glm4_moe") else "intermediate_size"
+    return "moe_intermediate_size" if cfg["model_type"] in ("qwen3_moe", *SIGMOID_ROUTED) else "intermediate_size"
+
+
+def first_dense_layers(cfg: dict) -> int:
+    """How many leading decoder layers have a dense MLP (GLM-4.5's and DeepSeek-V3's first_k_dense_replace; 0 for the
+    others: check_moe refuses dense layers elsewhere)."""
+    model_type = cfg.get("model_type")
+    if model_type not in SIGMOID_ROUTED:
+        return 0
+    dense = cfg.get("first_k_dense_replace")
+    return int(SIGMOID_ROUTED[model_type] if dense is None else dense)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 
-from megarl.models import families
+from megarl.models import families, latent_attention
 from megarl.models.families import family_of
 from megarl.models.moe_config import check_moe, is_moe
 
@@ -79,6 +79,8 @@ def check_supported(hf_config) -> dict:
     if is_moe(cfg):
         check_moe(cfg)
     family = family_of(cfg)
+    if family.latent_attention:
+        latent_attention.check(cfg)
     for arch in cfg.get("architectures") or ():
         if arch != family.architecture:
             raise ValueError(f"unsupported architecture {arch!r} for model_type {family.model_type!r} "
@@ -89,7 +91,10 @@ def check_supported(hf_config) -> dict:
         raise ValueError("unsupported feature use_sliding_window=True")
     families.sliding_window(cfg)  # (a window < 1: named)
     families.rope_layers(cfg)  # (a malformed no_rope_layers: named)
-    if cfg.get("attention_bias") and not family.config_attention:  # Llama: bias on q/k/v AND o_proj
+    families.layer_window(cfg)  # (Gemma 3's and gpt-oss's malformed layer_types, a missing window: named)
+    if family.gpt_oss_blocks:
+        _check_gpt_oss(cfg)
+    if cfg.get("attention_bias") and not family.config_attention and not family.gpt_oss_blocks:  # Llama: o_proj too
         raise ValueError("unsupported feature attention_bias=True (o_proj bias)")
     if cfg.get("mlp_bias"):
         raise ValueError("unsupported feature mlp_bias=True")
@@ -113,11 +118,18 @@ def _check_gemma(cfg: dict) -> None:
         if cfg.get(key):
             raise ValueError(f"unsupported feature {key}={cfg[key]!r} (Gemma 3 text as transformers' "
                              f"Gemma3ForCausalLM defaults it: null / false)")
-    families.layer_window(cfg)  # (malformed layer_types, a missing window: named)
     for kind in set(families.layer_types(cfg)):
         if rope_attention_factor(rope_scaling(layer_config(cfg, kind))) != 1.0:
             raise ValueError(f"rope_parameters[{kind!r}]: a RoPE scaling with an attention factor (yarn) differs by "
                              f"layer kind, which the one softmax scale of megarl's Gemma 3 does not take")
+
+
+def _check_gpt_oss(cfg: dict) -> None:
+    if cfg.get("quantization_config"):
+        raise ValueError(f"unsupported feature quantization_config={cfg['quantization_config'].get('quant_method')!r} "
+                         "(megarl loads unquantized weights: a dequantized bf16 gpt-oss checkpoint)")
+    if not cfg.get("attention_bias", True):
+        raise ValueError("unsupported feature attention_bias=False for gpt_oss (megarl maps its biased linears)")
 
 
 # transformers' names of the tanh-approximated GELU (Gemma 3's GeGLU activation)
@@ -141,10 +153,12 @@ def rotary_fraction(cfg: dict) -> float:
 
 
 def _dims(cfg: dict) -> tuple[int, int, int, int]:
-    """(layers, query heads, kv groups, head_dim)."""
+    """(layers, query heads, kv groups, head_dim; a latent-attention model's head_dim: its RoPE dims)."""
     heads = cfg["num_attention_heads"]
     groups = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if family_of(cfg).latent_attention:
+        head_dim = latent_attention.rope_dim(cfg)
     return cfg["num_hidden_layers"], heads, groups, head_dim
 
 

@@ -15,6 +15,11 @@ weights are twice as many, so routing decides something.
 "tiny-qwen3moe-count" is the same on Qwen3-MoE (`mlp.gate`, `mlp.experts.{e}.gate_proj/up_proj/down_proj`, per-head
 q/k RMSNorm, no q/k/v bias): the same experts, routing and attention sizes, `norm_topk_prob: true` (Mixtral's
 renormalised top-k, as Qwen3-30B-A3B's config sets it).
+
+"tiny-deepseek-v3-count" is the same on DeepSeek-V3: the same hidden size, heads, experts (the routed ones of width
+96, top-2) and layers, with multi-latent attention (no q latent, as DeepSeek-V2-Lite; a kv latent of 32, per-head
+q/k of 16 + 16 RoPE dims, v of 16), a sigmoid router (top-2 renormalised, no group limit, scale 1) and a shared
+expert of width 96; both layers MoE (first_k_dense_replace 0).
 """
 from __future__ import annotations
 
@@ -52,3 +57,23 @@ def build_qwen3moe_config(vocab_size: int, eos_id: int, pad_id: int, **overrides
                           intermediate_size=mixtral["intermediate_size"] * mixtral["num_experts_per_tok"],
                           decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="float32")
+
+
+def build_deepseek_v3_config(vocab_size: int, eos_id: int, pad_id: int, **overrides):
+    """The tiny DeepSeek-V3 config: build_moe_config's sizes with multi-latent attention and a shared expert (module
+    docstring)."""
+    from transformers import DeepseekV3Config
+
+    mixtral = build_moe_config(vocab_size, eos_id, pad_id, **overrides).to_dict()
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings",
+            "num_experts_per_tok", "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+            "pad_token_id")
+    kwargs = {k: mixtral[k] for k in keys if k in mixtral}
+    return DeepseekV3Config(**kwargs, num_key_value_heads=kwargs["num_attention_heads"], q_lora_rank=None,
+                            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                            n_routed_experts=mixtral["num_local_experts"], n_shared_experts=1,
+                            moe_intermediate_size=mixtral["intermediate_size"],
+                            intermediate_size=mixtral["intermediate_size"] * mixtral["num_experts_per_tok"],
+                            n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                            first_k_dense_replace=0, num_nextn_predict_layers=0, rope_interleave=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, dtype="float32")

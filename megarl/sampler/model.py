@@ -125,6 +125,8 @@ class ModelSpec:
         family = FAMILIES[model_type]
         if family.gemma:
             return cls._gemma(cfg)
+        if family.latent_attention:
+            raise ValueError(f"{model_type}'s multi-latent attention (kv_lora_rank) is not in the native forward")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
         if cfg.get("use_sliding_window"):

@@ -344,3 +344,23 @@ def test_the_qwen3_moe_demo_model_is_a_qwen3_moe_of_the_mixtral_demo_s_sizes_tha
     convert.check_supported(cfg)  # every layer an MoE layer: the megatron learner and the engine map it
     assert moe.num_experts(cfg) == moe.num_experts(mixtral.to_dict()) and spec.task == embedded.EMBEDDED_MODELS[
         "tiny-mixtral-count"].task and spec.recipe == embedded.EMBEDDED_MODELS["tiny-mixtral-count"].recipe
+
+
+def test_the_deepseek_v3_demo_model_is_a_deepseek_v3_of_the_mixtral_demo_s_sizes_that_megarl_maps():
+    from megarl.models import convert, moe
+    from megarl.sampler import hf_model
+
+    mixtral = embedded.EMBEDDED_MODELS["tiny-mixtral-count"].model_config()
+    spec = embedded.EMBEDDED_MODELS["tiny-deepseek-v3-count"]
+    config = spec.model_config()
+    assert config.model_type == "deepseek_v3" and config.q_lora_rank is None and config.kv_lora_rank == 32
+    assert config.moe_intermediate_size == mixtral.intermediate_size and config.first_k_dense_replace == 0
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok",
+                "tie_word_embeddings", "eos_token_id"):
+        assert getattr(config, key) == getattr(mixtral, key), key
+    cfg = config.to_dict()
+    convert.check_supported(cfg)  # the megatron learner maps it
+    assert hf_model.choose(cfg) is hf_model  # the built-in engine's generic model samples it
+    assert moe.num_experts(cfg) == moe.num_experts(mixtral.to_dict()) and moe.num_moe_layers(cfg) == 2
+    assert spec.task == embedded.EMBEDDED_MODELS["tiny-mixtral-count"].task
+    assert spec.recipe == embedded.EMBEDDED_MODELS["tiny-mixtral-count"].recipe

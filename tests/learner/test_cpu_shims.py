@@ -54,6 +54,8 @@ SITES = {
     ("tensor_parallel/mappings.py", "all_to_all", "split sizes"): "moe_split_sizes",
     ("tensor_parallel/layers.py", "LinearWithGradAccumulationAndAsyncCommunication.backward"): "moe_sequence_parallel",
     ("transformer/moe/router.py", "TopKRouter.__init__"): "expert_bias",
+    ("models/common/embeddings/yarn_rotary_pos_embedding.py", "YarnRotaryEmbedding.__init__"): "mla_rotary",
+    ("models/common/embeddings/yarn_rotary_pos_embedding.py", "YarnRotaryEmbedding.get_emb"): "mla_rotary",
 }
 
 SCRIPT = textwrap.dedent('''
@@ -87,6 +89,14 @@ SCRIPT = textwrap.dedent('''
                                              vocab_size=32, n_routed_experts=4, num_experts_per_tok=2,
                                              first_k_dense_replace=1, num_nextn_predict_layers=0)
                                ).save_pretrained(model_dir)
+        elif kind == "deepseek_v3":  # multi-latent attention: a rotary embedding per layer, built for the GPU
+            from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+            DeepseekV3ForCausalLM(DeepseekV3Config(
+                hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                intermediate_size=32, moe_intermediate_size=16, vocab_size=32, n_routed_experts=4,
+                num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=8,
+                kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, num_nextn_predict_layers=0)
+                                  ).save_pretrained(model_dir)
         else:
             Qwen2ForCausalLM(Qwen2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                                          num_key_value_heads=1, intermediate_size=32, vocab_size=32,
@@ -154,15 +164,18 @@ MOE_SHIMS = {name for name in cpu_shims.SHIMS if name.startswith("moe_")}
 # (two ranks at learner.tp=2, so sequence parallel, each holding 2 of the 4 experts) needs the six MoE shims and the
 # memory buffer's (its all-gathers), and
 # none of them applied beforehand: every MoE failure happens on both ranks before the collective that would pair
-# them. The GLM-4.5 run (one process, every other shim applied) needs the router expert bias's.
+# them. The GLM-4.5 run (one process, every other shim applied) needs the router expert bias's, the DeepSeek-V3 run
+# its multi-latent attention's rotary embedding's.
 LAYOUTS = [
     ("qwen2", {}, 1, set(cpu_shims.SHIMS) - {"p2p", "tied_embedding_sync", "distributed_optimizer",
-                                              "distributed_optimizer_load", "memory_buffer", "expert_bias"}
+                                              "distributed_optimizer_load", "memory_buffer", "expert_bias",
+                                              "mla_rotary"}
                              - MOE_SHIMS),
     ("qwen2", {"pp": 2}, 2, {"p2p", "tied_embedding_sync"}),
     ("qwen2", {"dp": 2, "use_distributed_optimizer": True}, 2, {"distributed_optimizer"}),
     ("mixtral", {"tp": 2, "ep": 2}, 2, MOE_SHIMS | {"memory_buffer"}),  # sequence parallelism's all-gather buffers
     ("glm4_moe", {}, 1, {"expert_bias"}),
+    ("deepseek_v3", {}, 1, {"mla_rotary"}),
 ]
 
 
@@ -180,7 +193,8 @@ def _needed_shims(tmp_path, layout: dict, nproc: int, preapplied: list[str], kin
 
 
 @pytest.mark.parametrize("kind, layout, nproc, expected", LAYOUTS,
-                         ids=["tp1", "pp2", "dp2_distributed_optimizer", "moe_tp2_ep2", "glm4_moe_expert_bias"])
+                         ids=["tp1", "pp2", "dp2_distributed_optimizer", "moe_tp2_ep2", "glm4_moe_expert_bias",
+                              "deepseek_v3_mla_rotary"])
 def test_each_shim_is_needed_and_sufficient(tmp_path, kind, layout, nproc, expected):
     # (the dense one-process run leaves the MoE shims out: it must not need them)
     preapplied = sorted(set(cpu_shims.SHIMS) - expected - (MOE_SHIMS if kind == "qwen2" and nproc == 1 else set()))

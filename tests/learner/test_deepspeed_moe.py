@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from megarl.algo.config import LossConfig
 from megarl.config.schema import DeepSpeedConfig, LearnerConfig
 from megarl.learner.step import micro_batch_rows
-from tests.helpers import LEARNER_TOL, save_tiny_moe
+from tests.helpers import LEARNER_TOL, save_tiny_gpt_oss, save_tiny_moe
 from tests.learner.conftest import destroy_world
 from tests.learner.test_moe_learner import B, S, _batch, _hf_forward, _ids, _perturbed_router_dir
 
@@ -40,7 +40,8 @@ def world(tmp_path_factory):
 def moe_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_moe")
     return {"mixtral": str(save_tiny_moe(root / "mixtral", "mixtral")),
-            "qwen3_moe": str(save_tiny_moe(root / "qwen3_moe", "qwen3_moe"))}
+            "qwen3_moe": str(save_tiny_moe(root / "qwen3_moe", "qwen3_moe")),
+            "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss"))}
 
 
 def _learner(model_dir, routing_replay="off", zero_stage=1, loss_cfg=None, **cfg):
@@ -132,6 +133,25 @@ def test_r3_on_qwen3_moe_unnormalised_routing_is_exact(moe_dirs, world):
     assert (learner.logprobs(ids, routes) - behaviour).abs().max() < LEARNER_TOL
     m = learner.train_step(_batch(ids, behaviour, routes))
     assert m["router/agreement"] == 1.0 and m["lag0/logprob_gap_abs"] < LEARNER_TOL
+
+
+def test_r3_on_gpt_oss_replays_at_its_router(moe_dirs, world, tmp_path):
+    """gpt-oss's router (mlp.router: biased logits, top-k, softmax over the k): same weights, its own routes are the
+    sampler's and the lag-0 gap is fp32 noise under r3; a perturbed router under r3 hands the experts exactly the
+    recorded routes, and its own choice still shows its disagreement."""
+    ids = _ids()
+    behaviour, routes = _hf_forward(moe_dirs["gpt_oss"], ids)
+    same = _learner(moe_dirs["gpt_oss"], routing_replay="r3", micro_batch_size=3)
+    assert (same.logprobs(ids, routes) - behaviour).abs().max() < LEARNER_TOL
+    m = same.train_step(_batch(ids, behaviour, routes))
+    assert m["router/agreement"] == 1.0 and m["lag0/logprob_gap_abs"] < LEARNER_TOL
+    r3 = _learner(_perturbed_router_dir(moe_dirs["gpt_oss"], tmp_path / "perturbed"), routing_replay="r3",
+                  micro_batch_size=B, pack_sequences=False)
+    calls = _expert_calls(r3)
+    r3.logprobs(ids, routes)
+    for layer, seen in enumerate(calls):
+        assert torch.equal(seen[-1], routes[:, :, layer].reshape(-1, routes.shape[-1]).long()), layer
+    assert r3.train_step(_batch(ids, behaviour, routes))["router/agreement"] < 0.9
 
 
 def test_r3_without_routes_stops_the_step(moe_dirs, world):

@@ -3,6 +3,7 @@ to its own positions by the attention mask and read back in the rows' layout. On
 rank, in this process) a packed forward gives transformers' own per-row log-probs, and a packed step the unpacked
 step's loss, grad norm and weights; an MoE model under routing replay gets each row's recorded routes. The megatron
 learner's fused attention (SDPA) computes what megatron's own does under both masks."""
+import dataclasses
 import random
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from megarl.algo.config import LossConfig
 from megarl.learner import packing, step
 from megarl.protocols import TrainBatch
-from tests.helpers import save_tiny_dense, save_tiny_moe, save_tiny_qwen2
+from tests.helpers import save_tiny_deepseek_v3, save_tiny_dense, save_tiny_gpt_oss, save_tiny_moe, save_tiny_qwen2
 
 VOCAB, B, S, PROMPT = 64, 24, 24, 3
 # Long-tailed lengths (prompt included), as an RL batch's: a few long rows, many short ones.
@@ -214,7 +215,9 @@ def model_dirs(tmp_path_factory):
             "mixtral": str(save_tiny_moe(root / "mixtral", "mixtral", vocab_size=VOCAB)),
             "mistral": str(save_tiny_dense(root / "mistral", "mistral", vocab_size=VOCAB)),
             "gemma3": str(_save_tiny_gemma3(root / "gemma3")),
-            "gemma3_pattern": str(_without_layer_types(_save_tiny_gemma3(root / "gemma3_pattern")))}
+            "gemma3_pattern": str(_without_layer_types(_save_tiny_gemma3(root / "gemma3_pattern"))),
+            "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss", vocab_size=VOCAB)),
+            "deepseek_v3": str(save_tiny_deepseek_v3(root / "deepseek_v3", vocab_size=VOCAB))}
 
 
 def _without_layer_types(path):
@@ -297,18 +300,21 @@ def _batch(model_dir, groups=False):
 
 @pytest.mark.parametrize("backend,kind", [(backend, kind) for backend in ("megatron", "deepspeed")
                                           for kind in ("qwen2", "qwen2 groups", "mixtral", "mistral groups",
-                                                       "gemma3 groups")]
-                         + [("deepspeed", "gemma3_pattern groups")])
+                                                       "gemma3 groups", "gpt_oss")]
+                         + [("deepspeed", "gemma3_pattern groups")]
+                         + [("megatron", "deepseek_v3 groups")])  # (multi-latent attention: RoPE by position id)
 def test_a_packed_step_is_the_unpacked_step(model_dirs, world, local_rank, backend, kind):
     """Packed micro-batches (several rows per packed row; rows of a group sharing their common prefixes) give
     transformers' per-row log-probs at every trained position, and the step the unpacked one's loss, grad norm and
     weights; an MoE learner under r3 replays each row's recorded routes at its packed positions (agreement 1); a
     sliding window (Mistral's, shorter than most rows) counts each row's own positions, not packed columns, and
-    Gemma 3's local and global layers each get their own mask (their kinds from layer_types, or from the older
-    sliding_window_pattern)."""
+    Gemma 3's local and global layers (their kinds from layer_types, or from the older sliding_window_pattern) and
+    gpt-oss's sliding and full layers each get their own mask."""
     replay = "r3" if kind == "mixtral" else "off"
     model_dir = model_dirs[kind.split()[0]]
     batch, behaviour = _batch(model_dir, groups=kind.endswith("groups"))
+    if replay == "off" and batch.routes is not None:  # (routes travel only under r3; rows with routes share nothing)
+        batch = dataclasses.replace(batch, routes=None)
     packed = _learner(model_dir, backend, pack=True, routing_replay=replay)
     micro = step.micro_batches(step.dp_share(batch, 1, 0), 6, pack=True, share_prefixes=True)
     assert sum(mb["packed_ids"].shape[0] for mb in micro) < B / 2  # packed rows hold several rows each

@@ -152,7 +152,7 @@ def test_refuses_unsupported():
         convert.check_supported({**gemma, "rope_parameters": {"full_attention": {**YARN, "rope_theta": 1e6}}})
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "deepseek_v3", "qwen2_moe", "olmo2_unmapped"])
+@pytest.mark.parametrize("model_type", ["gpt2", "olmoe", "qwen2_moe", "olmo2_unmapped"])
 def test_every_refusal_of_a_model_type_names_the_matrix_and_the_generic_path(tmp_path, model_type):
     """The converter, the built-in engine's spec and `megarl train`'s start-up check each refuse a model type
     outside the families naming docs/models.md (the support matrix) and learner.backend=deepspeed."""
@@ -208,6 +208,7 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     """A GPTModel of the converted config and weights (rotary frequencies set as the learner sets them) gives
     transformers' log-probs, on rows longer than a sliding window and than a YaRN model's original context."""
     from megarl.learner import rotary_positions
+    from megarl.learner.sdpa_attention import use_layer_masks
 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -222,11 +223,13 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     assert (window is not None) == (kind == "mistral")
     mask = packing.causal_mask(s, window=window)
 
-    if kind == "gemma3":  # (megarl.learner.megatron's masks: the global layers', then the local ones')
+    if kind == "gemma3":  # (megarl.learner.megatron's masks: one per window, each layer its own)
         from megarl.learner import gemma3
 
         assert families.layer_types(hf_model.config.to_dict()) == ("sliding_attention", "full_attention")
-        mask = gemma3.stack_masks(lambda w: packing.causal_mask(s, window=w), MISTRAL_WINDOW)
+        windows, mask_index = families.mask_windows(hf_model.config.to_dict())
+        assert windows == (MISTRAL_WINDOW, None) and mask_index == (0, 1)
+        mask = torch.stack([packing.causal_mask(s, window=w) for w in windows])
 
     def megatron_logprobs(inv_freq=convert.inv_freq(hf_model.config),
                           rope=families.rope_layers(hf_model.config.to_dict()), per_head_qk_norm=False,
@@ -249,7 +252,8 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
                 gemma3.scale_embeddings(gpt, hf_model.config.hidden_size)
             rotary_positions.use_position_ids(gpt)
             local = convert.local_inv_freq(hf_model.config) if local_inv_freq is None else local_inv_freq
-            gemma3.use_layer_kinds(gpt, families.layer_types(hf_model.config.to_dict()), local)
+            gemma3.use_layer_rope(gpt, families.layer_types(hf_model.config.to_dict()), local)
+            use_layer_masks(gpt, mask_index)
         missing, unexpected = gpt.load_state_dict(convert.hf_to_mcore(hf_state, hf_model.config), strict=False)
         assert not unexpected and all(k.endswith("_extra_state") for k in missing)
         with torch.no_grad():
@@ -270,7 +274,7 @@ def test_megatron_logprobs_match_hf(tmp_path, megatron_world, kind):
     if kind == "gemma3":  # ... and only because the embeddings were scaled, the local layer had its own RoPE and window
         assert (megatron_logprobs(embed_scale=False) - hf).abs().max().item() > 1e-3
         assert (megatron_logprobs(local_inv_freq=convert.inv_freq(hf_model.config)) - hf).abs().max().item() > 1e-3
-        mask = torch.cat([packing.causal_mask(s)] * 2, dim=1)
+        mask = torch.stack([packing.causal_mask(s)] * 2)
         assert (megatron_logprobs() - hf).abs().max().item() > 1e-3
     if kind.endswith("_rope"):  # ... and only because the scaling was mapped
         head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
@@ -362,6 +366,155 @@ def test_moe_round_trip_keeps_every_per_expert_tensor(tmp_path, kind):
     assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
 
 
+def test_gpt_oss_round_trip_is_exact_and_deinterleaves_the_fused_experts(tmp_path):
+    """gpt-oss's experts are saved fused, x @ W, gate and up interleaved by column (gate_up_proj [E, H, 2I]):
+    megatron's expert e gets linear_fc1 rows cat[gate, up] and their biases, linear_fc2 = down_proj[e].T; the sinks,
+    o_proj's and the router's biases have megatron homes; back to HF bit for bit."""
+    from tests.helpers import save_tiny_gpt_oss
+
+    model_dir = save_tiny_gpt_oss(tmp_path)
+    cfg, hf = convert.load_pretrained(str(model_dir))
+    mcore = convert.hf_to_mcore(hf, cfg)
+    experts = "model.layers.1.mlp.experts."
+    gate_up, bias = hf[experts + "gate_up_proj"][3], hf[experts + "gate_up_proj_bias"][3]
+    fc1 = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1."
+    assert torch.equal(mcore[fc1 + "weight"], torch.cat([gate_up[:, 0::2].t(), gate_up[:, 1::2].t()]))
+    assert torch.equal(mcore[fc1 + "bias"], torch.cat([bias[0::2], bias[1::2]]))
+    assert torch.equal(mcore["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"],
+                       hf["model.layers.1.mlp.experts.down_proj"][3].t())
+    assert torch.equal(mcore["decoder.layers.0.self_attention.core_attention.softmax_offset"],
+                       hf["model.layers.0.self_attn.sinks"])
+    assert torch.equal(mcore["decoder.layers.0.mlp.router.bias"], hf["model.layers.0.mlp.router.bias"])
+    back = convert.mcore_to_hf(mcore, cfg)
+    saved = load_file(f"{model_dir}/model.safetensors")
+    assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
+    kwargs = convert.transformer_config_kwargs(cfg)
+    assert (kwargs["softmax_type"], kwargs["add_bias_linear"], kwargs["glu_linear_offset"],
+            kwargs["activation_func_clamp_value"]) == ("learnable", True, 1.0, 2.0)
+    assert families.layer_windows(cfg) == (4, None)
+
+
+def test_gemma3_and_gpt_oss_layer_windows_come_from_one_layer_types_with_each_familys_default():
+    """Gemma 3's and gpt-oss's sliding and full layers give one mask per distinct window, each layer its index
+    (families.mask_windows, what both learners build their masks from); without `layer_types` each family takes
+    transformers' default: Gemma 3 every sliding_window_pattern-th layer full, gpt-oss alternating, sliding first."""
+    gemma = {"model_type": "gemma3_text", "num_hidden_layers": 4, "sliding_window": 3, "sliding_window_pattern": 2}
+    gpt_oss = {"model_type": "gpt_oss", "num_hidden_layers": 4, "sliding_window": 3}
+    for cfg in (gemma, gpt_oss):
+        assert families.layer_types(cfg) == ("sliding_attention", "full_attention") * 2
+        assert families.layer_windows(cfg) == (3, None, 3, None)
+        assert families.mask_windows(cfg) == ((3, None), (0, 1, 0, 1))
+        # (the DeepSpeed learner's packed-row masks, by layer type: the full layers' without the window)
+        assert families.windows_by_layer_type(cfg) == {"sliding_attention": 3, "full_attention": None}
+    full = {**gpt_oss, "layer_types": ["full_attention"] * 4, "sliding_window": None}
+    assert families.layer_windows(full) == (None,) * 4 and families.mask_windows(full) == ((None,), None)
+    mistral = {"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 5}
+    assert families.layer_types(mistral) is None and families.mask_windows(mistral) == ((5,), None)
+    assert families.windows_by_layer_type(mistral) == {"": 5}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types"),
+    ({"sliding_window": None}, "sliding_window"),
+    ({"attention_bias": False}, "attention_bias"),
+])
+def test_gpt_oss_configs_megarl_cannot_convert_are_refused_naming_the_field(change, message):
+    config = {"model_type": "gpt_oss", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "hidden_size": 32, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+              "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "attention_bias": True}
+    with pytest.raises(ValueError, match=message):
+        convert.check_supported({**config, **change})
+@pytest.mark.parametrize("q_lora_rank", [12, None])
+def test_deepseek_v3_round_trip_is_exact_and_maps_the_latent_attention(tmp_path, q_lora_rank):
+    """Every tensor of a DeepSeek-V3 directory comes back bitwise: the multi-latent attention (a q latent, or one
+    q_proj when q_lora_rank is null; the kv latent and its shared k RoPE rows; both latent norms), GLM-4.5's MoE
+    (first layer dense, shared expert, the router's e_score_correction_bias) and the untied lm_head."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import save_tiny_deepseek_v3
+
+    model_dir = save_tiny_deepseek_v3(tmp_path, q_lora_rank=q_lora_rank)
+    cfg, hf = convert.load_pretrained(str(model_dir))
+    mcore = convert.hf_to_mcore(hf, cfg)
+    attn = "decoder.layers.1.self_attention."
+    assert mcore[attn + "linear_kv_down_proj.weight"].shape == (16 + 4, 32)  # [kv latent; shared k rope]
+    assert mcore[attn + "linear_kv_up_proj.weight"].shape == (4 * (8 + 6), 16)  # per head [k nope; v]
+    assert mcore[attn + "linear_proj.weight"].shape == (32, 4 * 6)
+    if q_lora_rank is None:
+        assert mcore[attn + "linear_q_proj.weight"].shape == (4 * 12, 32) and attn + "q_layernorm.weight" not in mcore
+    else:
+        assert mcore[attn + "linear_q_up_proj.weight"].shape == (4 * 12, 12)
+        assert torch.equal(mcore[attn + "q_layernorm.weight"], hf["model.layers.1.self_attn.q_a_layernorm.weight"])
+    assert torch.equal(mcore[attn + "kv_layernorm.weight"], hf["model.layers.1.self_attn.kv_a_layernorm.weight"])
+    assert torch.equal(mcore["decoder.layers.2.mlp.router.expert_bias"],
+                       hf["model.layers.2.mlp.gate.e_score_correction_bias"])
+    assert mcore["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * 48, 32)
+    back = convert.mcore_to_hf(mcore, cfg)
+    saved = load_file(f"{model_dir}/model.safetensors")
+    assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
+
+
+# A DeepSeek-V3 config as the hub's (no head_dim: transformers sets it to qk_rope_head_dim), at the tests' sizes
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "rms_norm_eps": 1e-6,
+               "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+               "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "q_lora_rank": 12,
+               "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+               "max_position_embeddings": 64, "rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                                               "mscale_all_dim": 0.5, "beta_fast": 32, "beta_slow": 1,
+                                                               "original_max_position_embeddings": 16}}
+
+
+def test_deepseek_v3_config_maps_to_megatrons_latent_attention_yarn_and_router():
+    """MLATransformerConfig's dims, the softmax scale's mscale(factor, mscale_all_dim) (transformers'
+    yarn_apply_mscale), YaRN's frequencies over the rope dims and their attention factor as transformers computes
+    them, and GLM-4.5's router."""
+    import math
+
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+
+    kwargs = convert.transformer_config_kwargs(DEEPSEEK_V3)
+    assert kwargs["multi_latent_attention"] and kwargs["num_query_groups"] == 4
+    assert (kwargs["q_lora_rank"], kwargs["kv_lora_rank"], kwargs["qk_head_dim"], kwargs["qk_pos_emb_head_dim"],
+            kwargs["v_head_dim"]) == (12, 16, 8, 4, 6)
+    assert kwargs["moe_router_score_function"] == "sigmoid" and kwargs["moe_layer_freq"] == [0, 1, 1]
+    hf_config = DeepseekV3Config(**{k: v for k, v in DEEPSEEK_V3.items() if k != "model_type"})
+    mscale = 0.1 * kwargs["mscale_all_dim"] * math.log(kwargs["rotary_scaling_factor"]) + 1.0  # megatron's MLA
+    assert math.isclose(mscale ** 2 / math.sqrt(8 + 4), yarn_apply_mscale(hf_config.rope_parameters, 12 ** -0.5))
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    assert torch.equal(convert.inv_freq(DEEPSEEK_V3), inv_freq)
+    assert convert.rope_attention_factor(convert.rope_scaling(DEEPSEEK_V3)) == factor != 1.0
+    assert convert.layer_spec_kwargs(DEEPSEEK_V3)["multi_latent_attention"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_interleave": False}, "rope_interleave"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear'"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+])
+def test_deepseek_v3_configs_megarl_cannot_map_exactly_are_refused_naming_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        convert.transformer_config_kwargs({**DEEPSEEK_V3, **change})
+
+
+def test_deepseek_v3_runs_unsplit_where_its_latent_projections_have_no_per_rank_slices_and_takes_no_lora():
+    """The multi-latent attention's HF tensors have no per-TP-rank slices (megarl.models.tp_shard): a built-in
+    engine at sampler.tp > 1 is refused naming the key, and learner.lora (no q/k/v/o_proj to adapt) too."""
+    from megarl.config.schema import LoraConfig
+    from megarl.models import layout, lora
+
+    cfg = {**DEEPSEEK_V3, "vocab_size": 64}
+    layout.check_layout(cfg, learner_tp=2, sampler_tp=1)
+    with pytest.raises(ValueError, match="sampler.tp=2: deepseek_v3's multi-latent attention"):
+        layout.check_layout(cfg, sampler_tp=2)
+    with pytest.raises(ValueError, match="learner.lora: 'deepseek_v3'"):
+        lora.check(DEEPSEEK_V3, LoraConfig(rank=4, alpha=8.0, target_modules=["o_proj"]))
+
+
 def test_phi3s_fused_projections_run_unsplit_and_say_where():
     """Phi-3's qkv_proj / gate_up_proj have no per-rank slices: a built-in engine at sampler.tp > 1, a shard
     conversion and LoRA adapters are refused naming the key; sampler.tp=1 at any learner layout is taken."""
@@ -403,19 +556,21 @@ def test_gemma3s_older_config_fields_give_transformers_layer_kinds_and_ropes(sca
 def test_gemma3_layers_recomputed_in_the_backward_get_their_own_micro_batchs_angles(tmp_path, megatron_world):
     """Under learner.recompute_activations=full a layer's forward reruns in the backward, after later micro-batches'
     forwards where a pipeline schedule interleaves them: a local layer's rotary angles travel with the layer's
-    inputs (megarl.learner.gemma3.use_layer_kinds), so the gradient is the one without recompute."""
+    inputs (megarl.learner.gemma3.use_layer_rope), so the gradient is the one without recompute."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
     from megarl.learner import gemma3, rotary_positions
     from megarl.learner.layer_spec import layer_spec
+    from megarl.learner.sdpa_attention import use_layer_masks
 
     hf_model, hf_state = _save(tmp_path, "gemma3")
     cfg = hf_model.config.to_dict()
     s = 12
     first = torch.randint(0, 64, (2, s), generator=torch.Generator().manual_seed(1))
     later = torch.randint(0, 64, (2, s), generator=torch.Generator().manual_seed(2))
-    mask = gemma3.stack_masks(lambda w: packing.causal_mask(s, window=w), MISTRAL_WINDOW)
+    windows, mask_index = families.mask_windows(cfg)
+    mask = torch.stack([packing.causal_mask(s, window=w) for w in windows])
 
     def first_grads(recompute: bool) -> dict:
         extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
@@ -428,7 +583,8 @@ def test_gemma3_layers_recomputed_in_the_backward_get_their_own_micro_batchs_ang
         rotary_positions.use_frequencies(gpt, convert.inv_freq(cfg))
         rotary_positions.use_position_ids(gpt)
         gemma3.scale_embeddings(gpt, cfg["hidden_size"])
-        gemma3.use_layer_kinds(gpt, families.layer_types(cfg), convert.local_inv_freq(cfg))
+        gemma3.use_layer_rope(gpt, families.layer_types(cfg), convert.local_inv_freq(cfg))
+        use_layer_masks(gpt, mask_index)
         gpt.train()
         loss = gpt(first, torch.arange(s).expand(2, s), mask).float().logsumexp(-1).mean()
         # another micro-batch's forward, at other positions (not a shift: RoPE would not tell one from the other)

@@ -1,0 +1,109 @@
+"""megarl.learner.sdpa_attention's attention sinks and per-layer masks against transformers' gpt-oss eager attention
+(fp32: the softmax over the scores and the sink logit, the sink dropped): outputs and the gradients of q, k, v and the
+sinks, under causal, sliding-window and packed masks, with grouped-query heads."""
+import types
+
+import pytest
+import torch
+
+from megarl.learner import packing
+
+HEADS, GROUPS, HEAD_DIM, WIDTH = 4, 2, 8, 10
+
+
+@pytest.fixture(scope="module")
+def core(world):
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    from megarl.learner.sdpa_attention import SDPAttention
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    config = TransformerConfig(num_layers=2, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+                               num_query_groups=GROUPS, kv_channels=HEAD_DIM, attention_dropout=0.0,
+                               softmax_type="learnable", use_cpu_initialization=True, perform_initialization=False)
+    from megatron.core.transformer.enums import AttnMaskType
+
+    module = SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    with torch.no_grad():
+        module.softmax_offset.copy_(torch.tensor([-1.0, 0.5, 2.0, 0.0]))  # sinks that take a fair share
+    return module
+
+
+def _hf(q, k, v, mask, sinks):
+    """transformers' gpt-oss eager attention on megatron's [S, B, heads, d] layout; `mask` bool, True = masked."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    module = types.SimpleNamespace(sinks=sinks, num_key_value_groups=HEADS // GROUPS, training=False)
+    additive = torch.zeros(mask.shape).masked_fill(mask, torch.finfo(torch.float32).min)
+    out, _ = eager_attention_forward(module, *(t.permute(1, 2, 0, 3) for t in (q, k, v)), additive,
+                                     scaling=HEAD_DIM ** -0.5)
+    return out.transpose(0, 1).reshape(q.shape[0], q.shape[1], -1)  # [B, S, H, d] -> [S, B, H * d]
+
+
+def _packed_mask(window):
+    rows = [[1, 2, 3, 4], [1, 2, 5, 6, 7], [8] * 10, [9, 9, 9], [9, 9, 8], [7, 7, 7, 7]]  # shared prefixes too
+    mb = {"input_ids": torch.tensor([r + [0] * (10 - len(r)) for r in rows]), "mask": torch.zeros(6, 10)}
+    packed = packing.pack(mb, torch.tensor([len(r) for r in rows]), bins=[[0, 1], [2], [3, 4, 5]], share_prefixes=True)
+    return packing.attention_mask(packed, window=window)
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "window", "packed", "packed_window"])
+def test_sinks_match_transformers_eager_attention(core, mask_kind):
+    mask = (packing.causal_mask(WIDTH, window=3 if mask_kind == "window" else None) if "packed" not in mask_kind
+            else _packed_mask(3 if mask_kind == "packed_window" else None))
+    rows = mask.shape[0] if "packed" in mask_kind else 2
+    shapes = [(WIDTH, rows, h, HEAD_DIM) for h in (HEADS, GROUPS, GROUPS)]
+    results = []
+    for forward in (core.forward, lambda q, k, v, m: _hf(q, k, v, m, core.softmax_offset)):
+        core.zero_grad()
+        qkv = [torch.randn(s, generator=torch.Generator().manual_seed(i)).requires_grad_()
+               for i, s in enumerate(shapes)]
+        out = forward(*qkv, mask)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)))
+        results.append((out.detach(), [t.grad for t in qkv], core.softmax_offset.grad.clone()))
+    (ours, our_grads, our_sink_grad), (ref, ref_grads, ref_sink_grad) = results
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(our_grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(our_sink_grad, ref_sink_grad, atol=1e-5, rtol=1e-5)
+    assert ref_sink_grad.abs().min() > 1e-4  # (each sink's gradient is there to compare)
+
+
+def test_a_layer_attends_with_its_own_mask_of_a_stack(core):
+    # use_layer_masks: a stacked [windows, B, 1, Q, K] mask, the layer's own index picks its mask
+    full, window = packing.causal_mask(WIDTH), packing.causal_mask(WIDTH, window=2)
+    qkv = [torch.randn(WIDTH, 1, h, HEAD_DIM, generator=torch.Generator().manual_seed(i))
+           for i, h in enumerate((HEADS, GROUPS, GROUPS))]
+    stacked = torch.stack([full, window])
+    for index, mask in enumerate((full, window)):
+        core.mask_index = index
+        torch.testing.assert_close(core.forward(*qkv, stacked), _hf(*qkv, mask, core.softmax_offset.detach()),
+                                   atol=1e-5, rtol=1e-5)
+    core.mask_index = 0
+
+
+def test_with_sinks_leaves_sdpa_its_fused_kernel():
+    """q, k and v come out of with_sinks one width, a multiple of 8 (14 heads in 2 groups of 64 dims: 64 + 7 -> 72),
+    which SDPA's fused CPU flash kernel takes (it computes the [Q, K] scores unfused otherwise); the context's first
+    64 dims are the attention with sinks."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megarl.learner.sdpa_attention import with_sinks
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 6, 64, generator=gen) for h in (14, 2, 2))
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()
+    sinks = torch.randn(14, generator=gen)
+    q2, k2, v2, allowed2 = with_sinks(q, k, v, allowed, sinks, 0.125)
+    assert q2.shape[-1] == k2.shape[-1] == v2.shape[-1] == 72 and allowed2.shape == (6, 7)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        fused = torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, attn_mask=allowed2, scale=0.125,
+                                                                 enable_gqa=True)[..., :64]
+    module = types.SimpleNamespace(sinks=sinks, num_key_value_groups=7, training=False)
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    additive = torch.zeros(6, 6).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    ref, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.125)
+    torch.testing.assert_close(fused, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
