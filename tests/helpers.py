@@ -386,3 +386,19 @@ def save_tiny_qwen3_next(path: Path, vocab_size: int = 264, tokenizer: bool = Tr
 
         build_tokenizer().save_pretrained(path)
     return path
+
+
+def signed_loopback_store(key: bytes, timeout_s: float = 30.0):
+    """A SignedStore keyed with `key` over a fresh TCPStore server on 127.0.0.1 (a free port): the store a run's
+    roles share, for tests that drive them in one process."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megarl.distributed.signed_store import SignedStore
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return SignedStore(dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=timeout_s)), key)

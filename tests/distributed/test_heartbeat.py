@@ -1,24 +1,18 @@
 """Heartbeats through a real TCPStore: a sampler that stops beating is named once the timeout passes; forged
 values neither end the run nor make a beating sampler look hung."""
-import socket
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from megarl.distributed.heartbeat import Heartbeat, HeartbeatMonitor, SamplerHungError, heartbeat_key
-from megarl.distributed.signed_store import SignedStore
+from tests.helpers import signed_loopback_store
 
 KEY = b"k" * 32
 
 
 @pytest.fixture
 def store():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return SignedStore(dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10)), KEY)
+    return signed_loopback_store(KEY, timeout_s=10)
 
 
 def test_beating_samplers_pass_and_a_silent_one_is_named(store):

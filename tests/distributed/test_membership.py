@@ -3,7 +3,6 @@ member leaves the publish set, the survivor follows to the next epoch's group, a
 data position and receives the next (whole) publish bit exact; late groups of a dropped incarnation are refused."""
 import collections
 import json
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -19,6 +18,7 @@ from megarl.distributed.publish import WeightPublisher, WeightReceiver
 from megarl.distributed.signed_store import SignedStore
 from megarl.distributed.topology import epoch_publish_group
 from megarl.roles.sampler_keeper import how_it_ended, over_limit
+from tests.helpers import signed_loopback_store
 
 KEY = b"k" * 32
 TIMEOUT_S = 20.0
@@ -26,10 +26,7 @@ TIMEOUT_S = 20.0
 
 @pytest.fixture
 def store():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return SignedStore(dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=30)), KEY)
+    return signed_loopback_store(KEY)
 
 
 def _client(store):

@@ -376,51 +376,26 @@ def test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank(moe_di
 
 
 def _sigmoid_routed_layouts_match_one_rank(model_dir, tmp_path, **learner):
-    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results
+    layouts = {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", **learner},
+               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", **learner},
+               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", **learner}}
+    _layouts_match_one_rank(model_dir, tmp_path, layouts, timeout=300, **learner)
+
+
+def _layouts_match_one_rank(model_dir, tmp_path, layouts: dict, timeout: float, **learner):
+    """Each 2-rank layout of `layouts` (r3 on perturbed routers) gives the one-rank learner's log-probs, loss, grad
+    norm, router agreement and lag-0 gap, and after one step its whole published weights (PP2: both stages')."""
+    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results, _sources
 
     perturbed = _perturbed_router_dir(model_dir, tmp_path / "perturbed")
     ids = _ids()
     behaviour, routes = _hf_forward(model_dir, ids)
     batch = _batch(ids, behaviour, routes, short_rows=True)
-    layouts = {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", **learner},
-               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", **learner},
-               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", **learner}}
     proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
     one_rank = _learner(perturbed, routing_replay="r3", micro_batch_size=3, **learner)
     ref_logprobs, ref = one_rank.logprobs(ids, routes), one_rank.train_step(batch)
     ref_published = dict(one_rank.publish_tensors())
-    results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=300)
-    for layout, ranks in results.items():
-        for rank in ranks:
-            assert _close(rank["logprobs"], ref_logprobs), layout
-            for key in ("loss", "grad_norm", "router/agreement", "lag0/logprob_gap_abs"):
-                assert abs(rank["metrics"][key] - ref[key]) <= 1e-5 * max(1.0, abs(ref[key])), (layout, key)
-        published = ranks[0]["published"]
-        assert set(published) == set(ref_published), layout
-        assert all(_close(published[n], t) for n, t in ref_published.items()), layout
-
-
-def test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
-    """gpt-oss in a real 2-process torchrun (gloo), r3 on perturbed routers: PP2 (the sliding layer on the first
-    stage, the full one on the second: each picks its own mask by its global index), DP2 x EP2 (2 of the 4 biased
-    experts per rank), TP2 (sequence parallelism; the sinks and q/k/v biases split by heads, o_proj's and the
-    router's bias whole) and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement,
-    and after one step the same whole published weights (the fused experts gathered over EP)."""
-    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results, _sources
-
-    perturbed = _perturbed_router_dir(moe_dirs["gpt_oss"], tmp_path / "perturbed")
-    ids = _ids()
-    behaviour, routes = _hf_forward(moe_dirs["gpt_oss"], ids)
-    batch = _batch(ids, behaviour, routes, short_rows=True)
-    layouts = {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}}
-    proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
-    learner = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
-    ref_logprobs, ref = learner.logprobs(ids, routes), learner.train_step(batch)
-    ref_published = dict(learner.publish_tensors())
-    results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=400)
+    results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=timeout)
     for layout, ranks in results.items():
         for rank in ranks:
             assert _close(rank["logprobs"], ref_logprobs), layout
@@ -431,6 +406,19 @@ def test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(m
             published.update(rank["published"])
         assert set(published) == set(ref_published), layout
         assert all(_close(published[n], t) for n, t in ref_published.items()), layout
+
+
+def test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+    """gpt-oss in a real 2-process torchrun (gloo), r3 on perturbed routers: PP2 (the sliding layer on the first
+    stage, the full one on the second: each picks its own mask by its global index), DP2 x EP2 (2 of the 4 biased
+    experts per rank), TP2 (sequence parallelism; the sinks and q/k/v biases split by heads, o_proj's and the
+    router's bias whole) and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement,
+    and after one step the same whole published weights (the fused experts gathered over EP)."""
+    layouts = {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}}
+    _layouts_match_one_rank(moe_dirs["gpt_oss"], tmp_path, layouts, timeout=400)
 
 
 def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):

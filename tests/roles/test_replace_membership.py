@@ -2,35 +2,28 @@
 failed epoch or publish must not turn into replacing live samplers, a survivor is never handed a data position, the
 learner waits on while every sampler is being replaced, and a step is always one batch's optimizer steps."""
 import json
-import socket
 import threading
 import time
-from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megarl.config.load import load_config
 from megarl.distributed.membership import EpochFollower, dead_key, epoch_key, join_key
 from megarl.distributed.publish import header_key
-from megarl.distributed.signed_store import SignedStore
 from megarl.protocols import TrainBatch
 from megarl.roles import learner_main
 from megarl.roles.learner_main import Intake, JoinersWaiting, RunOutputs, check_trained, publish_to_members
 from megarl.sampler.sglang_engine import SGLangWeightFollower
-from tests.helpers import REPO
+from tests.helpers import REPO, signed_loopback_store
 
 KEY = b"k" * 32
 
 
 @pytest.fixture
 def store():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return SignedStore(dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=30)), KEY)
+    return signed_loopback_store(KEY)
 
 
 def _intake(store, monkeypatch, *overrides) -> Intake:
