@@ -11,6 +11,9 @@ has to take part. A sampler's receiver follows the epochs (`EpochFollower`). Rec
     samplers/dead/{rank}     its keeper saw the incarnation end ({incarnation, cause})
     samplers/replace/{rank}  the learner asks the keeper to kill a hung incarnation ({incarnation, cause})
     samplers/epoch/{e}       the epoch record ({members: [[rank, incarnation], ...], first_publish, positions})
+    samplers/remove/{rank}   `megarl samplers remove` asks the learner to drain the sampler ({request})
+    samplers/removed/{rank}  the learner's answer ({request, incarnation, lost} or {request, refused}): with an
+                             incarnation, its keeper kills that incarnation and starts none
 
 An incarnation's queue sequence numbers and heartbeat counts start at `incarnation << SHIFT`, above anything an
 earlier incarnation of its rank can have used: the queue refuses a lower sequence as a replay, and the heartbeat
@@ -58,6 +61,14 @@ def epoch_key(epoch: int) -> str:
     return f"samplers/epoch/{epoch}"
 
 
+def remove_key(rank: int) -> str:
+    return f"samplers/remove/{rank}"
+
+
+def removed_key(rank: int) -> str:
+    return f"samplers/removed/{rank}"
+
+
 def read_record(store, key: str) -> dict | None:
     return json.loads(store.get(key)) if store.check([key]) else None
 
@@ -88,6 +99,8 @@ class SamplerSet:
         # The incarnations a whole publish reached: they run on the data position they started from. Every other
         # member is a newcomer that takes its position from the epoch record (once: EpochFollower.take_position).
         self.synced: dict[int, int] = dict(self.members)
+        self.removed: set[int] = set()  # ranks `megarl samplers remove` took out for good (never re-admitted)
+        self.answered: set[str] = set()  # remove requests answered
 
     def name(self, rank: int) -> str:
         return f"sampler {rank - self.num_learners} (rank {rank})"
@@ -115,6 +128,39 @@ class SamplerSet:
         self.note(f"megarl: {self.name(rank)} {cause}: dropped from the publish set, replacement {incarnation + 1} "
                   f"starting; {lost} unfinished group{'s' if lost != 1 else ''} lost")
 
+    def removals(self) -> list[tuple[int, str]]:
+        """Remove requests (`megarl samplers remove`) not answered yet: (rank, request id)."""
+        found = []
+        for rank in self.known:
+            record = read_record(self.store, remove_key(rank))
+            if record is not None and record["request"] not in self.answered:
+                found.append((rank, record["request"]))
+        return found
+
+    def remove(self, rank: int, request: str, retired: int) -> dict:
+        """Take `rank` out of the live set for good (its keeper then kills the incarnation and starts none); its
+        running rollouts are dropped, counted as lost. Refused (the answer says why) for a rank that is no member
+        or the last member: the run would have no sampler left. The answer is recorded under removed_key."""
+        self.answered.add(request)
+        if rank not in self.members:
+            answer = {"request": request, "refused": f"{self.name(rank)} is not in the publish set (being replaced, "
+                                                     f"or removed already)"}
+        elif len(self.members) == 1:
+            answer = {"request": request, "refused": f"{self.name(rank)} is the last live sampler: the run would "
+                                                     f"have none left"}
+        else:
+            incarnation = self.members.pop(rank)
+            self.synced.pop(rank, None)
+            self.removed.add(rank)
+            lost = lost_groups(self.started.pop(rank, 0.0), retired)
+            self.lost += lost
+            self.changed = True
+            answer = {"request": request, "incarnation": incarnation, "lost": lost}
+            self.note(f"megarl: {self.name(rank)} removed (megarl samplers remove): left the publish set, stopped "
+                      f"and not replaced; {lost} running group{'s' if lost != 1 else ''} dropped (lost)")
+        self.store.set(removed_key(rank), json.dumps(answer))
+        return answer
+
     def dead(self) -> list[tuple[int, str]]:
         """Members whose keeper recorded their end: (rank, cause)."""
         found = []
@@ -129,7 +175,7 @@ class SamplerSet:
         found = []
         for rank in self.known:
             raw = read_record(self.store, join_key(rank))
-            if raw is not None and raw > self.known[rank] and rank not in self.members:
+            if raw is not None and raw > self.known[rank] and rank not in self.members and rank not in self.removed:
                 found.append((rank, raw))
         return found
 

@@ -8,6 +8,11 @@ starts the next incarnation, which joins the next membership epoch (megarl.distr
 and torchrun stops the run, only when fault.max_sampler_restarts_per_hour is exceeded. A stop signal is passed to
 the sampler, whose exit (and status) this process then shares; the sampler dies with this process (its
 PR_SET_PDEATHSIG is SIGKILL), so nothing outlives the run.
+
+`megarl samplers remove` drains a sampler: once the learner has taken it out of the publish set
+(`samplers/removed/{rank}` names its incarnation), this process SIGKILLs it (its running rollouts are dropped,
+the learner counts them lost), starts no other and waits, idle, for the run's end (leaving torchrun's worker
+group early would be an exit torchrun has to account for; idling costs nothing).
 """
 from __future__ import annotations
 
@@ -23,13 +28,15 @@ import time
 from megarl.config.schema import Config
 from megarl.distributed import launch_gate
 from megarl.distributed.lifetime import exit_status, stop_signal
-from megarl.distributed.membership import INCARNATION_ENV, dead_key, read_record, replace_key
+from megarl.distributed.membership import INCARNATION_ENV, dead_key, read_record, removed_key, replace_key
 from megarl.distributed.ranks import Topology
 from megarl.roles.learner_main import STOP_KEY
 
 POLL_S = 0.1
 HOUR_S = 3600.0
 STOP_GRACE_S = 30.0  # after the run's stop, how long a sampler may take to exit before it is killed
+IDLE_POLL_S = 0.5  # a removed sampler's keeper: how often it looks for the run's end
+REMOVED = "removed"  # _watch's cause for an incarnation `megarl samplers remove` took out
 
 
 def _die_with_keeper() -> None:  # in the child between fork and exec: SIGKILL, so even a stopped child goes
@@ -62,6 +69,10 @@ def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store) -> None:
         cause, code = _watch(child, store, topo.rank, incarnation)
         if cause is None:  # the run ended (or was stopped): leave as the sampler did
             raise SystemExit(code)
+        if cause == REMOVED:
+            print(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) removed (megarl samplers remove): incarnation "
+                  f"{incarnation} stopped, no replacement", flush=True)
+            raise SystemExit(idle_until_run_ends(store))
         store.set(dead_key(topo.rank), json.dumps({"incarnation": incarnation, "cause": cause}))
         if over_limit(restarts, time.monotonic(), cfg.fault.max_sampler_restarts_per_hour):
             raise SystemExit(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}: {len(restarts)} ends "
@@ -74,12 +85,33 @@ def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store) -> None:
               flush=True)
 
 
+def removal_of(store, rank: int, incarnation: int) -> bool:
+    """Has the learner taken this incarnation out for `megarl samplers remove`?"""
+    record = read_record(store, removed_key(rank))
+    return record is not None and record.get("incarnation") == incarnation
+
+
+def idle_until_run_ends(store, poll_s: float = IDLE_POLL_S) -> int:
+    """A removed sampler's rank: wait for the run's stop flag or a stop signal; the status to exit with. No bound:
+    the run's end (or torchrun's stop) ends it, as for every other rank."""
+    while True:
+        if stop_signal() is not None:
+            return exit_status(stop_signal())
+        if store.check([STOP_KEY]):
+            return 0
+        time.sleep(poll_s)
+
+
 def _watch(child: subprocess.Popen, store, rank: int, incarnation: int) -> tuple[str | None, int]:
     """Wait for this incarnation to end: (why, None when the run ended or a stop signal ended it; the status
     this rank then exits with)."""
     stop_seen, forwarded, killed = None, False, False
     while True:
         code = child.poll()
+        if not forwarded and stop_seen is None and removal_of(store, rank, incarnation):
+            child.kill()  # drained: its running rollouts are dropped (the learner counted them lost)
+            child.wait()  # (it may have ended already: the epoch that left it out ends it too)
+            return REMOVED, child.returncode
         if code is not None:
             if forwarded:
                 return None, exit_status(-code) if code < 0 else code
