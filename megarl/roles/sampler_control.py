@@ -23,13 +23,13 @@ CONNECT_TIMEOUT_S = 30.0
 
 def _refusal_without_contact(run_dir: Path, exc: ContactError) -> str:
     """Name fault.on_failure when the run dir's config shows it is not `replace` (the contact's absence says less)."""
-    config = run_dir / "config.yaml"
+    config = run_dir / "config.yaml"  # the run's resolved config (every key), saved at its start
     if config.is_file():
-        from megarl.config.load import load_config
+        import yaml
 
         try:
-            on_failure = load_config(config, [], check_files=False).fault.on_failure
-        except Exception:  # an unreadable config: the contact's reason stands
+            on_failure = (yaml.safe_load(config.read_text()) or {}).get("fault", {}).get("on_failure", "stop")
+        except (yaml.YAMLError, AttributeError):  # an unreadable config: the contact's reason stands
             on_failure = "replace"
         if on_failure != "replace":
             return (f"the run in {run_dir} runs with fault.on_failure={on_failure}: samplers join and leave only "
