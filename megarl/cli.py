@@ -703,8 +703,10 @@ def show_config(args: argparse.Namespace) -> int:
 
 
 def samplers(args: argparse.Namespace) -> int:
-    from megarl.roles.sampler_control import remove_sampler
+    from megarl.roles.sampler_control import add_sampler, remove_sampler
 
+    if args.action == "add":
+        return add_sampler(args.run_dir, args.overrides)
     return remove_sampler(args.run_dir, args.sampler, args.timeout_s)
 
 
@@ -759,6 +761,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=show_config)
     p = sub.add_parser("samplers", help="change the samplers of a running job (fault.on_failure=replace)")
     actions = p.add_subparsers(dest="action", required=True)
+    q = actions.add_parser("add", help="start one more built-in sampler in this terminal (foreground; it runs until "
+                                       "the run ends or it is removed): it joins the next publish and sends groups")
+    q.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run.dir")
+    q.add_argument("overrides", nargs="*", help="key=value over the run's saved config, e.g. sampler.max_running=8")
+    q.set_defaults(func=samplers)
     q = actions.add_parser("remove", help="drain one sampler: it leaves the publish set, its running rollouts are "
                                           "dropped (counted lost), it is stopped and not replaced; the run goes on")
     q.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run.dir")

@@ -11,6 +11,8 @@ has to take part. A sampler's receiver follows the epochs (`EpochFollower`). Rec
     samplers/dead/{rank}     its keeper saw the incarnation end ({incarnation, cause})
     samplers/replace/{rank}  the learner asks the keeper to kill a hung incarnation ({incarnation, cause})
     samplers/epoch/{e}       the epoch record ({members: [[rank, incarnation], ...], first_publish, positions})
+    samplers/added/{n}       `megarl samplers add` started the run's n-th added sampler rank ({rank}); its
+                             incarnations count from 1, so each joins as a replacement does
     samplers/remove/{rank}   `megarl samplers remove` asks the learner to drain the sampler ({request})
     samplers/removed/{rank}  the learner's answer ({request, incarnation, lost} or {request, refused}): with an
                              incarnation, its keeper kills that incarnation and starts none
@@ -61,6 +63,13 @@ def epoch_key(epoch: int) -> str:
     return f"samplers/epoch/{epoch}"
 
 
+ADDED_COUNT_KEY = "samplers/added_count"  # the raw counter `megarl samplers add` numbers its ranks by
+
+
+def added_key(n: int) -> str:
+    return f"samplers/added/{n}"
+
+
 def remove_key(rank: int) -> str:
     return f"samplers/remove/{rank}"
 
@@ -101,6 +110,7 @@ class SamplerSet:
         self.synced: dict[int, int] = dict(self.members)
         self.removed: set[int] = set()  # ranks `megarl samplers remove` took out for good (never re-admitted)
         self.answered: set[str] = set()  # remove requests answered
+        self.added: list[int] = []  # ranks `megarl samplers add` started, in their order (added_key)
 
     def name(self, rank: int) -> str:
         return f"sampler {rank - self.num_learners} (rank {rank})"
@@ -130,6 +140,7 @@ class SamplerSet:
 
     def removals(self) -> list[tuple[int, str]]:
         """Remove requests (`megarl samplers remove`) not answered yet: (rank, request id)."""
+        self.discover()
         found = []
         for rank in self.known:
             record = read_record(self.store, remove_key(rank))
@@ -170,8 +181,20 @@ class SamplerSet:
                 found.append((rank, record["cause"]))
         return found
 
+    def discover(self) -> None:
+        """Take in the ranks `megarl samplers add` started since the last look (their first incarnation is 1: it
+        asks to join as a replacement does)."""
+        while (record := read_record(self.store, added_key(len(self.added) + 1))) is not None:
+            self.added.append(int(record["rank"]))
+            self.known.setdefault(int(record["rank"]), 0)
+
+    def join_line(self, rank: int, incarnation: int, version: int) -> str:
+        what = "added" if rank in self.added and incarnation == 1 else f"replacement {incarnation}"
+        return f"megarl: {self.name(rank)}: {what} joins the publish set at version {version}"
+
     def joins(self) -> list[tuple[int, int]]:
-        """Ready replacements not yet members: (rank, incarnation)."""
+        """Ready replacements and added samplers not yet members: (rank, incarnation)."""
+        self.discover()
         found = []
         for rank in self.known:
             raw = read_record(self.store, join_key(rank))

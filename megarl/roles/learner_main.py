@@ -220,8 +220,7 @@ class Intake:
                 self.members.admit(rank, incarnation)
                 self.heartbeats.watch(rank)
                 self.memberless_since = None
-                self.members.note(f"megarl: {self.members.name(rank)}: replacement {incarnation} joins the "
-                                  f"publish set at version {version}")
+                self.members.note(self.members.join_line(rank, incarnation, version))
             if not self.members.changed:
                 return publisher.group is not None
             # A newcomer (no whole publish reached it yet) re-issues the group indices of its rank the learner has not
@@ -554,7 +553,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
         write_contact(cfg.run.dir, {
             "store": [os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))],
             "prefix": f"{STORE_PREFIX}attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
-            "secret": run_secret().decode(), "sampler_ranks": list(topo.engine_leads)})
+            "secret": run_secret().decode(), "sampler_ranks": list(topo.engine_leads),
+            "world_size": topo.world_size, "num_learners": topo.num_learners})
     # A membership epoch's group, the source as rank 0; members may first sit out a failed publish's receive.
     make_group = lambda epoch, size: epoch_publish_group(store, epoch, 0, size, cfg.dist.backend,  # noqa: E731
                                                          2 * cfg.publish.timeout_s)

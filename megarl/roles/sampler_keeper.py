@@ -58,11 +58,15 @@ def over_limit(restarts: collections.deque, now: float, per_hour: int) -> bool:
     return len(restarts) > per_hour
 
 
-def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store) -> None:
-    """Run incarnations of this sampler rank until the run ends; SystemExit with the last one's status."""
+def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store, first: int = 0,
+                 idle_after_removal: bool = True) -> None:
+    """Run incarnations of this sampler rank until the run ends; SystemExit with the last one's status. `first`: the
+    first incarnation's number (1 for a rank `megarl samplers add` started: it joins as a replacement does).
+    `idle_after_removal`: a torchrun worker stays until the run ends once its sampler is removed; the keeper
+    `megarl samplers add` runs, in no worker group, leaves at once."""
     env = {k: v for k, v in os.environ.items() if k != launch_gate.ENV}  # this process passed the gate for it
     restarts: collections.deque = collections.deque()
-    incarnation = 0
+    incarnation = first
     while True:
         child = subprocess.Popen([sys.executable, "-m", "megarl.roles.worker", *argv],
                                  env={**env, INCARNATION_ENV: str(incarnation)}, preexec_fn=_die_with_keeper)
@@ -72,7 +76,7 @@ def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store) -> None:
         if cause == REMOVED:
             print(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) removed (megarl samplers remove): incarnation "
                   f"{incarnation} stopped, no replacement", flush=True)
-            raise SystemExit(idle_until_run_ends(store))
+            raise SystemExit(idle_until_run_ends(store) if idle_after_removal else 0)
         store.set(dead_key(topo.rank), json.dumps({"incarnation": incarnation, "cause": cause}))
         if over_limit(restarts, time.monotonic(), cfg.fault.max_sampler_restarts_per_hour):
             raise SystemExit(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}: {len(restarts)} ends "

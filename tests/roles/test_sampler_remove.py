@@ -67,7 +67,8 @@ def test_the_keeper_kills_a_removed_incarnation_starts_none_and_idles_until_the_
 
 def _contact(run_dir, **record):
     return run_contact.write_contact(run_dir, {"store": ["127.0.0.1", 1], "prefix": "megarl/attempt0/",
-                                               "secret": "ab" * 32, "sampler_ranks": [1, 2], **record})
+                                               "secret": "ab" * 32, "sampler_ranks": [1, 2], "world_size": 3,
+                                               "num_learners": 1, **record})
 
 
 def test_the_contact_is_private_and_refused_when_finished_foreign_or_loose(tmp_path, monkeypatch):
@@ -130,3 +131,38 @@ def test_the_command_drains_through_the_learner_and_reports_its_answer(store, mo
         stop.set()
         thread.join(10)
     assert intake.members.members == {1: 0}
+
+
+def test_an_added_sampler_rank_is_taken_in_joins_the_next_epoch_as_a_newcomer_and_can_be_removed(store, monkeypatch):
+    from megarl.distributed.membership import added_key
+
+    intake = _intake(store, monkeypatch)
+    lines = []
+    intake.members.note = lines.append
+    store.set(added_key(1), json.dumps({"rank": 3}))
+    publisher = FakePublisher()
+    intake.members.discover()
+    assert intake.members.members == {1: 0, 2: 0}  # not ready yet: no join record
+    store.set(join_key(3), "1")  # its first incarnation (1) is ready
+    assert intake.refresh_members(publisher, lambda epoch, size: f"epoch {epoch}", version=4)
+    record = json.loads(store.get(epoch_key(1)))
+    assert record["members"] == [[1, 0], [2, 0], [3, 1]]
+    assert record["positions"] == {"3": {"cursor": 0, "above": []}}  # a new stream: from index 0
+    assert lines == ["megarl: sampler 2 (rank 3): added joins the publish set at version 4"]
+    assert 3 in intake.heartbeats.ranks and intake.members.metrics()["samplers/alive"] == 3.0
+    _ask(store, 3)
+    intake.take_removals()
+    assert intake.members.members == {1: 0, 2: 0}
+
+
+def test_add_is_refused_for_other_engines_and_eval_sets_by_name(tmp_path, capsys):
+    assert sampler_control.add_refusal({"sampler": {"engine": "builtin"}, "eval": {"sets": []}}) is None
+    assert sampler_control.add_refusal({"sampler": {"engine": "vllm"}}).startswith("sampler.engine=vllm:")
+    assert sampler_control.add_refusal({"eval": {"sets": [{"name": "x"}]}}).startswith("eval.sets:")
+    (tmp_path / "config.yaml").write_text("fault:\n  on_failure: stop\n")
+    assert sampler_control.add_sampler(str(tmp_path), []) == 1
+    assert "runs with fault.on_failure=stop" in capsys.readouterr().out
+    _contact(tmp_path)
+    (tmp_path / "config.yaml").write_text("fault:\n  on_failure: replace\nsampler:\n  engine: sglang\n")
+    assert sampler_control.add_sampler(str(tmp_path), []) == 1
+    assert "sampler.engine=sglang: `megarl samplers add` starts built-in engines only" in capsys.readouterr().out
