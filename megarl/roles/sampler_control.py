@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -109,11 +110,25 @@ def add_refusal(config: dict) -> str | None:
     return None
 
 
+def leave_on_signal(store, rank: int) -> None:
+    """SIGINT/SIGTERM/SIGHUP to `megarl samplers add` drain its sampler (a remove request: the learner answers, the
+    keeper then stops it and exits 0) instead of stopping the run; a second one ends the command at once (its
+    sampler dies with it, and the learner drops it when its heartbeat stands still)."""
+    def drain(signum, frame) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        print(f"megarl samplers add: {signal.Signals(signum).name} received: removing this sampler from the run "
+              f"(send it again to end this command at once)", flush=True)
+        store.set(remove_key(rank), json.dumps({"request": secrets.token_hex(8)}))
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, drain)
+
+
 def add_sampler(run_dir: str, overrides: list[str]) -> int:
     """The command: run an added sampler rank's keeper until the run ends (its status) or the sampler is removed
     (0); 1 with a line saying why when refused."""
     from megarl.config.load import load_config
-    from megarl.distributed.lifetime import install_stop_handlers
     from megarl.distributed.membership import ADDED_COUNT_KEY, added_key
     from megarl.distributed.ranks import topology_from_env
     from megarl.roles.sampler_keeper import keep_sampler
@@ -143,9 +158,9 @@ def add_sampler(run_dir: str, overrides: list[str]) -> int:
     store.set(added_key(n), json.dumps({"rank": rank}))
     print(f"megarl: sampler {topo.role_rank} (rank {rank}) added to the run in {run_dir}: its keeper runs here; the "
           f"sampler joins the publish set once its engine is ready", flush=True)
-    install_stop_handlers()
+    leave_on_signal(store, rank)
     try:
-        keep_sampler(argv, cfg, topo, store, first=1, idle_after_removal=False)
+        keep_sampler(argv, cfg, topo, store, first=1, idle_after_removal=False, own_session=True)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (print(exc.code, flush=True) or 1)
     return 0

@@ -59,17 +59,19 @@ def over_limit(restarts: collections.deque, now: float, per_hour: int) -> bool:
 
 
 def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store, first: int = 0,
-                 idle_after_removal: bool = True) -> None:
+                 idle_after_removal: bool = True, own_session: bool = False) -> None:
     """Run incarnations of this sampler rank until the run ends; SystemExit with the last one's status. `first`: the
     first incarnation's number (1 for a rank `megarl samplers add` started: it joins as a replacement does).
     `idle_after_removal`: a torchrun worker stays until the run ends once its sampler is removed; the keeper
-    `megarl samplers add` runs, in no worker group, leaves at once."""
+    `megarl samplers add` runs, in no worker group, leaves at once. `own_session`: the samplers start in a session
+    of their own, out of reach of the terminal's signals (a sampler that receives a stop signal stops the run)."""
     env = {k: v for k, v in os.environ.items() if k != launch_gate.ENV}  # this process passed the gate for it
     restarts: collections.deque = collections.deque()
     incarnation = first
     while True:
         child = subprocess.Popen([sys.executable, "-m", "megarl.roles.worker", *argv],
-                                 env={**env, INCARNATION_ENV: str(incarnation)}, preexec_fn=_die_with_keeper)
+                                 env={**env, INCARNATION_ENV: str(incarnation)}, preexec_fn=_die_with_keeper,
+                                 start_new_session=own_session)
         cause, code = _watch(child, store, topo.rank, incarnation)
         if cause is None:  # the run ended (or was stopped): leave as the sampler did
             raise SystemExit(code)

@@ -166,3 +166,18 @@ def test_add_is_refused_for_other_engines_and_eval_sets_by_name(tmp_path, capsys
     (tmp_path / "config.yaml").write_text("fault:\n  on_failure: replace\nsampler:\n  engine: sglang\n")
     assert sampler_control.add_sampler(str(tmp_path), []) == 1
     assert "sampler.engine=sglang: `megarl samplers add` starts built-in engines only" in capsys.readouterr().out
+
+
+def test_a_stop_signal_to_the_add_command_asks_to_remove_its_sampler_instead_of_stopping_the_run(store):
+    import signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        sampler_control.leave_on_signal(store, 3)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # the handler runs in the main thread at the next bytecode
+        assert "request" in json.loads(store.get(remove_key(3)))
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL  # a second signal ends the command
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
