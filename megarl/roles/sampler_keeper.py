@@ -9,10 +9,12 @@ and torchrun stops the run, only when fault.max_sampler_restarts_per_hour is exc
 the sampler, whose exit (and status) this process then shares; the sampler dies with this process (its
 PR_SET_PDEATHSIG is SIGKILL), so nothing outlives the run.
 
-`megarl samplers remove` drains a sampler: once the learner has taken it out of the publish set
-(`samplers/removed/{rank}` names its incarnation), this process SIGKILLs it (its running rollouts are dropped,
-the learner counts them lost), starts no other and waits, idle, for the run's end (leaving torchrun's worker
-group early would be an exit torchrun has to account for; idling costs nothing).
+`megarl samplers remove` drains a sampler: the learner takes it out of the publish set (`samplers/removed/{rank}`
+names its incarnation) and refuses its groups from then on (its running rollouts are dropped, counted lost); the
+sampler exits when its receiver meets the first membership epoch that leaves it out (SamplerDropped, between two
+publishes: never while it relays a broadcast to the others, which a kill at an arbitrary moment could cut). This
+process then starts no other and waits, idle, for the run's end (leaving torchrun's worker group early would be an
+exit torchrun has to account for; idling costs nothing).
 """
 from __future__ import annotations
 
@@ -114,11 +116,9 @@ def _watch(child: subprocess.Popen, store, rank: int, incarnation: int) -> tuple
     stop_seen, forwarded, killed = None, False, False
     while True:
         code = child.poll()
-        if not forwarded and stop_seen is None and removal_of(store, rank, incarnation):
-            child.kill()  # drained: its running rollouts are dropped (the learner counted them lost)
-            child.wait()  # (it may have ended already: the epoch that left it out ends it too)
-            return REMOVED, child.returncode
         if code is not None:
+            if not forwarded and stop_seen is None and removal_of(store, rank, incarnation):
+                return REMOVED, code  # it left on the first epoch that leaves it out (SamplerDropped)
             if forwarded:
                 return None, exit_status(-code) if code < 0 else code
             if killed or code == 0 or stop_seen is not None or store.check([STOP_KEY]):

@@ -52,17 +52,34 @@ def test_the_last_live_sampler_and_a_non_member_are_not_removed(store, monkeypat
     assert intake.members.members == {2: 0}
 
 
-def test_the_keeper_kills_a_removed_incarnation_starts_none_and_idles_until_the_run_ends(store):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+def test_the_keeper_lets_a_removed_incarnation_leave_by_itself_starts_none_and_idles_until_the_run_ends(store):
+    # Not killed: a sampler killed while it relays a broadcast to the others would fail their receive (gloo's
+    # broadcast is a tree). It leaves on the first epoch that leaves it out (SamplerLoop._removed), status 0.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
     try:
         store.set(removed_key(1), json.dumps({"request": "r", "incarnation": 0, "lost": 0}))
-        assert sampler_keeper._watch(child, store, 1, 0) == (sampler_keeper.REMOVED, -9)
+        assert sampler_keeper._watch(child, store, 1, 0) == (sampler_keeper.REMOVED, 0)
     finally:
         child.kill()
     store.set(removed_key(2), json.dumps({"request": "r", "refused": "the last live sampler"}))
     assert not sampler_keeper.removal_of(store, 2, 0)
     threading.Timer(0.3, lambda: store.set(STOP_KEY, "learner stopped")).start()
     assert sampler_keeper.idle_until_run_ends(store, poll_s=0.05) == 0
+
+
+def test_a_removed_sampler_leaves_quietly_only_when_the_learner_removed_this_incarnation(store):
+    from types import SimpleNamespace
+
+    from megarl.distributed.membership import SamplerDropped
+    from megarl.roles.sampler_main import SamplerLoop
+
+    loop = SimpleNamespace(store=store, topo=SimpleNamespace(rank=2), incarnation=1)
+    dropped = SamplerDropped("not a member of publish epoch 3")
+    assert not SamplerLoop._removed(loop, dropped)  # dropped as dead or hung: its keeper replaces it
+    store.set(removed_key(2), json.dumps({"request": "r", "incarnation": 1, "lost": 0}))
+    assert SamplerLoop._removed(loop, dropped) and not SamplerLoop._removed(loop, TimeoutError("publish"))
+    loop.incarnation = 2
+    assert not SamplerLoop._removed(loop, dropped)
 
 
 def _contact(run_dir, **record):
