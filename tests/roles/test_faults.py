@@ -455,6 +455,9 @@ def test_with_replace_a_sampler_added_from_a_second_process_joins_and_removed_on
     assert re.search(r"megarl: sampler 1 \(rank 2\) removed from the run in .*: it left the publish set, its keeper "
                      r"stops it without a replacement; \d+ running groups? dropped \(lost\)", removed.stdout)
     since = _wait_for_metric(run_dir, proc, "samplers/alive", 1.0, more_steps=4)
+    deadline = time.monotonic() + 120  # it leaves at the publish after its removal, then closes its engine
+    while [key for key in _sampler_processes(run_dir) if key[0] in (2, 3)] and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert not [key for key in _sampler_processes(run_dir) if key[0] in (2, 3)]  # stopped, none replaced
     refused = _samplers_command("remove", str(run_dir), "--sampler", "0")  # the last one stays
     assert refused.returncode == 1 and "is the last live sampler" in refused.stdout, refused.stdout
