@@ -161,8 +161,11 @@ def add_sampler(run_dir: str, overrides: list[str]) -> int:
     leave_on_signal(store, rank)
     try:
         keep_sampler(argv, cfg, topo, store, first=1, idle_after_removal=False, own_session=True)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (print(exc.code, flush=True) or 1)
+    except SystemExit as exc:  # the keeper leaves with its sampler's status, or a line (over its restart limit)
+        if isinstance(exc.code, int):
+            return exc.code
+        print(exc.code, flush=True)
+        return 1
     return 0
 
 

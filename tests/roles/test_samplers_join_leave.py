@@ -1,6 +1,7 @@
-"""`megarl samplers remove`, its state changes driven directly (no run): the learner drains the sampler (out of the
-publish set for good, its running groups counted lost, never re-admitted), refuses to drain the last one, the keeper
-kills it and starts none, and the command finds only a live run of its own user under fault.on_failure=replace."""
+"""`megarl samplers add|remove`, their state changes driven directly (no run): the learner drains a sampler (out of
+the publish set for good, its running groups counted lost, never re-admitted), refuses to drain the last one, the
+sampler leaves by itself and its keeper starts none; an added rank is taken in and joins the next epoch as a
+newcomer; the commands find only a live run of their own user under fault.on_failure=replace, naming why not."""
 import json
 import os
 import subprocess
