@@ -468,7 +468,8 @@ def test_with_replace_a_sampler_added_from_a_second_process_joins_and_removed_on
     assert len(joined) == 1, out[-3000:]
     for rank in (2, 3):
         assert re.search(rf"megarl: sampler {rank - 1} \(rank {rank}\) removed \(megarl samplers remove\): left the "
-                         r"publish set, stopped and not replaced; \d+ running groups? dropped \(lost\)", out), out[-3000:]
+                         r"publish set, stopped and not replaced; \d+ running groups? dropped \(lost\)",
+                         out), out[-3000:]
     metrics = _metrics(run_dir)
     assert f"megarl: stopped by SIGTERM after {len(metrics)} steps" in out, err[-3000:]
     assert [m["step"] for m in metrics] == list(range(len(metrics)))  # none skipped, none trained twice
