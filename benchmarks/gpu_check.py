@@ -60,6 +60,9 @@ JSON with the tail of its log, and the rest still run:
                     steps; every step once, the longest step gap after the kill, samplers/* metrics
   sglang_replace    the same with sampler.engine=sglang (megarl's SGLang-compatible server): sampler 0's server
                     SIGKILLed; its sampler and server are replaced and join a new weight-update group
+  samplers_add_remove  the demo under fault.on_failure=replace with two built-in samplers: after 5 steps `megarl
+                    samplers add` from a second process (its join version, steps until samplers/alive is 3), then
+                    `megarl samplers remove` of it (samplers/alive back at 2, 3 steps more, the command's exit 0)
   agent_stream      stream=true on the agent endpoint (docs/multiturn.md#openai-compatibility): one streamed turn
                     through the real `openai` client on the built-in engine beside a batch of other requests: when
                     its first token chunk arrived against the whole turn, how many chunks carried tokens, and that
@@ -1351,6 +1354,63 @@ def check_sglang_replace(args, size: Size) -> dict:
     return _replace_check(args, size, "sglang_replace", ["sampler.engine=sglang"], server)
 
 
+def check_samplers_add_remove(args, size: Size) -> dict:
+    """`megarl samplers add` joins a running 2-sampler demo (fault.on_failure=replace) and sends groups; `megarl
+    samplers remove` of it stops it and the publishes go on to the others (docs/faults.md)."""
+    overrides = ["fault.on_failure=replace", "sampler.num_engines=2", "eval.sets=[]"]
+    if size.tiny:
+        return run_demo(args, size, "samplers_add_remove", overrides)[0]
+    run_dir = Path(args.workdir) / "samplers_add_remove"
+    cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", f"run.dir={run_dir}", "run.steps=100000",
+           "dist.backend=gloo", "run.overwrite=true", "observe.trackers=[]", *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    samplers = [sys.executable, "-m", "megarl.cli", "samplers"]
+    added = None
+    deadline = time.monotonic() + args.timeout - 40
+    metrics = run_dir / "metrics.jsonl"
+
+    def rows() -> list[dict]:
+        return [r for r in map(json.loads, metrics.read_text().splitlines()) if "kind" not in r] if metrics.exists() else []
+
+    def until(done, what: str) -> None:
+        while not done():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"{what}: not reached (exit {proc.poll()}): {proc.communicate()[1][-3000:]}")
+            time.sleep(0.5)
+
+    def alive_then(count: float, steps: int) -> bool:
+        hit = [r["step"] for r in rows() if r.get("samplers/alive") == count]
+        return bool(hit) and rows()[-1]["step"] >= hit[0] + steps
+
+    try:
+        until(lambda: len(rows()) >= 5, "5 steps")
+        added_at = time.monotonic()
+        added = subprocess.Popen([*samplers, "add", str(run_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        until(lambda: alive_then(3.0, 5), "the added sampler's join and 5 steps after it")
+        joined_s = round(time.monotonic() - added_at, 1)
+        removed = subprocess.run([*samplers, "remove", str(run_dir), "--sampler", "2"], cwd=REPO, capture_output=True,
+                                 text=True, timeout=max(30.0, deadline - time.monotonic()))
+        added_out = added.communicate(timeout=60)[0]
+        until(lambda: alive_then(2.0, 3), "3 steps after the removal")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        for p in (proc, added):
+            if p is not None and p.poll() is None:
+                p.kill()
+    done = rows()
+    joined = [line for line in out.splitlines() if "added joins the publish set" in line]
+    result = {"exit": proc.returncode, "steps": len(done), "join": joined, "add_to_join_s": joined_s,
+              "remove": removed.stdout.strip()[-300:], "add_exit": added.returncode,
+              "samplers": {k: v for k, v in done[-1].items() if k.startswith("samplers/")}}
+    if proc.returncode != 128 + signal.SIGTERM or [r["step"] for r in done] != list(range(len(done))) or not joined \
+            or removed.returncode != 0 or added.returncode != 0:
+        raise RuntimeError(f"the run did not go on as it should: {result}; {err[-2000:]}{added_out[-1500:]}")
+    return result
+
+
 def _parent_of(proc_dir: Path) -> str:
     try:
         return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1]
@@ -1557,7 +1617,8 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "gated_delta_net": (check_gated_delta_net, 150),
           "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180),
           "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120),
-          "agent_stream": (check_agent_stream, 120), "long_paged": (check_long_paged, 150)}
+          "agent_stream": (check_agent_stream, 120), "long_paged": (check_long_paged, 150),
+          "samplers_add_remove": (check_samplers_add_remove, 240)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 # Each check's limit on CPU bounds a hang, it is no speed test: a check there is mostly process starts and imports,
 # which a loaded 2-core machine slows several-fold (context_parallel's two torchrun ranks took over 75 s at load 20).

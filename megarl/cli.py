@@ -720,6 +720,14 @@ def show_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def samplers(args: argparse.Namespace) -> int:
+    from megarl.roles.sampler_control import add_sampler, remove_sampler
+
+    if args.action == "add":
+        return add_sampler(args.run_dir, args.overrides)
+    return remove_sampler(args.run_dir, args.sampler, args.timeout_s)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description="Asynchronous Pipeline RL post-training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -769,6 +777,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the keys CONFIG (and key=value overrides) sets away from their defaults")
     p.add_argument("--markdown", action="store_true", help="print every key as Markdown (docs/config.md)")
     p.set_defaults(func=show_config)
+    p = sub.add_parser("samplers", help="change the samplers of a running job (fault.on_failure=replace)")
+    actions = p.add_subparsers(dest="action", required=True)
+    q = actions.add_parser("add", help="start one more built-in sampler in this terminal (foreground; it runs until "
+                                       "the run ends or it is removed): it joins the next publish and sends groups")
+    q.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run.dir")
+    q.add_argument("overrides", nargs="*", help="key=value over the run's saved config, e.g. sampler.max_running=8")
+    q.set_defaults(func=samplers)
+    q = actions.add_parser("remove", help="drain one sampler: it leaves the publish set, its running rollouts are "
+                                          "dropped (counted lost), it is stopped and not replaced; the run goes on")
+    q.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run.dir")
+    q.add_argument("--sampler", type=int, required=True, help="the sampler's index (0 .. sampler count - 1)")
+    q.add_argument("--timeout-s", type=float, default=300.0,
+                   help="how long to wait for the learner's answer (default 300)")
+    q.set_defaults(func=samplers)
     return parser
 
 

@@ -11,6 +11,11 @@ has to take part. A sampler's receiver follows the epochs (`EpochFollower`). Rec
     samplers/dead/{rank}     its keeper saw the incarnation end ({incarnation, cause})
     samplers/replace/{rank}  the learner asks the keeper to kill a hung incarnation ({incarnation, cause})
     samplers/epoch/{e}       the epoch record ({members: [[rank, incarnation], ...], first_publish, positions})
+    samplers/added/{n}       `megarl samplers add` started the run's n-th added sampler rank ({rank}); its
+                             incarnations count from 1, so each joins as a replacement does
+    samplers/remove/{rank}   `megarl samplers remove` asks the learner to drain the sampler ({request})
+    samplers/removed/{rank}  the learner's answer ({request, incarnation, lost} or {request, refused}): with an
+                             incarnation, its keeper kills that incarnation and starts none
 
 An incarnation's queue sequence numbers and heartbeat counts start at `incarnation << SHIFT`, above anything an
 earlier incarnation of its rank can have used: the queue refuses a lower sequence as a replay, and the heartbeat
@@ -58,6 +63,21 @@ def epoch_key(epoch: int) -> str:
     return f"samplers/epoch/{epoch}"
 
 
+ADDED_COUNT_KEY = "samplers/added_count"  # the raw counter `megarl samplers add` numbers its ranks by
+
+
+def added_key(n: int) -> str:
+    return f"samplers/added/{n}"
+
+
+def remove_key(rank: int) -> str:
+    return f"samplers/remove/{rank}"
+
+
+def removed_key(rank: int) -> str:
+    return f"samplers/removed/{rank}"
+
+
 def read_record(store, key: str) -> dict | None:
     return json.loads(store.get(key)) if store.check([key]) else None
 
@@ -88,6 +108,9 @@ class SamplerSet:
         # The incarnations a whole publish reached: they run on the data position they started from. Every other
         # member is a newcomer that takes its position from the epoch record (once: EpochFollower.take_position).
         self.synced: dict[int, int] = dict(self.members)
+        self.removed: set[int] = set()  # ranks `megarl samplers remove` took out for good (never re-admitted)
+        self.answered: set[str] = set()  # remove requests answered
+        self.added: list[int] = []  # ranks `megarl samplers add` started, in their order (added_key)
 
     def name(self, rank: int) -> str:
         return f"sampler {rank - self.num_learners} (rank {rank})"
@@ -115,6 +138,40 @@ class SamplerSet:
         self.note(f"megarl: {self.name(rank)} {cause}: dropped from the publish set, replacement {incarnation + 1} "
                   f"starting; {lost} unfinished group{'s' if lost != 1 else ''} lost")
 
+    def removals(self) -> list[tuple[int, str]]:
+        """Remove requests (`megarl samplers remove`) not answered yet: (rank, request id)."""
+        self.discover()
+        found = []
+        for rank in self.known:
+            record = read_record(self.store, remove_key(rank))
+            if record is not None and record["request"] not in self.answered:
+                found.append((rank, record["request"]))
+        return found
+
+    def remove(self, rank: int, request: str, retired: int) -> dict:
+        """Take `rank` out of the live set for good (its keeper then kills the incarnation and starts none); its
+        running rollouts are dropped, counted as lost. Refused (the answer says why) for a rank that is no member
+        or the last member: the run would have no sampler left. The answer is recorded under removed_key."""
+        self.answered.add(request)
+        if rank not in self.members:
+            answer = {"request": request, "refused": f"{self.name(rank)} is not in the publish set (being replaced, "
+                                                     f"or removed already)"}
+        elif len(self.members) == 1:
+            answer = {"request": request, "refused": f"{self.name(rank)} is the last live sampler: the run would "
+                                                     f"have none left"}
+        else:
+            incarnation = self.members.pop(rank)
+            self.synced.pop(rank, None)
+            self.removed.add(rank)
+            lost = lost_groups(self.started.pop(rank, 0.0), retired)
+            self.lost += lost
+            self.changed = True
+            answer = {"request": request, "incarnation": incarnation, "lost": lost}
+            self.note(f"megarl: {self.name(rank)} removed (megarl samplers remove): left the publish set, stopped "
+                      f"and not replaced; {lost} running group{'s' if lost != 1 else ''} dropped (lost)")
+        self.store.set(removed_key(rank), json.dumps(answer))
+        return answer
+
     def dead(self) -> list[tuple[int, str]]:
         """Members whose keeper recorded their end: (rank, cause)."""
         found = []
@@ -124,12 +181,24 @@ class SamplerSet:
                 found.append((rank, record["cause"]))
         return found
 
+    def discover(self) -> None:
+        """Take in the ranks `megarl samplers add` started since the last look (their first incarnation is 1: it
+        asks to join as a replacement does)."""
+        while (record := read_record(self.store, added_key(len(self.added) + 1))) is not None:
+            self.added.append(int(record["rank"]))
+            self.known.setdefault(int(record["rank"]), 0)
+
+    def join_line(self, rank: int, incarnation: int, version: int) -> str:
+        what = "added" if rank in self.added and incarnation == 1 else f"replacement {incarnation}"
+        return f"megarl: {self.name(rank)}: {what} joins the publish set at version {version}"
+
     def joins(self) -> list[tuple[int, int]]:
-        """Ready replacements not yet members: (rank, incarnation)."""
+        """Ready replacements and added samplers not yet members: (rank, incarnation)."""
+        self.discover()
         found = []
         for rank in self.known:
             raw = read_record(self.store, join_key(rank))
-            if raw is not None and raw > self.known[rank] and rank not in self.members:
+            if raw is not None and raw > self.known[rank] and rank not in self.members and rank not in self.removed:
                 found.append((rank, raw))
         return found
 

@@ -30,7 +30,9 @@ from megarl.distributed.membership import MEMBERSHIP_ATTEMPTS, SamplerSet, repla
 from megarl.distributed.publish import WeightPublisher
 from megarl.distributed.queue import QueueReceiver, max_message_bytes
 from megarl.distributed.ranks import Topology
-from megarl.distributed.topology import epoch_publish_group, init_learner_group, publish_groups, publish_stage_store
+from megarl.distributed.run_contact import remove_contact, write_contact
+from megarl.distributed.topology import STORE_PREFIX, epoch_publish_group, init_learner_group, publish_groups, \
+    publish_stage_store
 from megarl.eval.learner_side import EvalCollector
 from megarl.eval.sets import due_versions
 from megarl.learner.nonfinite import NonfiniteSteps
@@ -177,6 +179,7 @@ class Intake:
             self.next_dead_check = time.monotonic() + DEAD_CHECK_S
             for rank, cause in self.members.dead():
                 self.drop_sampler(rank, cause)
+            self.take_removals()
             if not self.members.members and self.members.joins():
                 raise JoinersWaiting()  # (groups collected for this batch came from dropped samplers: never retired)
 
@@ -197,6 +200,13 @@ class Intake:
         if not self.members.members and self.memberless_since is None:
             self.memberless_since = time.monotonic()
 
+    def take_removals(self) -> None:
+        """fault.on_failure=replace: drain the samplers `megarl samplers remove` asked for (SamplerSet.remove); the
+        next publish goes over a new epoch without them."""
+        for rank, request in self.members.removals():
+            if "incarnation" in self.members.remove(rank, request, self.retired[rank]):
+                self.heartbeats.forget(rank)
+
     def refresh_members(self, publisher, make_group: Callable[[int, int], object], version: int) -> bool:
         """Before a publish under fault.on_failure=replace: drop the dead, admit the replacements that are ready
         and, when that changed the set, start a membership epoch whose publish group `publisher` then uses (built
@@ -205,12 +215,12 @@ class Intake:
         for attempt in range(MEMBERSHIP_ATTEMPTS):
             for rank, cause in self.members.dead():
                 self.drop_sampler(rank, cause)
+            self.take_removals()
             for rank, incarnation in self.members.joins():
                 self.members.admit(rank, incarnation)
                 self.heartbeats.watch(rank)
                 self.memberless_since = None
-                self.members.note(f"megarl: {self.members.name(rank)}: replacement {incarnation} joins the "
-                                  f"publish set at version {version}")
+                self.members.note(self.members.join_line(rank, incarnation, version))
             if not self.members.changed:
                 return publisher.group is not None
             # A newcomer (no whole publish reached it yet) re-issues the group indices of its rank the learner has not
@@ -539,6 +549,12 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     members = intake.members if lead else None  # fault.on_failure=replace: the lead alone publishes (validated)
     if members is not None:
         members.note = note
+        # How `megarl samplers remove` reaches this run (megarl.distributed.run_contact); removed at exit.
+        write_contact(cfg.run.dir, {
+            "store": [os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))],
+            "prefix": f"{STORE_PREFIX}attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
+            "secret": run_secret().decode(), "sampler_ranks": list(topo.engine_leads),
+            "world_size": topo.world_size, "num_learners": topo.num_learners})
     # A membership epoch's group, the source as rank 0; members may first sit out a failed publish's receive.
     make_group = lambda epoch, size: epoch_publish_group(store, epoch, 0, size, cfg.dist.backend,  # noqa: E731
                                                          2 * cfg.publish.timeout_s)
@@ -604,6 +620,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
         if collector is not None:  # the samplers evaluate the last versions before they are told to stop
             collector.finish(learner.version, on_wait=lambda: intake.heartbeats.check(topo.num_learners))
     finally:
+        if members is not None:
+            remove_contact(cfg.run.dir)
         if lead:
             store.set(STOP_KEY, "learner stopped")
             intake.queue.close()

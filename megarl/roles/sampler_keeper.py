@@ -8,6 +8,13 @@ starts the next incarnation, which joins the next membership epoch (megarl.distr
 and torchrun stops the run, only when fault.max_sampler_restarts_per_hour is exceeded. A stop signal is passed to
 the sampler, whose exit (and status) this process then shares; the sampler dies with this process (its
 PR_SET_PDEATHSIG is SIGKILL), so nothing outlives the run.
+
+`megarl samplers remove` drains a sampler: the learner takes it out of the publish set (`samplers/removed/{rank}`
+names its incarnation) and refuses its groups from then on (its running rollouts are dropped, counted lost); the
+sampler exits when its receiver meets the first membership epoch that leaves it out (SamplerDropped, between two
+publishes: never while it relays a broadcast to the others, which a kill at an arbitrary moment could cut). This
+process then starts no other and waits, idle, for the run's end (leaving torchrun's worker group early would be an
+exit torchrun has to account for; idling costs nothing).
 """
 from __future__ import annotations
 
@@ -23,13 +30,15 @@ import time
 from megarl.config.schema import Config
 from megarl.distributed import launch_gate
 from megarl.distributed.lifetime import exit_status, stop_signal
-from megarl.distributed.membership import INCARNATION_ENV, dead_key, read_record, replace_key
+from megarl.distributed.membership import INCARNATION_ENV, dead_key, read_record, removed_key, replace_key
 from megarl.distributed.ranks import Topology
 from megarl.roles.learner_main import STOP_KEY
 
 POLL_S = 0.1
 HOUR_S = 3600.0
 STOP_GRACE_S = 30.0  # after the run's stop, how long a sampler may take to exit before it is killed
+IDLE_POLL_S = 0.5  # a removed sampler's keeper: how often it looks for the run's end
+REMOVED = "removed"  # _watch's cause for an incarnation `megarl samplers remove` took out
 
 
 def _die_with_keeper() -> None:  # in the child between fork and exec: SIGKILL, so even a stopped child goes
@@ -51,17 +60,27 @@ def over_limit(restarts: collections.deque, now: float, per_hour: int) -> bool:
     return len(restarts) > per_hour
 
 
-def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store) -> None:
-    """Run incarnations of this sampler rank until the run ends; SystemExit with the last one's status."""
+def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store, first: int = 0,
+                 idle_after_removal: bool = True, own_session: bool = False) -> None:
+    """Run incarnations of this sampler rank until the run ends; SystemExit with the last one's status. `first`: the
+    first incarnation's number (1 for a rank `megarl samplers add` started: it joins as a replacement does).
+    `idle_after_removal`: a torchrun worker stays until the run ends once its sampler is removed; the keeper
+    `megarl samplers add` runs, in no worker group, leaves at once. `own_session`: the samplers start in a session
+    of their own, out of reach of the terminal's signals (a sampler that receives a stop signal stops the run)."""
     env = {k: v for k, v in os.environ.items() if k != launch_gate.ENV}  # this process passed the gate for it
     restarts: collections.deque = collections.deque()
-    incarnation = 0
+    incarnation = first
     while True:
         child = subprocess.Popen([sys.executable, "-m", "megarl.roles.worker", *argv],
-                                 env={**env, INCARNATION_ENV: str(incarnation)}, preexec_fn=_die_with_keeper)
+                                 env={**env, INCARNATION_ENV: str(incarnation)}, preexec_fn=_die_with_keeper,
+                                 start_new_session=own_session)
         cause, code = _watch(child, store, topo.rank, incarnation)
         if cause is None:  # the run ended (or was stopped): leave as the sampler did
             raise SystemExit(code)
+        if cause == REMOVED:
+            print(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) removed (megarl samplers remove): incarnation "
+                  f"{incarnation} stopped, no replacement", flush=True)
+            raise SystemExit(idle_until_run_ends(store) if idle_after_removal else 0)
         store.set(dead_key(topo.rank), json.dumps({"incarnation": incarnation, "cause": cause}))
         if over_limit(restarts, time.monotonic(), cfg.fault.max_sampler_restarts_per_hour):
             raise SystemExit(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}: {len(restarts)} ends "
@@ -74,6 +93,23 @@ def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store) -> None:
               flush=True)
 
 
+def removal_of(store, rank: int, incarnation: int) -> bool:
+    """Has the learner taken this incarnation out for `megarl samplers remove`?"""
+    record = read_record(store, removed_key(rank))
+    return record is not None and record.get("incarnation") == incarnation
+
+
+def idle_until_run_ends(store, poll_s: float = IDLE_POLL_S) -> int:
+    """A removed sampler's rank: wait for the run's stop flag or a stop signal; the status to exit with. No bound:
+    the run's end (or torchrun's stop) ends it, as for every other rank."""
+    while True:
+        if stop_signal() is not None:
+            return exit_status(stop_signal())
+        if store.check([STOP_KEY]):
+            return 0
+        time.sleep(poll_s)
+
+
 def _watch(child: subprocess.Popen, store, rank: int, incarnation: int) -> tuple[str | None, int]:
     """Wait for this incarnation to end: (why, None when the run ended or a stop signal ended it; the status
     this rank then exits with)."""
@@ -81,6 +117,8 @@ def _watch(child: subprocess.Popen, store, rank: int, incarnation: int) -> tuple
     while True:
         code = child.poll()
         if code is not None:
+            if not forwarded and stop_seen is None and removal_of(store, rank, incarnation):
+                return REMOVED, code  # it left on the first epoch that leaves it out (SamplerDropped)
             if forwarded:
                 return None, exit_status(-code) if code < 0 else code
             if killed or code == 0 or stop_seen is not None or store.check([STOP_KEY]):

@@ -39,7 +39,8 @@ from megarl.checkpoint.resume import wait_for_announcement
 from megarl.config.schema import Config
 from megarl.distributed.heartbeat import Heartbeat
 from megarl.distributed.lifetime import SIGNAL_KEY, exit_status, seconds_since_signal, stop_signal
-from megarl.distributed.membership import SHIFT, EpochFollower, incarnation, join_key, rejoin_timeout_s
+from megarl.distributed.membership import SHIFT, EpochFollower, SamplerDropped, incarnation, join_key, read_record, \
+    rejoin_timeout_s, removed_key
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.ranks import Topology
@@ -312,6 +313,10 @@ class SamplerLoop:
                     self._read_retired()
                     next_stop_check = time.monotonic() + STOP_POLL_S
                 if receiver.error is not None:
+                    if self._removed(receiver.error):  # `megarl samplers remove`: its keeper starts no other
+                        print(f"megarl: sampler {self.topo.role_rank} (rank {self.topo.rank}) left the publish set "
+                              f"(megarl samplers remove); {len(self.pending)} running groups dropped", flush=True)
+                        break
                     raise RuntimeError(f"sampler {self.topo.role_rank}: weight receiver failed") from receiver.error
                 self._admit()
                 if self.engine.num_unfinished == 0:
@@ -353,6 +358,12 @@ class SamplerLoop:
                 self.timeline.close()
             if self.evaluator is not None:
                 self.evaluator.close()
+
+    def _removed(self, error: BaseException) -> bool:
+        """Did the learner leave this incarnation out of its epochs because `megarl samplers remove` asked?"""
+        record = read_record(self.store, removed_key(self.topo.rank))
+        return isinstance(error, SamplerDropped) and record is not None and \
+            record.get("incarnation") == self.incarnation
 
     def _read_retired(self) -> None:
         """Groups the learner dropped, or trained in a skipped step, free budget before (or without) a publish

@@ -408,3 +408,81 @@ def test_with_replace_a_hung_sampler_is_replaced_and_the_run_goes_on(embedded_th
                      r"replacement 1 starting; \d+ unfinished groups? lost", out), out[-3000:]
     _check_replaced(run_dir, out, err, 2)
     assert not leftovers(run_dir)
+
+
+def _samplers_command(*args, timeout: float = 420) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megarl.cli", "samplers", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+
+
+def _wait_for_metric(run_dir, proc: subprocess.Popen, key: str, value: float, more_steps: int,
+                     timeout: float = REJOIN_TIMEOUT_S) -> int:
+    """Until a step logged `key` == `value` and `more_steps` more steps followed; that first step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = _metrics(run_dir)
+        hit = [m["step"] for m in metrics if m.get(key) == value]
+        if hit and metrics[-1]["step"] >= hit[0] + more_steps:
+            return hit[0]
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    raise AssertionError(f"no step with {key}={value} and {more_steps} steps after it within {timeout}s")
+
+
+@pytest.mark.timeout(1800)  # 240 s to the first steps, 3 x REJOIN_TIMEOUT_S, the commands, 120 s to finish
+def test_with_replace_a_sampler_added_from_a_second_process_joins_and_removed_ones_stop(embedded_think_model_dir,
+                                                                                          tmp_path):
+    run_dir = tmp_path / "add_remove"
+    proc = _replace_run(run_dir, embedded_think_model_dir, f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}")
+    _wait_for_steps(run_dir, 3, proc)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    added = subprocess.Popen([sys.executable, "-m", "megarl.cli", "samplers", "add", str(run_dir)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    try:
+        _wait_for_metric(run_dir, proc, "samplers/alive", 3.0, more_steps=4)
+        assert (3, 1) in _sampler_processes(run_dir)  # the added rank's first incarnation, kept by the command
+        removed = _samplers_command("remove", str(run_dir), "--sampler", "2")  # the added one
+        assert removed.returncode == 0, removed.stdout + removed.stderr
+        added_out, _ = added.communicate(timeout=120)  # its keeper leaves once its sampler is removed
+        assert added.returncode == 0, added_out[-3000:]
+    finally:
+        if added.poll() is None:
+            added.kill()
+    assert "megarl: sampler 2 (rank 3) added to the run in" in added_out, added_out[-3000:]
+    assert "megarl: sampler 2 (rank 3) removed (megarl samplers remove): incarnation 1 stopped" in added_out
+    removed = _samplers_command("remove", str(run_dir), "--sampler", "1")  # one the run started with
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    assert re.search(r"megarl: sampler 1 \(rank 2\) removed from the run in .*: it left the publish set, its keeper "
+                     r"stops it without a replacement; \d+ running groups? dropped \(lost\)", removed.stdout)
+    since = _wait_for_metric(run_dir, proc, "samplers/alive", 1.0, more_steps=4)
+    deadline = time.monotonic() + 120  # it leaves at the publish after its removal, then closes its engine
+    while [key for key in _sampler_processes(run_dir) if key[0] in (2, 3)] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [key for key in _sampler_processes(run_dir) if key[0] in (2, 3)]  # stopped, none replaced
+    refused = _samplers_command("remove", str(run_dir), "--sampler", "0")  # the last one stays
+    assert refused.returncode == 1 and "is the last live sampler" in refused.stdout, refused.stdout
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    joined = [int(v) for v in re.findall(r"sampler 2 \(rank 3\): added joins the publish set at version (\d+)", out)]
+    assert len(joined) == 1, out[-3000:]
+    for rank in (2, 3):
+        assert re.search(rf"megarl: sampler {rank - 1} \(rank {rank}\) removed \(megarl samplers remove\): left the "
+                         r"publish set, stopped and not replaced; \d+ running groups? dropped \(lost\)",
+                         out), out[-3000:]
+    metrics = _metrics(run_dir)
+    assert f"megarl: stopped by SIGTERM after {len(metrics)} steps" in out, err[-3000:]
+    assert [m["step"] for m in metrics] == list(range(len(metrics)))  # none skipped, none trained twice
+    assert [m["version"] for m in metrics] == list(range(1, len(metrics) + 1))
+    assert all(m["samplers/replaced"] == 0.0 for m in metrics)
+    rollouts = [json.loads(line) for line in (Path(run_dir) / "rollouts.jsonl").read_text().splitlines()]
+    from_added = [r for r in rollouts if r["sampler_rank"] == 3]
+    assert from_added, "the added sampler contributed no group"
+    assert all(min(r["versions"]) >= joined[0] for r in from_added)  # it generated nothing before its join version
+    assert not [r for r in rollouts if r["sampler_rank"] == 2 and r["trained_at_step"] > since]
+    ids = [r["group_id"] for r in rollouts]
+    assert len(set(ids)) * 8 == len(ids)  # no group trained twice (8 samples per group)
+    assert not (Path(run_dir) / ".megarl.contact").exists()
+    gone = _samplers_command("remove", str(run_dir), "--sampler", "0")
+    assert gone.returncode == 1 and "absent (the run has finished" in gone.stdout, gone.stdout
+    assert not leftovers(run_dir)
