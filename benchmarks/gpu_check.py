@@ -5,7 +5,8 @@
     python benchmarks/gpu_check.py --print-wheels      # the wheel list and the pip download command
 
 Checks, each in its own process with its own timeout; one that fails (or times out) is recorded in the
-JSON with the tail of its log, and the rest still run:
+JSON with the tail of its log, and the rest still run (the dry run forks every check but env from a process that
+imported what they share):
 
   env               torch / CUDA / GPU, and that every module megarl needs there imports
   learner_step      bf16 megatron learner step on CUDA (megarl.learner.megatron, 1 rank; dist backend
@@ -1509,7 +1510,7 @@ def _publish_worker(args, size: Size, rank: int) -> None:
         del weights, flat
         barrier(f"{mode}/end")
     if rank == 0:
-        flat = torch.empty(256 * 2**20, dtype=torch.bfloat16, device=device)  # 512 MiB
+        flat = torch.empty(2**20 if size.tiny else 256 * 2**20, dtype=torch.bfloat16, device=device)  # 512 MiB (2 MiB on CPU)
         copy = torch.empty_like(flat)
         copy.copy_(flat)
         sync()
@@ -1602,7 +1603,7 @@ def run_forked(cmd: list[str], timeout: float) -> tuple[int | str, str, str]:
     if pid == 0:  # the child: never returns into the parent's loop
         code = 1
         try:
-            os.setsid()
+            os.setpgid(0, 0)
             os.environ.update(child_env())
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
@@ -1616,6 +1617,10 @@ def run_forked(cmd: list[str], timeout: float) -> tuple[int | str, str, str]:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+    try:
+        os.setpgid(pid, pid)  # (here too: a timeout before the child's own call still finds its group)
+    except OSError:  # the child has set it, or is gone
+        pass
     deadline = time.monotonic() + timeout
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
