@@ -277,25 +277,71 @@ def _summed(ranks: list[dict], key: str) -> dict:
 LORA_MOE = {"micro_batch_size": 3, "lr": 1e-3, "lora": {"rank": 4, "alpha": 8.0, "target_modules": list(ATTENTION)}}
 
 
-def test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+# The two cross-layout tests' layouts: (source model, layouts); each layout runs on its model's perturbed routers.
+MOE_LAYOUTS = {
+    "glm4_moe": {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                 "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                 "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}},
+    "mixtral": {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", "save": True},
+                "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                "tp2_off": {"tp": 2, "micro_batch_size": 3},
+                "tp2_lora": {"tp": 2, **LORA_MOE}}}
+
+
+class MoeLayoutRuns:
+    """One real 2-process torchrun (layout_worker.py) over both models' layouts, each on its perturbed routers with
+    its own batch (one torchrun start-up and one set of megatron imports for both tests); its results read once."""
+
+    def __init__(self, root, moe_dirs):
+        from tests.learner.test_megatron_learner import _launch_layouts
+
+        self.root, self.inputs, layouts = root, {}, {}
+        for kind, own in MOE_LAYOUTS.items():
+            perturbed = _perturbed_router_dir(moe_dirs[kind], root / f"{kind}_perturbed")
+            ids = _ids()
+            behaviour, routes = _hf_forward(moe_dirs[kind], ids)
+            batch = _batch(ids, behaviour, routes, short_rows=True)
+            torch.save(batch, root / f"{kind}.batch.pt")
+            self.inputs[kind] = (perturbed, ids, routes, batch)
+            layouts.update({f"{kind}_{name}": {**layout, "model_dir": perturbed, "batch": str(root / f"{kind}.batch.pt")}
+                            for name, layout in own.items()})
+        self.layouts = layouts
+        self.proc = _launch_layouts(self.inputs["mixtral"][0], self.inputs["mixtral"][3], root, layouts, nproc=2)
+        self._results = None
+
+    def results(self, kind: str) -> dict[str, list[dict]]:
+        """{layout: per-rank results} of `kind`'s layouts."""
+        from tests.learner.test_megatron_learner import _layout_results
+
+        if self._results is None:
+            self._results = _layout_results(self.proc, self.root, self.layouts, nproc=2, timeout=600)
+        return {name: self._results[f"{kind}_{name}"] for name in MOE_LAYOUTS[kind]}
+
+
+@pytest.fixture(scope="module")
+def moe_layout_runs(tmp_path_factory, moe_dirs, world):
+    runs = MoeLayoutRuns(tmp_path_factory.mktemp("moe_layouts"), moe_dirs)
+    yield runs
+    if runs.proc.poll() is None:  # a test failed before reading the results: the launch is not left behind
+        runs.proc.kill()
+        runs.proc.communicate()
+
+
+@pytest.mark.timeout(900)  # the first of the two tests waits for both tests' layouts (MoeLayoutRuns.results)
+def test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank(moe_layout_runs):
     """GLM-4.5 in a real 2-process torchrun (gloo), r3 on perturbed routers: DP2 x EP2 (4 of the 8 experts per rank),
     TP2 (sequence parallelism; the shared expert and q/k/v biases split over TP, the expert bias whole on each rank)
     and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement, and after one step the
     same whole published weights (the expert bias included)."""
-    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results
+    from tests.learner.test_megatron_learner import _close
 
-    perturbed = _perturbed_router_dir(moe_dirs["glm4_moe"], tmp_path / "perturbed")
-    ids = _ids()
-    behaviour, routes = _hf_forward(moe_dirs["glm4_moe"], ids)
-    batch = _batch(ids, behaviour, routes, short_rows=True)
-    layouts = {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}}
-    proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
+    perturbed, ids, routes, batch = moe_layout_runs.inputs["glm4_moe"]
     learner = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
     ref_logprobs, ref = learner.logprobs(ids, routes), learner.train_step(batch)
     ref_published = dict(learner.publish_tensors())
-    results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=300)
+    results = moe_layout_runs.results("glm4_moe")
     for layout, ranks in results.items():
         for rank in ranks:
             assert _close(rank["logprobs"], ref_logprobs), layout
@@ -306,7 +352,8 @@ def test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank(moe_dirs,
         assert all(_close(published[n], t) for n, t in ref_published.items()), layout
 
 
-def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+@pytest.mark.timeout(900)  # (see the GLM-4.5 test above)
+def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_layout_runs):
     """A real 2-process torchrun (gloo): PP2 (each stage replays only its own MoE layer), DP2 x EP2 (each rank
     holds 2 of the 4 experts; the alltoall sends each token to its replayed experts), TP2 (sequence parallelism:
     each TP rank's routers get its half of the positions, micro-batch widths padded to even) and TP2 x EP2 (the
@@ -320,19 +367,10 @@ def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_di
     one-rank adapter's second step, log-probs and published adapter."""
     from megarl.checkpoint import learner_state
     from megarl.config.schema import LoraConfig
-    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results, _sources
+    from tests.learner.test_megatron_learner import _close, _sources
 
-    perturbed = _perturbed_router_dir(moe_dirs["mixtral"], tmp_path / "perturbed")
-    ids = _ids()
-    behaviour, routes = _hf_forward(moe_dirs["mixtral"], ids)
-    batch = _batch(ids, behaviour, routes, short_rows=True)
-    layouts = {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", "save": True},
-               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "tp2_off": {"tp": 2, "micro_batch_size": 3},
-               "tp2_lora": {"tp": 2, **LORA_MOE}}
-    proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
+    perturbed, ids, routes, batch = moe_layout_runs.inputs["mixtral"]
+    layouts = MOE_LAYOUTS["mixtral"]
     refs = {}
     for replay in ("r3", "off"):
         learner = _learner(perturbed, routing_replay=replay, micro_batch_size=3)
@@ -342,7 +380,7 @@ def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_di
     lora_step, lora_logprobs = lora_ref.train_step(batch), lora_ref.logprobs(ids)
     lora_published = dict(lora_ref.publish_tensors())
     assert min(float(t.abs().max()) for n, t in lora_published.items() if "lora_B" in n) > 1e-3  # every B moved
-    results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=300)
+    results = moe_layout_runs.results("mixtral")
     for rank in results.pop("tp2_lora"):  # (layout_worker: two steps, then the log-probs; whole adapters)
         assert _close(rank["logprobs"], lora_logprobs)
         for key in ("loss", "grad_norm"):
@@ -366,7 +404,7 @@ def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_di
             assert _summed(ranks, "expert_tokens") == _expected_expert_tokens(batch, 3, tp), layout
     ref_learner = refs["r3"][0]
     resumed = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
-    learner_state.load(resumed, tmp_path / "tp2.ckpt")
+    learner_state.load(resumed, moe_layout_runs.root / "mixtral_tp2.ckpt")
     assert _close(resumed.logprobs(ids, routes), ref_learner.logprobs(ids, routes))
     for _ in range(2):  # the second step's loss is of weights the first moved with the resumed Adam moments
         want = ref_learner.train_step(batch)["loss"]
