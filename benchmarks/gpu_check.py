@@ -1510,7 +1510,7 @@ def _publish_worker(args, size: Size, rank: int) -> None:
         del weights, flat
         barrier(f"{mode}/end")
     if rank == 0:
-        flat = torch.empty(2**20 if size.tiny else 256 * 2**20, dtype=torch.bfloat16, device=device)  # 512 MiB (2 MiB on CPU)
+        flat = torch.empty(2**20 if size.tiny else 256 * 2**20, dtype=torch.bfloat16, device=device)  # 512 MiB (dry run: 2)
         copy = torch.empty_like(flat)
         copy.copy_(flat)
         sync()
@@ -1610,7 +1610,7 @@ def run_forked(cmd: list[str], timeout: float) -> tuple[int | str, str, str]:
             child_main(build_parser().parse_args(cmd[2:]))
             code = 0
         except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
         except BaseException:
             traceback.print_exc()
         finally:
