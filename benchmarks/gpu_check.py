@@ -5,7 +5,8 @@
     python benchmarks/gpu_check.py --print-wheels      # the wheel list and the pip download command
 
 Checks, each in its own process with its own timeout; one that fails (or times out) is recorded in the
-JSON with the tail of its log, and the rest still run:
+JSON with the tail of its log, and the rest still run (the dry run forks every check but env from a process that
+imported what they share):
 
   env               torch / CUDA / GPU, and that every module megarl needs there imports
   learner_step      bf16 megatron learner step on CUDA (megarl.learner.megatron, 1 rank; dist backend
@@ -238,6 +239,12 @@ def peak_gib() -> float | None:
 
 
 # ------------------------------------------------------------------------------------------ checks (children)
+# What env imports: every module megarl needs on the GPU machine.
+ENV_MODULES = ("megatron.core", "omegaconf", "zmq", "transformers", "safetensors", "tokenizers", "tensorboard",
+               "numpy", "megarl.learner.megatron", "megarl.sampler.engine", "megarl.roles.worker",
+               "megarl.distributed.publish", "megarl.cli")
+
+
 def check_env(args, size: Size) -> dict:
     import importlib
 
@@ -249,9 +256,7 @@ def check_env(args, size: Size) -> dict:
         out["gpu"] = torch.cuda.get_device_name(0)
         out["gpu_mem_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
     versions = {}
-    for module in ("megatron.core", "omegaconf", "zmq", "transformers", "safetensors", "tokenizers", "tensorboard",
-                   "numpy", "megarl.learner.megatron", "megarl.sampler.engine", "megarl.roles.worker",
-                   "megarl.distributed.publish", "megarl.cli"):
+    for module in ENV_MODULES:
         mod = importlib.import_module(module)
         versions[module] = getattr(mod, "__version__", "ok")
     out["imports"] = versions
@@ -1592,7 +1597,7 @@ def _publish_worker(args, size: Size, rank: int) -> None:
         del weights, flat
         barrier(f"{mode}/end")
     if rank == 0:
-        flat = torch.empty(256 * 2**20, dtype=torch.bfloat16, device=device)  # 512 MiB
+        flat = torch.empty(2**20 if size.tiny else 256 * 2**20, dtype=torch.bfloat16, device=device)  # 512 MiB (dry run: 2)
         copy = torch.empty_like(flat)
         copy.copy_(flat)
         sync()
@@ -1626,12 +1631,38 @@ DRY_TIMEOUT = 180
 
 
 # ------------------------------------------------------------------------------------------ parent
-def run_check(name: str, device: str, tiny: bool, workdir: Path, timeout: float, backend: str, log: Path) -> dict:
-    cmd = [sys.executable, __file__, "--child", name, "--device", device, "--workdir", str(workdir),
-           "--timeout", str(int(timeout)), "--backend", backend] + (["--tiny"] if tiny else [])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "PYTHONUNBUFFERED": "1"}
+def child_command(name: str, device: str, tiny: bool, workdir: Path, timeout: float, backend: str) -> list[str]:
+    return [sys.executable, __file__, "--child", name, "--device", device, "--workdir", str(workdir),
+            "--timeout", str(int(timeout)), "--backend", backend] + (["--tiny"] if tiny else [])
+
+
+def run_check(name: str, device: str, tiny: bool, workdir: Path, timeout: float, backend: str, log: Path,
+              fork: bool = False) -> dict:
+    """One check in a process of its own process group, bounded by `timeout`: a fresh interpreter, or with `fork`
+    a fork of this one (the dry run: the imports warm_imports() did are not paid again)."""
+    cmd = child_command(name, device, tiny, workdir, timeout, backend)
     start = time.perf_counter()
+    rc, stdout, stderr = (run_forked if fork else run_process)(cmd, timeout)
+    with open(log, "a") as f:  # one file for every check (the device tool brings back at most 8 files)
+        f.write(f"\n===== {name} (backend {backend}, exit {rc}{', forked' if fork else ''})\n$ {' '.join(cmd)}"
+                f"\n--- stdout\n{stdout[-100_000:]}\n--- stderr\n{stderr[-200_000:]}\n")
+    seconds = round(time.perf_counter() - start, 1)
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT)]
+    if rc == 0 and lines:
+        return {"ok": True, "seconds": seconds, **json.loads(lines[-1][len(RESULT):])}
+    error = "timed out after %ds" % timeout if rc == "timeout" else f"exit status {rc}"
+    failed = {"ok": False, "seconds": seconds, "error": error, "log_tail": (stderr or stdout)[-3000:]}
+    return {**failed, "backend_tried": backend} if name in ("learner_step", "logprob_parity") else failed
+
+
+def child_env() -> dict[str, str]:
+    """What a check's environment adds to this one's: megarl importable (the processes a check starts import it)."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def run_process(cmd: list[str], timeout: float) -> tuple[int | str, str, str]:
+    env = {**os.environ, **child_env()}
     # Its own process group: on a timeout every process it started (torchrun and its workers, which hold
     # the GPU and ports) is killed with it, so the next check starts clean.
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -1644,16 +1675,76 @@ def run_check(name: str, device: str, tiny: bool, workdir: Path, timeout: float,
         stdout, stderr = proc.communicate()
         rc = "timeout"
     kill_group(proc.pid)  # anything it left behind
-    with open(log, "a") as f:  # one file for every check (the device tool brings back at most 8 files)
-        f.write(f"\n===== {name} (backend {backend}, exit {rc})\n$ {' '.join(cmd)}\n--- stdout\n{stdout[-100_000:]}"
-                f"\n--- stderr\n{stderr[-200_000:]}\n")
-    seconds = round(time.perf_counter() - start, 1)
-    lines = [line for line in stdout.splitlines() if line.startswith(RESULT)]
-    if rc == 0 and lines:
-        return {"ok": True, "seconds": seconds, **json.loads(lines[-1][len(RESULT):])}
-    error = "timed out after %ds" % timeout if rc == "timeout" else f"exit status {rc}"
-    failed = {"ok": False, "seconds": seconds, "error": error, "log_tail": (stderr or stdout)[-3000:]}
-    return {**failed, "backend_tried": backend} if name in ("learner_step", "logprob_parity") else failed
+    return rc, stdout, stderr
+
+
+def run_forked(cmd: list[str], timeout: float) -> tuple[int | str, str, str]:
+    """run_process's `cmd` (this script's --child arguments) in a fork of this process: its own process group and
+    output, the same exit status (1 and the traceback on an exception). Only where no CUDA context exists: the
+    dry run."""
+    import traceback
+
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # files, not pipes: nothing to drain while waiting
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the parent's loop
+        code = 1
+        try:
+            os.setpgid(0, 0)
+            os.environ.update(child_env())
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            child_main(build_parser().parse_args(cmd[2:]))
+            code = 0
+        except SystemExit as exc:
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    try:
+        os.setpgid(pid, pid)  # (here too: a timeout before the child's own call still finds its group)
+    except OSError:  # the child has set it, or is gone
+        pass
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            rc: int | str = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() > deadline:
+            kill_group(pid)
+            os.waitpid(pid, 0)
+            rc = "timeout"
+            break
+        time.sleep(0.1)
+    kill_group(pid)  # anything it left behind
+    texts = []
+    for f in (out, err):
+        f.seek(0)
+        texts.append(f.read().decode(errors="replace"))
+        f.close()
+    return rc, *texts
+
+
+def warm_imports() -> None:
+    """The dry run's parent imports what every check imports (env's modules, megatron's model and optimizer, the
+    Qwen2 model of transformers), so that each forked check starts with them; one that fails is left to env to
+    name."""
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for module in ENV_MODULES + ("megatron.core.models.gpt", "megatron.core.optimizer",
+                                     "megatron.core.distributed", "transformers.models.qwen2.modeling_qwen2"):
+            try:
+                importlib.import_module(module)
+            except Exception:
+                pass
 
 
 def kill_group(pgid: int) -> None:
@@ -1739,7 +1830,7 @@ def tree_bytes() -> int:
     return sum((REPO / f.decode()).stat().st_size for f in files if f and (REPO / f.decode()).is_file())
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="on CPU: wheel list, plan, each check's code on a tiny model")
     parser.add_argument("--no-download", action="store_true", help="dry run: check the declared sizes only")
@@ -1755,19 +1846,27 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--timeout", type=float, default=60)
     parser.add_argument("--backend", default="nccl")
-    args = parser.parse_args()
+    return parser
 
+
+def child_main(args) -> None:
+    """One check (--child), or one worker of a check's torchrun."""
+    sys.path.insert(0, str(REPO))
+    size = Size(args.tiny)
+    if args.publish_worker:
+        publish_worker(args, size)
+        return
+    if args.cp_worker:
+        cp_worker(args, size)
+        return
+    result = CHECKS[args.child][0](args, size)
+    print(RESULT + json.dumps(result), flush=True)
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.child or args.publish_worker or args.cp_worker:
-        sys.path.insert(0, str(REPO))
-        size = Size(args.tiny)
-        if args.publish_worker:
-            publish_worker(args, size)
-            return
-        if args.cp_worker:
-            cp_worker(args, size)
-            return
-        result = CHECKS[args.child][0](args, size)
-        print(RESULT + json.dumps(result), flush=True)
+        child_main(args)
         return
 
     if args.print_wheels:
@@ -1798,6 +1897,7 @@ def main() -> None:
           + f"; total budget {BUDGET_S} s; workdir {workdir}", flush=True)
     backend = "gloo" if args.dry_run else "nccl"
     device = "cpu" if args.dry_run else "cuda"
+    warmed = False
     for name in names:
         timeout = DRY_TIMEOUT if args.dry_run else CHECKS[name][1]
         left = BUDGET_S - (time.perf_counter() - started)
@@ -1811,7 +1911,13 @@ def main() -> None:
             check_backend = summary["checks"]["learner_step"]["backend"]
         # BUDGET_S is the GPU loan's: a dry run gives every check its own DRY_TIMEOUT, however long the others took
         limit = timeout if args.dry_run else min(timeout, max(left, 30))
-        result = run_check(name, device, args.dry_run, workdir, limit, check_backend, log_file)
+        # The dry run starts env in a fresh interpreter (its imports are what it checks; the GPU's way of starting a
+        # check), then every other check in a fork of this process once it has imported what they share.
+        fork = args.dry_run and name != "env"
+        if fork and not warmed:
+            warm_imports()
+            warmed = True
+        result = run_check(name, device, args.dry_run, workdir, limit, check_backend, log_file, fork)
         if name == "learner_step":
             # nccl failed on one rank: record why, then try the mixed backend (CUDA collectives on nccl, CPU
             # tensors on gloo), then plain gloo (what the one-GPU e2e run uses), while the budget allows
@@ -1820,7 +1926,7 @@ def main() -> None:
                 if result["ok"] or (not args.dry_run and BUDGET_S - (time.perf_counter() - started) < 60):
                     break
                 failures[result["backend_tried"]] = {"error": result["error"], "log_tail": result["log_tail"][-1200:]}
-                result = run_check(name, device, args.dry_run, workdir, timeout, fallback, log_file)
+                result = run_check(name, device, args.dry_run, workdir, timeout, fallback, log_file, fork)
             if failures:
                 result["failed_backends"] = failures
         summary["checks"][name] = result

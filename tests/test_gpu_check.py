@@ -43,7 +43,22 @@ def test_the_dry_run_runs_every_check_on_cpu_and_ends_with_one_json_line(tmp_pat
     assert set(summary["checks"]["learner_step"]["failed_backends"]) == {"nccl", "cpu:gloo,cuda:nccl"}
     assert summary["checks"]["e2e_train"]["dry_run"][0].startswith("megarl: dry run, would launch: torchrun")
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == {"gpu_check": summary}
-    assert "===== publish_bandwidth" in (tmp_path / "gpu_check.log").read_text()
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "===== publish_bandwidth" in log
+    # env in a fresh interpreter (the GPU's way of starting a check), every other check forked
+    assert "===== env (backend gloo, exit 0)\n" in log
+    assert all(f"===== {name} (backend gloo, exit 0, forked)" in log for name in gpu_check.CHECKS if name != "env")
+
+
+def test_a_forked_check_past_its_timeout_is_killed_with_its_group_and_named(tmp_path):
+    # In a fresh interpreter: a fork of pytest's (its threads) could inherit a held lock.
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import gpu_check, json; "
+            f"cmd = gpu_check.child_command('env', 'cpu', True, {str(tmp_path)!r}, 0.01, 'gloo'); "
+            "print(json.dumps(gpu_check.run_forked(cmd, 0.01)))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rc, stdout, _ = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rc == "timeout" and gpu_check.RESULT not in stdout
 
 
 def test_the_wheel_list_names_each_package_once_for_cpython_312_with_the_download_command():

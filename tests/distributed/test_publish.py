@@ -39,10 +39,18 @@ def test_spec_mismatch_names_the_tensor():
         raise AssertionError("shape mismatch accepted")
 
 
-def test_every_sampler_receives_every_version_bit_exact(tmp_path):
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    """One launch of 3 ranks for the ok, delta and corrupt modes, one after the other (corrupt last: its receivers
+    stop at the refused bucket); each mode's files in its own directory."""
+    out = tmp_path_factory.mktemp("publish")
+    return run_torchrun(WORKER, 3, out, "ok,delta,corrupt", timeout=240), out
+
+
+def test_every_sampler_receives_every_version_bit_exact(three_ranks):
     """Packed buckets, lone contiguous tensors sent as they are and a lone transposed view all arrive
     bit-exact at every receiver."""
-    proc = run_torchrun(WORKER, 3, tmp_path, "ok", timeout=120)
+    proc, tmp_path = three_ranks[0], three_ranks[1] / "ok"
     assert proc.returncode == 0, proc.stderr[-3000:]
     sent = json.loads((tmp_path / "sent0.json").read_text())
     assert sent["buckets"] >= 4
@@ -57,6 +65,7 @@ def test_two_senders_each_send_a_share_and_every_sampler_receives_the_whole_mode
     own group, the shares are disjoint and together the model, every receiver gets every version whole."""
     proc = run_torchrun(WORKER, 4, tmp_path, "senders", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    tmp_path = tmp_path / "senders"
     shares = [json.loads((tmp_path / f"sent{rank}.json").read_text()) for rank in (0, 1)]
     assert shares[0]["sent"] == shares[1]["sent"]  # the same weights on both replicas
     own = [set(share["own"]) for share in shares]
@@ -68,14 +77,14 @@ def test_two_senders_each_send_a_share_and_every_sampler_receives_the_whole_mode
         assert got["received"] == shares[0]["sent"]
 
 
-def test_bf16_delta_publish_sends_only_changed_words_and_every_receiver_rebuilds_them_bit_exact(tmp_path):
+def test_bf16_delta_publish_sends_only_changed_words_and_every_receiver_rebuilds_them_bit_exact(three_ranks):
     """publish.dtype=bfloat16 + publish.delta: fp32 learner and engines, bf16 on the wire. The first
     publish is whole (half the fp32 bytes); a version moving 1% of the elements sends ~3% of them (6-byte
     index/value pairs per changed bf16 word, or a bitmap); one moving every element falls back to whole
     buckets. The
     receivers patch their last words, pass the source's checksums and hold exactly the bf16-rounded
     weights."""
-    proc = run_torchrun(WORKER, 3, tmp_path, "delta", timeout=120)
+    proc, tmp_path = three_ranks[0], three_ranks[1] / "delta"
     assert proc.returncode == 0, proc.stderr[-3000:]
     sent = json.loads((tmp_path / "sent0.json").read_text())
     sizes = {int(v): size for v, size in sent["sizes"].items()}
@@ -188,8 +197,8 @@ def test_a_stream_that_breaks_its_own_spec_is_named():
         publisher.publish(3, iter([]), spec=spec[::-1])
 
 
-def test_corrupted_bucket_is_refused_by_every_receiver(tmp_path):
-    proc = run_torchrun(WORKER, 3, tmp_path, "corrupt", timeout=120)
+def test_corrupted_bucket_is_refused_by_every_receiver(three_ranks):
+    proc, tmp_path = three_ranks[0], three_ranks[1] / "corrupt"
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (1, 2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())

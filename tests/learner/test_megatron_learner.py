@@ -76,13 +76,19 @@ FAMILY_LAYOUTS = ("tp2", "pp2")
 
 
 class FamilyRuns:
-    """One real 2-process torchrun (layout_worker.py) over every family's TP2 and PP2 layouts, started when the first
-    family test asks for it (the others' torchrun start-ups and megatron imports are saved); its results read once."""
+    """One real 2-process torchrun (layout_worker.py) over every family's TP2 and PP2 layouts and
+    test_every_layout_matches_tp1's layouts of the tiny Qwen2 (as `every_{layout}`, on every_batch()), started when
+    the first of those tests asks for it (the others' torchrun start-ups and megatron imports are saved); its
+    results read once."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, qwen2_dir: str):
         from transformers import AutoModelForCausalLM
 
         self.root, self.models, self.batches, layouts = root, {}, {}, {}
+        self.every_batch = every_batch(qwen2_dir)
+        torch.save(self.every_batch, root / "every.batch.pt")
+        layouts.update({f"every_{name}": {**layout, "model_dir": qwen2_dir, "batch": str(root / "every.batch.pt")}
+                        for name, layout in EVERY_LAYOUTS.items()})
         for kind in FAMILY_TENSOR:
             model_dir = str(save_tiny_qwen3(root / kind, vocab_size=VOCAB) if kind == "qwen3"
                             else save_tiny_dense(root / kind, kind, vocab_size=VOCAB))
@@ -100,12 +106,13 @@ class FamilyRuns:
         and rank, a few seconds each on loaded cores)."""
         if self._results is None:
             self._results = _layout_results(self.proc, self.root, self.layouts, nproc=2, timeout=900)
-        return {layout: self._results[f"{kind}_{layout}"] for layout in FAMILY_LAYOUTS}
+        return {layout: self._results[f"{kind}_{layout}"] for layout in
+                (EVERY_LAYOUTS if kind == "every" else FAMILY_LAYOUTS)}
 
 
 @pytest.fixture(scope="module")
-def family_runs(tmp_path_factory):
-    runs = FamilyRuns(tmp_path_factory.mktemp("families"))
+def family_runs(tmp_path_factory, model_dir):
+    runs = FamilyRuns(tmp_path_factory.mktemp("families"), model_dir)
     yield runs
     if runs.proc.poll() is None:  # a test failed before reading the results: the launch is not left behind
         runs.proc.kill()
@@ -346,6 +353,7 @@ CRITIC_LAYOUTS = {"dp2_critic": {"dp": 2, "micro_batch_size": 16, "critic": CRIT
 # (the first moves only B; the second trains A through the TP collectives), against its own TP1 reference.
 LORA = {"rank": 4, "alpha": 8.0}
 LORA_LAYOUTS = {"tp2_lora": {"tp": 2, "micro_batch_size": 16, "lr": 1e-2, "lora": LORA}}
+EVERY_LAYOUTS = {**LAYOUTS, **CRITIC_LAYOUTS, **LORA_LAYOUTS}
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> bool:
@@ -381,7 +389,18 @@ def _sources(ranks: list[dict]) -> list[dict]:
     return [r for r in ranks if r["tp_rank"] == 0 and r["dp_rank"] == 0]
 
 
-def test_every_layout_matches_tp1(model_dir, world, tmp_path):
+def every_batch(model_dir: str):
+    """test_every_layout_matches_tp1's batch, with terminal rewards for the critic's layouts."""
+    from dataclasses import replace
+
+    from megarl.algo.values import terminal_rewards
+
+    batch = _batch(_hf(model_dir), seed=5)
+    return replace(batch, rewards=terminal_rewards(batch.input_ids[:, PROMPT].float() % 3, batch.loss_mask))
+
+
+@pytest.mark.timeout(1200)  # it may be the first to wait for FamilyRuns' launch (every family's layouts too)
+def test_every_layout_matches_tp1(model_dir, world, family_runs):
     """Real 2-process torchruns (gloo): TP2, DP2, PP2 (fixed rows and token-budget micro-batches) and the
     distributed optimizer give the TP1 per-token log-probs, loss and grad norm, and one optimizer step
     gives the same full weights, all to 1e-5 relative.  Every layout's publish_shards are its TP slices. The critic
@@ -389,25 +408,19 @@ def test_every_layout_matches_tp1(model_dir, world, tmp_path):
     gives the TP1 adapter's second step, log-probs and whole published adapter, and its SGLang publish (the adapted
     weights merged over the base gathered over TP) is the checkpoint's base + that adapter; its checkpoint (TP-split
     adapter and Adam moments) exports the TP1 adapter and resumes on a TP1 learner to the TP1 run's third step."""
-    from dataclasses import replace
-
     from megarl.algo.config import CriticConfig
-    from megarl.algo.values import terminal_rewards
     from megarl.checkpoint import export, learner_state
     from megarl.config.schema import LearnerConfig, LoraConfig
     from megarl.learner.megatron import MegatronLearner
     from megarl.models import convert, lora
     from megarl.portable.lora_merge import merged_spec
 
-    batch = _batch(_hf(model_dir), seed=5)
-    batch = replace(batch, rewards=terminal_rewards(batch.input_ids[:, PROMPT].float() % 3, batch.loss_mask))
-    every = {**LAYOUTS, **CRITIC_LAYOUTS, **LORA_LAYOUTS}
-    proc = _launch_layouts(model_dir, batch, tmp_path, every, nproc=2)
+    batch = family_runs.every_batch
 
     critic_ref = MegatronLearner(model_dir, LearnerConfig(micro_batch_size=16), LossConfig(),
                                  critic_cfg=CriticConfig(**CRITIC)).train_step(batch)
 
-    # The TP=1 reference, computed here while the two ranks start up.
+    # The TP=1 reference.
     learner = _learner(model_dir, micro_batch_size=16)
     ref_logprobs = learner.logprobs(batch.input_ids)
     ref = learner.train_step(batch)
@@ -427,7 +440,7 @@ def test_every_layout_matches_tp1(model_dir, world, tmp_path):
     lora_merged = lora.merge(convert.load_pretrained(model_dir)[1], lora_published, lora.scale(lora_ref.lora))
     lora_merged = {n: lora_merged[n] for n, _, _ in merged_spec(lora_ref.publish_spec())}
 
-    results = _layout_results(proc, tmp_path, every, nproc=2, timeout=300)
+    results = family_runs.results("every")
     for layout in LORA_LAYOUTS:
         for rank in results.pop(layout):
             assert _close(rank["logprobs"], lora_logprobs), layout
@@ -437,10 +450,10 @@ def test_every_layout_matches_tp1(model_dir, world, tmp_path):
             assert all(_close(rank["published"][n], t) for n, t in lora_published.items()), layout
             assert list(rank["merged"]) == list(lora_merged), layout
             assert all(_close(rank["merged"][n], t) for n, t in lora_merged.items()), layout
-        exported = dict(export.hf_tensors(tmp_path / f"{layout}.ckpt", adapter_only=True))
+        exported = dict(export.hf_tensors(family_runs.root / f"every_{layout}.ckpt", adapter_only=True))
         assert all(_close(exported[n], t) for n, t in lora_published.items()) and set(exported) == set(lora_published)
         resumed = lora_learner()
-        learner_state.load(resumed, tmp_path / f"{layout}.ckpt")
+        learner_state.load(resumed, family_runs.root / f"every_{layout}.ckpt")
         third = lora_ref.train_step(batch)["loss"]
         assert abs(resumed.train_step(batch)["loss"] - third) <= 1e-5 * abs(third), layout  # Adam moments too
     for layout in CRITIC_LAYOUTS:

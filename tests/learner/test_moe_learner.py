@@ -357,45 +357,96 @@ def _summed(ranks: list[dict], key: str) -> dict:
 LORA_MOE = {"micro_batch_size": 3, "lr": 1e-3, "lora": {"rank": 4, "alpha": 8.0, "target_modules": list(ATTENTION)}}
 
 
-def test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+# The two cross-layout tests' layouts: (source model, layouts); each layout runs on its model's perturbed routers.
+MOE_LAYOUTS = {
+    "glm4_moe": {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                 "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                 "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}},
+    "deepseek_v3": {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4},
+                    "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4},
+                    "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4}},
+    "gpt_oss": {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}},
+    "mixtral": {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", "save": True},
+                "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                "tp2_off": {"tp": 2, "micro_batch_size": 3},
+                "tp2_lora": {"tp": 2, **LORA_MOE}}}
+
+
+class MoeLayoutRuns:
+    """One real 2-process torchrun (layout_worker.py) over every model's layouts, each on its perturbed routers with
+    its own batch (one torchrun start-up and one set of megatron imports for all the layout tests); its results read
+    once."""
+
+    def __init__(self, root, moe_dirs):
+        from tests.learner.test_megatron_learner import _launch_layouts
+
+        self.root, self.inputs, layouts = root, {}, {}
+        for kind, own in MOE_LAYOUTS.items():
+            perturbed = _perturbed_router_dir(moe_dirs[kind], root / f"{kind}_perturbed")
+            ids = _ids()
+            behaviour, routes = _hf_forward(moe_dirs[kind], ids)
+            batch = _batch(ids, behaviour, routes, short_rows=True)
+            torch.save(batch, root / f"{kind}.batch.pt")
+            self.inputs[kind] = (perturbed, ids, routes, batch)
+            layouts.update({f"{kind}_{name}": {**layout, "model_dir": perturbed, "batch": str(root / f"{kind}.batch.pt")}
+                            for name, layout in own.items()})
+        self.layouts = layouts
+        self.proc = _launch_layouts(self.inputs["mixtral"][0], self.inputs["mixtral"][3], root, layouts, nproc=2)
+        self._results = None
+
+    def results(self, kind: str) -> dict[str, list[dict]]:
+        """{layout: per-rank results} of `kind`'s layouts."""
+        from tests.learner.test_megatron_learner import _layout_results
+
+        if self._results is None:
+            self._results = _layout_results(self.proc, self.root, self.layouts, nproc=2, timeout=1000)
+        return {name: self._results[f"{kind}_{name}"] for name in MOE_LAYOUTS[kind]}
+
+
+@pytest.fixture(scope="module")
+def moe_layout_runs(tmp_path_factory, moe_dirs, world):
+    runs = MoeLayoutRuns(tmp_path_factory.mktemp("moe_layouts"), moe_dirs)
+    yield runs
+    if runs.proc.poll() is None:  # a test failed before reading the results: the launch is not left behind
+        runs.proc.kill()
+        runs.proc.communicate()
+
+
+@pytest.mark.timeout(1200)  # the first layout test waits for every test's layouts (MoeLayoutRuns.results)
+def test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank(moe_layout_runs):
     """GLM-4.5 in a real 2-process torchrun (gloo), r3 on perturbed routers: DP2 x EP2 (4 of the 8 experts per rank),
     TP2 (sequence parallelism; the shared expert and q/k/v biases split over TP, the expert bias whole on each rank)
     and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement, and after one step the
     same whole published weights (the expert bias included)."""
-    _sigmoid_routed_layouts_match_one_rank(moe_dirs["glm4_moe"], tmp_path)
+    _matches_one_rank(moe_layout_runs, "glm4_moe")
 
 
-def test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+@pytest.mark.timeout(1200)  # (see the GLM-4.5 test above)
+def test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank(moe_layout_runs):
     """DeepSeek-V3 as GLM-4.5 above: under TP2 its multi-latent attention's latent down-projections and norms are
     whole on each rank over its sequence-parallel positions (megarl.learner.layer_spec: the k RoPE part's gradient
     summed over every rank's heads), the up-projections and o_proj split by heads; DP2 x EP2, TP2 and TP2 x EP2 give
     the one-rank learner's log-probs, loss, grad norm, router agreement and, after one step, published weights. (lr
     1e-4: an expert weight whose gradient is near Adam's eps, 1e-8, moves by lr * g / (|g| + eps), where g carries
     fp32 noise of a percent; at the default 1e-3 that is 1e-5 apart between layouts, the comparison's bound.)"""
-    _sigmoid_routed_layouts_match_one_rank(moe_dirs["deepseek_v3"], tmp_path, lr=1e-4)
+    _matches_one_rank(moe_layout_runs, "deepseek_v3", lr=1e-4)
 
 
-def _sigmoid_routed_layouts_match_one_rank(model_dir, tmp_path, **learner):
-    layouts = {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", **learner},
-               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", **learner},
-               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", **learner}}
-    _layouts_match_one_rank(model_dir, tmp_path, layouts, timeout=300, **learner)
+def _matches_one_rank(runs: "MoeLayoutRuns", kind: str, **learner) -> None:
+    """`kind`'s 2-rank layouts (r3 on perturbed routers) give the one-rank learner's log-probs, loss, grad norm,
+    router agreement and lag-0 gap, and after one step its whole published weights (PP2: both stages')."""
+    from tests.learner.test_megatron_learner import _close, _sources
 
-
-def _layouts_match_one_rank(model_dir, tmp_path, layouts: dict, timeout: float, **learner):
-    """Each 2-rank layout of `layouts` (r3 on perturbed routers) gives the one-rank learner's log-probs, loss, grad
-    norm, router agreement and lag-0 gap, and after one step its whole published weights (PP2: both stages')."""
-    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results, _sources
-
-    perturbed = _perturbed_router_dir(model_dir, tmp_path / "perturbed")
-    ids = _ids()
-    behaviour, routes = _hf_forward(model_dir, ids)
-    batch = _batch(ids, behaviour, routes, short_rows=True)
-    proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
+    perturbed, ids, routes, batch = runs.inputs[kind]
     one_rank = _learner(perturbed, routing_replay="r3", micro_batch_size=3, **learner)
     ref_logprobs, ref = one_rank.logprobs(ids, routes), one_rank.train_step(batch)
     ref_published = dict(one_rank.publish_tensors())
-    results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=timeout)
+    results = runs.results(kind)
     for layout, ranks in results.items():
         for rank in ranks:
             assert _close(rank["logprobs"], ref_logprobs), layout
@@ -408,20 +459,18 @@ def _layouts_match_one_rank(model_dir, tmp_path, layouts: dict, timeout: float, 
         assert all(_close(published[n], t) for n, t in ref_published.items()), layout
 
 
-def test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+@pytest.mark.timeout(1200)  # (see the GLM-4.5 test above)
+def test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_layout_runs):
     """gpt-oss in a real 2-process torchrun (gloo), r3 on perturbed routers: PP2 (the sliding layer on the first
     stage, the full one on the second: each picks its own mask by its global index), DP2 x EP2 (2 of the 4 biased
     experts per rank), TP2 (sequence parallelism; the sinks and q/k/v biases split by heads, o_proj's and the
     router's bias whole) and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement,
     and after one step the same whole published weights (the fused experts gathered over EP)."""
-    layouts = {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}}
-    _layouts_match_one_rank(moe_dirs["gpt_oss"], tmp_path, layouts, timeout=400)
+    _matches_one_rank(moe_layout_runs, "gpt_oss")
 
 
-def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_dirs, world, tmp_path):
+@pytest.mark.timeout(1200)  # (see the GLM-4.5 test above)
+def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_layout_runs):
     """A real 2-process torchrun (gloo): PP2 (each stage replays only its own MoE layer), DP2 x EP2 (each rank
     holds 2 of the 4 experts; the alltoall sends each token to its replayed experts), TP2 (sequence parallelism:
     each TP rank's routers get its half of the positions, micro-batch widths padded to even) and TP2 x EP2 (the
@@ -435,19 +484,10 @@ def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_di
     one-rank adapter's second step, log-probs and published adapter."""
     from megarl.checkpoint import learner_state
     from megarl.config.schema import LoraConfig
-    from tests.learner.test_megatron_learner import _close, _launch_layouts, _layout_results, _sources
+    from tests.learner.test_megatron_learner import _close, _sources
 
-    perturbed = _perturbed_router_dir(moe_dirs["mixtral"], tmp_path / "perturbed")
-    ids = _ids()
-    behaviour, routes = _hf_forward(moe_dirs["mixtral"], ids)
-    batch = _batch(ids, behaviour, routes, short_rows=True)
-    layouts = {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", "save": True},
-               "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
-               "tp2_off": {"tp": 2, "micro_batch_size": 3},
-               "tp2_lora": {"tp": 2, **LORA_MOE}}
-    proc = _launch_layouts(perturbed, batch, tmp_path, layouts, nproc=2)
+    perturbed, ids, routes, batch = moe_layout_runs.inputs["mixtral"]
+    layouts = MOE_LAYOUTS["mixtral"]
     refs = {}
     for replay in ("r3", "off"):
         learner = _learner(perturbed, routing_replay=replay, micro_batch_size=3)
@@ -457,7 +497,7 @@ def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_di
     lora_step, lora_logprobs = lora_ref.train_step(batch), lora_ref.logprobs(ids)
     lora_published = dict(lora_ref.publish_tensors())
     assert min(float(t.abs().max()) for n, t in lora_published.items() if "lora_B" in n) > 1e-3  # every B moved
-    results = _layout_results(proc, tmp_path, layouts, nproc=2, timeout=300)
+    results = moe_layout_runs.results("mixtral")
     for rank in results.pop("tp2_lora"):  # (layout_worker: two steps, then the log-probs; whole adapters)
         assert _close(rank["logprobs"], lora_logprobs)
         for key in ("loss", "grad_norm"):
@@ -481,7 +521,7 @@ def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_di
             assert _summed(ranks, "expert_tokens") == _expected_expert_tokens(batch, 3, tp), layout
     ref_learner = refs["r3"][0]
     resumed = _learner(perturbed, routing_replay="r3", micro_batch_size=3)
-    learner_state.load(resumed, tmp_path / "tp2.ckpt")
+    learner_state.load(resumed, moe_layout_runs.root / "mixtral_tp2.ckpt")
     assert _close(resumed.logprobs(ids, routes), ref_learner.logprobs(ids, routes))
     for _ in range(2):  # the second step's loss is of weights the first moved with the resumed Adam moments
         want = ref_learner.train_step(batch)["loss"]
