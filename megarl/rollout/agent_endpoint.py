@@ -250,9 +250,13 @@ class ChatCompletionsEndpoint:
                         for chunk in stream.chunks:
                             self._event(json.dumps(chunk).encode())
                     except EndpointError as exc:
-                        self._event(json.dumps(_error_payload(exc)).encode())
+                        last = json.dumps(_error_payload(exc)).encode()
                     else:
-                        self._event(b"[DONE]")
+                        last = b"[DONE]"
+                    # Closed before the last event: a client that sends its next turn as soon as it reads the end
+                    # finds the session free (the turn is recorded; the last event carries nothing it depends on).
+                    stream.close(False)
+                    self._event(last)
                     disconnected = False
                 finally:
                     stream.close(disconnected)
@@ -448,12 +452,14 @@ def closing_chunks(response: dict, include_usage: bool) -> list[dict]:
 
 class EventStream:
     """A reply sent as server-sent events (`data: <json>` lines, then `data: [DONE]`), each chunk written as
-    `chunks` yields it. `close(disconnected)` is called once the stream ends, whether or not it was iterated:
-    disconnected is True when the client went away (or the write failed) before the end."""
+    `chunks` yields it. `close(disconnected)` is called once the stream ends (before its last event), whether or
+    not it was iterated: disconnected is True when the client went away (or the write failed) before the end."""
 
     def __init__(self, chunks: Iterable[dict], close: Callable[[bool], None] | None = None):
         self.chunks, self._close = chunks, close
 
     def close(self, disconnected: bool) -> None:
-        if self._close is not None:
-            self._close(disconnected)
+        """Calls `close` the first time only."""
+        close, self._close = self._close, None
+        if close is not None:
+            close(disconnected)

@@ -8,10 +8,11 @@ import socket
 import struct
 import threading
 import time
+from http import HTTPStatus
 
 import pytest
 
-from megarl.rollout.agent_endpoint import ChatCompletionsEndpoint, new_session_token
+from megarl.rollout.agent_endpoint import ChatCompletionsEndpoint, EndpointError, EventStream, new_session_token
 
 LIMIT = 1 << 20
 
@@ -115,3 +116,35 @@ def test_each_client_disconnect_is_one_console_line_at_most_every_30s_not_a_trac
     [line] = [line for line in (out + err).splitlines() if line.strip()]
     assert re.fullmatch(r"megarl: agent endpoint: a client disconnected before its answer "
                         r"\((ConnectionResetError|BrokenPipeError)\); 1 so far", line)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["done", "error"])
+def test_a_stream_frees_its_session_before_its_last_event_so_the_next_turn_is_never_refused(fails):
+    """An agent sends its next turn as soon as it reads a stream's end ([DONE], or an error event): the stream's
+    close (which frees the episode's session) has run by then. The close is made slow, so an end written before it
+    would reach the client first."""
+    token, closed = new_session_token(), threading.Event()
+
+    def chunks():
+        yield {"n": 1}
+        if fails:
+            raise EndpointError(HTTPStatus.GATEWAY_TIMEOUT, "no completion", kind="server_error")
+
+    def close(disconnected):
+        time.sleep(0.2)
+        closed.set()
+
+    endpoint = ChatCompletionsEndpoint(lambda session, body: EventStream(chunks(), close),
+                                       lambda session: session == token, "tiny", LIMIT).start()
+    try:
+        with socket.create_connection(("127.0.0.1", endpoint.port), timeout=5.0) as sock:
+            sock.sendall(post(token, "Content-Length: 2").encode() + b"\r\n\r\n{}")
+            data = b""
+            while not re.search(rb"data: (\[DONE\]|\{\"error\".*)\n\n", data):
+                more = sock.recv(1 << 16)
+                assert more, data
+                data += more
+            assert closed.is_set()
+    finally:
+        endpoint.close()
+    assert (b"[DONE]" in data) != fails

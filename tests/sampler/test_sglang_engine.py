@@ -332,16 +332,28 @@ def test_a_multi_chunk_stream_assembles_as_the_single_response(engine):
 
 
 def test_a_request_the_server_aborts_fails_naming_its_partial_output(engine):
-    """megarl never pauses with mode abort; a request someone else aborts is an error, not a rollout."""
-    before = decoded(engine)
-    engine.add_request(request("x", 480))
-    deadline = time.monotonic() + 30
-    while decoded(engine) < before + 10:
-        assert time.monotonic() < deadline, "the request never started decoding"
-        time.sleep(0.002)
+    """megarl never pauses with mode abort; a request someone else aborts is an error, not a rollout.
+
+    The request is first frozen mid-decode by the engine's own pause mode, so it cannot run to its end before the
+    abort (under load, a test thread can sleep through all its tokens); should it end before that pause, the next
+    attempt has a new request."""
+    for attempt in range(3):
+        before = decoded(engine)
+        engine.add_request(request(f"x{attempt}", 480))
+        deadline = time.monotonic() + 30
+        while decoded(engine) < before + 10:
+            assert time.monotonic() < deadline, "the request never started decoding"
+            time.sleep(0.002)
+        engine.client.post("/pause_generation", {"mode": engine.pause_mode})
+        if decoded(engine) < before + 480:  # paused before its last token: it is running, frozen
+            break
+        engine.client.post("/continue_generation", {})
+        run_until_done(engine)
+    else:
+        pytest.fail("each of 3 requests ran to its end before the pause")
     engine.client.post("/pause_generation", {"mode": "abort"})
     engine.client.post("/continue_generation", {})
-    with pytest.raises(SGLangError, match=r"request x was aborted by the server after \d+ tokens"):
+    with pytest.raises(SGLangError, match=rf"request x{attempt} was aborted by the server after \d+ tokens"):
         run_until_done(engine)
     assert engine.num_unfinished == 0
 
