@@ -11,14 +11,10 @@ from __future__ import annotations
 
 
 def transformer_config_kwargs(hf_config: dict) -> dict:
-    """The TransformerConfig fields of a gated-DeltaNet layer: its widths, Qwen's SiLU (the conv's activation and
-    the output gate's; megatron's default is GELU) and the norm's epsilon."""
-    import torch.nn.functional as F
+    """The TransformerConfig fields of a gated-DeltaNet layer (megarl.models.gated_delta_net's)."""
+    from megarl.models.gated_delta_net import transformer_config_kwargs as kwargs
 
-    keys = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-            "linear_num_value_heads")
-    return {**{k: hf_config[k] for k in keys}, "activation_func": F.silu, "normalization": "RMSNorm",
-            "layernorm_epsilon": hf_config["rms_norm_eps"], "experimental_attention_variant": "gated_delta_net"}
+    return kwargs(hf_config, (True, False))
 
 
 def module_spec():
@@ -47,6 +43,6 @@ def build_layer(hf_config: dict, dtype=None, layer_number: int = 1):
                                num_attention_heads=hf_config["num_attention_heads"], use_cpu_initialization=True,
                                perform_initialization=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
                                tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-                               linear_attention_freq=2, **transformer_config_kwargs(hf_config))
+                               **transformer_config_kwargs(hf_config))
     return build_module(module_spec(), config, layer_number=layer_number,
                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
