@@ -267,6 +267,11 @@ class MegatronLearner:
         # The schedules run micro-batches under DDP's no_sync and reduce grads once at the end.
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
+        if self.recurrent:  # (the gated norm's weight: whole on every TP rank, each rank's heads' gradient share)
+            from megarl.learner.hybrid import summing_gated_norm_grads
+
+            self.config.finalize_model_grads_func = summing_gated_norm_grads(
+                finalize_model_grads, parallel_state.get_tensor_model_parallel_group())
 
     # ------------------------------------------------------------------ weights in and out
 
