@@ -102,6 +102,26 @@ def tp_unslice(name: str, shares: list[torch.Tensor], hf_config: dict) -> torch.
     return torch.cat([torch.cat([p[i] for p in parts], 0) for i in range(len(widths))], 0)
 
 
+# The names megatron's GatedDeltaNet.sharded_state_dict saves its fused tensors' parts under (`in_proj.weight.query`,
+# ...; the conv's first three), in their order within the fused rows.
+CHECKPOINT_PARTS = ("query", "key", "value", "z", "beta", "alpha")
+
+
+def join_checkpoint_parts(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One layer's tensors as a checkpoint holds them (megatron names relative to the layer) with each fused
+    gated-DeltaNet tensor saved in parts (`self_attention.in_proj.weight.query`, ...) joined back into one."""
+    out, parts = {}, {}
+    for name, tensor in layer.items():
+        base, _, part = name.rpartition(".")
+        if part in CHECKPOINT_PARTS and base.endswith(("in_proj.weight", "conv1d.weight")):
+            parts.setdefault(base, {})[part] = tensor
+        else:
+            out[name] = tensor
+    for base, pieces in parts.items():
+        out[base] = torch.cat([pieces[p] for p in CHECKPOINT_PARTS if p in pieces], 0)
+    return out
+
+
 def tp_slice(name: str, tensor: torch.Tensor, hf_config: dict, tp: int, rank: int) -> torch.Tensor:
     """Rank `rank`'s share of megatron GatedDeltaNet tensor `name` at tensor parallelism `tp`: every part of the
     fused projection and of the conv split by heads, dt_bias / A_log by value heads, out_proj by its input
