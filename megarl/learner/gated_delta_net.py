@@ -46,3 +46,19 @@ def build_layer(hf_config: dict, dtype=None, layer_number: int = 1):
                                **transformer_config_kwargs(hf_config))
     return build_module(module_spec(), config, layer_number=layer_number,
                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def use_torch_path_without_fla() -> None:
+    """On a GPU without flash-linear-attention, megatron's GatedDeltaNet (which refuses to build without it) runs its
+    own torch path instead: the torch l2norm of megarl.learner.cpu_shims and torch_chunk_gated_delta_rule (the
+    CPU shims' replacements; its constructor's CUDA allocations are right on a GPU). A no-op where fla is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is not None:
+        return
+    from megatron.core.ssm import gated_delta_net
+
+    from megarl.learner.cpu_shims import l2norm
+
+    gated_delta_net.HAVE_FLA, gated_delta_net.l2norm = True, l2norm
+    gated_delta_net.chunk_gated_delta_rule = gated_delta_net.torch_chunk_gated_delta_rule

@@ -113,10 +113,10 @@ class MegatronLearner:
         self.recurrent = families.family_of(self.hf_config).linear_attention
         if self.recurrent:
             check_recurrent(cfg, routing_replay)
-            if not self.on_gpu:
-                from megarl.learner.cpu_shims import apply_gated_delta_net_shims
+            from megarl.learner.cpu_shims import apply_gated_delta_net_shims
+            from megarl.learner.gated_delta_net import use_torch_path_without_fla
 
-                apply_gated_delta_net_shims()
+            apply_gated_delta_net_shims() if not self.on_gpu else use_torch_path_without_fla()
         # A sliding window is part of the attention mask the learner builds (megarl.learner.packing): it counts
         # position ids, which a packed row's columns are not. Layers with windows of their own (Gemma 3, gpt-oss:
         # families.layer_types) get one mask per distinct window, stacked, and each layer its own
