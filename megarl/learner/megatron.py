@@ -14,6 +14,8 @@ TP size of 1), and the published / exported tensors gather every expert. At ``le
 with megatron's sequence parallelism (megarl.learner.sequence_parallel). ``algo.routing_replay=r3`` forces
 the sampler's recorded routes in every forward of the step (megarl.learner.routing_replay). Context parallelism
 ``learner.cp`` splits each (packed) row's positions over the ranks of a CP group (megarl.learner.context_parallel).
+Qwen3.5 text's hybrid layers (megatron-core's GatedDeltaNet beside gated full attention: megarl.learner.hybrid) train
+on unpacked rows, one sequence per row.
 
 Process contract: construct it after ``torch.distributed`` is initialised with a default process
 group that contains ONLY the learner ranks (world size = tp * pp * cp * dp).  Every learner rank receives
@@ -116,7 +118,10 @@ class MegatronLearner:
             from megarl.learner.cpu_shims import apply_gated_delta_net_shims
             from megarl.learner.gated_delta_net import use_torch_path_without_fla
 
-            apply_gated_delta_net_shims() if not self.on_gpu else use_torch_path_without_fla()
+            if self.on_gpu:
+                use_torch_path_without_fla()
+            else:
+                apply_gated_delta_net_shims()
         # A sliding window is part of the attention mask the learner builds (megarl.learner.packing): it counts
         # position ids, which a packed row's columns are not. Layers with windows of their own (Gemma 3, gpt-oss:
         # families.layer_types) get one mask per distinct window, stacked, and each layer its own
