@@ -46,6 +46,10 @@ imported what they share):
                     transformers' Qwen3.5 layer with the same weights, one layer of hybrid's shape at the learner's
                     dtype (FLA's kernels where installed, else megatron's torch path: `impl`): relative output gap,
                     forward + backward time of each
+  hybrid_learner    the megatron learner on hybrid's Qwen3.5-like model (megarl/learner/hybrid.py: megatron-core's
+                    GatedDeltaNet beside gated full attention, unpacked rows; bf16): the engine's behaviour log-probs
+                    (generic model), the learner's and an fp32 HF forward's of the same tokens (logprob_parity), and
+                    the median time of a learner step on learner_step's rows
   critic_step       the learner step of learner_step with the critic of algo.advantage.estimator=gae
                     (megarl.learner.critic: a replicated fp32 value model, V-trace targets): step time and the
                     critic's metrics, against learner_step's time
@@ -1105,6 +1109,31 @@ def check_gated_delta_net(args, size: Size) -> dict:
     return {**result, "peak_gpu_gib": peak_gib()}
 
 
+def check_hybrid_learner(args, size: Size) -> dict:
+    """The megatron learner on hybrid's Qwen3.5-like model (docs/models.md, "Hybrid linear-attention models"; random
+    weights): logprob_parity against the generic engine and an fp32 HF forward, and its step time."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    workdir = Path(args.workdir)
+    init_single_rank(args.backend, workdir)
+    shape = TINY_QWEN35 if size.tiny else QWEN35_LIKE
+    model_dir = workdir / "qwen35_like_learner"
+    if not (model_dir / "config.json").exists():
+        torch.manual_seed(0)
+        every = 2 if size.tiny else 4
+        layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                       for i in range(shape["num_hidden_layers"])]
+        config = AutoConfig.for_model("qwen3_5_text", **shape, layer_types=layer_types)
+        AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    out = logprob_parity(args, size, model_dir, shape["vocab_size"])
+    learner = make_learner(model_dir, size)
+    steps = Size(size.tiny)
+    steps.model = {**size.model, "vocab_size": shape["vocab_size"]}  # (timed_steps' random ids: this vocabulary)
+    times, _ = timed_steps(learner, steps)
+    return {**out, "median_step_s": round(median(times), 4), "peak_gpu_gib": peak_gib()}
+
+
 def check_moe_replay(args, size: Size) -> dict:
     """Router agreement and log-prob gap between the built-in engine (bf16 weights on the GPU, recording routes)
     and the megatron learner on a random Mixtral-style model, with routing replay off and r3
@@ -1619,7 +1648,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120),
           "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
           "trackers": (check_trackers, 120), "families": (check_families, 180), "hybrid": (check_hybrid, 150),
-          "gated_delta_net": (check_gated_delta_net, 150),
+          "gated_delta_net": (check_gated_delta_net, 150), "hybrid_learner": (check_hybrid_learner, 180),
           "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180),
           "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120),
           "agent_stream": (check_agent_stream, 120), "long_paged": (check_long_paged, 150),

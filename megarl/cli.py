@@ -324,12 +324,18 @@ def check_model_dir(model_dir, cfg=None) -> None:
                 f"{generic_path_hint()})")
             raise ValueError(f"{config}: {exc}{hint}") from exc
         generic = True
-    if generic:
+    from megarl.models.families import is_native
+
+    # (a model only the megatron learner maps, megarl.models.families.LEARNER_FAMILIES: the built-in engine runs it on
+    # the generic path, and so does the DeepSpeed learner)
+    learner_only = not generic and not is_native(hf_config) and cfg is not None
+    generic = generic or (learner_only and cfg.learner.backend == "deepspeed")
+    if generic or learner_only:
         try:
             check_generic_model(hf_config, cfg)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
-    elif cfg is not None:
+    if not generic and cfg is not None:
         try:
             check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep,
                          cfg.algo.routing_replay, cfg.learner.cp)

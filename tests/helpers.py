@@ -113,6 +113,8 @@ def save_tiny_dense(path: Path, kind: str, vocab_size: int = 64) -> Path:
                     p.normal_(1.0, 0.3)
     elif kind == "gemma3":
         model = gemma3_model(tiny)
+    elif kind == "qwen3_5":
+        model = qwen3_5_model(tiny)
     elif kind == "llama_yarn":
         model = LlamaForCausalLM(LlamaConfig(**tiny, tie_word_embeddings=True, rope_parameters={
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": YARN_ORIGINAL, "rope_theta": 1e4}))
@@ -120,6 +122,29 @@ def save_tiny_dense(path: Path, kind: str, vocab_size: int = 64) -> Path:
         raise ValueError(kind)
     model.save_pretrained(path)
     return path
+
+
+# The tests' tiny Qwen3.5 text: a gated-DeltaNet layer (PP2's first stage) then a gated full-attention one; heads of
+# 16 dims (RoPE on a quarter of them: 4), 2 key / 4 value heads of 8 in the linear layer (TP2: one key head a rank).
+QWEN3_5 = dict(head_dim=16, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+               linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+
+
+def qwen3_5_model(tiny: dict, **overrides):
+    """A random HF Qwen3_5ForCausalLM of `tiny`'s shape with QWEN3_5's layers, untied, no pad token; every norm
+    weight drawn away from its initial value ((1 + w) norms start at 0, the gated norm at 1: a norm left there
+    would hide one mapped in another's place), and the gated-DeltaNet's dt_bias and A_log too."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**tiny, **QWEN3_5, **overrides}, tie_word_embeddings=False,
+                                                 pad_token_id=None, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("dt_bias", "A_log")):
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
 
 
 # The tests' tiny Gemma 3 text: a local layer (window 5, shorter than every test's rows: PP2's first stage) then a

@@ -24,7 +24,7 @@ import torch
 from megarl.checkpoint.learner_state import HF_META_DIR, quiet_dcp, read_manifest
 from megarl.checkpoint.storage import CheckpointError, resolve
 from megarl.checkpoint.trust import check_trusted, read_dcp_metadata
-from megarl.models import convert, moe
+from megarl.models import convert, gated_delta_net, moe
 
 LAYER_PREFIX = "decoder.layers."
 ADAPTER_DIR = "adapter"  # a LoRA checkpoint's export: the PEFT adapter directory inside the merged model's
@@ -102,6 +102,12 @@ def hf_tensors(checkpoint: str | Path, adapter_only: bool = False) -> Iterator[t
     keys = _model_keys(metadata)
     dtype = metadata.state_dict_metadata["embedding.word_embeddings.weight"].properties.dtype
     layer_keys = {k[len(LAYER_PREFIX):]: k for k in keys if k.startswith(LAYER_PREFIX)}
+    # A model whose layers differ (Qwen3.5's gated-DeltaNet and full-attention layers) is saved by megatron one layer
+    # at a time, `decoder.layers.{i}.name`, rather than stacked along a layer axis.
+    own_layer: dict[int, dict[str, str]] = {}
+    for name in [n for n in layer_keys if n.split(".", 1)[0].isdigit()]:
+        index, rest = name.split(".", 1)
+        own_layer.setdefault(int(index), {})[rest] = layer_keys.pop(name)
     whole = {k for k in keys if not k.startswith(LAYER_PREFIX)}
     expected = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
     if not hf_config.get("tie_word_embeddings", False):
@@ -121,6 +127,8 @@ def hf_tensors(checkpoint: str | Path, adapter_only: bool = False) -> Iterator[t
     yield "model.embed_tokens.weight", read("embedding.word_embeddings.weight")
     for i in range(hf_config["num_hidden_layers"]):
         layer = {_SAVED_AS.get(name, name): read(key, layer=i) for name, key in layer_keys.items()}
+        layer.update((_SAVED_AS.get(name, name), read(key)) for name, key in own_layer.get(i, {}).items())
+        layer = gated_delta_net.join_checkpoint_parts(layer)  # (its fused tensors are saved in parts)
         if lora is not None:
             layer = lora_layers.merge_layer(layer, lora["alpha"] / lora["rank"])
         layer = moe.unstack_checkpoint_experts(layer)  # (MoE layers; a dense layer is unchanged)

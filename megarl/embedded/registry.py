@@ -112,7 +112,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     "tiny-qwen3-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                      max_new_tokens=COUNT_MAX_NEW_TOKENS, family="qwen3"),
     # The demo task on a hybrid Qwen3.5 text model of the demo's sizes (a gated-DeltaNet layer, then a full-attention
-    # one; docs/models.md): `model.path=embedded:tiny-qwen3_5-count learner.backend=deepspeed` (the generic path).
+    # one; docs/models.md): `model.path=embedded:tiny-qwen3_5-count`, on the megatron learner (megarl.learner.hybrid)
+    # or with learner.backend=deepspeed (the generic path).
     "tiny-qwen3_5-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                        max_new_tokens=COUNT_MAX_NEW_TOKENS, family="qwen3_5",
                                        build_minutes=QWEN3_5_BUILD_MINUTES),

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 
 def transformer_config_kwargs(hf_config: dict) -> dict:
-    """The TransformerConfig fields of a gated-DeltaNet layer: its widths, Qwen's SiLU (the conv's activation and
-    the output gate's; megatron's default is GELU) and the norm's epsilon."""
-    import torch.nn.functional as F
+    """The TransformerConfig fields of a gated-DeltaNet layer (megarl.models.gated_delta_net's)."""
+    from megarl.models.gated_delta_net import transformer_config_kwargs as kwargs
 
-    keys = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-            "linear_num_value_heads")
-    return {**{k: hf_config[k] for k in keys}, "activation_func": F.silu, "normalization": "RMSNorm",
-            "layernorm_epsilon": hf_config["rms_norm_eps"], "experimental_attention_variant": "gated_delta_net"}
+    return kwargs(hf_config, (True, False))
 
 
 def module_spec():
@@ -47,6 +43,22 @@ def build_layer(hf_config: dict, dtype=None, layer_number: int = 1):
                                num_attention_heads=hf_config["num_attention_heads"], use_cpu_initialization=True,
                                perform_initialization=False, params_dtype=dtype, bf16=dtype == torch.bfloat16,
                                tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-                               linear_attention_freq=2, **transformer_config_kwargs(hf_config))
+                               **transformer_config_kwargs(hf_config))
     return build_module(module_spec(), config, layer_number=layer_number,
                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def use_torch_path_without_fla() -> None:
+    """On a GPU without flash-linear-attention, megatron's GatedDeltaNet (which refuses to build without it) runs its
+    own torch path instead: the torch l2norm of megarl.learner.cpu_shims and torch_chunk_gated_delta_rule (the
+    CPU shims' replacements; its constructor's CUDA allocations are right on a GPU). A no-op where fla is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is not None:
+        return
+    from megatron.core.ssm import gated_delta_net
+
+    from megarl.learner.cpu_shims import l2norm
+
+    gated_delta_net.HAVE_FLA, gated_delta_net.l2norm = True, l2norm
+    gated_delta_net.chunk_gated_delta_rule = gated_delta_net.torch_chunk_gated_delta_rule

@@ -3,7 +3,8 @@
 megatron-core's local spec (``get_gpt_layer_local_spec``: no Transformer Engine, which CPU runs never have) with
 megarl's replacements, each for a reason its module gives: the core attention computed by torch's fused SDPA
 (megarl.learner.sdpa_attention), OLMo 2's norms (megarl.learner.post_norms), Gemma 3's (megarl.learner.gemma3: a block
-spec, for its final norm) and, under sequence parallelism, the
+spec, for its final norm), Qwen3.5's hybrid layers (megarl.learner.hybrid: a block spec, gated DeltaNet where
+`layer_types` says) and, under sequence parallelism, the
 norms that carry its gradient mark (megarl.learner.sequence_parallel). A model whose first layers are dense and
 the rest MoE (GLM-4.5: megarl.models.moe.first_dense_layers) gets a block spec of this pipeline stage's layers, each
 with its own MLP. Multi-latent attention (DeepSeek-V3) is the local spec's MLASelfAttention with its latent
@@ -44,6 +45,10 @@ def layer_spec(hf_config: dict, config, sequence_parallel: bool):
         from megarl.learner.gemma3 import gemma_block
 
         return gemma_block([spec for _ in _stage_layers(config)])
+    if families.family_of(hf_config).linear_attention:  # (dense: never sequence-parallel)
+        from megarl.learner.hybrid import hybrid_block
+
+        return hybrid_block(spec, families.linear_attention_layers(hf_config), _stage_layers(config))
     if not moe.first_dense_layers(hf_config) and not sequence_parallel:
         return spec
     dense = one({k: v for k, v in kwargs.items() if k not in ("num_experts", "moe_grouped_gemm")})

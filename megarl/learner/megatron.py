@@ -14,6 +14,8 @@ TP size of 1), and the published / exported tensors gather every expert. At ``le
 with megatron's sequence parallelism (megarl.learner.sequence_parallel). ``algo.routing_replay=r3`` forces
 the sampler's recorded routes in every forward of the step (megarl.learner.routing_replay). Context parallelism
 ``learner.cp`` splits each (packed) row's positions over the ranks of a CP group (megarl.learner.context_parallel).
+Qwen3.5 text's hybrid layers (megatron-core's GatedDeltaNet beside gated full attention: megarl.learner.hybrid) train
+on unpacked rows, one sequence per row.
 
 Process contract: construct it after ``torch.distributed`` is initialised with a default process
 group that contains ONLY the learner ranks (world size = tp * pp * cp * dp).  Every learner rank receives
@@ -38,7 +40,7 @@ from megarl.config.schema import LearnerConfig
 from megarl.learner import context_parallel, packing, plain_linear, rotary_positions, sequence_parallel, step
 from megarl.learner.lr_schedule import lr_at
 from megarl.learner.routing_replay import RouteReplayer
-from megarl.models import convert, families, moe
+from megarl.models import convert, families, gated_delta_net, moe
 from megarl.protocols import TrainBatch
 
 
@@ -108,6 +110,18 @@ class MegatronLearner:
         with open(os.path.join(model_dir, "config.json")) as f:
             self.hf_config = convert.check_supported(json.load(f))
         self.is_moe = moe.is_moe(self.hf_config)
+        # Gated-DeltaNet layers (Qwen3.5: megarl.learner.hybrid) run one sequence per row: megatron's module refuses
+        # packed rows, and a recurrence would carry one sequence's state into the next.
+        self.recurrent = families.family_of(self.hf_config).linear_attention
+        if self.recurrent:
+            check_recurrent(cfg, routing_replay)
+            from megarl.learner.cpu_shims import apply_gated_delta_net_shims
+            from megarl.learner.gated_delta_net import use_torch_path_without_fla
+
+            if self.on_gpu:
+                use_torch_path_without_fla()
+            else:
+                apply_gated_delta_net_shims()
         # A sliding window is part of the attention mask the learner builds (megarl.learner.packing): it counts
         # position ids, which a packed row's columns are not. Layers with windows of their own (Gemma 3, gpt-oss:
         # families.layer_types) get one mask per distinct window, stacked, and each layer its own
@@ -258,6 +272,11 @@ class MegatronLearner:
         # The schedules run micro-batches under DDP's no_sync and reduce grads once at the end.
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
+        if self.recurrent:  # (the gated norm's weight: whole on every TP rank, each rank's heads' gradient share)
+            from megarl.learner.hybrid import summing_gated_norm_grads
+
+            self.config.finalize_model_grads_func = summing_gated_norm_grads(
+                finalize_model_grads, parallel_state.get_tensor_model_parallel_group())
 
     # ------------------------------------------------------------------ weights in and out
 
@@ -298,6 +317,9 @@ class MegatronLearner:
             # Fused SwiGLU: each TP rank holds cat[its gate rows, its up rows], not a contiguous slice.
             gate, up = full.chunk(2, dim=0)
             return torch.cat([gate.chunk(self.cfg.tp, 0)[rank], up.chunk(self.cfg.tp, 0)[rank]])
+        if _gated_delta_net_part(name, self.recurrent):  # (its fused in_proj and conv: each part split by heads)
+            return gated_delta_net.tp_slice(_gated_delta_net_part(name, True), full, self.hf_config, self.cfg.tp,
+                                            rank)
         # qkv rows are grouped per query group, so a contiguous slice is whole groups.
         return full.chunk(self.cfg.tp, dim=dim)[rank]
 
@@ -312,6 +334,8 @@ class MegatronLearner:
         if _gate_up_rows(name):
             gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
             return torch.cat(list(gates) + list(ups))
+        if _gated_delta_net_part(name, self.recurrent):
+            return gated_delta_net.tp_unslice(_gated_delta_net_part(name, True), parts, self.hf_config)
         return torch.cat(parts, dim=self._tp_dim[name])
 
     def publish_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -658,7 +682,8 @@ class MegatronLearner:
         totals = step.batch_totals(batch)
         fields = step.dp_share(batch, self.cfg.dp, self.ps.get_data_parallel_rank())
         micro_batches = step.micro_batches(fields, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens,
-                                           pack=self.cfg.pack_sequences, share_prefixes=self.cfg.share_prefixes)
+                                           pack=self.cfg.pack_sequences and not self.recurrent,
+                                           share_prefixes=self.cfg.share_prefixes)
         if self.cfg.ep > 1:
             # Every MoE layer's alltoall pairs the EP ranks micro-batch by micro-batch: same count on all.
             count = torch.tensor(len(micro_batches))
@@ -796,6 +821,26 @@ def check_context_parallel(cfg: LearnerConfig, is_moe: bool, routing_replay: str
     if any(missing.values()):
         raise ValueError(f"learner.cp={cfg.cp} (context parallelism) does not run with "
                          f"{', '.join(k for k, v in missing.items() if v)} yet; use learner.cp=1 for it")
+
+
+def check_recurrent(cfg: LearnerConfig, routing_replay: str) -> None:
+    """Refuse, naming them, the settings a model with gated-DeltaNet layers is not built for here."""
+    missing = {"learner.cp > 1 (context parallelism)": cfg.cp > 1, "learner.lora": cfg.lora.rank > 0,
+               "algo.routing_replay=r3": routing_replay == "r3"}
+    if any(missing.values()):
+        raise ValueError(f"a model with gated-DeltaNet layers (layer_types 'linear_attention') does not train with "
+                         f"{', '.join(k for k, v in missing.items() if v)} on the megatron learner")
+
+
+def _gated_delta_net_part(name: str, recurrent: bool) -> str | None:
+    """A gated-DeltaNet parameter's name within its layer's module (`in_proj.weight`, `conv1d.weight`: fused rows
+    that megarl.models.gated_delta_net splits over TP part by part), None for any other parameter."""
+    if not recurrent:
+        return None
+    for part in ("self_attention.in_proj.weight", "self_attention.conv1d.weight"):
+        if name.endswith(part):
+            return part[len("self_attention."):]
+    return None
 
 
 def _gate_up_rows(name: str) -> bool:

@@ -44,6 +44,11 @@ Layout facts the conversion encodes:
     ``gpt_oss_gate``; its router (logits with a bias, top-k, softmax over the k) is megatron's softmax router; the
     experts' fused layout is megarl.models.moe's; its sliding and full layers' windows are masks
     (families.layer_windows).
+  * Qwen3.5 text (families' ``linear_attention``): a gated-DeltaNet layer's ``linear_attn.*`` is megatron
+    GatedDeltaNet's ``self_attention.*`` (megarl.models.gated_delta_net); a full-attention layer's q_proj rows are
+    [q_h | gate_h] per head, megatron's gated linear_qkv rows per query group [its q heads | their gates | k | v]
+    (``attention_output_gate``); its partial RoPE is ``rotary_percent``; every norm but the gated one computes
+    ``(1 + weight)`` (megarl.learner.hybrid) on HF's weights as they are.
   * DeepSeek-V3's multi-latent attention is megatron's MLASelfAttention (``MLATransformerConfig``); its RoPE
     dims are ``qk_rope_head_dim`` (what `_dims` calls head_dim, as transformers' config does).
 """
@@ -56,7 +61,7 @@ import os
 
 import torch
 
-from megarl.models import families, latent_attention, moe
+from megarl.models import families, gated_delta_net, latent_attention, moe
 from megarl.models.families import MODEL_TYPES, family_of
 # (what the conversion takes is decided from config.json without torch; the names stay importable from here)
 from megarl.models.support import (_dims, _rope_theta, check_supported, has_weights, layer_config,  # noqa: F401
@@ -200,6 +205,9 @@ def transformer_config_kwargs(hf_config) -> dict:
     if family_of(cfg).latent_attention:  # (megatron's MLA sets its own softmax scale: latent_attention's doc)
         kwargs.update(latent_attention.transformer_config_kwargs(cfg, rope_scaling(cfg), _rope_theta(cfg)),
                       softmax_scale=None)
+    if family_of(cfg).linear_attention:  # Qwen3.5: gated DeltaNet where layer_types says, gated full attention
+        kwargs.update(gated_delta_net.transformer_config_kwargs(cfg, families.linear_attention_layers(cfg)),
+                      attention_output_gate=True)
     return kwargs
 
 
@@ -262,10 +270,14 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
     if not _tied(cfg):
         out["output_layer.weight"] = hf_state["lm_head.weight"]
 
+    linear = families.linear_attention_layers(cfg)
+
     def pack_qkv(q, k, v):
         # [heads*d, ...], [groups*d, ...] -> [groups, (q_per_group + 2) * d, ...] -> flat rows
         rest = q.shape[1:]
-        q = q.reshape(groups, q_per_group * head_dim, *rest)
+        if linear is not None:  # Qwen3.5's q_proj: [q_h | gate_h] per head -> the group's [q heads | their gates]
+            q = q.reshape(groups, q_per_group, 2, head_dim, *rest).transpose(1, 2)
+        q = q.reshape(groups, -1, *rest)
         k = k.reshape(groups, head_dim, *rest)
         v = v.reshape(groups, head_dim, *rest)
         return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
@@ -279,6 +291,13 @@ def hf_to_mcore(hf_state: dict, hf_config) -> dict:
         else:
             out[mc + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
             out[mc + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
+        if linear is not None and linear[i]:  # (a gated-DeltaNet layer: no q/k/v, no q/k norms)
+            own = {k[len(hf + "linear_attn."):]: v for k, v in hf_state.items() if k.startswith(hf + "linear_attn.")}
+            out.update({mc + "self_attention." + k: v for k, v in gated_delta_net.hf_to_mcore(own).items()})
+            out[mc + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]], dim=0)
+            out[mc + "mlp.linear_fc2.weight"] = hf_state[hf + "mlp.down_proj.weight"]
+            continue
         if family_of(cfg).latent_attention:
             out.update({mc + k: v for k, v in latent_attention.hf_to_mcore(hf_state, cfg, i).items()})
         else:
@@ -331,6 +350,15 @@ def mcore_layer_to_hf(mcore_layer: dict, hf_layer_index: int, hf_config, tp_size
     else:
         out = {hf + "input_layernorm.weight": mcore_layer["input_layernorm.weight"],
                hf + "post_attention_layernorm.weight": mcore_layer["pre_mlp_layernorm.weight"]}
+    linear = families.linear_attention_layers(cfg)
+    if linear is not None and linear[hf_layer_index]:  # a gated-DeltaNet layer
+        own = {k[len("self_attention."):]: v for k, v in mcore_layer.items() if k.startswith("self_attention.")
+               and not k.endswith("_extra_state")}
+        out.update({hf + "linear_attn." + k: v for k, v in gated_delta_net.mcore_to_hf(own, cfg).items()})
+        gate, up = mcore_layer["mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out.update({hf + "mlp.gate_proj.weight": gate.contiguous(), hf + "mlp.up_proj.weight": up.contiguous(),
+                    hf + "mlp.down_proj.weight": mcore_layer["mlp.linear_fc2.weight"]})
+        return out
     for kind in _qkv_kinds(cfg):
         q, k, v = split_qkv_rows(mcore_layer[f"self_attention.linear_qkv.{kind}"], cfg, tp_size)
         if fused:  # Phi-3's layout, as save_pretrained writes it
@@ -371,8 +399,12 @@ def split_qkv_rows(qkv: torch.Tensor, hf_config, tp_size: int = 1) -> tuple[torc
     if groups % tp_size:
         raise ValueError(f"tensor parallel size {tp_size} does not divide num_key_value_heads={groups}")
     rest = qkv.shape[1:]
-    grouped = qkv.reshape(groups // tp_size, (q_per_group + 2) * head_dim, *rest)
-    q, k, v = grouped.split([q_per_group * head_dim, head_dim, head_dim], dim=1)
+    gated = family_of(cfg).linear_attention  # (Qwen3.5: each group's q heads, then their output gates)
+    q_rows = (2 if gated else 1) * q_per_group * head_dim
+    grouped = qkv.reshape(groups // tp_size, q_rows + 2 * head_dim, *rest)
+    q, k, v = grouped.split([q_rows, head_dim, head_dim], dim=1)
+    if gated:  # -> HF's q_proj rows, [q_h | gate_h] per head
+        q = q.reshape(groups // tp_size, 2, q_per_group, head_dim, *rest).transpose(1, 2)
     return q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(), v.reshape(-1, *rest).contiguous()
 
 

@@ -51,6 +51,11 @@ class Family:
     # qk_nope_head_dim + qk_rope_head_dim dims, v of v_head_dim; the k RoPE part shared by every head):
     # megatron-core's MLASelfAttention, mapped by megarl.models.latent_attention
     latent_attention: bool = False
+    # Qwen3.5 text: gated-DeltaNet linear attention in the `layer_types` places "linear_attention" (megatron-core's
+    # GatedDeltaNet, mapped by megarl.models.gated_delta_net), full attention elsewhere with an output gate (q_proj's
+    # rows per head: [q_h | gate_h], megatron's attention_output_gate) and partial RoPE; RMSNorms of (1 + weight)
+    # except the gated one. The megatron learner builds it with megarl.learner.hybrid, on unpacked rows.
+    linear_attention: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -72,14 +77,26 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 )}
 MODEL_TYPES = tuple(FAMILIES)
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
+# Families only the megatron learner maps: the built-in engine samples them and the DeepSpeed learner trains them on
+# the generic path (transformers' own modules: its per-slot recurrent state, unpacked rows), so they are no native
+# family there (is_native) and the engine's and the sampler tests' parametrizations over FAMILIES leave them out.
+LEARNER_FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("qwen3_5_text", "Qwen3_5ForCausalLM", qkv_bias=False, qk_norm=True, moe=False, partial_rotary=True,
+           linear_attention=True),
+)}
+# transformers' layer kind of a gated-DeltaNet layer (`layer_types`)
+LINEAR = "linear_attention"
 
 
 def family_of(cfg: dict) -> Family:
-    """The Family of a config dict; ValueError naming the model types megarl takes, docs/models.md and the generic
-    path."""
+    """The Family of a config dict (FAMILIES, or LEARNER_FAMILIES); ValueError naming the model types megarl takes,
+    docs/models.md and the generic path."""
     model_type = cfg.get("model_type")
+    if model_type in LEARNER_FAMILIES:
+        return LEARNER_FAMILIES[model_type]
     if model_type not in FAMILIES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {MODEL_TYPES}; {generic_path_hint()}")
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {MODEL_TYPES + tuple(LEARNER_FAMILIES)}"
+                         f"; {generic_path_hint()}")
     return FAMILIES[model_type]
 
 
@@ -96,8 +113,9 @@ def qk_norm(cfg: dict) -> bool:
 
 
 def is_native(cfg: dict) -> bool:
-    """Whether the config's model_type is a row above (megarl maps it itself); any other transformers causal LM
-    takes the generic path (docs/models.md#the-generic-path)."""
+    """Whether the config's model_type is a row of FAMILIES (megarl's engine and learners map it themselves); any
+    other transformers causal LM, LEARNER_FAMILIES' included, takes the generic path there
+    (docs/models.md#the-generic-path)."""
     return cfg.get("model_type") in FAMILIES
 
 
@@ -117,6 +135,8 @@ def whole_tensors_only(cfg: dict) -> str | None:
         return "q_norm / k_norm over the whole projection"
     if family is not None and family.latent_attention:
         return "multi-latent attention's latent projections"
+    if cfg.get("model_type") in LEARNER_FAMILIES:
+        return "hybrid layers (the built-in engine's generic path)"
     return None
 
 
@@ -159,6 +179,18 @@ def generic_attention_windows(cfg: dict) -> dict[str, int | None] | None:
         return {t: (int(window) if t == "sliding_attention" else None) for t in set(types)} \
             if "sliding_attention" in types else None
     return {"": int(window)}
+
+
+def linear_attention_layers(cfg: dict) -> tuple[bool, ...] | None:
+    """Per decoder layer whether it is gated-DeltaNet linear attention (config.json's `layer_types`, LINEAR), None
+    for a family without such layers; ValueError naming a malformed `layer_types`."""
+    if not family_of(cfg).linear_attention:
+        return None
+    layers, kinds = int(cfg["num_hidden_layers"]), cfg.get("layer_types")
+    if kinds is None or len(kinds) != layers or any(k not in (LINEAR, FULL) for k in kinds):
+        raise ValueError(f"layer_types={kinds!r}: one of {LINEAR!r}, {FULL!r} per layer "
+                         f"(num_hidden_layers={layers})")
+    return tuple(k == LINEAR for k in kinds)
 
 
 # transformers' layer kinds (`layer_types`): local layers attend to a sliding window, global ones to every position

@@ -65,6 +65,63 @@ def qwen3_next_to_qwen3_5(hf: dict[str, torch.Tensor], hf_config: dict) -> dict[
     return out
 
 
+def transformer_config_kwargs(hf_config: dict, linear_layers: tuple[bool, ...]) -> dict:
+    """The TransformerConfig fields megatron's GatedDeltaNet reads: its widths, Qwen's SiLU (the conv's activation
+    and the output gate's; megatron's default is GELU), the norm's epsilon, and which layers are linear attention
+    (`linear_layers`, megatron's linear_attention_freq as a per-layer list: 1 linear, 0 full attention)."""
+    import torch.nn.functional as F
+
+    keys = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+            "linear_num_value_heads")
+    return {**{k: hf_config[k] for k in keys}, "activation_func": F.silu, "normalization": "RMSNorm",
+            "layernorm_epsilon": hf_config["rms_norm_eps"], "experimental_attention_variant": "gated_delta_net",
+            "linear_attention_freq": [int(linear) for linear in linear_layers]}
+
+
+def _tp_widths(name: str, hf_config: dict) -> tuple[int, ...] | None:
+    """The widths of the parts a fused tensor's rows split into, each split over TP by heads (None: one part)."""
+    d = dims(hf_config)
+    if name == "in_proj.weight":
+        return (d["qk"], d["qk"], d["v"], d["v"], d["heads"], d["heads"])
+    if name == "conv1d.weight":
+        return (d["qk"], d["qk"], d["v"])
+    return None
+
+
+def tp_unslice(name: str, shares: list[torch.Tensor], hf_config: dict) -> torch.Tensor:
+    """The whole megatron GatedDeltaNet tensor `name` from every TP rank's tp_slice share, in rank order."""
+    tp = len(shares)
+    if tp == 1 or name == "out_norm.weight":
+        return shares[0]
+    if name == "out_proj.weight":
+        return torch.cat(shares, 1)
+    widths = _tp_widths(name, hf_config)
+    if widths is None:
+        return torch.cat(shares, 0)
+    parts = [torch.split(share, [w // tp for w in widths], 0) for share in shares]
+    return torch.cat([torch.cat([p[i] for p in parts], 0) for i in range(len(widths))], 0)
+
+
+# The names megatron's GatedDeltaNet.sharded_state_dict saves its fused tensors' parts under (`in_proj.weight.query`,
+# ...; the conv's first three), in their order within the fused rows.
+CHECKPOINT_PARTS = ("query", "key", "value", "z", "beta", "alpha")
+
+
+def join_checkpoint_parts(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One layer's tensors as a checkpoint holds them (megatron names relative to the layer) with each fused
+    gated-DeltaNet tensor saved in parts (`self_attention.in_proj.weight.query`, ...) joined back into one."""
+    out, parts = {}, {}
+    for name, tensor in layer.items():
+        base, _, part = name.rpartition(".")
+        if part in CHECKPOINT_PARTS and base.endswith(("in_proj.weight", "conv1d.weight")):
+            parts.setdefault(base, {})[part] = tensor
+        else:
+            out[name] = tensor
+    for base, pieces in parts.items():
+        out[base] = torch.cat([pieces[p] for p in CHECKPOINT_PARTS if p in pieces], 0)
+    return out
+
+
 def tp_slice(name: str, tensor: torch.Tensor, hf_config: dict, tp: int, rank: int) -> torch.Tensor:
     """Rank `rank`'s share of megatron GatedDeltaNet tensor `name` at tensor parallelism `tp`: every part of the
     fused projection and of the conv split by heads, dt_bias / A_log by value heads, out_proj by its input
@@ -73,14 +130,10 @@ def tp_slice(name: str, tensor: torch.Tensor, hf_config: dict, tp: int, rank: in
         return tensor
     if name == "out_proj.weight":
         return tensor.chunk(tp, 1)[rank]
-    d = dims(hf_config)
-    if name == "in_proj.weight":
-        widths = (d["qk"], d["qk"], d["v"], d["v"], d["heads"], d["heads"])
-    elif name == "conv1d.weight":
-        widths = (d["qk"], d["qk"], d["v"])
-    elif name in ("dt_bias", "A_log"):
-        widths = (d["heads"],)
-    else:
+    widths = _tp_widths(name, hf_config)
+    if widths is None and name in ("dt_bias", "A_log"):
+        widths = (dims(hf_config)["heads"],)
+    elif widths is None:
         raise KeyError(f"{name!r} is not a megatron GatedDeltaNet tensor")
     if hf_config["linear_num_key_heads"] % tp:
         raise ValueError(f"learner.tp={tp} does not divide linear_num_key_heads={hf_config['linear_num_key_heads']}")

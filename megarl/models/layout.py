@@ -16,7 +16,8 @@ where each rule comes from:
               `divide` it by the TP size (an AssertionError); of an MoE model, one expert's width
               (Qwen3-MoE: moe_intermediate_size), which the built-in engine splits per expert.
               vocab_size % tp == 0: VocabParallelEmbedding and the vocab-parallel output layer
-              `divide` it (megarl does not pad the vocabulary).
+              `divide` it (megarl does not pad the vocabulary). A gated-DeltaNet model (Qwen3.5):
+              linear_num_key_heads % tp == 0 (megarl.models.gated_delta_net.tp_slice: whole key heads per rank).
   sampler.tp  the same four TP rules: the built-in engine runs on tp_shard slices (sampler.tp is 1,
               learner.tp, or any size at learner.tp=1; megarl.config.load checks that).  An MoE model's
               router stays whole on every rank, its experts split like the dense MLP.
@@ -99,6 +100,8 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
         split = [("num_attention_heads", None), ("num_key_value_heads", "num_attention_heads"), ("vocab_size", None)]
         if not moe_config.is_moe(hf_config):
             split.append(("intermediate_size", None))
+        if hf_config.get("model_type") in families.LEARNER_FAMILIES:
+            split.append(("linear_num_key_heads", None))  # (gated DeltaNet: a rank holds whole key heads)
         for name, default_from in split:
             n = dim(name, default_from)
             if n % tp:

@@ -92,6 +92,7 @@ def check_supported(hf_config) -> dict:
     families.sliding_window(cfg)  # (a window < 1: named)
     families.rope_layers(cfg)  # (a malformed no_rope_layers: named)
     families.layer_window(cfg)  # (Gemma 3's and gpt-oss's malformed layer_types, a missing window: named)
+    families.linear_attention_layers(cfg)  # (Qwen3.5's malformed layer_types: named)
     if family.gpt_oss_blocks:
         _check_gpt_oss(cfg)
     if cfg.get("attention_bias") and not family.config_attention and not family.gpt_oss_blocks:  # Llama: o_proj too

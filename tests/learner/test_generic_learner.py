@@ -168,3 +168,21 @@ def test_a_hybrid_model_trains_at_lag_0_on_the_engines_log_probs(world, tmp_path
     exported = _hf(str(export_hf(tmp_path / "ckpt", tmp_path / "export")))
     with torch.no_grad():
         assert torch.equal(exported(batch.input_ids).logits, _hf(path, published)(batch.input_ids).logits)
+
+
+def test_check_model_dir_takes_qwen3_5_on_either_learner_and_the_engines_generic_path(tmp_path):
+    """Qwen3.5 text (families.LEARNER_FAMILIES): the megatron learner maps it (megarl.learner.hybrid), the DeepSpeed
+    learner and the built-in engine take the generic path, so both backends pass the checks; what the hybrid does
+    not do on either (LoRA, sampler.model_impl=native) is refused by name."""
+    from megarl.cli import check_model_dir
+    from megarl.embedded.tiny import build_tokenizer
+    from tests.helpers import LEARNER_TINY, qwen3_5_model
+
+    qwen3_5_model({**LEARNER_TINY, "vocab_size": 264}).save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    for backend in ("megatron", "deepspeed"):
+        check_model_dir(tmp_path, _cfg(f"learner.backend={backend}"))  # accepted
+        with pytest.raises(ValueError, match=r"learner\.lora\.rank=8"):
+            check_model_dir(tmp_path, _cfg(f"learner.backend={backend}", "learner.lora.rank=8"))
+        with pytest.raises(ValueError, match=r"sampler\.model_impl=native"):
+            check_model_dir(tmp_path, _cfg(f"learner.backend={backend}", "sampler.model_impl=native"))

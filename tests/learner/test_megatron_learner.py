@@ -69,7 +69,14 @@ def test_logprobs_match_hf(model_dir, world):
 FAMILY_TENSOR = {"qwen3": "model.layers.0.self_attn.q_norm.weight", "mistral": None, "llama_yarn": None,
                  "phi3": "model.layers.0.self_attn.qkv_proj.weight", "smollm3": None,
                  "olmo2": "model.layers.0.post_feedforward_layernorm.weight",
-                 "gemma3": "model.layers.1.pre_feedforward_layernorm.weight"}
+                 "gemma3": "model.layers.1.pre_feedforward_layernorm.weight",
+                 "qwen3_5": "model.layers.0.linear_attn.in_proj_qkv.weight"}
+# Qwen3.5's log-probs against transformers' own (its torch path: torch_chunk_gated_delta_rule, the torch causal conv):
+# both sides compute the same fp32 operations on the same values, the chunked delta rule by the same algorithm with
+# the same 64-position chunks, and differ only in how a matmul or a reduction is blocked; on these widths (<= 64)
+# that moves a log-prob by a few ulps of its size (|log-prob| <= 8: ulp 1e-6; seen: 5e-7). 1e-5 is ten such
+# ulps and two orders of magnitude below what a gate, a (1 + w) norm or a misplaced head moves (> 1e-3).
+HYBRID_TOL = 1e-5
 
 
 FAMILY_LAYOUTS = ("tp2", "pp2")
@@ -127,6 +134,9 @@ def test_family_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1(wor
     SmolLM3 (its second layer, on PP2's second stage, without RoPE), OLMo 2 (norms after attention and the MLP;
     q/k norms over the whole projection, which TP2 splits by heads) and Gemma 3 (a local layer on PP2's first stage,
     a global one on its second, four (1 + w) norms per layer, scaled embeddings):
+    and Qwen3.5 text (a gated-DeltaNet layer on PP2's first stage, TP2 one key head a rank; a gated full-attention
+    layer with RoPE on a quarter of each head on its second; (1 + w) norms; unpacked rows; log-probs within
+    HYBRID_TOL, and its publish before a step is the checkpoint bit for bit):
     the learner's log-probs are transformers' own, and real 2-process TP2 and PP2 runs give the TP1 log-probs,
     loss, grad norm and published weights; the trained state exports to an HF directory of the same function."""
     from transformers import AutoModelForCausalLM
@@ -136,7 +146,12 @@ def test_family_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1(wor
     learner = _learner(model_dir, micro_batch_size=16)
     ref_logprobs = learner.logprobs(batch.input_ids)
     with torch.no_grad():
-        assert (ref_logprobs - _hf_logprobs(hf, batch.input_ids)).abs().max().item() <= LEARNER_TOL
+        tol = HYBRID_TOL if kind == "qwen3_5" else LEARNER_TOL
+        assert (ref_logprobs - _hf_logprobs(hf, batch.input_ids)).abs().max().item() <= tol
+    if kind == "qwen3_5":
+        loaded = load_file(Path(model_dir) / "model.safetensors")
+        before = dict(learner.publish_tensors())
+        assert set(before) == set(loaded) and all(torch.equal(before[n], t) for n, t in loaded.items())
     ref = learner.train_step(batch)
     ref_published = dict(learner.publish_tensors())
     assert FAMILY_TENSOR[kind] is None or FAMILY_TENSOR[kind] in ref_published
@@ -165,6 +180,27 @@ def test_family_logprobs_match_hf_at_tp1_and_its_tp2_and_pp2_steps_match_tp1(wor
         assert set(published) == set(ref_published), layout
         assert all(_close(published[n], t) for n, t in ref_published.items()), (
             layout, [n for n, t in ref_published.items() if not _close(published[n], t)])
+
+
+def test_a_hybrid_model_trains_one_sequence_per_row(world, tmp_path):
+    """Qwen3.5's gated-DeltaNet layers run a recurrence along the row (megatron's module refuses packed_seq_params,
+    and megarl's packed rows would carry one sequence's state into the next): with learner.pack_sequences on, its
+    micro-batches are still one sequence per row."""
+    from megarl.learner.megatron import check_recurrent
+    from megarl.config.schema import LearnerConfig, LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    model_dir = str(save_tiny_dense(tmp_path / "qwen3_5", "qwen3_5", vocab_size=VOCAB))
+    batch = _batch(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), seed=7)
+    learner = _learner(model_dir, micro_batch_size=16, pack_sequences=True)
+    seen, run = [], learner._run
+    learner._run = lambda model, micro, *args, **kwargs: (seen.extend(micro), run(model, micro, *args, **kwargs))[1]
+    loss = learner.train_step(batch)["loss"]
+    assert seen and not any("unpack_index" in mb for mb in seen)
+    assert sum(mb["input_ids"].shape[0] for mb in seen) == batch.input_ids.shape[0]
+    assert math.isfinite(loss)
+    with pytest.raises(ValueError, match="learner.lora"):
+        check_recurrent(LearnerConfig(lora=LoraConfig(rank=4)), "off")
 
 
 def spec_of(tensors: dict) -> list:

@@ -11,7 +11,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 from megarl.learner import packing
 from megarl.learner.post_norms import post_norm_spec
 from megarl.models import convert, families
-from tests.helpers import LEARNER_TOL, MISTRAL_WINDOW, gemma3_model
+from tests.helpers import LEARNER_TOL, MISTRAL_WINDOW, gemma3_model, qwen3_5_model
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=48, vocab_size=64, max_position_embeddings=64)
@@ -48,6 +48,8 @@ def _save(tmp_path, kind):
                                              eos_token_id=2))
     elif kind == "gemma3":  # tests.helpers.GEMMA3: a local then a global layer, (1 + w) norms drawn away from 0
         model = gemma3_model(TINY)
+    elif kind == "qwen3_5":  # tests.helpers.QWEN3_5: a gated-DeltaNet layer then a gated full-attention one, untied
+        model = qwen3_5_model(TINY)
     elif kind in ROPES:  # Llama 3.x frequency scaling, YaRN
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=ROPES[kind]))
     else:  # linear position interpolation
@@ -67,13 +69,14 @@ def _save(tmp_path, kind):
     return model.eval(), load_file(path / "model.safetensors")
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "gemma3"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "gemma3",
+                                  "qwen3_5"])
 def test_round_trip_is_exact(tmp_path, kind):
     """HF -> megatron -> HF gives back every tensor bit for bit (Phi-3's fused qkv_proj / gate_up_proj split into
-    megatron's per-group qkv rows and fused back)."""
+    megatron's per-group qkv rows and fused back; Qwen3.5's gated-DeltaNet layer and gated q_proj)."""
     model, hf_state = _save(tmp_path, kind)
     mcore = convert.hf_to_mcore(hf_state, model.config)
-    assert ("output_layer.weight" in mcore) == (kind in ("llama", "mistral", "phi3", "olmo2"))
+    assert ("output_layer.weight" in mcore) == (kind in ("llama", "mistral", "phi3", "olmo2", "qwen3_5"))
     assert ("decoder.layers.0.self_attention.q_layernorm.weight" in mcore) == (kind in ("qwen3", "olmo2", "gemma3"))
     assert ("decoder.layers.0.mlp_bda.norm.weight" in mcore) == (kind in ("olmo2", "gemma3"))
     assert ("decoder.layers.0.input_layernorm.weight" in mcore) == (kind != "olmo2")  # OLMo 2: post-norms only
@@ -92,6 +95,25 @@ def test_qkv_packing_is_per_query_group(tmp_path):
     assert torch.equal(group1[: 2 * d], q[2 * d: 4 * d])
     assert torch.equal(group1[2 * d: 3 * d], k[d: 2 * d])
     assert torch.equal(group1[3 * d:], v[d: 2 * d])
+
+
+def test_qwen3_5_gated_qkv_is_per_query_group_with_the_gates_after_its_queries(tmp_path):
+    """Qwen3.5's q_proj rows are [q_h | gate_h] per head; megatron's gated linear_qkv rows per query group g are
+    [g's q heads | their gates | k_g | v_g] (its get_query_key_value_tensors' split with attention_output_gate)."""
+    model, hf_state = _save(tmp_path, "qwen3_5")
+    mcore = convert.hf_to_mcore(hf_state, model.config)
+    assert "decoder.layers.0.self_attention.in_proj.weight" in mcore  # (layer 0: gated DeltaNet, fused in_proj)
+    qkv = mcore["decoder.layers.1.self_attention.linear_qkv.weight"]
+    q, k, v = (hf_state[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
+    d = 16  # head_dim; 2 query heads per group
+    heads = q.view(4, 2, d, -1)  # [head, (q, gate), d, hidden]
+    group1 = qkv[6 * d: 12 * d]
+    assert torch.equal(group1[: 2 * d], heads[2:4, 0].reshape(2 * d, -1))
+    assert torch.equal(group1[2 * d: 4 * d], heads[2:4, 1].reshape(2 * d, -1))
+    assert torch.equal(group1[4 * d: 5 * d], k[d: 2 * d]) and torch.equal(group1[5 * d:], v[d: 2 * d])
+    kwargs = convert.transformer_config_kwargs(model.config)
+    assert kwargs["attention_output_gate"] and kwargs["linear_attention_freq"] == [1, 0]
+    assert convert.gpt_model_kwargs(model.config)["rotary_percent"] == 0.25
 
 
 def _megatron_tp_shard(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
