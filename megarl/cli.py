@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megarl import run_lock
+from megarl.config import fault_policy
 from megarl.config.load import ConfigError, learner_ranks, load_config, world_size_for
 from megarl.distributed.lifetime import STOP_SIGNALS
 
@@ -89,6 +90,7 @@ def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
         if model_dir is None:
             return 2
         print(f"megarl: model {model_dir}; run dir {cfg.run.dir}")
+        print(f"megarl: {fault_policy.describe(cfg)}")
         if args.nnodes > 1:
             print(f"megarl: processes per node: {len(nodes[0])} ({args.nnodes} nodes)")
             if args.dry_run:

@@ -95,7 +95,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run(embedded_think_model_dir, tmp_pat
 
 def test_a_killed_sampler_stops_the_run_and_is_named(embedded_think_model_dir, tmp_path):
     run_dir = tmp_path / "kill"
-    proc = _start(run_dir, embedded_think_model_dir)
+    proc = _start(run_dir, embedded_think_model_dir, "fault.on_failure=stop")  # the default (auto) replaces it
     _wait_for_steps(run_dir, 2, proc)
     os.kill(_workers(run_dir)[1], signal.SIGKILL)
     out, err, took = _finish(proc, timeout=60)
@@ -111,7 +111,7 @@ def test_a_hung_sampler_is_named_by_the_learner(embedded_think_model_dir, tmp_pa
     # learner finds out either waiting for groups (heartbeat timeout) or in the weight broadcast the
     # sampler no longer receives (publish timeout); either way it names the sampler.
     run_dir = tmp_path / "hang"
-    proc = _start(run_dir, embedded_think_model_dir, "fault.sampler_timeout_s=4",
+    proc = _start(run_dir, embedded_think_model_dir, "fault.on_failure=stop", "fault.sampler_timeout_s=4",
                         f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}",
                   "queue.timeout_s=600")
     _wait_for_steps(run_dir, 2, proc)
