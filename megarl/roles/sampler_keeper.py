@@ -83,11 +83,13 @@ def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store, first: int
             print(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) removed (megarl samplers remove): incarnation "
                   f"{incarnation} stopped, no replacement", flush=True)
             raise SystemExit(idle_until_run_ends(store) if idle_after_removal else 0)
+        # Recorded first, as for every end: the learner drops it at once where its keeper's exit ends no run (an
+        # added sampler's keeper runs outside torchrun's worker group).
+        store.set(dead_key(topo.rank), json.dumps({"incarnation": incarnation, "cause": cause}))
         if code > 0 and not served(store, topo.rank, incarnation):
             raise SystemExit(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause} before it sent its first "
-                             f"group: not replaced, a replacement would fail the same way (its error is above), so "
-                             f"the run stops")
-        store.set(dead_key(topo.rank), json.dumps({"incarnation": incarnation, "cause": cause}))
+                             f"group: not replaced (a start-up error, which a replacement would repeat; its error "
+                             f"is above)")
         if over_limit(restarts, time.monotonic(), cfg.fault.max_sampler_restarts_per_hour):
             raise SystemExit(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}: {len(restarts)} ends "
                              f"within an hour, over fault.max_sampler_restarts_per_hour="

@@ -42,9 +42,9 @@ def test_a_sampler_that_fails_before_its_first_group_is_not_replaced_and_the_run
         sampler_keeper.keep_sampler([], CFG, TOPO, store)
     assert started == [0]
     assert str(stopped.value.code) == ("megarl: sampler 0 (rank 1) exited with code 1 before it sent its first group: "
-                                       "not replaced, a replacement would fail the same way (its error is above), so "
-                                       "the run stops")
-    assert not store.check([dead_key(TOPO.rank)])  # no replacement announced to the learner
+                                       "not replaced (a start-up error, which a replacement would repeat; its error "
+                                       "is above)")
+    assert store.check([dead_key(TOPO.rank)])  # the learner drops it (an added sampler's keeper stops no run)
 
 
 def test_a_sampler_that_fails_after_it_served_is_replaced(store, monkeypatch):
