@@ -8,11 +8,13 @@ sets: `megarl samplers add` refuses them) twice, one after the other, for `--min
   1. undisturbed (`OUT/baseline`);
   2. disturbed (`OUT/faults`): every `--kill-every-s` seconds one live sampler process (not its keeper) is
      SIGKILLed, the ranks in turn; at `--add-at` of the time `megarl samplers add` starts one more sampler, and at
-     `--remove-at` `megarl samplers remove` drains that added one, so both runs end with the same fleet.
+     `--remove-at` `megarl samplers remove` drains that added one (asked again every 10 s while the learner refuses
+     it: not a member yet, or being replaced), so both runs end with the same fleet.
 Each run ends with SIGTERM to `megarl train`; then no process holding its run dir may be left. Steps per minute
-are counted from the first logged step to the stop (start-up, the same in both, excluded). Printed: both rates and
+are counted from the first logged step to the stop (start-up excluded). Printed: both rates and
 their ratio, every fault and membership line of the run's console, the metrics `samplers/replaced`,
-`samplers/rollouts_lost`, `samplers/alive` at the end, workers' memory, the machine's load average; the last line is one JSON object
+`samplers/rollouts_lost`, `samplers/alive` at the end, the longest gap between two steps, workers' memory, the
+machine's load average; the last line is one JSON object
 (also in OUT/soak_report.json). Each run's console is in OUT/<run>.log.
 """
 from __future__ import annotations
@@ -28,9 +30,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+REMOVE_RETRY_S = 10.0  # a refused `megarl samplers remove` is asked again this much later
 INCARNATION_ENV = b"MEGARL_SAMPLER_INCARNATION"  # megarl.distributed.membership.INCARNATION_ENV
 # The run's console lines that report a sampler's fault, replacement, join, addition or removal.
-EVENT_MARKS = ("megarl: sampler ", "megarl: the run failed", "megarl: stopped by")
+EVENT_MARKS = ("megarl: sampler ", "megarl samplers ", "megarl: publish epoch", "megarl: weight publish failed",
+               "megarl: the run failed", "megarl: stopped by")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,12 +102,19 @@ def steps_per_minute(records: list[dict], stopped_at: float) -> float:
     return (len(records) - 1) / ((stopped_at - records[0]["time"]) / 60)
 
 
+def longest_gap_s(records: list[dict]) -> float:
+    """The longest wall time between two consecutive logged steps: the learner's longest stall."""
+    return max((b["time"] - a["time"] for a, b in zip(records, records[1:])), default=0.0)
+
+
 def summary(baseline: dict | None, faults: dict) -> dict:
     """The report's JSON line: both runs' rates, their ratio (disturbed / undisturbed) and the disturbed run's counts."""
     rate = baseline["steps_per_min"] if baseline else None
     return {"baseline_steps_per_min": rate, "faults_steps_per_min": faults["steps_per_min"],
             "ratio": faults["steps_per_min"] / rate if rate else None, "kills": len(faults["kills"]),
             "replaced": faults["replaced"], "rollouts_lost": faults["rollouts_lost"], "alive_at_end": faults["alive"],
+            "longest_gap_s": {"baseline": baseline["longest_gap_s"] if baseline else None,
+                              "faults": faults["longest_gap_s"]},
             "steps": {"baseline": baseline["steps"] if baseline else None, "faults": faults["steps"]},
             "leaked_processes": (baseline["leaked"] if baseline else 0) + faults["leaked"],
             "load_mean": {"baseline": baseline["load_mean"] if baseline else None, "faults": faults["load_mean"]},
@@ -167,7 +178,8 @@ def one_run(args: argparse.Namespace, run_dir: Path, disturb: bool) -> dict:
                                        "--sampler", sampler], capture_output=True, text=True, cwd=REPO, env=env,
                                       timeout=600)
                 commands.append((done.stdout + done.stderr).strip())
-                remove_at = None
+                # Refused while the added sampler is not a member (not joined yet, or being replaced): again later.
+                remove_at = None if done.returncode == 0 else now + REMOVE_RETRY_S
                 _say(start, f"megarl samplers remove --sampler {sampler}: exit {done.returncode}")
     finally:
         stopped_at = time.time()
@@ -189,7 +201,7 @@ def one_run(args: argparse.Namespace, run_dir: Path, disturb: bool) -> dict:
     return {"steps": len(records), "steps_per_min": steps_per_minute(records, stopped_at), "kills": kills,
             "replaced": last.get("samplers/replaced", 0.0), "rollouts_lost": last.get("samplers/rollouts_lost", 0.0),
             "alive": last.get("samplers/alive", 0.0), "leaked": len(leaked), "exit": proc.returncode,
-            "load_mean": sum(load) / max(1, len(load)),
+            "load_mean": sum(load) / max(1, len(load)), "longest_gap_s": longest_gap_s(records),
             "events": [line for line in console if line.startswith(EVENT_MARKS)],
             "rss_mb": {"first_third_mean": sum(rss[:third]) / third, "last_third_mean": sum(rss[-third:]) / third}}
 
@@ -205,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, run in (("baseline", baseline), ("faults", faults)):
         if run is not None:
             print(f"[soak] {name}: {run['steps']} steps, {run['steps_per_min']:.1f} steps/min, exit {run['exit']}, "
-                  f"{run['leaked']} processes left, load average {run['load_mean']:.1f}, workers' RSS {run['rss_mb']['first_third_mean']:.0f} -> "
+                  f"{run['leaked']} processes left, load average {run['load_mean']:.1f}, longest step gap "
+                  f"{run['longest_gap_s']:.1f}s, workers' RSS {run['rss_mb']['first_third_mean']:.0f} -> "
                   f"{run['rss_mb']['last_third_mean']:.0f} MB (first -> last third)")
     print(f"[soak] faults: {len(faults['kills'])} kills; metrics at the end: samplers/replaced {faults['replaced']:.0f}, "
           f"samplers/rollouts_lost {faults['rollouts_lost']:.0f}, samplers/alive {faults['alive']:.0f}")

@@ -38,12 +38,14 @@ def test_metrics_rate_and_the_json_summary(tmp_path):
     assert len(records) == 21
     assert soak.steps_per_minute(records, stopped_at=1060.0) == pytest.approx(20.0)  # 20 steps after the first in 60 s
     assert soak.steps_per_minute([], stopped_at=1060.0) == 0.0
+    assert soak.longest_gap_s(records) == pytest.approx(3.0) and soak.longest_gap_s([]) == 0.0
     run = {"steps": 21, "steps_per_min": 18.0, "kills": [{"minute": 1.0, "rank": 1, "incarnation": 0}],
            "replaced": 1.0, "rollouts_lost": 2.0, "alive": 2.0, "leaked": 0, "events": ["megarl: sampler 0 ..."],
-           "load_mean": 12.0}
+           "load_mean": 12.0, "longest_gap_s": 9.5}
     report = soak.summary({**run, "steps_per_min": 20.0}, run)
     assert json.loads(json.dumps(report)) == {
         "baseline_steps_per_min": 20.0, "faults_steps_per_min": 18.0, "ratio": 0.9, "kills": 1, "replaced": 1.0,
         "rollouts_lost": 2.0, "alive_at_end": 2.0, "steps": {"baseline": 21, "faults": 21}, "leaked_processes": 0,
-        "load_mean": {"baseline": 12.0, "faults": 12.0}, "events": 1}
+        "load_mean": {"baseline": 12.0, "faults": 12.0}, "longest_gap_s": {"baseline": 9.5, "faults": 9.5},
+        "events": 1}
     assert soak.summary(None, run)["ratio"] is None  # --skip-baseline
