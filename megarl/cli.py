@@ -781,8 +781,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=show_config)
     p = sub.add_parser("samplers", help="change the samplers of a running job (fault.on_failure=replace)")
     actions = p.add_subparsers(dest="action", required=True)
-    q = actions.add_parser("add", help="start one more built-in sampler in this terminal (foreground; it runs until "
-                                       "the run ends or it is removed): it joins the next publish and sends groups")
+    q = actions.add_parser("add", help="start one more sampler (built-in engine, or SGLang-compatible server) in this "
+                                       "terminal (foreground; it runs until the run ends or it is removed): it joins "
+                                       "the next publish and sends groups")
     q.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run.dir")
     q.add_argument("overrides", nargs="*", help="key=value over the run's saved config, e.g. sampler.max_running=8")
     q.set_defaults(func=samplers)
