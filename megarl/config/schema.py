@@ -404,8 +404,9 @@ class CheckpointConfig:
 class FaultConfig:
     """What happens when a process fails (docs/faults.md)."""
 
-    # "auto": replace where the topology allows it (sampler.tp=1, learner.pp=1, publish.senders=1, pipeline mode),
-    # else stop; `megarl train` prints the policy in force, and the saved config.yaml holds it.
+    # "auto": replace where it covers the topology (sampler.tp=1, learner.pp=1, publish.senders=1, pipeline mode,
+    # max_sampler_restarts_per_hour >= 1), else stop; `megarl train` prints the policy in force, and the saved
+    # config.yaml holds it.
     # "stop": torchrun stops every process as soon as one fails; megarl names the failed rank and role.
     # "restart": torchrun restarts every process (at most max_restarts times) and the run resumes from
     # its last checkpoint (needs checkpoint.every_steps > 0); the lost progress is counted.
