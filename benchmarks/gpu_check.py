@@ -68,6 +68,8 @@ imported what they share):
   samplers_add_remove  the demo under fault.on_failure=replace with two built-in samplers: after 5 steps `megarl
                     samplers add` from a second process (its join version, steps until samplers/alive is 3), then
                     `megarl samplers remove` of it (samplers/alive back at 2, 3 steps more, the command's exit 0)
+  sglang_add_remove  the same with sampler.engine=sglang (megarl's SGLang-compatible server): the added sampler's
+                    server joins the next epoch's weight-update group
   agent_stream      stream=true on the agent endpoint (docs/multiturn.md#openai-compatibility): one streamed turn
                     through the real `openai` client on the built-in engine beside a batch of other requests: when
                     its first token chunk arrived against the whole turn, how many chunks carried tokens, and that
@@ -1391,10 +1393,20 @@ def check_sglang_replace(args, size: Size) -> dict:
 def check_samplers_add_remove(args, size: Size) -> dict:
     """`megarl samplers add` joins a running 2-sampler demo (fault.on_failure=replace) and sends groups; `megarl
     samplers remove` of it stops it and the publishes go on to the others (docs/faults.md)."""
-    overrides = ["fault.on_failure=replace", "sampler.num_engines=2", "eval.sets=[]"]
+    return _add_remove_check(args, size, "samplers_add_remove", [])
+
+
+def check_sglang_add_remove(args, size: Size) -> dict:
+    """samplers_add_remove with sampler.engine=sglang (megarl's SGLang-compatible server): the added sampler starts
+    its own server, which joins the next epoch's weight-update group."""
+    return _add_remove_check(args, size, "sglang_add_remove", ["sampler.engine=sglang"])
+
+
+def _add_remove_check(args, size: Size, name: str, extra: list[str]) -> dict:
+    overrides = ["fault.on_failure=replace", "sampler.num_engines=2", "eval.sets=[]", *extra]
     if size.tiny:
-        return run_demo(args, size, "samplers_add_remove", overrides)[0]
-    run_dir = Path(args.workdir) / "samplers_add_remove"
+        return run_demo(args, size, name, overrides)[0]
+    run_dir = Path(args.workdir) / name
     cmd = [sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", f"run.dir={run_dir}", "run.steps=100000",
            "dist.backend=gloo", "run.overwrite=true", "observe.trackers=[]", *overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -1652,7 +1664,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180),
           "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120),
           "agent_stream": (check_agent_stream, 120), "long_paged": (check_long_paged, 150),
-          "samplers_add_remove": (check_samplers_add_remove, 240)}
+          "samplers_add_remove": (check_samplers_add_remove, 240), "sglang_add_remove": (check_sglang_add_remove, 240)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 # Each check's limit on CPU bounds a hang, it is no speed test: a check there is mostly process starts and imports,
 # which a loaded 2-core machine slows several-fold (context_parallel's two torchrun ranks took over 75 s at load 20).

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megarl import run_lock
+from megarl.config import fault_policy
 from megarl.config.load import ConfigError, learner_ranks, load_config, world_size_for
 from megarl.distributed.lifetime import STOP_SIGNALS
 
@@ -89,6 +90,7 @@ def check_and_launch(args: argparse.Namespace, cfg, nodes) -> int:
         if model_dir is None:
             return 2
         print(f"megarl: model {model_dir}; run dir {cfg.run.dir}")
+        print(f"megarl: {fault_policy.describe(cfg)}")
         if args.nnodes > 1:
             print(f"megarl: processes per node: {len(nodes[0])} ({args.nnodes} nodes)")
             if args.dry_run:
@@ -785,8 +787,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=show_config)
     p = sub.add_parser("samplers", help="change the samplers of a running job (fault.on_failure=replace)")
     actions = p.add_subparsers(dest="action", required=True)
-    q = actions.add_parser("add", help="start one more built-in sampler in this terminal (foreground; it runs until "
-                                       "the run ends or it is removed): it joins the next publish and sends groups")
+    q = actions.add_parser("add", help="start one more sampler (built-in engine, or SGLang-compatible server) in this "
+                                       "terminal (foreground; it runs until the run ends or it is removed): it joins "
+                                       "the next publish and sends groups")
     q.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run.dir")
     q.add_argument("overrides", nargs="*", help="key=value over the run's saved config, e.g. sampler.max_running=8")
     q.set_defaults(func=samplers)

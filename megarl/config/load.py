@@ -17,6 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from megarl.algo.config import (validate_advantage_config, validate_critic_config, validate_distill_config,
                                 validate_loss_config)
+from megarl.config import fault_policy
 from megarl.config.length_limit import LengthLimit
 from megarl.config.schema import (LORA_FUSED_GROUPS, LORA_TARGETS, LR_DECAYS, MULTI_TURN_TASKS, QUEUE_ORDERS,
                                   STALE_POLICIES, TRACKERS, VLLM_VARIANTS, Config, PublishConfig)
@@ -62,6 +63,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), check_fi
         cfg.algo.routing_replay = "off"
     _pick_vllm_model(cfg)
     _bound_stale_tokens(cfg)
+    # The resolved config (saved with the run, read by every process) holds the policy in force, never auto.
+    cfg.fault.on_failure = fault_policy.resolve(cfg)
     validate(cfg, check_files=check_files)
     return cfg
 
@@ -227,13 +230,12 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
     rows = cfg.algo.prompts_per_step * cfg.algo.group_size
     _require(rows >= lc.dp, "learner.dp", f"every DP rank trains its share of a batch's {rows} rows "
              f"(algo.prompts_per_step*algo.group_size), so dp={lc.dp} would leave a rank without any")
-    _require(cfg.fault.on_failure in ("stop", "restart", "replace"), "fault.on_failure",
-             f"must be stop, restart or replace, got {cfg.fault.on_failure!r}")
+    _require(cfg.fault.on_failure in fault_policy.POLICIES, "fault.on_failure",
+             f"must be auto, stop, restart or replace, got {cfg.fault.on_failure!r}")
     if cfg.fault.on_failure == "replace":  # what membership epochs cover (docs/faults.md)
-        for ok, key, value in ((cfg.sampler.tp == 1, "sampler.tp", 1), (lc.pp == 1, "learner.pp", 1),
-                               (cfg.publish.senders == 1, "publish.senders", 1),
-                               (cfg.algo.mode == "pipeline", "algo.mode", "pipeline")):
-            _require(ok, key, f"fault.on_failure=replace replaces samplers only with {key}={value}")
+        for key in fault_policy.replace_blockers(cfg):
+            _require(False, key, f"fault.on_failure=replace replaces samplers only with {key}="
+                     f"{fault_policy.REPLACE_NEEDS[key]} (fault.on_failure=auto chooses stop here)")
         _require(cfg.fault.max_sampler_restarts_per_hour >= 1, "fault.max_sampler_restarts_per_hour", "must be >= 1")
     _require(cfg.fault.max_restarts >= 0, "fault.max_restarts", "must be >= 0")
     _require(cfg.queue.max_message_mb >= 0, "queue.max_message_mb", "must be >= 0 (0 = derived from the group's shapes)")

@@ -10,6 +10,8 @@ has to take part. A sampler's receiver follows the epochs (`EpochFollower`). Rec
     samplers/join/{rank}     a ready incarnation asks to receive the weights (the incarnation)
     samplers/dead/{rank}     its keeper saw the incarnation end ({incarnation, cause})
     samplers/replace/{rank}  the learner asks the keeper to kill a hung incarnation ({incarnation, cause})
+    samplers/served/{rank}   the incarnation sent its first group (the incarnation): one that fails with an error
+                             before that is not replaced (a start-up error repeats; megarl.roles.sampler_keeper)
     samplers/epoch/{e}       the epoch record ({members: [[rank, incarnation], ...], first_publish, positions})
     samplers/added/{n}       `megarl samplers add` started the run's n-th added sampler rank ({rank}); its
                              incarnations count from 1, so each joins as a replacement does
@@ -57,6 +59,10 @@ def dead_key(rank: int) -> str:
 
 def replace_key(rank: int) -> str:
     return f"samplers/replace/{rank}"
+
+
+def served_key(rank: int) -> str:
+    return f"samplers/served/{rank}"
 
 
 def epoch_key(epoch: int) -> str:

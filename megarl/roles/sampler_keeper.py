@@ -5,7 +5,9 @@ process (the torchrun worker of the rank) starts the sampler as incarnation 0 of
 command, MEGARL_SAMPLER_INCARNATION set), waits on it and, when it dies or the learner asks for a hung one to be
 replaced (`samplers/replace/{rank}`: it is SIGKILLed first), records the cause under `samplers/dead/{rank}` and
 starts the next incarnation, which joins the next membership epoch (megarl.distributed.membership). It fails,
-and torchrun stops the run, only when fault.max_sampler_restarts_per_hour is exceeded. A stop signal is passed to
+and torchrun stops the run, when fault.max_sampler_restarts_per_hour is exceeded, or when an incarnation exits with
+an error status before it sent its first group (a start-up error, which a replacement would repeat; a signal's
+death, a hang, or an error after it served is a fault and replaced). A stop signal is passed to
 the sampler, whose exit (and status) this process then shares; the sampler dies with this process (its
 PR_SET_PDEATHSIG is SIGKILL), so nothing outlives the run.
 
@@ -30,7 +32,7 @@ import time
 from megarl.config.schema import Config
 from megarl.distributed import launch_gate
 from megarl.distributed.lifetime import exit_status, stop_signal
-from megarl.distributed.membership import INCARNATION_ENV, dead_key, read_record, removed_key, replace_key
+from megarl.distributed.membership import INCARNATION_ENV, dead_key, read_record, removed_key, replace_key, served_key
 from megarl.distributed.ranks import Topology
 from megarl.roles.learner_main import STOP_KEY
 
@@ -81,7 +83,13 @@ def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store, first: int
             print(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) removed (megarl samplers remove): incarnation "
                   f"{incarnation} stopped, no replacement", flush=True)
             raise SystemExit(idle_until_run_ends(store) if idle_after_removal else 0)
+        # Recorded first, as for every end: the learner drops it at once where its keeper's exit ends no run (an
+        # added sampler's keeper runs outside torchrun's worker group).
         store.set(dead_key(topo.rank), json.dumps({"incarnation": incarnation, "cause": cause}))
+        if code > 0 and not served(store, topo.rank, incarnation):
+            raise SystemExit(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause} before it sent its first "
+                             f"group: not replaced (a start-up error, which a replacement would repeat; its error "
+                             f"is above)")
         if over_limit(restarts, time.monotonic(), cfg.fault.max_sampler_restarts_per_hour):
             raise SystemExit(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}: {len(restarts)} ends "
                              f"within an hour, over fault.max_sampler_restarts_per_hour="
@@ -91,6 +99,12 @@ def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store, first: int
         incarnation += 1
         print(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}; starting replacement {incarnation}",
               flush=True)
+
+
+def served(store, rank: int, incarnation: int) -> bool:
+    """Has this incarnation sent a group? One that exits with an error before that failed at start-up (a bad
+    setting, a model that does not fit, a server that does not start), which replacing it would only repeat."""
+    return read_record(store, served_key(rank)) == incarnation
 
 
 def removal_of(store, rank: int, incarnation: int) -> bool:

@@ -40,7 +40,7 @@ from megarl.config.schema import Config
 from megarl.distributed.heartbeat import Heartbeat
 from megarl.distributed.lifetime import SIGNAL_KEY, exit_status, seconds_since_signal, stop_signal
 from megarl.distributed.membership import SHIFT, EpochFollower, SamplerDropped, incarnation, join_key, read_record, \
-    rejoin_timeout_s, removed_key
+    rejoin_timeout_s, removed_key, served_key
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.ranks import Topology
@@ -236,6 +236,7 @@ class SamplerLoop:
         # fault.on_failure=replace: a replacement (incarnation > 0) starts nothing before it runs the version it
         # joined at, then re-issues what its predecessor left unretired (the data position its epoch carries).
         self.incarnation = incarnation()
+        self.served = False  # this incarnation sent a group (fault.on_failure=replace: membership.served_key)
         self.follower: EpochFollower | None = None
         self.evaluator: VersionEvaluator | None = None  # eval.sets: this engine's share of each due version (run())
 
@@ -458,6 +459,9 @@ class SamplerLoop:
             samples = self.pending.pop(ids[i])["samples"]
             sender.send_group(samples, self._stats())
             self.sent += 1
+            if not self.served and self.cfg.fault.on_failure == "replace":  # it ran: a later error is a fault
+                self.store.set(served_key(self.topo.rank), str(self.incarnation))
+            self.served = True
 
     def _held(self) -> int:
         """Groups scored and not sent yet (algo.queue_order holds them back)."""

@@ -95,7 +95,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run(embedded_think_model_dir, tmp_pat
 
 def test_a_killed_sampler_stops_the_run_and_is_named(embedded_think_model_dir, tmp_path):
     run_dir = tmp_path / "kill"
-    proc = _start(run_dir, embedded_think_model_dir)
+    proc = _start(run_dir, embedded_think_model_dir, "fault.on_failure=stop")  # the default (auto) replaces it
     _wait_for_steps(run_dir, 2, proc)
     os.kill(_workers(run_dir)[1], signal.SIGKILL)
     out, err, took = _finish(proc, timeout=60)
@@ -111,7 +111,7 @@ def test_a_hung_sampler_is_named_by_the_learner(embedded_think_model_dir, tmp_pa
     # learner finds out either waiting for groups (heartbeat timeout) or in the weight broadcast the
     # sampler no longer receives (publish timeout); either way it names the sampler.
     run_dir = tmp_path / "hang"
-    proc = _start(run_dir, embedded_think_model_dir, "fault.sampler_timeout_s=4",
+    proc = _start(run_dir, embedded_think_model_dir, "fault.on_failure=stop", "fault.sampler_timeout_s=4",
                         f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}",
                   "queue.timeout_s=600")
     _wait_for_steps(run_dir, 2, proc)
@@ -485,4 +485,45 @@ def test_with_replace_a_sampler_added_from_a_second_process_joins_and_removed_on
     assert not (Path(run_dir) / ".megarl.contact").exists()
     gone = _samplers_command("remove", str(run_dir), "--sampler", "0")
     assert gone.returncode == 1 and "absent (the run has finished" in gone.stdout, gone.stdout
+    assert not leftovers(run_dir)
+
+
+@pytest.mark.timeout(1800)  # 240 s to the first steps, REJOIN_TIMEOUT_S, the remove, 120 s to finish
+def test_with_replace_an_sglang_sampler_added_from_a_second_process_joins_contributes_and_leaves(
+        embedded_think_model_dir, tmp_path):
+    # sampler.engine=sglang (megarl's SGLang-compatible server): the added sampler starts its own server, which
+    # joins the next membership epoch's weight-update group; removed, it stops with its server.
+    run_dir = tmp_path / "add_sglang"
+    proc = _replace_run(run_dir, embedded_think_model_dir, "sampler.engine=sglang")
+    _wait_for_steps(run_dir, 3, proc)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    added = subprocess.Popen([sys.executable, "-m", "megarl.cli", "samplers", "add", str(run_dir)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    try:
+        _wait_for_metric(run_dir, proc, "samplers/alive", 3.0, more_steps=4)
+        servers = _server_processes(_sampler_processes(run_dir)[(3, 1)], b"megarl.sampler.sglang_server")
+        assert len(servers) == 1, servers
+        removed = _samplers_command("remove", str(run_dir), "--sampler", "2")
+        assert removed.returncode == 0, removed.stdout + removed.stderr
+        added_out, _ = added.communicate(timeout=180)  # its keeper leaves once its sampler is removed
+        assert added.returncode == 0, added_out[-3000:]
+    finally:
+        if added.poll() is None:
+            added.kill()
+    _wait_for_metric(run_dir, proc, "samplers/alive", 2.0, more_steps=2)
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert not [pid for pid in servers if Path(f"/proc/{pid}").exists()]  # its server stopped with it
+    joined = [int(v) for v in re.findall(r"sampler 2 \(rank 3\): added joins the publish set at version (\d+)", out)]
+    assert len(joined) == 1, out[-3000:]
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(len(metrics)))  # none skipped, none trained twice
+    assert [m["version"] for m in metrics] == list(range(1, len(metrics) + 1))
+    rollouts = [json.loads(line) for line in (Path(run_dir) / "rollouts.jsonl").read_text().splitlines()]
+    from_added = [r for r in rollouts if r["sampler_rank"] == 3]
+    assert from_added, "the added sampler contributed no group"
+    assert all(min(r["versions"]) >= joined[0] for r in from_added)  # it generated nothing before its join version
+    ids = [r["group_id"] for r in rollouts]
+    assert len(set(ids)) * 8 == len(ids)  # no group trained twice (8 samples per group)
     assert not leftovers(run_dir)

@@ -100,7 +100,7 @@ def _train_and_kill_the_server(run_dir, overrides: list[str], after_steps: int, 
 def test_killed_vllm_server_stops_the_run_naming_it(vllm_python, tmp_path):
     """fault.on_failure=stop: the vLLM server of sampler 0 is SIGKILLed mid-run; the run stops, non-zero, and
     says which server died, well within the configured timeouts (nothing waits for queue.timeout_s)."""
-    rc, out, stopped_s = _train_and_kill_the_server(tmp_path / "run", ["run.steps=500"], after_steps=3, timeout_s=120)
+    rc, out, stopped_s = _train_and_kill_the_server(tmp_path / "run", ["run.steps=500", "fault.on_failure=stop"], after_steps=3, timeout_s=120)
     assert rc != 0
     assert "vLLM server unix:/" in out and "exited with code" in out, out[-4000:]
     print(f"\nrun stopped {stopped_s:.1f}s after the vLLM server was killed (rc {rc})")
