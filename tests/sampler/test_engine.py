@@ -24,8 +24,11 @@ def model(request, tmp_path_factory):
     before and after attention and the MLP, scaled embeddings) and gpt-oss (attention sinks, a sliding layer shorter
     than the requests then a full one, biased linears and experts with the clamped SwiGLU; its routes:
     tests/sampler/test_engine_moe.py). (SmolLM3's engine differs in its forward alone: tests/sampler/test_model.py.)"""
+    from megarl.sampler import hf_model, model as native
+
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     cfg, weights = load_pretrained(str(path))
+    assert hf_model.choose(cfg) is native  # (these tests are the native forward's, not the generic model's)
     return request.param, path, cfg, weights
 
 
