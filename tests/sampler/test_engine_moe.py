@@ -224,6 +224,7 @@ def _gpt_oss_tol(cfg) -> float:
 
 
 def test_gpt_oss_runs_natively_and_names_what_it_refuses(gpt_oss):
+    from megarl.models.layout import check_layout
     from megarl.sampler import hf_model, model as native
 
     _, cfg, weights = gpt_oss
@@ -233,6 +234,8 @@ def test_gpt_oss_runs_natively_and_names_what_it_refuses(gpt_oss):
     assert "model.layers.1.mlp.experts.gate_up_proj" in weights and "model.layers.0.self_attn.sinks" in weights
     with pytest.raises(ValueError, match="sampler.tp = 1"):
         spec.shard(2)
+    with pytest.raises(ValueError, match="sampler.tp=2: gpt_oss's fused experts"):
+        check_layout(cfg, sampler_tp=2)  # (before a launch)
     with pytest.raises(ValueError, match="quantization_config"):
         ModelSpec.from_hf_config(dict(cfg, quantization_config={"quant_method": "mxfp4"}))
 
