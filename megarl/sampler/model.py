@@ -1133,10 +1133,10 @@ def _attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.
     """
     bsz, seq, nh, hd = q.shape
     nkv, span = k_t.shape[1], k_t.shape[3]
-    scale = hd ** -0.5 if scale is None else scale
+    alpha = hd ** -0.5 if scale is None else scale
     if seq == 1:
         q = q.reshape(bsz * nkv, group, hd)
-        scores = torch.baddbmm(mask, q, k_t.reshape(bsz * nkv, hd, span), alpha=scale)
+        scores = torch.baddbmm(mask, q, k_t.reshape(bsz * nkv, hd, span), alpha=alpha)
         probs = torch.softmax(scores, dim=-1) if sinks is None else _with_sinks(
             scores.view(bsz, nkv, group, span), sinks.view(nkv, group, 1)).reshape(bsz * nkv, group, span)
         return torch.bmm(probs, v.reshape(bsz * nkv, span, hd)).view(bsz, nh * hd)
@@ -1144,7 +1144,7 @@ def _attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.
     if sinks is None:
         out = F.scaled_dot_product_attention(q, k_t.transpose(2, 3), v, attn_mask=mask, scale=scale)
     else:  # rows of q are (query head in its group, position): each row's sink is its head's
-        scores = torch.matmul(q, k_t).mul_(scale).masked_fill_(~mask, float("-inf"))
+        scores = torch.matmul(q, k_t).mul_(alpha).masked_fill_(~mask, float("-inf"))
         row_sinks = sinks.view(nkv, group, 1).repeat_interleave(seq, dim=1)  # [kv_heads, group * T, 1]
         out = torch.matmul(_with_sinks(scores, row_sinks), v)
     return out.view(bsz, nh, seq, hd).transpose(1, 2).reshape(bsz * seq, nh * hd)
