@@ -38,6 +38,10 @@ imported what they share):
                     and a per-slot KV cache, docs/models.md#the-generic-path) on a Granite of learner_step's
                     shape (a type megarl has no family for; bf16): generated tokens/s against the native engine
                     on the Qwen2 model of engine_vs_hf, and its behaviour log-probs against an fp32 HF forward
+  gpt_oss_engine    gpt-oss on the built-in engine's native forward (sinks, sliding and full layers, fused biased
+                    experts; docs/models.md) at the families check's gpt-oss shape, bf16: decode tokens/s of a batch
+                    against the generic model (sampler.model_impl=hf) on the same weights, the behaviour log-probs
+                    against an fp32 HF forward, and the share of recorded routes that are fp32 HF's top-k
   hybrid            the generic engine on a hybrid linear-attention model (docs/models.md, "Hybrid linear-attention
                     models"): a Qwen3.5-like text model (gated DeltaNet, 3 of 4 layers; bf16, random weights): decode tokens/s
                     of a batch, and the lag-0 gap of its behaviour log-probs against the DeepSpeed learner's forward
@@ -785,7 +789,7 @@ FAMILY_CHECKS = {
     # gpt-oss-20b scaled to the shape: attention sinks, sliding (window 128; the dry run: 4) and full layers
     # alternating, biases on every linear, 16 experts (top-4) a quarter of gpt-oss-20b's width (0.75B parameters in
     # all) with the clamped SwiGLU and a biased router, YaRN with truncate false (the dry run's original context: 8);
-    # sampled by the engine's generic model
+    # sampled by the engine's native forward (the `gpt_oss_engine` check: its speed and routes)
     "gpt_oss": ("gpt_oss", {"pad_token_id": None, "bos_token_id": None, "eos_token_id": 2, "head_dim": 64,
                             "num_local_experts": 16, "num_experts_per_tok": 4, "intermediate_size": 720,
                             "sliding_window": 128, "attention_bias": True,
@@ -989,6 +993,61 @@ def _gap_to_transformers(hf, completions, device, result: dict) -> dict:
     if not torch.isfinite(gap).all():
         raise RuntimeError(f"non-finite behaviour log-probs: {result}")
     return {"max_abs": round(float(gap.max()), 4), "mean_abs": round(float(gap.mean()), 5)}
+
+
+def check_gpt_oss_engine(args, size: Size) -> dict:
+    """gpt-oss on the built-in engine's native forward (docs/models.md, "gpt-oss end to end") at the families check's
+    shape (FAMILY_CHECKS["gpt_oss"]), bf16 on the GPU: decode tokens/s of a batch against the generic model
+    (sampler.model_impl=hf) on the same weights and prompts, the max / mean |behaviour log-prob - fp32 transformers|,
+    and the share of (position, MoE layer) whose recorded experts are fp32 transformers' router's top-k (what R3
+    replays; bf16 rounding may flip near-ties)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megarl.protocols import GenerationRequest, SamplingParams
+    from megarl.sampler import model as native
+    from megarl.sampler.engine import BuiltinEngine
+
+    device = device_of(args)
+    model_dir = build_family_model(Path(args.workdir) / "gpt_oss_engine", "gpt_oss", size, args.device)
+    batch, new = size.gen_batches[-1], size.gen_tokens
+    prompts = random_prompts(batch, size.model["vocab_size"], seed=5)
+    sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new)
+    result, done = {}, None
+    for impl in ("native", "hf"):
+        engine = BuiltinEngine.from_pretrained(str(model_dir), max_running=batch, device=device, model_impl=impl,
+                                               max_seq_len=max(map(len, prompts)) + new)
+        if impl == "native" and engine._impl is not native:
+            raise RuntimeError(f"gpt-oss ran on {engine._impl.__name__}, not the native forward")
+        requests = [GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)]
+        engine.generate(requests[:2])  # warm-up
+        sync()
+        start = time.perf_counter()
+        completions = engine.generate(requests)
+        sync()
+        result[f"{impl}_tok_s"] = round(sum(len(c.token_ids) for c in completions) / (time.perf_counter() - start))
+        done = completions if impl == "native" else done
+        engine.close()
+        del engine
+    result["native_over_generic"] = round(result["native_tok_s"] / result["hf_tok_s"], 3)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    chosen = []
+    hooks = [layer.mlp.router.register_forward_hook(lambda _m, _i, out: chosen.append(out[2].cpu()))
+             for layer in hf.model.layers]
+    same = total = 0
+    with torch.no_grad():
+        for c in done[:8]:
+            chosen.clear()
+            hf(torch.tensor([c.prompt_ids + c.token_ids], device=device))
+            ref = torch.stack(chosen, dim=1)[:-1].sort(-1).values  # [positions, layers, k]
+            got = torch.from_numpy(c.routes.astype("int64")).sort(-1).values
+            same += int((ref == got).all(-1).sum())
+            total += ref.shape[0] * ref.shape[1]
+    for h in hooks:
+        h.remove()
+    return {**result, "batch": batch, "new_tokens": new,
+            "engine_vs_hf_fp32": _gap_to_transformers(hf, done[:8], device, result),
+            "route_agreement_vs_hf_fp32": round(same / total, 4), "peak_gpu_gib": peak_gib()}
 
 
 # The hybrid check's Qwen3.5-like text model (gated DeltaNet on 3 of every 4 layers, full attention on the 4th).
@@ -1664,7 +1723,8 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180),
           "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120),
           "agent_stream": (check_agent_stream, 120), "long_paged": (check_long_paged, 150),
-          "samplers_add_remove": (check_samplers_add_remove, 240), "sglang_add_remove": (check_sglang_add_remove, 240)}
+          "samplers_add_remove": (check_samplers_add_remove, 240), "sglang_add_remove": (check_sglang_add_remove, 240),
+          "gpt_oss_engine": (check_gpt_oss_engine, 150)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 # Each check's limit on CPU bounds a hang, it is no speed test: a check there is mostly process starts and imports,
 # which a loaded 2-core machine slows several-fold (context_parallel's two torchrun ranks took over 75 s at load 20).

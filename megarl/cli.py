@@ -369,7 +369,8 @@ def check_model_dir(model_dir, cfg=None) -> None:
 
 def check_route_recording(hf_config: dict, cfg) -> None:
     """R3 on the built-in engine needs the routes its native forward records; a family it samples on its generic
-    model (gpt-oss: sinks and sliding layers) records none. ValueError naming the key."""
+    model (DeepSeek-V3's multi-latent attention; any family under sampler.model_impl=hf) records none. ValueError
+    naming the key."""
     if cfg.algo.routing_replay != "r3" or cfg.sampler.engine != "builtin":
         return
     from megarl.sampler import model as native

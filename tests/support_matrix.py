@@ -194,11 +194,18 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             "tests/learner/test_sdpa_attention.py::test_sinks_match_transformers_eager_attention[packed_window]",
             f"{_PACKED}[megatron-gpt_oss]")),
         "DeepSpeed learner": Cell("ZeRO 1, packed rows", (f"{_PACKED}[deepspeed-gpt_oss]",)),
-        "built-in engine (in-flight swaps, keep and recompute)": Cell("generic model; swaps under recompute", (
-            f"{_MOE}test_gpt_oss_samples_on_the_generic_engine_and_its_lag0_gap_to_the_learner_is_fp32_noise",)),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes (native forward, routes), at sampler.tp=1",
+                                                                      _engine("gpt_oss") + (
+            f"{_ENGINE_MOE}test_gpt_oss_logprobs_and_routes_equal_transformers[sampling1]",
+            f"{_ENGINE_MOE}test_gpt_oss_across_an_inflight_update_equals_transformers_over_its_cache[keep]",
+            f"{_ENGINE_MOE}test_gpt_oss_across_an_inflight_update_equals_transformers_over_its_cache[recompute]",
+            f"{_ENGINE}test_paged_layout_gives_the_contiguous_layouts_completions[gpt_oss-keep]",
+            f"{_MOE}test_gpt_oss_samples_on_the_native_engine_and_its_lag0_gap_to_the_learner_is_fp32_noise")),
         "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
-        "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[gpt_oss]",
-                                                 f"{_DS_MOE}test_r3_on_gpt_oss_replays_at_its_router"))}),
+        "R3": Cell("yes (megatron, DeepSpeed; the built-in engine's routes)", (
+            f"{_MOE}test_r3_replays_the_sampler_routes_exactly[gpt_oss]",
+            f"{_DS_MOE}test_r3_on_gpt_oss_replays_at_its_router",
+            f"{_MOE}test_r3_learner_runs_the_engines_routes_across_an_inflight_update[gpt_oss]"))}),
     ("DeepSeek-V3 (`deepseek_v3`, Kimi-K2's architecture: multi-latent attention with or without a q latent, "
      "interleaved YaRN RoPE with its mscale, GLM-4.5's MoE)", "deepseek_v3", {
         "megatron learner": Cell("TP1 (packed rows with shared prefixes too); TP2, DP2 x EP2, TP2 x EP2 equal to TP1", (

@@ -124,20 +124,21 @@ def test_a_model_that_the_tensor_parallel_size_does_not_split_is_named(tmp_path)
     assert "learner.tp/sampler.tp=2: tensor parallel size 2 does not divide num_key_value_heads=1" in proc.stderr
 
 
-def test_r3_on_a_family_the_builtin_engine_samples_on_its_generic_model_is_refused(tmp_path):
-    """gpt-oss samples on the built-in engine's generic model (its sinks and sliding layers), which records no routes:
-    algo.routing_replay=r3 is named before launch; without it the run launches."""
+def test_r3_on_gpt_oss_launches_on_the_native_engine_and_is_refused_on_its_generic_model(tmp_path):
+    """gpt-oss samples on the built-in engine's native forward, which records its routes: algo.routing_replay=r3
+    launches. Forced onto the generic model (sampler.model_impl=hf), which records none, r3 is named before launch."""
     config = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_act": "silu",
               "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
               "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "attention_bias": True,
               "vocab_size": 264, "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
     path = model_dir(tmp_path / "model", config)
-    proc = train(f"model.path={path}", "algo.routing_replay=r3", "eval.sets=[]")
+    proc = train(f"model.path={path}", "algo.routing_replay=r3", "sampler.model_impl=hf", "eval.sets=[]")
     assert proc.returncode == 2 and "launching" not in proc.stdout
     assert ("algo.routing_replay=r3: the built-in engine samples model_type 'gpt_oss' on its generic model"
             in proc.stderr)
-    assert train(f"model.path={path}", "eval.sets=[]").returncode == 0
+    proc = train(f"model.path={path}", "algo.routing_replay=r3", "eval.sets=[]")
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):

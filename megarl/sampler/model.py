@@ -1,5 +1,5 @@
 """Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mistral, Phi-3, SmolLM3,
-OLMo 2, Gemma 3 text, Mixtral, Qwen3-MoE), for the built-in sampler engine.
+OLMo 2, Gemma 3 text, Mixtral, Qwen3-MoE, gpt-oss), for the built-in sampler engine.
 
 This module owns the model math and the KV-cache layout; it owns no scheduling (that is
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
@@ -42,6 +42,16 @@ the chosen k (the same sum transformers' per-expert loop makes, in another order
 engine serves, a decode step is bound by kernel count, not FLOPs (E / k times the expert FLOPs is the
 price).  `forward(..., routes=buf)` writes each position's top-k expert indices per MoE layer, in the
 router's top-k order, into `buf` (the engine's route records, docs/moe.md).
+
+gpt-oss (``spec.gpt_oss``): a bias on q/k/v and o_proj; each query head's learned sink logit joins its softmax as
+one more column whose value is zero (transformers' eager attention: `_with_sinks`; a prefill computes its scores
+itself there, SDPA has no such column); each layer attends over its own window (``spec.layer_windows``:
+families.layer_windows, sliding then full by `layer_types`), one mask per distinct window; YaRN as convert maps it.
+Its MoE layers route as transformers' GptOssTopKRouter (top-k of the biased logits, softmax over those k) and run its
+fused experts in the stacked layout above (the router and every expert's interleaved gate/up columns in one matmul
+with their biases, the downs stacked), with the clamped SwiGLU ``(clamp(up) + 1) * g * sigmoid(alpha * g)``,
+g = gate clamped above; each expert's down bias enters weighted by its share. It runs at sampler.tp = 1 (its fused
+experts have no tensor-parallel slices here) and records its routes as the other MoE families do.
 
 Tensor parallelism: `ModelSpec.shard(t)` is the spec of one TP rank, whose weights are that rank's
 slices in the layout of `megarl.models.tp_shard` (whole heads of q/k/v, rows of gate/up, columns of
@@ -110,6 +120,13 @@ class ModelSpec:
     local_layers: tuple[bool, ...] | None = None
     local_rope_theta: float = 10000.0
     attn_scale: float | None = None
+    # gpt-oss (families.gpt_oss_blocks; see the module docstring): attention sinks, a bias on every linear, each
+    # layer's own window (`layer_windows`, families.layer_windows: None = full attention), a biased router whose
+    # top-k logits are softmaxed, fused experts with biases and the clamped SwiGLU (swiglu_alpha, swiglu_limit)
+    gpt_oss: bool = False
+    layer_windows: tuple[int | None, ...] | None = None
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def is_moe(self) -> bool:
@@ -125,6 +142,8 @@ class ModelSpec:
         family = FAMILIES[model_type]
         if family.gemma:
             return cls._gemma(cfg)
+        if family.gpt_oss_blocks:
+            return cls._gpt_oss(cfg)
         if family.latent_attention:
             raise ValueError(f"{model_type}'s multi-latent attention (kv_lora_rank) is not in the native forward")
         if cfg.get("hidden_act", "silu") != "silu":
@@ -207,6 +226,24 @@ class ModelSpec:
             local_layers=tuple(kind == families.SLIDING for kind in families.layer_types(cfg)),
             attn_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5)
 
+    @classmethod
+    def _gpt_oss(cls, cfg: dict) -> "ModelSpec":
+        """A gpt-oss config's spec (what the learner maps: megarl.models.convert.check_supported's refusals)."""
+        cfg = convert.check_supported(cfg)
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        return cls(
+            model_type=cfg["model_type"], vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+            intermediate_size=moe.expert_ffn_size(cfg), num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=kv_heads, head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=convert._rope_theta(cfg),
+            rope_scaling=convert.rope_scaling(cfg), tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True, o_bias=True, mlp_bias=False, num_experts=moe.num_experts(cfg), top_k=moe.top_k(cfg),
+            gpt_oss=True, layer_windows=families.layer_windows(cfg),
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+
     def shard(self, tp_size: int) -> "ModelSpec":
         """The spec of one of `tp_size` tensor-parallel ranks: its heads, KV heads and MLP width (an MoE
         model's: every expert's) are 1/tp_size of the model's (hidden size, head_dim and the experts and
@@ -221,6 +258,9 @@ class ModelSpec:
                              f"(megarl.models.tp_shard): the built-in engine runs it at sampler.tp = 1")
         if tp_size < 1:
             raise ValueError(f"tensor parallel size must be >= 1, got {tp_size}")
+        if self.gpt_oss and tp_size != 1:
+            raise ValueError("gpt_oss's fused experts (mlp.experts.gate_up_proj, gate and up interleaved) have no "
+                             "tensor-parallel slices in the built-in engine: it runs gpt-oss at sampler.tp = 1")
         tp_shard.check_divisible(self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size,
                                  tp_size, moe.expert_ffn_field(self._hf_config) if self.is_moe else "intermediate_size")
         return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
@@ -263,6 +303,13 @@ class ModelSpec:
             if self.qk_norm:
                 shapes[p + "self_attn.q_norm.weight"], shapes[p + "self_attn.k_norm.weight"] = (
                     ((q_out,), (kv_out,)) if self.post_norms else ((d,), (d,)))
+            if self.gpt_oss:
+                e, m = self.num_experts, p + "mlp."
+                shapes.update({p + "self_attn.sinks": (self.num_heads,), m + "router.weight": (e, h),
+                               m + "router.bias": (e,), m + "experts.gate_up_proj": (e, h, 2 * i),
+                               m + "experts.gate_up_proj_bias": (e, 2 * i), m + "experts.down_proj": (e, i, h),
+                               m + "experts.down_proj_bias": (e, h)})
+                continue
             if self.is_moe:
                 shapes[moe.hf_router_name(self._hf_config, layer)] = (self.num_experts, h)
                 for e in range(self.num_experts):
@@ -529,6 +576,7 @@ class LayerWeights:
     # the RMSNorm weights on attention's and the MLP's outputs (nothing is folded into qkv or gate_up)
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # gpt-oss: [heads], each query head's sink logit
 
 
 @dataclass
@@ -588,6 +636,7 @@ class _LayerBuffers:
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None  # OLMo 2's post_attention_layernorm / post_feedforward_layernorm
     mlp_out_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # gpt-oss's self_attn.sinks
 
 
 class WeightArena:
@@ -636,7 +685,11 @@ class WeightArena:
             else:
                 qkv_buffer = stack(qkv)
                 q_view, k_view = self.views[qkv[0]], self.views[qkv[1]]
-            if spec.is_moe:  # Mixtral's or Qwen3-MoE's expert names (models/moe.py)
+            gate_up_bias = down_bias = None
+            if spec.gpt_oss:  # its fused experts (moe.GPT_OSS_EXPERTS) are views of the stacked buffers
+                gate_up, gate_up_bias, down = self._gpt_oss_experts(mlp, dtypes, device)
+                down_bias = own(mlp + "experts.down_proj_bias")
+            elif spec.is_moe:  # Mixtral's or Qwen3-MoE's expert names (models/moe.py)
                 experts = [moe.hf_expert_names(spec._hf_config, layer, e) for e in range(spec.num_experts)]
                 gate_up = stack([moe.hf_router_name(spec._hf_config, layer)]
                                 + [name for gate, up, _ in experts for name in (gate, up)])
@@ -650,13 +703,13 @@ class WeightArena:
                 gate_up = own(mlp + "gate_up_proj.weight") if spec.fused_projections else stack(
                     [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
                 down = own(mlp + "down_proj.weight")
+                if spec.mlp_bias:
+                    gate_up_bias = stack([mlp + "gate_proj.bias", mlp + "up_proj.bias"])
+                down_bias = own(mlp + "down_proj.bias")
             self.layers.append(_LayerBuffers(
                 qkv=qkv_buffer, qkv_bias=stack(qkv_bias) if qkv_bias else None,
                 o_proj=own(attn + "o_proj.weight"), o_bias=own(attn + "o_proj.bias"),
-                gate_up=gate_up,
-                gate_up_bias=stack([mlp + "gate_proj.bias", mlp + "up_proj.bias"]) if spec.mlp_bias and not spec.is_moe
-                else None,
-                down=down, down_bias=own(mlp + "down_proj.bias"),
+                gate_up=gate_up, gate_up_bias=gate_up_bias, down=down, down_bias=down_bias,
                 input_norm=None if spec.post_norms else own(p + "input_layernorm.weight"),
                 # (Gemma 3: the norm in front of the MLP is pre_feedforward_layernorm)
                 post_norm=None if spec.post_norms else own(p + ("pre_feedforward_layernorm.weight" if spec.gemma
@@ -666,12 +719,30 @@ class WeightArena:
                 rope_rows=list(zip([q_view, k_view, *(self.views[n] for n in qkv_bias[:2])],
                                    [spec.num_heads, spec.num_kv_heads] * 2)),
                 q_norm=own(attn + "q_norm.weight") if spec.qk_norm else None,
-                k_norm=own(attn + "k_norm.weight") if spec.qk_norm else None))
+                k_norm=own(attn + "k_norm.weight") if spec.qk_norm else None,
+                sinks=own(attn + "sinks")))
         for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             own(name)
         missing = set(shapes) - set(self.views)
         if missing:  # a tensor of the spec this layout does not place: a model type added without its arena
             raise ValueError(f"WeightArena: no place for {sorted(missing)[:3]} ({spec.model_type})")
+
+    def _gpt_oss_experts(self, mlp: str, dtypes: dict[str, torch.dtype], device):
+        """One gpt-oss layer's router and experts in the layout the other MoE families have: (the stacked
+        [E + E * 2I, hidden] router and gate/up rows, [out, in] as HF's linears; its bias [E + E * 2I]; the stacked
+        downs [E * I, hidden]). The fused HF tensors, x @ W oriented, are views of them: gate_up_proj [E, H, 2I] is
+        the transposed [E, 2I, H] rows (gate and up stay interleaved: the forward reads them so), down_proj [E, I, H]
+        the downs as they are."""
+        spec = self.spec
+        e, i, h = spec.num_experts, spec.intermediate_size, spec.hidden_size
+        rows = torch.empty((e + e * 2 * i, h), dtype=dtypes[mlp + "experts.gate_up_proj"], device=device)
+        bias = torch.empty(e + e * 2 * i, dtype=dtypes[mlp + "experts.gate_up_proj_bias"], device=device)
+        down = torch.empty((e * i, h), dtype=dtypes[mlp + "experts.down_proj"], device=device)
+        self.views.update({
+            mlp + "router.weight": rows[:e], mlp + "experts.gate_up_proj": rows[e:].view(e, 2 * i, h).transpose(1, 2),
+            mlp + "router.bias": bias[:e], mlp + "experts.gate_up_proj_bias": bias[e:].view(e, 2 * i),
+            mlp + "experts.down_proj": down.view(e, i, h)})
+        return rows, bias, down
 
     def write(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy an HF-named state dict (every tensor of the spec, any device; cast to the arena's dtypes)
@@ -711,7 +782,7 @@ class WeightArena:
                 down=b.down if spec.is_moe else _mm_operand(b.down), down_bias=b.down_bias,
                 qk_norm=None if b.q_norm is None else self._qk_norm(b.q_norm, b.k_norm),
                 attn_out_norm=_gemma_weight(b.attn_out_norm) if spec.gemma else b.attn_out_norm,
-                mlp_out_norm=_gemma_weight(b.mlp_out_norm) if spec.gemma else b.mlp_out_norm))
+                mlp_out_norm=_gemma_weight(b.mlp_out_norm) if spec.gemma else b.mlp_out_norm, sinks=b.sinks))
         embed, norm = self.views["model.embed_tokens.weight"], self.views["model.norm.weight"]
         return RuntimeWeights(embed=embed, layers=layers, norm=_gemma_weight(norm) if spec.gemma else norm,
                               lm_head=_mm_operand(embed if spec.tie_word_embeddings else self.views["lm_head.weight"]),
@@ -894,6 +965,9 @@ def forward(
     # (Gemma 3: its global layers attend to every position, its local ones to the window)
     mask = attention_mask(None if spec.gemma else spec.sliding_window)
     local_mask = attention_mask(spec.sliding_window) if spec.gemma and any(spec.local_layers) else None
+    # (gpt-oss: one mask per distinct window of its layers, each layer its own)
+    window_masks = None if spec.layer_windows is None else {
+        w: mask if w is None else attention_mask(w) for w in set(spec.layer_windows)}
 
     for layer, lw in enumerate(weights.layers):
         h = x if spec.post_norms else _rms_norm(x, tables)
@@ -912,11 +986,11 @@ def forward(
         elif spec.rope_layers is None or spec.rope_layers[layer]:  # (a layer without RoPE attends unrotated)
             qk = _rotate(qk, rot)
         k_new, v_new = qk[:, nh:].view(bsz, seq, nkv, hd), qkv[:, nh + nkv:].view(bsz, seq, nkv, hd)
-        layer_mask = local_mask if local else mask
+        layer_mask = window_masks[spec.layer_windows[layer]] if window_masks else local_mask if local else mask
         if paged and seq == 1:
             k_blocks, v_blocks = cache.write_and_blocks(layer, where, k_new, v_new)
             attn = _paged_decode_attention(qk[:, :nh].view(bsz, nkv, group, hd), k_blocks, v_blocks, layer_mask,
-                                           spec.attn_scale)
+                                           spec.attn_scale, lw.sinks)
         else:
             if paged:
                 k_span, v_span = cache.write_and_gather(layer, where, k_new, v_new)
@@ -925,7 +999,8 @@ def forward(
                 k_cache.scatter_(3, k_idx, k_new.permute(0, 2, 3, 1))
                 v_cache.scatter_(2, v_idx, v_new.transpose(1, 2))
                 k_span, v_span = k_cache[..., :attn_len], v_cache[:, :, :attn_len]
-            attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_span, v_span, layer_mask, group, spec.attn_scale)
+            attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_span, v_span, layer_mask, group, spec.attn_scale,
+                              lw.sinks)
         if spec.gemma:  # the norm between o_proj (summed over TP) and the residual add
             out = _linear(attn, lw.o_proj, lw.o_bias)
             if tp_group is not None:
@@ -940,7 +1015,11 @@ def forward(
 
         h = x if spec.post_norms else _rms_norm(x, tables)
         if spec.is_moe:
-            chosen, act = _moe_experts(spec, _linear(h, lw.gate_up, None))
+            share = None
+            if spec.gpt_oss:
+                chosen, act, share = _gpt_oss_experts(spec, _linear(h, lw.gate_up, lw.gate_up_bias))
+            else:
+                chosen, act = _moe_experts(spec, _linear(h, lw.gate_up, None))
             if routes is not None:
                 routes[:, :, layer] = chosen.view(bsz, seq, spec.top_k)
             # Under TP each rank holds 1/t of every expert's width and the whole router (the same routes on
@@ -949,6 +1028,8 @@ def forward(
                 x = _add_linear(x, act, lw.down, None)
             else:
                 x = _add_row_parallel(x, act, lw.down, None, tp_group)
+            if share is not None:  # (gpt-oss, at sampler.tp = 1) each chosen expert's down bias, times its share
+                x = x.addmm_(share, lw.down_bias)
             continue
         gate, up = _linear(h, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
         if spec.gemma:  # GeGLU, then the norm between down_proj (summed over TP) and the residual add
@@ -989,8 +1070,35 @@ def _moe_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Tensor
     return chosen, act.view(tokens, experts * spec.intermediate_size)
 
 
+def _gpt_oss_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing over one layer's fused, biased projection [N, E + E * 2I] (router logits, then each
+    expert's gate/up columns interleaved: gate even, up odd). Returns (the chosen experts [N, k] in top-k order, the
+    weighted expert activations [N, E * I], each expert's share [N, E], which weighs its down bias).
+
+    As transformers' GptOssTopKRouter and GptOssExperts: top-k of the biased logits, softmax over those k; gate
+    clamped above at swiglu_limit, up to +-swiglu_limit, (up + 1) * gate * sigmoid(alpha * gate), the expert's
+    output (and its down bias) scaled by its share (zero off the k)."""
+    experts, tokens, limit = spec.num_experts, projected.shape[0], spec.swiglu_limit
+    logits = projected[:, :experts]
+    top, chosen = torch.topk(logits, spec.top_k, dim=-1)
+    share = torch.zeros_like(logits).scatter_(1, chosen, torch.softmax(top.float(), dim=-1).to(logits.dtype))
+    gate_up = projected[:, experts:].view(tokens, experts, spec.intermediate_size, 2)
+    gate, up = gate_up[..., 0].clamp(max=limit), gate_up[..., 1].clamp(-limit, limit)
+    act = (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha)) * share[:, :, None]
+    return chosen, act.view(tokens, experts * spec.intermediate_size), share
+
+
+def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of `scores` with one more logit per row, its head's sink ([..., 1], broadcast over
+    the rest), which takes its share of the probability mass and adds no value (transformers' gpt-oss eager
+    attention: the sink's column dropped after the softmax)."""
+    combined = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
 def _paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
-                            mask: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                            mask: torch.Tensor, scale: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention over each row's KV blocks as the pool holds them: q [B, kv_heads, group, hd]
     against k_blocks [B, blocks, kv_heads, hd, block_size] and v_blocks [B, blocks, kv_heads, block_size, hd], with
     the additive mask [B, blocks, 1, 1, block_size].  Returns [B, heads*hd].
@@ -999,18 +1107,20 @@ def _paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: t
     (only the small score tensor is reordered), p @ V per block, summed over the blocks: no copy of K or V beyond
     the gather of the blocks, which is what made gathering them into `_attention`'s contiguous operand slower.
     The sum over blocks is another summation order than `_attention`'s one matmul: equal within fp32 rounding.
-    scale: the scores' scale (default head_dim ** -0.5; a family with its own attention scale passes it)."""
+    scale: the scores' scale (default head_dim ** -0.5; a family with its own attention scale passes it).
+    sinks: gpt-oss's sink logit per query head [heads] (`_with_sinks`), or None."""
     bsz, count, nkv, hd, size = k_blocks.shape
     group = q.shape[2]
     scale = hd ** -0.5 if scale is None else scale
     scores = torch.matmul(q[:, None], k_blocks).mul_(scale).add_(mask)  # [B, blocks, kv_heads, group, size]
-    probs = torch.softmax(scores.permute(0, 2, 3, 1, 4).reshape(bsz, nkv, group, count * size), dim=-1)
-    probs = probs.view(bsz, nkv, group, count, size).permute(0, 3, 1, 2, 4)
+    scores = scores.permute(0, 2, 3, 1, 4).reshape(bsz, nkv, group, count * size)
+    probs = torch.softmax(scores, dim=-1) if sinks is None else _with_sinks(scores, sinks.view(nkv, group, 1))
+    probs = probs.reshape(bsz, nkv, group, count, size).permute(0, 3, 1, 2, 4)
     return torch.matmul(probs, v_blocks).sum(1).view(bsz, nkv * group * hd)
 
 
 def _attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, group: int,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, T, heads, hd] against the cache's k_t [B, kv_heads, hd, L] and v [B, kv_heads, L, hd].
 
     Returns [B*T, heads*hd].  GQA without repeating K/V: the `group` query heads that share a KV head
@@ -1018,13 +1128,23 @@ def _attention(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.
     batched matmuls around a softmax, the additive mask riding in the first (baddbmm); at one query
     row per head SDPA's CPU kernel costs several times that.  Prefill uses SDPA with the boolean mask
     [B, 1, group*T, L]. `scale`: of q.k (None: head_dim^-0.5).
+    sinks: gpt-oss's sink logit per query head [heads] (`_with_sinks`; a prefill then computes its scores itself, as
+    SDPA has no extra logit), or None.
     """
     bsz, seq, nh, hd = q.shape
     nkv, span = k_t.shape[1], k_t.shape[3]
+    alpha = hd ** -0.5 if scale is None else scale
     if seq == 1:
         q = q.reshape(bsz * nkv, group, hd)
-        scores = torch.baddbmm(mask, q, k_t.reshape(bsz * nkv, hd, span), alpha=hd ** -0.5 if scale is None else scale)
-        return torch.bmm(torch.softmax(scores, dim=-1), v.reshape(bsz * nkv, span, hd)).view(bsz, nh * hd)
+        scores = torch.baddbmm(mask, q, k_t.reshape(bsz * nkv, hd, span), alpha=alpha)
+        probs = torch.softmax(scores, dim=-1) if sinks is None else _with_sinks(
+            scores.view(bsz, nkv, group, span), sinks.view(nkv, group, 1)).reshape(bsz * nkv, group, span)
+        return torch.bmm(probs, v.reshape(bsz * nkv, span, hd)).view(bsz, nh * hd)
     q = q.transpose(1, 2).reshape(bsz, nkv, group * seq, hd)
-    out = F.scaled_dot_product_attention(q, k_t.transpose(2, 3), v, attn_mask=mask, scale=scale)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(q, k_t.transpose(2, 3), v, attn_mask=mask, scale=scale)
+    else:  # rows of q are (query head in its group, position): each row's sink is its head's
+        scores = torch.matmul(q, k_t).mul_(alpha).masked_fill_(~mask, float("-inf"))
+        row_sinks = sinks.view(nkv, group, 1).repeat_interleave(seq, dim=1)  # [kv_heads, group * T, 1]
+        out = torch.matmul(_with_sinks(scores, row_sinks), v)
     return out.view(bsz, nh, seq, hd).transpose(1, 2).reshape(bsz * seq, nh * hd)

@@ -34,6 +34,9 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
     "mixtral": GQA, no biases, tied embeddings, 4 experts of width 64, top-2 (every layer an MoE layer).
     "qwen3_moe": the same experts (unnormalised top-k unless norm_topk_prob=True), per-head q/k RMSNorm weights
     drawn away from 1 (so an engine that skipped them would show).
+    "gpt_oss": tests.helpers.save_tiny_gpt_oss at this vocabulary (sinks, a sliding layer of window 4 then a full one,
+    biases everywhere, 4 biased experts of width 24 whose clamped SwiGLU cuts, YaRN; untied): every one of its
+    dimensions at most TINY's, so TOL bounds it too.
     initializer_range is raised from HF's 0.02 so next-token distributions are far from uniform
     (greedy decoding has clear winners), but kept at 0.1: at 0.25 the activations grow large enough
     that fp32 rounding alone (HF's own cached decode vs its prefill) reaches 1e-5 in log-prob.
@@ -42,6 +45,10 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
                               MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               SmolLM3Config, SmolLM3ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
+    if kind == "gpt_oss":
+        from tests.helpers import save_tiny_gpt_oss
+
+        return save_tiny_gpt_oss(path, **{"vocab_size": TINY["vocab_size"], **overrides})
     torch.manual_seed(seed)
     moe = {"mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
            "qwen3_moe": dict(moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)}.get(kind, {})
@@ -102,6 +109,8 @@ def dominant_token_weights(weights: dict[str, torch.Tensor], token: int, tied: b
     for name in w:
         if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight", ".w2.weight")):
             w[name][0] = 0.0
+        if name.endswith(("self_attn.o_proj.bias", "experts.down_proj", "experts.down_proj_bias")):
+            w[name][..., 0] = 0.0  # (gpt-oss: its biases, and its fused downs [E, I, H], write dim 0 too)
     head = w["model.embed_tokens.weight"] if tied else w["lm_head.weight"]
     head[:, 0] = 1.0 if tied else 0.0
     head[token, 0] = strength
@@ -133,8 +142,9 @@ def hf_logprobs_and_routes(ids: list[int], *versions: tuple[Path, int | None]) -
     chosen, logits, cache, begin = [], [], None, 0
     for model_dir, end in versions:
         hf = _hf_model(str(model_dir))
-        hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: chosen.append(out[2]))
-                 for layer in hf.model.layers]
+        # (each router returns (logits, weights, chosen experts); gpt-oss's is `mlp.router`)
+        hooks = [getattr(layer.mlp, "router", None) or layer.mlp.gate for layer in hf.model.layers]
+        hooks = [router.register_forward_hook(lambda _m, _i, out: chosen.append(out[2])) for router in hooks]
         end = len(ids) if end is None else end
         with torch.inference_mode():
             out = hf(torch.tensor([ids[begin:end]]), cache=cache, use_cache=True)

@@ -1,5 +1,5 @@
-"""BuiltinEngine on a mixture-of-experts model (tiny Mixtral): log-probs and routes equal transformers',
-and across an in-flight update every position's routes are those of the weights that computed it."""
+"""BuiltinEngine on a mixture-of-experts model (tiny Mixtral, Qwen3-MoE, gpt-oss): log-probs and routes equal
+transformers', and across an in-flight update every position's routes are those of the weights that computed it."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,6 +9,7 @@ import torch
 from megarl.protocols import GenerationRequest, SamplingParams
 from megarl.sampler.engine import BuiltinEngine
 from megarl.sampler.model import ModelSpec, load_pretrained
+from tests.helpers import fp32_logprob_tol
 from tests.sampler import TOL, hf_logprobs_and_routes, make_tiny_model, save_version
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 4
@@ -205,3 +206,95 @@ def test_the_paged_layout_gives_the_contiguous_layouts_completions_and_routes(mi
         assert p.token_ids == c.token_ids
         assert max(abs(a - b) for a, b in zip(p.logprobs, c.logprobs)) <= TOL
         np.testing.assert_array_equal(p.routes, c.routes)
+
+
+# ------------------------------------------------------------------------------------------- gpt-oss (native forward)
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss")
+    return path, *load_pretrained(str(path))
+
+
+def _gpt_oss_tol(cfg) -> float:
+    """The fp32 bound of tests.helpers.fp32_logprob_tol at the tiny gpt-oss's own sizes (|log-prob| <= 8, checked
+    where it is used): the engine and transformers differ only in reduction order (the input and post-attention norm
+    weights folded into the stacked projections, every expert computed for every token and weighted by zero off the
+    chosen k, the sink's column appended in another order); the router's top-k is the same on such decisive routers."""
+    return fp32_logprob_tol(cfg, max_logprob=8.0)
+
+
+def test_gpt_oss_runs_natively_and_names_what_it_refuses(gpt_oss):
+    from megarl.models.layout import check_layout
+    from megarl.sampler import hf_model, model as native
+
+    _, cfg, weights = gpt_oss
+    spec = ModelSpec.from_hf_config(cfg)
+    assert hf_model.choose(cfg) is native and spec.gpt_oss and spec.layer_windows == (4, None)
+    assert (spec.num_experts, spec.top_k, spec.swiglu_limit) == (EXPERTS, TOP_K, 2.0)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in weights and "model.layers.0.self_attn.sinks" in weights
+    with pytest.raises(ValueError, match="sampler.tp = 1"):
+        spec.shard(2)
+    with pytest.raises(ValueError, match="sampler.tp=2: gpt_oss's fused experts"):
+        check_layout(cfg, sampler_tp=2)  # (before a launch)
+    with pytest.raises(ValueError, match="quantization_config"):
+        ModelSpec.from_hf_config(dict(cfg, quantization_config={"quant_method": "mxfp4"}))
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, max_new_tokens=8),
+                                      SamplingParams(temperature=1.0, max_new_tokens=10)])
+def test_gpt_oss_logprobs_and_routes_equal_transformers(gpt_oss, sampling):
+    """Six requests through four slots (continuous batching, prompts and completions past the sliding window of 4):
+    every behaviour log-prob is transformers' GptOssForCausalLM's (eager attention, fp32) within the fp32 bound, and
+    every position's routes are its router's top-k, in its order."""
+    path, cfg, weights = gpt_oss
+    tol, worst = _gpt_oss_tol(cfg), 0.0
+    completions = BuiltinEngine(cfg, weights, max_running=4, version=3).generate(requests(6, sampling))
+    assert max(len(c.prompt_ids) + len(c.token_ids) for c in completions) > 2 * 4
+    for c in completions:
+        n = len(c.prompt_ids)
+        assert c.routes.dtype == np.uint8 and c.routes.shape == (n + len(c.token_ids) - 1, LAYERS, TOP_K)
+        logp, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (path, None))
+        expected = [logp[n - 1 + i, tok].item() for i, tok in enumerate(c.token_ids)]
+        assert all(abs(e) <= 8.0 for e in expected)  # (the bound's |log-prob| <= 8 on these tokens)
+        worst = max(worst, max(abs(a - b) for a, b in zip(c.logprobs, expected)))
+        np.testing.assert_array_equal(c.routes, routes[:-1])
+        assert c.versions == [3] * len(c.token_ids)
+    assert worst <= tol, (worst, tol)
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_gpt_oss_across_an_inflight_update_equals_transformers_over_its_cache(gpt_oss, policy, tmp_path):
+    """v1 computes the prompt and the first decode inputs, v2 (routers, sinks and expert biases moved) the rest;
+    "keep": transformers continuing v1's KV cache under v2, "recompute": transformers' v2 forward over it all. Every
+    token's log-prob and every position's routes are those of the weights that computed it."""
+    path, cfg, weights = gpt_oss
+    gen = torch.Generator().manual_seed(5)
+    moved = ("router.weight", "router.bias", "sinks", "experts.down_proj_bias")
+    v2 = {k: t + 0.3 * t.std() * torch.randn(t.shape, generator=gen) if k.endswith(moved) else t.clone()
+          for k, t in weights.items()}
+    v2_dir = save_version(path, v2, tmp_path / "v2")
+    engine = BuiltinEngine(cfg, weights, max_running=4, kv_on_update=policy)
+    reqs = requests(4, SamplingParams(temperature=1.0, max_new_tokens=10), seed=1)
+    for r in reqs:
+        engine.add_request(r)
+    done = {}
+    for _ in range(3):
+        done.update((c.request_id, c) for c in engine.step())
+    engine.stage_weights(v2, 1)
+    while engine.num_unfinished:
+        done.update((c.request_id, c) for c in engine.step())
+    tol, differ = _gpt_oss_tol(cfg), 0
+    for r in reqs:
+        c = done[r.request_id]
+        n = len(c.prompt_ids)
+        assert c.versions == [0] * 4 + [1] * 6
+        ids, split = c.prompt_ids + c.token_ids, n + 3
+        v1_logp, _ = hf_logprobs_and_routes(ids, (path, None))
+        logp, expected = hf_logprobs_and_routes(ids, *([(v2_dir, None)] if policy == "recompute" else
+                                                      [(path, split), (v2_dir, None)]))
+        np.testing.assert_array_equal(c.routes, expected[:-1])
+        got = [(v1_logp if i < 4 else logp)[n - 1 + i, tok].item() for i, tok in enumerate(c.token_ids)]
+        assert max(abs(a - b) for a, b in zip(c.logprobs, got)) <= tol
+        _, all_v1 = hf_logprobs_and_routes(ids, (path, None))
+        differ += int((all_v1[:-1] != c.routes).any(axis=(1, 2)).sum())
+    assert differ > 0  # the test can tell the versions apart
