@@ -210,19 +210,27 @@ def test_micro_batches_are_padded_to_the_expert_parallel_count():
     assert filled[0]["mask"].sum() == 2  # the real row keeps its mask
 
 
-def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads(moe_dirs, world, tmp_path):
-    """megatron saves the experts stacked per layer ([E, ...]); the export unstacks them into per-expert HF names."""
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads(moe_dirs, world, tmp_path, kind):
+    """megatron saves the experts stacked per layer ([E, ...]); the export unstacks them into per-expert HF names,
+    bitwise the tensors the learner publishes, which transformers loads to the trained learner's log-probs.
+    GLM-4.5 and DeepSeek-V3 (a dense first layer: megatron's moe_layer_freq list) are saved one key per layer
+    (decoder.layers.<i>.<name>), not stacked over layers; DeepSeek-V3's latent attention's projections and norms,
+    shared expert and router expert bias come back under transformers' names."""
     from megarl.checkpoint import learner_state
     from megarl.checkpoint.export import export_hf
 
-    learner = _learner(moe_dirs["qwen3_moe"])
+    learner = _learner(moe_dirs[kind])
     ids = _ids()
-    behaviour, routes = _hf_forward(moe_dirs["qwen3_moe"], ids)
+    behaviour, routes = _hf_forward(moe_dirs[kind], ids)
     learner.train_step(_batch(ids, behaviour, routes))  # weights the HF directory does not have
-    learner_state.save(learner, tmp_path / "ckpt", step=1, keep=1, model_dir=moe_dirs["qwen3_moe"])
+    learner_state.save(learner, tmp_path / "ckpt", step=1, keep=1, model_dir=moe_dirs[kind])
     exported = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    saved = load_file(exported / "model.safetensors")
+    published = dict(learner.publish_tensors())
+    assert set(saved) == set(published) and all(torch.equal(saved[n], t) for n, t in published.items())
     ref, _ = _hf_forward(str(exported), ids)
-    assert (learner.logprobs(ids) - ref).abs().max().item() <= LEARNER_TOL
+    assert (learner.logprobs(ids) - ref).abs().max().item() <= _tol(moe_dirs[kind])
     assert (ref - behaviour).abs().max().item() > 1e-4  # the trained weights, not the initial ones
 
 
