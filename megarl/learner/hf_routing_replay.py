@@ -47,7 +47,9 @@ class HFRouteReplayer:
         mixtral, gpt_oss = hf_config["model_type"] == "mixtral", hf_config["model_type"] == "gpt_oss"
         self._renormalise = mixtral or gpt_oss or bool(hf_config.get("norm_topk_prob", False))
         self._cast = not mixtral
-        self.routers = [model.get_submodule(f"model.layers.{i}.mlp.{'router' if gpt_oss else 'gate'}")
+        # (route l is MoE layer l: decoder layer first_dense_layers + l, after DeepSeek-V3's / GLM-4.5's dense ones)
+        first = moe.first_dense_layers(hf_config)
+        self.routers = [model.get_submodule(f"model.layers.{first + i}.mlp.{'router' if gpt_oss else 'gate'}")
                         for i in range(moe.num_moe_layers(hf_config))]
         self._targets: list[torch.Tensor | None] = [None] * len(self.routers)
         self._own: list[torch.Tensor | None] = [None] * len(self.routers)
