@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from megarl.algo.config import LossConfig
 from megarl.config.schema import DeepSpeedConfig, LearnerConfig
 from megarl.learner.step import micro_batch_rows
-from tests.helpers import LEARNER_TOL, save_tiny_deepseek_v3, save_tiny_gpt_oss, save_tiny_moe
+from tests.helpers import LEARNER_TOL, save_tiny_deepseek_v3, save_tiny_glm4_moe, save_tiny_gpt_oss, save_tiny_moe
 from tests.learner.conftest import destroy_world
 from tests.learner.test_moe_learner import B, S, _batch, _hf_forward, _ids, _perturbed_router_dir
 
@@ -166,6 +166,39 @@ def test_r3_on_gpt_oss_replays_at_its_router(moe_dirs, world, tmp_path):
     for layer, seen in enumerate(calls):
         assert torch.equal(seen[-1], routes[:, :, layer].reshape(-1, routes.shape[-1]).long()), layer
     assert r3.train_step(_batch(ids, behaviour, routes))["router/agreement"] < 0.9
+
+
+def test_r3_on_deepseek_v3_replays_at_its_sigmoid_router(moe_dirs, world, tmp_path):
+    """DeepSeek-V3's router (sigmoid scores, the expert bias choosing only, renormalised and scaled by
+    routed_scaling_factor 2.5) under r3: same weights, the replayed weights are its own and the lag-0 gap is fp32
+    noise; a perturbed router hands the MoE layers' experts (after the dense first layer) exactly the recorded
+    routes, and its own choice still shows its disagreement."""
+    from tests.learner.test_moe_learner import _tol
+
+    ids = _ids()
+    model_dir = moe_dirs["deepseek_v3"]
+    behaviour, routes = _hf_forward(model_dir, ids)
+    same = _learner(model_dir, routing_replay="r3", micro_batch_size=3)
+    assert (same.logprobs(ids, routes) - behaviour).abs().max() < _tol(model_dir)
+    m = same.train_step(_batch(ids, behaviour, routes))
+    assert m["router/agreement"] == 1.0 and m["lag0/logprob_gap_abs"] < _tol(model_dir)
+    r3 = _learner(_perturbed_router_dir(model_dir, tmp_path / "perturbed"), routing_replay="r3",
+                  micro_batch_size=B, pack_sequences=False)
+    calls = {}
+    for layer, block in enumerate(r3.module.model.layers[1:], start=1):
+        block.mlp.experts.register_forward_pre_hook(lambda mod, args, layer=layer: calls.update({layer: args[1]}))
+    r3.logprobs(ids, routes)
+    assert sorted(calls) == [1, 2]
+    for layer, seen in calls.items():
+        assert torch.equal(seen, routes[:, :, layer - 1].reshape(-1, routes.shape[-1]).long()), layer
+    assert r3.train_step(_batch(ids, behaviour, routes))["router/agreement"] < 0.9
+
+
+def test_r3_on_a_router_it_does_not_replay_is_refused_naming_the_backend(world, tmp_path):
+    """GLM-4.5's router (sigmoid, its own module layout) is not replayed on this learner: r3 is refused by name
+    rather than weighting the recorded experts by another router's scores."""
+    with pytest.raises(ValueError, match="learner.backend=megatron"):
+        _learner(str(save_tiny_glm4_moe(tmp_path / "glm4_moe")), routing_replay="r3")
 
 
 def test_r3_without_routes_stops_the_step(moe_dirs, world):
