@@ -214,7 +214,10 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_CONVERT}test_deepseek_v3_round_trip_is_exact_and_maps_the_latent_attention[12]",
             f"{_CONVERT}test_deepseek_v3_round_trip_is_exact_and_maps_the_latent_attention[None]",
             f"{_MOE}test_moe_publishes_the_per_expert_hf_names[deepseek_v3]")),
-        "DeepSpeed learner": NT,
+        "DeepSpeed learner": Cell("ZeRO 1, 3 (publish and export with the router expert bias)", (
+            f"{_DS_MOE}test_deepseek_v3_logprobs_match_transformers",
+            f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[deepseek_v3-1]",
+            f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[deepseek_v3-3]")),
         "built-in engine (in-flight swaps, keep and recompute)": Cell("generic model (no routes recorded)", (
             f"{_MOE}test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish[keep]",
             f"{_MOE}test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish[recompute]",
@@ -223,7 +226,8 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             "tests/sampler/test_hf_engine.py::"
             "test_architectures_the_native_forward_lacks_run_as_transformers_runs_them[deepseek_v3]")),
         "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
-        "R3": Cell("yes (megatron)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",))}),
+        "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",
+                                                 f"{_DS_MOE}test_r3_on_deepseek_v3_replays_at_its_sigmoid_router"))}),
 ]
 
 
