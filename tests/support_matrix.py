@@ -224,6 +224,8 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             "tests/sampler/test_hf_engine.py::"
             "test_deepseek_v3_tokens_after_a_keep_swap_are_the_new_weights_over_the_old_latent_cache",
             "tests/sampler/test_hf_engine.py::"
+            "test_deepseek_v3_decode_stays_transformers_full_forward_over_a_long_continuously_batched_run",
+            "tests/sampler/test_hf_engine.py::"
             "test_architectures_the_native_forward_lacks_run_as_transformers_runs_them[deepseek_v3]")),
         "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
         "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",
