@@ -6,7 +6,8 @@ axis, ``decoder.layers.<name>``; a model whose layers differ, as megatron's ``mo
 GLM-4.5 and DeepSeek-V3 makes them, has one key per layer, ``decoder.layers.<i>.<name>``), converted to
 HF names by megarl.models.convert, and written in the dtype they were trained in (fp32 on CPU, bf16 on
 GPU) into safetensors files of at most `max_shard_bytes` (with ``model.safetensors.index.json`` when there
-is more than one), so memory holds one layer plus one output shard.  The result is what ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+is more than one), so memory holds one layer plus one output shard.  The result is what
+``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 A LoRA checkpoint (learner.lora) exports the base with the adapter merged, and the adapter alone in PEFT
 format under ``adapter/`` (adapter_config.json + adapter_model.safetensors, for peft onto the base model).
 A checkpoint with a learned critic (advantage.estimator=gae) exports it under ``critic/``: an HF directory that
