@@ -221,6 +221,17 @@ def make_learner(model_dir: Path, size: Size, critic: bool = False, pack: bool =
                            loss_cfg or LossConfig(), critic_cfg=CriticConfig(target="vtrace", lr=1e-5) if critic else None)
 
 
+def make_deepspeed_learner(model_dir: Path, size: Size):
+    """The DeepSpeed learner (ZeRO 1) on the check's one rank: transformers' own forward of the model."""
+    from megarl.algo.config import LossConfig
+    from megarl.config.schema import DeepSpeedConfig, LearnerConfig
+    from megarl.learner.deepspeed import DeepSpeedLearner
+
+    os.environ.setdefault("LOCAL_RANK", "0")  # (what DeepSpeed asks a launcher for)
+    return DeepSpeedLearner(str(model_dir), LearnerConfig(backend="deepspeed", deepspeed=DeepSpeedConfig(zero_stage=1),
+                                                          micro_batch_size=size.micro_batch, lr=1e-6), LossConfig())
+
+
 def make_engine(model_dir: Path, device, max_running: int, max_seq_len: int):
     from megarl.models.convert import load_pretrained
     from megarl.sampler.engine import BuiltinEngine
@@ -813,6 +824,9 @@ FAMILY_CHECKS = {
 # A family's own layer dimensions at the full size (the vocabulary stays the check's); the dry run keeps TINY's.
 FAMILY_SHAPES = {"gemma3": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
                                 num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256)}
+# Families whose DeepSpeed learner is checked too: its log-probs against HF's, and that it publishes the routers'
+# expert bias (a buffer in transformers, which the engines' routers read).
+DEEPSPEED_FAMILIES = {"deepseek_v3"}
 # Families the built-in engine does not run yet (its generic model takes transformers' fused in-memory expert names,
 # the weights come per expert): their learner's log-probs are checked against HF's on random completions.
 LEARNER_ONLY_FAMILIES = {"glm4_moe"}
@@ -860,14 +874,16 @@ def check_families(args, size: Size) -> dict:
     for name in FAMILY_CHECKS:
         model_dir = build_family_model(Path(args.workdir) / f"family_{name}", name, size, args.device)
         out[name] = logprob_parity(args, size, model_dir, size.model["vocab_size"],
-                                   run_engine=name not in LEARNER_ONLY_FAMILIES)
+                                   run_engine=name not in LEARNER_ONLY_FAMILIES,
+                                   deepspeed=name in DEEPSPEED_FAMILIES)
         shutil.rmtree(model_dir)  # (a 0.5B model's disk and page cache, not kept for the next family)
     return out
 
 
-def logprob_parity(args, size: Size, model_dir: Path, vocab: int, run_engine: bool = True) -> dict:
+def logprob_parity(args, size: Size, model_dir: Path, vocab: int, run_engine: bool = True,
+                   deepspeed: bool = False) -> dict:
     """The engine's behaviour log-probs, the megatron learner's and an fp32 HF forward's of the same tokens (
-    run_engine False: the learner's and HF's, on random completions)."""
+    run_engine False: the learner's and HF's, on random completions; deepspeed: the DeepSpeed learner's too)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -917,6 +933,13 @@ def logprob_parity(args, size: Size, model_dir: Path, vocab: int, run_engine: bo
         return {"max_abs": round(float(d.max()), 4), "mean_abs": round(float(d.mean()), 5)}
 
     out = {"tokens": int(mask.sum()), "backend": args.backend, "learner_vs_hf_fp32": gap(ours, ref)}
+    if deepspeed:
+        learner = make_deepspeed_learner(model_dir, size)
+        out["deepspeed_learner_vs_hf_fp32"] = gap(learner.logprobs(ids), ref)
+        biases = [n for n, _, _ in learner.publish_spec() if n.endswith("e_score_correction_bias")]
+        del learner
+        if not biases:
+            raise RuntimeError(f"the DeepSpeed learner publishes no router expert bias: {out}")
     if engine_error:
         raise RuntimeError(f"the engine failed ({engine_error}); learner vs HF alone: {out}")
     if not run_engine:

@@ -176,8 +176,9 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "R3": Cell("yes (DeepSpeed)", (f"{_DS_MOE}test_r3_on_qwen3_moe_unnormalised_routing_is_exact",))}),
     ("GLM-4.5 (`glm4_moe`: partial RoPE, q/k/v bias and q/k norm from its config, shared expert, sigmoid router "
      "with expert bias, group-limited top-k and scaling, first dense layers)", "glm4_moe", {
-        "megatron learner": Cell("TP1; TP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
+        "megatron learner": Cell("TP1; TP2, DP2 x EP2, TP2 x EP2 equal to TP1; HF export", (
             f"{_MOE}test_moe_logprobs_match_transformers[glm4_moe]",
+            f"{_MOE}test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads[glm4_moe]",
             f"{_MOE}test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank",
             f"{_CONVERT}test_moe_round_trip_keeps_every_per_expert_tensor[glm4_moe]",
             f"{_MOE}test_moe_publishes_the_per_expert_hf_names[glm4_moe]")),
@@ -208,23 +209,34 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_MOE}test_r3_learner_runs_the_engines_routes_across_an_inflight_update[gpt_oss]"))}),
     ("DeepSeek-V3 (`deepseek_v3`, Kimi-K2's architecture: multi-latent attention with or without a q latent, "
      "interleaved YaRN RoPE with its mscale, GLM-4.5's MoE)", "deepseek_v3", {
-        "megatron learner": Cell("TP1 (packed rows with shared prefixes too); TP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
+        "megatron learner": Cell("TP1 (packed rows with shared prefixes too); TP2, PP2, DP2 x EP2, TP2 x EP2 equal to "
+                                 "TP1; HF export", (
             f"{_MOE}test_moe_logprobs_match_transformers[deepseek_v3]",
             f"{_PACKED}[megatron-deepseek_v3 groups]",
             f"{_MOE}test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank",
+            f"{_MOE}test_deepseek_v3_under_pipeline_parallelism_matches_one_stage",
+            f"{_MOE}test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads[deepseek_v3]",
             f"{_MOE}test_moe_logprobs_match_transformers[deepseek_v3_q_full]",
             f"{_MOE}test_sdpa_attention_takes_mla_split_head_dims_as_transformers_eager_attention",
             f"{_CONVERT}test_deepseek_v3_round_trip_is_exact_and_maps_the_latent_attention[12]",
             f"{_CONVERT}test_deepseek_v3_round_trip_is_exact_and_maps_the_latent_attention[None]",
             f"{_MOE}test_moe_publishes_the_per_expert_hf_names[deepseek_v3]")),
-        "DeepSpeed learner": NT,
+        "DeepSpeed learner": Cell("ZeRO 1, 3 (publish and export with the router expert bias)", (
+            f"{_DS_MOE}test_deepseek_v3_logprobs_match_transformers",
+            f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[deepseek_v3-1]",
+            f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[deepseek_v3-3]")),
         "built-in engine (in-flight swaps, keep and recompute)": Cell("generic model (no routes recorded)", (
             f"{_MOE}test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish[keep]",
             f"{_MOE}test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish[recompute]",
             "tests/sampler/test_hf_engine.py::"
+            "test_deepseek_v3_tokens_after_a_keep_swap_are_the_new_weights_over_the_old_latent_cache",
+            "tests/sampler/test_hf_engine.py::"
+            "test_deepseek_v3_decode_stays_transformers_full_forward_over_a_long_continuously_batched_run",
+            "tests/sampler/test_hf_engine.py::"
             "test_architectures_the_native_forward_lacks_run_as_transformers_runs_them[deepseek_v3]")),
         "vLLM": NT, "SGLang (megarl's stand-in)": NT, "LoRA": NT,
-        "R3": Cell("yes (megatron)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",))}),
+        "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",
+                                                 f"{_DS_MOE}test_r3_on_deepseek_v3_replays_at_its_sigmoid_router"))}),
 ]
 
 

@@ -1,11 +1,13 @@
 """Export a checkpoint as an HF-format model directory (config.json, safetensors, tokenizer files).
 
 Reads the checkpoint's files directly: no process group, no megatron model, whatever layout wrote
-it.  Tensors are read one decoder layer at a time (each megatron key stacks all layers along its
-first axis), converted to HF names by megarl.models.convert, and written in the dtype they were
-trained in (fp32 on CPU, bf16 on GPU) into safetensors files of at most `max_shard_bytes` (with
-``model.safetensors.index.json`` when there is more than one), so memory holds one layer plus one
-output shard.  The result is what ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+it.  Tensors are read one decoder layer at a time (a megatron key stacks all layers along its first
+axis, ``decoder.layers.<name>``; a model whose layers differ, as megatron's ``moe_layer_freq`` list of
+GLM-4.5 and DeepSeek-V3 makes them, has one key per layer, ``decoder.layers.<i>.<name>``), converted to
+HF names by megarl.models.convert, and written in the dtype they were trained in (fp32 on CPU, bf16 on
+GPU) into safetensors files of at most `max_shard_bytes` (with ``model.safetensors.index.json`` when there
+is more than one), so memory holds one layer plus one output shard.  The result is what
+``transformers.AutoModelForCausalLM.from_pretrained`` loads.
 A LoRA checkpoint (learner.lora) exports the base with the adapter merged, and the adapter alone in PEFT
 format under ``adapter/`` (adapter_config.json + adapter_model.safetensors, for peft onto the base model).
 A checkpoint with a learned critic (advantage.estimator=gae) exports it under ``critic/``: an HF directory that
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -32,6 +35,28 @@ ADAPTER_DIR = "adapter"  # a LoRA checkpoint's export: the PEFT adapter director
 # sharded_state_dict_keys_map), so local- and TE-spec checkpoints are interchangeable.
 _SAVED_AS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+_NUMBERED = re.compile(r"(\d+)\.(.+)")  # a per-layer key under LAYER_PREFIX: "<global layer>.<name>"
+
+
+def layer_key_names(keys) -> tuple[dict[str, str], dict[int, dict[str, str]]]:
+    """The decoder layers' checkpoint keys by their names relative to a layer: (stacked: name -> key whose first
+    axis is the layer, numbered: layer -> name -> key of that layer's whole tensor). megatron writes a layer's
+    tensors under its global index when the layers are not all alike (TransformerBlock.sharded_state_dict's
+    non_homogeneous_layers: a moe_layer_freq list, as the sigmoid-routed MoE families' first dense layers take, or
+    a hybrid's two kinds of layer)."""
+    stacked: dict[str, str] = {}
+    numbered: dict[int, dict[str, str]] = {}
+    for key in keys:
+        if not key.startswith(LAYER_PREFIX):
+            continue
+        match = _NUMBERED.fullmatch(key[len(LAYER_PREFIX):])
+        if match is None:
+            stacked[key[len(LAYER_PREFIX):]] = key
+        else:
+            numbered.setdefault(int(match.group(1)), {})[match.group(2)] = key
+    return stacked, numbered
 
 
 def _model_keys(metadata) -> dict[str, torch.Size]:
@@ -101,13 +126,7 @@ def hf_tensors(checkpoint: str | Path, adapter_only: bool = False) -> Iterator[t
     metadata = read_dcp_metadata(checkpoint / ".metadata")
     keys = _model_keys(metadata)
     dtype = metadata.state_dict_metadata["embedding.word_embeddings.weight"].properties.dtype
-    layer_keys = {k[len(LAYER_PREFIX):]: k for k in keys if k.startswith(LAYER_PREFIX)}
-    # A model whose layers differ (Qwen3.5's gated-DeltaNet and full-attention layers) is saved by megatron one layer
-    # at a time, `decoder.layers.{i}.name`, rather than stacked along a layer axis.
-    own_layer: dict[int, dict[str, str]] = {}
-    for name in [n for n in layer_keys if n.split(".", 1)[0].isdigit()]:
-        index, rest = name.split(".", 1)
-        own_layer.setdefault(int(index), {})[rest] = layer_keys.pop(name)
+    stacked, numbered = layer_key_names(keys)
     whole = {k for k in keys if not k.startswith(LAYER_PREFIX)}
     expected = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
     if not hf_config.get("tie_word_embeddings", False):
@@ -118,16 +137,22 @@ def hf_tensors(checkpoint: str | Path, adapter_only: bool = False) -> Iterator[t
     def read(key, layer=None):
         return _read(checkpoint, key, keys[key], dtype, layer)
 
+    def layer_tensors(i: int, lora_only: bool = False) -> dict[str, torch.Tensor]:
+        """Layer i's tensors under megatron's names relative to the layer (a LoRA adapter's alone: lora_only)."""
+        out = {name: read(key, layer=i) for name, key in stacked.items() if not lora_only or ".lora." in name}
+        out.update({name: read(key) for name, key in numbered.get(i, {}).items()
+                    if not lora_only or ".lora." in name})
+        return out
+
     if adapter_only:
         for i in range(hf_config["num_hidden_layers"]):
-            layer = {name: read(key, layer=i) for name, key in layer_keys.items() if ".lora." in name}
+            layer = layer_tensors(i, lora_only=True)
             yield from lora_layers.hf_adapter(lora_layers.checkpoint_adapters(layer), i, hf_config,
                                               lora["target_modules"]).items()
         return
     yield "model.embed_tokens.weight", read("embedding.word_embeddings.weight")
     for i in range(hf_config["num_hidden_layers"]):
-        layer = {_SAVED_AS.get(name, name): read(key, layer=i) for name, key in layer_keys.items()}
-        layer.update((_SAVED_AS.get(name, name), read(key)) for name, key in own_layer.get(i, {}).items())
+        layer = {_SAVED_AS.get(name, name): t for name, t in layer_tensors(i).items()}
         layer = gated_delta_net.join_checkpoint_parts(layer)  # (its fused tensors are saved in parts)
         if lora is not None:
             layer = lora_layers.merge_layer(layer, lora["alpha"] / lora["rank"])

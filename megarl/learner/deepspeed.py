@@ -412,21 +412,34 @@ class DeepSpeedLearner:
                            ) -> Iterator[tuple[str, torch.Tensor]]:
         """publish_tensors before an MoE model's fused experts are split into save_pretrained's names (or the
         tensors of other `named` parameters)."""
+        buffers = self._published_buffers() if named is None else []
         named = self._published_parameters() if named is None else named
         if self.zero_stage < 3:
             for name, param in named:
                 yield name, param.detach().to(device="cpu", dtype=torch.float32)
-            return
-        for bucket, flat in self.publish_buckets(named):
-            for slot in bucket.slots:
-                yield slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        else:
+            for bucket, flat in self.publish_buckets(named):
+                for slot in bucket.slots:
+                    yield slot.name, flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        for name, buffer in buffers:
+            yield name, buffer.detach().to(device="cpu", dtype=torch.float32)
+
+    def _published_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The buffers a version carries besides its parameters: a sigmoid-routed MoE's router expert bias
+        (DeepSeek-V3's, GLM-4.5's ``e_score_correction_bias``, a buffer in transformers, saved with the weights and
+        read by the engines' routers; never trained, whole on every rank at every ZeRO stage); none under
+        learner.lora (the samplers hold the base)."""
+        if self.lora is not None or not self.is_moe:
+            return []
+        return [(name, b) for name, b in self.module.named_buffers() if name.endswith(moe.EXPERT_BIAS[0])]
 
     def publish_spec(self, shards: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """What publish_tensors yields (TP = 1: shards are the same); ZeRO-3 parameters' full shapes."""
         return [(hf_name, tuple(t.shape), torch.float32)
                 for name, p in self._published_parameters()
                 for hf_name, t in _hf_tensors(self.hf_config, name, torch.empty(
-                    tuple(getattr(p, "ds_shape", p.shape)), device="meta"))]
+                    tuple(getattr(p, "ds_shape", p.shape)), device="meta"))] + [
+            (name, tuple(b.shape), torch.float32) for name, b in self._published_buffers()]
 
     def publish_buckets(self, named: list[tuple[str, torch.nn.Parameter]] | None = None
                         ) -> Iterator[tuple[Bucket, torch.Tensor]]:

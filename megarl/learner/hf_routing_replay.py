@@ -1,7 +1,9 @@
 """Rollout routing replay (R3) in the DeepSpeed learner: the recorded routes forced at a transformers MoE router.
 
 Owns what happens at each router of a transformers 5.x MoE model (Mixtral, Qwen3-MoE: ``model.layers[i].mlp.gate``,
-``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``; gpt-oss: ``mlp.router``, ``GptOssTopKRouter``) for each micro-batch.
+``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``; gpt-oss: ``mlp.router``, ``GptOssTopKRouter``; DeepSeek-V3:
+``mlp.gate``, ``DeepseekV3TopkRouter``, sigmoid scores, in the layers after its dense first ones) for each
+micro-batch.
 Such a router returns
 ``(router_logits, top-k scores, top-k indices)`` and its sparse block sends each token to the indices, weighted by
 the scores. A forward hook on the router replaces that output: with ``algo.routing_replay=r3`` the indices are the
@@ -36,6 +38,18 @@ def replayed_scores(router_logits: torch.Tensor, indices: torch.Tensor, renormal
     return probs.to(dtype)
 
 
+def replayed_sigmoid_scores(router_logits: torch.Tensor, indices: torch.Tensor, renormalise: bool,
+                            scaling: float) -> torch.Tensor:
+    """[T, k] routing weights of `indices` as DeepSeek-V3's router (DeepseekV3TopkRouter) computes them for its own
+    top-k (pure): the sigmoid of the fp32 logits gathered at the indices (the expert bias only chooses, it does
+    not weigh), over their sum + 1e-20 when the router renormalises (norm_topk_prob), times
+    routed_scaling_factor; fp32, as its own."""
+    scores = router_logits.float().sigmoid().gather(-1, indices)
+    if renormalise:
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    return scores * scaling
+
+
 class HFRouteReplayer:
     """The routers of one transformers MoE model, fed before each micro-batch's forward."""
 
@@ -47,7 +61,15 @@ class HFRouteReplayer:
         mixtral, gpt_oss = hf_config["model_type"] == "mixtral", hf_config["model_type"] == "gpt_oss"
         self._renormalise = mixtral or gpt_oss or bool(hf_config.get("norm_topk_prob", False))
         self._cast = not mixtral
-        self.routers = [model.get_submodule(f"model.layers.{i}.mlp.{'router' if gpt_oss else 'gate'}")
+        # DeepSeek-V3's router: sigmoid scores, renormalised (norm_topk_prob) and scaled
+        self._sigmoid = hf_config["model_type"] == "deepseek_v3"
+        self._scaling = float(hf_config.get("routed_scaling_factor") or 1.0)
+        if replay and hf_config["model_type"] in moe.SIGMOID_ROUTED and not self._sigmoid:
+            raise ValueError(f"algo.routing_replay=r3 on the DeepSpeed learner: {hf_config['model_type']!r}'s "
+                             f"router is not replayed here; set learner.backend=megatron (docs/models.md)")
+        # (route l is MoE layer l: decoder layer first_dense_layers + l, after DeepSeek-V3's / GLM-4.5's dense ones)
+        first = moe.first_dense_layers(hf_config)
+        self.routers = [model.get_submodule(f"model.layers.{first + i}.mlp.{'router' if gpt_oss else 'gate'}")
                         for i in range(moe.num_moe_layers(hf_config))]
         self._targets: list[torch.Tensor | None] = [None] * len(self.routers)
         self._own: list[torch.Tensor | None] = [None] * len(self.routers)
@@ -68,6 +90,8 @@ class HFRouteReplayer:
                 raise RuntimeError(f"algo.routing_replay=r3: layer {layer}'s router saw {tuple(own.shape)} token "
                                    f"routes, the micro-batch's recorded ones are {tuple(target.shape)}")
             target = target.to(own.device)
+            if self._sigmoid:
+                return logits, replayed_sigmoid_scores(logits, target, self._renormalise, self._scaling), target
             return logits, replayed_scores(logits, target, self._renormalise,
                                            logits.dtype if self._cast else scores.dtype), target
         return hook

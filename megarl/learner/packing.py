@@ -208,8 +208,9 @@ def token_logprobs(logits: torch.Tensor, mb: dict[str, torch.Tensor], temperatur
 
 def unpack(packed: torch.Tensor, unpack_index: torch.Tensor) -> torch.Tensor:
     """[R, W, ...] outputs of the packed rows -> [B, S, ...] in the micro-batch's own layout (a gather: its
-    backward adds each row position's gradient to the packed position it came from)."""
-    flat = packed.reshape(-1, *packed.shape[2:])
+    backward adds each row position's gradient to the packed position it came from; `...` may hold no element:
+    a pipeline stage without MoE layers unpacks its [R, W, 0, k] router choices)."""
+    flat = packed.flatten(0, 1)
     return flat[unpack_index.reshape(-1)].reshape(*unpack_index.shape, *packed.shape[2:])
 
 

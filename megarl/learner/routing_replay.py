@@ -59,6 +59,7 @@ class RouteReplayer:
         self.layer_offset, self.replay = layer_offset, replay
         self.seq_group = seq_group  # the TP group under sequence parallelism (None: every rank sees every position)
         self.routers = [layer.mlp.router for layer in gpt.decoder.layers if hasattr(layer.mlp, "router")]
+        self.top_k = int(gpt.config.moe_router_topk)
         for router in self.routers:
             if router.router_replay is not None:  # built by megatron: taken out of its process-wide list
                 base.global_router_replay_instances.remove(router.router_replay)
@@ -90,10 +91,14 @@ class RouteReplayer:
 
     def own_choice(self) -> torch.Tensor | None:
         """[B, S, L_stage, k] the top-k each of this stage's routers computed itself in the last forward (under
-        sequence parallelism gathered from every TP rank's positions: collective over the TP group)."""
-        if not self.routers or self._shape is None:
+        sequence parallelism gathered from every TP rank's positions: collective over the TP group); None before
+        any forward. A stage without MoE layers (a pipeline stage of only DeepSeek-V3's or GLM-4.5's first dense
+        layers) made no choice: [B, S, 0, k], which counts no routing decision in the stages' sum."""
+        if self._shape is None:
             return None
         b, s = self._shape
+        if not self.routers:
+            return torch.empty((b, s, 0, self.top_k), dtype=torch.long)
         local = self._positions(s)
         own = torch.stack([r.router_replay.get_recorded_indices().reshape(local.stop - local.start, b, -1)
                            for r in self.routers], dim=2)  # [S (this rank's), B, L_stage, k]

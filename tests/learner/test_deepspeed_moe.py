@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from megarl.algo.config import LossConfig
 from megarl.config.schema import DeepSpeedConfig, LearnerConfig
 from megarl.learner.step import micro_batch_rows
-from tests.helpers import LEARNER_TOL, save_tiny_gpt_oss, save_tiny_moe
+from tests.helpers import LEARNER_TOL, save_tiny_deepseek_v3, save_tiny_glm4_moe, save_tiny_gpt_oss, save_tiny_moe
 from tests.learner.conftest import destroy_world
 from tests.learner.test_moe_learner import B, S, _batch, _hf_forward, _ids, _perturbed_router_dir
 
@@ -41,7 +41,8 @@ def moe_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds_moe")
     return {"mixtral": str(save_tiny_moe(root / "mixtral", "mixtral")),
             "qwen3_moe": str(save_tiny_moe(root / "qwen3_moe", "qwen3_moe")),
-            "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss"))}
+            "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss")),
+            "deepseek_v3": str(save_tiny_deepseek_v3(root / "deepseek_v3"))}
 
 
 def _learner(model_dir, routing_replay="off", zero_stage=1, loss_cfg=None, **cfg):
@@ -63,11 +64,13 @@ def _expert_calls(learner):
     return calls
 
 
-@pytest.mark.parametrize("kind,zero_stage", [("mixtral", 1), ("qwen3_moe", 3)])
+@pytest.mark.parametrize("kind,zero_stage", [("mixtral", 1), ("qwen3_moe", 3), ("deepseek_v3", 1),
+                                             ("deepseek_v3", 3)])
 def test_moe_publishes_and_exports_the_save_pretrained_state(moe_dirs, world, kind, zero_stage, tmp_path):
     """transformers fuses the experts in memory; what samplers receive and what a checkpoint exports is
     save_pretrained's per-expert state, in the order, shapes and dtypes publish_spec announces (ZeRO-3: gathered
-    per bucket)."""
+    per bucket); DeepSeek-V3's router expert bias (a buffer: no parameter) among it, which the engines' routers
+    read."""
     from megarl.learner.deepspeed import checkpoint_hf_tensors
 
     learner = _learner(moe_dirs[kind], zero_stage=zero_stage)
@@ -79,6 +82,17 @@ def test_moe_publishes_and_exports_the_save_pretrained_state(moe_dirs, world, ki
     assert set(published) == set(saved) == set(exported)
     for name, tensor in saved.items():
         assert torch.equal(published[name], tensor) and torch.equal(exported[name], tensor), name
+
+
+def test_deepseek_v3_logprobs_match_transformers(moe_dirs, world):
+    """DeepSeek-V3 on the DeepSpeed learner: its routers are those of the MoE layers after the dense first one (the
+    route replayer's, built for every MoE model), and its log-probs are transformers' own to the fp32 bound."""
+    from tests.learner.test_moe_learner import _tol
+
+    learner = _learner(moe_dirs["deepseek_v3"])
+    ids = _ids()
+    ref, _ = _hf_forward(moe_dirs["deepseek_v3"], ids)
+    assert (learner.logprobs(ids) - ref).abs().max().item() <= _tol(moe_dirs["deepseek_v3"])
 
 
 def test_r3_forces_the_recorded_routes_in_every_pass(moe_dirs, world, tmp_path):
@@ -152,6 +166,39 @@ def test_r3_on_gpt_oss_replays_at_its_router(moe_dirs, world, tmp_path):
     for layer, seen in enumerate(calls):
         assert torch.equal(seen[-1], routes[:, :, layer].reshape(-1, routes.shape[-1]).long()), layer
     assert r3.train_step(_batch(ids, behaviour, routes))["router/agreement"] < 0.9
+
+
+def test_r3_on_deepseek_v3_replays_at_its_sigmoid_router(moe_dirs, world, tmp_path):
+    """DeepSeek-V3's router (sigmoid scores, the expert bias choosing only, renormalised and scaled by
+    routed_scaling_factor 2.5) under r3: same weights, the replayed weights are its own and the lag-0 gap is fp32
+    noise; a perturbed router hands the MoE layers' experts (after the dense first layer) exactly the recorded
+    routes, and its own choice still shows its disagreement."""
+    from tests.learner.test_moe_learner import _tol
+
+    ids = _ids()
+    model_dir = moe_dirs["deepseek_v3"]
+    behaviour, routes = _hf_forward(model_dir, ids)
+    same = _learner(model_dir, routing_replay="r3", micro_batch_size=3)
+    assert (same.logprobs(ids, routes) - behaviour).abs().max() < _tol(model_dir)
+    m = same.train_step(_batch(ids, behaviour, routes))
+    assert m["router/agreement"] == 1.0 and m["lag0/logprob_gap_abs"] < _tol(model_dir)
+    r3 = _learner(_perturbed_router_dir(model_dir, tmp_path / "perturbed"), routing_replay="r3",
+                  micro_batch_size=B, pack_sequences=False)
+    calls = {}
+    for layer, block in enumerate(r3.module.model.layers[1:], start=1):
+        block.mlp.experts.register_forward_pre_hook(lambda mod, args, layer=layer: calls.update({layer: args[1]}))
+    r3.logprobs(ids, routes)
+    assert sorted(calls) == [1, 2]
+    for layer, seen in calls.items():
+        assert torch.equal(seen, routes[:, :, layer - 1].reshape(-1, routes.shape[-1]).long()), layer
+    assert r3.train_step(_batch(ids, behaviour, routes))["router/agreement"] < 0.9
+
+
+def test_r3_on_a_router_it_does_not_replay_is_refused_naming_the_backend(world, tmp_path):
+    """GLM-4.5's router (sigmoid, its own module layout) is not replayed on this learner: r3 is refused by name
+    rather than weighting the recorded experts by another router's scores."""
+    with pytest.raises(ValueError, match="learner.backend=megatron"):
+        _learner(str(save_tiny_glm4_moe(tmp_path / "glm4_moe")), routing_replay="r3")
 
 
 def test_r3_without_routes_stops_the_step(moe_dirs, world):

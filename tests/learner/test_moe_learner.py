@@ -27,7 +27,9 @@ def moe_dirs(tmp_path_factory):
             "glm4_moe": str(save_tiny_glm4_moe(root / "glm4_moe")),
             "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss")),
             "deepseek_v3": str(save_tiny_deepseek_v3(root / "deepseek_v3")),
-            "deepseek_v3_q_full": str(save_tiny_deepseek_v3(root / "deepseek_v3_q_full", q_lora_rank=None))}
+            "deepseek_v3_q_full": str(save_tiny_deepseek_v3(root / "deepseek_v3_q_full", q_lora_rank=None)),
+            # (two layers, the dense one and an MoE one: one per stage at PP2)
+            "deepseek_v3_2l": str(save_tiny_deepseek_v3(root / "deepseek_v3_2l", num_hidden_layers=2))}
 
 
 def _learner(model_dir, routing_replay="off", loss_cfg=None, **cfg):
@@ -210,19 +212,27 @@ def test_micro_batches_are_padded_to_the_expert_parallel_count():
     assert filled[0]["mask"].sum() == 2  # the real row keeps its mask
 
 
-def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads(moe_dirs, world, tmp_path):
-    """megatron saves the experts stacked per layer ([E, ...]); the export unstacks them into per-expert HF names."""
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads(moe_dirs, world, tmp_path, kind):
+    """megatron saves the experts stacked per layer ([E, ...]); the export unstacks them into per-expert HF names,
+    bitwise the tensors the learner publishes, which transformers loads to the trained learner's log-probs.
+    GLM-4.5 and DeepSeek-V3 (a dense first layer: megatron's moe_layer_freq list) are saved one key per layer
+    (decoder.layers.<i>.<name>), not stacked over layers; DeepSeek-V3's latent attention's projections and norms,
+    shared expert and router expert bias come back under transformers' names."""
     from megarl.checkpoint import learner_state
     from megarl.checkpoint.export import export_hf
 
-    learner = _learner(moe_dirs["qwen3_moe"])
+    learner = _learner(moe_dirs[kind])
     ids = _ids()
-    behaviour, routes = _hf_forward(moe_dirs["qwen3_moe"], ids)
+    behaviour, routes = _hf_forward(moe_dirs[kind], ids)
     learner.train_step(_batch(ids, behaviour, routes))  # weights the HF directory does not have
-    learner_state.save(learner, tmp_path / "ckpt", step=1, keep=1, model_dir=moe_dirs["qwen3_moe"])
+    learner_state.save(learner, tmp_path / "ckpt", step=1, keep=1, model_dir=moe_dirs[kind])
     exported = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    saved = load_file(exported / "model.safetensors")
+    published = dict(learner.publish_tensors())
+    assert set(saved) == set(published) and all(torch.equal(saved[n], t) for n, t in published.items())
     ref, _ = _hf_forward(str(exported), ids)
-    assert (learner.logprobs(ids) - ref).abs().max().item() <= LEARNER_TOL
+    assert (learner.logprobs(ids) - ref).abs().max().item() <= _tol(moe_dirs[kind])
     assert (ref - behaviour).abs().max().item() > 1e-4  # the trained weights, not the initial ones
 
 
@@ -370,6 +380,7 @@ MOE_LAYOUTS = {
     "deepseek_v3": {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4},
                     "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4},
                     "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4}},
+    "deepseek_v3_2l": {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4}},
     "gpt_oss": {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
                 "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
                 "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
@@ -440,6 +451,15 @@ def test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank(moe_la
     1e-4: an expert weight whose gradient is near Adam's eps, 1e-8, moves by lr * g / (|g| + eps), where g carries
     fp32 noise of a percent; at the default 1e-3 that is 1e-5 apart between layouts, the comparison's bound.)"""
     _matches_one_rank(moe_layout_runs, "deepseek_v3", lr=1e-4)
+
+
+@pytest.mark.timeout(1200)  # (see the GLM-4.5 test above)
+def test_deepseek_v3_under_pipeline_parallelism_matches_one_stage(moe_layout_runs):
+    """DeepSeek-V3 at PP2 (its dense first layer on the first stage, its MoE layer on the second: each stage builds
+    its own layers' MLP by their global index in moe_layer_freq; the latent attention on both; the untied lm_head on
+    the last): the one-stage learner's log-probs, loss, grad norm, router agreement and, after one step, both
+    stages' published weights together (lr 1e-4 as above)."""
+    _matches_one_rank(moe_layout_runs, "deepseek_v3_2l", lr=1e-4)
 
 
 def _matches_one_rank(runs: "MoeLayoutRuns", kind: str, **learner) -> None:
