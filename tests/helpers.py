@@ -22,6 +22,14 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 12
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
+def forked_ranks(nproc: int, script: str | Path, *args: str, timeout_s: float) -> list[str]:
+    """The command that runs `script`'s `nproc` ranks as torchrun would, each a fork of one process that imported
+    torch and megatron-core once (tests/forked_ranks.py): for worker scripts whose tests check what the ranks compute,
+    not the launch."""
+    return [sys.executable, str(REPO / "tests" / "forked_ranks.py"), str(nproc), str(timeout_s), str(script),
+            *map(str, args)]
+
+
 def run_python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
