@@ -1,8 +1,8 @@
-"""A torchrun stand-in for the tests' worker scripts: every rank a fork of this one process, which imported torch,
-megatron-core and megarl's learner once (a torchrun launch starts an agent and imports them again in each rank:
-~5 CPU-s a rank).
+"""A torchrun stand-in for the tests' worker scripts: every rank a fork of this one process, which imported torch
+(WARM=torch) or torch, megatron-core and megarl's learner (WARM=megatron) once: a torchrun launch starts an agent and
+imports them again in each rank (~2 CPU-s a rank for torch, ~5 with megatron-core).
 
-    python tests/forked_ranks.py NPROC TIMEOUT_S SCRIPT [ARGS ...]
+    python tests/forked_ranks.py NPROC TIMEOUT_S WARM SCRIPT [ARGS ...]
 
 Each rank runs SCRIPT as `__main__` with torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 MASTER_ADDR/MASTER_PORT of a store this process hosts as torchrun's agent does (TORCHELASTIC_USE_AGENT_STORE), so
@@ -51,8 +51,11 @@ def run_rank(rank: int, nproc: int, port: int, script: str, args: list[str]) -> 
 
 
 def main() -> None:
-    nproc, timeout_s, script, args = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4:]
-    import_backend("megatron")  # megatron-core, megarl.learner.megatron and torch._dynamo: what a learner rank imports
+    nproc, timeout_s, warm, script, args = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
+    if warm == "megatron":
+        import_backend("megatron")  # megatron-core, megarl.learner.megatron and torch._dynamo: a learner rank's imports
+    elif warm != "torch":
+        sys.exit(f"forked_ranks: WARM is megatron or torch, not {warm!r}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     port = free_port()
     sys.stdout.flush()

@@ -22,12 +22,20 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 12
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
-def forked_ranks(nproc: int, script: str | Path, *args: str, timeout_s: float) -> list[str]:
+def forked_ranks(nproc: int, script: str | Path, *args: str, timeout_s: float, warm: str = "megatron") -> list[str]:
     """The command that runs `script`'s `nproc` ranks as torchrun would, each a fork of one process that imported
-    torch and megatron-core once (tests/forked_ranks.py): for worker scripts whose tests check what the ranks compute,
-    not the launch."""
-    return [sys.executable, str(REPO / "tests" / "forked_ranks.py"), str(nproc), str(timeout_s), str(script),
+    torch (warm="torch") or torch and megatron-core (warm="megatron") once (tests/forked_ranks.py): for worker scripts
+    whose tests check what the ranks compute, not the launch."""
+    return [sys.executable, str(REPO / "tests" / "forked_ranks.py"), str(nproc), str(timeout_s), warm, str(script),
             *map(str, args)]
+
+
+def run_forked_ranks(script: str | Path, nproc: int, *args: str, timeout: float = 120,
+                     warm: str = "megatron") -> subprocess.CompletedProcess:
+    """run_torchrun's launch with forked ranks (forked_ranks): output captured, failing loudly on timeout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(forked_ranks(nproc, script, *args, timeout_s=timeout - 10, warm=warm), capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=REPO)
 
 
 def run_python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
