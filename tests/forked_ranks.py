@@ -1,6 +1,6 @@
 """A torchrun stand-in for the tests' worker scripts: every rank a fork of this one process, which imported torch
-(WARM=torch) or torch, megatron-core and megarl's learner (WARM=megatron) once: a torchrun launch starts an agent and
-imports them again in each rank (~2 CPU-s a rank for torch, ~5 with megatron-core).
+(WARM=torch), or torch and a learner backend's framework (WARM=megatron, deepspeed) once: a torchrun launch starts an
+agent and imports them again in each rank (~2 CPU-s a rank for torch, ~5 with megatron-core).
 
     python tests/forked_ranks.py NPROC TIMEOUT_S WARM SCRIPT [ARGS ...]
 
@@ -52,10 +52,10 @@ def run_rank(rank: int, nproc: int, port: int, script: str, args: list[str]) -> 
 
 def main() -> None:
     nproc, timeout_s, warm, script, args = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
-    if warm == "megatron":
-        import_backend("megatron")  # megatron-core, megarl.learner.megatron and torch._dynamo: a learner rank's imports
+    if warm in ("megatron", "deepspeed"):
+        import_backend(warm)  # what a learner rank of that backend imports before it builds (torch._dynamo too)
     elif warm != "torch":
-        sys.exit(f"forked_ranks: WARM is megatron or torch, not {warm!r}")
+        sys.exit(f"forked_ranks: WARM is megatron, deepspeed or torch, not {warm!r}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     port = free_port()
     sys.stdout.flush()

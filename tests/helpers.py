@@ -24,8 +24,8 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 12
 
 def forked_ranks(nproc: int, script: str | Path, *args: str, timeout_s: float, warm: str = "megatron") -> list[str]:
     """The command that runs `script`'s `nproc` ranks as torchrun would, each a fork of one process that imported
-    torch (warm="torch") or torch and megatron-core (warm="megatron") once (tests/forked_ranks.py): for worker scripts
-    whose tests check what the ranks compute, not the launch."""
+    torch (warm="torch") or torch and a learner backend's framework (warm="megatron", "deepspeed") once
+    (tests/forked_ranks.py): for worker scripts whose tests check what the ranks compute, not the launch."""
     return [sys.executable, str(REPO / "tests" / "forked_ranks.py"), str(nproc), str(timeout_s), warm, str(script),
             *map(str, args)]
 
