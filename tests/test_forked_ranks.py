@@ -18,8 +18,9 @@ dist.all_reduce(total)
 store = connect_store(Topology(rank=rank, world_size=world, num_learners=1, num_samplers=world - 1), 60)
 store.set(f"seen/{rank}", "1")
 store.wait([f"seen/{r}" for r in range(world)])
-print(f"rank {rank} of {world}: sum {total.item():.0f}, argv {sys.argv[1:]}, local rank {os.environ['LOCAL_RANK']}",
-      flush=True)
+line = f"rank {rank} of {world}: sum {total.item():.0f}, argv {sys.argv[1]}, local rank {os.environ['LOCAL_RANK']}"
+with open(f"{sys.argv[2]}/rank{rank}.txt", "w") as f:  # (a file each: lines printed to one pipe can interleave)
+    f.write(line)
 dist.destroy_process_group()
 if rank == int(sys.argv[1]):
     sys.exit(3)
@@ -29,8 +30,8 @@ if rank == int(sys.argv[1]):
 def test_each_rank_runs_the_script_as_torchrun_would_and_a_failing_rank_fails_the_launch(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run(forked_ranks(3, script, "1", timeout_s=100), capture_output=True, text=True, timeout=120,
-                          cwd=REPO)
-    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank")) == [
-        f"rank {r} of 3: sum 6, argv ['1'], local rank {r}" for r in range(3)], proc.stderr[-3000:]
+    proc = subprocess.run(forked_ranks(3, script, "1", tmp_path, timeout_s=100), capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert [(tmp_path / f"rank{r}.txt").read_text() if (tmp_path / f"rank{r}.txt").exists() else proc.stderr[-3000:]
+            for r in range(3)] == [f"rank {r} of 3: sum 6, argv 1, local rank {r}" for r in range(3)]
     assert proc.returncode == 3  # rank 1's sys.exit(3), after every rank finished its part
