@@ -6,7 +6,7 @@
 
 Checks, each in its own process with its own timeout; one that fails (or times out) is recorded in the
 JSON with the tail of its log, and the rest still run (the dry run forks every check but env from a process that
-imported what they share):
+imported what they share, and the two-rank checks fork their ranks from it, where a GPU run uses torchrun):
 
   env               torch / CUDA / GPU, and that every module megarl needs there imports
   learner_step      bf16 megatron learner step on CUDA (megarl.learner.megatron, 1 rank; dist backend
@@ -1409,13 +1409,89 @@ def check_context_parallel(args, size: Size) -> dict:
     workdir = Path(args.workdir)  # (the ranks build the model: this process imports neither torch nor transformers)
     out_file = workdir / "cp.json"
     out_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           "--cp-worker", "--device", args.device, "--workdir", args.workdir] + (["--tiny"] if size.tiny else [])
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          timeout=max(args.timeout - 15, 30))
-    if proc.returncode != 0 or not out_file.exists():
-        raise RuntimeError(f"torchrun exit {proc.returncode}: {proc.stderr[-2000:]}")
+    code, err = run_two_ranks("--cp-worker", args, size, max(args.timeout - 15, 30))
+    if code != 0 or not out_file.exists():
+        raise RuntimeError(f"ranks' exit {code}: {err[-2000:]}")
     return json.loads(out_file.read_text())
+
+
+def run_two_ranks(flag: str, args, size: Size, timeout: float) -> tuple[int | list, str]:
+    """The 2 ranks of a two-process check (`flag`: --cp-worker, --publish-worker): a torchrun launch, or on CPU (no
+    CUDA context to inherit) forks of this process, which the dry run forked with torch and megatron imported (a
+    torchrun launch imports them again in each rank: ~10 CPU-s). -> (exit status(es), stderr where captured)."""
+    if args.device != "cpu":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+               flag, "--device", args.device, "--workdir", args.workdir] + (["--tiny"] if size.tiny else [])
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              timeout=timeout)
+        return proc.returncode, proc.stderr
+    codes = fork_ranks({"--cp-worker": cp_worker, "--publish-worker": publish_worker}[flag], args, size, 2, timeout)
+    return (0 if codes == [0, 0] else codes), "(the ranks' output: this check's, in the log)"
+
+
+def fork_ranks(worker, args, size: Size, nproc: int, timeout: float) -> list[int | str]:
+    """`worker(args, size)` in `nproc` forks of this process with torchrun's environment: the store hosted here,
+    as torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE), the run's secret shared. -> each rank's exit
+    status ("timeout" for one killed after `timeout` seconds)."""
+    import secrets
+    import traceback
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from megarl.secret import ENV as SECRET_ENV
+
+    port = free_port()
+    os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for rank in range(nproc):
+        pid = os.fork()  # (before the store's thread starts here: the ranks' clients wait for it)
+        if pid == 0:
+            code = 1
+            try:
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                                  LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                  TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")
+                torch.set_num_threads(1)
+                worker(args, size)
+                code = 0
+            except SystemExit as exc:
+                code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=timeout),
+                          wait_for_workers=False)
+    codes: dict[int, int | str] = {}
+    deadline = time.monotonic() + timeout
+    while len(codes) < nproc:
+        for rank, pid in enumerate(pids):
+            if rank not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[rank] = os.waitstatus_to_exitcode(status)
+                elif time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    codes[rank] = "timeout"
+        time.sleep(0.1)
+    del store  # (served the ranks until they ended)
+    return [codes[rank] for rank in range(nproc)]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cp_worker(args, size: Size) -> None:
@@ -1614,13 +1690,10 @@ def check_publish_bandwidth(args, size: Size) -> dict:
     out_file.unlink(missing_ok=True)
     for stale in Path(args.workdir).glob("publish-error-*.txt"):
         stale.unlink()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-           "--publish-worker", "--device", args.device, "--workdir", args.workdir] + (["--tiny"] if size.tiny else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=args.timeout - 10)
-    if proc.returncode != 0 or not out_file.exists():
+    code, err = run_two_ranks("--publish-worker", args, size, args.timeout - 10)
+    if code != 0 or not out_file.exists():
         errors = {f.name: f.read_text()[-1500:] for f in sorted(Path(args.workdir).glob("publish-error-*.txt"))}
-        raise RuntimeError(f"torchrun exit {proc.returncode}; workers: {errors}; torchrun: {proc.stderr[-1000:]}")
+        raise RuntimeError(f"ranks' exit {code}; workers: {errors}; torchrun: {err[-1000:]}")
     return json.loads(out_file.read_text())
 
 

@@ -1,38 +1,21 @@
 """Session-wide fixtures shared by several test packages."""
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
-
-# What an embedded model's build runs beyond its registry entry (whose hash names its directory): the builders, the
-# tasks, chat transcripts, tools and rewards they train and evaluate on; and the libraries that run them. Only these:
-# a change elsewhere (the converters, say) keeps the built models.
-BUILD_SOURCES = ("megarl/embedded/registry.py", "megarl/embedded/tiny.py", "megarl/embedded/tiny_chat.py",
-                 "megarl/models/tiny_moe.py", "megarl/rollout/tasks.py", "megarl/rollout/chat.py", "megarl/rollout/environment.py",
-                 "megarl/rollout/rewards.py", "megarl/rollout/sandbox.py", "megarl/rollout/tool_calls.py")
-
-
-def builder_fingerprint() -> str:
-    from importlib.metadata import version  # the installed versions, without importing the packages
-
-    digest = hashlib.sha256(f"torch {version('torch')} transformers {version('transformers')}".encode())
-    for source in BUILD_SOURCES:
-        digest.update((REPO / source).read_bytes())
-    return digest.hexdigest()[:12]
+from tests.helpers import builder_fingerprint
 
 
 @pytest.fixture(scope="session")
 def embedded_cache_dir(tmp_path_factory) -> Path:
     """Where the test session's embedded models live. Their builds cost ~5 min of CPU together, so they are kept
-    between sessions, in a directory named by the builder's fingerprint (the builder's and tasks' source, torch and
-    transformers versions): a change to how models are built rebuilds them, and the tests that check what a build
-    produces (tests/embedded/test_tiny.py) check the current builder's output. MEGARL_TEST_FRESH_MODELS=1 builds them
-    afresh into the session's temporary directory instead."""
+    between sessions, in a directory named by the builder's fingerprint (tests.helpers.builder_fingerprint: the
+    builder's and tasks' code, torch and transformers versions): a change to how models are built rebuilds them, and
+    the tests that check what a build produces (tests/embedded/test_tiny.py) check the current builder's output.
+    MEGARL_TEST_FRESH_MODELS=1 builds them afresh into the session's temporary directory instead."""
     if os.environ.get("MEGARL_TEST_FRESH_MODELS") == "1":
         return tmp_path_factory.mktemp("megarl_models")
     return Path("~/.cache/megarl/test-models").expanduser() / builder_fingerprint()

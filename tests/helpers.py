@@ -1,6 +1,9 @@
-"""Shared test helpers: run real torchrun launches and python subprocesses with a deadline."""
+"""Shared test helpers: run real torchrun launches and python subprocesses with a deadline, save the tests' tiny HF
+models, and key the test cache of built embedded models (builder_fingerprint)."""
 from __future__ import annotations
 
+import ast
+import hashlib
 import os
 import subprocess
 import sys
@@ -19,10 +22,58 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 12
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
+def forked_ranks(nproc: int, script: str | Path, *args: str, timeout_s: float, warm: str = "megatron") -> list[str]:
+    """The command that runs `script`'s `nproc` ranks as torchrun would, each a fork of one process that imported
+    torch (warm="torch") or torch and a learner backend's framework (warm="megatron", "deepspeed") once
+    (tests/forked_ranks.py): for worker scripts whose tests check what the ranks compute, not the launch."""
+    return [sys.executable, str(REPO / "tests" / "forked_ranks.py"), str(nproc), str(timeout_s), warm, str(script),
+            *map(str, args)]
+
+
+def run_forked_ranks(script: str | Path, nproc: int, *args: str, timeout: float = 120,
+                     warm: str = "megatron") -> subprocess.CompletedProcess:
+    """run_torchrun's launch with forked ranks (forked_ranks): output captured, failing loudly on timeout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(forked_ranks(nproc, script, *args, timeout_s=timeout - 10, warm=warm), capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=REPO)
+
+
 def run_python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=REPO)
+
+
+# What an embedded model's build runs beyond its registry entry: the builders, the tokenizer and configs, the tasks,
+# chat transcripts, tools and rewards they train and evaluate on. Only these: a change elsewhere (the converters, say)
+# keeps the built models.
+BUILD_SOURCES = ("megarl/embedded/registry.py", "megarl/embedded/spec.py", "megarl/embedded/tiny.py",
+                 "megarl/embedded/tiny_chat.py", "megarl/models/tiny_moe.py", "megarl/rollout/tasks.py",
+                 "megarl/rollout/lap_count.py", "megarl/rollout/chat.py", "megarl/rollout/environment.py",
+                 "megarl/rollout/rewards.py", "megarl/rollout/sandbox.py", "megarl/rollout/tool_calls.py")
+# The registry's table of entries: each entry's build is named by its own spec hash (the directory name's suffix,
+# megarl.embedded.registry.spec_hash), so an entry added or changed rebuilds that model only, not every other one.
+REGISTRY, REGISTRY_TABLE = "megarl/embedded/registry.py", "EMBEDDED_MODELS"
+
+
+def builder_fingerprint(root: Path = REPO) -> str:
+    """The test cache's key for built embedded models: the code of BUILD_SOURCES under `root` (its syntax tree, so a
+    comment or a line wrapped rebuilds nothing; the registry without its table of entries) and the torch and
+    transformers versions."""
+    from importlib.metadata import version  # the installed versions, without importing the packages
+
+    digest = hashlib.sha256(f"torch {version('torch')} transformers {version('transformers')}".encode())
+    for source in BUILD_SOURCES:
+        tree = ast.parse((root / source).read_text())
+        if source == REGISTRY:
+            tree.body = [node for node in tree.body if not _assigns(node, REGISTRY_TABLE)]
+        digest.update(f"{source}\n{ast.dump(tree)}\n".encode())
+    return digest.hexdigest()[:12]
+
+
+def _assigns(node: ast.stmt, name: str) -> bool:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return any(isinstance(t, ast.Name) and t.id == name for t in targets)
 
 
 def save_tokenizer(model_dir: Path) -> None:

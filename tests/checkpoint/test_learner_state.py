@@ -25,7 +25,7 @@ from megarl.checkpoint import storage
 from megarl.checkpoint.export import export_hf
 from megarl.checkpoint.learner_state import check_architecture, check_optimizer
 from megarl.checkpoint.storage import CheckpointError
-from tests.helpers import LEARNER_TOL, REPO, save_tiny_qwen2
+from tests.helpers import LEARNER_TOL, REPO, forked_ranks, save_tiny_qwen2
 
 WORKER = REPO / "tests" / "checkpoint" / "learner_worker.py"
 N, M = 2, 2  # as in the worker
@@ -55,9 +55,8 @@ def work(model_dir, tmp_path_factory):
     logs = {name: open(work / f"{name}.log", "w+") for name in ("resume", "layouts")}
     resume = subprocess.Popen([sys.executable, str(WORKER), "resume", *args], stdout=logs["resume"],
                               stderr=subprocess.STDOUT, env=_env(**{storage.PAUSE_ENV: "600"}), cwd=REPO)
-    layouts = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                                str(WORKER), "layouts", *args], stdout=logs["layouts"], stderr=subprocess.STDOUT,
-                               env=_env(), cwd=REPO)
+    layouts = subprocess.Popen(forked_ranks(2, WORKER, "layouts", *args, timeout_s=230), stdout=logs["layouts"],
+                               stderr=subprocess.STDOUT, env=_env(), cwd=REPO)  # (ranks forked: tests/forked_ranks.py)
     try:
         # `resume` is held in its second save once that save is complete in the temp dir: kill it there.
         held = storage.temp_dir(work / "ckpt", N + M) / storage.MANIFEST

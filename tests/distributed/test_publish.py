@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megarl.distributed.publish import (BITMAP, PAIRS, WHOLE, WeightPublisher, apply_delta, check_spec, delta_payload,
                                        delta_size, header_key, plan_buckets, sender_share)
-from tests.helpers import run_torchrun
+from tests.helpers import run_forked_ranks
 
 WORKER = Path(__file__).parent / "publish_worker.py"
 
@@ -44,7 +44,7 @@ def three_ranks(tmp_path_factory):
     """One launch of 3 ranks for the ok, delta and corrupt modes, one after the other (corrupt last: its receivers
     stop at the refused bucket); each mode's files in its own directory."""
     out = tmp_path_factory.mktemp("publish")
-    return run_torchrun(WORKER, 3, out, "ok,delta,corrupt", timeout=240), out
+    return run_forked_ranks(WORKER, 3, out, "ok,delta,corrupt", timeout=240, warm="torch"), out
 
 
 def test_every_sampler_receives_every_version_bit_exact(three_ranks):
@@ -63,7 +63,7 @@ def test_every_sampler_receives_every_version_bit_exact(three_ranks):
 def test_two_senders_each_send_a_share_and_every_sampler_receives_the_whole_model_bit_exact(tmp_path):
     """publish.senders=2: two DP replicas with the same weights each send every other bucket over their
     own group, the shares are disjoint and together the model, every receiver gets every version whole."""
-    proc = run_torchrun(WORKER, 4, tmp_path, "senders", timeout=120)
+    proc = run_forked_ranks(WORKER, 4, tmp_path, "senders", timeout=120, warm="torch")
     assert proc.returncode == 0, proc.stderr[-3000:]
     tmp_path = tmp_path / "senders"
     shares = [json.loads((tmp_path / f"sent{rank}.json").read_text()) for rank in (0, 1)]

@@ -3,7 +3,6 @@ and real torchruns (gloo) whose log-probs, gradients and few-step metrics are th
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from megarl.algo.config import LossConfig
 from megarl.learner import context_parallel, packing
 from megarl.protocols import TrainBatch
-from tests.helpers import LEARNER_TOL, save_tiny_qwen2
+from tests.helpers import LEARNER_TOL, forked_ranks, save_tiny_qwen2
 
 VOCAB, ROWS, S, PROMPT = 64, 16, 22, 5
 LOSS = {"entropy_coef": 0.01, "kl_coef": 0.05}  # the entropy's gradient and the frozen reference's pass too
@@ -97,10 +96,10 @@ def _batches(count: int) -> list[TrainBatch]:
 def _launch(model_dir: str, batches: list, tmp_path: Path, layouts: dict, nproc: int) -> subprocess.Popen:
     torch.save(batches, tmp_path / "batches.pt")
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         str(Path(__file__).with_name("cp_worker.py")), model_dir, str(tmp_path / "batches.pt"), str(tmp_path),
-         json.dumps(layouts)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(  # the ranks forked from one warmed process (the layouts' math is what is checked)
+        forked_ranks(nproc, Path(__file__).with_name("cp_worker.py"), model_dir, str(tmp_path / "batches.pt"),
+                     str(tmp_path), json.dumps(layouts), timeout_s=540),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _results(proc, tmp_path: Path, layouts: dict, nproc: int, timeout: float) -> dict[str, list[dict]]:

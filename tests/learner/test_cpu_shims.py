@@ -1,19 +1,20 @@
 """Every CPU shim is needed, and fixes the megatron line it names.
 
-A subprocess (importing megatron costs ~9 s, so not one per shim) runs a full learner step — build,
-DDP, optimizer, forward/backward, grad norm, clipped optimizer step — with NO shims, and then
-repeatedly: the run must die with the CPU-torch CUDA error (or a CUDA tensor-type check) inside a
-function that exactly one shim patches; that shim is applied and the run retried.  The run must end
-in success, and every shim must have been needed in one of the layouts: one process (TP1), and two
-torchrun ranks for PP=2 (p2p, tied embeddings across stages) and the distributed optimizer.  Each
-failure happens on every rank before any collective, so the ranks retry in step.  Deleting any shim
-(or its effect) fails the test.
+Each layout below runs a full learner step — build, DDP, optimizer, forward/backward, grad norm, clipped
+optimizer step — with NO shims (or only the ones it is not about), and then repeatedly: the run must die with the
+CPU-torch CUDA error (or a CUDA tensor-type check) inside a function that exactly one shim patches; that shim is
+applied and the run retried.  The run must end in success, and every shim must have been needed in one of the
+layouts: one process (TP1), and two ranks for PP=2 (p2p, tied embeddings across stages) and the distributed
+optimizer.  Each failure happens on every rank before any collective, so the ranks retry in step.  Deleting any
+shim (or its effect) fails the test.  Every rank of every layout is a fork of one process that imported megatron
+unpatched (tests/learner/cpu_shim_worker.py: importing megatron costs several CPU-s, not paid per rank and layout).
 """
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -58,105 +59,6 @@ SITES = {
     ("models/common/embeddings/yarn_rotary_pos_embedding.py", "YarnRotaryEmbedding.get_emb"): "mla_rotary",
 }
 
-SCRIPT = textwrap.dedent('''
-    import json, os, sys, traceback
-    from datetime import timedelta
-    import torch, torch.distributed as dist
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    from megarl.algo.config import LossConfig
-    from megarl.learner import cpu_shims
-    from megarl.distributed.lifetime import exit_process
-    from megarl.config.schema import LearnerConfig
-    from megarl.learner.megatron import MegatronLearner
-    from megarl.protocols import TrainBatch
-
-    model_dir, layout, preapplied, kind = sys.argv[1], json.loads(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
-    sites = {tuple(k.split("|")): v for k, v in json.loads(sys.argv[2]).items()}
-    if "RANK" in os.environ:  # torchrun: rank 0 writes the model, the others wait for it
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    else:
-        dist.init_process_group("gloo", init_method="file://" + model_dir + "/store", rank=0, world_size=1)
-    if dist.get_rank() == 0:
-        torch.manual_seed(0)
-        if kind == "mixtral":  # mixture of experts: megatron's MoE layer, alltoall dispatcher
-            MixtralForCausalLM(MixtralConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                             num_key_value_heads=2, intermediate_size=32, vocab_size=32,
-                                             num_local_experts=4, num_experts_per_tok=2)).save_pretrained(model_dir)
-        elif kind == "glm4_moe":  # a router with an expert bias (a buffer megatron allocates on the GPU)
-            from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-            Glm4MoeForCausalLM(Glm4MoeConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                             num_key_value_heads=2, intermediate_size=32, moe_intermediate_size=16,
-                                             vocab_size=32, n_routed_experts=4, num_experts_per_tok=2,
-                                             first_k_dense_replace=1, num_nextn_predict_layers=0)
-                               ).save_pretrained(model_dir)
-        elif kind == "deepseek_v3":  # multi-latent attention: a rotary embedding per layer, built for the GPU
-            from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-            DeepseekV3ForCausalLM(DeepseekV3Config(
-                hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                intermediate_size=32, moe_intermediate_size=16, vocab_size=32, n_routed_experts=4,
-                num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=8,
-                kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, num_nextn_predict_layers=0)
-                                  ).save_pretrained(model_dir)
-        else:
-            Qwen2ForCausalLM(Qwen2Config(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                         num_key_value_heads=1, intermediate_size=32, vocab_size=32,
-                                         tie_word_embeddings=True)).save_pretrained(model_dir)
-    dist.barrier()
-    # The learner applies all shims itself; here they are applied one at a time by this loop.
-    cpu_shims.apply_cpu_shims = lambda: None
-    for shim in preapplied:
-        cpu_shims.SHIMS[shim]()
-    ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(4, 8)
-    mask[:, 0] = 0
-    batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=-3.0 * mask,
-                       versions=torch.zeros(4, 8, dtype=torch.long), advantages=mask, learner_version=0)
-    needed = []
-    for _ in range(len(cpu_shims.SHIMS) + 1):
-        site = None
-        try:
-            learner = MegatronLearner(model_dir, LearnerConfig(micro_batch_size=2, grad_clip=1e-3, **layout),
-                                      LossConfig())
-            if kind == "mixtral":  # expert parallelism: each rank holds its own 4 / ep experts
-                assert len(learner.gpt.decoder.layers[0].mlp.experts.local_experts) == 4 // layout.get("ep", 1)
-            metrics = learner.train_step(batch)
-            assert learner.version == 1 and metrics["grad_norm"] > 0, metrics
-        except (AssertionError, TypeError, RuntimeError, NameError) as error:
-            frame = [f for f, _ in traceback.walk_tb(error.__traceback__)
-                     if "megatron/core/" in f.f_code.co_filename][-1]
-            site = (frame.f_code.co_filename.split("megatron/core/")[1], frame.f_code.co_qualname)
-            # CPU torch refusing a CUDA call, megatron checking for a CUDA tensor type, megatron's name bound
-            # only with Transformer Engine, or gloo's all_to_all_single refusing split sizes given as tensors.
-            if isinstance(error, NameError):
-                if "te_general_gemm" not in str(error):
-                    raise
-            elif isinstance(error, TypeError) and "all_to_all_single" in str(error):
-                site = site + ("split sizes",)
-            elif "Torch not compiled with CUDA enabled" not in str(error) and "torch.cuda." not in str(error) \
-                    and "requires CUDA" not in str(error) \
-                    and "cuda" not in traceback.extract_tb(error.__traceback__)[-1].line:
-                raise
-        # Every rank fails at its own first unshimmed site (e.g. both stages allocating a p2p buffer),
-        # before the communication that would pair them: agree on what to apply.
-        sites_seen = [None] * dist.get_world_size()
-        dist.all_gather_object(sites_seen, site)
-        if not any(sites_seen):
-            break
-        unknown = [s for s in sites_seen if s and s not in sites]
-        if unknown:
-            print(json.dumps({"unshimmed_site": unknown[0]}))
-            sys.exit(1)
-        for shim in dict.fromkeys(sites[s] for s in sites_seen if s):
-            assert shim not in needed, f"{shim} applied but {sites_seen} still fail"
-            needed.append(shim)
-            cpu_shims.SHIMS[shim]()
-    if dist.get_rank() == 0:
-        print("NEEDED " + json.dumps(needed), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_process(0)  # not a plain exit (it can abort in gloo's threads): see megarl.distributed.lifetime
-''')
-
 MOE_SHIMS = {name for name in cpu_shims.SHIMS if name.startswith("moe_")}
 # (model, layout, processes, the shims it must need). The multi-rank layouts start with every other shim
 # applied: a forward-pass failure on the first pipeline stage would leave the last one blocked in
@@ -179,26 +81,34 @@ LAYOUTS = [
 ]
 
 
-def _needed_shims(tmp_path, layout: dict, nproc: int, preapplied: list[str], kind: str = "qwen2") -> list[str]:
+IDS = ["tp1", "pp2", "dp2_distributed_optimizer", "moe_tp2_ep2", "glm4_moe_expert_bias", "deepseek_v3_mla_rotary"]
+WORKER = Path(__file__).with_name("cpu_shim_worker.py")
+CASE_LIMIT_S = 150  # a layout whose ranks hang (a collective a peer never joins) fails alone, its ranks killed
+
+
+@pytest.fixture(scope="module")
+def needed(tmp_path_factory) -> dict[str, dict]:
+    """{layout id: {"needed": [the shims its run needed]}, or its ranks' exit status and output}: every layout in
+    one cpu_shim_worker.py process."""
+    out = tmp_path_factory.mktemp("shims")
+    cases = []
+    for name, (kind, layout, nproc, expected) in zip(IDS, LAYOUTS, strict=True):
+        # (the dense one-process run leaves the MoE shims out: it must not need them)
+        preapplied = sorted(set(cpu_shims.SHIMS) - expected - (MOE_SHIMS if kind == "qwen2" and nproc == 1 else set()))
+        cases.append({"name": name, "kind": kind, "layout": layout, "nproc": nproc, "preapplied": preapplied})
     sites = json.dumps({"|".join(k): v for k, v in SITES.items()})
-    script = tmp_path / "shim_run.py"
-    script.write_text(SCRIPT)
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*launcher, str(script), str(tmp_path), sites, json.dumps(layout), json.dumps(preapplied), kind],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([sys.executable, str(WORKER), str(out), sites, json.dumps(cases), str(CASE_LIMIT_S)],
+                          capture_output=True, text=True, timeout=len(cases) * CASE_LIMIT_S + 60, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("NEEDED "))[7:])
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in IDS}
 
 
-@pytest.mark.parametrize("kind, layout, nproc, expected", LAYOUTS,
-                         ids=["tp1", "pp2", "dp2_distributed_optimizer", "moe_tp2_ep2", "glm4_moe_expert_bias",
-                              "deepseek_v3_mla_rotary"])
-def test_each_shim_is_needed_and_sufficient(tmp_path, kind, layout, nproc, expected):
-    # (the dense one-process run leaves the MoE shims out: it must not need them)
-    preapplied = sorted(set(cpu_shims.SHIMS) - expected - (MOE_SHIMS if kind == "qwen2" and nproc == 1 else set()))
-    assert set(_needed_shims(tmp_path, layout, nproc, preapplied, kind)) == expected
+@pytest.mark.timeout(len(LAYOUTS) * CASE_LIMIT_S + 120)  # (the first test's setup runs every layout)
+@pytest.mark.parametrize("name, expected", [(name, expected) for name, (*_, expected) in zip(IDS, LAYOUTS)], ids=IDS)
+def test_each_shim_is_needed_and_sufficient(needed, name, expected):
+    assert "needed" in needed[name], needed[name]
+    assert set(needed[name]["needed"]) == expected
 
 
 def test_every_shim_is_covered_by_a_layout():

@@ -6,7 +6,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +17,8 @@ from megarl.algo import values
 from megarl.algo.config import CriticConfig, LossConfig
 from megarl.config.load import ConfigError, load_config
 from megarl.observe.sinks import train_records
-from tests.helpers import LEARNER_TOL, REPO, run_python, save_tiny_dense, save_tiny_qwen2, save_tiny_qwen3
+from tests.helpers import (LEARNER_TOL, REPO, forked_ranks, run_python, save_tiny_dense, save_tiny_qwen2,
+                           save_tiny_qwen3)
 from tests.learner.test_megatron_learner import CRITIC, _batch, _hf, _hf_logprobs
 
 VOCAB = 64
@@ -96,9 +96,9 @@ def runs(models, world, tmp_path_factory):
              for name, (model, learner, loss) in ALL_CASES.items()]
     extensions = out / "torch_extensions"  # where DeepSpeed would JIT-compile ops: nothing may land there
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(extensions))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(Path(__file__).with_name("deepspeed_worker.py")), str(out), str(out / "batches.pt"), json.dumps(cases)],
+    proc = subprocess.Popen(  # the ranks forked from one process that imported DeepSpeed (tests/forked_ranks.py)
+        forked_ranks(2, Path(__file__).with_name("deepspeed_worker.py"), str(out), str(out / "batches.pt"),
+                     json.dumps(cases), timeout_s=590, warm="deepspeed"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     megatron = {}
     for name, (model, _, loss) in CASES.items():

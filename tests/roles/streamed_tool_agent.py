@@ -1,6 +1,9 @@
 """The shipped text-protocol agent (docs/examples/agent/tool_agent.py) reading every reply as a stream
 (`create(stream=True)`, the content assembled from its deltas). Used by tests/roles/test_multiturn_e2e.py: a real run's
-sampler streams token by token from its engine, and what is trained is what was sampled."""
+sampler streams token by token from its engine, and what is trained is what was sampled. `shipped_or_streamed` runs
+the shipped agent itself for half the prompts (streamed() tells which), so that one run covers both."""
+import zlib
+
 import openai
 
 from megarl.rollout.environment import tool_code
@@ -27,3 +30,14 @@ def run(base_url: str, prompt: str, answer: str, meta: dict) -> float:
             return 1.0 if content.strip() == answer else 0.0
         messages.append({"role": "tool", "content": TOOL.output(code)})
     return 0.0
+
+
+def streamed(prompt: str) -> bool:
+    """Whether shipped_or_streamed streams `prompt`'s episodes: half the prompts, the same for every episode of one."""
+    return zlib.crc32(prompt.encode()) % 2 == 1
+
+
+def shipped_or_streamed(base_url: str, prompt: str, answer: str, meta: dict) -> float:
+    from tool_agent import run as shipped  # (as in run)
+
+    return (run if streamed(prompt) else shipped)(base_url, prompt, answer, meta)

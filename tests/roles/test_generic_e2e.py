@@ -1,11 +1,13 @@
 """End to end on the generic path (docs/models.md#the-generic-path): `megarl train` of a model type megarl has no
 family for (a tiny Granite with the embedded tokenizer) on the DeepSpeed learner and the built-in engine's generic
-model, 20 steps at max_lag 0; a hybrid linear-attention model (a tiny Qwen3-Next) for a few steps."""
+model, 8 steps at max_lag 0; a hybrid linear-attention model (a tiny Qwen3-Next) for a few steps."""
 from megarl.observe.sinks import train_records
 from tests.helpers import REPO, run_python, save_tiny_granite, save_tiny_qwen3_next
 from tests.roles.test_train_e2e import read_jsonl
 
-STEPS = 20
+# The entropy bonus moves the random Granite's entropy by ~5e-4 a step (measured over 20 steps: 5.5366 -> 5.5465,
+# every step up, 4e-3 after 8): 8 steps move it ~4x the 1e-3 asked for and publish 8 versions on the generic path.
+STEPS = 8
 
 
 def test_megarl_train_runs_a_model_type_megarl_has_never_seen(tmp_path):

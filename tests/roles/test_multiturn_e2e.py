@@ -113,21 +113,38 @@ def check_agent_run(rollouts: list[dict], run_dir: Path) -> None:
     assert metrics[-1]["sampler1/over_context"] <= truncated  # a count since the start
 
 
-def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode(embedded_tool_model_dir, tmp_path):
-    """The shipped agent (docs/examples/agent/tool_agent.py) drives every episode; sync mode, so each episode runs
-    under the one version its batch was generated for."""
-    rollouts, _ = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=2", "algo.mode=sync", "algo.max_lag=0",
-                        "task.agent=tool_agent:run", "eval.sets=[]")  # agents are not evaluated yet (docs/eval.md)
-    check_agent_run(rollouts, tmp_path / "run")
+@pytest.fixture(scope="module")
+def agent_run(embedded_tool_model_dir, tmp_path_factory) -> tuple[list[dict], Path]:
+    """(rollouts, run.dir) of a 2-step sync run whose episodes the shipped agent drives for half the prompts and the
+    streaming agent for the others (tests.roles.streamed_tool_agent.shipped_or_streamed): one launch for both agents'
+    tests."""
+    run_dir = tmp_path_factory.mktemp("agents") / "run"
+    rollouts, _ = train(run_dir, embedded_tool_model_dir, "run.steps=2", "algo.mode=sync", "algo.max_lag=0",
+                        "task.agent=tests.roles.streamed_tool_agent:shipped_or_streamed",
+                        "eval.sets=[]")  # agents are not evaluated yet (docs/eval.md)
+    return rollouts, run_dir
 
 
-def test_a_streaming_agent_trains_through_the_sampler_endpoint(embedded_tool_model_dir, tmp_path):
-    """The shipped agent reading its replies as streams (tests/roles/streamed_tool_agent.py): the sampler streams each
-    turn from its engine token by token and trains exactly the sampled tokens, as for the plain agent."""
-    rollouts, _ = train(tmp_path / "run", embedded_tool_model_dir, "run.steps=2", "algo.mode=sync", "algo.max_lag=0",
-                        "task.agent=tests.roles.streamed_tool_agent:run", "eval.sets=[]")
-    check_agent_run(rollouts, tmp_path / "run")
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+def test_an_openai_client_agent_trains_through_the_sampler_endpoint_in_sync_mode(agent_run):
+    """The shipped agent (docs/examples/agent/tool_agent.py) drives the episodes of its prompts (check_agent_run checks
+    every episode); sync mode, so each episode runs under the one version its batch was generated for."""
+    from tests.roles.streamed_tool_agent import streamed
+
+    rollouts, run_dir = agent_run
+    check_agent_run(rollouts, run_dir)
+    assert any(not streamed(r["prompt"]) for r in rollouts)
+
+
+def test_a_streaming_agent_trains_through_the_sampler_endpoint(agent_run):
+    """The shipped agent reading its replies as streams (tests/roles/streamed_tool_agent.py) drives the episodes of
+    the other prompts: the sampler streams each turn from its engine token by token and trains exactly the sampled
+    tokens (check_agent_run), as for the plain agent, and no stream was cut."""
+    from tests.roles.streamed_tool_agent import streamed
+
+    rollouts, run_dir = agent_run
+    check_agent_run(rollouts, run_dir)
+    assert any(streamed(r["prompt"]) for r in rollouts)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics[-1]["sampler1/stream_disconnects"] == 0
 
 

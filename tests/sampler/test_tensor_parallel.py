@@ -16,7 +16,7 @@ import torch
 from megarl.models.tp_shard import shard_state_dict
 from megarl.sampler.engine import BuiltinEngine
 from megarl.sampler.model import KVCache, ModelSpec, forward, forward_tables, load_pretrained, prepare_weights
-from tests.helpers import run_torchrun
+from tests.helpers import run_forked_ranks
 from tests.sampler import TOL, make_tiny_model
 from tests.sampler.tp_worker import SEED, SWAP_STAGES, batches, drive, perturbed, rerouted
 
@@ -35,8 +35,9 @@ def ranks(embedded_model_dir, embedded_moe_model_dir, qwen, tmp_path_factory) ->
     qwen3_moe = make_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", norm_topk_prob=False)
     gemma3 = make_tiny_model(tmp_path_factory.mktemp("gemma3"), "gemma3")
     out = tmp_path_factory.mktemp("tp_worker")
-    proc = run_torchrun("tests/sampler/tp_worker.py", 2, str(embedded_model_dir), str(llama), str(qwen),
-                        str(embedded_moe_model_dir), str(qwen3_moe), str(gemma3), str(out), timeout=240)
+    proc = run_forked_ranks("tests/sampler/tp_worker.py", 2, str(embedded_model_dir), str(llama), str(qwen),
+                            str(embedded_moe_model_dir), str(qwen3_moe), str(gemma3), str(out), timeout=240,
+                            warm="torch")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
