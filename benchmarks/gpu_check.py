@@ -124,6 +124,25 @@ GPU_PRESENT = {"torch", "numpy", "packaging", "pyyaml", "transformers", "tokeniz
                "matplotlib", "triton", "pytest", "psutil", "pyarrow", "typing-extensions"}
 
 
+def exit_child(main) -> None:
+    """Run `main` in a forked child and end the child with its exit status, as its own interpreter would give it
+    (sys.exit(None) is 0; an exception prints its traceback and is 1), never returning into the parent's code."""
+    import traceback
+
+    code = 1
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def download_command(dest: str) -> list[str]:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
            "--implementation", "cp"]
@@ -1434,7 +1453,6 @@ def fork_ranks(worker, args, size: Size, nproc: int, timeout: float) -> list[int
     as torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE), the run's secret shared. -> each rank's exit
     status ("timeout" for one killed after `timeout` seconds)."""
     import secrets
-    import traceback
     from datetime import timedelta
 
     import torch
@@ -1450,22 +1468,14 @@ def fork_ranks(worker, args, size: Size, nproc: int, timeout: float) -> list[int
     for rank in range(nproc):
         pid = os.fork()  # (before the store's thread starts here: the ranks' clients wait for it)
         if pid == 0:
-            code = 1
-            try:
+            def rank_main(rank=rank):
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                                   TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1")
                 torch.set_num_threads(1)
                 worker(args, size)
-                code = 0
-            except SystemExit as exc:
-                code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+
+            exit_child(rank_main)
         pids.append(pid)
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=timeout),
                           wait_for_workers=False)
@@ -1879,29 +1889,19 @@ def run_forked(cmd: list[str], timeout: float) -> tuple[int | str, str, str]:
     """run_process's `cmd` (this script's --child arguments) in a fork of this process: its own process group and
     output, the same exit status (1 and the traceback on an exception). Only where no CUDA context exists: the
     dry run."""
-    import traceback
-
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # files, not pipes: nothing to drain while waiting
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the parent's loop
-        code = 1
-        try:
+        def forked_main():
             os.setpgid(0, 0)
             os.environ.update(child_env())
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
             child_main(build_parser().parse_args(cmd[2:]))
-            code = 0
-        except SystemExit as exc:
-            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+
+        exit_child(forked_main)
     try:
         os.setpgid(pid, pid)  # (here too: a timeout before the child's own call still finds its group)
     except OSError:  # the child has set it, or is gone
