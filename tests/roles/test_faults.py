@@ -415,6 +415,13 @@ def _samplers_command(*args, timeout: float = 420) -> subprocess.CompletedProces
                           timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
 
 
+def _adding_sampler(run_dir) -> subprocess.Popen:
+    """`megarl samplers add RUN_DIR` in the foreground of a second process (it keeps the added sampler)."""
+    return subprocess.Popen([sys.executable, "-m", "megarl.cli", "samplers", "add", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+
+
 def _wait_for_metric(run_dir, proc: subprocess.Popen, key: str, value: float, more_steps: int,
                      timeout: float = REJOIN_TIMEOUT_S) -> int:
     """Until a step logged `key` == `value` and `more_steps` more steps followed; that first step."""
@@ -435,9 +442,7 @@ def test_with_replace_a_sampler_added_from_a_second_process_joins_and_removed_on
     run_dir = tmp_path / "add_remove"
     proc = _replace_run(run_dir, embedded_think_model_dir, f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}")
     _wait_for_steps(run_dir, 3, proc)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    added = subprocess.Popen([sys.executable, "-m", "megarl.cli", "samplers", "add", str(run_dir)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    added = _adding_sampler(run_dir)
     try:
         _wait_for_metric(run_dir, proc, "samplers/alive", 3.0, more_steps=4)
         assert (3, 1) in _sampler_processes(run_dir)  # the added rank's first incarnation, kept by the command
@@ -496,9 +501,7 @@ def test_with_replace_an_sglang_sampler_added_from_a_second_process_joins_contri
     run_dir = tmp_path / "add_sglang"
     proc = _replace_run(run_dir, embedded_think_model_dir, "sampler.engine=sglang")
     _wait_for_steps(run_dir, 3, proc)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    added = subprocess.Popen([sys.executable, "-m", "megarl.cli", "samplers", "add", str(run_dir)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    added = _adding_sampler(run_dir)
     try:
         _wait_for_metric(run_dir, proc, "samplers/alive", 3.0, more_steps=4)
         servers = _server_processes(_sampler_processes(run_dir)[(3, 1)], b"megarl.sampler.sglang_server")
