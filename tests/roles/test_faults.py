@@ -48,14 +48,31 @@ def leftovers(run_dir) -> list[int]:
     return pids
 
 
-def _start(run_dir, model_dir, *overrides) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}",
-                             f"model.path={model_dir}", "run.steps=100000", "algo.prompts_per_step=4", *overrides],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+class _Logged(subprocess.Popen):
+    """A process whose stdout and stderr go to files beside its run dir, not to pipes: a pipe the test does not read
+    while the run goes on fills (64 KiB: a killed sampler's peers print tracebacks) and blocks whichever process
+    writes next, which stalls the run. communicate() waits as Popen's does and returns the two files' text."""
+
+    def __init__(self, args, log_stem: Path, merge_stderr: bool = False):
+        self.out_path, self.err_path = log_stem.with_suffix(".stdout"), log_stem.with_suffix(".stderr")
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            super().__init__(args, stdout=out, stderr=subprocess.STDOUT if merge_stderr else err, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+
+    def communicate(self, input=None, timeout=None):
+        self.wait(timeout)
+        return self.out_path.read_text(errors="replace"), self.err_path.read_text(errors="replace")
+
+    def stderr_tail(self, chars: int = 3000) -> str:
+        return self.err_path.read_text(errors="replace")[-chars:]
 
 
-def _wait_for_steps(run_dir, steps: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+def _start(run_dir, model_dir, *overrides) -> _Logged:
+    return _Logged([sys.executable, "-m", "megarl.cli", "train", DEMO, f"run.dir={run_dir}", f"model.path={model_dir}",
+                    "run.steps=100000", "algo.prompts_per_step=4", *overrides], Path(f"{run_dir}.console"))
+
+
+def _wait_for_steps(run_dir, steps: int, proc: _Logged, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     metrics = Path(run_dir) / "metrics.jsonl"
     while time.monotonic() < deadline:
@@ -63,10 +80,11 @@ def _wait_for_steps(run_dir, steps: int, proc: subprocess.Popen, timeout: float 
             return
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.5)
-    raise AssertionError(f"the run did not reach {steps} steps within {timeout}s")
+    raise AssertionError(f"the run did not reach {steps} steps within {timeout}s; its stderr ends:\n"
+                         f"{proc.stderr_tail()}")
 
 
-def _finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str, float]:
+def _finish(proc: _Logged, timeout: float) -> tuple[str, str, float]:
     start = time.monotonic()
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -225,10 +243,9 @@ def test_a_sigterm_to_the_raw_single_node_script_stops_the_run_and_it_exits_143_
     # launch/torchrun_single_node.sh execs megarl.distributed.local_launch: the signal reaches torchrun's agent,
     # which passes it to the ranks (they stop at a step boundary) and then exits as the signal's 128 + 15.
     run_dir = tmp_path / "raw"
-    proc = subprocess.Popen(["bash", str(REPO / "launch" / "torchrun_single_node.sh"), DEMO, f"run.dir={run_dir}",
-                             f"model.path={embedded_think_model_dir}", "run.steps=100000", "algo.prompts_per_step=4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = _Logged(["bash", str(REPO / "launch" / "torchrun_single_node.sh"), DEMO, f"run.dir={run_dir}",
+                    f"model.path={embedded_think_model_dir}", "run.steps=100000", "algo.prompts_per_step=4"],
+                   Path(f"{run_dir}.console"))
     _wait_for_steps(run_dir, 1, proc)
     proc.send_signal(signal.SIGTERM)
     out, err, took = _finish(proc, timeout=60)
@@ -264,12 +281,12 @@ REPLACE_PUBLISH_TIMEOUT_S = 8
 REJOIN_TIMEOUT_S = 360
 
 
-def _replace_run(run_dir, model_dir, *overrides) -> subprocess.Popen:
+def _replace_run(run_dir, model_dir, *overrides) -> _Logged:
     return _start(run_dir, model_dir, "fault.on_failure=replace", "sampler.num_engines=2", "run.log_rollouts=true",
                   *overrides)
 
 
-def _wait_for_rejoin(run_dir, proc: subprocess.Popen, replaced: int = 1, more_steps: int = 4,
+def _wait_for_rejoin(run_dir, proc: _Logged, replaced: int = 1, more_steps: int = 4,
                      timeout: float = REJOIN_TIMEOUT_S) -> None:
     """Until the replacements have joined (samplers/alive back at 2 after samplers/replaced rose to `replaced`) and
     `more_steps` steps were trained since."""
@@ -284,7 +301,7 @@ def _wait_for_rejoin(run_dir, proc: subprocess.Popen, replaced: int = 1, more_st
         time.sleep(0.5)
     last = {k: v for k, v in (_metrics(run_dir) or [{}])[-1].items() if k == "step" or k.startswith("samplers/")}
     raise AssertionError(f"no replacement joined and trained {more_steps} steps within {timeout}s; last step's "
-                         f"metrics: {last}")
+                         f"metrics: {last}; the run's stderr ends:\n{proc.stderr_tail()}")
 
 
 def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1) -> None:
@@ -415,14 +432,13 @@ def _samplers_command(*args, timeout: float = 420) -> subprocess.CompletedProces
                           timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
 
 
-def _adding_sampler(run_dir) -> subprocess.Popen:
+def _adding_sampler(run_dir) -> _Logged:
     """`megarl samplers add RUN_DIR` in the foreground of a second process (it keeps the added sampler)."""
-    return subprocess.Popen([sys.executable, "-m", "megarl.cli", "samplers", "add", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    return _Logged([sys.executable, "-m", "megarl.cli", "samplers", "add", str(run_dir)], Path(f"{run_dir}.add"),
+                   merge_stderr=True)
 
 
-def _wait_for_metric(run_dir, proc: subprocess.Popen, key: str, value: float, more_steps: int,
+def _wait_for_metric(run_dir, proc: _Logged, key: str, value: float, more_steps: int,
                      timeout: float = REJOIN_TIMEOUT_S) -> int:
     """Until a step logged `key` == `value` and `more_steps` more steps followed; that first step."""
     deadline = time.monotonic() + timeout
@@ -433,7 +449,8 @@ def _wait_for_metric(run_dir, proc: subprocess.Popen, key: str, value: float, mo
             return hit[0]
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.5)
-    raise AssertionError(f"no step with {key}={value} and {more_steps} steps after it within {timeout}s")
+    raise AssertionError(f"no step with {key}={value} and {more_steps} steps after it within {timeout}s; the run's "
+                         f"stderr ends:\n{proc.stderr_tail()}")
 
 
 @pytest.mark.timeout(1800)  # 240 s to the first steps, 3 x REJOIN_TIMEOUT_S, the commands, 120 s to finish
