@@ -266,6 +266,16 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def timed_generation(engine, requests) -> tuple[list, int]:
+    """The engine's completions of `requests` (after a warm-up on two of them) and their generated tokens/s."""
+    engine.generate(requests[:2])
+    sync()
+    start = time.perf_counter()
+    completions = engine.generate(requests)
+    sync()
+    return completions, round(sum(len(c.token_ids) for c in completions) / (time.perf_counter() - start))
+
+
 def median(values) -> float:
     """The middle value (the upper one of an even count), nan for none: the timed steps' median in every check."""
     values = sorted(values)
@@ -1001,13 +1011,8 @@ def check_generic_path(args, size: Size) -> dict:
         engine = BuiltinEngine.from_pretrained(str(model_dir), max_running=batch, device=device,
                                                max_seq_len=max(map(len, prompts)) + new)
         result[f"{name}_impl"] = engine._impl.__name__
-        requests = [GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)]
-        engine.generate(requests[:2])  # warm-up
-        sync()
-        start = time.perf_counter()
-        completions = engine.generate(requests)
-        sync()
-        result[f"{name}_tok_s"] = round(sum(len(c.token_ids) for c in completions) / (time.perf_counter() - start))
+        completions, result[f"{name}_tok_s"] = timed_generation(
+            engine, [GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)])
         done = completions if name == "generic" else done
         del engine
     if result["generic_impl"] != hf_model.__name__:
@@ -1061,13 +1066,8 @@ def check_gpt_oss_engine(args, size: Size) -> dict:
                                                max_seq_len=max(map(len, prompts)) + new)
         if impl == "native" and engine._impl is not native:
             raise RuntimeError(f"gpt-oss ran on {engine._impl.__name__}, not the native forward")
-        requests = [GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)]
-        engine.generate(requests[:2])  # warm-up
-        sync()
-        start = time.perf_counter()
-        completions = engine.generate(requests)
-        sync()
-        result[f"{impl}_tok_s"] = round(sum(len(c.token_ids) for c in completions) / (time.perf_counter() - start))
+        completions, result[f"{impl}_tok_s"] = timed_generation(
+            engine, [GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)])
         done = completions if impl == "native" else done
         engine.close()
         del engine
