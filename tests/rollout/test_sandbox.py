@@ -103,7 +103,9 @@ ESCAPES = {
 @pytest.mark.parametrize("name", list(ESCAPES))
 def test_escapes_are_contained_and_reported(name):
     source, expected = ESCAPES[name]
-    wall = 10 if name == "busy loop" else 3  # 1 s of CPU may take a while on a busy machine
+    # 1 s of CPU takes load/cores s of wall time: ~35 s at load 70 on 2 cores, where 10 s ran out first. The busy loop
+    # ends at its CPU limit, so the wall limit costs nothing on an idle machine.
+    wall = 120 if name == "busy loop" else 3
     start = time.monotonic()
     result = run_python(source, limits=SandboxConfig(cpu_s=1, memory_mb=256, disk_mb=16), timeout_s=wall)
     assert result.error is not None and re.search(expected, result.error), (result.error, result.stderr[-500:])
