@@ -30,6 +30,17 @@ def _prompts(n, seed=0):
     return [torch.randint(0, 256, (int(k),), generator=gen).tolist() for k in torch.randint(2, 12, (n,), generator=gen)]
 
 
+def _swap_after_two_steps(engine, requests, weights2) -> dict:
+    """The requests admitted and stepped twice under version 0 (step 1: the prefill token and a decode token, so 3
+    tokens each), `weights2` staged as version 1, then run to their end: their completions by id (_finish)."""
+    for r in requests:
+        engine.add_request(r)
+    for _ in range(2):
+        assert engine.step() == []
+    engine.stage_weights(weights2, 1)
+    return _finish(engine)
+
+
 def _finish(engine):
     done = {}
     while engine.num_unfinished:
@@ -106,12 +117,7 @@ def test_in_flight_swap_under_each_kv_policy(granite, policy):
     engine = BuiltinEngine(cfg, weights, max_running=4, kv_on_update=policy)
     requests = [GenerationRequest(str(i), p, SamplingParams(temperature=0.0, max_new_tokens=8), ())
                 for i, p in enumerate(_prompts(4, seed=3))]
-    for r in requests:
-        engine.add_request(r)
-    for _ in range(2):  # admitted in step 1 (prefill token + decode token): 3 tokens each under v1
-        assert engine.step() == []
-    engine.stage_weights(v2, 1)
-    done = _finish(engine)
+    done = _swap_after_two_steps(engine, requests, v2)
     fresh_model = transformers_model(path, v2)
     for r in requests:
         c = done[r.request_id]
@@ -240,12 +246,7 @@ def test_deepseek_v3_tokens_after_a_keep_swap_are_the_new_weights_over_the_old_l
     engine = BuiltinEngine(cfg, weights, max_running=4, max_seq_len=40, kv_on_update="keep")
     requests = [GenerationRequest(str(i), [t % 64 for t in p], SamplingParams(temperature=0.0, max_new_tokens=8), ())
                 for i, p in enumerate(_prompts(4, seed=3))]
-    for r in requests:
-        engine.add_request(r)
-    for _ in range(2):  # admitted in step 1 (prefill token + decode token): 3 tokens each under v1
-        assert engine.step() == []
-    engine.stage_weights(weights2, 1)
-    done = _finish(engine)
+    done = _swap_after_two_steps(engine, requests, weights2)
     old, new = transformers_model(v1), transformers_model(tmp_path / "v2")
     for r in requests:
         c = done[r.request_id]
