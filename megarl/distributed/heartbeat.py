@@ -123,6 +123,25 @@ class HeartbeatMonitor:
                  f"it died or hung" for r in self.ranks if self.last_value[r] == before[r]]
         return "; ".join(quiet) if quiet else f"every sampler's heartbeat kept moving for {min_s:g}s after the failure"
 
+    def wait_started(self, num_learners: int = 0, poll_s: float = 0.25) -> None:
+        """Block until every watched sampler has beaten once (its engine is up and its weight receiver listens):
+        a publish before that would wait on a receiver that is still loading, and a vLLM or SGLang server
+        takes longer to start than one version's broadcast is given (publish.timeout_s). Raises
+        SamplerHungError, naming the samplers that never started, once `timeout_s` has passed since the monitor
+        was created or last watched them."""
+        while True:
+            now = self.observe()
+            waiting = [r for r in self.ranks if self.last_value[r] is None]
+            if not waiting:
+                return
+            late = [r for r in waiting if now - self.last_change[r] > self.timeout_s]
+            if late:
+                names = ", ".join(f"sampler rank {r} (sampler {r - num_learners})" for r in late)
+                raise SamplerHungError(
+                    f"{names} did not start its loop within fault.sampler_timeout_s={self.timeout_s:g}s (engine "
+                    f"start and model load); the learner was waiting to publish its resumed weights", late[0])
+            time.sleep(poll_s)
+
     def check(self, num_learners: int = 0) -> None:
         now = time.monotonic()
         if now < self.next_check or not self.ranks:

@@ -562,6 +562,8 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
         make_group = lambda epoch, size: publisher.join_epoch(epoch, size)  # noqa: E731
     try:
         if resumed:  # the samplers generate nothing before they run the resumed weights
+            if heartbeats is not None:  # restarted samplers may still be starting their engines
+                heartbeats.wait_started(topo.num_learners)
             publish_weights(source, publisher, intake.header() if lead else {}, heartbeats, topo.num_learners,
                             shards)
         nonfinite = NonfiniteSteps(cfg.learner.max_nonfinite_in_row, "learner",

@@ -89,6 +89,7 @@ log = logging.getLogger("megarl.sglang_engine")
 HEALTH_POLL_S = 0.5
 STORE_POLL_S = 0.002
 LOG_TAIL_LINES = 40
+PORT_ATTEMPTS = 3  # server starts on sampler.sglang.port=0, each on a port free a moment before
 
 
 class SGLangError(RuntimeError):
@@ -296,10 +297,24 @@ class ServerProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # Owner-only: servers log their arguments at start-up, and the log names the run's requests.
         with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
+            self.log_start = os.fstat(log.fileno()).st_size  # where this process's lines begin (a restart appends)
             # Its own session: stop() ends the server and everything it spawned (SGLang's scheduler and
             # detokenizer processes) with one killpg, without touching this process's group.
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                          preexec_fn=_die_with_parent if _LIBC is not None else None)
+
+    def lost_its_port(self) -> bool:
+        """It exited because its port was taken (EADDRINUSE: "[Errno 98] ... address already in use", as uvicorn
+        and Python's socketserver both say it)."""
+        if self.proc.poll() is None:
+            return False
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self.log_start)
+                own = log.read().decode(errors="replace")
+        except OSError:
+            return False
+        return "address already in use" in "\n".join(own.splitlines()[-LOG_TAIL_LINES:]).lower()
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
@@ -471,7 +486,6 @@ class SGLangEngine:
         from megarl.distributed.topology import sglang_gpu_slice
 
         sc = cfg.sampler.sglang
-        port = sc.port + topo.role_rank if sc.port else free_port("127.0.0.1")
         env = server_env(os.environ)
         if sc.server == "sglang":
             gpus = sglang_gpu_slice(topo.rank, int(os.environ.get("LOCAL_RANK", topo.rank)),
@@ -486,16 +500,33 @@ class SGLangEngine:
         # A key of this server's own: any local process can reach 127.0.0.1, and the server's routes pause
         # generation and load weights (docs/security.md).
         api_key = new_api_key()
-        secret_args = write_secret_args(Path(cfg.run.dir) / "sglang" / f"sampler{topo.role_rank}.secret.yaml", api_key)
-        cmd = server_command(cfg, model_dir, port, seed=cfg.run.seed * 1000 + topo.rank, secret_args=secret_args)
-        server = ServerProcess(cmd, env, Path(cfg.run.dir) / "sglang" / f"sampler{topo.role_rank}.log",
-                               f"http://127.0.0.1:{port}")
-        client = HTTPClient("127.0.0.1", port, sc.request_timeout_s, describe=server.log_tail, api_key=api_key)
-        try:
+        log_path = Path(cfg.run.dir) / "sglang" / f"sampler{topo.role_rank}.log"
+        # sampler.sglang.port=0: a port free a moment ago, which another process may bind before the server
+        # does; a server that exits saying so is started again on another one.
+        for attempt in range(1, (PORT_ATTEMPTS if not sc.port else 1) + 1):
+            port = sc.port + topo.role_rank if sc.port else free_port("127.0.0.1")
+            secret_args = write_secret_args(Path(cfg.run.dir) / "sglang" / f"sampler{topo.role_rank}.secret.yaml",
+                                            api_key)
+            cmd = server_command(cfg, model_dir, port, seed=cfg.run.seed * 1000 + topo.rank, secret_args=secret_args)
+            server = ServerProcess(cmd, env, log_path, f"http://127.0.0.1:{port}")
+            client = HTTPClient("127.0.0.1", port, sc.request_timeout_s, describe=server.log_tail, api_key=api_key)
             try:
-                server.wait_healthy(client, sc.startup_timeout_s)
-            finally:
-                secret_args.unlink(missing_ok=True)  # read at start-up; healthy (or dead) means it was read
+                try:
+                    server.wait_healthy(client, sc.startup_timeout_s)
+                finally:
+                    secret_args.unlink(missing_ok=True)  # read at start-up; healthy (or dead) means it was read
+            except SGLangError as exc:
+                server.stop()
+                if attempt < PORT_ATTEMPTS and not sc.port and server.lost_its_port():
+                    print(f"megarl: sampler {topo.role_rank}: port {port} was taken before the server bound it; "
+                          f"starting it on another (attempt {attempt + 1} of {PORT_ATTEMPTS})", flush=True)
+                    continue
+                raise exc
+            except BaseException:
+                server.stop()
+                raise
+            break
+        try:
             info = client.get("/server_info")  # both supported releases serve it (/get_server_info: deprecated)
             if info[0] != 200:
                 raise client.error("/server_info", f"HTTP {info[0]}: {info[1][:2000].decode(errors='replace')}")

@@ -40,6 +40,25 @@ def test_a_sampler_that_never_beats_is_named_after_the_timeout(store):
         monitor.check()
 
 
+def test_a_resumed_publish_waits_for_every_sampler_to_start_and_names_one_that_never_does(store):
+    """A restarted sampler starts its engine (a vLLM server: tens of seconds) before its loop beats; the learner's
+    resumed publish waits for every first beat, under fault.sampler_timeout_s, not the broadcast's timeout."""
+    import threading
+
+    monitor = HeartbeatMonitor(store, [1, 2], timeout_s=5.0)
+    late = threading.Timer(0.3, Heartbeat(store, 2, period_s=0.0).beat)  # sampler 1 starts later than sampler 0
+    Heartbeat(store, 1, period_s=0.0).beat()
+    late.start()
+    started = time.monotonic()
+    monitor.wait_started(num_learners=1, poll_s=0.02)
+    assert time.monotonic() - started >= 0.25  # it waited for sampler 1's first beat
+    never = HeartbeatMonitor(store, [1, 3], timeout_s=0.2)
+    with pytest.raises(SamplerHungError, match=r"sampler rank 3 \(sampler 2\) did not start its loop within "
+                                               r"fault.sampler_timeout_s=0.2s") as caught:
+        never.wait_started(num_learners=1, poll_s=0.02)
+    assert caught.value.rank == 3
+
+
 def test_beats_are_rate_limited(store):
     beat = Heartbeat(store, 5, period_s=60.0)
     beat.beat()

@@ -367,6 +367,35 @@ def test_a_server_that_fails_to_start_raises_with_its_log_tail(tmp_path):
     assert "last " in str(err.value) and "no_model" in str(err.value) and time.monotonic() - start < 60
 
 
+def test_a_port_taken_before_the_server_binds_it_is_replaced_by_another(model_dir, tmp_path, monkeypatch, capsys):
+    """sampler.sglang.port=0 picks a port that was free a moment ago; another process may bind it first. The
+    server exits with EADDRINUSE and is started again on another port, which the engine then talks to."""
+    import socket
+
+    from megarl.distributed import sglang_publish
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    taken_port = taken.getsockname()[1]
+    picks = iter([taken_port])
+    real_free_port = sglang_publish.free_port
+    monkeypatch.setattr(sglang_publish, "free_port", lambda host: next(picks, None) or real_free_port(host))
+    try:
+        engine = SGLangEngine.from_config(sglang_config(tmp_path, model_dir), TOPO, model_dir)
+    finally:
+        taken.close()
+    try:
+        assert engine.client.port != taken_port
+        assert (f"port {taken_port} was taken before the server bound it; starting it on another (attempt 2 of 3)"
+                in capsys.readouterr().out)
+        assert "address already in use" in (tmp_path / "sglang" / "sampler0.log").read_text().lower()
+        engine.add_request(request("after", 3))
+        assert len(run_until_done(engine, 30)["after"].token_ids) == 3
+    finally:
+        engine.close()
+
+
 def test_a_server_that_never_answers_health_times_out_with_its_log_tail(tmp_path):
     server = ServerProcess([sys.executable, "-c", "print('stuck', flush=True); import time; time.sleep(60)"], ENV,
                            tmp_path / "stuck.log", "http://127.0.0.1:9")
