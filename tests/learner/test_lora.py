@@ -80,6 +80,32 @@ def test_adapter_equals_peft_and_the_merged_weights(model_dir, world, tmp_path):
         assert (_logprobs(hf, ids) - theirs).abs().max() <= 2e-5
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "smollm3", "olmo2", "gemma3"])
+def test_every_dense_familys_adapter_equals_peft(world, tmp_path, kind):
+    """The adapter on each dense family's own layout (Qwen3's and Gemma 3's heads wider than hidden, OLMo 2's and
+    Gemma 3's norms after the projections, Mistral's and Gemma 3's windows, SmolLM3's layer without RoPE) is peft's
+    LoraLayer on transformers' model of the same directory, loaded from the PEFT directory megarl writes."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.sampler import TINY, TOL, make_tiny_model
+
+    model_dir = str(make_tiny_model(tmp_path / kind, kind))
+    learner = _learner(model_dir)
+    _randomise_b(learner)
+    ids = torch.randint(0, TINY["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(0))
+    ours = learner.logprobs(ids)
+    adapter = dict(learner.publish_tensors())
+    assert learner.publish_spec() == lora.adapter_spec(learner.hf_config, learner.lora)
+    lora.save_peft(tmp_path / "adapter", adapter, learner.lora, model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        untouched = _logprobs(base, ids)
+        theirs = _logprobs(PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval(), ids)
+    assert (ours - untouched).abs().max() > 1e-2  # the adapter does show
+    assert (ours - theirs).abs().max() <= TOL  # fp32, two programs' reduction orders
+
+
 def test_only_the_adapter_trains(model_dir, world):
     learner = _learner(model_dir, targets=["q_proj", "k_proj", "v_proj", "o_proj"], lr=1e-2)
     trainable = {n for n, p in learner.gpt.named_parameters() if p.requires_grad}

@@ -94,6 +94,36 @@ def test_adapter_update_mid_rollout_keeps_per_token_versions_exact(qwen, policy,
         assert max(abs(other[n - 1 + i, t] - want[i]) for i, t in enumerate(c.token_ids)) > 1e-3
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "smollm3", "olmo2", "gemma3"])
+def test_an_adapter_version_of_every_dense_family_samples_with_pefts_logprobs(tmp_path, kind):
+    """An adapter staged on the engine serving a family's own layout: the tokens it samples carry the log-probs of
+    peft's LoraLayer on transformers' model of the same directory (the adapter read from the PEFT directory
+    megarl writes), past Mistral's and Gemma 3's windows."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir = make_tiny_model(tmp_path / kind, kind)
+    cfg, base = load_pretrained(str(model_dir))
+    adapter = _adapter(cfg, 1)
+    engine = BuiltinEngine(cfg, base, max_running=2)
+    AdapterStager(engine, base, cfg, LORA).stage(adapter, 1)
+    engine.add_request(GenerationRequest("a", [3, 1, 4, 1, 5], SamplingParams(temperature=1.0, max_new_tokens=8)))
+    done = []
+    while engine.num_unfinished:
+        done += engine.step()
+    (c,) = done
+    assert c.versions == [1] * 8
+    lora.save_peft(tmp_path / "adapter", adapter, LORA, str(model_dir))
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
+                                     str(tmp_path / "adapter")).eval()
+    ids = torch.tensor([c.prompt_ids + c.token_ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(peft(ids).logits[0].float(), -1)
+    n = len(c.prompt_ids)
+    want = torch.stack([ref[n - 1 + i, t] for i, t in enumerate(c.token_ids)])
+    assert (torch.tensor(c.logprobs) - want).abs().max() <= fp32_logprob_tol(TINY, float(ref.abs().max()))
+
+
 def test_a_wrong_adapter_is_refused_before_it_is_staged(qwen):
     cfg, base = qwen
     engine = BuiltinEngine(cfg, base, max_running=2)

@@ -62,6 +62,29 @@ def _linear_without_onednn() -> None:
 
 _linear_without_onednn()
 
+def repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Prepack every CPU MoE layer's expert weights again after a reload; returns how many layers it repacked.
+
+    vLLM 0.32's CPU experts (fused_moe/experts/cpu_moe.py, CPUUnquantizedExperts) prepack w13 and w2 into their
+    grouped-GEMM layout in `process_weights_after_loading`, which the unquantized MoE method
+    (unquantized_fused_moe_method.py) calls on the first load only: on a weight update it copies the new weights
+    into the parameters in checkpoint layout and skips the prepack, so the kernel reads unpacked weights as
+    packed ones (measured: Mixtral and Qwen3-MoE 3.4-3.7 nats off the learner after an update, exact before it).
+    Running the prepack on the reloaded weights restores it: every log-prob after an update matches the learner's
+    to ~1e-6 (tests/sampler/vllm/test_vllm_families.py)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # megarl's sampler process, or a vLLM without CPU experts
+        return 0
+    repacked = 0
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
 DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
@@ -271,6 +294,7 @@ class MegarlWorkerExtension:
             tensors = lora_merge.merged_weights(lora["base"], adapter, lora["factor"])
         with torch.no_grad():
             self.model_runner.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
+            repack_cpu_experts(self.model_runner.get_model())
         if len(received) != sum(len(b["tensors"]) for b in a["buckets"]):
             raise RuntimeError(f"megarl_update: vLLM's reload consumed {len(received)} of "
                                f"{sum(len(b['tensors']) for b in a['buckets'])} tensors")
