@@ -322,6 +322,32 @@ def test_an_sglang_server_whose_update_failed_waits_paused_for_the_next_epoch_no
     assert engine.calls == [(5, False), (5, False)] and published == [5]  # paused on failure, then the whole one
 
 
+def test_an_sglang_server_that_got_a_version_loads_it_again_when_the_learner_sends_it_again(store):
+    # A publish that timed out on another member, every sampler alive, goes again at once over a new epoch: a server
+    # that got it loads it again under the same label (its tokens keep that version) and goes on.
+    engine, published, stop = FakeSGLangEngine(), [], threading.Event()
+    engine.fail = 0
+    follower = EpochFollower(store, 2, 0, lambda e, r, n: f"megarl_weight_update_e{e}")
+    weights = SGLangWeightFollower(engine, store, 1, lambda v, extra: published.append(v), stop.is_set,
+                                   follower=follower)
+    store.set("sglang/update_group", json.dumps({"group_name": "megarl_weight_update"}))
+    store.set("sglang/spec", json.dumps({"format": "flattened_bucket", "calls": [[["w", [2], "float32"]]]}))
+    store.set(header_key(1), json.dumps({"version": 5, "extra": {}}))
+    weights.start()
+    deadline = time.monotonic() + 30
+    while not published and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store.set(epoch_key(1), json.dumps({"members": [[2, 0]], "first_publish": 2, "positions": {}}))
+    store.set(header_key(2), json.dumps({"version": 5, "extra": {}}))
+    store.set(header_key(3), json.dumps({"version": 6, "extra": {}}))
+    while len(published) < 3 and time.monotonic() < deadline and weights.error is None:
+        time.sleep(0.01)
+    stop.set()
+    weights.join(10)
+    assert weights.error is None, weights.error
+    assert published == [5, 5, 6] and engine.version == 6 and follower.group == "megarl_weight_update_e1"
+
+
 def test_a_step_is_one_batch_of_applied_optimizer_steps():
     batch = TrainBatch(*(torch.zeros(2, 3) for _ in range(5)), learner_version=4)
     check_trained(0, batch, 4, 5, applied=1)
