@@ -57,11 +57,14 @@ class Member:
         self.stopped = threading.Event()
         self.follower = EpochFollower(store, rank, incarnation, lambda e, r, n: _group(store, e, r, n), group=group)
         expected = {name: (t.shape, t.dtype) for name, t in _weights(0).items()}
-        storage = (lambda version: {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in expected.items()}) \
-            if destination else None
+
+        def storage(version):  # fresh storage per version
+            return {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in expected.items()}
+
         self.receiver = WeightReceiver(group, store, expected, torch.device("cpu"), on_version=self._on_version,
                                        current_version=lambda: max(self.got, default=0),
-                                       should_stop=self.stopped.is_set, timeout_s=TIMEOUT_S, destination=storage,
+                                       should_stop=self.stopped.is_set, timeout_s=TIMEOUT_S,
+                                       destination=storage if destination else None,
                                        follower=self.follower)
 
     def _on_version(self, version, tensors, extra):
