@@ -30,8 +30,10 @@ the last words of every bucket (the source to diff against, receivers to patch),
 cover the rebuilt words, so a receiver checks it holds exactly the source's words.
 Publishes are numbered separately from policy versions because a version may advance by more than
 one between publishes (sync mode trains K steps, a skipped step advances none).
-Receivers double-buffer: publish n lands in buffer set n % 2, reused only once the engine has
-moved past the version that set last held.
+Receivers double-buffer: a new version lands in the buffer set that does not hold the newest one,
+reused only once the engine has moved past the version that set last held. A version a receiver
+already handed over, published again (a re-publish over a new membership epoch), is received but
+not staged (WeightReceiver._receive_again says why).
 Under fault.on_failure=replace the group changes with the live sampler set (membership epochs,
 megarl.distributed.membership): a receiver's `follower` moves it to each epoch's group and first publish,
 whose source resets its delta base, so that publish is whole.
@@ -376,7 +378,9 @@ class WeightReceiver:
     then names the arriving, whole shapes; the destination holds the narrowed ones).
     `follower` (fault.on_failure=replace: a membership.EpochFollower) moves the receiver to each new membership
     epoch's group and first publish; a publish that fails is then dropped (its version never handed over) and
-    the receiver waits for the next epoch, whose first publish is whole, instead of failing.
+    the receiver waits for the next epoch, whose first publish is whole, instead of failing. That publish may
+    be a version this receiver already handed over (the learner sends a version again when its publish failed
+    with every sampler alive): the receiver is idempotent per version (`_receive_again`).
     """
 
     def __init__(self, group, store, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
@@ -390,6 +394,8 @@ class WeightReceiver:
         self.timeout = timedelta(seconds=timeout_s)
         self.next_index = 1
         self.held_versions: list[int | None] = [None, None]  # version each staging set last received
+        self.next_set = 0  # the staging set the next new version lands in: the one not holding the newest
+        self.newest: int | None = None  # the newest version handed to on_version
         self.error: BaseException | None = None
         self._expected, self._device = expected, device
         self.partial = partial  # one stage of several (StagedReceiver): the spec covers part of `expected`
@@ -451,7 +457,6 @@ class WeightReceiver:
                     if self.follower is None:
                         raise
                     # A member died during this publish: its version is dropped, the next epoch's publish is whole.
-                    self.held_versions[self.next_index % 2] = None
                     self._join(self.follower.wait_for_epoch(self.should_stop, self.follower.rejoin_timeout_s, exc))
                     continue
                 self.next_index += 1
@@ -484,9 +489,12 @@ class WeightReceiver:
             time.sleep(HEADER_POLL_S if self.follower is None else 0.01)
 
     def _receive(self, index: int, header: dict) -> None:
-        set_index = index % 2
         version = header["version"]
         deadline = time.monotonic() + self.timeout.total_seconds()
+        if self.newest is not None and version <= self.newest:
+            self._check_sums(index, version, header, self._receive_again(version, header), deadline)
+            return
+        set_index = self.next_set
         # The engine may still run on, or not yet have applied, the weights this set last received (a
         # staged version is views into its buffers, and a TP engine applies exactly the version its
         # lead plans, not always the newest); the set is free once the engine has moved past it.  With a
@@ -502,24 +510,58 @@ class WeightReceiver:
                                    f"version {version})")
             time.sleep(0.001)
         self.held_versions[set_index] = version
-        if self.destination is not None:
-            dest = self.destination(version)
-            got = self._receive_into(version, dest, header) if self.wire is None else \
-                self._receive_wire(version, header, lambda i, wire: _unpack(wire, self.buckets[i], dest, self.narrow))
-            tensors = {slot.name: dest[slot.name] for bucket in self.buckets for slot in bucket.slots}
-        else:
-            buffers = self.buffer_sets[set_index]
-            got = self._receive_buckets(version, buffers, header) if self.wire is None else \
-                self._receive_wire(version, header, lambda i, wire: buffers[i].copy_(wire))
-            tensors = {slot.name: self.narrow(slot.name, buffer[slot.offset:slot.offset + slot.numel].view(slot.shape))
-                       for bucket, buffer in zip(self.buckets, buffers) for slot in bucket.slots}
+        try:
+            if self.destination is not None:
+                dest = self.destination(version)
+                got = self._receive_into(version, dest, header) if self.wire is None else \
+                    self._receive_wire(version, header,
+                                       lambda i, wire: _unpack(wire, self.buckets[i], dest, self.narrow))
+                tensors = {slot.name: dest[slot.name] for bucket in self.buckets for slot in bucket.slots}
+            else:
+                buffers = self.buffer_sets[set_index]
+                got = self._receive_buckets(version, buffers, header) if self.wire is None else \
+                    self._receive_wire(version, header, lambda i, wire: buffers[i].copy_(wire))
+                tensors = {slot.name: self.narrow(slot.name,
+                                                  buffer[slot.offset:slot.offset + slot.numel].view(slot.shape))
+                           for bucket, buffer in zip(self.buckets, buffers) for slot in bucket.slots}
+            self._check_sums(index, version, header, got, deadline)
+            self.on_version(version, tensors, header.get("extra", {}))
+        except BaseException:
+            # Part-written, or not taken: the set holds no version, and the next new version lands in it again.
+            self.held_versions[set_index] = None
+            raise
+        self.newest, self.next_set = version, 1 - set_index
+
+    def _receive_again(self, version: int, header: dict) -> list[list[int]]:
+        """A version this receiver already handed over (staged or applied), published again: the learner sends a
+        version again at once over a new membership epoch when its publish failed with every sampler alive, and
+        the members it reached got it then. The broadcast is collective, so the bytes are taken (and checked), but
+        the duplicate is discarded, never staged: a second staging would fill the other staging set with the same
+        version, and the next version, needing the first set back, would wait for the engine to move past the
+        version it runs (until publish.timeout_s failed that publish too); vLLM refuses a version that is not
+        newer. The wire buffers take it where there are some (they are the delta base, which must be the source's
+        words: this publish is whole, the source's new base); otherwise one buffer of the largest bucket, bucket
+        by bucket (never the engine's staging storage, which the engine may run from). Its checksums."""
+        if self.wire is not None:
+            return self._receive_wire(version, header, lambda i, wire: None)
+        sink = torch.empty(max(b.numel * b.dtype.itemsize for b in self.buckets), dtype=torch.uint8,
+                           device=self._device)
+        got = []
+        for i, bucket in enumerate(self.buckets):
+            target = sink[:bucket.numel * bucket.dtype.itemsize].view(bucket.dtype)
+            _Broadcast(self.group, target, self.timeout,
+                       f"receive version {version} again (held already) bucket {i + 1}/{len(self.buckets)}").wait()
+            if header["checksum"]:
+                got.append(bucket_checksum(target))
+        return got
+
+    def _check_sums(self, index: int, version: int, header: dict, got: list[list[int]], deadline: float) -> None:
+        """With checksums on, the received buckets' sums must be the source's."""
         if header["checksum"]:
             sent = self._sent_checksums(index, deadline)
             if got != sent:
                 bad = [i for i, (a, b) in enumerate(zip(got, sent)) if a != b]
                 raise RuntimeError(f"weight publish: checksum mismatch for version {version} in buckets {bad}")
-        self.on_version(version, tensors, header.get("extra", {}))
-
 
     def _receive_buckets(self, version: int, buffers: list[torch.Tensor], header: dict) -> list[list[int]]:
         """Every bucket straight into the staging set (wire = engine dtype, no deltas); their checksums."""

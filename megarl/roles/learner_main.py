@@ -250,7 +250,7 @@ class Intake:
         gone = self._find_gone()
         self.members.note(f"megarl: weight publish failed ({str(exc)[:300]}); "
                           + (f"the next one goes without {', '.join(self.members.name(r) for r in gone)}" if gone else
-                             "no sampler is gone: the next one goes to the same samplers over a new epoch"))
+                             "no sampler is gone: this version goes again to the same samplers over a new epoch"))
         self.members.changed = True
         return gone
 
@@ -342,14 +342,14 @@ def publish_to_members(learner, publisher, intake: Intake, make_group, heartbeat
     """fault.on_failure=replace: publish to the live samplers of the current membership epoch (a new one when
     the set changed). A failed publish drops the members that are gone and posts every sampler's retired count (the
     survivors' staleness budget must not wait on the next publish); the next publish goes over a new epoch, whole.
-    `again_at_once` (SGLang, whose servers stay paused when their receive failed; newcomers that can send nothing
-    before a version reaches them), or no member left that a publish reached: that publish is this version, sent
-    now. MEMBERSHIP_ATTEMPTS failed publishes in
-    a row with no sampler gone stop the run, naming the last one.
-
-    Not again at once otherwise: a built-in or vLLM receiver that got this version while another member failed
-    the publish would take the same version twice, its two staging sets both holding it; the next version would
-    wait for the engine to move past it (publish.WeightReceiver) until that publish timed out."""
+    That publish is this version, sent now, when no sampler is gone (a member too slow for publish.timeout_s:
+    every sampler is there to take it now; left to the next step's publish, the samplers that missed it generate
+    on the older version only while their staleness budget lasts, and the run could stall until queue.timeout_s),
+    with `again_at_once` (SGLang, whose servers stay paused when their receive failed), or when no member is left
+    that a publish reached (newcomers send nothing before a version reaches them); otherwise it is the next step's.
+    The members that got this version already take it again, as the broadcast requires, and discard it
+    (publish.WeightReceiver._receive_again; an SGLang server loads it again under the same label).
+    MEMBERSHIP_ATTEMPTS failed publishes in a row with no sampler gone stop the run, naming the last one."""
     while True:
         if not intake.refresh_members(publisher, make_group, learner.version):
             return publish_weights(learner, None, {}, None, num_learners)  # no sampler to publish to
@@ -362,8 +362,8 @@ def publish_to_members(learner, publisher, intake: Intake, make_group, heartbeat
                 raise TimeoutError(f"weight publish failed {MEMBERSHIP_ATTEMPTS} times in a row over new membership "
                                    f"epochs (fault.on_failure=replace) with no sampler gone: {exc}") from exc
             intake.announce_retired()
-            if again_at_once or len(intake.members.newcomers()) == intake.members.alive:
-                continue  # (no member could send a group before it); every round drops one or counts
+            if not gone or again_at_once or len(intake.members.newcomers()) == intake.members.alive:
+                continue  # every round drops a member or counts a failure
             return {"bytes": 0, "seconds": 0.0}
         intake.failed_publishes = 0
         intake.members.delivered()

@@ -44,19 +44,34 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
 
 
 class Member:
-    """A sampler incarnation's receiver: what it got, per version."""
+    """A sampler incarnation's receiver: what it got, per version, and every version handed over, in order (an engine
+    runs a version as soon as it is handed over). `refuse`: versions whose first hand-over fails (a receive that
+    fails on this member only); `destination`: the receiver writes into fresh per-version storage (the built-in
+    engine's staging_buffers) instead of its staging sets."""
 
-    def __init__(self, store, rank: int, incarnation: int, group=None):
+    def __init__(self, store, rank: int, incarnation: int, group=None, destination: bool = False):
         store = _client(store)
         self.got: dict[int, dict] = {}
+        self.handed: list[int] = []
+        self.refuse: set[int] = set()
         self.stopped = threading.Event()
         self.follower = EpochFollower(store, rank, incarnation, lambda e, r, n: _group(store, e, r, n), group=group)
         expected = {name: (t.shape, t.dtype) for name, t in _weights(0).items()}
+
+        def storage(version):  # fresh storage per version
+            return {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in expected.items()}
+
         self.receiver = WeightReceiver(group, store, expected, torch.device("cpu"), on_version=self._on_version,
                                        current_version=lambda: max(self.got, default=0),
-                                       should_stop=self.stopped.is_set, timeout_s=TIMEOUT_S, follower=self.follower)
+                                       should_stop=self.stopped.is_set, timeout_s=TIMEOUT_S,
+                                       destination=storage if destination else None,
+                                       follower=self.follower)
 
     def _on_version(self, version, tensors, extra):
+        if version in self.refuse:
+            self.refuse.discard(version)
+            raise RuntimeError(f"version {version}: this member's receive failed")
+        self.handed.append(version)
         self.got[version] = {name: t.clone() for name, t in tensors.items()}
 
     def wait_for(self, version: int) -> None:
@@ -127,6 +142,39 @@ def test_a_dropped_member_is_left_out_and_a_replacement_joins_with_its_position_
     a.wait_for(4), c.wait_for(4)
     assert all(torch.equal(c.got[4][n], t) for n, t in _weights(4).items())
     for member in (a, b, c):
+        member.stopped.set()
+        member.receiver.thread.join(5)
+
+
+@pytest.mark.parametrize("mode", ["staging sets", "delta", "destination"])
+def test_a_version_published_again_over_a_new_epoch_is_taken_once_and_the_next_one_does_not_wait(store, mode):
+    # The learner sends a version again at once over a new epoch when its publish failed with every sampler alive
+    # (learner_main.publish_to_members). Here the publish of version 2 reached both members, but b's receive failed
+    # (b alone): a holds version 2 and must discard the second copy (staging it again would fill its other staging
+    # set, and version 3 would wait for the engine to move past version 2, which it runs), b takes it in the set its
+    # failed receive used; version 3 then reaches both at once, bit exact.
+    groups = _epoch0(store, 3)
+    a, b = Member(store, 1, 0, groups[1], mode == "destination"), Member(store, 2, 0, groups[2], mode == "destination")
+    members = SamplerSet(store, [1, 2], num_learners=1, note=lambda line: None)
+    publisher = WeightPublisher(groups[0], store, bucket_mb=1e-4, timeout_s=TIMEOUT_S, checksum=True,
+                                delta=mode == "delta")
+    a.receiver.start(), b.receiver.start()
+    publisher.publish(1, _weights(1).items())
+    a.wait_for(1), b.wait_for(1)
+    b.refuse.add(2)
+    publisher.publish(2, _weights(2).items())
+    a.wait_for(2)
+
+    epoch = members.start_epoch(publisher.published + 1, {})  # the same members: version 2 goes again over it
+    publisher.group, publisher.last_sent = _group(store, epoch, 0, 3), []
+    publisher.publish(2, _weights(2).items())
+    b.wait_for(2)
+    publisher.publish(3, _weights(3).items())
+    a.wait_for(3), b.wait_for(3)
+    assert a.handed == [1, 2, 3] and b.handed == [1, 2, 3]
+    for member in (a, b):
+        assert all(torch.equal(member.got[3][n], t) for n, t in _weights(3).items())
+        assert member.receiver.error is None
         member.stopped.set()
         member.receiver.thread.join(5)
 

@@ -16,6 +16,8 @@ from megarl.protocols import TrainBatch
 from megarl.roles import learner_main
 from megarl.roles.learner_main import Intake, JoinersWaiting, RunOutputs, check_trained, publish_to_members
 from megarl.sampler.sglang_engine import SGLangWeightFollower
+from megarl.distributed.publish import WeightPublisher
+from tests.distributed.test_membership import Member, _epoch0, _group, _weights
 from tests.helpers import REPO, signed_loopback_store
 
 KEY = b"k" * 32
@@ -46,14 +48,16 @@ def _intake(store, monkeypatch, *overrides) -> Intake:
 class FakePublisher:
     """The publisher's surface refresh_members and publish_to_members use; `fail` publishes raise TimeoutError."""
 
-    def __init__(self, fail: int = 0):
+    def __init__(self, fail: int = 0, on_fail=lambda: None):
         self.group, self.last_sent, self.published, self.fail, self.sent = "epoch 0", [], 0, fail, []
+        self.on_fail = on_fail  # what happens while a failing publish runs (a member dies)
 
     def publish(self, version, tensors, extra=None, spec=None):
         self.published += 1
         list(tensors)
         if self.fail:
             self.fail -= 1
+            self.on_fail()
             raise TimeoutError(f"weight publish: version {version} timed out (a member is slow)")
         self.sent.append((version, self.group))
         return {"bytes": 1, "seconds": 0.0}
@@ -131,10 +135,11 @@ def test_after_a_failed_publish_the_survivors_budget_does_not_wait_for_the_next_
     intake = _intake(store, monkeypatch, "publish.timeout_s=0.2", "fault.sampler_timeout_s=0.2",
                      "fault.heartbeat_s=0.1")
     intake.retired.update({1: 6, 2: 4})
-    publisher = FakePublisher(fail=1)
-    store.set(dead_key(2), json.dumps({"incarnation": 0, "cause": "was killed by signal 9 (SIGKILL)"}))
+    # rank 2 dies during the publish
+    publisher = FakePublisher(fail=1, on_fail=lambda: store.set(dead_key(2), json.dumps(
+        {"incarnation": 0, "cause": "was killed by signal 9 (SIGKILL)"})))
     published = publish_to_members(FakeLearner(), publisher, intake, lambda epoch, size: f"epoch {epoch}", None, 1)
-    assert published["bytes"] == 0 and publisher.sent == []  # the built-in engine: the next step's publish
+    assert published["bytes"] == 0 and publisher.sent == []  # a sampler gone (built-in engine): the next step's publish
     assert store.get("retired/1") == b"6"
 
 
@@ -154,6 +159,61 @@ def test_a_failed_publish_goes_again_at_once_where_the_samplers_left_could_not_g
     intake.heartbeats.ranks = [1]
     with pytest.raises(TimeoutError, match="failed 3 times in a row .* with no sampler gone: weight publish: version"):
         publish_to_members(FakeLearner(), publisher, intake, lambda epoch, size: f"epoch {epoch}", None, 1, True)
+
+
+class TimesOutOnce:
+    """The learner's side of a real group whose broadcasts reach every member, then report what gloo reports when
+    a member was slower than publish.timeout_s (every sampler alive)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def broadcast(self, tensor, root, timeout):
+        work = self.group.broadcast(tensor, root, timeout)
+
+        class Late:
+            def wait(self):
+                work.wait()
+                raise RuntimeError("Timed out waiting 20000ms for send operation to complete")
+
+        return Late()
+
+
+class WeightsSource:
+    """The learner's publish surface over test_membership's weights."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+    def publish_tensors(self):
+        return iter(_weights(self.version).items())
+
+    def publish_spec(self, shards):
+        return [(name, tuple(t.shape), t.dtype) for name, t in _weights(0).items()]
+
+
+def test_a_publish_that_times_out_with_every_sampler_alive_goes_again_at_once_and_is_taken_once(store, monkeypatch):
+    # Left to the next step, the samplers that missed the version would generate on an older one while their
+    # staleness budget lasts, and the learner would wait for groups until queue.timeout_s. The members the failed
+    # publish reached take the second copy and discard it; the next version reaches them without waiting.
+    intake = _intake(store, monkeypatch, "fault.sampler_timeout_s=0.2", "fault.heartbeat_s=0.1")
+    groups = _epoch0(store, 3)
+    members = [Member(store, 1, 0, groups[1]), Member(store, 2, 0, groups[2])]
+    for member in members:
+        member.receiver.start()
+    publisher = WeightPublisher(TimesOutOnce(groups[0]), store, bucket_mb=1, timeout_s=20, checksum=True)
+    make_group = lambda epoch, size: _group(store, epoch, 0, size)  # noqa: E731
+    published = publish_to_members(WeightsSource(1), publisher, intake, make_group, None, 1)
+    assert published["bytes"] > 0 and intake.failed_publishes == 0
+    assert _epoch(store, 1) == {"members": [[1, 0], [2, 0]], "first_publish": 2, "positions": {}}
+    published = publish_to_members(WeightsSource(2), publisher, intake, make_group, None, 1)
+    assert published["bytes"] > 0
+    for member in members:
+        member.wait_for(2)
+        assert member.handed == [1, 2] and member.receiver.error is None
+        assert all(torch.equal(member.got[2][n], t) for n, t in _weights(2).items())
+        member.stopped.set()
+        member.receiver.thread.join(5)
 
 
 def test_while_every_sampler_is_being_replaced_the_learner_waits_past_queue_timeout(store, monkeypatch):
@@ -260,6 +320,32 @@ def test_an_sglang_server_whose_update_failed_waits_paused_for_the_next_epoch_no
     weights.join(10)
     assert weights.error is None, weights.error
     assert engine.calls == [(5, False), (5, False)] and published == [5]  # paused on failure, then the whole one
+
+
+def test_an_sglang_server_that_got_a_version_loads_it_again_when_the_learner_sends_it_again(store):
+    # A publish that timed out on another member, every sampler alive, goes again at once over a new epoch: a server
+    # that got it loads it again under the same label (its tokens keep that version) and goes on.
+    engine, published, stop = FakeSGLangEngine(), [], threading.Event()
+    engine.fail = 0
+    follower = EpochFollower(store, 2, 0, lambda e, r, n: f"megarl_weight_update_e{e}")
+    weights = SGLangWeightFollower(engine, store, 1, lambda v, extra: published.append(v), stop.is_set,
+                                   follower=follower)
+    store.set("sglang/update_group", json.dumps({"group_name": "megarl_weight_update"}))
+    store.set("sglang/spec", json.dumps({"format": "flattened_bucket", "calls": [[["w", [2], "float32"]]]}))
+    store.set(header_key(1), json.dumps({"version": 5, "extra": {}}))
+    weights.start()
+    deadline = time.monotonic() + 30
+    while not published and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store.set(epoch_key(1), json.dumps({"members": [[2, 0]], "first_publish": 2, "positions": {}}))
+    store.set(header_key(2), json.dumps({"version": 5, "extra": {}}))
+    store.set(header_key(3), json.dumps({"version": 6, "extra": {}}))
+    while len(published) < 3 and time.monotonic() < deadline and weights.error is None:
+        time.sleep(0.01)
+    stop.set()
+    weights.join(10)
+    assert weights.error is None, weights.error
+    assert published == [5, 5, 6] and engine.version == 6 and follower.group == "megarl_weight_update_e1"
 
 
 def test_a_step_is_one_batch_of_applied_optimizer_steps():
