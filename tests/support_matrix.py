@@ -189,9 +189,16 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_MOE}test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank",
             f"{_CONVERT}test_moe_round_trip_keeps_every_per_expert_tensor[glm4_moe]",
             f"{_MOE}test_moe_publishes_the_per_expert_hf_names[glm4_moe]")),
-        "DeepSpeed learner": NT, "built-in engine (in-flight swaps, keep and recompute)": NT,
+        "DeepSpeed learner": Cell("ZeRO 2 (publish and export with the router expert bias)", (
+            f"{_DS_MOE}test_sigmoid_routed_logprobs_match_transformers[glm4_moe]",
+            f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[glm4_moe-2]")),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("generic model (no routes recorded)", (
+            f"{_MOE}test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish[glm4_moe-keep]",
+            f"{_MOE}test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish"
+            "[glm4_moe-recompute]")),
         "vLLM": Cell("yes", (f"{_VLLM}[glm4_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": NT,
-        "R3": Cell("yes (megatron)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[glm4_moe]",))}),
+        "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[glm4_moe]",
+                                                 f"{_DS_MOE}test_r3_replays_at_the_sigmoid_router[glm4_moe]"))}),
     ("gpt-oss (`gpt_oss`: attention sinks, sliding and full layers by `layer_types`, biases on every linear, fused "
      "experts with the clamped SwiGLU, biased router, YaRN)", "gpt_oss", {
         "megatron learner": Cell("TP1; TP2, PP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
@@ -233,21 +240,23 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_CONVERT}test_deepseek_v3_round_trip_is_exact_and_maps_the_latent_attention[None]",
             f"{_MOE}test_moe_publishes_the_per_expert_hf_names[deepseek_v3]")),
         "DeepSpeed learner": Cell("ZeRO 1, 3 (publish and export with the router expert bias)", (
-            f"{_DS_MOE}test_deepseek_v3_logprobs_match_transformers",
+            f"{_DS_MOE}test_sigmoid_routed_logprobs_match_transformers[deepseek_v3]",
             f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[deepseek_v3-1]",
             f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[deepseek_v3-3]")),
         "built-in engine (in-flight swaps, keep and recompute)": Cell("generic model (no routes recorded)", (
-            f"{_MOE}test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish[keep]",
-            f"{_MOE}test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish[recompute]",
+            f"{_MOE}test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish[deepseek_v3-keep]",
+            f"{_MOE}test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish"
+            "[deepseek_v3-recompute]",
             "tests/sampler/test_hf_engine.py::"
             "test_deepseek_v3_tokens_after_a_keep_swap_are_the_new_weights_over_the_old_latent_cache",
             "tests/sampler/test_hf_engine.py::"
             "test_deepseek_v3_decode_stays_transformers_full_forward_over_a_long_continuously_batched_run",
             "tests/sampler/test_hf_engine.py::"
             "test_architectures_the_native_forward_lacks_run_as_transformers_runs_them[deepseek_v3]")),
-        "vLLM": Cell("yes (CPU: a latent of 512 + 64 RoPE dims)", (f"{_VLLM}[deepseek_v3]",)), "SGLang (megarl's stand-in)": NT, "LoRA": NT,
+        "vLLM": Cell("yes (CPU: a latent of 512 + 64 RoPE dims)", (f"{_VLLM}[deepseek_v3]",)),
+        "SGLang (megarl's stand-in)": NT, "LoRA": NT,
         "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",
-                                                 f"{_DS_MOE}test_r3_on_deepseek_v3_replays_at_its_sigmoid_router"))}),
+                                                 f"{_DS_MOE}test_r3_replays_at_the_sigmoid_router[deepseek_v3]"))}),
 ]
 
 

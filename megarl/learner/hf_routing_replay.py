@@ -2,7 +2,8 @@
 
 Owns what happens at each router of a transformers 5.x MoE model (Mixtral, Qwen3-MoE: ``model.layers[i].mlp.gate``,
 ``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``; gpt-oss: ``mlp.router``, ``GptOssTopKRouter``; DeepSeek-V3:
-``mlp.gate``, ``DeepseekV3TopkRouter``, sigmoid scores, in the layers after its dense first ones) for each
+``mlp.gate``, ``DeepseekV3TopkRouter``, and GLM-4.5: ``Glm4MoeTopkRouter``, the same sigmoid scores, in the layers
+after their dense first ones) for each
 micro-batch.
 Such a router returns
 ``(router_logits, top-k scores, top-k indices)`` and its sparse block sends each token to the indices, weighted by
@@ -40,7 +41,7 @@ def replayed_scores(router_logits: torch.Tensor, indices: torch.Tensor, renormal
 
 def replayed_sigmoid_scores(router_logits: torch.Tensor, indices: torch.Tensor, renormalise: bool,
                             scaling: float) -> torch.Tensor:
-    """[T, k] routing weights of `indices` as DeepSeek-V3's router (DeepseekV3TopkRouter) computes them for its own
+    """[T, k] routing weights of `indices` as DeepSeek-V3's and GLM-4.5's router (DeepseekV3TopkRouter) computes them for its own
     top-k (pure): the sigmoid of the fp32 logits gathered at the indices (the expert bias only chooses, it does
     not weigh), over their sum + 1e-20 when the router renormalises (norm_topk_prob), times
     routed_scaling_factor; fp32, as its own."""
@@ -61,12 +62,10 @@ class HFRouteReplayer:
         mixtral, gpt_oss = hf_config["model_type"] == "mixtral", hf_config["model_type"] == "gpt_oss"
         self._renormalise = mixtral or gpt_oss or bool(hf_config.get("norm_topk_prob", False))
         self._cast = not mixtral
-        # DeepSeek-V3's router: sigmoid scores, renormalised (norm_topk_prob) and scaled
-        self._sigmoid = hf_config["model_type"] == "deepseek_v3"
+        # DeepSeek-V3's and GLM-4.5's router (one computation in transformers: DeepseekV3TopkRouter,
+        # Glm4MoeTopkRouter): sigmoid scores, renormalised (norm_topk_prob) and scaled
+        self._sigmoid = hf_config["model_type"] in moe.SIGMOID_ROUTED
         self._scaling = float(hf_config.get("routed_scaling_factor") or 1.0)
-        if replay and hf_config["model_type"] in moe.SIGMOID_ROUTED and not self._sigmoid:
-            raise ValueError(f"algo.routing_replay=r3 on the DeepSpeed learner: {hf_config['model_type']!r}'s "
-                             f"router is not replayed here; set learner.backend=megatron (docs/models.md)")
         # (route l is MoE layer l: decoder layer first_dense_layers + l, after DeepSeek-V3's / GLM-4.5's dense ones)
         first = moe.first_dense_layers(hf_config)
         self.routers = [model.get_submodule(f"model.layers.{first + i}.mlp.{'router' if gpt_oss else 'gate'}")

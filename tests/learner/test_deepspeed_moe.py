@@ -42,7 +42,8 @@ def moe_dirs(tmp_path_factory):
     return {"mixtral": str(save_tiny_moe(root / "mixtral", "mixtral")),
             "qwen3_moe": str(save_tiny_moe(root / "qwen3_moe", "qwen3_moe")),
             "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss")),
-            "deepseek_v3": str(save_tiny_deepseek_v3(root / "deepseek_v3"))}
+            "deepseek_v3": str(save_tiny_deepseek_v3(root / "deepseek_v3")),
+            "glm4_moe": str(save_tiny_glm4_moe(root / "glm4_moe"))}
 
 
 def _learner(model_dir, routing_replay="off", zero_stage=1, loss_cfg=None, **cfg):
@@ -65,7 +66,7 @@ def _expert_calls(learner):
 
 
 @pytest.mark.parametrize("kind,zero_stage", [("mixtral", 1), ("qwen3_moe", 3), ("deepseek_v3", 1),
-                                             ("deepseek_v3", 3)])
+                                             ("deepseek_v3", 3), ("glm4_moe", 2)])
 def test_moe_publishes_and_exports_the_save_pretrained_state(moe_dirs, world, kind, zero_stage, tmp_path):
     """transformers fuses the experts in memory; what samplers receive and what a checkpoint exports is
     save_pretrained's per-expert state, in the order, shapes and dtypes publish_spec announces (ZeRO-3: gathered
@@ -84,15 +85,17 @@ def test_moe_publishes_and_exports_the_save_pretrained_state(moe_dirs, world, ki
         assert torch.equal(published[name], tensor) and torch.equal(exported[name], tensor), name
 
 
-def test_deepseek_v3_logprobs_match_transformers(moe_dirs, world):
-    """DeepSeek-V3 on the DeepSpeed learner: its routers are those of the MoE layers after the dense first one (the
-    route replayer's, built for every MoE model), and its log-probs are transformers' own to the fp32 bound."""
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_sigmoid_routed_logprobs_match_transformers(moe_dirs, world, kind):
+    """DeepSeek-V3 and GLM-4.5 on the DeepSpeed learner: their routers are those of the MoE layers after the dense
+    first one (the route replayer's, built for every MoE model), and their log-probs are transformers' own to the
+    fp32 bound."""
     from tests.learner.test_moe_learner import _tol
 
-    learner = _learner(moe_dirs["deepseek_v3"])
+    learner = _learner(moe_dirs[kind])
     ids = _ids()
-    ref, _ = _hf_forward(moe_dirs["deepseek_v3"], ids)
-    assert (learner.logprobs(ids) - ref).abs().max().item() <= _tol(moe_dirs["deepseek_v3"])
+    ref, _ = _hf_forward(moe_dirs[kind], ids)
+    assert (learner.logprobs(ids) - ref).abs().max().item() <= _tol(moe_dirs[kind])
 
 
 def test_r3_forces_the_recorded_routes_in_every_pass(moe_dirs, world, tmp_path):
@@ -168,15 +171,16 @@ def test_r3_on_gpt_oss_replays_at_its_router(moe_dirs, world, tmp_path):
     assert r3.train_step(_batch(ids, behaviour, routes))["router/agreement"] < 0.9
 
 
-def test_r3_on_deepseek_v3_replays_at_its_sigmoid_router(moe_dirs, world, tmp_path):
-    """DeepSeek-V3's router (sigmoid scores, the expert bias choosing only, renormalised and scaled by
-    routed_scaling_factor 2.5) under r3: same weights, the replayed weights are its own and the lag-0 gap is fp32
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_r3_replays_at_the_sigmoid_router(moe_dirs, world, tmp_path, kind):
+    """DeepSeek-V3's and GLM-4.5's router (sigmoid scores, the expert bias choosing only, group-limited, renormalised
+    and scaled by routed_scaling_factor 2.5) under r3: same weights, the replayed weights are its own and the lag-0 gap is fp32
     noise; a perturbed router hands the MoE layers' experts (after the dense first layer) exactly the recorded
     routes, and its own choice still shows its disagreement."""
     from tests.learner.test_moe_learner import _tol
 
     ids = _ids()
-    model_dir = moe_dirs["deepseek_v3"]
+    model_dir = moe_dirs[kind]
     behaviour, routes = _hf_forward(model_dir, ids)
     same = _learner(model_dir, routing_replay="r3", micro_batch_size=3)
     assert (same.logprobs(ids, routes) - behaviour).abs().max() < _tol(model_dir)
@@ -192,13 +196,6 @@ def test_r3_on_deepseek_v3_replays_at_its_sigmoid_router(moe_dirs, world, tmp_pa
     for layer, seen in calls.items():
         assert torch.equal(seen, routes[:, :, layer - 1].reshape(-1, routes.shape[-1]).long()), layer
     assert r3.train_step(_batch(ids, behaviour, routes))["router/agreement"] < 0.9
-
-
-def test_r3_on_a_router_it_does_not_replay_is_refused_naming_the_backend(world, tmp_path):
-    """GLM-4.5's router (sigmoid, its own module layout) is not replayed on this learner: r3 is refused by name
-    rather than weighting the recorded experts by another router's scores."""
-    with pytest.raises(ValueError, match="learner.backend=megatron"):
-        _learner(str(save_tiny_glm4_moe(tmp_path / "glm4_moe")), routing_replay="r3")
 
 
 def test_r3_without_routes_stops_the_step(moe_dirs, world):

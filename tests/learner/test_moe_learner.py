@@ -298,9 +298,12 @@ def test_r3_learner_runs_the_engines_routes_across_an_inflight_update(moe_dirs, 
 
 
 @pytest.mark.parametrize("kv_on_update", ["keep", "recompute"])
-def test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish(moe_dirs, world, kv_on_update):
-    """DeepSeek-V3 samples on the built-in engine's generic model (megarl.sampler.hf_model: its native forward has
-    no multi-latent attention), which takes the learner's per-expert publish and the router's expert bias: the
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+def test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish(moe_dirs, world, kind,
+                                                                                       kv_on_update):
+    """DeepSeek-V3 and GLM-4.5 sample on the built-in engine's generic model (megarl.sampler.hf_model: its native
+    forward has neither multi-latent attention nor their routers), which takes the learner's per-expert publish and
+    the router's expert bias: the
     engine samples under v0, takes the learner's v1 in flight into its staging buffers (its arena holds those
     tensors bitwise), and the learner's log-probs of every sampled token are the engine's to the fp32 bound, the
     tokens of either version (keep: the v0 cache continued under v1, so only the recompute run checks v1 tokens
@@ -309,7 +312,7 @@ def test_deepseek_v3_samples_on_the_generic_engine_from_the_learners_publish(moe
     from megarl.sampler import hf_model
     from megarl.sampler.engine import BuiltinEngine
 
-    model_dir = moe_dirs["deepseek_v3"]
+    model_dir = moe_dirs[kind]
     cfg, weights = hf_model.load_pretrained(model_dir)
     assert hf_model.choose(cfg) is hf_model
     engine = BuiltinEngine(cfg, weights, max_running=4, kv_on_update=kv_on_update)
