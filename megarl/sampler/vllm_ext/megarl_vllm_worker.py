@@ -35,6 +35,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import time
 
 import torch
@@ -83,6 +84,25 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
             experts.process_weights_after_loading(module)
             repacked += 1
     return repacked
+
+
+# vLLM 0.32 loaders that write some tensors with `param.copy_` instead of through the parameter's weight loader:
+# gpt-oss's unquantized path (GptOssForCausalLM._load_weights_other) for its experts and attention sinks. In-place
+# reload (`reload_weights`, layerwise) sees only what goes through weight loaders (the parameters it loads into are
+# placeholders until a layer is complete), so those writes are lost and the layers keep the old weights (measured:
+# gpt-oss 0.7-1.2 nats off the learner after an update, exact at lag 0). `split_direct_copies` holds them back from
+# the reload and loads them afterwards with the model's own `load_weights`, into the live parameters.
+DIRECT_COPY = {"GptOssForCausalLM": re.compile(r"\.(mlp\.experts\.(gate_up|down)_proj(_bias)?|self_attn\.sinks)$")}
+
+
+def split_direct_copies(model_class: str, tensors, held: list):
+    """`tensors` without those `model_class`'s loader copies directly (DIRECT_COPY), which are appended to `held`."""
+    pattern = DIRECT_COPY.get(model_class)
+    for name, tensor in tensors:
+        if pattern is not None and pattern.search(name):
+            held.append((name, tensor))
+        else:
+            yield name, tensor
 
 
 DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
@@ -292,9 +312,13 @@ class MegarlWorkerExtension:
             adapter = dict(weights())
             lora_merge.check(lora["base"], adapter)
             tensors = lora_merge.merged_weights(lora["base"], adapter, lora["factor"])
+        model, held = self.model_runner.get_model(), []
         with torch.no_grad():
-            self.model_runner.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
-            repack_cpu_experts(self.model_runner.get_model())
+            self.model_runner.reload_weights(weights_iterator=split_direct_copies(type(model).__name__, tensors, held),
+                                             is_checkpoint_format=True)
+            if held:
+                model.load_weights(held)
+            repack_cpu_experts(model)
         if len(received) != sum(len(b["tensors"]) for b in a["buckets"]):
             raise RuntimeError(f"megarl_update: vLLM's reload consumed {len(received)} of "
                                f"{sum(len(b['tensors']) for b in a['buckets'])} tensors")
