@@ -179,7 +179,8 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_ENGINE_MOE}test_qwen3_moe_logprobs_and_routes_equal_transformers",
             "tests/sampler/test_tensor_parallel.py::test_tp2_forward_equals_tp1_and_is_bit_identical_across_ranks"
             "[qwen3_moe]")),
-        "vLLM": Cell("yes", (f"{_VLLM}[qwen3_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": NT,
+        "vLLM": Cell("yes", (f"{_VLLM}[qwen3_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": Cell("attention projections (learner equals peft)", (
+            "tests/learner/test_lora.py::test_an_moe_familys_attention_adapter_equals_peft[qwen3_moe]",)),
         "R3": Cell("yes (DeepSpeed)", (f"{_DS_MOE}test_r3_on_qwen3_moe_unnormalised_routing_is_exact",))}),
     ("GLM-4.5 (`glm4_moe`: partial RoPE, q/k/v bias and q/k norm from its config, shared expert, sigmoid router "
      "with expert bias, group-limited top-k and scaling, first dense layers)", "glm4_moe", {
@@ -196,7 +197,8 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_MOE}test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish[glm4_moe-keep]",
             f"{_MOE}test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish"
             "[glm4_moe-recompute]")),
-        "vLLM": Cell("yes", (f"{_VLLM}[glm4_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": NT,
+        "vLLM": Cell("yes", (f"{_VLLM}[glm4_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": Cell("attention projections (learner equals peft)", (
+            "tests/learner/test_lora.py::test_an_moe_familys_attention_adapter_equals_peft[glm4_moe]",)),
         "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[glm4_moe]",
                                                  f"{_DS_MOE}test_r3_replays_at_the_sigmoid_router[glm4_moe]"))}),
     ("gpt-oss (`gpt_oss`: attention sinks, sliding and full layers by `layer_types`, biases on every linear, fused "
@@ -216,7 +218,8 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_ENGINE_MOE}test_gpt_oss_across_an_inflight_update_equals_transformers_over_its_cache[recompute]",
             f"{_ENGINE}test_paged_layout_gives_the_contiguous_layouts_completions[gpt_oss-keep]",
             f"{_MOE}test_gpt_oss_samples_on_the_native_engine_and_its_lag0_gap_to_the_learner_is_fp32_noise")),
-        "vLLM": Cell("yes", (f"{_VLLM}[gpt_oss]",)), "SGLang (megarl's stand-in)": NT, "LoRA": NT,
+        "vLLM": Cell("yes", (f"{_VLLM}[gpt_oss]",)), "SGLang (megarl's stand-in)": NT, "LoRA": Cell("attention projections (learner equals peft)", (
+            "tests/learner/test_lora.py::test_an_moe_familys_attention_adapter_equals_peft[gpt_oss]",)),
         "R3": Cell("yes (megatron, DeepSpeed; the built-in engine's routes)", (
             f"{_MOE}test_r3_replays_the_sampler_routes_exactly[gpt_oss]",
             f"{_DS_MOE}test_r3_on_gpt_oss_replays_at_its_router",

@@ -1,6 +1,6 @@
 """`megarl samplers add|remove RUN_DIR ...`: samplers join and leave a running job (fault.on_failure=replace).
 
-`add` (sampler.engine builtin, or sglang with megarl's SGLang-compatible server: its server is started by the
+`add` (sampler.engine builtin, vllm, or sglang with megarl's SGLang-compatible server: its server is started by the
 added sampler as by any other, on a free port) numbers a new sampler rank after the run's world (the n-th added: rank WORLD_SIZE + n - 1, sampler index
 rank - learners), records it under `samplers/added/{n}` and runs, in the foreground, that rank's keeper
 (megarl.roles.sampler_keeper) over the run's saved config (RUN_DIR/config.yaml, sampler.num_engines raised to
@@ -108,12 +108,9 @@ def add_refusal(config: dict) -> str | None:
     if engine == "sglang" and (sampler.get("sglang") or {}).get("server", "builtin") != "builtin":
         # A real SGLang server's GPUs are a slice of its node's, placed by the rank's place among the run's
         # ranks on that node (topology.sglang_gpu_slice); an added rank has no such place.
-        return ("sampler.sglang.server=sglang: `megarl samplers add` starts built-in engines and megarl's "
-                "SGLang-compatible server (sampler.sglang.server=builtin), not real SGLang servers (their GPU slice "
-                "follows the rank's place among the run's ranks on its node)")
-    if engine not in ("builtin", "sglang"):
-        return (f"sampler.engine={engine}: `megarl samplers add` starts built-in engines and megarl's "
-                f"SGLang-compatible server only")
+        return ("sampler.sglang.server=sglang: `megarl samplers add` starts built-in engines, vLLM servers and "
+                "megarl's SGLang-compatible server (sampler.sglang.server=builtin), not real SGLang servers (their "
+                "GPU slice follows the rank's place among the run's ranks on its node)")
     if config.get("eval", {}).get("sets"):
         return "eval.sets: each due version's evaluation is split over the run's engines, a fixed set"
     return None

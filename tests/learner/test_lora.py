@@ -106,6 +106,35 @@ def test_every_dense_familys_adapter_equals_peft(world, tmp_path, kind):
     assert (ours - theirs).abs().max() <= TOL  # fp32, two programs' reduction orders
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "gpt_oss"])
+def test_an_moe_familys_attention_adapter_equals_peft(world, tmp_path, kind):
+    """On a mixture-of-experts family the adapters sit on the attention projections (its experts are not adapted,
+    megarl.models.lora_targets): Qwen3-MoE's, GLM-4.5's (q/k/v biases, partial RoPE, after a dense first layer) and
+    gpt-oss's (biases, sinks) equal peft's LoraLayer on transformers' model of the same directory."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import save_tiny_glm4_moe, save_tiny_gpt_oss, save_tiny_moe
+    from tests.learner.test_moe_learner import _tol
+
+    save = {"qwen3_moe": lambda path: save_tiny_moe(path, "qwen3_moe"), "glm4_moe": save_tiny_glm4_moe,
+            "gpt_oss": save_tiny_gpt_oss}[kind]
+    model_dir = str(save(tmp_path / kind))
+    learner = _learner(model_dir, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    _randomise_b(learner)
+    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
+    ours = learner.logprobs(ids)
+    adapter = dict(learner.publish_tensors())
+    assert learner.publish_spec() == lora.adapter_spec(learner.hf_config, learner.lora)
+    lora.save_peft(tmp_path / "adapter", adapter, learner.lora, model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        untouched = _logprobs(base, ids)
+        theirs = _logprobs(PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval(), ids)
+    assert (ours - untouched).abs().max() > 1e-2  # the adapter does show
+    assert (ours - theirs).abs().max() <= _tol(model_dir)
+
+
 def test_only_the_adapter_trains(model_dir, world):
     learner = _learner(model_dir, targets=["q_proj", "k_proj", "v_proj", "o_proj"], lr=1e-2)
     trainable = {n for n, p in learner.gpt.named_parameters() if p.requires_grad}

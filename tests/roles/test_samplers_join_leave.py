@@ -173,21 +173,22 @@ def test_an_added_sampler_rank_is_taken_in_joins_the_next_epoch_as_a_newcomer_an
     assert intake.members.members == {1: 0, 2: 0}
 
 
-def test_add_is_refused_for_vllm_real_sglang_and_eval_sets_by_name(tmp_path, capsys):
+def test_add_is_refused_for_real_sglang_and_eval_sets_by_name(tmp_path, capsys):
     assert sampler_control.add_refusal({"sampler": {"engine": "builtin"}, "eval": {"sets": []}}) is None
-    assert sampler_control.add_refusal({"sampler": {"engine": "vllm"}}).startswith("sampler.engine=vllm:")
+    assert sampler_control.add_refusal({"sampler": {"engine": "vllm"}}) is None  # (tests/sampler/vllm/)
     assert sampler_control.add_refusal({"sampler": {"engine": "sglang", "sglang": {"server": "builtin"}}}) is None
     assert sampler_control.add_refusal({"sampler": {"engine": "sglang", "sglang": {"server": "sglang"}}}).startswith(
-        "sampler.sglang.server=sglang: `megarl samplers add` starts built-in engines and megarl's SGLang-compatible")
+        "sampler.sglang.server=sglang: `megarl samplers add` starts built-in engines, vLLM servers and megarl's")
     assert sampler_control.add_refusal({"eval": {"sets": [{"name": "x"}]}}).startswith("eval.sets:")
     (tmp_path / "config.yaml").write_text("fault:\n  on_failure: stop\n")
     assert sampler_control.add_sampler(str(tmp_path), []) == 1
     assert "runs with fault.on_failure=stop" in capsys.readouterr().out
     _contact(tmp_path)
-    (tmp_path / "config.yaml").write_text("fault:\n  on_failure: replace\nsampler:\n  engine: vllm\n")
+    (tmp_path / "config.yaml").write_text("fault:\n  on_failure: replace\nsampler:\n  engine: sglang\n  sglang:\n"
+                                          "    server: sglang\n")
     assert sampler_control.add_sampler(str(tmp_path), []) == 1
-    assert "sampler.engine=vllm: `megarl samplers add` starts built-in engines and megarl's SGLang-compatible " \
-           "server only" in capsys.readouterr().out
+    assert "sampler.sglang.server=sglang: `megarl samplers add` starts built-in engines, vLLM servers and megarl's " \
+           "SGLang-compatible server" in capsys.readouterr().out
 
 
 def test_a_stop_signal_to_the_add_command_asks_to_remove_its_sampler_instead_of_stopping_the_run(store):

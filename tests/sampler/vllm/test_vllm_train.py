@@ -138,12 +138,14 @@ def test_multiturn_demo_trains_with_vllm(vllm_python, tmp_path):
     assert rows[0]["lag0/token_share"] == 1.0 and rows[0]["lag0/logprob_gap_abs"] < 1e-4
 
 
-@pytest.mark.timeout(1200)
-def test_killed_vllm_server_with_replace_is_replaced_and_the_run_goes_on(vllm_python, tmp_path):
+@pytest.mark.timeout(1800)
+def test_killed_vllm_server_is_replaced_and_an_added_one_joins_and_leaves_while_the_run_goes_on(vllm_python, tmp_path):
     """fault.on_failure=replace, one sampler: its vLLM server is SIGKILLed mid-run; the sampler fails on it, its
     keeper starts a new sampler and server, which receives the current version in place of a batch (no sampler
     was left) and the run goes on: every step once, the replacement's first trained token of the version it
-    joined at, nothing older after it."""
+    joined at, nothing older after it. Then `megarl samplers add` starts a second vLLM sampler from another
+    process: it joins the publish set, its groups are trained, none older than its join; `megarl samplers remove`
+    stops it and its server, and the run goes on with one."""
     import os
     import re
     import signal
@@ -178,11 +180,36 @@ def test_killed_vllm_server_with_replace_is_replaced_and_the_run_goes_on(vllm_py
                 break
             check_running(deadline, "no replacement joined and trained 3 steps")
             time.sleep(0.5)
+        added = subprocess.Popen([sys.executable, "-m", "megarl.cli", "samplers", "add", str(run_dir)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 500
+            while True:
+                two = [r["step"] for r in rows() if r.get("samplers/alive") == 2.0]
+                if two and rows()[-1]["step"] >= two[0] + 3:
+                    break
+                check_running(deadline, "the added sampler did not join and 3 steps follow")
+                assert added.poll() is None, added.communicate()[0][-3000:]
+                time.sleep(0.5)
+            added_server = _server_pid(run_dir / "vllm" / "sampler1.log")
+            removed = subprocess.run([sys.executable, "-m", "megarl.cli", "samplers", "remove", str(run_dir),
+                                      "--sampler", "1"], capture_output=True, text=True, timeout=300)
+            assert removed.returncode == 0, removed.stdout + removed.stderr
+            added_out, _ = added.communicate(timeout=180)  # its keeper leaves once its sampler is removed
+            assert added.returncode == 0, added_out[-3000:]
+        finally:
+            if added.poll() is None:
+                added.kill()
+        deadline = time.monotonic() + 300
+        while not [r for r in rows() if r.get("samplers/alive") == 1.0 and r["step"] > two[0]]:
+            check_running(deadline, "no step with one sampler after the remove")
+            time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
+    assert added_server is not None and not os.path.exists(f"/proc/{added_server}")  # stopped with its sampler
     assert proc.returncode == 128 + signal.SIGTERM, out[-4000:]
     assert re.search(r"megarl: sampler 0 \(rank 1\) exited with code \d+: dropped from the publish set, "
                      r"replacement 1 starting", out), out[-4000:]
@@ -197,3 +224,8 @@ def test_killed_vllm_server_with_replace_is_replaced_and_the_run_goes_on(vllm_py
     assert after  # its first token may come from a version published after its join (an in-flight update)
     assert all(min(r["versions"]) >= joined[0] for r in after)
     assert set(Counter(r["group_id"] for r in rollouts).values()) == {8}, "a group trained twice"  # demo: 8 a group
+    added_at = [int(v) for v in re.findall(r"sampler 1 \(rank 2\): added joins the publish set at version (\d+)", out)]
+    assert len(added_at) == 1, out[-4000:]
+    from_added = [r for r in rollouts if r["sampler_rank"] == 2]
+    assert from_added, "the added sampler contributed no group"
+    assert all(min(r["versions"]) >= added_at[0] for r in from_added)  # nothing generated before its join
