@@ -80,20 +80,14 @@ def test_adapter_equals_peft_and_the_merged_weights(model_dir, world, tmp_path):
         assert (_logprobs(hf, ids) - theirs).abs().max() <= 2e-5
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "smollm3", "olmo2", "gemma3"])
-def test_every_dense_familys_adapter_equals_peft(world, tmp_path, kind):
-    """The adapter on each dense family's own layout (Qwen3's and Gemma 3's heads wider than hidden, OLMo 2's and
-    Gemma 3's norms after the projections, Mistral's and Gemma 3's windows, SmolLM3's layer without RoPE) is peft's
-    LoraLayer on transformers' model of the same directory, loaded from the PEFT directory megarl writes."""
+def _ours_and_pefts(learner, model_dir: str, vocab: int, tmp_path):
+    """Log-probs of random rows under the learner with a drawn adapter, under peft's LoraLayer on transformers'
+    model loaded with the PEFT directory megarl writes of that adapter, and under the base model alone."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tests.sampler import TINY, TOL, make_tiny_model
-
-    model_dir = str(make_tiny_model(tmp_path / kind, kind))
-    learner = _learner(model_dir)
     _randomise_b(learner)
-    ids = torch.randint(0, TINY["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab, (4, 12), generator=torch.Generator().manual_seed(0))
     ours = learner.logprobs(ids)
     adapter = dict(learner.publish_tensors())
     assert learner.publish_spec() == lora.adapter_spec(learner.hf_config, learner.lora)
@@ -102,6 +96,18 @@ def test_every_dense_familys_adapter_equals_peft(world, tmp_path, kind):
     with torch.no_grad():
         untouched = _logprobs(base, ids)
         theirs = _logprobs(PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval(), ids)
+    return ours, theirs, untouched
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "smollm3", "olmo2", "gemma3"])
+def test_every_dense_familys_adapter_equals_peft(world, tmp_path, kind):
+    """The adapter on each dense family's own layout (Qwen3's and Gemma 3's heads wider than hidden, OLMo 2's and
+    Gemma 3's norms after the projections, Mistral's and Gemma 3's windows, SmolLM3's layer without RoPE) is peft's
+    LoraLayer on transformers' model of the same directory, loaded from the PEFT directory megarl writes."""
+    from tests.sampler import TINY, TOL, make_tiny_model
+
+    model_dir = str(make_tiny_model(tmp_path / kind, kind))
+    ours, theirs, untouched = _ours_and_pefts(_learner(model_dir), model_dir, TINY["vocab_size"], tmp_path)
     assert (ours - untouched).abs().max() > 1e-2  # the adapter does show
     assert (ours - theirs).abs().max() <= TOL  # fp32, two programs' reduction orders
 
@@ -111,9 +117,6 @@ def test_an_moe_familys_attention_adapter_equals_peft(world, tmp_path, kind):
     """On a mixture-of-experts family the adapters sit on the attention projections (its experts are not adapted,
     megarl.models.lora_targets): Qwen3-MoE's, GLM-4.5's (q/k/v biases, partial RoPE, after a dense first layer) and
     gpt-oss's (biases, sinks) equal peft's LoraLayer on transformers' model of the same directory."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     from tests.helpers import save_tiny_glm4_moe, save_tiny_gpt_oss, save_tiny_moe
     from tests.learner.test_moe_learner import _tol
 
@@ -121,16 +124,7 @@ def test_an_moe_familys_attention_adapter_equals_peft(world, tmp_path, kind):
             "gpt_oss": save_tiny_gpt_oss}[kind]
     model_dir = str(save(tmp_path / kind))
     learner = _learner(model_dir, ["q_proj", "k_proj", "v_proj", "o_proj"])
-    _randomise_b(learner)
-    ids = torch.randint(0, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
-    ours = learner.logprobs(ids)
-    adapter = dict(learner.publish_tensors())
-    assert learner.publish_spec() == lora.adapter_spec(learner.hf_config, learner.lora)
-    lora.save_peft(tmp_path / "adapter", adapter, learner.lora, model_dir)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        untouched = _logprobs(base, ids)
-        theirs = _logprobs(PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval(), ids)
+    ours, theirs, untouched = _ours_and_pefts(learner, model_dir, VOCAB, tmp_path)
     assert (ours - untouched).abs().max() > 1e-2  # the adapter does show
     assert (ours - theirs).abs().max() <= _tol(model_dir)
 

@@ -434,6 +434,16 @@ def _samplers_command(*args, timeout: float = 420) -> subprocess.CompletedProces
                           timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
 
 
+def remove_added(run_dir, added, sampler: int, timeout: float = 180) -> str:
+    """`megarl samplers remove RUN_DIR --sampler N` of the sampler the `megarl samplers add` process `added` keeps:
+    both exit 0 (the add command's keeper leaves once its sampler is removed); the add command's output."""
+    removed = _samplers_command("remove", str(run_dir), "--sampler", str(sampler))
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    added_out, _ = added.communicate(timeout=timeout)
+    assert added.returncode == 0, added_out[-3000:]
+    return added_out
+
+
 def _adding_sampler(run_dir) -> _Logged:
     """`megarl samplers add RUN_DIR` in the foreground of a second process (it keeps the added sampler)."""
     return _Logged([sys.executable, "-m", "megarl.cli", "samplers", "add", str(run_dir)], Path(f"{run_dir}.add"),
@@ -465,10 +475,7 @@ def test_with_replace_a_sampler_added_from_a_second_process_joins_and_removed_on
     try:
         _wait_for_metric(run_dir, proc, "samplers/alive", 3.0, more_steps=4)
         assert (3, 1) in _sampler_processes(run_dir)  # the added rank's first incarnation, kept by the command
-        removed = _samplers_command("remove", str(run_dir), "--sampler", "2")  # the added one
-        assert removed.returncode == 0, removed.stdout + removed.stderr
-        added_out, _ = added.communicate(timeout=120)  # its keeper leaves once its sampler is removed
-        assert added.returncode == 0, added_out[-3000:]
+        added_out = remove_added(run_dir, added, 2)
     finally:
         if added.poll() is None:
             added.kill()
@@ -525,10 +532,7 @@ def test_with_replace_an_sglang_sampler_added_from_a_second_process_joins_contri
         _wait_for_metric(run_dir, proc, "samplers/alive", 3.0, more_steps=4)
         servers = _server_processes(_sampler_processes(run_dir)[(3, 1)], b"megarl.sampler.sglang_server")
         assert len(servers) == 1, servers
-        removed = _samplers_command("remove", str(run_dir), "--sampler", "2")
-        assert removed.returncode == 0, removed.stdout + removed.stderr
-        added_out, _ = added.communicate(timeout=180)  # its keeper leaves once its sampler is removed
-        assert added.returncode == 0, added_out[-3000:]
+        remove_added(run_dir, added, 2)
     finally:
         if added.poll() is None:
             added.kill()

@@ -299,8 +299,8 @@ class FakeSGLangEngine:
         self.version = version
 
 
-def test_an_sglang_server_whose_update_failed_waits_paused_for_the_next_epoch_not_fails(store):
-    engine, published, stop = FakeSGLangEngine(), [], threading.Event()
+def _following_version_5(store, engine, published: list, stop: threading.Event):
+    """An SGLang weight follower of sampler rank 2 over `engine`, started with version 5 published (publish 1)."""
     follower = EpochFollower(store, 2, 0, lambda e, r, n: f"megarl_weight_update_e{e}")
     follower.rejoin_timeout_s = 30.0
     weights = SGLangWeightFollower(engine, store, 1, lambda v, extra: published.append(v), stop.is_set,
@@ -309,6 +309,12 @@ def test_an_sglang_server_whose_update_failed_waits_paused_for_the_next_epoch_no
     store.set("sglang/spec", json.dumps({"format": "flattened_bucket", "calls": [[["w", [2], "float32"]]]}))
     store.set(header_key(1), json.dumps({"version": 5, "extra": {}}))
     weights.start()
+    return weights
+
+
+def test_an_sglang_server_whose_update_failed_waits_paused_for_the_next_epoch_not_fails(store):
+    engine, published, stop = FakeSGLangEngine(), [], threading.Event()
+    weights = _following_version_5(store, engine, published, stop)
     deadline = time.monotonic() + 30
     while not engine.calls and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -327,13 +333,7 @@ def test_an_sglang_server_that_got_a_version_loads_it_again_when_the_learner_sen
     # that got it loads it again under the same label (its tokens keep that version) and goes on.
     engine, published, stop = FakeSGLangEngine(), [], threading.Event()
     engine.fail = 0
-    follower = EpochFollower(store, 2, 0, lambda e, r, n: f"megarl_weight_update_e{e}")
-    weights = SGLangWeightFollower(engine, store, 1, lambda v, extra: published.append(v), stop.is_set,
-                                   follower=follower)
-    store.set("sglang/update_group", json.dumps({"group_name": "megarl_weight_update"}))
-    store.set("sglang/spec", json.dumps({"format": "flattened_bucket", "calls": [[["w", [2], "float32"]]]}))
-    store.set(header_key(1), json.dumps({"version": 5, "extra": {}}))
-    weights.start()
+    weights = _following_version_5(store, engine, published, stop)
     deadline = time.monotonic() + 30
     while not published and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -345,7 +345,7 @@ def test_an_sglang_server_that_got_a_version_loads_it_again_when_the_learner_sen
     stop.set()
     weights.join(10)
     assert weights.error is None, weights.error
-    assert published == [5, 5, 6] and engine.version == 6 and follower.group == "megarl_weight_update_e1"
+    assert published == [5, 5, 6] and engine.version == 6 and weights.follower.group == "megarl_weight_update_e1"
 
 
 def test_a_step_is_one_batch_of_applied_optimizer_steps():

@@ -150,6 +150,8 @@ def test_killed_vllm_server_is_replaced_and_an_added_one_joins_and_leaves_while_
     import re
     import signal
 
+    from tests.roles.test_faults import remove_added
+
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", "sampler.engine=vllm",
                              f"run.dir={run_dir}", "run.progress=false", "run.steps=100000", "run.log_rollouts=true",
@@ -192,11 +194,7 @@ def test_killed_vllm_server_is_replaced_and_an_added_one_joins_and_leaves_while_
                 assert added.poll() is None, added.communicate()[0][-3000:]
                 time.sleep(0.5)
             added_server = _server_pid(run_dir / "vllm" / "sampler1.log")
-            removed = subprocess.run([sys.executable, "-m", "megarl.cli", "samplers", "remove", str(run_dir),
-                                      "--sampler", "1"], capture_output=True, text=True, timeout=300)
-            assert removed.returncode == 0, removed.stdout + removed.stderr
-            added_out, _ = added.communicate(timeout=180)  # its keeper leaves once its sampler is removed
-            assert added.returncode == 0, added_out[-3000:]
+            remove_added(run_dir, added, 1)
         finally:
             if added.poll() is None:
                 added.kill()
