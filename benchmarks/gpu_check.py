@@ -855,10 +855,7 @@ FAMILY_SHAPES = {"gemma3": dict(hidden_size=1152, intermediate_size=6912, num_hi
                                 num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256)}
 # Families whose DeepSpeed learner is checked too: its log-probs against HF's, and that it publishes the routers'
 # expert bias (a buffer in transformers, which the engines' routers read).
-DEEPSPEED_FAMILIES = {"deepseek_v3"}
-# Families the built-in engine does not run yet (its generic model takes transformers' fused in-memory expert names,
-# the weights come per expert): their learner's log-probs are checked against HF's on random completions.
-LEARNER_ONLY_FAMILIES = {"glm4_moe"}
+DEEPSPEED_FAMILIES = {"deepseek_v3", "glm4_moe"}
 
 
 def build_family_model(path: Path, name: str, size: Size, device: str) -> Path:
@@ -903,16 +900,14 @@ def check_families(args, size: Size) -> dict:
     for name in FAMILY_CHECKS:
         model_dir = build_family_model(Path(args.workdir) / f"family_{name}", name, size, args.device)
         out[name] = logprob_parity(args, size, model_dir, size.model["vocab_size"],
-                                   run_engine=name not in LEARNER_ONLY_FAMILIES,
                                    deepspeed=name in DEEPSPEED_FAMILIES)
         shutil.rmtree(model_dir)  # (a 0.5B model's disk and page cache, not kept for the next family)
     return out
 
 
-def logprob_parity(args, size: Size, model_dir: Path, vocab: int, run_engine: bool = True,
-                   deepspeed: bool = False) -> dict:
-    """The engine's behaviour log-probs, the megatron learner's and an fp32 HF forward's of the same tokens (
-    run_engine False: the learner's and HF's, on random completions; deepspeed: the DeepSpeed learner's too)."""
+def logprob_parity(args, size: Size, model_dir: Path, vocab: int, deepspeed: bool = False) -> dict:
+    """The engine's behaviour log-probs, the megatron learner's and an fp32 HF forward's of the same tokens
+    (deepspeed: the DeepSpeed learner's too)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -922,8 +917,6 @@ def logprob_parity(args, size: Size, model_dir: Path, vocab: int, run_engine: bo
     prompts = random_prompts(size.parity_rows, vocab, seed=1)
     engine_error = None
     try:
-        if not run_engine:
-            raise LookupError("the engine is not run for this family")
         engine = make_engine(model_dir, device, max_running=len(prompts),
                              max_seq_len=max(map(len, prompts)) + size.parity_tokens)
         sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=size.parity_tokens)
@@ -931,10 +924,10 @@ def logprob_parity(args, size: Size, model_dir: Path, vocab: int, run_engine: bo
                       key=lambda c: int(c.request_id))
         engine.close()
         del engine
-    except Exception as exc:  # still compare the learner with HF, on random completions
+    except Exception:  # still compare the learner with HF, on random completions
         import traceback
 
-        engine_error = traceback.format_exc()[-1500:] if run_engine else None
+        engine_error = traceback.format_exc()[-1500:]
         gen = torch.Generator().manual_seed(2)
         done = [Completion(str(i), p, torch.randint(0, vocab, (size.parity_tokens,), generator=gen).tolist(),
                            [float("nan")] * size.parity_tokens, [0] * size.parity_tokens, "length")
@@ -971,10 +964,6 @@ def logprob_parity(args, size: Size, model_dir: Path, vocab: int, run_engine: bo
             raise RuntimeError(f"the DeepSpeed learner publishes no router expert bias: {out}")
     if engine_error:
         raise RuntimeError(f"the engine failed ({engine_error}); learner vs HF alone: {out}")
-    if not run_engine:
-        if not torch.isfinite(ours[mask]).all():
-            raise RuntimeError(f"non-finite log-probs: {out}")
-        return {**out, "engine": "not run (LEARNER_ONLY_FAMILIES)"}
     out.update(engine_vs_learner=gap(behaviour, ours), engine_vs_hf_fp32=gap(behaviour, ref),
                mean_behaviour_logprob=round(float(behaviour[mask].mean()), 4))
     if not all(torch.isfinite(t[mask]).all() for t in (behaviour, ours)):
