@@ -264,7 +264,9 @@ def summarise_stall(windows: list[tuple[float, float]], reports: list[dict]) -> 
         controls = []
         for (start, end), next_start in zip(updates, next_starts):
             middle = end + (next_start - end - (end - start)) / 2
-            if middle > end:  # the gap holds a window as long as the update's
+            # the gap holds a window as long as the update's, and a decode step overlaps it (on a loaded machine a
+            # short window can fall between two steps, where the loop was descheduled: nothing to compare)
+            if middle > end and any(s[0] < middle + end - start and s[1] > middle for s in report["steps"]):
                 controls.append((middle, middle + end - start))
 
         def overlapping(window):
