@@ -503,7 +503,8 @@ class SGLangEngine:
         log_path = Path(cfg.run.dir) / "sglang" / f"sampler{topo.role_rank}.log"
         # sampler.sglang.port=0: a port free a moment ago, which another process may bind before the server
         # does; a server that exits saying so is started again on another one.
-        for attempt in range(1, (PORT_ATTEMPTS if not sc.port else 1) + 1):
+        attempts = 1 if sc.port else PORT_ATTEMPTS
+        for attempt in range(1, attempts + 1):
             port = sc.port + topo.role_rank if sc.port else free_port("127.0.0.1")
             secret_args = write_secret_args(Path(cfg.run.dir) / "sglang" / f"sampler{topo.role_rank}.secret.yaml",
                                             api_key)
@@ -515,15 +516,12 @@ class SGLangEngine:
                     server.wait_healthy(client, sc.startup_timeout_s)
                 finally:
                     secret_args.unlink(missing_ok=True)  # read at start-up; healthy (or dead) means it was read
-            except SGLangError as exc:
+            except BaseException as exc:
                 server.stop()
-                if attempt < PORT_ATTEMPTS and not sc.port and server.lost_its_port():
+                if isinstance(exc, SGLangError) and attempt < attempts and server.lost_its_port():
                     print(f"megarl: sampler {topo.role_rank}: port {port} was taken before the server bound it; "
-                          f"starting it on another (attempt {attempt + 1} of {PORT_ATTEMPTS})", flush=True)
+                          f"starting it on another (attempt {attempt + 1} of {attempts})", flush=True)
                     continue
-                raise exc
-            except BaseException:
-                server.stop()
                 raise
             break
         try:

@@ -63,8 +63,9 @@ def _linear_without_onednn() -> None:
 
 _linear_without_onednn()
 
-def repack_cpu_experts(model: torch.nn.Module) -> int:
-    """Prepack every CPU MoE layer's expert weights again after a reload; returns how many layers it repacked.
+
+def repack_cpu_experts(model: torch.nn.Module) -> None:
+    """Prepack every CPU MoE layer's expert weights again after a reload.
 
     vLLM 0.32's CPU experts (fused_moe/experts/cpu_moe.py, CPUUnquantizedExperts) prepack w13 and w2 into their
     grouped-GEMM layout in `process_weights_after_loading`, which the unquantized MoE method
@@ -76,14 +77,11 @@ def repack_cpu_experts(model: torch.nn.Module) -> int:
     try:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     except ImportError:  # megarl's sampler process, or a vLLM without CPU experts
-        return 0
-    repacked = 0
+        return
     for module in model.modules():
         experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
         if isinstance(experts, CPUUnquantizedExperts):
             experts.process_weights_after_loading(module)
-            repacked += 1
-    return repacked
 
 
 # vLLM 0.32 loaders that write some tensors with `param.copy_` instead of through the parameter's weight loader:
