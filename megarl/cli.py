@@ -386,16 +386,37 @@ def check_route_recording(hf_config: dict, cfg) -> None:
                          f"(algo.routing_replay=off; docs/models.md)") from None
 
 
+# (kv_lora_rank, qk_rope_head_dim): the one MLA size vLLM 0.32's CPU attention kernel serves (DeepSeek's own)
+VLLM_CPU_MLA_LATENT = (512, 64)
+
+
 def check_vllm_model(hf_config: dict, cfg) -> None:
-    """sampler.engine=vllm on a config vLLM 0.32 would serve as another model: refused, naming the key (docs/vllm.md).
-    gpt-oss: vLLM clamps its SwiGLU at the released 7.0 whatever `swiglu_limit` says."""
-    if cfg.sampler.engine != "vllm" or hf_config.get("model_type") != "gpt_oss":
+    """sampler.engine=vllm on a config vLLM 0.32 (CPU, megarl.sampler.vllm_env) would serve as another model or fail
+    on at its first request: refused before launch, naming the key (docs/vllm.md, its limits).
+    gpt-oss: vLLM clamps its SwiGLU at the released 7.0 whatever `swiglu_limit` says.
+    DeepSeek-V3: the CPU MLA kernel takes only a latent of 512 + 64 RoPE dims, and vLLM loads the router's
+    `e_score_correction_bias` only under `topk_method: noaux_tc`."""
+    if cfg.sampler.engine != "vllm":
         return
-    limit = hf_config.get("swiglu_limit", 7.0)
-    if limit != 7.0:
-        raise ValueError(f"sampler.engine=vllm: vLLM 0.32 clamps gpt-oss's SwiGLU at 7.0 and ignores swiglu_limit="
-                         f"{limit} in config.json, so it would sample from another model than the learner trains; use "
-                         f"sampler.engine=builtin, which serves gpt-oss natively")
+    model_type = hf_config.get("model_type")
+    if model_type == "gpt_oss":
+        limit = hf_config.get("swiglu_limit", 7.0)
+        if limit != 7.0:
+            raise ValueError(f"sampler.engine=vllm: vLLM 0.32 clamps gpt-oss's SwiGLU at 7.0 and ignores swiglu_limit="
+                             f"{limit} in config.json, so it would sample from another model than the learner trains; "
+                             f"use sampler.engine=builtin, which serves gpt-oss natively")
+    if model_type == "deepseek_v3":
+        latent = (hf_config.get("kv_lora_rank"), hf_config.get("qk_rope_head_dim"))
+        if latent != VLLM_CPU_MLA_LATENT:
+            raise ValueError(f"sampler.engine=vllm: vLLM 0.32's CPU MLA kernel takes only kv_lora_rank="
+                             f"{VLLM_CPU_MLA_LATENT[0]} with qk_rope_head_dim={VLLM_CPU_MLA_LATENT[1]}, and config.json "
+                             f"has kv_lora_rank={latent[0]}, qk_rope_head_dim={latent[1]} (the server would fail at "
+                             f"its first request); use sampler.engine=builtin")
+        if hf_config.get("topk_method") != "noaux_tc":
+            raise ValueError(f"sampler.engine=vllm: vLLM 0.32 loads DeepSeek-V3's router bias "
+                             f"(e_score_correction_bias) only under topk_method: noaux_tc, and config.json has "
+                             f"topk_method={hf_config.get('topk_method')!r}; set it (released checkpoints do) or use "
+                             f"sampler.engine=builtin")
 
 
 def check_generic_model(hf_config: dict, cfg) -> None:

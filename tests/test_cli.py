@@ -148,6 +148,23 @@ def test_gpt_oss_r3_launches_on_the_native_engine_and_is_refused_on_its_generic_
     assert "vLLM 0.32 clamps gpt-oss's SwiGLU at 7.0 and ignores swiglu_limit=2.0" in proc.stderr
 
 
+def test_deepseek_v3_on_vllm_is_refused_before_launch_unless_the_cpu_kernel_serves_its_latent_and_router():
+    """vLLM 0.32's CPU MLA kernel fails at the first request on a latent other than 512 + 64 RoPE dims, and its
+    loader reads the router bias only under topk_method noaux_tc: both are named before launch; the built-in engine
+    is not concerned."""
+    from megarl.cli import check_vllm_model
+    from megarl.config.load import load_config
+
+    vllm = load_config(None, ["sampler.engine=vllm"], check_files=False)
+    served = {"model_type": "deepseek_v3", "kv_lora_rank": 512, "qk_rope_head_dim": 64, "topk_method": "noaux_tc"}
+    check_vllm_model(served, vllm)
+    with pytest.raises(ValueError, match="config.json has kv_lora_rank=16, qk_rope_head_dim=64 .*sampler.engine=builtin"):
+        check_vllm_model({**served, "kv_lora_rank": 16}, vllm)
+    with pytest.raises(ValueError, match="topk_method: noaux_tc, and config.json has topk_method='greedy'"):
+        check_vllm_model({**served, "topk_method": "greedy"}, vllm)
+    check_vllm_model({**served, "kv_lora_rank": 16}, load_config(None, [], check_files=False))
+
+
 def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):
     path = model_dir(tmp_path / "model", files=("model.safetensors", "vocab.json", "merges.txt"))
     proc = train(f"model.path={path}")
