@@ -82,9 +82,13 @@ def test_adapter_equals_peft_and_the_merged_weights(model_dir, world, tmp_path):
 
 def _ours_and_pefts(learner, model_dir: str, vocab: int, tmp_path):
     """Log-probs of random rows under the learner with a drawn adapter, under peft's LoraLayer on transformers'
-    model loaded with the PEFT directory megarl writes of that adapter, and under the base model alone."""
+    model loaded with the PEFT directory megarl writes of that adapter, under the base model alone, and under
+    transformers' model with the adapted weights the learner merges for SGLang (MergedLoraSource, over the base it
+    gathers from itself)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from megarl.learner.lora_publish import MergedLoraSource
 
     _randomise_b(learner)
     ids = torch.randint(0, vocab, (4, 12), generator=torch.Generator().manual_seed(0))
@@ -93,40 +97,48 @@ def _ours_and_pefts(learner, model_dir: str, vocab: int, tmp_path):
     assert learner.publish_spec() == lora.adapter_spec(learner.hf_config, learner.lora)
     lora.save_peft(tmp_path / "adapter", adapter, learner.lora, model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    merged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sent = dict(MergedLoraSource(learner, learner.lora, keep=True).publish_tensors())
+    assert sent and not merged.load_state_dict(sent, strict=False).unexpected_keys
     with torch.no_grad():
         untouched = _logprobs(base, ids)
         theirs = _logprobs(PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval(), ids)
-    return ours, theirs, untouched
+        return ours, theirs, untouched, _logprobs(merged, ids)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "smollm3", "olmo2", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "gemma3"])
 def test_every_dense_familys_adapter_equals_peft(world, tmp_path, kind):
     """The adapter on each dense family's own layout (Qwen3's and Gemma 3's heads wider than hidden, OLMo 2's and
-    Gemma 3's norms after the projections, Mistral's and Gemma 3's windows, SmolLM3's layer without RoPE) is peft's
-    LoraLayer on transformers' model of the same directory, loaded from the PEFT directory megarl writes."""
+    Gemma 3's norms after the projections, Mistral's and Gemma 3's windows, SmolLM3's layer without RoPE, Phi-3's
+    one adapter on its fused qkv_proj and one on gate_up_proj) is peft's LoraLayer on transformers' model of the
+    same directory, loaded from the PEFT directory megarl writes."""
     from tests.sampler import TINY, TOL, make_tiny_model
 
     model_dir = str(make_tiny_model(tmp_path / kind, kind))
-    ours, theirs, untouched = _ours_and_pefts(_learner(model_dir), model_dir, TINY["vocab_size"], tmp_path)
+    ours, theirs, untouched, merged = _ours_and_pefts(_learner(model_dir), model_dir, TINY["vocab_size"], tmp_path)
     assert (ours - untouched).abs().max() > 1e-2  # the adapter does show
     assert (ours - theirs).abs().max() <= TOL  # fp32, two programs' reduction orders
+    assert (merged - theirs).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v3_q_proj"])
 def test_an_moe_familys_attention_adapter_equals_peft(world, tmp_path, kind):
     """On a mixture-of-experts family the adapters sit on the attention projections (its experts are not adapted,
-    megarl.models.lora_targets): Qwen3-MoE's, GLM-4.5's (q/k/v biases, partial RoPE, after a dense first layer) and
-    gpt-oss's (biases, sinks) equal peft's LoraLayer on transformers' model of the same directory."""
-    from tests.helpers import save_tiny_glm4_moe, save_tiny_gpt_oss, save_tiny_moe
+    megarl.models.lora_targets): Qwen3-MoE's, GLM-4.5's (q/k/v biases, partial RoPE, after a dense first layer),
+    gpt-oss's (biases, sinks) and DeepSeek-V3's multi-latent attention's (q_a_proj, q_b_proj around the q latent, or
+    one q_proj; kv_a_proj_with_mqa, kv_b_proj around the k/v latent; o_proj) equal peft's LoraLayer on
+    transformers' model of the same directory."""
+    from tests.helpers import save_tiny_deepseek_v3, save_tiny_glm4_moe, save_tiny_gpt_oss, save_tiny_moe
     from tests.learner.test_moe_learner import _tol
 
     save = {"qwen3_moe": lambda path: save_tiny_moe(path, "qwen3_moe"), "glm4_moe": save_tiny_glm4_moe,
-            "gpt_oss": save_tiny_gpt_oss}[kind]
+            "gpt_oss": save_tiny_gpt_oss, "deepseek_v3": save_tiny_deepseek_v3,
+            "deepseek_v3_q_proj": lambda path: save_tiny_deepseek_v3(path, q_lora_rank=None)}[kind]
     model_dir = str(save(tmp_path / kind))
     learner = _learner(model_dir, ["q_proj", "k_proj", "v_proj", "o_proj"])
-    ours, theirs, untouched = _ours_and_pefts(learner, model_dir, VOCAB, tmp_path)
+    ours, theirs, untouched, merged = _ours_and_pefts(learner, model_dir, VOCAB, tmp_path)
     assert (ours - untouched).abs().max() > 1e-2  # the adapter does show
-    assert (ours - theirs).abs().max() <= _tol(model_dir)
+    assert (ours - theirs).abs().max() <= _tol(model_dir) and (merged - theirs).abs().max() <= _tol(model_dir)
 
 
 def test_only_the_adapter_trains(model_dir, world):
