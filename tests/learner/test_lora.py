@@ -5,6 +5,7 @@ from transformers import Qwen2ForCausalLM
 
 from megarl.algo.config import LossConfig
 from megarl.config.schema import LearnerConfig, LoraConfig
+from megarl.learner import hf_lora
 from megarl.models import lora
 from megarl.protocols import TrainBatch
 from tests.helpers import save_tiny_qwen2
@@ -80,14 +81,27 @@ def test_adapter_equals_peft_and_the_merged_weights(model_dir, world, tmp_path):
         assert (_logprobs(hf, ids) - theirs).abs().max() <= 2e-5
 
 
-def _ours_and_pefts(learner, model_dir: str, vocab: int, tmp_path):
+def _adapter_gradients(learner, ids) -> dict[str, torch.Tensor]:
+    """d(sum of the rows' log-probs) / d(adapter) through the learner's own schedule (one micro-batch, one
+    backward), under HF adapter names (a shared A once per projection)."""
+    learner.model.zero_grad_buffer()
+    learner._run(learner.model, [{"input_ids": ids}], forward_only=False,
+                 loss_fn=lambda logits, mb, cp_layout, width: (learner._row_logprobs(logits, mb).sum(),
+                                                               torch.zeros(())))
+    return dict(learner._adapter_tensors(lambda name, param: param.main_grad.detach().float().clone()))
+
+
+def _ours_and_pefts(learner, model_dir: str, vocab: int, tmp_path, tol: float):
     """Log-probs of random rows under the learner with a drawn adapter, under peft's LoraLayer on transformers'
     model loaded with the PEFT directory megarl writes of that adapter, under the base model alone, and under
     transformers' model with the adapted weights the learner merges for SGLang (MergedLoraSource, over the base it
-    gathers from itself)."""
+    gathers from itself). The gradients of the rows' summed log-probs are peft's too: every B's, and every A's
+    where one HF module is one megatron linear (Phi-3's fused modules, the latent attention's, o/down); where the
+    linear is several (q/k/v, gate/up) they share its A, whose gradient is the sum of peft's for their As."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from megarl.learner.lora import adapted_linears
     from megarl.learner.lora_publish import MergedLoraSource
 
     _randomise_b(learner)
@@ -102,8 +116,23 @@ def _ours_and_pefts(learner, model_dir: str, vocab: int, tmp_path):
     assert sent and not merged.load_state_dict(sent, strict=False).unexpected_keys
     with torch.no_grad():
         untouched = _logprobs(base, ids)
-        theirs = _logprobs(PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval(), ids)
-        return ours, theirs, untouched, _logprobs(merged, ids)
+        merged_logprobs = _logprobs(merged, ids)
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "adapter"), is_trainable=True).eval()
+    theirs = _logprobs(peft_model, ids)
+    theirs.sum().backward()
+    peft_grads = {name: p.grad for name, p in peft_model.named_parameters() if p.requires_grad}
+    grads = _adapter_gradients(learner, ids)
+    # The backward passes the forward's matmuls in another order: `tol` (the fp32 bound of log-probs up to 8 in
+    # size, tests/helpers.fp32_logprob_tol) taken relative to the largest gradient instead.
+    grad_tol = tol / 8.0 * max(float(g.abs().max()) for g in grads.values())
+    for path, modules in adapted_linears(learner.hf_config, learner.lora.target_modules).items():
+        for layer in range(int(learner.hf_config["num_hidden_layers"])):
+            names = [lora.adapter_names(layer, m) for m in modules]
+            peft_a = sum(peft_grads[hf_lora.peft_key(a)] for a, _ in names)
+            for a, b in names:
+                assert (grads[a] - peft_a).abs().max() <= grad_tol, a
+                assert (grads[b] - peft_grads[hf_lora.peft_key(b)]).abs().max() <= grad_tol, b
+    return ours, theirs.detach(), untouched, merged_logprobs
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "gemma3"])
@@ -115,7 +144,7 @@ def test_every_dense_familys_adapter_equals_peft(world, tmp_path, kind):
     from tests.sampler import TINY, TOL, make_tiny_model
 
     model_dir = str(make_tiny_model(tmp_path / kind, kind))
-    ours, theirs, untouched, merged = _ours_and_pefts(_learner(model_dir), model_dir, TINY["vocab_size"], tmp_path)
+    ours, theirs, untouched, merged = _ours_and_pefts(_learner(model_dir), model_dir, TINY["vocab_size"], tmp_path, TOL)
     assert (ours - untouched).abs().max() > 1e-2  # the adapter does show
     assert (ours - theirs).abs().max() <= TOL  # fp32, two programs' reduction orders
     assert (merged - theirs).abs().max() <= TOL
@@ -136,7 +165,7 @@ def test_an_moe_familys_attention_adapter_equals_peft(world, tmp_path, kind):
             "deepseek_v3_q_proj": lambda path: save_tiny_deepseek_v3(path, q_lora_rank=None)}[kind]
     model_dir = str(save(tmp_path / kind))
     learner = _learner(model_dir, ["q_proj", "k_proj", "v_proj", "o_proj"])
-    ours, theirs, untouched, merged = _ours_and_pefts(learner, model_dir, VOCAB, tmp_path)
+    ours, theirs, untouched, merged = _ours_and_pefts(learner, model_dir, VOCAB, tmp_path, _tol(model_dir))
     assert (ours - untouched).abs().max() > 1e-2  # the adapter does show
     assert (ours - theirs).abs().max() <= _tol(model_dir) and (merged - theirs).abs().max() <= _tol(model_dir)
 
