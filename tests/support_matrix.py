@@ -125,8 +125,9 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_CONVERT}test_phi3s_fused_projections_run_unsplit_and_say_where",)),
         "vLLM": Cell("yes", (f"{_VLLM}[phi3]",)),
         "SGLang (megarl's stand-in)": NT,
-        "LoRA": Cell("yes (one adapter on each fused module, as peft's)", _lora("phi3").tests + (
-            f"{_CONVERT}test_phi3s_fused_projections_run_unsplit_and_say_where",)),
+        "LoRA": Cell("yes (one adapter on each fused module, as peft's; DeepSpeed learner too)", _lora("phi3").tests + (
+            f"{_CONVERT}test_phi3s_fused_projections_run_unsplit_and_say_where",
+            "tests/learner/test_deepspeed_lora.py::test_published_adapter_in_the_engine_is_peft_merged[phi3]")),
         "R3": NA}),
     ("SmolLM3 (`smollm3`: `no_rope_layers`, layers attending without RoPE)", "smollm3", {
         "megatron learner": Cell("TP1, TP2, PP2", (f"{_FAMILY}[smollm3]",)),
