@@ -95,12 +95,16 @@ def _ours_and_pefts(learner, model_dir: str, vocab: int, tmp_path, tol: float):
     """Log-probs of random rows under the learner with a drawn adapter, under peft's LoraLayer on transformers'
     model loaded with the PEFT directory megarl writes of that adapter, under the base model alone, and under
     transformers' model with the adapted weights the learner merges for SGLang (MergedLoraSource, over the base it
-    gathers from itself). The gradients of the rows' summed log-probs are peft's too: every B's, and every A's
+    gathers from itself), and under the merged model a checkpoint of it exports (whose PEFT adapter is the published
+    one, bit for bit). The gradients of the rows' summed log-probs are peft's too: every B's, and every A's
     where one HF module is one megatron linear (Phi-3's fused modules, the latent attention's, o/down); where the
     linear is several (q/k/v, gate/up) they share its A, whose gradient is the sum of peft's for their As."""
     from peft import PeftModel
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from megarl.checkpoint import learner_state
+    from megarl.checkpoint.export import ADAPTER_DIR, export_hf
     from megarl.learner.lora import adapted_linears
     from megarl.learner.lora_publish import MergedLoraSource
 
@@ -114,9 +118,16 @@ def _ours_and_pefts(learner, model_dir: str, vocab: int, tmp_path, tol: float):
     merged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     sent = dict(MergedLoraSource(learner, learner.lora, keep=True).publish_tensors())
     assert sent and not merged.load_state_dict(sent, strict=False).unexpected_keys
+    learner_state.save(learner, tmp_path / "ckpt", 0, keep=1, model_dir=model_dir)
+    exported = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    assert load_file(str(exported / ADAPTER_DIR / lora.ADAPTER_WEIGHTS)).keys() == {
+        lora.PEFT_PREFIX + n for n in adapter}
+    assert all(torch.equal(t, adapter[n.removeprefix(lora.PEFT_PREFIX)])
+               for n, t in load_file(str(exported / ADAPTER_DIR / lora.ADAPTER_WEIGHTS)).items())
     with torch.no_grad():
         untouched = _logprobs(base, ids)
-        merged_logprobs = _logprobs(merged, ids)
+        merged_logprobs = torch.stack([_logprobs(merged, ids), _logprobs(
+            AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval(), ids)])
     peft_model = PeftModel.from_pretrained(base, str(tmp_path / "adapter"), is_trainable=True).eval()
     theirs = _logprobs(peft_model, ids)
     theirs.sum().backward()
