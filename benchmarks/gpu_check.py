@@ -23,6 +23,9 @@ imported what they share, and the two-rank checks fork their ranks from it, wher
                     time, peak memory (vs learner_step's full fine-tuning); adapter-only publish bytes; the engine's
                     merge-and-stage time; lag-0 gap of the engine's log-probs under the adapter vs the learner's;
                     sampler.engine=sglang's merged publish on the learner: bytes, kept base, gather and merge time
+  lora_families     learner.lora on Phi-3 (fused qkv_proj / gate_up_proj), gpt-oss (attention) and DeepSeek-V3
+                    (multi-latent attention) at the families check's shapes: adapted modules, adapter bytes, step
+                    time, the engine's merge-and-stage time and the lag-0 gap of its log-probs under the adapter
   distill           on-policy distillation: learner_step's bf16 step with a frozen HF teacher (the same
                     random weights) on the learner rank: teacher seconds per step against the step, peak
                     GPU memory, and the step-0 teacher KL (megatron vs transformers bf16 on one model)
@@ -1255,15 +1258,10 @@ def check_lora(args, size: Size) -> dict:
     adapter-only publish (bytes vs the full model's), the built-in engine's merge-and-stage of it (AdapterStager), and
     the lag-0 gap between the engine's behaviour log-probs under the adapter and the learner's; and what a version
     costs the learner under sampler.engine=sglang (MergedLoraSource: merged bytes, kept base, base gather, merge)."""
-    import torch
-
     from megarl.algo.config import LossConfig
     from megarl.config.schema import LearnerConfig, LoraConfig
     from megarl.learner.lora_publish import MergedLoraSource
     from megarl.learner.megatron import MegatronLearner
-    from megarl.models.convert import load_pretrained
-    from megarl.protocols import GenerationRequest, SamplingParams
-    from megarl.sampler.lora import AdapterStager
 
     workdir = Path(args.workdir)
     device = device_of(args)
@@ -1275,7 +1273,6 @@ def check_lora(args, size: Size) -> dict:
     params = sum(p.numel() for p in learner.gpt.parameters())
     trainable = sum(p.numel() for p in learner.gpt.parameters() if p.requires_grad)
     times, _ = timed_steps(learner, size)
-    vocab = size.model["vocab_size"]
     learner_peak = peak_gib()
     start = time.perf_counter()
     adapter = dict(learner.publish_tensors())
@@ -1290,9 +1287,28 @@ def check_lora(args, size: Size) -> dict:
     sglang = {"merged_bytes_fp32": merged_bytes, "base_kept_bytes": source.base_bytes,
               "base_gather_s": round(base_s, 4), "merge_s": round(time.perf_counter() - start, 4)}
     del source
+    out = {"rank": lora_cfg.rank, "targets": len(lora_cfg.target_modules), "params": params, "trainable": trainable,
+           "median_step_s": round(median(times), 4), "learner_peak_gpu_gib": learner_peak,
+           "adapter_bytes_fp32": sum(t.numel() for t in adapter.values()) * 4,
+           "adapter_tensors_s": round(adapter_s, 4), "sglang": sglang}
+    out.update(adapter_on_engine(learner, adapter, lora_cfg, model_dir, device, size))
+    out["peak_gpu_gib"] = peak_gib()
+    return out
+
+
+def adapter_on_engine(learner, adapter: dict, lora_cfg, model_dir: Path, device, size: Size) -> dict:
+    """The learner's published `adapter` staged on a built-in engine of the model's base (AdapterStager, the
+    sampler's path under learner.lora): the merge-and-stage time, the full model's fp32 bytes, and the lag-0 gap
+    between the engine's behaviour log-probs of what it samples and the learner's log-probs of those tokens."""
+    import torch
+
+    from megarl.models.convert import load_pretrained
+    from megarl.protocols import GenerationRequest, SamplingParams
+    from megarl.sampler.lora import AdapterStager
+
     hf_config, base = load_pretrained(str(model_dir))
     full_fp32_bytes = sum(t.numel() for t in base.values()) * 4
-    prompts = random_prompts(size.parity_rows, vocab, seed=1)
+    prompts = random_prompts(size.parity_rows, size.model["vocab_size"], seed=1)
     engine = make_engine(model_dir, device, max_running=len(prompts), max_seq_len=max(map(len, prompts)) + size.parity_tokens)
     stager = AdapterStager(engine, base, hf_config, lora_cfg)
     del base
@@ -1313,14 +1329,50 @@ def check_lora(args, size: Size) -> dict:
         gen_mask[r, len(c.prompt_ids):len(c.prompt_ids) + len(c.token_ids)] = True
         recorded[r, len(c.prompt_ids):len(c.prompt_ids) + len(c.token_ids)] = torch.tensor(c.logprobs)
     gap = (recorded - learner.logprobs(seqs))[gen_mask].abs()
-    out = {"rank": lora_cfg.rank, "targets": len(lora_cfg.target_modules), "params": params, "trainable": trainable,
-           "median_step_s": round(median(times), 4), "learner_peak_gpu_gib": learner_peak,
-           "adapter_bytes_fp32": sum(t.numel() for t in adapter.values()) * 4, "full_bytes_fp32": full_fp32_bytes,
-           "adapter_tensors_s": round(adapter_s, 4), "engine_merge_stage_s": round(stage_s, 4), "sglang": sglang,
+    out = {"full_bytes_fp32": full_fp32_bytes, "engine_merge_stage_s": round(stage_s, 4),
            "lag0_gap": {"max_abs": round(float(gap.max()), 4), "mean_abs": round(float(gap.mean()), 5)},
-           "engine_dtype": str(engine._weights.dtype), "peak_gpu_gib": peak_gib()}
+           "engine_dtype": str(engine._weights.dtype)}
     if not torch.isfinite(gap).all():
         raise RuntimeError(f"non-finite log-probs: {out}")
+    return out
+
+
+# The `lora_families` check: learner.lora on the families whose adapted modules are not the plain decoder's q/k/v/o,
+# gate/up/down (docs/lora.md#which-modules-each-family-adapts), at the families check's shapes: Phi-3's fused
+# qkv_proj / gate_up_proj, gpt-oss's attention (an MoE: attention only; biases, sinks) and DeepSeek-V3's multi-latent
+# attention (on the engine's generic model).
+LORA_FAMILIES = ("phi3", "gpt_oss", "deepseek_v3")
+
+
+def check_lora_families(args, size: Size) -> dict:
+    """Per LORA_FAMILIES family: the megatron learner with a rank-`lora_rank` adapter (every projection, attention
+    only on an MoE), trained for its timed steps, then adapter_on_engine: adapter bytes, step time, merge-and-stage
+    time and the lag-0 gap of the engine's behaviour log-probs under the adapter against the learner's."""
+    from megarl.algo.config import LossConfig
+    from megarl.config.schema import LearnerConfig, LoraConfig
+    from megarl.learner.megatron import MegatronLearner
+    from megarl.models.lora import ATTENTION_TARGETS
+    from megarl.models.moe_config import is_moe
+
+    init_single_rank(args.backend, Path(args.workdir))
+    device = device_of(args)
+    out = {}
+    for name in LORA_FAMILIES:
+        model_dir = build_family_model(Path(args.workdir) / f"lora_family_{name}", name, size, args.device)
+        hf_config = json.loads((model_dir / "config.json").read_text())
+        lora_cfg = LoraConfig(rank=size.lora_rank, **({"target_modules": list(ATTENTION_TARGETS)}
+                                                      if is_moe(hf_config) else {}))
+        learner = MegatronLearner(str(model_dir), LearnerConfig(micro_batch_size=size.micro_batch, lr=1e-3,
+                                                                lora=lora_cfg), LossConfig())
+        times, _ = timed_steps(learner, size)
+        adapter = dict(learner.publish_tensors())
+        out[name] = {"adapted_modules": sorted({n.split(".")[-3] for n in adapter}),
+                     "adapter_bytes_fp32": sum(t.numel() for t in adapter.values()) * 4,
+                     "median_step_s": round(median(times), 4),
+                     **adapter_on_engine(learner, adapter, lora_cfg, model_dir, device, size)}
+        del learner, adapter
+        shutil.rmtree(model_dir)
+    out["peak_gpu_gib"] = peak_gib()
     return out
 
 
@@ -1819,7 +1871,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120),
           "agent_stream": (check_agent_stream, 120), "long_paged": (check_long_paged, 150),
           "samplers_add_remove": (check_samplers_add_remove, 240), "sglang_add_remove": (check_sglang_add_remove, 240),
-          "gpt_oss_engine": (check_gpt_oss_engine, 150)}
+          "gpt_oss_engine": (check_gpt_oss_engine, 150), "lora_families": (check_lora_families, 180)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 # Each check's limit on CPU bounds a hang, it is no speed test: a check there is mostly process starts and imports,
 # which a loaded 2-core machine slows several-fold (context_parallel's two torchrun ranks took over 75 s at load 20).

@@ -345,9 +345,11 @@ def check_model_dir(model_dir, cfg=None) -> None:
             check_vllm_model(hf_config, cfg)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
-        lora_fits = check_peft if cfg.learner.backend == "deepspeed" else check_lora
-        try:
-            lora_fits(hf_config, cfg.learner.lora)  # target modules the model has, ranks its dimensions allow
+        try:  # target modules the model has, ranks its dimensions allow
+            if cfg.learner.backend == "deepspeed":
+                check_peft(hf_config, cfg.learner.lora)
+            else:
+                check_lora(hf_config, cfg.learner.lora, cfg.learner.tp)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
     if cfg is not None and cfg.sampler.engine == "builtin":

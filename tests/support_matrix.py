@@ -50,11 +50,21 @@ _ENGINE_MOE = "tests/sampler/test_engine_moe.py::"
 _VLLM = "tests/sampler/vllm/test_vllm_families.py::test_lag0_logprobs_and_a_publish_match_the_learner"
 
 
-def _lora(kind: str) -> Cell:
+_LORA_ENGINE = "tests/sampler/test_lora_engine.py::test_an_adapter_version_of_every_family_samples_with_pefts_logprobs"
+
+
+def _lora(kind: str, *more: str) -> Cell:
     """A dense family's adapter: the learner's and the engine's log-probs are peft's on transformers' model."""
     return Cell("yes", (f"tests/learner/test_lora.py::test_every_dense_familys_adapter_equals_peft[{kind}]",
-                        "tests/sampler/test_lora_engine.py::"
-                        f"test_an_adapter_version_of_every_dense_family_samples_with_pefts_logprobs[{kind}]"))
+                        f"{_LORA_ENGINE}[{kind}]") + more)
+
+
+def _moe_lora(kind: str, what: str = "attention projections", learner_cases: tuple[str, ...] = (),
+              more: tuple[str, ...] = ()) -> Cell:
+    """An MoE family's adapter on its attention projections: the learner's and the engine's log-probs are peft's."""
+    learner = "tests/learner/test_lora.py::test_an_moe_familys_attention_adapter_equals_peft"
+    return Cell(f"{what} (learner and built-in engine equal peft)",
+                tuple(f"{learner}[{case}]" for case in (kind,) + learner_cases) + (f"{_LORA_ENGINE}[{kind}]",) + more)
 
 
 def _engine(kind: str) -> tuple[str, ...]:
@@ -115,7 +125,9 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_CONVERT}test_phi3s_fused_projections_run_unsplit_and_say_where",)),
         "vLLM": Cell("yes", (f"{_VLLM}[phi3]",)),
         "SGLang (megarl's stand-in)": NT,
-        "LoRA": Cell("refused", (f"{_CONVERT}test_phi3s_fused_projections_run_unsplit_and_say_where",)),
+        "LoRA": Cell("yes (one adapter on each fused module, as peft's; DeepSpeed learner too)", _lora("phi3").tests + (
+            f"{_CONVERT}test_phi3s_fused_projections_run_unsplit_and_say_where",
+            "tests/learner/test_deepspeed_lora.py::test_published_adapter_in_the_engine_is_peft_merged[phi3]")),
         "R3": NA}),
     ("SmolLM3 (`smollm3`: `no_rope_layers`, layers attending without RoPE)", "smollm3", {
         "megatron learner": Cell("TP1, TP2, PP2", (f"{_FAMILY}[smollm3]",)),
@@ -179,8 +191,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_ENGINE_MOE}test_qwen3_moe_logprobs_and_routes_equal_transformers",
             "tests/sampler/test_tensor_parallel.py::test_tp2_forward_equals_tp1_and_is_bit_identical_across_ranks"
             "[qwen3_moe]")),
-        "vLLM": Cell("yes", (f"{_VLLM}[qwen3_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": Cell("attention projections (learner equals peft)", (
-            "tests/learner/test_lora.py::test_an_moe_familys_attention_adapter_equals_peft[qwen3_moe]",)),
+        "vLLM": Cell("yes", (f"{_VLLM}[qwen3_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": _moe_lora("qwen3_moe"),
         "R3": Cell("yes (DeepSpeed)", (f"{_DS_MOE}test_r3_on_qwen3_moe_unnormalised_routing_is_exact",))}),
     ("GLM-4.5 (`glm4_moe`: partial RoPE, q/k/v bias and q/k norm from its config, shared expert, sigmoid router "
      "with expert bias, group-limited top-k and scaling, first dense layers)", "glm4_moe", {
@@ -197,8 +208,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_MOE}test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish[glm4_moe-keep]",
             f"{_MOE}test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish"
             "[glm4_moe-recompute]")),
-        "vLLM": Cell("yes", (f"{_VLLM}[glm4_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": Cell("attention projections (learner equals peft)", (
-            "tests/learner/test_lora.py::test_an_moe_familys_attention_adapter_equals_peft[glm4_moe]",)),
+        "vLLM": Cell("yes", (f"{_VLLM}[glm4_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": _moe_lora("glm4_moe"),
         "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[glm4_moe]",
                                                  f"{_DS_MOE}test_r3_replays_at_the_sigmoid_router[glm4_moe]"))}),
     ("gpt-oss (`gpt_oss`: attention sinks, sliding and full layers by `layer_types`, biases on every linear, fused "
@@ -218,8 +228,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_ENGINE_MOE}test_gpt_oss_across_an_inflight_update_equals_transformers_over_its_cache[recompute]",
             f"{_ENGINE}test_paged_layout_gives_the_contiguous_layouts_completions[gpt_oss-keep]",
             f"{_MOE}test_gpt_oss_samples_on_the_native_engine_and_its_lag0_gap_to_the_learner_is_fp32_noise")),
-        "vLLM": Cell("yes", (f"{_VLLM}[gpt_oss]",)), "SGLang (megarl's stand-in)": NT, "LoRA": Cell("attention projections (learner equals peft)", (
-            "tests/learner/test_lora.py::test_an_moe_familys_attention_adapter_equals_peft[gpt_oss]",)),
+        "vLLM": Cell("yes", (f"{_VLLM}[gpt_oss]",)), "SGLang (megarl's stand-in)": NT, "LoRA": _moe_lora("gpt_oss"),
         "R3": Cell("yes (megatron, DeepSpeed; the built-in engine's routes)", (
             f"{_MOE}test_r3_replays_the_sampler_routes_exactly[gpt_oss]",
             f"{_DS_MOE}test_r3_on_gpt_oss_replays_at_its_router",
@@ -253,7 +262,11 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             "tests/sampler/test_hf_engine.py::"
             "test_architectures_the_native_forward_lacks_run_as_transformers_runs_them[deepseek_v3]")),
         "vLLM": Cell("yes (CPU: a latent of 512 + 64 RoPE dims)", (f"{_VLLM}[deepseek_v3]",)),
-        "SGLang (megarl's stand-in)": NT, "LoRA": NT,
+        "SGLang (megarl's stand-in)": NT,
+        "LoRA": _moe_lora("deepseek_v3", "the latent attention's projections, at learner TP1",
+                          ("deepseek_v3_q_proj",), (
+            f"{_CONVERT}test_deepseek_v3_runs_unsplit_where_its_latent_projections_have_no_per_rank_slices_and_adapts_"
+            "them_at_tp1",)),
         "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",
                                                  f"{_DS_MOE}test_r3_replays_at_the_sigmoid_router[deepseek_v3]"))}),
 ]

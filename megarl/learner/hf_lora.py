@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from megarl.models import lora
-from megarl.models.lora_targets import check_peft
+from megarl.models.lora_targets import check_peft, peft_modules
 from megarl.portable import lora_merge
 
 ADAPTER_NAME = "default"  # peft's name of the one adapter megarl trains
@@ -31,7 +31,7 @@ def wrap(model: nn.Module, hf_config: dict, lora_cfg) -> nn.Module:
         raise ImportError("learner.lora with learner.backend=deepspeed needs peft: `pip install -e \".[lora]\"` "
                           "(or `pip install \"peft>=0.21\"`)") from exc
     config = LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-                        target_modules=list(lora_cfg.target_modules), bias="none", use_rslora=False)
+                        target_modules=peft_modules(hf_config, lora_cfg.target_modules), bias="none", use_rslora=False)
     return get_peft_model(model, config, adapter_name=ADAPTER_NAME)
 
 

@@ -8,7 +8,10 @@ names and stay frozen (loaded once, no gradient, no optimizer state); only A and
 LoraLayer's (tests/learner/test_lora.py compares the two on the same weights).
 
 One adapter on a fused linear is, in HF names, one adapter per projection sharing A with B's rows split the way
-megarl.models.convert splits the weight's (`hf_adapter`): that is what the learner publishes and exports.
+megarl.models.convert splits the weight's (`hf_adapter`): that is what the learner publishes and exports. Where the
+HF module is fused too (Phi-3's ``qkv_proj`` and ``gate_up_proj``) it is one adapter there as well, B's rows in the
+HF module's order (q, k, v: peft's adapter on ``qkv_proj``); multi-latent attention's linears (DeepSeek-V3) are
+each one HF module, row for row (megarl.models.latent_attention), so each adapter is that module's.
 Over tensor parallelism each adapter is split the way its linear is (`LoraAdapter`); the learner publishes and
 exports the whole (TP=1) tensors.
 """
@@ -19,14 +22,38 @@ import math
 import torch
 from torch import nn
 
-from megarl.config.schema import LORA_FUSED_GROUPS, LORA_TARGETS
-from megarl.models import convert
+from megarl.config.schema import LORA_FUSED_GROUPS
+from megarl.models import convert, families, latent_attention, lora_targets
 from megarl.models.lora import adapter_names
 from megarl.portable.lora_merge import merge_one
 
 
 ROW_PARALLEL = ("linear_proj", "linear_fc2")  # megatron's RowParallelLinear: input split over TP; the rest column
 PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
+
+
+def linear_modules(hf_config: dict) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """megatron linear (its path in a decoder layer) -> (the LoRA targets that adapt it, the HF modules its rows
+    are, as lora_targets.modules names them) of every linear a decoder layer can adapt, in a fixed order."""
+    dims = lora_targets.module_dims(hf_config)
+    latent = families.family_of(hf_config).latent_attention
+    out = {}
+    if latent:  # each latent-attention linear is one HF module, row for row
+        for hf, megatron in latent_attention.names(hf_config):
+            if "layernorm" not in hf:
+                module = f"self_attn.{hf.removesuffix('.weight')}"
+                out[f"self_attention.{megatron.removesuffix('.weight')}"] = (
+                    tuple(t for t, held in dims.items() if module in held), (module,))
+    for fused, group in LORA_FUSED_GROUPS.items():
+        if not (latent and PARENT[fused] == "self_attention"):
+            out[f"{PARENT[fused]}.{fused}"] = (group, tuple(dict.fromkeys(m for t in group for m in dims[t])))
+    return out
+
+
+def adapted_linears(hf_config: dict, targets) -> dict[str, tuple[str, ...]]:
+    """megatron linear path -> the HF modules its adapter is, of the linears `targets` adapt."""
+    return {linear: held for linear, (group, held) in linear_modules(hf_config).items()
+            if any(t in targets for t in group)}
 
 
 class LoraAdapter(nn.Module):
@@ -111,33 +138,34 @@ def _with_adapter_sharded_state(linear: nn.Module) -> None:
     linear.sharded_state_dict = sharded_state_dict
 
 
-def attach(gpt, lora_cfg, layer_offset: int, seed: int, tp_size: int, tp_slice,
+def attach(gpt, hf_config: dict, lora_cfg, layer_offset: int, seed: int, tp_size: int, tp_slice,
            sequence_parallel: bool = False) -> list[nn.Parameter]:
     """Freeze every weight of `gpt` and hang an adapter on the targeted linears of its decoder layers; return the
-    adapter parameters (the only ones left trainable). The whole A is drawn from a generator seeded by `seed` and
-    the layer's global index, so every layout and every DP rank starts from the same adapter; each TP rank keeps
-    `tp_slice(name, local_param, whole)` of it (the learner's own weight slicing, which also marks a split
-    parameter tensor-parallel for the grad norm)."""
+    adapter parameters (the only ones left trainable). The whole A is drawn from a generator seeded by `seed`, the
+    layer's global index and the linear's place in `linear_modules`, so every layout and every DP rank starts from
+    the same adapter; each TP rank keeps `tp_slice(name, local_param, whole)` of it (the learner's own weight
+    slicing, which also marks a split parameter tensor-parallel for the grad norm)."""
     gpt.requires_grad_(False)
     dtype = next(gpt.parameters()).dtype
+    every = list(linear_modules(hf_config))
+    adapted = adapted_linears(hf_config, lora_cfg.target_modules)
     params = []
     for local, layer in enumerate(gpt.decoder.layers):
-        for k, (fused, group) in enumerate(LORA_FUSED_GROUPS.items()):
-            if group[0] not in lora_cfg.target_modules:
-                continue
-            linear = getattr(getattr(layer, PARENT[fused]), fused)
+        for path in adapted:
+            linear = layer.get_submodule(path)
             out_local, in_local = linear.weight.shape
+            fused = path.rsplit(".", 1)[-1]
             row = fused in ROW_PARALLEL
             in_features, out_features = (in_local * tp_size, out_local) if row else (in_local, out_local * tp_size)
             generator = torch.Generator().manual_seed(
-                seed * 1_000_003 + (local + layer_offset) * len(LORA_FUSED_GROUPS) + k)
+                seed * 1_000_003 + (local + layer_offset) * len(every) + every.index(path))
             whole = initial_adapter(in_features, out_features, lora_cfg.rank, generator)
             adapter = LoraAdapter((lora_cfg.rank, in_local), (out_local, lora_cfg.rank), lora_cfg.alpha,
                                   lora_cfg.dropout, dtype, row_parallel=row, gate_up_rows=fused == "linear_fc1",
                                   sequence_parallel=sequence_parallel)
             with torch.no_grad():
                 for (part, param), full in zip(adapter.named_parameters(), whole):
-                    param.copy_(tp_slice(f"decoder.layers.{local}.{PARENT[fused]}.{fused}.lora.{part}", param, full))
+                    param.copy_(tp_slice(f"decoder.layers.{local}.{path}.lora.{part}", param, full))
             linear.lora = adapter.to(linear.weight.device)
             linear.register_forward_hook(_add_adapter_output)
             _with_adapter_sharded_state(linear)
@@ -147,33 +175,38 @@ def attach(gpt, lora_cfg, layer_offset: int, seed: int, tp_size: int, tp_slice,
 
 def hf_adapter(fused: dict[str, tuple[torch.Tensor, torch.Tensor]], layer: int, hf_config: dict,
                target_modules) -> dict[str, torch.Tensor]:
-    """One decoder layer's adapters, megatron linear -> (A, B), as HF adapter names -> tensors in the order of
-    megarl.models.lora.adapter_spec (q, k, v, o, gate, up, down; A before B)."""
-    per_target: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for name, (a, b) in fused.items():
+    """One decoder layer's adapters, megatron linear path -> (A, B), as HF adapter names -> tensors in the order
+    of megarl.models.lora.adapter_spec (A before B). A linear that is several HF modules (dense q/k/v, gate/up)
+    gives each its rows of B and the shared A; one whose HF module is fused too (Phi-3) gives B's rows in that
+    module's order."""
+    held = adapted_linears(hf_config, target_modules)
+    per_module: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for path, (a, b) in fused.items():
+        name = path.rsplit(".", 1)[-1]
         if name == "linear_qkv":
             parts = convert.split_qkv_rows(b, hf_config)
         elif name == "linear_fc1":
             parts = b.chunk(2, dim=0)
         else:
             parts = (b,)
-        per_target.update({t: (a, part.contiguous()) for t, part in zip(LORA_FUSED_GROUPS[name], parts)})
+        if len(held[path]) == 1 and len(parts) > 1:
+            parts = (torch.cat(parts),)
+        per_module.update({m: (a, part.contiguous()) for m, part in zip(held[path], parts)})
     out = {}
-    for target in (t for t in LORA_TARGETS if t in target_modules):
-        a_name, b_name = adapter_names(layer, target)
-        out[a_name], out[b_name] = per_target[target]
+    for module in lora_targets.modules(hf_config, target_modules):
+        a_name, b_name = adapter_names(layer, module)
+        out[a_name], out[b_name] = per_module[module]
     return out
 
 
 def layer_adapters(layer: nn.Module, tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """megatron linear name -> (tensor(name, A), tensor(name, B)) of a decoder layer's adapted linears, each
+    """megatron linear path -> (tensor(name, A), tensor(name, B)) of a decoder layer's adapted linears, each
     parameter named relative to the layer (`self_attention.linear_qkv.lora.lora_A`)."""
     out = {}
-    for fused in LORA_FUSED_GROUPS:
-        linear = getattr(getattr(layer, PARENT[fused]), fused, None)
-        if linear is not None and hasattr(linear, "lora"):
-            out[fused] = tuple(tensor(f"{PARENT[fused]}.{fused}.lora.{part}", param)
-                               for part, param in linear.lora.named_parameters())
+    for path, module in layer.named_modules():
+        if isinstance(module, LoraAdapter):
+            linear = path.removesuffix(".lora")
+            out[linear] = tuple(tensor(f"{path}.{part}", param) for part, param in module.named_parameters())
     return out
 
 
@@ -189,9 +222,9 @@ def merge_layer(layer: dict[str, torch.Tensor], factor: float) -> dict[str, torc
 
 
 def checkpoint_adapters(layer: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """megatron linear name -> (A, B) of a checkpoint's decoder layer (names relative to the layer)."""
+    """megatron linear path -> (A, B) of a checkpoint's decoder layer (names relative to the layer)."""
     out = {}
     for name in (k for k in layer if k.endswith(".lora.lora_A")):
         linear = name[:-len(".lora.lora_A")]
-        out[linear.rsplit(".", 1)[-1]] = (layer[name], layer[f"{linear}.lora.lora_B"])
+        out[linear] = (layer[name], layer[f"{linear}.lora.lora_B"])
     return out

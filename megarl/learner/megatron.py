@@ -215,9 +215,9 @@ class MegatronLearner:
             from megarl.learner import lora as lora_adapters
             from megarl.models import lora as lora_names
 
-            lora_names.check(self.hf_config, self.lora)
-            lora_adapters.attach(self.gpt, self.lora, self.layer_offset, cfg.seed, cfg.tp, self._tp_slice,
-                                 self.sequence_parallel)
+            lora_names.check(self.hf_config, self.lora, cfg.tp)
+            lora_adapters.attach(self.gpt, self.hf_config, self.lora, self.layer_offset, cfg.seed, cfg.tp,
+                                 self._tp_slice, self.sequence_parallel)
         replay = routing_replay == "r3"
         # (sequence parallelism: each TP rank's routers see its slice of the positions)
         seq_group = parallel_state.get_tensor_model_parallel_group() if self.sequence_parallel else None
@@ -410,16 +410,13 @@ class MegatronLearner:
         in adapter_spec's order (megarl/learner/lora_publish.py keeps them to publish merged weights). Only the
         adapted linears' weights are gathered (collective over TP, as publish_tensors); the rest of the conversion
         runs on meta tensors."""
-        from megarl.config.schema import LORA_FUSED_GROUPS
+        from megarl.learner.lora import adapted_linears
         from megarl.portable.lora_merge import merged_spec
 
-        adapted = {fused for fused, group in LORA_FUSED_GROUPS.items() if group[0] in self.lora.target_modules}
+        adapted = tuple(f".{path}.weight" for path in adapted_linears(self.hf_config, self.lora.target_modules))
 
         def tensor(name: str, param: torch.Tensor) -> torch.Tensor:
-            linear = name.rsplit(".", 2)  # (a LoRA parameter ends in .lora.lora_A / .lora.lora_B)
-            if linear[-1] == "weight" and linear[-2] in adapted:
-                return self._tp_gather(name, param)
-            return self._meta(name, param)
+            return self._tp_gather(name, param) if name.endswith(adapted) else self._meta(name, param)
 
         targets = {name for name, _, _ in merged_spec(self.publish_spec())}
         for name, t in self._hf_tensors(tensor, tp_size=1):

@@ -9,6 +9,8 @@ PEFT's keys without its ``base_model.model.`` prefix, so what is published is al
 megatron fuses q/k/v into one linear (``linear_qkv``) and gate/up into another (``linear_fc1``); one adapter on a
 fused linear is, in HF terms, one adapter per projection that shares its A and splits its B's rows. So on the
 megatron learner those projections are adapted together or not at all (`LORA_FUSED_GROUPS` in megarl/config/schema.py).
+The HF modules a family's targets adapt (Phi-3's fused ``qkv_proj``, DeepSeek-V3's latent projections) are
+megarl.models.lora_targets's.
 """
 from __future__ import annotations
 
@@ -17,9 +19,8 @@ from pathlib import Path
 
 import torch
 
-from megarl.config.schema import LORA_TARGETS as TARGETS
 # (checked against config.json without torch, by `megarl train` too; the names stay importable from here)
-from megarl.models.lora_targets import ATTENTION_TARGETS, check, target_dims  # noqa: F401
+from megarl.models.lora_targets import ATTENTION_TARGETS, check, modules  # noqa: F401
 from megarl.portable import lora_merge
 
 PEFT_PREFIX = "base_model.model."
@@ -32,27 +33,23 @@ def scale(lora_cfg) -> float:
     return lora_cfg.alpha / lora_cfg.rank
 
 
-def module_path(target: str) -> str:
-    """`q_proj` -> `self_attn.q_proj`: where an HF decoder layer holds the projection."""
-    return f"self_attn.{target}" if target in ATTENTION_TARGETS else f"mlp.{target}"
-
-
-def adapter_names(layer: int, target: str) -> tuple[str, str]:
-    """The HF names of one projection's A and B (PEFT's keys without the base_model.model. prefix)."""
-    base = f"model.layers.{layer}.{module_path(target)}"
+def adapter_names(layer: int, module: str) -> tuple[str, str]:
+    """The HF names of the A and B of one module of a decoder layer (`self_attn.q_proj`: PEFT's keys without the
+    base_model.model. prefix)."""
+    base = f"model.layers.{layer}.{module}"
     return f"{base}.lora_A.weight", f"{base}.lora_B.weight"
 
 
 def adapter_spec(hf_config: dict, lora_cfg, layers: range | None = None) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, shape, dtype) of every adapter tensor of `layers` (all by default), in publish order: layer by
-    layer, projections in `TARGETS` order, A before B."""
-    dims, r = target_dims(hf_config), lora_cfg.rank
+    layer, the adapted modules in lora_targets.modules' order, A before B."""
+    adapted, r = modules(hf_config, lora_cfg.target_modules), lora_cfg.rank
     layers = range(int(hf_config["num_hidden_layers"])) if layers is None else layers
     spec = []
     for layer in layers:
-        for target in (t for t in TARGETS if t in lora_cfg.target_modules):
-            a, b = adapter_names(layer, target)
-            spec += [(a, (r, dims[target][0]), torch.float32), (b, (dims[target][1], r), torch.float32)]
+        for module, (fan_in, fan_out) in adapted.items():
+            a, b = adapter_names(layer, module)
+            spec += [(a, (r, fan_in), torch.float32), (b, (fan_out, r), torch.float32)]
     return spec
 
 
@@ -63,11 +60,12 @@ def merge(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], facto
     return dict(lora_merge.merged_weights(base, adapter, factor))
 
 
-def peft_config(lora_cfg, base_model: str) -> dict:
-    """adapter_config.json for peft: a LoraConfig whose merged weights are `merge`'s."""
+def peft_config(lora_cfg, base_model: str, target_modules) -> dict:
+    """adapter_config.json for peft: a LoraConfig adapting the HF modules `target_modules` (their names in a
+    decoder layer: `qkv_proj` on Phi-3) whose merged weights are `merge`'s."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha, "lora_dropout": lora_cfg.dropout,
-            "target_modules": sorted(lora_cfg.target_modules), "bias": "none", "use_rslora": False,
+            "target_modules": sorted(target_modules), "bias": "none", "use_rslora": False,
             "fan_in_fan_out": False, "inference_mode": True}
 
 
@@ -81,5 +79,8 @@ def save_peft(directory: str | Path, adapter: dict[str, torch.Tensor], lora_cfg,
     # (clones: the projections of one fused megatron linear share their A, and safetensors refuses shared memory)
     save_file({PEFT_PREFIX + name: t.detach().clone() for name, t in adapter.items()}, str(directory / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
-    (directory / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora_cfg, base_model), indent=2) + "\n")
+    # (the modules peft adapts are the adapter's own: its A names' last module, e.g. `...self_attn.qkv_proj`)
+    targets = {lora_merge.adapted_weight(name).rsplit(".", 2)[-2]
+               for name in adapter if name.endswith(lora_merge.LORA_A)}
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora_cfg, base_model, targets), indent=2) + "\n")
     return directory

@@ -25,23 +25,35 @@ def model_dir(tmp_path_factory):
                                vocab_size=VOCAB))
 
 
-def _learner(model_dir, loss_cfg=None, **cfg):
+# Phi-3: peft's adapters on its fused qkv_proj and down_proj (q/k/v are one module there)
+PHI3_LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"])
+
+
+def _learner(model_dir, loss_cfg=None, lora_cfg=LORA, **cfg):
     from megarl.learner.deepspeed import DeepSpeedLearner
 
-    cfg = LearnerConfig(backend="deepspeed", deepspeed=DeepSpeedConfig(zero_stage=1), lora=LORA, **cfg)
+    cfg = LearnerConfig(backend="deepspeed", deepspeed=DeepSpeedConfig(zero_stage=1), lora=lora_cfg, **cfg)
     return DeepSpeedLearner(model_dir, cfg, loss_cfg or LossConfig())
 
 
-def test_published_adapter_in_the_engine_is_peft_merged(model_dir, world, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("kind", ["qwen2", "phi3"])
+def test_published_adapter_in_the_engine_is_peft_merged(model_dir, world, tmp_path, kind):  # noqa: F811
     """The learner's published adapter, staged by the built-in engine's AdapterStager: every sampled token's
     behaviour log-prob is peft's merged model's (from the PEFT directory of those tensors), and so is the
-    learner's own log-prob of it (the lag-0 gap), to fp32 noise."""
+    learner's own log-prob of it (the lag-0 gap), to fp32 noise. On Phi-3 the adapters are peft's on its fused
+    modules, under the names the megatron learner publishes too."""
     from peft import PeftModel
 
     from megarl.sampler.engine import BuiltinEngine
     from megarl.sampler.lora import AdapterStager
+    from tests.helpers import fp32_logprob_tol
+    from tests.sampler import TINY, make_tiny_model
 
-    learner = _learner(model_dir)
+    tol, lora_cfg = LEARNER_TOL, LORA
+    if kind == "phi3":
+        model_dir = str(make_tiny_model(tmp_path / kind, kind, vocab_size=VOCAB))
+        tol, lora_cfg = fp32_logprob_tol({**TINY, "vocab_size": VOCAB}, max_logprob=8.0), PHI3_LORA
+    learner = _learner(model_dir, lora_cfg=lora_cfg)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # a trained adapter's B is non-zero: draw one so the adapter shows
         for name, p in learner.module.named_parameters():
@@ -49,17 +61,17 @@ def test_published_adapter_in_the_engine_is_peft_merged(model_dir, world, tmp_pa
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     adapter = {name: t.clone() for name, t in learner.publish_tensors()}
     assert learner.publish_spec() == [(n, tuple(t.shape), t.dtype) for n, t in adapter.items()]
-    assert learner.publish_spec() == lora.adapter_spec(learner.hf_config, LORA)
+    assert learner.publish_spec() == lora.adapter_spec(learner.hf_config, lora_cfg)
 
     engine = BuiltinEngine.from_pretrained(model_dir, max_running=2)
-    AdapterStager.from_pretrained(engine, model_dir, LORA).stage(adapter, 1)
+    AdapterStager.from_pretrained(engine, model_dir, lora_cfg).stage(adapter, 1)
     for i, ids in enumerate([[3, 5, 7, 11], [2, 4, 6, 8, 10, 12]]):
         engine.add_request(GenerationRequest(str(i), ids, SamplingParams(temperature=1.0, max_new_tokens=8)))
     done = []
     while engine.num_unfinished:
         done += engine.step()
 
-    lora.save_peft(tmp_path / "adapter", adapter, LORA, model_dir)
+    lora.save_peft(tmp_path / "adapter", adapter, lora_cfg, model_dir)
     merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
                                        str(tmp_path / "adapter")).merge_and_unload().eval()
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -70,13 +82,13 @@ def test_published_adapter_in_the_engine_is_peft_merged(model_dir, world, tmp_pa
         with torch.no_grad():
             want = _logprobs(merged, ids)[0, n:]
             assert (want - _logprobs(base, ids)[0, n:]).abs().max() > 1e-2  # the adapter does show
-        assert (torch.tensor(c.logprobs) - want).abs().max() <= LEARNER_TOL  # the engine: base + published adapter
-        assert (learner.logprobs(ids)[0, n:] - want).abs().max() <= LEARNER_TOL  # the learner: peft, unmerged
+        assert (torch.tensor(c.logprobs) - want).abs().max() <= tol  # the engine: base + published adapter
+        assert (learner.logprobs(ids)[0, n:] - want).abs().max() <= tol  # the learner: peft, unmerged
     # What a version is on SGLang (MergedLoraSource): only the adapted weights, merged into peft's frozen base
     # layers; each is peft's merge.
     from megarl.learner.lora_publish import MergedLoraSource
 
-    source = MergedLoraSource(learner, LORA, keep=True)
+    source = MergedLoraSource(learner, lora_cfg, keep=True)
     sent = dict(source.publish_tensors())
     assert list(sent) == [n.replace(".lora_A.weight", ".weight") for n in adapter if n.endswith(".lora_A.weight")]
     theirs = merged.state_dict()

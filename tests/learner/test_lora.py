@@ -5,6 +5,7 @@ from transformers import Qwen2ForCausalLM
 
 from megarl.algo.config import LossConfig
 from megarl.config.schema import LearnerConfig, LoraConfig
+from megarl.learner import hf_lora
 from megarl.models import lora
 from megarl.protocols import TrainBatch
 from tests.helpers import save_tiny_qwen2
@@ -80,11 +81,32 @@ def test_adapter_equals_peft_and_the_merged_weights(model_dir, world, tmp_path):
         assert (_logprobs(hf, ids) - theirs).abs().max() <= 2e-5
 
 
-def _ours_and_pefts(learner, model_dir: str, vocab: int, tmp_path):
+def _adapter_gradients(learner, ids) -> dict[str, torch.Tensor]:
+    """d(sum of the rows' log-probs) / d(adapter) through the learner's own schedule (one micro-batch, one
+    backward), under HF adapter names (a shared A once per projection)."""
+    learner.model.zero_grad_buffer()
+    learner._run(learner.model, [{"input_ids": ids}], forward_only=False,
+                 loss_fn=lambda logits, mb, cp_layout, width: (learner._row_logprobs(logits, mb).sum(),
+                                                               torch.zeros(())))
+    return dict(learner._adapter_tensors(lambda name, param: param.main_grad.detach().float().clone()))
+
+
+def _ours_and_pefts(learner, model_dir: str, vocab: int, tmp_path, tol: float):
     """Log-probs of random rows under the learner with a drawn adapter, under peft's LoraLayer on transformers'
-    model loaded with the PEFT directory megarl writes of that adapter, and under the base model alone."""
+    model loaded with the PEFT directory megarl writes of that adapter, under the base model alone, and under
+    transformers' model with the adapted weights the learner merges for SGLang (MergedLoraSource, over the base it
+    gathers from itself), and under the merged model a checkpoint of it exports (whose PEFT adapter is the published
+    one, bit for bit). The gradients of the rows' summed log-probs are peft's too: every B's, and every A's
+    where one HF module is one megatron linear (Phi-3's fused modules, the latent attention's, o/down); where the
+    linear is several (q/k/v, gate/up) they share its A, whose gradient is the sum of peft's for their As."""
     from peft import PeftModel
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
+
+    from megarl.checkpoint import learner_state
+    from megarl.checkpoint.export import ADAPTER_DIR, export_hf
+    from megarl.learner.lora import adapted_linears
+    from megarl.learner.lora_publish import MergedLoraSource
 
     _randomise_b(learner)
     ids = torch.randint(0, vocab, (4, 12), generator=torch.Generator().manual_seed(0))
@@ -93,40 +115,70 @@ def _ours_and_pefts(learner, model_dir: str, vocab: int, tmp_path):
     assert learner.publish_spec() == lora.adapter_spec(learner.hf_config, learner.lora)
     lora.save_peft(tmp_path / "adapter", adapter, learner.lora, model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    merged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sent = dict(MergedLoraSource(learner, learner.lora, keep=True).publish_tensors())
+    assert sent and not merged.load_state_dict(sent, strict=False).unexpected_keys
+    learner_state.save(learner, tmp_path / "ckpt", 0, keep=1, model_dir=model_dir)
+    exported = export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    assert load_file(str(exported / ADAPTER_DIR / lora.ADAPTER_WEIGHTS)).keys() == {
+        lora.PEFT_PREFIX + n for n in adapter}
+    assert all(torch.equal(t, adapter[n.removeprefix(lora.PEFT_PREFIX)])
+               for n, t in load_file(str(exported / ADAPTER_DIR / lora.ADAPTER_WEIGHTS)).items())
     with torch.no_grad():
         untouched = _logprobs(base, ids)
-        theirs = _logprobs(PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval(), ids)
-    return ours, theirs, untouched
+        merged_logprobs = torch.stack([_logprobs(merged, ids), _logprobs(
+            AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval(), ids)])
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "adapter"), is_trainable=True).eval()
+    theirs = _logprobs(peft_model, ids)
+    theirs.sum().backward()
+    peft_grads = {name: p.grad for name, p in peft_model.named_parameters() if p.requires_grad}
+    grads = _adapter_gradients(learner, ids)
+    # The backward passes the forward's matmuls in another order: `tol` (the fp32 bound of log-probs up to 8 in
+    # size, tests/helpers.fp32_logprob_tol) taken relative to the largest gradient instead.
+    grad_tol = tol / 8.0 * max(float(g.abs().max()) for g in grads.values())
+    for path, modules in adapted_linears(learner.hf_config, learner.lora.target_modules).items():
+        for layer in range(int(learner.hf_config["num_hidden_layers"])):
+            names = [lora.adapter_names(layer, m) for m in modules]
+            peft_a = sum(peft_grads[hf_lora.peft_key(a)] for a, _ in names)
+            for a, b in names:
+                assert (grads[a] - peft_a).abs().max() <= grad_tol, a
+                assert (grads[b] - peft_grads[hf_lora.peft_key(b)]).abs().max() <= grad_tol, b
+    return ours, theirs.detach(), untouched, merged_logprobs
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "smollm3", "olmo2", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "gemma3"])
 def test_every_dense_familys_adapter_equals_peft(world, tmp_path, kind):
     """The adapter on each dense family's own layout (Qwen3's and Gemma 3's heads wider than hidden, OLMo 2's and
-    Gemma 3's norms after the projections, Mistral's and Gemma 3's windows, SmolLM3's layer without RoPE) is peft's
-    LoraLayer on transformers' model of the same directory, loaded from the PEFT directory megarl writes."""
+    Gemma 3's norms after the projections, Mistral's and Gemma 3's windows, SmolLM3's layer without RoPE, Phi-3's
+    one adapter on its fused qkv_proj and one on gate_up_proj) is peft's LoraLayer on transformers' model of the
+    same directory, loaded from the PEFT directory megarl writes."""
     from tests.sampler import TINY, TOL, make_tiny_model
 
     model_dir = str(make_tiny_model(tmp_path / kind, kind))
-    ours, theirs, untouched = _ours_and_pefts(_learner(model_dir), model_dir, TINY["vocab_size"], tmp_path)
+    ours, theirs, untouched, merged = _ours_and_pefts(_learner(model_dir), model_dir, TINY["vocab_size"], tmp_path, TOL)
     assert (ours - untouched).abs().max() > 1e-2  # the adapter does show
     assert (ours - theirs).abs().max() <= TOL  # fp32, two programs' reduction orders
+    assert (merged - theirs).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v3_q_proj"])
 def test_an_moe_familys_attention_adapter_equals_peft(world, tmp_path, kind):
     """On a mixture-of-experts family the adapters sit on the attention projections (its experts are not adapted,
-    megarl.models.lora_targets): Qwen3-MoE's, GLM-4.5's (q/k/v biases, partial RoPE, after a dense first layer) and
-    gpt-oss's (biases, sinks) equal peft's LoraLayer on transformers' model of the same directory."""
-    from tests.helpers import save_tiny_glm4_moe, save_tiny_gpt_oss, save_tiny_moe
+    megarl.models.lora_targets): Qwen3-MoE's, GLM-4.5's (q/k/v biases, partial RoPE, after a dense first layer),
+    gpt-oss's (biases, sinks) and DeepSeek-V3's multi-latent attention's (q_a_proj, q_b_proj around the q latent, or
+    one q_proj; kv_a_proj_with_mqa, kv_b_proj around the k/v latent; o_proj) equal peft's LoraLayer on
+    transformers' model of the same directory."""
+    from tests.helpers import save_tiny_deepseek_v3, save_tiny_glm4_moe, save_tiny_gpt_oss, save_tiny_moe
     from tests.learner.test_moe_learner import _tol
 
     save = {"qwen3_moe": lambda path: save_tiny_moe(path, "qwen3_moe"), "glm4_moe": save_tiny_glm4_moe,
-            "gpt_oss": save_tiny_gpt_oss}[kind]
+            "gpt_oss": save_tiny_gpt_oss, "deepseek_v3": save_tiny_deepseek_v3,
+            "deepseek_v3_q_proj": lambda path: save_tiny_deepseek_v3(path, q_lora_rank=None)}[kind]
     model_dir = str(save(tmp_path / kind))
     learner = _learner(model_dir, ["q_proj", "k_proj", "v_proj", "o_proj"])
-    ours, theirs, untouched = _ours_and_pefts(learner, model_dir, VOCAB, tmp_path)
+    ours, theirs, untouched, merged = _ours_and_pefts(learner, model_dir, VOCAB, tmp_path, _tol(model_dir))
     assert (ours - untouched).abs().max() > 1e-2  # the adapter does show
-    assert (ours - theirs).abs().max() <= _tol(model_dir)
+    assert (ours - theirs).abs().max() <= _tol(model_dir) and (merged - theirs).abs().max() <= _tol(model_dir)
 
 
 def test_only_the_adapter_trains(model_dir, world):

@@ -523,9 +523,10 @@ def test_deepseek_v3_configs_megarl_cannot_map_exactly_are_refused_naming_the_fi
         convert.transformer_config_kwargs({**DEEPSEEK_V3, **change})
 
 
-def test_deepseek_v3_runs_unsplit_where_its_latent_projections_have_no_per_rank_slices_and_takes_no_lora():
+def test_deepseek_v3_runs_unsplit_where_its_latent_projections_have_no_per_rank_slices_and_adapts_them_at_tp1():
     """The multi-latent attention's HF tensors have no per-TP-rank slices (megarl.models.tp_shard): a built-in
-    engine at sampler.tp > 1 is refused naming the key, and learner.lora (no q/k/v/o_proj to adapt) too."""
+    engine at sampler.tp > 1 is refused naming the key, and so are LoRA adapters on them at learner.tp > 1 and an
+    adapter on k or v alone (kv_b_proj's rows are both)."""
     from megarl.config.schema import LoraConfig
     from megarl.models import layout, lora
 
@@ -533,15 +534,20 @@ def test_deepseek_v3_runs_unsplit_where_its_latent_projections_have_no_per_rank_
     layout.check_layout(cfg, learner_tp=2, sampler_tp=1)
     with pytest.raises(ValueError, match="sampler.tp=2: deepseek_v3's multi-latent attention"):
         layout.check_layout(cfg, sampler_tp=2)
-    with pytest.raises(ValueError, match="learner.lora: 'deepseek_v3'"):
-        lora.check(DEEPSEEK_V3, LoraConfig(rank=4, alpha=8.0, target_modules=["o_proj"]))
+    lora.check(DEEPSEEK_V3, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    with pytest.raises(ValueError, match="learner.lora with learner.tp=2"):
+        lora.check(DEEPSEEK_V3, LoraConfig(rank=4, alpha=8.0, target_modules=["o_proj"]), learner_tp=2)
+    with pytest.raises(ValueError, match="learner.lora.target_modules: k_proj/v_proj .*kv_b_proj"):
+        lora.check(DEEPSEEK_V3, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
 
 
 def test_phi3s_fused_projections_run_unsplit_and_say_where():
-    """Phi-3's qkv_proj / gate_up_proj have no per-rank slices: a built-in engine at sampler.tp > 1, a shard
-    conversion and LoRA adapters are refused naming the key; sampler.tp=1 at any learner layout is taken."""
+    """Phi-3's qkv_proj / gate_up_proj have no per-rank slices: a built-in engine at sampler.tp > 1 and a shard
+    conversion are refused naming the key; sampler.tp=1 at any learner layout is taken. A LoRA adapter sits on each
+    fused module, so q/k/v (and gate/up) are adapted together or not at all (peft's DeepSpeed learner too)."""
     from megarl.config.schema import LoraConfig
-    from megarl.models import layout, lora
+    from megarl.models import layout
+    from megarl.models.lora_targets import check_peft
 
     cfg = {"model_type": "phi3", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
            "hidden_size": 32, "intermediate_size": 48, "vocab_size": 64}
@@ -550,8 +556,9 @@ def test_phi3s_fused_projections_run_unsplit_and_say_where():
         layout.check_layout(cfg, sampler_tp=2)
     with pytest.raises(ValueError, match="tp_size=1"):
         convert.mcore_layer_to_hf({}, 0, cfg, tp_size=2)
-    with pytest.raises(ValueError, match="learner.lora: 'phi3' holds fused qkv_proj"):
-        lora.check(cfg, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="learner.lora.target_modules: q_proj/k_proj/v_proj .*qkv_proj"):
+        check_peft(cfg, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"]))
+    check_peft(cfg, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"]))
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 8.0}])

@@ -23,9 +23,9 @@ def qwen(tmp_path_factory):
     return load_pretrained(str(make_tiny_model(tmp_path_factory.mktemp("qwen_lora"), "qwen2")))
 
 
-def _adapter(cfg, seed):
+def _adapter(cfg, seed, lora_cfg=LORA):
     g = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=g) * 0.3 for name, shape, _ in lora.adapter_spec(cfg, LORA)}
+    return {name: torch.randn(shape, generator=g) * 0.3 for name, shape, _ in lora.adapter_spec(cfg, lora_cfg)}
 
 
 def _replay(spec, prepared, ids: list[int], versions_of_position) -> torch.Tensor:
@@ -94,34 +94,52 @@ def test_adapter_update_mid_rollout_keeps_per_token_versions_exact(qwen, policy,
         assert max(abs(other[n - 1 + i, t] - want[i]) for i, t in enumerate(c.token_ids)) > 1e-3
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "smollm3", "olmo2", "gemma3"])
-def test_an_adapter_version_of_every_dense_family_samples_with_pefts_logprobs(tmp_path, kind):
+def _family_model(path, kind: str):
+    """A tiny HF directory of `kind`: tests.sampler's models, GLM-4.5's and DeepSeek-V3's of tests.helpers (served
+    by the engine's generic model) at the engine tests' vocabulary."""
+    from tests.helpers import save_tiny_deepseek_v3, save_tiny_glm4_moe
+
+    save = {"glm4_moe": save_tiny_glm4_moe, "deepseek_v3": save_tiny_deepseek_v3}.get(kind)
+    return save(path, vocab_size=TINY["vocab_size"]) if save else make_tiny_model(path, kind)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "gemma3", "qwen3_moe",
+                                  "gpt_oss", "glm4_moe", "deepseek_v3"])
+def test_an_adapter_version_of_every_family_samples_with_pefts_logprobs(tmp_path, kind):
     """An adapter staged on the engine serving a family's own layout: the tokens it samples carry the log-probs of
     peft's LoraLayer on transformers' model of the same directory (the adapter read from the PEFT directory
-    megarl writes), past Mistral's and Gemma 3's windows."""
+    megarl writes), past Mistral's and Gemma 3's windows, on Phi-3's fused qkv_proj and gate_up_proj, and on the
+    attention projections of the mixture-of-experts families (Qwen3-MoE's and gpt-oss's native forward, GLM-4.5's
+    and DeepSeek-V3's multi-latent attention on the generic model)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model_dir = make_tiny_model(tmp_path / kind, kind)
+    from megarl.models.moe_config import is_moe
+
+    model_dir = _family_model(tmp_path / kind, kind)
     cfg, base = load_pretrained(str(model_dir))
-    adapter = _adapter(cfg, 1)
+    lora_cfg = LoraConfig(rank=LORA.rank, alpha=LORA.alpha,
+                          target_modules=list(lora.ATTENTION_TARGETS) if is_moe(cfg) else LORA.target_modules)
+    adapter = _adapter(cfg, 1, lora_cfg)
     engine = BuiltinEngine(cfg, base, max_running=2)
-    AdapterStager(engine, base, cfg, LORA).stage(adapter, 1)
+    AdapterStager(engine, base, cfg, lora_cfg).stage(adapter, 1)
     engine.add_request(GenerationRequest("a", [3, 1, 4, 1, 5], SamplingParams(temperature=1.0, max_new_tokens=8)))
     done = []
     while engine.num_unfinished:
         done += engine.step()
     (c,) = done
     assert c.versions == [1] * 8
-    lora.save_peft(tmp_path / "adapter", adapter, LORA, str(model_dir))
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
-                                     str(tmp_path / "adapter")).eval()
+    lora.save_peft(tmp_path / "adapter", adapter, lora_cfg, str(model_dir))
+    base_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     ids = torch.tensor([c.prompt_ids + c.token_ids])
     with torch.no_grad():
-        ref = torch.log_softmax(peft(ids).logits[0].float(), -1)
+        untouched = torch.log_softmax(base_model(ids).logits[0].float(), -1)
+        ref = torch.log_softmax(PeftModel.from_pretrained(base_model, str(tmp_path / "adapter")).eval()(ids)
+                                .logits[0].float(), -1)
     n = len(c.prompt_ids)
     want = torch.stack([ref[n - 1 + i, t] for i, t in enumerate(c.token_ids)])
-    assert (torch.tensor(c.logprobs) - want).abs().max() <= fp32_logprob_tol(TINY, float(ref.abs().max()))
+    assert (torch.stack([untouched[n - 1 + i, t] for i, t in enumerate(c.token_ids)]) - want).abs().max() > 1e-2
+    assert (torch.tensor(c.logprobs) - want).abs().max() <= fp32_logprob_tol(cfg, float(ref.abs().max()))
 
 
 def test_a_wrong_adapter_is_refused_before_it_is_staged(qwen):
