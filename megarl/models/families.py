@@ -84,6 +84,8 @@ LEARNER_FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_5_text", "Qwen3_5ForCausalLM", qkv_bias=False, qk_norm=True, moe=False, partial_rotary=True,
            linear_attention=True),
 )}
+# What the built-in engine does not split over sampler.tp in the sigmoid-routed MoE families (GLM-4.5, DeepSeek-V3)
+UNSHARDED_SIGMOID_ROUTED = "shared experts, router expert bias and first dense layers"
 # transformers' layer kind of a gated-DeltaNet layer (`layer_types`)
 LINEAR = "linear_attention"
 

@@ -273,7 +273,7 @@ class BuiltinEngine:
         }
         if self.spec.is_moe:
             # The routes of every position of every slot (see the module docstring), and one decode step's.
-            route_shape = (self.spec.num_layers, self.spec.top_k)
+            route_shape = (self.spec.num_moe_layers, self.spec.top_k)
             dtype = torch.from_numpy(np.zeros(0, moe.routes_dtype({"num_experts": self.spec.num_experts}))).dtype  # uint8; int16 past 255
             self._slot["routes"] = torch.zeros(slots, max_seq_len, *route_shape, dtype=dtype, device=self.device)
             self._decode_routes = torch.zeros(slots, 1, *route_shape, dtype=dtype, device=self.device)

@@ -27,9 +27,8 @@ picks this module or the native one (docs/models.md#the-generic-path).
   conv state from the row's last `kernel` inputs, the delta-rule state from the per-token states transformers
   computes for the padded tail (get_recurrent_states_to_keep). A call without `logit_index` continues every row
   from its slot's state (a decode step). Prefill runs in one piece (no chunked prefill).
-* Mixture-of-experts families of docs/models.md whose native forward is not written (`PER_EXPERT`: DeepSeek-V3,
-  GLM-4.5)
-  run here with the weights the learners publish: save_pretrained's names, one tensor per expert and projection,
+* A mixture-of-experts family of docs/models.md whose native forward is not written (`PER_EXPERT`: DeepSeek-V3)
+  runs here with the weights the learners publish: save_pretrained's names, one tensor per expert and projection,
   and the router's `e_score_correction_bias` (a buffer in transformers, substituted like the parameters). The arena
   holds those names; `finalize` stacks each layer's experts into transformers' fused [E, 2I, H] / [E, H, I].
 * What it cannot run: other layers with recurrent state (Mamba: a `layer_types` entry other than full / sliding /
@@ -58,7 +57,7 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 RECURRENT_LAYER_TYPES = ("linear_attention",)  # gated DeltaNet (Qwen3-Next, Qwen3.5): conv + delta-rule state
 _ANNOUNCED: set[str] = set()  # model types whose "slower than native" line this process printed
 # Native MoE families this module serves with per-expert weights (module docstring)
-PER_EXPERT = ("deepseek_v3", "glm4_moe")
+PER_EXPERT = ("deepseek_v3",)
 _FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -84,7 +83,7 @@ def choose(hf_config: dict, model_impl: str = "auto"):
                 reason = f"the native engine does not run this config ({exc})"
     key = str(hf_config.get("model_type"))
     # (gpt-oss's experts are fused on disk as in memory, so what the learners publish is what transformers' modules
-    # take; DeepSeek-V3's and GLM-4.5's per-expert tensors are stacked here)
+    # take; DeepSeek-V3's per-expert tensors are stacked here)
     if is_native(hf_config) and is_moe(hf_config) and not fused_experts_on_disk(hf_config) and key not in PER_EXPERT:
         raise ValueError(f"the built-in engine does not run {key!r} ({reason}): megarl's learners publish a family's "
                          f"experts per expert (save_pretrained's names), its generic model takes transformers' fused "

@@ -1,4 +1,4 @@
-"""BuiltinEngine on a mixture-of-experts model (tiny Mixtral, Qwen3-MoE, gpt-oss): log-probs and routes equal
+"""BuiltinEngine on a mixture-of-experts model (tiny Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5): log-probs and routes equal
 transformers', and across an in-flight update every position's routes are those of the weights that computed it."""
 from __future__ import annotations
 
@@ -208,26 +208,41 @@ def test_the_paged_layout_gives_the_contiguous_layouts_completions_and_routes(mi
         np.testing.assert_array_equal(p.routes, c.routes)
 
 
-# ------------------------------------------------------------------------------------------- gpt-oss (native forward)
-@pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss")
-    return path, *load_pretrained(str(path))
+# ------------------------------------------- gpt-oss, GLM-4.5 (their own routers and expert layouts; native forward)
+NATIVE_MOE = ("gpt_oss", "glm4_moe")
 
 
-def _gpt_oss_tol(cfg) -> float:
-    """The fp32 bound of tests.helpers.fp32_logprob_tol at the tiny gpt-oss's own sizes (|log-prob| <= 8, checked
+@pytest.fixture(scope="module", params=NATIVE_MOE)
+def native_moe(request, tmp_path_factory):
+    """(kind, path, config, weights) of a tiny gpt-oss and a tiny GLM-4.5 (tests/sampler.make_tiny_model)."""
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, path, *load_pretrained(str(path))
+
+
+def _native_tol(cfg) -> float:
+    """The fp32 bound of tests.helpers.fp32_logprob_tol at the tiny model's own sizes (|log-prob| <= 8, checked
     where it is used): the engine and transformers differ only in reduction order (the input and post-attention norm
     weights folded into the stacked projections, every expert computed for every token and weighted by zero off the
-    chosen k, the sink's column appended in another order); the router's top-k is the same on such decisive routers."""
+    chosen k, gpt-oss's sink column appended in another order, GLM-4.5's shared expert summed with the routed ones);
+    the routers' top-k is the same on such decisive routers."""
     return fp32_logprob_tol(cfg, max_logprob=8.0)
 
 
-def test_gpt_oss_runs_natively_and_names_what_it_refuses(gpt_oss):
+def _same_routes(got: np.ndarray, expected: np.ndarray, cfg: dict) -> None:
+    """Equal routes: in the router's top-k order, or, for a sigmoid-routed family (whose transformers router takes
+    an unsorted top-k), the same set of experts per position and layer."""
+    from megarl.models.moe import SIGMOID_ROUTED
+
+    if cfg["model_type"] in SIGMOID_ROUTED:
+        got, expected = np.sort(got, axis=-1), np.sort(expected, axis=-1)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_gpt_oss_runs_natively_and_names_what_it_refuses(tmp_path):
     from megarl.models.layout import check_layout
     from megarl.sampler import hf_model, model as native
 
-    _, cfg, weights = gpt_oss
+    cfg, weights = load_pretrained(str(make_tiny_model(tmp_path, "gpt_oss")))
     spec = ModelSpec.from_hf_config(cfg)
     assert hf_model.choose(cfg) is native and spec.gpt_oss and spec.layer_windows == (4, None)
     assert (spec.num_experts, spec.top_k, spec.swiglu_limit) == (EXPERTS, TOP_K, 2.0)
@@ -240,36 +255,61 @@ def test_gpt_oss_runs_natively_and_names_what_it_refuses(gpt_oss):
         ModelSpec.from_hf_config(dict(cfg, quantization_config={"quant_method": "mxfp4"}))
 
 
+def test_glm4_moe_runs_natively_with_its_router_and_names_what_it_refuses(tmp_path):
+    """GLM-4.5's spec: partial RoPE, q/k/v biases without an o_proj bias, q/k norms, the router's group limit and
+    scaling, a shared expert, the first layer dense (routes for the MoE layers only); sampler.tp > 1 refused by key,
+    before a launch too."""
+    from megarl.models.layout import check_layout
+    from megarl.sampler import hf_model, model as native
+    from tests.helpers import GLM4_MOE_ROUTER
+
+    cfg, weights = load_pretrained(str(make_tiny_model(tmp_path, "glm4_moe")))
+    spec = ModelSpec.from_hf_config(cfg)
+    assert hf_model.choose(cfg) is native and spec.sigmoid_router
+    assert (spec.rotary_dim, spec.rope_dim, spec.qkv_bias, spec.o_bias, spec.qk_norm) == (8, 8, True, False, True)
+    assert (spec.num_experts, spec.top_k, spec.n_group, spec.topk_group) == tuple(
+        GLM4_MOE_ROUTER[k] for k in ("n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"))
+    assert (spec.routed_scaling, spec.shared_ffn_size, spec.dense_layers, spec.num_moe_layers) == (2.5, 16, 1, 1)
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in weights and "model.layers.0.mlp.gate_proj.weight" in weights
+    for refused in (lambda: spec.shard(2), lambda: check_layout(cfg, sampler_tp=2)):
+        with pytest.raises(ValueError, match="sampler.tp=2: glm4_moe's shared experts"):
+            refused()
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        ModelSpec.from_hf_config(dict(cfg, norm_topk_prob=False))
+
+
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0, max_new_tokens=8),
                                       SamplingParams(temperature=1.0, max_new_tokens=10)])
-def test_gpt_oss_logprobs_and_routes_equal_transformers(gpt_oss, sampling):
-    """Six requests through four slots (continuous batching, prompts and completions past the sliding window of 4):
-    every behaviour log-prob is transformers' GptOssForCausalLM's (eager attention, fp32) within the fp32 bound, and
-    every position's routes are its router's top-k, in its order."""
-    path, cfg, weights = gpt_oss
-    tol, worst = _gpt_oss_tol(cfg), 0.0
+def test_native_moe_logprobs_and_routes_equal_transformers(native_moe, sampling):
+    """Six requests through four slots (continuous batching; gpt-oss's prompts and completions past its sliding window
+    of 4): every behaviour log-prob is transformers' (eager attention, fp32) within the fp32 bound, and every
+    position's routes are its routers' choice (gpt-oss: in its top-k order)."""
+    kind, path, cfg, weights = native_moe
+    tol, worst, moe_layers = _native_tol(cfg), 0.0, ModelSpec.from_hf_config(cfg).num_moe_layers
     completions = BuiltinEngine(cfg, weights, max_running=4, version=3).generate(requests(6, sampling))
     assert max(len(c.prompt_ids) + len(c.token_ids) for c in completions) > 2 * 4
     for c in completions:
         n = len(c.prompt_ids)
-        assert c.routes.dtype == np.uint8 and c.routes.shape == (n + len(c.token_ids) - 1, LAYERS, TOP_K)
+        assert c.routes.dtype == np.uint8 and c.routes.shape == (n + len(c.token_ids) - 1, moe_layers, c.routes.shape[2])
         logp, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (path, None))
         expected = [logp[n - 1 + i, tok].item() for i, tok in enumerate(c.token_ids)]
         assert all(abs(e) <= 8.0 for e in expected)  # (the bound's |log-prob| <= 8 on these tokens)
         worst = max(worst, max(abs(a - b) for a, b in zip(c.logprobs, expected)))
-        np.testing.assert_array_equal(c.routes, routes[:-1])
+        _same_routes(c.routes, routes[:-1], cfg)
         assert c.versions == [3] * len(c.token_ids)
     assert worst <= tol, (worst, tol)
 
 
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
-def test_gpt_oss_across_an_inflight_update_equals_transformers_over_its_cache(gpt_oss, policy, tmp_path):
-    """v1 computes the prompt and the first decode inputs, v2 (routers, sinks and expert biases moved) the rest;
-    "keep": transformers continuing v1's KV cache under v2, "recompute": transformers' v2 forward over it all. Every
-    token's log-prob and every position's routes are those of the weights that computed it."""
-    path, cfg, weights = gpt_oss
+def test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache(native_moe, policy, tmp_path):
+    """v1 computes the prompt and the first decode inputs, v2 (routers moved; gpt-oss's sinks and expert biases,
+    GLM-4.5's expert bias too) the rest; "keep": transformers continuing v1's KV cache under v2, "recompute":
+    transformers' v2 forward over it all. Every token's log-prob and every position's routes are those of the weights
+    that computed it."""
+    kind, path, cfg, weights = native_moe
     gen = torch.Generator().manual_seed(5)
-    moved = ("router.weight", "router.bias", "sinks", "experts.down_proj_bias")
+    moved = ("router.weight", "router.bias", "sinks", "experts.down_proj_bias", "mlp.gate.weight",
+             "e_score_correction_bias")
     v2 = {k: t + 0.3 * t.std() * torch.randn(t.shape, generator=gen) if k.endswith(moved) else t.clone()
           for k, t in weights.items()}
     v2_dir = save_version(path, v2, tmp_path / "v2")
@@ -283,7 +323,7 @@ def test_gpt_oss_across_an_inflight_update_equals_transformers_over_its_cache(gp
     engine.stage_weights(v2, 1)
     while engine.num_unfinished:
         done.update((c.request_id, c) for c in engine.step())
-    tol, differ = _gpt_oss_tol(cfg), 0
+    tol, differ = _native_tol(cfg), 0
     for r in reqs:
         c = done[r.request_id]
         n = len(c.prompt_ids)
@@ -292,9 +332,9 @@ def test_gpt_oss_across_an_inflight_update_equals_transformers_over_its_cache(gp
         v1_logp, _ = hf_logprobs_and_routes(ids, (path, None))
         logp, expected = hf_logprobs_and_routes(ids, *([(v2_dir, None)] if policy == "recompute" else
                                                       [(path, split), (v2_dir, None)]))
-        np.testing.assert_array_equal(c.routes, expected[:-1])
+        _same_routes(c.routes, expected[:-1], cfg)
         got = [(v1_logp if i < 4 else logp)[n - 1 + i, tok].item() for i, tok in enumerate(c.token_ids)]
         assert max(abs(a - b) for a, b in zip(c.logprobs, got)) <= tol
         _, all_v1 = hf_logprobs_and_routes(ids, (path, None))
-        differ += int((all_v1[:-1] != c.routes).any(axis=(1, 2)).sum())
+        differ += int((np.sort(all_v1[:-1], -1) != np.sort(c.routes, -1)).any(axis=(1, 2)).sum())
     assert differ > 0  # the test can tell the versions apart
