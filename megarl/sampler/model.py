@@ -1,5 +1,5 @@
 """Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mistral, Phi-3, SmolLM3,
-OLMo 2, Gemma 3 text, Mixtral, Qwen3-MoE, GLM-4.5, gpt-oss), for the built-in sampler engine.
+OLMo 2, Gemma 3 text, Mixtral, Qwen3-MoE, GLM-4.5, gpt-oss, DeepSeek-V3), for the built-in sampler engine.
 
 This module owns the model math and the KV-cache layout; it owns no scheduling (that is
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
@@ -61,6 +61,19 @@ stacked projection and whose down leads the stacked downs (it is one more expert
 for the MoE layers only (route index = layer - dense_layers, as the learners' route shape). It runs at
 sampler.tp = 1.
 
+DeepSeek-V3 (``spec.latent``: multi-latent attention, megarl.models.latent_attention's tensors; GLM-4.5's MoE): the
+cache holds per position and layer the kv latent c (kv_lora_rank values, after kv_a_layernorm) and the shared key's
+rotated RoPE dims (`KVCache.latent`), kv_lora_rank + qk_rope_head_dim values where per-head K and V would take
+heads * (qk_nope + qk_rope + v_head_dim); what a version wrote stays valid under `keep` (the next version expands it
+with its own kv_b_proj, as transformers' cache does). Attention is absorbed (`_latent_attention`): each head's
+q_nope times its W_UK (kv_b_proj's k rows) is a query in latent space that, with q's RoPE dims, attends to the cached
+[c | k_rot] as one KV head shared by all heads; the output in latent space times W_UV (kv_b_proj's v rows) is the
+head's value sum, then o_proj. The same form serves prefill (SDPA) and decode (two batched matmuls). q comes from
+q_proj or through the q latent (q_a_proj, q_a_layernorm, q_b_proj); q_a_proj (or q_proj) and kv_a_proj_with_mqa are
+one stacked projection with the input norm folded in. RoPE is interleaved YaRN: DeepSeek-V3's rope pairs are adjacent
+already, the pairs `_rotate` takes; the softmax scale is transformers' (latent_attention.softmax_scale). It runs at
+sampler.tp = 1 and in the contiguous KV layout (`PagedKVCache` refuses it by sampler.kv_layout).
+
 Tensor parallelism: `ModelSpec.shard(t)` is the spec of one TP rank, whose weights are that rank's
 slices in the layout of `megarl.models.tp_shard` (whole heads of q/k/v, rows of gate/up, columns of
 o_proj/down_proj, vocab rows of the embedding and lm_head; norms whole; an MoE layer's router whole and
@@ -76,7 +89,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarl.models import convert, moe, tp_shard
+from megarl.models import convert, latent_attention, moe, tp_shard
 from megarl.models.convert import load_pretrained  # noqa: F401 - the engine's loader, shared with the learner
 from megarl.models import families
 from megarl.models.families import FAMILIES, MODEL_TYPES, generic_path_hint
@@ -149,6 +162,13 @@ class ModelSpec:
     shared_ffn_size: int = 0
     dense_layers: int = 0
     dense_ffn_size: int = 0
+    # Multi-latent attention (DeepSeek-V3; see the module docstring): > 0, the kv latent's width, what the cache
+    # holds per position with the `head_dim` (= qk_rope_head_dim) RoPE dims of the shared key; the q latent's width
+    # (None: one q_proj), each head's q/k dims without RoPE and its v dims.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -161,6 +181,10 @@ class ModelSpec:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer >= self.dense_layers
+
+    @property
+    def latent(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def rope_dim(self) -> int:
@@ -179,8 +203,6 @@ class ModelSpec:
             return cls._gemma(cfg)
         if family.gpt_oss_blocks:
             return cls._gpt_oss(cfg)
-        if family.latent_attention:
-            raise ValueError(f"{model_type}'s multi-latent attention (kv_lora_rank) is not in the native forward")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
         if cfg.get("use_sliding_window"):
@@ -208,6 +230,9 @@ class ModelSpec:
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = int(cfg.get("head_dim") or hidden // heads)
+        if family.latent_attention:  # (its heads' RoPE dims; their other dims: the latent fields)
+            latent_attention.check(cfg)
+            head_dim = latent_attention.rope_dim(cfg)
         # Qwen2 always has q/k/v biases and none on o_proj; Llama's and Qwen3's attention_bias covers q/k/v/o,
         # GLM-4.5's q/k/v only (families.qkv_bias).
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -248,7 +273,16 @@ class ModelSpec:
             post_norms=family.post_norms,
             rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             **(cls._sigmoid_routing(cfg) if sigmoid else {}),
+            **(cls._latent_attention(cfg, rope_scaling) if family.latent_attention else {}),
         )
+
+    @staticmethod
+    def _latent_attention(cfg: dict, rope_scaling: dict | None) -> dict:
+        """The spec fields of multi-latent attention (latent_attention.check has taken its config)."""
+        q_lora = cfg.get("q_lora_rank")
+        return dict(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=None if q_lora is None else int(q_lora),
+                    qk_nope_dim=int(cfg["qk_nope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
+                    attn_scale=latent_attention.softmax_scale(cfg, rope_scaling))
 
     @staticmethod
     def _sigmoid_routing(cfg: dict) -> dict:
@@ -347,12 +381,14 @@ class ModelSpec:
             else:
                 shapes[p + "input_layernorm.weight"] = (h,)
                 shapes[p + "post_attention_layernorm.weight"] = (h,)
-            for name, out in ((("qkv_proj", q_out + 2 * kv_out),) if self.fused_projections else
-                              (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out))):
+            if self.latent:
+                shapes.update(self._latent_attention_shapes(p + "self_attn."))
+            for name, out in () if self.latent else ((("qkv_proj", q_out + 2 * kv_out),) if self.fused_projections else
+                                                     (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out))):
                 shapes[p + f"self_attn.{name}.weight"] = (out, h)
                 if self.qkv_bias:
                     shapes[p + f"self_attn.{name}.bias"] = (out,)
-            shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+            shapes[p + "self_attn.o_proj.weight"] = (h, self.num_heads * self.v_head_dim if self.latent else q_out)
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)
             if self.qk_norm:
@@ -387,6 +423,19 @@ class ModelSpec:
             shapes["lm_head.weight"] = (self.shard_vocab, h)
         return shapes
 
+    def _latent_attention_shapes(self, attn: str) -> dict[str, tuple[int, ...]]:
+        """One layer's multi-latent attention tensors but o_proj (names relative to its `self_attn.`:
+        latent_attention's), in HF shapes."""
+        h, heads, rope = self.hidden_size, self.num_heads, self.head_dim
+        q_out = heads * (self.qk_nope_dim + rope)
+        shapes = {attn + "kv_a_proj_with_mqa.weight": (self.kv_lora_rank + rope, h),
+                  attn + "kv_a_layernorm.weight": (self.kv_lora_rank,),
+                  attn + "kv_b_proj.weight": (heads * (self.qk_nope_dim + self.v_head_dim), self.kv_lora_rank)}
+        if self.q_lora_rank is None:
+            return {attn + "q_proj.weight": (q_out, h), **shapes}
+        return {attn + "q_a_proj.weight": (self.q_lora_rank, h), attn + "q_a_layernorm.weight": (self.q_lora_rank,),
+                attn + "q_b_proj.weight": (q_out, self.q_lora_rank), **shapes}
+
     def check_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """ValueError naming the first missing, unexpected or wrongly shaped tensor."""
         expected = self.weight_shapes()
@@ -409,16 +458,29 @@ class KVCache:
     their second operand row-major: CPU bmm with a transposed second operand is ~3x slower at decode
     shapes.  K's RoPE pairs are interleaved (see `prepare_weights`), which is invisible outside this
     module: attention only ever takes dot products of q and k permuted alike.
+
+    Multi-latent attention (``spec.latent``) caches no per-head K or V: ``latent`` [layers, slots, max_seq_len,
+    kv_lora_rank + rope dims] holds each position's kv latent (after kv_a_layernorm) and its shared key's RoPE
+    dims (rotated), the keys of every head and the values of every head in latent space (`_latent_attention`);
+    ``k`` and ``v`` are None.
     """
 
     def __init__(self, spec: ModelSpec, num_slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu"):
         layers, heads, hd = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        self.max_seq_len = max_seq_len
+        self.k = self.v = self.latent = None
+        if spec.latent:
+            self.latent = torch.zeros((layers, num_slots, max_seq_len, spec.kv_lora_rank + hd), dtype=dtype,
+                                      device=device)
+            return
         self.k = torch.zeros((layers, num_slots, heads, hd, max_seq_len), dtype=dtype, device=device)
         self.v = torch.zeros((layers, num_slots, heads, max_seq_len, hd), dtype=dtype, device=device)
-        self.max_seq_len = max_seq_len
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Copy the first `length` positions of slots `src` into slots `dst` (used to keep slots packed)."""
+        if self.latent is not None:
+            self.latent[:, dst, :length] = self.latent[:, src, :length]
+            return
         self.k[:, dst, :, :, :length] = self.k[:, src, :, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
@@ -443,6 +505,10 @@ class PagedKVCache:
 
     def __init__(self, spec: ModelSpec, num_slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu", *,
                  block_size: int, num_blocks: int):
+        if spec.latent:
+            raise ValueError(f"sampler.kv_layout=paged: {spec.model_type}'s multi-latent attention caches a latent "
+                             f"per position, which the built-in engine holds in the contiguous layout only; use "
+                             f"sampler.kv_layout=contiguous")
         layers, heads, hd = spec.num_layers, spec.num_kv_heads, spec.head_dim
         self.allocator = BlockAllocator(num_blocks, block_size, first_id=1)  # (block 0: the sink)
         self.k = torch.zeros((layers, num_blocks + 1, heads, hd, block_size), dtype=dtype, device=device)
@@ -639,6 +705,15 @@ class LayerWeights:
     mlp_out_norm: torch.Tensor | None = None
     sinks: torch.Tensor | None = None  # gpt-oss: [heads], each query head's sink logit
     expert_bias: torch.Tensor | None = None  # sigmoid-routed MoE: [experts], added to the scores that choose
+    # Multi-latent attention (`_latent_attention`; qkv is then [hidden, q or q latent + kv latent + rope dims]):
+    # q_b_proj as an x @ W operand (None: no q latent), the latent RMSNorm weights, and kv_b_proj split per head
+    # into k_up [heads, qk_nope, kv_lora_rank] (absorbed into the query) and v_up [heads, kv_lora_rank, v_head_dim]
+    # (applied to the attention's output in latent space)
+    q_up: torch.Tensor | None = None
+    q_latent_norm: torch.Tensor | None = None
+    kv_latent_norm: torch.Tensor | None = None
+    k_up: torch.Tensor | None = None
+    v_up: torch.Tensor | None = None
 
 
 @dataclass
@@ -705,6 +780,11 @@ class _LayerBuffers:
     sinks: torch.Tensor | None = None  # gpt-oss's self_attn.sinks
     expert_bias: torch.Tensor | None = None  # a sigmoid-routed MoE layer's e_score_correction_bias
     moe: bool = False  # an MoE layer: `down` holds the stacked downs, already the x @ W operand
+    # Multi-latent attention: q_b_proj (with a q latent), q_a_layernorm, kv_a_layernorm, kv_b_proj
+    q_up: torch.Tensor | None = None
+    q_latent_norm: torch.Tensor | None = None
+    kv_latent_norm: torch.Tensor | None = None
+    kv_up: torch.Tensor | None = None
 
 
 class WeightArena:
@@ -746,7 +826,11 @@ class WeightArena:
             attn, mlp = p + "self_attn.", p + "mlp."
             qkv = [attn + f"{x}_proj.weight" for x in "qkv"]
             qkv_bias = [attn + f"{x}_proj.bias" for x in "qkv"] if spec.qkv_bias else []
-            if spec.fused_projections:  # (Phi-3: no biases) one HF tensor is the whole stacked buffer
+            if spec.latent:  # the projections from the hidden state: q (or its latent), then the kv latent and rope
+                qkv = [attn + ("q_proj.weight" if spec.q_lora_rank is None else "q_a_proj.weight"),
+                       attn + "kv_a_proj_with_mqa.weight"]
+                qkv_buffer = stack(qkv)  # (its RoPE dims are interleaved pairs already: rope_rows stays empty)
+            elif spec.fused_projections:  # (Phi-3: no biases) one HF tensor is the whole stacked buffer
                 qkv_buffer = own(attn + "qkv_proj.weight")
                 q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
                 q_view, k_view = qkv_buffer[:q_rows], qkv_buffer[q_rows:q_rows + kv_rows]
@@ -789,8 +873,10 @@ class WeightArena:
                                                                 else "post_attention_layernorm.weight")),
                 attn_out_norm=own(p + "post_attention_layernorm.weight") if spec.post_norms or spec.gemma else None,
                 mlp_out_norm=own(p + "post_feedforward_layernorm.weight") if spec.post_norms or spec.gemma else None,
-                rope_rows=list(zip([q_view, k_view, *(self.views[n] for n in qkv_bias[:2])],
-                                   [spec.num_heads, spec.num_kv_heads] * 2)),
+                rope_rows=[] if spec.latent else list(zip([q_view, k_view, *(self.views[n] for n in qkv_bias[:2])],
+                                                          [spec.num_heads, spec.num_kv_heads] * 2)),
+                q_up=own(attn + "q_b_proj.weight"), q_latent_norm=own(attn + "q_a_layernorm.weight"),
+                kv_latent_norm=own(attn + "kv_a_layernorm.weight"), kv_up=own(attn + "kv_b_proj.weight"),
                 q_norm=own(attn + "q_norm.weight") if spec.qk_norm else None,
                 k_norm=own(attn + "k_norm.weight") if spec.qk_norm else None,
                 sinks=own(attn + "sinks"), expert_bias=own(mlp + moe.EXPERT_BIAS[0]),
@@ -837,6 +923,16 @@ class WeightArena:
             q, k = 1 + q.float(), 1 + k.float()
         return torch.cat([q.expand(spec.num_heads, hd), k.expand(spec.num_kv_heads, hd)])
 
+    def _latent_weights(self, b: _LayerBuffers) -> dict:
+        """A multi-latent attention layer's LayerWeights fields (views of its buffers; v_up a contiguous copy when
+        small, as SMALL_MATRIX's matrices: the attention's output multiplies it from the left)."""
+        spec = self.spec
+        per_head = b.kv_up.view(spec.num_heads, spec.qk_nope_dim + spec.v_head_dim, spec.kv_lora_rank)
+        v_up = per_head[:, spec.qk_nope_dim:].transpose(1, 2)
+        return dict(q_up=None if b.q_up is None else _mm_operand(b.q_up), q_latent_norm=b.q_latent_norm,
+                    kv_latent_norm=b.kv_latent_norm, k_up=per_head[:, :spec.qk_nope_dim],
+                    v_up=v_up.contiguous() if v_up.numel() <= SMALL_MATRIX else v_up)
+
     def finalize(self) -> RuntimeWeights:
         """The forward's RuntimeWeights, made in place from the HF tensors the views hold (see the class)."""
         spec, hd = self.spec, self.spec.head_dim
@@ -857,7 +953,7 @@ class WeightArena:
                 qk_norm=None if b.q_norm is None else self._qk_norm(b.q_norm, b.k_norm),
                 attn_out_norm=_gemma_weight(b.attn_out_norm) if spec.gemma else b.attn_out_norm,
                 mlp_out_norm=_gemma_weight(b.mlp_out_norm) if spec.gemma else b.mlp_out_norm, sinks=b.sinks,
-                expert_bias=b.expert_bias))
+                expert_bias=b.expert_bias, **(self._latent_weights(b) if spec.latent else {})))
         embed, norm = self.views["model.embed_tokens.weight"], self.views["model.norm.weight"]
         return RuntimeWeights(embed=embed, layers=layers, norm=_gemma_weight(norm) if spec.gemma else norm,
                               lm_head=_mm_operand(embed if spec.tie_word_embeddings else self.views["lm_head.weight"]),
@@ -1007,6 +1103,8 @@ def forward(
                          f"got {'none' if tp_group is None else tp_group.size()}")
     bsz, seq = input_ids.shape
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    if spec.latent:  # (the masks': every query head attends to the one latent each position caches)
+        nkv = 1
     group, tokens = nh // nkv, bsz * seq
     attn_len = cache.max_seq_len if attn_len is None else attn_len
     slots = slice(slot_start, slot_start + bsz)
@@ -1050,36 +1148,40 @@ def forward(
 
     for layer, lw in enumerate(weights.layers):
         h = x if spec.post_norms else _rms_norm(x, tables)
-        qkv = _linear(h, lw.qkv, lw.qkv_bias).view(tokens, nh + 2 * nkv, hd)
-        qk = qkv[:, : nh + nkv]
-        if spec.post_norms:  # (OLMo 2: q over all its heads, k over all its heads)
-            qk = torch.cat([_projection_rms_norm(qk[:, :nh], lw.qk_norm[:nh], tables.norm_eps),
-                            _projection_rms_norm(qk[:, nh:], lw.qk_norm[nh:], tables.norm_eps)], dim=1)
-        elif spec.gemma:
-            qk = _gemma_norm(qk, lw.qk_norm, tables)
-        elif lw.qk_norm is not None:
-            qk = _head_rms_norm(qk, lw.qk_norm, tables)
-        local = spec.gemma and spec.local_layers[layer]
-        if local:
-            qk = _rotate(qk, local_rot)
-        elif spec.rope_layers is None or spec.rope_layers[layer]:  # (a layer without RoPE attends unrotated)
-            qk = _rotate(qk, rot)
-        k_new, v_new = qk[:, nh:].view(bsz, seq, nkv, hd), qkv[:, nh + nkv:].view(bsz, seq, nkv, hd)
-        layer_mask = window_masks[spec.layer_windows[layer]] if window_masks else local_mask if local else mask
-        if paged and seq == 1:
-            k_blocks, v_blocks = cache.write_and_blocks(layer, where, k_new, v_new)
-            attn = _paged_decode_attention(qk[:, :nh].view(bsz, nkv, group, hd), k_blocks, v_blocks, layer_mask,
-                                           spec.attn_scale, lw.sinks)
+        if spec.latent:
+            attn = _latent_attention(spec, lw, _linear(h, lw.qkv, None), rot, cache.latent[layer, slots], positions,
+                                     attn_len, mask, tables)
         else:
-            if paged:
-                k_span, v_span = cache.write_and_gather(layer, where, k_new, v_new)
+            qkv = _linear(h, lw.qkv, lw.qkv_bias).view(tokens, nh + 2 * nkv, hd)
+            qk = qkv[:, : nh + nkv]
+            if spec.post_norms:  # (OLMo 2: q over all its heads, k over all its heads)
+                qk = torch.cat([_projection_rms_norm(qk[:, :nh], lw.qk_norm[:nh], tables.norm_eps),
+                                _projection_rms_norm(qk[:, nh:], lw.qk_norm[nh:], tables.norm_eps)], dim=1)
+            elif spec.gemma:
+                qk = _gemma_norm(qk, lw.qk_norm, tables)
+            elif lw.qk_norm is not None:
+                qk = _head_rms_norm(qk, lw.qk_norm, tables)
+            local = spec.gemma and spec.local_layers[layer]
+            if local:
+                qk = _rotate(qk, local_rot)
+            elif spec.rope_layers is None or spec.rope_layers[layer]:  # (a layer without RoPE attends unrotated)
+                qk = _rotate(qk, rot)
+            k_new, v_new = qk[:, nh:].view(bsz, seq, nkv, hd), qkv[:, nh + nkv:].view(bsz, seq, nkv, hd)
+            layer_mask = window_masks[spec.layer_windows[layer]] if window_masks else local_mask if local else mask
+            if paged and seq == 1:
+                k_blocks, v_blocks = cache.write_and_blocks(layer, where, k_new, v_new)
+                attn = _paged_decode_attention(qk[:, :nh].view(bsz, nkv, group, hd), k_blocks, v_blocks, layer_mask,
+                                               spec.attn_scale, lw.sinks)
             else:
-                k_cache, v_cache = cache.k[layer, slots], cache.v[layer, slots]  # views: writes land in the cache
-                k_cache.scatter_(3, k_idx, k_new.permute(0, 2, 3, 1))
-                v_cache.scatter_(2, v_idx, v_new.transpose(1, 2))
-                k_span, v_span = k_cache[..., :attn_len], v_cache[:, :, :attn_len]
-            attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_span, v_span, layer_mask, group, spec.attn_scale,
-                              lw.sinks)
+                if paged:
+                    k_span, v_span = cache.write_and_gather(layer, where, k_new, v_new)
+                else:
+                    k_cache, v_cache = cache.k[layer, slots], cache.v[layer, slots]  # views: writes land in the cache
+                    k_cache.scatter_(3, k_idx, k_new.permute(0, 2, 3, 1))
+                    v_cache.scatter_(2, v_idx, v_new.transpose(1, 2))
+                    k_span, v_span = k_cache[..., :attn_len], v_cache[:, :, :attn_len]
+                attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_span, v_span, layer_mask, group, spec.attn_scale,
+                                  lw.sinks)
         if spec.gemma:  # the norm between o_proj (summed over TP) and the residual add
             out = _linear(attn, lw.o_proj, lw.o_bias)
             if tp_group is not None:
@@ -1198,6 +1300,46 @@ def _gpt_oss_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Te
     gate, up = gate_up[..., 0].clamp(max=limit), gate_up[..., 1].clamp(-limit, limit)
     act = (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha)) * share[:, :, None]
     return chosen, act.view(tokens, experts * spec.intermediate_size), share
+
+
+def _latent_attention(spec: ModelSpec, lw: LayerWeights, down: torch.Tensor, rot: torch.Tensor, latent: torch.Tensor,
+                      positions: torch.Tensor, attn_len: int, mask: torch.Tensor,
+                      tables: ForwardTables) -> torch.Tensor:
+    """Multi-latent attention of B rows of T tokens, absorbed: the cache holds per position the kv latent c (after
+    kv_a_layernorm) and the shared key's RoPE dims k_rot, never per-head K or V.
+
+    down [B*T, q (or q latent) + kv_lora_rank + rope]: the layer's first projection of the normed hidden state (input
+    norm folded in); latent [B, max_seq_len, kv_lora_rank + rope]: the rows' cache slots, written at `positions`.
+    Head h's score of position p is q_nope_h . (W_UK_h c_p) + q_rot_h . k_rot_p = [q_nope_h W_UK_h | q_rot_h] .
+    [c_p | k_rot_p]: the query taken into latent space attends to the cached latent directly, one "KV head" shared
+    by every head (mask: nkv 1, group heads); its output in latent space, sum_p prob_p c_p, times W_UV_h is head h's
+    value sum. Scale: transformers' (spec.attn_scale, yarn_apply_mscale). RoPE: DeepSeek-V3's interleaved pairs are
+    the complex pairs `_rotate` rotates, in place (the same permutation of q and k as transformers' de-interleaving,
+    so the same dot products). Returns [B*T, heads * v_head_dim]."""
+    bsz, seq = positions.shape
+    tokens, nh, r, dr, dn = bsz * seq, spec.num_heads, spec.kv_lora_rank, spec.head_dim, spec.qk_nope_dim
+    q_width = down.shape[1] - r - dr
+    q = down[:, :q_width]
+    if lw.q_up is not None:
+        q = torch.mm(_head_rms_norm(q, lw.q_latent_norm, tables), lw.q_up)
+    q = q.view(tokens, nh, dn + dr)
+    # (the RoPE dims copied out of their rows: a complex view needs an even offset and strides, whatever the widths)
+    entry = torch.cat([_head_rms_norm(down[:, q_width:q_width + r], lw.kv_latent_norm, tables),
+                       _rotate(down[:, None, q_width + r:].contiguous(), rot)[:, 0]], dim=-1)
+    latent.scatter_(1, positions[:, :, None].expand(bsz, seq, r + dr), entry.view(bsz, seq, r + dr))
+    span = latent[:, :attn_len]
+    q_latent = torch.bmm(q[:, :, :dn].transpose(0, 1), lw.k_up).transpose(0, 1)  # [B*T, heads, r]
+    query = torch.cat([q_latent, _rotate(q[:, :, dn:].contiguous(), rot)], dim=-1)  # [B*T, heads, r + rope]
+    if seq == 1:  # decode: [B, heads, r + rope] against [B, attn_len, r + rope], the additive mask [B, 1, L]
+        scores = torch.baddbmm(mask, query.view(bsz, nh, r + dr), span.transpose(1, 2), alpha=spec.attn_scale)
+        out = torch.bmm(torch.softmax(scores, dim=-1), span[:, :, :r])  # [B, heads, r]
+    else:  # prefill: rows (head, position) of one "KV head", the boolean mask [B, 1, heads * T, L]
+        query = query.view(bsz, seq, nh, r + dr).transpose(1, 2).reshape(bsz, 1, nh * seq, r + dr)
+        out = F.scaled_dot_product_attention(query, span[:, None], span[:, None, :, :r], attn_mask=mask,
+                                             scale=spec.attn_scale)
+        out = out.view(bsz, nh, seq, r).transpose(1, 2)
+    values = torch.bmm(out.reshape(tokens, nh, r).transpose(0, 1), lw.v_up)  # [heads, B*T, v_head_dim]
+    return values.transpose(0, 1).reshape(tokens, nh * spec.v_head_dim)
 
 
 def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -236,14 +236,15 @@ def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_load
     assert (ref - behaviour).abs().max().item() > 1e-4  # the trained weights, not the initial ones
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss", "glm4_moe", "deepseek_v3"])
 def test_r3_learner_runs_the_engines_routes_across_an_inflight_update(moe_dirs, world, kind):
     """End to end in one process: the built-in engine (its native forward) samples under v0, takes the learner's v1
     in flight and re-prefills (kv_on_update=recompute), recording routes; the batch packs them
     (megarl.rollout.routes) and the r3 learner at v1 sends every position of every MoE layer to exactly the recorded
     experts, its own router agrees with all of them (the engine's routes are the learner's on the same tokens), and
     the log-probs of the lag-0 tokens are the engine's to fp32 noise. gpt-oss: sequences past its sliding window;
-    GLM-4.5: the sigmoid router with expert bias and group limit, its dense first layer recording no routes."""
+    GLM-4.5 and DeepSeek-V3 (multi-latent attention): the sigmoid router with expert bias and group limit, the dense
+    first layer recording no routes."""
     from megarl.protocols import GenerationRequest, Sample, SamplingParams
     from megarl.models import moe
     from megarl.rollout.routes import pack_routes
@@ -303,21 +304,21 @@ def test_r3_learner_runs_the_engines_routes_across_an_inflight_update(moe_dirs, 
 
 @pytest.mark.parametrize("kv_on_update", ["keep", "recompute"])
 @pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
-def test_sigmoid_routed_families_sample_on_the_builtin_engine_from_the_learners_publish(moe_dirs, world, kind,
-                                                                                       kv_on_update):
-    """GLM-4.5 samples on the built-in engine's native forward, DeepSeek-V3 on its generic model (multi-latent
-    attention); either's arena takes the learner's per-expert publish, the shared expert and the router's expert
-    bias: the engine samples under v0, takes the learner's v1 in flight into its staging buffers (exactly the
-    published names and shapes), and the learner's log-probs of every sampled token are the engine's to the fp32
-    bound, the tokens of either version (keep: the v0 cache continued under v1, so only the recompute run checks v1
-    tokens after the swap against a full v1 forward)."""
+def test_sigmoid_routed_families_sample_on_the_native_engine_from_the_learners_publish(moe_dirs, world, kind,
+                                                                                      kv_on_update):
+    """DeepSeek-V3 (multi-latent attention) and GLM-4.5 sample on the built-in engine's native forward, whose arena
+    takes the learner's per-expert publish, the shared expert and the router's expert bias: the engine samples under
+    v0, takes the learner's v1 in flight into its staging buffers (exactly the published names and shapes), and the
+    learner's log-probs of every sampled token are the engine's to the fp32 bound, the tokens of either version
+    (keep: the v0 cache continued under v1, so only the recompute run checks v1 tokens after the swap against a full
+    v1 forward)."""
     from megarl.protocols import GenerationRequest, SamplingParams
     from megarl.sampler import hf_model, model as native
     from megarl.sampler.engine import BuiltinEngine
 
     model_dir = moe_dirs[kind]
     cfg, weights = native.load_pretrained(model_dir)
-    assert hf_model.choose(cfg) is (native if kind == "glm4_moe" else hf_model)
+    assert hf_model.choose(cfg) is native
     engine = BuiltinEngine(cfg, weights, max_running=4, kv_on_update=kv_on_update)
     learner = _learner(model_dir, micro_batch_size=3)
     ids = _ids()

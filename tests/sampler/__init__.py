@@ -40,6 +40,9 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
     "glm4_moe": tests.helpers.save_tiny_glm4_moe at this vocabulary and TINY's 2 layers, the first dense, the second
     sigmoid-routed (expert bias, group limit, scaling, a shared expert), partial RoPE, q/k/v biases and q/k norms;
     untied; its dimensions at most TINY's, so TOL bounds it too.
+    "deepseek_v3": tests.helpers.save_tiny_deepseek_v3 at this vocabulary and TINY's 2 layers (multi-latent attention
+    with a q latent, interleaved YaRN with its mscale, then GLM-4.5's MoE in the second layer; q_lora_rank=None: one
+    q_proj); its dimensions at most TINY's, so TOL bounds it too.
     initializer_range is raised from HF's 0.02 so next-token distributions are far from uniform
     (greedy decoding has clear winners), but kept at 0.1: at 0.25 the activations grow large enough
     that fp32 rounding alone (HF's own cached decode vs its prefill) reaches 1e-5 in log-prob.
@@ -52,10 +55,11 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
         from tests.helpers import save_tiny_gpt_oss
 
         return save_tiny_gpt_oss(path, **{"vocab_size": TINY["vocab_size"], **overrides})
-    if kind == "glm4_moe":
-        from tests.helpers import save_tiny_glm4_moe
+    if kind in ("glm4_moe", "deepseek_v3"):
+        from tests.helpers import save_tiny_deepseek_v3, save_tiny_glm4_moe
 
-        return save_tiny_glm4_moe(path, **{"vocab_size": TINY["vocab_size"], "num_hidden_layers": 2, **overrides})
+        save = save_tiny_glm4_moe if kind == "glm4_moe" else save_tiny_deepseek_v3
+        return save(path, **{"vocab_size": TINY["vocab_size"], "num_hidden_layers": 2, **overrides})
     torch.manual_seed(seed)
     moe = {"mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
            "qwen3_moe": dict(moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)}.get(kind, {})

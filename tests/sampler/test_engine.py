@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3", "gpt_oss",
-                                        "glm4_moe"])
+                                        "glm4_moe", "deepseek_v3"])
 def model(request, tmp_path_factory):
     """(kind, path, HF config dict, HF-named weights) of a tiny Qwen2 (tied, bias), Llama (untied), Qwen3 (q/k
     norms, heads wider than hidden / heads), Mistral (a sliding window shorter than the requests), Phi-3 (fused
@@ -25,7 +25,8 @@ def model(request, tmp_path_factory):
     before and after attention and the MLP, scaled embeddings) and gpt-oss (attention sinks, a sliding layer shorter
     than the requests then a full one, biased linears and experts with the clamped SwiGLU) and GLM-4.5 (partial
     RoPE, q/k/v biases, q/k norms, a dense first layer, then the sigmoid router with its expert bias, group limit and
-    shared expert; the routes of both: tests/sampler/test_engine_moe.py). (SmolLM3's engine differs in its forward alone: tests/sampler/test_model.py.)"""
+    shared expert) and DeepSeek-V3 (multi-latent attention: a latent cache, the absorbed decode; the routes of the
+    three: tests/sampler/test_engine_moe.py). (SmolLM3's engine differs in its forward alone: tests/sampler/test_model.py.)"""
     from megarl.sampler import hf_model, model as native
 
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
