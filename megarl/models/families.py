@@ -142,6 +142,16 @@ def whole_tensors_only(cfg: dict) -> str | None:
     return None
 
 
+def paged_kv_refusal(cfg: dict) -> str | None:
+    """Why the built-in engine's paged KV layout cannot hold the family's cache, naming sampler.kv_layout; None where
+    it can. (Multi-latent attention caches one latent per position, not the per-head K and V its blocks hold.)"""
+    family = FAMILIES.get(cfg.get("model_type"))
+    if family is None or not family.latent_attention:
+        return None
+    return (f"sampler.kv_layout=paged: {family.model_type}'s multi-latent attention caches a latent per position, "
+            f"which the built-in engine holds in the contiguous layout only; use sampler.kv_layout=contiguous")
+
+
 def sliding_window(cfg: dict) -> int | None:
     """How many positions back (the query's own included) every layer attends to, or None for full attention:
     transformers' sliding-window mask lets query position q see key position k when q - window < k <= q.

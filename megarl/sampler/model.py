@@ -505,10 +505,9 @@ class PagedKVCache:
 
     def __init__(self, spec: ModelSpec, num_slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu", *,
                  block_size: int, num_blocks: int):
-        if spec.latent:
-            raise ValueError(f"sampler.kv_layout=paged: {spec.model_type}'s multi-latent attention caches a latent "
-                             f"per position, which the built-in engine holds in the contiguous layout only; use "
-                             f"sampler.kv_layout=contiguous")
+        refusal = families.paged_kv_refusal(spec._hf_config)
+        if refusal:
+            raise ValueError(refusal)
         layers, heads, hd = spec.num_layers, spec.num_kv_heads, spec.head_dim
         self.allocator = BlockAllocator(num_blocks, block_size, first_id=1)  # (block 0: the sink)
         self.k = torch.zeros((layers, num_blocks + 1, heads, hd, block_size), dtype=dtype, device=device)
