@@ -225,8 +225,9 @@ def _native_tol(cfg) -> float:
     """The fp32 bound of tests.helpers.fp32_logprob_tol at the tiny model's own sizes (|log-prob| <= 8, checked
     where it is used): the engine and transformers differ only in reduction order (the input and post-attention norm
     weights folded into the stacked projections, every expert computed for every token and weighted by zero off the
-    chosen k, gpt-oss's sink column appended in another order, GLM-4.5's shared expert summed with the routed ones);
-    the routers' top-k is the same on such decisive routers."""
+    chosen k, gpt-oss's sink column appended in another order, GLM-4.5's shared expert summed with the routed ones,
+    DeepSeek-V3's attention multiplied out in its latent space); the routers' top-k is the same on such decisive
+    routers."""
     return fp32_logprob_tol(cfg, max_logprob=8.0)
 
 
