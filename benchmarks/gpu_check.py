@@ -806,7 +806,8 @@ def check_logprob_parity(args, size: Size) -> dict:
 # The `families` check: per native family beyond Qwen2 (megarl.models.families; docs/models.md) a random-weight
 # model of the family at a real shape (Qwen2.5-0.5B's dimensions, what sets the family apart switched on within
 # reach of the check's rows: a window and a YaRN original context shorter than them) and logprob_parity's lag-0
-# gaps; one process for all (the imports and the process group are most of a dry run's time).
+# gaps (an MoE family's recorded routes against fp32 HF's routers too: route_agreement); one process for all (the
+# imports and the process group are most of a dry run's time).
 FAMILY_CHECKS = {
     "mistral": ("mistral", {"sliding_window": 32}),  # (the dry run: 4)
     "llama_yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
@@ -816,7 +817,8 @@ FAMILY_CHECKS = {
     # norms after attention and the MLP, q/k norms over the whole projection
     "olmo2": ("olmo2", {"pad_token_id": None, "bos_token_id": None, "eos_token_id": 2}),
     # GLM-4.5 scaled to the shape: partial RoPE, q/k/v bias, a shared expert, 16 routed experts of a sigmoid router
-    # with expert bias (top-4, scaled by 2.5), the first 3 layers dense (the dry run: 1)
+    # with expert bias (top-4, scaled by 2.5), the first 3 layers dense (the dry run: 1); sampled on the built-in
+    # engine's native forward (its routes against fp32 HF's)
     "glm4_moe": ("glm4_moe", {"pad_token_id": None, "bos_token_id": None, "eos_token_id": 2, "attention_bias": True,
                               "n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
                               "n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
@@ -842,7 +844,7 @@ FAMILY_CHECKS = {
     # DeepSeek-V3 scaled to the shape (its ratios to hidden 7168 and 128 heads): multi-latent attention with a q latent
     # of 192 and a kv latent of 128, per-head q/k of 64 + 32 RoPE dims and v of 64, interleaved YaRN (mscale on the
     # softmax scale), GLM-4.5's MoE with a group limit (4 groups, the best 2, top-4 of 16); sampled on the built-in
-    # engine's generic model (megarl.sampler.hf_model: per-expert weights)
+    # engine's native forward (a latent cache, the absorbed decode; its routes against fp32 HF's)
     "deepseek_v3": ("deepseek_v3", {"pad_token_id": None, "bos_token_id": None, "eos_token_id": 2,
                                     "num_key_value_heads": None, "q_lora_rank": 192, "kv_lora_rank": 128,
                                     "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64,
@@ -969,6 +971,8 @@ def logprob_parity(args, size: Size, model_dir: Path, vocab: int, deepspeed: boo
         raise RuntimeError(f"the engine failed ({engine_error}); learner vs HF alone: {out}")
     out.update(engine_vs_learner=gap(behaviour, ours), engine_vs_hf_fp32=gap(behaviour, ref),
                mean_behaviour_logprob=round(float(behaviour[mask].mean()), 4))
+    if done[0].routes is not None:  # (an MoE family on the engine's native forward: its recorded routes)
+        out["route_agreement_vs_hf_fp32"] = route_agreement(hf, done[:8], device)
     if not all(torch.isfinite(t[mask]).all() for t in (behaviour, ours)):
         raise RuntimeError(f"non-finite log-probs: {out}")
     return out
@@ -1065,23 +1069,32 @@ def check_gpt_oss_engine(args, size: Size) -> dict:
         del engine
     result["native_over_generic"] = round(result["native_tok_s"] / result["hf_tok_s"], 3)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    return {**result, "batch": batch, "new_tokens": new,
+            "engine_vs_hf_fp32": _gap_to_transformers(hf, done[:8], device, result),
+            "route_agreement_vs_hf_fp32": route_agreement(hf, done[:8], device), "peak_gpu_gib": peak_gib()}
+
+
+def route_agreement(hf, completions, device) -> float:
+    """The share of (position, MoE layer) whose experts the engine recorded are the fp32 transformers router's
+    choice, as a set (what R3 replays; bf16 rounding may flip near-ties). A layer's router: gpt-oss's `mlp.router`,
+    the others' `mlp.gate` (a GLM-4.5's or DeepSeek-V3's dense first layers have none)."""
+    import torch
+
     chosen = []
-    hooks = [layer.mlp.router.register_forward_hook(lambda _m, _i, out: chosen.append(out[2].cpu()))
-             for layer in hf.model.layers]
+    routers = [getattr(layer.mlp, "router", None) or getattr(layer.mlp, "gate", None) for layer in hf.model.layers]
+    hooks = [r.register_forward_hook(lambda _m, _i, out: chosen.append(out[2].cpu())) for r in routers if r is not None]
     same = total = 0
     with torch.no_grad():
-        for c in done[:8]:
+        for c in completions:
             chosen.clear()
             hf(torch.tensor([c.prompt_ids + c.token_ids], device=device))
-            ref = torch.stack(chosen, dim=1)[:-1].sort(-1).values  # [positions, layers, k]
+            ref = torch.stack(chosen, dim=1)[:-1].sort(-1).values  # [positions, MoE layers, k]
             got = torch.from_numpy(c.routes.astype("int64")).sort(-1).values
             same += int((ref == got).all(-1).sum())
             total += ref.shape[0] * ref.shape[1]
     for h in hooks:
         h.remove()
-    return {**result, "batch": batch, "new_tokens": new,
-            "engine_vs_hf_fp32": _gap_to_transformers(hf, done[:8], device, result),
-            "route_agreement_vs_hf_fp32": round(same / total, 4), "peak_gpu_gib": peak_gib()}
+    return round(same / total, 4)
 
 
 # The hybrid check's Qwen3.5-like text model (gated DeltaNet on 3 of every 4 layers, full attention on the 4th).

@@ -304,7 +304,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
     (check_generic_model); every other backend refuses it, naming docs/models.md and that path."""
     from pathlib import Path
 
-    from megarl.models.families import MODEL_TYPES, generic_path_hint
+    from megarl.models.families import MODEL_TYPES, generic_path_hint, paged_kv_refusal
     from megarl.models.layout import check_layout
     from megarl.models.lora_targets import check as check_lora, check_peft
     from megarl.models.support import check_supported, has_weights
@@ -343,6 +343,8 @@ def check_model_dir(model_dir, cfg=None) -> None:
                          cfg.algo.routing_replay, cfg.learner.cp)
             check_route_recording(hf_config, cfg)
             check_vllm_model(hf_config, cfg)
+            if cfg.sampler.engine == "builtin" and cfg.sampler.kv_layout == "paged" and paged_kv_refusal(hf_config):
+                raise ValueError(paged_kv_refusal(hf_config))
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
         try:  # target modules the model has, ranks its dimensions allow
@@ -371,9 +373,9 @@ def check_model_dir(model_dir, cfg=None) -> None:
 
 
 def check_route_recording(hf_config: dict, cfg) -> None:
-    """R3 on the built-in engine needs the routes its native forward records; a family it samples on its generic
-    model (DeepSeek-V3's multi-latent attention; any family under sampler.model_impl=hf) records none. ValueError
-    naming the key."""
+    """R3 on the built-in engine needs the routes its native forward records; a config it samples on its generic
+    model (one its native forward refuses; any family under sampler.model_impl=hf) records none. ValueError naming
+    the key."""
     if cfg.algo.routing_replay != "r3" or cfg.sampler.engine != "builtin":
         return
     from megarl.sampler import model as native

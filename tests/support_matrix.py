@@ -204,13 +204,22 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "DeepSpeed learner": Cell("ZeRO 2 (publish and export with the router expert bias)", (
             f"{_DS_MOE}test_sigmoid_routed_logprobs_match_transformers[glm4_moe]",
             f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[glm4_moe-2]")),
-        "built-in engine (in-flight swaps, keep and recompute)": Cell("generic model (no routes recorded)", (
-            f"{_MOE}test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish[glm4_moe-keep]",
-            f"{_MOE}test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish"
+        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes (native forward, routes), at sampler.tp=1",
+                                                                      _engine("glm4_moe") + (
+            f"{_ENGINE_MOE}test_native_moe_logprobs_and_routes_equal_transformers[glm4_moe-sampling1]",
+            f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache[glm4_moe-keep]",
+            f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache"
+            "[glm4_moe-recompute]",
+            f"{_ENGINE_MOE}test_glm4_moe_runs_natively_with_its_router_and_names_what_it_refuses",
+            f"{_ENGINE}test_paged_layout_gives_the_contiguous_layouts_completions[glm4_moe-keep]",
+            f"{_MOE}test_sigmoid_routed_families_sample_on_the_native_engine_from_the_learners_publish[glm4_moe-keep]",
+            f"{_MOE}test_sigmoid_routed_families_sample_on_the_native_engine_from_the_learners_publish"
             "[glm4_moe-recompute]")),
         "vLLM": Cell("yes", (f"{_VLLM}[glm4_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": _moe_lora("glm4_moe"),
-        "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[glm4_moe]",
-                                                 f"{_DS_MOE}test_r3_replays_at_the_sigmoid_router[glm4_moe]"))}),
+        "R3": Cell("yes (megatron, DeepSpeed; the built-in engine's routes)", (
+            f"{_MOE}test_r3_replays_the_sampler_routes_exactly[glm4_moe]",
+            f"{_DS_MOE}test_r3_replays_at_the_sigmoid_router[glm4_moe]",
+            f"{_MOE}test_r3_learner_runs_the_engines_routes_across_an_inflight_update[glm4_moe]"))}),
     ("gpt-oss (`gpt_oss`: attention sinks, sliding and full layers by `layer_types`, biases on every linear, fused "
      "experts with the clamped SwiGLU, biased router, YaRN)", "gpt_oss", {
         "megatron learner": Cell("TP1; TP2, PP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
@@ -223,9 +232,10 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "DeepSpeed learner": Cell("ZeRO 1, packed rows", (f"{_PACKED}[deepspeed-gpt_oss]",)),
         "built-in engine (in-flight swaps, keep and recompute)": Cell("yes (native forward, routes), at sampler.tp=1",
                                                                       _engine("gpt_oss") + (
-            f"{_ENGINE_MOE}test_gpt_oss_logprobs_and_routes_equal_transformers[sampling1]",
-            f"{_ENGINE_MOE}test_gpt_oss_across_an_inflight_update_equals_transformers_over_its_cache[keep]",
-            f"{_ENGINE_MOE}test_gpt_oss_across_an_inflight_update_equals_transformers_over_its_cache[recompute]",
+            f"{_ENGINE_MOE}test_native_moe_logprobs_and_routes_equal_transformers[gpt_oss-sampling1]",
+            f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache[gpt_oss-keep]",
+            f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache"
+            "[gpt_oss-recompute]",
             f"{_ENGINE}test_paged_layout_gives_the_contiguous_layouts_completions[gpt_oss-keep]",
             f"{_MOE}test_gpt_oss_samples_on_the_native_engine_and_its_lag0_gap_to_the_learner_is_fp32_noise")),
         "vLLM": Cell("yes", (f"{_VLLM}[gpt_oss]",)), "SGLang (megarl's stand-in)": NT, "LoRA": _moe_lora("gpt_oss"),
@@ -251,24 +261,33 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_DS_MOE}test_sigmoid_routed_logprobs_match_transformers[deepseek_v3]",
             f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[deepseek_v3-1]",
             f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[deepseek_v3-3]")),
-        "built-in engine (in-flight swaps, keep and recompute)": Cell("generic model (no routes recorded)", (
-            f"{_MOE}test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish[deepseek_v3-keep]",
-            f"{_MOE}test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish"
-            "[deepseek_v3-recompute]",
-            "tests/sampler/test_hf_engine.py::"
-            "test_deepseek_v3_tokens_after_a_keep_swap_are_the_new_weights_over_the_old_latent_cache",
-            "tests/sampler/test_hf_engine.py::"
-            "test_deepseek_v3_decode_stays_transformers_full_forward_over_a_long_continuously_batched_run",
-            "tests/sampler/test_hf_engine.py::"
-            "test_architectures_the_native_forward_lacks_run_as_transformers_runs_them[deepseek_v3]")),
+        "built-in engine (in-flight swaps, keep and recompute)": Cell(
+            "yes (native forward: a latent cache, absorbed decode, routes), at sampler.tp=1, contiguous KV layout",
+            _engine("deepseek_v3") + (
+                f"{_ENGINE_MOE}test_native_moe_logprobs_and_routes_equal_transformers[deepseek_v3-sampling1]",
+                f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache"
+                "[deepseek_v3-keep]",
+                f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache"
+                "[deepseek_v3-recompute]",
+                f"{_ENGINE_MOE}test_deepseek_v3_caches_one_latent_per_position_and_equals_transformers[12]",
+                f"{_ENGINE_MOE}test_deepseek_v3_caches_one_latent_per_position_and_equals_transformers[None]",
+                f"{_ENGINE_MOE}test_deepseek_v3_names_what_the_native_engine_refuses",
+                f"{_ENGINE_MOE}test_deepseek_v3_decode_stays_transformers_full_forward_over_a_long_continuously_batched_run",
+                f"{_ENGINE_MOE}test_deepseek_v3_tokens_after_a_keep_swap_are_the_new_weights_over_the_old_latent_cache",
+                f"{_MOE}test_sigmoid_routed_families_sample_on_the_native_engine_from_the_learners_publish"
+                "[deepseek_v3-keep]",
+                f"{_MOE}test_sigmoid_routed_families_sample_on_the_native_engine_from_the_learners_publish"
+                "[deepseek_v3-recompute]")),
         "vLLM": Cell("yes (CPU: a latent of 512 + 64 RoPE dims)", (f"{_VLLM}[deepseek_v3]",)),
         "SGLang (megarl's stand-in)": NT,
         "LoRA": _moe_lora("deepseek_v3", "the latent attention's projections, at learner TP1",
                           ("deepseek_v3_q_proj",), (
             f"{_CONVERT}test_deepseek_v3_runs_unsplit_where_its_latent_projections_have_no_per_rank_slices_and_adapts_"
             "them_at_tp1",)),
-        "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",
-                                                 f"{_DS_MOE}test_r3_replays_at_the_sigmoid_router[deepseek_v3]"))}),
+        "R3": Cell("yes (megatron, DeepSpeed; the built-in engine's routes)", (
+            f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",
+            f"{_DS_MOE}test_r3_replays_at_the_sigmoid_router[deepseek_v3]",
+            f"{_MOE}test_r3_learner_runs_the_engines_routes_across_an_inflight_update[deepseek_v3]"))}),
 ]
 
 

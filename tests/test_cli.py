@@ -165,6 +165,26 @@ def test_deepseek_v3_on_vllm_is_refused_before_launch_unless_the_cpu_kernel_serv
     check_vllm_model({**served, "kv_lora_rank": 16}, load_config(None, [], check_files=False))
 
 
+def test_deepseek_v3_r3_launches_on_the_native_engine_and_the_paged_kv_layout_is_named(tmp_path):
+    """DeepSeek-V3 samples on the built-in engine's native forward, which records its routes: algo.routing_replay=r3
+    launches; its multi-latent attention cache has no paged layout, named before launch."""
+    from tests.helpers import DEEPSEEK_V3_ROPE, GLM4_MOE_ROUTER
+
+    config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_act": "silu",
+              "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "vocab_size": 264, "max_position_embeddings": 64, "intermediate_size": 48, "moe_intermediate_size": 16,
+              "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+              "first_k_dense_replace": 1, "q_lora_rank": 12, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+              "qk_rope_head_dim": 4, "v_head_dim": 6, "rope_interleave": True, "rms_norm_eps": 1e-6,
+              "rope_parameters": dict(DEEPSEEK_V3_ROPE), **GLM4_MOE_ROUTER}
+    path = model_dir(tmp_path / "model", config)
+    proc = train(f"model.path={path}", "algo.routing_replay=r3", "eval.sets=[]")
+    assert proc.returncode == 0, proc.stderr
+    proc = train(f"model.path={path}", "sampler.kv_layout=paged", "eval.sets=[]")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert "sampler.kv_layout=paged: deepseek_v3's multi-latent attention caches a latent per position" in proc.stderr
+
+
 def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):
     path = model_dir(tmp_path / "model", files=("model.safetensors", "vocab.json", "merges.txt"))
     proc = train(f"model.path={path}")

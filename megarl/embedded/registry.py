@@ -124,8 +124,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     # `model.path=embedded:tiny-qwen3moe-count`.
     "tiny-qwen3moe-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                         max_new_tokens=COUNT_MAX_NEW_TOKENS, moe=True, family="qwen3_moe"),
-    # The demo task on a DeepSeek-V3 of the Mixtral's sizes (docs/models.md; sampled on the built-in engine's generic
-    # model): `model.path=embedded:tiny-deepseek-v3-count`.
+    # The demo task on a DeepSeek-V3 of the Mixtral's sizes (docs/models.md; sampled on the built-in engine's native
+    # forward): `model.path=embedded:tiny-deepseek-v3-count`.
     "tiny-deepseek-v3-count": EmbeddedSpec(task=CountTask(), recipe=WarmStartRecipe(clean_steps=300, noisy_steps=150),
                                            max_new_tokens=COUNT_MAX_NEW_TOKENS, moe=True, family="deepseek_v3"),
     # The multi-turn demo's chat model (megarl/embedded/tiny_chat.py): tool calls, episodes of ~75 tokens.

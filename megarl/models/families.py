@@ -84,6 +84,8 @@ LEARNER_FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_5_text", "Qwen3_5ForCausalLM", qkv_bias=False, qk_norm=True, moe=False, partial_rotary=True,
            linear_attention=True),
 )}
+# What the built-in engine does not split over sampler.tp in the sigmoid-routed MoE families (GLM-4.5, DeepSeek-V3)
+UNSHARDED_SIGMOID_ROUTED = "shared experts, router expert bias and first dense layers"
 # transformers' layer kind of a gated-DeltaNet layer (`layer_types`)
 LINEAR = "linear_attention"
 
@@ -138,6 +140,16 @@ def whole_tensors_only(cfg: dict) -> str | None:
     if cfg.get("model_type") in LEARNER_FAMILIES:
         return "hybrid layers (the built-in engine's generic path)"
     return None
+
+
+def paged_kv_refusal(cfg: dict) -> str | None:
+    """Why the built-in engine's paged KV layout cannot hold the family's cache, naming sampler.kv_layout; None where
+    it can. (Multi-latent attention caches one latent per position, not the per-head K and V its blocks hold.)"""
+    family = FAMILIES.get(cfg.get("model_type"))
+    if family is None or not family.latent_attention:
+        return None
+    return (f"sampler.kv_layout=paged: {family.model_type}'s multi-latent attention caches a latent per position, "
+            f"which the built-in engine holds in the contiguous layout only; use sampler.kv_layout=contiguous")
 
 
 def sliding_window(cfg: dict) -> int | None:

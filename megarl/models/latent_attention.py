@@ -49,6 +49,19 @@ def rope_dim(cfg: dict) -> int:
     return int(cfg["qk_rope_head_dim"])
 
 
+def softmax_scale(cfg: dict, rope_scaling: dict | None) -> float:
+    """The attention's softmax scale as transformers computes it (``yarn_apply_mscale``; `rope_scaling`:
+    megarl.models.convert.rope_scaling of `cfg`): (qk_nope_head_dim + qk_rope_head_dim)^-0.5, times
+    mscale(factor, mscale_all_dim)^2 under YaRN with a non-zero mscale_all_dim."""
+    from megarl.models.support import _yarn_mscale  # (support imports this module for its check)
+
+    scale = (int(cfg["qk_nope_head_dim"]) + rope_dim(cfg)) ** -0.5
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if rope_scaling is not None and params.get("mscale_all_dim"):
+        scale *= _yarn_mscale(rope_scaling["factor"], float(params["mscale_all_dim"])) ** 2
+    return scale
+
+
 def names(cfg: dict) -> tuple[tuple[str, str], ...]:
     """(HF name relative to ``self_attn.``, megatron name relative to ``self_attention.``) of every attention
     tensor of one layer."""

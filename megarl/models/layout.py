@@ -72,6 +72,9 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
     if sampler_tp > 1 and family is not None and family.gpt_oss_blocks:
         raise ValueError(f"sampler.tp={sampler_tp}: {model_type}'s fused experts (mlp.experts.gate_up_proj, gate and "
                          f"up interleaved) have no tensor-parallel slices in the built-in engine; use sampler.tp=1")
+    if sampler_tp > 1 and model_type in moe_config.SIGMOID_ROUTED:
+        raise ValueError(f"sampler.tp={sampler_tp}: {model_type}'s {families.UNSHARDED_SIGMOID_ROUTED} have no "
+                         f"tensor-parallel slices in the built-in engine; use sampler.tp=1")
     if not moe_config.is_moe(hf_config):
         if learner_ep > 1:
             raise ValueError(f"learner.ep={learner_ep}: expert parallelism needs a mixture-of-experts model; "

@@ -36,7 +36,8 @@ Mixture-of-experts models: every position the engine computes -- a prompt's pref
 input token, a `recompute` re-prefill -- writes the experts its routers chose into the slot's route
 buffer (uint8, or int16 past 255 experts; allocated only for an MoE model), so a finished request's
 routes are those of the weights that computed each position (a re-prefill overwrites them).  A
-completion carries them as `Completion.routes` [prompt + completion - 1, layers, top_k].
+completion carries them as `Completion.routes` [prompt + completion - 1, MoE layers, top_k] (a GLM-4.5's or
+DeepSeek-V3's dense first layers have none).
 
 Tensor parallelism: with `tp_group` (t ranks) the engine holds only its rank's weight slices
 (`megarl.models.tp_shard`) and its share of the KV heads; the forward sums partial products over the
@@ -273,7 +274,7 @@ class BuiltinEngine:
         }
         if self.spec.is_moe:
             # The routes of every position of every slot (see the module docstring), and one decode step's.
-            route_shape = (self.spec.num_layers, self.spec.top_k)
+            route_shape = (self.spec.num_moe_layers, self.spec.top_k)
             dtype = torch.from_numpy(np.zeros(0, moe.routes_dtype({"num_experts": self.spec.num_experts}))).dtype  # uint8; int16 past 255
             self._slot["routes"] = torch.zeros(slots, max_seq_len, *route_shape, dtype=dtype, device=self.device)
             self._decode_routes = torch.zeros(slots, 1, *route_shape, dtype=dtype, device=self.device)

@@ -27,11 +27,6 @@ picks this module or the native one (docs/models.md#the-generic-path).
   conv state from the row's last `kernel` inputs, the delta-rule state from the per-token states transformers
   computes for the padded tail (get_recurrent_states_to_keep). A call without `logit_index` continues every row
   from its slot's state (a decode step). Prefill runs in one piece (no chunked prefill).
-* Mixture-of-experts families of docs/models.md whose native forward is not written (`PER_EXPERT`: DeepSeek-V3,
-  GLM-4.5)
-  run here with the weights the learners publish: save_pretrained's names, one tensor per expert and projection,
-  and the router's `e_score_correction_bias` (a buffer in transformers, substituted like the parameters). The arena
-  holds those names; `finalize` stacks each layer's experts into transformers' fused [E, 2I, H] / [E, H, I].
 * What it cannot run: other layers with recurrent state (Mamba: a `layer_types` entry other than full / sliding /
   linear attention) and tensor parallelism (sampler.tp > 1); both are refused naming the key.
   It does not record MoE routes (algo.routing_replay=r3 needs a family of docs/models.md).
@@ -42,14 +37,12 @@ logits of a prefill): the engine says so once when it picks it.
 from __future__ import annotations
 
 import inspect
-import re
 import sys
 from contextlib import contextmanager
 
 import torch
 from torch.func import functional_call
 
-from megarl.models import convert, moe
 from megarl.models.families import generic_path_hint, is_native
 from megarl.models.moe import fused_experts_on_disk, is_moe
 
@@ -57,9 +50,6 @@ IMPLS = ("auto", "native", "hf")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 RECURRENT_LAYER_TYPES = ("linear_attention",)  # gated DeltaNet (Qwen3-Next, Qwen3.5): conv + delta-rule state
 _ANNOUNCED: set[str] = set()  # model types whose "slower than native" line this process printed
-# Native MoE families this module serves with per-expert weights (module docstring)
-PER_EXPERT = ("deepseek_v3", "glm4_moe")
-_FUSED_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 def choose(hf_config: dict, model_impl: str = "auto"):
@@ -84,8 +74,8 @@ def choose(hf_config: dict, model_impl: str = "auto"):
                 reason = f"the native engine does not run this config ({exc})"
     key = str(hf_config.get("model_type"))
     # (gpt-oss's experts are fused on disk as in memory, so what the learners publish is what transformers' modules
-    # take; DeepSeek-V3's and GLM-4.5's per-expert tensors are stacked here)
-    if is_native(hf_config) and is_moe(hf_config) and not fused_experts_on_disk(hf_config) and key not in PER_EXPERT:
+    # take)
+    if is_native(hf_config) and is_moe(hf_config) and not fused_experts_on_disk(hf_config):
         raise ValueError(f"the built-in engine does not run {key!r} ({reason}): megarl's learners publish a family's "
                          f"experts per expert (save_pretrained's names), its generic model takes transformers' fused "
                          f"expert tensors; docs/models.md lists what serves each family")
@@ -124,7 +114,7 @@ class ModelSpec:
     tp_size = 1
 
     def __init__(self, cfg: dict, model, shapes: dict[str, tuple[int, ...]]):
-        self.hf_config, self.model, self.shapes = cfg, model, shapes
+        self.model, self.shapes = model, shapes
         self.model_type = cfg.get("model_type")
         text = model.config.get_text_config()
         self.vocab_size = int(text.vocab_size)
@@ -154,7 +144,7 @@ class ModelSpec:
             raise ValueError(f"model_type {cfg.get('model_type')!r}: transformers cannot build it as a causal LM "
                              f"({exc}) ({generic_path_hint()})") from exc
         model.eval()
-        return cls(cfg, model, _weight_shapes(cfg, model))
+        return cls(cfg, model, {name: tuple(p.shape) for name, p in model.named_parameters()})
 
     def shard(self, tp_size: int) -> "ModelSpec":
         if tp_size != 1:
@@ -176,36 +166,6 @@ class ModelSpec:
         for name in weights:
             if name not in self.shapes:
                 raise ValueError(f"weights: unexpected tensor {name!r} for {self.model_type}")
-
-
-def _weight_shapes(cfg: dict, model) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of the weights a version holds: named_parameters', or a PER_EXPERT family's published
-    names (its experts one tensor per expert and projection, and the router's expert bias)."""
-    if cfg.get("model_type") not in PER_EXPERT:
-        return {name: tuple(p.shape) for name, p in model.named_parameters()}
-    shapes = {n: tuple(t.shape) for name, p in model.named_parameters()
-              for n, t in moe.per_expert_tensors(cfg, name, p)}
-    shapes.update({name: tuple(b.shape) for name, b in model.named_buffers() if name.endswith(moe.EXPERT_BIAS[0])})
-    return shapes
-
-
-def _fused_experts(spec: "ModelSpec", views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A PER_EXPERT family's tensors for functional_call: each layer's experts stacked as transformers holds them
-    (gate_up_proj [E, 2I, H] = per expert cat[gate, up], down_proj [E, H, I]); everything else as it is."""
-    out = dict(views)
-    for name, param in spec.model.named_parameters():
-        match = _FUSED_EXPERTS.match(name)
-        if match is None:
-            continue
-        experts = [moe.hf_expert_names(spec.hf_config, int(match.group(1)), e) for e in range(param.shape[0])]
-        if match.group(2) == "down_proj":
-            out[name] = torch.stack([views[down] for _, _, down in experts])
-        else:
-            out[name] = torch.stack([torch.cat([views[gate], views[up]]) for gate, up, _ in experts])
-        for names in experts:
-            for n in names:
-                out.pop(n, None)
-    return out
 
 
 class _SlotLayer:
@@ -388,8 +348,6 @@ class WeightArena:
             self.views[name].copy_(tensor)
 
     def finalize(self) -> "RuntimeWeights":
-        if self.spec.model_type in PER_EXPERT:
-            return RuntimeWeights(params=_fused_experts(self.spec, self.views), arena=self)
         return RuntimeWeights(params=dict(self.views), arena=self)
 
 
@@ -475,7 +433,7 @@ def forward(spec: ModelSpec, weights: RuntimeWeights, tables: torch.Tensor, cach
 
 def load_pretrained(model_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config dict, named_parameters' tensors) of an HF directory, loaded by transformers (its own name
-    conversions included), in the checkpoint's dtype; a PER_EXPERT family's tensors as save_pretrained wrote them."""
+    conversions included), in the checkpoint's dtype."""
     import json
     import os
 
@@ -483,7 +441,5 @@ def load_pretrained(model_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
-    if cfg.get("model_type") in PER_EXPERT:
-        return convert.load_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
     return cfg, {name: p.detach() for name, p in model.named_parameters()}

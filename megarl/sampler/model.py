@@ -1,5 +1,5 @@
 """Pure-torch forward pass of the decoders of megarl.models.families (Qwen2, Llama, Qwen3, Mistral, Phi-3, SmolLM3,
-OLMo 2, Gemma 3 text, Mixtral, Qwen3-MoE, gpt-oss), for the built-in sampler engine.
+OLMo 2, Gemma 3 text, Mixtral, Qwen3-MoE, GLM-4.5, gpt-oss, DeepSeek-V3), for the built-in sampler engine.
 
 This module owns the model math and the KV-cache layout; it owns no scheduling (that is
 `megarl.sampler.engine`).  Weights arrive as a plain dict whose keys are exactly the HF names that
@@ -53,6 +53,27 @@ with their biases, the downs stacked), with the clamped SwiGLU ``(clamp(up) + 1)
 g = gate clamped above; each expert's down bias enters weighted by its share. It runs at sampler.tp = 1 (its fused
 experts have no tensor-parallel slices here) and records its routes as the other MoE families do.
 
+GLM-4.5 (``spec.sigmoid_router``; moe_config.SIGMOID_ROUTED): partial RoPE (``spec.rotary_dim``: the first dims of
+each head rotate, the RoPE-pair interleaving of the weights and the rotation confined to them), q/k/v biases and q/k
+norms from its config. Its first ``dense_layers`` layers have a dense MLP; the others route as transformers'
+Glm4MoeTopkRouter (`_sigmoid_routed_experts`) and add a shared expert, whose gate/up rows follow the router's in the
+stacked projection and whose down leads the stacked downs (it is one more expert, of share 1). Routes are recorded
+for the MoE layers only (route index = layer - dense_layers, as the learners' route shape). It runs at
+sampler.tp = 1.
+
+DeepSeek-V3 (``spec.latent``: multi-latent attention, megarl.models.latent_attention's tensors; GLM-4.5's MoE): the
+cache holds per position and layer the kv latent c (kv_lora_rank values, after kv_a_layernorm) and the shared key's
+rotated RoPE dims (`KVCache.latent`), kv_lora_rank + qk_rope_head_dim values where per-head K and V would take
+heads * (qk_nope + qk_rope + v_head_dim); what a version wrote stays valid under `keep` (the next version expands it
+with its own kv_b_proj, as transformers' cache does). Attention is absorbed (`_latent_attention`): each head's
+q_nope times its W_UK (kv_b_proj's k rows) is a query in latent space that, with q's RoPE dims, attends to the cached
+[c | k_rot] as one KV head shared by all heads; the output in latent space times W_UV (kv_b_proj's v rows) is the
+head's value sum, then o_proj. The same form serves prefill (SDPA) and decode (two batched matmuls). q comes from
+q_proj or through the q latent (q_a_proj, q_a_layernorm, q_b_proj); q_a_proj (or q_proj) and kv_a_proj_with_mqa are
+one stacked projection with the input norm folded in. RoPE is interleaved YaRN: DeepSeek-V3's rope pairs are adjacent
+already, the pairs `_rotate` takes; the softmax scale is transformers' (latent_attention.softmax_scale). It runs at
+sampler.tp = 1 and in the contiguous KV layout (`PagedKVCache` refuses it by sampler.kv_layout).
+
 Tensor parallelism: `ModelSpec.shard(t)` is the spec of one TP rank, whose weights are that rank's
 slices in the layout of `megarl.models.tp_shard` (whole heads of q/k/v, rows of gate/up, columns of
 o_proj/down_proj, vocab rows of the embedding and lm_head; norms whole; an MoE layer's router whole and
@@ -68,7 +89,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarl.models import convert, moe, tp_shard
+from megarl.models import convert, latent_attention, moe, tp_shard
 from megarl.models.convert import load_pretrained  # noqa: F401 - the engine's loader, shared with the learner
 from megarl.models import families
 from megarl.models.families import FAMILIES, MODEL_TYPES, generic_path_hint
@@ -127,10 +148,48 @@ class ModelSpec:
     layer_windows: tuple[int | None, ...] | None = None
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # The first `rotary_dim` dims of each q/k head rotate, the rest pass (GLM-4.5's partial_rotary_factor); None: all
+    rotary_dim: int | None = None
+    # Sigmoid-routed MoE (GLM-4.5, DeepSeek-V3: moe_config.SIGMOID_ROUTED; see the module docstring): the router's
+    # sigmoid scores plus its e_score_correction_bias choose among the best `topk_group` of `n_group` groups, the
+    # chosen unbiased scores (renormalised with norm_topk) times `routed_scaling` weigh the experts; a shared expert
+    # `shared_ffn_size` wide runs for every token; the first `dense_layers` layers have a dense MLP
+    # `dense_ffn_size` wide.
+    sigmoid_router: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+    shared_ffn_size: int = 0
+    dense_layers: int = 0
+    dense_ffn_size: int = 0
+    # Multi-latent attention (DeepSeek-V3; see the module docstring): > 0, the kv latent's width, what the cache
+    # holds per position with the `head_dim` (= qk_rope_head_dim) RoPE dims of the shared key; the q latent's width
+    # (None: one q_proj), each head's q/k dims without RoPE and its v dims.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """The layers whose routes a position records (the decoder layers after the first dense ones)."""
+        return self.num_layers - self.dense_layers if self.is_moe else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.dense_layers
+
+    @property
+    def latent(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each q/k head RoPE rotates (the first ones)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelSpec":
@@ -144,8 +203,6 @@ class ModelSpec:
             return cls._gemma(cfg)
         if family.gpt_oss_blocks:
             return cls._gpt_oss(cfg)
-        if family.latent_attention:
-            raise ValueError(f"{model_type}'s multi-latent attention (kv_lora_rank) is not in the native forward")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
         if cfg.get("use_sliding_window"):
@@ -162,9 +219,9 @@ class ModelSpec:
         except ValueError as exc:
             raise ValueError(f"rope_scaling/rope_parameters: {exc}") from None
         rope_params = cfg.get("rope_parameters") or {}
-        partial = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor={partial} is not supported (full rotary only)")
+        partial = convert.rotary_fraction(cfg)
+        if partial != 1.0 and not family.partial_rotary:
+            raise ValueError(f"partial_rotary_factor={partial} is not supported for {model_type} (full rotary only)")
         rope_theta = float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
         hidden = int(cfg["hidden_size"])
@@ -173,8 +230,15 @@ class ModelSpec:
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        # Qwen2 always has q/k/v biases and none on o_proj; Llama's and Qwen3's attention_bias covers q/k/v/o.
+        if family.latent_attention:  # (its heads' RoPE dims; their other dims: the latent fields)
+            latent_attention.check(cfg)
+            head_dim = latent_attention.rope_dim(cfg)
+        # Qwen2 always has q/k/v biases and none on o_proj; Llama's and Qwen3's attention_bias covers q/k/v/o,
+        # GLM-4.5's q/k/v only (families.qkv_bias).
         attention_bias = bool(cfg.get("attention_bias", False))
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={partial}: head_dim={head_dim} * factor must be even")
         is_moe = family.moe
         num_experts, top_k = (moe.num_experts(cfg), moe.top_k(cfg)) if is_moe else (0, 0)
         if is_moe and not (num_experts >= 2 and 1 <= top_k <= num_experts):
@@ -182,6 +246,7 @@ class ModelSpec:
                              f"needs >= 2 experts and 1 <= experts per token <= experts")
         if is_moe:
             moe.check_moe(cfg)  # the layouts megarl maps exactly (dense layers in between, router noise: named)
+        sigmoid = model_type in moe.SIGMOID_ROUTED
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -194,19 +259,39 @@ class ModelSpec:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family.qkv_bias or attention_bias,
-            o_bias=attention_bias and not family.qkv_bias,
+            qkv_bias=families.qkv_bias(cfg) or attention_bias and not family.config_attention,
+            o_bias=attention_bias and not (family.qkv_bias or family.config_attention),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             rope_scaling=rope_scaling,
             num_experts=num_experts,
             top_k=top_k,
-            norm_topk=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
-            qk_norm=family.qk_norm,
+            norm_topk=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", sigmoid)),
+            qk_norm=families.qk_norm(cfg),
             sliding_window=families.sliding_window(cfg),
             fused_projections=family.fused_projections,
             rope_layers=families.rope_layers(cfg),
             post_norms=family.post_norms,
+            rotary_dim=None if rotary_dim == head_dim else rotary_dim,
+            **(cls._sigmoid_routing(cfg) if sigmoid else {}),
+            **(cls._latent_attention(cfg, rope_scaling) if family.latent_attention else {}),
         )
+
+    @staticmethod
+    def _latent_attention(cfg: dict, rope_scaling: dict | None) -> dict:
+        """The spec fields of multi-latent attention (latent_attention.check has taken its config)."""
+        q_lora = cfg.get("q_lora_rank")
+        return dict(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=None if q_lora is None else int(q_lora),
+                    qk_nope_dim=int(cfg["qk_nope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
+                    attn_scale=latent_attention.softmax_scale(cfg, rope_scaling))
+
+    @staticmethod
+    def _sigmoid_routing(cfg: dict) -> dict:
+        """The spec fields of a sigmoid-routed MoE (moe_config.SIGMOID_ROUTED; check_moe has taken its config)."""
+        groups, kept = moe._groups(cfg)
+        return dict(sigmoid_router=True, n_group=groups, topk_group=kept,
+                    routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0),
+                    shared_ffn_size=moe.expert_ffn_size(cfg) * int(cfg["n_shared_experts"]),
+                    dense_layers=moe.first_dense_layers(cfg), dense_ffn_size=int(cfg["intermediate_size"]))
 
     @classmethod
     def _gemma(cls, cfg: dict) -> "ModelSpec":
@@ -261,6 +346,10 @@ class ModelSpec:
         if self.gpt_oss and tp_size != 1:
             raise ValueError("gpt_oss's fused experts (mlp.experts.gate_up_proj, gate and up interleaved) have no "
                              "tensor-parallel slices in the built-in engine: it runs gpt-oss at sampler.tp = 1")
+        if self.sigmoid_router and tp_size != 1:
+            raise ValueError(f"sampler.tp={tp_size}: {self.model_type}'s {families.UNSHARDED_SIGMOID_ROUTED} have no "
+                             f"tensor-parallel slices in the built-in engine: it runs {self.model_type} at "
+                             f"sampler.tp = 1")
         tp_shard.check_divisible(self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size,
                                  tp_size, moe.expert_ffn_field(self._hf_config) if self.is_moe else "intermediate_size")
         return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
@@ -292,12 +381,14 @@ class ModelSpec:
             else:
                 shapes[p + "input_layernorm.weight"] = (h,)
                 shapes[p + "post_attention_layernorm.weight"] = (h,)
-            for name, out in ((("qkv_proj", q_out + 2 * kv_out),) if self.fused_projections else
-                              (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out))):
+            if self.latent:
+                shapes.update(self._latent_attention_shapes(p + "self_attn."))
+            for name, out in () if self.latent else ((("qkv_proj", q_out + 2 * kv_out),) if self.fused_projections else
+                                                     (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out))):
                 shapes[p + f"self_attn.{name}.weight"] = (out, h)
                 if self.qkv_bias:
                     shapes[p + f"self_attn.{name}.bias"] = (out,)
-            shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+            shapes[p + "self_attn.o_proj.weight"] = (h, self.num_heads * self.v_head_dim if self.latent else q_out)
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)
             if self.qk_norm:
@@ -310,14 +401,20 @@ class ModelSpec:
                                m + "experts.gate_up_proj_bias": (e, 2 * i), m + "experts.down_proj": (e, i, h),
                                m + "experts.down_proj_bias": (e, h)})
                 continue
-            if self.is_moe:
+            if self.is_moe_layer(layer):
                 shapes[moe.hf_router_name(self._hf_config, layer)] = (self.num_experts, h)
+                if self.sigmoid_router:
+                    shared, s = p + f"mlp.{moe.SHARED_EXPERT}.", self.shared_ffn_size
+                    shapes[p + "mlp." + moe.EXPERT_BIAS[0]] = (self.num_experts,)
+                    shapes.update({shared + "gate_proj.weight": (s, h), shared + "up_proj.weight": (s, h),
+                                   shared + "down_proj.weight": (h, s)})
                 for e in range(self.num_experts):
                     for name, shape in zip(moe.hf_expert_names(self._hf_config, layer, e), ((i, h), (i, h), (h, i))):
                         shapes[name] = shape
                 continue
-            for name, shape in ((("gate_up_proj", (2 * i, h)),) if self.fused_projections else
-                                (("gate_proj", (i, h)), ("up_proj", (i, h)))) + (("down_proj", (h, i)),):
+            w = self.dense_ffn_size if self.is_moe else i  # (a sigmoid-routed MoE's first layers: a dense MLP)
+            for name, shape in ((("gate_up_proj", (2 * w, h)),) if self.fused_projections else
+                                (("gate_proj", (w, h)), ("up_proj", (w, h)))) + (("down_proj", (h, w)),):
                 shapes[p + f"mlp.{name}.weight"] = shape
                 if self.mlp_bias:
                     shapes[p + f"mlp.{name}.bias"] = (shape[0],)
@@ -325,6 +422,19 @@ class ModelSpec:
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.shard_vocab, h)
         return shapes
+
+    def _latent_attention_shapes(self, attn: str) -> dict[str, tuple[int, ...]]:
+        """One layer's multi-latent attention tensors but o_proj (names relative to its `self_attn.`:
+        latent_attention's), in HF shapes."""
+        h, heads, rope = self.hidden_size, self.num_heads, self.head_dim
+        q_out = heads * (self.qk_nope_dim + rope)
+        shapes = {attn + "kv_a_proj_with_mqa.weight": (self.kv_lora_rank + rope, h),
+                  attn + "kv_a_layernorm.weight": (self.kv_lora_rank,),
+                  attn + "kv_b_proj.weight": (heads * (self.qk_nope_dim + self.v_head_dim), self.kv_lora_rank)}
+        if self.q_lora_rank is None:
+            return {attn + "q_proj.weight": (q_out, h), **shapes}
+        return {attn + "q_a_proj.weight": (self.q_lora_rank, h), attn + "q_a_layernorm.weight": (self.q_lora_rank,),
+                attn + "q_b_proj.weight": (q_out, self.q_lora_rank), **shapes}
 
     def check_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """ValueError naming the first missing, unexpected or wrongly shaped tensor."""
@@ -348,16 +458,29 @@ class KVCache:
     their second operand row-major: CPU bmm with a transposed second operand is ~3x slower at decode
     shapes.  K's RoPE pairs are interleaved (see `prepare_weights`), which is invisible outside this
     module: attention only ever takes dot products of q and k permuted alike.
+
+    Multi-latent attention (``spec.latent``) caches no per-head K or V: ``latent`` [layers, slots, max_seq_len,
+    kv_lora_rank + rope dims] holds each position's kv latent (after kv_a_layernorm) and its shared key's RoPE
+    dims (rotated), the keys of every head and the values of every head in latent space (`_latent_attention`);
+    ``k`` and ``v`` are None.
     """
 
     def __init__(self, spec: ModelSpec, num_slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu"):
         layers, heads, hd = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        self.max_seq_len = max_seq_len
+        self.k = self.v = self.latent = None
+        if spec.latent:
+            self.latent = torch.zeros((layers, num_slots, max_seq_len, spec.kv_lora_rank + hd), dtype=dtype,
+                                      device=device)
+            return
         self.k = torch.zeros((layers, num_slots, heads, hd, max_seq_len), dtype=dtype, device=device)
         self.v = torch.zeros((layers, num_slots, heads, max_seq_len, hd), dtype=dtype, device=device)
-        self.max_seq_len = max_seq_len
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Copy the first `length` positions of slots `src` into slots `dst` (used to keep slots packed)."""
+        if self.latent is not None:
+            self.latent[:, dst, :length] = self.latent[:, src, :length]
+            return
         self.k[:, dst, :, :, :length] = self.k[:, src, :, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
@@ -382,6 +505,9 @@ class PagedKVCache:
 
     def __init__(self, spec: ModelSpec, num_slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu", *,
                  block_size: int, num_blocks: int):
+        refusal = families.paged_kv_refusal(spec._hf_config)
+        if refusal:
+            raise ValueError(refusal)
         layers, heads, hd = spec.num_layers, spec.num_kv_heads, spec.head_dim
         self.allocator = BlockAllocator(num_blocks, block_size, first_id=1)  # (block 0: the sink)
         self.k = torch.zeros((layers, num_blocks + 1, heads, hd, block_size), dtype=dtype, device=device)
@@ -520,7 +646,7 @@ def forward_tables(spec: ModelSpec, max_seq_len: int, dtype: torch.dtype = torch
     (x[j], x[j + head_dim/2]) by the angle of frequency j; with the pair stored adjacently (q/k rows
     interleaved in `prepare_weights`) that rotation is one complex multiply.
     """
-    inv_freq = convert.rope_inv_freq(spec.rope_theta, spec.head_dim, spec.rope_scaling).to(device)
+    inv_freq = convert.rope_inv_freq(spec.rope_theta, spec.rope_dim, spec.rope_scaling).to(device)
     freqs = torch.arange(max_seq_len, dtype=torch.float, device=device)[:, None] * inv_freq
     scale = convert.rope_attention_factor(spec.rope_scaling)  # yarn's: transformers scales cos and sin by it
     return ForwardTables(
@@ -577,6 +703,16 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
     sinks: torch.Tensor | None = None  # gpt-oss: [heads], each query head's sink logit
+    expert_bias: torch.Tensor | None = None  # sigmoid-routed MoE: [experts], added to the scores that choose
+    # Multi-latent attention (`_latent_attention`; qkv is then [hidden, q or q latent + kv latent + rope dims]):
+    # q_b_proj as an x @ W operand (None: no q latent), the latent RMSNorm weights, and kv_b_proj split per head
+    # into k_up [heads, qk_nope, kv_lora_rank] (absorbed into the query) and v_up [heads, kv_lora_rank, v_head_dim]
+    # (applied to the attention's output in latent space)
+    q_up: torch.Tensor | None = None
+    q_latent_norm: torch.Tensor | None = None
+    kv_latent_norm: torch.Tensor | None = None
+    k_up: torch.Tensor | None = None
+    v_up: torch.Tensor | None = None
 
 
 @dataclass
@@ -602,14 +738,18 @@ class RuntimeWeights:
         return self.embed.dtype
 
 
-def _interleave_rope_pairs(t: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    """Reorder each head's rows [x_0 .. x_{d/2-1}, x_{d/2} .. x_{d-1}] to [x_0, x_{d/2}, x_1, x_{d/2+1}, ...].
+def _interleave_rope_pairs(t: torch.Tensor, heads: int, head_dim: int, rope_dim: int | None = None) -> torch.Tensor:
+    """Reorder each head's rows [x_0 .. x_{d/2-1}, x_{d/2} .. x_{d-1}] to [x_0, x_{d/2}, x_1, x_{d/2+1}, ...], where d
+    is `rope_dim` (default head_dim): with partial RoPE only the first d rows of a head rotate and move.
 
     HF's `rotate_half` RoPE rotates the pair (x_j, x_{j+d/2}); adjacent pairs are a complex number, so
     the rotation becomes one complex multiply (`_rotate`).  q and k get the same permutation, so
     every q.k dot product, and therefore attention, is unchanged.
     """
-    return t.unflatten(0, (heads, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)
+    d = head_dim if rope_dim is None else rope_dim
+    per_head = t.unflatten(0, (heads, head_dim))
+    rotated = per_head[:, :d].unflatten(1, (2, d // 2)).transpose(1, 2).flatten(1, 2)
+    return torch.cat([rotated, per_head[:, d:]], dim=1).flatten(0, 1)
 
 
 def _mm_operand(weight: torch.Tensor) -> torch.Tensor:
@@ -637,6 +777,13 @@ class _LayerBuffers:
     attn_out_norm: torch.Tensor | None = None  # OLMo 2's post_attention_layernorm / post_feedforward_layernorm
     mlp_out_norm: torch.Tensor | None = None
     sinks: torch.Tensor | None = None  # gpt-oss's self_attn.sinks
+    expert_bias: torch.Tensor | None = None  # a sigmoid-routed MoE layer's e_score_correction_bias
+    moe: bool = False  # an MoE layer: `down` holds the stacked downs, already the x @ W operand
+    # Multi-latent attention: q_b_proj (with a q latent), q_a_layernorm, kv_a_layernorm, kv_b_proj
+    q_up: torch.Tensor | None = None
+    q_latent_norm: torch.Tensor | None = None
+    kv_latent_norm: torch.Tensor | None = None
+    kv_up: torch.Tensor | None = None
 
 
 class WeightArena:
@@ -678,7 +825,11 @@ class WeightArena:
             attn, mlp = p + "self_attn.", p + "mlp."
             qkv = [attn + f"{x}_proj.weight" for x in "qkv"]
             qkv_bias = [attn + f"{x}_proj.bias" for x in "qkv"] if spec.qkv_bias else []
-            if spec.fused_projections:  # (Phi-3: no biases) one HF tensor is the whole stacked buffer
+            if spec.latent:  # the projections from the hidden state: q (or its latent), then the kv latent and rope
+                qkv = [attn + ("q_proj.weight" if spec.q_lora_rank is None else "q_a_proj.weight"),
+                       attn + "kv_a_proj_with_mqa.weight"]
+                qkv_buffer = stack(qkv)  # (its RoPE dims are interleaved pairs already: rope_rows stays empty)
+            elif spec.fused_projections:  # (Phi-3: no biases) one HF tensor is the whole stacked buffer
                 qkv_buffer = own(attn + "qkv_proj.weight")
                 q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
                 q_view, k_view = qkv_buffer[:q_rows], qkv_buffer[q_rows:q_rows + kv_rows]
@@ -689,16 +840,21 @@ class WeightArena:
             if spec.gpt_oss:  # its fused experts (moe.GPT_OSS_EXPERTS) are views of the stacked buffers
                 gate_up, gate_up_bias, down = self._gpt_oss_experts(mlp, dtypes, device)
                 down_bias = own(mlp + "experts.down_proj_bias")
-            elif spec.is_moe:  # Mixtral's or Qwen3-MoE's expert names (models/moe.py)
+            elif spec.is_moe_layer(layer):  # the expert names of models/moe.py
                 experts = [moe.hf_expert_names(spec._hf_config, layer, e) for e in range(spec.num_experts)]
-                gate_up = stack([moe.hf_router_name(spec._hf_config, layer)]
+                # (sigmoid-routed: the shared expert's gate and up rows after the router's, its down first)
+                shared = [mlp + f"{moe.SHARED_EXPERT}.{x}_proj.weight" for x in ("gate", "up", "down")
+                          ] if spec.sigmoid_router else []
+                gate_up = stack([moe.hf_router_name(spec._hf_config, layer)] + shared[:2]
                                 + [name for gate, up, _ in experts for name in (gate, up)])
-                i = spec.intermediate_size
-                down = torch.empty((spec.num_experts * i, spec.hidden_size), dtype=dtypes[experts[0][2]],
+                i, s = spec.intermediate_size, spec.shared_ffn_size
+                down = torch.empty((s + spec.num_experts * i, spec.hidden_size), dtype=dtypes[experts[0][2]],
                                    device=device)
+                if shared:
+                    self.views[shared[2]] = down[:s].t()
                 for e, (_, _, down_name) in enumerate(experts):
-                    # down_e [hidden, i] is rows e*i.. of the stacked [E * i, hidden], transposed
-                    self.views[down_name] = down[e * i:(e + 1) * i].t()
+                    # down_e [hidden, i] is rows s+e*i.. of the stacked [s + E * i, hidden], transposed
+                    self.views[down_name] = down[s + e * i:s + (e + 1) * i].t()
             else:
                 gate_up = own(mlp + "gate_up_proj.weight") if spec.fused_projections else stack(
                     [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
@@ -716,11 +872,14 @@ class WeightArena:
                                                                 else "post_attention_layernorm.weight")),
                 attn_out_norm=own(p + "post_attention_layernorm.weight") if spec.post_norms or spec.gemma else None,
                 mlp_out_norm=own(p + "post_feedforward_layernorm.weight") if spec.post_norms or spec.gemma else None,
-                rope_rows=list(zip([q_view, k_view, *(self.views[n] for n in qkv_bias[:2])],
-                                   [spec.num_heads, spec.num_kv_heads] * 2)),
+                rope_rows=[] if spec.latent else list(zip([q_view, k_view, *(self.views[n] for n in qkv_bias[:2])],
+                                                          [spec.num_heads, spec.num_kv_heads] * 2)),
+                q_up=own(attn + "q_b_proj.weight"), q_latent_norm=own(attn + "q_a_layernorm.weight"),
+                kv_latent_norm=own(attn + "kv_a_layernorm.weight"), kv_up=own(attn + "kv_b_proj.weight"),
                 q_norm=own(attn + "q_norm.weight") if spec.qk_norm else None,
                 k_norm=own(attn + "k_norm.weight") if spec.qk_norm else None,
-                sinks=own(attn + "sinks")))
+                sinks=own(attn + "sinks"), expert_bias=own(mlp + moe.EXPERT_BIAS[0]),
+                moe=spec.is_moe_layer(layer)))
         for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
             own(name)
         missing = set(shapes) - set(self.views)
@@ -758,10 +917,20 @@ class WeightArena:
         if spec.post_norms:  # OLMo 2: a weight per head and dim already ([heads * head_dim])
             return torch.cat([_interleave_rope_pairs(q_norm, spec.num_heads, hd).view(spec.num_heads, hd),
                               _interleave_rope_pairs(k_norm, spec.num_kv_heads, hd).view(spec.num_kv_heads, hd)])
-        q, k = (_interleave_rope_pairs(n, 1, hd) for n in (q_norm, k_norm))
+        q, k = (_interleave_rope_pairs(n, 1, hd, spec.rope_dim) for n in (q_norm, k_norm))
         if spec.gemma:  # (1 + weight) in fp32, as transformers' Gemma3RMSNorm
             q, k = 1 + q.float(), 1 + k.float()
         return torch.cat([q.expand(spec.num_heads, hd), k.expand(spec.num_kv_heads, hd)])
+
+    def _latent_weights(self, b: _LayerBuffers) -> dict:
+        """A multi-latent attention layer's LayerWeights fields (views of its buffers; v_up a contiguous copy when
+        small, as SMALL_MATRIX's matrices: the attention's output multiplies it from the left)."""
+        spec = self.spec
+        per_head = b.kv_up.view(spec.num_heads, spec.qk_nope_dim + spec.v_head_dim, spec.kv_lora_rank)
+        v_up = per_head[:, spec.qk_nope_dim:].transpose(1, 2)
+        return dict(q_up=None if b.q_up is None else _mm_operand(b.q_up), q_latent_norm=b.q_latent_norm,
+                    kv_latent_norm=b.kv_latent_norm, k_up=per_head[:, :spec.qk_nope_dim],
+                    v_up=v_up.contiguous() if v_up.numel() <= SMALL_MATRIX else v_up)
 
     def finalize(self) -> RuntimeWeights:
         """The forward's RuntimeWeights, made in place from the HF tensors the views hold (see the class)."""
@@ -769,7 +938,7 @@ class WeightArena:
         layers = []
         for b in self.layers:
             for view, heads in b.rope_rows:
-                view.copy_(_interleave_rope_pairs(view.clone(), heads, hd))  # a permutation: from a copy
+                view.copy_(_interleave_rope_pairs(view.clone(), heads, hd, spec.rope_dim))  # a permutation: from a copy
             if spec.gemma:  # its norms are (1 + weight), taken in fp32; the ones after the blocks stay fp32
                 b.qkv.mul_(1 + b.input_norm.float())
                 b.gate_up.mul_(1 + b.post_norm.float())
@@ -779,10 +948,11 @@ class WeightArena:
             layers.append(LayerWeights(
                 qkv=_mm_operand(b.qkv), qkv_bias=b.qkv_bias, o_proj=_mm_operand(b.o_proj), o_bias=b.o_bias,
                 gate_up=_mm_operand(b.gate_up), gate_up_bias=b.gate_up_bias,
-                down=b.down if spec.is_moe else _mm_operand(b.down), down_bias=b.down_bias,
+                down=b.down if b.moe else _mm_operand(b.down), down_bias=b.down_bias,
                 qk_norm=None if b.q_norm is None else self._qk_norm(b.q_norm, b.k_norm),
                 attn_out_norm=_gemma_weight(b.attn_out_norm) if spec.gemma else b.attn_out_norm,
-                mlp_out_norm=_gemma_weight(b.mlp_out_norm) if spec.gemma else b.mlp_out_norm, sinks=b.sinks))
+                mlp_out_norm=_gemma_weight(b.mlp_out_norm) if spec.gemma else b.mlp_out_norm, sinks=b.sinks,
+                expert_bias=b.expert_bias, **(self._latent_weights(b) if spec.latent else {})))
         embed, norm = self.views["model.embed_tokens.weight"], self.views["model.norm.weight"]
         return RuntimeWeights(embed=embed, layers=layers, norm=_gemma_weight(norm) if spec.gemma else norm,
                               lm_head=_mm_operand(embed if spec.tie_word_embeddings else self.views["lm_head.weight"]),
@@ -805,7 +975,11 @@ def prepare_weights(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Runtim
 
 
 def _rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """RoPE: rotate x [N, heads, head_dim] (pairs interleaved) by complex rot [N, 1, head_dim / 2], in fp32."""
+    """RoPE: rotate x [N, heads, head_dim] (pairs interleaved) by complex rot [N, 1, rope_dim / 2], in fp32; with
+    partial RoPE (rope_dim < head_dim) the dims past rope_dim pass unrotated."""
+    rope_dim = 2 * rot.shape[-1]
+    if rope_dim < x.shape[-1]:
+        return torch.cat([_rotate(x[..., :rope_dim], rot), x[..., rope_dim:]], dim=-1)
     fp32 = x.dtype == torch.float32
     pairs = torch.view_as_complex((x if fp32 else x.float()).unflatten(-1, (-1, 2)))
     out = torch.view_as_real(pairs * rot).flatten(-2)
@@ -928,6 +1102,8 @@ def forward(
                          f"got {'none' if tp_group is None else tp_group.size()}")
     bsz, seq = input_ids.shape
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    if spec.latent:  # (the masks': every query head attends to the one latent each position caches)
+        nkv = 1
     group, tokens = nh // nkv, bsz * seq
     attn_len = cache.max_seq_len if attn_len is None else attn_len
     slots = slice(slot_start, slot_start + bsz)
@@ -971,36 +1147,40 @@ def forward(
 
     for layer, lw in enumerate(weights.layers):
         h = x if spec.post_norms else _rms_norm(x, tables)
-        qkv = _linear(h, lw.qkv, lw.qkv_bias).view(tokens, nh + 2 * nkv, hd)
-        qk = qkv[:, : nh + nkv]
-        if spec.post_norms:  # (OLMo 2: q over all its heads, k over all its heads)
-            qk = torch.cat([_projection_rms_norm(qk[:, :nh], lw.qk_norm[:nh], tables.norm_eps),
-                            _projection_rms_norm(qk[:, nh:], lw.qk_norm[nh:], tables.norm_eps)], dim=1)
-        elif spec.gemma:
-            qk = _gemma_norm(qk, lw.qk_norm, tables)
-        elif lw.qk_norm is not None:
-            qk = _head_rms_norm(qk, lw.qk_norm, tables)
-        local = spec.gemma and spec.local_layers[layer]
-        if local:
-            qk = _rotate(qk, local_rot)
-        elif spec.rope_layers is None or spec.rope_layers[layer]:  # (a layer without RoPE attends unrotated)
-            qk = _rotate(qk, rot)
-        k_new, v_new = qk[:, nh:].view(bsz, seq, nkv, hd), qkv[:, nh + nkv:].view(bsz, seq, nkv, hd)
-        layer_mask = window_masks[spec.layer_windows[layer]] if window_masks else local_mask if local else mask
-        if paged and seq == 1:
-            k_blocks, v_blocks = cache.write_and_blocks(layer, where, k_new, v_new)
-            attn = _paged_decode_attention(qk[:, :nh].view(bsz, nkv, group, hd), k_blocks, v_blocks, layer_mask,
-                                           spec.attn_scale, lw.sinks)
+        if spec.latent:
+            attn = _latent_attention(spec, lw, _linear(h, lw.qkv, None), rot, cache.latent[layer, slots], positions,
+                                     attn_len, mask, tables)
         else:
-            if paged:
-                k_span, v_span = cache.write_and_gather(layer, where, k_new, v_new)
+            qkv = _linear(h, lw.qkv, lw.qkv_bias).view(tokens, nh + 2 * nkv, hd)
+            qk = qkv[:, : nh + nkv]
+            if spec.post_norms:  # (OLMo 2: q over all its heads, k over all its heads)
+                qk = torch.cat([_projection_rms_norm(qk[:, :nh], lw.qk_norm[:nh], tables.norm_eps),
+                                _projection_rms_norm(qk[:, nh:], lw.qk_norm[nh:], tables.norm_eps)], dim=1)
+            elif spec.gemma:
+                qk = _gemma_norm(qk, lw.qk_norm, tables)
+            elif lw.qk_norm is not None:
+                qk = _head_rms_norm(qk, lw.qk_norm, tables)
+            local = spec.gemma and spec.local_layers[layer]
+            if local:
+                qk = _rotate(qk, local_rot)
+            elif spec.rope_layers is None or spec.rope_layers[layer]:  # (a layer without RoPE attends unrotated)
+                qk = _rotate(qk, rot)
+            k_new, v_new = qk[:, nh:].view(bsz, seq, nkv, hd), qkv[:, nh + nkv:].view(bsz, seq, nkv, hd)
+            layer_mask = window_masks[spec.layer_windows[layer]] if window_masks else local_mask if local else mask
+            if paged and seq == 1:
+                k_blocks, v_blocks = cache.write_and_blocks(layer, where, k_new, v_new)
+                attn = _paged_decode_attention(qk[:, :nh].view(bsz, nkv, group, hd), k_blocks, v_blocks, layer_mask,
+                                               spec.attn_scale, lw.sinks)
             else:
-                k_cache, v_cache = cache.k[layer, slots], cache.v[layer, slots]  # views: writes land in the cache
-                k_cache.scatter_(3, k_idx, k_new.permute(0, 2, 3, 1))
-                v_cache.scatter_(2, v_idx, v_new.transpose(1, 2))
-                k_span, v_span = k_cache[..., :attn_len], v_cache[:, :, :attn_len]
-            attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_span, v_span, layer_mask, group, spec.attn_scale,
-                              lw.sinks)
+                if paged:
+                    k_span, v_span = cache.write_and_gather(layer, where, k_new, v_new)
+                else:
+                    k_cache, v_cache = cache.k[layer, slots], cache.v[layer, slots]  # views: writes land in the cache
+                    k_cache.scatter_(3, k_idx, k_new.permute(0, 2, 3, 1))
+                    v_cache.scatter_(2, v_idx, v_new.transpose(1, 2))
+                    k_span, v_span = k_cache[..., :attn_len], v_cache[:, :, :attn_len]
+                attn = _attention(qk[:, :nh].view(bsz, seq, nh, hd), k_span, v_span, layer_mask, group, spec.attn_scale,
+                                  lw.sinks)
         if spec.gemma:  # the norm between o_proj (summed over TP) and the residual add
             out = _linear(attn, lw.o_proj, lw.o_bias)
             if tp_group is not None:
@@ -1014,14 +1194,16 @@ def forward(
             x = _add_row_parallel(x, attn, lw.o_proj, lw.o_bias, tp_group)
 
         h = x if spec.post_norms else _rms_norm(x, tables)
-        if spec.is_moe:
+        if spec.is_moe_layer(layer):
             share = None
             if spec.gpt_oss:
                 chosen, act, share = _gpt_oss_experts(spec, _linear(h, lw.gate_up, lw.gate_up_bias))
+            elif spec.sigmoid_router:
+                chosen, act = _sigmoid_routed_experts(spec, _linear(h, lw.gate_up, None), lw.expert_bias)
             else:
                 chosen, act = _moe_experts(spec, _linear(h, lw.gate_up, None))
-            if routes is not None:
-                routes[:, :, layer] = chosen.view(bsz, seq, spec.top_k)
+            if routes is not None:  # (route index: the layer's index among the MoE layers)
+                routes[:, :, layer - spec.dense_layers] = chosen.view(bsz, seq, spec.top_k)
             # Under TP each rank holds 1/t of every expert's width and the whole router (the same routes on
             # every rank): its stacked downs give a partial sum of the layer's output, summed once as the dense MLP's.
             if tp_group is None:
@@ -1070,6 +1252,37 @@ def _moe_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Tensor
     return chosen, act.view(tokens, experts * spec.intermediate_size)
 
 
+def _sigmoid_routed_experts(spec: ModelSpec, projected: torch.Tensor,
+                            expert_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sigmoid-routed MoE layer's routing over its fused projection [N, E + 2 * S + E * 2 * I] (router logits, the
+    shared expert's gate and up, then each expert's gate and up). Returns (the chosen experts [N, k], in descending
+    order of their biased scores; the activations [N, S + E * I] of the shared expert and of every expert weighted by
+    its share, the input of the stacked downs).
+
+    As transformers' Glm4MoeTopkRouter / DeepseekV3TopkRouter: sigmoid of the fp32 logits; the choice is made on
+    the scores plus e_score_correction_bias, among the experts of the `topk_group` groups (of `n_group`) whose best
+    two biased scores sum highest; the chosen experts are weighted by their unbiased scores, renormalised to sum to 1
+    (norm_topk, + 1e-20 as transformers) and times routed_scaling_factor. (transformers' top-k is unsorted, so its
+    order is no contract: the routes are a set per layer, as megarl.algo.metrics.route_matches reads them.)"""
+    experts, tokens, s = spec.num_experts, projected.shape[0], spec.shared_ffn_size
+    scores = projected[:, :experts].float().sigmoid()
+    choice = scores + expert_bias.float()
+    if spec.topk_group < spec.n_group:
+        group_scores = choice.view(tokens, spec.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+            1, group_scores.topk(spec.topk_group, dim=-1)[1], True)
+        choice = choice.masked_fill(~kept.repeat_interleave(experts // spec.n_group, dim=1), float("-inf"))
+    chosen = choice.topk(spec.top_k, dim=-1)[1]
+    weights = scores.gather(1, chosen)
+    if spec.norm_topk:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    share = torch.zeros_like(scores).scatter_(1, chosen, weights * spec.routed_scaling)
+    shared_gate, shared_up = projected[:, experts:experts + 2 * s].chunk(2, dim=-1)
+    gate_up = projected[:, experts + 2 * s:].view(tokens, experts, 2, spec.intermediate_size)
+    act = F.silu(gate_up[:, :, 0]) * gate_up[:, :, 1] * share.to(projected.dtype)[:, :, None]
+    return chosen, torch.cat([F.silu(shared_gate) * shared_up, act.view(tokens, -1)], dim=1)
+
+
 def _gpt_oss_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gpt-oss's routing over one layer's fused, biased projection [N, E + E * 2I] (router logits, then each
     expert's gate/up columns interleaved: gate even, up odd). Returns (the chosen experts [N, k] in top-k order, the
@@ -1086,6 +1299,46 @@ def _gpt_oss_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Te
     gate, up = gate_up[..., 0].clamp(max=limit), gate_up[..., 1].clamp(-limit, limit)
     act = (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha)) * share[:, :, None]
     return chosen, act.view(tokens, experts * spec.intermediate_size), share
+
+
+def _latent_attention(spec: ModelSpec, lw: LayerWeights, down: torch.Tensor, rot: torch.Tensor, latent: torch.Tensor,
+                      positions: torch.Tensor, attn_len: int, mask: torch.Tensor,
+                      tables: ForwardTables) -> torch.Tensor:
+    """Multi-latent attention of B rows of T tokens, absorbed: the cache holds per position the kv latent c (after
+    kv_a_layernorm) and the shared key's RoPE dims k_rot, never per-head K or V.
+
+    down [B*T, q (or q latent) + kv_lora_rank + rope]: the layer's first projection of the normed hidden state (input
+    norm folded in); latent [B, max_seq_len, kv_lora_rank + rope]: the rows' cache slots, written at `positions`.
+    Head h's score of position p is q_nope_h . (W_UK_h c_p) + q_rot_h . k_rot_p = [q_nope_h W_UK_h | q_rot_h] .
+    [c_p | k_rot_p]: the query taken into latent space attends to the cached latent directly, one "KV head" shared
+    by every head (mask: nkv 1, group heads); its output in latent space, sum_p prob_p c_p, times W_UV_h is head h's
+    value sum. Scale: transformers' (spec.attn_scale, yarn_apply_mscale). RoPE: DeepSeek-V3's interleaved pairs are
+    the complex pairs `_rotate` rotates, in place (the same permutation of q and k as transformers' de-interleaving,
+    so the same dot products). Returns [B*T, heads * v_head_dim]."""
+    bsz, seq = positions.shape
+    tokens, nh, r, dr, dn = bsz * seq, spec.num_heads, spec.kv_lora_rank, spec.head_dim, spec.qk_nope_dim
+    q_width = down.shape[1] - r - dr
+    q = down[:, :q_width]
+    if lw.q_up is not None:
+        q = torch.mm(_head_rms_norm(q, lw.q_latent_norm, tables), lw.q_up)
+    q = q.view(tokens, nh, dn + dr)
+    # (the RoPE dims copied out of their rows: a complex view needs an even offset and strides, whatever the widths)
+    entry = torch.cat([_head_rms_norm(down[:, q_width:q_width + r], lw.kv_latent_norm, tables),
+                       _rotate(down[:, None, q_width + r:].contiguous(), rot)[:, 0]], dim=-1)
+    latent.scatter_(1, positions[:, :, None].expand(bsz, seq, r + dr), entry.view(bsz, seq, r + dr))
+    span = latent[:, :attn_len]
+    q_latent = torch.bmm(q[:, :, :dn].transpose(0, 1), lw.k_up).transpose(0, 1)  # [B*T, heads, r]
+    query = torch.cat([q_latent, _rotate(q[:, :, dn:].contiguous(), rot)], dim=-1)  # [B*T, heads, r + rope]
+    if seq == 1:  # decode: [B, heads, r + rope] against [B, attn_len, r + rope], the additive mask [B, 1, L]
+        scores = torch.baddbmm(mask, query.view(bsz, nh, r + dr), span.transpose(1, 2), alpha=spec.attn_scale)
+        out = torch.bmm(torch.softmax(scores, dim=-1), span[:, :, :r])  # [B, heads, r]
+    else:  # prefill: rows (head, position) of one "KV head", the boolean mask [B, 1, heads * T, L]
+        query = query.view(bsz, seq, nh, r + dr).transpose(1, 2).reshape(bsz, 1, nh * seq, r + dr)
+        out = F.scaled_dot_product_attention(query, span[:, None], span[:, None, :, :r], attn_mask=mask,
+                                             scale=spec.attn_scale)
+        out = out.view(bsz, nh, seq, r).transpose(1, 2)
+    values = torch.bmm(out.reshape(tokens, nh, r).transpose(0, 1), lw.v_up)  # [heads, B*T, v_head_dim]
+    return values.transpose(0, 1).reshape(tokens, nh * spec.v_head_dim)
 
 
 def _with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

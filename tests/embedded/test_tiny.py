@@ -350,7 +350,7 @@ def test_the_qwen3_moe_demo_model_is_a_qwen3_moe_of_the_mixtral_demo_s_sizes_tha
 
 def test_the_deepseek_v3_demo_model_is_a_deepseek_v3_of_the_mixtral_demo_s_sizes_that_megarl_maps():
     from megarl.models import convert, moe
-    from megarl.sampler import hf_model
+    from megarl.sampler import hf_model, model as native
 
     mixtral = embedded.EMBEDDED_MODELS["tiny-mixtral-count"].model_config()
     spec = embedded.EMBEDDED_MODELS["tiny-deepseek-v3-count"]
@@ -362,7 +362,7 @@ def test_the_deepseek_v3_demo_model_is_a_deepseek_v3_of_the_mixtral_demo_s_sizes
         assert getattr(config, key) == getattr(mixtral, key), key
     cfg = config.to_dict()
     convert.check_supported(cfg)  # the megatron learner maps it
-    assert hf_model.choose(cfg) is hf_model  # the built-in engine's generic model samples it
+    assert hf_model.choose(cfg) is native  # the built-in engine's native forward samples it (multi-latent attention)
     assert moe.num_experts(cfg) == moe.num_experts(mixtral.to_dict()) and moe.num_moe_layers(cfg) == 2
     assert spec.task == embedded.EMBEDDED_MODELS["tiny-mixtral-count"].task
     assert spec.recipe == embedded.EMBEDDED_MODELS["tiny-mixtral-count"].recipe

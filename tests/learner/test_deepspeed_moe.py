@@ -71,8 +71,9 @@ def test_moe_publishes_and_exports_the_save_pretrained_state(moe_dirs, world, ki
     """transformers fuses the experts in memory; what samplers receive and what a checkpoint exports is
     save_pretrained's per-expert state, in the order, shapes and dtypes publish_spec announces (ZeRO-3: gathered
     per bucket); DeepSeek-V3's router expert bias (a buffer: no parameter) among it, which the engines' routers
-    read."""
+    read; the built-in engine's arena takes exactly those tensors."""
     from megarl.learner.deepspeed import checkpoint_hf_tensors
+    from megarl.sampler import hf_model
 
     learner = _learner(moe_dirs[kind], zero_stage=zero_stage)
     published = {n: t.clone() for n, t in learner.publish_tensors()}
@@ -83,6 +84,7 @@ def test_moe_publishes_and_exports_the_save_pretrained_state(moe_dirs, world, ki
     assert set(published) == set(saved) == set(exported)
     for name, tensor in saved.items():
         assert torch.equal(published[name], tensor) and torch.equal(exported[name], tensor), name
+    hf_model.choose(learner.hf_config).ModelSpec.from_hf_config(learner.hf_config).check_weights(published)
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])

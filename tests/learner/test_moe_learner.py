@@ -236,13 +236,15 @@ def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_load
     assert (ref - behaviour).abs().max().item() > 1e-4  # the trained weights, not the initial ones
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss", "glm4_moe", "deepseek_v3"])
 def test_r3_learner_runs_the_engines_routes_across_an_inflight_update(moe_dirs, world, kind):
     """End to end in one process: the built-in engine (its native forward) samples under v0, takes the learner's v1
     in flight and re-prefills (kv_on_update=recompute), recording routes; the batch packs them
-    (megarl.rollout.routes) and the r3 learner at v1 sends every position of every layer to exactly the recorded
+    (megarl.rollout.routes) and the r3 learner at v1 sends every position of every MoE layer to exactly the recorded
     experts, its own router agrees with all of them (the engine's routes are the learner's on the same tokens), and
-    the log-probs of the lag-0 tokens are the engine's to fp32 noise. gpt-oss: sequences past its sliding window."""
+    the log-probs of the lag-0 tokens are the engine's to fp32 noise. gpt-oss: sequences past its sliding window;
+    GLM-4.5 and DeepSeek-V3 (multi-latent attention): the sigmoid router with expert bias and group limit, the dense
+    first layer recording no routes."""
     from megarl.protocols import GenerationRequest, Sample, SamplingParams
     from megarl.models import moe
     from megarl.rollout.routes import pack_routes
@@ -283,38 +285,40 @@ def test_r3_learner_runs_the_engines_routes_across_an_inflight_update(moe_dirs, 
         mask[r, p:p + n], mu[r, p:p + n], versions[r, p:p + n] = 1.0, torch.tensor(s.logprobs), torch.tensor(s.versions)
     packed = pack_routes(samples, width, moe.route_shape(cfg), required=True)
 
-    calls = torch.zeros(2, 4, dtype=torch.long)  # [layer, expert]: tokens each expert computed in the train pass
+    moe_layers = [layer for layer in learner.gpt.decoder.layers if hasattr(layer.mlp, "experts")]
+    experts = moe.num_experts(cfg)
+    calls = torch.zeros(len(moe_layers), experts, dtype=torch.long)  # [MoE layer, expert]: tokens each computed
     hooks = [expert.register_forward_hook(lambda mod, inp, out, l=l, e=e: calls[l].__setitem__(e, calls[l, e] + inp[0].shape[0]))
-             for l, layer in enumerate(learner.gpt.decoder.layers) for e, expert in enumerate(layer.mlp.experts.local_experts)]
+             for l, layer in enumerate(moe_layers) for e, expert in enumerate(layer.mlp.experts.local_experts)]
     m = learner.train_step(TrainBatch(input_ids=batch_ids, loss_mask=mask, behaviour_logprobs=mu, versions=versions,
                                       advantages=mask, learner_version=1, routes=packed))
     for h in hooks:
         h.remove()
     lengths = (mask * torch.arange(1, width + 1)).amax(dim=1).long()  # each row is computed up to its last token
     used = torch.cat([packed[r, :lengths[r]] for r in range(len(samples))])  # [positions, layers, k]
-    assert torch.equal(calls, torch.stack([torch.bincount(used[:, l].reshape(-1).long(), minlength=4) for l in range(2)]))
+    assert torch.equal(calls, torch.stack([torch.bincount(used[:, l].reshape(-1).long(), minlength=experts)
+                                           for l in range(len(moe_layers))]))
     assert m["router/agreement"] == 1.0 and m["lag0/router_agreement"] == 1.0
     assert m["lag0/token_share"] > 0.3 and m["lag0/logprob_gap_abs"] < _tol(moe_dirs[kind])  # (at v1, in the step)
 
 
 @pytest.mark.parametrize("kv_on_update", ["keep", "recompute"])
 @pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
-def test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_publish(moe_dirs, world, kind,
-                                                                                       kv_on_update):
-    """DeepSeek-V3 and GLM-4.5 sample on the built-in engine's generic model (megarl.sampler.hf_model: its native
-    forward has neither multi-latent attention nor their routers), which takes the learner's per-expert publish and
-    the router's expert bias: the
-    engine samples under v0, takes the learner's v1 in flight into its staging buffers (its arena holds those
-    tensors bitwise), and the learner's log-probs of every sampled token are the engine's to the fp32 bound, the
-    tokens of either version (keep: the v0 cache continued under v1, so only the recompute run checks v1 tokens
-    after the swap against a full v1 forward)."""
+def test_sigmoid_routed_families_sample_on_the_native_engine_from_the_learners_publish(moe_dirs, world, kind,
+                                                                                      kv_on_update):
+    """DeepSeek-V3 (multi-latent attention) and GLM-4.5 sample on the built-in engine's native forward, whose arena
+    takes the learner's per-expert publish, the shared expert and the router's expert bias: the engine samples under
+    v0, takes the learner's v1 in flight into its staging buffers (exactly the published names and shapes), and the
+    learner's log-probs of every sampled token are the engine's to the fp32 bound, the tokens of either version
+    (keep: the v0 cache continued under v1, so only the recompute run checks v1 tokens after the swap against a full
+    v1 forward)."""
     from megarl.protocols import GenerationRequest, SamplingParams
-    from megarl.sampler import hf_model
+    from megarl.sampler import hf_model, model as native
     from megarl.sampler.engine import BuiltinEngine
 
     model_dir = moe_dirs[kind]
-    cfg, weights = hf_model.load_pretrained(model_dir)
-    assert hf_model.choose(cfg) is hf_model
+    cfg, weights = native.load_pretrained(model_dir)
+    assert hf_model.choose(cfg) is native
     engine = BuiltinEngine(cfg, weights, max_running=4, kv_on_update=kv_on_update)
     learner = _learner(model_dir, micro_batch_size=3)
     ids = _ids()
@@ -330,12 +334,13 @@ def test_sigmoid_routed_families_sample_on_the_generic_engine_from_the_learners_
     learner.train_step(_batch(ids, behaviour, routes))  # v1
     published = dict(learner.publish_tensors())
     views = engine.staging_buffers(1)
+    # (the learner publishes exactly the tensors the arena holds; after the swap they are in the forward's layout)
+    assert {n: tuple(v.shape) for n, v in views.items()} == {n: tuple(t.shape) for n, t in published.items()}
     for name, tensor in published.items():
         views[name].copy_(tensor)
     engine.stage_weights(views, 1)
     while engine.num_unfinished:
         done += engine.step()
-    assert all(torch.equal(engine._weights.arena.views[n], t) for n, t in published.items())
     assert any(1 in c.versions for c in done)
     for c in done:
         row = torch.tensor([c.prompt_ids + c.token_ids])

@@ -37,6 +37,12 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
     "gpt_oss": tests.helpers.save_tiny_gpt_oss at this vocabulary (sinks, a sliding layer of window 4 then a full one,
     biases everywhere, 4 biased experts of width 24 whose clamped SwiGLU cuts, YaRN; untied): every one of its
     dimensions at most TINY's, so TOL bounds it too.
+    "glm4_moe": tests.helpers.save_tiny_glm4_moe at this vocabulary and TINY's 2 layers, the first dense, the second
+    sigmoid-routed (expert bias, group limit, scaling, a shared expert), partial RoPE, q/k/v biases and q/k norms;
+    untied; its dimensions at most TINY's, so TOL bounds it too.
+    "deepseek_v3": tests.helpers.save_tiny_deepseek_v3 at this vocabulary and TINY's 2 layers (multi-latent attention
+    with a q latent, interleaved YaRN with its mscale, then GLM-4.5's MoE in the second layer; q_lora_rank=None: one
+    q_proj); its dimensions at most TINY's, so TOL bounds it too.
     initializer_range is raised from HF's 0.02 so next-token distributions are far from uniform
     (greedy decoding has clear winners), but kept at 0.1: at 0.25 the activations grow large enough
     that fp32 rounding alone (HF's own cached decode vs its prefill) reaches 1e-5 in log-prob.
@@ -49,6 +55,11 @@ def make_tiny_model(path: Path, kind: str = "qwen2", seed: int = 0, **overrides)
         from tests.helpers import save_tiny_gpt_oss
 
         return save_tiny_gpt_oss(path, **{"vocab_size": TINY["vocab_size"], **overrides})
+    if kind in ("glm4_moe", "deepseek_v3"):
+        from tests.helpers import save_tiny_deepseek_v3, save_tiny_glm4_moe
+
+        save = save_tiny_glm4_moe if kind == "glm4_moe" else save_tiny_deepseek_v3
+        return save(path, **{"vocab_size": TINY["vocab_size"], "num_hidden_layers": 2, **overrides})
     torch.manual_seed(seed)
     moe = {"mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
            "qwen3_moe": dict(moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2)}.get(kind, {})
@@ -107,7 +118,7 @@ def dominant_token_weights(weights: dict[str, torch.Tensor], token: int, tied: b
     w = {name: t.clone() for name, t in weights.items()}
     w["model.embed_tokens.weight"][:, 0] = 1.0
     for name in w:
-        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight", ".w2.weight")):
+        if name.endswith(("self_attn.o_proj.weight", "down_proj.weight", ".w2.weight")):  # (experts' too)
             w[name][0] = 0.0
         if name.endswith(("self_attn.o_proj.bias", "experts.down_proj", "experts.down_proj_bias")):
             w[name][..., 0] = 0.0  # (gpt-oss: its biases, and its fused downs [E, I, H], write dim 0 too)
@@ -136,15 +147,17 @@ def _hf_model(model_dir: str):
 
 
 def hf_logprobs_and_routes(ids: list[int], *versions: tuple[Path, int | None]) -> tuple[torch.Tensor, np.ndarray]:
-    """transformers' log-probs [len(ids), V] and routes [len(ids), layers, top_k], each (model dir, end) of
+    """transformers' log-probs [len(ids), V] and routes [len(ids), MoE layers, top_k], each (model dir, end) of
     `versions` computing positions up to `end` (None: to the end) over the KV cache the earlier ones left:
     what an engine that keeps its cache across an update computed."""
     chosen, logits, cache, begin = [], [], None, 0
     for model_dir, end in versions:
         hf = _hf_model(str(model_dir))
-        # (each router returns (logits, weights, chosen experts); gpt-oss's is `mlp.router`)
-        hooks = [getattr(layer.mlp, "router", None) or layer.mlp.gate for layer in hf.model.layers]
-        hooks = [router.register_forward_hook(lambda _m, _i, out: chosen.append(out[2])) for router in hooks]
+        # (each router returns (logits, weights, chosen experts); gpt-oss's is `mlp.router`; a GLM-4.5's or
+        # DeepSeek-V3's first layers are dense: no router)
+        hooks = [getattr(layer.mlp, "router", None) or getattr(layer.mlp, "gate", None) for layer in hf.model.layers]
+        hooks = [router.register_forward_hook(lambda _m, _i, out: chosen.append(out[2]))
+                 for router in hooks if router is not None]
         end = len(ids) if end is None else end
         with torch.inference_mode():
             out = hf(torch.tensor([ids[begin:end]]), cache=cache, use_cache=True)
@@ -152,8 +165,8 @@ def hf_logprobs_and_routes(ids: list[int], *versions: tuple[Path, int | None]) -
             h.remove()
         logits.append(out.logits[0].float())
         cache, begin = out.cache, end
-    # chosen: per forward call, per layer, [tokens, top_k]
-    layers = len(hf.model.layers)
+    # chosen: per forward call, per MoE layer, [tokens, top_k]
+    layers = len(hooks)
     per_call = [torch.stack(chosen[i:i + layers], dim=1) for i in range(0, len(chosen), layers)]
     return torch.log_softmax(torch.cat(logits), -1), torch.cat(per_call).numpy()
 

@@ -15,15 +15,18 @@ from tests.sampler import TIED, TOL, dominant_token_weights, make_tiny_model
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3", "gpt_oss"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "gemma3", "gpt_oss",
+                                        "glm4_moe", "deepseek_v3"])
 def model(request, tmp_path_factory):
     """(kind, path, HF config dict, HF-named weights) of a tiny Qwen2 (tied, bias), Llama (untied), Qwen3 (q/k
     norms, heads wider than hidden / heads), Mistral (a sliding window shorter than the requests), Phi-3 (fused
     qkv_proj and gate_up_proj, the staging buffers' layout) and OLMo 2 (post-norms, q/k norms over the whole
     projection: nothing folded into the stacked projections) and Gemma 3 (local and global layers, (1 + w) norms
     before and after attention and the MLP, scaled embeddings) and gpt-oss (attention sinks, a sliding layer shorter
-    than the requests then a full one, biased linears and experts with the clamped SwiGLU; its routes:
-    tests/sampler/test_engine_moe.py). (SmolLM3's engine differs in its forward alone: tests/sampler/test_model.py.)"""
+    than the requests then a full one, biased linears and experts with the clamped SwiGLU) and GLM-4.5 (partial
+    RoPE, q/k/v biases, q/k norms, a dense first layer, then the sigmoid router with its expert bias, group limit and
+    shared expert) and DeepSeek-V3 (multi-latent attention: a latent cache, the absorbed decode; the routes of the
+    three: tests/sampler/test_engine_moe.py). (SmolLM3's engine differs in its forward alone: tests/sampler/test_model.py.)"""
     from megarl.sampler import hf_model, model as native
 
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
@@ -574,10 +577,11 @@ def test_prefill_chunk_must_be_positive(qwen):
 
 
 # ------------------------------------------------------------------ the paged KV layout (sampler.kv_layout=paged)
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "smollm3", "gpt_oss"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "smollm3", "gpt_oss",
+                                        "glm4_moe"])
 def any_family(request, tmp_path_factory):
-    """(kind, HF config, weights) of every dense family, SmolLM3's no-RoPE layer and Mistral's window included, and
-    gpt-oss (its sinks in the block-by-block decode softmax, its layers' own windows)."""
+    """(kind, HF config, weights) of every dense family, SmolLM3's no-RoPE layer and Mistral's window included,
+    gpt-oss (its sinks in the block-by-block decode softmax, its layers' own windows) and GLM-4.5 (partial RoPE)."""
     return request.param, *load_pretrained(str(make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)))
 
 
