@@ -593,7 +593,7 @@ def _check_positive(cfg: Config) -> None:
     positive = {
         "run.steps", "sampling.max_new_tokens", "sampler.num_engines", "sampler.max_running",
         "sampler.max_seq_len", "sampler.threads", "sampler.tp", "learner.tp", "learner.pp", "learner.cp", "learner.dp", "learner.ep",
-        "learner.micro_batch_size", "learner.threads", "learner.lr", "learner.max_nonfinite_in_row", "algo.prompts_per_step", "algo.sync_epochs",
+        "learner.micro_batch_size", "learner.threads", "learner.lr", "learner.adam_eps", "learner.max_nonfinite_in_row", "algo.prompts_per_step", "algo.sync_epochs",
         "publish.bucket_mb", "publish.timeout_s", "publish.senders", "queue.timeout_s", "dist.timeout_s", "task.max_operand",
         "task.max_turns", "task.env_timeout_s", "task.env_workers", "task.tool_timeout_s", "task.agent_timeout_s",
     }

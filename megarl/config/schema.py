@@ -306,6 +306,9 @@ class LearnerConfig:
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     adam_beta1: float = 0.9  # AdamW beta1 (first-moment decay)
     adam_beta2: float = 0.999  # AdamW beta2 (second-moment decay)
+    # AdamW epsilon (added to sqrt of the second moment): the first step moves a weight by lr * g / (|g| + eps), so a
+    # gradient within a few eps of zero takes a step set by its rounding
+    adam_eps: float = 1e-8
     grad_clip: float = 0.0  # clip the global gradient norm to this (0 = no clipping)
     use_distributed_optimizer: bool = False  # megatron: optimizer state sharded over the DP replicas
     # A step whose loss or grad norm is not finite is skipped (no update) and counted; this many in a

@@ -98,7 +98,7 @@ def deepspeed_config(cfg: LearnerConfig, on_gpu: bool, with_optimizer: bool = Tr
     if with_optimizer:
         # AdamW: megatron's adam is decoupled weight decay too.
         config["optimizer"] = {"type": "AdamW", "params": {
-            "lr": cfg.lr, "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": 1e-8,
+            "lr": cfg.lr, "betas": [cfg.adam_beta1, cfg.adam_beta2], "eps": cfg.adam_eps,
             "weight_decay": cfg.weight_decay, "torch_adam": not on_gpu}}
     return config
 

@@ -248,7 +248,7 @@ class MegatronLearner:
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay,
-                adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, clip_grad=cfg.grad_clip,
+                adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.grad_clip,
                 bf16=self.on_gpu, params_dtype=dtype,
                 use_distributed_optimizer=cfg.use_distributed_optimizer,
             ),
