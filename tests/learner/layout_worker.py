@@ -1,4 +1,5 @@
-"""One torchrun rank of the cross-layout tests: for each layout, log-probs, one step, published weights.
+"""One rank of the cross-layout tests (tests/forked_ranks.py launches them): for each layout, log-probs, one step,
+published weights.
 
 argv: model_dir batch.pt out_dir layouts.json (a layout's "routing_replay" key goes to the learner, its "critic"
 key to a CriticConfig (advantage.estimator=gae), its "lora" key to a LoraConfig, its "model_dir" and "batch" keys

@@ -163,16 +163,17 @@ dist.destroy_process_group()
 
 
 def test_at_tp2_megatron_cores_layer_from_each_ranks_share_equals_transformers(tmp_path):
-    """Two torchrun ranks at learner.tp=2, each holding tp_slice's share (its key heads, their value heads): the
+    """Two gloo ranks at learner.tp=2, each holding tp_slice's share (its key heads, their value heads): the
     row-parallel output projection's sum over the ranks equals transformers' layer within the TP1 bound (the
-    ranks' partial sums add in another order)."""
+    ranks' partial sums add in another order). The ranks are forked from one process that imported megatron once
+    (tests/forked_ranks.py): the layer's math is under test, not the launch."""
     import json
 
-    from tests.helpers import run_torchrun
+    from tests.helpers import run_forked_ranks
 
     script = tmp_path / "gdn_tp2.py"
     script.write_text(TP2_SCRIPT)
-    proc = run_torchrun(script, 2, timeout=600)
+    proc = run_forked_ranks(script, 2, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     gaps = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("GAPS "))[5:])
     assert set(gaps) == {"qwen3_5_text", "qwen3_next"} and max(gaps.values()) <= 1e-5, gaps

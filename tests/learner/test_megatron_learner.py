@@ -10,7 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megarl.algo.config import LossConfig
 from megarl.protocols import TrainBatch
-from tests.helpers import LEARNER_TOL, save_tiny_dense, save_tiny_qwen2, save_tiny_qwen3
+from tests.helpers import LEARNER_TOL, forked_ranks, save_tiny_dense, save_tiny_qwen2, save_tiny_qwen3
 
 VOCAB, B, S, PROMPT = 64, 64, 16, 4
 
@@ -83,10 +83,10 @@ FAMILY_LAYOUTS = ("tp2", "pp2")
 
 
 class FamilyRuns:
-    """One real 2-process torchrun (layout_worker.py) over every family's TP2 and PP2 layouts and
+    """One 2-rank launch (layout_worker.py) over every family's TP2 and PP2 layouts and
     test_every_layout_matches_tp1's layouts of the tiny Qwen2 (as `every_{layout}`, on every_batch()), started when
-    the first of those tests asks for it (the others' torchrun start-ups and megatron imports are saved); its
-    results read once."""
+    the first of those tests asks for it (one start-up and one set of megatron imports for them all); its results
+    read once."""
 
     def __init__(self, root: Path, qwen2_dir: str):
         from transformers import AutoModelForCausalLM
@@ -105,7 +105,8 @@ class FamilyRuns:
             layouts.update({f"{kind}_{layout}": {**LAYOUTS[layout], "model_dir": model_dir,
                                                  "batch": str(root / f"{kind}.batch.pt")} for layout in FAMILY_LAYOUTS})
         self.layouts = layouts
-        self.proc = _launch_layouts(self.models["qwen3"], self.batches["qwen3"], root, layouts, nproc=2)
+        self.proc = _launch_layouts(self.models["qwen3"], self.batches["qwen3"], root, layouts, nproc=2,
+                                    timeout_s=890)
         self._results = None
 
     def results(self, kind: str) -> dict[str, list[dict]]:
@@ -396,25 +397,24 @@ def _close(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-5) -> bool:
     return got.shape == ref.shape and float((got - ref).abs().max()) <= rel * max(1.0, float(ref.abs().max()))
 
 
-def _launch_layouts(model_dir, batch, tmp_path, layouts: dict, nproc: int):
-    """Start layout_worker.py under a real `nproc`-rank torchrun (gloo) over `layouts`."""
+def _launch_layouts(model_dir, batch, tmp_path, layouts: dict, nproc: int, timeout_s: float):
+    """Start layout_worker.py's `nproc` gloo ranks over `layouts`, forked from one process that imported megatron
+    once (tests/forked_ranks.py: what is checked is the layouts' math, not the launch); a rank still running after
+    `timeout_s` is killed."""
     import json
     import os
     import subprocess
-    import sys
-    from pathlib import Path
 
     torch.save(batch, tmp_path / "batch.pt")
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    worker = Path(__file__).with_name("layout_worker.py")
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         str(worker), model_dir, str(tmp_path / "batch.pt"), str(tmp_path), json.dumps(layouts)],
+        forked_ranks(nproc, Path(__file__).with_name("layout_worker.py"), model_dir, str(tmp_path / "batch.pt"),
+                     str(tmp_path), json.dumps(layouts), timeout_s=timeout_s),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _layout_results(proc, tmp_path, layouts: dict, nproc: int, timeout: float) -> dict[str, list[dict]]:
-    """Each layout's per-rank results (layout_worker.py), once the torchrun ended cleanly."""
+    """Each layout's per-rank results (layout_worker.py), once the launch ended cleanly."""
     _, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err[-4000:]
     return {layout: [torch.load(tmp_path / f"{layout}.rank{r}.pt") for r in range(nproc)] for layout in layouts}
@@ -437,7 +437,7 @@ def every_batch(model_dir: str):
 
 @pytest.mark.timeout(1200)  # it may be the first to wait for FamilyRuns' launch (every family's layouts too)
 def test_every_layout_matches_tp1(model_dir, world, family_runs):
-    """Real 2-process torchruns (gloo): TP2, DP2, PP2 (fixed rows and token-budget micro-batches) and the
+    """Two gloo ranks: TP2, DP2, PP2 (fixed rows and token-budget micro-batches) and the
     distributed optimizer give the TP1 per-token log-probs, loss and grad norm, and one optimizer step
     gives the same full weights, all to 1e-5 relative.  Every layout's publish_shards are its TP slices. The critic
     (advantage.estimator=gae) gives the TP1 critic's metrics and the policy loss over DP2 and PP2. LoRA over TP2
@@ -572,13 +572,13 @@ def llama_dir(tmp_path_factory):
 
 
 def test_tp2_pp2_publish_shards(model_dir, llama_dir, tmp_path):
-    """A real 4-process torchrun (gloo), TP2 x PP2 on the untied Llama, after one step: on each stage each
+    """Four gloo ranks, TP2 x PP2 on the untied Llama, after one step: on each stage each
     TP rank's publish_shards() are exactly its tp_shard slices of publish_tensors() and unshard to them,
     and lm_head (last stage) is split by vocab rows.  (Qwen2's q/k/v biases: the TP2 layouts above.)"""
     layouts = {"tp2pp2": {"tp": 2, "pp": 2, "micro_batch_size": 16}}
     batch = _batch(_hf(model_dir), seed=6)  # token ids and log-probs: valid data for the Llama too
-    ranks = _layout_results(_launch_layouts(llama_dir, batch, tmp_path, layouts, nproc=4), tmp_path, layouts,
-                            nproc=4, timeout=240)["tp2pp2"]
+    ranks = _layout_results(_launch_layouts(llama_dir, batch, tmp_path, layouts, nproc=4, timeout_s=230), tmp_path,
+                            layouts, nproc=4, timeout=240)["tp2pp2"]
     assert all(r["metrics"]["skipped_nonfinite"] == 0.0 for r in ranks)
     _check_stage_shards(ranks, tp=2)
     assert {n for r in _sources(ranks) for n in r["published"]} == set(load_file(f"{llama_dir}/model.safetensors"))

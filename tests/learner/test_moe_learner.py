@@ -402,9 +402,8 @@ MOE_LAYOUTS = {
 
 
 class MoeLayoutRuns:
-    """One real 2-process torchrun (layout_worker.py) over every model's layouts, each on its perturbed routers with
-    its own batch (one torchrun start-up and one set of megatron imports for all the layout tests); its results read
-    once."""
+    """One 2-rank launch (layout_worker.py) over every model's layouts, each on its perturbed routers with its own
+    batch (one start-up and one set of megatron imports for all the layout tests); its results read once."""
 
     def __init__(self, root, moe_dirs):
         from tests.learner.test_megatron_learner import _launch_layouts
@@ -420,7 +419,8 @@ class MoeLayoutRuns:
             layouts.update({f"{kind}_{name}": {**layout, "model_dir": perturbed, "batch": str(root / f"{kind}.batch.pt")}
                             for name, layout in own.items()})
         self.layouts = layouts
-        self.proc = _launch_layouts(self.inputs["mixtral"][0], self.inputs["mixtral"][3], root, layouts, nproc=2)
+        self.proc = _launch_layouts(self.inputs["mixtral"][0], self.inputs["mixtral"][3], root, layouts, nproc=2,
+                                    timeout_s=990)
         self._results = None
 
     def results(self, kind: str) -> dict[str, list[dict]]:
@@ -443,7 +443,7 @@ def moe_layout_runs(tmp_path_factory, moe_dirs, world):
 
 @pytest.mark.timeout(1200)  # the first layout test waits for every test's layouts (MoeLayoutRuns.results)
 def test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank(moe_layout_runs):
-    """GLM-4.5 in a real 2-process torchrun (gloo), r3 on perturbed routers: DP2 x EP2 (4 of the 8 experts per rank),
+    """GLM-4.5 on two gloo ranks, r3 on perturbed routers: DP2 x EP2 (4 of the 8 experts per rank),
     TP2 (sequence parallelism; the shared expert and q/k/v biases split over TP, the expert bias whole on each rank)
     and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement, and after one step the
     same whole published weights (the expert bias included)."""
@@ -494,7 +494,7 @@ def _matches_one_rank(runs: "MoeLayoutRuns", kind: str, **learner) -> None:
 
 @pytest.mark.timeout(1200)  # (see the GLM-4.5 test above)
 def test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_layout_runs):
-    """gpt-oss in a real 2-process torchrun (gloo), r3 on perturbed routers: PP2 (the sliding layer on the first
+    """gpt-oss on two gloo ranks, r3 on perturbed routers: PP2 (the sliding layer on the first
     stage, the full one on the second: each picks its own mask by its global index), DP2 x EP2 (2 of the 4 biased
     experts per rank), TP2 (sequence parallelism; the sinks and q/k/v biases split by heads, o_proj's and the
     router's bias whole) and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement,
@@ -504,7 +504,7 @@ def test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(m
 
 @pytest.mark.timeout(1200)  # (see the GLM-4.5 test above)
 def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_layout_runs):
-    """A real 2-process torchrun (gloo): PP2 (each stage replays only its own MoE layer), DP2 x EP2 (each rank
+    """Two gloo ranks: PP2 (each stage replays only its own MoE layer), DP2 x EP2 (each rank
     holds 2 of the 4 experts; the alltoall sends each token to its replayed experts), TP2 (sequence parallelism:
     each TP rank's routers get its half of the positions, micro-batch widths padded to even) and TP2 x EP2 (the
     experts split over the two TP ranks) give the one-rank r3 learner's log-probs, loss, grad norm and router
