@@ -241,7 +241,9 @@ class SamplerSet:
 
 
 class EpochFollower:
-    """A sampler incarnation's side: the group it receives over, moved to each new epoch that names it.
+    """A sampler incarnation's side of one publish part (each learner pipeline stage's and publish sender's part has
+    a follower of its own, reading the same records): the group it receives over, moved to each new epoch that
+    names it.
 
     Incarnation 0 starts in epoch 0 over the run's first publish group; a replacement starts outside any epoch
     and waits for one that names it. `make_group(epoch, group_rank, size)` builds an epoch's group (blocks until

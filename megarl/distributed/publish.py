@@ -549,7 +549,8 @@ class WeightReceiver:
         by bucket (never the engine's staging storage, which the engine may run from). Its checksums."""
         if self.wire is not None:
             return self._receive_wire(version, header, lambda i, wire: None)
-        sink = torch.empty(max(b.numel * b.dtype.itemsize for b in self.buckets), dtype=torch.uint8,
+        # (a sender's share of a small model may hold no bucket: then there is nothing to take)
+        sink = torch.empty(max((b.numel * b.dtype.itemsize for b in self.buckets), default=0), dtype=torch.uint8,
                            device=self._device)
         got = []
         for i, bucket in enumerate(self.buckets):
@@ -691,13 +692,15 @@ class StagedReceiver:
 
     `stages` is [(group, store)] in part order (megarl.distributed.topology.publish_groups and
     publish_stage_store); `extra` comes from part 0, the publisher that owns the run's bookkeeping.
+    `followers` (fault.on_failure=replace): one membership.EpochFollower per part, in part order; every part follows
+    the same epoch records, each over its own group.
     """
 
     def __init__(self, stages: list, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
                  current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float,
                  destination: Callable[[int], dict[str, torch.Tensor]] | None = None,
-                 narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None, follower=None):
+                 narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None, followers: list | None = None):
         self.expected, self.on_version = expected, on_version
         self.parts: dict[int, dict[int, tuple[dict, dict]]] = {}  # version -> stage -> (tensors, extra)
         self.lock = threading.Lock()
@@ -706,7 +709,8 @@ class StagedReceiver:
             WeightReceiver(group, store, expected, device,
                            on_version=lambda v, t, e, stage=stage: self._on_part(stage, v, t, e),
                            current_version=current_version, should_stop=should_stop, timeout_s=timeout_s,
-                           partial=True, destination=destination, narrow=narrow, follower=follower)
+                           partial=True, destination=destination, narrow=narrow,
+                           follower=None if followers is None else followers[stage])
             for stage, (group, store) in enumerate(stages)]
 
     def start(self) -> "StagedReceiver":

@@ -207,52 +207,66 @@ class Intake:
             if "incarnation" in self.members.remove(rank, request, self.retired[rank]):
                 self.heartbeats.forget(rank)
 
-    def refresh_members(self, publisher, make_group: Callable[[int, int], object], version: int) -> bool:
-        """Before a publish under fault.on_failure=replace: drop the dead, admit the replacements that are ready
-        and, when that changed the set, start a membership epoch whose publish group `publisher` then uses (built
-        by `make_group(epoch, size)`; its first publish is whole). False when no sampler is a member: nothing
-        to publish to."""
-        for attempt in range(MEMBERSHIP_ATTEMPTS):
-            for rank, cause in self.members.dead():
-                self.drop_sampler(rank, cause)
-            self.take_removals()
-            for rank, incarnation in self.members.joins():
-                self.members.admit(rank, incarnation)
-                self.heartbeats.watch(rank)
-                self.memberless_since = None
-                self.members.note(self.members.join_line(rank, incarnation, version))
-            if not self.members.changed:
-                return publisher.group is not None
-            # A newcomer (no whole publish reached it yet) re-issues the group indices of its rank the learner has not
-            # retired (none is retired from now on by its predecessor: the intake refuses that one's late groups).
-            # A member a publish reached gets none: it goes on from what it has in flight.
-            positions = {rank: self.position.stream(rank - self.num_learners).to_dict()
-                         for rank in self.members.newcomers()}
-            epoch = self.members.start_epoch(publisher.published + 1, positions)
-            publisher.group, publisher.last_sent = None, []  # the old group is left; the epoch's first publish is whole
-            if not self.members.members:
-                return False
-            try:
-                publisher.group = make_group(epoch, 1 + self.members.alive)
-            except (RuntimeError, TimeoutError) as exc:  # a member died or hung while the group formed
-                self.members.note(f"megarl: publish epoch {epoch} could not form ({exc}); trying again")
-                self._find_gone()
-                self.members.changed = True
-                continue
-            return True
-        raise RuntimeError(f"weight publish: no membership epoch could form in {MEMBERSHIP_ATTEMPTS} attempts "
-                           f"(fault.on_failure=replace); the samplers' errors say why")
+    def plan_epoch(self, publisher, version: int) -> dict:
+        """The lead's half of refresh_members: drop the dead, take in removals, admit the replacements that are
+        ready and, when that changed the set, record the next membership epoch (its first publish is
+        `publisher`'s next index: every publish part's source publishes every time, so their indices agree).
+        What every learner rank then does: {"epoch": the new epoch or None (unchanged), "size": its group's size,
+        "members": whether any sampler is one}."""
+        for rank, cause in self.members.dead():
+            self.drop_sampler(rank, cause)
+        self.take_removals()
+        for rank, incarnation in self.members.joins():
+            self.members.admit(rank, incarnation)
+            self.heartbeats.watch(rank)
+            self.memberless_since = None
+            self.members.note(self.members.join_line(rank, incarnation, version))
+        if not self.members.changed:
+            return {"epoch": None, "size": 1 + self.members.alive, "members": publisher.group is not None}
+        # A newcomer (no whole publish reached it yet) re-issues the group indices of its rank the learner has not
+        # retired (none is retired from now on by its predecessor: the intake refuses that one's late groups).
+        # A member a publish reached gets none: it goes on from what it has in flight.
+        positions = {rank: self.position.stream(rank - self.num_learners).to_dict()
+                     for rank in self.members.newcomers()}
+        epoch = self.members.start_epoch(publisher.published + 1, positions)
+        return {"epoch": epoch, "size": 1 + self.members.alive, "members": bool(self.members.members)}
 
-    def publish_failed(self, exc: Exception) -> list[int]:
-        """A publish under fault.on_failure=replace failed: drop the members that are gone (their keeper's record, or
-        a heartbeat standing still for gone_after_s); the version is not delivered and the next publish goes to a new
-        epoch, whole. The ranks dropped."""
+    def epoch_failed(self, epoch: int, errors: list[str]) -> None:
+        """An epoch's group did not form at some publish source (a member died or hung meanwhile): drop the members
+        that are gone; the next attempt records a later epoch."""
+        self.members.note(f"megarl: publish epoch {epoch} could not form ({'; '.join(errors)}); trying again")
+        self._find_gone()
+        self.members.changed = True
+
+    def publish_failed(self, exc) -> list[int]:
+        """A publish under fault.on_failure=replace failed (`exc`: its error, or the sources' errors joined): drop the
+        members that are gone (their keeper's record, or a heartbeat standing still for gone_after_s); the version is
+        not delivered and the next publish goes to a new epoch, whole. The ranks dropped."""
         gone = self._find_gone()
         self.members.note(f"megarl: weight publish failed ({str(exc)[:300]}); "
                           + (f"the next one goes without {', '.join(self.members.name(r) for r in gone)}" if gone else
                              "no sampler is gone: this version goes again to the same samplers over a new epoch"))
         self.members.changed = True
         return gone
+
+    def after_publish(self, errors: list[str], again_at_once: bool) -> str:
+        """The lead's decision after a publish under fault.on_failure=replace, `errors` being the publish sources'
+        (none: delivered): "delivered", "again" (this version, now, over a new epoch), "next step" (the next
+        step's publish goes over a new epoch), or the message the run stops with (publish_to_members says when)."""
+        if not errors:
+            self.failed_publishes = 0
+            self.members.delivered()
+            return "delivered"
+        error = "; ".join(errors)
+        gone = self.publish_failed(error)
+        self.failed_publishes = 0 if gone else self.failed_publishes + 1
+        if self.failed_publishes >= MEMBERSHIP_ATTEMPTS:
+            return (f"weight publish failed {MEMBERSHIP_ATTEMPTS} times in a row over new membership epochs "
+                    f"(fault.on_failure=replace) with no sampler gone: {error}")
+        self.announce_retired()
+        if not gone or again_at_once or len(self.members.newcomers()) == self.members.alive:
+            return "again"  # every round drops a member or counts a failure
+        return "next step"
 
     def _find_gone(self) -> list[int]:
         """Drop the members a keeper recorded dead or whose heartbeat stood still for gone_after_s, watched for up to
@@ -337,37 +351,68 @@ def publish_weights(learner, publisher, extra: dict, heartbeats: HeartbeatMonito
     return {"bytes": 0, "seconds": 0.0}
 
 
-def publish_to_members(learner, publisher, intake: Intake, make_group, heartbeats: HeartbeatMonitor,
+def refresh_members(intake: Intake | None, publisher, make_group: Callable[[int, int], object], version: int) -> bool:
+    """Before a publish under fault.on_failure=replace, on every learner rank: the lead (`intake`; None elsewhere)
+    drops the dead, admits the replacements that are ready and, when that changed the set, records a membership
+    epoch; every publish source (`publisher`; None on the other ranks) then builds its part's group of that epoch
+    (`make_group(epoch, size)`; its first publish is whole). Only the lead forms epochs: the other sources (a
+    pipelined learner's later stages, publish.senders > 1) learn each one from it over the learner group, and an
+    epoch stands only where every source's group formed. False when no sampler is a member: nothing to publish to."""
+    for _ in range(MEMBERSHIP_ATTEMPTS):
+        plan = from_lead(intake.plan_epoch(publisher, version) if intake is not None else None)
+        if plan["epoch"] is None:
+            return plan["members"]
+        error = None
+        if publisher is not None:
+            publisher.group, publisher.last_sent = None, []  # the old group is left; the epoch's first publish is whole
+            if plan["members"]:
+                try:
+                    publisher.group = make_group(plan["epoch"], plan["size"])
+                except (RuntimeError, TimeoutError) as exc:  # a member died or hung while the group formed
+                    error = str(exc)
+        if not plan["members"]:
+            return False
+        errors = [e for e in from_every_rank(error) if e is not None]
+        if not errors:
+            return True
+        if intake is not None:
+            intake.epoch_failed(plan["epoch"], errors)
+    raise RuntimeError(f"weight publish: no membership epoch could form in {MEMBERSHIP_ATTEMPTS} attempts "
+                       f"(fault.on_failure=replace); the samplers' errors say why")
+
+
+def publish_to_members(learner, publisher, intake: Intake | None, make_group, heartbeats: HeartbeatMonitor | None,
                        num_learners: int, again_at_once: bool = False) -> dict:
-    """fault.on_failure=replace: publish to the live samplers of the current membership epoch (a new one when
-    the set changed). A failed publish drops the members that are gone and posts every sampler's retired count (the
-    survivors' staleness budget must not wait on the next publish); the next publish goes over a new epoch, whole.
-    That publish is this version, sent now, when no sampler is gone (a member too slow for publish.timeout_s:
-    every sampler is there to take it now; left to the next step's publish, the samplers that missed it generate
-    on the older version only while their staleness budget lasts, and the run could stall until queue.timeout_s),
-    with `again_at_once` (SGLang, whose servers stay paused when their receive failed), or when no member is left
+    """fault.on_failure=replace, on every learner rank (`intake`: the lead's, None elsewhere; `publisher`: a publish
+    source's, None elsewhere): publish to the live samplers of the current membership epoch (a new one when the set
+    changed: refresh_members). A publish failed when any source's did; the lead then drops the members that are gone
+    and posts every sampler's retired count (the survivors' staleness budget must not wait on the next publish); the
+    next publish goes over a new epoch, whole. That publish is this version, sent now, when no sampler is gone (a
+    member too slow for publish.timeout_s: every sampler is there to take it now; left to the next step's publish,
+    the samplers that missed it generate on the older version only while their staleness budget lasts, and the run
+    could stall until queue.timeout_s), with `again_at_once` (SGLang, whose servers stay paused when their receive
+    failed; several publish parts, of which a survivor may hold some and not the others), or when no member is left
     that a publish reached (newcomers send nothing before a version reaches them); otherwise it is the next step's.
-    The members that got this version already take it again, as the broadcast requires, and discard it
+    The members that got this version (or part) already take it again, as the broadcast requires, and discard it
     (publish.WeightReceiver._receive_again; an SGLang server loads it again under the same label).
     MEMBERSHIP_ATTEMPTS failed publishes in a row with no sampler gone stop the run, naming the last one."""
     while True:
-        if not intake.refresh_members(publisher, make_group, learner.version):
+        if not refresh_members(intake, publisher, make_group, learner.version):
             return publish_weights(learner, None, {}, None, num_learners)  # no sampler to publish to
+        error, published = None, {"bytes": 0, "seconds": 0.0}
         try:
-            published = publish_weights(learner, publisher, intake.header(), heartbeats, num_learners)
+            published = publish_weights(learner, publisher, intake.header() if intake is not None else {}, heartbeats,
+                                        num_learners)
         except TimeoutError as exc:
-            gone = intake.publish_failed(exc)
-            intake.failed_publishes = 0 if gone else intake.failed_publishes + 1
-            if intake.failed_publishes >= MEMBERSHIP_ATTEMPTS:
-                raise TimeoutError(f"weight publish failed {MEMBERSHIP_ATTEMPTS} times in a row over new membership "
-                                   f"epochs (fault.on_failure=replace) with no sampler gone: {exc}") from exc
-            intake.announce_retired()
-            if not gone or again_at_once or len(intake.members.newcomers()) == intake.members.alive:
-                continue  # every round drops a member or counts a failure
+            error = exc
+        errors = [e for e in from_every_rank(None if error is None else str(error)) if e is not None]
+        then = from_lead(intake.after_publish(errors, again_at_once) if intake is not None else None)
+        if then == "delivered":
+            return published
+        if then == "next step":
             return {"bytes": 0, "seconds": 0.0}
-        intake.failed_publishes = 0
-        intake.members.delivered()
-        return published
+        if then != "again":
+            raise TimeoutError(then) from error
 
 
 def save_checkpoint(learner, cfg: Config, step: int, model_dir: Path, intake: Intake | None,
@@ -380,16 +425,38 @@ def save_checkpoint(learner, cfg: Config, step: int, model_dir: Path, intake: In
         note(f"megarl: checkpoint {path} ({time.perf_counter() - start:.1f}s)")
 
 
+def _lone() -> bool:
+    """No other learner rank to share with (a lone learner, or the membership tests, which start no group)."""
+    return not dist.is_initialized() or dist.get_world_size() == 1
+
+
+def from_lead(value):
+    """Learner rank 0's `value`, on every learner rank (the others pass None)."""
+    if _lone():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)  # bounded by the learner group's dist.timeout_s
+    return box[0]
+
+
+def from_every_rank(value) -> list:
+    """Every learner rank's `value`, in rank order, on every learner rank."""
+    if _lone():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)  # bounded by the learner group's dist.timeout_s
+    return values
+
+
 def share_batch(batch: TrainBatch | None) -> TrainBatch:
     """Learner rank 0 hands the batch to every learner rank (each DP rank trains on its share).
 
     Only the tensors travel: the samples' provenance is for rank 0's logs, and rank 0 keeps its own. In
     place of a batch the lead may send StopRequested: every learner rank then stops at this step."""
-    if dist.get_world_size() == 1:
+    if _lone():
         return batch
-    box = [replace(batch, samples=[]) if isinstance(batch, TrainBatch) else batch]
-    dist.broadcast_object_list(box, src=0)  # bounded by the learner group's dist.timeout_s
-    return batch if batch is not None else box[0]
+    shared = from_lead(replace(batch, samples=[]) if isinstance(batch, TrainBatch) else batch)
+    return batch if batch is not None else shared
 
 
 def train_on(learner, batch: TrainBatch, cfg: Config, step: int, nonfinite: NonfiniteSteps) -> dict:
@@ -546,20 +613,25 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     # Every publish source can name a sampler that stopped receiving (the lead's intake watches anyway).
     heartbeats = intake.heartbeats if lead else sampler_heartbeats(cfg, store, topo) if publisher else None
     note = outputs.console.note if lead else print  # messages never glued onto the progress line
-    members = intake.members if lead else None  # fault.on_failure=replace: the lead alone publishes (validated)
-    if members is not None:
-        members.note = note
+    replacing = cfg.fault.on_failure == "replace"  # samplers are replaced: publishes go over membership epochs
+    if lead and replacing:
+        intake.members.note = note
         # How `megarl samplers remove` reaches this run (megarl.distributed.run_contact); removed at exit.
         write_contact(cfg.run.dir, {
             "store": [os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))],
             "prefix": f"{STORE_PREFIX}attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
             "secret": run_secret().decode(), "sampler_ranks": list(topo.engine_leads),
             "world_size": topo.world_size, "num_learners": topo.num_learners})
-    # A membership epoch's group, the source as rank 0; members may first sit out a failed publish's receive.
+    # A membership epoch's group of this source's publish part, the source as rank 0; members may first sit out a
+    # failed publish's receive.
     make_group = lambda epoch, size: epoch_publish_group(store, epoch, 0, size, cfg.dist.backend,  # noqa: E731
-                                                         2 * cfg.publish.timeout_s)
+                                                         2 * cfg.publish.timeout_s, *next(iter(groups)))
     if sglang:  # the servers' weight-update group, re-formed per epoch (megarl.distributed.sglang_publish)
         make_group = lambda epoch, size: publisher.join_epoch(epoch, size)  # noqa: E731
+    # A failed publish goes again at once where the samplers left could not go on without it: SGLang servers whose
+    # receive failed stay paused, and with several publish parts a survivor may hold some of the version's parts and
+    # not the others (its engine applies a version once every part arrived).
+    again_at_once = sglang or topo.num_stages * topo.publish_senders > 1
     try:
         if resumed:  # the samplers generate nothing before they run the resumed weights
             if heartbeats is not None:  # restarted samplers may still be starting their engines
@@ -583,10 +655,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 if not isinstance(batch, JoinersWaiting):
                     break
                 # Every sampler is gone and replacements wait to be admitted: they get the current version now.
-                if members is None:
-                    publish_weights(source, None, {}, None, topo.num_learners)
-                else:
-                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners, True)
+                publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners, True)
             if isinstance(batch, StopRequested):
                 stopped = batch
                 break
@@ -600,8 +669,9 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             if learner.version != version:  # a skipped (non-finite) step changed nothing to publish
                 # The lead's header also carries the bookkeeping.
                 published = publish_weights(source, publisher, intake.header() if lead else {}, heartbeats,
-                                            topo.num_learners, shards) if members is None else \
-                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners, sglang)
+                                            topo.num_learners, shards) if not replacing else \
+                    publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners,
+                                       again_at_once)
             elif lead:
                 intake.announce_retired()
             wall.append(time.time())
@@ -622,7 +692,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
         if collector is not None:  # the samplers evaluate the last versions before they are told to stop
             collector.finish(learner.version, on_wait=lambda: intake.heartbeats.check(topo.num_learners))
     finally:
-        if members is not None:
+        if lead and replacing:
             remove_contact(cfg.run.dir)
         if lead:
             store.set(STOP_KEY, "learner stopped")

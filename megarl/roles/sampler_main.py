@@ -114,16 +114,18 @@ def builtin_engine(cfg: Config, topo: Topology, model_dir: Path, tp_group):
         tp_group=tp_group, model_impl=cfg.sampler.model_impl)
 
 
-def epoch_follower(cfg: Config, topo: Topology, store, groups: dict | None) -> EpochFollower | None:
-    """fault.on_failure=replace: what moves this incarnation's receiver from membership epoch to epoch (the first
-    incarnation starts over the run's first publish group, a replacement outside any)."""
+def epoch_followers(cfg: Config, topo: Topology, store, groups: dict | None) -> list[EpochFollower] | None:
+    """fault.on_failure=replace: what moves this incarnation's receivers from membership epoch to epoch, one per
+    publish part in part order (each stage's and sender's; the first incarnation starts over the run's first publish
+    groups, a replacement outside any)."""
     if cfg.fault.on_failure != "replace":
         return None
     timeout_s = 2 * cfg.publish.timeout_s  # a member may first sit out a failed publish's receive
-    return EpochFollower(store, topo.rank, incarnation(),
-                         lambda epoch, rank, size: epoch_publish_group(store, epoch, rank, size, cfg.dist.backend,
-                                                                       timeout_s),
-                         group=groups[(0, 0, 0)] if groups else None, rejoin_timeout_s=rejoin_timeout_s(cfg))
+    return [EpochFollower(store, topo.rank, incarnation(),
+                          lambda epoch, rank, size, part=part: epoch_publish_group(store, epoch, rank, size,
+                                                                                   cfg.dist.backend, timeout_s, *part),
+                          group=groups[part] if groups else None, rejoin_timeout_s=rejoin_timeout_s(cfg))
+            for part in topo.publish_parts]
 
 
 def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, should_stop,
@@ -140,14 +142,14 @@ def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, shou
         narrow = functools.partial(tp_shard.shard, tp_size=topo.sampler_tp, tp_rank=topo.engine_tp_rank)
     # The built-in engine (and its TP lead) offers the storage each version will run from: received into
     # directly, a version costs one copy of the weights (SGLang and vLLM take tensors from staging sets).
-    follower = epoch_follower(cfg, topo, store, groups)
-    stages = [(follower.group, store)] if follower is not None else \
-        [(groups[part], publish_stage_store(store, *part)) for part in sorted(groups)]
+    followers = epoch_followers(cfg, topo, store, groups)
+    stages = [(groups[part] if followers is None else followers[i].group, publish_stage_store(store, *part))
+              for i, part in enumerate(topo.publish_parts)]
     return StagedReceiver(stages, expected, engine.device, on_version=on_version,
                           current_version=lambda: engine.version, should_stop=should_stop,
                           timeout_s=cfg.publish.timeout_s,
                           destination=getattr(engine, "staging_buffers", None), narrow=narrow,
-                          follower=follower).start()
+                          followers=followers).start()
 
 
 class SamplerLoop:
@@ -296,7 +298,8 @@ class SamplerLoop:
             self.resume_version = 1 << 62  # nothing before the version of the epoch that admits it (_on_published)
         receiver = self._start_weight_receiver()
         self.follower = getattr(receiver, "follower", None) or \
-            next((r.follower for r in getattr(receiver, "receivers", [])), None)  # SGLang's, or a staged receiver's
+            next((r.follower for r in getattr(receiver, "receivers", [])), None)  # SGLang's, or part 0's (its
+        # epoch records carry the data position; every part's follower reads the same ones)
         sender = QueueSender(self.store, self.cfg.queue.timeout_s, run_secret(), self.topo.rank,
                              first_sequence=self.incarnation << SHIFT)
         heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s, first=self.incarnation << SHIFT)

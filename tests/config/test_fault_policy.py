@@ -21,9 +21,8 @@ def test_the_demo_configs_run_with_replace_by_default(config):
 @pytest.mark.parametrize("overrides, line", [
     (["sampler.tp=2", "learner.tp=2", "eval.sets=[]"], "sampler faults: stop (replace does not support sampler.tp=2)"),
     (["algo.mode=sync", "eval.sets=[]"], "sampler faults: stop (replace does not support algo.mode=sync)"),
-    (["learner.pp=2", "eval.sets=[]"], "sampler faults: stop (replace does not support learner.pp=2)"),
-    (["learner.dp=2", "publish.senders=2", "algo.mode=sync", "eval.sets=[]"],
-     "sampler faults: stop (replace does not support publish.senders=2, algo.mode=sync)"),
+    (["sampler.tp=2", "learner.tp=2", "algo.mode=sync", "eval.sets=[]"],
+     "sampler faults: stop (replace does not support sampler.tp=2, algo.mode=sync)"),
     (["fault.max_sampler_restarts_per_hour=0"],
      "sampler faults: stop (fault.max_sampler_restarts_per_hour=0 allows no replacement)"),
 ])
@@ -44,3 +43,12 @@ def test_an_explicit_policy_stands_and_replace_is_refused_where_it_does_not_reac
                                           r"sampler.tp=1 \(fault.on_failure=auto chooses stop here\)"):
         load_config(DEMO, ["fault.on_failure=replace", "sampler.tp=2", "learner.tp=2", "eval.sets=[]"],
                     check_files=False)
+
+
+@pytest.mark.parametrize("overrides", [["learner.pp=2"], ["learner.dp=2", "publish.senders=2"]])
+def test_auto_is_replace_with_several_publish_sources(overrides):
+    # Each pipeline stage (each sender) publishes its part over its own group per membership epoch, the epochs formed
+    # by learner rank 0 alone (learner_main.refresh_members).
+    cfg = load_config(DEMO, overrides, check_files=False)
+    assert cfg.fault.on_failure == "replace"
+    assert fault_policy.describe(cfg).startswith("sampler faults: replace (a dead or hung sampler is replaced ")

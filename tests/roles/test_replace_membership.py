@@ -14,7 +14,8 @@ from megarl.distributed.membership import EpochFollower, dead_key, epoch_key, jo
 from megarl.distributed.publish import header_key
 from megarl.protocols import TrainBatch
 from megarl.roles import learner_main
-from megarl.roles.learner_main import Intake, JoinersWaiting, RunOutputs, check_trained, publish_to_members
+from megarl.roles.learner_main import Intake, JoinersWaiting, RunOutputs, check_trained, publish_to_members, \
+    refresh_members
 from megarl.sampler.sglang_engine import SGLangWeightFollower
 from megarl.distributed.publish import WeightPublisher
 from tests.distributed.test_membership import Member, _epoch0, _group, _weights
@@ -92,18 +93,18 @@ def test_a_survivor_gets_no_data_position_when_an_epoch_fails_to_form(store, mon
         return f"epoch {epoch}"
 
     publisher = FakePublisher()
-    assert intake.refresh_members(publisher, make_group, version=3)
+    assert refresh_members(intake, publisher, make_group, version=3)
     assert tries == [1, 2] and publisher.group == "epoch 2"
     assert _epoch(store, 1)["positions"] == {} and _epoch(store, 2)["positions"] == {}  # rank 2 survived: none
     # its replacement is a newcomer until a publish reaches it: every epoch until then carries its position
     store.set(join_key(1), "1")
     tries.clear()
-    assert intake.refresh_members(publisher, make_group, version=3)
+    assert refresh_members(intake, publisher, make_group, version=3)
     assert _epoch(store, 3)["positions"] == {"1": {"cursor": 0, "above": []}}
     assert _epoch(store, 4)["positions"] == {"1": {"cursor": 0, "above": []}}
     intake.members.delivered()
     intake.members.changed = True
-    assert intake.refresh_members(publisher, make_group, version=4)
+    assert refresh_members(intake, publisher, make_group, version=4)
     assert _epoch(store, 5)["positions"] == {}
 
 
@@ -227,7 +228,7 @@ def test_while_every_sampler_is_being_replaced_the_learner_waits_past_queue_time
     assert not intake._wait_more()  # bounded
     store.set(join_key(2), "1")
     publisher = FakePublisher()
-    assert intake.refresh_members(publisher, lambda epoch, size: f"epoch {epoch}", version=3)
+    assert refresh_members(intake, publisher, lambda epoch, size: f"epoch {epoch}", version=3)
     assert intake.memberless_since is None and not intake._wait_more()
 
 
