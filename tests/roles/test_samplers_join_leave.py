@@ -173,13 +173,14 @@ def test_an_added_sampler_rank_is_taken_in_joins_the_next_epoch_as_a_newcomer_an
     assert intake.members.members == {1: 0, 2: 0}
 
 
-def test_add_is_refused_for_real_sglang_and_eval_sets_by_name(tmp_path, capsys):
+def test_add_is_refused_for_real_sglang_eval_sets_and_sync_mode_by_name(tmp_path, capsys):
     assert sampler_control.add_refusal({"sampler": {"engine": "builtin"}, "eval": {"sets": []}}) is None
     assert sampler_control.add_refusal({"sampler": {"engine": "vllm"}}) is None  # (tests/sampler/vllm/)
     assert sampler_control.add_refusal({"sampler": {"engine": "sglang", "sglang": {"server": "builtin"}}}) is None
     assert sampler_control.add_refusal({"sampler": {"engine": "sglang", "sglang": {"server": "sglang"}}}).startswith(
         "sampler.sglang.server=sglang: `megarl samplers add` starts built-in engines, vLLM servers and megarl's")
     assert sampler_control.add_refusal({"eval": {"sets": [{"name": "x"}]}}).startswith("eval.sets:")
+    assert sampler_control.add_refusal({"algo": {"mode": "sync"}}).startswith("algo.mode=sync:")
     (tmp_path / "config.yaml").write_text("fault:\n  on_failure: stop\n")
     assert sampler_control.add_sampler(str(tmp_path), []) == 1
     assert "runs with fault.on_failure=stop" in capsys.readouterr().out
