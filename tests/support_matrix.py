@@ -182,9 +182,10 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "R3": Cell("yes", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[mixtral]",
                            f"{_DS_MOE}test_r3_forces_the_recorded_routes_in_every_pass"))}),
     ("Qwen3-MoE (`qwen3_moe`)", "qwen3_moe", {
-        "megatron learner": Cell("TP1 (log-probs against transformers)", (
+        "megatron learner": Cell("TP1; TP2, PP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
             f"{_MOE}test_moe_logprobs_match_transformers[qwen3_moe]",
-            f"{_MOE}test_moe_logprobs_match_transformers[qwen3_moe_norm_topk]")),
+            f"{_MOE}test_moe_logprobs_match_transformers[qwen3_moe_norm_topk]",
+            f"{_MOE}test_qwen3_moe_under_tensor_pipeline_and_expert_parallelism_matches_one_rank")),
         "DeepSpeed learner": Cell("ZeRO 3", (f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state"
                                              "[qwen3_moe-3]",)),
         "built-in engine (in-flight swaps, keep and recompute)": Cell("yes", (
@@ -195,10 +196,11 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "R3": Cell("yes (DeepSpeed)", (f"{_DS_MOE}test_r3_on_qwen3_moe_unnormalised_routing_is_exact",))}),
     ("GLM-4.5 (`glm4_moe`: partial RoPE, q/k/v bias and q/k norm from its config, shared expert, sigmoid router "
      "with expert bias, group-limited top-k and scaling, first dense layers)", "glm4_moe", {
-        "megatron learner": Cell("TP1; TP2, DP2 x EP2, TP2 x EP2 equal to TP1; HF export", (
+        "megatron learner": Cell("TP1; TP2, PP2, DP2 x EP2, TP2 x EP2 equal to TP1; HF export", (
             f"{_MOE}test_moe_logprobs_match_transformers[glm4_moe]",
             f"{_MOE}test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads[glm4_moe]",
             f"{_MOE}test_glm4_moe_under_tensor_and_expert_parallelism_matches_one_rank",
+            f"{_MOE}test_dense_first_layers_under_pipeline_parallelism_match_one_stage[glm4_moe]",
             f"{_CONVERT}test_moe_round_trip_keeps_every_per_expert_tensor[glm4_moe]",
             f"{_MOE}test_moe_publishes_the_per_expert_hf_names[glm4_moe]")),
         "DeepSpeed learner": Cell("ZeRO 2 (publish and export with the router expert bias)", (
@@ -250,7 +252,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_MOE}test_moe_logprobs_match_transformers[deepseek_v3]",
             f"{_PACKED}[megatron-deepseek_v3 groups]",
             f"{_MOE}test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank",
-            f"{_MOE}test_deepseek_v3_under_pipeline_parallelism_matches_one_stage",
+            f"{_MOE}test_dense_first_layers_under_pipeline_parallelism_match_one_stage[deepseek_v3]",
             f"{_MOE}test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads[deepseek_v3]",
             f"{_MOE}test_moe_logprobs_match_transformers[deepseek_v3_q_full]",
             f"{_MOE}test_sdpa_attention_takes_mla_split_head_dims_as_transformers_eager_attention",

@@ -25,6 +25,8 @@ def moe_dirs(tmp_path_factory):
             "qwen3_moe": str(save_tiny_moe(root / "qwen3_moe", "qwen3_moe")),
             "qwen3_moe_norm_topk": str(save_tiny_moe(root / "qwen3_moe_norm", "qwen3_moe", norm_topk_prob=True)),
             "glm4_moe": str(save_tiny_glm4_moe(root / "glm4_moe")),
+            # (two layers, the dense one and an MoE one: one per stage at PP2)
+            "glm4_moe_2l": str(save_tiny_glm4_moe(root / "glm4_moe_2l", num_hidden_layers=2)),
             "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss")),
             "deepseek_v3": str(save_tiny_deepseek_v3(root / "deepseek_v3")),
             "deepseek_v3_q_full": str(save_tiny_deepseek_v3(root / "deepseek_v3_q_full", q_lora_rank=None)),
@@ -380,11 +382,16 @@ def _summed(ranks: list[dict], key: str) -> dict:
 LORA_MOE = {"micro_batch_size": 3, "lr": 1e-3, "lora": {"rank": 4, "alpha": 8.0, "target_modules": list(ATTENTION)}}
 
 
-# The two cross-layout tests' layouts: (source model, layouts); each layout runs on its model's perturbed routers.
+# The cross-layout tests' layouts: (source model, layouts); each layout runs on its model's perturbed routers.
 MOE_LAYOUTS = {
     "glm4_moe": {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
                  "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
                  "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}},
+    "glm4_moe_2l": {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"}},
+    "qwen3_moe": {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                  "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                  "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
+                  "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}},
     "deepseek_v3": {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4},
                     "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4},
                     "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4}},
@@ -462,12 +469,15 @@ def test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank(moe_la
 
 
 @pytest.mark.timeout(1200)  # (see the GLM-4.5 test above)
-def test_deepseek_v3_under_pipeline_parallelism_matches_one_stage(moe_layout_runs):
-    """DeepSeek-V3 at PP2 (its dense first layer on the first stage, its MoE layer on the second: each stage builds
-    its own layers' MLP by their global index in moe_layer_freq; the latent attention on both; the untied lm_head on
-    the last): the one-stage learner's log-probs, loss, grad norm, router agreement and, after one step, both
-    stages' published weights together (lr 1e-4 as above)."""
-    _matches_one_rank(moe_layout_runs, "deepseek_v3_2l", lr=1e-4)
+@pytest.mark.parametrize("kind, learner", [("glm4_moe_2l", {}), ("deepseek_v3_2l", {"lr": 1e-4})],
+                         ids=["glm4_moe", "deepseek_v3"])
+def test_dense_first_layers_under_pipeline_parallelism_match_one_stage(moe_layout_runs, kind, learner):
+    """GLM-4.5 and DeepSeek-V3 at PP2 (the dense first layer on the first stage, the MoE layer with its shared
+    expert and sigmoid router on the second: each stage builds its own layers' MLP by their global index in
+    moe_layer_freq; the attention on both; the untied lm_head on the last): the one-stage learner's log-probs, loss,
+    grad norm, router agreement and, after one step, both stages' published weights together (DeepSeek-V3 at lr 1e-4
+    as above)."""
+    _matches_one_rank(moe_layout_runs, kind, **learner)
 
 
 def _matches_one_rank(runs: "MoeLayoutRuns", kind: str, **learner) -> None:
@@ -500,6 +510,15 @@ def test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(m
     router's bias whole) and TP2 x EP2 give the one-rank learner's log-probs, loss, grad norm and router agreement,
     and after one step the same whole published weights (the fused experts gathered over EP)."""
     _matches_one_rank(moe_layout_runs, "gpt_oss")
+
+
+@pytest.mark.timeout(1200)  # (see the GLM-4.5 test above)
+def test_qwen3_moe_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_layout_runs):
+    """Qwen3-MoE (the unnormalised top-k of the softmax, per-head q/k RMSNorm) on two gloo ranks, r3 on perturbed
+    routers: PP2 (one MoE layer per stage), DP2 x EP2 (2 of the 4 experts per rank), TP2 (sequence parallelism; the
+    q/k norm weights whole on each rank, applied to its heads) and TP2 x EP2 give the one-rank learner's log-probs,
+    loss, grad norm and router agreement, and after one step the same whole published weights."""
+    _matches_one_rank(moe_layout_runs, "qwen3_moe")
 
 
 @pytest.mark.timeout(1200)  # (see the GLM-4.5 test above)
