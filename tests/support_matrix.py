@@ -193,7 +193,8 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             "tests/sampler/test_tensor_parallel.py::test_tp2_forward_equals_tp1_and_is_bit_identical_across_ranks"
             "[qwen3_moe]")),
         "vLLM": Cell("yes", (f"{_VLLM}[qwen3_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": _moe_lora("qwen3_moe"),
-        "R3": Cell("yes (DeepSpeed)", (f"{_DS_MOE}test_r3_on_qwen3_moe_unnormalised_routing_is_exact",))}),
+        "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[qwen3_moe]",
+                                                 f"{_DS_MOE}test_r3_on_qwen3_moe_unnormalised_routing_is_exact"))}),
     ("GLM-4.5 (`glm4_moe`: partial RoPE, q/k/v bias and q/k norm from its config, shared expert, sigmoid router "
      "with expert bias, group-limited top-k and scaling, first dense layers)", "glm4_moe", {
         "megatron learner": Cell("TP1; TP2, PP2, DP2 x EP2, TP2 x EP2 equal to TP1; HF export", (

@@ -152,7 +152,7 @@ def _perturbed_router_dir(src, dst):
     return str(dst)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "glm4_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "deepseek_v3"])
 def test_r3_replays_the_sampler_routes_exactly(moe_dirs, world, tmp_path, kind):
     """Same weights: the learner's own routes agree with the sampler's (agreement 1.0) and the lag-0 log-prob
     gap is fp32 noise, replay or not. A perturbed learner router: without replay the agreement drops and the gap
