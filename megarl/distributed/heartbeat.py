@@ -123,6 +123,11 @@ class HeartbeatMonitor:
                  f"it died or hung" for r in self.ranks if self.last_value[r] == before[r]]
         return "; ".join(quiet) if quiet else f"every sampler's heartbeat kept moving for {min_s:g}s after the failure"
 
+    def _overdue(self, ranks: list[int], now: float) -> list[int]:
+        """Of `ranks`, those whose counter has stood still (or not started) for more than timeout_s at `now`: the
+        one rule behind check() and wait_started()."""
+        return [r for r in ranks if now - self.last_change[r] > self.timeout_s]
+
     def wait_started(self, num_learners: int = 0, poll_s: float = 0.25) -> None:
         """Block until every watched sampler has beaten once (its engine is up and its weight receiver listens):
         a publish before that would wait on a receiver that is still loading, and a vLLM or SGLang server
@@ -134,7 +139,7 @@ class HeartbeatMonitor:
             waiting = [r for r in self.ranks if self.last_value[r] is None]
             if not waiting:
                 return
-            late = [r for r in waiting if now - self.last_change[r] > self.timeout_s]
+            late = self._overdue(waiting, now)
             if late:
                 names = ", ".join(f"sampler rank {r} (sampler {r - num_learners})" for r in late)
                 raise SamplerHungError(
@@ -148,11 +153,11 @@ class HeartbeatMonitor:
             return
         self.next_check = now + self.check_every_s
         self.observe()
-        for rank in self.ranks:
-            value = self.last_value[rank]
-            if now - self.last_change[rank] > self.timeout_s:
-                what = "has not started its loop" if value is None else "stopped beating"
-                raise SamplerHungError(
-                    f"sampler rank {rank} (sampler {rank - num_learners}) {what}: no heartbeat for "
-                    f"{now - self.last_change[rank]:.0f}s (fault.sampler_timeout_s={self.timeout_s:g}); it is alive "
-                    f"(torchrun would have reported its exit) but stuck, e.g. in an engine step or a reward call", rank)
+        overdue = self._overdue(self.ranks, now)
+        if overdue:
+            rank = overdue[0]
+            what = "has not started its loop" if self.last_value[rank] is None else "stopped beating"
+            raise SamplerHungError(
+                f"sampler rank {rank} (sampler {rank - num_learners}) {what}: no heartbeat for "
+                f"{now - self.last_change[rank]:.0f}s (fault.sampler_timeout_s={self.timeout_s:g}); it is alive "
+                f"(torchrun would have reported its exit) but stuck, e.g. in an engine step or a reward call", rank)

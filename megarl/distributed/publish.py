@@ -394,7 +394,6 @@ class WeightReceiver:
         self.timeout = timedelta(seconds=timeout_s)
         self.next_index = 1
         self.held_versions: list[int | None] = [None, None]  # version each staging set last received
-        self.next_set = 0  # the staging set the next new version lands in: the one not holding the newest
         self.newest: int | None = None  # the newest version handed to on_version
         self.error: BaseException | None = None
         self._expected, self._device = expected, device
@@ -530,7 +529,13 @@ class WeightReceiver:
             # Part-written, or not taken: the set holds no version, and the next new version lands in it again.
             self.held_versions[set_index] = None
             raise
-        self.newest, self.next_set = version, 1 - set_index
+        self.newest = version
+
+    @property
+    def next_set(self) -> int:
+        """The staging set the next new version lands in: the one not holding the newest (a set whose receive
+        failed holds nothing, and it is that one, so the next version lands in it again)."""
+        return 0 if self.newest is None else 1 - self.held_versions.index(self.newest)
 
     def _receive_again(self, version: int, header: dict) -> list[list[int]]:
         """A version this receiver already handed over (staged or applied), published again: the learner sends a
