@@ -47,7 +47,7 @@ from megarl.observe.timeline import Timeline
 from megarl.observe.trackers import open_trackers
 from megarl.protocols import RouteShape, Sample, TrainBatch
 from megarl.rollout.batch import assemble_batch, is_stale, is_zero_variance
-from megarl.rollout.position import DataPosition, RetiredIndices
+from megarl.rollout.position import DataPosition
 from megarl.rollout.rewards import RewardErrorWindow
 from megarl.secret import run_secret
 
