@@ -153,6 +153,10 @@ def server_command(python: str | Path, model_dir: str | Path, socket_path: str, 
            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     if enforce_eager:
         cmd.append("--enforce-eager")
+    if json.loads((Path(model_dir) / "config.json").read_text()).get("kv_lora_rank"):
+        # Multi-latent attention: on a CPU with AMX tiles vLLM picks its AMX MLA backend, which packs the weights
+        # for bf16 / int8 only and fails at load on the fp32 model megarl serves; its reference CPU MLA takes fp32.
+        cmd += ["--attention-backend", "CPU_MLA"]
     return cmd + list(extra)
 
 

@@ -41,7 +41,7 @@ def test_bucket_plan_roundtrip():
             assert torch.equal(t, tensors[name])
 
 
-def test_server_env_and_command():
+def test_server_env_and_command(tmp_path):
     from megarl.config.schema import VLLMConfig
 
     env = vllm_engine.server_env({"RANK": "1", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": "1",
@@ -52,11 +52,17 @@ def test_server_env_and_command():
     assert env["PYTHONPATH"].split(":") == [str(vllm_engine.EXT_DIR), str(vllm_engine.PORTABLE_DIR)]
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["OMP_NUM_THREADS"] == "2" and env["HOME"] == "/root"
-    cmd = vllm_engine.server_command("/env/python", "/m", "/run/s/http.sock", 0, max_model_len=64, max_num_seqs=8)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    cmd = vllm_engine.server_command("/env/python", tmp_path, "/run/s/http.sock", 0, max_model_len=64, max_num_seqs=8)
     assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert cmd[cmd.index("--uds") + 1] == "/run/s/http.sock"
     assert "--host" not in cmd and "--port" not in cmd  # no TCP listener: the dev-mode routes take no key
     assert cmd[cmd.index("--worker-extension-cls") + 1] == vllm_engine.WORKER_EXTENSION
+    assert "--attention-backend" not in cmd
+    # multi-latent attention: the reference CPU MLA backend, which takes the fp32 weights (AMX's packs bf16 only)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "kv_lora_rank": 512}))
+    cmd = vllm_engine.server_command("/env/python", tmp_path, "/run/s/http.sock", 0, max_model_len=64, max_num_seqs=8)
+    assert cmd[cmd.index("--attention-backend") + 1] == "CPU_MLA"
 
 
 class _Untouchable:
