@@ -343,8 +343,10 @@ def check_model_dir(model_dir, cfg=None) -> None:
                          cfg.algo.routing_replay, cfg.learner.cp)
             check_route_recording(hf_config, cfg)
             check_vllm_model(hf_config, cfg)
-            if cfg.sampler.engine == "builtin" and cfg.sampler.kv_layout == "paged" and paged_kv_refusal(hf_config):
-                raise ValueError(paged_kv_refusal(hf_config))
+            refusal = paged_kv_refusal(hf_config) if cfg.sampler.engine == "builtin" and cfg.sampler.kv_layout == "paged" \
+                else None
+            if refusal:
+                raise ValueError(refusal)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
         try:  # target modules the model has, ranks its dimensions allow
