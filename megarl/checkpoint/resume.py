@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from datetime import timedelta
 from pathlib import Path
 
 from megarl.checkpoint.storage import CheckpointError, find_latest
+from megarl.distributed.lifetime import wait_for_keys
 from megarl.rollout.position import RetiredIndices
 
 
@@ -149,9 +149,9 @@ def learner_resume_point(cfg, store, lead: bool) -> Path | None:
 def wait_for_announcement(store, cfg, stream: int, timeout_s: float) -> tuple[int | None, RetiredIndices]:
     """Sampler: (the version to wait for before generating, or None; this stream's retired indices)."""
     key = _store_key()
-    try:
-        store.wait([key], timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
+    try:  # polled: a stop signal while the learner starts ends the wait (megarl.distributed.lifetime)
+        wait_for_keys(store, [key], timeout_s, "learner rank 0 to say what the run resumes from")
+    except TimeoutError as exc:
         raise TimeoutError(f"sampler {stream}: learner rank 0 did not say within {timeout_s:.0f}s what the run "
                            f"resumes from (store key {key!r}; run.resume={cfg.run.resume})") from exc
     info = json.loads(store.get(key))

@@ -10,6 +10,12 @@ the conventional status 128 + signal number; samplers keep serving until the lea
 publish in progress needs them), at most `fault.stop_timeout_s`. A rank that receives a signal the
 others did not (a raw `kill` of one worker) also writes it to the store, where the lead sees it.
 
+During start-up a rank waits for the others (process-group rendezvous, the learner's resume announcement).
+A wait inside torch's C++ store client holds the main thread, where no Python signal handler runs, for its
+whole timeout: a stop signal would go unnoticed until torchrun SIGKILLs the rank after its shutdown
+timeout (`fault.stop_timeout_s`). So those waits are `wait_for_keys`: the store polled from Python, the stop signal checked between
+polls; a rank stopped there leaves at once with 128 + the signal's number, saying what it waited for.
+
 Why not a normal exit: gloo runs every async collective (the weight broadcasts, megatron's gradient
 all-reduces) on the process group's own worker threads ("pt_gloo_runloop"), and a worker thread drops
 its reference to a finished work item just *after* the Python thread waiting on it has been released.
@@ -35,20 +41,23 @@ from typing import Callable, NoReturn
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SIGNAL_KEY = "stop_signal"  # store key: the number of a stop signal some rank received
+STARTUP_POLL_S = 0.1  # how often a start-up wait (wait_for_keys) looks at the store and the stop signal
 
 _received: tuple[int, float] | None = None  # (signal number, time.monotonic() it arrived), first only
 _next_store_check = 0.0
 
 
 class StopRequested(Exception):
-    """A stop signal reached the run; `signum` is the signal's number."""
+    """A stop signal reached the run; `signum` is the signal's number, `waiting_for` what this rank was waiting
+    for when it noticed (a start-up wait), if anything."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, waiting_for: str | None = None):
         super().__init__(signum)
-        self.signum = signum
+        self.signum, self.waiting_for = signum, waiting_for
 
     def __str__(self) -> str:
-        return f"stopped by {signal.Signals(self.signum).name}"
+        said = f"stopped by {signal.Signals(self.signum).name}"
+        return said if self.waiting_for is None else f"{said} while waiting for {self.waiting_for}"
 
 
 def exit_status(signum: int) -> int:
@@ -89,6 +98,20 @@ def raise_if_stopped(store=None, store_every_s: float = 1.0) -> None:
             raise StopRequested(int(store.get(SIGNAL_KEY)))
 
 
+def wait_for_keys(store, keys: list[str], timeout_s: float, what: str) -> None:
+    """Block until `store` holds every key in `keys`, as `store.wait` would, but in Python: StopRequested naming
+    `what` as soon as this process receives a stop signal, TimeoutError naming `what` and the missing keys after
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if _received is not None:
+            raise StopRequested(_received[0], what)
+        if time.monotonic() >= deadline:
+            missing = [key for key in keys if not store.check([key])]
+            raise TimeoutError(f"waited {timeout_s:.0f}s for {what}; still missing store key(s) {missing}")
+        time.sleep(STARTUP_POLL_S)
+
+
 def exit_process(code: int) -> NoReturn:
     """Flush stdout/stderr and end the process now with `code`."""
     for stream in (sys.stdout, sys.stderr):
@@ -101,10 +124,14 @@ def exit_process(code: int) -> NoReturn:
 
 def run_then_exit(main: Callable[[], object]) -> NoReturn:
     """Run a rank's `main`, then `exit_process` with the status a normal exit would have had: 0, the
-    SystemExit code (its message printed, as the interpreter would), or 1 after printing the traceback."""
+    SystemExit code (its message printed, as the interpreter would), 128 + n for a stop signal `main` let through
+    (StopRequested: said in one line, no traceback), or 1 after printing the traceback."""
     try:
         main()
         code = 0
+    except StopRequested as exc:
+        print(f"megarl: rank {os.environ.get('RANK', '0')} {exc}", file=sys.stderr)
+        code = exit_status(exc.signum)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0

@@ -25,6 +25,11 @@ Groups:
     built the way SGLang builds it (`init_sglang_update_group`); `sglang_group_layout` gives the ranks.
 The torchrun store also carries small control records: the queue address, publish headers, stop; they
 are signed with the run secret (megarl.distributed.signed_store), the groups' own keys are torch's.
+
+Before torch builds a start-up group (learners, publish, engine TP), every member sets `arrived/<rank>` under the
+group's prefix and waits for all the others' in Python (`wait_for_members`): torch's own rendezvous blocks in C++,
+deaf to stop signals, so a rank whose peers failed or were stopped would otherwise sit out dist.timeout_s there.
+Once all arrived, torch's rendezvous is immediate.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config.load import ConfigError
+from megarl.distributed.lifetime import wait_for_keys
 from megarl.distributed.ranks import Topology
 from megarl.distributed.signed_store import SignedStore
 from megarl.distributed.store_server import tcp_store_server
@@ -73,6 +79,13 @@ def resolve_backend(name: str) -> str:
     return name
 
 
+def wait_for_members(group_store: dist.Store, rank: int, size: int, timeout_s: float, group: str) -> None:
+    """Say that group rank `rank` arrived at the start-up group whose keys `group_store` holds, then wait until all
+    `size` members did (megarl.distributed.lifetime.wait_for_keys: a stop signal ends the wait at once)."""
+    group_store.set(f"arrived/{rank}", "1")
+    wait_for_keys(group_store, [f"arrived/{r}" for r in range(size)], timeout_s, f"every member of {group}")
+
+
 def init_learner_group(topo: Topology, store: SignedStore, backend: str, timeout_s: float) -> None:
     """Make the learner ranks (and only them) the default process group of this learner process."""
     assert topo.role == "learner"
@@ -81,7 +94,10 @@ def init_learner_group(topo: Topology, store: SignedStore, backend: str, timeout
     # nccl group refuses: CUDA tensors go over NCCL, CPU ones over gloo.
     if backend == "nccl":
         backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend=backend, store=dist.PrefixStore("learners/", store.raw),
+    group_store = dist.PrefixStore("learners/", store.raw)
+    wait_for_members(group_store, topo.role_rank, topo.num_learners, timeout_s,
+                     f"the learner group ({topo.num_learners} learner ranks)")
+    dist.init_process_group(backend=backend, store=group_store,
                             rank=topo.role_rank, world_size=topo.num_learners,
                             timeout=timedelta(seconds=timeout_s))
 
@@ -120,6 +136,9 @@ def publish_group(topo: Topology, store: SignedStore, backend: str, timeout_s: f
     if rank is None:
         return None
     sub = dist.PrefixStore("publish/" + _part_prefix(stage, tp_rank, sender), store.raw)
+    wait_for_members(sub, rank, topo.publish_group_size, timeout_s,
+                     f"publish group (stage {stage}, TP rank {tp_rank}, sender {sender}): group rank 0 is its "
+                     f"learner source, 1..{topo.publish_group_size - 1} the engines")
     timeout = timedelta(seconds=timeout_s)
     if resolve_backend(backend) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -150,8 +169,11 @@ def engine_tp_group(topo: Topology, store: SignedStore, backend: str, timeout_s:
     if topo.role != "sampler" or topo.sampler_tp == 1:
         return None
     name = f"megarl_engine{topo.engine_index}_tp"
-    return _registered_group(dist.PrefixStore(f"engine{topo.engine_index}/tp/", store.raw), topo.engine_tp_rank,
-                             topo.sampler_tp, resolve_backend(backend), name, timedelta(seconds=timeout_s))
+    group_store = dist.PrefixStore(f"engine{topo.engine_index}/tp/", store.raw)
+    wait_for_members(group_store, topo.engine_tp_rank, topo.sampler_tp, timeout_s,
+                     f"engine {topo.engine_index}'s TP group (sampler.tp={topo.sampler_tp})")
+    return _registered_group(group_store, topo.engine_tp_rank, topo.sampler_tp, resolve_backend(backend), name,
+                             timedelta(seconds=timeout_s))
 
 
 def _registered_group(store: dist.Store, rank: int, size: int, backend: str, name: str, timeout: timedelta):

@@ -131,9 +131,12 @@ def _watch(child: subprocess.Popen, store, rank: int, incarnation: int) -> tuple
     while True:
         code = child.poll()
         if code is not None:
-            if not forwarded and stop_seen is None and removal_of(store, rank, incarnation):
+            # The stop signal may reach the sampler before this process forwards it (a terminal's Ctrl-C reaches
+            # the whole process group): its exit is the run's stop then, not a failure, at start-up as later.
+            stopped = forwarded or stop_signal() is not None
+            if not stopped and stop_seen is None and removal_of(store, rank, incarnation):
                 return REMOVED, code  # it left on the first epoch that leaves it out (SamplerDropped)
-            if forwarded:
+            if stopped:
                 return None, exit_status(-code) if code < 0 else code
             if killed or code == 0 or stop_seen is not None or store.check([STOP_KEY]):
                 return None, 0  # the run is over; a sampler killed for lingering after it is no failure

@@ -66,6 +66,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from megarl.distributed.lifetime import StopRequested, stop_signal
 from megarl.distributed.publish import header_key
 from megarl.distributed.sglang_publish import GROUP_KEY, SPEC_KEY, epoch_group_key, epoch_layout, load_spec, update_body
 from megarl.models import moe
@@ -341,6 +342,8 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 raise self.error_type(f"{self.kind} server {self.url} (pid {self.proc.pid}) did not answer GET /health "
                                       f"within {self.section}.startup_timeout_s={timeout_s:.0f}s\n{self.log_tail()}")
+            if (signum := stop_signal()) is not None:  # a stop during start-up: no wait (lifetime)
+                raise StopRequested(signum, f"the {self.kind} server {self.url} to answer GET /health")
             time.sleep(HEALTH_POLL_S)
 
     def stop(self, timeout_s: float = 30.0) -> None:

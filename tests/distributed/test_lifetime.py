@@ -10,6 +10,8 @@ BODY = {
     "exits_with_code": "print('done'); sys.exit(3)",
     "exits_with_message": "print('done'); sys.exit('bad config: learner.tp')",
     "raises": "print('done'); raise ValueError('reward function raised')",
+    "stopped": "print('done'); from megarl.distributed.lifetime import StopRequested; "
+               "raise StopRequested(15, 'the learner group')",
 }
 
 
@@ -28,7 +30,7 @@ def run(body: str):
 
 
 @pytest.mark.parametrize("case, code", [("returns", 0), ("exits_with_code", 3), ("exits_with_message", 1),
-                                        ("raises", 1)])
+                                        ("raises", 1), ("stopped", 143)])
 def test_exit_status_is_what_a_normal_exit_would_give(case, code):
     proc = run(BODY[case])
     assert proc.returncode == code, proc.stderr
@@ -39,6 +41,8 @@ def test_the_failure_is_printed():
     assert "bad config: learner.tp" in run(BODY["exits_with_message"]).stderr
     stderr = run(BODY["raises"]).stderr
     assert "Traceback" in stderr and "ValueError: reward function raised" in stderr
+    # a stop signal a start-up wait let through is the run's stop, said in one line
+    assert run(BODY["stopped"]).stderr == "megarl: rank 0 stopped by SIGTERM while waiting for the learner group\n"
 
 
 STOPPABLE = textwrap.dedent("""

@@ -1,8 +1,19 @@
 """Who is in which publish group: whole tensors from each stage's first rank (at learner TP 1 to every TP rank
 of a TP engine, each keeping its slices), or shard to shard from each TP rank of the stage's first DP replica to
 the same TP rank of every sampler engine, or with publish.senders = k from the first rank of each of the stage's
-first k DP replicas."""
+first k DP replicas. Every start-up group first waits, stoppably, for all its members."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch.distributed as dist
+
 from megarl.distributed.ranks import Topology
+from megarl.distributed.topology import wait_for_members
+from tests.helpers import REPO
 
 
 def world(tp: int, dp: int, pp: int, engines: int, sampler_tp: int = 1, senders: int = 1) -> list[Topology]:
@@ -68,3 +79,48 @@ def test_context_parallel_ranks_sit_between_tp_and_dp_and_only_cp_rank_0_publish
     ranks = [rank_topology(cfg, r, 9) for r in range(9)]
     assert ranks[0].num_learners == 8 and ranks[0].learners_per_stage == 8
     assert members(ranks) == {(0, 0, 0): [(0, 0), (1, 8)], (0, 0, 1): [(0, 4), (1, 8)]}
+
+
+# The sampler side of a one-learner, one-engine world whose learner never comes (it failed, or is still starting):
+# a rank of that world waits for the publish group's other member under dist.timeout_s (600 s here).
+WAITS_FOR_ITS_LEARNER = textwrap.dedent("""
+    from datetime import timedelta
+    import torch.distributed as dist
+    from megarl.distributed.lifetime import install_stop_handlers, run_then_exit
+    from megarl.distributed.ranks import Topology
+    from megarl.distributed.signed_store import SignedStore
+    from megarl.distributed.topology import publish_groups
+
+    def main():
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600))
+        sampler = Topology(rank=1, world_size=2, num_learners=1, num_samplers=1, learners_per_stage=1)
+        install_stop_handlers()
+        print("ready", flush=True)
+        publish_groups(sampler, SignedStore(store, b"secret"), "gloo", 600)
+
+    run_then_exit(main)
+""")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_rank_stopped_while_it_waits_for_a_start_up_groups_members_leaves_at_once_saying_so(sig):
+    proc = subprocess.Popen([sys.executable, "-c", WAITS_FOR_ITS_LEARNER], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO), "RANK": "1"})
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(getattr(signal, sig))
+        # Without the stop check the rank sits in torch's rendezvous for its whole 600 s timeout: 120 s is far beyond
+        # what leaving takes on a loaded machine (one poll of the store) and far below that timeout.
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # a rank that did not leave must not outlive the test
+    assert proc.returncode == 128 + getattr(signal, sig), err
+    assert err == (f"megarl: rank 1 stopped by {sig} while waiting for every member of publish group (stage 0, TP "
+                   f"rank 0, sender 0): group rank 0 is its learner source, 1..1 the engines\n")
+
+
+def test_a_start_up_group_whose_member_never_comes_times_out_naming_the_group_and_the_missing_member():
+    store = dist.HashStore()
+    with pytest.raises(TimeoutError, match=r"waited 0s for every member of the learner group \(3 learner ranks\); "
+                                           r"still missing store key\(s\) \['arrived/0', 'arrived/2'\]"):
+        wait_for_members(store, 1, 3, 0.3, "the learner group (3 learner ranks)")

@@ -1,12 +1,15 @@
 """A sampler rank's keeper (fault.on_failure=replace), its children stand-in processes that exit with a given status:
 an incarnation that fails with an error before it sent its first group is not replaced (the run stops, naming
 why), one that fails after it served is."""
+import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
 
+from megarl.distributed import lifetime
 from megarl.distributed.membership import dead_key, served_key
 from megarl.roles import sampler_keeper
 from megarl.roles.learner_main import STOP_KEY
@@ -63,3 +66,21 @@ def test_a_replacement_that_fails_before_its_first_group_stops_the_run_though_it
         sampler_keeper.keep_sampler([], CFG, TOPO, store)
     assert started == [0, 1]
     assert "exited with code 1 before it sent its first group: not replaced" in str(stopped.value.code)
+
+
+def test_a_sampler_stopped_at_start_up_by_a_signal_the_keeper_also_received_ends_the_rank_with_its_status(
+        store, monkeypatch):
+    # The sampler left as a stopped rank does (128 + SIGTERM) before it sent a group: the run's stop, no failure.
+    started = _children(monkeypatch, store, [128 + signal.SIGTERM], served=[False])
+    stand_in = sampler_keeper.subprocess.Popen
+
+    def stopped_first(*args, **kwargs):  # the signal reached the sampler first: it is gone before the keeper looks
+        child = stand_in(*args, **kwargs)
+        child.wait()
+        monkeypatch.setattr(lifetime, "_received", (signal.SIGTERM, time.monotonic()))
+        return child
+
+    monkeypatch.setattr(sampler_keeper.subprocess, "Popen", stopped_first)
+    with pytest.raises(SystemExit) as stopped:
+        sampler_keeper.keep_sampler([], CFG, TOPO, store)
+    assert started == [0] and stopped.value.code == 128 + signal.SIGTERM

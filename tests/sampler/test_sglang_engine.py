@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -20,6 +21,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megarl.config.load import load_config
+from megarl.distributed import lifetime
+from megarl.distributed.lifetime import StopRequested
 from megarl.distributed.sglang_publish import free_port
 from megarl.distributed.ranks import Topology
 from megarl.protocols import Engine, GenerationRequest, SamplingParams
@@ -405,6 +408,18 @@ def test_a_server_that_never_answers_health_times_out_with_its_log_tail(tmp_path
     finally:
         server.stop()
     assert server.proc.poll() is not None
+
+
+def test_a_stop_signal_while_a_server_starts_ends_the_wait_at_once_naming_the_server(tmp_path, monkeypatch):
+    server = ServerProcess([sys.executable, "-c", "import time; time.sleep(60)"], ENV, tmp_path / "starting.log",
+                           "http://127.0.0.1:9")
+    monkeypatch.setattr(lifetime, "_received", (signal.SIGTERM, time.monotonic()))  # as install_stop_handlers records
+    try:  # the server never answers: waited out, the start-up timeout would raise SGLangError instead
+        with pytest.raises(StopRequested, match=r"^stopped by SIGTERM while waiting for the SGLang server "
+                                                r"http://127.0.0.1:9 to answer GET /health$"):
+            server.wait_healthy(HTTPClient("127.0.0.1", 9, 1), timeout_s=60)
+    finally:
+        server.stop()
 
 
 def test_a_server_hanging_in_an_update_fails_within_the_request_timeout(model_dir, tmp_path):
