@@ -22,7 +22,8 @@ BEGIN = "<!-- support matrix: written by `python -m tests.support_matrix` from t
 END = "<!-- end of support matrix -->"
 
 COLUMNS = ("megatron learner", "DeepSpeed learner", "built-in engine (in-flight swaps, keep and recompute)", "vLLM",
-           "SGLang (megarl's stand-in)", "LoRA", "R3")
+           "SGLang (names: its loaders; serving: megarl's stand-in)", "LoRA", "R3")
+_SGL = COLUMNS[4]
 # Cell texts that claim nothing, so name no test: "—" (does not apply) and "not tested".
 UNCLAIMED = ("—", "not tested")
 
@@ -67,6 +68,20 @@ def _moe_lora(kind: str, what: str = "attention projections", learner_cases: tup
                 tuple(f"{learner}[{case}]" for case in (kind,) + learner_cases) + (f"{_LORA_ENGINE}[{kind}]",) + more)
 
 
+_SGLANG_LOADS = ("tests/sampler/sglang_contract/test_family_loads.py::"
+                 "test_each_familys_publish_loads_into_its_own_sglang_model_class")
+_SGLANG_SERVER = "tests/sampler/test_sglang_server.py::"
+
+
+def _sglang(kind: str, text: str = "yes", server: str | None = None) -> Cell:
+    """A family on SGLang: the learner's publish through the family's own SGLang model class's load_weights (both
+    supported releases), and megarl's stand-in server serving it across an in-flight update (`server`: another
+    test of that, else the per-family one)."""
+    serving = server or (f"{_SGLANG_SERVER}test_each_family_serves_a_request_spanning_an_update_with_both_versions"
+                         f"[{kind}]")
+    return Cell(text, (f"{_SGLANG_LOADS}[0.5.21]", f"{_SGLANG_LOADS}[0.5.23]", serving))
+
+
 def _engine(kind: str) -> tuple[str, ...]:
     """The built-in engine's tests of a dense family: behaviour log-probs against transformers, swaps under keep
     and recompute."""
@@ -86,9 +101,8 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
                              "test_generation_and_lag0_logprobs_match_transformers",
                              "tests/sampler/vllm/test_vllm_engine.py::"
                              "test_update_mid_rollout_versions_and_kv_policy_exact[keep]")),
-        "SGLang (megarl's stand-in)": Cell("yes", (
-            "tests/sampler/test_sglang_server.py::"
-            "test_request_spanning_an_update_finishes_with_both_versions_and_new_weights_logprobs",)),
+        _SGL: _sglang("qwen2", server=(
+            f"{_SGLANG_SERVER}test_request_spanning_an_update_finishes_with_both_versions_and_new_weights_logprobs")),
         "LoRA": Cell("yes", ("tests/learner/test_lora.py::test_adapter_equals_peft_and_the_merged_weights",
                              "tests/sampler/test_lora_engine.py::"
                              "test_adapter_update_mid_rollout_keeps_per_token_versions_exact[keep-contiguous]")),
@@ -102,21 +116,21 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
                                                                      f"{_DS}[llama_yarn_zero2]")),
         "built-in engine (in-flight swaps, keep and recompute)": Cell("yes", _engine("llama") + (
             f"{_MODEL}test_prefill_matches_hf[yarn_rope]", f"{_MODEL}test_prefill_matches_hf[llama3_rope]")),
-        "vLLM": Cell("yes", (f"{_VLLM}[llama]",)), "SGLang (megarl's stand-in)": NT, "LoRA": _lora("llama"), "R3": NA}),
+        "vLLM": Cell("yes", (f"{_VLLM}[llama]",)), _SGL: _sglang("llama"), "LoRA": _lora("llama"), "R3": NA}),
     ("Qwen3 (`qwen3`: per-head q/k RMSNorm, heads wider than hidden / heads)", "qwen3", {
         "megatron learner": Cell("TP1, TP2, PP2", (f"{_FAMILY}[qwen3]",
                                                    f"{_CONVERT}test_megatron_logprobs_match_hf[qwen3]")),
         "DeepSpeed learner": Cell("ZeRO 2", (f"{_DS}[qwen3_zero2]", f"{_DS_EXPORT}[qwen3_zero2]")),
         "built-in engine (in-flight swaps, keep and recompute)": Cell("yes", _engine("qwen3")),
         "vLLM": Cell("yes", (f"{_VLLM}[qwen3]",)),
-        "SGLang (megarl's stand-in)": NT, "LoRA": _lora("qwen3"), "R3": NA}),
+        _SGL: _sglang("qwen3"), "LoRA": _lora("qwen3"), "R3": NA}),
     ("Mistral (`mistral`: `sliding_window`, in the learners' attention mask and the engine's)", "mistral", {
         "megatron learner": Cell("TP1, TP2, PP2, packed rows", (f"{_FAMILY}[mistral]",
                                                                 f"{_PACKED}[megatron-mistral groups]")),
         "DeepSpeed learner": Cell("ZeRO 2, packed rows", (f"{_DS}[mistral_zero2]", f"{_PACKED}[deepspeed-mistral groups]")),
         "built-in engine (in-flight swaps, keep and recompute)": Cell("yes", _engine("mistral")),
         "vLLM": Cell("yes", (f"{_VLLM}[mistral]",)),
-        "SGLang (megarl's stand-in)": NT, "LoRA": _lora("mistral"), "R3": NA}),
+        _SGL: _sglang("mistral"), "LoRA": _lora("mistral"), "R3": NA}),
     ("Phi-3 (`phi3`: fused `qkv_proj` and `gate_up_proj`, split for megatron and fused back on publish and export)",
      "phi3", {
         "megatron learner": Cell("TP1, TP2, PP2 (publishes whole tensors)", (f"{_FAMILY}[phi3]",)),
@@ -124,7 +138,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "built-in engine (in-flight swaps, keep and recompute)": Cell("yes, at sampler.tp=1", _engine("phi3") + (
             f"{_CONVERT}test_phi3s_fused_projections_run_unsplit_and_say_where",)),
         "vLLM": Cell("yes", (f"{_VLLM}[phi3]",)),
-        "SGLang (megarl's stand-in)": NT,
+        _SGL: _sglang("phi3"),
         "LoRA": Cell("yes (one adapter on each fused module, as peft's; DeepSpeed learner too)", _lora("phi3").tests + (
             f"{_CONVERT}test_phi3s_fused_projections_run_unsplit_and_say_where",
             "tests/learner/test_deepspeed_lora.py::test_published_adapter_in_the_engine_is_peft_merged[phi3]")),
@@ -136,7 +150,9 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_MODEL}test_prefill_matches_hf[smollm3]",
             f"{_MODEL}test_batched_decode_with_different_lengths_matches_hf[smollm3]")),
         "vLLM": Cell("yes (vLLM's transformers backend)", (f"{_VLLM}[smollm3]",)),
-        "SGLang (megarl's stand-in)": NT, "LoRA": _lora("smollm3"), "R3": NA}),
+        _SGL: _sglang("smollm3", "yes (0.5.23, by its transformers backend; 0.5.21's refuses transformers 5.25's TP "
+                                 "plan)"),
+        "LoRA": _lora("smollm3"), "R3": NA}),
     ("OLMo 2 (`olmo2`: RMSNorm after attention and the MLP, none before; q/k RMSNorm over the whole projection)",
      "olmo2", {
         "megatron learner": Cell("TP1, TP2, PP2 (publishes whole tensors)", (
@@ -146,7 +162,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
                                              "test_first_step_equals_the_megatron_learner[olmo2_zero2]")),
         "built-in engine (in-flight swaps, keep and recompute)": Cell("yes, at sampler.tp=1", _engine("olmo2") + (
             f"{_MODEL}test_prefill_matches_hf[olmo2]", f"{_MODEL}test_shard_spec_is_one_tp_ranks_share[olmo2]")),
-        "vLLM": Cell("yes", (f"{_VLLM}[olmo2]",)), "SGLang (megarl's stand-in)": NT, "LoRA": _lora("olmo2"), "R3": NA}),
+        "vLLM": Cell("yes", (f"{_VLLM}[olmo2]",)), _SGL: _sglang("olmo2"), "LoRA": _lora("olmo2"), "R3": NA}),
     ("Gemma 3 text (`gemma3_text`: embeddings scaled by sqrt(hidden), (1 + w) RMSNorms before and after attention "
      "and the MLP, per-head q/k RMSNorm, GeGLU, `query_pre_attn_scalar`, local sliding-window and global layers "
      "(`layer_types`) with their own RoPE)", "gemma3_text", {
@@ -162,7 +178,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_MODEL}test_batched_decode_with_different_lengths_matches_hf[gemma3]",
             "tests/sampler/test_tensor_parallel.py::test_tp2_forward_equals_tp1_and_is_bit_identical_across_ranks"
             "[gemma3]")),
-        "vLLM": Cell("yes", (f"{_VLLM}[gemma3_text]",)), "SGLang (megarl's stand-in)": NT, "LoRA": _lora("gemma3"), "R3": NA}),
+        "vLLM": Cell("yes", (f"{_VLLM}[gemma3_text]",)), _SGL: _sglang("gemma3"), "LoRA": _lora("gemma3"), "R3": NA}),
     ("Mixtral (`mixtral`)", "mixtral", {
         "megatron learner": Cell("TP1, TP2, PP2, DP2 x EP2, TP2 x EP2 (docs/moe.md)", (
             f"{_MOE}test_moe_logprobs_match_transformers[mixtral]",
@@ -175,9 +191,9 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_ENGINE_MOE}test_routes_across_an_inflight_update_come_from_the_weights_that_computed_them"
             "[recompute]")),
         "vLLM": Cell("yes", (f"{_VLLM}[mixtral]",)),
-        "SGLang (megarl's stand-in)": Cell("yes (routes)", (
-            "tests/sampler/test_sglang_routes.py::test_routes_through_the_sglang_compatible_server_equal_transformers",
-        )),
+        _SGL: _sglang("mixtral", "yes (routes; untied: SGLang's class ties no lm_head)", server=(
+            "tests/sampler/test_sglang_routes.py::"
+            "test_routes_through_the_sglang_compatible_server_equal_transformers")),
         "LoRA": Cell("yes (TP2)", (f"{_MOE}test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank",)),
         "R3": Cell("yes", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[mixtral]",
                            f"{_DS_MOE}test_r3_forces_the_recorded_routes_in_every_pass"))}),
@@ -192,7 +208,8 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_ENGINE_MOE}test_qwen3_moe_logprobs_and_routes_equal_transformers",
             "tests/sampler/test_tensor_parallel.py::test_tp2_forward_equals_tp1_and_is_bit_identical_across_ranks"
             "[qwen3_moe]")),
-        "vLLM": Cell("yes", (f"{_VLLM}[qwen3_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": _moe_lora("qwen3_moe"),
+        "vLLM": Cell("yes", (f"{_VLLM}[qwen3_moe]",)),
+        _SGL: _sglang("qwen3_moe", "yes (untied: SGLang's class ties no lm_head)"), "LoRA": _moe_lora("qwen3_moe"),
         "R3": Cell("yes (megatron, DeepSpeed)", (f"{_MOE}test_r3_replays_the_sampler_routes_exactly[qwen3_moe]",
                                                  f"{_DS_MOE}test_r3_on_qwen3_moe_unnormalised_routing_is_exact"))}),
     ("GLM-4.5 (`glm4_moe`: partial RoPE, q/k/v bias and q/k norm from its config, shared expert, sigmoid router "
@@ -218,7 +235,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_MOE}test_sigmoid_routed_families_sample_on_the_native_engine_from_the_learners_publish[glm4_moe-keep]",
             f"{_MOE}test_sigmoid_routed_families_sample_on_the_native_engine_from_the_learners_publish"
             "[glm4_moe-recompute]")),
-        "vLLM": Cell("yes", (f"{_VLLM}[glm4_moe]",)), "SGLang (megarl's stand-in)": NT, "LoRA": _moe_lora("glm4_moe"),
+        "vLLM": Cell("yes", (f"{_VLLM}[glm4_moe]",)), _SGL: _sglang("glm4_moe"), "LoRA": _moe_lora("glm4_moe"),
         "R3": Cell("yes (megatron, DeepSpeed; the built-in engine's routes)", (
             f"{_MOE}test_r3_replays_the_sampler_routes_exactly[glm4_moe]",
             f"{_DS_MOE}test_r3_replays_at_the_sigmoid_router[glm4_moe]",
@@ -241,7 +258,8 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             "[gpt_oss-recompute]",
             f"{_ENGINE}test_paged_layout_gives_the_contiguous_layouts_completions[gpt_oss-keep]",
             f"{_MOE}test_gpt_oss_samples_on_the_native_engine_and_its_lag0_gap_to_the_learner_is_fp32_noise")),
-        "vLLM": Cell("yes", (f"{_VLLM}[gpt_oss]",)), "SGLang (megarl's stand-in)": NT, "LoRA": _moe_lora("gpt_oss"),
+        "vLLM": Cell("yes", (f"{_VLLM}[gpt_oss]",)), _SGL: _sglang("gpt_oss", "yes (SGLang holds the sinks in bf16)"),
+        "LoRA": _moe_lora("gpt_oss"),
         "R3": Cell("yes (megatron, DeepSpeed; the built-in engine's routes)", (
             f"{_MOE}test_r3_replays_the_sampler_routes_exactly[gpt_oss]",
             f"{_DS_MOE}test_r3_on_gpt_oss_replays_at_its_router",
@@ -282,7 +300,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
                 f"{_MOE}test_sigmoid_routed_families_sample_on_the_native_engine_from_the_learners_publish"
                 "[deepseek_v3-recompute]")),
         "vLLM": Cell("yes (CPU: a latent of 512 + 64 RoPE dims)", (f"{_VLLM}[deepseek_v3]",)),
-        "SGLang (megarl's stand-in)": NT,
+        _SGL: _sglang("deepseek_v3"),
         "LoRA": _moe_lora("deepseek_v3", "the latent attention's projections, at learner TP1",
                           ("deepseek_v3_q_proj",), (
             f"{_CONVERT}test_deepseek_v3_runs_unsplit_where_its_latent_projections_have_no_per_rank_slices_and_adapts_"

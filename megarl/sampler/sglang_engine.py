@@ -227,6 +227,32 @@ def check_routed_experts(version: str, url: str = "") -> None:
                           f"algo.routing_replay=r3 needs them; use a newer SGLang or algo.routing_replay=off")
 
 
+# config.json fields SGLang's DeepSeek-V3 class (models/deepseek_v2.py) reads, with a released DeepSeek-V3's values:
+# transformers' DeepseekV3Config does not write them, so a directory it saved lacks them.
+SGLANG_DEEPSEEK_V3_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+# Families whose SGLang class holds an lm_head of its own whatever tie_word_embeddings says (nothing loads it from the
+# embeddings): a tied checkpoint's publish, which has no lm_head.weight, leaves it unwritten.
+SGLANG_UNTIED_ONLY = ("mixtral", "qwen3_moe")
+
+
+def check_sglang_serves(hf_config: dict) -> None:
+    """Refuse, naming the config.json field, a model real SGLang (0.5.21-0.5.23) would load wrongly or not at all
+    (tests/sampler/sglang_contract/test_family_loads.py shows each)."""
+    model_type = hf_config.get("model_type")
+    if model_type in SGLANG_UNTIED_ONLY and hf_config.get("tie_word_embeddings"):
+        raise ValueError(f"sampler.sglang.server=sglang: SGLang's {model_type} model never ties its lm_head to the "
+                         f"embeddings, and config.json has tie_word_embeddings: true (no lm_head.weight to load), so "
+                         f"it would sample from an unwritten lm_head; untie the checkpoint (lm_head.weight = the "
+                         f"embedding) or use sampler.engine=builtin")
+    if model_type == "deepseek_v3":
+        wrong = {k: hf_config.get(k) for k, v in SGLANG_DEEPSEEK_V3_FIELDS.items() if hf_config.get(k) != v}
+        if wrong:
+            raise ValueError(f"sampler.sglang.server=sglang: SGLang builds DeepSeek-V3 from config.json's "
+                             f"{sorted(SGLANG_DEEPSEEK_V3_FIELDS)} (a released checkpoint's: "
+                             f"{SGLANG_DEEPSEEK_V3_FIELDS}), and config.json has {wrong}; set them or use "
+                             f"sampler.engine=builtin")
+
+
 def server_env(env: dict) -> dict:
     """The server's environment: the sampler rank's without torchrun's variables (TORCHRUN_VARS)."""
     return {k: v for k, v in env.items() if k not in TORCHRUN_VARS and not k.startswith(TORCHRUN_PREFIXES)}
@@ -491,6 +517,7 @@ class SGLangEngine:
         sc = cfg.sampler.sglang
         env = server_env(os.environ)
         if sc.server == "sglang":
+            check_sglang_serves(json.loads((Path(model_dir) / "config.json").read_text()))
             gpus = sglang_gpu_slice(topo.rank, int(os.environ.get("LOCAL_RANK", topo.rank)),
                                     int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size)), topo.num_learners,
                                     sc.tp, sc.gpus_per_node)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,13 +25,16 @@ def start_learner(model_dir: Path, weights_out: Path, port: int, world_size: int
 
 
 def hf_logprobs(model_dir: Path, weights: dict, ids: list[int], past=None):
-    """(log_softmax of every position's logits [len(ids), V], the KV cache) of HF Qwen2 with `weights`,
-    continuing from the KV cache `past` when given."""
+    """(log_softmax of every position's logits [len(ids), V], the KV cache) of transformers' model of `model_dir`'s
+    family with `weights` (HF checkpoint names: loaded from a directory of them, so that transformers converts what
+    it holds otherwise, as an MoE's per-expert tensors), continuing from the KV cache `past` when given."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.load_state_dict(weights, strict=False)  # tied embeddings: no lm_head.weight in the dict
-    model.tie_weights()
+    from tests.sampler import save_version
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = AutoModelForCausalLM.from_pretrained(save_version(Path(model_dir), weights, Path(tmp) / "version"),
+                                                     dtype=torch.float32).eval()
     with torch.no_grad():
         # The cache positionally: transformers 4.x calls it past_key_values, 5.x `cache`.
         out = model(torch.tensor([ids]), None, None, past, use_cache=True)

@@ -250,6 +250,18 @@ def test_impossible_sglang_settings_are_refused_naming_the_key(tmp_path):
     sglang_config(tmp_path, tmp_path, "sampler.sglang.server=sglang", "sampler.sglang.tp=2")  # fine with SGLang
 
 
+def test_a_model_real_sglang_would_load_wrongly_is_refused_before_its_server_starts(tmp_path):
+    """sampler.sglang.server=sglang: a tied Mixtral or Qwen3-MoE (SGLang's classes leave lm_head unwritten) and a
+    DeepSeek-V3 config.json without the fields SGLang builds it from are refused naming the field (what SGLang does
+    with each: tests/sampler/sglang_contract/test_family_loads.py); the built-in server takes them."""
+    for kind, field in [("mixtral", "tie_word_embeddings"), ("qwen3_moe", "tie_word_embeddings"),
+                        ("deepseek_v3", "moe_layer_freq")]:
+        model = make_tiny_model(tmp_path / kind, kind)
+        with pytest.raises(ValueError, match=f"sampler.sglang.server=sglang: .*{field}"):
+            SGLangEngine.from_config(sglang_config(tmp_path / "run", model, "sampler.sglang.server=sglang"), TOPO,
+                                     model)
+
+
 # ---------------------------------------------------------------------------------------------- against a server
 def test_generates_with_behaviour_logprobs_of_the_served_weights(engine, model_dir):
     assert isinstance(engine, Engine) and engine.version == 0

@@ -71,6 +71,21 @@ def server(model_dir, tmp_path_factory):
     s.process.stop()
 
 
+# The families after Qwen2 the built-in engine serves (Mixtral: tests/sampler/test_sglang_routes.py).
+FAMILIES = ("llama", "qwen3", "mistral", "phi3", "smollm3", "olmo2", "gemma3", "qwen3_moe", "glm4_moe", "gpt_oss",
+            "deepseek_v3")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_server(request, tmp_path_factory):
+    """A server of one family's tiny model (tests/sampler's makers), one at a time."""
+    model = make_tiny_model(tmp_path_factory.mktemp(f"sglang_{request.param}"), request.param,
+                            max_position_embeddings=CONTEXT)
+    s = Server(model, tmp_path_factory.mktemp("logs") / f"{request.param}.log", kv_on_update="keep")
+    yield s
+    s.process.stop()
+
+
 def post(server: Server, route: str, body: dict) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", route, json.dumps(body), server.http.headers)
@@ -186,6 +201,14 @@ def test_request_spanning_an_update_finishes_with_both_versions_and_new_weights_
     """pause in_place: the running request keeps its KV cache and continues under the new weights."""
     final, old, new, _ = publish_in_flight(server, tmp_path, "in_place", "flattened_bucket")
     check_spanning_in_place(server, final, old, new)
+
+
+def test_each_family_serves_a_request_spanning_an_update_with_both_versions(family_server, tmp_path):
+    """As the test above, for every family after Qwen2: the learner's publish of the family's HF-named tensors (an
+    MoE's per-expert ones, gpt-oss's fused experts) lands in flight, and the spanning request's log-probs are
+    transformers' for that family: the old weights' before, the new weights' over the kept KV after."""
+    final, old, new, _ = publish_in_flight(family_server, tmp_path, "in_place", "flattened_bucket")
+    check_spanning_in_place(family_server, final, old, new)
 
 
 def test_a_lora_version_is_a_partial_update_of_merged_weights_landing_in_flight(server, tmp_path):

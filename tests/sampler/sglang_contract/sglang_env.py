@@ -10,6 +10,7 @@ subprocess whose PYTHONPATH is those directories. A failed install raises: the c
 `install_stubs()` (called first in that subprocess) makes the modules in STUBS importable as empty
 stand-ins. Each is imported at module level somewhere on the import path of the code under test but
 never used by it; none can be installed and run on these CPUs, or it would be installed instead.
+`install_stubs(cpu_engine=True)` adds CPU_ENGINE_STUBS, for SGLang's CPU mode (family_loads.py).
 """
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ STUBS = {
     "sentencepiece": "tokenizer backend of some multimodal models' processors (never loaded here)",
     "compressed_tensors": "quantisation configs of compressed-tensors checkpoints (quantization/__init__)",
     "gguf": "GGUF checkpoint reader (quantization/__init__); GGUF kernels are CUDA only",
+}
+# Stubbed as well where SGLang runs in its CPU mode (SGLANG_USE_CPU_ENGINE=1: family_loads.py builds its models).
+CPU_ENGINE_STUBS = {
+    "sgl_kernel": "SGLang's kernel library: PyPI's sgl-kernel wheels are CUDA builds and its CPU build is compiled "
+                  "from source; in CPU mode the KV-cache pool imports it at module level, building a model and "
+                  "loading its weights call none of it",
 }
 
 
@@ -109,8 +116,11 @@ def _module_getattr(name: str):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, stubs: dict[str, str]):
+        self.stubs = stubs
+
     def find_spec(self, fullname, path, target=None):
-        if fullname.split(".")[0] in STUBS:
+        if fullname.split(".")[0] in self.stubs:
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -123,8 +133,9 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def install_stubs() -> None:
+def install_stubs(cpu_engine: bool = False) -> None:
+    """STUBS importable from here on; CPU_ENGINE_STUBS too with `cpu_engine`."""
     # torch decides once whether triton exists: let it see the truth before the triton stub appears.
     import torch._inductor.compile_fx  # noqa: F401
 
-    sys.meta_path.insert(0, _StubFinder())
+    sys.meta_path.insert(0, _StubFinder({**STUBS, **CPU_ENGINE_STUBS} if cpu_engine else STUBS))
