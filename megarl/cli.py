@@ -343,6 +343,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
                          cfg.algo.routing_replay, cfg.learner.cp)
             check_route_recording(hf_config, cfg)
             check_vllm_model(hf_config, cfg)
+            check_sglang_model(hf_config, cfg)
             refusal = paged_kv_refusal(hf_config) if cfg.sampler.engine == "builtin" and cfg.sampler.kv_layout == "paged" \
                 else None
             if refusal:
@@ -423,6 +424,16 @@ def check_vllm_model(hf_config: dict, cfg) -> None:
                              f"(e_score_correction_bias) only under topk_method: noaux_tc, and config.json has "
                              f"topk_method={hf_config.get('topk_method')!r}; set it (released checkpoints do) or use "
                              f"sampler.engine=builtin")
+
+
+def check_sglang_model(hf_config: dict, cfg) -> None:
+    """sampler.engine=sglang on a real SGLang server (sampler.sglang.server=sglang) with a config SGLang would load
+    wrongly or not build: refused before launch, as the sampler would refuse it when it starts its server
+    (megarl.sampler.sglang_engine.check_sglang_serves, imported only then: the CLI stays light)."""
+    if cfg.sampler.engine == "sglang" and cfg.sampler.sglang.server == "sglang":
+        from megarl.sampler.sglang_engine import check_sglang_serves
+
+        check_sglang_serves(hf_config)
 
 
 def check_generic_model(hf_config: dict, cfg) -> None:

@@ -165,6 +165,24 @@ def test_deepseek_v3_on_vllm_is_refused_before_launch_unless_the_cpu_kernel_serv
     check_vllm_model({**served, "kv_lora_rank": 16}, load_config(None, [], check_files=False))
 
 
+def test_a_model_real_sglang_would_load_wrongly_is_refused_before_launch_and_the_stand_in_is_not_concerned(tmp_path):
+    """A tied Qwen3-MoE (SGLang's class never ties its lm_head) on sampler.sglang.server=sglang: named before launch
+    (sampler.sglang_engine.check_sglang_serves, shown on SGLang's own code by its family loads); megarl's stand-in
+    server ties as transformers does and launches."""
+    from tests.sampler import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "model", "qwen3_moe")  # tied, as tests.sampler.TIED says
+    proc = train(f"model.path={path}", "sampler.engine=sglang", "sampler.sglang.server=sglang", "eval.sets=[]")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert "SGLang's qwen3_moe model never ties its lm_head" in proc.stderr and "tie_word_embeddings: true" in proc.stderr
+    from megarl.cli import check_sglang_model
+    from megarl.config.load import load_config
+
+    tied = json.loads((path / "config.json").read_text())
+    for stand_in in (["sampler.engine=sglang"], []):  # megarl's stand-in server, the built-in engine
+        check_sglang_model(tied, load_config(None, stand_in, check_files=False))
+
+
 def test_deepseek_v3_r3_launches_on_the_native_engine_and_the_paged_kv_layout_is_named(tmp_path):
     """DeepSeek-V3 samples on the built-in engine's native forward, which records its routes: algo.routing_replay=r3
     launches; its multi-latent attention cache has no paged layout, named before launch."""
