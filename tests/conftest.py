@@ -69,7 +69,7 @@ def embedded_tool_model_dir(embedded_cache_dir) -> Path:
 @pytest.fixture(scope="session")
 def embedded_toolcall_model_dir(embedded_cache_dir) -> Path:
     """The tool model for OpenAI tool calling (`tiny-qwen2-toolcall`: the python tool in a tools block, the call as
-    a <tool_call> JSON block), built on first request (kept: see embedded_cache_dir; ~9 min of CPU on one core)."""
+    a <tool_call> JSON block), built on first request (kept: see embedded_cache_dir; ~5 min of CPU on one core)."""
     from megarl.embedded.registry import ensure_embedded_model
 
     return ensure_embedded_model("tiny-qwen2-toolcall", cache_dir=embedded_cache_dir)

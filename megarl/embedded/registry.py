@@ -136,7 +136,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedSpec] = {
     # The tool model for agents using OpenAI tool calling (`tools=`, docs/multiturn.md; configs/multiturn_tools.yaml).
     "tiny-qwen2-toolcall": EmbeddedSpec(task=ToolArithmeticTask(), recipe=WarmStartRecipe(clean_steps=500, noisy_steps=150),
                                         max_new_tokens=96, config=(("max_position_embeddings", 512),), chat="tool_calls",
-                                        build_minutes=9.0),  # (the tools block: ~150 tokens in every sequence)
+                                        build_minutes=5.0),  # (the tools block: 47 tokens in every sequence)
     "tiny-qwen2-arith-think": EmbeddedSpec(task=ArithmeticTask(think_mean=10.0),
                                            recipe=WarmStartRecipe(short_steps=400, noisy_steps=120),
                                            max_new_tokens=THINK_MAX_NEW_TOKENS),
@@ -153,20 +153,29 @@ def _spec_hash(spec: EmbeddedSpec) -> str:
     blob = json.dumps({"task": asdict(spec.task), "recipe": asdict(spec.recipe), "config": config,
                        "max_new_tokens": spec.max_new_tokens,
                        "transformers_major": transformers.__version__.split(".")[0],
-                       **({"chat": spec.chat} if spec.chat != "text" else {})}, sort_keys=True, default=str)
+                       **(_chat_fields(spec) if spec.chat != "text" else {})}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
-# The modules whose code makes an EmbeddedSpec's HF config (build_config, build_moe_config).
-_CONFIG_SOURCES = (Path(__file__).with_name("spec.py"), Path(__file__).parent.parent / "models" / "tiny_moe.py")
+def _chat_fields(spec: EmbeddedSpec) -> dict:
+    """A tool-calling model's protocol and the template its warm start rendered tools with (what its prompts hold)."""
+    from megarl.embedded.tiny_chat import CHAT_TEMPLATE
+
+    return {"chat": spec.chat, "template": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()[:10]}
+
+
+# The modules whose code `_spec_hash` reads beyond the spec: the HF config's builders (build_config,
+# build_moe_config) and the chat template (_chat_fields).
+_HASHED_SOURCES = (Path(__file__).with_name("spec.py"), Path(__file__).parent.parent / "models" / "tiny_moe.py",
+                   Path(__file__).with_name("tiny_chat.py"))
 
 
 def _memo_key(spec: EmbeddedSpec) -> str:
     """What `_spec_hash` depends on, without importing transformers: the spec, the installed transformers version
-    and the source of the config builders."""
+    and the source of the modules it reads (_HASHED_SOURCES)."""
     from importlib.metadata import version
 
-    blob = repr(spec) + version("transformers") + "".join(path.read_text() for path in _CONFIG_SOURCES)
+    blob = repr(spec) + version("transformers") + "".join(path.read_text() for path in _HASHED_SOURCES)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

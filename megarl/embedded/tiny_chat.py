@@ -33,11 +33,18 @@ from megarl.rollout.tool_calls import parse_hermes
 from megarl.rollout.tasks import ToolArithmeticTask
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-# ChatML with Qwen's tool calling: `tools` as a system block of JSON lines, an assistant turn's calls as
-# <tool_call> JSON blocks (megarl.rollout.tool_calls' "hermes" family). Without tools or calls it renders plain
-# ChatML, exactly as the text-protocol demo's episodes.
+# ChatML with Qwen's tool calling: `tools` as a system block, an assistant turn's calls as <tool_call> JSON blocks
+# (megarl.rollout.tool_calls' "hermes" family). Without tools or calls it renders plain ChatML, exactly as the
+# text-protocol demo's episodes. The block holds each tool as its signature, `python(code)`: its name and its
+# parameters' names, not the whole JSON schema as Qwen's template writes it. A tiny model warm-started on one
+# declaration would not recognise the same tool declared another way (an MCP server adds a description, titles and
+# `required`: the verifiers environment in tests/rollout/verifiers_envs/megarl_vf_calc), while every declaration of
+# the same function renders the same signature here -- and the block costs ~45 prompt tokens instead of ~150.
 CHAT_TEMPLATE = (
-    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}{% for tool in tools %}{{ '\\n' + (tool | tojson) }}"
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}{% for tool in tools %}"
+    "{% set f = tool.function if tool.function is defined else tool %}"
+    "{% set params = f.parameters.properties if f.parameters is defined and f.parameters.properties is defined "
+    "else {} %}{{ '\\n' + f.name + '(' + (params | list | join(', ')) + ')' }}"
     "{% endfor %}{{ '\\n</tools><|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
     "{% if message.tool_calls is defined and message.tool_calls %}{% for call in message.tool_calls %}"

@@ -148,8 +148,8 @@ def test_a_streaming_agent_trains_through_the_sampler_endpoint(agent_run):
     assert metrics[-1]["sampler1/stream_disconnects"] == 0
 
 
-@pytest.mark.heavy  # tiny-qwen2-toolcall's first build: ~9 min of CPU (pytest.ini)
-@pytest.mark.timeout(3600)  # the build runs in the fixture's setup, which counts: 9 min idle, several times that loaded
+@pytest.mark.heavy  # tiny-qwen2-toolcall's first build: ~5 min of CPU (pytest.ini)
+@pytest.mark.timeout(3600)  # the build runs in the fixture's setup, which counts: 5 min idle, several times that loaded
 def test_a_tools_agent_trains_through_openai_tool_calling(embedded_toolcall_model_dir, tmp_path):
     """configs/multiturn_tools.yaml: the `tools=` agent (docs/examples/agent/tools_agent.py) gets its calls as
     message.tool_calls; every trained token is a sampled one with its version, the tool messages are environment

@@ -8,7 +8,6 @@ import pytest
 
 from megarl.embedded.tiny_chat import IM_END
 from megarl.protocols import Prompt
-from megarl.rollout.environment import PYTHON_TOOL_SCHEMA
 from tests.rollout.test_agent import ScriptedLoop, agent_that, tok  # noqa: F401  (tok: the fixture)
 
 import tools_agent  # noqa: E402  (on sys.path via tests.rollout.test_agent) the tools= agent shipped with the docs
@@ -30,8 +29,9 @@ def test_tools_agent_gets_tool_calls_and_trains_on_the_sampled_ids_not_a_rerende
     [episode] = loop.run(Prompt("37*43", "1591"))
     assert (episode.error, episode.reward, episode.turns) == (None, 1.0, 2)
     first, second = loop.requests
-    assert tok.decode(first.prompt_ids).startswith("<|im_start|>system\n# Tools\n<tools>\n" + json.dumps(
-        PYTHON_TOOL_SCHEMA) + "\n</tools><|im_end|>\n<|im_start|>user\n37*43")
+    # The agent's declaration of the python tool (with a description and `required`) as the template renders it.
+    assert tok.decode(first.prompt_ids).startswith(
+        "<|im_start|>system\n# Tools\n<tools>\npython(code)\n</tools><|im_end|>\n<|im_start|>user\n37*43")
     im_end = tok.convert_tokens_to_ids(IM_END)
     call_ids = tok.encode(COMPACT_CALL, add_special_tokens=False) + [im_end]
     [(start, end)] = episode.env_spans

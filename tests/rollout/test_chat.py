@@ -4,6 +4,7 @@ import pytest
 from megarl.embedded.tiny import build_tokenizer
 from megarl.embedded.tiny_chat import IM_END, build_chat_tokenizer
 from megarl.rollout.chat import ChatFormatError, ChatTranscript
+from megarl.rollout.environment import PYTHON_TOOL_SCHEMA
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +20,21 @@ def test_the_opening_is_the_rendered_chat_with_the_generation_prompt(tok):
     chat = ChatTranscript(tok, [{"role": "user", "content": "37*43"}])
     assert chat.text == "<|im_start|>user\n37*43<|im_end|>\n<|im_start|>assistant\n"
     assert chat.ids == tok.encode(chat.text, add_special_tokens=False)
+
+
+def test_the_tools_block_holds_each_tools_signature_whatever_else_its_declaration_says(tok):
+    """The embedded template renders a tool as its name and parameter names, so megarl's own declaration of the python
+    tool, an agent's with a description, and an MCP server's (verifiers: title, required) read alike to the model."""
+    user = [{"role": "user", "content": "37*43"}]
+    mcp = {"type": "function", "function": {"name": "python", "description": "Run Python code.", "parameters": {
+        "type": "object", "properties": {"code": {"title": "Code", "type": "string"}}, "required": ["code"],
+        "title": "pythonArguments"}}}
+    bare = {"name": "now"}  # no "function" wrapper, no parameters
+    rendered = [tok.apply_chat_template(user, tools=tools, tokenize=False, add_generation_prompt=True)
+                for tools in ([PYTHON_TOOL_SCHEMA], [mcp], [mcp, bare])]
+    assert rendered[0] == rendered[1] == ("<|im_start|>system\n# Tools\n<tools>\npython(code)\n</tools><|im_end|>\n"
+                                          "<|im_start|>user\n37*43<|im_end|>\n<|im_start|>assistant\n")
+    assert rendered[2].startswith("<|im_start|>system\n# Tools\n<tools>\npython(code)\nnow()\n</tools>")
 
 
 def test_turns_extend_the_ids_and_the_whole_reads_as_the_template_renders_it(tok):

@@ -3,7 +3,7 @@
 reward functions (tests/rollout/verifiers_envs/megarl_vf_products) lists its dataset as megarl's prompts, and trains
 for two sync steps through the agent endpoint with its rewards as the samples' rewards, every model token versioned;
 a multi-turn tool environment (megarl_vf_calc: an MCP tool server) runs its episodes through the endpoint, the model
-scripted, every token accounted for."""
+scripted, every token accounted for, and trains the tool-calling model for two sync steps with its rubric's reward."""
 import json
 import os
 import subprocess
@@ -127,3 +127,32 @@ def test_a_multi_turn_tool_environment_runs_through_the_endpoint_token_in_token_
         assert len(call_versions) == len(answer_versions) == 1 and min(call_versions) < min(answer_versions)
         call = tok.decode(episode.token_ids[:start])
         assert call.startswith("<tool_call>") and prompt.text in call  # the sampled ids, not a re-rendering
+
+
+@pytest.mark.timeout(1800)
+def test_a_multi_turn_tool_environment_trains_with_its_rubric(embedded_toolcall_model_dir, tmp_path):
+    """megarl_vf_calc trained as it is: verifiers' harness offers the MCP server's `python` tool, the tool-calling
+    model (tiny-qwen2-toolcall) calls it through the endpoint, the harness runs the call on the tool server and sends
+    the result back, the model answers. Two sync steps of 2 prompts x 4 episodes: each sample's reward is the
+    rubric's `exact` with its part recorded, the tool's answer is environment tokens (untrained), every model token
+    of its batch's version, the lag-0 log-probs the learner's."""
+    rollouts, metrics = train(tmp_path / "run", "multiturn_tools.yaml", embedded_toolcall_model_dir,
+                              "megarl_vf_calc", "task.agent=", "task.name=")
+    assert len(rollouts) == 2 * 2 * 4
+    answers = {row["question"]: row["answer"] for row in ROWS}
+    called = []
+    for r in rollouts:
+        assert r["reward_error"] is None and r["source"] == "verifiers:megarl_vf_calc"
+        reply = r["completion"].rsplit("<|im_start|>assistant\n", 1)[-1].replace("<|im_end|>", "").strip()
+        assert r["reward"] == float(reply == answers[r["prompt"]])
+        assert r["reward_parts"] == {"exact": {"score": r["reward"], "weight": 1.0}}
+        check_versions(r)
+        env_spans = [(start, end) for kind, start, end in r["spans"] if kind == "env"]
+        assert len(env_spans) == r["turns"] - 1
+        if env_spans:  # the model called the tool: its call, the tool's result (the product) as environment tokens
+            called.append(r)
+            assert r["completion"].startswith("<tool_call>") and "<|im_start|>tool\n" in r["completion"]
+    # Warm-started to call the tool (97% of sampled episodes) and to copy its answer (~half): of 16 episodes,
+    # none calling or none right has probability < 1e-4.
+    assert called and any(r["reward"] == 1.0 for r in called)
+    assert all(m["lag0/token_share"] == 1.0 and m["lag0/logprob_gap_abs"] < 1e-4 for m in metrics)

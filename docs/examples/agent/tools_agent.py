@@ -20,8 +20,9 @@ from megarl.rollout.environment import PythonTool
 
 MAX_TURNS = 3
 TOOL = PythonTool(timeout_s=5.0, memo=True)
-TOOLS = [{"type": "function", "function": {"name": "python", "parameters": {
-    "type": "object", "properties": {"code": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "python", "description": "Run Python code and return what it prints or evaluates to.",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}]
 
 
 def run(base_url: str, prompt: str, answer: str, meta: dict, stream: bool = False) -> float:

@@ -1,6 +1,8 @@
 """A multi-turn tool verifiers environment from a local dataset: the products of megarl_vf_products, with a `python`
 tool (an MCP server, `vf.Toolset`) the model calls to multiply, rewarded when its final reply is the product.
-tests/rollout/test_verifiers_real.py trains the embedded tool-calling model (tiny-qwen2-toolcall) on it."""
+tests/rollout/test_verifiers_real.py trains the embedded tool-calling model (tiny-qwen2-toolcall) on it: the MCP server
+declares the tool with its docstring, titles and `required`, and the model's template renders it as the signature
+`python(code)` the model was warm-started on (megarl.embedded.tiny_chat)."""
 import json
 from pathlib import Path
 
