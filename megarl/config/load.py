@@ -508,7 +508,7 @@ def _validate_cp(cfg: Config) -> None:
              f"context parallelism is the megatron learner's (megarl's attention all-gathers keys and values over the "
              f"CP ranks); learner.backend={lc.backend} has none: DeepSpeed's own, Ulysses, needs its "
              f"DistributedAttention around each HF attention layer, which megarl does not wire; use learner.cp=1")
-    refused = {"learner.ep": lc.ep > 1, "learner.lora.rank": lc.lora.rank > 0,
+    refused = {"learner.ep": lc.ep > 1,
                "algo.routing_replay": cfg.algo.routing_replay == "r3",
                "algo.advantage.estimator": cfg.algo.advantage.estimator == "gae",
                "algo.distill.teacher": bool(cfg.algo.distill.teacher)}

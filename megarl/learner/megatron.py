@@ -812,7 +812,7 @@ def check_context_parallel(cfg: LearnerConfig, is_moe: bool, routing_replay: str
     """Refuse, naming them, the settings learner.cp > 1 is not built for (megarl.config.load refuses the ones that
     need no model before launch)."""
     missing = {"a mixture-of-experts model (learner.ep, r3)": is_moe,
-               "algo.routing_replay=r3": routing_replay == "r3", "learner.lora": cfg.lora.rank > 0,
+               "algo.routing_replay=r3": routing_replay == "r3",
                "the critic (advantage.estimator=gae)": critic_cfg is not None,
                "on-policy distillation (algo.distill)": distill is not None}
     if any(missing.values()):

@@ -87,7 +87,6 @@ def test_demo_config_loads_with_overrides():
     ("learner.cp=2 learner.backend=deepspeed", "learner.cp: context parallelism is the megatron learner's"),
     ("learner.cp=2 learner.ep=2 learner.dp=2", "learner.ep: learner.cp=2 (context parallelism) does not run with "
                                                "learner.ep=2 yet"),
-    ("learner.cp=2 learner.lora.rank=8", "learner.lora.rank: learner.cp=2 (context parallelism) does not run with"),
     ("learner.cp=2 algo.advantage.estimator=gae", "algo.advantage.estimator: learner.cp=2 (context parallelism) "
                                                   "does not run with algo.advantage.estimator=gae yet"),
     ("algo.routing_replay=r3 learner.recompute_activations=full", "algo.routing_replay: r3 with "
@@ -104,6 +103,12 @@ def test_demo_config_loads_with_overrides():
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(DEMO, override.split())
+
+
+@pytest.mark.parametrize("overrides", ["learner.lora.rank=8"])
+def test_context_parallelism_loads_with_what_it_composes_with(overrides):
+    cfg = load_config(DEMO, ["learner.cp=2", *overrides.split()])
+    assert cfg.learner.cp == 2
 
 
 def test_routing_replay_off_survives_yaml_reading_it_as_a_boolean(tmp_path):

@@ -109,17 +109,11 @@ def _results(proc, tmp_path: Path, layouts: dict, nproc: int, timeout: float) ->
 
 
 def _reference(model_dir: str, layout: dict, batches: list) -> dict:
-    """The cp = 1 learner's log-probs, first-step gradients and per-step metrics, in this process."""
-    from megarl.config.schema import LearnerConfig
-    from megarl.learner.megatron import MegatronLearner
+    """The one-rank (cp = tp = pp = dp = ep = 1) learner's results of `layout` (cp_worker.run_layout), in this process."""
+    from tests.learner.cp_worker import run_layout
 
-    cfg = {k: v for k, v in layout.items() if k not in ("cp", "tp", "loss", "save")}
-    learner = MegatronLearner(model_dir, LearnerConfig(**cfg), LossConfig(**layout.get("loss", {})))
-    logprobs = learner.logprobs(batches[0].input_ids)
-    metrics = [learner.train_step(batches[0])]
-    grads = {n: p.main_grad.detach().clone() for n, p in learner.gpt.named_parameters()}
-    metrics += [learner.train_step(b) for b in batches[1:]]
-    return {"logprobs": logprobs, "grads": grads, "metrics": metrics}
+    one_rank = {k: v for k, v in layout.items() if k not in ("cp", "tp", "pp", "dp", "ep", "save")}
+    return run_layout(model_dir, one_rank, batches)[1]
 
 
 def _assert_matches(got: dict, ref: dict, name: str, layout_metrics: tuple = ()) -> None:
@@ -202,3 +196,27 @@ def test_cp2_with_tp2_pp2_and_dp2_gives_the_cp1_logprobs_gradients_and_steps(mod
     assert sorted((r["dp_rank"], r["cp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank in ranks:
         _assert_matches(rank, ref, "cp2_dp2", layout_metrics=("padding_frac", "shared_frac"))
+
+
+def _assert_published(got: dict, ref: dict, name: str) -> None:
+    """The tensors published after the steps: the cp = 1 learner's, within 1e-5 of each one's largest entry (Adam
+    normalises each gradient entry, so the fp32 noise of a gradient becomes noise of its weight's step)."""
+    assert set(got["published"]) == set(ref["published"]), name
+    for tensor, value in ref["published"].items():
+        error = (got["published"][tensor] - value).abs().max().item()
+        assert error <= 1e-5 * max(1.0, value.abs().max().item()), (name, tensor, error)
+
+
+def test_cp2_trains_the_cp1_lora_adapter(model_dir, world, tmp_path):
+    """learner.lora at cp=2 on packed, prefix-shared rows (the base frozen, the KL reference the base): each CP rank's
+    adapter gradients are its positions' share, which megatron's DDP sums over the DP x CP group as it does the
+    base weights'; the cp=1 log-probs, adapter gradients, two steps' metrics and the adapter published after them."""
+    batches = _batches(2)
+    layouts = {"cp2_lora": {"cp": 2, "micro_batch_size": 8, "loss": LOSS, "lora": {"rank": 4, "alpha": 8.0}}}
+    proc = _launch(model_dir, batches, tmp_path, layouts, nproc=2)
+    ref = _reference(model_dir, layouts["cp2_lora"], batches)
+    assert ref["grads"] and all(".lora." in name for name in ref["grads"])  # (only the adapter trains)
+    assert ref["published"] and all("lora_" in name for name in ref["published"])
+    for rank in _results(proc, tmp_path, layouts, nproc=2, timeout=600)["cp2_lora"]:
+        _assert_matches(rank, ref, "cp2_lora")
+        _assert_published(rank, ref, "cp2_lora")
