@@ -510,7 +510,6 @@ def _validate_cp(cfg: Config) -> None:
              f"DistributedAttention around each HF attention layer, which megarl does not wire; use learner.cp=1")
     refused = {"learner.ep": lc.ep > 1,
                "algo.routing_replay": cfg.algo.routing_replay == "r3",
-               "algo.advantage.estimator": cfg.algo.advantage.estimator == "gae",
                "algo.distill.teacher": bool(cfg.algo.distill.teacher)}
     for key, bad in refused.items():
         _require(not bad, key, f"learner.cp={lc.cp} (context parallelism) does not run with {key}="

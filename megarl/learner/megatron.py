@@ -813,7 +813,6 @@ def check_context_parallel(cfg: LearnerConfig, is_moe: bool, routing_replay: str
     need no model before launch)."""
     missing = {"a mixture-of-experts model (learner.ep, r3)": is_moe,
                "algo.routing_replay=r3": routing_replay == "r3",
-               "the critic (advantage.estimator=gae)": critic_cfg is not None,
                "on-policy distillation (algo.distill)": distill is not None}
     if any(missing.values()):
         raise ValueError(f"learner.cp={cfg.cp} (context parallelism) does not run with "

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megarl.algo import values
 from megarl.algo.config import LossConfig
 from megarl.learner import context_parallel, packing
 from megarl.protocols import TrainBatch
@@ -73,7 +74,8 @@ def test_the_packed_mask_is_each_rows_causal_path(share, window):
 
 
 def _batches(count: int) -> list[TrainBatch]:
-    """Groups of 4 rows sharing a prompt (and pairs of them their first completion tokens), long-tailed lengths."""
+    """Groups of 4 rows sharing a prompt (and pairs of them their first completion tokens), long-tailed lengths; each
+    row's reward (the critic's) on its last token."""
     out = []
     for seed in range(count):
         g = torch.Generator().manual_seed(seed)
@@ -88,8 +90,10 @@ def _batches(count: int) -> list[TrainBatch]:
             ids[b, PROMPT + lengths[b]:] = 0
         mu = -2.0 + 0.3 * torch.randn(ROWS, S, generator=g)
         advantages = torch.randn(ROWS, 1, generator=g).expand(ROWS, S)
+        rewards = values.terminal_rewards((ids[:, PROMPT] % 2).float(), mask)
         out.append(TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=mu * mask,
-                              versions=torch.where(mask > 0, 0, -1), advantages=advantages * mask, learner_version=0))
+                              versions=torch.where(mask > 0, 0, -1), advantages=advantages * mask, learner_version=0,
+                              rewards=rewards))
     return out
 
 
@@ -164,7 +168,7 @@ def test_learners_refuse_what_context_parallelism_is_not_built_for(model_dir, wo
     with pytest.raises(ValueError, match="context parallelism is the megatron learner's"):
         DeepSpeedLearner(model_dir, LearnerConfig(backend="deepspeed", cp=2), LossConfig())
     with pytest.raises(ValueError, match=r"learner.cp=2 \(context parallelism\) does not run with a mixture-of-experts "
-                                         r"model \(learner.ep, r3\), the critic"):
+                                         r"model \(learner.ep, r3\) yet"):
         check_context_parallel(LearnerConfig(cp=2), True, "off", CriticConfig(), None)
     check_context_parallel(LearnerConfig(cp=2, tp=2, pp=2), False, "off", None, None)
 
@@ -220,3 +224,17 @@ def test_cp2_trains_the_cp1_lora_adapter(model_dir, world, tmp_path):
     for rank in _results(proc, tmp_path, layouts, nproc=2, timeout=600)["cp2_lora"]:
         _assert_matches(rank, ref, "cp2_lora")
         _assert_published(rank, ref, "cp2_lora")
+
+
+def test_cp2_trains_the_cp1_critic(model_dir, world, tmp_path):
+    """algo.advantage.estimator=gae at cp=2: the value model (transformers, replicated) values each DP rank's whole
+    rows on every CP rank of it, as on its TP and PP ranks, so the GAE advantages and value targets are the cp=1
+    ones; the policy's log-probs, gradients and two steps' metrics (critic/* among them: the second step's value
+    loss is the first step's update's) equal cp=1's."""
+    batches = _batches(2)
+    layouts = {"cp2_critic": {"cp": 2, "micro_batch_size": 8, "critic": {"lr": 1e-2, "lam": 0.9}}}
+    proc = _launch(model_dir, batches, tmp_path, layouts, nproc=2)
+    ref = _reference(model_dir, layouts["cp2_critic"], batches)
+    assert ref["metrics"][1]["critic/value_loss"] > 0
+    for rank in _results(proc, tmp_path, layouts, nproc=2, timeout=600)["cp2_critic"]:
+        _assert_matches(rank, ref, "cp2_critic")
