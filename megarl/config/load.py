@@ -509,8 +509,7 @@ def _validate_cp(cfg: Config) -> None:
              f"CP ranks); learner.backend={lc.backend} has none: DeepSpeed's own, Ulysses, needs its "
              f"DistributedAttention around each HF attention layer, which megarl does not wire; use learner.cp=1")
     refused = {"learner.ep": lc.ep > 1,
-               "algo.routing_replay": cfg.algo.routing_replay == "r3",
-               "algo.distill.teacher": bool(cfg.algo.distill.teacher)}
+               "algo.routing_replay": cfg.algo.routing_replay == "r3"}
     for key, bad in refused.items():
         _require(not bad, key, f"learner.cp={lc.cp} (context parallelism) does not run with {key}="
                  f"{_dotted(cfg, key)} yet; use learner.cp=1 for it (docs/learner.md, \"Context parallelism\")")

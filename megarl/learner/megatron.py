@@ -131,7 +131,7 @@ class MegatronLearner:
         # dense models keep plain TP.
         self.sequence_parallel = self.is_moe and cfg.tp > 1
         if cfg.cp > 1:
-            check_context_parallel(cfg, self.is_moe, routing_replay, critic_cfg, distill)
+            check_context_parallel(cfg, self.is_moe, routing_replay)
         if routing_replay == "r3" and not self.is_moe:
             raise ValueError(f"algo.routing_replay=r3 needs a mixture-of-experts model; "
                              f"{self.hf_config['model_type']!r} is dense")
@@ -808,12 +808,11 @@ def _weights(gpt) -> dict[str, torch.Tensor]:
     return weights
 
 
-def check_context_parallel(cfg: LearnerConfig, is_moe: bool, routing_replay: str, critic_cfg, distill) -> None:
+def check_context_parallel(cfg: LearnerConfig, is_moe: bool, routing_replay: str) -> None:
     """Refuse, naming them, the settings learner.cp > 1 is not built for (megarl.config.load refuses the ones that
     need no model before launch)."""
     missing = {"a mixture-of-experts model (learner.ep, r3)": is_moe,
-               "algo.routing_replay=r3": routing_replay == "r3",
-               "on-policy distillation (algo.distill)": distill is not None}
+               "algo.routing_replay=r3": routing_replay == "r3"}
     if any(missing.values()):
         raise ValueError(f"learner.cp={cfg.cp} (context parallelism) does not run with "
                          f"{', '.join(k for k, v in missing.items() if v)} yet; use learner.cp=1 for it")

@@ -103,7 +103,8 @@ def test_bad_overrides_name_the_key(override, message):
         load_config(DEMO, override.split())
 
 
-@pytest.mark.parametrize("overrides", ["learner.lora.rank=8", "algo.advantage.estimator=gae"])
+@pytest.mark.parametrize("overrides", ["learner.lora.rank=8", "algo.advantage.estimator=gae",
+                                       "algo.distill.teacher=embedded:tiny-qwen2-count"])
 def test_context_parallelism_loads_with_what_it_composes_with(overrides):
     cfg = load_config(DEMO, ["learner.cp=2", *overrides.split()])
     assert cfg.learner.cp == 2

@@ -12,7 +12,7 @@ from megarl.algo import values
 from megarl.algo.config import LossConfig
 from megarl.learner import context_parallel, packing
 from megarl.protocols import TrainBatch
-from tests.helpers import LEARNER_TOL, forked_ranks, save_tiny_qwen2
+from tests.helpers import LEARNER_TOL, forked_ranks, save_tiny_qwen2, save_tiny_qwen3
 
 VOCAB, ROWS, S, PROMPT = 64, 16, 22, 5
 LOSS = {"entropy_coef": 0.01, "kl_coef": 0.05}  # the entropy's gradient and the frozen reference's pass too
@@ -160,7 +160,6 @@ def test_cp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_pa
 def test_learners_refuse_what_context_parallelism_is_not_built_for(model_dir, world):
     """Inside a launch, as before it (megarl.config.load): the DeepSpeed learner has no context parallelism, and the
     megatron one names the settings cp > 1 does not run with."""
-    from megarl.algo.config import CriticConfig
     from megarl.config.schema import LearnerConfig
     from megarl.learner.deepspeed import DeepSpeedLearner
     from megarl.learner.megatron import check_context_parallel
@@ -169,8 +168,8 @@ def test_learners_refuse_what_context_parallelism_is_not_built_for(model_dir, wo
         DeepSpeedLearner(model_dir, LearnerConfig(backend="deepspeed", cp=2), LossConfig())
     with pytest.raises(ValueError, match=r"learner.cp=2 \(context parallelism\) does not run with a mixture-of-experts "
                                          r"model \(learner.ep, r3\) yet"):
-        check_context_parallel(LearnerConfig(cp=2), True, "off", CriticConfig(), None)
-    check_context_parallel(LearnerConfig(cp=2, tp=2, pp=2), False, "off", None, None)
+        check_context_parallel(LearnerConfig(cp=2), True, "off")
+    check_context_parallel(LearnerConfig(cp=2, tp=2, pp=2), False, "off")
 
 
 def test_cp2_with_tp2_pp2_and_dp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_path):
@@ -238,3 +237,19 @@ def test_cp2_trains_the_cp1_critic(model_dir, world, tmp_path):
     assert ref["metrics"][1]["critic/value_loss"] > 0
     for rank in _results(proc, tmp_path, layouts, nproc=2, timeout=600)["cp2_critic"]:
         _assert_matches(rank, ref, "cp2_critic")
+
+
+def test_cp2_distils_from_the_teacher_as_cp1(model_dir, world, tmp_path):
+    """On-policy distillation at cp=2 (a Qwen3 teacher, half the advantage the task's): the teacher (transformers,
+    replicated on every rank that computes a loss) scores each DP rank's whole rows on every CP rank of it, and each
+    rank's loss reads its log-probs against the student's, which the CP group gathers per token; the cp=1 log-probs,
+    gradients and two steps' metrics (distill/* among them)."""
+    teacher = str(save_tiny_qwen3(tmp_path / "teacher", vocab_size=VOCAB))
+    batches = _batches(2)
+    layouts = {"cp2_distill": {"cp": 2, "micro_batch_size": 8,
+                               "distill": {"teacher": teacher, "coef": 1.0, "reward_weight": 0.5}}}
+    proc = _launch(model_dir, batches, tmp_path, layouts, nproc=2)
+    ref = _reference(model_dir, layouts["cp2_distill"], batches)
+    assert any(key.startswith("distill/") and key != "distill/teacher_s" for key in ref["metrics"][0])
+    for rank in _results(proc, tmp_path, layouts, nproc=2, timeout=600)["cp2_distill"]:
+        _assert_matches(rank, ref, "cp2_distill")
