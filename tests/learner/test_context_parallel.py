@@ -1,5 +1,6 @@
 """Context parallelism (learner.cp, megarl.learner.context_parallel): the zig-zag split and each rank's mask rows,
 and real torchruns (gloo) whose log-probs, gradients and few-step metrics are the cp = 1 learner's."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ from megarl.algo import values
 from megarl.algo.config import LossConfig
 from megarl.learner import context_parallel, packing
 from megarl.protocols import TrainBatch
-from tests.helpers import LEARNER_TOL, forked_ranks, save_tiny_qwen2, save_tiny_qwen3
+from tests.helpers import LEARNER_TOL, forked_ranks, save_tiny_moe, save_tiny_qwen2, save_tiny_qwen3
 
 VOCAB, ROWS, S, PROMPT = 64, 16, 22, 5
 LOSS = {"entropy_coef": 0.01, "kl_coef": 0.05}  # the entropy's gradient and the frozen reference's pass too
@@ -157,19 +158,13 @@ def test_cp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_pa
     assert (tmp_path / "cp2_packed.ckpt").is_dir()
 
 
-def test_learners_refuse_what_context_parallelism_is_not_built_for(model_dir, world):
-    """Inside a launch, as before it (megarl.config.load): the DeepSpeed learner has no context parallelism, and the
-    megatron one names the settings cp > 1 does not run with."""
+def test_the_deepspeed_learner_refuses_context_parallelism(model_dir, world):
+    """Inside a launch, as before it (megarl.config.load): the DeepSpeed learner has no context parallelism."""
     from megarl.config.schema import LearnerConfig
     from megarl.learner.deepspeed import DeepSpeedLearner
-    from megarl.learner.megatron import check_context_parallel
 
     with pytest.raises(ValueError, match="context parallelism is the megatron learner's"):
         DeepSpeedLearner(model_dir, LearnerConfig(backend="deepspeed", cp=2), LossConfig())
-    with pytest.raises(ValueError, match=r"learner.cp=2 \(context parallelism\) does not run with a mixture-of-experts "
-                                         r"model \(learner.ep, r3\) yet"):
-        check_context_parallel(LearnerConfig(cp=2), True, "off")
-    check_context_parallel(LearnerConfig(cp=2, tp=2, pp=2), False, "off")
 
 
 def test_cp2_with_tp2_pp2_and_dp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_path):
@@ -253,3 +248,42 @@ def test_cp2_distils_from_the_teacher_as_cp1(model_dir, world, tmp_path):
     assert any(key.startswith("distill/") and key != "distill/teacher_s" for key in ref["metrics"][0])
     for rank in _results(proc, tmp_path, layouts, nproc=2, timeout=600)["cp2_distill"]:
         _assert_matches(rank, ref, "cp2_distill")
+
+
+def _with_routes(batches: list[TrainBatch], layers: int, experts: int, top_k: int) -> list[TrainBatch]:
+    """The batches with recorded routes: k distinct experts per token and layer, drawn at random (what replay feeds
+    the routers; the learner's own choices differ from them, so the router agreement is a real count)."""
+    g = torch.Generator().manual_seed(5)
+    return [dataclasses.replace(b, routes=torch.rand(*b.input_ids.shape, layers, experts, generator=g)
+                                .argsort(-1)[..., :top_k].to(torch.uint8)) for b in batches]
+
+
+def _with_all_grads(rank: dict, ranks: list[dict]) -> dict:
+    """A rank's results with the gradients of every parameter under its global name, its own and, for the experts
+    other expert-parallel ranks hold, theirs."""
+    grads = {name: grad for other in ranks for name, grad in other["global_grads"].items()}
+    return {**rank, "grads": {**grads, **rank["global_grads"]}}
+
+
+def test_cp2_trains_a_mixture_of_experts_as_cp1_with_expert_parallelism_and_r3(tmp_path, world):
+    """A Mixtral (4 experts, top-2) at cp=2 on packed, prefix-shared rows with the entropy bonus and the KL reference:
+    each CP rank's routers route its own positions (the router agreement gathers their choices per token), at cp=2 x
+    ep=2 the two CP ranks are the EP group (each holds 2 experts and the alltoall trades their positions' tokens), and
+    under r3 each CP rank's routers replay its positions' recorded routes (split the zig-zag way, like the tokens):
+    the cp=1 log-probs, gradients of every parameter (the experts', each on its EP rank), two steps' metrics
+    (router/* among them) and the weights published after them."""
+    moe_dir = str(save_tiny_moe(tmp_path / "mixtral", "mixtral", vocab_size=VOCAB))
+    batches = _with_routes(_batches(2), layers=2, experts=4, top_k=2)
+    layouts = {"moe_cp2": {"cp": 2, "micro_batch_size": 8, "loss": LOSS, "model_dir": moe_dir},
+               "moe_cp2_ep2_r3": {"cp": 2, "ep": 2, "micro_batch_size": 8, "loss": LOSS, "model_dir": moe_dir,
+                                  "routing_replay": "r3"}}
+    proc = _launch(moe_dir, batches, tmp_path, layouts, nproc=2)
+    refs = {name: _reference(moe_dir, layout, batches) for name, layout in layouts.items()}
+    assert 0 < refs["moe_cp2"]["metrics"][0]["router/agreement"] < 1
+    for name, ranks in _results(proc, tmp_path, layouts, nproc=2, timeout=600).items():
+        for rank in ranks:
+            # (expert parallelism packs each micro-batch's rows again after evening out the EP ranks' micro-batch
+            # counts, step.pad_micro_batches: another cut of the same rows)
+            _assert_matches(_with_all_grads(rank, ranks), refs[name], name,
+                            layout_metrics=("padding_frac", "shared_frac") if "ep2" in name else ())
+            _assert_published(rank, refs[name], name)
