@@ -135,6 +135,15 @@ def _assert_matches(got: dict, ref: dict, name: str, layout_metrics: tuple = ())
             assert abs(mine[key] - value) <= 1e-5 * max(1.0, abs(value)), (name, step, key)
 
 
+def _assert_published(got: dict, ref: dict, name: str) -> None:
+    """The tensors published after the steps: the cp = 1 learner's, within 1e-5 of each one's largest entry (Adam
+    normalises each gradient entry, so the fp32 noise of a gradient becomes noise of its weight's step)."""
+    assert set(got["published"]) == set(ref["published"]), name
+    for tensor, value in ref["published"].items():
+        error = (got["published"][tensor] - value).abs().max().item()
+        assert error <= 1e-5 * max(1.0, value.abs().max().item()), (name, tensor, error)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return str(save_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), tie_word_embeddings=True, vocab_size=VOCAB))
@@ -167,17 +176,39 @@ def test_the_deepspeed_learner_refuses_context_parallelism(model_dir, world):
         DeepSpeedLearner(model_dir, LearnerConfig(backend="deepspeed", cp=2), LossConfig())
 
 
+def _with_routes(batches: list[TrainBatch], layers: int, experts: int, top_k: int) -> list[TrainBatch]:
+    """The batches with recorded routes: k distinct experts per token and layer, drawn at random (what replay feeds
+    the routers; the learner's own choices differ from them, so the router agreement is a real count)."""
+    g = torch.Generator().manual_seed(5)
+    return [dataclasses.replace(b, routes=torch.rand(*b.input_ids.shape, layers, experts, generator=g)
+                                .argsort(-1)[..., :top_k].to(torch.uint8)) for b in batches]
+
+
+def _with_all_grads(rank: dict, ranks: list[dict]) -> dict:
+    """A rank's results with the gradients of every parameter under its global name, its own and, for the experts
+    other expert-parallel ranks hold, theirs."""
+    grads = {name: grad for other in ranks for name, grad in other["global_grads"].items()}
+    return {**rank, "grads": {**grads, **rank["global_grads"]}}
+
+
 def test_cp2_with_tp2_pp2_and_dp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_path):
     """cp=2 x tp=2 (4 ranks; vocab-parallel log-probs and entropies per CP rank, each TP rank's heads' keys and values
     gathered over its CP group) and cp=2 x pp=2 (each stage's activations of its CP rank's positions sent on, the
     log-probs broadcast from the last stage) and cp=2 x dp=2 (gradients summed over the DP x CP group) on packed,
-    prefix-shared rows: the cp=1, tp=1 log-probs, gradients (the two stages' together) and steps."""
-    batches = _batches(2)
+    prefix-shared rows: the cp=1, tp=1 log-probs, gradients (the two stages' together) and steps. And a Mixtral at
+    cp=2 x tp=2 x ep=2 under r3 (sequence parallelism: each CP rank's columns, padded to 2 * cp chunks of a multiple
+    of tp, split again over its TP ranks, whose routers replay their positions' routes): the cp=1 learner's results
+    and published weights. (The dense layouts ignore the batches' routes.)"""
+    moe_dir = str(save_tiny_moe(tmp_path / "mixtral", "mixtral", vocab_size=VOCAB))
+    batches = _with_routes(_batches(2), layers=2, experts=4, top_k=2)
     layouts = {"cp2_tp2": {"cp": 2, "tp": 2, "micro_batch_size": 8, "loss": LOSS},
                "cp2_pp2": {"cp": 2, "pp": 2, "micro_batch_size": 8, "loss": LOSS},
-               "cp2_dp2": {"cp": 2, "dp": 2, "micro_batch_size": 8, "loss": LOSS}}
+               "cp2_dp2": {"cp": 2, "dp": 2, "micro_batch_size": 8, "loss": LOSS},
+               "moe_cp2_tp2_ep2_r3": {"cp": 2, "tp": 2, "ep": 2, "micro_batch_size": 8, "loss": LOSS,
+                                      "model_dir": moe_dir, "routing_replay": "r3"}}
     proc = _launch(model_dir, batches, tmp_path, layouts, nproc=4)
     ref = _reference(model_dir, layouts["cp2_tp2"], batches)
+    moe_ref = _reference(moe_dir, layouts["moe_cp2_tp2_ep2_r3"], batches)
     results = _results(proc, tmp_path, layouts, nproc=4, timeout=600)
     ranks = results["cp2_tp2"]
     assert sorted((r["tp_rank"], r["cp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -194,15 +225,11 @@ def test_cp2_with_tp2_pp2_and_dp2_gives_the_cp1_logprobs_gradients_and_steps(mod
     assert sorted((r["dp_rank"], r["cp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank in ranks:
         _assert_matches(rank, ref, "cp2_dp2", layout_metrics=("padding_frac", "shared_frac"))
-
-
-def _assert_published(got: dict, ref: dict, name: str) -> None:
-    """The tensors published after the steps: the cp = 1 learner's, within 1e-5 of each one's largest entry (Adam
-    normalises each gradient entry, so the fp32 noise of a gradient becomes noise of its weight's step)."""
-    assert set(got["published"]) == set(ref["published"]), name
-    for tensor, value in ref["published"].items():
-        error = (got["published"][tensor] - value).abs().max().item()
-        assert error <= 1e-5 * max(1.0, value.abs().max().item()), (name, tensor, error)
+    ranks = results["moe_cp2_tp2_ep2_r3"]
+    for rank in ranks:  # (expert parallelism cuts the rows again: test_cp2_trains_a_mixture_of_experts_...)
+        _assert_matches(_with_all_grads(rank, ranks), moe_ref, "moe_cp2_tp2_ep2_r3",
+                        layout_metrics=("padding_frac", "shared_frac"))
+        _assert_published(rank, moe_ref, "moe_cp2_tp2_ep2_r3")
 
 
 def test_cp2_trains_the_cp1_lora_adapter(model_dir, world, tmp_path):
@@ -248,21 +275,6 @@ def test_cp2_distils_from_the_teacher_as_cp1(model_dir, world, tmp_path):
     assert any(key.startswith("distill/") and key != "distill/teacher_s" for key in ref["metrics"][0])
     for rank in _results(proc, tmp_path, layouts, nproc=2, timeout=600)["cp2_distill"]:
         _assert_matches(rank, ref, "cp2_distill")
-
-
-def _with_routes(batches: list[TrainBatch], layers: int, experts: int, top_k: int) -> list[TrainBatch]:
-    """The batches with recorded routes: k distinct experts per token and layer, drawn at random (what replay feeds
-    the routers; the learner's own choices differ from them, so the router agreement is a real count)."""
-    g = torch.Generator().manual_seed(5)
-    return [dataclasses.replace(b, routes=torch.rand(*b.input_ids.shape, layers, experts, generator=g)
-                                .argsort(-1)[..., :top_k].to(torch.uint8)) for b in batches]
-
-
-def _with_all_grads(rank: dict, ranks: list[dict]) -> dict:
-    """A rank's results with the gradients of every parameter under its global name, its own and, for the experts
-    other expert-parallel ranks hold, theirs."""
-    grads = {name: grad for other in ranks for name, grad in other["global_grads"].items()}
-    return {**rank, "grads": {**grads, **rank["global_grads"]}}
 
 
 def test_cp2_trains_a_mixture_of_experts_as_cp1_with_expert_parallelism_and_r3(tmp_path, world):
