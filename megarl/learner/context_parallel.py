@@ -17,7 +17,11 @@ attention (megarl.learner.sdpa_attention) carries it instead, and the learner (m
 per-token log-probs and per-position entropies back into the rows' own layout (`positions_to_rows`): every rank
 computes the whole micro-batch's loss on them, so every normaliser and statistic is the cp = 1 one. The gradient
 of rank r's parameters is then its own positions' share of that loss's gradient: megatron's DDP sums the shares
-over the data-parallel x context-parallel group, as it does for data parallelism.
+over the data-parallel x context-parallel group, as it does for data parallelism (LoRA adapters included: they
+are parameters of that model). Everything else that meets positions is per position: an MoE layer's routers and
+experts see the rank's positions (under r3 the recorded routes of its columns, cut like the tokens; expert-parallel
+ranks may span the CP group, their alltoall trading each rank's tokens), and the critic and the distillation
+teacher, replicated transformers models, run the DP rank's whole rows on each CP rank as on its TP ranks.
 """
 from __future__ import annotations
 

@@ -9,11 +9,12 @@ shard-to-shard publish: megarl.models.tp_shard).
 
 Mixture-of-experts models (Mixtral, Qwen3-MoE: megarl.models.moe) train with megatron's MoE layer
 (SequentialMLP experts, alltoall dispatcher) and expert parallelism ``learner.ep``: each EP rank holds
-E / ep whole experts, carved out of the TP x DP ranks (megatron's expert_model_parallel_size, with an expert
+E / ep whole experts, carved out of the TP x CP x DP ranks (megatron's expert_model_parallel_size, with an expert
 TP size of 1), and the published / exported tensors gather every expert. At ``learner.tp > 1`` they train
 with megatron's sequence parallelism (megarl.learner.sequence_parallel). ``algo.routing_replay=r3`` forces
 the sampler's recorded routes in every forward of the step (megarl.learner.routing_replay). Context parallelism
-``learner.cp`` splits each (packed) row's positions over the ranks of a CP group (megarl.learner.context_parallel).
+``learner.cp`` splits each (packed) row's positions over the ranks of a CP group (megarl.learner.context_parallel);
+an MoE layer's routers then route, or under r3 replay the recorded routes of, the positions their CP rank holds.
 Qwen3.5 text's hybrid layers (megatron-core's GatedDeltaNet beside gated full attention: megarl.learner.hybrid) train
 on unpacked rows, one sequence per row.
 
