@@ -6,7 +6,8 @@ to LossConfig, "lora" to LoraConfig, "critic" to CriticConfig (advantage.estimat
 "routing_replay" to the learner, "model_dir" replaces argv's, the rest to LearnerConfig. Every rank writes
 `{layout}.rank{r}.pt`: the log-probs of the first batch before any step, the whole (TP-gathered) gradient of every
 trained parameter after the first step, the metrics of one step per batch, what publish_tensors yields after them, its
-(tp, cp, pp, dp) ranks; a layout with "save": true saves a checkpoint `{layout}.ckpt` after them.
+(tp, cp, pp, dp) ranks; a layout with "save": true saves a checkpoint `{layout}.ckpt` after them and loads it into a
+fresh learner of the layout, whose publish_tensors it writes too ("resumed_published").
 """
 import json
 import sys
@@ -59,6 +60,9 @@ if __name__ == "__main__":
         learner, result = run_layout(model_dir, layout, batches)
         if layout.get("save"):
             learner_state.save(learner, f"{out_dir}/{name}.ckpt", len(batches), keep=1, model_dir=model_dir)
+            resumed = learner_of(model_dir, layout)
+            learner_state.load(resumed, f"{out_dir}/{name}.ckpt")
+            result["resumed_published"] = dict(resumed.publish_tensors())
         torch.save({**result, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
                     "cp_rank": parallel_state.get_context_parallel_rank(),
                     "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),

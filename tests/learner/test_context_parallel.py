@@ -153,7 +153,7 @@ def test_cp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_pa
     """cp=2 on packed, prefix-shared rows in two micro-batches (with the entropy bonus and the KL reference), and on
     unpacked rows with full activation recomputation (the K/V gathers run again in the backward): the cp=1 per-token
     log-probs, first-step gradients of every parameter and three steps' loss,
-    grad norm and statistics; the cp=2 learner's checkpoint saves."""
+    grad norm and statistics; the cp=2 learner's checkpoint resumes its weights at its layout."""
     batches = _batches(3)
     layouts = {"cp2_packed": {"cp": 2, "micro_batch_size": 8, "loss": LOSS, "save": True},
                "cp2_unpacked_recompute": {"cp": 2, "micro_batch_size": 16, "pack_sequences": False,
@@ -164,7 +164,8 @@ def test_cp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_pa
         assert sorted(r["cp_rank"] for r in ranks) == [0, 1]
         for rank in ranks:
             _assert_matches(rank, refs[name], name)
-    assert (tmp_path / "cp2_packed.ckpt").is_dir()
+            if layouts[name].get("save"):  # (its checkpoint resumed at its own layout)
+                _assert_published({"published": rank["resumed_published"]}, rank, f"{name} resumed")
 
 
 def test_the_deepspeed_learner_refuses_context_parallelism(model_dir, world):
@@ -283,19 +284,23 @@ def test_cp2_trains_a_mixture_of_experts_as_cp1_with_expert_parallelism_and_r3(t
     ep=2 the two CP ranks are the EP group (each holds 2 experts and the alltoall trades their positions' tokens), and
     under r3 each CP rank's routers replay its positions' recorded routes (split the zig-zag way, like the tokens):
     the cp=1 log-probs, gradients of every parameter (the experts', each on its EP rank), two steps' metrics
-    (router/* among them) and the weights published after them."""
+    (router/* among them) and the weights published after them; the cp=2 x ep=2 learner's checkpoint (each EP rank's
+    experts, the CP ranks' replicas of the rest) resumes those weights at its layout."""
     moe_dir = str(save_tiny_moe(tmp_path / "mixtral", "mixtral", vocab_size=VOCAB))
     batches = _with_routes(_batches(2), layers=2, experts=4, top_k=2)
     layouts = {"moe_cp2": {"cp": 2, "micro_batch_size": 8, "loss": LOSS, "model_dir": moe_dir},
                "moe_cp2_ep2_r3": {"cp": 2, "ep": 2, "micro_batch_size": 8, "loss": LOSS, "model_dir": moe_dir,
-                                  "routing_replay": "r3"}}
+                                  "routing_replay": "r3", "save": True}}
     proc = _launch(moe_dir, batches, tmp_path, layouts, nproc=2)
     refs = {name: _reference(moe_dir, layout, batches) for name, layout in layouts.items()}
     assert 0 < refs["moe_cp2"]["metrics"][0]["router/agreement"] < 1
-    for name, ranks in _results(proc, tmp_path, layouts, nproc=2, timeout=600).items():
+    results = _results(proc, tmp_path, layouts, nproc=2, timeout=600)
+    for name, ranks in results.items():
         for rank in ranks:
             # (expert parallelism packs each micro-batch's rows again after evening out the EP ranks' micro-batch
             # counts, step.pad_micro_batches: another cut of the same rows)
             _assert_matches(_with_all_grads(rank, ranks), refs[name], name,
                             layout_metrics=("padding_frac", "shared_frac") if "ep2" in name else ())
             _assert_published(rank, refs[name], name)
+    for rank in results["moe_cp2_ep2_r3"]:  # (the checkpoint resumed at its own layout)
+        _assert_published({"published": rank["resumed_published"]}, rank, "moe_cp2_ep2_r3 resumed")
