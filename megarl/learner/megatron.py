@@ -230,12 +230,14 @@ class MegatronLearner:
             if self.is_moe:
                 self._replayers[id(self.ref_model)] = RouteReplayer(ref_gpt, self.route_offset, replay, seq_group)
         del hf_weights
-        # On-policy distillation: the frozen teacher, where the loss is computed (the last pipeline stage).
+        # On-policy distillation: the frozen teacher, where the loss is computed (the last pipeline stage); the CP
+        # ranks of a DP rank split its rows.
         self.distill, self.teacher = distill, None
         if distill is not None and self.post_process:
             from megarl.learner.teacher import Teacher
 
-            self.teacher = Teacher(distill.teacher, self.device, temperature)
+            self.teacher = Teacher(distill.teacher, self.device, temperature,
+                                   parallel_state.get_context_parallel_group() if cfg.cp > 1 else None)
         self.model = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
@@ -261,13 +263,15 @@ class MegatronLearner:
                     group["foreach"] = True
         if self.is_moe:
             self._replayers[id(self.model)] = RouteReplayer(self.gpt, self.route_offset, replay, seq_group)
-        # advantage.estimator=gae: a separate value model with its own optimizer (megarl.learner.critic).
+        # advantage.estimator=gae: a separate value model with its own optimizer (megarl.learner.critic); the CP
+        # ranks of a DP rank split its rows.
         self.critic = None
         if critic_cfg is not None:
             from megarl.learner.critic import Critic
 
             self.critic = Critic(critic_cfg, model_dir, self.device, parallel_state.get_data_parallel_group(),
-                                 parallel_state.get_data_parallel_world_size())
+                                 parallel_state.get_data_parallel_world_size(),
+                                 parallel_state.get_context_parallel_group() if cfg.cp > 1 else None)
         # The schedules run micro-batches under DDP's no_sync and reduce grads once at the end.
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads

@@ -114,7 +114,7 @@ def _results(proc, tmp_path: Path, layouts: dict, nproc: int, timeout: float) ->
 
 
 def _reference(model_dir: str, layout: dict, batches: list) -> dict:
-    """The one-rank (cp = tp = pp = dp = ep = 1) learner's results of `layout` (cp_worker.run_layout), in this process."""
+    """The one-rank (cp = tp = pp = dp = ep = 1) learner's results of `layout` (cp_worker.run_layout), here."""
     from tests.learner.cp_worker import run_layout
 
     one_rank = {k: v for k, v in layout.items() if k not in ("cp", "tp", "pp", "dp", "ep", "save")}
@@ -248,34 +248,47 @@ def test_cp2_trains_the_cp1_lora_adapter(model_dir, world, tmp_path):
         _assert_published(rank, ref, "cp2_lora")
 
 
+def test_row_shares_cover_the_rows_once_in_order():
+    for rows, size in ((8, 2), (5, 2), (1, 2), (7, 3)):
+        shares = [context_parallel.row_share(rows, size, rank) for rank in range(size)]
+        assert [i for share in shares for i in range(rows)[share]] == list(range(rows))
+        assert max(len(range(rows)[sh]) for sh in shares) - min(len(range(rows)[sh]) for sh in shares) <= 1
+
+
 def test_cp2_trains_the_cp1_critic(model_dir, world, tmp_path):
-    """algo.advantage.estimator=gae at cp=2: the value model (transformers, replicated) values each DP rank's whole
-    rows on every CP rank of it, as on its TP and PP ranks, so the GAE advantages and value targets are the cp=1
-    ones; the policy's log-probs, gradients and two steps' metrics (critic/* among them: the second step's value
-    loss is the first step's update's) equal cp=1's."""
+    """algo.advantage.estimator=gae at cp=2: the CP ranks of a DP rank split each micro-batch's rows for the value model
+    (transformers, replicated), gather the values back per token and sum the critic's gradients and statistics, so
+    the GAE advantages, value targets and critic step are the cp=1 ones; the policy's log-probs, gradients and two
+    steps' metrics (critic/* among them: the second step's value loss is the first step's update's) equal cp=1's,
+    with micro-batches of 8 rows and of one row (a CP rank with no row of it)."""
     batches = _batches(2)
-    layouts = {"cp2_critic": {"cp": 2, "micro_batch_size": 8, "critic": {"lr": 1e-2, "lam": 0.9}}}
+    layouts = {"cp2_critic": {"cp": 2, "micro_batch_size": 8, "critic": {"lr": 1e-2, "lam": 0.9}},
+               "cp2_critic_one_row": {"cp": 2, "micro_batch_size": 1, "critic": {"lr": 1e-2, "lam": 0.9}}}
     proc = _launch(model_dir, batches, tmp_path, layouts, nproc=2)
-    ref = _reference(model_dir, layouts["cp2_critic"], batches)
-    assert ref["metrics"][1]["critic/value_loss"] > 0
-    for rank in _results(proc, tmp_path, layouts, nproc=2, timeout=600)["cp2_critic"]:
-        _assert_matches(rank, ref, "cp2_critic")
+    refs = {name: _reference(model_dir, layout, batches) for name, layout in layouts.items()}
+    assert refs["cp2_critic"]["metrics"][1]["critic/value_loss"] > 0
+    for name, ranks in _results(proc, tmp_path, layouts, nproc=2, timeout=600).items():
+        for rank in ranks:
+            _assert_matches(rank, refs[name], name)
 
 
 def test_cp2_distils_from_the_teacher_as_cp1(model_dir, world, tmp_path):
-    """On-policy distillation at cp=2 (a Qwen3 teacher, half the advantage the task's): the teacher (transformers,
-    replicated on every rank that computes a loss) scores each DP rank's whole rows on every CP rank of it, and each
-    rank's loss reads its log-probs against the student's, which the CP group gathers per token; the cp=1 log-probs,
-    gradients and two steps' metrics (distill/* among them)."""
+    """On-policy distillation at cp=2 (a Qwen3 teacher, half the advantage the task's): the CP ranks of a DP rank split
+    each micro-batch's rows for the teacher (transformers, replicated on every rank that computes a loss) and gather
+    its log-probs back per token, and each rank's loss reads them against the student's, which the CP group gathers
+    per token too; the cp=1 log-probs, gradients and two steps' metrics (distill/* among them), with micro-batches of
+    8 rows and of one row (a CP rank with no row of it)."""
     teacher = str(save_tiny_qwen3(tmp_path / "teacher", vocab_size=VOCAB))
     batches = _batches(2)
-    layouts = {"cp2_distill": {"cp": 2, "micro_batch_size": 8,
-                               "distill": {"teacher": teacher, "coef": 1.0, "reward_weight": 0.5}}}
+    distill = {"teacher": teacher, "coef": 1.0, "reward_weight": 0.5}
+    layouts = {"cp2_distill": {"cp": 2, "micro_batch_size": 8, "distill": distill},
+               "cp2_distill_one_row": {"cp": 2, "micro_batch_size": 1, "distill": distill}}
     proc = _launch(model_dir, batches, tmp_path, layouts, nproc=2)
-    ref = _reference(model_dir, layouts["cp2_distill"], batches)
-    assert any(key.startswith("distill/") and key != "distill/teacher_s" for key in ref["metrics"][0])
-    for rank in _results(proc, tmp_path, layouts, nproc=2, timeout=600)["cp2_distill"]:
-        _assert_matches(rank, ref, "cp2_distill")
+    refs = {name: _reference(model_dir, layout, batches) for name, layout in layouts.items()}
+    assert any(key.startswith("distill/") and key != "distill/teacher_s" for key in refs["cp2_distill"]["metrics"][0])
+    for name, ranks in _results(proc, tmp_path, layouts, nproc=2, timeout=600).items():
+        for rank in ranks:
+            _assert_matches(rank, refs[name], name)
 
 
 def test_cp2_trains_a_mixture_of_experts_as_cp1_with_expert_parallelism_and_r3(tmp_path, world):
