@@ -1,5 +1,7 @@
-"""Context parallelism (learner.cp, megarl.learner.context_parallel): the zig-zag split and each rank's mask rows,
-and real torchruns (gloo) whose log-probs, gradients and few-step metrics are the cp = 1 learner's."""
+"""Context parallelism (learner.cp, megarl.learner.context_parallel): the zig-zag split, each rank's mask rows and the
+row shares of the critic and the teacher, and real gloo ranks (forked) whose log-probs, gradients, few-step metrics
+and published weights are the cp = 1 learner's, with TP, PP, DP, LoRA, the critic, the distillation teacher, and a
+mixture of experts under EP and r3."""
 import dataclasses
 import json
 import os
