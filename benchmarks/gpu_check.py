@@ -62,7 +62,9 @@ imported what they share, and the two-rank checks fork their ranks from it, wher
                     critic's metrics, against learner_step's time
   context_parallel  learner.cp=2 (megarl.learner.context_parallel) over 2 processes on the one GPU (gloo: NCCL refuses
                     two ranks on one GPU) against cp=1 on learner_step's model and one row of cp_len tokens: step time
-                    and peak GPU memory per rank of each, and the largest |log-prob difference| (both bf16)
+                    and peak GPU memory per rank of each, and the largest |log-prob difference| (both bf16); the
+                    same for that model with a LoRA adapter (learner.lora.rank=lora_rank: the log-probs after the
+                    steps too) and for moe_replay's Mixtral under r3 (random recorded routes, split like the tokens)
   trackers          observe.trackers: what MetricsSink.log costs the learner's step (60 scalars a step) with each
                     tracker installed there (tensorboard; wandb offline and mlflow's file store when importable):
                     the median and worst call, and the time to close (what is queued written); the dry run
@@ -1438,35 +1440,67 @@ def run_demo(args, size: Size, name: str, overrides: list[str]) -> tuple[dict, l
     return out, rows
 
 
-def _cp_batch(size: Size):
-    """One row of size.cp_len random tokens, its completion trained (lag 0): the context-parallel check's batch."""
+# The context-parallel check's learners: learner_step's model, the same with a LoRA adapter, a Mixtral under r3.
+CP_VARIANTS = ("dense", "lora", "moe_r3")
+
+
+def _cp_batch(size: Size, variant: str):
+    """One row of size.cp_len random tokens, its completion trained (lag 0): the context-parallel check's batch (for
+    the Mixtral, with random recorded routes: top-k distinct experts per token and layer)."""
     import torch
 
     from megarl.protocols import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     length = size.cp_len
-    ids = torch.randint(1, size.model["vocab_size"], (1, length), generator=g)
+    model = size.moe_model if variant == "moe_r3" else size.model
+    ids = torch.randint(1, model["vocab_size"], (1, length), generator=g)
     mask = torch.zeros(1, length)
     mask[:, length // 8:] = 1.0
+    routes = None
+    if variant == "moe_r3":
+        shape = (1, length, model["num_hidden_layers"], model["num_local_experts"])
+        routes = torch.rand(shape, generator=g).argsort(-1)[..., :model["num_experts_per_tok"]].to(torch.uint8)
     return TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=-5.0 * mask,
-                      versions=torch.where(mask > 0, 0, -1), advantages=mask.clone(), learner_version=0)
+                      versions=torch.where(mask > 0, 0, -1), advantages=mask.clone(), learner_version=0, routes=routes)
 
 
-def _cp_learner(model_dir: Path, cp: int):
+def _cp_model(workdir: Path, size: Size, variant: str, device: str) -> Path:
+    """The model directory of a variant, built on first use (the Mixtral with room for cp_len positions)."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    if variant != "moe_r3":
+        return build_model(workdir / "model", size, device)
+    path = workdir / "cp_moe_model"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = MixtralForCausalLM(MixtralConfig(**{**size.moe_model, "max_position_embeddings": size.cp_len}))
+        if device == "cuda":
+            model = model.to(torch.bfloat16)
+        partial = path.with_name(path.name + f".partial{os.getpid()}")
+        model.save_pretrained(partial)
+        partial.rename(path)
+    return path
+
+
+def _cp_learner(model_dir: Path, size: Size, variant: str, cp: int):
     from megarl.algo.config import LossConfig
-    from megarl.config.schema import LearnerConfig
+    from megarl.config.schema import LearnerConfig, LoraConfig
     from megarl.learner.megatron import MegatronLearner
 
-    return MegatronLearner(str(model_dir), LearnerConfig(cp=cp, micro_batch_size=1, lr=1e-6), LossConfig())
+    lora = LoraConfig(rank=size.lora_rank if variant == "lora" else 0)
+    return MegatronLearner(str(model_dir), LearnerConfig(cp=cp, micro_batch_size=1, lr=1e-6, lora=lora), LossConfig(),
+                           routing_replay="r3" if variant == "moe_r3" else "off")
 
 
-def _cp_measure(learner, size: Size) -> tuple[dict, "torch.Tensor"]:
-    """(step time and peak memory of one step after a warm-up, the row's log-probs before it)."""
+def _cp_measure(learner, size: Size, variant: str) -> tuple[dict, "torch.Tensor", "torch.Tensor"]:
+    """(step time and peak memory of one step after a warm-up, the row's log-probs before the steps and after)."""
     import torch
 
-    batch = _cp_batch(size)
-    logprobs = learner.logprobs(batch.input_ids)
+    batch = _cp_batch(size, variant)
+    logprobs = learner.logprobs(batch.input_ids, batch.routes)
     learner.train_step(batch)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -1474,8 +1508,8 @@ def _cp_measure(learner, size: Size) -> tuple[dict, "torch.Tensor"]:
     start = time.perf_counter()
     metrics = learner.train_step(batch)
     sync()
-    return {"step_s": round(time.perf_counter() - start, 4), "peak_gpu_gib": peak_gib(),
-            "loss": metrics["loss"]}, logprobs
+    return ({"step_s": round(time.perf_counter() - start, 4), "peak_gpu_gib": peak_gib(), "loss": metrics["loss"]},
+            logprobs, learner.logprobs(batch.input_ids, batch.routes))
 
 
 def check_context_parallel(args, size: Size) -> dict:
@@ -1559,36 +1593,49 @@ def free_port() -> int:
 
 
 def cp_worker(args, size: Size) -> None:
-    """The 2 ranks of check_context_parallel: learner.cp=2 over the default gloo group; then rank 0 alone, in a
-    group of one, the cp=1 learner on the same row (one process start and import for both)."""
+    """The 2 ranks of check_context_parallel: each variant's learner at learner.cp=2 over the default gloo group; then
+    rank 0 alone, in a group of one, each at cp=1 on the same row (one process start and import for all)."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     if args.device == "cuda":
         torch.cuda.set_device(0)
+    workdir = Path(args.workdir)
     dist.init_process_group("gloo")
-    if dist.get_rank() == 0:
-        build_model(Path(args.workdir) / "model", size, args.device)
+    if dist.get_rank() == 0:  # (the other rank reads what it built)
+        for variant in CP_VARIANTS:
+            _cp_model(workdir, size, variant, args.device)
     dist.barrier()
-    learner = _cp_learner(Path(args.workdir) / "model", 2)
-    result, cp2_logprobs = _cp_measure(learner, size)
-    ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, result)
+    models = {variant: _cp_model(workdir, size, variant, args.device) for variant in CP_VARIANTS}
+    cp2 = {}
+    for variant in CP_VARIANTS:
+        learner = _cp_learner(models[variant], size, variant, 2)
+        result, before, after = _cp_measure(learner, size, variant)
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, result)
+        cp2[variant] = (ranks, before, after)
+        del learner
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     rank = dist.get_rank()
-    del learner
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     if rank != 0:
         return
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    init_single_rank("gloo", Path(args.workdir))
-    cp1, logprobs = _cp_measure(_cp_learner(Path(args.workdir) / "model", 1), size)
-    diff = (cp2_logprobs - logprobs).abs()
-    (Path(args.workdir) / "cp.json").write_text(json.dumps({
-        "tokens": size.cp_len, "cp1": cp1, "cp2_ranks": ranks,
-        "logprob_max_abs_diff": round(float(diff.max()), 5), "logprob_mean_abs_diff": round(float(diff.mean()), 6)}))
+    init_single_rank("gloo", workdir)
+    out = {"tokens": size.cp_len}
+    for variant in CP_VARIANTS:
+        cp1, before, after = _cp_measure(_cp_learner(models[variant], size, variant, 1), size, variant)
+        ranks, cp2_before, cp2_after = cp2[variant]
+        diff, diff_after = (cp2_before - before).abs(), (cp2_after - after).abs()
+        result = {"cp1": cp1, "cp2_ranks": ranks, "logprob_max_abs_diff": round(float(diff.max()), 5),
+                  "logprob_mean_abs_diff": round(float(diff.mean()), 6),
+                  "logprob_max_abs_diff_after_steps": round(float(diff_after.max()), 5)}
+        out.update(result if variant == "dense" else {variant: result})
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    (workdir / "cp.json").write_text(json.dumps(out))
 
 
 def check_sampler_replace(args, size: Size) -> dict:
@@ -1880,7 +1927,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
           "trackers": (check_trackers, 120), "families": (check_families, 180), "hybrid": (check_hybrid, 150),
           "gated_delta_net": (check_gated_delta_net, 150), "hybrid_learner": (check_hybrid_learner, 180),
-          "context_parallel": (check_context_parallel, 150), "sampler_replace": (check_sampler_replace, 180),
+          "context_parallel": (check_context_parallel, 240), "sampler_replace": (check_sampler_replace, 180),
           "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120),
           "agent_stream": (check_agent_stream, 120), "long_paged": (check_long_paged, 150),
           "samplers_add_remove": (check_samplers_add_remove, 240), "sglang_add_remove": (check_sglang_add_remove, 240),

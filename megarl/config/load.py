@@ -484,9 +484,10 @@ def _validate_moe(cfg: Config) -> None:
     _require(cfg.algo.routing_replay in ("off", "r3"), "algo.routing_replay",
              f"must be off or r3, got {cfg.algo.routing_replay!r}")
     # (megatron's expert_tensor_parallel_size=1, megarl's: the experts are whole on every TP rank)
-    _require(lc.ep == 1 or (lc.tp * lc.dp) % lc.ep == 0, "learner.ep",
-             f"expert-parallel ranks are carved out of the tensor- and data-parallel ones: learner.ep={lc.ep} must "
-             f"divide learner.tp={lc.tp} times learner.dp={lc.dp} (e.g. learner.dp={lc.ep * max(1, lc.dp // lc.ep)})")
+    _require(lc.ep == 1 or (lc.tp * lc.cp * lc.dp) % lc.ep == 0, "learner.ep",
+             f"expert-parallel ranks are carved out of the tensor-, context- and data-parallel ones: learner.ep={lc.ep} "
+             f"must divide learner.tp={lc.tp} times learner.cp={lc.cp} times learner.dp={lc.dp} "
+             f"(e.g. learner.dp={lc.ep * max(1, lc.dp // lc.ep)})")
     _require(lc.ep == 1 or lc.backend == "megatron", "learner.ep",
              f"expert parallelism is megatron's; learner.backend={lc.backend} trains the experts data parallel")
     if cfg.algo.routing_replay == "r3" and lc.backend == "megatron":
@@ -499,8 +500,7 @@ def _validate_moe(cfg: Config) -> None:
 
 
 def _validate_cp(cfg: Config) -> None:
-    """learner.cp > 1: the megatron learner, and none of the settings its context parallelism is not built for
-    (the learner refuses a mixture-of-experts model when it reads config.json)."""
+    """learner.cp > 1: the megatron learner's (its attention carries the split)."""
     lc = cfg.learner
     if lc.cp == 1:
         return
@@ -508,20 +508,6 @@ def _validate_cp(cfg: Config) -> None:
              f"context parallelism is the megatron learner's (megarl's attention all-gathers keys and values over the "
              f"CP ranks); learner.backend={lc.backend} has none: DeepSpeed's own, Ulysses, needs its "
              f"DistributedAttention around each HF attention layer, which megarl does not wire; use learner.cp=1")
-    refused = {"learner.ep": lc.ep > 1, "learner.lora.rank": lc.lora.rank > 0,
-               "algo.routing_replay": cfg.algo.routing_replay == "r3",
-               "algo.advantage.estimator": cfg.algo.advantage.estimator == "gae",
-               "algo.distill.teacher": bool(cfg.algo.distill.teacher)}
-    for key, bad in refused.items():
-        _require(not bad, key, f"learner.cp={lc.cp} (context parallelism) does not run with {key}="
-                 f"{_dotted(cfg, key)} yet; use learner.cp=1 for it (docs/learner.md, \"Context parallelism\")")
-
-
-def _dotted(cfg: Config, key: str):
-    node = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
 
 
 def _validate_lora(cfg: Config) -> None:

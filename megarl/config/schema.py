@@ -282,8 +282,8 @@ class LearnerConfig:
     # them by all-gathered keys and values; activations and the attention mask per rank ~1/cp (docs/learner.md).
     cp: int = 1
     # Expert parallelism (mixture-of-experts models): each expert-parallel rank holds num_experts / ep
-    # whole experts; the ep ranks are carved out of the tensor- and data-parallel ones (tp * dp must be a
-    # multiple of ep). An MoE model at tp > 1 trains with megatron's sequence parallelism (docs/moe.md).
+    # whole experts; the ep ranks are carved out of the tensor-, context- and data-parallel ones (tp * cp * dp
+    # must be a multiple of ep). An MoE model at tp > 1 trains with megatron's sequence parallelism (docs/moe.md).
     ep: int = 1
     micro_batch_size: int = 16  # most rows per micro-batch (rows are cut where least work: docs/learner.md)
     micro_batch_tokens: int = 0  # token budget per micro-batch (rows * longest row); 0 = none

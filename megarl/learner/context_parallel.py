@@ -17,7 +17,12 @@ attention (megarl.learner.sdpa_attention) carries it instead, and the learner (m
 per-token log-probs and per-position entropies back into the rows' own layout (`positions_to_rows`): every rank
 computes the whole micro-batch's loss on them, so every normaliser and statistic is the cp = 1 one. The gradient
 of rank r's parameters is then its own positions' share of that loss's gradient: megatron's DDP sums the shares
-over the data-parallel x context-parallel group, as it does for data parallelism.
+over the data-parallel x context-parallel group, as it does for data parallelism (LoRA adapters included: they
+are parameters of that model). Everything else that meets positions is per position: an MoE layer's routers and
+experts see the rank's positions (under r3 the recorded routes of its columns, cut like the tokens; expert-parallel
+ranks may span the CP group, their alltoall trading each rank's tokens). The critic and the distillation teacher,
+replicated transformers models that need whole rows, split each micro-batch's rows over the CP ranks instead
+(`row_share`) and gather their per-token values back (`rows_from_shares`).
 """
 from __future__ import annotations
 
@@ -129,3 +134,20 @@ def predicting_local(mb: dict[str, torch.Tensor], columns: torch.Tensor, width: 
     slot = slots(columns, width)[column]
     mine = slot >= 0
     return mine.to(device), (row * len(columns) + slot)[mine].to(device)
+
+
+def row_share(rows: int, size: int, rank: int) -> slice:
+    """The rows of a micro-batch of `rows` that rank `rank` of a group of `size` computes where the group's ranks hold
+    the same rows and split whole rows among them (contiguous shares, sizes differing by at most one row)."""
+    base, extra = divmod(rows, size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
+def rows_from_shares(local: torch.Tensor, share: slice, rows: int, group) -> torch.Tensor:
+    """[rows, ...] every rank's `local` [its share's rows, ...] of a row-split group (`row_share`) put back
+    together on every rank: zeros elsewhere, summed over the group (exact). No gradient."""
+    whole = local.new_zeros((rows, *local.shape[1:]))
+    whole[share] = local
+    dist.all_reduce(whole, group=group)
+    return whole

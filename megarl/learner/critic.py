@@ -13,7 +13,10 @@ policy, plus a zero-initialised linear `score` head), in plain torch with a plai
   CPU; a critic too large for one rank is not supported yet (docs/algorithms.md#ppo-with-a-critic).
 * Every DP rank trains it on its own rows; its gradients are summed over the DP group (each rank's loss is its
   share of the batch's token mean), so the replicas stay identical. The TP/PP ranks of one DP coordinate
-  compute the same values and updates on the same rows.
+  compute the same values and updates on the same rows. The CP ranks of one (megatron learner, `learner.cp`)
+  split each micro-batch's rows instead (`row_group`): each values and trains its share of whole rows, the values
+  are gathered back per token into every rank's micro-batch, and gradients and statistics are summed over the
+  CP group as over the DP group (the critic's activations are whole rows: they are not split by position).
 * Why transformers' token-classification class: it is what the checkpoint and the export hold (`critic/`:
   config.json + model.safetensors), so `AutoModelForTokenClassification.from_pretrained` loads a trained critic
   with no megarl code (`logits[:, t, 0]` = the value of the prefix ending at token t), and `algo.critic.model`
@@ -37,6 +40,7 @@ import torch.distributed as dist
 from megarl.algo import metrics as algo_metrics
 from megarl.algo import values
 from megarl.algo.config import CriticConfig
+from megarl.learner.context_parallel import row_share, rows_from_shares
 from megarl.models import convert
 
 KEY = "algo.critic.model"
@@ -114,14 +118,17 @@ class ValueModel(torch.nn.Module):
 
 
 class Critic:
-    def __init__(self, cfg: CriticConfig, policy_dir: str, device: torch.device, dp_group=None, dp: int = 1):
+    def __init__(self, cfg: CriticConfig, policy_dir: str, device: torch.device, dp_group=None, dp: int = 1,
+                 row_group=None):
         """The value model of `cfg.model` (default: the policy's `policy_dir`), checked against the policy (again:
         a raw torchrun launch skipped `megarl train`'s check), replicated on this rank; `dp_group` (None = the
         default group) and `dp`: the learner's data-parallel group and size, over which gradients and whitening
-        are summed."""
+        are summed; `row_group` (None: none): the ranks that hold the same rows and split them (module docstring)."""
         model_dir = cfg.model or policy_dir
         check_critic(model_dir, policy_dir)
         self.cfg, self.device, self.dp_group, self.dp = cfg, device, dp_group, dp
+        self.row_group = row_group
+        self.row_split = (1, 0) if row_group is None else (dist.get_world_size(row_group), dist.get_rank(row_group))
         self.model = ValueModel(model_dir).to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.steps = 0  # optimizer steps taken (the warm-up counts these)
@@ -143,7 +150,7 @@ class Critic:
         cfg = self.cfg
         for mb in micro:
             mask = mb["mask"]
-            old = self.model(mb["input_ids"].to(self.device)).float().cpu()
+            old = self._values(mb["input_ids"])
             adv, returns = values.gae(mb["rewards"], old, mask, cfg.gamma, cfg.lam)
             if cfg.target == "vtrace":
                 log_ratio = torch.where(mask > 0, mb["proximal_logprobs"] - mb["behaviour_logprobs"], 0.0)
@@ -152,6 +159,21 @@ class Critic:
             mb["old_values"], mb["value_targets"], mb["advantages"] = old, returns, adv
         if cfg.whiten:
             self._whiten(micro)
+
+    def _share(self, rows: int) -> slice:
+        """This rank's rows of a micro-batch of `rows` (all of them without a row group)."""
+        return row_share(rows, *self.row_split)
+
+    def _values(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] fp32 CPU values of every row (no grad): this rank's share computed here, the others' gathered from
+        the row group."""
+        if self.row_group is None:
+            return self.model(input_ids.to(self.device)).float().cpu()
+        share = self._share(input_ids.shape[0])
+        mine = input_ids[share].to(self.device)
+        local = (self.model(mine).float() if len(mine) else
+                 torch.zeros(mine.shape, dtype=torch.float32, device=self.device))
+        return rows_from_shares(local, share, input_ids.shape[0], self.row_group).cpu()
 
     def _whiten(self, micro: list[dict[str, torch.Tensor]]) -> None:
         """Advantages to mean 0, std 1 over the model tokens of the whole batch (every DP rank's rows)."""
@@ -178,25 +200,34 @@ class Critic:
         self.optimizer.zero_grad(set_to_none=False)
         partials, loss_sum = [], 0.0
         for mb in micro:
-            mask = mb["mask"].to(self.device)
-            v = self.model(mb["input_ids"].to(self.device))
-            targets = mb["value_targets"].to(self.device)
-            loss = values.value_loss(v, mb["old_values"].to(self.device), targets, mask, self.cfg.value_clip,
-                                     total_tokens)
-            loss.backward()
-            loss_sum += float(loss.detach())
-            lag = algo_metrics.token_lag(mb["versions"], learner_version, mb["mask"])
-            partials.append(values.value_partials(v.detach().cpu(), mb["value_targets"], mb["mask"], lag,
+            rows = {k: mb[k][self._share(mb["input_ids"].shape[0])]
+                    for k in ("input_ids", "mask", "old_values", "value_targets", "versions")}
+            v = rows["old_values"].new_zeros(rows["old_values"].shape)  # (a row group's rank with no row of it)
+            if len(v):
+                mask = rows["mask"].to(self.device)
+                v = self.model(rows["input_ids"].to(self.device))
+                targets = rows["value_targets"].to(self.device)
+                loss = values.value_loss(v, rows["old_values"].to(self.device), targets, mask, self.cfg.value_clip,
+                                         total_tokens)
+                loss.backward()
+                loss_sum += float(loss.detach())
+            lag = algo_metrics.token_lag(rows["versions"], learner_version, rows["mask"])
+            partials.append(values.value_partials(v.detach().cpu(), rows["value_targets"], rows["mask"], lag,
                                                   max_lag_bucket))
         merged = algo_metrics.merge_partials(partials)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         stats = torch.tensor([loss_sum] + [float(x) for x in merged.values()], dtype=torch.float64)
-        if self.dp > 1:  # each rank's loss is its share of the batch mean: sum the grads and the statistics
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.dp_group)
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
-            dist.all_reduce(stats, group=self.dp_group)
+        groups = ([self.dp_group] if self.dp > 1 else []) + ([self.row_group] if self.row_group is not None else [])
+        if groups:  # each rank's loss is its share of the batch mean: sum the grads and the statistics
+            for param in self.model.parameters():  # (a row group's rank that ran no row has no gradient yet)
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            grads = [param.grad for param in self.model.parameters()]
+            for group in groups:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=group)
+                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(part.view_as(g))
+                dist.all_reduce(stats, group=group)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         skipped = not (math.isfinite(grad_norm) and math.isfinite(float(stats[0])))
         if not skipped:

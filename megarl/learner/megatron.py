@@ -9,11 +9,12 @@ shard-to-shard publish: megarl.models.tp_shard).
 
 Mixture-of-experts models (Mixtral, Qwen3-MoE: megarl.models.moe) train with megatron's MoE layer
 (SequentialMLP experts, alltoall dispatcher) and expert parallelism ``learner.ep``: each EP rank holds
-E / ep whole experts, carved out of the TP x DP ranks (megatron's expert_model_parallel_size, with an expert
+E / ep whole experts, carved out of the TP x CP x DP ranks (megatron's expert_model_parallel_size, with an expert
 TP size of 1), and the published / exported tensors gather every expert. At ``learner.tp > 1`` they train
 with megatron's sequence parallelism (megarl.learner.sequence_parallel). ``algo.routing_replay=r3`` forces
 the sampler's recorded routes in every forward of the step (megarl.learner.routing_replay). Context parallelism
-``learner.cp`` splits each (packed) row's positions over the ranks of a CP group (megarl.learner.context_parallel).
+``learner.cp`` splits each (packed) row's positions over the ranks of a CP group (megarl.learner.context_parallel);
+an MoE layer's routers then route, or under r3 replay the recorded routes of, the positions their CP rank holds.
 Qwen3.5 text's hybrid layers (megatron-core's GatedDeltaNet beside gated full attention: megarl.learner.hybrid) train
 on unpacked rows, one sequence per row.
 
@@ -130,8 +131,6 @@ class MegatronLearner:
         # megatron trains an MoE layer under TP only with sequence parallelism (megarl.learner.sequence_parallel);
         # dense models keep plain TP.
         self.sequence_parallel = self.is_moe and cfg.tp > 1
-        if cfg.cp > 1:
-            check_context_parallel(cfg, self.is_moe, routing_replay, critic_cfg, distill)
         if routing_replay == "r3" and not self.is_moe:
             raise ValueError(f"algo.routing_replay=r3 needs a mixture-of-experts model; "
                              f"{self.hf_config['model_type']!r} is dense")
@@ -231,12 +230,14 @@ class MegatronLearner:
             if self.is_moe:
                 self._replayers[id(self.ref_model)] = RouteReplayer(ref_gpt, self.route_offset, replay, seq_group)
         del hf_weights
-        # On-policy distillation: the frozen teacher, where the loss is computed (the last pipeline stage).
+        # On-policy distillation: the frozen teacher, where the loss is computed (the last pipeline stage); the CP
+        # ranks of a DP rank split its rows.
         self.distill, self.teacher = distill, None
         if distill is not None and self.post_process:
             from megarl.learner.teacher import Teacher
 
-            self.teacher = Teacher(distill.teacher, self.device, temperature)
+            self.teacher = Teacher(distill.teacher, self.device, temperature,
+                                   parallel_state.get_context_parallel_group() if cfg.cp > 1 else None)
         self.model = DistributedDataParallel(
             config=self.config,
             ddp_config=DistributedDataParallelConfig(
@@ -262,13 +263,15 @@ class MegatronLearner:
                     group["foreach"] = True
         if self.is_moe:
             self._replayers[id(self.model)] = RouteReplayer(self.gpt, self.route_offset, replay, seq_group)
-        # advantage.estimator=gae: a separate value model with its own optimizer (megarl.learner.critic).
+        # advantage.estimator=gae: a separate value model with its own optimizer (megarl.learner.critic); the CP
+        # ranks of a DP rank split its rows.
         self.critic = None
         if critic_cfg is not None:
             from megarl.learner.critic import Critic
 
             self.critic = Critic(critic_cfg, model_dir, self.device, parallel_state.get_data_parallel_group(),
-                                 parallel_state.get_data_parallel_world_size())
+                                 parallel_state.get_data_parallel_world_size(),
+                                 parallel_state.get_context_parallel_group() if cfg.cp > 1 else None)
         # The schedules run micro-batches under DDP's no_sync and reduce grads once at the end.
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -573,28 +576,33 @@ class MegatronLearner:
 
         multiple = self.cfg.tp if self.sequence_parallel else 1
         cp = self.cfg.cp
+        cp_group = self.ps.get_context_parallel_group() if cp > 1 else None
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             # Sequence parallelism splits the positions over TP: the width is padded to a multiple of tp, and the
             # logits (and the routers' own choices) are cut back to the real width before anything reads them.
+            # Context parallelism: each CP rank runs its zig-zag columns of the width padded to 2 * cp chunks (each
+            # a multiple of tp under sequence parallelism), its routers those columns' routes.
             model_ids = packing.model_input_ids(mb)
             width = model_ids.shape[1]
-            if cp > 1:  # each CP rank runs its zig-zag columns of the width padded to 2 * cp chunks
-                padded = context_parallel.padded_width(width, cp)
-                ids = torch.nn.functional.pad(model_ids, (0, padded - width))
-                cp_layout = (context_parallel.local_columns(padded, cp, self.ps.get_context_parallel_rank()), padded)
-                input_ids, position_ids, mask = self._model_inputs(ids, mb if "unpack_index" in mb else None,
-                                                                   cp_layout[0])
-                return model(input_ids, position_ids, mask), lambda logits: loss_fn(logits, mb, cp_layout, width)
-            ids, routes = sequence_parallel.pad_micro_batch(model_ids, packing.model_routes(mb), multiple)
-            input_ids, position_ids, mask = self._model_inputs(ids, mb if "unpack_index" in mb else None)
+            ids, routes = sequence_parallel.pad_micro_batch(model_ids, packing.model_routes(mb),
+                                                            multiple * (2 * cp if cp > 1 else 1))
+            columns = (context_parallel.local_columns(ids.shape[1], cp, self.ps.get_context_parallel_rank())
+                       if cp > 1 else None)
+            input_ids, position_ids, mask = self._model_inputs(ids, mb if "unpack_index" in mb else None, columns)
             if replayer is not None:
-                replayer.before_forward(ids, routes)
+                replayer.before_forward(input_ids, routes if columns is None or routes is None else routes[:, columns])
             output = model(input_ids, position_ids, mask)
             if own_routes is not None and replayer is not None:
-                own_routes.append(packing.rows_layout(replayer.own_choice()[:, :width], mb))
-            return output, lambda logits: loss_fn(logits[:, :width], mb, None, width)
+                own = replayer.own_choice()
+                if columns is not None:  # (gathered where the group communicates: NCCL on GPU)
+                    own = context_parallel.positions_to_rows(own.to(self.device), columns, ids.shape[1],
+                                                             cp_group).cpu()
+                own_routes.append(packing.rows_layout(own[:, :width], mb))
+            if columns is None:
+                return output, lambda logits: loss_fn(logits[:, :width], mb, None, width)
+            return output, lambda logits: loss_fn(logits, mb, (columns, ids.shape[1]), width)
 
         # With variable_seq_lengths (PP>1) the stages send each shape along; these two only size
         # megatron's default receive shape.
@@ -806,18 +814,6 @@ def _weights(gpt) -> dict[str, torch.Tensor]:
     weights = dict(gpt.named_parameters())
     weights.update((n, b) for n, b in gpt.named_buffers() if n.endswith("." + moe.EXPERT_BIAS[1]))
     return weights
-
-
-def check_context_parallel(cfg: LearnerConfig, is_moe: bool, routing_replay: str, critic_cfg, distill) -> None:
-    """Refuse, naming them, the settings learner.cp > 1 is not built for (megarl.config.load refuses the ones that
-    need no model before launch)."""
-    missing = {"a mixture-of-experts model (learner.ep, r3)": is_moe,
-               "algo.routing_replay=r3": routing_replay == "r3", "learner.lora": cfg.lora.rank > 0,
-               "the critic (advantage.estimator=gae)": critic_cfg is not None,
-               "on-policy distillation (algo.distill)": distill is not None}
-    if any(missing.values()):
-        raise ValueError(f"learner.cp={cfg.cp} (context parallelism) does not run with "
-                         f"{', '.join(k for k, v in missing.items() if v)} yet; use learner.cp=1 for it")
 
 
 def check_recurrent(cfg: LearnerConfig, routing_replay: str) -> None:

@@ -7,6 +7,8 @@ computes a loss, in eval mode, without gradients or optimizer state, on exactly 
 (so it works unchanged under both learner backends and any student layout). Cost per learner rank: one copy of
 the teacher's weights (bf16 on GPU, fp32 on CPU) and one forward per micro-batch per step, plus its logits'
 activation memory; at learner.tp > 1 every TP rank repeats the same forward (docs/algorithms.md#on-policy-distillation).
+Under the megatron learner's context parallelism the CP ranks, which hold the same rows, split each micro-batch's
+rows instead (`row_group`): each scores its share of whole rows and the log-probs are gathered back per token.
 """
 from __future__ import annotations
 
@@ -15,20 +17,25 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from megarl.learner.context_parallel import row_share, rows_from_shares
 from megarl.models import convert
 
 KEY = "algo.distill.teacher"
 
 
 class Teacher:
-    def __init__(self, model_dir: str | Path, device: torch.device, temperature: float = 1.0):
+    def __init__(self, model_dir: str | Path, device: torch.device, temperature: float = 1.0, row_group=None):
+        """`row_group` (None: none): the ranks that hold the same rows and split them (the module docstring)."""
         from transformers import AutoModelForCausalLM
 
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
         self.model.requires_grad_(False).eval()
         self.device, self.temperature = device, temperature
+        self.row_group = row_group
+        self.row_split = (1, 0) if row_group is None else (dist.get_world_size(row_group), dist.get_rank(row_group))
 
     @torch.no_grad()
     def attach(self, micro: list[dict[str, torch.Tensor]]) -> float:
@@ -40,9 +47,13 @@ class Teacher:
 
         start = time.perf_counter()
         for mb in micro:
-            ids = mb["input_ids"].to(self.device)
-            logits = self.model(input_ids=ids, use_cache=False).logits
-            mb["teacher_logprobs"] = token_logprobs(logits, ids, self.temperature).cpu()
+            share = row_share(mb["input_ids"].shape[0], *self.row_split)
+            ids = mb["input_ids"][share].to(self.device)
+            scores = (token_logprobs(self.model(input_ids=ids, use_cache=False).logits, ids, self.temperature)
+                      if len(ids) else torch.zeros(ids.shape, dtype=torch.float32, device=self.device))
+            if self.row_group is not None:
+                scores = rows_from_shares(scores, share, mb["input_ids"].shape[0], self.row_group)
+            mb["teacher_logprobs"] = scores.cpu()
         return time.perf_counter() - start
 
 

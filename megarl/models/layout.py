@@ -27,11 +27,11 @@ where each rule comes from:
               "num_moe_experts must be divisible by expert_model_parallel_size" (each EP rank holds E / ep).
               An MoE model at learner.tp > 1 trains with sequence parallelism and whole experts per TP rank
               (megarl.learner.sequence_parallel): intermediate_size (the experts' width) is not split, so
-              the TP rule on it does not apply; (tp * dp) % ep == 0 is megarl.config.load's.
+              the TP rule on it does not apply; (tp * cp * dp) % ep == 0 is megarl.config.load's.
   sampler.tp  of an MoE model: > 1 only at learner.tp=1 (the learner's whole experts per TP rank are not the
               engine's per-expert slices); the experts' width divisible by sampler.tp.
   algo.routing_replay=r3  a mixture-of-experts model.
-  learner.cp  > 1 only for a dense model (megarl.learner.context_parallel is not built for megatron's MoE layer).
+  learner.cp  > 1 not for a model with gated-DeltaNet layers (Qwen3.5: a recurrence over each row's positions).
 Rules that need no model (a batch smaller than learner.dp, sampler.tp not 1 or learner.tp, learner.ep not
 dividing learner.dp) are in megarl.config.load.validate.
 """
@@ -63,11 +63,14 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
                              f"num_hidden_layers={layers} (megatron gives every stage the same number of layers; "
                              f"this model allows learner.pp in {_divisors(layers)})")
     model_type = hf_config.get("model_type")
+    family = families.LEARNER_FAMILIES.get(model_type) or families.FAMILIES.get(model_type)
+    if learner_cp > 1 and family is not None and family.linear_attention:
+        raise ValueError(f"learner.cp={learner_cp}: {model_type}'s gated-DeltaNet layers run each row's positions as "
+                         f"one recurrence, which context parallelism would split over ranks; use learner.cp=1")
     whole = families.whole_tensors_only(hf_config)
     if sampler_tp > 1 and whole:
         raise ValueError(f"sampler.tp={sampler_tp}: {model_type}'s {whole} have no "
                          f"tensor-parallel slices in the built-in engine (megarl.models.tp_shard); use sampler.tp=1")
-    family = families.FAMILIES.get(model_type)
     # (gpt-oss is not whole_tensors_only: its learners publish it as the other MoE families do)
     if sampler_tp > 1 and family is not None and family.gpt_oss_blocks:
         raise ValueError(f"sampler.tp={sampler_tp}: {model_type}'s fused experts (mlp.experts.gate_up_proj, gate and "
@@ -83,9 +86,6 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
             raise ValueError(f"algo.routing_replay={routing_replay}: routing replay needs a mixture-of-experts "
                              f"model; model_type {hf_config.get('model_type')!r} is dense")
     else:
-        if learner_cp > 1:
-            raise ValueError(f"learner.cp={learner_cp}: context parallelism does not run with a mixture-of-experts "
-                             f"model ({hf_config.get('model_type')!r}) yet; use learner.cp=1")
         experts = moe_config.num_experts(hf_config)
         if experts % learner_ep:
             raise ValueError(f"learner.ep={learner_ep}: expert parallel size {learner_ep} does not divide "

@@ -78,18 +78,17 @@ def test_demo_config_loads_with_overrides():
      "learner.lr_decay_steps: (10) must exceed learner.lr_warmup_steps (10): the decay runs from the end of the "
      "warm-up to lr_decay_steps"),
     ("learner.ep=0", "learner.ep: must be > 0"),
-    ("learner.ep=2", "learner.ep: expert-parallel ranks are carved out of the tensor- and data-parallel ones: "
-                     "learner.ep=2 must divide learner.tp=1 times learner.dp=1"),
-    ("learner.ep=4 learner.tp=2", "learner.ep: expert-parallel ranks are carved out of the tensor- and "
-                                  "data-parallel ones: learner.ep=4 must divide learner.tp=2 times learner.dp=1"),
+    ("learner.ep=2", "learner.ep: expert-parallel ranks are carved out of the tensor-, context- and data-parallel "
+                     "ones: learner.ep=2 must divide learner.tp=1 times learner.cp=1 times learner.dp=1"),
+    ("learner.ep=4 learner.tp=2", "learner.ep: expert-parallel ranks are carved out of the tensor-, context- and "
+                                  "data-parallel ones: learner.ep=4 must divide learner.tp=2 times learner.cp=1 times "
+                                  "learner.dp=1"),
+    ("learner.ep=4 learner.cp=2", "learner.ep: expert-parallel ranks are carved out of the tensor-, context- and "
+                                  "data-parallel ones: learner.ep=4 must divide learner.tp=1 times learner.cp=2 times "
+                                  "learner.dp=1"),
     ("learner.ep=2 learner.dp=2 learner.backend=deepspeed", "learner.ep: expert parallelism is megatron's"),
     ("learner.cp=0", "learner.cp: must be > 0"),
     ("learner.cp=2 learner.backend=deepspeed", "learner.cp: context parallelism is the megatron learner's"),
-    ("learner.cp=2 learner.ep=2 learner.dp=2", "learner.ep: learner.cp=2 (context parallelism) does not run with "
-                                               "learner.ep=2 yet"),
-    ("learner.cp=2 learner.lora.rank=8", "learner.lora.rank: learner.cp=2 (context parallelism) does not run with"),
-    ("learner.cp=2 algo.advantage.estimator=gae", "algo.advantage.estimator: learner.cp=2 (context parallelism) "
-                                                  "does not run with algo.advantage.estimator=gae yet"),
     ("algo.routing_replay=r3 learner.recompute_activations=full", "algo.routing_replay: r3 with "
                                                                   "learner.backend=megatron and "
                                                                   "learner.recompute_activations=full"),
@@ -104,6 +103,14 @@ def test_demo_config_loads_with_overrides():
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(DEMO, override.split())
+
+
+@pytest.mark.parametrize("overrides", ["learner.lora.rank=8", "algo.advantage.estimator=gae",
+                                       "algo.distill.teacher=embedded:tiny-qwen2-count",
+                                       "learner.ep=2 algo.routing_replay=r3"])
+def test_context_parallelism_loads_with_what_it_composes_with(overrides):
+    cfg = load_config(DEMO, ["learner.cp=2", *overrides.split()])
+    assert cfg.learner.cp == 2
 
 
 def test_routing_replay_off_survives_yaml_reading_it_as_a_boolean(tmp_path):
@@ -229,7 +236,9 @@ MIXTRAL_6 = {"model_type": "mixtral", "num_local_experts": 6, "num_experts_per_t
     ("sampler.tp=2 eval.sets=[]", {**MIXTRAL_6, "model_type": "qwen3_moe", "moe_intermediate_size": 33},
      "sampler.tp=2: tensor parallel size 2 does not divide moe_intermediate_size=33"),
     ("learner.cp=2 learner.tp=2", {}, None),
-    ("learner.cp=2", MIXTRAL_6, "learner.cp=2: context parallelism does not run with a mixture-of-experts model"),
+    ("learner.cp=2 learner.ep=2 algo.routing_replay=r3", MIXTRAL_6, None),
+    ("learner.cp=2", {"model_type": "qwen3_5_text"}, "learner.cp=2: qwen3_5_text's gated-DeltaNet layers run each "
+                                                     "row's positions as one recurrence"),
 ])
 def test_layouts_the_model_cannot_be_split_into_are_refused_naming_the_key(overrides, model, message):
     from megarl.models.layout import check_layout
