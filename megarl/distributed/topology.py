@@ -147,11 +147,13 @@ def publish_group(topo: Topology, store: SignedStore, backend: str, timeout_s: f
     return dist.ProcessGroupGloo(sub, rank, topo.publish_group_size, timeout)
 
 
-def epoch_publish_group(store: SignedStore, epoch: int, rank: int, size: int, backend: str, timeout_s: float):
+def epoch_publish_group(store: SignedStore, epoch: int, rank: int, size: int, backend: str, timeout_s: float,
+                        stage: int = 0, tp_rank: int = 0, sender: int = 0):
     """The weight broadcast group of membership epoch `epoch` (fault.on_failure=replace,
-    megarl.distributed.membership): built straight over the run's store, as vLLM's StatelessProcessGroup is, so
-    only this epoch's members take part. Epoch 0 is the run's first group (publish_group); rank 0 is the source."""
-    sub = dist.PrefixStore(f"publish/e{epoch}/", store.raw)
+    megarl.distributed.membership) for publish part (stage, TP rank, sender): built straight over the run's store,
+    as vLLM's StatelessProcessGroup is, so only this epoch's members take part. Epoch 0 is the run's first group
+    (publish_group); rank 0 is the part's source. Every part has a group per epoch, of the same members."""
+    sub = dist.PrefixStore(f"publish/{_part_prefix(stage, tp_rank, sender)}e{epoch}/", store.raw)
     timeout = timedelta(seconds=timeout_s)
     if resolve_backend(backend) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
