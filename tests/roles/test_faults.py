@@ -52,9 +52,14 @@ def leftovers(run_dir) -> list[int]:
 class _Logged(subprocess.Popen):
     """A process whose stdout and stderr go to files beside its run dir, not to pipes: a pipe the test does not read
     while the run goes on fills (64 KiB: a killed sampler's peers print tracebacks) and blocks whichever process
-    writes next, which stalls the run. communicate() waits as Popen's does and returns the two files' text."""
+    writes next, which stalls the run. communicate() waits as Popen's does and returns the two files' text. Every
+    one started is in `started` until the test ends (_no_run_outlives_its_test)."""
+
+    started: list["_Logged"] = []
 
     def __init__(self, args, log_stem: Path, merge_stderr: bool = False):
+        self.run_dir = log_stem.with_suffix("")
+        _Logged.started.append(self)
         self.out_path, self.err_path = log_stem.with_suffix(".stdout"), log_stem.with_suffix(".stderr")
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             super().__init__(args, stdout=out, stderr=subprocess.STDOUT if merge_stderr else err, text=True,
@@ -66,6 +71,39 @@ class _Logged(subprocess.Popen):
 
     def stderr_tail(self, chars: int = 3000) -> str:
         return self.err_path.read_text(errors="replace")[-chars:]
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and every live process descended from it."""
+    children = collections.defaultdict(list)
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit():
+                children[int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])].append(int(proc.name))
+        except OSError:
+            continue
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children[tree[-1]]
+    return tree
+
+
+@pytest.fixture(autouse=True)
+def _no_run_outlives_its_test():
+    """However a test ends (a failed assertion, its timeout), the runs it started end with it: every process of each
+    run's tree, and any other still holding its run directory (a sampler whose keeper is gone), is SIGKILLed. The
+    workers sit in sessions of their own (torchrun, the keepers), out of reach of a process-group kill; a failed
+    replace run left alone would go on loading the machine under the tests after it."""
+    yield
+    while _Logged.started:
+        proc = _Logged.started.pop()
+        for pid in _process_tree(proc.pid) + leftovers(proc.run_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # ended meanwhile
+        proc.wait()
 
 
 def _start(run_dir, model_dir, *overrides) -> _Logged:
