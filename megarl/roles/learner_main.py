@@ -643,9 +643,11 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             "secret": run_secret().decode(), "sampler_ranks": list(topo.engine_leads),
             "world_size": topo.world_size, "num_learners": topo.num_learners})
     # A membership epoch's group of this source's publish part, the source as rank 0; members may first sit out a
-    # failed publish's receive.
+    # failed publish's receive. A stop signal does not end its formation: the learner ranks stop together at a step
+    # boundary.
     make_group = lambda epoch, size: epoch_publish_group(store, epoch, 0, size, cfg.dist.backend,  # noqa: E731
-                                                         2 * cfg.publish.timeout_s, *next(iter(groups)))
+                                                         2 * cfg.publish.timeout_s, *next(iter(groups)),
+                                                         should_stop=lambda: False)
     if sglang:  # the servers' weight-update group, re-formed per epoch (megarl.distributed.sglang_publish)
         make_group = lambda epoch, size: publisher.join_epoch(epoch, size)  # noqa: E731
     # A failed publish goes again at once where the samplers left could not go on without it: SGLang servers whose

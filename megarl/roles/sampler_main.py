@@ -32,6 +32,7 @@ import math
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -114,16 +115,19 @@ def builtin_engine(cfg: Config, topo: Topology, model_dir: Path, tp_group):
         tp_group=tp_group, model_impl=cfg.sampler.model_impl)
 
 
-def epoch_followers(cfg: Config, topo: Topology, store, groups: dict | None) -> list[EpochFollower] | None:
+def epoch_followers(cfg: Config, topo: Topology, store, groups: dict | None,
+                    should_stop: Callable[[], bool]) -> list[EpochFollower] | None:
     """fault.on_failure=replace: what moves this incarnation's receivers from membership epoch to epoch, one per
     publish part in part order (each stage's and sender's; the first incarnation starts over the run's first publish
-    groups, a replacement outside any)."""
+    groups, a replacement outside any). Each part's receiver builds its epoch's group on its own thread, over a store
+    connection of its own (topology.epoch_publish_group): the parts' sources form their groups at different moments,
+    and neither another part's group nor the loop's heartbeat waits on one part's."""
     if cfg.fault.on_failure != "replace":
         return None
     timeout_s = 2 * cfg.publish.timeout_s  # a member may first sit out a failed publish's receive
     return [EpochFollower(store, topo.rank, incarnation(),
-                          lambda epoch, rank, size, part=part: epoch_publish_group(store, epoch, rank, size,
-                                                                                   cfg.dist.backend, timeout_s, *part),
+                          lambda epoch, rank, size, part=part: epoch_publish_group(
+                              store, epoch, rank, size, cfg.dist.backend, timeout_s, *part, should_stop=should_stop),
                           group=groups[part] if groups else None, rejoin_timeout_s=rejoin_timeout_s(cfg))
             for part in topo.publish_parts]
 
@@ -142,7 +146,7 @@ def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, shou
         narrow = functools.partial(tp_shard.shard, tp_size=topo.sampler_tp, tp_rank=topo.engine_tp_rank)
     # The built-in engine (and its TP lead) offers the storage each version will run from: received into
     # directly, a version costs one copy of the weights (SGLang and vLLM take tensors from staging sets).
-    followers = epoch_followers(cfg, topo, store, groups)
+    followers = epoch_followers(cfg, topo, store, groups, should_stop)
     stages = [(groups[part] if followers is None else followers[i].group, publish_stage_store(store, *part))
               for i, part in enumerate(topo.publish_parts)]
     return StagedReceiver(stages, expected, engine.device, on_version=on_version,

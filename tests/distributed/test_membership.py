@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.distributed.heartbeat import Heartbeat, HeartbeatMonitor
+from megarl.distributed.lifetime import WaitAbandoned
 from megarl.distributed.membership import (SHIFT, EpochFollower, SamplerDropped, SamplerSet, dead_key, epoch_key,
                                            join_key, lost_groups)
 from megarl.distributed.publish import StagedReceiver, WeightPublisher, WeightReceiver
@@ -251,6 +252,45 @@ def test_a_member_that_missed_one_part_of_a_version_takes_the_next_version_whole
 def _part_groups_source(store, epoch: int, stage: int):
     """The source's side of publish part `stage`'s group of `epoch` (the member's follower builds its own)."""
     return epoch_publish_group(_client(store), epoch, 0, 2, "gloo", TIMEOUT_S, stage)
+
+
+def test_a_member_in_one_parts_epoch_rendezvous_holds_up_neither_its_heartbeat_nor_its_other_parts_group(store):
+    # One sampler process, one store connection, two publish parts (learner.pp=2). Part 0's source has arrived but
+    # not yet entered torch's rendezvous, so the member's part-0 receiver thread sits in that C++ rendezvous. Over a
+    # shared connection every other call of the process would queue behind it until its timeout: the loop's
+    # heartbeat (the learner then drops a live sampler as hung) and part 1's group (its source gives up on the
+    # member). Both must go on while part 0 still waits; part 0 forms once its source comes.
+    member = _client(store)
+    dist.PrefixStore("publish/e1/", store.raw).set("arrived/0", "1")  # part 0's source said it arrived
+    part0 = []
+    waiting = threading.Thread(target=lambda: part0.append(epoch_publish_group(member, 1, 1, 2, "gloo", TIMEOUT_S)))
+    waiting.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while not store.raw.check(["publish/e1//0/1"]):  # gloo's key: the member is inside torch's rendezvous
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    Heartbeat(member, 1, period_s=0.0).beat()
+    part1 = [None]
+    source1 = threading.Thread(target=lambda: part1.__setitem__(0, _part_groups_source(store, 1, 1)))
+    source1.start()
+    member_part1 = epoch_publish_group(member, 1, 1, 2, "gloo", TIMEOUT_S, 1)
+    source1.join()
+    assert waiting.is_alive() and not part0  # all the above happened while part 0's rendezvous waited
+    assert HeartbeatMonitor(store, [1], timeout_s=60)._read(1) == 1
+    source0 = epoch_publish_group(_client(store), 1, 0, 2, "gloo", TIMEOUT_S)
+    waiting.join()
+    for source, receiving in ((source0, part0[0]), (part1[0], member_part1)):  # both groups work
+        sent, got = torch.arange(3.0), torch.zeros(3)
+        works = [source.broadcast([sent], dist.BroadcastOptions()), receiving.broadcast([got], dist.BroadcastOptions())]
+        for work in works:
+            work.wait()
+        assert torch.equal(got, sent)
+
+
+def test_a_stopping_member_leaves_an_epoch_whose_members_have_not_all_arrived_at_once(store):
+    with pytest.raises(WaitAbandoned, match=r"stopped while waiting for every member of publish epoch 3's group "
+                                            r"\(stage 1, TP rank 0, sender 0\) of 2 sampler\(s\)"):
+        epoch_publish_group(store, 3, 2, 3, "gloo", TIMEOUT_S, 1, should_stop=lambda: True)
 
 
 def test_an_incarnation_left_out_of_a_later_epoch_knows_it_was_dropped(store):
