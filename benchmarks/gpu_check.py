@@ -74,6 +74,10 @@ imported what they share, and the two-rank checks fork their ranks from it, wher
                     steps; every step once, the longest step gap after the kill, samplers/* metrics
   sglang_replace    the same with sampler.engine=sglang (megarl's SGLang-compatible server): sampler 0's server
                     SIGKILLed; its sampler and server are replaced and join a new weight-update group
+  pp_replace        the same with learner.pp=2 (two publish sources on the one device): sampler 0 (rank 2)
+                    SIGKILLed; both stages' parts reach the replacement over the next epoch's groups
+  sync_replace      the same with algo.mode=sync: while sampler 0 is replaced the survivor generates the share
+                    of each version's batch it owed, so the steps go on
   samplers_add_remove  the demo under fault.on_failure=replace with two built-in samplers: after 5 steps `megarl
                     samplers add` from a second process (its join version, steps until samplers/alive is 3), then
                     `megarl samplers remove` of it (samplers/alive back at 2, 3 steps more, the command's exit 0)
@@ -1642,17 +1646,33 @@ def check_sampler_replace(args, size: Size) -> dict:
     """fault.on_failure=replace on the demo with two built-in samplers: one is SIGKILLed after 5 steps; the learner
     trains on, the replacement joins (samplers/alive back at 2) and trains 5 steps more, then a SIGTERM stops the
     run at a step boundary: every step once, the replacement's join version and the step stall it cost."""
-    return _replace_check(args, size, "sampler_replace", [], lambda: next(
-        int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _env_of(d).get("RANK") == "1"
-        and _env_of(d).get("MEGARL_SAMPLER_INCARNATION") == "0"))
+    return _replace_check(args, size, "sampler_replace", [], lambda: _first_sampler_pid(1))
+
+
+def check_pp_replace(args, size: Size) -> dict:
+    """sampler_replace with learner.pp=2 (two learner ranks on the one device, each stage publishing its layers):
+    sampler 0 (rank 2) is SIGKILLed; learner rank 0 forms the next membership epoch, stage 1's source builds its
+    part's group of it, and the replacement receives both stages' parts before it generates."""
+    return _replace_check(args, size, "pp_replace", ["learner.pp=2"], lambda: _first_sampler_pid(2))
+
+
+def check_sync_replace(args, size: Size) -> dict:
+    """sampler_replace with algo.mode=sync: sampler 0 is SIGKILLed mid-run; the survivor is asked for the share of
+    each version's batch it owed (membership.SyncShares) until the replacement joins, so no step waits for it."""
+    return _replace_check(args, size, "sync_replace", ["algo.mode=sync"], lambda: _first_sampler_pid(1))
+
+
+def _first_sampler_pid(rank: int) -> int:
+    """The pid of sampler rank `rank`'s first incarnation (fault.on_failure=replace: its keeper's child)."""
+    return next(int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _env_of(d).get("RANK") == str(rank)
+                and _env_of(d).get("MEGARL_SAMPLER_INCARNATION") == "0")
 
 
 def check_sglang_replace(args, size: Size) -> dict:
     """sampler_replace with sampler.engine=sglang: sampler 0's SGLang-compatible server is SIGKILLed; its sampler
     fails on it and its keeper starts a new sampler and server, which joins the next epoch's weight-update group."""
     def server() -> int:
-        sampler = next(d.name for d in Path("/proc").iterdir() if d.name.isdigit() and _env_of(d).get("RANK") == "1"
-                       and _env_of(d).get("MEGARL_SAMPLER_INCARNATION") == "0")
+        sampler = str(_first_sampler_pid(1))
         return next(int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _parent_of(d) == sampler
                     and b"megarl.sampler.sglang_server" in _cmdline_of(d))
 
@@ -1931,7 +1951,9 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120),
           "agent_stream": (check_agent_stream, 120), "long_paged": (check_long_paged, 150),
           "samplers_add_remove": (check_samplers_add_remove, 240), "sglang_add_remove": (check_sglang_add_remove, 240),
-          "gpt_oss_engine": (check_gpt_oss_engine, 150), "lora_families": (check_lora_families, 180)}
+          "gpt_oss_engine": (check_gpt_oss_engine, 150), "pp_replace": (check_pp_replace, 180),
+          "sync_replace": (check_sync_replace, 180),
+          "lora_families": (check_lora_families, 180)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 # Each check's limit on CPU bounds a hang, it is no speed test: a check there is mostly process starts and imports,
 # which a loaded 2-core machine slows several-fold (context_parallel's two torchrun ranks took over 75 s at load 20).

@@ -9,10 +9,12 @@ from __future__ import annotations
 POLICIES = ("auto", "stop", "restart", "replace")
 
 
-# What replace needs (docs/faults.md): an engine spanning sampler ranks ends with any one of them; a pipelined
-# learner's last stage publishes, and epochs are formed by learner rank 0 alone; an epoch's group has one sender;
-# sync mode splits each version's batch over the samplers, so a lost share would stall the step.
-REPLACE_NEEDS = {"sampler.tp": 1, "learner.pp": 1, "publish.senders": 1, "algo.mode": "pipeline"}
+# What replace needs (docs/faults.md): an engine spanning sampler ranks ends with any one of them. (Covered: several
+# publish parts, a pipelined learner's stages or publish.senders > 1: learner rank 0 forms each epoch and the other
+# sources learn it over the learner group, each building its part's group of the same members
+# (learner_main.refresh_members); sync mode: the share of a version's batch a lost sampler owed is asked of the
+# others (membership.SyncShares).)
+REPLACE_NEEDS = {"sampler.tp": 1}
 
 
 def _value(cfg, key: str):

@@ -98,13 +98,23 @@ def raise_if_stopped(store=None, store_every_s: float = 1.0) -> None:
             raise StopRequested(int(store.get(SIGNAL_KEY)))
 
 
-def wait_for_keys(store, keys: list[str], timeout_s: float, what: str) -> None:
+class WaitAbandoned(RuntimeError):
+    """A wait_for_keys ended by its caller's own `should_stop`."""
+
+
+def wait_for_keys(store, keys: list[str], timeout_s: float, what: str,
+                  should_stop: Callable[[], bool] | None = None) -> None:
     """Block until `store` holds every key in `keys`, as `store.wait` would, but in Python: StopRequested naming
     `what` as soon as this process receives a stop signal, TimeoutError naming `what` and the missing keys after
-    `timeout_s`."""
+    `timeout_s`. With `should_stop`, that condition ends the wait instead of a stop signal (WaitAbandoned): a role
+    that decides itself when a stop ends its waits (a sampler serves on after a signal until the learner says stop;
+    the learner stops at a step boundary)."""
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
-        if _received is not None:
+        if should_stop is not None:
+            if should_stop():
+                raise WaitAbandoned(f"stopped while waiting for {what}")
+        elif _received is not None:
             raise StopRequested(_received[0], what)
         if time.monotonic() >= deadline:
             missing = [key for key in keys if not store.check([key])]

@@ -18,6 +18,8 @@ has to take part. A sampler's receiver follows the epochs (`EpochFollower`). Rec
     samplers/remove/{rank}   `megarl samplers remove` asks the learner to drain the sampler ({request})
     samplers/removed/{rank}  the learner's answer ({request, incarnation, lost} or {request, refused}): with an
                              incarnation, its keeper kills that incarnation and starts none
+    samplers/sync_extra/{rank}  algo.mode=sync: the groups of a version the learner asks of the incarnation beyond
+                             its share ({version, incarnation, groups}; SyncShares)
 
 An incarnation's queue sequence numbers and heartbeat counts start at `incarnation << SHIFT`, above anything an
 earlier incarnation of its rank can have used: the queue refuses a lower sequence as a replay, and the heartbeat
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from typing import Callable
 
 INCARNATION_ENV = "MEGARL_SAMPLER_INCARNATION"
@@ -82,6 +85,10 @@ def remove_key(rank: int) -> str:
 
 def removed_key(rank: int) -> str:
     return f"samplers/removed/{rank}"
+
+
+def sync_extra_key(rank: int) -> str:
+    return f"samplers/sync_extra/{rank}"
 
 
 def read_record(store, key: str) -> dict | None:
@@ -240,8 +247,57 @@ class SamplerSet:
                 "samplers/rollouts_lost": float(self.lost)}
 
 
+class SyncShares:
+    """algo.mode=sync, learner rank 0: who still owes the batch being collected how many groups.
+
+    Each member generates its share (prompts_per_step / sampler.num_engines) of every version it receives, and the
+    batch is that version's groups. What the members cannot cover is asked of the members left as extra groups of
+    that version (`sync_extra_key`), the one owing least first: the share a member dropped mid-batch had not
+    delivered, and the shares of engines with no member at the batch's start (a replacement not joined yet)."""
+
+    def __init__(self, store, batch_groups: int, share: int):
+        self.store, self.batch_groups, self.share = store, batch_groups, share
+        self.version: int | None = None  # the version whose batch is being collected (None between batches)
+        self.incarnations: dict[int, int] = {}  # the members owing groups of it
+        self.owed: Counter[int] = Counter()
+        self.extra: Counter[int] = Counter()  # asked beyond the share, per member
+
+    def start(self, version: int, members: dict[int, int]) -> None:
+        """The batch of `version` is collected from `members` (rank -> incarnation): each owes its share."""
+        self.version, self.incarnations = version, dict(members)
+        self.owed, self.extra = Counter(dict.fromkeys(members, self.share)), Counter()
+        self._ask(self.batch_groups - self.share * len(members))
+
+    def delivered(self, rank: int) -> None:
+        if self.version is not None:
+            self.owed[rank] -= 1
+
+    def lost(self, rank: int) -> None:
+        """`rank` left the members mid-batch: what it still owed is asked of the others."""
+        if self.version is not None and self.incarnations.pop(rank, None) is not None:
+            self._ask(max(0, self.owed.pop(rank, 0)))
+
+    def done(self) -> None:
+        self.version = None
+
+    def _ask(self, groups: int) -> None:
+        if groups <= 0 or not self.incarnations:
+            return  # no member left: the replacements that join generate the whole batch (JoinersWaiting)
+        asked = set()
+        for _ in range(groups):
+            rank = min(self.incarnations, key=lambda r: (self.owed[r], r))
+            self.owed[rank] += 1
+            self.extra[rank] += 1
+            asked.add(rank)
+        for rank in sorted(asked):
+            self.store.set(sync_extra_key(rank), json.dumps({"version": self.version, "groups": self.extra[rank],
+                                                             "incarnation": self.incarnations[rank]}))
+
+
 class EpochFollower:
-    """A sampler incarnation's side: the group it receives over, moved to each new epoch that names it.
+    """A sampler incarnation's side of one publish part (each learner pipeline stage's and publish sender's part has
+    a follower of its own, reading the same records): the group it receives over, moved to each new epoch that
+    names it.
 
     Incarnation 0 starts in epoch 0 over the run's first publish group; a replacement starts outside any epoch
     and waits for one that names it. `make_group(epoch, group_rank, size)` builds an epoch's group (blocks until

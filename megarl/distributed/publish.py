@@ -387,9 +387,13 @@ class WeightReceiver:
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
                  current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float,
                  partial: bool = False, destination: Callable[[int], dict[str, torch.Tensor]] | None = None,
-                 narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None, follower=None):
+                 narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None, follower=None,
+                 abandoned: Callable[[int], bool] | None = None):
         self.group, self.store = group, store
         self.follower = follower
+        # One part of several (StagedReceiver): says whether a version this part handed over will never be whole
+        self.abandoned = abandoned
+        self.began: int | None = None  # the newest version this receiver began to receive (StagedReceiver reads it)
         self.on_version, self.current_version, self.should_stop = on_version, current_version, should_stop
         self.timeout = timedelta(seconds=timeout_s)
         self.next_index = 1
@@ -493,14 +497,17 @@ class WeightReceiver:
         if self.newest is not None and version <= self.newest:
             self._check_sums(index, version, header, self._receive_again(version, header), deadline)
             return
-        set_index = self.next_set
+        self.began = version
         # The engine may still run on, or not yet have applied, the weights this set last received (a
         # staged version is views into its buffers, and a TP engine applies exactly the version its
         # lead plans, not always the newest); the set is free once the engine has moved past it.  With a
         # destination the same wait keeps the engine at two versions' storage: the one it runs and the
         # one arriving (the storage of the version it moved past is what `destination` hands out).
-        held = self.held_versions[set_index]
+        held = self.held_versions[self.next_set]
         while held is not None and self.current_version() <= held:
+            if self.abandoned is not None and self.abandoned(self.newest):
+                self._forget_newest()  # its set is the next one now, and holds nothing
+                break
             if self.should_stop():
                 raise _Stopped()
             if time.monotonic() > deadline:
@@ -508,6 +515,7 @@ class WeightReceiver:
                                    f"{self.timeout.total_seconds():.0f}s (its staging buffers are needed for "
                                    f"version {version})")
             time.sleep(0.001)
+        set_index = self.next_set
         self.held_versions[set_index] = version
         try:
             if self.destination is not None:
@@ -531,6 +539,15 @@ class WeightReceiver:
             raise
         self.newest = version
 
+    def _forget_newest(self) -> None:
+        """The newest version handed over will never be applied (another part never got it and has moved past it):
+        its staging set is free, and the version the other set holds is the newest again. Without this, a survivor
+        that got some parts of a version and missed another (fault.on_failure=replace) would have the engine run the
+        version before it from the one set left, and the next version's part would wait on it for ever."""
+        index = self.held_versions.index(self.newest)
+        self.held_versions[index] = None
+        self.newest = self.held_versions[1 - index]
+
     @property
     def next_set(self) -> int:
         """The staging set the next new version lands in: the one not holding the newest (a set whose receive
@@ -549,7 +566,8 @@ class WeightReceiver:
         by bucket (never the engine's staging storage, which the engine may run from). Its checksums."""
         if self.wire is not None:
             return self._receive_wire(version, header, lambda i, wire: None)
-        sink = torch.empty(max(b.numel * b.dtype.itemsize for b in self.buckets), dtype=torch.uint8,
+        # (a sender's share of a small model may hold no bucket: then there is nothing to take)
+        sink = torch.empty(max((b.numel * b.dtype.itemsize for b in self.buckets), default=0), dtype=torch.uint8,
                            device=self._device)
         got = []
         for i, bucket in enumerate(self.buckets):
@@ -691,13 +709,15 @@ class StagedReceiver:
 
     `stages` is [(group, store)] in part order (megarl.distributed.topology.publish_groups and
     publish_stage_store); `extra` comes from part 0, the publisher that owns the run's bookkeeping.
+    `followers` (fault.on_failure=replace): one membership.EpochFollower per part, in part order; every part follows
+    the same epoch records, each over its own group.
     """
 
     def __init__(self, stages: list, expected: dict[str, tuple[torch.Size, torch.dtype]], device: torch.device,
                  on_version: Callable[[int, dict[str, torch.Tensor], dict], None],
                  current_version: Callable[[], int], should_stop: Callable[[], bool], timeout_s: float,
                  destination: Callable[[int], dict[str, torch.Tensor]] | None = None,
-                 narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None, follower=None):
+                 narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None, followers: list | None = None):
         self.expected, self.on_version = expected, on_version
         self.parts: dict[int, dict[int, tuple[dict, dict]]] = {}  # version -> stage -> (tensors, extra)
         self.lock = threading.Lock()
@@ -706,7 +726,8 @@ class StagedReceiver:
             WeightReceiver(group, store, expected, device,
                            on_version=lambda v, t, e, stage=stage: self._on_part(stage, v, t, e),
                            current_version=current_version, should_stop=should_stop, timeout_s=timeout_s,
-                           partial=True, destination=destination, narrow=narrow, follower=follower)
+                           partial=True, destination=destination, narrow=narrow,
+                           follower=None if followers is None else followers[stage], abandoned=self._abandoned)
             for stage, (group, store) in enumerate(stages)]
 
     def start(self) -> "StagedReceiver":
@@ -721,6 +742,17 @@ class StagedReceiver:
     def join(self, timeout_s: float) -> None:
         for receiver in self.receivers:
             receiver.thread.join(timeout_s)
+
+    def _abandoned(self, version: int) -> bool:
+        """Will `version` never be whole? True (and its parts are dropped) once every part that lacks it has begun a
+        later version: its receive of it failed (fault.on_failure=replace) and the learner went on without it."""
+        with self.lock:
+            parts = self.parts.get(version)
+            if parts is None or not all(stage in parts or (receiver.began is not None and receiver.began > version)
+                                        for stage, receiver in enumerate(self.receivers)):
+                return False
+            del self.parts[version]
+            return True
 
     def _on_part(self, stage: int, version: int, tensors: dict, extra: dict) -> None:
         with self.lock:

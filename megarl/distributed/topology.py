@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -79,11 +80,13 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def wait_for_members(group_store: dist.Store, rank: int, size: int, timeout_s: float, group: str) -> None:
-    """Say that group rank `rank` arrived at the start-up group whose keys `group_store` holds, then wait until all
-    `size` members did (megarl.distributed.lifetime.wait_for_keys: a stop signal ends the wait at once)."""
+def wait_for_members(group_store: dist.Store, rank: int, size: int, timeout_s: float, group: str,
+                     should_stop: Callable[[], bool] | None = None) -> None:
+    """Say that group rank `rank` arrived at the group whose keys `group_store` holds, then wait until all `size`
+    members did (megarl.distributed.lifetime.wait_for_keys: a stop signal ends the wait at once, or `should_stop`)."""
     group_store.set(f"arrived/{rank}", "1")
-    wait_for_keys(group_store, [f"arrived/{r}" for r in range(size)], timeout_s, f"every member of {group}")
+    wait_for_keys(group_store, [f"arrived/{r}" for r in range(size)], timeout_s, f"every member of {group}",
+                  should_stop)
 
 
 def init_learner_group(topo: Topology, store: SignedStore, backend: str, timeout_s: float) -> None:
@@ -147,11 +150,23 @@ def publish_group(topo: Topology, store: SignedStore, backend: str, timeout_s: f
     return dist.ProcessGroupGloo(sub, rank, topo.publish_group_size, timeout)
 
 
-def epoch_publish_group(store: SignedStore, epoch: int, rank: int, size: int, backend: str, timeout_s: float):
+def epoch_publish_group(store: SignedStore, epoch: int, rank: int, size: int, backend: str, timeout_s: float,
+                        stage: int = 0, tp_rank: int = 0, sender: int = 0,
+                        should_stop: Callable[[], bool] | None = None):
     """The weight broadcast group of membership epoch `epoch` (fault.on_failure=replace,
-    megarl.distributed.membership): built straight over the run's store, as vLLM's StatelessProcessGroup is, so
-    only this epoch's members take part. Epoch 0 is the run's first group (publish_group); rank 0 is the source."""
-    sub = dist.PrefixStore(f"publish/e{epoch}/", store.raw)
+    megarl.distributed.membership) for publish part (stage, TP rank, sender): built straight over the run's store,
+    as vLLM's StatelessProcessGroup is, so only this epoch's members take part. Epoch 0 is the run's first group
+    (publish_group); rank 0 is the part's source. Every part has a group per epoch, of the same members.
+
+    Its rendezvous goes over a store connection of its own: torch's store client serves one call at a time, and a
+    rendezvous blocked in C++ on a member that does not come would hold every other call of the process's client
+    behind it for up to `timeout_s` (a sampler's heartbeat, which then reads as a hang, and the other parts'
+    rendezvous, each part's receiver following the epochs on its own thread, so that part's source gives up on this
+    member). The members first meet in Python (wait_for_members, `should_stop` ending the wait), so a member that
+    is stopping leaves at once and torch's rendezvous starts only once all arrived."""
+    sub = dist.PrefixStore(f"publish/{_part_prefix(stage, tp_rank, sender)}e{epoch}/", store.raw.clone())
+    wait_for_members(sub, rank, size, timeout_s, f"publish epoch {epoch}'s group (stage {stage}, TP rank {tp_rank}, "
+                                                 f"sender {sender}) of {size - 1} sampler(s)", should_stop)
     timeout = timedelta(seconds=timeout_s)
     if resolve_backend(backend) == "nccl":
         opts = dist.ProcessGroupNCCL.Options()

@@ -113,6 +113,8 @@ def add_refusal(config: dict) -> str | None:
                 "GPU slice follows the rank's place among the run's ranks on its node)")
     if config.get("eval", {}).get("sets"):
         return "eval.sets: each due version's evaluation is split over the run's engines, a fixed set"
+    if config.get("algo", {}).get("mode") == "sync":
+        return "algo.mode=sync: each version's batch is split over the run's engines, a fixed set"
     return None
 
 

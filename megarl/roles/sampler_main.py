@@ -32,6 +32,7 @@ import math
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -40,7 +41,7 @@ from megarl.config.schema import Config
 from megarl.distributed.heartbeat import Heartbeat
 from megarl.distributed.lifetime import SIGNAL_KEY, exit_status, seconds_since_signal, stop_signal
 from megarl.distributed.membership import SHIFT, EpochFollower, SamplerDropped, incarnation, join_key, read_record, \
-    rejoin_timeout_s, removed_key, served_key
+    rejoin_timeout_s, removed_key, served_key, sync_extra_key
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.ranks import Topology
@@ -114,16 +115,21 @@ def builtin_engine(cfg: Config, topo: Topology, model_dir: Path, tp_group):
         tp_group=tp_group, model_impl=cfg.sampler.model_impl)
 
 
-def epoch_follower(cfg: Config, topo: Topology, store, groups: dict | None) -> EpochFollower | None:
-    """fault.on_failure=replace: what moves this incarnation's receiver from membership epoch to epoch (the first
-    incarnation starts over the run's first publish group, a replacement outside any)."""
+def epoch_followers(cfg: Config, topo: Topology, store, groups: dict | None,
+                    should_stop: Callable[[], bool]) -> list[EpochFollower] | None:
+    """fault.on_failure=replace: what moves this incarnation's receivers from membership epoch to epoch, one per
+    publish part in part order (each stage's and sender's; the first incarnation starts over the run's first publish
+    groups, a replacement outside any). Each part's receiver builds its epoch's group on its own thread, over a store
+    connection of its own (topology.epoch_publish_group): the parts' sources form their groups at different moments,
+    and neither another part's group nor the loop's heartbeat waits on one part's."""
     if cfg.fault.on_failure != "replace":
         return None
     timeout_s = 2 * cfg.publish.timeout_s  # a member may first sit out a failed publish's receive
-    return EpochFollower(store, topo.rank, incarnation(),
-                         lambda epoch, rank, size: epoch_publish_group(store, epoch, rank, size, cfg.dist.backend,
-                                                                       timeout_s),
-                         group=groups[(0, 0, 0)] if groups else None, rejoin_timeout_s=rejoin_timeout_s(cfg))
+    return [EpochFollower(store, topo.rank, incarnation(),
+                          lambda epoch, rank, size, part=part: epoch_publish_group(
+                              store, epoch, rank, size, cfg.dist.backend, timeout_s, *part, should_stop=should_stop),
+                          group=groups[part] if groups else None, rejoin_timeout_s=rejoin_timeout_s(cfg))
+            for part in topo.publish_parts]
 
 
 def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, should_stop,
@@ -140,14 +146,14 @@ def weight_receiver(cfg: Config, topo: Topology, store, engine, on_version, shou
         narrow = functools.partial(tp_shard.shard, tp_size=topo.sampler_tp, tp_rank=topo.engine_tp_rank)
     # The built-in engine (and its TP lead) offers the storage each version will run from: received into
     # directly, a version costs one copy of the weights (SGLang and vLLM take tensors from staging sets).
-    follower = epoch_follower(cfg, topo, store, groups)
-    stages = [(follower.group, store)] if follower is not None else \
-        [(groups[part], publish_stage_store(store, *part)) for part in sorted(groups)]
+    followers = epoch_followers(cfg, topo, store, groups, should_stop)
+    stages = [(groups[part] if followers is None else followers[i].group, publish_stage_store(store, *part))
+              for i, part in enumerate(topo.publish_parts)]
     return StagedReceiver(stages, expected, engine.device, on_version=on_version,
                           current_version=lambda: engine.version, should_stop=should_stop,
                           timeout_s=cfg.publish.timeout_s,
                           destination=getattr(engine, "staging_buffers", None), narrow=narrow,
-                          follower=follower).start()
+                          followers=followers).start()
 
 
 class SamplerLoop:
@@ -215,6 +221,10 @@ class SamplerLoop:
         self.budget = math.ceil((cfg.algo.max_lag + 1) * self.share)
         self.sync_share = int(self.share)
         self.sync_admitted_version: int | None = None
+        # fault.on_failure=replace: (version, groups) the learner asked of this incarnation beyond its share of that
+        # version's batch (a lost sampler's share: membership.SyncShares), and how many of them it started
+        self.sync_extra: tuple[int | None, int] = (None, 0)
+        self.sync_extra_started = 0
         self.started = 0
         self.retired = 0
         self.sent = 0  # groups sent to the learner; those not retired yet are ahead in its queue (send_order)
@@ -296,7 +306,8 @@ class SamplerLoop:
             self.resume_version = 1 << 62  # nothing before the version of the epoch that admits it (_on_published)
         receiver = self._start_weight_receiver()
         self.follower = getattr(receiver, "follower", None) or \
-            next((r.follower for r in getattr(receiver, "receivers", [])), None)  # SGLang's, or a staged receiver's
+            next((r.follower for r in getattr(receiver, "receivers", [])), None)  # SGLang's, or part 0's (its
+        # epoch records carry the data position; every part's follower reads the same ones)
         sender = QueueSender(self.store, self.cfg.queue.timeout_s, run_secret(), self.topo.rank,
                              first_sequence=self.incarnation << SHIFT)
         heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s, first=self.incarnation << SHIFT)
@@ -312,6 +323,8 @@ class SamplerLoop:
                     if stop_signal() is not None and self._stop_signalled():
                         break
                     self._read_retired()
+                    if self.cfg.algo.mode == "sync" and self.cfg.fault.on_failure == "replace":
+                        self._read_sync_extra()
                     next_stop_check = time.monotonic() + STOP_POLL_S
                 if receiver.error is not None:
                     if self._removed(receiver.error):  # `megarl samplers remove`: its keeper starts no other
@@ -373,6 +386,12 @@ class SamplerLoop:
         if self.store.check([key]):
             self.retired = max(self.retired, int(self.store.get(key)))
 
+    def _read_sync_extra(self) -> None:
+        """The extra groups the learner asks of this incarnation (membership.SyncShares), if any."""
+        record = read_record(self.store, sync_extra_key(self.topo.rank))
+        if record is not None and record["incarnation"] == self.incarnation:
+            self.sync_extra = (record["version"], record["groups"])
+
     def _stop_signalled(self) -> bool:
         """This rank received a stop signal: tell the learner (it may not have received one), then keep
         serving until it says stop (a publish in progress needs every receiver), at most half of
@@ -386,9 +405,16 @@ class SamplerLoop:
         if self.resume_version is not None and self.engine.version < self.resume_version:
             return  # a resumed run generates only with the resumed weights, published before its first step
         if self.cfg.algo.mode == "sync":
-            if self.pending or self.sync_admitted_version == self.engine.version:
-                return  # this version's batch is generated (or generating): wait for the next one
-            self.sync_admitted_version = self.engine.version
+            if self.sync_admitted_version == self.engine.version:
+                # this version's share is generated (or generating); the learner may ask for a lost sampler's too
+                asked = self.sync_extra[1] if self.sync_extra[0] == self.engine.version else 0
+                while self.sync_extra_started < asked:
+                    self._start_group()
+                    self.sync_extra_started += 1
+                return
+            if self.pending:
+                return  # the last version's groups still run: wait for them
+            self.sync_admitted_version, self.sync_extra_started = self.engine.version, 0
             # The batch's sampling stream is a function of (run.seed, engine, version): a resumed run, under any
             # learner layout, samples what the uninterrupted run did. Only the built-in single-process engine
             # can restart its generator (SGLang, vLLM and a TP engine keep one stream: docs/checkpoint.md).

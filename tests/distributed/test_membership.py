@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 
 from megarl.distributed.heartbeat import Heartbeat, HeartbeatMonitor
+from megarl.distributed.lifetime import WaitAbandoned
 from megarl.distributed.membership import (SHIFT, EpochFollower, SamplerDropped, SamplerSet, dead_key, epoch_key,
                                            join_key, lost_groups)
-from megarl.distributed.publish import WeightPublisher, WeightReceiver
+from megarl.distributed.publish import StagedReceiver, WeightPublisher, WeightReceiver
 from megarl.distributed.signed_store import SignedStore
-from megarl.distributed.topology import epoch_publish_group
+from megarl.distributed.topology import epoch_publish_group, publish_stage_store
 from megarl.roles.sampler_keeper import how_it_ended, over_limit
 from tests.helpers import signed_loopback_store
 
@@ -177,6 +178,119 @@ def test_a_version_published_again_over_a_new_epoch_is_taken_once_and_the_next_o
         assert member.receiver.error is None
         member.stopped.set()
         member.receiver.thread.join(5)
+
+
+def _part_groups(store, epoch: int, stage: int) -> list:
+    """Publish part `stage`'s group of `epoch` with one member, built by both sides at once: [source's, member's]."""
+    sides = [None, None]
+    threads = [threading.Thread(target=lambda r=r: sides.__setitem__(
+        r, epoch_publish_group(_client(store), epoch, r, 2, "gloo", TIMEOUT_S, stage))) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sides
+
+
+def test_a_member_that_missed_one_part_of_a_version_takes_the_next_version_whole_without_waiting(store):
+    # learner.pp=2 under replace: each stage publishes its part ("a", "b") over its own group. Here the member's
+    # receive of stage 0's part of version 2 fails after its bytes arrived, so both sources' publishes succeeded and
+    # the learner goes on to version 3 over a new epoch. Stage 1's receiver holds version 2, which can never be whole,
+    # while the engine runs version 1 from the other staging set: version 3 must land in version 2's set (waiting for
+    # the engine to move past version 1 would wait for version 3 itself, until publish.timeout_s failed it).
+    stores = [publish_stage_store(store, stage) for stage in (0, 1)]
+    groups = [_part_groups(store, 0, stage) for stage in (0, 1)]
+    clients = [_client(store) for _ in (0, 1)]
+    followers = [EpochFollower(clients[stage], 1, 0, lambda e, r, n, stage=stage: epoch_publish_group(
+        clients[stage], e, r, n, "gloo", TIMEOUT_S, stage), group=groups[stage][1]) for stage in (0, 1)]
+    got, stopped = {}, threading.Event()
+    expected = {name: (t.shape, t.dtype) for name, t in _weights(0).items()}
+    receiver = StagedReceiver([(groups[stage][1], publish_stage_store(clients[stage], stage)) for stage in (0, 1)],
+                              expected, torch.device("cpu"),
+                              on_version=lambda v, tensors, extra: got.__setitem__(v, {n: t.clone() for n, t in
+                                                                                      tensors.items()}),
+                              current_version=lambda: max(got, default=0), should_stop=stopped.is_set,
+                              timeout_s=TIMEOUT_S, followers=followers)
+    stage0 = receiver.receivers[0]
+    hand_over = stage0.on_version
+
+    def fail_version_2(version, tensors, extra):
+        if version == 2:
+            raise RuntimeError("version 2: this member's receive of stage 0's part failed")
+        hand_over(version, tensors, extra)
+
+    stage0.on_version = fail_version_2
+    receiver.start()
+    publishers = [WeightPublisher(groups[stage][0], stores[stage], bucket_mb=1e-4, timeout_s=TIMEOUT_S, checksum=True)
+                  for stage in (0, 1)]
+
+    def publish(version):
+        for publisher, name in zip(publishers, ("a", "b")):
+            publisher.publish(version, [(name, _weights(version)[name])])
+
+    publish(1)
+    publish(2)
+    deadline = time.monotonic() + TIMEOUT_S
+    while 1 not in got or 2 not in receiver.parts:  # stage 1's part of version 2 arrived, stage 0's did not
+        assert receiver.error is None and time.monotonic() < deadline, receiver.error
+        time.sleep(0.01)
+    store.set(epoch_key(1), json.dumps({"members": [[1, 0]], "first_publish": 3, "positions": {}}))
+    for publisher, stage in zip(publishers, (0, 1)):
+        publisher.group, publisher.last_sent = _part_groups_source(store, 1, stage), []
+    start = time.monotonic()
+    publish(3)
+    while 3 not in got:
+        assert receiver.error is None and time.monotonic() < deadline + TIMEOUT_S, receiver.error
+        time.sleep(0.01)
+    assert sorted(got) == [1, 3] and time.monotonic() - start < TIMEOUT_S / 2
+    assert all(torch.equal(got[3][n], t) for n, t in _weights(3).items())
+    assert 2 not in receiver.parts  # its parts were let go
+    stopped.set()
+    receiver.join(5)
+
+
+def _part_groups_source(store, epoch: int, stage: int):
+    """The source's side of publish part `stage`'s group of `epoch` (the member's follower builds its own)."""
+    return epoch_publish_group(_client(store), epoch, 0, 2, "gloo", TIMEOUT_S, stage)
+
+
+def test_a_member_in_one_parts_epoch_rendezvous_holds_up_neither_its_heartbeat_nor_its_other_parts_group(store):
+    # One sampler process, one store connection, two publish parts (learner.pp=2). Part 0's source has arrived but
+    # not yet entered torch's rendezvous, so the member's part-0 receiver thread sits in that C++ rendezvous. Over a
+    # shared connection every other call of the process would queue behind it until its timeout: the loop's
+    # heartbeat (the learner then drops a live sampler as hung) and part 1's group (its source gives up on the
+    # member). Both must go on while part 0 still waits; part 0 forms once its source comes.
+    member = _client(store)
+    dist.PrefixStore("publish/e1/", store.raw).set("arrived/0", "1")  # part 0's source said it arrived
+    part0 = []
+    waiting = threading.Thread(target=lambda: part0.append(epoch_publish_group(member, 1, 1, 2, "gloo", TIMEOUT_S)))
+    waiting.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while not store.raw.check(["publish/e1//0/1"]):  # gloo's key: the member is inside torch's rendezvous
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    Heartbeat(member, 1, period_s=0.0).beat()
+    part1 = [None]
+    source1 = threading.Thread(target=lambda: part1.__setitem__(0, _part_groups_source(store, 1, 1)))
+    source1.start()
+    member_part1 = epoch_publish_group(member, 1, 1, 2, "gloo", TIMEOUT_S, 1)
+    source1.join()
+    assert waiting.is_alive() and not part0  # all the above happened while part 0's rendezvous waited
+    assert HeartbeatMonitor(store, [1], timeout_s=60)._read(1) == 1
+    source0 = epoch_publish_group(_client(store), 1, 0, 2, "gloo", TIMEOUT_S)
+    waiting.join()
+    for source, receiving in ((source0, part0[0]), (part1[0], member_part1)):  # both groups work
+        sent, got = torch.arange(3.0), torch.zeros(3)
+        works = [source.broadcast([sent], dist.BroadcastOptions()), receiving.broadcast([got], dist.BroadcastOptions())]
+        for work in works:
+            work.wait()
+        assert torch.equal(got, sent)
+
+
+def test_a_stopping_member_leaves_an_epoch_whose_members_have_not_all_arrived_at_once(store):
+    with pytest.raises(WaitAbandoned, match=r"stopped while waiting for every member of publish epoch 3's group "
+                                            r"\(stage 1, TP rank 0, sender 0\) of 2 sampler\(s\)"):
+        epoch_publish_group(store, 3, 2, 3, "gloo", TIMEOUT_S, 1, should_stop=lambda: True)
 
 
 def test_an_incarnation_left_out_of_a_later_epoch_knows_it_was_dropped(store):

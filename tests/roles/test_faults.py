@@ -1,5 +1,6 @@
 """Faults, for real: real runs, real signals. A run that cannot go on stops every process, quickly,
 with a message that names the failed rank and role; nothing is left running."""
+import collections
 import json
 import os
 import re
@@ -51,9 +52,14 @@ def leftovers(run_dir) -> list[int]:
 class _Logged(subprocess.Popen):
     """A process whose stdout and stderr go to files beside its run dir, not to pipes: a pipe the test does not read
     while the run goes on fills (64 KiB: a killed sampler's peers print tracebacks) and blocks whichever process
-    writes next, which stalls the run. communicate() waits as Popen's does and returns the two files' text."""
+    writes next, which stalls the run. communicate() waits as Popen's does and returns the two files' text. Every
+    one started is in `started` until the test ends (_no_run_outlives_its_test)."""
+
+    started: list["_Logged"] = []
 
     def __init__(self, args, log_stem: Path, merge_stderr: bool = False):
+        self.run_dir = log_stem.with_suffix("")
+        _Logged.started.append(self)
         self.out_path, self.err_path = log_stem.with_suffix(".stdout"), log_stem.with_suffix(".stderr")
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             super().__init__(args, stdout=out, stderr=subprocess.STDOUT if merge_stderr else err, text=True,
@@ -65,6 +71,39 @@ class _Logged(subprocess.Popen):
 
     def stderr_tail(self, chars: int = 3000) -> str:
         return self.err_path.read_text(errors="replace")[-chars:]
+
+
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and every live process descended from it."""
+    children = collections.defaultdict(list)
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit():
+                children[int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])].append(int(proc.name))
+        except OSError:
+            continue
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children[tree[-1]]
+    return tree
+
+
+@pytest.fixture(autouse=True)
+def _no_run_outlives_its_test():
+    """However a test ends (a failed assertion, its timeout), the runs it started end with it: every process of each
+    run's tree, and any other still holding its run directory (a sampler whose keeper is gone), is SIGKILLed. The
+    workers sit in sessions of their own (torchrun, the keepers), out of reach of a process-group kill; a failed
+    replace run left alone would go on loading the machine under the tests after it."""
+    yield
+    while _Logged.started:
+        proc = _Logged.started.pop()
+        for pid in _process_tree(proc.pid) + leftovers(proc.run_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # ended meanwhile
+        proc.wait()
 
 
 def _start(run_dir, model_dir, *overrides) -> _Logged:
@@ -306,17 +345,18 @@ def _wait_for_rejoin(run_dir, proc: _Logged, replaced: int = 1, more_steps: int 
                          f"metrics: {last}; the run's stderr ends:\n{proc.stderr_tail()}")
 
 
-def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1) -> None:
-    """Stopped by SIGTERM at a step boundary with every step once, in order; the replacement of `rank` joined at a
-    version V and none of its trained groups carries an older one (it generated nothing before it ran V; its first
-    token may come from V + 1 when that version landed first, the pipeline's in-flight update)."""
+def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1, learners: int = 1) -> None:
+    """Stopped by SIGTERM at a step boundary with every step once, in order; the replacement of `rank` (of a run with
+    `learners` learner ranks) joined at a version V and none of its trained groups carries an older one (it generated
+    nothing before it ran V; its first token may come from V + 1 when that version landed first, the pipeline's
+    in-flight update)."""
     metrics = _metrics(run_dir)
     steps = len(metrics)
     assert f"megarl: stopped by SIGTERM after {steps} steps" in out, err[-3000:]
     assert [m["step"] for m in metrics] == list(range(steps))  # none skipped, none trained twice
     assert [m["version"] for m in metrics] == list(range(1, steps + 1))
     joined = [int(v) for v in re.findall(
-        rf"sampler {rank - 1} \(rank {rank}\): replacement 1 joins the publish set at version (\d+)", out)]
+        rf"sampler {rank - learners} \(rank {rank}\): replacement 1 joins the publish set at version (\d+)", out)]
     assert len(joined) == 1, out[-3000:]
     rollouts = [json.loads(line) for line in (Path(run_dir) / "rollouts.jsonl").read_text().splitlines()]
     after = [r for r in rollouts if r["sampler_rank"] == rank and r["trained_at_step"] >= joined[0]]
@@ -346,6 +386,56 @@ def test_with_replace_a_killed_sampler_is_replaced_and_the_run_goes_on(victims, 
         assert f"megarl: sampler {rank - 1} (rank {rank}) was killed by signal 9 (SIGKILL): dropped from the publish " \
                f"set, replacement 1 starting; " in out, out[-3000:]
         _check_replaced(run_dir, out, err, rank, replaced=len(victims))
+    assert not leftovers(run_dir)
+
+
+@pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
+@pytest.mark.parametrize("layout", ["learner.pp=2", "learner.dp=2 publish.senders=2"])
+def test_with_replace_a_sampler_of_a_several_source_publish_is_replaced_and_the_run_goes_on(layout,
+                                                                                             embedded_think_model_dir,
+                                                                                             tmp_path):
+    # Two publish sources (each pipeline stage its layers; each sender its share of the buckets), two learner ranks:
+    # learner rank 0 forms each membership epoch and the other source builds its part's group of it; the replacement
+    # receives both parts of the version current at its join before it generates (_check_replaced).
+    run_dir = tmp_path / "replace_parts"
+    proc = _replace_run(run_dir, embedded_think_model_dir, f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}",
+                        *layout.split())
+    _wait_for_steps(run_dir, 3, proc)
+    os.kill(_sampler_processes(run_dir)[(2, 0)], signal.SIGKILL)  # ranks 0 and 1 learn; sampler 0 is rank 2
+    _wait_for_rejoin(run_dir, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "megarl: sampler 0 (rank 2) was killed by signal 9 (SIGKILL): dropped from the publish set, replacement 1 " \
+           "starting; " in out, out[-3000:]
+    _check_replaced(run_dir, out, err, 2, learners=2)
+    assert not leftovers(run_dir)
+
+
+@pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
+def test_with_replace_in_sync_mode_the_survivor_generates_a_killed_samplers_share(embedded_think_model_dir, tmp_path):
+    # algo.mode=sync: each version's batch is each sampler's share (4 prompts / 2 samplers) generated on that version.
+    # The share the killed sampler owed is asked of the survivor (membership.SyncShares), so no step stalls until a
+    # replacement joins; every step trains exactly one whole batch of its own version.
+    run_dir = tmp_path / "replace_sync"
+    proc = _replace_run(run_dir, embedded_think_model_dir, f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}",
+                        "algo.mode=sync")
+    _wait_for_steps(run_dir, 3, proc)
+    os.kill(_sampler_processes(run_dir)[(1, 0)], signal.SIGKILL)
+    _wait_for_rejoin(run_dir, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "megarl: sampler 0 (rank 1) was killed by signal 9 (SIGKILL): dropped from the publish set, replacement 1 " \
+           "starting; " in out, out[-3000:]
+    _check_replaced(run_dir, out, err, 1)
+    rollouts = [json.loads(line) for line in (Path(run_dir) / "rollouts.jsonl").read_text().splitlines()]
+    per_step = collections.Counter(r["trained_at_step"] for r in rollouts)
+    assert set(per_step.values()) == {4 * 8}, per_step  # 4 groups of 8 samples in every step
+    assert all(set(r["versions"]) == {r["trained_at_step"]} for r in rollouts)  # each generated on its step's version
+    # the survivor generated more than its share of some version while sampler 0 was gone
+    assert max(collections.Counter((r["trained_at_step"], r["sampler_rank"]) for r in rollouts
+                                   if r["sampler_rank"] == 2).values()) > 2 * 8
     assert not leftovers(run_dir)
 
 

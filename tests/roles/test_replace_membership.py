@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from megarl.config.load import load_config
-from megarl.distributed.membership import EpochFollower, dead_key, epoch_key, join_key
+from megarl.distributed.membership import EpochFollower, dead_key, epoch_key, join_key, read_record, sync_extra_key
 from megarl.distributed.publish import header_key
 from megarl.protocols import TrainBatch
 from megarl.roles import learner_main
-from megarl.roles.learner_main import Intake, JoinersWaiting, RunOutputs, check_trained, publish_to_members
+from megarl.roles.learner_main import Intake, JoinersWaiting, RunOutputs, check_trained, publish_to_members, \
+    refresh_members
 from megarl.sampler.sglang_engine import SGLangWeightFollower
 from megarl.distributed.publish import WeightPublisher
 from tests.distributed.test_membership import Member, _epoch0, _group, _weights
@@ -92,18 +93,18 @@ def test_a_survivor_gets_no_data_position_when_an_epoch_fails_to_form(store, mon
         return f"epoch {epoch}"
 
     publisher = FakePublisher()
-    assert intake.refresh_members(publisher, make_group, version=3)
+    assert refresh_members(intake, publisher, make_group, version=3)
     assert tries == [1, 2] and publisher.group == "epoch 2"
     assert _epoch(store, 1)["positions"] == {} and _epoch(store, 2)["positions"] == {}  # rank 2 survived: none
     # its replacement is a newcomer until a publish reaches it: every epoch until then carries its position
     store.set(join_key(1), "1")
     tries.clear()
-    assert intake.refresh_members(publisher, make_group, version=3)
+    assert refresh_members(intake, publisher, make_group, version=3)
     assert _epoch(store, 3)["positions"] == {"1": {"cursor": 0, "above": []}}
     assert _epoch(store, 4)["positions"] == {"1": {"cursor": 0, "above": []}}
     intake.members.delivered()
     intake.members.changed = True
-    assert intake.refresh_members(publisher, make_group, version=4)
+    assert refresh_members(intake, publisher, make_group, version=4)
     assert _epoch(store, 5)["positions"] == {}
 
 
@@ -227,7 +228,7 @@ def test_while_every_sampler_is_being_replaced_the_learner_waits_past_queue_time
     assert not intake._wait_more()  # bounded
     store.set(join_key(2), "1")
     publisher = FakePublisher()
-    assert intake.refresh_members(publisher, lambda epoch, size: f"epoch {epoch}", version=3)
+    assert refresh_members(intake, publisher, lambda epoch, size: f"epoch {epoch}", version=3)
     assert intake.memberless_since is None and not intake._wait_more()
 
 
@@ -402,3 +403,30 @@ def test_train_on_counts_a_critic_warm_up_step_as_a_step_that_moves_no_version()
     broken.train_step = lambda batch: {"loss": 0.1, "skipped_nonfinite": 0.0}  # trained, but the version stood
     with pytest.raises(RuntimeError, match="step 2 broke the step invariant"):
         learner_main.train_on(broken, batch, cfg, 2, nonfinite)
+
+
+def _sync_extra(store, rank: int) -> dict | None:
+    return read_record(store, sync_extra_key(rank))
+
+
+def test_in_sync_mode_the_share_a_lost_sampler_owed_is_asked_of_the_others(store, monkeypatch):
+    # Sync mode: each member generates its share (32 / 2 = 16 groups) of every version it receives; the batch is that
+    # version's 32 groups. A member dropped mid-batch would leave the step waiting for its share forever: what it had
+    # not delivered is asked of the survivors as extra groups of that version, the one owing least first.
+    intake = _intake(store, monkeypatch, "algo.mode=sync")
+    shares = intake.shares
+    shares.start(5, intake.members.members)
+    assert _sync_extra(store, 1) is None and _sync_extra(store, 2) is None  # two members cover the batch
+    for _ in range(6):  # rank 2 delivered 6 of its 16 before it died
+        assert intake._accepts([SimpleNamespace(sampler_rank=2)], {"incarnation": 0})
+    intake.drop_sampler(2, "was killed by signal 9 (SIGKILL)")
+    assert _sync_extra(store, 1) == {"version": 5, "groups": 10, "incarnation": 0}
+    assert not intake._accepts([SimpleNamespace(sampler_rank=2)], {"incarnation": 0})  # its late groups: refused
+    shares.done()
+    intake.drop_sampler(1, "was killed by signal 9 (SIGKILL)")  # between batches: nothing is asked
+    assert _sync_extra(store, 1) == {"version": 5, "groups": 10, "incarnation": 0}
+    # The next batch starts with one member (rank 2's replacement has joined, rank 1's not yet): it owes the whole
+    # batch, its share and the missing engine's.
+    shares.start(6, {2: 1})
+    assert _sync_extra(store, 2) == {"version": 6, "groups": 16, "incarnation": 1}
+    assert shares.owed == {2: 32}

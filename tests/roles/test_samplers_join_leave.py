@@ -14,7 +14,7 @@ import pytest
 from megarl.distributed import run_contact
 from megarl.distributed.membership import epoch_key, join_key, remove_key, removed_key
 from megarl.roles import sampler_control, sampler_keeper
-from megarl.roles.learner_main import STOP_KEY
+from megarl.roles.learner_main import STOP_KEY, refresh_members
 from tests.roles.test_replace_membership import FakePublisher, _intake, store  # noqa: F401 (store: a fixture)
 
 
@@ -34,7 +34,7 @@ def test_a_removed_sampler_leaves_the_publish_set_for_good_and_its_running_group
     assert 2 not in intake.heartbeats.ranks  # its silence from now on is no fault
     assert not intake.members.accepts(2, {"incarnation": 0, "started": 10})  # a late group of it: refused
     publisher = FakePublisher()
-    assert intake.refresh_members(publisher, lambda epoch, size: f"epoch {epoch}", version=3)
+    assert refresh_members(intake, publisher, lambda epoch, size: f"epoch {epoch}", version=3)
     assert json.loads(store.get(epoch_key(1)))["members"] == [[1, 0]]  # the next publish reaches exactly the live set
     intake.take_removals()  # answered once
     store.set(join_key(2), "1")  # nothing of that rank is admitted again
@@ -162,7 +162,7 @@ def test_an_added_sampler_rank_is_taken_in_joins_the_next_epoch_as_a_newcomer_an
     intake.members.discover()
     assert intake.members.members == {1: 0, 2: 0}  # not ready yet: no join record
     store.set(join_key(3), "1")  # its first incarnation (1) is ready
-    assert intake.refresh_members(publisher, lambda epoch, size: f"epoch {epoch}", version=4)
+    assert refresh_members(intake, publisher, lambda epoch, size: f"epoch {epoch}", version=4)
     record = json.loads(store.get(epoch_key(1)))
     assert record["members"] == [[1, 0], [2, 0], [3, 1]]
     assert record["positions"] == {"3": {"cursor": 0, "above": []}}  # a new stream: from index 0
@@ -173,13 +173,14 @@ def test_an_added_sampler_rank_is_taken_in_joins_the_next_epoch_as_a_newcomer_an
     assert intake.members.members == {1: 0, 2: 0}
 
 
-def test_add_is_refused_for_real_sglang_and_eval_sets_by_name(tmp_path, capsys):
+def test_add_is_refused_for_real_sglang_eval_sets_and_sync_mode_by_name(tmp_path, capsys):
     assert sampler_control.add_refusal({"sampler": {"engine": "builtin"}, "eval": {"sets": []}}) is None
     assert sampler_control.add_refusal({"sampler": {"engine": "vllm"}}) is None  # (tests/sampler/vllm/)
     assert sampler_control.add_refusal({"sampler": {"engine": "sglang", "sglang": {"server": "builtin"}}}) is None
     assert sampler_control.add_refusal({"sampler": {"engine": "sglang", "sglang": {"server": "sglang"}}}).startswith(
         "sampler.sglang.server=sglang: `megarl samplers add` starts built-in engines, vLLM servers and megarl's")
     assert sampler_control.add_refusal({"eval": {"sets": [{"name": "x"}]}}).startswith("eval.sets:")
+    assert sampler_control.add_refusal({"algo": {"mode": "sync"}}).startswith("algo.mode=sync:")
     (tmp_path / "config.yaml").write_text("fault:\n  on_failure: stop\n")
     assert sampler_control.add_sampler(str(tmp_path), []) == 1
     assert "runs with fault.on_failure=stop" in capsys.readouterr().out
