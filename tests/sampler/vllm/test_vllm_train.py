@@ -88,7 +88,8 @@ def _train_and_kill_the_server(run_dir, overrides: list[str], after_steps: int, 
             time.sleep(0.5)
         pid = _server_pid(run_dir / "vllm" / "sampler0.log")
         assert pid is not None
-        os.killpg(pid, signal.SIGKILL)
+        # (the server or one of its engine processes, which inherit the log: the server's whole group either way)
+        os.killpg(os.getpgid(pid), signal.SIGKILL)
         killed = time.monotonic()
         out, _ = proc.communicate(timeout=timeout_s)
         return proc.returncode, out, time.monotonic() - killed
@@ -174,7 +175,8 @@ def test_killed_vllm_server_is_replaced_and_an_added_one_joins_and_leaves_while_
             time.sleep(0.5)
         pid = _server_pid(run_dir / "vllm" / "sampler0.log")
         assert pid is not None
-        os.killpg(pid, signal.SIGKILL)
+        # (the server or one of its engine processes, which inherit the log: the server's whole group either way)
+        os.killpg(os.getpgid(pid), signal.SIGKILL)
         deadline = time.monotonic() + 500  # a new vLLM server: ~50 s on 2 idle cores
         while True:
             back = [r["step"] for r in rows() if r.get("samplers/replaced") == 1.0 and r.get("samplers/alive") == 1.0]
