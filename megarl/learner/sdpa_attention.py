@@ -24,8 +24,8 @@ block's [R, 1, queries, keys] boolean mask (packing.layout_mask, exactly packing
 and calls SDPA on it. Up to BLOCK_ELEMENTS mask elements (the demo's 45 x 54 x 54, one row of 2048) that is one
 call with the whole mask; longer rows go in query blocks over only the keys each block can see, each block
 recomputed in the backward, so no S x S mask or score exists and attention memory grows with S. A ready boolean
-mask (True = masked; one, or a stack [windows, B, 1, Q, K] of which each layer takes its own) is attended in one
-call as it is.
+mask (True = masked; one, or a stack [windows, B, 1, Q, K] of which each layer takes its own: `use_layer_masks`)
+is attended in one call as it is.
 
 Attention sinks (``softmax_type='learnable'``, gpt-oss): a learned logit per query head that joins every softmax
 denominator and adds nothing to the context (``softmax_offset``, HF's ``self_attn.sinks``). SDPA takes no such
@@ -98,7 +98,7 @@ class SDPAttention(DotProductAttention):
         # [S, B, heads, d] -> [B, heads, S, d] (views; SDPA takes strided inputs)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if attention_mask.dtype == torch.bool:
-            if attention_mask.dim() == 5:  # one mask per window (use_layer_windows)
+            if attention_mask.dim() == 5:  # one mask per window (use_layer_masks)
                 attention_mask = attention_mask[self.mask_index]
             context = self._attend(q, k, v, ~attention_mask)
         else:  # an attention layout of the keys; this rank's queries are its own slice of them (gather order)
@@ -140,16 +140,24 @@ def with_sinks(q, k, v, allowed, sinks, scale: float):
     return q, k, v, torch.nn.functional.pad(allowed, (0, 1), value=True)
 
 
-def use_layer_windows(gpt, windows: tuple[int | None, ...], mask_index: tuple[int, ...] | None) -> None:
-    """Have the core attention of every layer of `gpt` (this pipeline stage's) of global index i attend with window
-    windows[mask_index[i]] under an attention layout, and with mask mask_index[i] of a stacked dense mask (mask_index
-    None: every layer windows[0] and the one mask; megarl.models.families.mask_windows)."""
-    if mask_index is None and windows[0] is None:
+def use_layer_masks(gpt, mask_index: tuple[int, ...] | None) -> None:
+    """Have the core attention of every layer of `gpt` (this pipeline stage's) whose global index is i attend with
+    mask `mask_index[i]` of a stacked dense mask (None: one mask for every layer)."""
+    if mask_index is None:
         return
     for layer in gpt.decoder.layers:  # (megatron numbers layers from 1, across pipeline stages)
+        layer.self_attention.core_attention.mask_index = mask_index[layer.layer_number - 1]
+
+
+def use_layer_windows(gpt, windows: tuple[int | None, ...], mask_index: tuple[int, ...] | None) -> None:
+    """Have the core attention of every layer of `gpt` (this pipeline stage's) whose global index is i build its
+    masks from an attention layout with window windows[mask_index[i]] (mask_index None: windows[0] for every layer;
+    megarl.models.families.mask_windows)."""
+    if mask_index is None and windows[0] is None:
+        return
+    for layer in gpt.decoder.layers:
         index = 0 if mask_index is None else mask_index[layer.layer_number - 1]
-        core = layer.self_attention.core_attention
-        core.window, core.mask_index = windows[index], index
+        layer.self_attention.core_attention.window = windows[index]
 
 
 def layout_attention(q, k, v, queries, keys, window: int | None, attend, block_elements: int = BLOCK_ELEMENTS):

@@ -213,3 +213,43 @@ def test_layout_attention_under_context_parallelism_takes_its_own_queries(latent
         results.append((out.detach(), q.grad, k.grad, v.grad))
     for ours, ref in zip(*results):
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_learner_in_query_blocks_takes_the_step_it_takes_in_one_block(tmp_path, world, monkeypatch):
+    """The megatron learner on gpt-oss (a sliding-window layer and a full one, sinks) with packed prefix-shared rows,
+    its attention in query blocks (BLOCK_ELEMENTS forced small) under selective recomputation (megatron recomputes
+    the attention core, which recomputes its blocks inside), against the same learner attending in one block (one
+    SDPA call with the whole mask, as a dense mask is attended): the log-probs before and after one step
+    (LEARNER_TOL: the blocks reduce the softmax in another order only where rounding differs)."""
+    from megarl.algo.config import LossConfig
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner import sdpa_attention
+    from megarl.learner.megatron import MegatronLearner
+    from megarl.protocols import TrainBatch
+    from tests.helpers import LEARNER_TOL, save_tiny_gpt_oss
+
+    model_dir = str(save_tiny_gpt_oss(tmp_path / "gpt_oss"))
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 64, (3,), generator=g)
+    ids = torch.cat([prompt.expand(6, 3), torch.randint(1, 64, (6, 13), generator=g)], dim=1)
+    ids[1, :6] = ids[0, :6]  # (a longer shared prefix)
+    mask = torch.zeros(6, 16)
+    for row, length in enumerate((16, 12, 9, 16, 7, 11)):
+        mask[row, 3:length] = 1.0
+        ids[row, length:] = 0
+    batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=-3.0 * mask,
+                       versions=torch.where(mask > 0, 0, -1), advantages=torch.randn(6, 1, generator=g) * mask,
+                       learner_version=0)
+    results = []
+    for block_elements in (sdpa_attention.BLOCK_ELEMENTS, 2 * 16 * 3):  # (the second: 3 queries of 2 packed rows)
+        monkeypatch.setattr(sdpa_attention, "BLOCK_ELEMENTS", block_elements)
+        learner = MegatronLearner(model_dir, LearnerConfig(micro_batch_size=8, lr=1e-2,
+                                                           recompute_activations="selective"), LossConfig())
+        before = learner.logprobs(ids)
+        loss = learner.train_step(batch)["loss"]
+        results.append((before, loss, learner.logprobs(ids)))
+    (one_before, one_loss, one_after), (blocks_before, blocks_loss, blocks_after) = results
+    torch.testing.assert_close(blocks_before, one_before, atol=LEARNER_TOL, rtol=0)
+    assert blocks_loss == pytest.approx(one_loss, abs=LEARNER_TOL)
+    torch.testing.assert_close(blocks_after, one_after, atol=LEARNER_TOL, rtol=0)
+    assert (one_after - one_before).abs().max() > 100 * LEARNER_TOL  # (the step moved the log-probs)
