@@ -11,8 +11,8 @@ megatron-core 0.16.1's GPTModel has none of these, so:
     transformers does: in bf16 sqrt(3072) = 55.43 is 55.5).
   * ``use_layer_rope``: the rotary embedding returns both kinds' angles stacked (the model's frequencies are the
     global layers', megarl.models.convert.inv_freq; the local ones' are local_inv_freq) and each layer's
-    self-attention gets its kind's. Each kind's attention mask is picked as every family's with windows per layer
-    is (families.layer_windows, megarl.learner.sdpa_attention.use_layer_masks).
+    self-attention gets its kind's. Each kind's sliding window is set as every family's with windows per layer
+    is (families.layer_windows, megarl.learner.sdpa_attention.use_layer_windows).
 """
 from __future__ import annotations
 

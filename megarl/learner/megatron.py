@@ -123,10 +123,10 @@ class MegatronLearner:
                 use_torch_path_without_fla()
             else:
                 apply_gated_delta_net_shims()
-        # A sliding window is part of the attention mask the learner builds (megarl.learner.packing): it counts
-        # position ids, which a packed row's columns are not. Layers with windows of their own (Gemma 3, gpt-oss:
-        # families.layer_types) get one mask per distinct window, stacked, and each layer its own
-        # (megarl.learner.sdpa_attention.use_layer_masks).
+        # A sliding window is part of the masks the core attention builds from the attention layout
+        # (megarl.learner.packing): it counts position ids, which a packed row's columns are not. Layers with windows
+        # of their own (Gemma 3, gpt-oss: families.layer_types) each get their own
+        # (megarl.learner.sdpa_attention.use_layer_windows).
         self.windows, self.mask_index = families.mask_windows(self.hf_config)
         # megatron trains an MoE layer under TP only with sequence parallelism (megarl.learner.sequence_parallel);
         # dense models keep plain TP.
@@ -172,7 +172,7 @@ class MegatronLearner:
 
         spec = layer_spec(self.hf_config, self.config, self.sequence_parallel)  # megarl.learner.layer_spec
         from megarl.learner.expert_bias import copy_expert_outputs
-        from megarl.learner.sdpa_attention import use_layer_masks
+        from megarl.learner.sdpa_attention import use_layer_windows
 
         def build():  # this rank's shard of the HF model, as a GPTModel (Float16Module-wrapped on GPU)
             gpt = GPTModel(
@@ -186,7 +186,7 @@ class MegatronLearner:
             rotary_positions.use_frequencies(gpt, convert.inv_freq(self.hf_config))
             rotary_positions.use_position_ids(gpt)
             rotary_positions.skip_layers(gpt, families.rope_layers(self.hf_config))
-            use_layer_masks(gpt, self.mask_index)
+            use_layer_windows(gpt, self.windows, self.mask_index)
             if families.family_of(self.hf_config).gemma:
                 from megarl.learner import gemma3
 
@@ -475,27 +475,26 @@ class MegatronLearner:
 
     def _model_inputs(self, input_ids: torch.Tensor, mb: dict | None = None,
                       columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids, position_ids, attention mask) of a micro-batch's rows, or of its packed rows (`mb`, whose
+        """(input_ids, position_ids, attention layout) of a micro-batch's rows, or of its packed rows (`mb`, whose
         positions take their own rows' position ids and attend to their own paths: megarl.learner.packing),
-        widened to input_ids' width (sequence and context parallelism pad it). `columns`: this context-parallel
-        rank's columns (megarl.learner.context_parallel): its tokens and position ids, and the mask of its queries
-        against every CP rank's keys, in the all-gathered order."""
+        widened to input_ids' width (sequence and context parallelism pad it). The layout (packing.attention_layout)
+        describes every key position in O(S) numbers; each layer's core attention builds its masks from it, a block
+        of queries at a time, with its own window (megarl.learner.sdpa_attention.layout_attention). `columns`: this
+        context-parallel rank's columns (megarl.learner.context_parallel): its tokens and position ids; the layout
+        describes every CP rank's keys, in the all-gathered order."""
         input_ids = input_ids.to(self.device)
         b, s = input_ids.shape
         keys = None if columns is None else context_parallel.key_columns(s, self.cfg.cp)
+        layout = packing.attention_layout(mb, s, self.device, keys)
         if mb is not None:
             positions = mb["packed_positions"]
             positions = torch.nn.functional.pad(positions, (0, s - positions.shape[1])).to(self.device)
-            masks = [packing.attention_mask(mb, s, self.device, w, columns, keys) for w in self.windows]
         else:
             positions = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
-            # An explicit causal mask (True = masked): megatron's default one is built with device="cuda".
-            masks = [packing.causal_mask(s, self.device, w, columns, keys) for w in self.windows]
-        mask = masks[0] if len(masks) == 1 else torch.stack(masks)
         if columns is not None:
             local = columns.to(self.device)
             input_ids, positions = input_ids[:, local], positions[:, local]
-        return input_ids, positions, mask
+        return input_ids, positions, layout
 
     def _row_logprobs(self, logits: torch.Tensor, mb: dict, cp_layout: tuple | None = None) -> torch.Tensor:
         """[B, S] log-probs of input_ids[:, t] of the micro-batch's rows from logits / T of the position predicting

@@ -285,3 +285,51 @@ def additive_attention_mask(mb: dict[str, torch.Tensor], dtype: torch.dtype,
     as it is, so a sliding-window model's `window` has to be in it."""
     masked = attention_mask(mb, device=device, window=window)
     return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill(masked, torch.finfo(dtype).min)
+
+
+# An attention layout: [R, 3, K] int64, per key position (rows: column, subtree end, depth) — `attention_layout`.
+COLUMN, END, DEPTH = 0, 1, 2
+
+
+def attention_layout(mb: dict[str, torch.Tensor] | None, width: int, device: torch.device | str | None = None,
+                     keys: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, 3, K] int64 on `device`: what `attention_mask` (packed micro-batch `mb`) or `causal_mask` (`mb` None; R =
+    1) says, in O(R * K) numbers instead of R x Q x K bits. Per position: its column, the last column of its subtree
+    and its depth (its row's position id). `pack` lays each packed row out as a prefix tree in preorder (a row
+    appends its new positions after everything placed so far, below a position of the row before it, whose path
+    is the only one still growing), so the positions below a column c are exactly the columns c..end[c]: a query at
+    column q attends a key at column k when k <= q <= end[k] (k is on q's path; under a `window`, only where the
+    key's depth is above the query's minus the window: `layout_mask`). Causal rows are one path: end = the last
+    column. Unplaced and added positions (columns past the packed width) end at themselves, so they attend to
+    themselves alone. `keys`: the columns described, in that order (default: all `width`; context parallelism:
+    every rank's, megarl.learner.context_parallel.key_columns)."""
+    column = torch.arange(width, device=device)
+    if mb is None:
+        layout = torch.stack([column, torch.full_like(column, width - 1), column])[None]
+    else:
+        owner = mb["packed_owner"].to(device)
+        count, packed = owner.shape
+        flat = mb["unpack_index"].to(device)  # [B, S] each row position's flat packed index (path order)
+        # Each position's subtree ends at the furthest last column of the rows that pass it (their paths' columns
+        # increase; positions past a row's end point at its first column, which the row passes too).
+        end = torch.arange(count * packed, device=flat.device)
+        end.scatter_reduce_(0, flat.reshape(-1), flat.max(dim=1).values[:, None].expand_as(flat).reshape(-1),
+                            "amax")
+        end = torch.nn.functional.pad((end % packed).view(count, packed), (0, width - packed), value=0)
+        end = torch.where(column < packed, end, column)
+        depth = torch.nn.functional.pad(mb["packed_positions"].to(device), (0, width - packed))
+        layout = torch.stack([column.expand(count, width), end, depth], dim=1)
+    return layout if keys is None else layout[:, :, keys.to(layout.device)]
+
+
+def layout_mask(queries: torch.Tensor, keys: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[R, 1, Q, K] bool, True = masked, of attention layouts `queries` [R, 3, Q] and `keys` [R, 3, K]
+    (`attention_layout`): a query attends a key on its path (k <= q <= end[k]) within `window` depths, and
+    itself. Pure."""
+    q_column, q_depth = queries[:, COLUMN, :, None], queries[:, DEPTH, :, None]
+    k_column, k_end, k_depth = (keys[:, field, None, :] for field in (COLUMN, END, DEPTH))
+    allowed = (k_column <= q_column) & (q_column <= k_end)
+    if window is not None:
+        allowed &= k_depth > q_depth - window
+    allowed |= k_column == q_column
+    return ~allowed.unsqueeze(1)

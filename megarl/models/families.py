@@ -262,7 +262,7 @@ def windows_by_layer_type(cfg: dict) -> dict[str, int | None]:
 
 def mask_windows(cfg: dict) -> tuple[tuple[int | None, ...], tuple[int, ...] | None]:
     """The distinct windows of layer_windows (in layer order: one attention mask each) and each layer's index into
-    them, None where every layer has the same window (megarl.learner.sdpa_attention.use_layer_masks)."""
+    them, None where every layer has the same window (megarl.learner.sdpa_attention.use_layer_windows)."""
     per_layer = layer_windows(cfg)
     windows = tuple(dict.fromkeys(per_layer))
     return windows, (tuple(windows.index(w) for w in per_layer) if len(windows) > 1 else None)

@@ -392,3 +392,39 @@ def test_the_megatron_learner_attends_through_sdpa_exactly_as_megatron_does(mode
         torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
         for fused, megatron in zip(*grads):
             torch.testing.assert_close(fused, megatron, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_attention_layout_says_exactly_what_the_dense_masks_say(seed):
+    """packing.layout_mask of attention_layout equals attention_mask (packed rows, shared prefixes, any bins, padded
+    widths, sliding windows, a context-parallel rank's queries against every rank's keys) and causal_mask: the
+    prefix tree `pack` lays out is in preorder, so a position's descendants are the columns up to its subtree end."""
+    import random
+
+    from megarl.learner import context_parallel
+
+    rng = random.Random(seed)
+    for _ in range(25):
+        rows: list[list[int]] = []
+        for _ in range(rng.randint(1, 8)):
+            base = rows[rng.randrange(len(rows))] if rows and rng.random() < 0.6 else []
+            keep = base[:rng.randint(0, len(base))]
+            rows.append(keep + [rng.randint(1, 3) for _ in range(rng.randint(0 if keep else 1, 6))])
+        w = max(map(len, rows)) + rng.randint(0, 3)
+        mb = {"input_ids": torch.tensor([r + [0] * (w - len(r)) for r in rows]), "mask": torch.zeros(len(rows), w)}
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        cut = rng.randint(1, len(rows))
+        bins = [b for b in (order[:cut], order[cut:]) if b] if rng.random() < 0.5 else None
+        packed = packing.pack(mb, torch.tensor([len(r) for r in rows]), bins=bins, share_prefixes=rng.random() < 0.7)
+        width = context_parallel.padded_width(packed["packed_ids"].shape[1] + rng.randint(0, 4), 2)
+        keys = context_parallel.key_columns(width, 2)
+        for window in (None, 1, 3):
+            for mb_or_none, dense in ((packed, packing.attention_mask(packed, width, window=window)),
+                                      (None, packing.causal_mask(width, window=window))):
+                layout = packing.attention_layout(mb_or_none, width)
+                assert torch.equal(packing.layout_mask(layout, layout, window), dense)
+            gathered = packing.attention_layout(packed, width, keys=keys)
+            mine = context_parallel.local_columns(width, 2, 1)
+            assert torch.equal(packing.layout_mask(gathered[:, :, len(mine):], gathered, window),
+                               packing.attention_mask(packed, width, window=window, queries=mine, keys=keys))

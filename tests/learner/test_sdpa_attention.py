@@ -107,3 +107,149 @@ def test_with_sinks_leaves_sdpa_its_fused_kernel():
     additive = torch.zeros(6, 6).masked_fill(~allowed, torch.finfo(torch.float32).min)
     ref, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.125)
     torch.testing.assert_close(fused, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def latent_core(world):
+    """A core attention without sinks, as multi-latent attention uses it: q / k heads wider than v's."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megarl.learner.sdpa_attention import SDPAttention
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    config = TransformerConfig(num_layers=2, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+                               kv_channels=HEAD_DIM, attention_dropout=0.0, use_cpu_initialization=True,
+                               perform_initialization=False)
+    return SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                        k_channels=12, v_channels=HEAD_DIM)
+
+
+def _packed_batch(width):
+    rows = [[1, 2, 3, 4], [1, 2, 5, 6, 7], [8] * 10, [9, 9, 9], [9, 9, 8], [7, 7, 7, 7], [1, 2, 3, 9, 9, 9],
+            [7, 7, 6]]  # shared prefixes, rows that share nothing, one fully shared prefix
+    mb = {"input_ids": torch.tensor([r + [0] * (10 - len(r)) for r in rows]), "mask": torch.zeros(len(rows), 10)}
+    packed = packing.pack(mb, torch.tensor([len(r) for r in rows]), bins=[[0, 1, 6, 2], [3, 4, 5, 7]],
+                          share_prefixes=True)
+    assert packed["packed_ids"].shape[1] <= width
+    return packed
+
+
+def _grads(module, forward, shapes, window):
+    module.zero_grad()
+    module.window = window
+    qkv = [torch.randn(s, generator=torch.Generator().manual_seed(i)).requires_grad_() for i, s in enumerate(shapes)]
+    out = forward(*qkv)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)))
+    sinks = module.softmax_offset
+    return out.detach(), [t.grad for t in qkv], None if sinks is None else sinks.grad.clone()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["causal", "packed"])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("module_name", ["core", "latent_core"], ids=["sinks", "latent_dims"])
+def test_layout_attention_in_query_blocks_equals_one_dense_mask(request, packed, window, module_name):
+    """The attention layout path with blocks of 4 queries (several blocks, each over only its visible keys and
+    recomputed in the backward) computes what one SDPA call with today's dense mask computes: outputs, the gradients
+    of q, k, v and of the sinks, under causal and packed prefix-shared rows, a sliding window, sinks with grouped
+    heads and multi-latent attention's wider q / k heads."""
+    from megarl.learner import sdpa_attention
+
+    module = request.getfixturevalue(module_name)
+    width = 24  # (the packed rows are padded past their fill: added positions attend to themselves)
+    mb = _packed_batch(width) if packed else None
+    rows = mb["packed_ids"].shape[0] if packed else 2
+    dense = (packing.attention_mask(mb, width, window=window) if packed
+             else packing.causal_mask(width, window=window))
+    layout = packing.attention_layout(mb, width)
+    groups = module.num_query_groups_per_partition
+    qk_dim = 12 if module_name == "latent_core" else HEAD_DIM
+    shapes = [(width, rows, HEADS, qk_dim), (width, rows, groups, qk_dim), (width, rows, groups, HEAD_DIM)]
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[2])
+        return type(module)._attend(module, *args)
+
+    module._attend, module.block_elements = counted, layout.shape[0] * width * 4
+    try:
+        blocked = _grads(module, lambda q, k, v: module.forward(q, k, v, layout), shapes, window)
+    finally:
+        del module._attend
+        module.block_elements = sdpa_attention.BLOCK_ELEMENTS
+    assert calls == [4] * 12  # six blocks, each run once more in the backward
+    reference = _grads(module, lambda q, k, v: module.forward(q, k, v, dense), shapes, window)
+    module.window = None
+    for ours, ref in zip(blocked, reference):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_layout_attention_under_context_parallelism_takes_its_own_queries(latent_core):
+    """Under context parallelism's zig-zag split the queries are one rank's columns and the keys every rank's in
+    the all-gathered order: the blocks (keys put in column order) equal one call with today's [local queries x all
+    keys] mask."""
+    from megarl.learner import context_parallel
+    from megarl.learner.sdpa_attention import layout_attention
+
+    width, cp, rank = 24, 2, 1
+    mb = _packed_batch(width)
+    rows = mb["packed_ids"].shape[0]
+    mine, keys = context_parallel.local_columns(width, cp, rank), context_parallel.key_columns(width, cp)
+    layout = packing.attention_layout(mb, width, keys=keys)
+    own = layout[:, :, rank * len(mine):(rank + 1) * len(mine)]
+    dense = packing.attention_mask(mb, width, window=3, queries=mine, keys=keys)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(rows, h, n, HEAD_DIM, generator=gen).requires_grad_()
+               for h, n in ((HEADS, len(mine)), (HEADS, width), (HEADS, width)))
+    results = []
+    for run in (lambda: layout_attention(q, k, v, own, layout, 3, latent_core._attend, rows * width * 3),
+                lambda: latent_core._attend(q, k, v, ~dense)):
+        for t in (q, k, v):
+            t.grad = None
+        out = run()
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(9)))
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for ours, ref in zip(*results):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_learner_in_query_blocks_takes_the_step_it_takes_in_one_block(tmp_path, world, monkeypatch):
+    """The megatron learner on gpt-oss (a sliding-window layer and a full one, sinks) with packed prefix-shared rows,
+    its attention in query blocks (BLOCK_ELEMENTS forced small) under selective recomputation (megatron recomputes
+    the attention core, which recomputes its blocks inside), against the same learner attending in one block (one
+    SDPA call with the whole mask, as a dense mask is attended): the log-probs before and after one step
+    (LEARNER_TOL: the blocks reduce the softmax in another order only where rounding differs)."""
+    from megarl.algo.config import LossConfig
+    from megarl.config.schema import LearnerConfig
+    from megarl.learner import sdpa_attention
+    from megarl.learner.megatron import MegatronLearner
+    from megarl.protocols import TrainBatch
+    from tests.helpers import LEARNER_TOL, save_tiny_gpt_oss
+
+    model_dir = str(save_tiny_gpt_oss(tmp_path / "gpt_oss"))
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 64, (3,), generator=g)
+    ids = torch.cat([prompt.expand(6, 3), torch.randint(1, 64, (6, 13), generator=g)], dim=1)
+    ids[1, :6] = ids[0, :6]  # (a longer shared prefix)
+    mask = torch.zeros(6, 16)
+    for row, length in enumerate((16, 12, 9, 16, 7, 11)):
+        mask[row, 3:length] = 1.0
+        ids[row, length:] = 0
+    batch = TrainBatch(input_ids=ids, loss_mask=mask, behaviour_logprobs=-3.0 * mask,
+                       versions=torch.where(mask > 0, 0, -1), advantages=torch.randn(6, 1, generator=g) * mask,
+                       learner_version=0)
+    results = []
+    for block_elements in (sdpa_attention.BLOCK_ELEMENTS, 2 * 16 * 3):  # (the second: 3 queries of 2 packed rows)
+        monkeypatch.setattr(sdpa_attention, "BLOCK_ELEMENTS", block_elements)
+        learner = MegatronLearner(model_dir, LearnerConfig(micro_batch_size=8, lr=1e-2,
+                                                           recompute_activations="selective"), LossConfig())
+        before = learner.logprobs(ids)
+        loss = learner.train_step(batch)["loss"]
+        results.append((before, loss, learner.logprobs(ids)))
+    (one_before, one_loss, one_after), (blocks_before, blocks_loss, blocks_after) = results
+    torch.testing.assert_close(blocks_before, one_before, atol=LEARNER_TOL, rtol=0)
+    assert blocks_loss == pytest.approx(one_loss, abs=LEARNER_TOL)
+    torch.testing.assert_close(blocks_after, one_after, atol=LEARNER_TOL, rtol=0)
+    assert (one_after - one_before).abs().max() > 100 * LEARNER_TOL  # (the step moved the log-probs)
