@@ -260,6 +260,19 @@ def test_adding_samplers_to_a_run_on_loopback_from_another_machine_is_refused(tm
     assert not [c for c in calls(log, "srun") if "samplers" in c["argv"]]
 
 
+def test_adding_samplers_to_a_run_not_under_replace_fails_the_job_with_megarls_line(tmp_path):
+    env, log = fake_slurm(tmp_path, nodes=1)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(json.dumps({"fault": {"on_failure": "stop"}}))  # as far as it is read
+    proc = run_batch("slurm_add_samplers.sbatch", env, str(run_dir))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (f"megarl samplers add: the run in {run_dir} runs with fault.on_failure=stop: samplers join and leave only "
+            f"under fault.on_failure=replace" in proc.stdout), proc.stdout[-3000:] + proc.stderr[-3000:]
+    srun = [c["argv"] for c in calls(log, "srun")]
+    assert [a for a in srun if "stage" in a] == [] and [a for a in srun if "samplers" in a]  # the command said no
+
+
 def submit(env: dict, node: str, out: Path, script: str, *args: str) -> str:
     """The job id of `sbatch --nodelist=NODE launch/SCRIPT ARGS` (not waited for)."""
     proc = subprocess.run(["sbatch", "--parsable", f"--nodelist={node}", f"--output={out}", f"launch/{script}", *args],
@@ -380,19 +393,11 @@ def test_a_second_job_adds_a_sampler_to_a_running_one_and_scancel_drains_it(loca
 
 
 @pytest.mark.slurm
-@pytest.mark.parametrize("saved, message", [
-    (None, "no running job in {run_dir}: .megarl.contact is absent"),
-    ({"fault": {"on_failure": "stop"}}, "the run in {run_dir} runs with fault.on_failure=stop: samplers join and "
-                                        "leave only under fault.on_failure=replace"),
-])
-def test_adding_samplers_to_a_run_dir_without_a_running_replace_run_fails_the_job(saved, message, local_slurm,
-                                                                                  tmp_path):
+def test_adding_samplers_to_a_run_dir_without_a_running_job_fails_the_job_with_megarls_line(local_slurm, tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "job.out"
     run_dir.mkdir()
-    if saved is not None:  # a run's saved config.yaml, as far as the refusal reads it
-        (run_dir / "config.yaml").write_text(json.dumps(saved))
     proc = subprocess.run(["sbatch", "--wait", f"--output={out}", "launch/slurm_add_samplers.sbatch", str(run_dir)],
                           env=local_slurm, cwd=REPO, capture_output=True, text=True, timeout=300)
     log = out.read_text()
     assert proc.returncode == 1, log[-3000:]
-    assert "megarl samplers add: " + message.format(run_dir=run_dir) in log, log[-3000:]
+    assert f"megarl samplers add: no running job in {run_dir}: .megarl.contact is absent" in log, log[-3000:]
