@@ -257,7 +257,7 @@ def test_adding_samplers_to_a_run_on_loopback_from_another_machine_is_refused(tm
     assert (f"megarl: the run in {run_dir} listens on loopback only (a single-node launch: its store or queue.host "
             f"is local), so samplers join it from its own machine, runhost, only; this job also runs on: node0"
             in proc.stderr), proc.stderr[-3000:]
-    assert not [c for c in calls(log, "srun") if "samplers" in c["argv"]]
+    assert not [c for c in calls(log, "srun") if "samplers" in c["argv"] or "stage" in c["argv"]]  # nothing started
 
 
 def test_adding_samplers_to_a_run_not_under_replace_fails_the_job_with_megarls_line(tmp_path):
@@ -276,8 +276,7 @@ def test_adding_samplers_to_a_run_not_under_replace_fails_the_job_with_megarls_l
 def submit(env: dict, node: str, out: Path, script: str, *args: str) -> str:
     """The job id of `sbatch --nodelist=NODE launch/SCRIPT ARGS` (not waited for)."""
     proc = subprocess.run(["sbatch", "--parsable", f"--nodelist={node}", f"--output={out}", f"launch/{script}", *args],
-                          env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=60, check=True)
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     return proc.stdout.strip().split(";")[0]
 
 
@@ -382,6 +381,8 @@ def test_a_second_job_adds_a_sampler_to_a_running_one_and_scancel_drains_it(loca
     assert added["JobState"] == "CANCELLED", log_b[-3000:]
     assert f"megarl: sampler 1 (rank 2) added to the run in {run_dir}" in log_b, log_b[-3000:]
     assert "SIGTERM received: removing this sampler from the run" in log_b, log_b[-3000:]
+    assert "megarl: sampler 1 (rank 2) removed (megarl samplers remove): incarnation 1 stopped, no replacement" \
+        in log_b, log_b[-3000:]  # drained, not killed
     assert "megarl: sampler 1 (rank 2) removed (megarl samplers remove)" in log_a, log_a[-3000:]
     metrics = train_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(60))  # every step once, to the last
