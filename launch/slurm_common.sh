@@ -33,6 +33,12 @@ megarl_prepare() {
   read -r world megarl_stop_timeout < <(python -c 'import sys; from megarl.config.load import load_config, world_size_for
 cfg = load_config(sys.argv[1], sys.argv[2:]); print(world_size_for(cfg), cfg.fault.stop_timeout_s)' "$@")
   megarl_nproc=$(( world / SLURM_JOB_NUM_NODES ))
+  megarl_stage_model "$source"
+}
+
+# megarl_stage_model SOURCE: copy the model directory SOURCE to node-local scratch on every node of the job;
+# sets megarl_model (that copy's path, the same on every node).
+megarl_stage_model() {
   megarl_model=$megarl_local/model
   # Copy to a fresh directory, then rename it into place (atomic): where nodes share the scratch file
   # system, the first node's rename wins and the others drop their identical copy, instead of one
@@ -40,7 +46,7 @@ cfg = load_config(sys.argv[1], sys.argv[2:]); print(world_size_for(cfg), cfg.fau
   srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 bash -c \
     'mkdir -p "$1" && copy=$(mktemp -d "$1/.model.XXXXXX") && cp -r "$3/." "$copy" &&
      { mv -T "$copy" "$2" 2>/dev/null || { [ -f "$2/config.json" ] && rm -rf "$copy"; }; }' \
-    stage "$megarl_local" "$megarl_model" "$source"
+    stage "$megarl_local" "$megarl_model" "$1"
 }
 
 # megarl_run_step COMMAND...: run the job step (srun ...) in the background and wait for it, passing a stop
@@ -48,7 +54,8 @@ cfg = load_config(sys.argv[1], sys.argv[2:]); print(world_size_for(cfg), cfg.fau
 # preemption's SIGTERM) on to srun as SIGTERM; srun hands it to torchrun, which hands it to every worker,
 # and the run stops at its next step boundary (checkpointing if fault.checkpoint_on_signal). A foreground
 # srun would not see it: bash runs traps only once its foreground command has ended. Returns the step's
-# exit status, or 128 + 15 after a stop (torchrun itself exits 1 on a signal).
+# exit status, or 128 + 15 after a stop (torchrun itself exits 1 on a signal); megarl_step_status is the step's own
+# exit status in both cases.
 megarl_run_step() {
   local step rc=0 stopped=
   "$@" &
@@ -58,6 +65,7 @@ megarl_run_step() {
     wait "$step" || true  # returns early when a trapped signal arrives; the step is still stopping then
   done
   wait "$step" || rc=$?
+  megarl_step_status=$rc
   trap - TERM INT HUP USR1
   if [ -n "$stopped" ]; then
     echo "megarl: the job step was stopped by a signal to the batch script (exit status 143)" >&2

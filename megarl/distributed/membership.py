@@ -34,6 +34,9 @@ from collections import Counter
 from typing import Callable
 
 INCARNATION_ENV = "MEGARL_SAMPLER_INCARNATION"
+# Set for a sampler its keeper starts in a session of its own (`megarl samplers add`): it starts with stop signals
+# ignored, which megarl.roles.worker leaves so; its keeper turns a stop signal into its removal (sampler_keeper).
+SIGNALS_TO_KEEPER_ENV = "MEGARL_SAMPLER_SIGNALS_TO_KEEPER"
 SHIFT = 40
 POLL_S = 0.05
 MEMBERSHIP_ATTEMPTS = 3  # epochs the learner tries, to form a group or to publish over it, before the run stops

@@ -31,8 +31,9 @@ import time
 
 from megarl.config.schema import Config
 from megarl.distributed import launch_gate
-from megarl.distributed.lifetime import exit_status, stop_signal
-from megarl.distributed.membership import INCARNATION_ENV, dead_key, read_record, removed_key, replace_key, served_key
+from megarl.distributed.lifetime import STOP_SIGNALS, exit_status, stop_signal
+from megarl.distributed.membership import INCARNATION_ENV, SIGNALS_TO_KEEPER_ENV, dead_key, read_record, removed_key, \
+    replace_key, served_key
 from megarl.distributed.ranks import Topology
 from megarl.roles.learner_main import STOP_KEY
 
@@ -45,6 +46,12 @@ REMOVED = "removed"  # _watch's cause for an incarnation `megarl samplers remove
 
 def _die_with_keeper() -> None:  # in the child between fork and exec: SIGKILL, so even a stopped child goes
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _die_with_keeper_deaf_to_stops() -> None:  # the same, and stop signals ignored across exec (own_session)
+    _die_with_keeper()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def how_it_ended(code: int) -> str:
@@ -68,13 +75,17 @@ def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store, first: int
     first incarnation's number (1 for a rank `megarl samplers add` started: it joins as a replacement does).
     `idle_after_removal`: a torchrun worker stays until the run ends once its sampler is removed; the keeper
     `megarl samplers add` runs, in no worker group, leaves at once. `own_session`: the samplers start in a session
-    of their own, out of reach of the terminal's signals (a sampler that receives a stop signal stops the run)."""
+    of their own, out of reach of the terminal's signals, and ignore a stop signal sent to them all the same (SLURM's
+    scancel signals every process of a job step): a sampler that acts on one stops the run, while the keeper's
+    command turns it into the sampler's removal (megarl.roles.sampler_control.leave_on_signal)."""
     env = {k: v for k, v in os.environ.items() if k != launch_gate.ENV}  # this process passed the gate for it
     restarts: collections.deque = collections.deque()
     incarnation = first
     while True:
         child = subprocess.Popen([sys.executable, "-m", "megarl.roles.worker", *argv],
-                                 env={**env, INCARNATION_ENV: str(incarnation)}, preexec_fn=_die_with_keeper,
+                                 env={**env, INCARNATION_ENV: str(incarnation),
+                                      **({SIGNALS_TO_KEEPER_ENV: "1"} if own_session else {})},
+                                 preexec_fn=_die_with_keeper_deaf_to_stops if own_session else _die_with_keeper,
                                  start_new_session=own_session)
         cause, code = _watch(child, store, topo.rank, incarnation)
         if cause is None:  # the run ended (or was stopped): leave as the sampler did

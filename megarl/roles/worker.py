@@ -17,7 +17,7 @@ from megarl import run_lock
 from megarl.config.load import load_config, save_config
 from megarl.distributed import launch_gate
 from megarl.distributed.lifetime import install_stop_handlers, run_then_exit
-from megarl.distributed.membership import INCARNATION_ENV
+from megarl.distributed.membership import INCARNATION_ENV, SIGNALS_TO_KEEPER_ENV
 from megarl.distributed.ranks import topology_from_env
 from megarl.distributed.topology import connect_store
 from megarl.embedded.registry import resolve_model_path
@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         if not launch_gate.wait_for_go(store, cfg.dist.timeout_s, topo.rank):
             return  # refused: nothing was done
         startup.mark("launch gate (the CLI's checks)")
-    install_stop_handlers()  # SIGTERM/SIGINT/SIGHUP end the run at a step boundary (megarl.distributed.lifetime)
+    if os.environ.get(SIGNALS_TO_KEEPER_ENV) != "1":  # an added sampler ignores them from its start (sampler_keeper)
+        install_stop_handlers()  # SIGTERM/SIGINT/SIGHUP end the run at a step boundary (megarl.distributed.lifetime)
     if cfg.fault.on_failure == "replace" and topo.role == "sampler" and INCARNATION_ENV not in os.environ:
         from megarl.roles.sampler_keeper import keep_sampler
 

@@ -239,3 +239,166 @@ def test_sbatch_scripts_train_under_a_real_slurm(script, nodes, local_slurm, emb
     assert proc.returncode == 0, proc.stderr + log[-4000:]
     assert len(train_metrics(run_dir)) == 2
     assert "step 2/2" in log
+
+
+def test_adding_samplers_to_a_run_on_loopback_from_another_machine_is_refused(tmp_path, fake_model_dir):
+    """A single-node run's store (torchrun --standalone: localhost) and queue (127.0.0.1) answer on its own machine
+    only: a job on other nodes is refused before any sampler starts, naming the machine it must run on."""
+    env, log = fake_slurm(tmp_path, nodes=1)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(json.dumps({  # a run's saved config, as far as the script reads it
+        "fault": {"on_failure": "replace"}, "queue": {"host": "127.0.0.1"},
+        "model": {"path": str(fake_model_dir), "cache_dir": str(tmp_path / "cache")}}))
+    (run_dir / ".megarl.contact").write_text(json.dumps({"store": ["localhost", 29500], "host": "runhost", "pid": 1}))
+    (run_dir / ".megarl.contact").chmod(0o600)
+    proc = run_batch("slurm_add_samplers.sbatch", env, str(run_dir))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (f"megarl: the run in {run_dir} listens on loopback only (a single-node launch: its store or queue.host "
+            f"is local), so samplers join it from its own machine, runhost, only; this job also runs on: node0"
+            in proc.stderr), proc.stderr[-3000:]
+    assert not [c for c in calls(log, "srun") if "samplers" in c["argv"] or "stage" in c["argv"]]  # nothing started
+
+
+def test_adding_samplers_to_a_run_not_under_replace_fails_the_job_with_megarls_line(tmp_path):
+    env, log = fake_slurm(tmp_path, nodes=1)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(json.dumps({"fault": {"on_failure": "stop"}}))  # as far as it is read
+    proc = run_batch("slurm_add_samplers.sbatch", env, str(run_dir))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (f"megarl samplers add: the run in {run_dir} runs with fault.on_failure=stop: samplers join and leave only "
+            f"under fault.on_failure=replace" in proc.stdout), proc.stdout[-3000:] + proc.stderr[-3000:]
+    srun = [c["argv"] for c in calls(log, "srun")]
+    assert [a for a in srun if "stage" in a] == [] and [a for a in srun if "samplers" in a]  # the command said no
+
+
+def submit(env: dict, node: str, out: Path, script: str, *args: str) -> str:
+    """The job id of `sbatch --nodelist=NODE launch/SCRIPT ARGS` (not waited for)."""
+    proc = subprocess.run(["sbatch", "--parsable", f"--nodelist={node}", f"--output={out}", f"launch/{script}", *args],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_state(env: dict, job: str) -> dict:
+    """JobState, ExitCode, ... of a job slurmctld still knows (finished ones for MinJobAge, 300 s by default)."""
+    for _ in range(30):  # a busy slurmctld may not answer at once
+        line = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True,
+                              timeout=30).stdout
+        state = dict(field.split("=", 1) for field in line.split() if "=" in field)
+        if "JobState" in state:
+            return state
+        time.sleep(1)
+    raise AssertionError(f"slurmctld does not know job {job}")
+
+
+UNFINISHED = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+
+
+def wait_for_end(env: dict, job: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while (state := job_state(env, job))["JobState"] in UNFINISHED:
+        assert time.monotonic() < deadline, f"job {job} still {state.get('JobState')} after {timeout:.0f}s"
+        time.sleep(1)
+    return state
+
+
+# eval.sets=[]: `samplers add` refuses a run that splits evaluations over a fixed set of engines. The long waits: A's
+# learner is held (SIGSTOP) while job B starts, and its sampler and publishes wait through that.
+ADD_RUN = ["fault.on_failure=replace", "run.log_rollouts=true", "eval.sets=[]", "run.steps=60", "queue.timeout_s=900",
+           "publish.timeout_s=600", *RUN[1:]]
+
+
+class HeldLearner:
+    """A's learner (its contact's pid) held with SIGSTOP from an action of the test until that action's record
+    appears in the run's store: the run cannot go past its next step before job B has done its part, however slow
+    B's start on a loaded machine. The store (torchrun's agent) and the run's sampler go on meanwhile."""
+
+    def __init__(self, run_dir: Path):
+        from megarl.distributed.run_contact import read_contact
+
+        self.contact = read_contact(run_dir)
+        self.pid, self.store = int(self.contact["pid"]), None
+
+    def hold(self, action, key: str, timeout: float, check) -> None:
+        """SIGSTOP, `action()`, wait for `key` (calling `check()` while waiting), SIGCONT."""
+        from megarl.roles.sampler_control import connect
+
+        os.kill(self.pid, signal.SIGSTOP)
+        try:
+            self.store = self.store or connect(self.contact)  # held first: a short run could end meanwhile
+            action()
+            deadline = time.monotonic() + timeout
+            while not self.store.check([key]):
+                check()
+                assert time.monotonic() < deadline, f"no {key} in the run's store within {timeout:.0f}s"
+                time.sleep(0.5)
+        finally:
+            os.kill(self.pid, signal.SIGCONT)
+
+
+@pytest.mark.slurm
+def test_a_second_job_adds_a_sampler_to_a_running_one_and_scancel_drains_it(local_slurm, embedded_model_dir,
+                                                                             tmp_path):
+    """Job A (one node: learner + sampler 0) runs under fault.on_failure=replace; job B, on the other node,
+    `launch/slurm_add_samplers.sbatch RUN_DIR` adds sampler 1 (rank 2), whose groups A trains; `scancel` of B drains
+    it, and A goes on to its last step and ends normally."""
+    from megarl.distributed.membership import join_key, remove_key
+    from tests.roles.test_faults import leftovers
+
+    run_dir, out_a, out_b = tmp_path / "run", tmp_path / "a.out", tmp_path / "b.out"
+    log = lambda out: out.read_text()[-3000:] if out.exists() else "no log"  # noqa: E731
+    jobs = []
+    running = lambda i: job_state(local_slurm, jobs[i])["JobState"] in UNFINISHED  # noqa: E731
+    try:
+        jobs.append(submit(local_slurm, "n0", out_a, "slurm_single_node.sbatch", CONFIG, f"run.dir={run_dir}",
+                           f"model.path={embedded_model_dir}", *ADD_RUN))
+        deadline = time.monotonic() + 300
+        while not (run_dir / ".megarl.contact").exists():  # its learner has started
+            assert time.monotonic() < deadline and running(0), log(out_a)
+            time.sleep(0.5)
+        learner = HeldLearner(run_dir)
+
+        def b_running() -> None:
+            assert running(1), log(out_b)
+        learner.hold(lambda: jobs.append(submit(local_slurm, "n1", out_b, "slurm_add_samplers.sbatch", str(run_dir))),
+                     join_key(2), 600, b_running)  # until B's sampler asks to join: its engine is ready
+        rollouts = run_dir / "rollouts.jsonl"
+        while not (rollouts.exists() and '"sampler_rank": 2' in rollouts.read_text()):  # a group of B's trained
+            assert running(0), "run A ended before it trained a group of the added sampler: " + log(out_a)
+            time.sleep(0.2)
+        learner.hold(lambda: subprocess.run(["scancel", jobs[1]], env=local_slurm, check=True, timeout=30),
+                     remove_key(2), 180, lambda: None)  # until B's sampler asked to leave
+        added = wait_for_end(local_slurm, jobs[1], timeout=180)
+        a = wait_for_end(local_slurm, jobs[0], timeout=600)
+    finally:
+        for job in jobs:
+            subprocess.run(["scancel", job], env=local_slurm, timeout=30, capture_output=True)
+        for job in jobs:
+            wait_for_end(local_slurm, job, timeout=120)
+    log_a, log_b = out_a.read_text(), out_b.read_text()
+    assert (a["JobState"], a["ExitCode"]) == ("COMPLETED", "0:0"), log_a[-3000:]
+    assert added["JobState"] == "CANCELLED", log_b[-3000:]
+    assert f"megarl: sampler 1 (rank 2) added to the run in {run_dir}" in log_b, log_b[-3000:]
+    assert "SIGTERM received: removing this sampler from the run" in log_b, log_b[-3000:]
+    assert "megarl: sampler 1 (rank 2) removed (megarl samplers remove): incarnation 1 stopped, no replacement" \
+        in log_b, log_b[-3000:]  # drained, not killed
+    assert "megarl: sampler 1 (rank 2) removed (megarl samplers remove)" in log_a, log_a[-3000:]
+    metrics = train_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(60))  # every step once, to the last
+    alive = [m["samplers/alive"] for m in metrics]
+    first, last = alive.index(2.0), len(alive) - 1 - alive[::-1].index(2.0)
+    assert set(alive[:first]) == {1.0} and set(alive[first:last + 1]) == {2.0} and set(alive[last + 1:]) == {1.0}
+    assert last < len(alive) - 1  # the run went on after the added sampler left
+    assert not leftovers(run_dir)
+
+
+@pytest.mark.slurm
+def test_adding_samplers_to_a_run_dir_without_a_running_job_fails_the_job_with_megarls_line(local_slurm, tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    run_dir.mkdir()
+    proc = subprocess.run(["sbatch", "--wait", f"--output={out}", "launch/slurm_add_samplers.sbatch", str(run_dir)],
+                          env=local_slurm, cwd=REPO, capture_output=True, text=True, timeout=300)
+    log = out.read_text()
+    assert proc.returncode == 1, log[-3000:]
+    assert f"megarl samplers add: no running job in {run_dir}: .megarl.contact is absent" in log, log[-3000:]
