@@ -237,7 +237,13 @@ def test_a_run_whose_reward_always_hangs_stops_at_the_defaults_saying_why(embedd
                       f"model.path={embedded_model_dir}", "task.name=arithmetic", "task.think_mean=0",
                       f"task.reward_fn={FNS}:sleep_forever", "run.steps=3", "algo.prompts_per_step=4",
                       "algo.group_size=4", "sampling.max_new_tokens=8", "learner.micro_batch_size=16",
-                      "observe.trackers=[]", timeout=300)
+                      "observe.trackers=[]",
+                      # Each group waits out the reward budget (~4.5 s), and the sampler scores every group that
+                      # finishes in one engine step before it sends any: one batch in flight (max_lag 0, not the
+                      # demo's 3 batches) and no held-out evaluation (320 samples scored before the first training
+                      # group) keep that to one batch's 4 groups before the learner receives the first and stops (~18 s,
+                      # not ~110 s).
+                      "algo.max_lag=0", "eval.sets=[]", timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "then one timed out, so the check stopped there" in proc.stdout  # start-up: warned, not refused
