@@ -839,7 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=show_config)
     p = sub.add_parser("samplers", help="change the samplers of a running job (fault.on_failure=replace)")
     actions = p.add_subparsers(dest="action", required=True)
-    q = actions.add_parser("add", help="start one more sampler (built-in engine, or SGLang-compatible server) in this "
+    q = actions.add_parser("add", help="start one more sampler (built-in engine, vLLM or SGLang-compatible server) in this "
                                        "terminal (foreground; it runs until the run ends or it is removed): it joins "
                                        "the next publish and sends groups")
     q.add_argument("run_dir", metavar="RUN_DIR", help="the running job's run.dir")

@@ -65,6 +65,9 @@ def simple_commands(script: str) -> list[list[str]]:
     return [c for c in commands if c]
 
 
+ADD_SAMPLERS_SCRIPT = "launch/slurm_add_samplers.sbatch"
+
+
 def megarl_arguments(words: list[str]) -> tuple[str, list[str]] | None:
     """(kind, arguments) of a command that runs megarl: ("cli", argv of megarl) or ("worker", CONFIG +
     overrides of a torchrun worker or launch script); None for any other command."""
@@ -81,7 +84,10 @@ def megarl_arguments(words: list[str]) -> tuple[str, list[str]] | None:
             return "worker", words[words.index(module) + 1:]
     scripts = [i for i, w in enumerate(words) if w.startswith("launch/") and w.endswith((".sh", ".sbatch"))]
     if scripts:
-        return "worker", words[scripts[0] + 1:]
+        script, arguments = words[scripts[0]], words[scripts[0] + 1:]
+        if script == ADD_SAMPLERS_SCRIPT:  # its tasks run `megarl samplers add` with its arguments
+            return "cli", ["samplers", "add", *arguments]
+        return "worker", arguments
     return None
 
 
@@ -93,7 +99,9 @@ def check_megarl_command(kind: str, argv: list[str]) -> None:
         args = parse_command_line(build_parser(), argv)
     except SystemExit as exc:
         raise AssertionError(f"megarl's argument parser refused {shlex.join(argv)} (exit {exc.code})") from None
-    if args.command != "export":  # export reads only a checkpoint
+    if args.command == "samplers":  # the overrides go over a running job's saved config: their keys and values
+        load_config(None, getattr(args, "overrides", []), check_files=False)
+    elif args.command != "export":  # export reads only a checkpoint
         checked_config(args, check_files=False)
 
 
