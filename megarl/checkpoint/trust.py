@@ -17,6 +17,7 @@ DeepSpeed's pickles name DeepSpeed's and torch's own classes freely, so they get
 """
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pickle
@@ -35,12 +36,29 @@ _DCP_GLOBALS = {
      ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict")}
 
 
+# How some Python releases pickle an Enum member (3.11.2 does, 3.11.7 does not: it writes `cls(value)`):
+# `getattr(cls, name)`; DCP's metadata holds one (`_MEM_FORMAT_ENCODING`). Protocols < 3 name the module __builtin__.
+_GETATTR = {("builtins", "getattr"), ("__builtin__", "getattr")}
+
+
+def _enum_member(cls, name):
+    """`getattr(cls, name)` as the unpickler may apply it: only a member, by name, of an Enum class the unpickler
+    resolved (the only objects a REDUCE can take as `cls` are what find_class returned or plain data)."""
+    if not (isinstance(cls, enum.EnumMeta) and isinstance(name, str) and name in cls.__members__):
+        raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not an Enum member of torch's checkpoint "
+                                     f"metadata")
+    return cls.__members__[name]
+
+
 class SafeMetadataUnpickler(pickle.Unpickler):
-    """Unpickles torch DCP metadata; any global outside `_DCP_GLOBALS` and torch's dtypes is refused."""
+    """Unpickles torch DCP metadata; any global outside `_DCP_GLOBALS` and torch's dtypes is refused, and getattr
+    is only ever an Enum member's lookup (`_enum_member`)."""
 
     def find_class(self, module: str, name: str):
         if (module, name) in _DCP_GLOBALS:
             return super().find_class(module, name)
+        if (module, name) in _GETATTR:
+            return _enum_member
         if module == "torch":
             import torch
 

@@ -58,3 +58,29 @@ def test_torchs_own_metadata_reads_through_the_restricted_unpickler(tmp_path):
     metadata = read_dcp_metadata(tmp_path / "dcp" / ".metadata")
     assert metadata.state_dict_metadata["w"].properties.dtype == torch.bfloat16
     assert metadata.state_dict_metadata["w"].size == torch.Size([3, 4])
+
+
+class _Reduced:
+    """Pickles as `func(*args)`: a REDUCE written the way a given Python release writes one."""
+
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return self.func, self.args
+
+
+@pytest.mark.parametrize("protocol", [2, 4])
+def test_an_enum_member_pickled_as_getattr_reads_and_any_other_getattr_is_refused(tmp_path, protocol):
+    """Python 3.11.2 (Debian 12's) pickles an Enum member as getattr(cls, name), as DCP's metadata holds
+    _MEM_FORMAT_ENCODING; 3.11.7 as cls(value). Both read; a getattr of anything but a member is refused unrun."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    for reduced in (_Reduced(getattr, _MEM_FORMAT_ENCODING, member.name), member):
+        (tmp_path / ".metadata").write_bytes(pickle.dumps([reduced], protocol=protocol))
+        assert read_dcp_metadata(tmp_path / ".metadata") == [member]
+    for bad in (_Reduced(getattr, _MEM_FORMAT_ENCODING, "__class__"), _Reduced(getattr, torch.Size, "__init__")):
+        (tmp_path / ".metadata").write_bytes(pickle.dumps(bad, protocol=protocol))
+        with pytest.raises(CheckpointError, match="not plain torch checkpoint metadata"):
+            read_dcp_metadata(tmp_path / ".metadata")
