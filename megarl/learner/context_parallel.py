@@ -151,3 +151,13 @@ def rows_from_shares(local: torch.Tensor, share: slice, rows: int, group) -> tor
     whole[share] = local
     dist.all_reduce(whole, group=group)
     return whole
+
+
+def rows_in_shares(compute, input_ids: torch.Tensor, split: tuple[int, int], group, device) -> torch.Tensor:
+    """[B, S] per-token values of every row of `input_ids` [B, S] by `compute` (ids [b, S] on `device` -> [b, S]):
+    rank `split[1]` of a row-split group of `split[0]` ranks computes its share (`row_share`; zeros, fp32, when it
+    has no row) and the group's shares are put back together (`rows_from_shares`); group None: all rows here."""
+    share = row_share(input_ids.shape[0], *split)
+    ids = input_ids[share].to(device)
+    local = compute(ids) if len(ids) else torch.zeros(ids.shape, dtype=torch.float32, device=device)
+    return local if group is None else rows_from_shares(local, share, input_ids.shape[0], group)

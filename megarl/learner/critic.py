@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megarl.algo import metrics as algo_metrics
 from megarl.algo import values
 from megarl.algo.config import CriticConfig
-from megarl.learner.context_parallel import row_share, rows_from_shares
+from megarl.learner.context_parallel import row_share, rows_in_shares
 from megarl.models import convert
 
 KEY = "algo.critic.model"
@@ -167,13 +167,8 @@ class Critic:
     def _values(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, S] fp32 CPU values of every row (no grad): this rank's share computed here, the others' gathered from
         the row group."""
-        if self.row_group is None:
-            return self.model(input_ids.to(self.device)).float().cpu()
-        share = self._share(input_ids.shape[0])
-        mine = input_ids[share].to(self.device)
-        local = (self.model(mine).float() if len(mine) else
-                 torch.zeros(mine.shape, dtype=torch.float32, device=self.device))
-        return rows_from_shares(local, share, input_ids.shape[0], self.row_group).cpu()
+        return rows_in_shares(lambda ids: self.model(ids).float(), input_ids, self.row_split, self.row_group,
+                              self.device).cpu()
 
     def _whiten(self, micro: list[dict[str, torch.Tensor]]) -> None:
         """Advantages to mean 0, std 1 over the model tokens of the whole batch (every DP rank's rows)."""

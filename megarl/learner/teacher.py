@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.learner.context_parallel import row_share, rows_from_shares
+from megarl.learner.context_parallel import rows_in_shares
 from megarl.models import convert
 
 KEY = "algo.distill.teacher"
@@ -46,14 +46,12 @@ class Teacher:
         from megarl.learner.step import token_logprobs
 
         start = time.perf_counter()
+        def scores(ids):
+            return token_logprobs(self.model(input_ids=ids, use_cache=False).logits, ids, self.temperature)
+
         for mb in micro:
-            share = row_share(mb["input_ids"].shape[0], *self.row_split)
-            ids = mb["input_ids"][share].to(self.device)
-            scores = (token_logprobs(self.model(input_ids=ids, use_cache=False).logits, ids, self.temperature)
-                      if len(ids) else torch.zeros(ids.shape, dtype=torch.float32, device=self.device))
-            if self.row_group is not None:
-                scores = rows_from_shares(scores, share, mb["input_ids"].shape[0], self.row_group)
-            mb["teacher_logprobs"] = scores.cpu()
+            mb["teacher_logprobs"] = rows_in_shares(scores, mb["input_ids"], self.row_split, self.row_group,
+                                                    self.device).cpu()
         return time.perf_counter() - start
 
 
