@@ -30,11 +30,6 @@ import torch
 import torch.distributed as dist
 
 
-def padded_width(width: int, cp: int) -> int:
-    """The width a row of `width` positions is padded to so that it cuts into 2 * cp equal chunks."""
-    return -(-width // (2 * cp)) * (2 * cp)
-
-
 def local_columns(width: int, cp: int, cp_rank: int) -> torch.Tensor:
     """The columns of a row of `width` positions (a multiple of 2 * cp) that CP rank `cp_rank` holds, in the order
     it holds them: chunk cp_rank, then chunk 2 * cp - 1 - cp_rank (megatron's zig-zag)."""
