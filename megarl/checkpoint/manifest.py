@@ -28,6 +28,8 @@ def read_manifest(checkpoint: str | Path) -> dict:
 def layout_of(learner_cfg) -> dict:
     """The layout a learner of this config writes into a checkpoint's manifest."""
     layout = {"tp": learner_cfg.tp, "pp": learner_cfg.pp, "dp": learner_cfg.dp}
+    if learner_cfg.ep > 1:  # (absent at ep=1, so manifests written before ep was recorded read as ep=1)
+        layout["ep"] = learner_cfg.ep
     if learner_cfg.backend == "deepspeed":  # DeepSpeed's own checkpoint (megarl.learner.deepspeed)
         layout.update(backend="deepspeed", zero_stage=learner_cfg.deepspeed.zero_stage)
     if learner_cfg.lora.rank > 0:  # the adapter's shape and scale: export merges and writes it with these
@@ -47,6 +49,16 @@ def check_resumable(path: Path, manifest: dict, learner_cfg) -> None:
         raise CheckpointError(f"{path} was saved with learner.lora={saved.get('lora') or 'off'}, this run has "
                               f"learner.lora={ours.get('lora') or 'off'}: resume with the adapter it was saved with "
                               f"(or `megarl export` it and start a new run from the merged HF directory)")
+    if saved.get("ep", 1) != ours.get("ep", 1):
+        # megatron-core gives expert-parallel parameters an Adam of their own (a ChainedOptimizer of two, whose
+        # checkpoint keys and per-parameter state are numbered per optimizer) only when learner.ep > 1, and
+        # numbers the experts' state by the experts a rank holds: its loader cannot map one such layout's
+        # optimizer state onto another's.
+        raise CheckpointError(f"{path} was saved with learner.ep={saved.get('ep', 1)}, this run has "
+                              f"learner.ep={ours.get('ep', 1)}: megatron-core's optimizer state of expert-parallel "
+                              f"experts loads only under the learner.ep that saved it; resume with "
+                              f"learner.ep={saved.get('ep', 1)}, or `megarl export` it "
+                              f"and start a new run from the HF directory")
     if "deepspeed" not in (saved.get("backend"), ours.get("backend")):
         return
     if saved.get("backend", "megatron") != ours.get("backend", "megatron"):

@@ -202,3 +202,22 @@ def test_a_checkpoint_of_another_architecture_is_refused_by_name():
     check_architecture({"hf_config": config}, dict(config), "ckpt")
     with pytest.raises(CheckpointError, match="num_hidden_layers"):
         check_architecture({"hf_config": config}, {**config, "num_hidden_layers": 4}, "ckpt")
+
+
+def test_a_checkpoint_resumes_under_another_tp_pp_dp_but_only_under_the_learner_ep_that_saved_it():
+    """megatron-core chains a second Adam for expert-parallel experts at learner.ep > 1 and numbers its state by the
+    experts a rank holds: a checkpoint saved at ep=2 failed deep inside megatron's loader at ep=1 (a KeyError over
+    `chained_0.` keys); `megarl train` and the learner now refuse it by name first. A manifest written before ep was
+    recorded reads as ep=1."""
+    from megarl.checkpoint.manifest import check_resumable, layout_of
+    from megarl.config.schema import LearnerConfig
+
+    saved = {"layout": layout_of(LearnerConfig(dp=2, ep=2))}
+    assert saved["layout"] == {"tp": 1, "pp": 1, "dp": 2, "ep": 2}
+    check_resumable("ckpt", saved, LearnerConfig(tp=2, ep=2))
+    check_resumable("ckpt", {"layout": {"tp": 1, "pp": 1, "dp": 2}}, LearnerConfig(tp=2, pp=2))
+    with pytest.raises(CheckpointError, match=r"saved with learner\.ep=2, this run has learner\.ep=1.*resume with "
+                                              r"learner\.ep=2"):
+        check_resumable("ckpt", saved, LearnerConfig(dp=2))
+    with pytest.raises(CheckpointError, match=r"saved with learner\.ep=1, this run has learner\.ep=2"):
+        check_resumable("ckpt", {"layout": {"tp": 1, "pp": 1, "dp": 2}}, LearnerConfig(dp=2, ep=2))
