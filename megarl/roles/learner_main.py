@@ -642,19 +642,22 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             "prefix": f"{STORE_PREFIX}attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
             "secret": run_secret().decode(), "sampler_ranks": list(topo.engine_leads),
             "world_size": topo.world_size, "num_learners": topo.num_learners})
-    # A membership epoch's group of this source's publish part, the source as rank 0; members may first sit out a
-    # failed publish's receive. A stop signal does not end its formation: the learner ranks stop together at a step
-    # boundary.
-    make_group = lambda epoch, size: epoch_publish_group(store, epoch, 0, size, cfg.dist.backend,  # noqa: E731
-                                                         2 * cfg.publish.timeout_s, *next(iter(groups)),
-                                                         should_stop=lambda: False)
+    # A membership epoch's group of this source's publish part, the source as rank 0 and `size - 1` member engines,
+    # each receiving on receivers_per_engine ranks; members may first sit out a failed publish's receive. A stop
+    # signal does not end its formation: the learner ranks stop together at a step boundary.
+    make_group = lambda epoch, size: epoch_publish_group(  # noqa: E731
+        store, epoch, 0, 1 + (size - 1) * topo.receivers_per_engine, cfg.dist.backend, 2 * cfg.publish.timeout_s,
+        *next(iter(groups)), should_stop=lambda: False)
     if sglang:  # the servers' weight-update group, re-formed per epoch (megarl.distributed.sglang_publish)
         make_group = lambda epoch, size: publisher.join_epoch(epoch, size)  # noqa: E731
     # A failed publish goes again at once where the samplers left could not go on without it: SGLang servers whose
     # receive failed stay paused, with several publish parts a survivor may hold some of the version's parts and
     # not the others (its engine applies a version once every part arrived), and in sync mode a sampler generates
     # the next batch only once it runs the version.
-    again_at_once = sglang or topo.num_stages * topo.publish_senders > 1 or cfg.algo.mode == "sync"
+    # The same holds for an engine spanning sampler.tp ranks: its ranks apply a version together, so one rank that
+    # holds it while another's receive failed would wait for that version on the other.
+    again_at_once = sglang or topo.num_stages * topo.publish_senders > 1 or topo.sampler_tp > 1 or \
+        cfg.algo.mode == "sync"
     try:
         if resumed:  # the samplers generate nothing before they run the resumed weights
             if heartbeats is not None:  # restarted samplers may still be starting their engines
