@@ -1,14 +1,17 @@
 """Membership epochs of replaceable samplers (fault.on_failure=replace): who receives the weights, over which group.
 
 A sampler process is one *incarnation* of its sampler rank (0 for the one started with the run, k for its k-th
-replacement; its keeper, megarl.roles.sampler_keeper, sets MEGARL_SAMPLER_INCARNATION). The learner's lead keeps
+replacement; its keeper, megarl.roles.sampler_keeper, sets MEGARL_SAMPLER_INCARNATION). An engine spanning several
+ranks (sampler.tp > 1) is one member, named by its lead's rank: all its ranks are replaced together, as the same
+incarnation. The learner's lead keeps
 the live set (`SamplerSet`); each change starts a membership epoch e, recorded under `samplers/epoch/{e}` as the
 members' (rank, incarnation) pairs, the publish index the epoch starts at and each newcomer's data position, and
 its publish group is built straight over the run's store (`topology.epoch_publish_group`), so a dead member never
 has to take part. A sampler's receiver follows the epochs (`EpochFollower`). Records in the store:
 
     samplers/join/{rank}     a ready incarnation asks to receive the weights (the incarnation)
-    samplers/dead/{rank}     its keeper saw the incarnation end ({incarnation, cause})
+    samplers/dead/{rank}     its keeper saw the incarnation end ({incarnation, cause, code}); a TP engine's follower
+                             rank's record is for its lead's keeper, whose record is the engine's end
     samplers/replace/{rank}  the learner asks the keeper to kill a hung incarnation ({incarnation, cause})
     samplers/served/{rank}   the incarnation sent its first group (the incarnation): one that fails with an error
                              before that is not replaced (a start-up error repeats; megarl.roles.sampler_keeper)
