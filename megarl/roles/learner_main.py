@@ -402,7 +402,7 @@ def refresh_members(intake: Intake | None, publisher, make_group: Callable[[int,
 
 
 def publish_to_members(learner, publisher, intake: Intake | None, make_group, heartbeats: HeartbeatMonitor | None,
-                       num_learners: int, again_at_once: bool = False) -> dict:
+                       num_learners: int, again_at_once: bool = False, shards: bool = False) -> dict:
     """fault.on_failure=replace, on every learner rank (`intake`: the lead's, None elsewhere; `publisher`: a publish
     source's, None elsewhere): publish to the live samplers of the current membership epoch (a new one when the set
     changed: refresh_members). A publish failed when any source's did; the lead then drops the members that are gone
@@ -415,14 +415,15 @@ def publish_to_members(learner, publisher, intake: Intake | None, make_group, he
     that a publish reached (newcomers send nothing before a version reaches them); otherwise it is the next step's.
     The members that got this version (or part) already take it again, as the broadcast requires, and discard it
     (publish.WeightReceiver._receive_again; an SGLang server loads it again under the same label).
-    MEMBERSHIP_ATTEMPTS failed publishes in a row with no sampler gone stop the run, naming the last one."""
+    MEMBERSHIP_ATTEMPTS failed publishes in a row with no sampler gone stop the run, naming the last one. `shards`:
+    each source publishes its own TP slices (publish_weights)."""
     while True:
         if not refresh_members(intake, publisher, make_group, learner.version):
-            return publish_weights(learner, None, {}, None, num_learners)  # no sampler to publish to
+            return publish_weights(learner, None, {}, None, num_learners, shards)  # no sampler to publish to
         error, published = None, {"bytes": 0, "seconds": 0.0}
         try:
             published = publish_weights(learner, publisher, intake.header() if intake is not None else {}, heartbeats,
-                                        num_learners)
+                                        num_learners, shards)
         except TimeoutError as exc:
             error = exc
         errors = [e for e in from_every_rank(None if error is None else str(error)) if e is not None]
@@ -681,7 +682,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 if not isinstance(batch, JoinersWaiting):
                     break
                 # Every sampler is gone and replacements wait to be admitted: they get the current version now.
-                publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners, True)
+                publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners, True, shards)
             if isinstance(batch, StopRequested):
                 stopped = batch
                 break
@@ -697,7 +698,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 published = publish_weights(source, publisher, intake.header() if lead else {}, heartbeats,
                                             topo.num_learners, shards) if not replacing else \
                     publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners,
-                                       again_at_once)
+                                       again_at_once, shards)
             elif lead:
                 intake.announce_retired()
             wall.append(time.time())
