@@ -439,38 +439,42 @@ def test_with_replace_in_sync_mode_a_killed_sampler_is_replaced_and_every_step_t
     assert not leftovers(run_dir)
 
 
-@pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
-@pytest.mark.parametrize("learner_tp, victim", [(1, "follower"), (2, "lead")])
+@pytest.mark.timeout(1200)  # the waits above (240 s to the first steps, 2 x REJOIN_TIMEOUT_S, 120 s to finish) bound it
 def test_with_replace_an_engine_of_two_ranks_that_loses_one_is_replaced_whole_and_the_run_goes_on(
-        learner_tp, victim, embedded_think_model_dir, tmp_path):
-    # One built-in engine over two ranks (sampler.tp=2); at learner.tp=1 each rank keeps its slices of the whole
-    # tensors published to both, at learner.tp=2 each learner TP rank publishes its shards to the engine's TP rank of
-    # the same number. One of its ranks is SIGKILLed: the follower (its lead's keeper then kills the lead) or the lead
-    # (the follower's keeper then kills the follower). The engine is one sampler: the learner drops it, both ranks
-    # start replacement 1, whose TP group forms afresh, and it receives the version current at its join before it
-    # generates (_check_replaced). With no sampler left meanwhile the learner waits for the replacement and publishes
-    # to it at once (learner_main.JoinersWaiting).
+        embedded_think_model_dir, tmp_path):
+    # One built-in engine over two ranks (sampler.tp=2; learner.tp=1: each rank keeps its slices of the whole tensors
+    # published to both). Its follower rank is SIGKILLed (the lead's keeper then kills the lead), then, once the
+    # replacement trains, the replacement's lead (the follower's keeper then kills the follower). Each time the engine
+    # is one sampler: the learner drops it, both ranks start the next incarnation, whose TP group forms afresh, and it
+    # receives the version current at its join before it generates. With no sampler left meanwhile the learner waits
+    # for the replacement and publishes to it at once (learner_main.JoinersWaiting). Shard to shard (learner.tp=2)
+    # every epoch's publish carries each source's slices
+    # (test_replace_membership.py::test_shard_to_shard_every_epochs_publish_carries_the_sources_own_slices).
     run_dir = tmp_path / "replace_tp"
     proc = _start(run_dir, embedded_think_model_dir, "fault.on_failure=replace", "sampler.num_engines=1",
-                  "sampler.tp=2", f"learner.tp={learner_tp}", "run.log_rollouts=true",
-                  f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}")
+                  "sampler.tp=2", "run.log_rollouts=true", f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}")
     _wait_for_steps(run_dir, 3, proc)
-    lead = learner_tp  # the learners are ranks [0, learner.tp)
-    pids = _sampler_processes(run_dir)
-    assert sorted(pids) == [(lead, 0), (lead + 1, 0)]
-    os.kill(pids[(lead + 1 if victim == "follower" else lead, 0)], signal.SIGKILL)
-    _wait_for_rejoin(run_dir, proc, alive=1)
-    assert sorted(_sampler_processes(run_dir)) == [(lead, 1), (lead + 1, 1)]  # both ranks replaced, once
+    for incarnation, victim in enumerate((2, 1)):  # the follower of the first incarnation, the lead of the second
+        pids = _sampler_processes(run_dir)
+        assert sorted(pids) == [(1, incarnation), (2, incarnation)]
+        os.kill(pids[(victim, incarnation)], signal.SIGKILL)
+        _wait_for_rejoin(run_dir, proc, replaced=incarnation + 1, alive=1)
+    assert sorted(_sampler_processes(run_dir)) == [(1, 2), (2, 2)]  # both ranks replaced together, each time
     proc.send_signal(signal.SIGTERM)
     out, err, took = _finish(proc, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    cause = f"lost its TP rank 1 (rank {lead + 1}), which was" if victim == "follower" else "was"
-    assert f"megarl: sampler 0 (rank {lead}) {cause} killed by signal 9 (SIGKILL): dropped from the publish set, " \
-           f"replacement 1 starting; " in out, out[-3000:]
-    _check_replaced(run_dir, out, err, lead, learners=learner_tp, alive=1)
+    for cause, replacement in (("lost its TP rank 1 (rank 2), which was", 1), ("was", 2)):
+        assert f"megarl: sampler 0 (rank 1) {cause} killed by signal 9 (SIGKILL): dropped from the publish set, " \
+               f"replacement {replacement} starting; " in out, out[-3000:]
+    _check_replaced(run_dir, out, err, 1, replaced=2, alive=1)
+    joined = [int(v) for v in re.findall(r"sampler 0 \(rank 1\): replacement 2 joins the publish set at version (\d+)",
+                                         out)]
+    rollouts = [json.loads(line) for line in (Path(run_dir) / "rollouts.jsonl").read_text().splitlines()]
+    after = [r for r in rollouts if r["trained_at_step"] >= joined[0]]
+    assert len(joined) == 1 and after and all(min(r["versions"]) >= joined[0] for r in after), (joined, out[-3000:])
     # every trained token carries the version it was sampled on (none newer than the step's weights) and its log-prob
     # under it
-    for r in (json.loads(line) for line in (Path(run_dir) / "rollouts.jsonl").read_text().splitlines()):
+    for r in rollouts:
         assert len(r["versions"]) == len(r["behaviour_logprobs"]) == len(r["token_ids"]) > 0, r
         assert r["versions"] == sorted(r["versions"]) and r["versions"][-1] <= r["trained_at_step"], r
         assert all(-1e4 < lp <= 0.0 for lp in r["behaviour_logprobs"]), r
