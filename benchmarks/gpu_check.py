@@ -78,6 +78,9 @@ imported what they share, and the two-rank checks fork their ranks from it, wher
                     SIGKILLed; both stages' parts reach the replacement over the next epoch's groups
   sync_replace      the same with algo.mode=sync: while sampler 0 is replaced the survivor generates the share
                     of each version's batch it owed, so the steps go on
+  tp_replace        the same with two built-in engines of two ranks each (sampler.tp=2, learner.tp=1; five
+                    processes on the one device, the engines' TP groups over gloo): engine 0's follower rank (rank 2)
+                    SIGKILLed; the engine is replaced whole, its TP group formed afresh, and rejoins
   samplers_add_remove  the demo under fault.on_failure=replace with two built-in samplers: after 5 steps `megarl
                     samplers add` from a second process (its join version, steps until samplers/alive is 3), then
                     `megarl samplers remove` of it (samplers/alive back at 2, 3 steps more, the command's exit 0)
@@ -1662,6 +1665,12 @@ def check_sync_replace(args, size: Size) -> dict:
     return _replace_check(args, size, "sync_replace", ["algo.mode=sync"], lambda: _first_sampler_pid(1))
 
 
+def check_tp_replace(args, size: Size) -> dict:
+    """sampler_replace with engines of two ranks (sampler.tp=2): engine 0's follower (rank 2) is SIGKILLed; its lead's
+    keeper kills the lead, both ranks start replacement 1 (a fresh TP group), and the engine rejoins as one sampler."""
+    return _replace_check(args, size, "tp_replace", ["sampler.tp=2"], lambda: _first_sampler_pid(2))
+
+
 def _first_sampler_pid(rank: int) -> int:
     """The pid of sampler rank `rank`'s first incarnation (fault.on_failure=replace: its keeper's child)."""
     return next(int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _env_of(d).get("RANK") == str(rank)
@@ -1953,7 +1962,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "samplers_add_remove": (check_samplers_add_remove, 240), "sglang_add_remove": (check_sglang_add_remove, 240),
           "gpt_oss_engine": (check_gpt_oss_engine, 150), "pp_replace": (check_pp_replace, 180),
           "sync_replace": (check_sync_replace, 180),
-          "lora_families": (check_lora_families, 180)}
+          "lora_families": (check_lora_families, 180), "tp_replace": (check_tp_replace, 180)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 # Each check's limit on CPU bounds a hang, it is no speed test: a check there is mostly process starts and imports,
 # which a loaded 2-core machine slows several-fold (context_parallel's two torchrun ranks took over 75 s at load 20).

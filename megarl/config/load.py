@@ -232,10 +232,7 @@ def validate(cfg: Config, world_size: int | None = None, check_files: bool = Tru
              f"(algo.prompts_per_step*algo.group_size), so dp={lc.dp} would leave a rank without any")
     _require(cfg.fault.on_failure in fault_policy.POLICIES, "fault.on_failure",
              f"must be auto, stop, restart or replace, got {cfg.fault.on_failure!r}")
-    if cfg.fault.on_failure == "replace":  # what membership epochs cover (docs/faults.md)
-        for key in fault_policy.replace_blockers(cfg):
-            _require(False, key, f"fault.on_failure=replace replaces samplers only with {key}="
-                     f"{fault_policy.REPLACE_NEEDS[key]} (fault.on_failure=auto chooses stop here)")
+    if cfg.fault.on_failure == "replace":
         _require(cfg.fault.max_sampler_restarts_per_hour >= 1, "fault.max_sampler_restarts_per_hour", "must be >= 1")
     _require(cfg.fault.max_restarts >= 0, "fault.max_restarts", "must be >= 0")
     _require(cfg.queue.max_message_mb >= 0, "queue.max_message_mb", "must be >= 0 (0 = derived from the group's shapes)")

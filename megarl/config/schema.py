@@ -407,16 +407,17 @@ class CheckpointConfig:
 class FaultConfig:
     """What happens when a process fails (docs/faults.md)."""
 
-    # "auto": replace where it covers the topology (sampler.tp=1, max_sampler_restarts_per_hour >= 1), else stop;
-    # `megarl train` prints the policy in force, and the saved config.yaml holds it.
+    # "auto": replace where max_sampler_restarts_per_hour >= 1 allows a replacement, else stop; `megarl train`
+    # prints the policy in force, and the saved config.yaml holds it.
     # "stop": torchrun stops every process as soon as one fails; megarl names the failed rank and role.
     # "restart": torchrun restarts every process (at most max_restarts times) and the run resumes from
     # its last checkpoint (needs checkpoint.every_steps > 0); the lost progress is counted.
     # "replace": a sampler that dies or hangs is replaced while the learner trains on (a learner failure stops
-    # the run); every engine, at sampler.tp=1 (docs/faults.md).
+    # the run); every engine, an engine spanning sampler.tp ranks replaced whole (docs/faults.md).
     on_failure: str = "auto"
     max_restarts: int = 3
-    # Under on_failure=replace: replacements of one sampler in any hour; one more fails its rank (the run stops).
+    # Under on_failure=replace: replacements of one sampler (engine) in any hour; one more fails its rank (the run
+    # stops).
     max_sampler_restarts_per_hour: int = 6
     # A sampler process that is alive but whose loop has not turned for this long is declared hung
     # (a dead one is torchrun's, or under on_failure=replace its keeper's, to see at once); the learner then fails,

@@ -1,14 +1,17 @@
 """Membership epochs of replaceable samplers (fault.on_failure=replace): who receives the weights, over which group.
 
 A sampler process is one *incarnation* of its sampler rank (0 for the one started with the run, k for its k-th
-replacement; its keeper, megarl.roles.sampler_keeper, sets MEGARL_SAMPLER_INCARNATION). The learner's lead keeps
+replacement; its keeper, megarl.roles.sampler_keeper, sets MEGARL_SAMPLER_INCARNATION). An engine spanning several
+ranks (sampler.tp > 1) is one member, named by its lead's rank: all its ranks are replaced together, as the same
+incarnation. The learner's lead keeps
 the live set (`SamplerSet`); each change starts a membership epoch e, recorded under `samplers/epoch/{e}` as the
 members' (rank, incarnation) pairs, the publish index the epoch starts at and each newcomer's data position, and
 its publish group is built straight over the run's store (`topology.epoch_publish_group`), so a dead member never
 has to take part. A sampler's receiver follows the epochs (`EpochFollower`). Records in the store:
 
     samplers/join/{rank}     a ready incarnation asks to receive the weights (the incarnation)
-    samplers/dead/{rank}     its keeper saw the incarnation end ({incarnation, cause})
+    samplers/dead/{rank}     its keeper saw the incarnation end ({incarnation, cause, code}); a TP engine's follower
+                             rank's record is for its lead's keeper, whose record is the engine's end
     samplers/replace/{rank}  the learner asks the keeper to kill a hung incarnation ({incarnation, cause})
     samplers/served/{rank}   the incarnation sent its first group (the incarnation): one that fails with an error
                              before that is not replaced (a start-up error repeats; megarl.roles.sampler_keeper)
@@ -18,6 +21,8 @@ has to take part. A sampler's receiver follows the epochs (`EpochFollower`). Rec
     samplers/remove/{rank}   `megarl samplers remove` asks the learner to drain the sampler ({request})
     samplers/removed/{rank}  the learner's answer ({request, incarnation, lost} or {request, refused}): with an
                              incarnation, its keeper kills that incarnation and starts none
+    samplers/ready/{rank}/{incarnation}  a TP follower rank's receiver is following the epochs: its engine's lead
+                             asks to join only once every rank of the engine is ready (engine_ready_key)
     samplers/sync_extra/{rank}  algo.mode=sync: the groups of a version the learner asks of the incarnation beyond
                              its share ({version, incarnation, groups}; SyncShares)
 
@@ -69,6 +74,10 @@ def replace_key(rank: int) -> str:
 
 def served_key(rank: int) -> str:
     return f"samplers/served/{rank}"
+
+
+def engine_ready_key(rank: int, incarnation: int) -> str:
+    return f"samplers/ready/{rank}/{incarnation}"
 
 
 def epoch_key(epoch: int) -> str:
@@ -308,14 +317,20 @@ class EpochFollower:
     the learner's side fails too and records a later epoch) leaves this incarnation between epochs, group None,
     waiting for the next one; only an epoch that leaves it out ends it (SamplerDropped).
 
+    `rank` is the member's rank in the records: its engine's lead rank (an engine spanning sampler.tp ranks is one
+    member; each of its ranks follows the epochs with the lead's rank and the engine's incarnation). `receivers`:
+    the engine's ranks in each group (topology's receivers_per_engine), this rank the `offset`-th of them, so the
+    i-th member's receivers are group ranks 1 + i * receivers + offset.
+
     `rejoin_timeout_s`: how long a member may wait for the next epoch after a failed receive or formation. The
     learner records it at its next publish at the latest, which follows its wait for groups (queue.timeout_s) and
     the attempts to form and publish (`rejoin_timeout_s`): a shorter one would fail live samplers whenever a
     member's failure costs the learner a slow step."""
 
     def __init__(self, store, rank: int, incarnation: int, make_group: Callable[[int, int, int], object],
-                 group=None, rejoin_timeout_s: float | None = None):
+                 group=None, rejoin_timeout_s: float | None = None, receivers: int = 1, offset: int = 0):
         self.store, self.rank, self.incarnation, self.make_group = store, rank, incarnation, make_group
+        self.receivers, self.offset = receivers, offset
         self.epoch = 0 if incarnation == 0 else -1
         self.group = group
         self.rejoin_timeout_s = rejoin_timeout_s
@@ -346,7 +361,8 @@ class EpochFollower:
         self.group = None  # the previous epoch's group is left before the next one is built
         self.epoch = epoch
         try:
-            self.group = self.make_group(epoch, 1 + members.index((self.rank, self.incarnation)), 1 + len(members))
+            self.group = self.make_group(epoch, 1 + members.index((self.rank, self.incarnation)) * self.receivers +
+                                         self.offset, 1 + len(members) * self.receivers)
         except (RuntimeError, TimeoutError) as exc:  # the learner's side failed as well: a later epoch
             self.failed = exc
             return None

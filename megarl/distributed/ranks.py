@@ -92,18 +92,36 @@ class Topology:
         return [(stage, 0, replica)] if within == 0 and replica < self.publish_senders else []
 
     @property
+    def engine_lead(self) -> int:
+        """The global rank of this sampler rank's engine lead: the rank that stands for the whole engine in the
+        learner's records (heartbeat, queue, membership)."""
+        return self.engine_leads[self.engine_index]
+
+    @property
+    def receivers_per_engine(self) -> int:
+        """Ranks of one engine in each publish group: every TP rank when slices_on_arrival, else one (its TP rank
+        of that part's shards, or the whole engine at sampler_tp 1)."""
+        return self.sampler_tp if self.slices_on_arrival else 1
+
+    @property
+    def publish_offset(self) -> int:
+        """A sampler rank's place among its engine's receivers in a publish group (its TP rank when
+        slices_on_arrival, else 0): engine i's receivers are group ranks 1 + i * receivers_per_engine + offset."""
+        return self.engine_tp_rank if self.slices_on_arrival else 0
+
+    @property
     def publish_rank(self) -> int | None:
         """Rank in the publish group(s): 0 for a source, 1 + engine index for a sampler (1 + sampler index
         when slices_on_arrival: every TP rank is a member), else None."""
         if self.role == "sampler":
-            return 1 + (self.role_rank if self.slices_on_arrival else self.engine_index)
+            return 1 + self.engine_index * self.receivers_per_engine + self.publish_offset
         return 0 if self.publish_parts else None
 
     @property
     def publish_group_size(self) -> int:
         """Members of each publish group: the source and one receiver per engine (per sampler rank when
         slices_on_arrival)."""
-        return 1 + (self.num_samplers if self.slices_on_arrival else self.num_engines)
+        return 1 + self.num_engines * self.receivers_per_engine
 
 
 def topology_from_env(cfg: Config) -> Topology:

@@ -175,16 +175,19 @@ def epoch_publish_group(store: SignedStore, epoch: int, rank: int, size: int, ba
     return dist.ProcessGroupGloo(sub, rank, size, timeout)
 
 
-def engine_tp_group(topo: Topology, store: SignedStore, backend: str, timeout_s: float):
+def engine_tp_group(topo: Topology, store: SignedStore, backend: str, timeout_s: float, incarnation: int = 0):
     """The group of one sampler engine's TP ranks (group rank = TP rank); None at sampler_tp 1.
 
     The lead broadcasts each step's plan over it and the forward all-reduces its row-parallel outputs.
     Registered with torch.distributed (identity ranks, as the SGLang group below) so `dist.*` calls take
-    it, although a sampler process has no default group."""
+    it, although a sampler process has no default group. Under fault.on_failure=replace an engine is replaced
+    whole, all its ranks as the same `incarnation` (megarl.roles.sampler_keeper), and each incarnation's group
+    is formed afresh under keys of its own: a dead predecessor's keys never meet its replacement's."""
     if topo.role != "sampler" or topo.sampler_tp == 1:
         return None
     name = f"megarl_engine{topo.engine_index}_tp"
-    group_store = dist.PrefixStore(f"engine{topo.engine_index}/tp/", store.raw)
+    group_store = dist.PrefixStore(f"engine{topo.engine_index}/tp/" + (f"i{incarnation}/" if incarnation else ""),
+                                   store.raw)
     wait_for_members(group_store, topo.engine_tp_rank, topo.sampler_tp, timeout_s,
                      f"engine {topo.engine_index}'s TP group (sampler.tp={topo.sampler_tp})")
     return _registered_group(group_store, topo.engine_tp_rank, topo.sampler_tp, resolve_backend(backend), name,

@@ -402,7 +402,7 @@ def refresh_members(intake: Intake | None, publisher, make_group: Callable[[int,
 
 
 def publish_to_members(learner, publisher, intake: Intake | None, make_group, heartbeats: HeartbeatMonitor | None,
-                       num_learners: int, again_at_once: bool = False) -> dict:
+                       num_learners: int, again_at_once: bool = False, shards: bool = False) -> dict:
     """fault.on_failure=replace, on every learner rank (`intake`: the lead's, None elsewhere; `publisher`: a publish
     source's, None elsewhere): publish to the live samplers of the current membership epoch (a new one when the set
     changed: refresh_members). A publish failed when any source's did; the lead then drops the members that are gone
@@ -415,14 +415,15 @@ def publish_to_members(learner, publisher, intake: Intake | None, make_group, he
     that a publish reached (newcomers send nothing before a version reaches them); otherwise it is the next step's.
     The members that got this version (or part) already take it again, as the broadcast requires, and discard it
     (publish.WeightReceiver._receive_again; an SGLang server loads it again under the same label).
-    MEMBERSHIP_ATTEMPTS failed publishes in a row with no sampler gone stop the run, naming the last one."""
+    MEMBERSHIP_ATTEMPTS failed publishes in a row with no sampler gone stop the run, naming the last one. `shards`:
+    each source publishes its own TP slices (publish_weights)."""
     while True:
         if not refresh_members(intake, publisher, make_group, learner.version):
-            return publish_weights(learner, None, {}, None, num_learners)  # no sampler to publish to
+            return publish_weights(learner, None, {}, None, num_learners, shards)  # no sampler to publish to
         error, published = None, {"bytes": 0, "seconds": 0.0}
         try:
             published = publish_weights(learner, publisher, intake.header() if intake is not None else {}, heartbeats,
-                                        num_learners)
+                                        num_learners, shards)
         except TimeoutError as exc:
             error = exc
         errors = [e for e in from_every_rank(None if error is None else str(error)) if e is not None]
@@ -642,19 +643,22 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
             "prefix": f"{STORE_PREFIX}attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
             "secret": run_secret().decode(), "sampler_ranks": list(topo.engine_leads),
             "world_size": topo.world_size, "num_learners": topo.num_learners})
-    # A membership epoch's group of this source's publish part, the source as rank 0; members may first sit out a
-    # failed publish's receive. A stop signal does not end its formation: the learner ranks stop together at a step
-    # boundary.
-    make_group = lambda epoch, size: epoch_publish_group(store, epoch, 0, size, cfg.dist.backend,  # noqa: E731
-                                                         2 * cfg.publish.timeout_s, *next(iter(groups)),
-                                                         should_stop=lambda: False)
+    # A membership epoch's group of this source's publish part, the source as rank 0 and `size - 1` member engines,
+    # each receiving on receivers_per_engine ranks; members may first sit out a failed publish's receive. A stop
+    # signal does not end its formation: the learner ranks stop together at a step boundary.
+    make_group = lambda epoch, size: epoch_publish_group(  # noqa: E731
+        store, epoch, 0, 1 + (size - 1) * topo.receivers_per_engine, cfg.dist.backend, 2 * cfg.publish.timeout_s,
+        *next(iter(groups)), should_stop=lambda: False)
     if sglang:  # the servers' weight-update group, re-formed per epoch (megarl.distributed.sglang_publish)
         make_group = lambda epoch, size: publisher.join_epoch(epoch, size)  # noqa: E731
     # A failed publish goes again at once where the samplers left could not go on without it: SGLang servers whose
     # receive failed stay paused, with several publish parts a survivor may hold some of the version's parts and
     # not the others (its engine applies a version once every part arrived), and in sync mode a sampler generates
     # the next batch only once it runs the version.
-    again_at_once = sglang or topo.num_stages * topo.publish_senders > 1 or cfg.algo.mode == "sync"
+    # The same holds for an engine spanning sampler.tp ranks: its ranks apply a version together, so one rank that
+    # holds it while another's receive failed would wait for that version on the other.
+    again_at_once = sglang or topo.num_stages * topo.publish_senders > 1 or topo.sampler_tp > 1 or \
+        cfg.algo.mode == "sync"
     try:
         if resumed:  # the samplers generate nothing before they run the resumed weights
             if heartbeats is not None:  # restarted samplers may still be starting their engines
@@ -678,7 +682,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 if not isinstance(batch, JoinersWaiting):
                     break
                 # Every sampler is gone and replacements wait to be admitted: they get the current version now.
-                publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners, True)
+                publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners, True, shards)
             if isinstance(batch, StopRequested):
                 stopped = batch
                 break
@@ -694,7 +698,7 @@ def run_learner(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
                 published = publish_weights(source, publisher, intake.header() if lead else {}, heartbeats,
                                             topo.num_learners, shards) if not replacing else \
                     publish_to_members(source, publisher, intake, make_group, heartbeats, topo.num_learners,
-                                       again_at_once)
+                                       again_at_once, shards)
             elif lead:
                 intake.announce_retired()
             wall.append(time.time())

@@ -105,6 +105,8 @@ def add_refusal(config: dict) -> str | None:
     """Why a run with this saved config cannot take an added sampler, naming the key (None: it can)."""
     sampler = config.get("sampler", {})
     engine = sampler.get("engine", "builtin")
+    if (refusal := engine_span_refusal(config)) is not None:
+        return refusal
     if engine == "sglang" and (sampler.get("sglang") or {}).get("server", "builtin") != "builtin":
         # A real SGLang server's GPUs are a slice of its node's, placed by the rank's place among the run's
         # ranks on that node (topology.sglang_gpu_slice); an added rank has no such place.
@@ -115,6 +117,16 @@ def add_refusal(config: dict) -> str | None:
         return "eval.sets: each due version's evaluation is split over the run's engines, a fixed set"
     if config.get("algo", {}).get("mode") == "sync":
         return "algo.mode=sync: each version's batch is split over the run's engines, a fixed set"
+    return None
+
+
+def engine_span_refusal(config: dict) -> str | None:
+    """Why neither command takes a run whose engines span several ranks (None: they do): one command starts or drains
+    one rank, and such an engine lives and is replaced whole (megarl.roles.sampler_keeper)."""
+    tp = config.get("sampler", {}).get("tp", 1)
+    if tp > 1:
+        return (f"sampler.tp={tp}: each engine spans {tp} ranks, and `megarl samplers add`/`remove` start or drain "
+                f"one rank")
     return None
 
 
@@ -182,6 +194,9 @@ def remove_sampler(run_dir: str, sampler: int, timeout_s: float) -> int:
     run_dir = Path(run_dir)
     try:
         record = _contact_or_refusal(run_dir)
+        saved = _run_config(run_dir) if (run_dir / "config.yaml").exists() else {}  # rank 0 saves it at start
+        if (refusal := engine_span_refusal(saved)) is not None:
+            raise ContactError(refusal)
         store = connect(record)
         count = len(record["sampler_ranks"]) + _added(store)
         if not 0 <= sampler < count:

@@ -11,6 +11,15 @@ death, a hang, or an error after it served is a fault and replaced). A stop sign
 the sampler, whose exit (and status) this process then shares; the sampler dies with this process (its
 PR_SET_PDEATHSIG is SIGKILL), so nothing outlives the run.
 
+An engine spanning several ranks (sampler.tp > 1) is one sampler: each of its ranks has a keeper, and the engine
+lives and is replaced whole. The learner knows the engine by its lead's rank (heartbeat, queue, membership). When
+any rank's sampler ends, the others are ended too: a follower rank's keeper records its sampler's end under its own
+`samplers/dead/{rank}`, where the lead's keeper sees it, kills the lead's sampler and records the engine's end
+(`samplers/dead/{lead}`, the learner's cue); every follower's keeper kills its own sampler on that record. Then
+every rank starts the same next incarnation, whose TP group forms afresh (topology.engine_tp_group) and whose lead
+asks to join once every rank's receiver follows the epochs. Only the lead's keeper judges an end (a start-up error,
+the per-hour limit): the followers' keepers follow its record, and its exit stops the run through torchrun.
+
 `megarl samplers remove` drains a sampler: the learner takes it out of the publish set (`samplers/removed/{rank}`
 names its incarnation) and refuses its groups from then on (its running rollouts are dropped, counted lost); the
 sampler exits when its receiver meets the first membership epoch that leaves it out (SamplerDropped, between two
@@ -42,6 +51,11 @@ HOUR_S = 3600.0
 STOP_GRACE_S = 30.0  # after the run's stop, how long a sampler may take to exit before it is killed
 IDLE_POLL_S = 0.5  # a removed sampler's keeper: how often it looks for the run's end
 REMOVED = "removed"  # _watch's cause for an incarnation `megarl samplers remove` took out
+# A lead whose sampler failed with an error may have failed because a follower rank died under its collectives: how
+# long its keeper waits for a follower's record of that, which is then the engine's cause (a signal's death, and
+# whether it is a start-up error).
+FOLLOWER_REPORT_S = 5.0
+ENGINE_END_TIMEOUT_S = 60.0  # a follower rank's keeper: how long the lead's keeper may take to record the engine's end
 
 
 def _die_with_keeper() -> None:  # in the child between fork and exec: SIGKILL, so even a stopped child goes
@@ -81,22 +95,32 @@ def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store, first: int
     env = {k: v for k, v in os.environ.items() if k != launch_gate.ENV}  # this process passed the gate for it
     restarts: collections.deque = collections.deque()
     incarnation = first
+    lead = topo.engine_lead  # the rank the learner knows this rank's engine by (itself at sampler.tp=1)
+    followers = range(lead + 1, lead + topo.sampler_tp) if topo.rank == lead else range(0)
     while True:
         child = subprocess.Popen([sys.executable, "-m", "megarl.roles.worker", *argv],
                                  env={**env, INCARNATION_ENV: str(incarnation),
                                       **({SIGNALS_TO_KEEPER_ENV: "1"} if own_session else {})},
                                  preexec_fn=_die_with_keeper_deaf_to_stops if own_session else _die_with_keeper,
                                  start_new_session=own_session)
-        cause, code = _watch(child, store, topo.rank, incarnation)
+        cause, code = _watch(child, store, topo.rank, incarnation, lead, followers)
         if cause is None:  # the run ended (or was stopped): leave as the sampler did
             raise SystemExit(code)
         if cause == REMOVED:
             print(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) removed (megarl samplers remove): incarnation "
                   f"{incarnation} stopped, no replacement", flush=True)
             raise SystemExit(idle_until_run_ends(store) if idle_after_removal else 0)
+        if topo.rank != lead:  # a follower rank: the engine ends and is replaced whole, as its lead's keeper records
+            engine_end = follow_engine_end(store, topo, incarnation, cause, code)
+            incarnation += 1
+            print(f"megarl: sampler {topo.role_rank} (rank {topo.rank}), TP rank {topo.engine_tp_rank} of the engine "
+                  f"led by rank {lead}: {engine_end}; starting replacement {incarnation}", flush=True)
+            continue
+        if code > 0 and followers:  # maybe the consequence of a follower's end: its cause is the engine's
+            cause, code = follower_end(store, followers, incarnation, FOLLOWER_REPORT_S) or (cause, code)
         # Recorded first, as for every end: the learner drops it at once where its keeper's exit ends no run (an
         # added sampler's keeper runs outside torchrun's worker group).
-        store.set(dead_key(topo.rank), json.dumps({"incarnation": incarnation, "cause": cause}))
+        store.set(dead_key(topo.rank), json.dumps({"incarnation": incarnation, "cause": cause, "code": code}))
         if code > 0 and not served(store, topo.rank, incarnation):
             raise SystemExit(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause} before it sent its first "
                              f"group: not replaced (a start-up error, which a replacement would repeat; its error "
@@ -110,6 +134,43 @@ def keep_sampler(argv: list[str], cfg: Config, topo: Topology, store, first: int
         incarnation += 1
         print(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}; starting replacement {incarnation}",
               flush=True)
+
+
+def follower_end(store, followers: range, incarnation: int, wait_s: float = 0.0) -> tuple[str, int] | None:
+    """A lead's keeper: (cause, status) of the first follower rank of its engine whose keeper recorded the end of
+    `incarnation`, as the engine's cause; None if none did (within `wait_s`)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for rank in followers:
+            record = read_record(store, dead_key(rank))
+            if record is not None and record["incarnation"] == incarnation:
+                return (f"lost its TP rank {rank - followers.start + 1} (rank {rank}), which {record['cause']}",
+                        record["code"])
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(POLL_S)
+
+
+def follow_engine_end(store, topo: Topology, incarnation: int, cause: str, code: int,
+                      timeout_s: float = ENGINE_END_TIMEOUT_S) -> str:
+    """A follower rank's keeper, its sampler ended (`cause`, `code`): record that for the lead's keeper unless the
+    lead's record of the engine's end came first, then wait for that record; its cause. SystemExit on a stop signal
+    or the run's end meanwhile (the lead's keeper stops the run where it does not replace the engine), or when no
+    record comes within `timeout_s`."""
+    lead, deadline = topo.engine_lead, time.monotonic() + timeout_s
+    if _engine_end(store, lead, incarnation) is None:
+        store.set(dead_key(topo.rank), json.dumps({"incarnation": incarnation, "cause": cause, "code": code}))
+    while (ended := _engine_end(store, lead, incarnation)) is None:
+        if stop_signal() is not None:
+            raise SystemExit(exit_status(stop_signal()))
+        if store.check([STOP_KEY]):
+            raise SystemExit(0)
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"megarl: sampler {topo.role_rank} (rank {topo.rank}) {cause}, and the keeper of its "
+                             f"engine's lead (rank {lead}) recorded no end of incarnation {incarnation} within "
+                             f"{timeout_s:.0f}s: the engine cannot be replaced whole, so the run stops")
+        time.sleep(POLL_S)
+    return f"its engine ended (its lead's keeper: {ended[0]})"
 
 
 def served(store, rank: int, incarnation: int) -> bool:
@@ -135,9 +196,13 @@ def idle_until_run_ends(store, poll_s: float = IDLE_POLL_S) -> int:
         time.sleep(poll_s)
 
 
-def _watch(child: subprocess.Popen, store, rank: int, incarnation: int) -> tuple[str | None, int]:
+def _watch(child: subprocess.Popen, store, rank: int, incarnation: int, lead: int | None = None,
+           followers: range = range(0)) -> tuple[str | None, int]:
     """Wait for this incarnation to end: (why, None when the run ended or a stop signal ended it; the status
-    this rank then exits with)."""
+    this rank then exits with). With sampler.tp > 1 the engine ends with any of its ranks: a lead's sampler is
+    killed when a `followers` rank's keeper records its end, a follower's when the `lead`'s keeper records the
+    engine's (the cause is then that record's)."""
+    lead = rank if lead is None else lead
     stop_seen, forwarded, killed = None, False, False
     while True:
         code = child.poll()
@@ -145,7 +210,7 @@ def _watch(child: subprocess.Popen, store, rank: int, incarnation: int) -> tuple
             # The stop signal may reach the sampler before this process forwards it (a terminal's Ctrl-C reaches
             # the whole process group): its exit is the run's stop then, not a failure, at start-up as later.
             stopped = forwarded or stop_signal() is not None
-            if not stopped and stop_seen is None and removal_of(store, rank, incarnation):
+            if not stopped and stop_seen is None and removal_of(store, lead, incarnation):
                 return REMOVED, code  # it left on the first epoch that leaves it out (SamplerDropped)
             if stopped:
                 return None, exit_status(-code) if code < 0 else code
@@ -165,4 +230,18 @@ def _watch(child: subprocess.Popen, store, rank: int, incarnation: int) -> tuple
             child.kill()  # hung (maybe stopped): SIGKILL ends it either way
             child.wait()
             return f"hung ({request['cause']})", child.returncode
+        ended = follower_end(store, followers, incarnation) if rank == lead else \
+            _engine_end(store, lead, incarnation)
+        if ended is not None and stop_seen is None:
+            child.kill()  # its engine lost a rank: it cannot go on without it (and may be stuck in a collective)
+            child.wait()
+            return ended
         time.sleep(POLL_S)
+
+
+def _engine_end(store, lead: int, incarnation: int) -> tuple[str, int] | None:
+    """A follower rank's keeper: the (cause, status) its engine's lead's keeper recorded for `incarnation`, if any."""
+    record = read_record(store, dead_key(lead))
+    if record is None or record["incarnation"] != incarnation:
+        return None
+    return record["cause"], record.get("code", 0)

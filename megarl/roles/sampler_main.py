@@ -39,9 +39,10 @@ import torch
 from megarl.checkpoint.resume import wait_for_announcement
 from megarl.config.schema import Config
 from megarl.distributed.heartbeat import Heartbeat
-from megarl.distributed.lifetime import SIGNAL_KEY, exit_status, seconds_since_signal, stop_signal
-from megarl.distributed.membership import SHIFT, EpochFollower, SamplerDropped, incarnation, join_key, read_record, \
-    rejoin_timeout_s, removed_key, served_key, sync_extra_key
+from megarl.distributed.lifetime import SIGNAL_KEY, WaitAbandoned, exit_status, seconds_since_signal, stop_signal, \
+    wait_for_keys
+from megarl.distributed.membership import SHIFT, EpochFollower, SamplerDropped, engine_ready_key, incarnation, \
+    join_key, read_record, rejoin_timeout_s, removed_key, served_key, sync_extra_key
 from megarl.distributed.publish import StagedReceiver
 from megarl.distributed.queue import QueueSender
 from megarl.distributed.ranks import Topology
@@ -125,10 +126,13 @@ def epoch_followers(cfg: Config, topo: Topology, store, groups: dict | None,
     if cfg.fault.on_failure != "replace":
         return None
     timeout_s = 2 * cfg.publish.timeout_s  # a member may first sit out a failed publish's receive
-    return [EpochFollower(store, topo.rank, incarnation(),
+    # Every rank of an engine spanning sampler.tp ranks follows the epochs as its engine, the lead's rank: the engine
+    # is one member, replaced whole (megarl.roles.sampler_keeper).
+    return [EpochFollower(store, topo.engine_lead, incarnation(),
                           lambda epoch, rank, size, part=part: epoch_publish_group(
                               store, epoch, rank, size, cfg.dist.backend, timeout_s, *part, should_stop=should_stop),
-                          group=groups[part] if groups else None, rejoin_timeout_s=rejoin_timeout_s(cfg))
+                          group=groups[part] if groups else None, rejoin_timeout_s=rejoin_timeout_s(cfg),
+                          receivers=topo.receivers_per_engine, offset=topo.publish_offset)
             for part in topo.publish_parts]
 
 
@@ -311,10 +315,10 @@ class SamplerLoop:
         sender = QueueSender(self.store, self.cfg.queue.timeout_s, run_secret(), self.topo.rank,
                              first_sequence=self.incarnation << SHIFT)
         heartbeat = Heartbeat(self.store, self.topo.rank, self.cfg.fault.heartbeat_s, first=self.incarnation << SHIFT)
-        if self.incarnation > 0:  # engine and receiver ready: ask the learner to take it into the next epoch
-            self.store.set(join_key(self.topo.rank), str(self.incarnation))
         next_stop_check = 0.0
         try:
+            if self.incarnation > 0 and not self._ask_to_join():
+                return
             while True:
                 heartbeat.beat()  # the learner names this rank if the loop stops turning
                 if time.monotonic() >= next_stop_check:
@@ -372,6 +376,22 @@ class SamplerLoop:
                 self.timeline.close()
             if self.evaluator is not None:
                 self.evaluator.close()
+
+    def _ask_to_join(self) -> bool:
+        """A replacement whose engine and receiver are ready asks the learner to take it into the next epoch; an
+        engine spanning sampler.tp ranks asks once every follower rank's receiver follows the epochs too (the epoch's
+        group waits for all of them). False when the run stopped meanwhile."""
+        followers = [engine_ready_key(rank, self.incarnation)
+                     for rank in range(self.topo.rank + 1, self.topo.rank + self.topo.sampler_tp)]
+        try:
+            wait_for_keys(self.store, followers, self.cfg.dist.timeout_s,
+                          f"the weight receivers of engine {self.topo.engine_index}'s TP ranks (replacement "
+                          f"{self.incarnation})",
+                          should_stop=lambda: stop_signal() is not None or self.store.check([STOP_KEY]))
+        except WaitAbandoned:
+            return False
+        self.store.set(join_key(self.topo.rank), str(self.incarnation))
+        return True
 
     def _removed(self, error: BaseException) -> bool:
         """Did the learner leave this incarnation out of its epochs because `megarl samplers remove` asked?"""
@@ -593,7 +613,7 @@ class SamplerLoop:
 
 def run_sampler(cfg: Config, topo: Topology, store, model_dir: Path) -> None:
     torch.set_num_threads(cfg.sampler.threads)
-    tp_group = engine_tp_group(topo, store, cfg.dist.backend, cfg.dist.timeout_s)
+    tp_group = engine_tp_group(topo, store, cfg.dist.backend, cfg.dist.timeout_s, incarnation())
     # The publish groups first, before the tokenizer and the engine: the learner creates them early in its own
     # start-up (before its model build), so it does not wait here for this rank's engine, and each side then
     # builds what it runs at the same time (SGLang's server receives the weights itself: no groups).
@@ -619,6 +639,8 @@ def run_engine_follower(cfg: Config, topo: Topology, store, model_dir: Path, tp_
     stopped = threading.Event()
     receiver = weight_receiver(cfg, topo, store, engine, lambda version, tensors, extra: engine.stage_weights(
         tensors, version), stopped.is_set, groups)
+    if incarnation() > 0:  # a replacement engine's lead asks to join once every rank receives (SamplerLoop)
+        store.set(engine_ready_key(topo.rank, incarnation()), "1")
     try:
         run_follower(engine, tp_group, run_secret(), should_stop=lambda: receiver.error is not None, timeout_s=cfg.dist.timeout_s)
         if receiver.error is not None:

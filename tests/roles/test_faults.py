@@ -328,14 +328,14 @@ def _replace_run(run_dir, model_dir, *overrides) -> _Logged:
 
 
 def _wait_for_rejoin(run_dir, proc: _Logged, replaced: int = 1, more_steps: int = 4,
-                     timeout: float = REJOIN_TIMEOUT_S) -> None:
-    """Until the replacements have joined (samplers/alive back at 2 after samplers/replaced rose to `replaced`) and
-    `more_steps` steps were trained since."""
+                     timeout: float = REJOIN_TIMEOUT_S, alive: int = 2) -> None:
+    """Until the replacements have joined (samplers/alive back at `alive` after samplers/replaced rose to `replaced`)
+    and `more_steps` steps were trained since."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         metrics = _metrics(run_dir)
         back = [m["step"] for m in metrics
-                if m.get("samplers/replaced") == float(replaced) and m.get("samplers/alive") == 2.0]
+                if m.get("samplers/replaced") == float(replaced) and m.get("samplers/alive") == float(alive)]
         if back and metrics[-1]["step"] >= back[0] + more_steps:
             return
         assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -345,7 +345,8 @@ def _wait_for_rejoin(run_dir, proc: _Logged, replaced: int = 1, more_steps: int 
                          f"metrics: {last}; the run's stderr ends:\n{proc.stderr_tail()}")
 
 
-def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1, learners: int = 1) -> None:
+def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1, learners: int = 1,
+                    alive: int = 2) -> None:
     """Stopped by SIGTERM at a step boundary with every step once, in order; the replacement of `rank` (of a run with
     `learners` learner ranks) joined at a version V and none of its trained groups carries an older one (it generated
     nothing before it ran V; its first token may come from V + 1 when that version landed first, the pipeline's
@@ -364,7 +365,7 @@ def _check_replaced(run_dir, out: str, err: str, rank: int, replaced: int = 1, l
     assert all(min(r["versions"]) >= joined[0] for r in after), (joined, [r["versions"][:1] for r in after[:4]])
     ids = [r["group_id"] for r in rollouts]
     assert len(set(ids)) * 8 == len(ids)  # no group trained twice (8 samples per group)
-    assert metrics[-1]["samplers/alive"] == 2.0 and metrics[-1]["samplers/replaced"] == float(replaced)
+    assert metrics[-1]["samplers/alive"] == float(alive) and metrics[-1]["samplers/replaced"] == float(replaced)
 
 
 @pytest.mark.timeout(900)  # the waits above (240 s to the first steps, REJOIN_TIMEOUT_S, 120 s to finish) bound it
@@ -435,6 +436,48 @@ def test_with_replace_in_sync_mode_a_killed_sampler_is_replaced_and_every_step_t
     per_step = collections.Counter(r["trained_at_step"] for r in rollouts)
     assert set(per_step.values()) == {4 * 8}, per_step  # 4 groups of 8 samples in every step
     assert all(set(r["versions"]) == {r["trained_at_step"]} for r in rollouts)  # each generated on its step's version
+    assert not leftovers(run_dir)
+
+
+@pytest.mark.timeout(1200)  # the waits above (240 s to the first steps, 2 x REJOIN_TIMEOUT_S, 120 s to finish) bound it
+def test_with_replace_an_engine_of_two_ranks_that_loses_one_is_replaced_whole_and_the_run_goes_on(
+        embedded_think_model_dir, tmp_path):
+    # One built-in engine over two ranks (sampler.tp=2; learner.tp=1: each rank keeps its slices of the whole tensors
+    # published to both). Its follower rank is SIGKILLed (the lead's keeper then kills the lead), then, once the
+    # replacement trains, the replacement's lead (the follower's keeper then kills the follower). Each time the engine
+    # is one sampler: the learner drops it, both ranks start the next incarnation, whose TP group forms afresh, and it
+    # receives the version current at its join before it generates. With no sampler left meanwhile the learner waits
+    # for the replacement and publishes to it at once (learner_main.JoinersWaiting). Shard to shard (learner.tp=2)
+    # every epoch's publish carries each source's slices
+    # (test_replace_membership.py::test_shard_to_shard_every_epochs_publish_carries_the_sources_own_slices).
+    run_dir = tmp_path / "replace_tp"
+    proc = _start(run_dir, embedded_think_model_dir, "fault.on_failure=replace", "sampler.num_engines=1",
+                  "sampler.tp=2", "run.log_rollouts=true", f"publish.timeout_s={REPLACE_PUBLISH_TIMEOUT_S}")
+    _wait_for_steps(run_dir, 3, proc)
+    for incarnation, victim in enumerate((2, 1)):  # the follower of the first incarnation, the lead of the second
+        pids = _sampler_processes(run_dir)
+        assert sorted(pids) == [(1, incarnation), (2, incarnation)]
+        os.kill(pids[(victim, incarnation)], signal.SIGKILL)
+        _wait_for_rejoin(run_dir, proc, replaced=incarnation + 1, alive=1)
+    assert sorted(_sampler_processes(run_dir)) == [(1, 2), (2, 2)]  # both ranks replaced together, each time
+    proc.send_signal(signal.SIGTERM)
+    out, err, took = _finish(proc, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    for cause, replacement in (("lost its TP rank 1 (rank 2), which was", 1), ("was", 2)):
+        assert f"megarl: sampler 0 (rank 1) {cause} killed by signal 9 (SIGKILL): dropped from the publish set, " \
+               f"replacement {replacement} starting; " in out, out[-3000:]
+    _check_replaced(run_dir, out, err, 1, replaced=2, alive=1)
+    joined = [int(v) for v in re.findall(r"sampler 0 \(rank 1\): replacement 2 joins the publish set at version (\d+)",
+                                         out)]
+    rollouts = [json.loads(line) for line in (Path(run_dir) / "rollouts.jsonl").read_text().splitlines()]
+    after = [r for r in rollouts if r["trained_at_step"] >= joined[0]]
+    assert len(joined) == 1 and after and all(min(r["versions"]) >= joined[0] for r in after), (joined, out[-3000:])
+    # every trained token carries the version it was sampled on (none newer than the step's weights) and its log-prob
+    # under it
+    for r in rollouts:
+        assert len(r["versions"]) == len(r["behaviour_logprobs"]) == len(r["token_ids"]) > 0, r
+        assert r["versions"] == sorted(r["versions"]) and r["versions"][-1] <= r["trained_at_step"], r
+        assert all(-1e4 < lp <= 0.0 for lp in r["behaviour_logprobs"]), r
     assert not leftovers(run_dir)
 
 

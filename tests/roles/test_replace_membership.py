@@ -162,6 +162,28 @@ def test_a_failed_publish_goes_again_at_once_where_the_samplers_left_could_not_g
         publish_to_members(FakeLearner(), publisher, intake, lambda epoch, size: f"epoch {epoch}", None, 1, True)
 
 
+class ShardedLearner(FakeLearner):
+    """A learner TP rank's side: its own slice of `w` (publish_shards) or the whole tensor (publish_tensors)."""
+
+    def publish_shards(self):
+        return iter([("w", torch.zeros(1))])
+
+    def publish_spec(self, shards):
+        return [("w", (1,) if shards else (2,), torch.float32)]
+
+
+def test_shard_to_shard_every_epochs_publish_carries_the_sources_own_slices(store, monkeypatch):
+    # learner.tp = sampler.tp > 1: each engine TP rank expects its slices, as in the run's first groups; whole tensors
+    # would fail every member's receive (a shape the engine does not hold).
+    intake = _intake(store, monkeypatch)
+    sent = []
+    publisher = FakePublisher()
+    publisher.publish = lambda version, tensors, extra=None, spec=None: sent.append(
+        (spec, [tuple(t.shape) for _, t in tensors])) or {"bytes": 1, "seconds": 0.0}
+    publish_to_members(ShardedLearner(), publisher, intake, lambda epoch, size: f"epoch {epoch}", None, 1, shards=True)
+    assert sent == [([("w", (1,), torch.float32)], [(1,)])]
+
+
 class TimesOutOnce:
     """The learner's side of a real group whose broadcasts reach every member, then report what gloo reports when
     a member was slower than publish.timeout_s (every sampler alive)."""

@@ -117,6 +117,10 @@ def test_the_command_names_fault_on_failure_for_a_run_that_cannot_change_its_sam
     (tmp_path / "config.yaml").unlink()
     assert sampler_control.remove_sampler(str(tmp_path), 0, 5) == 1
     assert ".megarl.contact is absent (the run has finished" in capsys.readouterr().out
+    _contact(tmp_path)
+    (tmp_path / "config.yaml").write_text("fault:\n  on_failure: replace\nsampler:\n  tp: 2\n")
+    assert sampler_control.remove_sampler(str(tmp_path), 0, 5) == 1
+    assert "sampler.tp=2: each engine spans 2 ranks" in capsys.readouterr().out
 
 
 def test_the_command_drains_through_the_learner_and_reports_its_answer(store, monkeypatch, tmp_path, capsys):
@@ -173,7 +177,7 @@ def test_an_added_sampler_rank_is_taken_in_joins_the_next_epoch_as_a_newcomer_an
     assert intake.members.members == {1: 0, 2: 0}
 
 
-def test_add_is_refused_for_real_sglang_eval_sets_and_sync_mode_by_name(tmp_path, capsys):
+def test_add_is_refused_for_real_sglang_eval_sets_sync_mode_and_engines_of_several_ranks_by_name(tmp_path, capsys):
     assert sampler_control.add_refusal({"sampler": {"engine": "builtin"}, "eval": {"sets": []}}) is None
     assert sampler_control.add_refusal({"sampler": {"engine": "vllm"}}) is None  # (tests/sampler/vllm/)
     assert sampler_control.add_refusal({"sampler": {"engine": "sglang", "sglang": {"server": "builtin"}}}) is None
@@ -181,6 +185,8 @@ def test_add_is_refused_for_real_sglang_eval_sets_and_sync_mode_by_name(tmp_path
         "sampler.sglang.server=sglang: `megarl samplers add` starts built-in engines, vLLM servers and megarl's")
     assert sampler_control.add_refusal({"eval": {"sets": [{"name": "x"}]}}).startswith("eval.sets:")
     assert sampler_control.add_refusal({"algo": {"mode": "sync"}}).startswith("algo.mode=sync:")
+    assert sampler_control.add_refusal({"sampler": {"tp": 2}}) == (
+        "sampler.tp=2: each engine spans 2 ranks, and `megarl samplers add`/`remove` start or drain one rank")
     (tmp_path / "config.yaml").write_text("fault:\n  on_failure: stop\n")
     assert sampler_control.add_sampler(str(tmp_path), []) == 1
     assert "runs with fault.on_failure=stop" in capsys.readouterr().out
