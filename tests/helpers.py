@@ -476,15 +476,20 @@ NEMOTRON_H_TINY = dict(hidden_size=32, intermediate_size=48, num_attention_heads
 
 
 def save_tiny_nemotron_h(path: Path, vocab_size: int = 264, tokenizer: bool = True, seed: int = 0) -> Path:
-    """A real HF Nemotron-H directory of NEMOTRON_H_TINY's shape (initializer_range 0.1, as the other tiny models),
-    with the embedded tokenizer: the Mamba-2 hybrid of the generic path's tests."""
+    """A real HF Nemotron-H directory of NEMOTRON_H_TINY's shape (initializer_range 0.1, as the other tiny models;
+    the MoE router's expert bias drawn from N(0, 1), so an engine that dropped it would route otherwise), with the
+    embedded tokenizer: the Mamba-2 hybrid of the generic path's tests."""
     import torch
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     torch.manual_seed(seed)
     config = NemotronHConfig(**{**NEMOTRON_H_TINY, "vocab_size": vocab_size}, initializer_range=0.1,
                              tie_word_embeddings=False, bos_token_id=None, eos_token_id=256, pad_token_id=257)
-    NemotronHForCausalLM(config).save_pretrained(path)
+    model = NemotronHForCausalLM(config)
+    for name, bias in model.named_buffers():  # the router's expert bias (a buffer) away from 0, as a trained one is
+        if name.endswith("e_score_correction_bias"):
+            bias.copy_(torch.randn(bias.shape))
+    model.save_pretrained(path)
     if tokenizer:
         from megarl.embedded.tiny import build_tokenizer
 

@@ -430,10 +430,10 @@ class DeepSpeedLearner:
 
     def _published_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """The buffers a version carries besides its parameters: a sigmoid-routed MoE's router expert bias
-        (DeepSeek-V3's, GLM-4.5's ``e_score_correction_bias``, a buffer in transformers, saved with the weights and
-        read by the engines' routers; never trained, whole on every rank at every ZeRO stage); none under
-        learner.lora (the samplers hold the base)."""
-        if self.lora is not None or not self.is_moe:
+        (DeepSeek-V3's, GLM-4.5's, on the generic path Nemotron-H's ``e_score_correction_bias``, a buffer in
+        transformers, saved with the weights and read by the engines' routers; never trained, whole on every rank at
+        every ZeRO stage); none under learner.lora (the samplers hold the base)."""
+        if self.lora is not None:
             return []
         return [(name, b) for name, b in self.module.named_buffers() if name.endswith(moe.EXPERT_BIAS[0])]
 

@@ -6,8 +6,9 @@ megarl.sampler.engine keeps its scheduling, sampling, per-token versions and in-
 picks this module or the native one (docs/models.md#the-generic-path).
 
 * Weights: one skeleton module per spec, built from the config with its parameters on the meta device (its
-  buffers, e.g. RoPE's inv_freq, real); every version is a dict of HF-named tensors (named_parameters' names:
-  what the DeepSpeed learner publishes) that `forward` substitutes with torch.func.functional_call. Swapping
+  buffers, e.g. RoPE's inv_freq, real); every version is a dict of HF-named tensors (named_parameters' names, and
+  a sigmoid-routed MoE's router expert bias, a buffer saved with the weights, e.g. Nemotron-H's: what the DeepSpeed
+  learner publishes) that `forward` substitutes with torch.func.functional_call. Swapping
   versions is replacing the dict, as in the native engine; tied parameters stay tied (tie_weights=True).
 * KV cache: the engine's slot cache, not transformers' DynamicCache or StaticCache. The engine batches rows of
   different lengths and positions in one call (continuous batching: each running request decodes at its own
@@ -48,7 +49,7 @@ import torch
 from torch.func import functional_call
 
 from megarl.models.families import generic_path_hint, is_native
-from megarl.models.moe import fused_experts_on_disk, is_moe
+from megarl.models.moe import EXPERT_BIAS, fused_experts_on_disk, is_moe
 
 IMPLS = ("auto", "native", "hf")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -153,7 +154,7 @@ class ModelSpec:
             raise ValueError(f"model_type {cfg.get('model_type')!r}: transformers cannot build it as a causal LM "
                              f"({exc}) ({generic_path_hint()})") from exc
         model.eval()
-        return cls(cfg, model, {name: tuple(p.shape) for name, p in model.named_parameters()})
+        return cls(cfg, model, {name: tuple(t.shape) for name, t in version_tensors(model)})
 
     def shard(self, tp_size: int) -> "ModelSpec":
         if tp_size != 1:
@@ -162,7 +163,8 @@ class ModelSpec:
         return self
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """HF name -> shape of every parameter (named_parameters: a tied lm_head is the embedding, not listed)."""
+        """HF name -> shape of every tensor of a version (version_tensors: a tied lm_head is the embedding, not
+        listed)."""
         return dict(self.shapes)
 
     def check_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -175,6 +177,13 @@ class ModelSpec:
         for name in weights:
             if name not in self.shapes:
                 raise ValueError(f"weights: unexpected tensor {name!r} for {self.model_type}")
+
+
+def version_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What one weight version of `model` holds: its named_parameters, and its router expert biases (buffers that
+    checkpoints hold and the router reads, never trained; the DeepSpeed learner publishes them beside the
+    parameters)."""
+    return list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n.endswith(EXPERT_BIAS[0])]
 
 
 class _SlotLayer:
@@ -458,7 +467,7 @@ def forward(spec: ModelSpec, weights: RuntimeWeights, tables: torch.Tensor, cach
 
 
 def load_pretrained(model_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config dict, named_parameters' tensors) of an HF directory, loaded by transformers (its own name
+    """(config dict, version_tensors' tensors) of an HF directory, loaded by transformers (its own name
     conversions included), in the checkpoint's dtype."""
     import json
     import os
@@ -468,4 +477,4 @@ def load_pretrained(model_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
-    return cfg, {name: p.detach() for name, p in model.named_parameters()}
+    return cfg, {name: t.detach() for name, t in version_tensors(model)}
