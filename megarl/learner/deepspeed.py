@@ -16,7 +16,8 @@ the per-expert names save_pretrained writes (megarl.models.moe.per_expert_tensor
 the extra log-prob passes included (megarl.learner.hf_routing_replay).
 
 A model type outside megarl.models.families (the generic path, docs/models.md#the-generic-path) trains as
-transformers holds it: published and exported under its named_parameters' names, with no route replay and no LoRA.
+transformers holds it: published and exported under its named_parameters' names (and a router expert bias buffer's,
+e.g. Nemotron-H's), with no route replay and no LoRA.
 A hybrid model with recurrent layers (Qwen3-Next, Qwen3.5, Nemotron-H: gated-DeltaNet or Mamba-2 "linear_attention"
 layers) trains on unpacked rows whatever learner.pack_sequences says: a recurrence runs through every earlier position
 of its row, so rows packed side by side (or sharing a prefix) would leak one sequence's state into the next, which no
