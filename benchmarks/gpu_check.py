@@ -45,10 +45,12 @@ imported what they share, and the two-rank checks fork their ranks from it, wher
                     experts; docs/models.md) at the families check's gpt-oss shape, bf16: decode tokens/s of a batch
                     against the generic model (sampler.model_impl=hf) on the same weights, the behaviour log-probs
                     against an fp32 HF forward, and the share of recorded routes that are fp32 HF's top-k
-  hybrid            the generic engine on a hybrid linear-attention model (docs/models.md, "Hybrid linear-attention
-                    models"): a Qwen3.5-like text model (gated DeltaNet, 3 of 4 layers; bf16, random weights): decode tokens/s
-                    of a batch, and the lag-0 gap of its behaviour log-probs against the DeepSpeed learner's forward
-                    (transformers bf16, unpacked rows) and an fp32 HF forward
+  hybrid            the generic engine on hybrid models (docs/models.md, "Hybrid linear-attention models"): a
+                    Qwen3.5-like text model (gated DeltaNet, 3 of 4 layers) and a Nemotron-H-like one (Mamba-2, MLP
+                    and MoE blocks, attention on every 6th; bf16, random weights): per model decode tokens/s of a
+                    batch, the lag-0 gap of its behaviour log-probs against the DeepSpeed learner's forward
+                    (transformers bf16, unpacked rows) and an fp32 HF forward, and the fp32 gap of a prefill in
+                    chunks of 8 positions
   gated_delta_net   megatron-core's own GatedDeltaNet as megarl builds it (megarl/learner/gated_delta_net.py) against
                     transformers' Qwen3.5 layer with the same weights, one layer of hybrid's shape at the learner's
                     dtype (FLA's kernels where installed, else megatron's torch path: `impl`): relative output gap,
@@ -1116,13 +1118,50 @@ TINY_QWEN35 = dict(QWEN35_LIKE, vocab_size=256, hidden_size=64, intermediate_siz
                    linear_num_key_heads=2, linear_num_value_heads=4)
 
 
-def check_hybrid(args, size: Size) -> dict:
-    """The generic engine on a Qwen3.5-like hybrid (docs/models.md#hybrid-linear-attention-models), random weights,
-    bf16 on the GPU: decode tokens/s of a batch (per-slot conv and delta-rule state beside the KV cache), and the
-    max / mean |behaviour log-prob - the DeepSpeed learner's forward (transformers, the engine's dtype, unpacked
-    rows)| at lag 0, with the same against an fp32 forward."""
+# The hybrid check's Nemotron-H-like model (Mamba-2 mixers, MLP and MoE blocks, full attention on every 6th block,
+# each a layer of its own in layers_block_type; Nemotron-H's vocabulary, its Mamba-2 head and state sizes).
+NEMOTRON_H_LIKE = dict(vocab_size=131072, hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=128, mamba_num_heads=32, mamba_head_dim=64, ssm_state_size=128,
+                       n_groups=8, conv_kernel=4, chunk_size=128, n_routed_experts=16, num_experts_per_tok=2,
+                       moe_intermediate_size=512, moe_shared_expert_intermediate_size=1024, n_group=1, topk_group=1,
+                       max_position_embeddings=4096, layers_block_type=["linear_attention", "mlp", "linear_attention",
+                                                                        "moe", "linear_attention", "full_attention"] * 4)
+TINY_NEMOTRON_H = dict(NEMOTRON_H_LIKE, vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       head_dim=16, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=8,
+                       n_routed_experts=4, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+                       layers_block_type=["linear_attention", "moe", "full_attention", "mlp"])
+
+
+def _hybrid_dir(args, size: Size, kind: str, dtype) -> tuple[Path, int]:
+    """(HF directory, vocab size) of the hybrid check's `kind` model with random weights in `dtype`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(args.workdir) / f"{kind}_like_{str(dtype).removeprefix('torch.')}"
+    if kind == "qwen3_5":
+        shape = TINY_QWEN35 if size.tiny else QWEN35_LIKE
+        every = 2 if size.tiny else 4  # (the dry run: one layer of each)
+        extra = {"layer_types": ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                 for i in range(shape["num_hidden_layers"])]}
+        model_type = "qwen3_5_text"
+    else:
+        shape, extra, model_type = TINY_NEMOTRON_H if size.tiny else NEMOTRON_H_LIKE, {}, "nemotron_h"
+    if not (model_dir / "config.json").exists():
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(model_type, **shape, **extra)
+        AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(model_dir)
+    return model_dir, shape["vocab_size"]
+
+
+def check_hybrid(args, size: Size) -> dict:
+    """The generic engine on hybrid models (docs/models.md#hybrid-linear-attention-models), random weights, bf16 on
+    the GPU: a Qwen3.5-like text model (gated DeltaNet) and a Nemotron-H-like one (Mamba-2, MLP and MoE blocks). Per
+    model: decode tokens/s of a batch (per-slot conv and recurrent state beside the KV cache), the max / mean
+    |behaviour log-prob - the DeepSpeed learner's forward (transformers, the engine's dtype, unpacked rows)| at lag
+    0 and the same against an fp32 forward, and the fp32 gap of a second engine that prefills in chunks of 8
+    positions (the conv and recurrent state carried across chunks)."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
     from megarl.protocols import GenerationRequest, SamplingParams
     from megarl.sampler import hf_model
@@ -1130,38 +1169,38 @@ def check_hybrid(args, size: Size) -> dict:
 
     device = device_of(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = TINY_QWEN35 if size.tiny else QWEN35_LIKE
-    model_dir = Path(args.workdir) / "qwen35_like"
-    if not (model_dir / "config.json").exists():
-        torch.manual_seed(0)
-        every = 2 if size.tiny else 4  # (the dry run: one layer of each)
-        layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                       for i in range(shape["num_hidden_layers"])]
-        config = AutoConfig.for_model("qwen3_5_text", **shape, layer_types=layer_types)
-        AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(model_dir)
     batch, new = size.gen_batches[-1], size.gen_tokens
-    prompts = random_prompts(batch, shape["vocab_size"], seed=4)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new)
-    engine = BuiltinEngine.from_pretrained(str(model_dir), max_running=batch, device=device,
-                                           max_seq_len=max(map(len, prompts)) + new)
-    if engine._impl is not hf_model:
-        raise RuntimeError(f"the hybrid ran on {engine._impl.__name__}, not the generic model")
-    requests = [GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)]
-    engine.generate(requests[:2])  # warm-up
-    sync()
-    start = time.perf_counter()
-    done = engine.generate(requests)
-    sync()
-    seconds = time.perf_counter() - start
-    decode_s = engine.stats()["decode_time_s"]
-    del engine
-    result = {"tok_s": round(sum(len(c.token_ids) for c in done) / seconds), "batch": batch, "new_tokens": new,
-              "dtype": str(dtype), "decode_time_s": round(decode_s, 3)}
-    for name, ref_dtype in (("learner_lag0", dtype), ("hf_fp32", torch.float32)):
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=ref_dtype).to(device).eval()
-        result[f"gap_vs_{name}"] = _gap_to_transformers(hf, done[:8], device, result)
-        del hf
-    return {**result, "peak_gpu_gib": peak_gib()}
+    results = {}
+    for kind in ("qwen3_5", "nemotron_h"):
+        model_dir, vocab = _hybrid_dir(args, size, kind, dtype)
+        prompts = random_prompts(batch, vocab, seed=4)
+        requests = [GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)]
+        max_seq_len = max(map(len, prompts)) + new
+        engine = BuiltinEngine.from_pretrained(str(model_dir), max_running=batch, device=device,
+                                               max_seq_len=max_seq_len)
+        if engine._impl is not hf_model:
+            raise RuntimeError(f"the {kind} hybrid ran on {engine._impl.__name__}, not the generic model")
+        engine.generate(requests[:2])  # warm-up
+        sync()
+        start = time.perf_counter()
+        done = engine.generate(requests)
+        sync()
+        seconds = time.perf_counter() - start
+        decode_s = engine.stats()["decode_time_s"]
+        del engine
+        chunked = BuiltinEngine.from_pretrained(str(model_dir), max_running=8, device=device, max_seq_len=max_seq_len,
+                                                prefill_chunk=8).generate(requests[:8])
+        result = {"tok_s": round(sum(len(c.token_ids) for c in done) / seconds), "batch": batch, "new_tokens": new,
+                  "dtype": str(dtype), "decode_time_s": round(decode_s, 3)}
+        for name, ref_dtype in (("learner_lag0", dtype), ("hf_fp32", torch.float32)):
+            hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=ref_dtype).to(device).eval()
+            result[f"gap_vs_{name}"] = _gap_to_transformers(hf, done[:8], device, result)
+            if ref_dtype == torch.float32:
+                result["chunked_prefill_gap_vs_hf_fp32"] = _gap_to_transformers(hf, chunked, device, result)
+            del hf
+        results[kind] = result
+    return {**results, "peak_gpu_gib": peak_gib()}
 
 
 def check_gated_delta_net(args, size: Size) -> dict:
@@ -1230,23 +1269,13 @@ def check_hybrid_learner(args, size: Size) -> dict:
     """The megatron learner on hybrid's Qwen3.5-like model (docs/models.md, "Hybrid linear-attention models"; random
     weights): logprob_parity against the generic engine and an fp32 HF forward, and its step time."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    workdir = Path(args.workdir)
-    init_single_rank(args.backend, workdir)
-    shape = TINY_QWEN35 if size.tiny else QWEN35_LIKE
-    model_dir = workdir / "qwen35_like_learner"
-    if not (model_dir / "config.json").exists():
-        torch.manual_seed(0)
-        every = 2 if size.tiny else 4
-        layer_types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                       for i in range(shape["num_hidden_layers"])]
-        config = AutoConfig.for_model("qwen3_5_text", **shape, layer_types=layer_types)
-        AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
-    out = logprob_parity(args, size, model_dir, shape["vocab_size"])
+    init_single_rank(args.backend, Path(args.workdir))
+    model_dir, vocab = _hybrid_dir(args, size, "qwen3_5", torch.float32)
+    out = logprob_parity(args, size, model_dir, vocab)
     learner = make_learner(model_dir, size)
     steps = Size(size.tiny)
-    steps.model = {**size.model, "vocab_size": shape["vocab_size"]}  # (timed_steps' random ids: this vocabulary)
+    steps.model = {**size.model, "vocab_size": vocab}  # (timed_steps' random ids: this vocabulary)
     times, _ = timed_steps(learner, steps)
     return {**out, "median_step_s": round(median(times), 4), "peak_gpu_gib": peak_gib()}
 
@@ -1954,7 +1983,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "lora": (check_lora, 120), "critic_step": (check_critic_step, 120), "packing": (check_packing, 120),
           "attention": (check_attention, 120), "stale_mask": (check_stale_mask, 120),
           "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
-          "trackers": (check_trackers, 120), "families": (check_families, 180), "hybrid": (check_hybrid, 150),
+          "trackers": (check_trackers, 120), "families": (check_families, 180), "hybrid": (check_hybrid, 240),
           "gated_delta_net": (check_gated_delta_net, 150), "hybrid_learner": (check_hybrid_learner, 180),
           "context_parallel": (check_context_parallel, 240), "sampler_replace": (check_sampler_replace, 180),
           "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120),

@@ -464,6 +464,39 @@ def save_tiny_qwen3_next(path: Path, vocab_size: int = 264, tokenizer: bool = Tr
     return path
 
 
+# Nemotron-H: every block a layer of its own (layers_block_type): Mamba-2 mixers (4 heads of 8, SSM state 8 in 2
+# groups, conv kernel 4, scan chunks of 8 positions so the tests' prompts cross a chunk), an MoE block (4 routed
+# experts of 16, top-2, a shared expert), full attention (no RoPE, as Nemotron-H's) and an MLP block (ReLU^2).
+NEMOTRON_H_TINY = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       layers_block_type=["linear_attention", "moe", "linear_attention", "full_attention", "mlp"],
+                       mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4,
+                       chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1, max_position_embeddings=128,
+                       vocab_size=264)
+
+
+def save_tiny_nemotron_h(path: Path, vocab_size: int = 264, tokenizer: bool = True, seed: int = 0) -> Path:
+    """A real HF Nemotron-H directory of NEMOTRON_H_TINY's shape (initializer_range 0.1, as the other tiny models;
+    the MoE router's expert bias drawn from N(0, 1), so an engine that dropped it would route otherwise), with the
+    embedded tokenizer: the Mamba-2 hybrid of the generic path's tests."""
+    import torch
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(seed)
+    config = NemotronHConfig(**{**NEMOTRON_H_TINY, "vocab_size": vocab_size}, initializer_range=0.1,
+                             tie_word_embeddings=False, bos_token_id=None, eos_token_id=256, pad_token_id=257)
+    model = NemotronHForCausalLM(config)
+    for name, bias in model.named_buffers():  # the router's expert bias (a buffer) away from 0, as a trained one is
+        if name.endswith("e_score_correction_bias"):
+            bias.copy_(torch.randn(bias.shape))
+    model.save_pretrained(path)
+    if tokenizer:
+        from megarl.embedded.tiny import build_tokenizer
+
+        build_tokenizer().save_pretrained(path)
+    return path
+
+
 def signed_loopback_store(key: bytes, timeout_s: float = 30.0):
     """A SignedStore keyed with `key` over a fresh TCPStore server on 127.0.0.1 (a free port): the store a run's
     roles share, for tests that drive them in one process."""

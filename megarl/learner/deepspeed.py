@@ -16,11 +16,12 @@ the per-expert names save_pretrained writes (megarl.models.moe.per_expert_tensor
 the extra log-prob passes included (megarl.learner.hf_routing_replay).
 
 A model type outside megarl.models.families (the generic path, docs/models.md#the-generic-path) trains as
-transformers holds it: published and exported under its named_parameters' names, with no route replay and no LoRA.
-A hybrid model with recurrent layers (Qwen3-Next, Qwen3.5: gated-DeltaNet "linear_attention" layers) trains on
-unpacked rows whatever learner.pack_sequences says: a recurrence runs through every earlier position of its row, so
-rows packed side by side (or sharing a prefix) would leak one sequence's state into the next, which no mask stops;
-right padding after a row's tokens reaches none of them.
+transformers holds it: published and exported under its named_parameters' names (and a router expert bias buffer's,
+e.g. Nemotron-H's), with no route replay and no LoRA.
+A hybrid model with recurrent layers (Qwen3-Next, Qwen3.5, Nemotron-H: gated-DeltaNet or Mamba-2 "linear_attention"
+layers) trains on unpacked rows whatever learner.pack_sequences says: a recurrence runs through every earlier position
+of its row, so rows packed side by side (or sharing a prefix) would leak one sequence's state into the next, which no
+mask stops; right padding after a row's tokens reaches none of them.
 
 ``learner.lora.rank > 0`` trains a LoRA adapter through peft on the frozen base (megarl.learner.hf_lora): only the
 adapter has gradients and Adam state, a version publishes only the adapter (under the names the megatron learner
@@ -60,13 +61,17 @@ CHECKPOINT_TAG = "deepspeed"  # the sub-directory DeepSpeed's save_checkpoint wr
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Blocks that are layers of their own in Nemotron-H's `layers_block_type` and carry nothing across positions.
+STATELESS_LAYER_TYPES = ("mlp", "moe")
 
 
 def has_recurrent_layers(hf_config: dict) -> bool:
-    """Whether the model has layers with recurrent state: a transformers `layer_types` entry that is no attention
-    (Qwen3-Next's and Qwen3.5's "linear_attention"; a VLM's text model's too)."""
+    """Whether the model has layers with recurrent state: a transformers `layer_types` entry (Nemotron-H's config.json
+    calls it `layers_block_type`) that is neither attention nor a stateless block (Qwen3-Next's, Qwen3.5's and
+    Nemotron-H's "linear_attention": gated DeltaNet, Mamba-2; a VLM's text model's too)."""
     text = hf_config.get("text_config") or hf_config
-    return any(t not in ATTENTION_LAYER_TYPES for t in (text.get("layer_types") or []))
+    kinds = text.get("layer_types") or text.get("layers_block_type") or []
+    return any(t not in ATTENTION_LAYER_TYPES + STATELESS_LAYER_TYPES for t in kinds)
 
 
 def deepspeed_config(cfg: LearnerConfig, on_gpu: bool, with_optimizer: bool = True) -> dict:
@@ -426,10 +431,10 @@ class DeepSpeedLearner:
 
     def _published_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """The buffers a version carries besides its parameters: a sigmoid-routed MoE's router expert bias
-        (DeepSeek-V3's, GLM-4.5's ``e_score_correction_bias``, a buffer in transformers, saved with the weights and
-        read by the engines' routers; never trained, whole on every rank at every ZeRO stage); none under
-        learner.lora (the samplers hold the base)."""
-        if self.lora is not None or not self.is_moe:
+        (DeepSeek-V3's, GLM-4.5's, on the generic path Nemotron-H's ``e_score_correction_bias``, a buffer in
+        transformers, saved with the weights and read by the engines' routers; never trained, whole on every rank at
+        every ZeRO stage); none under learner.lora (the samplers hold the base)."""
+        if self.lora is not None:
             return []
         return [(name, b) for name, b in self.module.named_buffers() if name.endswith(moe.EXPERT_BIAS[0])]
 

@@ -623,7 +623,9 @@ class BuiltinEngine:
         logits [B, V] at position last[b] of each row, in chunks of `prefill_chunk` positions (see
         DEFAULT_PREFILL_CHUNK): chunk c attends to the cache positions < its end, which chunks <= c wrote. A row's
         logits come from the chunk holding its `last`; positions past a row's end are padding, overwritten
-        before they are attended to (forward's contract)."""
+        before they are attended to (forward's contract). Each chunk is told where every row ends relative to it
+        (logit_index = last - begin, outside the chunk for a row that ends before or after it), which is where a
+        hybrid model's recurrent state of the row stops (megarl.sampler.hf_model)."""
         bsz, width = ids.shape
         rows = slice(slot_start, slot_start + bsz)
         logits = None
@@ -633,7 +635,7 @@ class BuiltinEngine:
             routes = self._routes(rows, width)
             chunk = self._impl.forward(
                 self.spec, self._weights, self._tables, self._cache, ids[:, begin:end], positions,
-                slot_start=slot_start, attn_len=end, logit_index=(last - begin).clamp(0, end - begin - 1),
+                slot_start=slot_start, attn_len=end, logit_index=last - begin,
                 tp_group=self.tp_group, routes=None if routes is None else routes[:, begin:end])
             if begin == 0:
                 logits = chunk

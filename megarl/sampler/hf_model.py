@@ -6,8 +6,9 @@ megarl.sampler.engine keeps its scheduling, sampling, per-token versions and in-
 picks this module or the native one (docs/models.md#the-generic-path).
 
 * Weights: one skeleton module per spec, built from the config with its parameters on the meta device (its
-  buffers, e.g. RoPE's inv_freq, real); every version is a dict of HF-named tensors (named_parameters' names:
-  what the DeepSpeed learner publishes) that `forward` substitutes with torch.func.functional_call. Swapping
+  buffers, e.g. RoPE's inv_freq, real); every version is a dict of HF-named tensors (named_parameters' names, and
+  a sigmoid-routed MoE's router expert bias, a buffer saved with the weights, e.g. Nemotron-H's: what the DeepSpeed
+  learner publishes) that `forward` substitutes with torch.func.functional_call. Swapping
   versions is replacing the dict, as in the native engine; tied parameters stay tied (tie_weights=True).
 * KV cache: the engine's slot cache, not transformers' DynamicCache or StaticCache. The engine batches rows of
   different lengths and positions in one call (continuous batching: each running request decodes at its own
@@ -18,17 +19,21 @@ picks this module or the native one (docs/models.md#the-generic-path).
   window for sliding-window layers), which transformers uses as it is, and position_ids per row for RoPE.
   Storage is allocated per layer at its first update, in the shapes the model's attention gives (MLA's K and V
   widths may differ).
-* Recurrent state (hybrid linear-attention models: Qwen3-Next, Qwen3.5; `layer_types` entry "linear_attention"):
-  `_SlotRecurrentLayer` holds each slot's conv state [conv_dim, kernel] and delta-rule state [heads, k_dim, v_dim]
-  (fp32, as transformers' torch path computes it) behind the same `Cache` methods transformers' own linear-attention
-  cache layer exposes (get/update_conv_state, get/update_recurrent_state, get_recurrent_states_to_keep). A call
-  with `logit_index` is a prefill from position 0 (a new prompt, or a `recompute` re-prefill): the rows are
-  right-padded, so each row's state is taken at its own length (logit_index + 1), never after its padding: the
-  conv state from the row's last `kernel` inputs, the delta-rule state from the per-token states transformers
-  computes for the padded tail (get_recurrent_states_to_keep). A call without `logit_index` continues every row
-  from its slot's state (a decode step). Prefill runs in one piece (no chunked prefill).
-* What it cannot run: other layers with recurrent state (Mamba: a `layer_types` entry other than full / sliding /
-  linear attention) and tensor parallelism (sampler.tp > 1); both are refused naming the key.
+* Recurrent state (hybrid models; `layer_types` entry "linear_attention": gated DeltaNet in Qwen3-Next and Qwen3.5,
+  Mamba-2 in Nemotron-H, whose config.json calls the list `layers_block_type`): `_SlotRecurrentLayer` holds each
+  slot's conv state [conv_dim, kernel] and recurrent state (gated DeltaNet's [heads, k_dim, v_dim], Mamba-2's SSM
+  state [heads, head_dim, state]; fp32, as transformers' torch paths compute them) behind the same `Cache` methods
+  transformers' own linear-attention cache layer exposes (get/update_conv_state, get/update_recurrent_state,
+  get_recurrent_states_to_keep). A call with `logit_index` is a chunk of a prefill (a new prompt, or a `recompute`
+  re-prefill) at positions [begin, begin + width): the first chunk starts every row from zeros, a later one from
+  the state the chunks before it left. The rows are right-padded, so each row's state is taken where the row ends
+  in the chunk (logit_index + 1 tokens in, clamped to [0, width]), never after its padding: the conv state from the
+  row's last `kernel` inputs, the recurrent state from the per-token states transformers computes for the padded
+  tail (get_recurrent_states_to_keep); a row that ended in an earlier chunk keeps its state. A call without
+  `logit_index` continues every row from its slot's state (a decode step). Blocks that hold no cache (Nemotron-H's
+  "mlp" and "moe" entries) take transformers' DummyLayer.
+* What it cannot run: other layers with state of their own (a `layer_types` entry other than full / sliding /
+  linear attention, mlp / moe) and tensor parallelism (sampler.tp > 1); both are refused naming the key.
   It does not record MoE routes (algo.routing_replay=r3 needs a family of docs/models.md).
 
 It costs more per token than the native forward (one module call per layer, no stacked projections, the whole
@@ -44,11 +49,12 @@ import torch
 from torch.func import functional_call
 
 from megarl.models.families import generic_path_hint, is_native
-from megarl.models.moe import fused_experts_on_disk, is_moe
+from megarl.models.moe import EXPERT_BIAS, fused_experts_on_disk, is_moe
 
 IMPLS = ("auto", "native", "hf")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-RECURRENT_LAYER_TYPES = ("linear_attention",)  # gated DeltaNet (Qwen3-Next, Qwen3.5): conv + delta-rule state
+RECURRENT_LAYER_TYPES = ("linear_attention",)  # gated DeltaNet (Qwen3-Next, Qwen3.5), Mamba-2 (Nemotron-H)
+NO_CACHE_LAYER_TYPES = ("mlp", "moe")  # Nemotron-H lists its MLP and MoE blocks as layers of their own
 _ANNOUNCED: set[str] = set()  # model types whose "slower than native" line this process printed
 
 
@@ -129,22 +135,26 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelSpec":
         """ValueError naming what transformers cannot build or this engine cannot run."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-        odd = [t for t in (cfg.get("layer_types") or []) if t not in ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES]
+        known = ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES + NO_CACHE_LAYER_TYPES
+        odd = [t for t in (cfg.get("layer_types") or cfg.get("layers_block_type") or []) if t not in known]
         if odd:
             raise ValueError(f"layer_types {sorted(set(odd))}: the generic engine keeps a KV cache and gated-DeltaNet "
-                             f"state only (layers: {ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES}); other layers "
-                             f"with recurrent state need sampler.engine=vllm or sglang ({generic_path_hint()})")
+                             f"or Mamba-2 state only (layers: {known}); other layers with state of their own need "
+                             f"sampler.engine=vllm or sglang ({generic_path_hint()})")
         try:
-            config = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+            # (config.json tags the floats JSON cannot hold, e.g. Nemotron-H's time_step_limit (0, inf), as
+            # {"__float__": "Infinity"}; transformers decodes them when it reads the file itself)
+            plain = PretrainedConfig._decode_special_floats(cfg)
+            config = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in plain.items() if k != "model_type"})
             with _meta_parameters():
                 model = AutoModelForCausalLM.from_config(config)
         except (KeyError, ValueError) as exc:
             raise ValueError(f"model_type {cfg.get('model_type')!r}: transformers cannot build it as a causal LM "
                              f"({exc}) ({generic_path_hint()})") from exc
         model.eval()
-        return cls(cfg, model, {name: tuple(p.shape) for name, p in model.named_parameters()})
+        return cls(cfg, model, {name: tuple(t.shape) for name, t in version_tensors(model)})
 
     def shard(self, tp_size: int) -> "ModelSpec":
         if tp_size != 1:
@@ -153,7 +163,8 @@ class ModelSpec:
         return self
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """HF name -> shape of every parameter (named_parameters: a tied lm_head is the embedding, not listed)."""
+        """HF name -> shape of every tensor of a version (version_tensors: a tied lm_head is the embedding, not
+        listed)."""
         return dict(self.shapes)
 
     def check_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -166,6 +177,13 @@ class ModelSpec:
         for name in weights:
             if name not in self.shapes:
                 raise ValueError(f"weights: unexpected tensor {name!r} for {self.model_type}")
+
+
+def version_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What one weight version of `model` holds: its named_parameters, and its router expert biases (buffers that
+    checkpoints hold and the router reads, never trained; the DeepSpeed learner publishes them beside the
+    parameters)."""
+    return list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n.endswith(EXPERT_BIAS[0])]
 
 
 class _SlotLayer:
@@ -206,8 +224,9 @@ def _linear_attention_mixin():
 
 
 class _SlotRecurrentLayer:
-    """One linear-attention layer's conv state [slots, conv_dim, kernel] and delta-rule state [slots, v_heads,
-    k_dim, v_dim] of every slot, allocated at the first update. transformers' `Cache` reads `conv_states`,
+    """One linear-attention layer's conv state [slots, conv_dim, kernel] and recurrent state [slots, ...] (gated
+    DeltaNet's delta-rule state, Mamba-2's SSM state) of every slot, allocated at the first update in the shapes
+    the layer gives. transformers' `Cache` reads `conv_states`,
     `recurrent_states` and `has_previous_state` of its layer; here they are the call's rows of the slots (views, so
     transformers' in-place decode update of the conv state lands in the cache). Built as a subclass of
     transformers' LinearAttentionCacheLayerMixin (`KVCache.__init__`), which the `Cache` methods check for."""
@@ -224,10 +243,10 @@ class _SlotRecurrentLayer:
         return store[o.slot_start:o.slot_start + o.rows]
 
     # What transformers' Cache.get_conv_state / get_recurrent_state read: the rows' state, unless the call is a
-    # prefill from position 0 (then there is no previous state and the layer starts from zeros).
+    # prefill's first chunk (then there is no previous state and the layer starts from zeros).
     @property
     def has_previous_state(self) -> dict[int, bool]:
-        return {0: self.owner.lengths is None}
+        return {0: self.owner.lengths is None or self.owner.begin > 0}
 
     @property
     def conv_states(self) -> dict[int, torch.Tensor]:
@@ -239,41 +258,52 @@ class _SlotRecurrentLayer:
 
     @property
     def record_past(self) -> bool:
+        # (also what keeps transformers' one-token conv update, which would advance every row, off a one-token chunk
+        # that a row ended before)
         return self.owner.lengths is not None and self.recurrent_states_to_keep > 0
 
     @property
     def recurrent_states_to_keep(self) -> int:
-        """In a prefill of right-padded rows: the states after the last `width - shortest + 1` tokens, among which
-        each row's state at its own length (0 when no row is shorter than the call: the final state is every row's)."""
+        """In a prefill chunk of right-padded rows: the states after the last `width - shortest + 1` tokens, among
+        which each row's state at its own length (0 when every row runs through the chunk: the final state is every
+        row's). A row with no token in the chunk keeps its state (`update_recurrent_state`)."""
         o = self.owner
-        return 0 if o.lengths is None or o.shortest == o.width else o.width - o.shortest + 1
+        return 0 if o.lengths is None or o.shortest == o.width else o.width - max(o.shortest, 1) + 1
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size=None, **kwargs):
-        """A prefill's conv inputs [rows, conv_dim, T]: store each row's last `kernel` inputs before its length
-        (zeros before position 0) and return the inputs as they are (the convolution pads them itself)."""
+        """A prefill chunk's conv inputs [rows, conv_dim, T]: store each row's last `kernel` inputs up to where it
+        ends in the chunk (the earlier chunks' inputs before them, zeros before position 0) and return the inputs the
+        convolution runs over: the chunk's own in the first chunk (the convolution pads them itself), the stored
+        state and the chunk's in a later one (transformers drops the outputs of the stored part)."""
         o = self.owner
         kernel = conv_kernel_size or self.conv_kernel_size
         self.conv_kernel_size = kernel
         if self.conv is None:
             self.conv = torch.zeros((o.num_slots, conv_states.shape[1], kernel), dtype=conv_states.dtype,
                                     device=conv_states.device)
-        padded = torch.nn.functional.pad(conv_states, (kernel, 0))
+        rows = self._rows(self.conv)
+        before = rows if o.begin > 0 else torch.zeros_like(rows)
+        padded = torch.cat([before.to(conv_states.dtype), conv_states], dim=2)
         index = (o.lengths[:, None] + torch.arange(kernel, device=padded.device))[:, None, :]
-        self._rows(self.conv).copy_(padded.gather(2, index.expand(-1, padded.shape[1], -1)))
-        return conv_states
+        rows.copy_(padded.gather(2, index.expand(-1, padded.shape[1], -1)))
+        return padded if o.begin > 0 else conv_states
 
     def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs):
-        """The state after the call: one tensor [rows, ...] (a decode step, or a prefill of equal-length rows), or the
-        states after each of the last `recurrent_states_to_keep` tokens of a padded prefill (each row takes its own)."""
+        """The state after the call: one tensor [rows, ...] (a decode step, or a chunk every row runs through), or the
+        states after each of the last `recurrent_states_to_keep` tokens of a padded chunk (each row takes its own).
+        In a prefill chunk a row that ended before it keeps the state it has."""
         o = self.owner
         if not isinstance(recurrent_states, torch.Tensor):
             stacked = torch.stack(list(recurrent_states))  # [kept, rows, ...]: the state after token width-kept+i
-            pick = o.lengths - (o.width - stacked.shape[0]) - 1
+            pick = (o.lengths - (o.width - stacked.shape[0]) - 1).clamp(min=0)
             recurrent_states = stacked[pick, torch.arange(stacked.shape[1], device=stacked.device)]
         if self.state is None:
             self.state = torch.zeros((o.num_slots, *recurrent_states.shape[1:]), dtype=torch.float32,
                                      device=recurrent_states.device)
         rows = self._rows(self.state)
+        if o.lengths is not None and o.shortest == 0:
+            ended = (o.lengths == 0).view(-1, *[1] * (rows.dim() - 1))
+            recurrent_states = torch.where(ended, rows, recurrent_states.to(rows.dtype))
         rows.copy_(recurrent_states)
         return rows
 
@@ -301,18 +331,20 @@ class KVCache:
     `transformers_cache()` is the object the model's forward is handed."""
 
     def __init__(self, spec: ModelSpec, num_slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu"):
-        from transformers.cache_utils import Cache
+        from transformers.cache_utils import Cache, DummyLayer
 
         class SlotCache(Cache):
             """A transformers Cache whose layers are this KVCache's (the per-call rows set by `forward`)."""
 
         self.num_slots, self.max_seq_len = num_slots, max_seq_len
         self.slot_start, self.positions, self.attn_len, self.rows = 0, None, max_seq_len, 0
-        # A prefill's per-row lengths (None in a decode step), its width and shortest row (host ints).
-        self.lengths, self.width, self.shortest = None, 0, 0
+        # A prefill chunk's per-row token counts (None in a decode step), its first position, width and fewest
+        # tokens of a row (host ints).
+        self.lengths, self.begin, self.width, self.shortest = None, 0, 0, 0
         recurrent = type("SlotRecurrentLayer", (_SlotRecurrentLayer, _linear_attention_mixin()), {})
         types = spec.layer_types or ["full_attention"] * spec.num_layers
-        self.layers = [recurrent(self) if t in RECURRENT_LAYER_TYPES else _SlotLayer(self) for t in types]
+        self.layers = [recurrent(self) if t in RECURRENT_LAYER_TYPES else DummyLayer() if t in NO_CACHE_LAYER_TYPES
+                       else _SlotLayer(self) for t in types]
         self._cache = SlotCache(layers=self.layers)
 
     def transformers_cache(self):
@@ -390,7 +422,7 @@ def _mask(spec: ModelSpec, key_pos: torch.Tensor, positions: torch.Tensor, dtype
     def additive(allowed):
         return torch.zeros(allowed.shape, dtype=dtype, device=key_pos.device).masked_fill_(~allowed, blocked)
 
-    types = set(spec.layer_types)
+    types = set(spec.layer_types) - set(NO_CACHE_LAYER_TYPES)
     if not types or types == {"full_attention"}:
         return additive(causal)
     masks = {"full_attention": additive(causal)}
@@ -409,9 +441,10 @@ def forward(spec: ModelSpec, weights: RuntimeWeights, tables: torch.Tensor, cach
     """megarl.sampler.model.forward's contract (rows in slots [slot_start, slot_start + B), tokens at
     `positions`, each attending to its own slot's positions <= its own), run by the transformers model.
 
-    For a hybrid model a call with `logit_index` is a prefill from position 0 whose row r has logit_index[r] + 1
-    tokens (the rest is padding; each row's recurrent state is kept at its own length), and a call without it
-    continues every row from its slot's recurrent state, as the engine calls it."""
+    For a hybrid model a call with `logit_index` is a chunk of a prefill (positions [begin, begin + T), begin 0 for
+    its first) in which row r has logit_index[r] + 1 tokens, clamped to [0, T] (the rest is padding; each row's
+    recurrent state is kept where it ends), and a call without it continues every row from its slot's recurrent
+    state, as the engine calls it. An index outside [0, T) takes the nearest token's logits."""
     if tp_group is not None and tp_group.size() > 1:
         raise ValueError("forward: the generic engine has no tensor parallelism (sampler.tp=1)")
     bsz = input_ids.shape[0]
@@ -419,20 +452,22 @@ def forward(spec: ModelSpec, weights: RuntimeWeights, tables: torch.Tensor, cach
     cache.slot_start, cache.positions, cache.attn_len, cache.rows = slot_start, positions, attn_len, bsz
     cache.lengths = None
     if spec.is_hybrid and logit_index is not None:
-        cache.lengths, cache.width = logit_index + 1, input_ids.shape[1]
-        cache.shortest = int(cache.lengths.min())  # (one host read per prefill: how many tail states to keep)
+        cache.width = input_ids.shape[1]
+        cache.lengths = (logit_index + 1).clamp(0, cache.width)
+        # (host reads per prefill chunk: where it starts, how many tail states to keep)
+        cache.begin, cache.shortest = int(positions[0, 0]), int(cache.lengths.min())
     mask = _mask(spec, tables[:attn_len], positions, weights.dtype)
     out = functional_call(spec.model, weights.params, args=(), strict=False, tie_weights=True, kwargs={
         "input_ids": input_ids, "position_ids": positions, "attention_mask": mask, "use_cache": True,
         spec.cache_kwarg: cache.transformers_cache()})
     logits = out.logits
     if logit_index is not None:
-        return logits[torch.arange(bsz, device=logits.device), logit_index]
+        return logits[torch.arange(bsz, device=logits.device), logit_index.clamp(0, logits.shape[1] - 1)]
     return logits
 
 
 def load_pretrained(model_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config dict, named_parameters' tensors) of an HF directory, loaded by transformers (its own name
+    """(config dict, version_tensors' tensors) of an HF directory, loaded by transformers (its own name
     conversions included), in the checkpoint's dtype."""
     import json
     import os
@@ -442,4 +477,4 @@ def load_pretrained(model_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
-    return cfg, {name: p.detach() for name, p in model.named_parameters()}
+    return cfg, {name: t.detach() for name, t in version_tensors(model)}

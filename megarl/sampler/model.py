@@ -1088,7 +1088,9 @@ def forward(
     tables: `forward_tables(spec, >= max(positions) + 1)`.
     attn_len: how many cache positions to look at (>= max(positions) + 1); default max_seq_len.
     logit_index: long [B]; if given, return logits [B, V] of token ``logit_index[b]`` of each row only
-    (prefill needs just the last one), else logits [B, T, V].  Logits are in the weights' dtype.
+    (prefill needs just the last one), else logits [B, T, V].  An index outside [0, T) (a chunk of a prefill that
+    a row ends before or after) takes the nearest token's logits, which the caller does not use.  Logits are in
+    the weights' dtype.
     tp_group: for a `ModelSpec.shard` spec, the process group of the spec's tp_size ranks (each with
     its own slices, cache and the same inputs); every rank of it must call forward with the same
     inputs, and every rank gets the same logits.
@@ -1227,7 +1229,7 @@ def forward(
             x = _add_row_parallel(x, F.silu(gate) * up, lw.down, lw.down_bias, tp_group)
 
     if logit_index is not None:
-        x = x.view(bsz, seq, -1)[torch.arange(bsz, device=x.device), logit_index]
+        x = x.view(bsz, seq, -1)[torch.arange(bsz, device=x.device), logit_index.clamp(0, seq - 1)]
     final = _gemma_norm(x, weights.norm, tables) if spec.gemma else _rms_norm(x, tables) * weights.norm
     logits = _lm_head(final, weights.lm_head, tp_group)
     return logits if logit_index is not None else logits.view(bsz, seq, -1)

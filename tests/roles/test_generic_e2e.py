@@ -1,8 +1,10 @@
 """End to end on the generic path (docs/models.md#the-generic-path): `megarl train` of a model type megarl has no
 family for (a tiny Granite with the embedded tokenizer) on the DeepSpeed learner and the built-in engine's generic
-model, 8 steps at max_lag 0; a hybrid linear-attention model (a tiny Qwen3-Next) for a few steps."""
+model, 8 steps at max_lag 0; hybrid models (a tiny Qwen3-Next, a tiny Nemotron-H) for a few steps."""
+import pytest
+
 from megarl.observe.sinks import train_records
-from tests.helpers import REPO, run_python, save_tiny_granite, save_tiny_qwen3_next
+from tests.helpers import REPO, run_python, save_tiny_granite, save_tiny_nemotron_h, save_tiny_qwen3_next
 from tests.roles.test_train_e2e import read_jsonl
 
 # The entropy bonus moves the random Granite's entropy by ~5e-4 a step (measured over 20 steps: 5.5366 -> 5.5465,
@@ -31,18 +33,21 @@ def test_megarl_train_runs_a_model_type_megarl_has_never_seen(tmp_path):
     assert abs(metrics[-1]["entropy/mean"] - metrics[0]["entropy/mean"]) > 1e-3
 
 
-def test_megarl_train_runs_a_hybrid_linear_attention_model(tmp_path):
-    """A tiny Qwen3-Next (gated-DeltaNet layers beside full attention) on the DeepSpeed learner and the engine's
-    generic model: every step at lag 0 with the learner's log-probs equal to the engine's (the recurrent state
-    carried per request in the engine, unpacked rows in the learner), and the published versions move the policy."""
-    steps = 4
-    model = save_tiny_qwen3_next(tmp_path / "qwen3_next")
+@pytest.mark.parametrize("kind", ["qwen3_next", "nemotron_h"])
+def test_megarl_train_runs_a_hybrid_linear_attention_model(tmp_path, kind):
+    """A tiny Qwen3-Next (gated-DeltaNet layers beside full attention) and a tiny Nemotron-H (Mamba-2 mixers,
+    attention, MLP and MoE blocks) on the DeepSpeed learner and the engine's generic model, prompts prefilled in
+    chunks of 2 positions: every step at lag 0 with the learner's log-probs equal to the engine's (the recurrent
+    state carried per request and across prefill chunks in the engine, unpacked rows in the learner), and the
+    published versions move the policy."""
+    steps = 3
+    model = {"qwen3_next": save_tiny_qwen3_next, "nemotron_h": save_tiny_nemotron_h}[kind](tmp_path / kind)
     run_dir = tmp_path / "run"
     proc = run_python("-m", "megarl.cli", "train", str(REPO / "configs" / "demo.yaml"), f"run.dir={run_dir}",
                       f"run.steps={steps}", f"model.path={model}", "learner.backend=deepspeed", "learner.dp=1",
-                      "sampler.model_impl=hf", "algo.max_lag=0", "algo.loss.entropy_coef=0.05",
-                      "algo.prompts_per_step=4", "sampling.max_new_tokens=6", "eval.sets=[]", "run.progress=false",
-                      timeout=300)
+                      "sampler.model_impl=hf", "sampler.prefill_chunk=2", "algo.max_lag=0",
+                      "algo.loss.entropy_coef=0.05", "algo.prompts_per_step=4", "sampling.max_new_tokens=6",
+                      "eval.sets=[]", "run.progress=false", timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     metrics = train_records(read_jsonl(run_dir / "metrics.jsonl"))
     assert [m["version"] for m in metrics] == list(range(1, steps + 1))
