@@ -80,7 +80,8 @@ def embedded_toolcall_model_dir(embedded_cache_dir) -> Path:
 # fill both workers from the start, and the many short files even out the end instead of one worker finishing a
 # long file alone while the other idles.
 LONG_FILES = (
-    "tests/learner/test_deepspeed.py", "tests/roles/test_train_e2e.py", "tests/roles/test_faults.py",
+    "tests/learner/test_deepspeed.py", "tests/roles/test_train_e2e.py", "tests/roles/test_replace.py",
+    "tests/roles/test_faults.py",
     "tests/test_gpu_check.py", "tests/eval/test_eval.py", "tests/sampler/test_sglang_engine.py",
     "tests/roles/test_multiturn_e2e.py", "tests/sft/test_run.py", "tests/embedded/test_tiny.py",
     "tests/rollout/test_rewards.py", "tests/launch/test_slurm.py", "tests/checkpoint/test_train_resume_export.py",

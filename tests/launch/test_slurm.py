@@ -106,7 +106,7 @@ def test_a_stop_signal_to_the_batch_script_stops_the_run_at_a_step_boundary(tmp_
     """What `scancel --batch`, `sbatch --signal=B:TERM@120` or a preemption sends: SIGTERM to the batch shell
     only. The script passes it to srun (which forwards signals to its tasks, as the stand-in does), the real
     torchrun to every worker: the run saves a checkpoint (fault.checkpoint_on_signal) and every process ends."""
-    from tests.roles.test_faults import leftovers
+    from tests.roles.fault_runs import leftovers
 
     env, log = fake_slurm(tmp_path, nodes=1)
     env["FAKE_SLURM_REAL_TORCHRUN"] = "1"
@@ -344,7 +344,7 @@ def test_a_second_job_adds_a_sampler_to_a_running_one_and_scancel_drains_it(loca
     `launch/slurm_add_samplers.sbatch RUN_DIR` adds sampler 1 (rank 2), whose groups A trains; `scancel` of B drains
     it, and A goes on to its last step and ends normally."""
     from megarl.distributed.membership import join_key, remove_key
-    from tests.roles.test_faults import leftovers
+    from tests.roles.fault_runs import leftovers
 
     run_dir, out_a, out_b = tmp_path / "run", tmp_path / "a.out", tmp_path / "b.out"
     log = lambda out: out.read_text()[-3000:] if out.exists() else "no log"  # noqa: E731

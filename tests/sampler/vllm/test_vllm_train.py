@@ -151,7 +151,7 @@ def test_killed_vllm_server_is_replaced_and_an_added_one_joins_and_leaves_while_
     import re
     import signal
 
-    from tests.roles.test_faults import remove_added
+    from tests.roles.fault_runs import remove_added
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", "configs/demo.yaml", "sampler.engine=vllm",
