@@ -66,7 +66,8 @@ imported what they share, and the two-rank checks fork their ranks from it, wher
                     two ranks on one GPU) against cp=1 on learner_step's model and one row of cp_len tokens: step time
                     and peak GPU memory per rank of each, and the largest |log-prob difference| (both bf16); the
                     same for that model with a LoRA adapter (learner.lora.rank=lora_rank: the log-probs after the
-                    steps too) and for moe_replay's Mixtral under r3 (random recorded routes, split like the tokens)
+                    steps too) and for moe_replay's Mixtral under r3 (random recorded routes, split like the tokens);
+                    the dense model's loss curve over 20 steps on its row at both sizes (loss_curve_max_abs_diff)
   trackers          observe.trackers: what MetricsSink.log costs the learner's step (60 scalars a step) with each
                     tracker installed there (tensorboard; wandb offline and mlflow's file store when importable):
                     the median and worst call, and the time to close (what is queued written); the dry run
@@ -199,6 +200,7 @@ class Size:
         self.moe_rows, self.moe_tokens = (4, 8) if tiny else (32, 96)
         self.lora_rank = 4 if tiny else 32
         self.cp_len = 64 if tiny else 8192
+        self.cp_curve_steps = 3 if tiny else 20  # check_context_parallel's loss curve (the dense model's steps)
         # check_long_prefill: the long prompt and its chunk; the chunked-vs-one-pass comparison's length and chunk.
         self.long_len, self.prefill_chunk = (128, 32) if tiny else (32768, 2048)
         self.long_eq_len, self.long_eq_chunk = (64, 16) if tiny else (4096, 1024)
@@ -1532,20 +1534,23 @@ def _cp_learner(model_dir: Path, size: Size, variant: str, cp: int):
 
 
 def _cp_measure(learner, size: Size, variant: str) -> tuple[dict, "torch.Tensor", "torch.Tensor"]:
-    """(step time and peak memory of one step after a warm-up, the row's log-probs before the steps and after)."""
+    """(step time and peak memory of one step after a warm-up, and the loss of every step: the dense variant takes
+    size.cp_curve_steps steps on its row, the others 2; the row's log-probs before the steps and after)."""
     import torch
 
     batch = _cp_batch(size, variant)
     logprobs = learner.logprobs(batch.input_ids, batch.routes)
-    learner.train_step(batch)
+    losses = [learner.train_step(batch)["loss"]]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     sync()
     start = time.perf_counter()
-    metrics = learner.train_step(batch)
+    losses.append(learner.train_step(batch)["loss"])
     sync()
-    return ({"step_s": round(time.perf_counter() - start, 4), "peak_gpu_gib": peak_gib(), "loss": metrics["loss"]},
-            logprobs, learner.logprobs(batch.input_ids, batch.routes))
+    out = {"step_s": round(time.perf_counter() - start, 4), "peak_gpu_gib": peak_gib(), "loss": losses[-1]}
+    steps = size.cp_curve_steps if variant == "dense" else 2
+    losses += [learner.train_step(batch)["loss"] for _ in range(steps - 2)]
+    return {**out, "losses": losses}, logprobs, learner.logprobs(batch.input_ids, batch.routes)
 
 
 def check_context_parallel(args, size: Size) -> dict:
@@ -1667,7 +1672,9 @@ def cp_worker(args, size: Size) -> None:
         diff, diff_after = (cp2_before - before).abs(), (cp2_after - after).abs()
         result = {"cp1": cp1, "cp2_ranks": ranks, "logprob_max_abs_diff": round(float(diff.max()), 5),
                   "logprob_mean_abs_diff": round(float(diff.mean()), 6),
-                  "logprob_max_abs_diff_after_steps": round(float(diff_after.max()), 5)}
+                  "logprob_max_abs_diff_after_steps": round(float(diff_after.max()), 5),
+                  "loss_curve_max_abs_diff": max(abs(a - b) for a, b in zip(ranks[0]["losses"], cp1["losses"],
+                                                                             strict=True))}
         out.update(result if variant == "dense" else {variant: result})
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -1985,7 +1992,7 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "entropy_metric": (check_entropy_metric, 120), "generic_path": (check_generic_path, 120),
           "trackers": (check_trackers, 120), "families": (check_families, 180), "hybrid": (check_hybrid, 240),
           "gated_delta_net": (check_gated_delta_net, 150), "hybrid_learner": (check_hybrid_learner, 180),
-          "context_parallel": (check_context_parallel, 240), "sampler_replace": (check_sampler_replace, 180),
+          "context_parallel": (check_context_parallel, 300), "sampler_replace": (check_sampler_replace, 180),
           "sglang_replace": (check_sglang_replace, 180), "long_prefill": (check_long_prefill, 120),
           "agent_stream": (check_agent_stream, 120), "long_paged": (check_long_paged, 150),
           "samplers_add_remove": (check_samplers_add_remove, 240), "sglang_add_remove": (check_sglang_add_remove, 240),

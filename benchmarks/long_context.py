@@ -14,7 +14,9 @@ shared prefixes). `layout`: the learner as it is (megarl.learner.sdpa_attention.
 step's time and its peak resident memory above what it held before that step (ru_maxrss, the kernel's high-water
 mark, minus the resident set just before): the step's own memory, the model and the imports left out. A setting stops
 growing S at the first length whose step needs more than --cap-mib on some rank (or fails); the longest S under the
-cap is reported per setting. Prints a table, then one JSON line.
+cap is reported per setting. Prints a table, then one JSON line (with the environment's MALLOC_MMAP_THRESHOLD_:
+glibc's default threshold grows with the largest buffer freed, after which freed blocks stay resident and add
+retained heap to the step's live tensors; a fixed threshold measures the live tensors).
 """
 from __future__ import annotations
 
@@ -154,7 +156,8 @@ def main() -> None:
                             break
                         longest[setting] = length
     print(json.dumps({"long_context": {"cap_mib": args.cap_mib, "model": TINY, "results": table,
-                                       "longest_under_cap": longest}}))
+                                       "longest_under_cap": longest,
+                                       "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}}))
 
 
 if __name__ == "__main__":

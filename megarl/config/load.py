@@ -503,8 +503,10 @@ def _validate_cp(cfg: Config) -> None:
         return
     _require(lc.backend == "megatron", "learner.cp",
              f"context parallelism is the megatron learner's (megarl's attention all-gathers keys and values over the "
-             f"CP ranks); learner.backend={lc.backend} has none: DeepSpeed's own, Ulysses, needs its "
-             f"DistributedAttention around each HF attention layer, which megarl does not wire; use learner.cp=1")
+             f"CP ranks); learner.backend={lc.backend} has none: DeepSpeed's Ulysses for transformers models "
+             f"(UlyssesSPAttentionHF) drops every attention mask, so packed, prefix-shared rows and sliding windows "
+             f"would not be computed exactly (docs/learner.md#sequence-parallelism-on-the-deepspeed-learner); "
+             f"use learner.cp=1")
 
 
 def _validate_lora(cfg: Config) -> None:

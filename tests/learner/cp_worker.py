@@ -3,9 +3,10 @@ published weights; `run_layout` is also what the tests' cp = 1 references run in
 
 argv: model_dir batches.pt out_dir layouts.json. batches.pt holds a list of TrainBatches; a layout's "loss" key goes
 to LossConfig, "lora" to LoraConfig, "critic" to CriticConfig (advantage.estimator=gae), "distill" to DistillConfig,
-"routing_replay" to the learner, "model_dir" replaces argv's, the rest to LearnerConfig. Every rank writes
-`{layout}.rank{r}.pt`: the log-probs of the first batch before any step, the whole (TP-gathered) gradient of every
-trained parameter after the first step, the metrics of one step per batch, what publish_tensors yields after them, its
+"routing_replay" to the learner, "model_dir" replaces argv's, "steps" sets how many optimizer steps run (over the
+batches in turn, again from the first after the last; one per batch without it), the rest to LearnerConfig. Every rank
+writes `{layout}.rank{r}.pt`: the log-probs of the first batch before any step, the whole (TP-gathered) gradient of
+every trained parameter after the first step, the metrics of every step, what publish_tensors yields after them, its
 (tp, cp, pp, dp) ranks; a layout with "save": true saves a checkpoint `{layout}.ckpt` after them and loads it into a
 fresh learner of the layout, whose publish_tensors it writes too ("resumed_published").
 """
@@ -22,7 +23,7 @@ from megarl.config.schema import LearnerConfig, LoraConfig
 from megarl.distributed.lifetime import exit_process
 from megarl.learner.megatron import MegatronLearner
 
-TEST_KEYS = ("save", "model_dir")  # a layout's keys that configure the test, not the learner
+TEST_KEYS = ("save", "model_dir", "steps")  # a layout's keys that configure the test, not the learner
 
 
 def learner_of(model_dir: str, layout: dict) -> MegatronLearner:
@@ -39,14 +40,15 @@ def learner_of(model_dir: str, layout: dict) -> MegatronLearner:
 
 def run_layout(model_dir: str, layout: dict, batches: list) -> tuple[MegatronLearner, dict]:
     """(the learner, its results): the log-probs of batches[0] before any step (with its routes), the gradients of the
-    trained parameters after the first step (TP-gathered, also under global names), one step's metrics per batch and
-    the tensors publish_tensors yields after the last."""
+    trained parameters after the first step (TP-gathered, also under global names), the metrics of every step (one
+    per batch, or layout["steps"] over the batches in turn) and the tensors publish_tensors yields after the last."""
     learner = learner_of(model_dir, layout)
     logprobs = learner.logprobs(batches[0].input_ids, batches[0].routes)
     metrics = [learner.train_step(batches[0])]
     grads = {n: learner._tp_gather(n, p.main_grad) for n, p in learner.gpt.named_parameters() if p.requires_grad}
     global_grads = {learner._global_name(n): g for n, g in grads.items()}  # (a PP stage's layers, globally named)
-    metrics += [learner.train_step(b) for b in batches[1:]]
+    steps = layout.get("steps", len(batches))
+    metrics += [learner.train_step(batches[step % len(batches)]) for step in range(1, steps)]
     published = dict(learner.publish_tensors())
     return learner, {"logprobs": logprobs, "grads": grads, "global_grads": global_grads, "metrics": metrics,
                      "published": published}

@@ -15,7 +15,7 @@ from megarl.algo import values
 from megarl.algo.config import LossConfig
 from megarl.learner import context_parallel, packing
 from megarl.protocols import TrainBatch
-from tests.helpers import LEARNER_TOL, forked_ranks, save_tiny_moe, save_tiny_qwen2, save_tiny_qwen3
+from tests.helpers import FP32_UNIT_ROUNDOFF, LEARNER_TOL, forked_ranks, save_tiny_moe, save_tiny_qwen2, save_tiny_qwen3
 
 VOCAB, ROWS, S, PROMPT = 64, 16, 22, 5
 
@@ -141,6 +141,26 @@ def _assert_matches(got: dict, ref: dict, name: str, layout_metrics: tuple = ())
             assert abs(mine[key] - value) <= 1e-5 * max(1.0, abs(value)), (name, step, key)
 
 
+def _assert_loss_curve(got: dict, ref: dict, batches: list[TrainBatch], name: str) -> None:
+    """Every step's loss within the fp32 bound of a run that differs from the reference only in the order of its sums.
+
+    A step's loss sums N token terms: evaluated in another order it moves by about sqrt(N) u |L| (u = 2^-24, the
+    probabilistic bound `fp32_logprob_tol` uses). Each gradient entry is such a sum too (scale G, the largest entry),
+    so it moves by e = sqrt(N) u G; AdamW turns a gradient g_i + e into a step that differs by at most about
+    lr * e / |g_i| (its update is lr * m / sqrt(v): scale-free), and the loss changes by g_i times that: lr * e per
+    weight and step, however small g_i. After k steps the weights' differences move the loss by at most
+    k * lr * P * e (P weights), to first order. So |L_k - L_k'| <= sqrt(N) u (|L_k| + k lr P G)."""
+    tokens = max(int(b.loss_mask.sum()) for b in batches)
+    weights = sum(g.numel() for g in ref["grads"].values())
+    largest = max(float(g.abs().max()) for g in ref["grads"].values())
+    rounding = tokens ** 0.5 * FP32_UNIT_ROUNDOFF
+    drift = 0.0  # sum over the steps so far of lr * P * G
+    for step, (mine, theirs) in enumerate(zip(got["metrics"], ref["metrics"], strict=True)):
+        bound = rounding * (abs(theirs["loss"]) + drift)
+        assert abs(mine["loss"] - theirs["loss"]) <= bound, (name, step, mine["loss"], theirs["loss"], bound)
+        drift += theirs["lr"] * weights * largest
+
+
 def _assert_published(got: dict, ref: dict, name: str) -> None:
     """The tensors published after the steps: the cp = 1 learner's, within 1e-5 of each one's largest entry (Adam
     normalises each gradient entry, so the fp32 noise of a gradient becomes noise of its weight's step)."""
@@ -159,17 +179,27 @@ def test_cp2_gives_the_cp1_logprobs_gradients_and_steps(model_dir, world, tmp_pa
     """cp=2 on packed, prefix-shared rows in two micro-batches (with the entropy bonus and the KL reference), and on
     unpacked rows with full activation recomputation (the K/V gathers run again in the backward): the cp=1 per-token
     log-probs, first-step gradients of every parameter and three steps' loss,
-    grad norm and statistics; the cp=2 learner's checkpoint resumes its weights at its layout."""
+    grad norm and statistics; the cp=2 learner's checkpoint resumes its weights at its layout. And 20 optimizer steps
+    over the three packed, prefix-shared batches in turn (one micro-batch a step): every step's loss within the bound
+    of fp32 sums in another order (_assert_loss_curve), its grad norm and statistics within 1e-5, the weights
+    published after them within 1e-5 of each tensor's largest entry."""
     batches = _batches(3)
     layouts = {"cp2_packed": {"cp": 2, "micro_batch_size": 8, "loss": LOSS, "save": True},
                "cp2_unpacked_recompute": {"cp": 2, "micro_batch_size": 16, "pack_sequences": False,
-                                          "recompute_activations": "full"}}
+                                          "recompute_activations": "full"},
+               "cp2_20_steps": {"cp": 2, "micro_batch_size": 16, "loss": LOSS, "steps": 20}}
     proc = _launch(model_dir, batches, tmp_path, layouts, nproc=2)
     refs = {name: _reference(model_dir, layout, batches) for name, layout in layouts.items()}
+    curve = [m["loss"] for m in refs["cp2_20_steps"]["metrics"]]
+    # (the curve moves by far more than the bound: the same batch's loss at steps 0 and 18)
+    assert abs(curve[18] - curve[0]) > 100 * max(abs(curve[0]), 1.0) * 1e-5
     for name, ranks in _results(proc, tmp_path, layouts, nproc=2, timeout=600).items():
         assert sorted(r["cp_rank"] for r in ranks) == [0, 1]
         for rank in ranks:
             _assert_matches(rank, refs[name], name)
+            if "steps" in layouts[name]:
+                _assert_loss_curve(rank, refs[name], batches, name)
+                _assert_published(rank, refs[name], name)
             if layouts[name].get("save"):  # (its checkpoint resumed at its own layout)
                 _assert_published({"published": rank["resumed_published"]}, rank, f"{name} resumed")
 
