@@ -2,8 +2,6 @@
 models, and key the test cache of built embedded models (builder_fingerprint)."""
 from __future__ import annotations
 
-import ast
-import hashlib
 import os
 import subprocess
 import sys
@@ -42,38 +40,6 @@ def run_python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=REPO)
-
-
-# What an embedded model's build runs beyond its registry entry: the builders, the tokenizer and configs, the tasks,
-# chat transcripts, tools and rewards they train and evaluate on. Only these: a change elsewhere (the converters, say)
-# keeps the built models.
-BUILD_SOURCES = ("megarl/embedded/registry.py", "megarl/embedded/spec.py", "megarl/embedded/tiny.py",
-                 "megarl/embedded/tiny_chat.py", "megarl/models/tiny_moe.py", "megarl/rollout/tasks.py",
-                 "megarl/rollout/lap_count.py", "megarl/rollout/chat.py", "megarl/rollout/environment.py",
-                 "megarl/rollout/rewards.py", "megarl/rollout/sandbox.py", "megarl/rollout/tool_calls.py")
-# The registry's table of entries: each entry's build is named by its own spec hash (the directory name's suffix,
-# megarl.embedded.registry.spec_hash), so an entry added or changed rebuilds that model only, not every other one.
-REGISTRY, REGISTRY_TABLE = "megarl/embedded/registry.py", "EMBEDDED_MODELS"
-
-
-def builder_fingerprint(root: Path = REPO) -> str:
-    """The test cache's key for built embedded models: the code of BUILD_SOURCES under `root` (its syntax tree, so a
-    comment or a line wrapped rebuilds nothing; the registry without its table of entries) and the torch and
-    transformers versions."""
-    from importlib.metadata import version  # the installed versions, without importing the packages
-
-    digest = hashlib.sha256(f"torch {version('torch')} transformers {version('transformers')}".encode())
-    for source in BUILD_SOURCES:
-        tree = ast.parse((root / source).read_text())
-        if source == REGISTRY:
-            tree.body = [node for node in tree.body if not _assigns(node, REGISTRY_TABLE)]
-        digest.update(f"{source}\n{ast.dump(tree)}\n".encode())
-    return digest.hexdigest()[:12]
-
-
-def _assigns(node: ast.stmt, name: str) -> bool:
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-    return any(isinstance(t, ast.Name) and t.id == name for t in targets)
 
 
 def save_tokenizer(model_dir: Path) -> None:

@@ -1,8 +1,9 @@
-"""The test cache's key for built embedded models (tests.helpers.builder_fingerprint): it follows the code a build
+"""The test cache's key for built embedded models (megarl.embedded.builder_fingerprint): it follows the code a build
 runs, so a registry entry added or a comment edited keeps every built model (~5 CPU-min to rebuild them all)."""
 import shutil
 
-from tests.helpers import BUILD_SOURCES, REGISTRY, REPO, builder_fingerprint
+from megarl.embedded.builder_fingerprint import BUILD_SOURCES, REGISTRY, builder_fingerprint
+from tests.helpers import REPO
 
 
 def test_the_key_follows_the_build_code_not_the_registry_table_or_comments(tmp_path):

@@ -233,6 +233,10 @@ def test_concurrent_processes_get_one_consistent_dir(tmp_path, monkeypatch):
     assert [p for p in tmp_path.iterdir() if not p.name.endswith(".lock") and p.name != ".spec-hashes.json"] == [built]
     AutoModelForCausalLM.from_pretrained(built)
     assert embedded.ensure_embedded_model(SMOKE, tmp_path) == built
+    # The build names the code that made it (the test suite copies such a build rather than build it again).
+    from megarl.embedded.builder_fingerprint import builder_fingerprint
+
+    assert json.loads((built / tiny.BUILD_RECORD).read_text())["builder"] == builder_fingerprint()
 
 
 def test_bad_names_and_paths_fail_clearly(tmp_path):
