@@ -9,6 +9,7 @@ restarted the schedule, or lost the Adam moments or step count, moves the weight
 """
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from safetensors.torch import load_file
@@ -64,13 +65,16 @@ def runs(embedded_count_model_dir, tmp_path_factory):
               f"learner.lr={LR}", f"learner.adam_eps={ADAM_EPS}", "learner.lr_decay=cosine", "eval.every_steps=0", "run.progress=false",
               "observe.trackers=[]"]
 
-    def train(name, tp, *extra):
-        done = run_python("-m", "megarl.cli", "train", *common, f"run.dir={root / name}", f"learner.tp={tp}", *extra,
-                          timeout=300)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    def train(*runs):
+        """(name, tp, *extra) runs side by side: each run is mostly process starts and waits, so two overlap."""
+        with ThreadPoolExecutor(len(runs)) as pool:
+            done = list(pool.map(lambda run: run_python("-m", "megarl.cli", "train", *common, f"run.dir={root / run[0]}",
+                                                        f"learner.tp={run[1]}", *run[2:], timeout=400), runs))
+        for proc in done:
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
-    train("tp1", 1)
-    train("tp2", 2)
+    train(("tp1", 1), ("tp2", 2))
+    resumed = []
     for source, target_tp in (("tp1", 2), ("tp2", 1)):
         name = f"{source}_to_tp{target_tp}"
         shutil.copytree(root / source, root / name)
@@ -78,7 +82,8 @@ def runs(embedded_count_model_dir, tmp_path_factory):
         for step in range(AT + 1, STEPS + 1):  # as if the run had stopped after its checkpoint AT
             shutil.rmtree(ckpt / storage.step_dir_name(step))
         (ckpt / "latest").write_text(storage.step_dir_name(AT) + "\n")
-        train(name, target_tp, "run.resume=true")
+        resumed.append((name, target_tp, "run.resume=true"))
+    train(*resumed)
     return root
 
 
