@@ -18,9 +18,9 @@ from tests.helpers import REPO
 DEMO = str(REPO / "configs" / "arithmetic.yaml")
 
 
-def worker_pids(run_dir) -> dict[int, int]:
-    """RANK -> pid of the live megarl worker processes of this run (found by their command line)."""
-    found = {}
+def worker_processes(run_dir) -> list[tuple[int, dict[bytes, bytes]]]:
+    """(pid, environment) of each live megarl worker process of this run (found by its command line)."""
+    found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -29,9 +29,14 @@ def worker_pids(run_dir) -> dict[int, int]:
             env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
         except OSError:
             continue
-        if b"megarl.roles.worker" in args and str(run_dir).encode() in b" ".join(args) and b"RANK" in env:
-            found[int(env[b"RANK"])] = int(proc.name)
+        if b"megarl.roles.worker" in args and str(run_dir).encode() in b" ".join(args):
+            found.append((int(proc.name), env))
     return found
+
+
+def worker_pids(run_dir) -> dict[int, int]:
+    """RANK -> pid of the live megarl worker processes of this run."""
+    return {int(env[b"RANK"]): pid for pid, env in worker_processes(run_dir) if b"RANK" in env}
 
 
 def leftovers(run_dir) -> list[int]:

@@ -16,26 +16,15 @@ import pytest
 from tests.helpers import train_metrics
 from tests.roles.fault_runs import (
     REPLACE_PUBLISH_TIMEOUT_S, Logged, finish, leftovers, remove_added, samplers_command,
-    start_run, wait_for_steps,
+    start_run, wait_for_steps, worker_processes,
 )
 
 
 def _sampler_processes(run_dir) -> dict[tuple[int, int], int]:
     """(RANK, incarnation) -> pid of the live sampler processes of a fault.on_failure=replace run (a sampler rank's
     keeper, the torchrun worker, has no incarnation in its environment and is left out)."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-            env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
-        except OSError:
-            continue
-        if b"megarl.roles.worker" in args and str(run_dir).encode() in b" ".join(args) and \
-                b"MEGARL_SAMPLER_INCARNATION" in env:
-            found[(int(env[b"RANK"]), int(env[b"MEGARL_SAMPLER_INCARNATION"]))] = int(proc.name)
-    return found
+    return {(int(env[b"RANK"]), int(env[b"MEGARL_SAMPLER_INCARNATION"])): pid
+            for pid, env in worker_processes(run_dir) if b"MEGARL_SAMPLER_INCARNATION" in env}
 
 
 # That worst case (3 x 20 s), the replacement's process start and imports (minutes on a loaded 2-core machine) and
