@@ -304,7 +304,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
     (check_generic_model); every other backend refuses it, naming docs/models.md and that path."""
     from pathlib import Path
 
-    from megarl.models.families import MODEL_TYPES, generic_path_hint, paged_kv_refusal
+    from megarl.models.families import MODEL_TYPES, generic_path_hint
     from megarl.models.layout import check_layout
     from megarl.models.lora_targets import check as check_lora, check_peft
     from megarl.models.support import check_supported, has_weights
@@ -344,10 +344,6 @@ def check_model_dir(model_dir, cfg=None) -> None:
             check_route_recording(hf_config, cfg)
             check_vllm_model(hf_config, cfg)
             check_sglang_model(hf_config, cfg)
-            refusal = paged_kv_refusal(hf_config) if cfg.sampler.engine == "builtin" and cfg.sampler.kv_layout == "paged" \
-                else None
-            if refusal:
-                raise ValueError(refusal)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
         try:  # target modules the model has, ranks its dimensions allow

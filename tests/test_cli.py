@@ -183,9 +183,9 @@ def test_a_model_real_sglang_would_load_wrongly_is_refused_before_launch_and_the
         check_sglang_model(tied, load_config(None, stand_in, check_files=False))
 
 
-def test_deepseek_v3_r3_launches_on_the_native_engine_and_the_paged_kv_layout_is_named(tmp_path):
+def test_deepseek_v3_r3_launches_on_the_native_engine_with_either_kv_layout_and_sampler_tp(tmp_path):
     """DeepSeek-V3 samples on the built-in engine's native forward, which records its routes: algo.routing_replay=r3
-    launches; its multi-latent attention cache has no paged layout, named before launch."""
+    launches, and so do its latent cache in the paged KV layout and an engine over two TP ranks."""
     from tests.helpers import DEEPSEEK_V3_ROPE, GLM4_MOE_ROUTER
 
     config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_act": "silu",
@@ -198,9 +198,8 @@ def test_deepseek_v3_r3_launches_on_the_native_engine_and_the_paged_kv_layout_is
     path = model_dir(tmp_path / "model", config)
     proc = train(f"model.path={path}", "algo.routing_replay=r3", "eval.sets=[]")
     assert proc.returncode == 0, proc.stderr
-    proc = train(f"model.path={path}", "sampler.kv_layout=paged", "eval.sets=[]")
-    assert proc.returncode == 2 and "launching" not in proc.stdout
-    assert "sampler.kv_layout=paged: deepseek_v3's multi-latent attention caches a latent per position" in proc.stderr
+    proc = train(f"model.path={path}", "sampler.kv_layout=paged", "sampler.tp=2", "eval.sets=[]")
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):

@@ -523,17 +523,16 @@ def test_deepseek_v3_configs_megarl_cannot_map_exactly_are_refused_naming_the_fi
         convert.transformer_config_kwargs({**DEEPSEEK_V3, **change})
 
 
-def test_deepseek_v3_runs_unsplit_where_its_latent_projections_have_no_per_rank_slices_and_adapts_them_at_tp1():
-    """The multi-latent attention's HF tensors have no per-TP-rank slices (megarl.models.tp_shard): a built-in
-    engine at sampler.tp > 1 is refused naming the key, and so are LoRA adapters on them at learner.tp > 1 and an
-    adapter on k or v alone (kv_b_proj's rows are both)."""
+def test_deepseek_v3_samples_at_sampler_tp2_and_adapts_its_latent_projections_at_learner_tp1():
+    """The built-in engine cuts the multi-latent attention's HF tensors by heads (megarl.models.tp_shard), so
+    sampler.tp=2 (at learner.tp=1, as every MoE model) passes the layout check; LoRA adapters on them at learner.tp > 1
+    are refused naming the key, and so is an adapter on k or v alone (kv_b_proj's rows are both)."""
     from megarl.config.schema import LoraConfig
     from megarl.models import layout, lora
 
     cfg = {**DEEPSEEK_V3, "vocab_size": 64}
     layout.check_layout(cfg, learner_tp=2, sampler_tp=1)
-    with pytest.raises(ValueError, match="sampler.tp=2: deepseek_v3's multi-latent attention"):
-        layout.check_layout(cfg, sampler_tp=2)
+    layout.check_layout(cfg, sampler_tp=2)
     lora.check(DEEPSEEK_V3, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     with pytest.raises(ValueError, match="learner.lora with learner.tp=2"):
         lora.check(DEEPSEEK_V3, LoraConfig(rank=4, alpha=8.0, target_modules=["o_proj"]), learner_tp=2)
