@@ -350,7 +350,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
             if cfg.learner.backend == "deepspeed":
                 check_peft(hf_config, cfg.learner.lora)
             else:
-                check_lora(hf_config, cfg.learner.lora, cfg.learner.tp)
+                check_lora(hf_config, cfg.learner.lora)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
     if cfg is not None and cfg.sampler.engine == "builtin":

@@ -312,9 +312,10 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
                 "[deepseek_v3-recompute]")),
         "vLLM": Cell("yes (CPU: a latent of 512 + 64 RoPE dims)", (f"{_VLLM}[deepseek_v3]",)),
         _SGL: _sglang("deepseek_v3"),
-        "LoRA": _moe_lora("deepseek_v3", "the latent attention's projections, at learner TP1",
+        "LoRA": _moe_lora("deepseek_v3", "the latent attention's projections, learner TP1 and TP2",
                           ("deepseek_v3_q_proj",), (
-            f"{_CONVERT}test_deepseek_v3_samples_at_sampler_tp2_and_adapts_its_latent_projections_at_learner_tp1",)),
+            f"{_CONVERT}test_deepseek_v3_samples_at_sampler_tp2_and_adapts_its_latent_projections_as_a_group",
+            f"{_MOE}test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank")),
         "R3": Cell("yes (megatron, DeepSpeed; the built-in engine's routes)", (
             f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",
             f"{_DS_MOE}test_r3_replays_at_the_sigmoid_router[deepseek_v3]",
