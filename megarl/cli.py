@@ -344,6 +344,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
             check_route_recording(hf_config, cfg)
             check_vllm_model(hf_config, cfg)
             check_sglang_model(hf_config, cfg)
+            check_mxfp4_model(hf_config, cfg)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
         try:  # target modules the model has, ranks its dimensions allow
@@ -420,6 +421,23 @@ def check_vllm_model(hf_config: dict, cfg) -> None:
                              f"(e_score_correction_bias) only under topk_method: noaux_tc, and config.json has "
                              f"topk_method={hf_config.get('topk_method')!r}; set it (released checkpoints do) or use "
                              f"sampler.engine=builtin")
+
+
+def check_mxfp4_model(hf_config: dict, cfg) -> None:
+    """An MXFP4 checkpoint (gpt-oss's on the hub) is dequantized by megarl's own loader (megarl.models.mxfp4), which
+    the megatron learner and the built-in engine read it through; the DeepSpeed learner (transformers' loader, which
+    keeps MXFP4 where its kernels run) and the vLLM and SGLang servers (which load the directory themselves, then take
+    megarl's float publishes) are refused, naming the key."""
+    from megarl.models.mxfp4 import is_mxfp4
+
+    if not is_mxfp4(hf_config):
+        return
+    for key, value, allowed in (("learner.backend", cfg.learner.backend, "megatron"),
+                                ("sampler.engine", cfg.sampler.engine, "builtin")):
+        if value != allowed:
+            raise ValueError(f"{key}={value}: an MXFP4 checkpoint (quantization_config mxfp4) is dequantized by megarl's "
+                             f"own loader, which the megatron learner and the built-in engine read it through; use "
+                             f"{key}={allowed}, or a dequantized checkpoint")
 
 
 def check_sglang_model(hf_config: dict, cfg) -> None:

@@ -253,7 +253,12 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_MOE}test_r3_learner_runs_the_engines_routes_across_an_inflight_update[glm4_moe]"))}),
     ("gpt-oss (`gpt_oss`: attention sinks, sliding and full layers by `layer_types`, biases on every linear, fused "
      "experts with the clamped SwiGLU, biased router, YaRN)", "gpt_oss", {
-        "megatron learner": Cell("TP1; TP2, PP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
+        "megatron learner": Cell("TP1; TP2, PP2, DP2 x EP2, TP2 x EP2 equal to TP1; MXFP4 checkpoints (dequantized on "
+                                 "load, exported as float)", (
+            f"{_MOE}test_moe_logprobs_match_transformers[gpt_oss_mxfp4]",
+            f"{_MOE}test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads[gpt_oss_mxfp4]",
+            "tests/models/test_mxfp4.py::test_an_mxfp4_gpt_oss_directory_loads_as_the_float_checkpoint_transformers_"
+            "makes_of_it",
             f"{_MOE}test_moe_logprobs_match_transformers[gpt_oss]",
             f"{_MOE}test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank",
             f"{_CONVERT}test_gpt_oss_round_trip_is_exact_and_deinterleaves_the_fused_experts",
@@ -261,8 +266,9 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             "tests/learner/test_sdpa_attention.py::test_sinks_match_transformers_eager_attention[packed_window]",
             f"{_PACKED}[megatron-gpt_oss]")),
         "DeepSpeed learner": Cell("ZeRO 1, packed rows", (f"{_PACKED}[deepspeed-gpt_oss]",)),
-        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes (native forward, routes), at sampler.tp=1",
-                                                                      _engine("gpt_oss") + (
+        "built-in engine (in-flight swaps, keep and recompute)": Cell(
+            "yes (native forward, routes; MXFP4 checkpoints too), at sampler.tp=1", _engine("gpt_oss") + (
+            f"{_ENGINE_MOE}test_an_mxfp4_gpt_oss_checkpoint_samples_with_the_logprobs_of_transformers_dequantized_model",
             f"{_ENGINE_MOE}test_native_moe_logprobs_and_routes_equal_transformers[gpt_oss-sampling1]",
             f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache[gpt_oss-keep]",
             f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache"

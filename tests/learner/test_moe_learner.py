@@ -13,7 +13,7 @@ from megarl.algo.config import LossConfig
 from megarl.models.lora import ATTENTION_TARGETS as ATTENTION
 from megarl.protocols import TrainBatch
 from tests.helpers import (GLM4_MOE_ROUTER, LEARNER_TOL, fp32_logprob_tol, save_tiny_deepseek_v3, save_tiny_glm4_moe,
-                           save_tiny_gpt_oss, save_tiny_moe)
+                           save_tiny_gpt_oss, save_tiny_gpt_oss_mxfp4, save_tiny_moe)
 
 VOCAB, B, S, PROMPT, TOP_K = 64, 8, 12, 4, 2
 
@@ -28,6 +28,8 @@ def moe_dirs(tmp_path_factory):
             # (two layers, the dense one and an MoE one: one per stage at PP2)
             "glm4_moe_2l": str(save_tiny_glm4_moe(root / "glm4_moe_2l", num_hidden_layers=2)),
             "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss")),
+            # (its experts as MXFP4 blocks and scales, as the hub's gpt-oss checkpoints: dequantized on load)
+            "gpt_oss_mxfp4": str(save_tiny_gpt_oss_mxfp4(root / "gpt_oss_mxfp4")),
             "deepseek_v3": str(save_tiny_deepseek_v3(root / "deepseek_v3")),
             "deepseek_v3_q_full": str(save_tiny_deepseek_v3(root / "deepseek_v3_q_full", q_lora_rank=None)),
             # (two layers, the dense one and an MoE one: one per stage at PP2)
@@ -63,7 +65,7 @@ def _ids(seed=3):
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm_topk", "glm4_moe", "gpt_oss", "deepseek_v3",
-                                  "deepseek_v3_q_full"])
+                                  "deepseek_v3_q_full", "gpt_oss_mxfp4"])
 def test_moe_logprobs_match_transformers(moe_dirs, world, kind):
     learner = _learner(moe_dirs[kind], micro_batch_size=3)
     ids = _ids()
@@ -214,13 +216,16 @@ def test_micro_batches_are_padded_to_the_expert_parallel_count():
     assert filled[0]["mask"].sum() == 2  # the real row keeps its mask
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss_mxfp4"])
 def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads(moe_dirs, world, tmp_path, kind):
     """megatron saves the experts stacked per layer ([E, ...]); the export unstacks them into per-expert HF names,
     bitwise the tensors the learner publishes, which transformers loads to the trained learner's log-probs.
     GLM-4.5 and DeepSeek-V3 (a dense first layer: megatron's moe_layer_freq list) are saved one key per layer
     (decoder.layers.<i>.<name>), not stacked over layers; DeepSeek-V3's latent attention's projections and norms,
-    shared expert and router expert bias come back under transformers' names."""
+    shared expert and router expert bias come back under transformers' names. A gpt-oss trained from an MXFP4
+    checkpoint exports float weights (the trained ones; no quantization_config)."""
+    import json
+
     from megarl.checkpoint import learner_state
     from megarl.checkpoint.export import export_hf
 
@@ -231,6 +236,7 @@ def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_load
     learner_state.save(learner, tmp_path / "ckpt", step=1, keep=1, model_dir=moe_dirs[kind])
     exported = export_hf(tmp_path / "ckpt", tmp_path / "hf")
     saved = load_file(exported / "model.safetensors")
+    assert "quantization_config" not in json.loads((exported / "config.json").read_text())
     published = dict(learner.publish_tensors())
     assert set(saved) == set(published) and all(torch.equal(saved[n], t) for n, t in published.items())
     ref, _ = _hf_forward(str(exported), ids)

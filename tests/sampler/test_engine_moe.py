@@ -1,7 +1,9 @@
 """BuiltinEngine on a mixture-of-experts model (tiny Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5, DeepSeek-V3): log-probs and
 routes equal transformers', and across an in-flight update every position's routes are those of the weights that
-computed it; DeepSeek-V3's multi-latent attention cache and its absorbed decode."""
+computed it; DeepSeek-V3's multi-latent attention cache and its absorbed decode; a gpt-oss checkpoint in MXFP4."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -254,8 +256,8 @@ def test_gpt_oss_runs_natively_and_names_what_it_refuses(tmp_path):
         spec.shard(2)
     with pytest.raises(ValueError, match="sampler.tp=2: gpt_oss's fused experts"):
         check_layout(cfg, sampler_tp=2)  # (before a launch)
-    with pytest.raises(ValueError, match="quantization_config"):
-        ModelSpec.from_hf_config(dict(cfg, quantization_config={"quant_method": "mxfp4"}))
+    with pytest.raises(ValueError, match="quantization_config='bitsandbytes'"):  # (MXFP4 loads: the test below)
+        ModelSpec.from_hf_config(dict(cfg, quantization_config={"quant_method": "bitsandbytes"}))
 
 
 def test_glm4_moe_runs_natively_with_its_router_and_names_what_it_refuses(tmp_path):
@@ -483,3 +485,23 @@ def test_deepseek_v3_tokens_after_a_keep_swap_are_the_new_weights_over_the_old_l
         assert [c.token_ids[i] for i in after] == [int(keep[i - 3].argmax()) for i in after]
         assert max(abs(c.logprobs[i] - keep[i - 3, c.token_ids[i]].item()) for i in after) <= TOL
         assert max(abs(c.logprobs[i] - fresh[n - 1 + i, c.token_ids[i]].item()) for i in after) > 1e-3
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_samples_with_the_logprobs_of_transformers_dequantized_model(tmp_path):
+    """A gpt-oss directory written in MXFP4 (tests.helpers.save_tiny_gpt_oss_mxfp4: its experts as `_blocks` /
+    `_scales`) starts the engine on its dequantized experts (megarl.models.mxfp4): every behaviour log-prob and every
+    position's routes are those of transformers' own model of that directory (which dequantizes it on CPU), within
+    the fp32 bound."""
+    from tests.helpers import save_tiny_gpt_oss_mxfp4
+
+    path = save_tiny_gpt_oss_mxfp4(tmp_path / "gpt_oss_mxfp4", vocab_size=64)
+    engine = BuiltinEngine.from_pretrained(str(path), max_running=3)
+    cfg = json.loads((path / "config.json").read_text())
+    tol = _native_tol(cfg)
+    for c in engine.generate(requests(3, SamplingParams(temperature=1.0, max_new_tokens=8), seed=2)):
+        n = len(c.prompt_ids)
+        logp, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (path, None))
+        expected = [logp[n - 1 + i, tok].item() for i, tok in enumerate(c.token_ids)]
+        assert all(abs(e) <= 8.0 for e in expected)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, expected)) <= tol
+        _same_routes(c.routes, routes[:-1], cfg)
