@@ -81,9 +81,9 @@ Tensor parallelism: `ModelSpec.shard(t)` is the spec of one TP rank, whose weigh
 slices in the layout of `megarl.models.tp_shard` (whole heads of q/k/v, rows of gate/up, columns of
 o_proj/down_proj, vocab rows of the embedding and lm_head; norms whole; an MoE layer's router whole and
 every expert's gate/up rows and down columns; multi-latent attention's heads, its latents whole).
-`forward(..., tp_group=g)` sums the embedding lookups and
-the partial outputs of o_proj and down_proj (an MoE layer's stacked downs) over g, gathers the logits' vocab
-slices and runs everything else replicated, so every rank of g ends with the same logits (and routes).
+`forward(..., tp_group=g)` sums the embedding lookups and the partial outputs of o_proj and down_proj (an MoE layer's
+stacked downs) over g, gathers the logits' vocab slices and runs everything else replicated, so every rank of g ends
+with the same logits (and routes).
 """
 from __future__ import annotations
 
@@ -335,10 +335,10 @@ class ModelSpec:
 
     def shard(self, tp_size: int) -> "ModelSpec":
         """The spec of one of `tp_size` tensor-parallel ranks: its heads, KV heads and MLP width (an MoE
-        model's: every expert's, the shared expert's and the first dense layers') are 1/tp_size of the model's (hidden size, head_dim and the experts and
-        their router unchanged; `vocab_size` stays the model's, its embedding and lm_head rows are
-        `shard_vocab`), so `weight_shapes` gives the shapes of that rank's `tp_shard` slices.  ValueError
-        naming the dimension tp_size does not divide."""
+        model's: every expert's, the shared expert's and the first dense layers') are 1/tp_size of the model's
+        (hidden size, head_dim and the experts and their router unchanged; `vocab_size` stays the model's, its
+        embedding and lm_head rows are `shard_vocab`), so `weight_shapes` gives the shapes of that rank's `tp_shard`
+        slices.  ValueError naming the dimension tp_size does not divide."""
         if self.tp_size != 1:
             raise ValueError(f"this spec is already one of {self.tp_size} tensor-parallel shards")
         whole = families.engine_tp_refusal(self._hf_config)
