@@ -267,12 +267,12 @@ def make_deepspeed_learner(model_dir: Path, size: Size):
                                                           micro_batch_size=size.micro_batch, lr=1e-6), LossConfig())
 
 
-def make_engine(model_dir: Path, device, max_running: int, max_seq_len: int):
+def make_engine(model_dir: Path, device, max_running: int, max_seq_len: int, **engine_kw):
     from megarl.models.convert import load_pretrained
     from megarl.sampler.engine import BuiltinEngine
 
     cfg, weights = load_pretrained(str(model_dir))
-    return BuiltinEngine(cfg, weights, max_running=max_running, max_seq_len=max_seq_len, device=device)
+    return BuiltinEngine(cfg, weights, max_running=max_running, max_seq_len=max_seq_len, device=device, **engine_kw)
 
 
 def sync() -> None:
@@ -919,7 +919,40 @@ def check_families(args, size: Size) -> dict:
         model_dir = build_family_model(Path(args.workdir) / f"family_{name}", name, size, args.device)
         out[name] = logprob_parity(args, size, model_dir, size.model["vocab_size"],
                                    deepspeed=name in DEEPSPEED_FAMILIES)
+        if name in DEEPSPEED_FAMILIES:  # (the sigmoid-routed families; DeepSeek-V3's latent cache in blocks)
+            out[name]["paged_vs_contiguous"] = paged_agreement(args, size, model_dir, size.model["vocab_size"])
         shutil.rmtree(model_dir)  # (a 0.5B model's disk and page cache, not kept for the next family)
+    return out
+
+
+def paged_agreement(args, size: Size, model_dir: Path, vocab: int) -> dict:
+    """The engine's greedy completions of the parity prompts on the paged KV layout (blocks of 16) against the
+    contiguous one: how many agree token for token, the max |log-prob gap| over each pair's common prefix; a first
+    token that differs (the same prefill operand, gathered from blocks) is the failure."""
+    from megarl.protocols import GenerationRequest, SamplingParams
+
+    prompts = random_prompts(size.parity_rows, vocab, seed=1)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=size.parity_tokens)
+    runs = {}
+    for layout in ("contiguous", "paged"):
+        engine = make_engine(model_dir, device_of(args), max_running=len(prompts),
+                             max_seq_len=max(map(len, prompts)) + size.parity_tokens, kv_layout=layout,
+                             kv_block_size=16)
+        runs[layout] = {c.request_id: c for c in engine.generate(
+            [GenerationRequest(str(i), p, sampling) for i, p in enumerate(prompts)])}
+        engine.close()
+        del engine
+    gap, same, first_differ = 0.0, 0, []
+    for rid, c in runs["contiguous"].items():
+        p = runs["paged"][rid]
+        common = next((i for i, (a, b) in enumerate(zip(c.token_ids, p.token_ids)) if a != b), len(c.token_ids))
+        gap = max([gap] + [abs(a - b) for a, b in zip(c.logprobs[:common + 1], p.logprobs[:common + 1])])
+        same += c.token_ids == p.token_ids
+        if c.token_ids[0] != p.token_ids[0]:
+            first_differ.append(rid)
+    out = {"rows": len(prompts), "rows_equal": same, "max_logprob_gap_common_prefix": round(gap, 4)}
+    if first_differ or not math.isfinite(gap):
+        raise RuntimeError(f"the paged layout's first tokens differ from the contiguous one's ({first_differ}): {out}")
     return out
 
 

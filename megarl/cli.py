@@ -304,7 +304,7 @@ def check_model_dir(model_dir, cfg=None) -> None:
     (check_generic_model); every other backend refuses it, naming docs/models.md and that path."""
     from pathlib import Path
 
-    from megarl.models.families import MODEL_TYPES, generic_path_hint, paged_kv_refusal
+    from megarl.models.families import MODEL_TYPES, generic_path_hint
     from megarl.models.layout import check_layout
     from megarl.models.lora_targets import check as check_lora, check_peft
     from megarl.models.support import check_supported, has_weights
@@ -344,17 +344,14 @@ def check_model_dir(model_dir, cfg=None) -> None:
             check_route_recording(hf_config, cfg)
             check_vllm_model(hf_config, cfg)
             check_sglang_model(hf_config, cfg)
-            refusal = paged_kv_refusal(hf_config) if cfg.sampler.engine == "builtin" and cfg.sampler.kv_layout == "paged" \
-                else None
-            if refusal:
-                raise ValueError(refusal)
+            check_mxfp4_model(hf_config, cfg)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
         try:  # target modules the model has, ranks its dimensions allow
             if cfg.learner.backend == "deepspeed":
                 check_peft(hf_config, cfg.learner.lora)
             else:
-                check_lora(hf_config, cfg.learner.lora, cfg.learner.tp)
+                check_lora(hf_config, cfg.learner.lora)
         except ValueError as exc:
             raise ValueError(f"{config}: {exc}") from exc
     if cfg is not None and cfg.sampler.engine == "builtin":
@@ -424,6 +421,23 @@ def check_vllm_model(hf_config: dict, cfg) -> None:
                              f"(e_score_correction_bias) only under topk_method: noaux_tc, and config.json has "
                              f"topk_method={hf_config.get('topk_method')!r}; set it (released checkpoints do) or use "
                              f"sampler.engine=builtin")
+
+
+def check_mxfp4_model(hf_config: dict, cfg) -> None:
+    """An MXFP4 checkpoint (gpt-oss's on the hub) is dequantized by megarl's own loader (megarl.models.mxfp4), which
+    the megatron learner and the built-in engine read it through; the DeepSpeed learner (transformers' loader, which
+    keeps MXFP4 where its kernels run) and the vLLM and SGLang servers (which load the directory themselves, then take
+    megarl's float publishes) are refused, naming the key."""
+    from megarl.models.mxfp4 import is_mxfp4
+
+    if not is_mxfp4(hf_config):
+        return
+    for key, value, allowed in (("learner.backend", cfg.learner.backend, "megatron"),
+                                ("sampler.engine", cfg.sampler.engine, "builtin")):
+        if value != allowed:
+            raise ValueError(f"{key}={value}: an MXFP4 checkpoint (quantization_config mxfp4) is dequantized by megarl's "
+                             f"own loader, which the megatron learner and the built-in engine read it through; use "
+                             f"{key}={allowed}, or a dequantized checkpoint")
 
 
 def check_sglang_model(hf_config: dict, cfg) -> None:

@@ -286,6 +286,33 @@ def save_tiny_gpt_oss(path: Path, vocab_size: int = 64, **overrides) -> Path:
     return path
 
 
+def save_tiny_gpt_oss_mxfp4(path: Path, vocab_size: int = 64, **overrides) -> Path:
+    """save_tiny_gpt_oss (intermediate_size 32: MXFP4 packs groups of 32 along each expert matrix's input) written as
+    gpt-oss's hub checkpoints are: every layer's mlp.experts.gate_up_proj and down_proj as MXFP4 `_blocks` / `_scales`
+    (megarl.models.mxfp4.quantize), the other tensors as they were, `quantization_config: {quant_method: mxfp4}`."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from megarl.models import mxfp4
+
+    save_tiny_gpt_oss(path, vocab_size, **{"intermediate_size": 32, **overrides})
+    weights = load_file(path / "model.safetensors")
+    packed = {}
+    for name, tensor in weights.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            packed[name + mxfp4.BLOCKS], packed[name + mxfp4.SCALES] = mxfp4.quantize(tensor)
+        else:
+            packed[name] = tensor
+    save_file(packed, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": mxfp4.QUANT_METHOD,
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 # The tiny DeepSeek-V3's YaRN RoPE: a context grown 4x over 16 positions, mscale != mscale_all_dim so that both the
 # attention factor on cos / sin (1.07) and the softmax scale's mscale^2 (1.14) differ from 1.
 DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,

@@ -49,6 +49,7 @@ _MOE = "tests/learner/test_moe_learner.py::"
 _DS_MOE = "tests/learner/test_deepspeed_moe.py::"
 _ENGINE_MOE = "tests/sampler/test_engine_moe.py::"
 _VLLM = "tests/sampler/vllm/test_vllm_families.py::test_lag0_logprobs_and_a_publish_match_the_learner"
+_TP = "tests/sampler/test_tensor_parallel.py::"
 
 
 _LORA_ENGINE = "tests/sampler/test_lora_engine.py::test_an_adapter_version_of_every_family_samples_with_pefts_logprobs"
@@ -80,6 +81,16 @@ def _sglang(kind: str, text: str = "yes", server: str | None = None) -> Cell:
     serving = server or (f"{_SGLANG_SERVER}test_each_family_serves_a_request_spanning_an_update_with_both_versions"
                          f"[{kind}]")
     return Cell(text, (f"{_SGLANG_LOADS}[0.5.21]", f"{_SGLANG_LOADS}[0.5.23]", serving))
+
+
+def _engine_tp2_and_paged(kind: str) -> tuple[str, ...]:
+    """A sigmoid-routed family's engine at sampler.tp=2 (TP1's logits, and its completions and routes across in-flight
+    swaps, the paged layout under keep) and on the paged layout (transformers' log-probs across a swap)."""
+    return (f"{_TP}test_tp2_forward_equals_tp1_and_is_bit_identical_across_ranks[{kind}]",
+            f"{_TP}test_a_sigmoid_routed_moe_swapped_in_flight_at_tp2_equals_tp1[{kind}-keep]",
+            f"{_TP}test_a_sigmoid_routed_moe_swapped_in_flight_at_tp2_equals_tp1[{kind}-recompute]",
+            f"{_ENGINE}test_paged_layout_gives_the_contiguous_layouts_completions[{kind}-keep]",
+            f"{_ENGINE}test_paged_layout_gives_the_contiguous_layouts_completions[{kind}-recompute]")
 
 
 def _engine(kind: str) -> tuple[str, ...]:
@@ -224,14 +235,14 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
         "DeepSpeed learner": Cell("ZeRO 2 (publish and export with the router expert bias)", (
             f"{_DS_MOE}test_sigmoid_routed_logprobs_match_transformers[glm4_moe]",
             f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[glm4_moe-2]")),
-        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes (native forward, routes), at sampler.tp=1",
-                                                                      _engine("glm4_moe") + (
+        "built-in engine (in-flight swaps, keep and recompute)": Cell(
+            "yes (native forward, routes), sampler.tp=2 and the paged KV layout too", _engine("glm4_moe")
+            + _engine_tp2_and_paged("glm4_moe") + (
             f"{_ENGINE_MOE}test_native_moe_logprobs_and_routes_equal_transformers[glm4_moe-sampling1]",
             f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache[glm4_moe-keep]",
             f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache"
             "[glm4_moe-recompute]",
             f"{_ENGINE_MOE}test_glm4_moe_runs_natively_with_its_router_and_names_what_it_refuses",
-            f"{_ENGINE}test_paged_layout_gives_the_contiguous_layouts_completions[glm4_moe-keep]",
             f"{_MOE}test_sigmoid_routed_families_sample_on_the_native_engine_from_the_learners_publish[glm4_moe-keep]",
             f"{_MOE}test_sigmoid_routed_families_sample_on_the_native_engine_from_the_learners_publish"
             "[glm4_moe-recompute]")),
@@ -242,7 +253,12 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_MOE}test_r3_learner_runs_the_engines_routes_across_an_inflight_update[glm4_moe]"))}),
     ("gpt-oss (`gpt_oss`: attention sinks, sliding and full layers by `layer_types`, biases on every linear, fused "
      "experts with the clamped SwiGLU, biased router, YaRN)", "gpt_oss", {
-        "megatron learner": Cell("TP1; TP2, PP2, DP2 x EP2, TP2 x EP2 equal to TP1", (
+        "megatron learner": Cell("TP1; TP2, PP2, DP2 x EP2, TP2 x EP2 equal to TP1; MXFP4 checkpoints (dequantized on "
+                                 "load, exported as float)", (
+            f"{_MOE}test_moe_logprobs_match_transformers[gpt_oss_mxfp4]",
+            f"{_MOE}test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads[gpt_oss_mxfp4]",
+            "tests/models/test_mxfp4.py::test_an_mxfp4_gpt_oss_directory_loads_as_the_float_checkpoint_transformers_"
+            "makes_of_it",
             f"{_MOE}test_moe_logprobs_match_transformers[gpt_oss]",
             f"{_MOE}test_gpt_oss_under_tensor_pipeline_and_expert_parallelism_matches_one_rank",
             f"{_CONVERT}test_gpt_oss_round_trip_is_exact_and_deinterleaves_the_fused_experts",
@@ -250,8 +266,9 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             "tests/learner/test_sdpa_attention.py::test_sinks_match_transformers_eager_attention[packed_window]",
             f"{_PACKED}[megatron-gpt_oss]")),
         "DeepSpeed learner": Cell("ZeRO 1, packed rows", (f"{_PACKED}[deepspeed-gpt_oss]",)),
-        "built-in engine (in-flight swaps, keep and recompute)": Cell("yes (native forward, routes), at sampler.tp=1",
-                                                                      _engine("gpt_oss") + (
+        "built-in engine (in-flight swaps, keep and recompute)": Cell(
+            "yes (native forward, routes; MXFP4 checkpoints too), at sampler.tp=1", _engine("gpt_oss") + (
+            f"{_ENGINE_MOE}test_an_mxfp4_gpt_oss_checkpoint_samples_with_the_logprobs_of_transformers_dequantized_model",
             f"{_ENGINE_MOE}test_native_moe_logprobs_and_routes_equal_transformers[gpt_oss-sampling1]",
             f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache[gpt_oss-keep]",
             f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache"
@@ -283,8 +300,8 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
             f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[deepseek_v3-1]",
             f"{_DS_MOE}test_moe_publishes_and_exports_the_save_pretrained_state[deepseek_v3-3]")),
         "built-in engine (in-flight swaps, keep and recompute)": Cell(
-            "yes (native forward: a latent cache, absorbed decode, routes), at sampler.tp=1, contiguous KV layout",
-            _engine("deepseek_v3") + (
+            "yes (native forward: a latent cache, absorbed decode, routes), sampler.tp=2 (heads split, the latents "
+            "whole) and the paged KV layout too", _engine("deepseek_v3") + _engine_tp2_and_paged("deepseek_v3") + (
                 f"{_ENGINE_MOE}test_native_moe_logprobs_and_routes_equal_transformers[deepseek_v3-sampling1]",
                 f"{_ENGINE_MOE}test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache"
                 "[deepseek_v3-keep]",
@@ -292,7 +309,7 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
                 "[deepseek_v3-recompute]",
                 f"{_ENGINE_MOE}test_deepseek_v3_caches_one_latent_per_position_and_equals_transformers[12]",
                 f"{_ENGINE_MOE}test_deepseek_v3_caches_one_latent_per_position_and_equals_transformers[None]",
-                f"{_ENGINE_MOE}test_deepseek_v3_names_what_the_native_engine_refuses",
+                f"{_ENGINE_MOE}test_deepseek_v3_shards_its_heads_and_keeps_its_latents_whole",
                 f"{_ENGINE_MOE}test_deepseek_v3_decode_stays_transformers_full_forward_over_a_long_continuously_batched_run",
                 f"{_ENGINE_MOE}test_deepseek_v3_tokens_after_a_keep_swap_are_the_new_weights_over_the_old_latent_cache",
                 f"{_MOE}test_sigmoid_routed_families_sample_on_the_native_engine_from_the_learners_publish"
@@ -301,10 +318,10 @@ MATRIX: list[tuple[str, str, dict[str, Cell]]] = [
                 "[deepseek_v3-recompute]")),
         "vLLM": Cell("yes (CPU: a latent of 512 + 64 RoPE dims)", (f"{_VLLM}[deepseek_v3]",)),
         _SGL: _sglang("deepseek_v3"),
-        "LoRA": _moe_lora("deepseek_v3", "the latent attention's projections, at learner TP1",
+        "LoRA": _moe_lora("deepseek_v3", "the latent attention's projections, learner TP1 and TP2",
                           ("deepseek_v3_q_proj",), (
-            f"{_CONVERT}test_deepseek_v3_runs_unsplit_where_its_latent_projections_have_no_per_rank_slices_and_adapts_"
-            "them_at_tp1",)),
+            f"{_CONVERT}test_deepseek_v3_samples_at_sampler_tp2_and_adapts_its_latent_projections_as_a_group",
+            f"{_MOE}test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank")),
         "R3": Cell("yes (megatron, DeepSpeed; the built-in engine's routes)", (
             f"{_MOE}test_r3_replays_the_sampler_routes_exactly[deepseek_v3]",
             f"{_DS_MOE}test_r3_replays_at_the_sigmoid_router[deepseek_v3]",

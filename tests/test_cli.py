@@ -128,7 +128,8 @@ def test_gpt_oss_r3_launches_on_the_native_engine_and_is_refused_on_its_generic_
         tmp_path):
     """gpt-oss samples on the built-in engine's native forward, which records its routes: algo.routing_replay=r3
     launches. Forced onto the generic model (sampler.model_impl=hf), which records none, r3 is named before launch;
-    so is sampler.engine=vllm with a swiglu_limit vLLM would not apply."""
+    so is sampler.engine=vllm with a swiglu_limit vLLM would not apply. An MXFP4 checkpoint launches (megarl's loader
+    dequantizes it), and with the DeepSpeed learner, whose transformers loader would not, it is named before launch."""
     config = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_act": "silu",
               "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
@@ -139,8 +140,12 @@ def test_gpt_oss_r3_launches_on_the_native_engine_and_is_refused_on_its_generic_
     assert proc.returncode == 2 and "launching" not in proc.stdout
     assert ("algo.routing_replay=r3: the built-in engine samples model_type 'gpt_oss' on its generic model"
             in proc.stderr)
-    proc = train(f"model.path={path}", "algo.routing_replay=r3", "eval.sets=[]")
+    mxfp4 = model_dir(tmp_path / "model_mxfp4", {**config, "quantization_config": {"quant_method": "mxfp4"}})
+    proc = train(f"model.path={mxfp4}", "algo.routing_replay=r3", "eval.sets=[]")
     assert proc.returncode == 0, proc.stderr
+    proc = train(f"model.path={mxfp4}", "learner.backend=deepspeed", "eval.sets=[]")
+    assert proc.returncode == 2 and "launching" not in proc.stdout
+    assert "learner.backend=deepspeed: an MXFP4 checkpoint (quantization_config mxfp4)" in proc.stderr
     # vLLM clamps gpt-oss's SwiGLU at 7.0 whatever the config says: another limit is named before launch
     path = model_dir(tmp_path / "model_limit", {**config, "swiglu_limit": 2.0})
     proc = train(f"model.path={path}", "sampler.engine=vllm", "eval.sets=[]")
@@ -183,9 +188,9 @@ def test_a_model_real_sglang_would_load_wrongly_is_refused_before_launch_and_the
         check_sglang_model(tied, load_config(None, stand_in, check_files=False))
 
 
-def test_deepseek_v3_r3_launches_on_the_native_engine_and_the_paged_kv_layout_is_named(tmp_path):
+def test_deepseek_v3_r3_launches_on_the_native_engine_with_either_kv_layout_and_sampler_tp(tmp_path):
     """DeepSeek-V3 samples on the built-in engine's native forward, which records its routes: algo.routing_replay=r3
-    launches; its multi-latent attention cache has no paged layout, named before launch."""
+    launches, and so do its latent cache in the paged KV layout and an engine over two TP ranks."""
     from tests.helpers import DEEPSEEK_V3_ROPE, GLM4_MOE_ROUTER
 
     config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_act": "silu",
@@ -198,9 +203,8 @@ def test_deepseek_v3_r3_launches_on_the_native_engine_and_the_paged_kv_layout_is
     path = model_dir(tmp_path / "model", config)
     proc = train(f"model.path={path}", "algo.routing_replay=r3", "eval.sets=[]")
     assert proc.returncode == 0, proc.stderr
-    proc = train(f"model.path={path}", "sampler.kv_layout=paged", "eval.sets=[]")
-    assert proc.returncode == 2 and "launching" not in proc.stdout
-    assert "sampler.kv_layout=paged: deepseek_v3's multi-latent attention caches a latent per position" in proc.stderr
+    proc = train(f"model.path={path}", "sampler.kv_layout=paged", "sampler.tp=2", "eval.sets=[]")
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_a_model_directory_with_a_slow_tokenizer_passes(tmp_path):

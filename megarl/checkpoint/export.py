@@ -27,7 +27,7 @@ import torch
 from megarl.checkpoint.learner_state import HF_META_DIR, quiet_dcp, read_manifest
 from megarl.checkpoint.storage import CheckpointError, resolve
 from megarl.checkpoint.trust import check_trusted, read_dcp_metadata
-from megarl.models import convert, gated_delta_net, moe
+from megarl.models import convert, gated_delta_net, moe, mxfp4
 
 LAYER_PREFIX = "decoder.layers."
 ADAPTER_DIR = "adapter"  # a LoRA checkpoint's export: the PEFT adapter directory inside the merged model's
@@ -260,6 +260,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_bytes: int 
             if path.name != "config.json":
                 shutil.copyfile(path, temp / path.name)
         config = json.loads((meta / "config.json").read_text())
+        if mxfp4.is_mxfp4(config):  # (its weights were dequantized on load: what is written is float)
+            del config["quantization_config"]
         # The dtype the weights are stored in (transformers >= 5 writes "dtype", older "torch_dtype").
         config["dtype" if "dtype" in config else "torch_dtype"] = str(dtype).removeprefix("torch.")
         (temp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

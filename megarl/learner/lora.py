@@ -13,7 +13,8 @@ HF module is fused too (Phi-3's ``qkv_proj`` and ``gate_up_proj``) it is one ada
 HF module's order (q, k, v: peft's adapter on ``qkv_proj``); multi-latent attention's linears (DeepSeek-V3) are
 each one HF module, row for row (megarl.models.latent_attention), so each adapter is that module's.
 Over tensor parallelism each adapter is split the way its linear is (`LoraAdapter`); the learner publishes and
-exports the whole (TP=1) tensors.
+exports the whole (TP=1) tensors. Multi-latent attention's down-projections are whole on every TP rank (megarl.
+learner.layer_spec), so their adapters are too (`DUPLICATED`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from megarl.portable.lora_merge import merge_one
 
 
 ROW_PARALLEL = ("linear_proj", "linear_fc2")  # megatron's RowParallelLinear: input split over TP; the rest column
+# ... but these, whole on every TP rank over its sequence-parallel positions (layer_spec._whole_latent_projections)
+DUPLICATED = ("linear_q_down_proj", "linear_kv_down_proj")
 PARENT = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
 
 
@@ -69,10 +72,14 @@ class LoraAdapter(nn.Module):
     collectives are gather_from_sequence_parallel_region and reduce_scatter_to_sequence_parallel_region, and the
     factor every rank holds whole (A of column-parallel, B of row-parallel) gets gradients from this rank's positions
     only: it is marked `sequence_parallel`, which megatron's finalize_model_grads sums over TP (as for the norms).
+    On a `duplicated` linear (whole on every TP rank: multi-latent attention's down-projections) A and B are whole,
+    no collective runs (the linear's input and output are this rank's positions), and under sequence parallelism
+    both are marked `sequence_parallel`, their gradients from this rank's positions summed over TP as the linear's.
     The parameters are created empty; `attach` fills them."""
 
     def __init__(self, a_shape: tuple[int, int], b_shape: tuple[int, int], alpha: float, dropout: float,
-                 dtype: torch.dtype, row_parallel: bool, gate_up_rows: bool, sequence_parallel: bool = False):
+                 dtype: torch.dtype, row_parallel: bool, gate_up_rows: bool, sequence_parallel: bool = False,
+                 duplicated: bool = False):
         from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                                    gather_from_sequence_parallel_region,
                                                    reduce_from_tensor_model_parallel_region,
@@ -83,8 +90,12 @@ class LoraAdapter(nn.Module):
         self.lora_B = nn.Parameter(torch.empty(b_shape, dtype=dtype))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scale = alpha / a_shape[0]
-        self.row_parallel = row_parallel
-        if sequence_parallel:
+        self.row_parallel, self.duplicated = row_parallel, duplicated
+        if duplicated:
+            self.tp_region = nn.Identity()
+            if sequence_parallel:
+                self.lora_A.sequence_parallel = self.lora_B.sequence_parallel = True
+        elif sequence_parallel:
             self.tp_region = (reduce_scatter_to_sequence_parallel_region if row_parallel
                               else gather_from_sequence_parallel_region)
             (self.lora_B if row_parallel else self.lora_A).sequence_parallel = True
@@ -102,7 +113,7 @@ class LoraAdapter(nn.Module):
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        axis = {"lora_A": 1} if self.row_parallel else {"lora_B": 0}
+        axis = {} if self.duplicated else {"lora_A": 1} if self.row_parallel else {"lora_B": 0}
         out = make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axis,
                                                   sharded_offsets)
         if self.gate_up_rows:
@@ -155,14 +166,15 @@ def attach(gpt, hf_config: dict, lora_cfg, layer_offset: int, seed: int, tp_size
             linear = layer.get_submodule(path)
             out_local, in_local = linear.weight.shape
             fused = path.rsplit(".", 1)[-1]
-            row = fused in ROW_PARALLEL
-            in_features, out_features = (in_local * tp_size, out_local) if row else (in_local, out_local * tp_size)
+            row, duplicated = fused in ROW_PARALLEL, fused in DUPLICATED
+            in_features, out_features = ((in_local, out_local) if duplicated else (in_local * tp_size, out_local)
+                                         if row else (in_local, out_local * tp_size))
             generator = torch.Generator().manual_seed(
                 seed * 1_000_003 + (local + layer_offset) * len(every) + every.index(path))
             whole = initial_adapter(in_features, out_features, lora_cfg.rank, generator)
             adapter = LoraAdapter((lora_cfg.rank, in_local), (out_local, lora_cfg.rank), lora_cfg.alpha,
                                   lora_cfg.dropout, dtype, row_parallel=row, gate_up_rows=fused == "linear_fc1",
-                                  sequence_parallel=sequence_parallel)
+                                  sequence_parallel=sequence_parallel, duplicated=duplicated)
             with torch.no_grad():
                 for (part, param), full in zip(adapter.named_parameters(), whole):
                     param.copy_(tp_slice(f"decoder.layers.{local}.{path}.lora.{part}", param, full))

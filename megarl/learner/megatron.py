@@ -214,7 +214,7 @@ class MegatronLearner:
             from megarl.learner import lora as lora_adapters
             from megarl.models import lora as lora_names
 
-            lora_names.check(self.hf_config, self.lora, cfg.tp)
+            lora_names.check(self.hf_config, self.lora)
             lora_adapters.attach(self.gpt, self.hf_config, self.lora, self.layer_offset, cfg.seed, cfg.tp,
                                  self._tp_slice, self.sequence_parallel)
         replay = routing_replay == "r3"

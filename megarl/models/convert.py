@@ -61,7 +61,7 @@ import os
 
 import torch
 
-from megarl.models import families, gated_delta_net, latent_attention, moe
+from megarl.models import families, gated_delta_net, latent_attention, moe, mxfp4
 from megarl.models.families import MODEL_TYPES, family_of
 # (what the conversion takes is decided from config.json without torch; the names stay importable from here)
 from megarl.models.support import (_dims, _rope_theta, check_supported, has_weights, layer_config,  # noqa: F401
@@ -437,17 +437,18 @@ def read_config(model_dir, where: str) -> dict:
 
 
 def load_pretrained(model_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config dict, HF-named weights) from an HF model directory (single or sharded safetensors)."""
+    """(config dict, HF-named weights) from an HF model directory (single or sharded safetensors); an MXFP4
+    checkpoint's packed tensors dequantized (megarl.models.mxfp4.dequantize_state)."""
     from safetensors.torch import load_file
 
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     single = os.path.join(model_dir, "model.safetensors")
     if os.path.exists(single):
-        return cfg, load_file(single)
+        return cfg, mxfp4.dequantize_state(cfg, load_file(single))
     with open(os.path.join(model_dir, "model.safetensors.index.json")) as f:
         shards = sorted(set(json.load(f)["weight_map"].values()))
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
         weights.update(load_file(os.path.join(model_dir, shard)))
-    return cfg, weights
+    return cfg, mxfp4.dequantize_state(cfg, weights)

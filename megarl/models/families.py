@@ -84,8 +84,6 @@ LEARNER_FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen3_5_text", "Qwen3_5ForCausalLM", qkv_bias=False, qk_norm=True, moe=False, partial_rotary=True,
            linear_attention=True),
 )}
-# What the built-in engine does not split over sampler.tp in the sigmoid-routed MoE families (GLM-4.5, DeepSeek-V3)
-UNSHARDED_SIGMOID_ROUTED = "shared experts, router expert bias and first dense layers"
 # transformers' layer kind of a gated-DeltaNet layer (`layer_types`)
 LINEAR = "linear_attention"
 
@@ -128,8 +126,9 @@ def generic_path_hint() -> str:
 
 
 def whole_tensors_only(cfg: dict) -> str | None:
-    """Why the family's HF tensors have no per-TP-rank slices (megarl.models.tp_shard), so it publishes whole tensors
-    and the built-in engine runs it at sampler.tp = 1; None where they have."""
+    """Why the family's megatron shards have no per-TP-rank HF slices (megarl.models.tp_shard), so its learner
+    publishes whole tensors and (but for engine_tp_refusal's exception) the built-in engine runs it at sampler.tp = 1;
+    None where they have."""
     family = FAMILIES.get(cfg.get("model_type"))
     if family is not None and family.fused_projections:
         return "fused qkv_proj / gate_up_proj"
@@ -142,14 +141,16 @@ def whole_tensors_only(cfg: dict) -> str | None:
     return None
 
 
-def paged_kv_refusal(cfg: dict) -> str | None:
-    """Why the built-in engine's paged KV layout cannot hold the family's cache, naming sampler.kv_layout; None where
-    it can. (Multi-latent attention caches one latent per position, not the per-head K and V its blocks hold.)"""
+def engine_tp_refusal(cfg: dict) -> str | None:
+    """Why the built-in engine cannot cut the family's HF tensors into sampler.tp ranks' slices (megarl.models.tp_shard),
+    so it runs at sampler.tp = 1; None where it can. Multi-latent attention's megatron shards have no HF slices
+    (whole_tensors_only: its learner publishes whole tensors), but its HF tensors do: the engine cuts q_proj /
+    q_b_proj and kv_b_proj by heads and o_proj by columns, and computes the latents (q_a_proj, kv_a_proj_with_mqa)
+    whole on every rank."""
     family = FAMILIES.get(cfg.get("model_type"))
-    if family is None or not family.latent_attention:
+    if family is not None and family.latent_attention:
         return None
-    return (f"sampler.kv_layout=paged: {family.model_type}'s multi-latent attention caches a latent per position, "
-            f"which the built-in engine holds in the contiguous layout only; use sampler.kv_layout=contiguous")
+    return whole_tensors_only(cfg)
 
 
 def sliding_window(cfg: dict) -> int | None:

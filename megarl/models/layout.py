@@ -29,7 +29,8 @@ where each rule comes from:
               (megarl.learner.sequence_parallel): intermediate_size (the experts' width) is not split, so
               the TP rule on it does not apply; (tp * cp * dp) % ep == 0 is megarl.config.load's.
   sampler.tp  of an MoE model: > 1 only at learner.tp=1 (the learner's whole experts per TP rank are not the
-              engine's per-expert slices); the experts' width divisible by sampler.tp.
+              engine's per-expert slices); the experts' width divisible by sampler.tp (the shared expert's is a
+              multiple of it), and the first dense layers' intermediate_size (GLM-4.5, DeepSeek-V3).
   algo.routing_replay=r3  a mixture-of-experts model.
   learner.cp  > 1 not for a model with gated-DeltaNet layers (Qwen3.5: a recurrence over each row's positions).
 Rules that need no model (a batch smaller than learner.dp, sampler.tp not 1 or learner.tp, learner.ep not
@@ -67,7 +68,7 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
     if learner_cp > 1 and family is not None and family.linear_attention:
         raise ValueError(f"learner.cp={learner_cp}: {model_type}'s gated-DeltaNet layers run each row's positions as "
                          f"one recurrence, which context parallelism would split over ranks; use learner.cp=1")
-    whole = families.whole_tensors_only(hf_config)
+    whole = families.engine_tp_refusal(hf_config)
     if sampler_tp > 1 and whole:
         raise ValueError(f"sampler.tp={sampler_tp}: {model_type}'s {whole} have no "
                          f"tensor-parallel slices in the built-in engine (megarl.models.tp_shard); use sampler.tp=1")
@@ -75,9 +76,6 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
     if sampler_tp > 1 and family is not None and family.gpt_oss_blocks:
         raise ValueError(f"sampler.tp={sampler_tp}: {model_type}'s fused experts (mlp.experts.gate_up_proj, gate and "
                          f"up interleaved) have no tensor-parallel slices in the built-in engine; use sampler.tp=1")
-    if sampler_tp > 1 and model_type in moe_config.SIGMOID_ROUTED:
-        raise ValueError(f"sampler.tp={sampler_tp}: {model_type}'s {families.UNSHARDED_SIGMOID_ROUTED} have no "
-                         f"tensor-parallel slices in the built-in engine; use sampler.tp=1")
     if not moe_config.is_moe(hf_config):
         if learner_ep > 1:
             raise ValueError(f"learner.ep={learner_ep}: expert parallelism needs a mixture-of-experts model; "
@@ -96,12 +94,15 @@ def check_layout(hf_config: dict, learner_tp: int = 1, learner_pp: int = 1, samp
                              f"engine's per-expert split, so no shard-to-shard publish; use learner.tp=1 with "
                              f"sampler.tp > 1 (whole tensors, each engine rank keeps its slices) or sampler.tp=1")
         if sampler_tp > 1:  # the engine splits every expert like the dense MLP; the learner keeps them whole
-            ffn = moe_config.expert_ffn_field(hf_config)
-            width = dim(ffn)
-            if width % sampler_tp:
-                raise ValueError(f"sampler.tp={sampler_tp}: tensor parallel size {sampler_tp} does not divide "
-                                 f"{ffn}={width} (each TP rank holds an equal share of every expert; {ffn}={width} "
-                                 f"allows tp in {_divisors(width)})")
+            ffns = [moe_config.expert_ffn_field(hf_config)]
+            if model_type in moe_config.SIGMOID_ROUTED and moe_config.first_dense_layers(hf_config):
+                ffns.append("intermediate_size")  # (the first dense layers' MLP, split as a dense model's)
+            for ffn in ffns:
+                width = dim(ffn)
+                if width % sampler_tp:
+                    raise ValueError(f"sampler.tp={sampler_tp}: tensor parallel size {sampler_tp} does not divide "
+                                     f"{ffn}={width} (each TP rank holds an equal share of every expert and MLP; "
+                                     f"{ffn}={width} allows tp in {_divisors(width)})")
     tp = max(learner_tp, sampler_tp)
     if tp > 1:
         keys = "/".join(key for key, size in (("learner.tp", learner_tp), ("sampler.tp", sampler_tp)) if size > 1)

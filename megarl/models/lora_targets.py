@@ -89,11 +89,10 @@ def together(hf_config: dict) -> list[tuple[str, ...]]:
     return []
 
 
-def check(hf_config: dict, lora_cfg, learner_tp: int = 1) -> None:
+def check(hf_config: dict, lora_cfg) -> None:
     """ValueError naming the learner.lora key that this model cannot take: a target module it does not have
-    (a mixture-of-experts layer has no gate/up/down projection), half of a group one HF module holds, a rank above
-    a target's smaller dimension (the adapter would be no lower-rank than the weight), or multi-latent attention at
-    `learner_tp` > 1."""
+    (a mixture-of-experts layer has no gate/up/down projection), half of a group one HF module holds, or a rank above
+    a target's smaller dimension (the adapter would be no lower-rank than the weight)."""
     if lora_cfg.rank == 0:
         return
     dims = module_dims(hf_config)
@@ -114,9 +113,6 @@ def check(hf_config: dict, lora_cfg, learner_tp: int = 1) -> None:
         if lora_cfg.rank > min(fan_in, fan_out):
             raise ValueError(f"learner.lora.rank={lora_cfg.rank} is larger than {module.rsplit('.', 1)[-1]}'s "
                              f"dimensions {fan_in} x {fan_out} (in x out); use a rank <= {min(fan_in, fan_out)}")
-    if _latent(hf_config) and learner_tp > 1:
-        raise ValueError(f"learner.lora with learner.tp={learner_tp}: adapters on multi-latent attention (its latent "
-                         "projections whole on every TP rank) are built at learner.tp=1 only")
 
 
 def check_peft(hf_config: dict, lora_cfg) -> None:

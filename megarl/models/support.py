@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 
-from megarl.models import families, latent_attention
+from megarl.models import families, latent_attention, mxfp4
 from megarl.models.families import family_of
 from megarl.models.moe_config import check_moe, is_moe
 
@@ -126,9 +126,9 @@ def _check_gemma(cfg: dict) -> None:
 
 
 def _check_gpt_oss(cfg: dict) -> None:
-    if cfg.get("quantization_config"):
+    if cfg.get("quantization_config") and not mxfp4.is_mxfp4(cfg):
         raise ValueError(f"unsupported feature quantization_config={cfg['quantization_config'].get('quant_method')!r} "
-                         "(megarl loads unquantized weights: a dequantized bf16 gpt-oss checkpoint)")
+                         "(megarl loads float weights, or MXFP4's dequantized: megarl.models.mxfp4)")
     if not cfg.get("attention_bias", True):
         raise ValueError("unsupported feature attention_bias=False for gpt_oss (megarl maps its biased linears)")
 

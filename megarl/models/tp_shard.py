@@ -19,14 +19,23 @@ vLLM's fused-MoE TP does): each expert's gate/up (Mixtral's w1/w3, Qwen3-MoE's g
 its down (w2/down_proj) by columns, so rank r holds rows [r*I/t, (r+1)*I/t) of every expert's intermediate
 width I.  The router (``gate``) stays whole on every rank: every rank then routes the same hidden state with
 the same weights and picks the same experts, and the layer's partial outputs are summed once, like the
-dense MLP's.  Qwen3-MoE's q_norm / k_norm act per head_dim and stay whole.
+dense MLP's.  Qwen3-MoE's q_norm / k_norm act per head_dim and stay whole.  A sigmoid-routed MoE's shared expert
+(GLM-4.5, DeepSeek-V3: ``mlp.shared_experts.{gate,up,down}_proj``) splits as one more expert, its router's
+``e_score_correction_bias`` stays whole with the router, its first dense layers split as a dense MLP.
+
+Multi-latent attention (DeepSeek-V3; the built-in engine only: its learner publishes whole tensors) splits by heads
+as vLLM's and SGLang's MLA do: rank r holds the heads [r*H/t, (r+1)*H/t) of q_proj or q_b_proj (whose rows are
+grouped by head) and of kv_b_proj (each head's k-nope and v rows), and their columns of o_proj; the latent
+projections (q_a_proj, kv_a_proj_with_mqa) and their norms stay whole, so every rank computes and caches the same
+latent.
 """
 from __future__ import annotations
 
 import torch
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head",
-                   "w1", "w3")  # Mixtral experts' gate, up
+                   "w1", "w3",  # Mixtral experts' gate, up
+                   "q_b_proj", "kv_b_proj")  # multi-latent attention's per-head up-projections
 ROW_PARALLEL = ("o_proj", "down_proj", "w2")  # w2: a Mixtral expert's down
 
 

@@ -58,8 +58,9 @@ each head rotate, the RoPE-pair interleaving of the weights and the rotation con
 norms from its config. Its first ``dense_layers`` layers have a dense MLP; the others route as transformers'
 Glm4MoeTopkRouter (`_sigmoid_routed_experts`) and add a shared expert, whose gate/up rows follow the router's in the
 stacked projection and whose down leads the stacked downs (it is one more expert, of share 1). Routes are recorded
-for the MoE layers only (route index = layer - dense_layers, as the learners' route shape). It runs at
-sampler.tp = 1.
+for the MoE layers only (route index = layer - dense_layers, as the learners' route shape). Under tensor parallelism
+the shared expert splits as one more expert and the dense layers as a dense MLP; the router and its expert bias are
+whole on every rank.
 
 DeepSeek-V3 (``spec.latent``: multi-latent attention, megarl.models.latent_attention's tensors; GLM-4.5's MoE): the
 cache holds per position and layer the kv latent c (kv_lora_rank values, after kv_a_layernorm) and the shared key's
@@ -71,15 +72,18 @@ q_nope times its W_UK (kv_b_proj's k rows) is a query in latent space that, with
 head's value sum, then o_proj. The same form serves prefill (SDPA) and decode (two batched matmuls). q comes from
 q_proj or through the q latent (q_a_proj, q_a_layernorm, q_b_proj); q_a_proj (or q_proj) and kv_a_proj_with_mqa are
 one stacked projection with the input norm folded in. RoPE is interleaved YaRN: DeepSeek-V3's rope pairs are adjacent
-already, the pairs `_rotate` takes; the softmax scale is transformers' (latent_attention.softmax_scale). It runs at
-sampler.tp = 1 and in the contiguous KV layout (`PagedKVCache` refuses it by sampler.kv_layout).
+already, the pairs `_rotate` takes; the softmax scale is transformers' (latent_attention.softmax_scale). Under tensor
+parallelism a rank holds its heads of q_proj / q_b_proj, kv_b_proj and o_proj and computes (and caches) the same
+latent as every other rank, as vLLM's and SGLang's MLA do; the paged layout holds the latents in blocks
+(`PagedKVCache`).
 
 Tensor parallelism: `ModelSpec.shard(t)` is the spec of one TP rank, whose weights are that rank's
 slices in the layout of `megarl.models.tp_shard` (whole heads of q/k/v, rows of gate/up, columns of
 o_proj/down_proj, vocab rows of the embedding and lm_head; norms whole; an MoE layer's router whole and
-every expert's gate/up rows and down columns).  `forward(..., tp_group=g)` sums the embedding lookups and
-the partial outputs of o_proj and down_proj (an MoE layer's stacked downs) over g, gathers the logits' vocab
-slices and runs everything else replicated, so every rank of g ends with the same logits (and routes).
+every expert's gate/up rows and down columns; multi-latent attention's heads, its latents whole).
+`forward(..., tp_group=g)` sums the embedding lookups and the partial outputs of o_proj and down_proj (an MoE layer's
+stacked downs) over g, gathers the logits' vocab slices and runs everything else replicated, so every rank of g ends
+with the same logits (and routes).
 """
 from __future__ import annotations
 
@@ -331,13 +335,13 @@ class ModelSpec:
 
     def shard(self, tp_size: int) -> "ModelSpec":
         """The spec of one of `tp_size` tensor-parallel ranks: its heads, KV heads and MLP width (an MoE
-        model's: every expert's) are 1/tp_size of the model's (hidden size, head_dim and the experts and
-        their router unchanged; `vocab_size` stays the model's, its embedding and lm_head rows are
-        `shard_vocab`), so `weight_shapes` gives the shapes of that rank's `tp_shard` slices.  ValueError
-        naming the dimension tp_size does not divide."""
+        model's: every expert's, the shared expert's and the first dense layers') are 1/tp_size of the model's
+        (hidden size, head_dim and the experts and their router unchanged; `vocab_size` stays the model's, its
+        embedding and lm_head rows are `shard_vocab`), so `weight_shapes` gives the shapes of that rank's `tp_shard`
+        slices.  ValueError naming the dimension tp_size does not divide."""
         if self.tp_size != 1:
             raise ValueError(f"this spec is already one of {self.tp_size} tensor-parallel shards")
-        whole = families.whole_tensors_only(self._hf_config)
+        whole = families.engine_tp_refusal(self._hf_config)
         if whole and tp_size != 1:
             raise ValueError(f"{self.model_type}'s {whole} have no tensor-parallel slices "
                              f"(megarl.models.tp_shard): the built-in engine runs it at sampler.tp = 1")
@@ -346,14 +350,14 @@ class ModelSpec:
         if self.gpt_oss and tp_size != 1:
             raise ValueError("gpt_oss's fused experts (mlp.experts.gate_up_proj, gate and up interleaved) have no "
                              "tensor-parallel slices in the built-in engine: it runs gpt-oss at sampler.tp = 1")
-        if self.sigmoid_router and tp_size != 1:
-            raise ValueError(f"sampler.tp={tp_size}: {self.model_type}'s {families.UNSHARDED_SIGMOID_ROUTED} have no "
-                             f"tensor-parallel slices in the built-in engine: it runs {self.model_type} at "
-                             f"sampler.tp = 1")
         tp_shard.check_divisible(self.num_heads, self.num_kv_heads, self.intermediate_size, self.vocab_size,
                                  tp_size, moe.expert_ffn_field(self._hf_config) if self.is_moe else "intermediate_size")
+        if self.dense_ffn_size % tp_size:  # (a shared expert's width is a multiple of the experts')
+            raise ValueError(f"tensor parallel size {tp_size} does not divide intermediate_size={self.dense_ffn_size} "
+                             f"(the first dense layers' MLP)")
         return replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=self.num_kv_heads // tp_size,
-                       intermediate_size=self.intermediate_size // tp_size, tp_size=tp_size)
+                       intermediate_size=self.intermediate_size // tp_size, tp_size=tp_size,
+                       shared_ffn_size=self.shared_ffn_size // tp_size, dense_ffn_size=self.dense_ffn_size // tp_size)
 
     @property
     def _hf_config(self) -> dict:
@@ -476,6 +480,18 @@ class KVCache:
         self.k = torch.zeros((layers, num_slots, heads, hd, max_seq_len), dtype=dtype, device=device)
         self.v = torch.zeros((layers, num_slots, heads, max_seq_len, hd), dtype=dtype, device=device)
 
+    def locate(self, slots: slice, positions: torch.Tensor, attn_len: int):
+        """Per forward call: where the rows' new entries go and what they read (`write_latent`)."""
+        return slots, positions, attn_len
+
+    def write_latent(self, layer: int, where, entry: torch.Tensor) -> torch.Tensor:
+        """Write the new tokens' latent entries [B, T, kv_lora_rank + rope dims] at their positions of their slots;
+        return each row's first attn_len positions [B, attn_len, kv_lora_rank + rope dims] (a view)."""
+        slots, positions, attn_len = where
+        latent = self.latent[layer, slots]
+        latent.scatter_(1, positions[:, :, None].expand(*positions.shape, latent.shape[-1]), entry)
+        return latent[:, :attn_len]
+
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Copy the first `length` positions of slots `src` into slots `dst` (used to keep slots packed)."""
         if self.latent is not None:
@@ -501,17 +517,24 @@ class PagedKVCache:
     A decode step reads each row's blocks as they are (`write_and_blocks`, for `_paged_decode_attention`); a
     prefill gathers them into the contiguous [rows, kv_heads, head_dim, span] (and V's) operand that `_attention`
     reads (`write_and_gather`): the contiguous layout's matmuls over the same values.
+
+    Multi-latent attention (``spec.latent``): ``latent`` [layers, blocks + 1, block_size, kv_lora_rank + rope dims]
+    holds what `KVCache.latent` holds, in blocks (``k`` and ``v`` are None); every step, decode included, gathers a
+    row's blocks into the contiguous [attn_len, kv_lora_rank + rope dims] operand `_latent_attention` reads
+    (`write_latent`): one latent per position is small next to per-head K and V, and its decode is two matmuls over it.
     """
 
     def __init__(self, spec: ModelSpec, num_slots: int, max_seq_len: int, dtype: torch.dtype, device="cpu", *,
                  block_size: int, num_blocks: int):
-        refusal = families.paged_kv_refusal(spec._hf_config)
-        if refusal:
-            raise ValueError(refusal)
         layers, heads, hd = spec.num_layers, spec.num_kv_heads, spec.head_dim
         self.allocator = BlockAllocator(num_blocks, block_size, first_id=1)  # (block 0: the sink)
-        self.k = torch.zeros((layers, num_blocks + 1, heads, hd, block_size), dtype=dtype, device=device)
-        self.v = torch.zeros((layers, num_blocks + 1, heads, block_size, hd), dtype=dtype, device=device)
+        self.k = self.v = self.latent = None
+        if spec.latent:
+            self.latent = torch.zeros((layers, num_blocks + 1, block_size, spec.kv_lora_rank + hd), dtype=dtype,
+                                      device=device)
+        else:
+            self.k = torch.zeros((layers, num_blocks + 1, heads, hd, block_size), dtype=dtype, device=device)
+            self.v = torch.zeros((layers, num_blocks + 1, heads, block_size, hd), dtype=dtype, device=device)
         self.max_seq_len, self.block_size = max_seq_len, block_size
         self.table = torch.zeros((num_slots, blocks_for(max_seq_len, block_size)), dtype=torch.long, device=device)
         self.blocks: list[list[int]] = [[] for _ in range(num_slots)]  # each slot's blocks, in position order
@@ -569,8 +592,8 @@ class PagedKVCache:
         two hold the same number of blocks; entries past them are the sink on both sides)."""
         count = self.blocks_for(length)
         src_blocks, dst_blocks = self.table[src, :count].flatten(), self.table[dst, :count].flatten()
-        self.k[:, dst_blocks] = self.k[:, src_blocks]
-        self.v[:, dst_blocks] = self.v[:, src_blocks]
+        for pool in (self.k, self.v) if self.latent is None else (self.latent,):
+            pool[:, dst_blocks] = pool[:, src_blocks]
 
     def locate(self, slots: slice, positions: torch.Tensor, attn_len: int):
         """Per forward call: the block and offset each new token's K/V goes to ([B, T] each) and the blocks each
@@ -600,6 +623,15 @@ class PagedKVCache:
         flat = read_blocks.flatten()
         return (k_pool.index_select(0, flat).view(*read_blocks.shape, *k_pool.shape[1:]),
                 v_pool.index_select(0, flat).view(*read_blocks.shape, *v_pool.shape[1:]))
+
+    def write_latent(self, layer: int, where, entry: torch.Tensor) -> torch.Tensor:
+        """`KVCache.write_latent` over the blocks: write the new tokens' entries [B, T, kv_lora_rank + rope dims] at
+        their blocks and return each row's [B, attn_len, kv_lora_rank + rope dims], gathered from its blocks."""
+        write_blocks, offsets, read_blocks, attn_len = where
+        pool = self.latent[layer]
+        pool[write_blocks, offsets] = entry
+        bsz, count = read_blocks.shape
+        return pool.index_select(0, read_blocks.flatten()).view(bsz, count * self.block_size, -1)[:, :attn_len]
 
     def write_and_gather(self, layer: int, where, k_new: torch.Tensor, v_new: torch.Tensor):
         """Write the new tokens' k_new, v_new [B, T, kv_heads, head_dim] at their blocks, and return each row's
@@ -1116,16 +1148,15 @@ def forward(
     rot = tables.rotation[positions.reshape(tokens)][:, None]  # [B*T, 1, hd/2], broadcast over heads
     local_rot = None if tables.local_rotation is None else tables.local_rotation[positions.reshape(tokens)][:, None]
     paged = isinstance(cache, PagedKVCache)
-    if paged:
-        where = cache.locate(slots, positions, attn_len)
-    else:
+    where = cache.locate(slots, positions, attn_len)
+    if not paged:
         # Scatter indices along the position dim of a layer's K [B, kv_heads, hd, S] and V [B, kv_heads, S, hd].
         k_idx = positions.view(bsz, 1, 1, seq).expand(bsz, nkv, hd, seq)
         v_idx = positions.view(bsz, 1, seq, 1).expand(bsz, nkv, seq, hd)
     key_pos = tables.key_pos[:attn_len]
 
     def attention_mask(window: int | None) -> torch.Tensor:
-        if seq == 1 and paged:
+        if seq == 1 and paged and not spec.latent:  # (a latent decode reads its blocks gathered, as below)
             return cache.decode_mask(where, positions, window, tables)
         if seq == 1:
             # Decode: an additive mask [B*kv_heads, 1, L] (0 or -inf), read by baddbmm.
@@ -1150,8 +1181,8 @@ def forward(
     for layer, lw in enumerate(weights.layers):
         h = x if spec.post_norms else _rms_norm(x, tables)
         if spec.latent:
-            attn = _latent_attention(spec, lw, _linear(h, lw.qkv, None), rot, cache.latent[layer, slots], positions,
-                                     attn_len, mask, tables)
+            attn = _latent_attention(spec, lw, _linear(h, lw.qkv, None), rot,
+                                     lambda entry: cache.write_latent(layer, where, entry), positions, mask, tables)
         else:
             qkv = _linear(h, lw.qkv, lw.qkv_bias).view(tokens, nh + 2 * nkv, hd)
             qk = qkv[:, : nh + nkv]
@@ -1303,14 +1334,14 @@ def _gpt_oss_experts(spec: ModelSpec, projected: torch.Tensor) -> tuple[torch.Te
     return chosen, act.view(tokens, experts * spec.intermediate_size), share
 
 
-def _latent_attention(spec: ModelSpec, lw: LayerWeights, down: torch.Tensor, rot: torch.Tensor, latent: torch.Tensor,
-                      positions: torch.Tensor, attn_len: int, mask: torch.Tensor,
-                      tables: ForwardTables) -> torch.Tensor:
+def _latent_attention(spec: ModelSpec, lw: LayerWeights, down: torch.Tensor, rot: torch.Tensor, store,
+                      positions: torch.Tensor, mask: torch.Tensor, tables: ForwardTables) -> torch.Tensor:
     """Multi-latent attention of B rows of T tokens, absorbed: the cache holds per position the kv latent c (after
     kv_a_layernorm) and the shared key's RoPE dims k_rot, never per-head K or V.
 
     down [B*T, q (or q latent) + kv_lora_rank + rope]: the layer's first projection of the normed hidden state (input
-    norm folded in); latent [B, max_seq_len, kv_lora_rank + rope]: the rows' cache slots, written at `positions`.
+    norm folded in); store(entries [B, T, kv_lora_rank + rope]) writes the new positions' entries into the cache and
+    returns the rows' [B, attn_len, kv_lora_rank + rope] (the layer's `write_latent`, either layout).
     Head h's score of position p is q_nope_h . (W_UK_h c_p) + q_rot_h . k_rot_p = [q_nope_h W_UK_h | q_rot_h] .
     [c_p | k_rot_p]: the query taken into latent space attends to the cached latent directly, one "KV head" shared
     by every head (mask: nkv 1, group heads); its output in latent space, sum_p prob_p c_p, times W_UV_h is head h's
@@ -1327,8 +1358,7 @@ def _latent_attention(spec: ModelSpec, lw: LayerWeights, down: torch.Tensor, rot
     # (the RoPE dims copied out of their rows: a complex view needs an even offset and strides, whatever the widths)
     entry = torch.cat([_head_rms_norm(down[:, q_width:q_width + r], lw.kv_latent_norm, tables),
                        _rotate(down[:, None, q_width + r:].contiguous(), rot)[:, 0]], dim=-1)
-    latent.scatter_(1, positions[:, :, None].expand(bsz, seq, r + dr), entry.view(bsz, seq, r + dr))
-    span = latent[:, :attn_len]
+    span = store(entry.view(bsz, seq, r + dr))
     q_latent = torch.bmm(q[:, :, :dn].transpose(0, 1), lw.k_up).transpose(0, 1)  # [B*T, heads, r]
     query = torch.cat([q_latent, _rotate(q[:, :, dn:].contiguous(), rot)], dim=-1)  # [B*T, heads, r + rope]
     if seq == 1:  # decode: [B, heads, r + rope] against [B, attn_len, r + rope], the additive mask [B, 1, L]

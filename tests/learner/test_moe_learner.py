@@ -13,7 +13,7 @@ from megarl.algo.config import LossConfig
 from megarl.models.lora import ATTENTION_TARGETS as ATTENTION
 from megarl.protocols import TrainBatch
 from tests.helpers import (GLM4_MOE_ROUTER, LEARNER_TOL, fp32_logprob_tol, save_tiny_deepseek_v3, save_tiny_glm4_moe,
-                           save_tiny_gpt_oss, save_tiny_moe)
+                           save_tiny_gpt_oss, save_tiny_gpt_oss_mxfp4, save_tiny_moe)
 
 VOCAB, B, S, PROMPT, TOP_K = 64, 8, 12, 4, 2
 
@@ -28,6 +28,8 @@ def moe_dirs(tmp_path_factory):
             # (two layers, the dense one and an MoE one: one per stage at PP2)
             "glm4_moe_2l": str(save_tiny_glm4_moe(root / "glm4_moe_2l", num_hidden_layers=2)),
             "gpt_oss": str(save_tiny_gpt_oss(root / "gpt_oss")),
+            # (its experts as MXFP4 blocks and scales, as the hub's gpt-oss checkpoints: dequantized on load)
+            "gpt_oss_mxfp4": str(save_tiny_gpt_oss_mxfp4(root / "gpt_oss_mxfp4")),
             "deepseek_v3": str(save_tiny_deepseek_v3(root / "deepseek_v3")),
             "deepseek_v3_q_full": str(save_tiny_deepseek_v3(root / "deepseek_v3_q_full", q_lora_rank=None)),
             # (two layers, the dense one and an MoE one: one per stage at PP2)
@@ -63,7 +65,7 @@ def _ids(seed=3):
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen3_moe_norm_topk", "glm4_moe", "gpt_oss", "deepseek_v3",
-                                  "deepseek_v3_q_full"])
+                                  "deepseek_v3_q_full", "gpt_oss_mxfp4"])
 def test_moe_logprobs_match_transformers(moe_dirs, world, kind):
     learner = _learner(moe_dirs[kind], micro_batch_size=3)
     ids = _ids()
@@ -214,13 +216,16 @@ def test_micro_batches_are_padded_to_the_expert_parallel_count():
     assert filled[0]["mask"].sum() == 2  # the real row keeps its mask
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss_mxfp4"])
 def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_loads(moe_dirs, world, tmp_path, kind):
     """megatron saves the experts stacked per layer ([E, ...]); the export unstacks them into per-expert HF names,
     bitwise the tensors the learner publishes, which transformers loads to the trained learner's log-probs.
     GLM-4.5 and DeepSeek-V3 (a dense first layer: megatron's moe_layer_freq list) are saved one key per layer
     (decoder.layers.<i>.<name>), not stacked over layers; DeepSeek-V3's latent attention's projections and norms,
-    shared expert and router expert bias come back under transformers' names."""
+    shared expert and router expert bias come back under transformers' names. A gpt-oss trained from an MXFP4
+    checkpoint exports float weights (the trained ones; no quantization_config)."""
+    import json
+
     from megarl.checkpoint import learner_state
     from megarl.checkpoint.export import export_hf
 
@@ -231,6 +236,7 @@ def test_a_checkpoint_of_an_moe_learner_exports_to_a_directory_transformers_load
     learner_state.save(learner, tmp_path / "ckpt", step=1, keep=1, model_dir=moe_dirs[kind])
     exported = export_hf(tmp_path / "ckpt", tmp_path / "hf")
     saved = load_file(exported / "model.safetensors")
+    assert "quantization_config" not in json.loads((exported / "config.json").read_text())
     published = dict(learner.publish_tensors())
     assert set(saved) == set(published) and all(torch.equal(saved[n], t) for n, t in published.items())
     ref, _ = _hf_forward(str(exported), ids)
@@ -394,7 +400,8 @@ MOE_LAYOUTS = {
                   "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"}},
     "deepseek_v3": {"dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4},
                     "tp2": {"tp": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4},
-                    "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4}},
+                    "tp2_ep2": {"tp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4},
+                    "tp2_lora": {"tp": 2, **LORA_MOE}},
     "deepseek_v3_2l": {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3", "lr": 1e-4}},
     "gpt_oss": {"pp2": {"pp": 2, "micro_batch_size": 3, "routing_replay": "r3"},
                 "dp2_ep2": {"dp": 2, "ep": 2, "micro_batch_size": 3, "routing_replay": "r3"},
@@ -464,7 +471,11 @@ def test_deepseek_v3_under_tensor_and_expert_parallelism_matches_one_rank(moe_la
     summed over every rank's heads), the up-projections and o_proj split by heads; DP2 x EP2, TP2 and TP2 x EP2 give
     the one-rank learner's log-probs, loss, grad norm, router agreement and, after one step, published weights. (lr
     1e-4: an expert weight whose gradient is near Adam's eps, 1e-8, moves by lr * g / (|g| + eps), where g carries
-    fp32 noise of a percent; at the default 1e-3 that is 1e-5 apart between layouts, the comparison's bound.)"""
+    fp32 noise of a percent; at the default 1e-3 that is 1e-5 apart between layouts, the comparison's bound.)
+    LoRA on every latent-attention projection at TP2: the down-projections' adapters whole on each rank over its
+    positions (their gradients summed over TP), the up-projections' and o_proj's split as the linears; the one-rank
+    adapter's second step, log-probs and published adapter."""
+    _lora_matches_one_rank(moe_layout_runs, "deepseek_v3")
     _matches_one_rank(moe_layout_runs, "deepseek_v3", lr=1e-4)
 
 
@@ -480,16 +491,37 @@ def test_dense_first_layers_under_pipeline_parallelism_match_one_stage(moe_layou
     _matches_one_rank(moe_layout_runs, kind, **learner)
 
 
+def _lora_matches_one_rank(runs: "MoeLayoutRuns", kind: str) -> None:
+    """`kind`'s "tp2_lora" layout (LORA_MOE on the attention; layout_worker: two steps, then the log-probs; whole
+    adapters) gives the one-rank adapter's second step, log-probs and published adapter, every B having moved."""
+    from megarl.config.schema import LoraConfig
+    from tests.learner.test_megatron_learner import _close
+
+    perturbed, ids, _, batch = runs.inputs[kind]
+    lora_ref = _learner(perturbed, **{**LORA_MOE, "lora": LoraConfig(**LORA_MOE["lora"])})
+    lora_ref.train_step(batch)
+    lora_step, lora_logprobs = lora_ref.train_step(batch), lora_ref.logprobs(ids)
+    lora_published = dict(lora_ref.publish_tensors())
+    assert min(float(t.abs().max()) for n, t in lora_published.items() if "lora_B" in n) > 1e-3  # every B moved
+    for rank in runs.results(kind)["tp2_lora"]:
+        assert _close(rank["logprobs"], lora_logprobs)
+        for key in ("loss", "grad_norm"):
+            assert abs(rank["metrics"][key] - lora_step[key]) <= 1e-5 * abs(lora_step[key]), key
+        assert set(rank["published"]) == set(lora_published)
+        assert all(_close(rank["published"][n], t) for n, t in lora_published.items())
+
+
 def _matches_one_rank(runs: "MoeLayoutRuns", kind: str, **learner) -> None:
-    """`kind`'s 2-rank layouts (r3 on perturbed routers) give the one-rank learner's log-probs, loss, grad norm,
-    router agreement and lag-0 gap, and after one step its whole published weights (PP2: both stages')."""
+    """`kind`'s 2-rank layouts (r3 on perturbed routers; but "tp2_lora": _lora_matches_one_rank) give the one-rank
+    learner's log-probs, loss, grad norm, router agreement and lag-0 gap, and after one step its whole published
+    weights (PP2: both stages')."""
     from tests.learner.test_megatron_learner import _close, _sources
 
     perturbed, ids, routes, batch = runs.inputs[kind]
     one_rank = _learner(perturbed, routing_replay="r3", micro_batch_size=3, **learner)
     ref_logprobs, ref = one_rank.logprobs(ids, routes), one_rank.train_step(batch)
     ref_published = dict(one_rank.publish_tensors())
-    results = runs.results(kind)
+    results = {layout: ranks for layout, ranks in runs.results(kind).items() if layout != "tp2_lora"}
     for layout, ranks in results.items():
         for rank in ranks:
             assert _close(rank["logprobs"], ref_logprobs), layout
@@ -535,7 +567,6 @@ def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_la
     LoRA on the attention at TP2 (the adapters' collectives over the sequence-parallel positions) gives the
     one-rank adapter's second step, log-probs and published adapter."""
     from megarl.checkpoint import learner_state
-    from megarl.config.schema import LoraConfig
     from tests.learner.test_megatron_learner import _close, _sources
 
     perturbed, ids, routes, batch = moe_layout_runs.inputs["mixtral"]
@@ -544,18 +575,9 @@ def test_r3_under_tensor_pipeline_and_expert_parallelism_matches_one_rank(moe_la
     for replay in ("r3", "off"):
         learner = _learner(perturbed, routing_replay=replay, micro_batch_size=3)
         refs[replay] = (learner, learner.logprobs(ids, routes), learner.train_step(batch), dict(learner.publish_tensors()))
-    lora_ref = _learner(perturbed, **{**LORA_MOE, "lora": LoraConfig(**LORA_MOE["lora"])})
-    lora_ref.train_step(batch)
-    lora_step, lora_logprobs = lora_ref.train_step(batch), lora_ref.logprobs(ids)
-    lora_published = dict(lora_ref.publish_tensors())
-    assert min(float(t.abs().max()) for n, t in lora_published.items() if "lora_B" in n) > 1e-3  # every B moved
+    _lora_matches_one_rank(moe_layout_runs, "mixtral")
     results = moe_layout_runs.results("mixtral")
-    for rank in results.pop("tp2_lora"):  # (layout_worker: two steps, then the log-probs; whole adapters)
-        assert _close(rank["logprobs"], lora_logprobs)
-        for key in ("loss", "grad_norm"):
-            assert abs(rank["metrics"][key] - lora_step[key]) <= 1e-5 * abs(lora_step[key]), key
-        assert set(rank["published"]) == set(lora_published)
-        assert all(_close(rank["published"][n], t) for n, t in lora_published.items())
+    results.pop("tp2_lora")
     assert refs["off"][2]["router/agreement"] < 0.9  # (the perturbed routers disagree: replay shows)
     for layout, ranks in results.items():
         _, ref_logprobs, ref, ref_published = refs[layouts[layout].get("routing_replay", "off")]

@@ -578,10 +578,11 @@ def test_prefill_chunk_must_be_positive(qwen):
 
 # ------------------------------------------------------------------ the paged KV layout (sampler.kv_layout=paged)
 @pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "mistral", "phi3", "olmo2", "smollm3", "gpt_oss",
-                                        "glm4_moe"])
+                                        "glm4_moe", "deepseek_v3"])
 def any_family(request, tmp_path_factory):
     """(kind, HF config, weights) of every dense family, SmolLM3's no-RoPE layer and Mistral's window included,
-    gpt-oss (its sinks in the block-by-block decode softmax, its layers' own windows) and GLM-4.5 (partial RoPE)."""
+    gpt-oss (its sinks in the block-by-block decode softmax, its layers' own windows), GLM-4.5 (partial RoPE) and
+    DeepSeek-V3 (its latent cache in blocks, gathered for every step)."""
     return request.param, *load_pretrained(str(make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)))
 
 

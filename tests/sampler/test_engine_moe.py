@@ -1,7 +1,9 @@
 """BuiltinEngine on a mixture-of-experts model (tiny Mixtral, Qwen3-MoE, gpt-oss, GLM-4.5, DeepSeek-V3): log-probs and
 routes equal transformers', and across an in-flight update every position's routes are those of the weights that
-computed it; DeepSeek-V3's multi-latent attention cache and its absorbed decode."""
+computed it; DeepSeek-V3's multi-latent attention cache and its absorbed decode; a gpt-oss checkpoint in MXFP4."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -254,14 +256,14 @@ def test_gpt_oss_runs_natively_and_names_what_it_refuses(tmp_path):
         spec.shard(2)
     with pytest.raises(ValueError, match="sampler.tp=2: gpt_oss's fused experts"):
         check_layout(cfg, sampler_tp=2)  # (before a launch)
-    with pytest.raises(ValueError, match="quantization_config"):
-        ModelSpec.from_hf_config(dict(cfg, quantization_config={"quant_method": "mxfp4"}))
+    with pytest.raises(ValueError, match="quantization_config='bitsandbytes'"):  # (MXFP4 loads: the test below)
+        ModelSpec.from_hf_config(dict(cfg, quantization_config={"quant_method": "bitsandbytes"}))
 
 
 def test_glm4_moe_runs_natively_with_its_router_and_names_what_it_refuses(tmp_path):
     """GLM-4.5's spec: partial RoPE, q/k/v biases without an o_proj bias, q/k norms, the router's group limit and
-    scaling, a shared expert, the first layer dense (routes for the MoE layers only); sampler.tp > 1 refused by key,
-    before a launch too."""
+    scaling, a shared expert, the first layer dense (routes for the MoE layers only); at sampler.tp=2 half of every
+    width (the shared expert's and the dense layer's too), the layout check passing before a launch."""
     from megarl.models.layout import check_layout
     from megarl.sampler import hf_model, model as native
     from tests.helpers import GLM4_MOE_ROUTER
@@ -274,9 +276,10 @@ def test_glm4_moe_runs_natively_with_its_router_and_names_what_it_refuses(tmp_pa
         GLM4_MOE_ROUTER[k] for k in ("n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"))
     assert (spec.routed_scaling, spec.shared_ffn_size, spec.dense_layers, spec.num_moe_layers) == (2.5, 16, 1, 1)
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in weights and "model.layers.0.mlp.gate_proj.weight" in weights
-    for refused in (lambda: spec.shard(2), lambda: check_layout(cfg, sampler_tp=2)):
-        with pytest.raises(ValueError, match="sampler.tp=2: glm4_moe's shared experts"):
-            refused()
+    half = spec.shard(2)  # (tests/sampler/test_tensor_parallel.py runs it)
+    assert (half.num_heads, half.num_kv_heads, half.intermediate_size, half.shared_ffn_size, half.dense_ffn_size) == (
+        2, 1, 8, 8, 24)
+    check_layout(cfg, sampler_tp=2)
     with pytest.raises(ValueError, match="norm_topk_prob"):
         ModelSpec.from_hf_config(dict(cfg, norm_topk_prob=False))
 
@@ -308,7 +311,7 @@ def test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache
     """v1 computes the prompt and the first decode inputs, v2 (routers moved; gpt-oss's sinks and expert biases,
     GLM-4.5's expert bias too) the rest; "keep": transformers continuing v1's KV cache under v2, "recompute":
     transformers' v2 forward over it all. Every token's log-prob and every position's routes are those of the weights
-    that computed it."""
+    that computed it, on the contiguous and the paged KV layout (blocks of 3 positions) alike."""
     kind, path, cfg, weights = native_moe
     gen = torch.Generator().manual_seed(5)
     moved = ("router.weight", "router.bias", "sinks", "experts.down_proj_bias", "mlp.gate.weight",
@@ -316,19 +319,23 @@ def test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache
     v2 = {k: t + 0.3 * t.std() * torch.randn(t.shape, generator=gen) if k.endswith(moved) else t.clone()
           for k, t in weights.items()}
     v2_dir = save_version(path, v2, tmp_path / "v2")
-    engine = BuiltinEngine(cfg, weights, max_running=4, kv_on_update=policy)
     reqs = requests(4, SamplingParams(temperature=1.0, max_new_tokens=10), seed=1)
-    for r in reqs:
-        engine.add_request(r)
-    done = {}
-    for _ in range(3):
-        done.update((c.request_id, c) for c in engine.step())
-    engine.stage_weights(v2, 1)
-    while engine.num_unfinished:
-        done.update((c.request_id, c) for c in engine.step())
+    layouts = {}
+    for layout in ("contiguous", "paged"):
+        engine = BuiltinEngine(cfg, weights, max_running=4, kv_on_update=policy, kv_layout=layout, kv_block_size=3)
+        for r in reqs:
+            engine.add_request(r)
+        done = layouts[layout] = {}
+        for _ in range(3):
+            done.update((c.request_id, c) for c in engine.step())
+        engine.stage_weights(v2, 1)
+        while engine.num_unfinished:
+            done.update((c.request_id, c) for c in engine.step())
     tol, differ = _native_tol(cfg), 0
     for r in reqs:
-        c = done[r.request_id]
+        c, paged = layouts["contiguous"][r.request_id], layouts["paged"][r.request_id]
+        assert paged.token_ids == c.token_ids
+        np.testing.assert_array_equal(paged.routes, c.routes)
         n = len(c.prompt_ids)
         assert c.versions == [0] * 4 + [1] * 6
         ids, split = c.prompt_ids + c.token_ids, n + 3
@@ -337,7 +344,8 @@ def test_native_moe_across_an_inflight_update_equals_transformers_over_its_cache
                                                       [(path, split), (v2_dir, None)]))
         _same_routes(c.routes, expected[:-1], cfg)
         got = [(v1_logp if i < 4 else logp)[n - 1 + i, tok].item() for i, tok in enumerate(c.token_ids)]
-        assert max(abs(a - b) for a, b in zip(c.logprobs, got)) <= tol
+        for run in (c, paged):
+            assert max(abs(a - b) for a, b in zip(run.logprobs, got)) <= tol
         _, all_v1 = hf_logprobs_and_routes(ids, (path, None))
         differ += int((np.sort(all_v1[:-1], -1) != np.sort(c.routes, -1)).any(axis=(1, 2)).sum())
     assert differ > 0  # the test can tell the versions apart
@@ -393,20 +401,32 @@ def test_deepseek_v3_caches_one_latent_per_position_and_equals_transformers(deep
     assert (ours - ref).abs().max() <= TOL
 
 
-def test_deepseek_v3_names_what_the_native_engine_refuses(deepseek_v3):
-    """sampler.tp > 1 (its latent projections have no tensor-parallel slices) and the paged KV layout (its cache is
-    a latent per position), each by key, the layout before a launch too."""
+def test_deepseek_v3_shards_its_heads_and_keeps_its_latents_whole(deepseek_v3):
+    """At sampler.tp=2 a rank holds half the heads of q_b_proj and kv_b_proj (each head's rows) and their o_proj
+    columns, half of every expert's, the shared expert's and the dense layer's width, and the latent projections,
+    their norms, the router and its expert bias whole (what tests/sampler/test_tensor_parallel.py runs); the layout
+    check passes before a launch; a config it cannot run is named by its field."""
     from megarl.models.layout import check_layout
+    from megarl.models.tp_shard import shard_state_dict
     from megarl.sampler import hf_model, model as native
 
     _, cfg, weights = deepseek_v3
     assert hf_model.choose(cfg) is native
-    with pytest.raises(ValueError, match="multi-latent attention's latent projections .* sampler.tp = 1"):
-        ModelSpec.from_hf_config(cfg).shard(2)
-    with pytest.raises(ValueError, match="sampler.tp=2: deepseek_v3's multi-latent attention"):
-        check_layout(cfg, sampler_tp=2)
-    with pytest.raises(ValueError, match="sampler.kv_layout=paged: deepseek_v3's multi-latent attention"):
-        BuiltinEngine(cfg, weights, kv_layout="paged")
+    spec = ModelSpec.from_hf_config(cfg).shard(2)
+    assert (spec.num_heads, spec.intermediate_size, spec.shared_ffn_size, spec.dense_ffn_size) == (2, 8, 8, 24)
+    attn = "model.layers.1.self_attn."
+    for rank in (0, 1):
+        sliced = shard_state_dict(weights, 2, rank)
+        assert {n: tuple(t.shape) for n, t in sliced.items()} == spec.weight_shapes()
+        heads = slice(rank * 2 * (8 + 6), (rank + 1) * 2 * (8 + 6))  # (kv_b_proj: each head's 8 k-nope, 6 v rows)
+        assert torch.equal(sliced[attn + "kv_b_proj.weight"], weights[attn + "kv_b_proj.weight"][heads])
+        assert torch.equal(sliced[attn + "o_proj.weight"], weights[attn + "o_proj.weight"][:, rank * 12:(rank + 1) * 12])
+        for whole in ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+                      "self_attn.kv_a_layernorm.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias"):
+            assert torch.equal(sliced["model.layers.1." + whole], weights["model.layers.1." + whole])
+    check_layout(cfg, sampler_tp=2)
+    with pytest.raises(ValueError, match="sampler.tp=4: tensor parallel size 4 does not divide intermediate_size=6"):
+        check_layout(dict(cfg, intermediate_size=6, moe_intermediate_size=4), sampler_tp=4)
     with pytest.raises(ValueError, match="rope_interleave"):
         ModelSpec.from_hf_config(dict(cfg, rope_interleave=False))
 
@@ -465,3 +485,23 @@ def test_deepseek_v3_tokens_after_a_keep_swap_are_the_new_weights_over_the_old_l
         assert [c.token_ids[i] for i in after] == [int(keep[i - 3].argmax()) for i in after]
         assert max(abs(c.logprobs[i] - keep[i - 3, c.token_ids[i]].item()) for i in after) <= TOL
         assert max(abs(c.logprobs[i] - fresh[n - 1 + i, c.token_ids[i]].item()) for i in after) > 1e-3
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_samples_with_the_logprobs_of_transformers_dequantized_model(tmp_path):
+    """A gpt-oss directory written in MXFP4 (tests.helpers.save_tiny_gpt_oss_mxfp4: its experts as `_blocks` /
+    `_scales`) starts the engine on its dequantized experts (megarl.models.mxfp4): every behaviour log-prob and every
+    position's routes are those of transformers' own model of that directory (which dequantizes it on CPU), within
+    the fp32 bound."""
+    from tests.helpers import save_tiny_gpt_oss_mxfp4
+
+    path = save_tiny_gpt_oss_mxfp4(tmp_path / "gpt_oss_mxfp4", vocab_size=64)
+    engine = BuiltinEngine.from_pretrained(str(path), max_running=3)
+    cfg = json.loads((path / "config.json").read_text())
+    tol = _native_tol(cfg)
+    for c in engine.generate(requests(3, SamplingParams(temperature=1.0, max_new_tokens=8), seed=2)):
+        n = len(c.prompt_ids)
+        logp, routes = hf_logprobs_and_routes(c.prompt_ids + c.token_ids, (path, None))
+        expected = [logp[n - 1 + i, tok].item() for i, tok in enumerate(c.token_ids)]
+        assert all(abs(e) <= 8.0 for e in expected)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, expected)) <= tol
+        _same_routes(c.routes, routes[:-1], cfg)

@@ -18,7 +18,7 @@ from megarl.sampler.engine import BuiltinEngine
 from megarl.sampler.model import KVCache, ModelSpec, forward, forward_tables, load_pretrained, prepare_weights
 from tests.helpers import run_forked_ranks
 from tests.sampler import TOL, make_tiny_model
-from tests.sampler.tp_worker import SEED, SWAP_STAGES, batches, drive, perturbed, rerouted
+from tests.sampler.tp_worker import SEED, SIGMOID_SWAP_LAYOUT, SWAP_STAGES, batches, drive, perturbed, rerouted
 
 
 
@@ -29,15 +29,22 @@ def qwen(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ranks(embedded_model_dir, embedded_moe_model_dir, qwen, tmp_path_factory) -> tuple[dict, dict]:
+def sigmoid_routed(tmp_path_factory) -> dict:
+    """A tiny GLM-4.5 and DeepSeek-V3 (tests/sampler.make_tiny_model: a dense first layer, then the sigmoid router, a
+    shared expert; DeepSeek-V3's multi-latent attention with a q latent)."""
+    return {kind: make_tiny_model(tmp_path_factory.mktemp(kind), kind) for kind in ("glm4_moe", "deepseek_v3")}
+
+
+@pytest.fixture(scope="module")
+def ranks(embedded_model_dir, embedded_moe_model_dir, qwen, sigmoid_routed, tmp_path_factory) -> tuple[dict, dict]:
     """The results of both ranks of one two-rank launch of the worker."""
     llama = make_tiny_model(tmp_path_factory.mktemp("llama_biased"), "llama", attention_bias=True, mlp_bias=True)
     qwen3_moe = make_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", norm_topk_prob=False)
     gemma3 = make_tiny_model(tmp_path_factory.mktemp("gemma3"), "gemma3")
     out = tmp_path_factory.mktemp("tp_worker")
     proc = run_forked_ranks("tests/sampler/tp_worker.py", 2, str(embedded_model_dir), str(llama), str(qwen),
-                            str(embedded_moe_model_dir), str(qwen3_moe), str(gemma3), str(out), timeout=240,
-                            warm="torch")
+                            str(embedded_moe_model_dir), str(qwen3_moe), str(gemma3), *map(str, sigmoid_routed.values()),
+                            str(out), timeout=300, warm="torch")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return tuple(torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
@@ -91,16 +98,18 @@ def test_shard_refuses_a_tp_size_that_does_not_divide_the_kv_heads(embedded_mode
         ModelSpec.from_hf_config(cfg).shard(2).shard(2)
 
 
-@pytest.mark.parametrize("model", ["embedded", "llama_biased", "moe", "qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("model", ["embedded", "llama_biased", "moe", "qwen3_moe", "gemma3", "glm4_moe", "deepseek_v3"])
 def test_tp2_forward_equals_tp1_and_is_bit_identical_across_ranks(ranks, model):
     """Prefill then two decode steps; the Llama has o_proj/down_proj biases (added once, after the all-reduce);
-    the MoE models (the embedded tiny Mixtral; a Qwen3-MoE, q/k norms and unnormalised top-k) route every
+    the MoE models (the embedded tiny Mixtral; a Qwen3-MoE, q/k norms and unnormalised top-k; GLM-4.5 and DeepSeek-V3,
+    a dense first layer, the shared expert split as one more expert, the router and its expert bias whole) route every
     position to the same experts as TP1 on both ranks; Gemma 3 normalises o_proj's and down_proj's outputs after
-    the all-reduce and scales the vocab-parallel embedding's sum."""
+    the all-reduce and scales the vocab-parallel embedding's sum; DeepSeek-V3's ranks each attend with half the heads
+    over the same latent cache."""
     for rank in ranks:
         for tp1, tp2 in zip(rank["forward"][model]["tp1"], rank["forward"][model]["tp2"]):
             assert (torch.log_softmax(tp2, -1) - torch.log_softmax(tp1, -1)).abs().max() <= TOL
-        if model in ("moe", "qwen3_moe"):
+        if model in ("moe", "qwen3_moe", "glm4_moe", "deepseek_v3"):
             assert torch.equal(rank["forward"][model]["tp2_routes"], rank["forward"][model]["tp1_routes"])
     for a, b in zip(ranks[0]["forward"][model]["tp2"], ranks[1]["forward"][model]["tp2"]):
         assert torch.equal(a, b)
@@ -199,6 +208,21 @@ def test_an_moe_engine_swapped_in_flight_at_tp2_routes_as_tp1_and_records_the_ne
         else:
             assert not np.array_equal(c.routes[:prompt], under_v3[:prompt])  # v3 computed none of its prompt
         assert not np.array_equal(under_v1, under_v3)  # the test tells the versions apart
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3"])
+def test_a_sigmoid_routed_moe_swapped_in_flight_at_tp2_equals_tp1(ranks, sigmoid_routed, kind, policy):
+    """The swap schedule on GLM-4.5 and DeepSeek-V3 ("keep" on the paged KV layout, "recompute" on the contiguous
+    one), versions 2 and 3 with their routers rolled: both ranks agree bit for bit, and tokens, log-probs and every
+    position's routes equal a TP1 engine's with the same staging and layout (which tests/sampler/test_engine_moe.py
+    holds to transformers across an in-flight update, on both layouts)."""
+    lead, follower = ranks[0][f"{kind}_swap_{policy}"], ranks[1][f"{kind}_swap_{policy}"]
+    assert all(_same(lead["done"][rid], follower["done"][rid]) for rid in lead["done"])
+    assert lead["stats"]["swaps"] == follower["stats"]["swaps"] == 2
+    assert any(len(set(c.versions)) > 1 for c in lead["done"].values())  # requests ran across swaps
+    _close_to_tp1(lead["done"], tp1_run(sigmoid_routed[kind], rerouted, kv_on_update=policy,
+                                        **SIGMOID_SWAP_LAYOUT[policy]))
 
 
 def test_follower_names_the_version_that_never_arrives(ranks):

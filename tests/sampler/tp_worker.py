@@ -1,13 +1,14 @@
 """Worker of tests/sampler/test_tensor_parallel.py: one rank of a two-rank tensor-parallel built-in engine.
 
     torchrun --nproc-per-node=2 tests/sampler/tp_worker.py EMBEDDED_DIR BIASED_LLAMA_DIR QWEN_DIR MOE_DIR \
-        QWEN3_MOE_DIR OUT_DIR
+        QWEN3_MOE_DIR GEMMA3_DIR GLM4_MOE_DIR DEEPSEEK_V3_DIR OUT_DIR
 
 Runs the scenarios in order over one gloo TP group and writes what each rank saw to OUT_DIR/rank{r}.pt:
   forward   - TP2 and TP1 logits of the same prefill + decode steps (four models: the embedded Qwen2, a
               Llama with non-zero o_proj/down_proj biases, which TP adds once after the all-reduce, the
               embedded tiny Mixtral (MOE_DIR) and a tiny Qwen3-MoE with q/k norms (QWEN3_MOE_DIR); the MoE
-              models' routes too);
+              models' routes too), and Gemma 3, GLM-4.5 and DeepSeek-V3 (multi-latent attention: heads split, the
+              latents whole);
   generate  - rank 0 drives a TPLeadEngine, rank 1 runs run_follower; sampled requests, some added
               mid-run, on a random tiny Qwen2 (QWEN_DIR: high-entropy next tokens, unlike the embedded
               model on random prompts); both ranks' completions;
@@ -17,7 +18,9 @@ Runs the scenarios in order over one gloo TP group and writes what each rank saw
   swap_paged - the swap schedule on the paged KV layout (blocks of 4 positions);
   missing   - the lead plans version 2, which the follower's receiver never stages: the follower's error;
   moe_swap_keep, moe_swap_recompute - the swap schedule on the embedded tiny Mixtral under each
-              kv_on_update policy, versions 2 and 3 with their routers' rows rolled (`rerouted`): routes move.
+              kv_on_update policy, versions 2 and 3 with their routers' rows rolled (`rerouted`): routes move;
+  {glm4_moe,deepseek_v3}_swap_{keep,recompute} - the same on the sigmoid-routed families (shared expert, expert
+              bias, a dense first layer), "keep" on the paged KV layout (SIGMOID_SWAP_LAYOUT).
 The schedule (`drive`) and the weights (`perturbed`) are shared with the test's TP1 reference.
 """
 from __future__ import annotations
@@ -43,6 +46,8 @@ TIMEOUT_S = 30.0
 SEED = 11
 ADD_LATER_AT = 2  # the step before which the second batch of requests is added
 SWAP_STAGES = {3: 2, 6: 3}  # lead step -> version it stages right before that step
+# The KV layout of the sigmoid-routed families' swap scenario under each policy (both layouts, both policies, in two runs)
+SIGMOID_SWAP_LAYOUT = {"keep": dict(kv_layout="paged", kv_block_size=4), "recompute": {}}
 
 
 def perturbed(weights: dict[str, torch.Tensor], seed: int, scale: float = 0.02) -> dict[str, torch.Tensor]:
@@ -169,8 +174,8 @@ def run_pair(rank: int, group, engine: BuiltinEngine, stage_lead, follower_stage
 
 
 def main() -> None:
-    embedded_dir, llama_dir, qwen_dir, moe_dir, qwen3_moe_dir, gemma3_dir = sys.argv[1:7]
-    out = Path(sys.argv[7])
+    embedded_dir, llama_dir, qwen_dir, moe_dir, qwen3_moe_dir, gemma3_dir, glm4_moe_dir, deepseek_v3_dir = sys.argv[1:9]
+    out = Path(sys.argv[9])
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     rank = dist.get_rank()
     group = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
@@ -179,7 +184,9 @@ def main() -> None:
                            "llama_biased": forward_logits(llama_dir, rank, group),
                            "moe": forward_logits(moe_dir, rank, group),
                            "qwen3_moe": forward_logits(qwen3_moe_dir, rank, group),
-                           "gemma3": forward_logits(gemma3_dir, rank, group)}}
+                           "gemma3": forward_logits(gemma3_dir, rank, group),
+                           "glm4_moe": forward_logits(glm4_moe_dir, rank, group),
+                           "deepseek_v3": forward_logits(deepseek_v3_dir, rank, group)}}
 
     # generate: sampled, continuous batching (4 slots for 10 requests), no swap.
     engine = BuiltinEngine.from_pretrained(qwen_dir, tp_group=group, max_running=4, max_seq_len=32,
@@ -191,6 +198,9 @@ def main() -> None:
                                       kv_layout="paged", kv_block_size=4)
     for policy in ("keep", "recompute"):
         results[f"moe_swap_{policy}"] = swap_pair(moe_dir, rank, group, policy, lambda full, v: rerouted(full, v))
+        for kind, model_dir in (("glm4_moe", glm4_moe_dir), ("deepseek_v3", deepseek_v3_dir)):
+            results[f"{kind}_swap_{policy}"] = swap_pair(model_dir, rank, group, policy, rerouted,
+                                                         **SIGMOID_SWAP_LAYOUT[policy])
 
     # missing: the lead, idle, applies a v2 that the follower never receives (the lead's step runs no
     # forward, so it does not wait; it sends no stop, the follower has left).
