@@ -46,12 +46,12 @@ def served(hf):
     return {"weights": hf[0].state_dict()}
 
 
-def _requests(tok, prompts, n, max_new_tokens=48, temperature=TEMPERATURE, tag="r", stop_token_ids=(EOS,)):
+def _requests(tok, prompts, n, max_new_tokens=48, temperature=TEMPERATURE, tag="r"):
     out = []
     for i in range(n):
         ids = tok.encode(prompts[i % len(prompts)], add_special_tokens=False)
         out.append(GenerationRequest(f"{tag}{i}", ids, SamplingParams(temperature, 1.0, 0, max_new_tokens),
-                                     stop_token_ids=stop_token_ids))
+                                     stop_token_ids=(EOS,)))
     return out
 
 
@@ -280,8 +280,8 @@ def test_update_mid_rollout_versions_and_kv_policy_exact(engine, hf, served, pol
     # finished (CI saw both: every request ended whole on one side of it), or land only where the model is so sure
     # of its next tokens that both versions give them the same log-prob, so a boundary one token off would not show
     # (CI saw that too): then the round is repeated with new requests and a new version, up to five times, each
-    # repeat with requests that run to the server's context (no stop token: the count model ends a reply after
-    # ~30 tokens), so the server has more than twice the decoding left to do when the wait sees one mid-rollout.
+    # repeat with three times the requests (the server runs 8 at once: three waves), so the server still has two
+    # waves to decode when the wait sees one request mid-rollout.
     def boundary_tells(c, b):  # token b-1 relabelled new and token b old would both fail the `assigned` check
         got = torch.tensor(c.logprobs)
         old_lp, _ = _hf_logprobs(old_model, c.prompt_ids, c.token_ids, TEMPERATURE)
@@ -302,8 +302,8 @@ def test_update_mid_rollout_versions_and_kv_policy_exact(engine, hf, served, pol
         old_model.load_state_dict(served["weights"], strict=False)
         old_model.tie_weights()
 
-        longer = {"max_new_tokens": 120, "stop_token_ids": ()} if attempt else {"max_new_tokens": 60}
-        requests = _requests(tok, ["a-z=", "b-y=", "c-x="], 8, tag=f"{case}-u{attempt}", **longer)
+        requests = _requests(tok, ["a-z=", "b-y=", "c-x="], 24 if attempt else 8, max_new_tokens=60,
+                             tag=f"{case}-u{attempt}")
         version = engine.version + 1
         for r in requests:
             engine.add_request(r)
