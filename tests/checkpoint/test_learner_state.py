@@ -206,9 +206,9 @@ def test_a_checkpoint_of_another_architecture_is_refused_by_name():
 
 def test_a_checkpoint_resumes_under_another_tp_pp_dp_but_only_under_the_learner_ep_that_saved_it():
     """megatron-core chains a second Adam for expert-parallel experts at learner.ep > 1 and numbers its state by the
-    experts a rank holds: a checkpoint saved at ep=2 failed deep inside megatron's loader at ep=1 (a KeyError over
-    `chained_0.` keys); `megarl train` and the learner now refuse it by name first. A manifest written before ep was
-    recorded reads as ep=1."""
+    experts a rank holds: its loader, given a checkpoint saved at ep=2 under ep=1, fails deep inside with a KeyError
+    over `chained_0.` keys, so `megarl train` and the learner refuse it by name first. A manifest without an ep (one
+    written at ep=1) reads as ep=1."""
     from megarl.checkpoint.manifest import check_resumable, layout_of
     from megarl.config.schema import LearnerConfig
 
