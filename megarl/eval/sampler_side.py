@@ -7,10 +7,12 @@ on how the engine receives versions:
 
 - the built-in engine stages them (`staged`): the pin is a second engine over the same weight tensors
   (BuiltinEngine.pinned: its own KV cache and seeded generator), made at the step boundary where the due
-  version becomes current. The evaluation then moves by one pinned-engine step per sampler step
-  (`ShareRun.advance`), interleaved with the training steps: the training engine keeps generating and
-  applies every version the learner publishes, so neither the learner's publish nor training generation
-  waits for an evaluation. The price is memory: a pinned version's weights stay alive until its evaluation
+  version becomes current. The evaluation then moves by pinned-engine steps (`ShareRun.advance`) between
+  the training steps, on the sampler's spare capacity first: at every turn of the sampler loop where the
+  training engine has nothing to do (its staleness budget spent: the learner is the slow side), and once
+  every EVAL_STEP_EVERY turns while it decodes, so an evaluation also ends on a sampler that is the slow
+  side. The training engine keeps generating and applies every version the learner publishes, so neither
+  the learner's publish nor training generation waits for an evaluation. The price is memory: a pinned version's weights stay alive until its evaluation
   ends, one weight copy more than the training engine's own (current + staged) once it has moved on, at most
   MAX_PINNED of them; a due version that would pin one more first finishes the oldest evaluation, with training
   generation paused for that long (every_steps small against an evaluation's length; the demo never does).
@@ -51,6 +53,9 @@ HOLD_POLL_S = 0.2  # how often a held update looks at should_stop
 # Evaluations of a built-in engine in progress at once, each holding its version's weights (one copy each once the
 # training engine has moved on): a due version beyond them first finishes the oldest one.
 MAX_PINNED = 2
+# While the training engine has work, an evaluation moves one step per this many of the sampler's turns (the training
+# engine steps at every turn); with none, at every turn.
+EVAL_STEP_EVERY = 4
 
 
 def result_key(version: int, share: int) -> str:
@@ -72,6 +77,7 @@ class VersionEvaluator:
         self.running: list[tuple[ShareRun, int]] = []  # built-in: evaluations in progress, oldest first, each with
         # `applied` when it was pinned
         self.applied = 0  # versions this evaluator applied to the engine
+        self.turns = 0  # sampler turns with an evaluation in progress
         self.samples = JsonlAppender(Path(cfg.run.dir) / SAMPLES_FILE)
 
     def before_step(self, engine, between_steps: Callable[[], None]) -> None:
@@ -104,8 +110,12 @@ class VersionEvaluator:
             self.running.append((ShareRun(*self._share_run_args(engine)), self.applied))
         if self.running:
             run, _ = self.running[0]
-            if not run.advance() and not run.done and engine.num_unfinished == 0:
-                run.wait_environment(ENV_WAIT_S / 4)  # nothing else to do: do not spin while a tool runs
+            self.turns += 1
+            # Spare capacity first: every turn while the training engine has nothing to do (its staleness budget
+            # spent), one turn in EVAL_STEP_EVERY while it decodes, so an evaluation ends on a saturated sampler too.
+            if engine.num_unfinished == 0 or self.turns % EVAL_STEP_EVERY == 0:
+                if not run.advance() and not run.done and engine.num_unfinished == 0:
+                    run.wait_environment(ENV_WAIT_S / 4)  # nothing else to do: do not spin while a tool runs
             if run.done:
                 self._finish_oldest(between_steps)
 

@@ -12,9 +12,10 @@ Sync mode (the baseline): right after each new version is applied the sampler st
 share of one batch and then waits, generating nothing, until the learner publishes again.
 
 Evaluation (eval.sets): at the step boundary where a due version becomes current, the built-in engine's
-sampler pins it (a second engine over the same weights) and runs its share of the held-out sets there, one
-pinned-engine step per loop iteration between its training steps; the training engine keeps generating and
-applying the versions published meanwhile (megarl/eval/sampler_side.py). An HTTP engine's sampler runs its
+sampler pins it (a second engine over the same weights) and runs its share of the held-out sets there, in
+pinned-engine steps between its training steps (at every turn where the training engine is idle, one in four
+while it decodes); the training engine keeps generating and applying the versions published meanwhile
+(megarl/eval/sampler_side.py). An HTTP engine's sampler runs its
 share to completion at that boundary, and the thread that updates its server waits before it (hold_update).
 
 Staleness budget (pipeline mode): a sampler may have at most ceil((max_lag + 1) * prompts_per_step / samplers)
@@ -342,7 +343,7 @@ class SamplerLoop:
                         self.new_version.wait(STOP_POLL_S)
                 self.new_version.clear()
                 if self.evaluator is not None:  # it applies staged versions, pins a due one and moves an evaluation
-                    # in progress by one step, between the training steps (megarl/eval/sampler_side.py)
+                    # in progress between the training steps (megarl/eval/sampler_side.py)
                     self.evaluator.before_step(self.engine, heartbeat.beat)
                 had_work = self.engine.num_unfinished > 0
                 start, decoded = time.time(), self.engine.stats()["tokens_decoded"]
