@@ -37,6 +37,9 @@ imported what they share, and the two-rank checks fork their ranks from it, wher
                     one-GPU run uses, vs one raw broadcast of the same bytes, vs a device-to-device copy
   stale_mask        e2e_train with algo.stale=mask_tokens (groups sent as they finish, max_lag 1): no group dropped
                     as stale, the share of tokens given no policy gradient instead (megarl/rollout/batch.py)
+  eval_overlap      e2e_train with a held-out evaluation every 5 steps, then without: each evaluation's seconds and
+                    the versions the training engine applied while it ran, the learner's first-to-last-step time
+                    and median queue wait in both (docs/eval.md "Cost": evaluation steps between training steps)
   generic_path      the built-in engine's generic model (megarl/sampler/hf_model.py: transformers' own modules
                     and a per-slot KV cache, docs/models.md#the-generic-path) on a Granite of learner_step's
                     shape (a type megarl has no family for; bf16): generated tokens/s against the native engine

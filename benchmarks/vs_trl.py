@@ -519,6 +519,8 @@ def run_with_eval(args, out: Path, seed: int) -> dict:
     line["median_target_time_ratio_on_over_off"] = on and off and round(on / off, 3)
     line["median_last_step_time_ratio_on_over_off"] = round(line["median_train_s_to_last_step_eval_on"]
                                                             / line["median_train_s_to_last_step_eval_off"], 3)
+    # Each pair's own ratio, its two runs made back to back under about the same load, then their median.
+    line["median_pair_target_time_ratio_on_over_off"] = median([r.get("target_time_ratio_on_over_off") for r in rounds])
     line["median_learner_lost_s"] = median([r["learner_lost_s"] for r in rounds])
     return {**line, "rounds": rounds}
 
