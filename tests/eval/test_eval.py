@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megarl.config.load import ConfigError, load_config
 from megarl.eval.learner_side import EvalCollector
 from megarl.eval.run import eval_seed, run_share
-from megarl.eval.sampler_side import MAX_PINNED, VersionEvaluator, result_key
+from megarl.eval.sampler_side import EVAL_STEP_EVERY, MAX_PINNED, VersionEvaluator, result_key
 from megarl.eval.sets import build_sets, check_sets, due_versions, prompt_count
 from megarl.models.convert import load_pretrained
 from megarl.observe.jsonl import read_jsonl
@@ -62,6 +62,12 @@ def test_the_training_engine_applies_a_new_version_while_the_previous_one_is_eva
     evaluator.before_step(engine, lambda: pytest.fail("an evaluation was run to completion"))  # pins version 0
     training_step(engine)
     assert evaluator.evaluating and evaluator.pending == [0, 2, 4]
+    pinned = evaluator.running[0][0].engine
+    before = pinned.stats()["decode_steps"]
+    for _ in range(EVAL_STEP_EVERY):  # the training engine decodes: one evaluation step in EVAL_STEP_EVERY turns
+        evaluator.before_step(engine, lambda: pytest.fail("an evaluation was run to completion"))
+        training_step(engine)
+    assert pinned.stats()["decode_steps"] == before + 1 and engine.num_unfinished
     engine.stage_weights(scaled(weights, 1.25), 1)  # the learner's publish: staged by the receiver, nothing waits
     evaluator.before_step(engine, lambda: pytest.fail("an evaluation was run to completion"))
     assert engine.version == 1 and evaluator.evaluating and 0 in evaluator.pending
