@@ -6,7 +6,8 @@
 # on the device, sequence packing on and off on a long-tailed batch (step time, padding, peak memory), the learner's
 # SDPA attention against megatron's unfused one (time, memory, difference), the demo with evaluation every 5 steps
 # against none (eval_overlap: the learner's time and waits, the versions applied during each evaluation). Prints one
-# JSON line at the end (also $OUT/gpu_check.json when $OUT is set). docs/benchmarks.md#the-gpu-check--benchmarksgpu_checksh.
+# JSON line at the end (also $OUT/gpu_check.json when $OUT is set).
+# docs/benchmarks.md#the-gpu-check--benchmarksgpu_checksh.
 #
 #   bash benchmarks/gpu_check.sh --print-wheels       # here: the wheels it needs and the pip download line
 #   python benchmarks/gpu_check.py --print-wheels | tail -1 | sh   # here: fetch them into .whl/gpu_check

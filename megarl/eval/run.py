@@ -70,10 +70,9 @@ def check_versions(request_id: str, versions: list[int], version: int) -> None:
 
 class ShareRun:
     """Share `share` of every set in progress on `engine` (its own, idle at the start, holding one version; closed
-    with the share): the requests go
-    in at construction; `advance()` moves it by one engine step, or submits the next turns of episodes whose
-    environment steps have all settled, and never blocks, so a sampler can interleave it with its training steps;
-    `result()` scores it once `done`."""
+    with the share): the requests go in at construction; `advance()` moves it by one engine step, or submits the
+    next turns of episodes whose environment steps have all settled, and never blocks, so a sampler can interleave
+    it with its training steps; `result()` scores it once `done`; `finish()` does both to the end."""
 
     def __init__(self, engine, tokenizer, sets: list[EvalSet], cfg, share: int, shares: int):
         if engine.num_unfinished:
@@ -142,6 +141,15 @@ class ShareRun:
                 runner.ready.clear()
                 return
 
+    def finish(self, between_steps: Callable[[], None] = lambda: None) -> dict:
+        """Advance to the end (waiting for environment steps where nothing else can move) and return the result;
+        `between_steps` runs after every step and every wait."""
+        while not self.done:
+            if not self.advance():
+                self.wait_environment(ENV_WAIT_S)
+            between_steps()
+        return self.result()
+
     def close(self) -> None:
         """Stop the episodes' environment threads and the engine (the share's own: a pinned built-in engine holds
         nothing to release, an HTTP view its request threads)."""
@@ -191,11 +199,7 @@ def run_share(engine, tokenizer, sets: list[EvalSet], cfg, share: int, shares: i
     ShareRun's result. `between_steps` runs after every engine step and while environment steps are awaited."""
     run = ShareRun(engine, tokenizer, sets, cfg, share, shares)
     try:
-        while not run.done:
-            if not run.advance():
-                run.wait_environment(ENV_WAIT_S)
-            between_steps()
-        return run.result()
+        return run.finish(between_steps)
     finally:
         run.close()
 

@@ -12,10 +12,11 @@ on how the engine receives versions:
   training engine has nothing to do (its staleness budget spent: the learner is the slow side), and once
   every EVAL_STEP_EVERY turns while it decodes, so an evaluation also ends on a sampler that is the slow
   side. The training engine keeps generating and applies every version the learner publishes, so neither
-  the learner's publish nor training generation waits for an evaluation. The price is memory: a pinned version's weights stay alive until its evaluation
-  ends, one weight copy more than the training engine's own (current + staged) once it has moved on, at most
-  MAX_PINNED of them; a due version that would pin one more first finishes the oldest evaluation, with training
-  generation paused for that long (every_steps small against an evaluation's length; the demo never does).
+  the learner's publish nor training generation waits for an evaluation. The price is memory: a pinned
+  version's weights stay alive until its evaluation ends, one weight copy more than the training engine's
+  own (current + staged) once it has moved on, at most MAX_PINNED of them; a due version that would pin one
+  more first finishes the oldest evaluation, with training generation paused for that long (every_steps
+  small against an evaluation's length; the demo never does).
   Versions are applied here, from one snapshot of what is staged (a due one is applied first, exactly that
   one), rather than by the engine's step, so a due version staged between two looks is never skipped over;
   a due version this engine never ran (the staging buffer, which keeps two, dropped it while one step ran)
@@ -133,13 +134,12 @@ class VersionEvaluator:
 
     def _finish_oldest(self, between_steps: Callable[[], None]) -> None:
         """Run the oldest evaluation in progress to its end (at once when it is done) and post it."""
-        run, applied_at_pin = self.running[0]
-        while not run.done:
-            if not run.advance():
-                run.wait_environment(ENV_WAIT_S)
-            between_steps()
-        self.running.pop(0)
-        self._post_result(run.result(), self.applied - applied_at_pin)
+        run, applied_at_pin = self.running.pop(0)
+        try:
+            result = run.finish(between_steps)
+        finally:
+            run.close()
+        self._post_result(result, self.applied - applied_at_pin)
 
     def next_version(self, engine) -> int:
         """The version the engine's next step decodes under: what `before_step` applies (the oldest due
