@@ -37,6 +37,9 @@ imported what they share, and the two-rank checks fork their ranks from it, wher
                     one-GPU run uses, vs one raw broadcast of the same bytes, vs a device-to-device copy
   stale_mask        e2e_train with algo.stale=mask_tokens (groups sent as they finish, max_lag 1): no group dropped
                     as stale, the share of tokens given no policy gradient instead (megarl/rollout/batch.py)
+  eval_overlap      e2e_train with a held-out evaluation every 5 steps, then without: each evaluation's seconds and
+                    the versions the training engine applied while it ran, the learner's first-to-last-step time
+                    and median queue wait in both (docs/eval.md "Cost": evaluation steps between training steps)
   generic_path      the built-in engine's generic model (megarl/sampler/hf_model.py: transformers' own modules
                     and a per-slot KV cache, docs/models.md#the-generic-path) on a Granite of learner_step's
                     shape (a type megarl has no family for; bf16): generated tokens/s against the native engine
@@ -1475,6 +1478,27 @@ def check_stale_mask(args, size: Size) -> dict:
     return out
 
 
+def check_eval_overlap(args, size: Size) -> dict:
+    """The demo with a held-out evaluation every 5 steps, then without: each evaluation's seconds and the versions the
+    training engine applied while it ran (publishes_during > 0: the learner's publishes went on), and the learner's
+    time from its first to its last step and median queue wait in both runs (docs/eval.md "Cost")."""
+    out = {}
+    for name, overrides in (("eval_on", ["eval.every_steps=5"]), ("eval_off", ["eval.sets=[]"])):
+        run, rows = run_demo(args, size, f"eval_overlap_{name}", overrides)
+        out[name] = run
+        if rows:
+            waits = sorted(r["queue_wait_s"] for r in rows)
+            run.update(first_to_last_step_s=round(rows[-1]["time"] - rows[0]["time"], 2),
+                       median_queue_wait_s=round(waits[len(waits) // 2], 4))
+        if rows and name == "eval_on":
+            records = [json.loads(line) for line in
+                       (Path(args.workdir) / f"eval_overlap_{name}" / "metrics.jsonl").read_text().splitlines()]
+            run["evaluations"] = [{"version": r["eval_version"], "eval_s": round(r["eval_s"], 3),
+                                   "publishes_during": r["eval/publishes_during"]}
+                                  for r in records if r.get("kind") == "eval"]
+    return out
+
+
 def masked_token_frac(rows: list[dict]) -> float:
     """The share of a run's trained tokens the loss's lag bound (loss.max_token_lag) gave no policy gradient."""
     tokens = sum(r["mask/tokens"] for r in rows)
@@ -2031,7 +2055,8 @@ CHECKS = {"env": (check_env, 60), "learner_step": (check_learner_step, 150), "en
           "samplers_add_remove": (check_samplers_add_remove, 240), "sglang_add_remove": (check_sglang_add_remove, 240),
           "gpt_oss_engine": (check_gpt_oss_engine, 150), "pp_replace": (check_pp_replace, 180),
           "sync_replace": (check_sync_replace, 180),
-          "lora_families": (check_lora_families, 180), "tp_replace": (check_tp_replace, 180)}
+          "lora_families": (check_lora_families, 180), "tp_replace": (check_tp_replace, 180),
+          "eval_overlap": (check_eval_overlap, 240)}
 LEARNER_FALLBACKS = ["cpu:gloo,cuda:nccl", "gloo"]
 # Each check's limit on CPU bounds a hang, it is no speed test: a check there is mostly process starts and imports,
 # which a loaded 2-core machine slows several-fold (context_parallel's two torchrun ranks took over 75 s at load 20).

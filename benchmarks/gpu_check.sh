@@ -4,8 +4,10 @@
 # replay (router agreement, log-prob gap, off vs r3), LoRA (adapter-only publish, engine merge, lag-0 gap; also on
 # Phi-3, gpt-oss and DeepSeek-V3), a short `megarl train` with learner and sampler on the one GPU, publish bandwidth
 # on the device, sequence packing on and off on a long-tailed batch (step time, padding, peak memory), the learner's
-# SDPA attention against megatron's unfused one (time, memory, difference). Prints one JSON line at the end (also
-# $OUT/gpu_check.json when $OUT is set). docs/benchmarks.md#the-gpu-check--benchmarksgpu_checksh.
+# SDPA attention against megatron's unfused one (time, memory, difference), the demo with evaluation every 5 steps
+# against none (eval_overlap: the learner's time and waits, the versions applied during each evaluation). Prints one
+# JSON line at the end (also $OUT/gpu_check.json when $OUT is set).
+# docs/benchmarks.md#the-gpu-check--benchmarksgpu_checksh.
 #
 #   bash benchmarks/gpu_check.sh --print-wheels       # here: the wheels it needs and the pip download line
 #   python benchmarks/gpu_check.py --print-wheels | tail -1 | sh   # here: fetch them into .whl/gpu_check

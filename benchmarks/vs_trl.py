@@ -5,7 +5,7 @@
     python benchmarks/vs_trl.py --dry-run      # the settings table and the plan; runs nothing
     python benchmarks/vs_trl.py --out runs/vs_trl_wide model.path=embedded:tiny-qwen2-count-wide   # 7x larger model
     python benchmarks/vs_trl.py --shape qwen3-0.6b [--steps 3]   # random weights at Qwen3-0.6B's shape
-    python benchmarks/vs_trl.py --with-eval [--steps 200]         # megarl only: held-out evaluation on vs off
+    python benchmarks/vs_trl.py --with-eval [--steps 200] [--repeats 1]  # megarl only: held-out evaluation on vs off
 
 Runs, one after the other: `megarl train configs/demo.yaml` in pipeline mode, the same in sync mode, and TRL
 1.16.0's GRPOTrainer in its own cached environment (benchmarks/trl_env.py, built once: TRL is never installed
@@ -35,7 +35,9 @@ beside them; TRL: generate / train, taking turns) and each process's peak RSS (b
 ratios in the JSON line. Every run also records its processes' peak RSS.
 `--with-eval` runs megarl pipeline on the demo with its held-out evaluation on and off (no TRL) and reports what
 evaluation costs the learner: the time to the target and to the last step in each, the extra queue wait after each
-evaluation over the run's typical wait, and the wait for the final evaluation after the last step.
+evaluation over the run's typical wait, and the wait for the final evaluation after the last step, with the load
+average around each run. With `--repeats N` it runs N such pairs (seeds run.seed + i, evaluation on first in even
+pairs, off first in odd ones) and adds the medians over the pairs and their ratios.
 """
 from __future__ import annotations
 
@@ -463,28 +465,64 @@ def eval_cost(records: list[dict], after: int = AFTER_EVAL_STEPS) -> dict:
             "final_eval_wait_s": round(max([0.0] + [e["time"] - last for e in evals]), 3)}
 
 
-def run_with_eval(args, out: Path) -> dict:
-    """megarl pipeline on the demo with its held-out evaluation on, then off: the time to the target and to the
-    last step of each, the end of the command after the last step, and what evaluation cost the learner."""
-    runs = {"eval on": run_megarl("pipeline", out, args.steps, args.overrides, base=("algo.advantage.eps=1e-4",),
-                                  name="pipeline_eval_on"),
-            "eval off": run_megarl("pipeline", out, args.steps, args.overrides, name="pipeline_eval_off")}
-    line = {}
+def eval_round(args, out: Path, seed: int, on_first: bool) -> dict:
+    """One pair: megarl pipeline on the demo with its held-out evaluation on and off (in that order, or off first),
+    run seed `seed`: the time to the target and to the last step of each, the end of the command after the last
+    step, what evaluation cost the learner, and the load average before and after each run."""
+    overrides = [*args.overrides, f"run.seed={seed}"]
+    order = ["eval on", "eval off"] if on_first else ["eval off", "eval on"]
+    runs, loads = {}, {}
+    for name in order:
+        before = os.getloadavg()[0]
+        runs[name] = (run_megarl("pipeline", out, args.steps, overrides, base=("algo.advantage.eps=1e-4",),
+                                 name="pipeline_eval_on") if name == "eval on" else
+                      run_megarl("pipeline", out, args.steps, overrides, name="pipeline_eval_off"))
+        loads[name] = [round(before, 1), round(os.getloadavg()[0], 1)]
+    line = {"seed": seed, "order": order}
     for name, r in runs.items():
         records = [json.loads(x) for x in (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
         target = r["summary"]["reached"].get(str(TARGET))
-        line[name] = {"train_s_to_target": target and target["train_s"], "train_s_to_last_step": r["summary"]["train_s"],
+        line[name] = {"train_s_to_target": target and target["train_s"], "step_to_target": target and target["step"],
+                      "train_s_to_last_step": r["summary"]["train_s"],
                       "end_after_last_step_s": round(r["ended"] - r["launch"] - r["curve"]["wall_s"][-1], 3),
-                      **eval_cost(records)}
+                      "load_average": loads[name], **eval_cost(records)}
     on, off = line["eval on"], line["eval off"]
     if on["train_s_to_target"] and off["train_s_to_target"]:
         line["target_time_ratio_on_over_off"] = round(on["train_s_to_target"] / off["train_s_to_target"], 3)
     line["last_step_time_ratio_on_over_off"] = round(on["train_s_to_last_step"] / off["train_s_to_last_step"], 3)
     line["learner_lost_s"] = round(on["extra_queue_wait_s"] + on["final_eval_wait_s"], 3)
     (out / "results.json").write_text(json.dumps({"runs": runs, "line": line}))
-    for name, r in line.items():
-        print(f"  {name}: {r}")
+    for name in order:
+        print(f"  {name}: {line[name]}", flush=True)
     return line
+
+
+def run_with_eval(args, out: Path, seed: int) -> dict:
+    """`--repeats` pairs (round i: run seed `seed` + i, evaluation on first in even rounds, off first in odd ones, so
+    a load that rises or falls during a pair favours neither side): each round's line and, over the rounds, the
+    median time to the target and to the last step with evaluation on and off and their ratios (steps to the target
+    move by tens of percent from seed to seed and with the timing of the rollouts, so one pair cannot show a 10%
+    difference; the medians of alternating pairs can)."""
+    rounds = []
+    for i in range(args.repeats):
+        print(f"\n=== pair {i + 1} of {args.repeats} (run.seed={seed + i}) ===", flush=True)
+        rounds.append(eval_round(args, out / f"round{i}" if args.repeats > 1 else out, seed + i, on_first=i % 2 == 0))
+    if len(rounds) == 1:
+        return rounds[0]
+    def median(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    line = {f"median_{key}_{side.replace(' ', '_')}": median([r[side][key] for r in rounds])
+            for key in ("train_s_to_target", "train_s_to_last_step") for side in ("eval on", "eval off")}
+    on, off = line["median_train_s_to_target_eval_on"], line["median_train_s_to_target_eval_off"]
+    line["median_target_time_ratio_on_over_off"] = on and off and round(on / off, 3)
+    line["median_last_step_time_ratio_on_over_off"] = round(line["median_train_s_to_last_step_eval_on"]
+                                                            / line["median_train_s_to_last_step_eval_off"], 3)
+    # Each pair's own ratio, its two runs made back to back under about the same load, then their median.
+    line["median_pair_target_time_ratio_on_over_off"] = median([r.get("target_time_ratio_on_over_off") for r in rounds])
+    line["median_learner_lost_s"] = median([r["learner_lost_s"] for r in rounds])
+    return {**line, "rounds": rounds}
 
 
 def round_ratios(results: dict) -> dict:
@@ -596,7 +634,7 @@ def main() -> None:
         return
     out = ROOT / args.out
     if args.with_eval:
-        print(json.dumps({"with_eval": True, **run_with_eval(args, out)}))
+        print(json.dumps({"with_eval": True, **run_with_eval(args, out, cfg.run.seed)}))
         return
     if args.repeats == 1:
         results = run_round(args, out, cfg.run.seed)

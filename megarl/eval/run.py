@@ -3,10 +3,13 @@ one policy version, scored, with every token's version checked against it.
 
 The engine is a *pinned* built-in engine (BuiltinEngine.pinned: the sampler's current weights, its own
 KV cache and a generator seeded by `eval_seed(cfg, share)`), so nothing it generates can come from
-another version; `run_share` still checks every token's recorded version and raises rather than report
-a mixed score. `megarl eval` runs the same function on an engine loaded from a model directory with the
-same seed and batch size, which is why the score of version 0 in a run equals `megarl eval` on the base
-model (tests/roles/test_train_e2e.py).
+another version; its result still checks every token's recorded version and raises rather than report
+a mixed score. A share is a `ShareRun`, moved one engine step at a time by `advance()`: a sampler interleaves
+those steps with its own training steps (megarl/eval/sampler_side.py), `run_share` runs them back to back.
+The requests, their order and the pinned engine's generator are the same either way, so what a share
+generates does not depend on what ran between its steps: `megarl eval` runs `run_share` on an engine loaded
+from a model directory with the same seed and batch size, which is why the score of version 0 in a run equals
+`megarl eval` on the base model (tests/roles/test_train_e2e.py).
 
 Prompt i of a set goes to share i % shares (each sampler engine evaluates one share). Each prompt gets
 eval.samples sampled completions (eval.temperature) and, with eval.greedy, one greedy completion; all
@@ -65,33 +68,36 @@ def check_versions(request_id: str, versions: list[int], version: int) -> None:
                                 f"version(s) {sorted(set(wrong))}, not {version}; no score reported")
 
 
-def run_share(engine, tokenizer, sets: list[EvalSet], cfg, share: int, shares: int,
-              between_steps: Callable[[], None] = lambda: None) -> dict:
-    """Generate and score share `share` of every set on `engine` (idle, holding one version); returns
-    {"version", "seconds", "records": one per sample, "skipped_overlong": {set: count}}.
-    `between_steps` runs after every engine step and while environment steps are awaited (the sampler beats
-    its heartbeat there)."""
-    if engine.num_unfinished:
-        raise RuntimeError("run_share needs an idle engine")
-    ec, version, start = cfg.eval, engine.version, time.perf_counter()
-    max_new = ec.max_new_tokens or cfg.sampling.max_new_tokens
-    sampled = SamplingParams(ec.temperature, 1.0, 0, max_new)
-    greedy = SamplingParams(0.0, 1.0, 0, max_new)
-    stop = (tokenizer.eos_token_id,)
-    limits = EpisodeLimits.of(cfg.task, cfg.sampler.max_seq_len, 1)
-    runners = {s.name: EpisodeRunner(s.task, tokenizer, engine.add_request, sampled, limits, stop,
-                                     cfg.task.env_workers) for s in sets if is_multi_turn(s.task)}
-    groups: dict[tuple[str, int], list[str]] = {}  # (set, prompt index) -> sample keys, in sample order
-    skipped = {s.name: 0 for s in sets}
-    done: dict[str, Completion | Episode] = {}
-    try:
+class ShareRun:
+    """Share `share` of every set in progress on `engine` (its own, idle at the start, holding one version; closed
+    with the share): the requests go in at construction; `advance()` moves it by one engine step, or submits the
+    next turns of episodes whose environment steps have all settled, and never blocks, so a sampler can interleave
+    it with its training steps; `result()` scores it once `done`; `finish()` does both to the end."""
+
+    def __init__(self, engine, tokenizer, sets: list[EvalSet], cfg, share: int, shares: int):
+        if engine.num_unfinished:
+            raise RuntimeError("an evaluation share needs an idle engine")
+        ec = cfg.eval
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.version, self.start = engine.version, time.perf_counter()
+        max_new = ec.max_new_tokens or cfg.sampling.max_new_tokens
+        sampled = SamplingParams(ec.temperature, 1.0, 0, max_new)
+        greedy = SamplingParams(0.0, 1.0, 0, max_new)
+        stop = (tokenizer.eos_token_id,)
+        limits = EpisodeLimits.of(cfg.task, cfg.sampler.max_seq_len, 1)
+        self.sets = {s.name: s for s in sets}
+        self.runners = {s.name: EpisodeRunner(s.task, tokenizer, engine.add_request, sampled, limits, stop,
+                                              cfg.task.env_workers) for s in sets if is_multi_turn(s.task)}
+        self.groups: dict[tuple[str, int], list[str]] = {}  # (set, prompt index) -> sample keys, in sample order
+        self.skipped = {s.name: 0 for s in sets}
+        self.finished: dict[str, Completion | Episode] = {}
         for s in sets:
-            runner = runners.get(s.name)
+            runner = self.runners.get(s.name)
             for i in share_indices(len(s.prompts), share, shares):
                 prompt = s.prompts[i]
                 ids = runner.opening(prompt).ids if runner else tokenizer.encode(prompt.text, add_special_tokens=False)
                 if not ids or len(ids) + 1 > cfg.sampler.max_seq_len:
-                    skipped[s.name] += 1
+                    self.skipped[s.name] += 1
                     continue
                 keys = [f"eval/{s.name}/{i}/{j}" for j in range(ec.samples)]
                 keys += [f"eval/{s.name}/{i}/g"] if ec.greedy else []
@@ -101,58 +107,101 @@ def run_share(engine, tokenizer, sets: list[EvalSet], cfg, share: int, shares: i
                         runner.start(key, prompt, runner.opening(prompt), params)
                     else:
                         engine.add_request(GenerationRequest(key, ids, params, stop))
-                groups[(s.name, i)] = keys
-        while engine.num_unfinished or any(r.episodes for r in runners.values()):
-            if engine.num_unfinished:
-                for completion in engine.step():
-                    runner = runners.get(completion.request_id.split("/")[1])  # set names hold no '/'
-                    if runner is None:
-                        done[completion.request_id] = completion
-                    elif (ended := runner.on_completion(completion)) is not None:
-                        done[ended.key] = ended
-                between_steps()
-                continue
-            # The engine is idle: every running episode waits for its environment. The next turns go in together,
-            # once every step has settled, so the requests' order does not depend on the tool's timing.
-            for runner in runners.values():
-                while not runner.all_settled():
-                    runner.ready.wait(ENV_WAIT_S)
-                    runner.ready.clear()
-                    between_steps()
-                for ended in runner.poll():
-                    done[ended.key] = ended
-    finally:
-        for runner in runners.values():
+                self.groups[(s.name, i)] = keys
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.num_unfinished and not any(r.episodes for r in self.runners.values())
+
+    def advance(self) -> bool:
+        """One engine step; with the engine idle, the next turns of every running episode once every environment
+        step has settled (finished or past task.env_timeout_s), all of them in the order their turns finished, so
+        the requests' order does not depend on the tool's timing. False if it could do neither (it waits for an
+        environment step, or it is done)."""
+        if self.engine.num_unfinished:
+            for completion in self.engine.step():
+                runner = self.runners.get(completion.request_id.split("/")[1])  # set names hold no '/'
+                if runner is None:
+                    self.finished[completion.request_id] = completion
+                elif (ended := runner.on_completion(completion)) is not None:
+                    self.finished[ended.key] = ended
+            return True
+        if self.done or not all(r.all_settled() for r in self.runners.values()):
+            return False
+        for runner in self.runners.values():
+            for ended in runner.poll():
+                self.finished[ended.key] = ended
+        return True
+
+    def wait_environment(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) for an environment step of a running episode to finish."""
+        for runner in self.runners.values():
+            if not runner.all_settled():
+                runner.ready.wait(timeout_s)
+                runner.ready.clear()
+                return
+
+    def finish(self, between_steps: Callable[[], None] = lambda: None) -> dict:
+        """Advance to the end (waiting for environment steps where nothing else can move) and return the result;
+        `between_steps` runs after every step and every wait."""
+        while not self.done:
+            if not self.advance():
+                self.wait_environment(ENV_WAIT_S)
+            between_steps()
+        return self.result()
+
+    def close(self) -> None:
+        """Stop the episodes' environment threads and the engine (the share's own: a pinned built-in engine holds
+        nothing to release, an HTTP view its request threads)."""
+        for runner in self.runners.values():
             runner.close()
-    by_name = {s.name: s for s in sets}
-    records = []
-    # A reward that hangs would cost every group its budget (64 prompts x 4 s at the demo's settings, twice a run):
-    # once one group's rewards ran out of budget, the rest of this evaluation's fail fast, counted as reward errors.
-    budget_s = cfg.task.reward_group_budget_s
-    for (name, i), keys in groups.items():
-        prompt, samples = by_name[name].prompts[i], [done[key] for key in keys]
-        for key, sample in zip(keys, samples):
-            check_versions(key, sample.versions, version)
-        if name in runners:  # episodes: the environment gave each its reward
-            texts = [tokenizer.decode(e.token_ids) for e in samples]
-            scores = [(e.reward, e.error) for e in samples]
-        else:
-            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in samples]
-            scored = score_group(by_name[name].task, prompt, texts, budget_s)
-            if scored.skipped or any(error and is_timeout(error) for _, error in scored.scores):
-                budget_s = 0.0
-            scores = scored.scores
-        episodes = name in runners
-        for j, (key, sample, text, (reward, error)) in enumerate(zip(keys, samples, texts, scores)):
-            # An episode's length is its model tokens (what training's completion_len_mean counts), not the tool's.
-            tokens = sum(v != -1 for v in sample.versions) if episodes else len(sample.token_ids)
-            records.append({"set": name, "prompt_index": i, "greedy": key.endswith("/g"), "sample": j,
-                            "prompt": prompt.text, "completion": text, "versions": sample.versions, "reward": reward,
-                            "reward_error": error, "tokens": tokens, "finish_reason": sample.finish_reason,
-                            "source": source_of(prompt, cfg.task.source_field),
-                            **({"turns": sample.turns} if episodes else {})})
-    return {"version": version, "seconds": time.perf_counter() - start, "records": records,
-            "skipped_overlong": skipped}
+        self.engine.close()
+
+    def result(self) -> dict:
+        """{"version", "seconds" (from the start to now), "records": one per sample, "skipped_overlong": {set:
+        count}}; MixedVersionError if a token is of another version."""
+        self.close()
+        records = []
+        # A reward that hangs would cost every group its budget (64 prompts x 4 s at the demo's settings, twice a
+        # run): once one group's rewards ran out of budget, the rest of this evaluation's fail fast, counted as
+        # reward errors.
+        budget_s = self.cfg.task.reward_group_budget_s
+        for (name, i), keys in self.groups.items():
+            prompt, samples = self.sets[name].prompts[i], [self.finished[key] for key in keys]
+            for key, sample in zip(keys, samples):
+                check_versions(key, sample.versions, self.version)
+            episodes = name in self.runners
+            if episodes:  # the environment gave each its reward
+                texts = [self.tokenizer.decode(e.token_ids) for e in samples]
+                scores = [(e.reward, e.error) for e in samples]
+            else:
+                texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in samples]
+                scored = score_group(self.sets[name].task, prompt, texts, budget_s)
+                if scored.skipped or any(error and is_timeout(error) for _, error in scored.scores):
+                    budget_s = 0.0
+                scores = scored.scores
+            for j, (key, sample, text, (reward, error)) in enumerate(zip(keys, samples, texts, scores)):
+                # An episode's length is its model tokens (what training's completion_len_mean counts), not the tool's.
+                tokens = sum(v != -1 for v in sample.versions) if episodes else len(sample.token_ids)
+                records.append({"set": name, "prompt_index": i, "greedy": key.endswith("/g"), "sample": j,
+                                "prompt": prompt.text, "completion": text, "versions": sample.versions,
+                                "reward": reward, "reward_error": error, "tokens": tokens,
+                                "finish_reason": sample.finish_reason,
+                                "source": source_of(prompt, self.cfg.task.source_field),
+                                **({"turns": sample.turns} if episodes else {})})
+        return {"version": self.version, "seconds": time.perf_counter() - self.start, "records": records,
+                "skipped_overlong": self.skipped}
+
+
+def run_share(engine, tokenizer, sets: list[EvalSet], cfg, share: int, shares: int,
+              between_steps: Callable[[], None] = lambda: None) -> dict:
+    """Generate and score share `share` of every set on `engine` (idle, holding one version), to completion:
+    ShareRun's result. `between_steps` runs after every engine step and while environment steps are awaited."""
+    run = ShareRun(engine, tokenizer, sets, cfg, share, shares)
+    try:
+        return run.finish(between_steps)
+    finally:
+        run.close()
 
 
 def summarise(shares: list[dict], set_names: list[str], k: int) -> dict[str, float]:

@@ -11,10 +11,12 @@ turn's request; a group is scored when all its episodes have ended (the environm
 Sync mode (the baseline): right after each new version is applied the sampler starts exactly its
 share of one batch and then waits, generating nothing, until the learner publishes again.
 
-Evaluation (eval.sets): at the step boundary where a due version is current or staged, the sampler
-runs its share of the held-out sets to completion on an engine pinned to that version before its own
-engine steps again (megarl/eval/sampler_side.py); versions published meanwhile wait staged (built-in
-engine) or the thread that updates an HTTP engine's server waits before it (hold_update).
+Evaluation (eval.sets): at the step boundary where a due version becomes current, the built-in engine's
+sampler pins it (a second engine over the same weights) and runs its share of the held-out sets there, in
+pinned-engine steps between its training steps (at every turn where the training engine is idle, one in four
+while it decodes); the training engine keeps generating and applying the versions published meanwhile
+(megarl/eval/sampler_side.py). An HTTP engine's sampler runs its
+share to completion at that boundary, and the thread that updates its server waits before it (hold_update).
 
 Staleness budget (pipeline mode): a sampler may have at most ceil((max_lag + 1) * prompts_per_step / samplers)
 groups outstanding (started, not yet trained or dropped by the learner, which reports what it
@@ -337,14 +339,15 @@ class SamplerLoop:
                         break
                     raise RuntimeError(f"sampler {self.topo.role_rank}: weight receiver failed") from receiver.error
                 self._admit()
-                if self.engine.num_unfinished == 0:
+                evaluating = self.evaluator is not None and self.evaluator.evaluating
+                if self.engine.num_unfinished == 0 and not evaluating:  # (an evaluation's steps are work to do)
                     if self.episodes is not None and self.episodes.num_stepping:
                         self.episodes.ready.wait(STOP_POLL_S)  # every episode waits for its environment
                     else:  # budget spent and nothing running: wait for the learner's next version
                         self.new_version.wait(STOP_POLL_S)
                 self.new_version.clear()
-                if self.evaluator is not None:  # it applies staged versions; a due one is evaluated first, to
-                    # completion, on an engine pinned to it (megarl/eval/sampler_side.py)
+                if self.evaluator is not None:  # it applies staged versions, pins a due one and moves an evaluation
+                    # in progress between the training steps (megarl/eval/sampler_side.py)
                     self.evaluator.before_step(self.engine, heartbeat.beat)
                 had_work = self.engine.num_unfinished > 0
                 start, decoded = time.time(), self.engine.stats()["tokens_decoded"]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megarl.config.load import ConfigError, load_config
 from megarl.eval.learner_side import EvalCollector
 from megarl.eval.run import eval_seed, run_share
-from megarl.eval.sampler_side import VersionEvaluator, result_key
+from megarl.eval.sampler_side import EVAL_STEP_EVERY, MAX_PINNED, VersionEvaluator, result_key
 from megarl.eval.sets import build_sets, check_sets, due_versions, prompt_count
 from megarl.models.convert import load_pretrained
 from megarl.observe.jsonl import read_jsonl
@@ -40,6 +40,55 @@ def scaled(weights: dict, factor: float) -> dict:
     return {name: t * factor for name, t in weights.items()}
 
 
+def training_step(engine) -> list:
+    """The sampler loop's own step after `before_step` applied what was staged."""
+    return engine.step(apply_staged=False)
+
+
+def test_the_training_engine_applies_a_new_version_while_the_previous_one_is_evaluated(model_dir, tmp_path):
+    """The learner never waits for an evaluation, by construction: version 1 is applied to the training engine,
+    and training decodes under it, while the evaluation of version 0 is in progress on its pinned engine; the
+    evaluation still scores version 0 only, sample for sample what it gives run alone (`megarl eval`'s way)."""
+    from transformers import AutoTokenizer
+
+    cfg = config(model_dir, tmp_path, "eval.every_steps=2")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    _, weights = load_pretrained(str(model_dir))
+    engine = BuiltinEngine.from_pretrained(str(model_dir), max_running=8, max_seq_len=24, seed=1)
+    for i in range(4):  # training requests in flight when the evaluation starts
+        engine.add_request(GenerationRequest(f"train/{i}", [100, 45, 107, 61], SamplingParams(1.0, 1.0, 0, 16), ()))
+    store = dist.HashStore()
+    evaluator = VersionEvaluator(cfg, store, tokenizer, share=0, shares=1, first_version=0)
+    evaluator.before_step(engine, lambda: pytest.fail("an evaluation was run to completion"))  # pins version 0
+    training_step(engine)
+    assert evaluator.evaluating and evaluator.pending == [0, 2, 4]
+    pinned = evaluator.running[0][0].engine
+    before = pinned.stats()["decode_steps"]
+    for _ in range(EVAL_STEP_EVERY):  # the training engine decodes: one evaluation step in EVAL_STEP_EVERY turns
+        evaluator.before_step(engine, lambda: pytest.fail("an evaluation was run to completion"))
+        training_step(engine)
+    assert pinned.stats()["decode_steps"] == before + 1 and engine.num_unfinished
+    engine.stage_weights(scaled(weights, 1.25), 1)  # the learner's publish: staged by the receiver, nothing waits
+    evaluator.before_step(engine, lambda: pytest.fail("an evaluation was run to completion"))
+    assert engine.version == 1 and evaluator.evaluating and 0 in evaluator.pending
+    training_step(engine)
+    assert 1 in {v for p in engine.progress().values() for v in p.versions}  # decoded under 1, during version 0's eval
+    steps = 0
+    while evaluator.evaluating:
+        evaluator.before_step(engine, lambda: pytest.fail("an evaluation was run to completion"))
+        training_step(engine)
+        steps += 1
+    evaluator.close()
+    assert steps > 1 and evaluator.pending == [2, 4]
+    result = json.loads(store.get(result_key(0, 0)))
+    assert result["publishes_during"] == 1  # version 1 was applied while version 0 was evaluated
+    samples = read_jsonl(tmp_path / "eval_samples.jsonl")
+    assert len(samples) == 6 * (3 + 1) and all(set(r["versions"]) == {0} for r in samples)
+    alone = run_share(BuiltinEngine.from_pretrained(str(model_dir), max_running=1, max_seq_len=24).pinned(
+        max_running=8, seed=eval_seed(0, 0)), tokenizer, evaluator.sets, cfg, 0, 1)
+    assert alone["records"] == [{k: v for k, v in r.items() if k not in ("eval_version", "share")} for r in samples]
+
+
 def test_every_eval_token_is_of_the_labelled_version_while_publishes_land(model_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -54,21 +103,21 @@ def test_every_eval_token_is_of_the_labelled_version_while_publishes_land(model_
     store = dist.HashStore()
     evaluator = VersionEvaluator(cfg, store, tokenizer, share=0, shares=1, first_version=0)
     assert evaluator.pending == [0, 1, 2, 3, 4]
-    publishes = iter([1, 2, 3])
-
-    def publish_during_eval():  # the receiver thread's part: versions staged between the eval's steps
-        version = next(publishes, None)
-        if version is not None:
-            engine.stage_weights(scaled(weights, 1 + version / 4), version)
-
-    evaluator.before_step(engine, publish_during_eval)  # version 0 evaluated while 1, 2, 3 were published
-    assert engine.version == 0 and engine.staged_versions() == [2, 3]  # the buffer keeps two: 1 was dropped
-    evaluator.before_step(engine, lambda: None)  # 2 applied and evaluated; 1 reported missed, never scored
+    evaluator.before_step(engine, lambda: None)  # version 0 pinned
+    for version in (1, 2, 3):  # three publishes during one step: the staging buffer keeps two, 1 is dropped
+        engine.stage_weights(scaled(weights, 1 + version / 4), version)
+    evaluator.before_step(engine, lambda: None)  # 2 applied and pinned beside 0; 1 reported missed, never scored
     assert engine.version == 2 and engine.staged_versions() == [3]
     assert json.loads(store.get(result_key(1, 0)))["missed"].startswith("sampler engine 0 never ran version 1")
-    assert all(set(c.versions) <= {0, 2} for c in engine.step(apply_staged=False))  # training goes on, under 2
-    evaluator.before_step(engine, lambda: None)
-    assert engine.version == 3 and evaluator.pending == [4]
+    assert all(set(c.versions) <= {0, 2} for c in training_step(engine))  # training goes on, under 2
+    assert [run.version for run, _ in evaluator.running] == [0, 2] and len(evaluator.running) == MAX_PINNED
+    evaluator.before_step(engine, lambda: None)  # 3 is due: the oldest evaluation (0) is finished before 3 is pinned
+    assert engine.version == 3 and [run.version for run, _ in evaluator.running] == [2, 3]
+    assert store.check([result_key(0, 0)]) and evaluator.pending == [2, 3, 4]
+    while evaluator.evaluating:
+        evaluator.before_step(engine, lambda: None)
+        training_step(engine)
+    assert evaluator.pending == [4]
     evaluator.close()
 
     samples = read_jsonl(tmp_path / "eval_samples.jsonl")
@@ -76,7 +125,7 @@ def test_every_eval_token_is_of_the_labelled_version_while_publishes_land(model_
     for r in samples:  # per token, from the records
         assert r["versions"] and set(r["versions"]) == {r["eval_version"]}
     assert len(samples) == 3 * 6 * (3 + 1)
-    assert json.loads(store.get(result_key(0, 0)))["publishes_during"] == 2  # 2 and 3 waited staged
+    assert json.loads(store.get(result_key(0, 0)))["publishes_during"] == 2  # 2 and 3 applied meanwhile
 
     reported, notes = [], []
     collector = EvalCollector(cfg, store, 1, 0, 0, lambda v, s, m: reported.append((v, s, m)), notes.append)
@@ -222,7 +271,7 @@ def test_a_dataset_with_no_prompt_on_one_side_of_the_split_is_refused_before_lau
 def test_multi_turn_eval_episodes_are_of_one_version_while_publishes_land_and_reproducible(embedded_tool_model_dir,
                                                                                            tmp_path):
     """tool_arith: an eval sample is a whole episode (model turns, the tool's turn between them); every model token
-    is of the evaluated version while versions are published during the evaluation, the environment's tokens
+    is of the evaluated version while a version is published and applied during the evaluation, the environment's tokens
     carry -1, the reward is the episode's, and `megarl eval` (evaluate_model) reproduces it sample for sample."""
     from transformers import AutoTokenizer
 
@@ -231,23 +280,20 @@ def test_multi_turn_eval_episodes_are_of_one_version_while_publishes_land_and_re
     model = str(embedded_tool_model_dir)
     cfg = load_config(str(REPO / "configs" / "multiturn_demo.yaml"), [
         f"model.path={model}", f"run.dir={tmp_path}", "run.steps=2", "eval.sets=[{name: heldout, prompts: 4}]",
-        "eval.samples=2", "eval.k=2", "eval.every_steps=1", "eval.max_running=8"])
+        "eval.samples=2", "eval.k=2", "eval.every_steps=2", "eval.max_running=8"])
     torch.set_num_threads(cfg.sampler.threads)  # as the sampler and evaluate_model run it
     tokenizer = AutoTokenizer.from_pretrained(model)
     _, weights = load_pretrained(model)
     engine = BuiltinEngine.from_pretrained(model, max_running=8, max_seq_len=cfg.sampler.max_seq_len, seed=1)
     store = dist.HashStore()
     evaluator = VersionEvaluator(cfg, store, tokenizer, share=0, shares=1, first_version=0)
-    publishes = iter([1])
-
-    def publish_during_eval():  # version 1 arrives while version 0 is evaluated: it waits staged
-        version = next(publishes, None)
-        if version is not None:
-            engine.stage_weights(scaled(weights, 0.5), version)
-
-    evaluator.before_step(engine, publish_during_eval)
+    evaluator.before_step(engine, lambda: None)  # version 0 pinned
+    engine.stage_weights(scaled(weights, 0.5), 1)  # version 1 arrives while version 0 is evaluated
+    evaluator.before_step(engine, lambda: None)
+    assert engine.version == 1 and evaluator.evaluating  # applied to the training engine; the evaluation goes on
+    while evaluator.evaluating:
+        evaluator.before_step(engine, lambda: None)
     evaluator.close()
-    assert engine.version == 0 and engine.staged_versions() == [1]
     result = json.loads(store.get(result_key(0, 0)))
     assert result["publishes_during"] == 1 and len(result["records"]) == 4 * (2 + 1)
 
@@ -262,7 +308,8 @@ def test_multi_turn_eval_episodes_are_of_one_version_while_publishes_land_and_re
     # The same episodes, the same scores, whatever the tool's timing: again with every tool output memoised (the
     # same sets: answers at once, while other turns still decode), and by `megarl eval` (fresh sets and tool).
     in_run = [{k: v for k, v in r.items() if k not in ("eval_version", "share")} for r in samples]
-    again = run_share(engine.pinned(max_running=8, seed=eval_seed(0, 0)), tokenizer, evaluator.sets, cfg, 0, 1)
+    base = BuiltinEngine.from_pretrained(model, max_running=1, max_seq_len=cfg.sampler.max_seq_len)
+    again = run_share(base.pinned(max_running=8, seed=eval_seed(0, 0)), tokenizer, evaluator.sets, cfg, 0, 1)
     assert again["records"] == in_run
     standalone = evaluate_model(cfg, model)
     assert standalone["records"] == in_run
